@@ -1,0 +1,3 @@
+"""melfeed consumer package."""
+
+__all__: list[str] = []

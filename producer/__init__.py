@@ -1,0 +1,3 @@
+"""melfeed producer package."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""melfeed shared package."""
+
+__all__: list[str] = []

@@ -1,0 +1,299 @@
+"""Pipeline configuration: frozen dataclasses validated at construction, loaded from YAML.
+
+Invariant: every ``PipelineConfig`` that exists is valid; a bad value raises ``ConfigError``
+naming the key path and the value (``buckets.batch_size: must be >= 1, got 0``).
+Environment lookups happen only in ``resolve_runtime_dir`` (called from the CLI layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.errors import ConfigError
+
+__all__ = [
+    "BucketConfig",
+    "TransportConfig",
+    "ConsumerConfig",
+    "ProducerConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "load_config",
+    "config_from_mapping",
+    "config_to_mapping",
+    "with_overrides",
+    "resolve_runtime_dir",
+]
+
+
+def _check(cond: bool, message: str, path: tuple[str, ...], got: Any) -> None:
+    if not cond:
+        raise ConfigError(message, path=path, got=got)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketConfig:
+    """How utterances are grouped into a few fixed batch shapes."""
+
+    boundaries: tuple[int, ...] | None = None  # upper frame bound per bucket; None = derive from lengths
+    num_buckets: int = 4                     # used when deriving; more buckets = less padding, more compiles
+    batch_size: int | None = 32              # rows per batch in every bucket; None = use frame_budget
+    frame_budget: int | None = None          # rows = frame_budget // bucket frames (constant tokens/step)
+    max_frames: int | None = None            # longest frames kept; None = longest utterance (rounded up)
+    max_tokens: int | None = None            # longest token sequence kept; None = longest in the bucket
+    overlong: str = "truncate"               # "truncate" or "drop" utterances longer than max_frames
+    frame_multiple: int = 8                  # bucket frame sizes are multiples of this (XLA-friendly)
+
+    def __post_init__(self) -> None:
+        p = ("buckets",)
+        _check(1 <= self.num_buckets <= 16, "must be in 1..16", p + ("num_buckets",), self.num_buckets)
+        _check((self.batch_size is None) != (self.frame_budget is None),
+               "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
+        if self.batch_size is not None:
+            _check(self.batch_size >= 1, "must be >= 1", p + ("batch_size",), self.batch_size)
+        if self.frame_budget is not None:
+            _check(self.frame_budget >= 1, "must be >= 1", p + ("frame_budget",), self.frame_budget)
+        if self.boundaries is not None:
+            b = tuple(self.boundaries)
+            _check(len(b) >= 1 and all(isinstance(x, int) and x > 0 for x in b)
+                   and list(b) == sorted(set(b)),
+                   "must be a strictly increasing list of positive frame counts",
+                   p + ("boundaries",), self.boundaries)
+        for name in ("max_frames", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(v >= 1, "must be >= 1", p + (name,), v)
+        _check(self.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'",
+               p + ("overlong",), self.overlong)
+        _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """ZeroMQ endpoint, handshake and liveness settings shared by both sides."""
+
+    endpoint: str | None = None            # None = ipc://<runtime_dir>/melfeed.sock
+    heartbeat_interval_s: float = 0.5      # both directions
+    liveness_intervals: int = 6            # peer declared dead after this many silent intervals
+    lease_window: int = 2                  # leases one producer may hold at once
+    lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
+    connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
+
+    def __post_init__(self) -> None:
+        p = ("transport",)
+        if self.endpoint is not None:
+            _check(self.endpoint.startswith(("ipc://", "tcp://")), "must start with ipc:// or tcp://",
+                   p + ("endpoint",), self.endpoint)
+        _check(self.heartbeat_interval_s > 0, "must be > 0", p + ("heartbeat_interval_s",),
+               self.heartbeat_interval_s)
+        _check(self.liveness_intervals >= 2, "must be >= 2", p + ("liveness_intervals",),
+               self.liveness_intervals)
+        _check(1 <= self.lease_window <= 64, "must be in 1..64", p + ("lease_window",), self.lease_window)
+        _check(self.lease_timeout_s > 0, "must be > 0", p + ("lease_timeout_s",), self.lease_timeout_s)
+        _check(self.connect_backoff_max_s > 0, "must be > 0", p + ("connect_backoff_max_s",),
+               self.connect_backoff_max_s)
+
+    @property
+    def liveness_s(self) -> float:
+        """Silence after which a peer counts as gone."""
+        return self.heartbeat_interval_s * self.liveness_intervals
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """The training side: ring, step loop, reporting."""
+
+    ring_slots: int = 3                    # preallocated batch slots; >= 3 (filling, ready, in step)
+    steps: int | None = 300                # stop after this many applied batches; None = run until stopped
+    status_interval_s: float = 5.0         # period of the status line
+    warmup_steps: int = 5                  # excluded from stall % and rates
+    model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer; None = inherit
+    state_dir: str | None = None           # checkpoints and logs; None = no persistent state
+    wait_timeout_s: float = 2.0            # one bounded wait of the step loop for its next batch
+
+    def __post_init__(self) -> None:
+        p = ("consumer",)
+        _check(3 <= self.ring_slots <= 256, "must be in 3..256", p + ("ring_slots",), self.ring_slots)
+        if self.steps is not None:
+            _check(self.steps >= 1, "must be >= 1 or null", p + ("steps",), self.steps)
+        _check(self.status_interval_s > 0, "must be > 0", p + ("status_interval_s",),
+               self.status_interval_s)
+        _check(self.warmup_steps >= 0, "must be >= 0", p + ("warmup_steps",), self.warmup_steps)
+        _check(self.wait_timeout_s > 0, "must be > 0", p + ("wait_timeout_s",), self.wait_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerConfig:
+    """The data side: how many producer processes and where they run."""
+
+    count: int = 2                         # producer processes under one parent
+    data_gpu: str = ""                     # CUDA_VISIBLE_DEVICES for producers; "" = CPU only
+    gpu_memory_limit_mb: int | None = None # cap when TensorFlow is imported on the data GPU
+    restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
+
+    def __post_init__(self) -> None:
+        p = ("producer",)
+        _check(1 <= self.count <= 64, "must be in 1..64", p + ("count",), self.count)
+        _check(all(c.isdigit() or c == "," for c in self.data_gpu),
+               "must be a comma-separated list of GPU indices or empty", p + ("data_gpu",), self.data_gpu)
+        if self.gpu_memory_limit_mb is not None:
+            _check(self.gpu_memory_limit_mb >= 64, "must be >= 64", p + ("gpu_memory_limit_mb",),
+                   self.gpu_memory_limit_mb)
+        _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
+               self.restart_backoff_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
+
+    step: str = "consumer.model:build_reference_step"
+    vocab_size: int = 256                  # token ids must be < vocab_size
+    learning_rate: float = 1e-3
+    mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
+    seed: int = 0                          # weight initialisation
+
+    def __post_init__(self) -> None:
+        p = ("model",)
+        _check(":" in self.step and all(self.step.split(":", 1)), "must look like 'module:function'",
+               p + ("step",), self.step)
+        _check(self.vocab_size >= 2, "must be >= 2", p + ("vocab_size",), self.vocab_size)
+        _check(self.learning_rate > 0, "must be > 0", p + ("learning_rate",), self.learning_rate)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Root configuration. ``cache_dir`` holds mels/, tokens/ and manifest.json."""
+
+    cache_dir: str | None = None
+    seed: int = 0                          # data order; the plan depends on (manifest, seed, epoch)
+    n_mels: int = 80
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    consumer: ConsumerConfig = field(default_factory=ConsumerConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
+        _check(isinstance(self.seed, int) and self.seed >= 0, "must be an integer >= 0", ("seed",), self.seed)
+
+
+_SECTIONS: dict[str, type] = {
+    "buckets": BucketConfig,
+    "transport": TransportConfig,
+    "consumer": ConsumerConfig,
+    "producer": ProducerConfig,
+    "model": ModelConfig,
+}
+
+
+def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
+    """Type-check one scalar against the dataclass annotation string."""
+    if value is None:
+        if "None" in annotation:
+            return None
+        raise ConfigError("must not be null", path=path, got=value)
+    if annotation.startswith("tuple"):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError("must be a list", path=path, got=value)
+        return tuple(value)
+    base = annotation.split("|")[0].strip()
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError("must be true or false", path=path, got=value)
+    elif base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError("must be an integer", path=path, got=value)
+    elif base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError("must be a number", path=path, got=value)
+        value = float(value)
+    elif base == "str" and not isinstance(value, str):
+        raise ConfigError("must be a string", path=path, got=value)
+    return value
+
+
+def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError("must be a mapping", path=path, got=data)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key (known: {', '.join(sorted(fields))})", path=path + (str(key),))
+        if key in _SECTIONS and cls is PipelineConfig:
+            kwargs[key] = _build(_SECTIONS[key], value if value is not None else {}, path + (key,))
+        else:
+            kwargs[key] = _coerce(value, str(fields[key].type), path + (key,))
+    return cls(**kwargs)
+
+
+def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
+    """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
+    return _build(PipelineConfig, data or {}, ())
+
+
+def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:
+    """Read and validate a YAML config file; ``None`` gives the defaults.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, unknown key or bad value (one line, names the key).
+    """
+    if path is None:
+        return PipelineConfig()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read config file: {err.strerror}", path=(str(path),)) from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"invalid YAML{where}", path=(str(path),)) from err
+    return config_from_mapping(data)
+
+
+def config_to_mapping(cfg: PipelineConfig) -> dict[str, Any]:
+    """Plain dict (lists, not tuples) that ``config_from_mapping`` turns back into ``cfg``."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+    return plain(cfg)  # type: ignore[no-any-return]
+
+
+def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
+    """Apply dotted-key overrides (``{"producer.count": 4}``), skipping ``None`` values.
+
+    The result is validated like a loaded file, so a bad CLI value names its key too.
+    """
+    data = config_to_mapping(cfg)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config_from_mapping(data)
+
+
+def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:
+    """Private directory for sockets: systemd's RUNTIME_DIRECTORY, else XDG, else /tmp/melfeed-UID."""
+    if environ.get("RUNTIME_DIRECTORY"):
+        return Path(environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "melfeed"
+    return Path(f"/tmp/melfeed-{os.getuid()}")

@@ -1,0 +1,76 @@
+"""Error types shared by producer and consumer.
+
+Programmer errors raise built-ins; conditions an operator must act on raise these.
+Every error here renders as one line (``str(err)``) suitable for a CLI message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "PipelineError",
+    "ConfigError",
+    "CacheError",
+    "ProtocolError",
+    "ClosedError",
+    "PeerLostError",
+    "ProducerCrashedError",
+    "EXIT_CONFIG",
+]
+
+EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+
+
+class PipelineError(Exception):
+    """Root of melfeed's own errors; caught at process boundaries."""
+
+
+class ConfigError(PipelineError):
+    """A configuration value is wrong. Carries the key path and the offending value."""
+
+    def __init__(self, message: str, *, path: tuple[str, ...] = (), got: Any = None) -> None:
+        self.path = path
+        self.got = got
+        self.reason = message
+        where = ".".join(path)
+        text = f"{where}: {message}" if where else message
+        if got is not None:
+            text = f"{text}, got {got!r}"
+        super().__init__(text)
+
+
+class CacheError(PipelineError):
+    """A cache file is missing or malformed. Always names the file."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class ProtocolError(PipelineError):
+    """A wire message is malformed. ``code`` is the reject code sent back in ERR."""
+
+    def __init__(self, code: str, why: str) -> None:
+        self.code = code
+        self.why = why[:200]
+        super().__init__(f"{code}: {self.why}")
+
+
+class ClosedError(PipelineError):
+    """We closed the ring or socket; waiters are woken with this."""
+
+
+class PeerLostError(PipelineError):
+    """The other side vanished (heartbeat or lease timeout)."""
+
+
+class ProducerCrashedError(PipelineError):
+    """A producer process exited with an error."""
+
+    def __init__(self, producer_id: str, exit_code: int, detail: str = "") -> None:
+        self.producer_id = producer_id
+        self.exit_code = exit_code
+        self.detail = detail
+        super().__init__(f"producer {producer_id} exited with {exit_code}: {detail}".rstrip(": "))
