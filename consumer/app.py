@@ -1,0 +1,108 @@
+"""``run_pipeline.py consumer`` and ``run_pipeline.py run`` (consumer here + producers as a child group).
+
+``run`` starts the consumer in this process and ``run_pipeline.py producer`` as one child process
+group (its own uvloop supervisor). If that group exits early (e.g. 78 on a contract error) the run
+stops with its exit code. Exit codes: 0 finished or stopped by a signal, 78 configuration error,
+1 unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from consumer.pipeline import Consumer
+from consumer.trainer import train
+from shared.cli import config_from_args
+from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.errors import ConfigError
+from shared.lifecycle import prepare_runtime_dir, stop_on_signals
+
+__all__ = ["main_consumer", "main_run"]
+
+log = logging.getLogger(__name__)
+
+_PRODUCERS_STOP_S = 20.0   # > the launcher's own SIGTERM ladder (10 s) + BYE
+
+
+def _demo_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "melfeed" / "demo"
+
+
+def main_consumer(args: argparse.Namespace, started_s: float) -> int:
+    cfg = config_from_args(args)
+    with stop_on_signals() as stop, Consumer(cfg) as consumer:
+        train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json)
+    return 0
+
+
+def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
+    cfg = config_from_args(args)
+    if args.demo:
+        from shared.demo_data import write_demo_cache
+        cache = Path(cfg.cache_dir) if args.cache_dir else _demo_dir() / str(args.demo_utterances)
+        log.info("demo data in %s", cache)
+        write_demo_cache(cache, n_utterances=args.demo_utterances)
+        cfg = with_overrides(cfg, {"cache_dir": str(cache)})
+    if cfg.cache_dir is None:
+        raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    with stop_on_signals() as stop, Consumer(cfg) as consumer:
+        child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
+                                         "cache_dir": str(Path(cfg.cache_dir).resolve())})
+        group = _start_producers(child_cfg, entry, args.debug_delay_ms)
+        watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
+        watcher.start()
+        try:
+            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json)
+        finally:
+            _stop_producers(group)
+    code = group.proc.returncode or 0
+    return code if code not in (-signal.SIGTERM, 0) else 0
+
+
+class _Group:
+    def __init__(self, proc: subprocess.Popen[bytes], config_path: Path) -> None:
+        self.proc = proc
+        self.config_path = config_path
+        self.stopping = False
+
+
+def _start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+    path = prepare_runtime_dir(resolve_runtime_dir(os.environ)) / f"run-{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
+    cmd = [sys.executable, entry, "producer", "--config", str(path)]
+    if debug_delay_ms:
+        cmd += ["--debug-delay-ms", str(debug_delay_ms)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    log.info("started %d producers (group pid=%d)", cfg.producer.count, proc.pid)
+    return _Group(proc, path)
+
+
+def _watch(group: _Group, stop: threading.Event) -> None:
+    """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error)."""
+    code = group.proc.wait()
+    if not group.stopping:
+        log.error("producer group exited with %d; stopping", code)
+        stop.set()
+
+
+def _stop_producers(group: _Group) -> None:
+    group.stopping = True
+    if group.proc.poll() is None:
+        group.proc.send_signal(signal.SIGTERM)
+        try:
+            group.proc.wait(_PRODUCERS_STOP_S)
+        except subprocess.TimeoutExpired:
+            log.warning("producer group ignored SIGTERM for %.0f s; killing", _PRODUCERS_STOP_S)
+            group.proc.kill()
+            group.proc.wait(_PRODUCERS_STOP_S)
+    group.config_path.unlink(missing_ok=True)

@@ -1,0 +1,143 @@
+"""Lease accounting: which batch ids are leased to which producer, and until when.
+
+Pure logic (no sockets, no clocks: callers pass ``now_s``). Credits are leases of concrete batch
+ids (DESIGN invariant 2): a producer may only deliver ids leased to it in this consumer epoch.
+Invariants:
+  * every batch id >= ``start_id`` is in exactly one of: never issued, reissue queue, active
+    lease, received (until applied);
+  * a peer holds at most ``window`` active leases;
+  * revoked or expired ids go back to the reissue queue, which is served lowest id first, so the
+    batch the step loop waits for is always the next one leased.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+__all__ = ["ActiveLease", "LeaseBook", "Verdict"]
+
+
+@dataclass(slots=True)
+class ActiveLease:
+    batch_id: int
+    peer: bytes
+    slot: int
+    deadline_s: float
+
+
+class Verdict:
+    """Outcome of ``LeaseBook.accept`` for an arriving batch."""
+
+    ACCEPT = "accept"     # lease found: fill its slot
+    DUP = "dup"           # already received or applied: drop, count as duplicate
+    NOT_LEASED = "lease"  # never leased to this peer in this epoch: reject ERR LEASE
+
+
+class LeaseBook:
+    """Lease table for one consumer epoch.
+
+    Args:
+        start_id: first batch id to lease (the resume position).
+        end_id: one past the last id to lease, or ``None`` for an endless run.
+        window: most leases one peer may hold.
+        lease_timeout_s: deadline given to each lease.
+    """
+
+    def __init__(self, start_id: int, end_id: int | None, window: int, lease_timeout_s: float) -> None:
+        self._next_new = start_id
+        self._end_id = end_id
+        self._applied_floor = start_id          # ids below this were applied (or precede the resume)
+        self._reissue: list[int] = []
+        self._active: dict[int, ActiveLease] = {}
+        self._by_peer: dict[bytes, set[int]] = {}
+        self._leased_to: dict[int, set[bytes]] = {}   # every peer that ever held the id (late copies win too)
+        self._received: set[int] = set()
+        self.window = window
+        self.lease_timeout_s = lease_timeout_s
+
+    # --- queries ---------------------------------------------------------------------------
+    @property
+    def outstanding(self) -> int:
+        return len(self._active)
+
+    def held_by(self, peer: bytes) -> int:
+        return len(self._by_peer.get(peer, ()))
+
+    def room(self, peer: bytes) -> int:
+        return max(0, self.window - self.held_by(peer))
+
+    def has_work(self) -> bool:
+        return bool(self._reissue) or self._end_id is None or self._next_new < self._end_id
+
+    def leases_of(self, peer: bytes) -> list[ActiveLease]:
+        return [self._active[b] for b in sorted(self._by_peer.get(peer, ()))]
+
+    # --- transitions -----------------------------------------------------------------------
+    def next_id(self) -> int | None:
+        """The id to lease next: lowest reissued id first, then the next new one."""
+        if self._reissue:
+            return heapq.heappop(self._reissue)
+        if self._end_id is not None and self._next_new >= self._end_id:
+            return None
+        self._next_new += 1
+        return self._next_new - 1
+
+    def grant(self, peer: bytes, batch_id: int, slot: int, now_s: float) -> ActiveLease:
+        """Record a lease of ``batch_id`` (from ``next_id``) to ``peer`` in ``slot``."""
+        if batch_id in self._active:
+            raise ValueError(f"batch {batch_id} is already leased")
+        lease = ActiveLease(batch_id, peer, slot, now_s + self.lease_timeout_s)
+        self._active[batch_id] = lease
+        self._by_peer.setdefault(peer, set()).add(batch_id)
+        self._leased_to.setdefault(batch_id, set()).add(peer)
+        return lease
+
+    def accept(self, peer: bytes, batch_id: int) -> tuple[str, ActiveLease | None]:
+        """Classify an arriving batch. On ACCEPT the lease is closed and its slot returned.
+
+        The first valid copy wins: a peer whose lease expired and was reissued to another may
+        still deliver (batches are rebuilt bit-identically), and the other copy becomes a DUP.
+        """
+        if batch_id < self._applied_floor or batch_id in self._received:
+            return Verdict.DUP, None
+        lease = self._active.get(batch_id)
+        if lease is None or peer not in self._leased_to.get(batch_id, ()):
+            return Verdict.NOT_LEASED, None
+        self._close(lease)
+        self._received.add(batch_id)
+        return Verdict.ACCEPT, lease
+
+    def requeue(self, lease: ActiveLease) -> None:
+        """Undo an ``accept`` whose payload turned out invalid: the id is leased again, first."""
+        self._received.discard(lease.batch_id)
+        heapq.heappush(self._reissue, lease.batch_id)
+
+    def revoke_peer(self, peer: bytes) -> list[ActiveLease]:
+        """Return all of ``peer``'s leases to the reissue queue (peer dead or gone)."""
+        leases = [self._active[b] for b in sorted(self._by_peer.get(peer, ()))]
+        for lease in leases:
+            self._close(lease)
+            heapq.heappush(self._reissue, lease.batch_id)
+        self._by_peer.pop(peer, None)
+        return leases
+
+    def expire(self, now_s: float) -> list[ActiveLease]:
+        """Return leases past their deadline to the reissue queue."""
+        late = [x for x in self._active.values() if x.deadline_s <= now_s]
+        for lease in late:
+            self._close(lease)
+            heapq.heappush(self._reissue, lease.batch_id)
+        return late
+
+    def mark_applied(self, batch_id: int) -> None:
+        """The step loop applied ``batch_id``: forget it (ids are applied in order)."""
+        self._received.discard(batch_id)
+        self._leased_to.pop(batch_id, None)
+        self._applied_floor = max(self._applied_floor, batch_id + 1)
+
+    def _close(self, lease: ActiveLease) -> None:
+        del self._active[lease.batch_id]
+        held = self._by_peer.get(lease.peer)
+        if held is not None:
+            held.discard(lease.batch_id)

@@ -1,0 +1,210 @@
+"""The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset``.
+
+```python
+from consumer import Consumer
+with Consumer(cfg) as feed:
+    for batch in feed.batches():          # Batch.arrays: views into a ring slot
+        my_step(batch.arrays)             # valid until the loop asks for the next batch
+```
+Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
+plan order (DESIGN invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
+Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in
+producers; logged at start. Shutdown: ``close()`` stops the receiver and wakes any waiter;
+idempotent; every wait is bounded by ``consumer.wait_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from consumer.credit import LeaseBook
+from consumer.plan import EpochPlan
+from consumer.receiver import HandshakeContract, Receiver, ReceiverStats
+from consumer.ring import BatchRing
+from shared.buckets import BucketSet, build_buckets
+from shared.config import PipelineConfig
+from shared.errors import ClosedError, ConfigError, PipelineError
+from shared.lifecycle import resolve_endpoint
+from shared.manifest import Manifest, load_manifest
+
+__all__ = ["Batch", "Consumer"]
+
+log = logging.getLogger(__name__)
+
+_WAITING_LOG_S = 10.0
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
+
+    batch_id: int
+    bucket: int
+    arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
+    slot: int
+
+    @property
+    def rows(self) -> int:
+        """Real (non-padding) rows."""
+        return int(np.count_nonzero(self.arrays["mel_len"]))
+
+    @property
+    def real_frames(self) -> int:
+        return int(self.arrays["mel_len"].sum())
+
+    @property
+    def padded_frames(self) -> int:
+        mel = self.arrays["mel"]
+        return int(mel.shape[0] * mel.shape[1])
+
+
+class Consumer:
+    """Receives leased batches from producers into a ring and hands them out in plan order.
+
+    Args:
+        cfg: the pipeline config (``cache_dir`` is required).
+        start_batch: first batch id to apply (a resume position).
+        environ: where the default ipc endpoint's runtime directory is looked up.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0,
+                 environ: Mapping[str, str] | None = None) -> None:
+        if cfg.cache_dir is None:
+            raise ConfigError("is required", path=("cache_dir",))
+        self.cfg = cfg
+        self.manifest: Manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
+        self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
+                                                   cfg.n_mels, cfg.buckets)
+        self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
+        self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
+        steps = cfg.consumer.steps
+        self.end_batch = start_batch + steps if steps is not None else None
+        self.next_apply = start_batch
+        self.epoch = int.from_bytes(os.urandom(6), "big") | 1
+        t = cfg.transport
+        checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
+        self._book = LeaseBook(start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
+        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets)
+        contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
+        self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
+                                  self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
+                                  liveness_s=t.liveness_s, checksum=checksum)
+        self.ring._on_release = self._receiver.wake
+        self.wait_s_total = 0.0
+        self.applied = 0
+        self._started = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the endpoint and start receiving. Idempotent."""
+        if self._started:
+            return
+        self._receiver.start()
+        self._started = True
+        largest = self.bucket_set.max_batch_nbytes()
+        log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
+                 [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
+        log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
+                 self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.cfg.transport.lease_window, largest / 1e6)
+
+    def close(self) -> None:
+        """Stop receiving and wake waiters. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ring.close()
+        self._receiver.stop()
+
+    def __enter__(self) -> Consumer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- batches -------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.end_batch is not None and self.next_apply >= self.end_batch
+
+    def next_batch(self, timeout_s: float) -> Batch | None:
+        """The next batch in plan order, or ``None`` if it did not arrive within ``timeout_s``.
+
+        Raises:
+            ClosedError: the consumer was closed, or the plan is finished.
+            PipelineError: the receiver thread failed.
+        """
+        if self._receiver.error is not None:
+            raise PipelineError(f"receiver failed: {self._receiver.error}") from self._receiver.error
+        if self.finished:
+            raise ClosedError("all planned batches were applied")
+        t0 = time.perf_counter()
+        slot = self.ring.take(self.next_apply, timeout_s)
+        self.wait_s_total += time.perf_counter() - t0
+        if slot is None:
+            return None
+        bucket = self.plan.batch(self.next_apply).bucket
+        batch = Batch(self.next_apply, bucket, self.ring.views(slot, bucket), slot)
+        self.next_apply += 1
+        return batch
+
+    def release(self, batch: Batch) -> None:
+        """The step that read ``batch`` has finished: free its slot and count it applied."""
+        self.ring.release(batch.slot)
+        self.applied += 1
+        self._receiver.mark_applied(batch.batch_id)
+
+    def batches(self, stop: threading.Event | None = None) -> Iterator[Batch]:
+        """Yield batches in plan order until the plan ends, ``stop`` is set or ``close()``.
+
+        Each batch is released when the caller asks for the next one (or leaves the loop).
+        """
+        waited_s = 0.0
+        while not self.finished and not (stop is not None and stop.is_set()):
+            try:
+                batch = self.next_batch(self.cfg.consumer.wait_timeout_s)
+            except ClosedError:
+                return
+            if batch is None:
+                waited_s += self.cfg.consumer.wait_timeout_s
+                if waited_s >= _WAITING_LOG_S:
+                    log.info("waiting for batch %d: producers alive=%d", self.next_apply,
+                             self._receiver.stats().producers_alive)
+                    waited_s = 0.0
+                continue
+            waited_s = 0.0
+            try:
+                yield batch
+            finally:
+                self.release(batch)
+
+    def as_dataset(self, single_shape: bool = False) -> Any:
+        """A ``tf.data.Dataset`` of ``({"tokens", "tok_len", "mel_len"}, mel)`` pairs for Keras ``fit``.
+
+        Every element has one of the bucket shapes (at most ``buckets.num_buckets`` traces);
+        ``single_shape=True`` pads every batch to the largest bucket so the spec is fully static.
+        Elements are copies, so the ring slot is released as soon as TensorFlow took the batch.
+        """
+        from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
+        return make_dataset(self, single_shape)
+
+    def receiver_stats(self) -> ReceiverStats:
+        return self._receiver.stats()
+
+    def queue_depth(self) -> int:
+        return self._receiver.queue_depth()
+
+    def in_flight_bound_bytes(self, producers: int) -> int:
+        """DESIGN invariant 4: (ring slots + Σ lease windows) x largest batch."""
+        return (self.ring.n_slots + producers * self.cfg.transport.lease_window) * self.bucket_set.max_batch_nbytes()

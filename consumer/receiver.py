@@ -1,0 +1,395 @@
+"""The consumer's ROUTER socket and control plane, run by one dedicated thread.
+
+Why a thread with a plain ``poll`` loop and not asyncio: the ROUTER carries both the bulk data
+(BATCH payloads received with ``recv_into`` straight into aligned ring slots) and the control
+messages (HELLO, LEASE, HB, ERR); a ZeroMQ socket must have one owner, and pyzmq's asyncio FD is
+edge-triggered (notes/zmq-systemd.md 3.5 #6). One thread owning the socket keeps the hot path at
+one copy out of libzmq and keeps all lease state single-threaded.
+Invariants: only leased ids are accepted; every ROUTER send is non-blocking and survives a vanished
+peer (E5); a payload is written only into the slot its lease reserved, after the header and the
+frame sizes were checked. Shutdown: ``stop()`` sets an event, wakes the loop, joins with a timeout;
+the thread closes the socket (linger 0) in ``finally``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from consumer.credit import ActiveLease, LeaseBook, Verdict
+from consumer.peers import PeerTable
+from consumer.plan import EpochPlan
+from consumer.rejects import RejectLog
+from consumer.ring import BatchRing
+from shared.buckets import BucketSet
+from shared.errors import ProtocolError
+from shared.protocol import (ARRAY_KEYS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat, Hello,
+                             LeaseGrant, Lease, Message, RejectCode, Welcome, decode_header, encode)
+
+__all__ = ["Receiver", "ReceiverStats", "HandshakeContract"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 5.0      # > one poll interval plus one 8 MB receive
+_MAX_MSGS_PER_WAKE = 64    # bound one burst so heartbeats and grants still run
+_BLOCK_S = 30.0            # a flooding peer is ignored this long
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeContract:
+    """What a producer's HELLO must match."""
+
+    fingerprint: str
+    buckets: list[list[int]]
+    n_mels: int
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverStats:
+    batches_received: int
+    bytes_received: int
+    duplicates_dropped: int
+    stale_dropped: int
+    leases_outstanding: int
+    leases_reissued: int
+    producers_alive: int
+    producers_seen: int
+    rejects: dict[str, int]
+    quarantined: int
+
+
+class Receiver:
+    """Owns the ROUTER socket; grants leases into free ring slots and fills them.
+
+    Args:
+        endpoint: where to bind (``ipc://...`` or ``tcp://...``).
+        ring, book, plan: shared with the step loop (ring) or owned here (book).
+        contract: what HELLO must carry.
+        epoch: this consumer start's epoch (random, non-zero).
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, endpoint: str, ring: BatchRing, book: LeaseBook, plan: EpochPlan,
+                 bucket_set: BucketSet, contract: HandshakeContract, epoch: int, *,
+                 heartbeat_interval_s: float, liveness_s: float, checksum: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self._ring, self._book, self._plan = ring, book, plan
+        self._buckets = bucket_set
+        self._contract = contract
+        self.epoch = epoch
+        self._hb_s = heartbeat_interval_s
+        self._liveness_s = liveness_s
+        self._checksum = checksum
+        self._clock = clock
+        self._peers = PeerTable()
+        self._rejects = RejectLog()
+        self._stop = threading.Event()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._applied_through = -1            # written by the step thread, read here
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0}
+        self.error: BaseException | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind (errors surface here, in the caller's thread) and start the loop. Idempotent."""
+        if self._thread is not None:
+            return
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            sock.close()
+            self._ctx.term()
+            raise
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and close the socket. Idempotent; bounded by ``_JOIN_TIMEOUT_S``."""
+        self._stop.set()
+        self.wake()
+        if self._thread is not None:
+            self._thread.join(_JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.error("receiver thread did not stop within %.1f s", _JOIN_TIMEOUT_S)
+        elif self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None and (self._thread is None or not self._thread.is_alive()):
+            self._ctx.term()
+            self._ctx = None
+        if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+
+    def wake(self) -> None:
+        """Make the loop run now (a slot was freed or a batch applied). Any thread may call it."""
+        if self._wake_fd >= 0:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:
+                pass
+
+    def mark_applied(self, batch_id: int) -> None:
+        """Called by the step loop after ``batch_id`` was applied (ids arrive in order)."""
+        self._applied_through = batch_id
+        self.wake()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> ReceiverStats:
+        c = self._counts
+        return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
+                             c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
+                             c["quarantined"])
+
+    # --- loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._sock is not None  # set by start()
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_fd, zmq.POLLIN)
+        next_hb_s = self._clock()
+        applied_seen = -1
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0, int((next_hb_s - self._clock()) * 1000)) + 1
+                events = dict(poller.poll(timeout_ms))
+                if self._wake_fd in events:
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+                if sock in events:
+                    for _ in range(_MAX_MSGS_PER_WAKE):
+                        if not self._recv_one(sock):
+                            break
+                now = self._clock()
+                applied = self._applied_through
+                while applied_seen < applied:
+                    applied_seen += 1
+                    self._book.mark_applied(applied_seen)
+                self._check_liveness(now)
+                if now >= next_hb_s:
+                    self._send_heartbeats()
+                    next_hb_s = now + self._hb_s
+                self._grant(now)
+        except BaseException as err:  # the step loop re-raises it; never die silently
+            self.error = err
+            log.error("receiver loop failed", exc_info=True)
+            self._ring.close()
+        finally:
+            sock.close(0)
+
+    def _recv_one(self, sock: zmq.Socket[bytes]) -> bool:
+        try:
+            ident = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        header = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        now = self._clock()
+        if self._peers.is_blocked(ident, now):
+            self._drain(sock)
+            self._rejects.by_code[RejectCode.FLOOD] += 1
+            return True
+        try:
+            msg = decode_header(header)
+            self._dispatch(sock, ident, msg, now)
+        except ProtocolError as err:
+            self._drain(sock)
+            self._reject(ident, err.code, err.why, now)
+        return True
+
+    def _dispatch(self, sock: zmq.Socket[bytes], ident: bytes, msg: Message, now: float) -> None:
+        if isinstance(msg, BatchHeader):
+            self._on_batch(sock, ident, msg, now)
+            return
+        if sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError(RejectCode.FRAMES, f"{type(msg).__name__} must be a single frame")
+        if isinstance(msg, Hello):
+            self._on_hello(ident, msg, now)
+        elif isinstance(msg, Heartbeat | Bye):
+            peer = self._known(ident, msg.epoch)
+            if isinstance(msg, Bye):
+                self._drop_peer(ident, "said goodbye")
+            else:
+                peer.last_seen_s = now
+        else:
+            raise ProtocolError(RejectCode.TYPE, f"{type(msg).__name__} is not sent to the consumer")
+
+    def _on_hello(self, ident: bytes, msg: Hello, now: float) -> None:
+        if msg.proto not in SUPPORTED_VERSIONS:
+            raise ProtocolError(RejectCode.PROTO, f"protocol {msg.proto} not supported; supported: "
+                                                  f"{list(SUPPORTED_VERSIONS)}")
+        c = self._contract
+        for name, theirs, ours in (("manifest fingerprint", msg.fingerprint, c.fingerprint),
+                                   ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
+                                   ("bucket shapes", msg.buckets, c.buckets)):
+            if theirs != ours:
+                raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {theirs}, consumer {ours}")
+        if ident in self._peers:
+            self._drop_peer(ident, "re-handshake")
+        self._peers.add(ident, msg.producer_id, now)
+        log.info("producer joined id=%s peer=%s alive=%d", msg.producer_id, ident.decode(errors="replace"),
+                 len(self._peers))
+        self._send(ident, Welcome(self.epoch, self._book.window, self._hb_s, self._checksum))
+
+    def _known(self, ident: bytes, epoch: int):  # type: ignore[no-untyped-def]
+        peer = self._peers.get(ident)
+        if peer is None or epoch != self.epoch:
+            if peer is None and epoch != self.epoch:
+                self._counts["stale"] += 1
+            raise ProtocolError(RejectCode.UNKNOWN_PEER, "unknown peer or old consumer epoch; send HELLO")
+        return peer
+
+    def _on_batch(self, sock: zmq.Socket[bytes], ident: bytes, hdr: BatchHeader, now: float) -> None:
+        peer = self._known(ident, hdr.epoch)
+        peer.last_seen_s = now
+        verdict, lease = self._book.accept(ident, hdr.batch_id)
+        if verdict == Verdict.DUP:
+            self._drain(sock)
+            self._counts["dup"] += 1
+            return
+        if verdict == Verdict.NOT_LEASED or lease is None:
+            raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
+        try:
+            self._fill(sock, lease, hdr)
+        except ProtocolError:
+            self._book.requeue(lease)      # the lease stays open: rebuild it, never drop it
+            self._ring.cancel(lease.slot)
+            raise
+        self._ring.mark_ready(lease.slot, hdr.batch_id)
+        peer.batches += 1
+        self._counts["batches"] += 1
+        self._counts["quarantined"] += len(hdr.quarantined)
+
+    def _fill(self, sock: zmq.Socket[bytes], lease: ActiveLease, hdr: BatchHeader) -> None:
+        """Receive the payload frames straight into the lease's slot, checking sizes and content."""
+        bucket = self._plan.batch(hdr.batch_id).bucket
+        expected = self._buckets.buckets[bucket]
+        if hdr.bucket != bucket or hdr.shapes != [list(s) for s in expected.shapes().values()]:
+            raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: shapes {hdr.shapes} do not match "
+                                                  f"bucket {bucket} {list(expected.shapes().values())}")
+        if hdr.dtypes != list(expected.dtypes().values()):
+            raise ProtocolError(RejectCode.DTYPE, f"batch {hdr.batch_id}: dtypes {hdr.dtypes} not allowed")
+        views = self._ring.views(lease.slot, bucket)
+        crc = 0
+        for key in ARRAY_KEYS:
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
+            buf = memoryview(views[key]).cast("B")
+            n = sock.recv_into(buf)
+            if n != buf.nbytes:
+                raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, "
+                                                      f"expected {buf.nbytes}")
+            if hdr.crc32 is not None:
+                crc = zlib.crc32(buf, crc)
+            self._counts["bytes"] += n
+        if sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: extra frames")
+        if hdr.crc32 is None and self._checksum:
+            raise ProtocolError(RejectCode.CRC, f"batch {hdr.batch_id}: checksum required but missing")
+        if hdr.crc32 is not None and crc != hdr.crc32:
+            raise ProtocolError(RejectCode.CRC, f"batch {hdr.batch_id}: crc32 mismatch")
+        _check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
+
+    # --- leases, liveness, heartbeats ------------------------------------------------------------
+    def _grant(self, now: float) -> None:
+        grants: dict[bytes, list[Lease]] = {}
+        for ident in self._peers.by_fewest_leases(self._book):
+            while self._book.room(ident) > 0 and self._book.has_work():
+                slot = self._ring.reserve()
+                if slot is None:
+                    break
+                batch_id = self._book.next_id()
+                if batch_id is None:
+                    self._ring.cancel(slot)
+                    break
+                self._book.grant(ident, batch_id, slot, now)
+                planned = self._plan.batch(batch_id)
+                grants.setdefault(ident, []).append(
+                    Lease(batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s))
+        depth = self.queue_depth()
+        for ident, leases in grants.items():
+            self._send(ident, LeaseGrant(self.epoch, leases, depth))
+
+    def queue_depth(self) -> int:
+        """Ready batches plus leases outstanding (what is sent back to producers)."""
+        return len(self._ring.ready_ids()) + self._book.outstanding
+
+    def _check_liveness(self, now: float) -> None:
+        for ident in self._peers.silent_since(now - self._liveness_s):
+            self._drop_peer(ident, f"silent for more than {self._liveness_s:.1f} s")
+        for lease in self._book.expire(now):
+            self._ring.cancel(lease.slot)
+            self._counts["reissued"] += 1
+            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id,
+                        lease.peer.decode(errors="replace"))
+
+    def _drop_peer(self, ident: bytes, why: str) -> None:
+        for lease in self._book.revoke_peer(ident):
+            self._ring.cancel(lease.slot)
+            self._counts["reissued"] += 1
+        info = self._peers.remove(ident)
+        if info is not None:
+            level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
+            log.log(level, "producer left id=%s reason=%s alive=%d", info.producer_id, why, len(self._peers))
+
+    def _send_heartbeats(self) -> None:
+        hb = Heartbeat(self.epoch, self.queue_depth(), self._applied_through + 1)
+        for ident in list(self._peers.idents()):
+            self._send(ident, hb)
+
+    def _send(self, ident: bytes, msg: Message) -> None:
+        """Non-blocking ROUTER send that survives a vanished peer (E5)."""
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as err:
+            log.debug("send to %r failed: %s", ident, err)
+            if ident in self._peers and err.errno == zmq.EHOSTUNREACH:
+                self._drop_peer(ident, "unreachable")
+
+    def _reject(self, ident: bytes, code: str, why: str, now: float) -> None:
+        name = self._peers.name(ident)
+        if self._rejects.record(name, code, why, now):
+            log.warning("peer %s floods invalid messages; ignoring it for %.0f s", name, _BLOCK_S)
+            self._drop_peer(ident, "flooding")
+            self._peers.block(ident, now + _BLOCK_S)
+            return
+        self._send(ident, Err(code, why))
+
+    @staticmethod
+    def _drain(sock: zmq.Socket[bytes]) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
+
+
+def _check_lengths(views: dict[str, np.ndarray], max_frames: int, max_tokens: int, batch_id: int) -> None:
+    mel_len, tok_len = views["mel_len"], views["tok_len"]
+    if mel_len.min(initial=0) < 0 or mel_len.max(initial=0) > max_frames:
+        raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: mel_len outside 0..{max_frames}")
+    if tok_len.min(initial=0) < 0 or tok_len.max(initial=0) > max_tokens:
+        raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: tok_len outside 0..{max_tokens}")

@@ -1,0 +1,149 @@
+"""The built-in training loop: compiled step over the consumer's batches, status line, summary.
+
+Order at start: bind and start receiving (producers fill the ring meanwhile), compile every bucket
+shape (``CompiledStep.warm_up``), then train. Each step hands the slot to TensorFlow with DLPack
+(no copy), runs the compiled step, reads the loss (the step has finished reading the slot) and
+releases the slot. On a GPU, eager dispatch is asynchronous and the DLPack tensor is copied to the
+device by the call itself; the next batch is already in the ring, so the hand-off overlaps.
+Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from consumer.pipeline import Consumer
+from shared.config import PipelineConfig
+
+__all__ = ["TrainSummary", "train"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    steps: int = 0
+    samples: int = 0
+    batches_applied: int = 0
+    batches_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    stall_pct: float = 0.0
+    padding_efficiency: float = 0.0
+    duplicates_dropped: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)
+    compiles_after_ready: int = 0
+    producers_seen: int = 0
+    final_loss: float | None = None
+    first_loss: float | None = None
+    compile_s: float = 0.0
+    time_to_first_step_s: float | None = None
+    in_flight_bound_bytes: int = 0
+    payload_copies_per_batch: float = 0.0
+    interrupted: bool = False
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+
+class _Meter:
+    """Counters since warm-up plus a window for the periodic status line."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.wait0 = 0.0
+        self.batches = self.samples = self.real_frames = self.padded_frames = 0
+        self.win_t = self.win_wait = 0.0
+        self.win_batches = self.win_samples = 0
+
+
+def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
+          summary_path: str | None = None) -> TrainSummary:
+    """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set."""
+    from consumer.model import StepSpec
+    from consumer.step import CompiledStep, load_step_factory, to_tensors
+
+    factory = load_step_factory(cfg.model.step)
+    m = cfg.model
+    step_fn = factory(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed))
+    compiled = CompiledStep(step_fn, [b.shapes() for b in consumer.bucket_set.buckets])
+    consumer.start()
+    out = TrainSummary(padding_efficiency=0.0,
+                       in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
+    out.compile_s = compiled.warm_up()
+    log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
+    meter = _Meter()
+    next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+    loss_v = math.nan
+    copies = 0
+    for batch in consumer.batches(stop):
+        tensors, n_copies = to_tensors(batch.arrays)
+        loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
+        copies += n_copies
+        out.steps += 1
+        if out.time_to_first_step_s is None:
+            out.time_to_first_step_s = time.time() - process_start_s
+            out.first_loss = loss_v
+        if out.steps == cfg.consumer.warmup_steps + 1 or (cfg.consumer.warmup_steps == 0 and out.steps == 1):
+            meter.t0 = meter.win_t = time.perf_counter()
+            meter.wait0 = meter.win_wait = consumer.wait_s_total
+        if out.steps > cfg.consumer.warmup_steps:
+            rows = batch.rows
+            meter.batches += 1
+            meter.samples += rows
+            meter.win_batches += 1
+            meter.win_samples += rows
+            meter.real_frames += batch.real_frames
+            meter.padded_frames += batch.padded_frames
+        out.samples += batch.rows
+        if time.monotonic() >= next_status_s:
+            _status_line(out.steps, loss_v, meter, consumer, cfg)
+            next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+    out.interrupted = stop.is_set() and not consumer.finished
+    _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies)
+    if summary_path:
+        out.write(summary_path)
+    return out
+
+
+def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig) -> None:
+    now = time.perf_counter()
+    span = max(1e-9, now - meter.win_t) if meter.win_t else 0.0
+    rate = meter.win_batches / span if span else 0.0
+    srate = meter.win_samples / span if span else 0.0
+    stall = 100.0 * (consumer.wait_s_total - meter.win_wait) / span if span else 0.0
+    rs = consumer.receiver_stats()
+    total = f"/{cfg.consumer.steps}" if cfg.consumer.steps else ""
+    log.info("step %d%s loss %.4f | %.1f batches/s %.0f samples/s | stall %.1f%% | queue %d | producers %d"
+             " | rejects %d", step, total, loss, rate, srate, stall, consumer.queue_depth(), rs.producers_alive,
+             sum(rs.rejects.values()))
+    if meter.win_t:
+        meter.win_t, meter.win_wait = now, consumer.wait_s_total
+        meter.win_batches = meter.win_samples = 0
+
+
+def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int, loss: float,
+            copies: int) -> None:
+    wall = time.perf_counter() - meter.t0 if meter.t0 else 0.0
+    rs = consumer.receiver_stats()
+    out.batches_applied = consumer.applied
+    if wall > 0:
+        out.batches_per_s = meter.batches / wall
+        out.samples_per_s = meter.samples / wall
+        out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
+    out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
+    out.duplicates_dropped = rs.duplicates_dropped
+    out.rejects = rs.rejects
+    out.compiles_after_ready = compiles
+    out.producers_seen = rs.producers_seen
+    out.final_loss = None if math.isnan(loss) else loss
+    # ZeroMQ payload path: page cache -> producer buffer -> kernel socket -> libzmq -> ring slot; DLPack adds none.
+    out.payload_copies_per_batch = 4 + copies / max(1, out.steps)
+    summary: dict[str, Any] = {k: v for k, v in asdict(out).items() if k != "rejects"}
+    log.info("summary %s rejects=%s", json.dumps(summary), out.rejects)

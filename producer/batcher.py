@@ -1,0 +1,122 @@
+"""Builds one leased batch straight into a reusable, aligned send buffer.
+
+Each row is read from the cache with one ``preadv`` into its place in the buffer (no per-file
+``np.load`` + copy); only the padding tail of a row is zeroed. Buffers are sent zero-copy
+(``copy=False``), so a buffer is reused only after ZeroMQ reports it done (``MessageTracker``).
+Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
+``reuse_timeout_s`` waiting for one.
+Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
+and reported in the header, the same decision on every producer because it depends only on the
+file; ``"fail"`` raises ``CacheError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from producer.source import CacheReader
+from shared.buckets import BucketSet
+from shared.errors import CacheError
+from shared.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
+
+__all__ = ["BuiltBatch", "BatchAssembler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Buffer:
+    arrays: dict[str, npt.NDArray[np.generic]]
+    tracker: zmq.MessageTracker | None = None
+
+
+@dataclass(slots=True)
+class BuiltBatch:
+    batch_id: int
+    bucket: int
+    arrays: dict[str, npt.NDArray[np.generic]]     # views into a send buffer, wire order
+    quarantined: list[int] = field(default_factory=list)   # sample ids left empty
+    buffer: _Buffer | None = None
+
+    def attach(self, tracker: zmq.MessageTracker | None) -> None:
+        """Record the send's tracker so the buffer is not reused before ZeroMQ is done with it."""
+        if self.buffer is not None:
+            self.buffer.tracker = tracker
+
+
+class BatchAssembler:
+    def __init__(self, reader: CacheReader, bucket_set: BucketSet, *, max_buffers: int = 4,
+                 reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine") -> None:
+        self._reader = reader
+        self._buckets = bucket_set.buckets
+        self._layouts = {b.index: batch_layout(b) for b in self._buckets}
+        self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}
+        self._max_buffers = max_buffers
+        self._reuse_timeout_s = reuse_timeout_s
+        self._policy = bad_sample_policy
+
+    def build(self, batch_id: int, bucket: int, sample_ids: list[int]) -> BuiltBatch:
+        """Read the leased samples into a free buffer of ``bucket``'s shape.
+
+        Raises:
+            ValueError: a bucket or sample count that cannot be right (a lease from a consumer
+                configured differently; the handshake should have caught it).
+            CacheError: a bad file under the ``fail`` policy.
+        """
+        if not 0 <= bucket < len(self._buckets):
+            raise ValueError(f"lease names bucket {bucket}, have {len(self._buckets)}")
+        spec = self._buckets[bucket]
+        if len(sample_ids) > spec.batch_size:
+            raise ValueError(f"lease has {len(sample_ids)} samples, bucket holds {spec.batch_size}")
+        buf = self._free_buffer(bucket)
+        mel, mel_len = buf.arrays["mel"], buf.arrays["mel_len"]
+        tokens, tok_len = buf.arrays["tokens"], buf.arrays["tok_len"]
+        quarantined: list[int] = []
+        for row, sid in enumerate(sample_ids):
+            try:
+                mel_len[row] = self._reader.read_mel_into(sid, mel[row])
+                tok_len[row] = self._reader.read_tokens_into(sid, tokens[row])
+            except CacheError as err:
+                if self._policy == "fail":
+                    raise
+                log.warning("quarantined sample=%d batch=%d: %s", sid, batch_id, err)
+                mel[row] = 0
+                tokens[row] = 0
+                mel_len[row] = tok_len[row] = 0
+                quarantined.append(sid)
+        n = len(sample_ids)
+        if n < spec.batch_size:                        # padding rows of a bucket's last batch
+            mel[n:] = 0
+            tokens[n:] = 0
+            mel_len[n:] = 0
+            tok_len[n:] = 0
+        return BuiltBatch(batch_id, bucket, buf.arrays, quarantined, buf)
+
+    def _free_buffer(self, bucket: int) -> _Buffer:
+        pool = self._pools[bucket]
+        for buf in pool:
+            if buf.tracker is None or buf.tracker.done:
+                return buf
+        if len(pool) < self._max_buffers:
+            layout = self._layouts[bucket]
+            buf = _Buffer(layout_views(aligned_buffer(layout_nbytes(self._buckets[bucket])), 0, layout))
+            pool.append(buf)
+            return buf
+        oldest = pool[0]
+        try:
+            if oldest.tracker is not None:
+                oldest.tracker.wait(self._reuse_timeout_s)
+            return oldest
+        except zmq.NotDone:
+            # ZeroMQ still holds it (peer gone, message queued): let it keep that buffer and
+            # replace it, so memory stays bounded by max_buffers live buffers we can reach.
+            pool.pop(0)
+            layout = self._layouts[bucket]
+            buf = _Buffer(layout_views(aligned_buffer(layout_nbytes(self._buckets[bucket])), 0, layout))
+            pool.append(buf)
+            return buf

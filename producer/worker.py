@@ -1,0 +1,236 @@
+"""One producer process: HELLO, then build and send exactly the batches leased to it.
+
+Lifecycle: DISCONNECTED --HELLO/WELCOME--> ACTIVE. A producer drops all leases and says HELLO
+again (with back-off up to ``connect_backoff_max_s``) when the consumer is silent for the liveness
+period, announces a new epoch, or answers ``ERR UNKNOWN_PEER``. ``ERR PROTO``/``ERR CONTRACT``
+are configuration errors: the process exits 78 so systemd does not restart it in a loop.
+Single-threaded: building a batch takes a few ms, far below the heartbeat interval.
+Shutdown: the stop event is checked every loop; on stop it sends BYE (so its leases are reissued at
+once) and closes the socket with linger 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from producer.batcher import BatchAssembler, BuiltBatch
+from shared.buckets import BucketSet
+from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
+from shared.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
+                             Lease, LeaseGrant, RejectCode, Welcome, decode_header, encode)
+
+__all__ = ["ProducerWorker", "ProducerStats"]
+
+log = logging.getLogger(__name__)
+
+_WAITING_WARN_S = 10.0   # warn when no consumer answered for this long (silent connect failures)
+_FIRST_BACKOFF_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    batches_sent: int
+    build_s_total: float
+    send_s_total: float
+    rejoins: int
+    errors_received: dict[str, int]
+
+
+class ProducerWorker:
+    """Producer loop over one DEALER socket.
+
+    Args:
+        endpoint: the consumer's endpoint.
+        producer_id: stable name (``producer-3``); the routing id adds the pid so a restart is new.
+        assembler: builds batches into send buffers.
+        bucket_set, fingerprint, n_mels, seed: the data contract announced in HELLO.
+    """
+
+    def __init__(self, endpoint: str, producer_id: str, assembler: BatchAssembler, bucket_set: BucketSet,
+                 fingerprint: str, n_mels: int, seed: int, *, heartbeat_interval_s: float,
+                 liveness_s: float, backoff_max_s: float, debug_delay_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.producer_id = producer_id
+        self._assembler = assembler
+        self._hello = Hello(PROTOCOL_VERSION, producer_id, fingerprint, bucket_set.as_wire(), n_mels, seed)
+        self._hb_s = heartbeat_interval_s
+        self._liveness_s = liveness_s
+        self._backoff_max_s = backoff_max_s
+        self._debug_delay_s = debug_delay_s
+        self._clock = clock
+        self._epoch: int | None = None
+        self._checksum = False
+        self._leases: deque[tuple[Lease, float]] = deque()   # (lease, expiry on our clock)
+        self._last_heard_s = 0.0
+        self._sent = 0
+        self._build_s = 0.0
+        self._send_s = 0.0
+        self._rejoins = 0
+        self._errors: dict[str, int] = {}
+        self.exit_code = 0
+
+    def stats(self) -> ProducerStats:
+        return ProducerStats(self._sent, self._build_s, self._send_s, self._rejoins, dict(self._errors))
+
+    def run(self, stop: threading.Event) -> int:
+        """Run until ``stop`` is set or a fatal error. Returns the process exit code."""
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}-{os.getpid()}".encode())
+        try:
+            sock.connect(self.endpoint)
+            self._loop(sock, stop)
+            if self._epoch is not None:
+                self._try_send(sock, [encode(Bye(self._epoch))])
+        finally:
+            sock.close(0)
+            ctx.term()
+        return self.exit_code
+
+    def _loop(self, sock: zmq.Socket[bytes], stop: threading.Event) -> None:
+        backoff_s = _FIRST_BACKOFF_S
+        next_hello_s = self._clock()
+        waiting_since_s = self._clock()
+        warned = False
+        next_hb_s = 0.0
+        while not stop.is_set() and self.exit_code == 0:
+            now = self._clock()
+            if self._epoch is None:
+                if now >= next_hello_s:
+                    self._try_send(sock, [encode(self._hello)])
+                    next_hello_s = now + backoff_s
+                    backoff_s = min(backoff_s * 2, self._backoff_max_s)
+                if not warned and now - waiting_since_s > _WAITING_WARN_S:
+                    log.warning("no consumer answered at %s for %.0f s; still waiting", self.endpoint,
+                                now - waiting_since_s)
+                    warned = True
+            elif now - self._last_heard_s > self._liveness_s:
+                log.warning("consumer silent for %.1f s; dropping %d leases and re-joining",
+                            now - self._last_heard_s, len(self._leases))
+                self._forget_consumer()
+                backoff_s, next_hello_s, waiting_since_s, warned = _FIRST_BACKOFF_S, now, now, False
+                continue
+            busy = self._epoch is not None and bool(self._leases)
+            timeout_ms = 0 if busy else max(1, int(min(self._hb_s, max(0.0, next_hello_s - now)) * 1000))
+            if sock.poll(timeout_ms, zmq.POLLIN):
+                self._drain_inbox(sock)
+                if self._epoch is None:
+                    backoff_s, next_hello_s = _FIRST_BACKOFF_S, self._clock()
+                    waiting_since_s = self._clock()
+            if self._epoch is None:
+                continue
+            if self._leases:
+                self._build_and_send(sock)
+            now = self._clock()
+            if now >= next_hb_s:
+                self._try_send(sock, [encode(Heartbeat(self._epoch))])
+                next_hb_s = now + self._hb_s
+
+    def _drain_inbox(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_header(frames[0])
+            except ProtocolError as err:
+                log.warning("undecodable message from consumer: %s", err)
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: object) -> None:
+        now = self._clock()
+        if isinstance(msg, Welcome):
+            if self._epoch is not None and msg.epoch != self._epoch:
+                self._rejoins += 1
+            self._epoch, self._checksum = msg.epoch, msg.checksum
+            self._leases.clear()
+            self._last_heard_s = now
+            log.info("joined consumer epoch=%d window=%d", msg.epoch, msg.window)
+        elif isinstance(msg, LeaseGrant | Heartbeat):
+            if msg.epoch != self._epoch:
+                if self._epoch is not None:
+                    log.warning("consumer epoch changed (%s -> %d); re-joining", self._epoch, msg.epoch)
+                    self._forget_consumer()
+                return
+            self._last_heard_s = now
+            if isinstance(msg, LeaseGrant):
+                held = {x.batch_id for x, _ in self._leases}
+                self._leases.extend((x, now + x.deadline_s) for x in msg.leases if x.batch_id not in held)
+        elif isinstance(msg, Err):
+            self._errors[msg.code] = self._errors.get(msg.code, 0) + 1
+            if msg.code == RejectCode.UNKNOWN_PEER:
+                log.info("consumer does not know us (%s); re-joining", msg.why)
+                self._forget_consumer()
+            elif msg.code in RejectCode.FATAL:
+                log.error("consumer refused this producer: %s: %s", msg.code, msg.why)
+                self.exit_code = EXIT_CONFIG
+            else:
+                log.warning("consumer rejected a message: %s: %s", msg.code, msg.why)
+
+    def _forget_consumer(self) -> None:
+        if self._epoch is not None:
+            self._rejoins += 1
+        self._epoch = None
+        self._leases.clear()
+
+    def _build_and_send(self, sock: zmq.Socket[bytes]) -> None:
+        lease, expiry_s = self._leases.popleft()
+        if self._clock() > expiry_s:
+            log.info("lease for batch %d expired before it was built; skipping", lease.batch_id)
+            return
+        t0 = time.perf_counter()
+        try:
+            batch = self._assembler.build(lease.batch_id, lease.bucket, lease.sample_ids)
+        except CacheError as err:
+            log.error("cannot build batch %d: %s", lease.batch_id, err)
+            self.exit_code = 1
+            return
+        if self._debug_delay_s:
+            time.sleep(self._debug_delay_s)
+        t1 = time.perf_counter()
+        self._send_batch(sock, batch)
+        self._build_s += t1 - t0
+        self._send_s += time.perf_counter() - t1
+
+    def _send_batch(self, sock: zmq.Socket[bytes], batch: BuiltBatch) -> None:
+        assert self._epoch is not None
+        arrays = [batch.arrays[k] for k in ARRAY_KEYS]
+        crc = None
+        if self._checksum:
+            crc = 0
+            for a in arrays:
+                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+        header = BatchHeader(self._epoch, batch.batch_id, batch.bucket, [list(a.shape) for a in arrays],
+                             [a.dtype.name for a in arrays], crc, batch.quarantined)
+        # One tracker over every zero-copy frame: send_multipart's return covers only the last one.
+        frames = [zmq.Frame(a, copy=False, track=True) for a in arrays]
+        try:
+            sock.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
+            tracker = zmq.MessageTracker(*frames)
+        except zmq.Again:
+            log.warning("consumer not reachable; batch %d not sent (its lease will be reissued)", batch.batch_id)
+            return
+        batch.attach(tracker)
+        self._sent += 1
+
+    @staticmethod
+    def _try_send(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False

@@ -1,0 +1,67 @@
+"""Command-line parser for ``run_pipeline.py`` and the mapping from flags to config keys.
+
+Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/app.py`` and
+``shared/tools.py``. A flag overrides the YAML value of the key it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shared.config import PipelineConfig, load_config, with_overrides
+
+__all__ = ["build_parser", "config_from_args"]
+
+_OVERRIDES = {  # flag dest -> config key
+    "cache_dir": "cache_dir", "endpoint": "transport.endpoint", "steps": "consumer.steps",
+    "producers": "producer.count", "seed": "seed", "ring_slots": "consumer.ring_slots",
+    "batch_size": "buckets.batch_size", "status_interval_s": "consumer.status_interval_s",
+    "state_dir": "consumer.state_dir", "model_step": "model.step",
+}
+
+
+def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bool = False) -> None:
+    p.add_argument("--config", help="YAML config file (see deploy/example.yaml)")
+    p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
+    p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)")
+    p.add_argument("--seed", type=int, help="data order seed")
+    p.add_argument("--log-level", default="INFO")
+    if producers:
+        p.add_argument("--producers", type=int, help="number of producer processes")
+        p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+    if consumer:
+        p.add_argument("--steps", type=int, help="stop after this many applied batches")
+        p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")
+        p.add_argument("--batch-size", type=int, help="rows per batch")
+        p.add_argument("--status-interval-s", type=float, help="seconds between status lines")
+        p.add_argument("--state-dir", help="directory for checkpoints and the audit log")
+        p.add_argument("--model-step", help="training step factory, module:function")
+        p.add_argument("--summary-json", help="write the final summary as JSON to this file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="consumer and N producers on this host")
+    _common(run, producers=True, consumer=True)
+    run.add_argument("--demo", action="store_true", help="generate (once) and train on the built-in demo data")
+    run.add_argument("--demo-utterances", type=int, default=2000)
+    _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)"), consumer=True)
+    _common(sub.add_parser("producer", help="N producer processes under one parent"), producers=True)
+    idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers")
+    idx.add_argument("cache_dir")
+    idx.add_argument("--n-mels", type=int, default=80)
+    idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
+    demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
+    demo.add_argument("dir")
+    demo.add_argument("--utterances", type=int, default=2000)
+    demo.add_argument("--seed", type=int, default=1234)
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """Load ``--config`` (or defaults) and apply the flags given on the command line."""
+    cfg = load_config(getattr(args, "config", None))
+    overrides: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in _OVERRIDES.items()}
+    return with_overrides(cfg, overrides)

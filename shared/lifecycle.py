@@ -1,0 +1,70 @@
+"""Process plumbing shared by both sides: signals, runtime directory, parent-death, logging.
+
+Signal handlers only set an Event; they are installed in ``main()`` and restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from shared.config import PipelineConfig, resolve_runtime_dir
+from shared.errors import ConfigError
+
+__all__ = ["stop_on_signals", "prepare_runtime_dir", "resolve_endpoint", "die_with_parent", "setup_logging"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def stop_on_signals(*signums: int) -> Iterator[threading.Event]:
+    """Yield an Event set by SIGTERM/SIGINT (or ``signums``); restore the old handlers after."""
+    stop = threading.Event()
+    sigs = signums or (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in sigs}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def prepare_runtime_dir(path: Path) -> Path:
+    """Create the socket directory with mode 0700 (0770 is kept if systemd made it so)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",),
+                          got=str(path)) from err
+    if path.stat().st_uid != os.getuid():
+        raise ConfigError("runtime directory belongs to another user", path=("runtime_dir",), got=str(path))
+    return path
+
+
+def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str]) -> str:
+    """The configured endpoint, or ``ipc://<private runtime dir>/melfeed.sock``."""
+    if cfg.transport.endpoint is not None:
+        return cfg.transport.endpoint
+    return f"ipc://{prepare_runtime_dir(resolve_runtime_dir(environ)) / 'melfeed.sock'}"
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Log to stderr (journald under systemd) with the process name on every line."""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
