@@ -58,7 +58,10 @@ class PeerTable:
 
     def name(self, ident: bytes) -> str:
         info = self._peers.get(ident)
-        return info.producer_id if info is not None else ident.decode(errors="replace")[:64]
+        if info is not None:
+            return info.producer_id
+        text = ident.decode("ascii", errors="replace")
+        return text[:64] if text.isprintable() and "\ufffd" not in text else "0x" + ident.hex()[:32]
 
     def silent_since(self, cutoff_s: float) -> list[bytes]:
         """Routing ids not heard from since ``cutoff_s``."""

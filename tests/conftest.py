@@ -1,0 +1,67 @@
+"""Shared fixtures: small demo caches, private ipc endpoints, producer groups that must exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from shared.demo_data import write_demo_cache
+    path = tmp_path_factory.mktemp("demo") / "cache"
+    write_demo_cache(path, n_utterances=200)
+    return path
+
+
+@pytest.fixture()
+def endpoint(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/melfeed.sock"
+
+
+class ProducerGroup:
+    """``run_pipeline.py producer`` as a real child process; always reaped by the fixture."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._tmp = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, cache: Path, endpoint: str, count: int, **extra: object) -> subprocess.Popen[bytes]:
+        cfg = {"cache_dir": str(cache), "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}}
+        cfg.update(extra)
+        path = self._tmp / f"producers-{len(self.procs)}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "producer", "--config", str(path),
+                                 "--producers", str(count)], cwd=REPO, env={**os.environ, "XDG_RUNTIME_DIR": str(self._tmp)})
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> list[int]:
+        codes = []
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            try:
+                codes.append(p.wait(30))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+                codes.append(-9)
+        return codes
+
+
+@pytest.fixture()
+def producers(tmp_path: Path) -> Iterator[ProducerGroup]:
+    group = ProducerGroup(tmp_path)
+    yield group
+    group.stop_all()

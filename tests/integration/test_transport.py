@@ -1,0 +1,115 @@
+"""Real producer processes over real ipc sockets into the library consumer (no TensorFlow step)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from consumer.pipeline import Consumer
+from shared.config import config_from_mapping
+from shared.demo_data import write_demo_cache
+from shared.protocol import MsgKind, RejectCode, encode, Hello
+from tests.conftest import ProducerGroup
+
+
+def _cfg(cache: Path, endpoint: str, steps: int, **consumer: object):  # type: ignore[no-untyped-def]
+    return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5,
+                                                                      **consumer},
+                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}})
+
+
+def _collect(consumer: Consumer) -> list[tuple[int, str]]:
+    out = []
+    for batch in consumer.batches():
+        digest = hashlib.sha256(b"".join(a.tobytes() for a in batch.arrays.values())).hexdigest()
+        out.append((batch.batch_id, digest))
+    return out
+
+
+def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_producers(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    steps = 40                                      # > one epoch of the 200-utterance cache (7 batches)
+    runs = []
+    for count in (1, 3):
+        with Consumer(_cfg(demo_cache, endpoint, steps)) as consumer:
+            group = producers.start(demo_cache, endpoint, count)
+            got = _collect(consumer)
+            stats = consumer.receiver_stats()
+            group.terminate()
+            assert group.wait(30) == 0
+        assert [bid for bid, _ in got] == list(range(steps))
+        assert stats.producers_seen == count
+        assert stats.duplicates_dropped == 0 and stats.rejects == {}
+        runs.append(got)
+    assert runs[0] == runs[1]                       # invariant 1: the plan does not depend on producer count
+
+
+def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint: str,
+                                                     producers: ProducerGroup) -> None:
+    with Consumer(_cfg(demo_cache, endpoint, 7)) as consumer:
+        producers.start(demo_cache, endpoint, 1)
+        frames = consumer.manifest.frames
+        for batch in consumer.batches():
+            planned = consumer.plan.batch(batch.batch_id)
+            n = len(planned.sample_ids)
+            assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
+                                                         for i in planned.sample_ids]
+            assert not batch.arrays["mel_len"][n:].any() and not batch.arrays["mel"][n:].any()
+
+
+def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_streams(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    try:
+        with Consumer(_cfg(demo_cache, endpoint, 30)) as consumer:
+            bad.connect(endpoint)
+            producers.start(demo_cache, endpoint, 1)
+            sent = [[b"\xc1\x00"], [b"\x85"], [msgpack.packb({"x": 1})], [msgpack.packb({"t": 42})],
+                    [msgpack.packb({"t": int(MsgKind.HB), "epoch": 1})],             # unknown peer
+                    [encode(Hello(1, "evil", "0" * 16, [[0, 1, 2, 3, 80]], 80, 0))],  # contract
+                    [encode(Hello(9, "future", "x", [], 80, 0))],                    # protocol version
+                    [msgpack.packb({"t": int(MsgKind.BYE), "epoch": 1}), b"extra"]]   # frames
+            for frames in sent:
+                bad.send_multipart(frames)
+            replies = []
+            while bad.poll(2000):
+                replies.append(msgpack.unpackb(bad.recv()))
+                if len(replies) == len(sent):
+                    break
+            ids = [b.batch_id for b in consumer.batches()]
+            rejects = consumer.receiver_stats().rejects
+    finally:
+        bad.close()
+        ctx.term()
+    assert ids == list(range(30))
+    assert [r["code"] for r in replies] == [RejectCode.DECODE, RejectCode.DECODE, RejectCode.SCHEMA,
+                                             RejectCode.TYPE, RejectCode.UNKNOWN_PEER, RejectCode.CONTRACT,
+                                             RejectCode.PROTO, RejectCode.FRAMES]
+    assert sum(rejects.values()) == len(sent)
+
+
+def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: str, tmp_path: Path,
+                                                    producers: ProducerGroup) -> None:
+    other = tmp_path / "other"
+    write_demo_cache(other, n_utterances=50, seed=99)
+    with Consumer(_cfg(demo_cache, endpoint, 5)) as consumer:
+        group = producers.start(other, endpoint, 2)
+        assert group.wait(60) == 78
+        assert consumer.receiver_stats().rejects.get(RejectCode.CONTRACT, 0) >= 1
+
+
+def test_producers_started_first_wait_and_join_when_the_consumer_appears(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    group = producers.start(demo_cache, endpoint, 2)
+    time.sleep(2.0)                                # producers up, consumer absent
+    assert group.poll() is None
+    with Consumer(_cfg(demo_cache, endpoint, 20)) as consumer:
+        ids = [b.batch_id for b in consumer.batches()]
+        assert consumer.receiver_stats().producers_seen == 2
+    assert ids == list(range(20))

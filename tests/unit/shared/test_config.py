@@ -1,0 +1,63 @@
+"""Config loading: every bad value names its key path and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import (PipelineConfig, config_from_mapping, config_to_mapping, load_config,
+                           resolve_runtime_dir, with_overrides)
+from shared.errors import ConfigError
+
+
+def test_defaults_are_valid_and_round_trip() -> None:
+    cfg = PipelineConfig()
+    assert config_from_mapping(config_to_mapping(cfg)) == cfg
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"buckets": {"batch_size": 0}}, "buckets.batch_size: must be >= 1, got 0"),
+    ({"consumer": {"ring_slots": 2}}, "consumer.ring_slots: must be in 3..256, got 2"),
+    ({"transport": {"endpoint": "http://x"}}, "transport.endpoint: must start with ipc:// or tcp://"),
+    ({"producer": {"data_gpu": "gpu0"}}, "producer.data_gpu:"),
+    ({"model": {"step": "nocolon"}}, "model.step: must look like 'module:function'"),
+    ({"bukets": {}}, "bukets: unknown key"),
+    ({"buckets": {"size": 3}}, "buckets.size: unknown key"),
+    ({"buckets": {"batch_size": "big"}}, "buckets.batch_size: must be an integer, got 'big'"),
+    ({"buckets": {"batch_size": None, "frame_budget": None}}, "exactly one of batch_size and frame_budget"),
+    ({"seed": -1}, "seed: must be an integer >= 0"),
+    ({"buckets": {"boundaries": [400, 300]}}, "buckets.boundaries: must be a strictly increasing"),
+    ({"consumer": 5}, "consumer: must be a mapping"),
+])
+def test_bad_values_name_the_key(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(data)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_load_config_reports_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("consumer: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML at line"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_file_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 3\nproducer:\n  count: 2\nbuckets:\n  boundaries: [400, 800]\n")
+    cfg = load_config(path)
+    assert cfg.seed == 3 and cfg.buckets.boundaries == (400, 800)
+    cfg2 = with_overrides(cfg, {"producer.count": 5, "seed": None})
+    assert cfg2.producer.count == 5 and cfg2.seed == 3
+    with pytest.raises(ConfigError, match="producer.count: must be in 1..64, got 0"):
+        with_overrides(cfg, {"producer.count": 0})
+
+
+def test_runtime_dir_prefers_systemd_then_xdg() -> None:
+    assert resolve_runtime_dir({"RUNTIME_DIRECTORY": "/run/melfeed"}) == Path("/run/melfeed")
+    assert resolve_runtime_dir({"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/melfeed")
+    assert str(resolve_runtime_dir({})).startswith("/tmp/melfeed-")

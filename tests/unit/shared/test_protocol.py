@@ -1,0 +1,64 @@
+"""Wire protocol: round trips and rejection codes for malformed headers (B1-B4, B13)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from shared.errors import ProtocolError
+from shared.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind, RejectCode,
+                             Welcome, decode_header, encode)
+
+MESSAGES = [
+    Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7),
+    Welcome(123, 2, 0.5, True),
+    LeaseGrant(123, [Lease(5, 1, [3, 9, 11], 30.0)], 4),
+    BatchHeader(123, 5, 1, [[32, 440, 80], [32], [32, 106], [32]], ["float32", "int32", "int32", "int32"], 77, [3]),
+    BatchHeader(123, 6, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, []),
+    Heartbeat(123, 4, 99),
+    Err("LEASE", "batch 7 is not leased"),
+    Bye(123),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg: object) -> None:
+    assert decode_header(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("raw", "code"), [
+    (b"\xc1garbage", RejectCode.DECODE),                           # B1 reserved byte
+    (encode(Bye(1))[:-1], RejectCode.DECODE),                      # B2 truncated
+    (encode(Bye(1)) + encode(Bye(1)), RejectCode.DECODE),          # B3 two objects
+    (b"\xdb\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB str32 declared
+    (b"\xc6\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB bin32 declared
+    (b"\x91" * 5000 + b"\xc0", RejectCode.DECODE),                 # B4 deep nesting
+    (msgpack.packb([1, 2, 3]), RejectCode.SCHEMA),                 # not a map
+    (msgpack.packb({"epoch": 1}), RejectCode.SCHEMA),              # B13 map without t
+    (msgpack.packb({"t": 99}), RejectCode.TYPE),                   # B13 unknown kind
+    (msgpack.packb({"t": "x"}), RejectCode.TYPE),
+    (msgpack.packb({"t": int(MsgKind.HB), "epoch": "one"}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.HB), "epoch": 1, "depth": "x"}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]],
+                    "dtypes": ["float32"]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [[1, "x"]],
+                    "n_mels": 80, "seed": 0}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 2]]}), RejectCode.SCHEMA),
+    (b"", RejectCode.DECODE),
+])
+def test_malformed_headers_are_rejected_with_a_code(raw: bytes, code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw)
+    assert info.value.code == code
+    assert len(info.value.why) <= 200
+
+
+def test_oversized_header_is_refused_before_unpacking() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(b"\x80" + b"\x00" * (2 << 20))
+    assert info.value.code == RejectCode.DECODE
+
+
+def test_bool_is_not_accepted_as_an_integer_field() -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(msgpack.packb({"t": int(MsgKind.BYE), "epoch": True}))
