@@ -23,6 +23,7 @@ class PeerInfo:
     joined_s: float
     last_seen_s: float
     batches: int = 0
+    last_grant_s: float = 0.0
 
 
 class PeerTable:
@@ -69,7 +70,7 @@ class PeerTable:
 
     def by_fewest_leases(self, book: _HasHeld) -> list[bytes]:
         """Peers ordered so the least-loaded producer is offered work first."""
-        return sorted(self._peers, key=lambda i: (book.held_by(i), self._peers[i].joined_s))
+        return sorted(self._peers, key=lambda i: (book.held_by(i), self._peers[i].last_grant_s))
 
     def block(self, ident: bytes, until_s: float) -> None:
         self._blocked_until[ident] = until_s

@@ -328,6 +328,7 @@ class Receiver:
                     self._ring.cancel(slot)
                     break
                 self._book.grant(ident, batch_id, slot, now)
+                self._peers.get(ident).last_grant_s = now  # type: ignore[union-attr]  # ties go round-robin
                 planned = self._plan.batch(batch_id)
                 grants.setdefault(ident, []).append(
                     Lease(batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s))

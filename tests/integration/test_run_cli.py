@@ -1,0 +1,73 @@
+"""End to end through the CLI: `run_pipeline.py run` with 2 producer processes, a real compiled
+TensorFlow step and the summary JSON; plus the one-line config errors (exit 78)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO
+
+
+def _run(args: list[str], tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "run.yaml"
+    # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same.
+    cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
+                                   "consumer": {"warmup_steps": 3, "status_interval_s": 2.0}}))
+    summary = tmp_path / "summary.json"
+    proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2",
+                 "--steps", "150", "--summary-json", str(summary)], tmp_path, timeout_s=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["steps"] == s["batches_applied"] == 150
+    assert s["producers_seen"] == 2
+    assert s["duplicates_dropped"] == 0 and s["rejects"] == {}
+    assert s["compiles_after_ready"] == 0
+    assert s["final_loss"] < 0.6 * s["first_loss"], (s["first_loss"], s["final_loss"])
+    assert 0.0 <= s["stall_pct"] <= 100.0
+    assert 0.3 < s["padding_efficiency"] <= 1.0
+    assert s["batches_per_s"] > 0 and s["samples_per_s"] > s["batches_per_s"]
+    assert s["compile_s"] > 0 and s["time_to_first_step_s"] > s["compile_s"]
+    assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
+    assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
+
+
+def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("consumer:\n  ring_slots: 1\n")
+    proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
+    assert proc.returncode == 78
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "run_pipeline.py consumer: consumer.ring_slots: must be in 3..256, got 1")
+
+
+def test_missing_manifest_names_the_path_and_exits_78(tmp_path: Path) -> None:
+    proc = _run(["producer", "--cache-dir", str(tmp_path / "nocache"), "--producers", "1"], tmp_path, timeout_s=120)
+    assert proc.returncode == 78
+    assert "nocache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path: Path) -> None:
+    import shutil
+    cache = tmp_path / "c"
+    shutil.copytree(demo_cache, cache)
+    (cache / "manifest.json").unlink()
+    bad = sorted((cache / "mels").glob("*.npy"))[0]
+    bad.write_bytes(b"not numpy at all")
+    proc = _run(["index", str(cache)], tmp_path, timeout_s=120)
+    assert proc.returncode == 1
+    assert f"{bad}: not a .npy file (bad magic)" in proc.stderr
+    assert not (cache / "manifest.json").exists()
+    ok = _run(["index", str(cache), "--skip-bad"], tmp_path, timeout_s=120)
+    assert ok.returncode == 0 and "indexed 199 utterances" in ok.stdout
