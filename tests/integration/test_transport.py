@@ -113,3 +113,18 @@ def test_producers_started_first_wait_and_join_when_the_consumer_appears(
         ids = [b.batch_id for b in consumer.batches()]
         assert consumer.receiver_stats().producers_seen == 2
     assert ids == list(range(20))
+
+
+def test_as_dataset_yields_fixed_shape_elements_for_keras(demo_cache: Path, endpoint: str,
+                                                        producers: ProducerGroup) -> None:
+    with Consumer(_cfg(demo_cache, endpoint, 6)) as consumer:
+        producers.start(demo_cache, endpoint, 1)
+        ds = consumer.as_dataset(single_shape=True)
+        elements = list(ds)
+        biggest = max(consumer.bucket_set.buckets, key=lambda b: b.max_frames)
+    assert len(elements) == 6
+    assert ds.element_spec[1].shape.as_list() == [biggest.batch_size, biggest.max_frames, 80]
+    for feats, mel in elements:
+        assert mel.shape == (biggest.batch_size, biggest.max_frames, 80)
+        assert int(feats["mel_len"].numpy().max()) <= biggest.max_frames
+        assert int(feats["tok_len"].numpy().min()) >= 0
