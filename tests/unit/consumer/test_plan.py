@@ -14,17 +14,9 @@ from consumer.plan import EpochPlan, PlannedBatch
 from shared.buckets import BucketSet, build_buckets
 from shared.config import BucketConfig
 from shared.errors import ConfigError
+from tests.fakes import ljspeech_like
 
 _FINGERPRINT = "3f9a0c47d12e88b5" + "0" * 48  # sha256-sized hex, as the manifest writes it
-
-
-def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Frames (1-10 s at 22050 Hz, hop 256) and roughly proportional token counts."""
-    rng = np.random.default_rng(seed)
-    seconds = np.clip(rng.normal(6.6, 2.2, n), 1.0, 10.1)
-    frames = np.round(seconds * 22050 / 256).astype(np.int64)
-    tokens = np.clip(np.round(seconds * 15 + rng.normal(0, 5, n)), 10, 190).astype(np.int64)
-    return frames, tokens
 
 
 def _bucket_set(n: int = 500, batch_size: int = 16, seed: int = 0, **cfg: object) -> BucketSet:

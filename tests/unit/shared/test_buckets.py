@@ -38,15 +38,6 @@ def _brute_force_cost(frames: list[int], num_buckets: int, multiple: int, max_fr
     return best
 
 
-def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Frames (1-10 s at 22050 Hz, hop 256) and roughly proportional token counts."""
-    rng = np.random.default_rng(seed)
-    seconds = np.clip(rng.normal(6.6, 2.2, n), 1.0, 10.1)
-    frames = np.round(seconds * 22050 / 256).astype(np.int64)
-    tokens = np.clip(np.round(seconds * 15 + rng.normal(0, 5, n)), 10, 190).astype(np.int64)
-    return frames, tokens
-
-
 @settings(max_examples=120, deadline=None)
 @given(frames=st.lists(st.integers(0, 40), min_size=1, max_size=25),
        num_buckets=st.integers(1, 4), multiple=st.sampled_from([1, 3, 8]),
