@@ -105,7 +105,8 @@ def test_variables_cover_model_and_optimizer_state() -> None:
     assert all(isinstance(v, tf.Variable) for v in variables)
     names = " ".join(v.name for v in variables)
     assert "iteration" in names and "embeddings" in names
-    n_model = len(step.checkpoint_items()["model"].trainable_variables)  # type: ignore[attr-defined]
+    model = step.checkpoint_items()["model"]
+    n_model = len(model.trainable_variables)  # type: ignore[attr-defined]
     assert len(variables) >= 3 * n_model  # weights + Adam m and v for each
 
 
