@@ -93,17 +93,20 @@ class Consumer:
         t = cfg.transport
         checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
         self._book = LeaseBook(start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
-        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets)
+        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
         self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
                                   self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
                                   liveness_s=t.liveness_s, checksum=checksum)
-        self.ring._on_release = self._receiver.wake
         self.wait_s_total = 0.0
         self.applied = 0
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
+
+    def _wake_receiver(self) -> None:
+        """A slot was freed: let the receiver lease it at once."""
+        self._receiver.wake()
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

@@ -259,7 +259,7 @@ class Receiver:
     def _known(self, ident: bytes, epoch: int):  # type: ignore[no-untyped-def]
         peer = self._peers.get(ident)
         if peer is None or epoch != self.epoch:
-            if peer is None and epoch != self.epoch:
+            if epoch != self.epoch:
                 self._counts["stale"] += 1
             raise ProtocolError(RejectCode.UNKNOWN_PEER, "unknown peer or old consumer epoch; send HELLO")
         return peer

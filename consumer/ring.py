@@ -21,15 +21,11 @@ import numpy.typing as npt
 
 from shared.buckets import Bucket
 from shared.errors import ClosedError
-from shared.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
+from shared.layout import aligned_buffer, round_up, batch_layout, layout_nbytes, layout_views
 
 __all__ = ["SlotState", "BatchRing"]
 
 _PAGE_BYTES = 4096
-
-
-def _round_up(n: int, k: int) -> int:
-    return (n + k - 1) // k * k
 
 
 class SlotState(IntEnum):
@@ -53,7 +49,7 @@ class BatchRing:
                  on_release: Callable[[], None] | None = None) -> None:
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
-        self.slot_nbytes = _round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
+        self.slot_nbytes = round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
         self._memory = aligned_buffer(n_slots * self.slot_nbytes)
         self._layouts = {b.index: batch_layout(b) for b in buckets}
         self._state = [SlotState.FREE] * n_slots

@@ -90,7 +90,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         if out.time_to_first_step_s is None:
             out.time_to_first_step_s = time.time() - process_start_s
             out.first_loss = loss_v
-        if out.steps == cfg.consumer.warmup_steps + 1 or (cfg.consumer.warmup_steps == 0 and out.steps == 1):
+        if out.steps == cfg.consumer.warmup_steps + 1:
             meter.t0 = meter.win_t = time.perf_counter()
             meter.wait0 = meter.win_wait = consumer.wait_s_total
         if out.steps > cfg.consumer.warmup_steps:

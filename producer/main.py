@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shared.config import load_config
     from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.lifecycle import die_with_parent, resolve_endpoint, setup_logging, stop_on_signals
+    from shared.lifecycle import die_with_parent, setup_logging, stop_on_signals
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     die_with_parent()
     try:

@@ -10,12 +10,12 @@ import numpy.typing as npt
 
 from shared.buckets import Bucket
 
-__all__ = ["ALIGN_BYTES", "batch_layout", "layout_nbytes", "aligned_buffer", "layout_views"]
+__all__ = ["ALIGN_BYTES", "batch_layout", "layout_nbytes", "aligned_buffer", "layout_views", "round_up"]
 
 ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (perf-facts.md)
 
 
-def _round_up(n: int, k: int) -> int:
+def round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
@@ -27,7 +27,7 @@ def batch_layout(bucket: Bucket) -> list[tuple[str, int, tuple[int, ...], np.dty
     for key, shape in bucket.shapes().items():
         dtype = np.dtype(dtypes[key])
         out.append((key, offset, shape, dtype))
-        offset = _round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
+        offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
     return out
 
 

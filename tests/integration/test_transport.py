@@ -84,6 +84,7 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
                     break
             ids = [b.batch_id for b in consumer.batches()]
             rejects = consumer.receiver_stats().rejects
+            stale = consumer.receiver_stats().stale_dropped
     finally:
         bad.close()
         ctx.term()
@@ -92,6 +93,7 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
                                              RejectCode.TYPE, RejectCode.UNKNOWN_PEER, RejectCode.CONTRACT,
                                              RejectCode.PROTO, RejectCode.FRAMES]
     assert sum(rejects.values()) == len(sent)
+    assert stale == 1   # the HB from an old epoch; the 2-frame BYE is refused (FRAMES) before its epoch is read
 
 
 def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: str, tmp_path: Path,

@@ -27,7 +27,8 @@ def test_every_view_is_64_byte_aligned_and_disjoint() -> None:
 
 
 def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
-    ring = BatchRing(3, BUCKETS)
+    released: list[int] = []
+    ring = BatchRing(3, BUCKETS, on_release=lambda: released.append(1))
     slots = [ring.reserve() for _ in range(3)]
     assert ring.reserve() is None
     ring.mark_ready(slots[0], 11)
@@ -35,8 +36,6 @@ def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
     assert ring.take(12, 0.0) is None
     assert ring.take(10, 0.0) == slots[1]
     assert ring.counts()[SlotState.IN_STEP] == 1
-    released: list[int] = []
-    ring._on_release = lambda: released.append(1)
     ring.release(slots[1])
     assert released == [1]
     assert ring.reserve() == slots[1]
