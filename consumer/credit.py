@@ -15,7 +15,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-__all__ = ["ActiveLease", "LeaseBook", "Verdict"]
+from collections.abc import Callable, Iterable
+
+__all__ = ["ActiveLease", "LeaseBook", "Verdict", "grant_round"]
 
 
 @dataclass(slots=True)
@@ -141,3 +143,23 @@ class LeaseBook:
         held = self._by_peer.get(lease.peer)
         if held is not None:
             held.discard(lease.batch_id)
+
+
+def grant_round(book: LeaseBook, peers: Iterable[bytes], reserve: Callable[[], int | None],
+                cancel: Callable[[int], None], now_s: float) -> list[ActiveLease]:
+    """Fill every peer's window in the given order while a slot is free and work remains.
+
+    ``reserve``/``cancel`` take and give back ring slots, so each lease owns exactly one slot.
+    """
+    granted = []
+    for peer in peers:
+        while book.room(peer) > 0 and book.has_work():
+            slot = reserve()
+            if slot is None:
+                return granted
+            batch_id = book.next_id()
+            if batch_id is None:  # unreachable while has_work() holds; keeps the slot from leaking
+                cancel(slot)
+                return granted
+            granted.append(book.grant(peer, batch_id, slot, now_s))
+    return granted

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from consumer.credit import ActiveLease, LeaseBook, Verdict
+from consumer.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from consumer.peers import PeerTable
 from consumer.plan import EpochPlan
 from consumer.rejects import RejectLog
@@ -318,20 +318,12 @@ class Receiver:
     # --- leases, liveness, heartbeats ------------------------------------------------------------
     def _grant(self, now: float) -> None:
         grants: dict[bytes, list[Lease]] = {}
-        for ident in self._peers.by_fewest_leases(self._book):
-            while self._book.room(ident) > 0 and self._book.has_work():
-                slot = self._ring.reserve()
-                if slot is None:
-                    break
-                batch_id = self._book.next_id()
-                if batch_id is None:
-                    self._ring.cancel(slot)
-                    break
-                self._book.grant(ident, batch_id, slot, now)
-                self._peers.get(ident).last_grant_s = now  # type: ignore[union-attr]  # ties go round-robin
-                planned = self._plan.batch(batch_id)
-                grants.setdefault(ident, []).append(
-                    Lease(batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s))
+        order = self._peers.by_fewest_leases(self._book)
+        for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now):
+            self._peers.get(lease.peer).last_grant_s = now  # type: ignore[union-attr]  # ties go round-robin
+            planned = self._plan.batch(lease.batch_id)
+            grants.setdefault(lease.peer, []).append(
+                Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s))
         depth = self.queue_depth()
         for ident, leases in grants.items():
             self._send(ident, LeaseGrant(self.epoch, leases, depth))

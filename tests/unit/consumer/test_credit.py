@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.credit import LeaseBook, Verdict
+from consumer.credit import LeaseBook, Verdict, grant_round
 from consumer.ring import BatchRing, SlotState
 from shared.buckets import Bucket
 
@@ -25,16 +25,7 @@ class Sim:
         self.alive = set(PEERS)
 
     def grant(self) -> None:
-        for peer in sorted(self.alive):
-            while self.book.room(peer) and self.book.has_work():
-                slot = self.ring.reserve()
-                if slot is None:
-                    return
-                bid = self.book.next_id()
-                if bid is None:
-                    self.ring.cancel(slot)
-                    return
-                self.book.grant(peer, bid, slot, self.now)
+        grant_round(self.book, sorted(self.alive), self.ring.reserve, self.ring.cancel, self.now)
 
     def deliver(self, peer: bytes, pick: int) -> None:
         held = self.book.leases_of(peer)
