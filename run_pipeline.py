@@ -12,7 +12,7 @@ _STARTED_S = time.time()
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.cli import build_parser
-    from shared.errors import EXIT_CONFIG, CacheError, ConfigError
+    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, StateError
     from shared.lifecycle import setup_logging
 
     args = build_parser().parse_args(argv)
@@ -21,6 +21,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "index":
             from shared.tools import main_index
             return main_index(args)
+        if args.command == "verify-cache":
+            from shared.tools import main_verify_cache
+            return main_verify_cache(args)
+        if args.command == "audit":
+            from consumer.audit import main_audit
+            return main_audit(args)
         if args.command == "demo-data":
             from shared.tools import main_demo
             return main_demo(args)
@@ -34,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CacheError) as err:
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except StateError as err:
+        print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
+        return EXIT_CONFIG if err.fatal else 1
 
 
 if __name__ == "__main__":

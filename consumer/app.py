@@ -15,11 +15,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from consumer.pipeline import Consumer
+from consumer.state import RunState
 from consumer.trainer import train
 from shared.cli import config_from_args
 from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
@@ -40,9 +43,24 @@ def _demo_dir() -> Path:
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
-    with stop_on_signals() as stop, Consumer(cfg) as consumer:
-        train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json)
+    with stop_on_signals() as stop, _opened_state(cfg) as state, \
+            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
+        train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state)
     return 0
+
+
+@contextmanager
+def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
+    """The state directory's lock, audit log and resume cursor for the whole run."""
+    from shared.manifest import load_manifest
+    if cfg.cache_dir is None:
+        raise ConfigError("is required", path=("cache_dir",))
+    state = RunState.open(cfg, load_manifest(cfg.cache_dir, cfg.n_mels).fingerprint)
+    try:
+        yield state
+    finally:
+        if state is not None:
+            state.close()
 
 
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
@@ -55,14 +73,15 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    with stop_on_signals() as stop, Consumer(cfg) as consumer:
+    with stop_on_signals() as stop, _opened_state(cfg) as state, \
+            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = _start_producers(child_cfg, entry, args.debug_delay_ms)
         watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
         watcher.start()
         try:
-            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json)
+            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state)
         finally:
             _stop_producers(group)
     code = group.proc.returncode or 0

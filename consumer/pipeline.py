@@ -72,7 +72,8 @@ class Consumer:
 
     Args:
         cfg: the pipeline config (``cache_dir`` is required).
-        start_batch: first batch id to apply (a resume position).
+        start_batch: first batch id to apply (a resume position); ``consumer.steps`` stays the
+            absolute end, so a resumed run stops where an uninterrupted one would.
         environ: where the default ipc endpoint's runtime directory is looked up.
     """
 
@@ -86,8 +87,8 @@ class Consumer:
                                                    cfg.n_mels, cfg.buckets)
         self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
-        steps = cfg.consumer.steps
-        self.end_batch = start_batch + steps if steps is not None else None
+        steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
+        self.end_batch = max(start_batch, steps) if steps is not None else None
         self.next_apply = start_batch
         self.epoch = int.from_bytes(os.urandom(6), "big") | 1
         t = cfg.transport

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from consumer.pipeline import Consumer
+from consumer.state import RunState
 from shared.config import PipelineConfig
 
 __all__ = ["TrainSummary", "train"]
@@ -47,6 +48,7 @@ class TrainSummary:
     in_flight_bound_bytes: int = 0
     payload_copies_per_batch: float = 0.0
     interrupted: bool = False
+    next_batch: int | None = None       # resume position of the final checkpoint (with a state_dir)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
@@ -64,8 +66,14 @@ class _Meter:
 
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
-          summary_path: str | None = None) -> TrainSummary:
-    """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set."""
+          summary_path: str | None = None, state: RunState | None = None) -> TrainSummary:
+    """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
+
+    With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
+    checkpoint after warm-up, every applied batch is appended to the audit log, and a checkpoint
+    is committed every ``consumer.checkpoint_every_steps`` and when the loop ends for any reason
+    but a crash (plan finished, SIGTERM).
+    """
     from consumer.model import StepSpec
     from consumer.step import CompiledStep, load_step_factory, to_tensors
 
@@ -77,6 +85,9 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     out = TrainSummary(padding_efficiency=0.0,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
     out.compile_s = compiled.warm_up()
+    items = _checkpoint_items(step_fn)
+    if state is not None:
+        state.restore_into(items)
     log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
     meter = _Meter()
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
@@ -87,6 +98,10 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
         copies += n_copies
         out.steps += 1
+        if state is not None:
+            state.record(batch.batch_id, consumer.plan.batch(batch.batch_id).sample_ids, consumer.epoch)
+            if state.due():
+                state.checkpoint(items, consumer.epoch)
         if out.time_to_first_step_s is None:
             out.time_to_first_step_s = time.time() - process_start_s
             out.first_loss = loss_v
@@ -106,10 +121,19 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             _status_line(out.steps, loss_v, meter, consumer, cfg)
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
+    if state is not None:
+        state.checkpoint(items, consumer.epoch)
+        out.next_batch = state.next_batch
     _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies)
     if summary_path:
         out.write(summary_path)
     return out
+
+
+def _checkpoint_items(step_fn: Any) -> dict[str, object]:
+    """Named trackables when the step offers them (restorable by Keras users), else its variables."""
+    items = getattr(step_fn, "checkpoint_items", None)
+    return dict(items()) if callable(items) else {"variables": list(step_fn.variables())}
 
 
 def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig) -> None:

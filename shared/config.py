@@ -112,12 +112,15 @@ class ConsumerConfig:
     """The training side: ring, step loop, reporting."""
 
     ring_slots: int = 3                    # preallocated batch slots; >= 3 (filling, ready, in step)
-    steps: int | None = 300                # stop after this many applied batches; None = run until stopped
+    steps: int | None = 300                # stop once this many batches were applied in total (a resumed
+                                           # run continues to the same end); None = run until stopped
     status_interval_s: float = 5.0         # period of the status line
     warmup_steps: int = 5                  # excluded from stall % and rates
     model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer; None = inherit
     state_dir: str | None = None           # checkpoints and logs; None = no persistent state
     wait_timeout_s: float = 2.0            # one bounded wait of the step loop for its next batch
+    checkpoint_every_steps: int = 200      # with state_dir: checkpoint period (also on stop and at the end)
+    keep_checkpoints: int = 2              # complete checkpoints kept in state_dir (>= 1)
 
     def __post_init__(self) -> None:
         p = ("consumer",)
@@ -128,6 +131,9 @@ class ConsumerConfig:
                self.status_interval_s)
         _check(self.warmup_steps >= 0, "must be >= 0", p + ("warmup_steps",), self.warmup_steps)
         _check(self.wait_timeout_s > 0, "must be > 0", p + ("wait_timeout_s",), self.wait_timeout_s)
+        _check(self.checkpoint_every_steps >= 1, "must be >= 1", p + ("checkpoint_every_steps",),
+               self.checkpoint_every_steps)
+        _check(self.keep_checkpoints >= 1, "must be >= 1", p + ("keep_checkpoints",), self.keep_checkpoints)
 
 
 @dataclass(frozen=True, slots=True)

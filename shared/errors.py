@@ -17,6 +17,7 @@ __all__ = [
     "PeerLostError",
     "ProducerCrashedError",
     "EXIT_CONFIG",
+    "StateError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
@@ -46,6 +47,20 @@ class CacheError(PipelineError):
     def __init__(self, path: object, reason: str) -> None:
         self.path = str(path)
         self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class StateError(PipelineError):
+    """The state directory (checkpoints, audit log) cannot be used as it is. Names the path.
+
+    ``fatal`` (a mismatch a restart cannot fix, e.g. another dataset's checkpoint) maps to exit 78;
+    otherwise (a write failed: disk full, read-only) the process exits 1 and may be restarted.
+    """
+
+    def __init__(self, path: object, reason: str, *, fatal: bool = True) -> None:
+        self.path = str(path)
+        self.reason = reason
+        self.fatal = fatal
         super().__init__(f"{self.path}: {reason}")
 
 

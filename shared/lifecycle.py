@@ -68,3 +68,4 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
                         force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)   # TensorFlow's checkpoint writer chatters at INFO

@@ -1,0 +1,84 @@
+"""SIGTERM on the consumer: exit 0, a checkpoint at exactly the next batch, and a restart that
+ends with the same variables as a run that was never interrupted (nothing lost or repeated).
+Producers keep running across the consumer restart (reliability-tests F3, F8)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from consumer.checkpoint import latest_checkpoint
+from tests import procs
+
+_STEPS = 90
+
+
+def _final_variables(state: Path) -> dict[str, np.ndarray]:
+    found = latest_checkpoint(state)
+    assert found is not None
+    reader = tf.train.load_checkpoint(str(found[0] / "vars"))
+    return {name: reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE") for name in ("w", "momentum", "iterations")}
+
+
+def _consumer_run(config: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return procs.start("consumer", config, log, *extra)
+
+
+def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrupted_run(
+        demo_cache: Path, tmp_path: Path) -> None:
+    log = tmp_path / "resume.log"
+    endpoint = f"ipc://{tmp_path}/r.sock"
+    straight = procs.write_config(tmp_path / "straight.yaml", demo_cache, endpoint, tmp_path / "a", _STEPS,
+                                  consumer={"checkpoint_every_steps": 1000})
+    broken = procs.write_config(tmp_path / "broken.yaml", demo_cache, endpoint, tmp_path / "b", _STEPS,
+                                consumer={"checkpoint_every_steps": 1000})
+    producers = procs.start("producer", straight, log, "--debug-delay-ms", "20")
+    try:
+        assert _consumer_run(straight, log).wait(90) == 0, procs.tail(log)
+
+        first = _consumer_run(broken, log, "--summary-json", str(tmp_path / "first.json"))
+        assert procs.wait_for_records(tmp_path / "b", 30, first, 60), procs.tail(log)
+        assert procs.stop(first, 20) == 0, procs.tail(log)          # SIGTERM: clean exit 0
+        summary = json.loads((tmp_path / "first.json").read_text())
+        found = latest_checkpoint(tmp_path / "b")
+        assert found is not None and summary["interrupted"]
+        # The stop checkpoint covers every applied batch: nothing after it to replay.
+        assert found[1].next_batch == found[1].audit_records == procs.audit_records(tmp_path / "b")
+        assert summary["next_batch"] == found[1].next_batch < _STEPS
+
+        assert _consumer_run(broken, log).wait(90) == 0, procs.tail(log)   # same producers, no restart
+    finally:
+        procs.stop(producers)
+    rc, doc, text = procs.run_audit(tmp_path / "b", tmp_path)
+    assert rc == 0 and doc["consumer_epochs"] == 2 and doc["applied"] == _STEPS, text
+    a, b = _final_variables(tmp_path / "a"), _final_variables(tmp_path / "b")
+    assert int(b["iterations"]) == _STEPS
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_a_state_dir_in_use_or_from_another_plan_is_refused_with_one_line(demo_cache: Path, tmp_path: Path) -> None:
+    log = tmp_path / "refuse.log"
+    endpoint = f"ipc://{tmp_path}/x.sock"
+    config = procs.write_config(tmp_path / "c.yaml", demo_cache, endpoint, tmp_path / "s", 10_000)
+    holder = _consumer_run(config, log)
+    try:
+        assert procs.wait_for_file(tmp_path / "s" / "run.json", holder, 60), procs.tail(log)
+        other = procs.write_config(tmp_path / "o.yaml", demo_cache, f"ipc://{tmp_path}/y.sock", tmp_path / "s", 5)
+        second = subprocess.run(procs.command("consumer", other), cwd=procs.REPO, env=procs.env(tmp_path),
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        procs.stop(holder)
+    assert second.returncode == 78
+    assert second.stderr.strip().endswith(f"in use by another consumer (pid {holder.pid})"), second.stderr
+    reseeded = procs.write_config(tmp_path / "r.yaml", demo_cache, endpoint, tmp_path / "s", 5)
+    text = reseeded.read_text().replace("cache_dir:", "seed: 9\ncache_dir:")
+    reseeded.write_text(text)
+    third = subprocess.run(procs.command("consumer", reseeded), cwd=procs.REPO, env=procs.env(tmp_path),
+                           capture_output=True, text=True, timeout=60)
+    assert third.returncode == 78
+    assert "seed=0, the config has 9" in third.stderr and len(third.stderr.strip().splitlines()) == 1, third.stderr

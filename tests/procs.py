@@ -1,0 +1,121 @@
+"""Real consumer and producer processes for restart, chaos and resume tests (no fakes).
+
+The consumer runs ``run_pipeline.py consumer`` and the producers ``run_pipeline.py producer``, as
+the systemd units do, so killing one side leaves the other running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from consumer.audit import RECORD_BYTES
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_STEP = "tests.steps:tiny_step"
+
+
+def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps: int, **sections: Any) -> Path:
+    """A config for both sides: fast heartbeats, frequent checkpoints, the tiny TensorFlow step."""
+    cfg: dict[str, Any] = {
+        "cache_dir": str(cache),
+        "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "liveness_intervals": 5},
+        "consumer": {"steps": steps, "state_dir": str(state_dir), "checkpoint_every_steps": 7,
+                     "wait_timeout_s": 0.5, "status_interval_s": 2.0},
+        "producer": {"count": 3, "restart_backoff_s": 0.2},
+        "model": {"step": TINY_STEP},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "XDG_RUNTIME_DIR": str(tmp), "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def command(name: str, config: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "run_pipeline.py"), name, "--config", str(config), *extra]
+
+
+def start(name: str, config: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``run_pipeline.py NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None and not path.exists():
+        time.sleep(0.05)
+    return path.exists()
+
+
+def audit_records(state_dir: Path) -> int:
+    try:
+        return (state_dir / "audit.log").stat().st_size // RECORD_BYTES
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_records(state_dir: Path, n: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """True once the audit log holds ``n`` records; False on timeout or if ``proc`` exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if audit_records(state_dir) >= n:
+            return True
+        time.sleep(0.02)
+    return audit_records(state_dir) >= n
+
+
+def child_pids(parent: int) -> list[int]:
+    """Live direct children of ``parent`` (the producer workers of a launcher)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == parent and fields[0] != "Z":
+            out.append(int(entry))
+    return sorted(out)
+
+
+def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:
+    """``run_pipeline.py audit`` as a user runs it: exit code, its JSON, its printed text."""
+    out_json = tmp / f"audit-{time.monotonic_ns()}.json"
+    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "audit", str(state_dir), "--json",
+                           str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    doc = json.loads(out_json.read_text()) if out_json.exists() else {}
+    return proc.returncode, doc, proc.stdout + proc.stderr
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM, bounded wait, SIGKILL if ignored; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

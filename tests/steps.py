@@ -1,0 +1,41 @@
+"""A real but tiny TensorFlow training step for tests that restart consumers many times.
+
+It compiles in well under a second (the reference model takes ~15-30 s on 2 cores) and its final
+variables depend on every batch and on their order (momentum), so a resumed run that lost,
+repeated or reordered a batch ends with different variables than an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from consumer.model import StepSpec
+
+
+class _TinyStep:
+    def __init__(self, spec: StepSpec) -> None:
+        self.lr = float(spec.learning_rate)
+        self.w = tf.Variable(tf.zeros([spec.n_mels]), name="w")
+        self.momentum = tf.Variable(tf.zeros([spec.n_mels]), name="momentum")
+        self.iterations = tf.Variable(tf.constant(0, tf.int64), name="iterations")
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        mask = tf.sequence_mask(mel_len, mel.shape[1], tf.float32)[..., None]
+        n_valid = tf.maximum(tf.reduce_sum(mask) * mel.shape[2], 1.0)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(mel - self.w) * mask) / n_valid
+        grad = tape.gradient(loss, self.w)
+        self.momentum.assign(0.9 * self.momentum + grad)
+        self.w.assign_sub(self.lr * self.momentum)
+        self.iterations.assign_add(1)
+        return loss
+
+    def variables(self) -> list[tf.Variable]:
+        return [self.w, self.momentum, self.iterations]
+
+    def checkpoint_items(self) -> dict[str, object]:
+        return {"w": self.w, "momentum": self.momentum, "iterations": self.iterations}
+
+
+def tiny_step(spec: StepSpec) -> _TinyStep:
+    return _TinyStep(spec)
