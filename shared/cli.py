@@ -18,6 +18,7 @@ _OVERRIDES = {  # flag dest -> config key
     "producers": "producer.count", "seed": "seed", "ring_slots": "consumer.ring_slots",
     "batch_size": "buckets.batch_size", "status_interval_s": "consumer.status_interval_s",
     "state_dir": "consumer.state_dir", "model_step": "model.step",
+    "checkpoint_every_steps": "consumer.checkpoint_every_steps",
 }
 
 
@@ -35,7 +36,8 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")
         p.add_argument("--batch-size", type=int, help="rows per batch")
         p.add_argument("--status-interval-s", type=float, help="seconds between status lines")
-        p.add_argument("--state-dir", help="directory for checkpoints and the audit log")
+        p.add_argument("--state-dir", help="directory for checkpoints and the audit log (resume from it)")
+        p.add_argument("--checkpoint-every-steps", type=int, help="checkpoint period (also on stop and at the end)")
         p.add_argument("--model-step", help="training step factory, module:function")
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
 
