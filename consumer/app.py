@@ -26,8 +26,9 @@ from consumer.state import RunState
 from consumer.trainer import train
 from shared.cli import config_from_args
 from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
-from shared.errors import ConfigError
+from shared.errors import ConfigError, PipelineError
 from shared.lifecycle import prepare_runtime_dir, stop_on_signals
+from shared.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run"]
 
@@ -43,9 +44,17 @@ def _demo_dir() -> Path:
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
-    with stop_on_signals() as stop, _opened_state(cfg) as state, \
-            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
-        train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state)
+    notifier = Notifier()
+    try:
+        with stop_on_signals() as stop, _opened_state(cfg) as state, \
+                Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
+            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
+                  notifier=notifier)
+    except PipelineError as err:
+        notifier.notify(STATUS=f"failed: {err}")
+        raise
+    finally:
+        notifier.close()
     return 0
 
 

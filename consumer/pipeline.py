@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,10 +169,13 @@ class Consumer:
         self.applied += 1
         self._receiver.mark_applied(batch.batch_id)
 
-    def batches(self, stop: threading.Event | None = None) -> Iterator[Batch]:
+    def batches(self, stop: threading.Event | None = None,
+                on_wait: Callable[[int], None] | None = None) -> Iterator[Batch]:
         """Yield batches in plan order until the plan ends, ``stop`` is set or ``close()``.
 
         Each batch is released when the caller asks for the next one (or leaves the loop).
+        ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
+        (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
         """
         waited_s = 0.0
         while not self.finished and not (stop is not None and stop.is_set()):
@@ -181,6 +184,8 @@ class Consumer:
             except ClosedError:
                 return
             if batch is None:
+                if on_wait is not None:
+                    on_wait(self._receiver.stats().producers_alive)
                 waited_s += self.cfg.consumer.wait_timeout_s
                 if waited_s >= _WAITING_LOG_S:
                     log.info("waiting for batch %d: producers alive=%d", self.next_apply,

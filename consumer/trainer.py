@@ -15,6 +15,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from consumer.pipeline import Consumer
 from consumer.state import RunState
 from shared.config import PipelineConfig
+from shared.sdnotify import Notifier
 
 __all__ = ["TrainSummary", "train"]
 
@@ -66,14 +69,19 @@ class _Meter:
 
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
-          summary_path: str | None = None, state: RunState | None = None) -> TrainSummary:
+          summary_path: str | None = None, state: RunState | None = None,
+          notifier: Notifier | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
     checkpoint after warm-up, every applied batch is appended to the audit log, and a checkpoint
     is committed every ``consumer.checkpoint_every_steps`` and when the loop ends for any reason
     but a crash (plan finished, SIGTERM).
+    With ``notifier`` (systemd): EXTEND_TIMEOUT_USEC while compiling, READY=1 after, STATUS= with the
+    live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
+    loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
     """
+    notifier = notifier if notifier is not None else Notifier({})
     from consumer.model import StepSpec
     from consumer.step import CompiledStep, load_step_factory, to_tensors
 
@@ -84,16 +92,25 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     consumer.start()
     out = TrainSummary(padding_efficiency=0.0,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
-    out.compile_s = compiled.warm_up()
-    items = _checkpoint_items(step_fn)
-    if state is not None:
-        state.restore_into(items)
+    with _extending_start_timeout(notifier):
+        out.compile_s = compiled.warm_up()
+        items = _checkpoint_items(step_fn)
+        if state is not None:
+            state.restore_into(items)
     log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
+    notifier.ready(f"compiled {len(consumer.bucket_set.buckets)} shapes in {out.compile_s:.1f} s; "
+                   f"starting at batch {consumer.next_apply}")
+
+    def on_wait(producers_alive: int) -> None:
+        notifier.watchdog()
+        notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
+                        f"producers alive {producers_alive}")
+
     meter = _Meter()
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     loss_v = math.nan
     copies = 0
-    for batch in consumer.batches(stop):
+    for batch in consumer.batches(stop, on_wait):
         tensors, n_copies = to_tensors(batch.arrays)
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
         copies += n_copies
@@ -117,10 +134,12 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             meter.real_frames += batch.real_frames
             meter.padded_frames += batch.padded_frames
         out.samples += batch.rows
+        notifier.watchdog()
         if time.monotonic() >= next_status_s:
-            _status_line(out.steps, loss_v, meter, consumer, cfg)
+            notifier.status(_status_line(out.steps, loss_v, meter, consumer, cfg))
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
+    notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:
         state.checkpoint(items, consumer.epoch)
         out.next_batch = state.next_batch
@@ -136,7 +155,28 @@ def _checkpoint_items(step_fn: Any) -> dict[str, object]:
     return dict(items()) if callable(items) else {"variables": list(step_fn.variables())}
 
 
-def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig) -> None:
+@contextmanager
+def _extending_start_timeout(notifier: Notifier, every_s: float = 10.0) -> Iterator[None]:
+    """Compiling can outlast TimeoutStartSec: ask systemd for more time until READY."""
+    done = threading.Event()
+
+    def extend() -> None:
+        while not done.is_set():
+            notifier.extend_timeout(every_s * 3)
+            done.wait(every_s)
+
+    thread = threading.Thread(target=extend, name="sd-extend", daemon=True) if notifier.enabled else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join(every_s)
+
+
+def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig) -> str:
     now = time.perf_counter()
     span = max(1e-9, now - meter.win_t) if meter.win_t else 0.0
     rate = meter.win_batches / span if span else 0.0
@@ -144,12 +184,14 @@ def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg:
     stall = 100.0 * (consumer.wait_s_total - meter.win_wait) / span if span else 0.0
     rs = consumer.receiver_stats()
     total = f"/{cfg.consumer.steps}" if cfg.consumer.steps else ""
-    log.info("step %d%s loss %.4f | %.1f batches/s %.0f samples/s | stall %.1f%% | queue %d | producers %d"
-             " | rejects %d", step, total, loss, rate, srate, stall, consumer.queue_depth(), rs.producers_alive,
-             sum(rs.rejects.values()))
+    text = (f"step {step}{total} loss {loss:.4f} | {rate:.1f} batches/s {srate:.0f} samples/s | "
+            f"stall {stall:.1f}% | queue {consumer.queue_depth()} | producers {rs.producers_alive} | "
+            f"rejects {sum(rs.rejects.values())}")
+    log.info("%s", text)
     if meter.win_t:
         meter.win_t, meter.win_wait = now, consumer.wait_s_total
         meter.win_batches = meter.win_samples = 0
+    return text
 
 
 def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int, loss: float,

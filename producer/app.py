@@ -1,8 +1,14 @@
-"""``run_pipeline.py producer``: write the effective config once, then supervise N producers."""
+"""``run_pipeline.py producer``: supervise N producers, or run one (``--instance N``, for systemd).
+
+``--producers N`` writes the effective config once and supervises N child processes (restart with
+back-off). ``--instance N`` runs producer N in this process, for ``producer@N.service``, where
+systemd restarts it; both notify systemd when ``$NOTIFY_SOCKET`` is set.
+"""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -13,6 +19,7 @@ from shared.cli import config_from_args
 from shared.config import config_to_mapping, resolve_runtime_dir, with_overrides
 from shared.errors import ConfigError
 from shared.lifecycle import prepare_runtime_dir, resolve_endpoint, stop_on_signals
+from shared.sdnotify import Notifier
 
 __all__ = ["main_producer", "write_effective_config"]
 
@@ -32,10 +39,18 @@ def main_producer(args: argparse.Namespace) -> int:
         raise ConfigError("is required (--cache-dir or cache_dir in the config)", path=("cache_dir",))
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
                                "cache_dir": str(Path(cfg.cache_dir).resolve())})
-    path = write_effective_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml")
+    notifier = Notifier()
     try:
-        with stop_on_signals() as stop:
-            return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
-                                       debug_delay_ms=args.debug_delay_ms)
+        if args.instance is not None:        # systemd producer@N.service: systemd is the supervisor
+            from producer.main import run_one
+            multiprocessing.current_process().name = f"producer-{args.instance}"
+            return run_one(cfg, args.instance, args.debug_delay_ms / 1000.0, notifier)
+        path = write_effective_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml")
+        try:
+            with stop_on_signals() as stop:
+                return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
+                                           debug_delay_ms=args.debug_delay_ms, notifier=notifier)
+        finally:
+            path.unlink(missing_ok=True)
     finally:
-        path.unlink(missing_ok=True)
+        notifier.close()

@@ -22,6 +22,7 @@ from pathlib import Path
 import uvloop
 
 from shared.errors import EXIT_CONFIG
+from shared.sdnotify import Notifier
 
 __all__ = ["supervise_producers"]
 
@@ -99,11 +100,19 @@ class _suppress_lookup:
         return exc[0] is ProcessLookupError
 
 
-async def _main(group: _Group, stop: threading.Event) -> int:
+async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int:
     stopping = asyncio.Event()
     tasks = [asyncio.ensure_future(group.keep_alive(i, stopping)) for i in range(1, group.count + 1)]
+    notifier.ready(f"supervising {group.count} producers")
+    next_status_s = 0.0
     while not stopping.is_set() and not stop.is_set():
         await asyncio.sleep(0.1)   # the threading.Event is set by a signal handler; poll it cheaply
+        notifier.watchdog()        # this loop turning is the supervisor's progress
+        if notifier.enabled and time.monotonic() >= next_status_s:
+            alive = sum(1 for p in group.procs.values() if p.returncode is None)
+            notifier.status(f"{alive}/{group.count} producers alive; {group.restarts} restarts")
+            next_status_s = time.monotonic() + 2.0
+    notifier.stopping()
     stopping.set()
     await group.terminate_all()
     await asyncio.wait(tasks, timeout=_TERM_WAIT_S)
@@ -111,11 +120,11 @@ async def _main(group: _Group, stop: threading.Event) -> int:
 
 
 def supervise_producers(config_path: Path, count: int, stop: threading.Event, *, backoff_s: float = 1.0,
-                        debug_delay_ms: float = 0.0) -> int:
+                        debug_delay_ms: float = 0.0, notifier: Notifier | None = None) -> int:
     """Run ``count`` producers until ``stop`` is set or one reports a configuration error.
 
     Returns:
         0 after a clean stop, 78 when a producer exited with a configuration error.
     """
     group = _Group(config_path, count, backoff_s, debug_delay_ms)
-    return uvloop.run(_main(group, stop))
+    return uvloop.run(_main(group, stop, notifier if notifier is not None else Notifier({})))

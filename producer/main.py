@@ -13,9 +13,16 @@ import logging
 import multiprocessing
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from producer.worker import ProducerWorker
+    from shared.config import PipelineConfig
+    from shared.sdnotify import Notifier
+
+__all__ = ["main", "run_one"]
 
 log = logging.getLogger(__name__)
 
@@ -30,23 +37,45 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shared.config import load_config
     from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.lifecycle import die_with_parent, setup_logging, stop_on_signals
+    from shared.lifecycle import die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     die_with_parent()
     try:
         cfg = load_config(args.config)
-        # Before any framework import: producers see only the data GPU ("" = CPU only).
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
-        worker = _build_worker(cfg, args.index, args.debug_delay_ms / 1000.0)
     except PipelineError as err:
         print(f"producer-{args.index}: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    return run_one(cfg, args.index, args.debug_delay_ms / 1000.0)
+
+
+def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Notifier | None = None) -> int:
+    """One producer in this process until SIGTERM: the launcher's child, or a systemd instance.
+
+    With a ``shared.sdnotify.Notifier``: READY once built and connecting, STATUS on join/leave and
+    every few seconds, WATCHDOG from the worker loop (which turns at least every heartbeat).
+    """
+    from shared.errors import EXIT_CONFIG, PipelineError
+    from shared.lifecycle import stop_on_signals
+    from shared.sdnotify import Notifier
+    notifier = notifier if notifier is not None else Notifier({})
+    try:
+        # Before any framework import: producers see only the data GPU ("" = CPU only).
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
+        status = _Status(notifier)
+        worker = _build_worker(cfg, index, debug_delay_s, status.tick)
+    except PipelineError as err:
+        print(f"producer-{index}: {err}", file=sys.stderr)
+        notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
+        return EXIT_CONFIG
+    notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
     with stop_on_signals() as stop:
         try:
             code = worker.run(stop)
         except Exception:  # top level of the process: log and map to an exit code
             log.error("producer crashed", exc_info=True)
             return 1
+        finally:
+            notifier.stopping()
     s = worker.stats()
     log.info("producer stopped batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
              1000 * s.build_s_total / max(1, s.batches_sent), 1000 * s.send_s_total / max(1, s.batches_sent),
@@ -54,7 +83,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _build_worker(cfg, index: int, debug_delay_s: float):  # type: ignore[no-untyped-def]
+class _Status:
+    """Turns worker loop ticks into WATCHDOG pings and a STATUS line (on change or every 5 s)."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self._notifier = notifier
+        self._last: tuple[int | None, int] | None = None
+        self._next_s = 0.0
+
+    def tick(self, worker: ProducerWorker) -> None:
+        self._notifier.watchdog()
+        if not self._notifier.enabled:
+            return
+        now = time.monotonic()
+        epoch = worker.joined_epoch
+        if self._last is not None and self._last[0] == epoch and now < self._next_s:
+            return
+        sent = worker.stats().batches_sent
+        self._last, self._next_s = (epoch, sent), now + 5.0
+        self._notifier.status(f"joined consumer epoch {epoch}; {sent} batches sent" if epoch is not None
+                              else f"waiting for a consumer at {worker.endpoint}; {sent} batches sent")
+
+
+def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
+                  on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
     from producer.batcher import BatchAssembler
     from producer.source import CacheReader
     from producer.worker import ProducerWorker
@@ -73,7 +125,7 @@ def _build_worker(cfg, index: int, debug_delay_s: float):  # type: ignore[no-unt
     return ProducerWorker(resolve_endpoint(cfg, os.environ), f"producer-{index}", assembler, bucket_set,
                           manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
                           liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
-                          debug_delay_s=debug_delay_s)
+                          debug_delay_s=debug_delay_s, on_tick=on_tick)
 
 
 if __name__ == "__main__":

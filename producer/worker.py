@@ -58,7 +58,8 @@ class ProducerWorker:
     def __init__(self, endpoint: str, producer_id: str, assembler: BatchAssembler, bucket_set: BucketSet,
                  fingerprint: str, n_mels: int, seed: int, *, heartbeat_interval_s: float,
                  liveness_s: float, backoff_max_s: float, debug_delay_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_tick: Callable[[ProducerWorker], None] | None = None) -> None:
         self.endpoint = endpoint
         self.producer_id = producer_id
         self._assembler = assembler
@@ -77,7 +78,13 @@ class ProducerWorker:
         self._send_s = 0.0
         self._rejoins = 0
         self._errors: dict[str, int] = {}
+        self._on_tick = on_tick     # called once per loop turn (bounded by the heartbeat period): sd_notify
         self.exit_code = 0
+
+    @property
+    def joined_epoch(self) -> int | None:
+        """The consumer epoch we joined, or ``None`` while waiting for a consumer."""
+        return self._epoch
 
     def stats(self) -> ProducerStats:
         return ProducerStats(self._sent, self._build_s, self._send_s, self._rejoins, dict(self._errors))
@@ -106,6 +113,8 @@ class ProducerWorker:
         warned = False
         next_hb_s = 0.0
         while not stop.is_set() and self.exit_code == 0:
+            if self._on_tick is not None:
+                self._on_tick(self)
             now = self._clock()
             if self._epoch is None:
                 if now >= next_hello_s:

@@ -31,6 +31,8 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
     if producers:
         p.add_argument("--producers", type=int, help="number of producer processes")
         p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+        if not consumer:
+            p.add_argument("--instance", type=int, help="run only producer N in this process (systemd producer@N)")
     if consumer:
         p.add_argument("--steps", type=int, help="stop after this many applied batches")
         p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")

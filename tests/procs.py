@@ -47,10 +47,11 @@ def command(name: str, config: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "run_pipeline.py"), name, "--config", str(config), *extra]
 
 
-def start(name: str, config: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start(name: str, config: Path, log_path: Path, *extra: str,
+          extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``run_pipeline.py NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
     with open(log_path, "ab") as out:
-        return subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent),
+        return subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent) | (extra_env or {}),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
 
