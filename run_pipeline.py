@@ -27,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "audit":
             from consumer.audit import main_audit
             return main_audit(args)
+        if args.command == "deploy":
+            from shared.deploy import main_deploy
+            return main_deploy(args)
         if args.command == "demo-data":
             from shared.tools import main_demo
             return main_demo(args)

@@ -7,6 +7,9 @@ Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/ap
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from shared.config import PipelineConfig, load_config, with_overrides
@@ -27,7 +30,7 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
     p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
     p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)")
     p.add_argument("--seed", type=int, help="data order seed")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     if producers:
         p.add_argument("--producers", type=int, help="number of producer processes")
         p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
@@ -63,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     aud = sub.add_parser("audit", help="compare the applied-batch log in STATE_DIR with the plan; exit 1 if not exact")
     aud.add_argument("state_dir")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
+    dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
+    dep.add_argument("--producers", type=int, required=True, help="instances pipeline.target wants (1..N)")
+    dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
+    dep.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
+    dep.add_argument("--group", help="service group (default: the user's primary group)")
+    dep.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "deploy" / "example.yaml"),
+                     help="YAML config the services read (must set cache_dir)")
+    dep.add_argument("--target-dir", default="/etc/systemd/system", help="where the unit files go")
+    dep.add_argument("--state-dir", default="/var/lib/melfeed", help="consumer checkpoints and audit log")
+    dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
     demo.add_argument("--utterances", type=int, default=2000)
