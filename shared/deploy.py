@@ -117,6 +117,9 @@ def main_deploy(args: argparse.Namespace) -> int:
         print(f"wrote {target / rel}")
     if not changed:
         print(f"{target}: units already up to date")
+    if plan.state_dir != DEFAULT_STATE_DIR and not Path(plan.state_dir).is_dir():
+        print(f"note: {plan.state_dir} does not exist; the consumer may write only there (ProtectSystem=strict): "
+              f"install -d -o {plan.user} -g {plan.group} -m 0750 {plan.state_dir}")
     now = set(range(1, plan.producers + 1))
     print("apply with:")
     print("  systemctl daemon-reload")
