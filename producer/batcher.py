@@ -7,7 +7,8 @@ Invariant: at most ``max_buffers`` buffers per bucket exist; a build never block
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
 and reported in the header, the same decision on every producer because it depends only on the
-file; ``"fail"`` raises ``CacheError`` naming the file.
+file; ``"fail"`` raises ``CacheError`` naming the file. ``TransientReadError`` (out of fds or
+memory) says nothing about the file, so it is raised under either policy, never quarantined.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from producer.source import CacheReader
+from producer.source import CacheReader, TransientReadError
 from shared.buckets import BucketSet
 from shared.errors import CacheError
 from shared.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
@@ -59,6 +60,7 @@ class BatchAssembler:
         self._max_buffers = max_buffers
         self._reuse_timeout_s = reuse_timeout_s
         self._policy = bad_sample_policy
+        self._quarantined_ids: set[int] = set()   # warned about once each; repeats log at DEBUG
 
     def build(self, batch_id: int, bucket: int, sample_ids: list[int]) -> BuiltBatch:
         """Read the leased samples into a free buffer of ``bucket``'s shape.
@@ -66,7 +68,7 @@ class BatchAssembler:
         Raises:
             ValueError: a bucket or sample count that cannot be right (a lease from a consumer
                 configured differently; the handshake should have caught it).
-            CacheError: a bad file under the ``fail`` policy.
+            CacheError: a bad file under the ``fail`` policy; ``TransientReadError`` under either.
         """
         if not 0 <= bucket < len(self._buckets):
             raise ValueError(f"lease names bucket {bucket}, have {len(self._buckets)}")
@@ -81,10 +83,12 @@ class BatchAssembler:
             try:
                 mel_len[row] = self._reader.read_mel_into(sid, mel[row])
                 tok_len[row] = self._reader.read_tokens_into(sid, tokens[row])
+            except TransientReadError:
+                raise
             except CacheError as err:
                 if self._policy == "fail":
                     raise
-                log.warning("quarantined sample=%d batch=%d: %s", sid, batch_id, err)
+                self._log_quarantine(sid, batch_id, err)
                 mel[row] = 0
                 tokens[row] = 0
                 mel_len[row] = tok_len[row] = 0
@@ -96,6 +100,15 @@ class BatchAssembler:
             mel_len[n:] = 0
             tok_len[n:] = 0
         return BuiltBatch(batch_id, bucket, buf.arrays, quarantined, buf)
+
+    def _log_quarantine(self, sid: int, batch_id: int, err: CacheError) -> None:
+        """WARNING the first time this process quarantines ``sid``; each epoch repeats it at DEBUG."""
+        if sid in self._quarantined_ids:
+            log.debug("quarantined sample=%d batch=%d again: %s", sid, batch_id, err)
+            return
+        self._quarantined_ids.add(sid)
+        log.warning("quarantined sample=%d batch=%d (row left empty; %d distinct so far): %s",
+                    sid, batch_id, len(self._quarantined_ids), err)
 
     def _free_buffer(self, bucket: int) -> _Buffer:
         pool = self._pools[bucket]

@@ -3,7 +3,8 @@
 Lifecycle: DISCONNECTED --HELLO/WELCOME--> ACTIVE. A producer drops all leases and says HELLO
 again (with back-off up to ``connect_backoff_max_s``) when the consumer is silent for the liveness
 period, announces a new epoch, or answers ``ERR UNKNOWN_PEER``. ``ERR PROTO``/``ERR CONTRACT``
-are configuration errors: the process exits 78 so systemd does not restart it in a loop.
+are configuration errors, and so is a bad cache file under ``producer.bad_samples: fail``: the process
+exits 78 so systemd does not restart it in a loop.
 Single-threaded: building a batch takes a few ms, far below the heartbeat interval.
 Shutdown: the stop event is checked every loop; on stop it sends BYE (so its leases are reissued at
 once) and closes the socket with linger 0.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from producer.batcher import BatchAssembler, BuiltBatch
+from producer.source import TransientReadError
 from shared.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from shared.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
@@ -204,9 +206,13 @@ class ProducerWorker:
         t0 = time.perf_counter()
         try:
             batch = self._assembler.build(lease.batch_id, lease.bucket, lease.sample_ids)
-        except CacheError as err:
-            log.error("cannot build batch %d: %s", lease.batch_id, err)
+        except TransientReadError as err:   # not the file's fault: exit 1, the supervisor restarts us
+            log.error("cannot build batch %d (transient, restarting): %s", lease.batch_id, err)
             self.exit_code = 1
+            return
+        except CacheError as err:           # producer.bad_samples=fail; a restart would hit it again
+            log.error("bad cache file in batch %d (producer.bad_samples=fail); stopping: %s", lease.batch_id, err)
+            self.exit_code = EXIT_CONFIG
             return
         if self._debug_delay_s:
             time.sleep(self._debug_delay_s)

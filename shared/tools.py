@@ -1,24 +1,60 @@
-"""Offline commands: ``index`` (manifest from .npy headers) and ``demo-data``."""
+"""Offline commands: ``index`` (manifest from .npy headers), ``verify-cache`` and ``demo-data``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from shared.demo_data import write_demo_cache
+from shared.errors import CacheError
 from shared.manifest import build_manifest, write_manifest
+from shared.verify import verify_cache
 
-__all__ = ["main_index", "main_demo"]
+__all__ = ["main_index", "main_verify_cache", "main_demo"]
 
 log = logging.getLogger(__name__)
 
+_PROGRESS_EVERY_S = 5.0  # a large cache takes minutes to read; say it is alive this often
+
+
+def _link_folder(root: Path, name: str, target: str | None) -> None:
+    """Adopt an existing folder of ``<id>.npy`` files as ``ROOT/name`` (a symlink; nothing is copied).
+
+    The link is relative when the folder is inside ``root`` (the cache stays relocatable), else absolute.
+    """
+    if target is None:
+        return
+    src = Path(target).resolve()
+    if not src.is_dir():
+        raise CacheError(target, "not a directory")
+    link = root / name
+    if link.exists() or link.is_symlink():
+        if link.resolve() == src:
+            return
+        raise CacheError(link, f"exists and is not {src}; refusing to replace it")
+    root.mkdir(parents=True, exist_ok=True)
+    inside = src.is_relative_to(root.resolve())
+    link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
+
 
 def main_index(args: argparse.Namespace) -> int:
-    """Exit 0 when every file is valid; 1 when some are bad (manifest written only with --skip-bad)."""
+    """Exit 0 when every file is valid; 1 when some are bad (manifest written only with --skip-bad).
+
+    With ``--mels``/``--tokens``, existing folders are adopted first (``_link_folder``).
+    """
+    _link_folder(Path(args.cache_dir), "mels", getattr(args, "mels", None))
+    _link_folder(Path(args.cache_dir), "tokens", getattr(args, "tokens", None))
     manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels)
     for problem in problems:
         print(f"bad: {problem}", file=sys.stderr)
+    unmatched = sum(p.reason.startswith("no matching ") for p in problems)
+    if problems:
+        print(f"{unmatched} unmatched, {len(problems) - unmatched} invalid files", file=sys.stderr)
     if problems and not args.skip_bad:
         print(f"{len(problems)} bad files; manifest not written (fix them, or pass --skip-bad)", file=sys.stderr)
         return 1
@@ -27,6 +63,35 @@ def main_index(args: argparse.Namespace) -> int:
     print(f"indexed {len(manifest.utterances)} utterances ({frames} frames, fingerprint {manifest.fingerprint})"
           f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else ""))
     return 0
+
+
+def _progress_printer(what: str, clock: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback printing a plain line to stderr every few seconds."""
+    next_s = clock() + _PROGRESS_EVERY_S
+
+    def progress(done: int, total: int) -> None:
+        nonlocal next_s
+        now = clock()
+        if now >= next_s and done < total:
+            print(f"{what}: {done}/{total} utterances checked", file=sys.stderr, flush=True)
+            next_s = now + _PROGRESS_EVERY_S
+    return progress
+
+
+def main_verify_cache(args: argparse.Namespace) -> int:
+    """Exit 0 when every file a training run reads is good, 1 when some are bad.
+
+    Prints ``bad: PATH: REASON`` per bad file and ``warning: PATH: REASON`` per unlisted file
+    (stdout, sorted by path), then the summary line. A missing cache dir raises ``CacheError`` (78).
+    """
+    report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=_progress_printer("verify-cache"))
+    for problem in report.problems:
+        print(f"{'bad' if problem.fatal else 'warning'}: {problem}")
+    n_warn = len(report.warnings)
+    print(f"verified {report.utterances} utterances ({report.files} files): {len(report.bad)} bad"
+          + (f", {n_warn} not in the manifest" if n_warn else "")
+          + ("" if report.has_manifest else " (no usable manifest: checked by header)"))
+    return 1 if report.bad else 0
 
 
 def main_demo(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,71 @@ def test_zero_length_rows_read_nothing(manifest: Manifest) -> None:
     reader = CacheReader(manifest)
     assert reader.read_mel_into(0, np.empty((0, N_MELS), np.float32)) == 0
     assert reader.read_tokens_into(0, np.empty(0, np.int32)) == 0
+
+
+def _poke(path: Path, frame: int, col: int, value: float) -> None:
+    """Overwrite one mel value in place: same size and header, so the manifest still matches."""
+    mel = np.load(path)
+    mel[frame, col] = value
+    np.save(path, mel)
+
+
+@pytest.mark.parametrize("index", [0, 1])  # float32 read in place, float16 widened from scratch
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_are_refused_naming_the_file_and_first_frame(
+        manifest: Manifest, index: int, value: float) -> None:
+    path = manifest.mel_path(index)
+    _poke(path, 3, 2, value)
+    _poke(path, 4, 0, value)
+    with pytest.raises(CacheError) as info:
+        CacheReader(manifest).read_mel_into(index, np.empty((16, N_MELS), np.float32))
+    assert info.value.path == str(path)
+    assert info.value.reason.startswith("2 non-finite values (NaN/Inf) in the first ")
+    assert "first at frame 3;" in info.value.reason
+
+
+def test_non_finite_values_past_the_row_length_are_never_read(manifest: Manifest) -> None:
+    """The decision depends only on the bytes a row takes: the same for every producer."""
+    _poke(manifest.mel_path(0), 8, 1, np.nan)           # utterance 0 has 9 frames
+    reader = CacheReader(manifest)
+    row = np.empty((8, N_MELS), np.float32)
+    assert reader.read_mel_into(0, row) == 8
+    assert np.isfinite(row).all()
+    with pytest.raises(CacheError, match="first at frame 8;"):
+        reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))
+
+
+def test_running_out_of_fds_is_transient_not_a_bad_file(manifest: Manifest,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from producer.source import TransientReadError
+
+    def no_fds(*args: object) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "open", no_fds)
+    with pytest.raises(TransientReadError, match="cannot open"):
+        CacheReader(manifest).read_tokens_into(0, np.empty(8, np.int32))
+
+
+@pytest.mark.parametrize("rewrite, says", [
+    (np.asfortranarray, "Fortran order not supported"),
+    (lambda m: m[:, :, None], f"header says shape (9, {N_MELS}, 1) dtype <f4, manifest says (9, {N_MELS}) <f4"),
+    (lambda m: m.view("<i4"), "dtype <i4, manifest says"),
+    (lambda m: m.astype(">f4"), "dtype >f4, manifest says"),
+])
+def test_same_size_rewrites_are_caught_by_the_header(manifest: Manifest,
+                                                     rewrite: Callable[[np.ndarray], np.ndarray], says: str) -> None:
+    """Size unchanged, so only the header shows the data cannot be read as indexed."""
+    path = manifest.mel_path(0)
+    size = path.stat().st_size
+    reader = CacheReader(manifest)
+    reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))     # the checked header is remembered
+    np.save(path, rewrite(np.load(path)))
+    assert path.stat().st_size == size
+    with pytest.raises(CacheError, match="re-run index") as info:
+        reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))
+    assert info.value.path == str(path) and says in info.value.reason
+    assert info.value.reason.startswith("file changed since index (")

@@ -1,0 +1,80 @@
+"""Tests for producer.batcher.BatchAssembler: rows in place, quarantine and fail policies."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from producer.batcher import BatchAssembler
+from producer.source import CacheReader, TransientReadError
+from shared.buckets import BucketSet, build_buckets
+from shared.config import BucketConfig
+from shared.demo_data import write_demo_cache
+from shared.errors import CacheError
+from shared.manifest import Manifest
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> tuple[Manifest, BucketSet]:
+    manifest = write_demo_cache(tmp_path / "cache", n_utterances=6)
+    buckets = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(num_buckets=1, batch_size=4))
+    return manifest, buckets
+
+
+def _break(manifest: Manifest, i: int) -> Path:
+    """NaN in utterance ``i``'s mel, same size: only reading the data finds it."""
+    path = manifest.mel_path(i)
+    mel = np.load(path)
+    mel[1, 1] = np.nan
+    np.save(path, mel)
+    return path
+
+
+def test_quarantine_leaves_the_bad_row_empty_and_names_the_file_once(
+        cache: tuple[Manifest, BucketSet], caplog: pytest.LogCaptureFixture) -> None:
+    manifest, buckets = cache
+    path = _break(manifest, 2)
+    assembler = BatchAssembler(CacheReader(manifest), buckets)
+    with caplog.at_level(logging.WARNING, logger="producer.batcher"):
+        batch = assembler.build(0, 0, [1, 2, 3])
+        assert batch.quarantined == [2]
+        mel_len = batch.arrays["mel_len"].copy()
+        assert assembler.build(1, 0, [2]).quarantined == [2]
+    assert list(mel_len) == [manifest.frames[1], 0, manifest.frames[3], 0]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and str(path) in warnings[0]          # rate-limited: once per sample
+
+
+def test_quarantined_row_is_all_zeros_even_in_a_reused_buffer(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    _break(manifest, 2)
+    assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
+    assembler.build(0, 0, [0, 1, 3, 4])                              # fills the only buffer
+    batch = assembler.build(1, 0, [2, 1])
+    for key in ("mel", "tokens", "mel_len", "tok_len"):
+        assert not batch.arrays[key][0].any() and not batch.arrays[key][2:].any()
+
+
+def test_fail_policy_raises_naming_the_file(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    path = _break(manifest, 2)
+    assembler = BatchAssembler(CacheReader(manifest), buckets, bad_sample_policy="fail")
+    with pytest.raises(CacheError) as info:
+        assembler.build(0, 0, [1, 2])
+    assert info.value.path == str(path) and "non-finite" in info.value.reason
+
+
+def test_transient_errors_are_never_quarantined(cache: tuple[Manifest, BucketSet],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, buckets = cache
+    reader = CacheReader(manifest)
+
+    def out_of_fds(index: int, dst: np.ndarray) -> int:
+        raise TransientReadError("x.npy", "cannot open (Too many open files)")
+
+    monkeypatch.setattr(reader, "read_mel_into", out_of_fds)
+    with pytest.raises(TransientReadError):
+        BatchAssembler(reader, buckets).build(0, 0, [1])
