@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "deploy":
             from shared.deploy import main_deploy
             return main_deploy(args)
+        if args.command == "prepare":
+            from shared.prepare import main_prepare
+            return main_prepare(args)
         if args.command == "demo-data":
             from shared.tools import main_demo
             return main_demo(args)

@@ -61,10 +61,10 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
 @contextmanager
 def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
     """The state directory's lock, audit log and resume cursor for the whole run."""
-    from shared.manifest import load_manifest
+    from shared.features import load_manifest_for
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
-    state = RunState.open(cfg, load_manifest(cfg.cache_dir, cfg.n_mels).fingerprint)
+    state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
     try:
         yield state
     finally:

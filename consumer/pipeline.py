@@ -34,7 +34,8 @@ from shared.buckets import BucketSet, build_buckets
 from shared.config import PipelineConfig
 from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.lifecycle import resolve_endpoint
-from shared.manifest import Manifest, load_manifest
+from shared.features import load_manifest_for
+from shared.manifest import Manifest
 
 __all__ = ["Batch", "Consumer"]
 
@@ -82,7 +83,7 @@ class Consumer:
         if cfg.cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
         self.cfg = cfg
-        self.manifest: Manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
+        self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
                                                    cfg.n_mels, cfg.buckets)
         self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)

@@ -41,6 +41,7 @@ class TrainSummary:
     stall_pct: float = 0.0
     padding_efficiency: float = 0.0
     duplicates_dropped: int = 0
+    quarantined_samples: int = 0        # bad cache rows left empty (names in the producers' logs)
     rejects: dict[str, int] = field(default_factory=dict)
     compiles_after_ready: int = 0
     producers_seen: int = 0
@@ -186,7 +187,7 @@ def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg:
     total = f"/{cfg.consumer.steps}" if cfg.consumer.steps else ""
     text = (f"step {step}{total} loss {loss:.4f} | {rate:.1f} batches/s {srate:.0f} samples/s | "
             f"stall {stall:.1f}% | queue {consumer.queue_depth()} | producers {rs.producers_alive} | "
-            f"rejects {sum(rs.rejects.values())}")
+            f"rejects {sum(rs.rejects.values())}" + (f" | quarantined {rs.quarantined}" if rs.quarantined else ""))
     log.info("%s", text)
     if meter.win_t:
         meter.win_t, meter.win_wait = now, consumer.wait_s_total
@@ -205,6 +206,7 @@ def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int,
         out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
     out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
     out.duplicates_dropped = rs.duplicates_dropped
+    out.quarantined_samples = rs.quarantined
     out.rejects = rs.rejects
     out.compiles_after_ready = compiles
     out.producers_seen = rs.producers_seen

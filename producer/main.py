@@ -113,11 +113,11 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     from shared.buckets import build_buckets
     from shared.errors import ConfigError
     from shared.lifecycle import resolve_endpoint
-    from shared.manifest import load_manifest
+    from shared.features import load_manifest_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
-    manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
+    manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     assembler = BatchAssembler(CacheReader(manifest), bucket_set, max_buffers=cfg.transport.lease_window + 2,
                                bad_sample_policy=cfg.producer.bad_samples)

@@ -5,6 +5,7 @@ Cache layout::
     CACHE/mels/<id>.npy     float32 (float16 accepted), shape [frames, n_mels]
     CACHE/tokens/<id>.npy   int32, shape [tokens]
     CACHE/manifest.json     written by ``write_manifest``
+    CACHE/features.json     optional, written by ``prepare``: feature parameters + vocabulary
 
 Role: ``build_manifest`` reads only the ``.npy`` headers (never the data) and records each
 file's data offset and size, so producers can ``preadv`` data straight into batch rows and
@@ -14,7 +15,10 @@ Invariants:
 - ``Manifest.utterances`` is sorted by id, ids are unique, and every listed utterance has a
   valid mel and token file (as of indexing); bad files become ``CacheProblem``s and are left out.
 - ``fingerprint`` covers the format version, ``n_mels`` and every utterance row, not
-  ``cache_dir``: a copied cache keeps its fingerprint; any changed file changes it.
+  ``cache_dir``: a copied cache keeps its fingerprint; any changed file changes it. When the
+  cache records feature parameters and a vocabulary (``features.json``, copied into the
+  manifest by ``build_manifest``), the fingerprint covers them too; a cache without them (demo
+  data, an adopted cache) hashes exactly as before: its features are unknown and not checked.
 - ``write_manifest`` is atomic (temp file, fsync, ``os.replace``): readers see old or new,
   never half a file.
 - ``load_manifest`` trusts nothing: exact JSON types, safe ids, sizes that fit, fingerprint.
@@ -29,7 +33,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,18 +47,23 @@ from shared.npyfile import NpyHeader, inspect_npy
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
+    "FEATURES_NAME",
     "Utterance",
     "CacheProblem",
     "Manifest",
     "build_manifest",
     "write_manifest",
     "load_manifest",
+    "read_feature_record",
+    "write_feature_record",
 ]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1  # bump when the columns or their meaning change
+FEATURES_NAME = "features.json"
+_FEATURES_FORMAT = 1
 _COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes",
             "tok_offset", "tok_file_bytes")
 _ROW_TYPES = (str, int, int, str, int, int, int, int)  # exact types, so JSON true/1.0 are rejected
@@ -93,18 +102,33 @@ class CacheProblem:
 
 
 def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...],
-                 ints: npt.NDArray[np.int64]) -> str:
+                 ints: npt.NDArray[np.int64], described: bytes | None) -> str:
     """16 hex chars of sha256 over everything but ``cache_dir``.
 
     Hashes raw columns (ids and dtypes NUL-joined, NUL being the one character no file name
     holds; integer columns as little-endian int64) rather than JSON: 13k rows hash in ~2 ms.
+    ``described`` (canonical JSON of features + vocabulary) is appended only when present, so
+    caches without it keep the fingerprint they always had.
     """
     h = hashlib.sha256(f"melfeed-manifest/{MANIFEST_FORMAT}/{n_mels}\0".encode())
     for text in ("\0".join(ids), "\0".join(mel_dtypes)):
         h.update(text.encode("utf-8", "surrogatepass"))  # undecodable file names survive
         h.update(b"\1")
     h.update(ints.astype("<i8", copy=False).tobytes())
+    if described is not None:
+        h.update(b"\2" + described)
     return h.hexdigest()[:16]
+
+
+FeatureItems = tuple[tuple[str, "int | float | str"], ...]
+
+
+def _describe(features: FeatureItems | None, vocabulary: tuple[str, ...] | None) -> bytes | None:
+    if features is None and vocabulary is None:
+        return None
+    doc = {"features": dict(features) if features is not None else None,
+           "vocabulary": list(vocabulary) if vocabulary is not None else None}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,9 @@ class Manifest:
     cache_dir: Path
     n_mels: int
     utterances: tuple[Utterance, ...] = field(repr=False)  # sorted by id, ids unique
+    # (name, value) pairs sorted by name (a tuple, so the manifest stays hashable); None = unknown
+    features: FeatureItems | None = None
+    vocabulary: tuple[str, ...] | None = field(default=None, repr=False)  # index = token id; None = unknown
     fingerprint: str = field(init=False)  # 16 hex chars; computed, never passed in
     # [6, N] int64, read-only: frames, tokens, mel_offset, mel_file_bytes, tok_offset, tok_file_bytes
     _ints: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
@@ -132,7 +159,13 @@ class Manifest:
         ints.setflags(write=False)
         object.__setattr__(self, "_ints", ints)
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
-        object.__setattr__(self, "fingerprint", _fingerprint(self.n_mels, ids, mel_dtypes, ints))
+        if self.features is not None:
+            items = self.features.items() if isinstance(self.features, Mapping) else self.features
+            object.__setattr__(self, "features", tuple(sorted(items)))
+        if self.vocabulary is not None:
+            object.__setattr__(self, "vocabulary", tuple(self.vocabulary))
+        object.__setattr__(self, "fingerprint", _fingerprint(
+            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary)))
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -170,7 +203,8 @@ def _check_mel(header: NpyHeader, n_mels: int) -> str | None:
     if len(header.shape) != 2:
         return f"expected rank 2 [frames, n_mels], got shape {header.shape}"
     if header.shape[1] != n_mels:
-        return f"expected n_mels={n_mels} in shape [frames, n_mels], got shape {header.shape}"
+        hint = " (stored as [n_mels, frames]? transpose it)" if header.shape[0] == n_mels else ""
+        return f"expected n_mels={n_mels} in shape [frames, n_mels], got shape {header.shape}{hint}"
     if header.dtype not in _MEL_DTYPES:
         return f"mel dtype {header.dtype.str} not allowed (little-endian float32 or float16)"
     if header.shape[0] == 0:
@@ -212,6 +246,71 @@ def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
                      mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
 
 
+def _parse_features(value: Any, path: Path) -> FeatureItems | None:
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or not value
+            or set(map(type, value.values())) - {int, float, str}):
+        raise CacheError(path, "malformed features: must map names to numbers or strings")
+    return tuple(sorted(value.items()))
+
+
+def _parse_vocabulary(value: Any, path: Path) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) < 2 or set(map(type, value)) - {str}
+            or not all(value) or len(set(value)) != len(value)):
+        raise CacheError(path, "malformed vocabulary: must be a list of >= 2 distinct non-empty strings")
+    return tuple(value)
+
+
+def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``CACHE/features.json`` as written by ``prepare`` (checked), or None when there is none.
+
+    Raises:
+        CacheError: The record exists but is unreadable or malformed.
+    """
+    path = Path(cache_dir) / FEATURES_NAME
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise CacheError(path, f"malformed feature record: {err}".replace("\n", " ")) from err
+    if not isinstance(doc, dict) or doc.get("format") != _FEATURES_FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise CacheError(path, f"unsupported feature record format {got!r}, expected {_FEATURES_FORMAT}")
+    _parse_features(doc.get("features"), path)
+    _parse_vocabulary(doc.get("vocabulary"), path)
+    return doc
+
+
+def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[str, Any],
+                         vocabulary: tuple[str, ...], extra: Mapping[str, Any]) -> Path:
+    """Write ``CACHE/features.json`` atomically: what every file of the cache was computed with.
+
+    Args:
+        features: Feature parameters (names to numbers or strings), e.g. from
+            ``shared.features.feature_params``.
+        vocabulary: Symbol of each token id; index 0 is padding.
+        extra: Further settings kept for ``prepare``'s resume check (not in the manifest).
+    """
+    doc = {"format": _FEATURES_FORMAT, "features": dict(features), "vocabulary": list(vocabulary), **extra}
+    return _write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def _described_by_record(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
+    record = read_feature_record(root)
+    if record is None:
+        return None, None
+    path = root / FEATURES_NAME
+    features = _parse_features(record.get("features"), path)
+    recorded = dict(features or ()).get("n_mels", n_mels)
+    if recorded != n_mels:
+        raise CacheError(path, f"cache was prepared with n_mels={recorded}, indexing with n_mels={n_mels}")
+    return features, _parse_vocabulary(record.get("vocabulary"), path)
+
+
 def build_manifest(
     cache_dir: str | os.PathLike[str],
     n_mels: int = 80,
@@ -230,9 +329,11 @@ def build_manifest(
         the caller decides whether that is fatal.
 
     Raises:
-        CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file.
+        CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file,
+            or ``features.json`` is malformed or names another ``n_mels``.
     """
     root = Path(cache_dir)
+    features, vocabulary = _described_by_record(root, n_mels)
     mels, toks = _list_npy(root / "mels"), _list_npy(root / "tokens")
     if not mels and not toks:
         raise CacheError(root, "empty cache: no .npy files in mels/ or tokens/")
@@ -251,7 +352,7 @@ def build_manifest(
                 utterances.append(utt)
         if progress is not None:
             progress(done, len(ids))
-    manifest = Manifest(root, n_mels, tuple(utterances))
+    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary)
     log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
              root, len(utterances), len(problems), manifest.fingerprint)
     return manifest, problems
@@ -263,30 +364,39 @@ def write_manifest(manifest: Manifest) -> Path:
     Returns:
         The manifest's path.
     """
-    path = manifest.cache_dir / MANIFEST_NAME
-    doc = {
+    doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "n_mels": manifest.n_mels,
         "fingerprint": manifest.fingerprint,
         "columns": list(_COLUMNS),
         "utterances": manifest.utterances,  # NamedTuples encode as JSON arrays
     }
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=manifest.cache_dir)
+    if manifest.features is not None:
+        doc["features"] = dict(manifest.features)
+    if manifest.vocabulary is not None:
+        doc["vocabulary"] = list(manifest.vocabulary)
+    return _write_atomic(manifest.cache_dir, MANIFEST_NAME,
+                         json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _write_atomic(directory: Path, name: str, data: bytes) -> Path:
+    """Temp file in ``directory``, fsync, rename over ``name``, fsync the directory."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, directory / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(manifest.cache_dir, os.O_RDONLY | os.O_CLOEXEC)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
-    return path
+    return directory / name
 
 
 def _check_column_types(rows: list[Any], path: Path) -> list[tuple[Any, ...]]:
@@ -343,6 +453,9 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
             cache works without re-indexing).
         n_mels: If given, the manifest must have been built with this ``n_mels``.
 
+    Feature parameters and vocabulary, when recorded, are loaded (and fingerprinted) but not
+    compared with any config here: ``shared.features.load_manifest_for`` does that.
+
     Raises:
         CacheError: No manifest, malformed JSON or rows, a fingerprint that does not match the
             rows, or a different ``n_mels``.
@@ -359,8 +472,9 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     file_n_mels, rows, stored = _parse_doc(doc, path)
     columns = _check_column_types(rows, path)
     _check_ids(columns[0], columns[3], path)
+    described = _parse_features(doc.get("features"), path), _parse_vocabulary(doc.get("vocabulary"), path)
     try:
-        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)))
+        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)), *described)
     except OverflowError as err:
         raise CacheError(path, "malformed manifest: integer out of range") from err
     except ValueError as err:
