@@ -7,19 +7,24 @@ edge-triggered (notes/zmq-systemd.md 3.5 #6). One thread owning the socket keeps
 one copy out of libzmq and keeps all lease state single-threaded.
 Invariants: only leased ids are accepted; every ROUTER send is non-blocking and survives a vanished
 peer (E5); a payload is written only into the slot its lease reserved, after the header and the
-frame sizes were checked. Shutdown: ``stop()`` sets an event, wakes the loop, joins with a timeout;
-the thread closes the socket (linger 0) in ``finally``.
+frame sizes were checked. Bad input (DESIGN invariant 7): every message not taken is counted once,
+as a reject (code and routing id; answered by exactly one ERR), a duplicate, or -- from a peer
+blocked for flooding -- FLOOD (dropped unread, unanswered); headers are decoded under the bound of
+a producer header, so no message costs the loop more than a few ms.
+Shutdown: ``stop()`` sets an event, wakes the loop, joins with a timeout; the thread closes the
+socket (linger 0) in ``finally``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import reprlib
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -27,12 +32,14 @@ import zmq
 from consumer.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from consumer.peers import PeerTable
 from consumer.plan import EpochPlan
-from consumer.rejects import RejectLog
+from consumer.rejects import RejectLog, peer_label
 from consumer.ring import BatchRing
 from shared.buckets import BucketSet
+from shared.curve import ZAP_ENDPOINT, ServerKeys, producer_id_matches, zap_reply
 from shared.errors import ProtocolError
 from shared.protocol import (ARRAY_KEYS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat, Hello,
-                             LeaseGrant, Lease, Message, RejectCode, Welcome, decode_header, encode)
+                             LeaseGrant, Lease, Message, RejectCode, Welcome, decode_header, encode,
+                             max_producer_header_bytes)
 
 __all__ = ["Receiver", "ReceiverStats", "HandshakeContract"]
 
@@ -63,8 +70,10 @@ class ReceiverStats:
     leases_reissued: int
     producers_alive: int
     producers_seen: int
-    rejects: dict[str, int]
+    rejects: dict[str, int]      # by reject code; FLOOD = messages of a blocked peer, dropped unread
     quarantined: int
+    # Rejected + ignored messages by routing id (``peer_label``), for the 256 most recently rejected peers.
+    rejects_by_peer: dict[str, int] = field(default_factory=dict)
 
 
 class Receiver:
@@ -81,10 +90,11 @@ class Receiver:
     def __init__(self, endpoint: str, ring: BatchRing, book: LeaseBook, plan: EpochPlan,
                  bucket_set: BucketSet, contract: HandshakeContract, epoch: int, *,
                  heartbeat_interval_s: float, liveness_s: float, checksum: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None) -> None:
         self.endpoint = endpoint
         self._ring, self._book, self._plan = ring, book, plan
         self._buckets = bucket_set
+        self._max_header_bytes = max_producer_header_bytes(max(b.batch_size for b in bucket_set.buckets))
         self._contract = contract
         self.epoch = epoch
         self._hb_s = heartbeat_interval_s
@@ -101,6 +111,11 @@ class Receiver:
         self._thread: threading.Thread | None = None
         self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0}
         self.error: BaseException | None = None
+        self._curve = curve                  # CURVE server keys + allow-list; None = plaintext (ipc/loopback)
+        self._zap: zmq.Socket[bytes] | None = None
+        self._user_id: str | None = None     # CURVE name (ZAP User-Id) of the message being dispatched
+        self._auth_denied = 0
+        self._auth_log_s = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,13 +126,25 @@ class Receiver:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A producer keeps its routing id when its DEALER reconnects (network cut, MAXMSGSIZE drop).
+        # Without handover the ROUTER silently ignores the new connection for as long as it still
+        # holds the old one (a cut sends no FIN): that producer is deaf for good (test_bad_input B14).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
         try:
+            if self._curve is not None:
+                # ZAP handler first: libzmq asks it about every CURVE handshake; this thread answers.
+                self._zap = self._ctx.socket(zmq.REP)
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(ZAP_ENDPOINT)
+                self._curve.apply(sock)
             sock.bind(self.endpoint)
         except zmq.ZMQError:
             sock.close()
+            if self._zap is not None:
+                self._zap.close()
             self._ctx.term()
             raise
         self._sock = sock
@@ -162,7 +189,7 @@ class Receiver:
         c = self._counts
         return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
-                             c["quarantined"])
+                             c["quarantined"], self._rejects.peer_snapshot())
 
     # --- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -171,6 +198,8 @@ class Receiver:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
         next_hb_s = self._clock()
         applied_seen = -1
         try:
@@ -182,6 +211,8 @@ class Receiver:
                         os.eventfd_read(self._wake_fd)
                     except BlockingIOError:
                         pass
+                if self._zap is not None and self._zap in events:
+                    self._answer_zap()
                 if sock in events:
                     for _ in range(_MAX_MSGS_PER_WAKE):
                         if not self._recv_one(sock):
@@ -202,20 +233,43 @@ class Receiver:
             self._ring.close()
         finally:
             sock.close(0)
+            if self._zap is not None:
+                self._zap.close(0)
+
+    def _answer_zap(self) -> None:
+        """One ZAP request per wake is enough: handshakes are rare and the REP socket queues."""
+        assert self._zap is not None and self._curve is not None
+        try:
+            request = self._zap.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        reply = zap_reply(request, self._curve.allowed)
+        if reply[2] != b"200":
+            self._auth_denied += 1
+            now = self._clock()
+            if now >= self._auth_log_s:        # rate-limited: a scanner must not flood the log
+                log.warning("CURVE handshake refused (%s) from %s; %d refused so far", reply[3].decode(errors="replace"),
+                            request[3].decode(errors="replace") if len(request) > 3 else "?", self._auth_denied)
+                self._auth_log_s = now + 5.0
+        self._zap.send_multipart(reply)
 
     def _recv_one(self, sock: zmq.Socket[bytes]) -> bool:
         try:
             ident = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        header = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        if self._curve is not None and sock.getsockopt(zmq.RCVMORE):
+            frame = sock.recv(copy=False)
+            header, self._user_id = frame.bytes, frame.get("User-Id")
+        else:
+            header = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
         now = self._clock()
         if self._peers.is_blocked(ident, now):
             self._drain(sock)
-            self._rejects.by_code[RejectCode.FLOOD] += 1
+            self._rejects.ignore(peer_label(ident))
             return True
         try:
-            msg = decode_header(header)
+            msg = decode_header(header, self._max_header_bytes)
             self._dispatch(sock, ident, msg, now)
         except ProtocolError as err:
             self._drain(sock)
@@ -243,17 +297,20 @@ class Receiver:
         if msg.proto not in SUPPORTED_VERSIONS:
             raise ProtocolError(RejectCode.PROTO, f"protocol {msg.proto} not supported; supported: "
                                                   f"{list(SUPPORTED_VERSIONS)}")
+        if self._user_id is not None and not producer_id_matches(msg.producer_id, self._user_id):
+            raise ProtocolError(RejectCode.CONTRACT, f"producer id {_short(msg.producer_id)} does not match its "
+                                                     f"CURVE key {self._user_id!r} (ids must be {self._user_id}-<n>)")
         c = self._contract
         for name, theirs, ours in (("manifest fingerprint", msg.fingerprint, c.fingerprint),
                                    ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
                                    ("bucket shapes", msg.buckets, c.buckets)):
-            if theirs != ours:
-                raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {theirs}, consumer {ours}")
+            if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+                raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "
+                                                         f"consumer {_short(ours)}")
         if ident in self._peers:
             self._drop_peer(ident, "re-handshake")
         self._peers.add(ident, msg.producer_id, now)
-        log.info("producer joined id=%s peer=%s alive=%d", msg.producer_id, ident.decode(errors="replace"),
-                 len(self._peers))
+        log.info("producer joined id=%s peer=%s alive=%d", msg.producer_id, peer_label(ident), len(self._peers))
         self._send(ident, Welcome(self.epoch, self._book.window, self._hb_s, self._checksum))
 
     def _known(self, ident: bytes, epoch: int):  # type: ignore[no-untyped-def]
@@ -279,6 +336,7 @@ class Receiver:
         except ProtocolError:
             self._book.requeue(lease)      # the lease stays open: rebuild it, never drop it
             self._ring.cancel(lease.slot)
+            self._counts["reissued"] += 1
             raise
         self._ring.mark_ready(lease.slot, hdr.batch_id)
         peer.batches += 1
@@ -366,18 +424,31 @@ class Receiver:
                 self._drop_peer(ident, "unreachable")
 
     def _reject(self, ident: bytes, code: str, why: str, now: float) -> None:
-        name = self._peers.name(ident)
+        # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
+        # flooder claiming a good producer's id must not get that producer blocked.
+        name = peer_label(ident)
         if self._rejects.record(name, code, why, now):
             log.warning("peer %s floods invalid messages; ignoring it for %.0f s", name, _BLOCK_S)
             self._drop_peer(ident, "flooding")
             self._peers.block(ident, now + _BLOCK_S)
-            return
+            # The last answer it gets says why the others stop: every reject but an ignored one
+            # (counted as FLOOD) is answered exactly once.
+            code, why = RejectCode.FLOOD, f"{code}: too many invalid messages; ignored for {_BLOCK_S:.0f} s"
         self._send(ident, Err(code, why))
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes]) -> None:
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlist, _REPR.maxstring, _REPR.maxother, _REPR.maxlevel = 8, 80, 80, 3
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a peer-supplied value, cheap whatever its size."""
+    return _REPR.repr(value)
 
 
 def _check_lengths(views: dict[str, np.ndarray], max_frames: int, max_tokens: int, batch_id: int) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "Message",
     "encode",
     "decode_header",
+    "max_producer_header_bytes",
 ]
 
 PROTOCOL_VERSION = 1
@@ -185,9 +186,21 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _unpack(raw: bytes) -> dict[str, Any]:
-    if len(raw) > _MAX_HEADER_BYTES:
-        raise ProtocolError(RejectCode.DECODE, f"header of {len(raw)} bytes exceeds {_MAX_HEADER_BYTES}")
+def max_producer_header_bytes(max_batch_size: int) -> int:
+    """Bound on a legal producer->consumer header (HELLO, BATCH, HB, BYE), in bytes.
+
+    The largest is a BATCH whose ``q`` lists every row (<= 9 bytes per id) or a HELLO with two
+    maximal strings; both stay far below this. The consumer decodes with this limit, not with
+    the general 1 MiB one: decoding costs ~150 ns per byte of nested lists, so a 1 MB header
+    would hold the receiver thread ~150 ms per message -- too slow for the flood detector to
+    ever count 200 in its window -- and stall every good producer for as long as it is sent.
+    """
+    return (16 << 10) + 9 * max_batch_size
+
+
+def _unpack(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise ProtocolError(RejectCode.DECODE, f"header of {len(raw)} bytes exceeds {max_bytes}")
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
                               max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_array_len=_MAX_ARRAY,
@@ -213,6 +226,14 @@ def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     return v
 
 
+def _count(d: dict[str, Any], key: str) -> int:
+    """An id, index or epoch: a non-negative integer (a negative batch id would pass for an old one)."""
+    v: int = _get(d, key, int)
+    if v < 0:
+        raise ProtocolError(RejectCode.SCHEMA, f"key {key!r} is negative")
+    return v
+
+
 def _int_list(v: Any, key: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise ProtocolError(RejectCode.SCHEMA, f"key {key!r} must be a list of integers")
@@ -232,14 +253,19 @@ def _decode_lease(item: Any) -> Lease:
     return Lease(bid, bucket, _int_list(ids, "sample_ids"), float(deadline))
 
 
-def decode_header(raw: bytes) -> Message:
+def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
     """Decode and validate one header frame.
+
+    Args:
+        raw: the header frame.
+        max_bytes: longest header accepted; checked before unpacking (see
+            ``max_producer_header_bytes`` for the consumer's tighter bound).
 
     Raises:
         ProtocolError: code DECODE (not msgpack, truncated, trailing bytes, limits), SCHEMA
             (missing or mistyped key, no ``t``) or TYPE (unknown kind).
     """
-    d = _unpack(raw)
+    d = _unpack(raw, max_bytes)
     if "t" not in d:
         raise ProtocolError(RejectCode.SCHEMA, "map has no 't' (message kind)")
     t = d["t"]
@@ -268,11 +294,11 @@ def decode_header(raw: bytes) -> Message:
         crc = d.get("crc")
         if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
             raise ProtocolError(RejectCode.SCHEMA, "crc must be an integer or null")
-        return BatchHeader(_get(d, "epoch", int), _get(d, "id", int), _get(d, "bucket", int),
+        return BatchHeader(_count(d, "epoch"), _count(d, "id"), _count(d, "bucket"),
                            [_int_list(s, "shapes") for s in shapes], dtypes, crc,
                            _int_list(d.get("q", []), "q"))
     if kind is MsgKind.HB:
-        return Heartbeat(_get(d, "epoch", int), _opt_int(d, "depth"), _opt_int(d, "applied"))
+        return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"))
     if kind is MsgKind.ERR:
         return Err(_get(d, "code", str), _get(d, "why", str))
-    return Bye(_get(d, "epoch", int))
+    return Bye(_count(d, "epoch"))
