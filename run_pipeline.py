@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from collections.abc import Sequence
 
 _STARTED_S = time.time()
+
+# command -> "module:function(args)"; imported only when chosen (most commands never load TensorFlow)
+_COMMANDS = {
+    "index": "shared.tools:main_index", "verify-cache": "shared.tools:main_verify_cache",
+    "demo-data": "shared.tools:main_demo", "prepare": "shared.prepare:main_prepare",
+    "audit": "consumer.audit:main_audit", "deploy": "shared.deploy:main_deploy", "keys": "shared.curve:main_keys",
+    "producer": "producer.app:main_producer",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,27 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))
     try:
-        if args.command == "index":
-            from shared.tools import main_index
-            return main_index(args)
-        if args.command == "verify-cache":
-            from shared.tools import main_verify_cache
-            return main_verify_cache(args)
-        if args.command == "audit":
-            from consumer.audit import main_audit
-            return main_audit(args)
-        if args.command == "deploy":
-            from shared.deploy import main_deploy
-            return main_deploy(args)
-        if args.command == "prepare":
-            from shared.prepare import main_prepare
-            return main_prepare(args)
-        if args.command == "demo-data":
-            from shared.tools import main_demo
-            return main_demo(args)
-        if args.command == "producer":
-            from producer.app import main_producer
-            return main_producer(args)
+        if args.command in _COMMANDS:
+            module, function = _COMMANDS[args.command].split(":")
+            return int(getattr(importlib.import_module(module), function)(args))
         from consumer.app import main_consumer, main_run
         if args.command == "consumer":
             return main_consumer(args, _STARTED_S)

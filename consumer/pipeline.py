@@ -32,6 +32,7 @@ from consumer.receiver import HandshakeContract, Receiver, ReceiverStats
 from consumer.ring import BatchRing
 from shared.buckets import BucketSet, build_buckets
 from shared.config import PipelineConfig
+from shared.curve import server_keys_for
 from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.lifecycle import resolve_endpoint
 from shared.features import load_manifest_for
@@ -99,7 +100,8 @@ class Consumer:
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
         self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
                                   self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
-                                  liveness_s=t.liveness_s, checksum=checksum)
+                                  liveness_s=t.liveness_s, checksum=checksum,
+                                  curve=server_keys_for(t, self.endpoint))
         self.wait_s_total = 0.0
         self.applied = 0
         self._started = False

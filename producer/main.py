@@ -113,6 +113,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     from shared.buckets import build_buckets
     from shared.errors import ConfigError
     from shared.lifecycle import resolve_endpoint
+    from shared.curve import client_keys_for
     from shared.features import load_manifest_for
 
     if cfg.cache_dir is None:
@@ -122,10 +123,13 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     assembler = BatchAssembler(CacheReader(manifest), bucket_set, max_buffers=cfg.transport.lease_window + 2,
                                bad_sample_policy=cfg.producer.bad_samples)
     t = cfg.transport
-    return ProducerWorker(resolve_endpoint(cfg, os.environ), f"producer-{index}", assembler, bucket_set,
+    endpoint = resolve_endpoint(cfg, os.environ)
+    curve = client_keys_for(t, endpoint)
+    name = curve.name if curve is not None else "producer"     # a CURVE key named N may only speak as N-<index>
+    return ProducerWorker(endpoint, f"{name}-{index}", assembler, bucket_set,
                           manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
                           liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
-                          debug_delay_s=debug_delay_s, on_tick=on_tick)
+                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve)
 
 
 if __name__ == "__main__":

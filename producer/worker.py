@@ -25,6 +25,7 @@ import zmq
 
 from producer.batcher import BatchAssembler, BuiltBatch
 from producer.source import TransientReadError
+from shared.curve import ClientKeys
 from shared.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from shared.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
@@ -61,7 +62,8 @@ class ProducerWorker:
                  fingerprint: str, n_mels: int, seed: int, *, heartbeat_interval_s: float,
                  liveness_s: float, backoff_max_s: float, debug_delay_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_tick: Callable[[ProducerWorker], None] | None = None) -> None:
+                 on_tick: Callable[[ProducerWorker], None] | None = None,
+                 curve: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.producer_id = producer_id
         self._assembler = assembler
@@ -81,6 +83,7 @@ class ProducerWorker:
         self._rejoins = 0
         self._errors: dict[str, int] = {}
         self._on_tick = on_tick     # called once per loop turn (bounded by the heartbeat period): sd_notify
+        self._curve = curve         # CURVE client keys (tcp beyond loopback); None = plaintext
         self.exit_code = 0
 
     @property
@@ -98,6 +101,8 @@ class ProducerWorker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
         sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}-{os.getpid()}".encode())
+        if self._curve is not None:
+            self._curve.apply(sock)
         try:
             sock.connect(self.endpoint)
             self._loop(sock, stop)

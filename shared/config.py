@@ -87,6 +87,10 @@ class TransportConfig:
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
+    # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/curve.py)
+    curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
+    curve_server_key: str | None = None    # producers: the consumer's public consumer.key
+    curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
 
     def __post_init__(self) -> None:
         p = ("transport",)

@@ -1,0 +1,214 @@
+"""CURVE keys, the producer allow-list and the ZAP decisions for tcp endpoints beyond loopback.
+
+``run_pipeline.py keys DIR --producer NAME ...`` writes, with pyzmq's certificate format
+(``zmq.auth.create_certificates``: ``NAME.key`` public, ``NAME.key_secret`` secret, mode 0600)::
+
+    DIR/consumer.key, DIR/consumer.key_secret          the consumer's pair
+    DIR/producers/NAME.key, DIR/producers/NAME.key_secret   one pair per producer host/name
+
+Copy ``consumer.key`` and ``producers/NAME.key_secret`` to producer host NAME; the consumer keeps
+``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list).
+ZAP: the consumer answers ZAP requests itself (``zap_reply``, polled by the receiver thread). A
+CURVE client whose key is in the allow-list is admitted with User-Id = its NAME; any other key is
+refused (400), so no frame of it reaches the application; plaintext clients fail the CURVE
+handshake before ZAP. The receiver then requires HELLO's producer id to be NAME or ``NAME-<n>``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+
+from shared.errors import ConfigError
+
+__all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
+           "is_loopback", "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_ZAP_VERSION = b"1.0"
+
+
+def is_loopback(endpoint: str) -> bool:
+    """ipc:// and tcp:// on a loopback address need no CURVE; anything else does."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _load(path: Path, what: tuple[str, ...], secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret_key = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read CURVE key file {path}: {err}", path=what) from err
+    if secret and not secret_key:
+        raise ConfigError(f"{path} holds no secret key (pass the .key_secret file)", path=what)
+    return public, secret_key
+
+
+@dataclass(frozen=True, slots=True)
+class AllowList:
+    """Public key (z85) -> producer name, from ``DIR/*.key``."""
+
+    names: dict[bytes, str]
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> AllowList:
+        root = Path(directory)
+        if not root.is_dir():
+            raise ConfigError(f"is not a directory: {root}", path=("transport", "curve_allowed_dir"))
+        names = {}
+        for path in sorted(root.glob("*.key")):
+            public, _ = _load(path, ("transport", "curve_allowed_dir"), secret=False)
+            names[public] = path.stem
+        if not names:
+            raise ConfigError(f"holds no producer public keys (*.key): {root}", path=("transport", "curve_allowed_dir"))
+        return cls(names)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerKeys:
+    public: bytes
+    secret: bytes
+    allowed: AllowList
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        sock.curve_server = True
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+        sock.zap_domain = b"melfeed"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKeys:
+    name: str                  # the producer name its key was issued for
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def load(cls, secret_file: str, server_key_file: str) -> ClientKeys:
+        public, secret = _load(Path(secret_file), ("transport", "curve_secret_key"), secret=True)
+        server, _ = _load(Path(server_key_file), ("transport", "curve_server_key"), secret=False)
+        assert secret is not None
+        return cls(Path(secret_file).name.removesuffix(".key_secret"), public, secret, server)
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+        sock.curve_serverkey = self.server_public
+
+
+def load_server_keys(secret_file: str, allowed_dir: str) -> ServerKeys:
+    public, secret = _load(Path(secret_file), ("transport", "curve_secret_key"), secret=True)
+    assert secret is not None
+    return ServerKeys(public, secret, AllowList.load(allowed_dir))
+
+
+def zap_reply(request: Sequence[bytes], allowed: AllowList) -> list[bytes]:
+    """The ZAP (RFC 27) reply to one request: 200 + User-Id NAME for an allowed CURVE key, else 400."""
+    if len(request) < 6:
+        return [_ZAP_VERSION, request[1] if len(request) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
+    version, request_id, _domain, _address, _identity, mechanism = request[:6]
+    credentials = request[6:]
+
+    def deny(reason: bytes) -> list[bytes]:
+        return [_ZAP_VERSION, request_id, b"400", reason, b"", b""]
+    if version != _ZAP_VERSION:
+        return deny(b"unsupported ZAP version")
+    if mechanism != b"CURVE" or len(credentials) != 1:
+        return deny(b"CURVE required")
+    name = allowed.names.get(zmq.utils.z85.encode(credentials[0]))
+    if name is None:
+        return deny(b"unknown key")
+    return [_ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
+
+
+def producer_id_matches(producer_id: str, user_id: str) -> bool:
+    """A key named NAME may announce producer id NAME or NAME-<number>."""
+    if producer_id == user_id:
+        return True
+    head, _, tail = producer_id.rpartition("-")
+    return head == user_id and tail.isdigit()
+
+
+def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -> list[Path]:
+    """Write the consumer's pair (if absent) and one pair per producer name; returns the files."""
+    root = Path(directory)
+    (root / "producers").mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    written = []
+    targets = [(root, "consumer")] + [(root / "producers", n) for n in producers]
+    for where, name in targets:
+        if not name or "/" in name or name.startswith("."):
+            raise ConfigError("must be a plain name", path=("--producer",), got=name)
+        if (where / f"{name}.key_secret").exists():
+            continue                                   # never overwrite a key in use
+        public, secret = zmq.auth.create_certificates(str(where), name)
+        os.chmod(secret, 0o600)
+        written += [Path(public), Path(secret)]
+    return written
+
+
+def _need(value: str | None, key: str, why: str) -> str:
+    if not value:
+        raise ConfigError(f"is required {why}", path=("transport", key))
+    return value
+
+
+def _own_secret(transport: object, endpoint: str) -> str | None:
+    """This side's secret key file, or ``None`` when plaintext is allowed (ipc, loopback tcp)."""
+    secret = getattr(transport, "curve_secret_key", None)
+    if not secret and not is_loopback(endpoint):
+        _need(None, "curve_secret_key", f"for {endpoint}: tcp beyond loopback needs CURVE (run_pipeline.py keys)")
+    return secret or None
+
+
+def server_keys_for(transport: object, endpoint: str) -> ServerKeys | None:
+    """The consumer's CURVE setup from ``TransportConfig``; ``None`` for ipc/loopback without keys.
+
+    Raises:
+        ConfigError: a non-loopback tcp endpoint without keys, or a half-configured key set.
+    """
+    secret = _own_secret(transport, endpoint)
+    if secret is None:
+        return None
+    return load_server_keys(secret, _need(getattr(transport, "curve_allowed_dir", None), "curve_allowed_dir",
+                                          "with curve_secret_key"))
+
+
+def client_keys_for(transport: object, endpoint: str) -> ClientKeys | None:
+    """A producer's CURVE setup from ``TransportConfig``; ``None`` for ipc/loopback without keys."""
+    secret = _own_secret(transport, endpoint)
+    if secret is None:
+        return None
+    return ClientKeys.load(secret, _need(getattr(transport, "curve_server_key", None), "curve_server_key",
+                                         "with curve_secret_key"))
+
+
+def main_keys(args: object) -> int:
+    """``run_pipeline.py keys DIR --producer NAME ...``: print what was written and where it goes."""
+    root = Path(getattr(args, "dir"))
+    names = list(getattr(args, "producer") or [])
+    written = generate_keys(root, names)
+    for path in written:
+        print(f"wrote {path}")
+    print(f"consumer: transport.curve_secret_key={root / 'consumer.key_secret'} "
+          f"transport.curve_allowed_dir={root / 'producers'}")
+    for name in names:
+        print(f"producer {name}: copy {root / 'consumer.key'} and {root / 'producers' / (name + '.key_secret')}; "
+              f"transport.curve_server_key=consumer.key transport.curve_secret_key={name}.key_secret")
+    return 0
