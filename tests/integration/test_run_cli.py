@@ -24,7 +24,7 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     cfg = tmp_path / "run.yaml"
     # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same.
     cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
-                                   "consumer": {"warmup_steps": 3, "status_interval_s": 2.0}}))
+                                   "consumer": {"warmup_steps": 3, "status_interval_s": 0.3}}))
     summary = tmp_path / "summary.json"
     proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2",
                  "--steps", "150", "--summary-json", str(summary)], tmp_path, timeout_s=400)
