@@ -38,9 +38,15 @@ def _deploy(units: Path, config: Path, producers: int) -> None:
 
 
 def _test_dropins(units: Path) -> None:
-    """Logs to files (no journald inside) and a short watchdog so the wedge test is quick."""
-    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=8\nTimeoutAbortSec=2\n"),
-                             ("producer@.service", "producers.log", "")):
+    """Logs to files (no journald inside) and a short watchdog so the wedge test is quick.
+
+    A checkout or venv under /tmp (a CI clone) is invisible behind PrivateTmp=yes (226/NAMESPACE):
+    only then the test turns PrivateTmp off; production units keep it.
+    """
+    under_tmp = any(str(p).startswith("/tmp/") for p in (procs.REPO, Path(sys.prefix)))
+    private_tmp = "PrivateTmp=no\n" if under_tmp else ""
+    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=8\nTimeoutAbortSec=2\n" + private_tmp),
+                             ("producer@.service", "producers.log", private_tmp)):
         d = units / f"{unit}.d"
         d.mkdir(exist_ok=True)
         (d / "test.conf").write_text(f"[Service]\nStandardOutput=append:{INSIDE / log}\n"
