@@ -20,6 +20,7 @@ import pytest
 
 from consumer.pipeline import Consumer
 from shared.config import config_from_mapping
+from tests import procs
 from tests.conftest import ProducerGroup
 
 _BATCH_SIZE = 4
@@ -49,22 +50,6 @@ def _fds(pid: int | str) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _children(parent: int) -> list[int]:
-    """Live direct children of ``parent`` (the launcher's producer processes)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == parent and state != "Z":
-            out.append(int(entry))
-    return sorted(out)
-
-
 def _sample(producer_pids: list[int]) -> _Sample:
     pids: dict[str, int | str] = {"consumer": "self", **{f"producer-{p}": p for p in producer_pids}}
     return _Sample({k: _rss_kb(p) for k, p in pids.items()}, {k: _fds(p) for k, p in pids.items()})
@@ -86,12 +71,12 @@ def _soak(cache: Path, endpoint: str, group: ProducerGroup, n_batches: int) -> N
             assert batch.batch_id == expected                # once, in plan order
             expected += 1
             if expected == _WARMUP_BATCHES:
-                workers = _children(launcher.pid)
+                workers = procs.child_pids(launcher.pid)
                 assert len(workers) == _PRODUCERS
                 first = _sample(workers)
             elif expected == n_batches - 1:                 # before shutdown frees anything
                 last = _sample(workers)
-                assert _children(launcher.pid) == workers    # no producer was restarted
+                assert procs.child_pids(launcher.pid) == workers    # no producer was restarted
         stats = consumer.receiver_stats()
     elapsed_s = time.monotonic() - t0
     assert group.stop_all() == [0]
