@@ -44,7 +44,7 @@ def _test_dropins(units: Path) -> None:
     only then the test turns PrivateTmp off; production units keep it.
     """
     under_tmp = any(str(p).startswith("/tmp/") for p in (procs.REPO, Path(sys.prefix)))
-    private_tmp = "PrivateTmp=no\n" if under_tmp else ""
+    private_tmp = "PrivateTmp=no\nReadWritePaths=/tmp\n" if under_tmp else ""   # TF wants a writable tempdir
     for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=8\nTimeoutAbortSec=2\n" + private_tmp),
                              ("producer@.service", "producers.log", private_tmp)):
         d = units / f"{unit}.d"
