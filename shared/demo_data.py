@@ -28,7 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
-from shared.manifest import Manifest, build_manifest, load_manifest, write_manifest
+from shared.cache_index import build_manifest
+from shared.manifest import Manifest, load_manifest, write_manifest
 
 __all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "write_demo_cache", "demo_utterance_id"]
 

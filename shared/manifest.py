@@ -7,9 +7,10 @@ Cache layout::
     CACHE/manifest.json     written by ``write_manifest``
     CACHE/features.json     optional, written by ``prepare``: feature parameters + vocabulary
 
-Role: ``build_manifest`` reads only the ``.npy`` headers (never the data) and records each
-file's data offset and size, so producers can ``preadv`` data straight into batch rows and
-detect a file changed since indexing.
+Role: the manifest type, its fingerprint, atomic write and distrustful load, and the feature
+record. ``shared/cache_index.py`` builds a manifest from the ``.npy`` headers (never the data),
+recording each file's data offset and size, so producers can ``preadv`` data straight into batch
+rows and detect a file changed since indexing.
 
 Invariants:
 - ``Manifest.utterances`` is sorted by id, ids are unique, and every listed utterance has a
@@ -17,7 +18,7 @@ Invariants:
 - ``fingerprint`` covers the format version, ``n_mels`` and every utterance row, not
   ``cache_dir``: a copied cache keeps its fingerprint; any changed file changes it. When the
   cache records feature parameters and a vocabulary (``features.json``, copied into the
-  manifest by ``build_manifest``), the fingerprint covers them too; a cache without them (demo
+  manifest by ``cache_index.build_manifest``), the fingerprint covers them too; a cache without them (demo
   data, an adopted cache) hashes exactly as before: its features are unknown and not checked.
 - ``write_manifest`` is atomic (temp file, fsync, ``os.replace``): readers see old or new,
   never half a file.
@@ -33,7 +34,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,7 +43,6 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
-from shared.npyfile import NpyHeader, inspect_npy
 
 __all__ = [
     "MANIFEST_NAME",
@@ -51,7 +51,7 @@ __all__ = [
     "Utterance",
     "CacheProblem",
     "Manifest",
-    "build_manifest",
+    "recorded_features",
     "write_manifest",
     "load_manifest",
     "read_feature_record",
@@ -68,9 +68,7 @@ _COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes
             "tok_offset", "tok_file_bytes")
 _ROW_TYPES = (str, int, int, str, int, int, int, int)  # exact types, so JSON true/1.0 are rejected
 _BAD_ID = re.compile(r"\A(?:\.|\Z)|[/\\\x00]")  # empty, hidden/"..", or a path separator or NUL
-_MEL_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 _MEL_ITEMSIZE = {"float32": 4, "float16": 2}
-_TOKEN_DTYPE = np.dtype("<i4")
 
 
 class Utterance(NamedTuple):
@@ -191,61 +189,6 @@ class Manifest:
         return self.cache_dir / "tokens" / f"{self.utterances[i].id}.npy"
 
 
-def _list_npy(directory: Path) -> dict[str, Path]:
-    if not directory.is_dir():
-        raise CacheError(directory, "missing directory")
-    with os.scandir(directory) as entries:
-        return {e.name[:-4]: Path(e.path) for e in entries
-                if e.name.endswith(".npy") and len(e.name) > 4 and e.is_file()}
-
-
-def _check_mel(header: NpyHeader, n_mels: int) -> str | None:
-    if len(header.shape) != 2:
-        return f"expected rank 2 [frames, n_mels], got shape {header.shape}"
-    if header.shape[1] != n_mels:
-        hint = " (stored as [n_mels, frames]? transpose it)" if header.shape[0] == n_mels else ""
-        return f"expected n_mels={n_mels} in shape [frames, n_mels], got shape {header.shape}{hint}"
-    if header.dtype not in _MEL_DTYPES:
-        return f"mel dtype {header.dtype.str} not allowed (little-endian float32 or float16)"
-    if header.shape[0] == 0:
-        return "zero frames"
-    return None
-
-
-def _check_tokens(header: NpyHeader) -> str | None:
-    if len(header.shape) != 1:
-        return f"expected rank 1 [tokens], got shape {header.shape}"
-    if header.dtype != _TOKEN_DTYPE:
-        return f"token dtype {header.dtype.str} not allowed (little-endian int32)"
-    if header.shape[0] == 0:
-        return "zero tokens"
-    return None
-
-
-def _inspect(path: Path, problems: list[CacheProblem]) -> tuple[NpyHeader, int] | None:
-    try:
-        return inspect_npy(path)
-    except CacheError as err:
-        problems.append(CacheProblem(err.path, err.reason))
-        return None
-
-
-def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
-               problems: list[CacheProblem]) -> Utterance | None:
-    mel_info, tok_info = _inspect(mel, problems), _inspect(tok, problems)
-    mel_bad = _check_mel(mel_info[0], n_mels) if mel_info else None
-    tok_bad = _check_tokens(tok_info[0]) if tok_info else None
-    if mel_bad:
-        problems.append(CacheProblem(str(mel), mel_bad))
-    if tok_bad:
-        problems.append(CacheProblem(str(tok), tok_bad))
-    if mel_info is None or tok_info is None or mel_bad or tok_bad:
-        return None
-    (mh, mel_bytes), (th, tok_bytes) = mel_info, tok_info
-    return Utterance(uid, mh.shape[0], th.shape[0], _MEL_DTYPES[mh.dtype],
-                     mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
-
-
 def _parse_features(value: Any, path: Path) -> FeatureItems | None:
     if value is None:
         return None
@@ -299,7 +242,8 @@ def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[st
     return _write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
-def _described_by_record(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
+def recorded_features(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
+    """The feature parameters and vocabulary ``features.json`` records, checked against ``n_mels``."""
     record = read_feature_record(root)
     if record is None:
         return None, None
@@ -309,53 +253,6 @@ def _described_by_record(root: Path, n_mels: int) -> tuple[FeatureItems | None, 
     if recorded != n_mels:
         raise CacheError(path, f"cache was prepared with n_mels={recorded}, indexing with n_mels={n_mels}")
     return features, _parse_vocabulary(record.get("vocabulary"), path)
-
-
-def build_manifest(
-    cache_dir: str | os.PathLike[str],
-    n_mels: int = 80,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[Manifest, list[CacheProblem]]:
-    """Index a cache directory by reading every file's ``.npy`` header (never its data).
-
-    Args:
-        cache_dir: Directory holding ``mels/`` and ``tokens/``.
-        n_mels: Required last dimension of every mel file.
-        progress: Called as ``progress(done, total)`` after each utterance id.
-
-    Returns:
-        ``(manifest, problems)``: the usable utterances, and one ``CacheProblem`` per bad or
-        unpaired file (its utterance is left out). An all-bad cache gives an empty manifest;
-        the caller decides whether that is fatal.
-
-    Raises:
-        CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file,
-            or ``features.json`` is malformed or names another ``n_mels``.
-    """
-    root = Path(cache_dir)
-    features, vocabulary = _described_by_record(root, n_mels)
-    mels, toks = _list_npy(root / "mels"), _list_npy(root / "tokens")
-    if not mels and not toks:
-        raise CacheError(root, "empty cache: no .npy files in mels/ or tokens/")
-    ids = sorted(mels.keys() | toks.keys())
-    problems: list[CacheProblem] = []
-    utterances: list[Utterance] = []
-    for done, uid in enumerate(ids, 1):
-        mel, tok = mels.get(uid), toks.get(uid)
-        if tok is None and mel is not None:
-            problems.append(CacheProblem(str(mel), f"no matching tokens/{uid}.npy"))
-        elif mel is None and tok is not None:
-            problems.append(CacheProblem(str(tok), f"no matching mels/{uid}.npy"))
-        elif mel is not None and tok is not None:
-            utt = _index_one(uid, mel, tok, n_mels, problems)
-            if utt is not None:
-                utterances.append(utt)
-        if progress is not None:
-            progress(done, len(ids))
-    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary)
-    log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
-             root, len(utterances), len(problems), manifest.fingerprint)
-    return manifest, problems
 
 
 def write_manifest(manifest: Manifest) -> Path:

@@ -37,7 +37,8 @@ import numpy as np
 from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
 from shared.features import RESAMPLER_VERSION, feature_params
-from shared.manifest import build_manifest, read_feature_record, write_feature_record, write_manifest
+from shared.cache_index import build_manifest
+from shared.manifest import read_feature_record, write_feature_record, write_manifest
 from shared.npyfile import inspect_npy
 from shared.prepare_pool import Progress, WorkerPool
 from shared.prepare_worker import WorkerSpec, WorkItem, WorkResult

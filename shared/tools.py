@@ -12,7 +12,8 @@ from pathlib import Path
 
 from shared.demo_data import write_demo_cache
 from shared.errors import CacheError
-from shared.manifest import build_manifest, write_manifest
+from shared.cache_index import build_manifest
+from shared.manifest import write_manifest
 from shared.verify import verify_cache
 
 __all__ = ["main_index", "main_verify_cache", "main_demo"]

@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import CacheError
+from shared.cache_index import check_mel_header, check_token_header   # the same rules as index
 from shared.manifest import MANIFEST_NAME, Utterance, load_manifest
-# Private on purpose there; reused so that index and verify-cache refuse exactly the same headers.
-from shared.manifest import _check_mel, _check_tokens
 from shared.npyfile import NpyHeader, inspect_npy
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
@@ -126,7 +125,7 @@ def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
         header, size = inspect_npy(path)
     except CacheError as err:
         return err.reason + (" (listed in the manifest)" if row is not None and err.reason == "missing" else "")
-    bad = _check_mel(header, n_mels) if is_mel else _check_tokens(header)
+    bad = check_mel_header(header, n_mels) if is_mel else check_token_header(header)
     if bad:
         return bad
     if row is not None:

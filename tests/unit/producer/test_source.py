@@ -10,7 +10,8 @@ import pytest
 
 from producer.source import CacheReader
 from shared.errors import CacheError
-from shared.manifest import Manifest, build_manifest
+from shared.cache_index import build_manifest
+from shared.manifest import Manifest
 
 N_MELS = 6
 

@@ -19,7 +19,8 @@ import pytest
 from shared.config import FeatureConfig, PipelineConfig, config_from_mapping
 from shared.errors import CacheError, ConfigError
 from shared.features import LogMel, feature_params, frame_count, load_manifest_for, resample
-from shared.manifest import Manifest, Utterance, build_manifest, load_manifest, write_feature_record, write_manifest
+from shared.cache_index import build_manifest
+from shared.manifest import Manifest, Utterance, load_manifest, write_feature_record, write_manifest
 from shared.text import VOCABULARY
 
 _LINEAR_TOL = 2e-5   # x the clip's largest mel value

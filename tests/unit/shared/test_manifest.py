@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shared.cache_index import build_manifest
 from shared.errors import CacheError
 from shared.manifest import (
     MANIFEST_NAME,
     CacheProblem,
     Manifest,
     Utterance,
-    build_manifest,
     load_manifest,
     write_manifest,
 )
