@@ -24,6 +24,7 @@ from typing import Any
 from consumer.pipeline import Consumer
 from consumer.state import RunState
 from shared.config import PipelineConfig
+from shared.metrics import StepRecord, StepWindow
 from shared.sdnotify import Notifier
 
 __all__ = ["TrainSummary", "train"]
@@ -42,6 +43,9 @@ class TrainSummary:
     padding_efficiency: float = 0.0
     duplicates_dropped: int = 0
     quarantined_samples: int = 0        # bad cache rows left empty (names in the producers' logs)
+    step_p50_ms: float | None = None    # compiled step time after warm-up (nearest-rank percentiles)
+    step_p99_ms: float | None = None
+    step_cv: float | None = None        # std / mean of the step time: jitter (recompiles, contention)
     rejects: dict[str, int] = field(default_factory=dict)
     compiles_after_ready: int = 0
     producers_seen: int = 0
@@ -67,6 +71,9 @@ class _Meter:
         self.batches = self.samples = self.real_frames = self.padded_frames = 0
         self.win_t = self.win_wait = 0.0
         self.win_batches = self.win_samples = 0
+        self.wait_seen = 0.0
+        # Every post-warm-up step (the newest 100k on longer runs): step time percentiles and CV.
+        self.steps = StepWindow(window_s=math.inf, max_records=100_000)
 
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
@@ -112,8 +119,10 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     loss_v = math.nan
     copies = 0
     for batch in consumer.batches(stop, on_wait):
+        step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
+        step_t1 = time.perf_counter()
         copies += n_copies
         out.steps += 1
         if state is not None:
@@ -134,6 +143,9 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             meter.win_samples += rows
             meter.real_frames += batch.real_frames
             meter.padded_frames += batch.padded_frames
+            meter.steps.add(StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, rows,
+                                       batch.real_frames, batch.padded_frames, consumer.queue_depth()))
+        meter.wait_seen = consumer.wait_s_total
         out.samples += batch.rows
         notifier.watchdog()
         if time.monotonic() >= next_status_s:
@@ -207,6 +219,10 @@ def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int,
     out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
     out.duplicates_dropped = rs.duplicates_dropped
     out.quarantined_samples = rs.quarantined
+    figures = meter.steps.figures(time.perf_counter())
+    if figures is not None:
+        out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s
+        out.step_cv = figures.step_cv
     out.rejects = rs.rejects
     out.compiles_after_ready = compiles
     out.producers_seen = rs.producers_seen

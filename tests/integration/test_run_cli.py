@@ -39,6 +39,7 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     assert 0.3 < s["padding_efficiency"] <= 1.0
     assert s["batches_per_s"] > 0 and s["samples_per_s"] > s["batches_per_s"]
     assert s["compile_s"] > 0 and s["time_to_first_step_s"] > s["compile_s"]
+    assert 0 < s["step_p50_ms"] <= s["step_p99_ms"] and s["step_cv"] >= 0
     assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
     assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
 

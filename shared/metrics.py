@@ -1,0 +1,88 @@
+"""Sliding-window figures of the step loop: stall %, step time p50/p99 and CV, rates, padding.
+
+Role: pure arithmetic over step records (no clock of its own, no I/O), so the same numbers feed the
+status line, the summary and tests with hand-computed values. One record per applied batch:
+``StepRecord(end_s, wait_s, step_s, rows, real_frames, padded_frames, queue_depth)``.
+Definitions (DESIGN "The figures that matter"), over the records whose ``end_s`` falls in the
+window ``(now - window_s, now]``:
+    * wall = now - (end_s of the oldest record - its wait_s - its step_s), the span they cover;
+    * stall % = 100 * sum(wait_s) / wall;
+    * batches/s = n / wall, samples/s = sum(rows) / wall;
+    * step p50 / p99: nearest-rank percentiles of ``step_s``; CV = population std / mean;
+    * padding efficiency = sum(real_frames) / sum(padded_frames).
+Invariants: memory is bounded by ``max_records`` (the oldest are dropped first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    end_s: float            # when the step finished (monotonic seconds)
+    wait_s: float           # time the loop waited for this batch
+    step_s: float           # time the step itself took
+    rows: int               # real samples in the batch
+    real_frames: int
+    padded_frames: int
+    queue_depth: int        # ready batches in the ring when it was taken
+
+
+@dataclass(frozen=True, slots=True)
+class WindowFigures:
+    batches: int
+    wall_s: float
+    stall_pct: float
+    batches_per_s: float
+    samples_per_s: float
+    step_p50_s: float
+    step_p99_s: float
+    step_cv: float
+    padding_efficiency: float
+    queue_depth_mean: float
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending list (``nan`` when empty)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(pct / 100.0 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class StepWindow:
+    def __init__(self, window_s: float = 30.0, max_records: int = 100_000) -> None:
+        if window_s <= 0 or max_records < 1:
+            raise ValueError("window_s must be > 0 and max_records >= 1")
+        self.window_s = window_s
+        self._records: deque[StepRecord] = deque(maxlen=max_records)
+
+    def add(self, record: StepRecord) -> None:
+        self._records.append(record)
+
+    def figures(self, now_s: float) -> WindowFigures | None:
+        """The figures over the window ending at ``now_s``; ``None`` with no record in it."""
+        while self._records and self._records[0].end_s <= now_s - self.window_s:
+            self._records.popleft()
+        recs = list(self._records)
+        if not recs:
+            return None
+        first = recs[0]
+        wall = max(1e-9, now_s - (first.end_s - first.wait_s - first.step_s))
+        steps = sorted(r.step_s for r in recs)
+        mean = sum(steps) / len(steps)
+        std = math.sqrt(sum((s - mean) ** 2 for s in steps) / len(steps))
+        padded = sum(r.padded_frames for r in recs)
+        return WindowFigures(
+            batches=len(recs), wall_s=wall,
+            stall_pct=100.0 * sum(r.wait_s for r in recs) / wall,
+            batches_per_s=len(recs) / wall, samples_per_s=sum(r.rows for r in recs) / wall,
+            step_p50_s=percentile(steps, 50), step_p99_s=percentile(steps, 99),
+            step_cv=std / mean if mean > 0 else 0.0,
+            padding_efficiency=sum(r.real_frames for r in recs) / padded if padded else 0.0,
+            queue_depth_mean=sum(r.queue_depth for r in recs) / len(recs))

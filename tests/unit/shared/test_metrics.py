@@ -1,0 +1,50 @@
+"""Window arithmetic on synthetic timings, against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared.metrics import StepRecord, StepWindow, percentile
+
+
+def _rec(end_s: float, wait_s: float, step_s: float, rows: int = 4, real: int = 30, padded: int = 40,
+         queue: int = 2) -> StepRecord:
+    return StepRecord(end_s, wait_s, step_s, rows, real, padded, queue)
+
+
+def test_stall_rates_percentiles_cv_and_padding_by_hand() -> None:
+    w = StepWindow(window_s=100.0)
+    # Four steps back to back from t=0: (wait, step) = (1, 1), (0, 1), (0, 2), (1, 2) -> ends at 2, 3, 5, 8.
+    for end, wait, step in ((2.0, 1.0, 1.0), (3.0, 0.0, 1.0), (5.0, 0.0, 2.0), (8.0, 1.0, 2.0)):
+        w.add(_rec(end, wait, step, queue=int(step)))
+    f = w.figures(now_s=8.0)
+    assert f is not None
+    assert f.wall_s == 8.0                                  # from 0 (first start) to now
+    assert f.stall_pct == pytest.approx(100 * 2 / 8)        # 2 s waited of 8
+    assert f.batches_per_s == pytest.approx(0.5) and f.samples_per_s == pytest.approx(2.0)
+    assert (f.step_p50_s, f.step_p99_s) == (1.0, 2.0)       # nearest rank of [1, 1, 2, 2]
+    assert f.step_cv == pytest.approx(0.5 / 1.5)            # std 0.5, mean 1.5
+    assert f.padding_efficiency == pytest.approx(0.75) and f.queue_depth_mean == pytest.approx(1.5)
+
+
+def test_old_records_leave_the_window_and_an_empty_window_has_no_figures() -> None:
+    w = StepWindow(window_s=10.0)
+    w.add(_rec(1.0, 0.5, 0.5))
+    w.add(_rec(20.0, 0.0, 1.0))
+    f = w.figures(now_s=20.0)
+    assert f is not None and f.batches == 1 and f.wall_s == 1.0 and f.stall_pct == 0.0
+    assert w.figures(now_s=100.0) is None
+
+
+def test_memory_is_bounded_and_percentile_edges() -> None:
+    w = StepWindow(window_s=1e9, max_records=3)
+    for i in range(10):
+        w.add(_rec(float(i + 1), 0.0, 1.0))
+    f = w.figures(now_s=10.0)
+    assert f is not None and f.batches == 3
+    assert math.isnan(percentile([], 50)) and percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 90) == 9.0
+    with pytest.raises(ValueError):
+        StepWindow(window_s=0)
