@@ -40,7 +40,8 @@ from shared.features import RESAMPLER_VERSION, feature_params
 from shared.cache_index import build_manifest
 from shared.manifest import read_feature_record, write_feature_record, write_manifest
 from shared.npyfile import inspect_npy
-from shared.prepare_pool import Progress, WorkerPool
+from shared.prepare_pool import WorkerPool
+from shared.progress import Progress, progress_interval_s
 from shared.prepare_worker import WorkerSpec, WorkItem, WorkResult
 from shared.text import VOCAB_SIZE, VOCABULARY, encode_text
 
@@ -48,6 +49,7 @@ __all__ = ["MetadataRow", "PrepareSummary", "read_metadata", "run_prepare", "mai
 
 log = logging.getLogger(__name__)
 
+_PROGRESS_EVERY_S = 10.0  # a plain progress line this often off a terminal (logs stay short)
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # ids become file names
 
 
@@ -208,13 +210,14 @@ def _check_config(cfg: PipelineConfig) -> None:
 
 
 def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, stop: threading.Event,
-                report: TextIO, debug_delay_s: float = 0.0) -> PrepareSummary:
+                report: TextIO, debug_delay_s: float = 0.0, progress_s: float = _PROGRESS_EVERY_S) -> PrepareSummary:
     """Prepare every utterance of ``corpus`` into ``cache`` that is not there yet.
 
     Args:
         workers: Worker processes (>= 1).
         stop: Set to interrupt; the summary then has ``interrupted`` and no manifest is written.
         report: Where skip lines and progress go (stderr in the CLI).
+        progress_s: Seconds between plain progress lines when ``report`` is not a terminal.
 
     Raises:
         CacheError: Missing metadata, a cache made by something else, or a worker that failed.
@@ -236,7 +239,9 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
              corpus, cache, len(rows), summary.done, len(items), workers)
     spec = WorkerSpec(str(cache), cfg.features, cfg.n_mels, cfg.producer.data_gpu,
                       cfg.producer.gpu_memory_limit_mb, debug_delay_s)
-    work_started_s = _run_items(items, spec, workers, stop, summary, report)
+    work_started_s = _run_items(items, spec, workers, stop, summary,
+                                Progress(len(items), report, label="prepare", unit="utterances",
+                                         interval_s=progress_s))
     summary.interrupted = stop.is_set()
     summary.elapsed_s = time.monotonic() - started
     summary.work_s = time.monotonic() - work_started_s
@@ -244,9 +249,8 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
 
 
 def _run_items(items: list[WorkItem], spec: WorkerSpec, workers: int, stop: threading.Event,
-               summary: PrepareSummary, report: TextIO) -> float:
+               summary: PrepareSummary, progress: Progress) -> float:
     """Run ``items`` on the pool, counting into ``summary``; returns when work began (monotonic s)."""
-    progress = Progress(len(items), report)
     skipped_before = sum(summary.skipped.values())
     work_started = [time.monotonic()]
 
@@ -295,7 +299,7 @@ def main_prepare(args: argparse.Namespace) -> int:
     workers = args.workers or len(os.sched_getaffinity(0))
     with stop_on_signals() as stop:
         summary = run_prepare(Path(args.ljspeech), cache, cfg, workers, stop, sys.stderr,
-                              args.debug_delay_ms / 1000.0)
+                              args.debug_delay_ms / 1000.0, progress_interval_s(_PROGRESS_EVERY_S))
     _print_summary(summary, cache, cfg)
     if summary.interrupted:
         print("interrupted: run the same command again to resume", file=sys.stderr)

@@ -1,8 +1,8 @@
-"""Process plumbing of ``prepare``: the worker pool and the progress display.
+"""Process plumbing of ``prepare``: the worker pool.
 
 Role: ``WorkerPool`` runs N ``shared.prepare_worker`` processes (spawn: TensorFlow is not
-fork-safe) fed from one task queue and yields their results as they come; ``Progress`` draws a
-bar on a terminal and prints a plain line every ``interval_s`` otherwise (logs, CI, systemd).
+fork-safe) fed from one task queue and yields their results as they come. ``Progress`` now lives
+in ``shared.progress``; it is re-exported here so ``from shared.prepare_pool import Progress`` works.
 
 Invariants:
 - Nothing blocks forever: every queue read has a timeout and re-checks ``stop`` and whether
@@ -22,12 +22,11 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TextIO
 
 from shared.errors import CacheError
+from shared.progress import Progress
 from shared.prepare_worker import WorkerEvent, WorkerSpec, WorkItem, WorkResult, worker_main
 
 __all__ = ["WorkerPool", "Progress"]
@@ -127,60 +126,3 @@ class WorkerPool:
         self._tasks.cancel_join_thread()  # items never taken must not block our exit
         self._tasks.close()
         self._results.close()
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{secs:02d}s"
-
-
-class Progress:
-    """A bar on a terminal (redrawn at most 10 times a second), else a line every ``interval_s``.
-
-    Rate and ETA count from ``start()`` (the first worker ready), or from construction.
-    """
-
-    def __init__(self, total: int, stream: TextIO, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._total, self._stream, self._interval_s, self._clock = total, stream, interval_s, clock
-        self._is_tty = stream.isatty()
-        self._started = self._last = clock()
-        self._done = self._skipped = 0
-
-    def start(self) -> None:
-        """Count rate and ETA from now (work begins; start-up is over)."""
-        self._started = self._clock()
-
-    def _line(self) -> str:
-        elapsed = max(self._clock() - self._started, 1e-9)
-        handled = self._done + self._skipped
-        rate = self._done / elapsed
-        eta = _clock((self._total - handled) * elapsed / handled) if handled else "?"
-        pct = 100.0 * handled / self._total if self._total else 100.0
-        text = (f"{handled}/{self._total} ({pct:.0f}%) {rate:.1f} utterances/s, eta {eta}, "
-                f"skipped {self._skipped}")
-        if not self._is_tty:
-            return f"prepare: {text}"
-        filled = int(30 * pct / 100)
-        return f"\r[{'#' * filled}{'.' * (30 - filled)}] {text}\x1b[K"
-
-    def update(self, done: int, skipped: int) -> None:
-        """Record progress; draw if the bar or line is due."""
-        self._done, self._skipped = done, skipped
-        now = self._clock()
-        if now - self._last >= (0.1 if self._is_tty else self._interval_s):
-            self._last = now
-            self._write(self._line(), end="" if self._is_tty else "\n")
-
-    def note(self, text: str) -> None:
-        """Print one line (a skip report) without tearing the bar."""
-        self._write(("\r\x1b[K" if self._is_tty else "") + text, end="\n")
-
-    def finish(self) -> None:
-        """Draw the final state once, ending the bar's line."""
-        if self._total:
-            self._write(self._line(), end="\n")
-
-    def _write(self, text: str, end: str) -> None:
-        self._stream.write(text + end)
-        self._stream.flush()

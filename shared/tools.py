@@ -1,4 +1,8 @@
-"""Offline commands: ``index`` (manifest from .npy headers), ``verify-cache`` and ``demo-data``."""
+"""Offline commands: ``index`` (manifest from .npy headers), ``verify-cache`` and ``demo-data``.
+
+``index`` and ``verify-cache`` show a ``shared.progress.Progress`` on stderr (a bar on a terminal,
+else a line every ``_PROGRESS_EVERY_S`` or ``$MELFEED_PROGRESS_S``); results go to stdout.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,13 @@ import argparse
 import logging
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from shared.demo_data import write_demo_cache
 from shared.errors import CacheError
 from shared.cache_index import build_manifest
 from shared.manifest import write_manifest
+from shared.progress import Progress, progress_interval_s
 from shared.verify import verify_cache
 
 __all__ = ["main_index", "main_verify_cache", "main_demo"]
@@ -43,6 +46,12 @@ def _link_folder(root: Path, name: str, target: str | None) -> None:
     link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
 
 
+def _progress(label: str) -> Progress:
+    """Progress over utterances on stderr; the total is learnt from the first callback."""
+    return Progress(0, sys.stderr, label=label, unit="utterances",
+                    interval_s=progress_interval_s(_PROGRESS_EVERY_S))
+
+
 def main_index(args: argparse.Namespace) -> int:
     """Exit 0 when every file is valid; 1 when some are bad (manifest written only with --skip-bad).
 
@@ -50,7 +59,11 @@ def main_index(args: argparse.Namespace) -> int:
     """
     _link_folder(Path(args.cache_dir), "mels", getattr(args, "mels", None))
     _link_folder(Path(args.cache_dir), "tokens", getattr(args, "tokens", None))
-    manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels)
+    progress = _progress("index")
+    try:
+        manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+    finally:
+        progress.finish()  # ends the bar's line before any message
     for problem in problems:
         print(f"bad: {problem}", file=sys.stderr)
     unmatched = sum(p.reason.startswith("no matching ") for p in problems)
@@ -66,26 +79,17 @@ def main_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_printer(what: str, clock: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback printing a plain line to stderr every few seconds."""
-    next_s = clock() + _PROGRESS_EVERY_S
-
-    def progress(done: int, total: int) -> None:
-        nonlocal next_s
-        now = clock()
-        if now >= next_s and done < total:
-            print(f"{what}: {done}/{total} utterances checked", file=sys.stderr, flush=True)
-            next_s = now + _PROGRESS_EVERY_S
-    return progress
-
-
 def main_verify_cache(args: argparse.Namespace) -> int:
     """Exit 0 when every file a training run reads is good, 1 when some are bad.
 
     Prints ``bad: PATH: REASON`` per bad file and ``warning: PATH: REASON`` per unlisted file
     (stdout, sorted by path), then the summary line. A missing cache dir raises ``CacheError`` (78).
     """
-    report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=_progress_printer("verify-cache"))
+    progress = _progress("verify-cache")
+    try:
+        report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+    finally:
+        progress.finish()
     for problem in report.problems:
         print(f"{'bad' if problem.fatal else 'warning'}: {problem}")
     n_warn = len(report.warnings)

@@ -17,7 +17,6 @@ import shared.verify
 from shared.demo_data import demo_utterance_id, write_demo_cache
 from shared.errors import CacheError
 from shared.manifest import MANIFEST_NAME
-from shared.tools import _progress_printer
 from shared.verify import VerifyProblem, verify_cache
 
 REPO = Path(__file__).resolve().parents[3]
@@ -162,20 +161,23 @@ def test_missing_or_empty_cache_dir_is_a_cache_error(tmp_path: Path) -> None:
         verify_cache(tmp_path, 80)
 
 
-def test_progress_line_every_few_seconds(capsys: pytest.CaptureFixture[str]) -> None:
-    now = [0.0]
-    progress = _progress_printer("verify-cache", clock=lambda: now[0])
-    for done in range(1, 101):
-        now[0] = done * 0.2                   # 20 s in all: a line at 5, 10, 15 and 20 s
-        progress(done, 200)
-    assert capsys.readouterr().err.splitlines() == [f"verify-cache: {d}/200 utterances checked"
-                                                    for d in (25, 50, 75, 100)]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, progress_s: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "verify-cache", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
+
+
+def test_cli_progress_lines_go_to_stderr_at_the_interval(cache: Path) -> None:
+    proc = _cli(str(cache), progress_s="0")  # not a terminal: one plain line per utterance, then the final one
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("verify-cache: ")]  # logs share stderr
+    assert [line.split(" ")[1] for line in lines] == [f"{d}/{N}" for d in range(1, N + 1)] + [f"{N}/{N}"]
+    assert all(" utterances/s, eta " in line for line in lines)
+    assert "\r" not in proc.stderr
+    assert proc.stdout == f"verified {N} utterances ({2 * N} files): 0 bad\n"
+    quiet = _cli(str(cache))  # default 5 s: a small cache gets only the final line
+    quiet_lines = [line for line in quiet.stderr.splitlines() if line.startswith("verify-cache: ")]
+    assert len(quiet_lines) == 1 and quiet_lines[0].startswith(f"verify-cache: {N}/{N} (100%) "), quiet.stderr
 
 
 def test_cli_exit_codes_and_output(cache: Path, tmp_path: Path) -> None:
