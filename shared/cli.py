@@ -1,7 +1,7 @@
 """Command-line parser for ``run_pipeline.py`` and the mapping from flags to config keys.
 
 Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/app.py`` and
-``shared/tools.py``. A flag overrides the YAML value of the key it names.
+``shared/tools.py``, ``shared/report_plot.py``. A flag overrides the YAML value of the key it names.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
     keys.add_argument("dir")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
+    rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
+    rep.add_argument("metrics", help="metrics JSONL written by the consumer's --metrics-file")
+    rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
+    rep.add_argument("--title", help="first title line (default: the metrics file name)")
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
     demo.add_argument("--utterances", type=int, default=2000)

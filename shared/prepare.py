@@ -240,8 +240,8 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
     spec = WorkerSpec(str(cache), cfg.features, cfg.n_mels, cfg.producer.data_gpu,
                       cfg.producer.gpu_memory_limit_mb, debug_delay_s)
     work_started_s = _run_items(items, spec, workers, stop, summary,
-                                Progress(len(items), report, label="prepare", unit="utterances",
-                                         interval_s=progress_s))
+                                Progress(len(items), report, progress_s, label="prepare", unit="utterances",
+                                         count_skipped=True))
     summary.interrupted = stop.is_set()
     summary.elapsed_s = time.monotonic() - started
     summary.work_s = time.monotonic() - work_started_s

@@ -55,13 +55,15 @@ class Progress:
 
     Rate and ETA count from ``start()`` (work begins, start-up is over), or from construction.
     ``done`` counts items processed; ``skipped`` items count towards the total and the ETA, not
-    the rate, and are shown only once there is one.
+    the rate. ``label`` starts each line, ``unit`` names what is counted. ``count_skipped=True``
+    always shows the skip count (``prepare``); otherwise it appears only once something is skipped.
     """
 
-    def __init__(self, total: int, stream: TextIO, *, label: str = "progress", unit: str = "items",
-                 interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, total: int, stream: TextIO, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic, *, label: str = "progress",
+                 unit: str = "items", count_skipped: bool = False) -> None:
         self._total, self._stream, self._interval_s, self._clock = total, stream, interval_s, clock
-        self._label, self._unit = label, unit
+        self._label, self._unit, self._count_skipped = label, unit, count_skipped
         self._is_tty = bool(getattr(stream, "isatty", lambda: False)())
         self._started = self._last = clock()
         self._done = self._skipped = 0
@@ -78,7 +80,7 @@ class Progress:
         eta = _clock_text((self._total - handled) * elapsed_s / handled) if handled else "?"
         pct = min(100.0, 100.0 * handled / self._total) if self._total else 100.0
         text = f"{handled}/{self._total} ({pct:.0f}%) {rate:.1f} {self._unit}/s, eta {eta}"
-        if self._skipped:
+        if self._skipped or self._count_skipped:
             text += f", skipped {self._skipped}"
         if not self._is_tty:
             return f"{self._label}: {text}"

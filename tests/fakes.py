@@ -13,3 +13,57 @@ def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDA
     frames = np.round(seconds * 22050 / 256).astype(np.int64)
     tokens = np.clip(np.round(seconds * 15 + rng.normal(0, 5, n)), 10, 190).astype(np.int64)
     return frames, tokens
+
+
+def metrics_snapshot(t_unix_s: float, **overrides: object) -> dict[str, object]:
+    """One metrics snapshot with every key of the fixed schema (values of a healthy training line)."""
+    snap: dict[str, object] = {
+        "t_unix_s": t_unix_s, "uptime_s": 12.3, "phase": "training", "step": 120, "steps_total": 300,
+        "loss": 0.91, "window_s": 5.0, "stall_pct": 0.1, "batches_per_s": 10.2, "samples_per_s": 320.0,
+        "bytes_per_s": 9.1e7, "step_p50_ms": 90.1, "step_p99_ms": 120.3, "step_cv": 0.05,
+        "padding_efficiency": 0.86, "queue_depth_mean": 2.1, "queue_depth_hist": [0, 3, 40, 7],
+        "lease_window": 2, "leases_outstanding": 3, "producers_alive": 2,
+        "producers": [{"id": "producer-1", "batches": 60, "batches_per_s": 5.1, "read_ms": 1.2,
+                       "assemble_ms": 0.3, "send_ms": 0.4}],
+        "rejects": {}, "duplicates": 0, "quarantined": 0, "compiles_after_ready": 0, "gpus": [],
+    }
+    snap.update(overrides)
+    return snap
+
+
+def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,
+                  gpus: bool = True) -> list[dict[str, object]]:
+    """A run's metrics lines: compile, then training with two producers (the second joins late and
+    drops out for a while), a stall episode, and one GPU entry per role in the second half of the lines."""
+    rng = np.random.default_rng(seed)
+    t0, lines, step = 1763900000.0, [], 0
+    for i in range(n_lines):
+        t = t0 + i * interval_s
+        if i < 8:
+            lines.append(metrics_snapshot(t, uptime_s=2.0 + i * interval_s, phase="compiling", step=0,
+                                          loss=None, stall_pct=None, batches_per_s=None, samples_per_s=None,
+                                          step_p50_ms=None, step_p99_ms=None, step_cv=None,
+                                          queue_depth_mean=None, leases_outstanding=0, producers=[]))
+            continue
+        stalled = 50 <= i < 60
+        rate = float(np.clip(rng.normal(4.0 if stalled else 11.0, 0.4), 0.5, None))
+        step += int(rate * interval_s)
+        producers = [{"id": "producer-1", "batches": int(rate * 5), "batches_per_s": rate * 0.55,
+                      "read_ms": 1.2, "assemble_ms": 0.3, "send_ms": 0.4}]
+        if 20 <= i < 70 or i >= 85:  # producer-2 joins late, leaves, comes back
+            producers.append({"id": "producer-2", "batches": int(rate * 4), "batches_per_s": rate * 0.45,
+                              "read_ms": 1.4, "assemble_ms": 0.3, "send_ms": 0.5})
+        gpu = [{"role": "model", "index": 0, "util_pct": float(np.clip(rng.normal(40 if stalled else 93, 3), 0, 100)),
+                "mem_used_mib": 21000.0, "mem_total_mib": 81559.0, "power_w": 310.0},
+               {"role": "data", "index": 1, "util_pct": float(np.clip(rng.normal(18, 4), 0, 100)),
+                "mem_used_mib": 2100.0, "mem_total_mib": 81559.0, "power_w": 90.0}]
+        p50 = float(rng.normal(88.0, 1.5))
+        lines.append(metrics_snapshot(
+            t, uptime_s=2.0 + i * interval_s, step=step, loss=2.5 * np.exp(-i / 60) + 0.3,
+            stall_pct=float(np.clip(rng.normal(55 if stalled else 0.4, 0.3), 0, 100)),
+            batches_per_s=rate, samples_per_s=rate * 32, step_p50_ms=p50,
+            step_p99_ms=p50 + float(abs(rng.normal(25, 8))), queue_depth_mean=0.2 if stalled else 2.6,
+            leases_outstanding=len(producers) * 2, lease_window=2, producers_alive=len(producers),
+            producers=producers, gpus=gpu if gpus and i >= n_lines // 2 else []))
+    lines[-1]["phase"] = "done"
+    return lines

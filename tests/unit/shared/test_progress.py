@@ -29,7 +29,8 @@ class _Clock:
 
 def test_plain_lines_every_interval_when_not_a_terminal() -> None:
     stream, clock = _Stream(tty=False), _Clock()
-    progress = Progress(100, stream, label="prepare", unit="utterances", interval_s=10.0, clock=clock)
+    progress = Progress(100, stream, interval_s=10.0, clock=clock, label="prepare", unit="utterances",
+                        count_skipped=True)
     clock.now_s += 5
     progress.update(10, 0)
     assert stream.getvalue() == ""  # not due yet
@@ -44,7 +45,7 @@ def test_plain_lines_every_interval_when_not_a_terminal() -> None:
     progress.finish()
     progress.finish()  # idempotent
     assert stream.getvalue().splitlines() == [
-        "prepare: 20/100 (20%) 2.0 utterances/s, eta 0m40s",
+        "prepare: 20/100 (20%) 2.0 utterances/s, eta 0m40s, skipped 0",
         "skipped x: /c/wavs/x.wav: missing",
         "prepare: 40/100 (40%) 1.9 utterances/s, eta 0m30s, skipped 1",
         "prepare: 40/100 (40%) 1.9 utterances/s, eta 0m30s, skipped 1",
@@ -78,6 +79,17 @@ def test_rate_counts_from_start_not_from_worker_start_up() -> None:
     clock.now_s += 2
     progress.update(4, 0)
     assert stream.getvalue() == "prepare: 4/10 (40%) 2.0 utterances/s, eta 0m03s\n"
+
+
+def test_the_skip_count_appears_once_something_is_skipped() -> None:
+    stream, clock = _Stream(tty=False), _Clock()
+    progress = Progress(10, stream, 0.0, clock, label="doctor", unit="stages")  # positional interval, clock
+    clock.now_s += 1
+    progress.update(1)
+    clock.now_s += 1
+    progress.update(2, 1)
+    assert stream.getvalue().splitlines() == ["doctor: 1/10 (10%) 1.0 stages/s, eta 0m09s",
+                                              "doctor: 3/10 (30%) 1.0 stages/s, eta 0m04s, skipped 1"]
 
 
 def test_callback_learns_the_total_and_long_etas_show_hours() -> None:
