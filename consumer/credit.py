@@ -72,6 +72,10 @@ class LeaseBook:
     def has_work(self) -> bool:
         return bool(self._reissue) or self._end_id is None or self._next_new < self._end_id
 
+    def active(self, batch_id: int) -> ActiveLease | None:
+        """The open lease of ``batch_id``, if any (read-only look before ``accept``)."""
+        return self._active.get(batch_id)
+
     def leases_of(self, peer: bytes) -> list[ActiveLease]:
         return [self._active[b] for b in sorted(self._by_peer.get(peer, ()))]
 

@@ -24,6 +24,7 @@ class PeerInfo:
     last_seen_s: float
     batches: int = 0
     last_grant_s: float = 0.0
+    uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
 
 
 class PeerTable:

@@ -9,7 +9,10 @@ with Consumer(cfg) as feed:
 Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
 plan order (DESIGN invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
 Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in
-producers; logged at start. Shutdown: ``close()`` stops the receiver and wakes any waiter;
+producers (none on the shared-memory path: they build in the ring's slot files); logged at start.
+Transport (``transport.mode``): on an ipc:// endpoint the slots are shared-memory files
+(``consumer/shm_slots.py``) unless mode is ``zmq`` or the directory is too small (one WARNING, then
+the payload path for the whole run). Shutdown: ``close()`` stops the receiver and wakes any waiter;
 idempotent; every wait is bounded by ``consumer.wait_timeout_s``.
 """
 
@@ -29,9 +32,10 @@ import numpy.typing as npt
 from consumer.credit import LeaseBook
 from consumer.plan import EpochPlan
 from consumer.receiver import HandshakeContract, Receiver, ReceiverStats
-from consumer.ring import BatchRing
+from consumer.ring import BatchRing, slot_nbytes_for
+from consumer.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
 from shared.buckets import BucketSet, build_buckets
-from shared.config import PipelineConfig
+from shared.config import PipelineConfig, check_transport_mode
 from shared.curve import server_keys_for
 from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.lifecycle import resolve_endpoint
@@ -53,6 +57,7 @@ class Batch:
     bucket: int
     arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
     slot: int
+    copies: int = 4                       # copies from page cache into the slot: 1 shared memory, 4 payload
 
     @property
     def rows(self) -> int:
@@ -96,17 +101,29 @@ class Consumer:
         t = cfg.transport
         checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
         self._book = LeaseBook(start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
-        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver)
+        self.shm: ShmSlots | None = self._open_shm()
+        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
+                              memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
         self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
                                   self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
                                   liveness_s=t.liveness_s, checksum=checksum,
-                                  curve=server_keys_for(t, self.endpoint))
+                                  curve=server_keys_for(t, self.endpoint), shm=self.shm)
         self.wait_s_total = 0.0
         self.applied = 0
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
+
+    def _open_shm(self) -> ShmSlots | None:
+        """Slot files for the shared-memory path, or ``None`` for payload frames (mode, tcp, no room)."""
+        mode = self.cfg.transport.mode
+        check_transport_mode(mode, self.endpoint)          # --endpoint may have made it tcp
+        if mode == "zmq" or not self.endpoint.startswith("ipc://"):
+            return None
+        directory = resolve_shm_dir(self.cfg.transport.shm_dir, self.endpoint)
+        return open_shm_slots(directory, self.cfg.consumer.ring_slots, slot_nbytes_for(self.bucket_set.buckets),
+                              self.epoch)
 
     def _wake_receiver(self) -> None:
         """A slot was freed: let the receiver lease it at once."""
@@ -122,8 +139,14 @@ class Consumer:
         largest = self.bucket_set.max_batch_nbytes()
         log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
                  [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
-        log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
-                 self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.cfg.transport.lease_window, largest / 1e6)
+        if self.shm is not None:
+            log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
+                     "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
+                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.shm.directory,
+                     self.cfg.transport.lease_window, largest / 1e6)
+        else:
+            log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
+                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.cfg.transport.lease_window, largest / 1e6)
 
     def close(self) -> None:
         """Stop receiving and wake waiters. Idempotent."""
@@ -132,6 +155,8 @@ class Consumer:
         self._closed = True
         self.ring.close()
         self._receiver.stop()
+        if self.shm is not None:
+            self.shm.close()
 
     def __enter__(self) -> Consumer:
         self.start()
@@ -162,7 +187,7 @@ class Consumer:
         if slot is None:
             return None
         bucket = self.plan.batch(self.next_apply).bucket
-        batch = Batch(self.next_apply, bucket, self.ring.views(slot, bucket), slot)
+        batch = Batch(self.next_apply, bucket, self.ring.views(slot, bucket), slot, self.ring.copies(slot))
         self.next_apply += 1
         return batch
 

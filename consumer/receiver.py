@@ -7,7 +7,12 @@ edge-triggered (notes/zmq-systemd.md 3.5 #6). One thread owning the socket keeps
 one copy out of libzmq and keeps all lease state single-threaded.
 Invariants: only leased ids are accepted; every ROUTER send is non-blocking and survives a vanished
 peer (E5); a payload is written only into the slot its lease reserved, after the header and the
-frame sizes were checked. Bad input (DESIGN invariant 7): every message not taken is counted once,
+frame sizes were checked. Shared-memory path (``shm`` given, producer offered ``CAP_SHM``): the
+lease names the slot's file and generation, the producer builds in it and sends the header alone;
+it is accepted only from the lease's own producer naming that slot and generation. Fencing: a
+LEASED shm slot cancelled without an accepted batch (peer lost, deadline, revoke, requeue) is
+retired here -- its file unlinked, a new generation mapped -- so a zombie writes only into orphaned
+memory and its late BATCH is refused (UNKNOWN_PEER or LEASE). Bad input (DESIGN invariant 7): every message not taken is counted once,
 as a reject (code and routing id; answered by exactly one ERR), a duplicate, or -- from a peer
 blocked for flooding -- FLOOD (dropped unread, unanswered); headers are decoded under the bound of
 a producer header, so no message costs the loop more than a few ms.
@@ -22,23 +27,23 @@ import os
 import reprlib
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import zmq
 
 from consumer.credit import ActiveLease, LeaseBook, Verdict, grant_round
+from consumer.intake import check_header, check_in_place, fill_from_frames
 from consumer.peers import PeerTable
 from consumer.plan import EpochPlan
 from consumer.rejects import RejectLog, peer_label
-from consumer.ring import BatchRing
+from consumer.ring import PAYLOAD_COPIES, BatchRing
+from consumer.shm_slots import ShmSlots
 from shared.buckets import BucketSet
 from shared.curve import ZAP_ENDPOINT, ServerKeys, producer_id_matches, zap_reply
 from shared.errors import ProtocolError
-from shared.protocol import (ARRAY_KEYS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat, Hello,
-                             LeaseGrant, Lease, Message, RejectCode, Welcome, decode_header, encode,
+from shared.protocol import (CAP_SHM, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat, Hello,
+                             LeaseGrant, Lease, Message, RejectCode, ShmSlot, Welcome, decode_header, encode,
                              max_producer_header_bytes)
 
 __all__ = ["Receiver", "ReceiverStats", "HandshakeContract"]
@@ -74,6 +79,7 @@ class ReceiverStats:
     quarantined: int
     # Rejected + ignored messages by routing id (``peer_label``), for the 256 most recently rejected peers.
     rejects_by_peer: dict[str, int] = field(default_factory=dict)
+    shm_retired: int = 0         # shm slot files orphaned because their lease was cancelled (fencing)
 
 
 class Receiver:
@@ -85,12 +91,14 @@ class Receiver:
         contract: what HELLO must carry.
         epoch: this consumer start's epoch (random, non-zero).
         clock: monotonic seconds (injectable for tests).
+        shm: the ring's slot files when the shared-memory path is on (the ring's memory), else ``None``.
     """
 
     def __init__(self, endpoint: str, ring: BatchRing, book: LeaseBook, plan: EpochPlan,
                  bucket_set: BucketSet, contract: HandshakeContract, epoch: int, *,
                  heartbeat_interval_s: float, liveness_s: float, checksum: bool,
-                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None,
+                 shm: ShmSlots | None = None) -> None:
         self.endpoint = endpoint
         self._ring, self._book, self._plan = ring, book, plan
         self._buckets = bucket_set
@@ -116,6 +124,8 @@ class Receiver:
         self._user_id: str | None = None     # CURVE name (ZAP User-Id) of the message being dispatched
         self._auth_denied = 0
         self._auth_log_s = 0.0
+        self._shm = shm
+        self._shm_leased: dict[int, int] = {}   # LEASED shm slot -> generation named in its lease
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,7 +199,8 @@ class Receiver:
         c = self._counts
         return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
-                             c["quarantined"], self._rejects.peer_snapshot())
+                             c["quarantined"], self._rejects.peer_snapshot(),
+                             shm_retired=self._shm.retired if self._shm is not None else 0)
 
     # --- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -309,9 +320,12 @@ class Receiver:
                                                          f"consumer {_short(ours)}")
         if ident in self._peers:
             self._drop_peer(ident, "re-handshake")
-        self._peers.add(ident, msg.producer_id, now)
-        log.info("producer joined id=%s peer=%s alive=%d", msg.producer_id, peer_label(ident), len(self._peers))
-        self._send(ident, Welcome(self.epoch, self._book.window, self._hb_s, self._checksum))
+        info = self._peers.add(ident, msg.producer_id, now)
+        info.uses_shm = self._shm is not None and CAP_SHM in msg.caps
+        log.info("producer joined id=%s peer=%s alive=%d transport=%s", msg.producer_id, peer_label(ident),
+                 len(self._peers), "shm" if info.uses_shm else "zmq")
+        shm_dir = str(self._shm.directory) if info.uses_shm and self._shm is not None else None
+        self._send(ident, Welcome(self.epoch, self._book.window, self._hb_s, self._checksum, shm_dir))
 
     def _known(self, ident: bytes, epoch: int):  # type: ignore[no-untyped-def]
         peer = self._peers.get(ident)
@@ -324,6 +338,7 @@ class Receiver:
     def _on_batch(self, sock: zmq.Socket[bytes], ident: bytes, hdr: BatchHeader, now: float) -> None:
         peer = self._known(ident, hdr.epoch)
         peer.last_seen_s = now
+        self._check_shm_claim(ident, hdr)
         verdict, lease = self._book.accept(ident, hdr.batch_id)
         if verdict == Verdict.DUP:
             self._drain(sock)
@@ -331,47 +346,40 @@ class Receiver:
             return
         if verdict == Verdict.NOT_LEASED or lease is None:
             raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
+        in_place = lease.slot in self._shm_leased
         try:
-            self._fill(sock, lease, hdr)
+            expected = check_header(hdr, self._plan.batch(hdr.batch_id).bucket, self._buckets)
+            views = self._ring.views(lease.slot, expected.index)
+            if in_place:
+                check_in_place(sock, views, hdr, expected, self._checksum)
+            else:
+                self._counts["bytes"] += fill_from_frames(sock, views, hdr, expected, self._checksum)
         except ProtocolError:
             self._book.requeue(lease)      # the lease stays open: rebuild it, never drop it
-            self._ring.cancel(lease.slot)
+            self._cancel(lease)
             self._counts["reissued"] += 1
             raise
-        self._ring.mark_ready(lease.slot, hdr.batch_id)
+        self._shm_leased.pop(lease.slot, None)
+        self._ring.mark_ready(lease.slot, hdr.batch_id, 1 if in_place else PAYLOAD_COPIES)
         peer.batches += 1
         self._counts["batches"] += 1
         self._counts["quarantined"] += len(hdr.quarantined)
 
-    def _fill(self, sock: zmq.Socket[bytes], lease: ActiveLease, hdr: BatchHeader) -> None:
-        """Receive the payload frames straight into the lease's slot, checking sizes and content."""
-        bucket = self._plan.batch(hdr.batch_id).bucket
-        expected = self._buckets.buckets[bucket]
-        if hdr.bucket != bucket or hdr.shapes != [list(s) for s in expected.shapes().values()]:
-            raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: shapes {hdr.shapes} do not match "
-                                                  f"bucket {bucket} {list(expected.shapes().values())}")
-        if hdr.dtypes != list(expected.dtypes().values()):
-            raise ProtocolError(RejectCode.DTYPE, f"batch {hdr.batch_id}: dtypes {hdr.dtypes} not allowed")
-        views = self._ring.views(lease.slot, bucket)
-        crc = 0
-        for key in ARRAY_KEYS:
-            if not sock.getsockopt(zmq.RCVMORE):
-                raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
-            buf = memoryview(views[key]).cast("B")
-            n = sock.recv_into(buf)
-            if n != buf.nbytes:
-                raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, "
-                                                      f"expected {buf.nbytes}")
-            if hdr.crc32 is not None:
-                crc = zlib.crc32(buf, crc)
-            self._counts["bytes"] += n
-        if sock.getsockopt(zmq.RCVMORE):
-            raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: extra frames")
-        if hdr.crc32 is None and self._checksum:
-            raise ProtocolError(RejectCode.CRC, f"batch {hdr.batch_id}: checksum required but missing")
-        if hdr.crc32 is not None and crc != hdr.crc32:
-            raise ProtocolError(RejectCode.CRC, f"batch {hdr.batch_id}: crc32 mismatch")
-        _check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
+    def _check_shm_claim(self, ident: bytes, hdr: BatchHeader) -> None:
+        """An shm lease takes a batch only from its own producer, naming its slot and generation.
+
+        Checked before ``accept``: another producer's late copy (payload or header-only) must never
+        be written into or read from a slot file the lease holder may be writing right now.
+        """
+        active = self._book.active(hdr.batch_id)
+        if active is None:
+            return                          # DUP or NOT_LEASED, decided by accept; no slot is touched
+        gen = self._shm_leased.get(active.slot)
+        if gen is None and hdr.shm is None:
+            return                          # payload lease, payload header
+        if gen is None or active.peer != ident or (hdr.shm is not None and hdr.shm != (active.slot, gen)):
+            raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id}: slot/generation {hdr.shm} is not "
+                                                  f"this producer's lease")
 
     # --- leases, liveness, heartbeats ------------------------------------------------------------
     def _grant(self, now: float) -> None:
@@ -381,10 +389,28 @@ class Receiver:
             self._peers.get(lease.peer).last_grant_s = now  # type: ignore[union-attr]  # ties go round-robin
             planned = self._plan.batch(lease.batch_id)
             grants.setdefault(lease.peer, []).append(
-                Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s))
+                Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
+                      self._shm_slot_for(lease)))
         depth = self.queue_depth()
         for ident, leases in grants.items():
             self._send(ident, LeaseGrant(self.epoch, leases, depth))
+
+    def _shm_slot_for(self, lease: ActiveLease) -> ShmSlot | None:
+        """The slot file a new lease names, or ``None`` for a payload lease."""
+        info = self._peers.get(lease.peer)
+        if self._shm is None or info is None or not info.uses_shm or not self._shm.is_shared(lease.slot):
+            return None
+        gen = self._shm.generation(lease.slot)
+        self._shm_leased[lease.slot] = gen
+        return ShmSlot(self._shm.name(lease.slot), lease.slot, gen)
+
+    def _cancel(self, lease: ActiveLease) -> None:
+        """Give a lease's slot back unfilled; an shm slot is retired first (a zombie may write into it)."""
+        if self._shm_leased.pop(lease.slot, None) is not None and self._shm is not None:
+            self._shm.retire(lease.slot)
+            log.debug("retired shm slot %d (batch %d not delivered); generation %d", lease.slot,
+                      lease.batch_id, self._shm.generation(lease.slot))
+        self._ring.cancel(lease.slot)
 
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
@@ -394,14 +420,14 @@ class Receiver:
         for ident in self._peers.silent_since(now - self._liveness_s):
             self._drop_peer(ident, f"silent for more than {self._liveness_s:.1f} s")
         for lease in self._book.expire(now):
-            self._ring.cancel(lease.slot)
+            self._cancel(lease)
             self._counts["reissued"] += 1
             log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id,
                         lease.peer.decode(errors="replace"))
 
     def _drop_peer(self, ident: bytes, why: str) -> None:
         for lease in self._book.revoke_peer(ident):
-            self._ring.cancel(lease.slot)
+            self._cancel(lease)
             self._counts["reissued"] += 1
         info = self._peers.remove(ident)
         if info is not None:
@@ -449,11 +475,3 @@ _REPR.maxlist, _REPR.maxstring, _REPR.maxother, _REPR.maxlevel = 8, 80, 80, 3
 def _short(value: object) -> str:
     """A bounded repr of a peer-supplied value, cheap whatever its size."""
     return _REPR.repr(value)
-
-
-def _check_lengths(views: dict[str, np.ndarray], max_frames: int, max_tokens: int, batch_id: int) -> None:
-    mel_len, tok_len = views["mel_len"], views["tok_len"]
-    if mel_len.min(initial=0) < 0 or mel_len.max(initial=0) > max_frames:
-        raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: mel_len outside 0..{max_frames}")
-    if tok_len.min(initial=0) < 0 or tok_len.max(initial=0) > max_tokens:
-        raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: tok_len outside 0..{max_tokens}")

@@ -6,6 +6,8 @@ Invariant: free + leased + ready + in_step == n_slots; a lease always owns a slo
 outstanding <= slots not ready or in the step, and memory never exceeds n_slots * slot_nbytes.
 The receiver thread only touches FREE/LEASED slots' bytes; the step thread only READY/IN_STEP
 ones, so slot memory needs no lock; state changes go through one lock.
+Slot bytes come from a ``SlotMemory``: ``PrivateSlots`` (one aligned buffer, the ZeroMQ payload
+path) or ``consumer.shm_slots.ShmSlots`` (one shared file per slot that producers build into).
 Shutdown: ``close()`` wakes every waiter with ``ClosedError``; no wait lasts longer than its timeout.
 """
 
@@ -15,17 +17,55 @@ import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from shared.buckets import Bucket
 from shared.errors import ClosedError
-from shared.layout import aligned_buffer, round_up, batch_layout, layout_nbytes, layout_views
+from shared.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views, round_up
 
-__all__ = ["SlotState", "BatchRing"]
+__all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "slot_nbytes_for"]
 
 _PAGE_BYTES = 4096
+PAYLOAD_COPIES = 4   # page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
+
+
+def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
+    """Bytes of one slot: the largest bucket's layout, rounded up to whole pages."""
+    return round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
+
+
+class SlotMemory(Protocol):
+    """Where slot bytes live. ``buffer(slot)`` is 64-byte aligned and ``slot_nbytes`` long."""
+
+    slot_nbytes: int
+
+    @property
+    def total_nbytes(self) -> int: ...
+
+    def buffer(self, slot: int) -> npt.NDArray[np.uint8]: ...
+
+    def close(self) -> None: ...
+
+
+class PrivateSlots:
+    """All slots in one private aligned buffer (the ZeroMQ payload path)."""
+
+    def __init__(self, n_slots: int, slot_nbytes: int) -> None:
+        self.slot_nbytes = slot_nbytes
+        self._memory = aligned_buffer(n_slots * slot_nbytes)
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self._memory.nbytes)
+
+    def buffer(self, slot: int) -> npt.NDArray[np.uint8]:
+        return self._memory[slot * self.slot_nbytes:(slot + 1) * self.slot_nbytes]
+
+    def close(self) -> None:
+        """Nothing to release: the buffer goes with its last view."""
 
 
 class SlotState(IntEnum):
@@ -43,14 +83,19 @@ class BatchRing:
         buckets: every bucket shape a slot must be able to hold.
         on_release: called (from the releasing thread) after a slot becomes FREE; the receiver
             uses it to wake its poll loop so it can lease the slot again.
+        memory: slot bytes; ``None`` = a private aligned buffer. Its ``slot_nbytes`` must be
+            ``slot_nbytes_for(buckets)``.
     """
 
     def __init__(self, n_slots: int, buckets: tuple[Bucket, ...],
-                 on_release: Callable[[], None] | None = None) -> None:
+                 on_release: Callable[[], None] | None = None, memory: SlotMemory | None = None) -> None:
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
-        self.slot_nbytes = round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
-        self._memory = aligned_buffer(n_slots * self.slot_nbytes)
+        self.slot_nbytes = slot_nbytes_for(buckets)
+        self.memory: SlotMemory = memory if memory is not None else PrivateSlots(n_slots, self.slot_nbytes)
+        if self.memory.slot_nbytes != self.slot_nbytes:
+            raise ValueError(f"slot memory has {self.memory.slot_nbytes} bytes per slot, need {self.slot_nbytes}")
+        self._copies = [PAYLOAD_COPIES] * n_slots   # copies from page cache that filled each READY slot
         self._layouts = {b.index: batch_layout(b) for b in buckets}
         self._state = [SlotState.FREE] * n_slots
         self._ready: dict[int, int] = {}        # batch id -> slot
@@ -61,11 +106,15 @@ class BatchRing:
 
     @property
     def total_nbytes(self) -> int:
-        return int(self._memory.nbytes)
+        return self.memory.total_nbytes
 
     def views(self, slot: int, bucket: int) -> dict[str, npt.NDArray[np.generic]]:
         """Aligned array views of ``slot`` laid out for ``bucket``; valid while the slot is held."""
-        return layout_views(self._memory, slot * self.slot_nbytes, self._layouts[bucket])
+        return layout_views(self.memory.buffer(slot), 0, self._layouts[bucket])
+
+    def copies(self, slot: int) -> int:
+        """Copies from page cache into this READY/IN_STEP slot (1 shared memory, 4 payload frames)."""
+        return self._copies[slot]
 
     # --- receiver side -------------------------------------------------------------------
     def reserve(self) -> int | None:
@@ -83,11 +132,12 @@ class BatchRing:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.FREE
 
-    def mark_ready(self, slot: int, batch_id: int) -> None:
-        """LEASED -> READY: the slot now holds batch ``batch_id``."""
+    def mark_ready(self, slot: int, batch_id: int, copies: int = PAYLOAD_COPIES) -> None:
+        """LEASED -> READY: the slot now holds batch ``batch_id``, filled with ``copies`` copies."""
         with self._cond:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.READY
+            self._copies[slot] = copies
             self._ready[batch_id] = slot
             self._cond.notify_all()
 

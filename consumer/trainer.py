@@ -118,12 +118,14 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     loss_v = math.nan
     copies = 0
+    payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     for batch in consumer.batches(stop, on_wait):
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
         step_t1 = time.perf_counter()
         copies += n_copies
+        payload_copies += batch.copies
         out.steps += 1
         if state is not None:
             state.record(batch.batch_id, consumer.plan.batch(batch.batch_id).sample_ids, consumer.epoch)
@@ -156,7 +158,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     if state is not None:
         state.checkpoint(items, consumer.epoch)
         out.next_batch = state.next_batch
-    _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies)
+    _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies + payload_copies)
     if summary_path:
         out.write(summary_path)
     return out
@@ -227,7 +229,8 @@ def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int,
     out.compiles_after_ready = compiles
     out.producers_seen = rs.producers_seen
     out.final_loss = None if math.isnan(loss) else loss
-    # ZeroMQ payload path: page cache -> producer buffer -> kernel socket -> libzmq -> ring slot; DLPack adds none.
-    out.payload_copies_per_batch = 4 + copies / max(1, out.steps)
+    # Mean over applied batches of the copies into the slot (shared memory: page cache -> slot = 1; payload:
+    # page cache -> producer buffer -> kernel socket -> libzmq -> slot = 4) plus to_tensors' (DLPack: none).
+    out.payload_copies_per_batch = copies / out.steps if out.steps else 0.0
     summary: dict[str, Any] = {k: v for k, v in asdict(out).items() if k != "rejects"}
     log.info("summary %s rejects=%s", json.dumps(summary), out.rejects)

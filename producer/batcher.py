@@ -3,6 +3,8 @@
 Each row is read from the cache with one ``preadv`` into its place in the buffer (no per-file
 ``np.load`` + copy); only the padding tail of a row is zeroed. Buffers are sent zero-copy
 (``copy=False``), so a buffer is reused only after ZeroMQ reports it done (``MessageTracker``).
+On the same-host shared-memory path the caller passes ``target`` (views of the consumer's ring slot)
+and the batch is built there instead: no send buffer at all.
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
@@ -62,8 +64,9 @@ class BatchAssembler:
         self._policy = bad_sample_policy
         self._quarantined_ids: set[int] = set()   # warned about once each; repeats log at DEBUG
 
-    def build(self, batch_id: int, bucket: int, sample_ids: list[int]) -> BuiltBatch:
-        """Read the leased samples into a free buffer of ``bucket``'s shape.
+    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
+              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+        """Read the leased samples into ``target`` (a slot's views) or a free buffer of ``bucket``'s shape.
 
         Raises:
             ValueError: a bucket or sample count that cannot be right (a lease from a consumer
@@ -75,9 +78,10 @@ class BatchAssembler:
         spec = self._buckets[bucket]
         if len(sample_ids) > spec.batch_size:
             raise ValueError(f"lease has {len(sample_ids)} samples, bucket holds {spec.batch_size}")
-        buf = self._free_buffer(bucket)
-        mel, mel_len = buf.arrays["mel"], buf.arrays["mel_len"]
-        tokens, tok_len = buf.arrays["tokens"], buf.arrays["tok_len"]
+        buf = self._free_buffer(bucket) if target is None else None
+        arrays = target if target is not None else buf.arrays  # type: ignore[union-attr]
+        mel, mel_len = arrays["mel"], arrays["mel_len"]
+        tokens, tok_len = arrays["tokens"], arrays["tok_len"]
         quarantined: list[int] = []
         for row, sid in enumerate(sample_ids):
             try:
@@ -99,7 +103,7 @@ class BatchAssembler:
             tokens[n:] = 0
             mel_len[n:] = 0
             tok_len[n:] = 0
-        return BuiltBatch(batch_id, bucket, buf.arrays, quarantined, buf)
+        return BuiltBatch(batch_id, bucket, arrays, quarantined, buf)
 
     def _log_quarantine(self, sid: int, batch_id: int, err: CacheError) -> None:
         """WARNING the first time this process quarantines ``sid``; each epoch repeats it at DEBUG."""

@@ -77,7 +77,8 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
         finally:
             notifier.stopping()
     s = worker.stats()
-    log.info("producer stopped batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
+    log.info("producer stopped batches=%d shm_batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
+             s.shm_batches,
              1000 * s.build_s_total / max(1, s.batches_sent), 1000 * s.send_s_total / max(1, s.batches_sent),
              s.rejoins)
     return code
@@ -108,6 +109,8 @@ class _Status:
 def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                   on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
     from producer.batcher import BatchAssembler
+    from producer.slot_maps import SlotMappings
+    from shared.config import check_transport_mode
     from producer.source import CacheReader
     from producer.worker import ProducerWorker
     from shared.buckets import build_buckets
@@ -126,10 +129,14 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     endpoint = resolve_endpoint(cfg, os.environ)
     curve = client_keys_for(t, endpoint)
     name = curve.name if curve is not None else "producer"     # a CURVE key named N may only speak as N-<index>
+    check_transport_mode(t.mode, endpoint)               # --endpoint may have made it tcp
+    # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
+    slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots)
+                 if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
     return ProducerWorker(endpoint, f"{name}-{index}", assembler, bucket_set,
                           manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
                           liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
-                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve)
+                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve, slot_maps=slot_maps)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ again (with back-off up to ``connect_backoff_max_s``) when the consumer is silen
 period, announces a new epoch, or answers ``ERR UNKNOWN_PEER``. ``ERR PROTO``/``ERR CONTRACT``
 are configuration errors, and so is a bad cache file under ``producer.bad_samples: fail``: the process
 exits 78 so systemd does not restart it in a loop.
+Same-host shared memory: with ``slot_maps`` the HELLO offers ``CAP_SHM``; when the WELCOME names an
+``shm_dir`` the leases name slot files, the batch is built straight into the mapped slot and the
+BATCH is the header alone. If a slot file cannot be mapped the producer warns once (file, errno),
+stops offering ``CAP_SHM`` and joins again: payload frames from then on.
 Single-threaded: building a batch takes a few ms, far below the heartbeat interval.
 Shutdown: the stop event is checked every loop; on stop it sends BYE (so its leases are reissued at
 once) and closes the socket with linger 0.
@@ -12,6 +16,7 @@ once) and closes the socket with linger 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -20,15 +25,17 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from producer.batcher import BatchAssembler, BuiltBatch
+from producer.slot_maps import SlotMappings
 from producer.source import TransientReadError
 from shared.curve import ClientKeys
 from shared.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
-from shared.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
+from shared.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
                              Lease, LeaseGrant, RejectCode, Welcome, decode_header, encode)
 
 __all__ = ["ProducerWorker", "ProducerStats"]
@@ -46,6 +53,7 @@ class ProducerStats:
     send_s_total: float
     rejoins: int
     errors_received: dict[str, int]
+    shm_batches: int = 0          # of batches_sent, built in the consumer's shared-memory slots
 
 
 class ProducerWorker:
@@ -56,6 +64,8 @@ class ProducerWorker:
         producer_id: stable name (``producer-3``); the routing id adds the pid so a restart is new.
         assembler: builds batches into send buffers.
         bucket_set, fingerprint, n_mels, seed: the data contract announced in HELLO.
+        slot_maps: maps the consumer's slot files (same-host ipc, ``transport.mode`` auto/shm);
+            ``None`` = payload frames only.
     """
 
     def __init__(self, endpoint: str, producer_id: str, assembler: BatchAssembler, bucket_set: BucketSet,
@@ -63,11 +73,15 @@ class ProducerWorker:
                  liveness_s: float, backoff_max_s: float, debug_delay_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_tick: Callable[[ProducerWorker], None] | None = None,
-                 curve: ClientKeys | None = None) -> None:
+                 curve: ClientKeys | None = None, slot_maps: SlotMappings | None = None) -> None:
         self.endpoint = endpoint
         self.producer_id = producer_id
         self._assembler = assembler
-        self._hello = Hello(PROTOCOL_VERSION, producer_id, fingerprint, bucket_set.as_wire(), n_mels, seed)
+        self._slot_maps = slot_maps
+        self._shm_dir: str | None = None      # from WELCOME: leases name files here
+        self._shm_sent = 0
+        self._hello = Hello(PROTOCOL_VERSION, producer_id, fingerprint, bucket_set.as_wire(), n_mels, seed,
+                            [CAP_SHM] if slot_maps is not None else [])
         self._hb_s = heartbeat_interval_s
         self._liveness_s = liveness_s
         self._backoff_max_s = backoff_max_s
@@ -92,7 +106,8 @@ class ProducerWorker:
         return self._epoch
 
     def stats(self) -> ProducerStats:
-        return ProducerStats(self._sent, self._build_s, self._send_s, self._rejoins, dict(self._errors))
+        return ProducerStats(self._sent, self._build_s, self._send_s, self._rejoins, dict(self._errors),
+                             self._shm_sent)
 
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set or a fatal error. Returns the process exit code."""
@@ -173,9 +188,11 @@ class ProducerWorker:
             if self._epoch is not None and msg.epoch != self._epoch:
                 self._rejoins += 1
             self._epoch, self._checksum = msg.epoch, msg.checksum
+            self._shm_dir = msg.shm_dir if self._slot_maps is not None else None
             self._leases.clear()
             self._last_heard_s = now
-            log.info("joined consumer epoch=%d window=%d", msg.epoch, msg.window)
+            log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
+                     f"shm ({self._shm_dir})" if self._shm_dir else "zmq")
         elif isinstance(msg, LeaseGrant | Heartbeat):
             if msg.epoch != self._epoch:
                 if self._epoch is not None:
@@ -209,8 +226,13 @@ class ProducerWorker:
             log.info("lease for batch %d expired before it was built; skipping", lease.batch_id)
             return
         t0 = time.perf_counter()
+        target = None
+        if lease.shm is not None:
+            target = self._slot_views(lease)
+            if target is None:
+                return
         try:
-            batch = self._assembler.build(lease.batch_id, lease.bucket, lease.sample_ids)
+            batch = self._assembler.build(lease.batch_id, lease.bucket, lease.sample_ids, target)
         except TransientReadError as err:   # not the file's fault: exit 1, the supervisor restarts us
             log.error("cannot build batch %d (transient, restarting): %s", lease.batch_id, err)
             self.exit_code = 1
@@ -222,11 +244,30 @@ class ProducerWorker:
         if self._debug_delay_s:
             time.sleep(self._debug_delay_s)
         t1 = time.perf_counter()
-        self._send_batch(sock, batch)
+        self._send_batch(sock, batch, None if lease.shm is None else (lease.shm.slot, lease.shm.generation))
         self._build_s += t1 - t0
         self._send_s += time.perf_counter() - t1
 
-    def _send_batch(self, sock: zmq.Socket[bytes], batch: BuiltBatch) -> None:
+    def _slot_views(self, lease: Lease) -> dict[str, Any] | None:
+        """Views of the lease's slot file; on failure fall back to payload frames for good."""
+        assert lease.shm is not None
+        if self._slot_maps is None or self._shm_dir is None:
+            log.warning("lease for batch %d names a slot file, but shared memory was not agreed; skipping",
+                        lease.batch_id)
+            return None
+        try:
+            return self._slot_maps.views(self._shm_dir, lease.shm, lease.bucket)
+        except (OSError, ValueError, KeyError) as err:
+            log.warning("cannot map slot file %s (errno %s: %s); using ZeroMQ payload frames from now on",
+                        f"{self._shm_dir}/{lease.shm.name}", getattr(err, "errno", None),
+                        getattr(err, "strerror", None) or err)
+            self._slot_maps.clear()
+            self._slot_maps = None
+            self._hello = dataclasses.replace(self._hello, caps=[])
+            self._forget_consumer()         # the re-HELLO without CAP_SHM returns our leases at once
+            return None
+
+    def _send_batch(self, sock: zmq.Socket[bytes], batch: BuiltBatch, shm: tuple[int, int] | None = None) -> None:
         assert self._epoch is not None
         arrays = [batch.arrays[k] for k in ARRAY_KEYS]
         crc = None
@@ -235,7 +276,14 @@ class ProducerWorker:
             for a in arrays:
                 crc = zlib.crc32(memoryview(a).cast("B"), crc)
         header = BatchHeader(self._epoch, batch.batch_id, batch.bucket, [list(a.shape) for a in arrays],
-                             [a.dtype.name for a in arrays], crc, batch.quarantined)
+                             [a.dtype.name for a in arrays], crc, batch.quarantined, shm)
+        if shm is not None:                 # built in the consumer's slot: the header is the message
+            if self._try_send(sock, [encode(header)]):
+                self._sent += 1
+                self._shm_sent += 1
+            else:
+                log.warning("consumer not reachable; batch %d not sent (its lease will be reissued)", batch.batch_id)
+            return
         # One tracker over every zero-copy frame: send_multipart's return covers only the last one.
         frames = [zmq.Frame(a, copy=False, track=True) for a in arrays]
         try:

@@ -21,6 +21,7 @@ from shared.errors import ConfigError
 __all__ = [
     "BucketConfig",
     "TransportConfig",
+    "check_transport_mode",
     "ConsumerConfig",
     "ProducerConfig",
     "ModelConfig",
@@ -76,6 +77,15 @@ class BucketConfig:
         _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
 
 
+def check_transport_mode(mode: str, endpoint: str | None) -> None:
+    """``transport.mode: shm`` needs a same-host (ipc://) endpoint; tcp producers use payload frames.
+
+    Also called once the endpoint is resolved (``--endpoint`` may override the file).
+    """
+    _check(not (mode == "shm" and endpoint is not None and endpoint.startswith("tcp://")),
+           f"'shm' needs an ipc:// endpoint, the endpoint is {endpoint}", ("transport", "mode"), mode)
+
+
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
     """ZeroMQ endpoint, handshake and liveness settings shared by both sides."""
@@ -91,6 +101,10 @@ class TransportConfig:
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
+    # Same-host shared memory: producers write straight into the consumer's ring slots (1 copy).
+    mode: str = "auto"                     # "auto" = shm for ipc://, zmq for tcp://; "shm"; "zmq" = payload frames
+    shm_dir: str | None = None             # slot files' directory; None = the ipc socket's directory if it is
+                                           # on tmpfs, else /dev/shm
 
     def __post_init__(self) -> None:
         p = ("transport",)
@@ -105,6 +119,10 @@ class TransportConfig:
         _check(self.lease_timeout_s > 0, "must be > 0", p + ("lease_timeout_s",), self.lease_timeout_s)
         _check(self.connect_backoff_max_s > 0, "must be > 0", p + ("connect_backoff_max_s",),
                self.connect_backoff_max_s)
+        _check(self.mode in ("auto", "shm", "zmq"), "must be 'auto', 'shm' or 'zmq'", p + ("mode",), self.mode)
+        check_transport_mode(self.mode, self.endpoint)
+        if self.shm_dir is not None:
+            _check(os.path.isabs(self.shm_dir), "must be an absolute path or null", p + ("shm_dir",), self.shm_dir)
 
     @property
     def liveness_s(self) -> float:

@@ -2,7 +2,9 @@
 
 Every message is a multipart ``[header]`` or ``[header, *payload]``: the header is one msgpack
 map tagged by ``t`` (a ``MsgKind``); only BATCH carries payload frames, one raw frame per array in
-``ARRAY_KEYS`` order. The payload is never inside msgpack (perf-facts: a 100-byte header packs in
+``ARRAY_KEYS`` order -- except on the same-host shared-memory path: a producer whose HELLO offers
+``CAP_SHM`` and whose WELCOME names an ``shm_dir`` gets leases naming a slot file, builds into it,
+and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (perf-facts: a 100-byte header packs in
 2 us; an 8 MB bin would be copied twice).
 
 Invariant: ``decode_header`` either returns a fully validated message dataclass or raises
@@ -13,7 +15,7 @@ This is the only module that knows msgpack and the header layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -25,6 +27,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "ARRAY_KEYS",
+    "CAP_SHM",
+    "ShmSlot",
     "MsgKind",
     "RejectCode",
     "Hello",
@@ -44,6 +48,7 @@ __all__ = [
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # payload frame order of a BATCH
+CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
@@ -89,6 +94,7 @@ class Hello:
     buckets: list[list[int]]
     n_mels: int
     seed: int
+    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,16 @@ class Welcome:
     window: int
     heartbeat_interval_s: float
     checksum: bool
+    shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSlot:
+    """Where a shared-memory lease is built: a file in the WELCOME's ``shm_dir`` (a bare name)."""
+
+    name: str
+    slot: int
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +125,7 @@ class Lease:
     bucket: int
     sample_ids: list[int]
     deadline_s: float
+    shm: ShmSlot | None = None    # None = payload lease (build into your own buffer, send frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +148,7 @@ class BatchHeader:
     dtypes: list[str]
     crc32: int | None
     quarantined: list[int]
+    shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,15 +184,21 @@ def encode(msg: Message) -> bytes:
         d: dict[str, Any] = {"t": MsgKind.HELLO, "proto": msg.proto, "pid": msg.producer_id,
                              "fp": msg.fingerprint, "buckets": msg.buckets, "n_mels": msg.n_mels,
                              "seed": msg.seed}
+        if msg.caps:
+            d["caps"] = msg.caps
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
              "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
+        if msg.shm_dir is not None:
+            d["shm"] = msg.shm_dir
     elif isinstance(msg, LeaseGrant):
         d = {"t": MsgKind.LEASE, "epoch": msg.epoch, "depth": msg.queue_depth,
-             "leases": [[x.batch_id, x.bucket, x.sample_ids, x.deadline_s] for x in msg.leases]}
+             "leases": [_encode_lease(x) for x in msg.leases]}
     elif isinstance(msg, BatchHeader):
         d = {"t": MsgKind.BATCH, "epoch": msg.epoch, "id": msg.batch_id, "bucket": msg.bucket,
              "shapes": msg.shapes, "dtypes": msg.dtypes, "crc": msg.crc32, "q": msg.quarantined}
+        if msg.shm is not None:
+            d["slot"], d["gen"] = msg.shm
     elif isinstance(msg, Heartbeat):
         d = {"t": MsgKind.HB, "epoch": msg.epoch, "depth": msg.queue_depth, "applied": msg.applied}
     elif isinstance(msg, Err):
@@ -184,6 +208,13 @@ def encode(msg: Message) -> bytes:
     else:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _encode_lease(x: Lease) -> list[Any]:
+    item: list[Any] = [x.batch_id, x.bucket, x.sample_ids, x.deadline_s]
+    if x.shm is not None:
+        item += [x.shm.name, x.shm.slot, x.shm.generation]
+    return item
 
 
 def max_producer_header_bytes(max_batch_size: int) -> int:
@@ -245,12 +276,20 @@ def _opt_int(d: dict[str, Any], key: str) -> int:
 
 
 def _decode_lease(item: Any) -> Lease:
-    if not isinstance(item, list) or len(item) != 4:
-        raise ProtocolError(RejectCode.SCHEMA, "lease must be [batch_id, bucket, sample_ids, deadline_s]")
-    bid, bucket, ids, deadline = item
+    if not isinstance(item, list) or len(item) not in (4, 7):
+        raise ProtocolError(RejectCode.SCHEMA, "lease must be [batch_id, bucket, sample_ids, deadline_s]"
+                                               " (+ [shm file, slot, generation])")
+    bid, bucket, ids, deadline = item[:4]
     if not isinstance(bid, int) or not isinstance(bucket, int) or not isinstance(deadline, (int, float)):
         raise ProtocolError(RejectCode.SCHEMA, "lease fields have wrong types")
-    return Lease(bid, bucket, _int_list(ids, "sample_ids"), float(deadline))
+    shm = None
+    if len(item) == 7:
+        name, slot, gen = item[4:]
+        if (not isinstance(name, str) or "/" in name or name in ("", ".", "..")
+                or not isinstance(slot, int) or not isinstance(gen, int) or slot < 0 or gen < 0):
+            raise ProtocolError(RejectCode.SCHEMA, "lease shm fields must be [bare file name, slot, generation]")
+        shm = ShmSlot(name, slot, gen)
+    return Lease(bid, bucket, _int_list(ids, "sample_ids"), float(deadline), shm)
 
 
 def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
@@ -276,11 +315,14 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         buckets = _get(d, "buckets", list)
         if not all(isinstance(b, list) for b in buckets):
             raise ProtocolError(RejectCode.SCHEMA, "buckets must be a list of lists")
+        caps = _get(d, "caps", list) if "caps" in d else []
+        if not all(isinstance(c, str) for c in caps):
+            raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int))
+                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps)
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
-                       bool(_get(d, "crc", bool)))
+                       bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None)
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]
         return LeaseGrant(_get(d, "epoch", int), leases, _get(d, "depth", int))
@@ -294,9 +336,10 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         crc = d.get("crc")
         if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
             raise ProtocolError(RejectCode.SCHEMA, "crc must be an integer or null")
+        shm = (_count(d, "slot"), _count(d, "gen")) if "slot" in d or "gen" in d else None
         return BatchHeader(_count(d, "epoch"), _count(d, "id"), _count(d, "bucket"),
                            [_int_list(s, "shapes") for s in shapes], dtypes, crc,
-                           _int_list(d.get("q", []), "q"))
+                           _int_list(d.get("q", []), "q"), shm)
     if kind is MsgKind.HB:
         return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"))
     if kind is MsgKind.ERR:

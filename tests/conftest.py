@@ -24,6 +24,12 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(params=["shm", "zmq"])
+def transport_mode(request: pytest.FixtureRequest) -> str:
+    """``transport.mode`` for tests that must pass on both same-host data paths."""
+    return str(request.param)
+
+
 @pytest.fixture()
 def endpoint(tmp_path: Path) -> str:
     return f"ipc://{tmp_path}/melfeed.sock"
@@ -37,7 +43,8 @@ class ProducerGroup:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, cache: Path, endpoint: str, count: int, **extra: object) -> subprocess.Popen[bytes]:
-        cfg = {"cache_dir": str(cache), "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}}
+        transport = {"endpoint": endpoint, "heartbeat_interval_s": 0.2, **extra.pop("transport", {})}  # type: ignore[dict-item]
+        cfg = {"cache_dir": str(cache), "transport": transport}
         cfg.update(extra)
         path = self._tmp / f"producers-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(cfg))

@@ -33,6 +33,7 @@ from consumer.pipeline import Consumer
 from consumer.plan import EpochPlan
 from consumer.receiver import ReceiverStats
 from producer.batcher import BatchAssembler
+from producer.slot_maps import SlotMappings
 from producer.source import CacheReader
 from shared.config import config_from_mapping
 from shared.errors import ClosedError
@@ -195,6 +196,7 @@ class BadPeer:
         self.errs: list[Err] = []
         self.leases: list[Lease] = []
         self.epoch: int | None = None
+        self.shm_dir: str | None = None
         self._next_hb_s = 0.0
 
     @property
@@ -214,7 +216,7 @@ class BadPeer:
             if isinstance(msg, Err):
                 self.errs.append(msg)
             elif isinstance(msg, Welcome):
-                self.epoch = msg.epoch
+                self.epoch, self.shm_dir = msg.epoch, msg.shm_dir
             elif isinstance(msg, LeaseGrant):
                 self.leases.extend(msg.leases)
 
@@ -230,8 +232,8 @@ class BadPeer:
         self.until(lambda: len(self.errs) >= n, f"{n} ERR replies")
         return self.codes[:n]
 
-    def join(self) -> None:
-        self.send(encode(self.wire.hello(producer_id=self.label)))
+    def join(self, caps: list[str] | None = None) -> None:
+        self.send(encode(self.wire.hello(producer_id=self.label, caps=caps or [])))
         self.until(lambda: self.epoch is not None, "WELCOME")
 
     def lease(self) -> Lease:
@@ -726,4 +728,110 @@ def test_b15_flooding_peer_is_dropped_and_ignored_with_rate_limited_logs(
     assert len(warnings) <= 4, warnings                   # not one line per reject
     flooder.pump(200, heartbeat=False)
     assert len(flooder.errs) == flood_limit + 1          # nothing answered after the block
+    wire.check_stream(start)
+
+
+# --- shared-memory path: a lease names a slot file, BATCH is a header naming slot and generation --------------
+
+def _in_slot(peer: BadPeer, lease: Lease, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` into the lease's slot file, as a producer on the shm path does."""
+    assert peer.shm_dir is not None and lease.shm is not None
+    views = SlotMappings(peer.wire.consumer.bucket_set, 1).views(peer.shm_dir, lease.shm, lease.bucket)
+    for key in ARRAY_KEYS:
+        views[key][...] = arrays[key]
+
+
+def _shm_header(peer: BadPeer, lease: Lease, arrays: dict[str, np.ndarray],
+                slot_gen: tuple[int, int] | None = None) -> BatchHeader:
+    assert lease.shm is not None
+    header, _ = peer.batch(lease, arrays)
+    return dataclasses.replace(header, shm=slot_gen or (lease.shm.slot, lease.shm.generation))
+
+
+ShmCase = Callable[[BadPeer, Lease], list[bytes]]
+
+
+def _poison_then(change: Callable[[BadPeer, Lease, dict[str, np.ndarray]], list[bytes]]) -> ShmCase:
+    """Poisoned (but well-formed, checksummed) content in the slot, then the message ``change`` makes."""
+    def case(peer: BadPeer, lease: Lease) -> list[bytes]:
+        arrays = peer.wire.reference.arrays(lease.batch_id)
+        arrays["mel"][:] = 7.0
+        _in_slot(peer, lease, arrays)
+        return change(peer, lease, arrays)
+    return case
+
+
+def _real_in_slot_but_crc_of_poison(peer: BadPeer, lease: Lease) -> list[bytes]:
+    real = peer.wire.reference.arrays(lease.batch_id)
+    _in_slot(peer, lease, real)
+    poison = {k: v.copy() for k, v in real.items()}
+    poison["mel"][:] = 7.0
+    return [encode(_shm_header(peer, lease, poison))]
+
+
+def _length_beyond_bucket(peer: BadPeer, lease: Lease) -> list[bytes]:
+    arrays = peer.wire.reference.arrays(lease.batch_id)
+    arrays["mel_len"][0] = arrays["mel"].shape[1] + 1
+    _in_slot(peer, lease, arrays)
+    return [encode(_shm_header(peer, lease, arrays))]
+
+
+def _n_slots(peer: BadPeer) -> int:
+    return peer.wire.consumer.ring.n_slots
+
+
+_SHM_CASES: dict[str, tuple[ShmCase, str]] = {
+    "wrong-generation": (_poison_then(lambda p, x, a: [encode(_shm_header(
+        p, x, a, (x.shm.slot, x.shm.generation + 1)))]), RejectCode.LEASE),   # type: ignore[union-attr]
+    "wrong-slot": (_poison_then(lambda p, x, a: [encode(_shm_header(
+        p, x, a, ((x.shm.slot + 1) % _n_slots(p), x.shm.generation)))]), RejectCode.LEASE),  # type: ignore[union-attr]
+    "payload-frames-on-shm-lease": (lambda p, x: [encode(p.poisoned(x)[0]), *p.poisoned(x)[1]], RejectCode.FRAMES),
+    "slot-header-with-frames": (_poison_then(lambda p, x, a: [encode(_shm_header(p, x, a)),
+                                                              *p.batch(x, a)[1]]), RejectCode.FRAMES),
+    "crc-mismatch": (_real_in_slot_but_crc_of_poison, RejectCode.CRC),
+    "length-beyond-bucket": (_length_beyond_bucket, RejectCode.SHAPE),
+    "header-shape": (_poison_then(lambda p, x, a: [encode(dataclasses.replace(
+        _shm_header(p, x, a), shapes=[_grow(a["mel"].shape), *_shm_header(p, x, a).shapes[1:]]))]),
+        RejectCode.SHAPE),
+    "dtype": (_poison_then(lambda p, x, a: [encode(dataclasses.replace(
+        _shm_header(p, x, a), dtypes=["float64", *_shm_header(p, x, a).dtypes[1:]]))]), RejectCode.DTYPE),
+}
+
+
+@pytest.mark.parametrize(("make", "code"), list(_SHM_CASES.values()), ids=list(_SHM_CASES))
+def test_shm_batch_not_matching_its_slot_lease_is_rejected_never_applied_and_the_slot_retired(
+        wire: Wire, attack: Callable[..., BadPeer], make: ShmCase, code: str) -> None:
+    peer = attack("shm")
+    peer.join(caps=["shm"])
+    assert peer.shm_dir is not None                      # the consumer offers its slot files
+    before = wire.stats()
+    start = len(wire.stream.applied)
+    wire.stream.take(20)
+    lease = peer.lease()
+    assert lease.shm is not None and lease.shm.slot < _n_slots(peer)
+    peer.send(*make(peer, lease))
+    assert peer.errors(1) == [code]
+    peer.bye()
+    assert wire.stream.wait()
+    after = wire.stats()
+    assert _delta(before.rejects, after.rejects) == {code: 1}
+    assert _delta(before.rejects_by_peer, after.rejects_by_peer) == {peer.label: 1}
+    assert after.shm_retired > before.shm_retired       # the slot it wrote into was orphaned, not reused
+    assert lease.batch_id in dict(wire.stream.applied)   # rebuilt by the good producer ...
+    wire.check_stream(start)                             # ... with the right content: the poison never applied
+
+
+def test_shm_header_on_a_payload_lease_gets_err_lease(wire: Wire, attack: Callable[..., BadPeer]) -> None:
+    peer = attack("noshm")
+    peer.join()                                          # no CAP_SHM: payload leases
+    assert peer.shm_dir is None
+    start = len(wire.stream.applied)
+    wire.stream.take(20)
+    lease = peer.lease()
+    assert lease.shm is None
+    header, _ = peer.poisoned(lease)
+    peer.send(encode(dataclasses.replace(header, shm=(0, 0))))
+    assert peer.errors(1) == [RejectCode.LEASE]
+    peer.bye()
+    assert wire.stream.wait()
     wire.check_stream(start)

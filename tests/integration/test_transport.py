@@ -1,4 +1,8 @@
-"""Real producer processes over real ipc sockets into the library consumer (no TensorFlow step)."""
+"""Real producer processes over real ipc sockets into the library consumer (no TensorFlow step).
+
+The delivery tests run on both same-host data paths (``transport_mode``): shared-memory slot files
+(producers build in the ring, BATCH is a header) and ZeroMQ payload frames.
+"""
 
 from __future__ import annotations
 
@@ -16,42 +20,49 @@ from shared.protocol import MsgKind, RejectCode, encode, Hello
 from tests.conftest import ProducerGroup
 
 
-def _cfg(cache: Path, endpoint: str, steps: int, **consumer: object):  # type: ignore[no-untyped-def]
+def _cfg(cache: Path, endpoint: str, steps: int, mode: str = "auto", **consumer: object):  # type: ignore[no-untyped-def]
     return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5,
                                                                       **consumer},
-                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}})
+                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": mode}})
 
 
-def _collect(consumer: Consumer) -> list[tuple[int, str]]:
+def _collect(consumer: Consumer, copies: set[int] | None = None) -> list[tuple[int, str]]:
     out = []
     for batch in consumer.batches():
         digest = hashlib.sha256(b"".join(a.tobytes() for a in batch.arrays.values())).hexdigest()
         out.append((batch.batch_id, digest))
+        if copies is not None:
+            copies.add(batch.copies)
     return out
 
 
 def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_producers(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
     steps = 40                                      # > one epoch of the 200-utterance cache (7 batches)
     runs = []
     for count in (1, 3):
-        with Consumer(_cfg(demo_cache, endpoint, steps)) as consumer:
-            group = producers.start(demo_cache, endpoint, count)
-            got = _collect(consumer)
+        copies: set[int] = set()
+        with Consumer(_cfg(demo_cache, endpoint, steps, transport_mode)) as consumer:
+            group = producers.start(demo_cache, endpoint, count, transport={"mode": transport_mode})
+            got = _collect(consumer, copies)
             stats = consumer.receiver_stats()
             group.terminate()
             assert group.wait(30) == 0
         assert [bid for bid, _ in got] == list(range(steps))
         assert stats.producers_seen == count
         assert stats.duplicates_dropped == 0 and stats.rejects == {}
+        # shm: every batch was built in a slot file (1 copy), no payload byte crossed the socket
+        assert copies == ({1} if transport_mode == "shm" else {4})
+        assert (stats.bytes_received == 0) == (transport_mode == "shm")
         runs.append(got)
     assert runs[0] == runs[1]                       # invariant 1: the plan does not depend on producer count
 
 
-def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint: str,
-                                                     producers: ProducerGroup) -> None:
-    with Consumer(_cfg(demo_cache, endpoint, 7)) as consumer:
-        producers.start(demo_cache, endpoint, 1)
+def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint: str, producers: ProducerGroup,
+                                                     transport_mode: str) -> None:
+    # 14 batches on 3 slots: on the shm path slot files are reused, so stale rows would show
+    with Consumer(_cfg(demo_cache, endpoint, 14, transport_mode)) as consumer:
+        producers.start(demo_cache, endpoint, 1, transport={"mode": transport_mode})
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             planned = consumer.plan.batch(batch.batch_id)
@@ -107,11 +118,12 @@ def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: 
 
 
 def test_producers_started_first_wait_and_join_when_the_consumer_appears(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
-    group = producers.start(demo_cache, endpoint, 2)
+        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
+    # back-off ceiling 0.5 s: both must join before 20 batches are done (shm delivers them fast)
+    group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode, "connect_backoff_max_s": 0.5})
     time.sleep(2.0)                                # producers up, consumer absent
     assert group.poll() is None
-    with Consumer(_cfg(demo_cache, endpoint, 20)) as consumer:
+    with Consumer(_cfg(demo_cache, endpoint, 20, transport_mode)) as consumer:
         ids = [b.batch_id for b in consumer.batches()]
         assert consumer.receiver_stats().producers_seen == 2
     assert ids == list(range(20))

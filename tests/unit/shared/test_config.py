@@ -29,6 +29,9 @@ def test_defaults_are_valid_and_round_trip() -> None:
     ({"seed": -1}, "seed: must be an integer >= 0"),
     ({"buckets": {"boundaries": [400, 300]}}, "buckets.boundaries: must be a strictly increasing"),
     ({"consumer": 5}, "consumer: must be a mapping"),
+    ({"transport": {"mode": "tcp"}}, "transport.mode: must be 'auto', 'shm' or 'zmq', got 'tcp'"),
+    ({"transport": {"mode": "shm", "endpoint": "tcp://127.0.0.1:5555"}}, "transport.mode: 'shm' needs an ipc://"),
+    ({"transport": {"shm_dir": "rel/dir"}}, "transport.shm_dir: must be an absolute path"),
 ])
 def test_bad_values_name_the_key(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -61,3 +64,11 @@ def test_runtime_dir_prefers_systemd_then_xdg() -> None:
     assert resolve_runtime_dir({"RUNTIME_DIRECTORY": "/run/melfeed"}) == Path("/run/melfeed")
     assert resolve_runtime_dir({"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/melfeed")
     assert str(resolve_runtime_dir({})).startswith("/tmp/melfeed-")
+
+
+def test_shm_mode_is_checked_again_once_the_endpoint_is_overridden() -> None:
+    cfg = config_from_mapping({"transport": {"mode": "shm"}})
+    with pytest.raises(ConfigError, match="transport.mode: 'shm' needs an ipc:// endpoint"):
+        with_overrides(cfg, {"transport.endpoint": "tcp://127.0.0.1:5555"})
+    auto = config_from_mapping({"transport": {"endpoint": "tcp://127.0.0.1:5555"}})
+    assert auto.transport.mode == "auto" and auto.transport.shm_dir is None

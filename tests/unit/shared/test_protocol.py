@@ -6,8 +6,8 @@ import msgpack
 import pytest
 
 from shared.errors import ProtocolError
-from shared.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind, RejectCode,
-                             Welcome, decode_header, encode)
+from shared.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
+                             RejectCode, ShmSlot, Welcome, decode_header, encode)
 
 MESSAGES = [
     Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7),
@@ -15,6 +15,10 @@ MESSAGES = [
     LeaseGrant(123, [Lease(5, 1, [3, 9, 11], 30.0)], 4),
     BatchHeader(123, 5, 1, [[32, 440, 80], [32], [32, 106], [32]], ["float32", "int32", "int32", "int32"], 77, [3]),
     BatchHeader(123, 6, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, []),
+    Hello(1, "producer-2", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM]),
+    Welcome(123, 2, 0.5, False, "/run/melfeed"),
+    LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
+    BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
     Heartbeat(123, 4, 99),
     Err("LEASE", "batch 7 is not leased"),
     Bye(123),
@@ -44,6 +48,14 @@ def test_every_message_round_trips(msg: object) -> None:
     (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [[1, "x"]],
                     "n_mels": 80, "seed": 0}), RejectCode.SCHEMA),
     (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 2]]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
+                    "leases": [[1, 0, [1], 1.0, "../etc/passwd", 0, 0]]}), RejectCode.SCHEMA),   # not a bare name
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
+                    "leases": [[1, 0, [1], 1.0, "f", -1, 0]]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]] * 4,
+                    "dtypes": ["float32"] * 4, "slot": 1}), RejectCode.SCHEMA),                   # slot without gen
+    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [],
+                    "n_mels": 80, "seed": 0, "caps": [1]}), RejectCode.SCHEMA),
     (b"", RejectCode.DECODE),
 ])
 def test_malformed_headers_are_rejected_with_a_code(raw: bytes, code: str) -> None:

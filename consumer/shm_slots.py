@@ -1,0 +1,214 @@
+"""Ring slot memory in shared-memory files, so a same-host producer builds straight into a slot.
+
+Each slot is its own file ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>`` in ``shm_dir``,
+sized to the slot, its pages reserved with ``posix_fallocate`` (a full tmpfs fails here, never with
+a SIGBUS later) and mapped ``MAP_SHARED`` (page-aligned, so 64-byte aligned for DLPack).
+Invariants: one owner -- this object creates every file and ``close()`` unlinks every file it
+still owns; ``retire(slot)`` (receiver thread only, on a LEASED slot whose batch was not accepted)
+unlinks the slot's file and maps a fresh one with generation + 1, so a zombie producer that wakes
+up writes into orphaned memory. Mappings are never ``close()``d: numpy views (a step's DLPack
+tensor, a user's ``Batch``) may still point into them; dropping our reference lets them go.
+Crash safety: ``clean_stale`` removes files of consumers that are no longer alive.
+Shutdown: ``close()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ShmSlots", "ShmUnavailable", "clean_stale", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
+
+log = logging.getLogger(__name__)
+
+_TMPFS_MAGIC = 0x01021994
+_NAME_RE = re.compile(r"^melfeed-(\d+)-(\d+)-s(\d+)-g(\d+)$")
+_MARGIN_BYTES = 1 << 20        # statvfs rounding and the files' own metadata
+_DEFAULT_DIR = Path("/dev/shm")
+
+
+class ShmUnavailable(OSError):
+    """The slot files cannot be created (no room, no directory): fall back to payload frames."""
+
+
+def is_tmpfs(path: Path) -> bool:
+    """True when ``path`` lives on tmpfs (statfs ``f_type``; Python's os has no statfs)."""
+    buf = ctypes.create_string_buffer(256)       # struct statfs is 120 bytes on 64-bit Linux
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(str(path)), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value == _TMPFS_MAGIC
+
+
+def resolve_shm_dir(shm_dir: str | None, endpoint: str) -> Path:
+    """``transport.shm_dir``, else the ipc socket's directory when it is on tmpfs, else /dev/shm."""
+    if shm_dir is not None:
+        return Path(shm_dir)
+    if endpoint.startswith("ipc://"):
+        socket_dir = Path(endpoint[len("ipc://"):]).parent
+        if is_tmpfs(socket_dir):
+            return socket_dir
+    return _DEFAULT_DIR
+
+
+def _is_live_python(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                              # someone else's live process: not ours to judge
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return b"python" in cmdline.split(b"\0")[0].rsplit(b"/", 1)[-1]
+
+
+def clean_stale(directory: Path) -> tuple[int, int]:
+    """Unlink slot files whose consumer is dead (or a recycled pid); returns (files, bytes)."""
+    files = n_bytes = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0, 0
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m is None or _is_live_python(int(m.group(1))):
+            continue
+        path = directory / name
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError as err:
+            log.debug("cannot remove stale %s: %s", path, err)
+            continue
+        files += 1
+        n_bytes += size
+    if files:
+        log.info("removed %d stale shared-memory slot files (%.1f MB) from %s", files, n_bytes / 1e6, directory)
+    return files, n_bytes
+
+
+class ShmSlots:
+    """``n_slots`` slot files of ``slot_nbytes`` each in ``directory``.
+
+    Raises:
+        ShmUnavailable: a file could not be created or its pages reserved (files made so far are removed).
+    """
+
+    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, epoch: int) -> None:
+        self.directory = directory
+        self.slot_nbytes = slot_nbytes
+        self.n_slots = n_slots
+        self._prefix = f"melfeed-{os.getpid()}-{epoch}"
+        self._gens = [0] * n_slots
+        self._buffers: list[npt.NDArray[np.uint8] | None] = [None] * n_slots
+        self._private: set[int] = set()         # slots whose new file could not be made (see retire)
+        self._closed = False
+        self.retired = 0
+        try:
+            for slot in range(n_slots):
+                self._buffers[slot] = self._create(slot)
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.n_slots * self.slot_nbytes
+
+    def name(self, slot: int) -> str:
+        return f"{self._prefix}-s{slot}-g{self._gens[slot]}"
+
+    def generation(self, slot: int) -> int:
+        return self._gens[slot]
+
+    def is_shared(self, slot: int) -> bool:
+        """False for a slot that fell back to private memory: lease it as a payload slot."""
+        return slot not in self._private
+
+    def buffer(self, slot: int) -> npt.NDArray[np.uint8]:
+        buf = self._buffers[slot]
+        if buf is None:
+            raise ValueError(f"slot {slot} has no memory (closed)")
+        return buf
+
+    def retire(self, slot: int) -> None:
+        """Orphan the slot's file (a producer may still write into it) and map a new generation."""
+        self._unlink(slot)
+        self._gens[slot] += 1
+        self._buffers[slot] = None              # views elsewhere keep the old mapping alive; never close it
+        self.retired += 1
+        try:
+            self._buffers[slot] = self._create(slot)
+            self._private.discard(slot)
+        except OSError as err:
+            # Orphaned pages still count against tmpfs until the zombie dies; keep the slot usable.
+            log.warning("cannot create %s in %s (%s); slot %d uses private memory from now on",
+                        self.name(slot), self.directory, os.strerror(err.errno or 0), slot)
+            self._buffers[slot] = np.frombuffer(mmap.mmap(-1, self.slot_nbytes), dtype=np.uint8)
+            self._private.add(slot)
+
+    def close(self) -> None:
+        """Unlink every file this object still owns. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot in range(self.n_slots):
+            self._unlink(slot)
+
+    def _create(self, slot: int) -> npt.NDArray[np.uint8]:
+        path = self.directory / self.name(slot)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.slot_nbytes)
+            mem = mmap.mmap(fd, self.slot_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return np.frombuffer(mem, dtype=np.uint8)
+
+    def _unlink(self, slot: int) -> None:
+        try:
+            os.unlink(self.directory / self.name(slot))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("cannot remove %s: %s", self.directory / self.name(slot), err)
+
+
+def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int) -> ShmSlots | None:
+    """Clean stale files, check room, create the slot files; ``None`` (one WARNING) means use payload frames."""
+    clean_stale(directory)
+    need = n_slots * slot_nbytes + _MARGIN_BYTES
+    try:
+        st = os.statvfs(directory)
+        free = st.f_bavail * st.f_frsize
+    except OSError as err:
+        log.warning("shared-memory dir %s unusable (%s); using the ZeroMQ payload path for this run",
+                    directory, err.strerror)
+        return None
+    if free < need:
+        log.warning("shared-memory dir %s too small: need %d bytes, %d free; using the ZeroMQ payload path "
+                    "for this run", directory, need, free)
+        return None
+    try:
+        return ShmSlots(directory, n_slots, slot_nbytes, epoch)
+    except OSError as err:
+        why = "no space" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        log.warning("shared-memory dir %s: cannot reserve %d bytes (%s, %d free); using the ZeroMQ payload path "
+                    "for this run", directory, need, why, free)
+        return None
