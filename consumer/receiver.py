@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from consumer.credit import ActiveLease, LeaseBook, Verdict, grant_round
-from consumer.peers import PeerTable
+from consumer.peers import PeerTable, ProducerReport
 from consumer.plan import EpochPlan
 from consumer.rejects import RejectLog, peer_label
 from consumer.ring import BatchRing
@@ -74,6 +74,8 @@ class ReceiverStats:
     quarantined: int
     # Rejected + ignored messages by routing id (``peer_label``), for the 256 most recently rejected peers.
     rejects_by_peer: dict[str, int] = field(default_factory=dict)
+    lease_window: int = 0                                   # leases one producer may hold
+    producers: tuple[ProducerReport, ...] = ()              # connected producers and their stage counters
 
 
 class Receiver:
@@ -182,6 +184,11 @@ class Receiver:
         self.wake()
 
     @property
+    def context(self) -> zmq.Context[zmq.Socket[bytes]] | None:
+        """This process's ZeroMQ context (from ``start()`` until ``stop()``), for other sockets of the consumer."""
+        return self._ctx
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -189,7 +196,7 @@ class Receiver:
         c = self._counts
         return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
-                             c["quarantined"], self._rejects.peer_snapshot())
+                             c["quarantined"], self._rejects.peer_snapshot(), self._book.window, self._peers.reports())
 
     # --- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -290,6 +297,8 @@ class Receiver:
                 self._drop_peer(ident, "said goodbye")
             else:
                 peer.last_seen_s = now
+                if msg.stats is not None:
+                    peer.stage, peer.stage_at_s = msg.stats, now
         else:
             raise ProtocolError(RejectCode.TYPE, f"{type(msg).__name__} is not sent to the consumer")
 
