@@ -186,6 +186,7 @@ class Telemetry:
             if c.metrics_file is not None:
                 self._file = open_metrics_file(c.metrics_file)
             self._samplers = start_samplers(self._cfg)
+            self.publish(0, None, 0)          # before any reader can ask: never an empty answer
             if self._control_endpoint is not None:
                 server = ControlServer(self._consumer.zmq_context(), self._control_endpoint, self.latest_json)
                 server.start()
@@ -195,7 +196,6 @@ class Telemetry:
         except BaseException:
             self.close()
             raise
-        self.publish(0, None, 0)
 
     def close(self) -> None:
         """Stop servers and samplers, close the file. Idempotent; every join is bounded."""
