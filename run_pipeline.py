@@ -16,6 +16,7 @@ _COMMANDS = {
     "demo-data": "shared.tools:main_demo", "prepare": "shared.prepare:main_prepare",
     "audit": "consumer.audit:main_audit", "deploy": "shared.deploy:main_deploy", "keys": "shared.curve:main_keys",
     "producer": "producer.app:main_producer", "report": "shared.report_plot:main_report",
+    "status": "consumer.status:main_status",
 }
 
 

@@ -23,11 +23,12 @@ import yaml
 
 from consumer.pipeline import Consumer
 from consumer.state import RunState
+from consumer.telemetry import Telemetry
 from consumer.trainer import train
 from shared.cli import config_from_args
 from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
 from shared.errors import ConfigError, PipelineError
-from shared.lifecycle import prepare_runtime_dir, stop_on_signals
+from shared.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
 from shared.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run"]
@@ -47,15 +48,22 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     notifier = Notifier()
     try:
         with stop_on_signals() as stop, _opened_state(cfg) as state, \
-                Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
+                Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
+                _telemetry(cfg, consumer, started_s) as telemetry:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  notifier=notifier)
+                  notifier=notifier, telemetry=telemetry)
     except PipelineError as err:
         notifier.notify(STATUS=f"failed: {err}")
         raise
     finally:
         notifier.close()
     return 0
+
+
+def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Telemetry:
+    """Live figures: snapshots, the control socket for `status`, optional JSONL file and Prometheus."""
+    endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
+    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint)
 
 
 @contextmanager
@@ -83,14 +91,16 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
-            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
+            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
+            _telemetry(cfg, consumer, started_s) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = _start_producers(child_cfg, entry, args.debug_delay_ms)
         watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
         watcher.start()
         try:
-            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state)
+            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
+                  telemetry=telemetry)
         finally:
             _stop_producers(group)
     code = group.proc.returncode or 0

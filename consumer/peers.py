@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["PeerInfo", "PeerTable"]
+from shared.protocol import StageCounters
+
+__all__ = ["PeerInfo", "PeerTable", "ProducerReport"]
 
 
 class _HasHeld(Protocol):
@@ -25,6 +27,18 @@ class PeerInfo:
     batches: int = 0
     last_grant_s: float = 0.0
     uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
+    stage: StageCounters | None = None     # latest cumulative counters from its heartbeats
+    stage_at_s: float = 0.0                # when they arrived
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerReport:
+    """What the consumer knows about one connected producer, for the live figures."""
+
+    producer_id: str
+    batches_received: int
+    stage: StageCounters | None
+    stage_at_s: float
 
 
 class PeerTable:
@@ -84,6 +98,11 @@ class PeerTable:
             del self._blocked_until[ident]
             return False
         return True
+
+    def reports(self) -> tuple[ProducerReport, ...]:
+        """One report per connected producer (a copy: safe to hand to another thread)."""
+        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s)
+                     for p in list(self._peers.values()))
 
     def per_producer_batches(self) -> dict[str, int]:
         return {p.producer_id: p.batches for p in self._peers.values()}

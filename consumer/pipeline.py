@@ -236,6 +236,10 @@ class Consumer:
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape)
 
+    def zmq_context(self) -> Any:
+        """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""
+        return self._receiver.context
+
     def receiver_stats(self) -> ReceiverStats:
         return self._receiver.stats()
 

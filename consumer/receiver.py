@@ -34,7 +34,7 @@ import zmq
 
 from consumer.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from consumer.intake import check_header, check_in_place, fill_from_frames
-from consumer.peers import PeerTable
+from consumer.peers import PeerTable, ProducerReport
 from consumer.plan import EpochPlan
 from consumer.rejects import RejectLog, peer_label
 from consumer.ring import PAYLOAD_COPIES, BatchRing
@@ -80,6 +80,8 @@ class ReceiverStats:
     # Rejected + ignored messages by routing id (``peer_label``), for the 256 most recently rejected peers.
     rejects_by_peer: dict[str, int] = field(default_factory=dict)
     shm_retired: int = 0         # shm slot files orphaned because their lease was cancelled (fencing)
+    lease_window: int = 0                                   # leases one producer may hold
+    producers: tuple[ProducerReport, ...] = ()              # connected producers and their stage counters
 
 
 class Receiver:
@@ -192,6 +194,11 @@ class Receiver:
         self.wake()
 
     @property
+    def context(self) -> zmq.Context[zmq.Socket[bytes]] | None:
+        """This process's ZeroMQ context (from ``start()`` until ``stop()``), for other sockets of the consumer."""
+        return self._ctx
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -200,7 +207,8 @@ class Receiver:
         return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
                              c["quarantined"], self._rejects.peer_snapshot(),
-                             shm_retired=self._shm.retired if self._shm is not None else 0)
+                             shm_retired=self._shm.retired if self._shm is not None else 0,
+                             lease_window=self._book.window, producers=self._peers.reports())
 
     # --- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -301,6 +309,8 @@ class Receiver:
                 self._drop_peer(ident, "said goodbye")
             else:
                 peer.last_seen_s = now
+                if msg.stats is not None:
+                    peer.stage, peer.stage_at_s = msg.stats, now
         else:
             raise ProtocolError(RejectCode.TYPE, f"{type(msg).__name__} is not sent to the consumer")
 

@@ -19,13 +19,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consumer.pipeline import Consumer
 from consumer.state import RunState
 from shared.config import PipelineConfig
 from shared.metrics import StepRecord, StepWindow
+from shared.gpu import format_gpus
 from shared.sdnotify import Notifier
+
+if TYPE_CHECKING:
+    from consumer.telemetry import Telemetry
 
 __all__ = ["TrainSummary", "train"]
 
@@ -78,7 +82,7 @@ class _Meter:
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
-          notifier: Notifier | None = None) -> TrainSummary:
+          notifier: Notifier | None = None, telemetry: Telemetry | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -88,6 +92,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     With ``notifier`` (systemd): EXTEND_TIMEOUT_USEC while compiling, READY=1 after, STATUS= with the
     live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
     loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
+    With ``telemetry``: a snapshot with every status line, during starved waits, and at the end.
     """
     notifier = notifier if notifier is not None else Notifier({})
     from consumer.model import StepSpec
@@ -106,6 +111,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         if state is not None:
             state.restore_into(items)
     log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
+    if telemetry is not None:
+        telemetry.set_phase("training")
     notifier.ready(f"compiled {len(consumer.bucket_set.buckets)} shapes in {out.compile_s:.1f} s; "
                    f"starting at batch {consumer.next_apply}")
 
@@ -113,6 +120,9 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         notifier.watchdog()
         notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
                         f"producers alive {producers_alive}")
+        if telemetry is not None:
+            telemetry.set_phase("waiting")
+            telemetry.publish_if_due(out.steps, loss_v, compiled.compiles_after_ready)
 
     meter = _Meter()
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
@@ -145,13 +155,20 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             meter.win_samples += rows
             meter.real_frames += batch.real_frames
             meter.padded_frames += batch.padded_frames
-            meter.steps.add(StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, rows,
-                                       batch.real_frames, batch.padded_frames, consumer.queue_depth()))
+            record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, rows,
+                                batch.real_frames, batch.padded_frames, consumer.queue_depth())
+            meter.steps.add(record)
+            if telemetry is not None:
+                telemetry.add(record)
         meter.wait_seen = consumer.wait_s_total
         out.samples += batch.rows
         notifier.watchdog()
         if time.monotonic() >= next_status_s:
-            notifier.status(_status_line(out.steps, loss_v, meter, consumer, cfg))
+            gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
+            notifier.status(_status_line(out.steps, loss_v, meter, consumer, cfg, gpus))
+            if telemetry is not None:
+                telemetry.set_phase("training")
+                telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready)
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
@@ -159,6 +176,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         state.checkpoint(items, consumer.epoch)
         out.next_batch = state.next_batch
     _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies + payload_copies)
+    if telemetry is not None:
+        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase="done")
     if summary_path:
         out.write(summary_path)
     return out
@@ -191,7 +210,8 @@ def _extending_start_timeout(notifier: Notifier, every_s: float = 10.0) -> Itera
             thread.join(every_s)
 
 
-def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig) -> str:
+def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig,
+                 gpus: str = "") -> str:
     now = time.perf_counter()
     span = max(1e-9, now - meter.win_t) if meter.win_t else 0.0
     rate = meter.win_batches / span if span else 0.0
@@ -201,7 +221,8 @@ def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg:
     total = f"/{cfg.consumer.steps}" if cfg.consumer.steps else ""
     text = (f"step {step}{total} loss {loss:.4f} | {rate:.1f} batches/s {srate:.0f} samples/s | "
             f"stall {stall:.1f}% | queue {consumer.queue_depth()} | producers {rs.producers_alive} | "
-            f"rejects {sum(rs.rejects.values())}" + (f" | quarantined {rs.quarantined}" if rs.quarantined else ""))
+            f"rejects {sum(rs.rejects.values())}" + (f" | quarantined {rs.quarantined}" if rs.quarantined else "")
+            + (f" | {gpus}" if gpus else ""))
     log.info("%s", text)
     if meter.win_t:
         meter.win_t, meter.win_wait = now, consumer.wait_s_total

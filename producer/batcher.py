@@ -16,6 +16,7 @@ memory) says nothing about the file, so it is raised under either policy, never 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +64,7 @@ class BatchAssembler:
         self._reuse_timeout_s = reuse_timeout_s
         self._policy = bad_sample_policy
         self._quarantined_ids: set[int] = set()   # warned about once each; repeats log at DEBUG
+        self.read_s_total = 0.0                   # seconds in the cache reads (the producer's stage counters)
 
     def build(self, batch_id: int, bucket: int, sample_ids: list[int],
               target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
@@ -84,6 +86,7 @@ class BatchAssembler:
         tokens, tok_len = arrays["tokens"], arrays["tok_len"]
         quarantined: list[int] = []
         for row, sid in enumerate(sample_ids):
+            t0 = time.perf_counter()
             try:
                 mel_len[row] = self._reader.read_mel_into(sid, mel[row])
                 tok_len[row] = self._reader.read_tokens_into(sid, tokens[row])
@@ -97,6 +100,8 @@ class BatchAssembler:
                 tokens[row] = 0
                 mel_len[row] = tok_len[row] = 0
                 quarantined.append(sid)
+            finally:
+                self.read_s_total += time.perf_counter() - t0
         n = len(sample_ids)
         if n < spec.batch_size:                        # padding rows of a bucket's last batch
             mel[n:] = 0

@@ -36,7 +36,7 @@ from shared.curve import ClientKeys
 from shared.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from shared.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
-                             Lease, LeaseGrant, RejectCode, Welcome, decode_header, encode)
+                             Lease, LeaseGrant, RejectCode, StageCounters, Welcome, decode_header, encode)
 
 __all__ = ["ProducerWorker", "ProducerStats"]
 
@@ -109,6 +109,11 @@ class ProducerWorker:
         return ProducerStats(self._sent, self._build_s, self._send_s, self._rejoins, dict(self._errors),
                              self._shm_sent)
 
+    def stage_counters(self) -> StageCounters:
+        """Cumulative stage times for the heartbeat: read (preadv), assemble (rest of the build), send."""
+        read_s = min(self._assembler.read_s_total, self._build_s)   # reads of a failed build are not counted
+        return StageCounters(self._sent, read_s, self._build_s - read_s, self._send_s)
+
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set or a fatal error. Returns the process exit code."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -166,7 +171,7 @@ class ProducerWorker:
                 self._build_and_send(sock)
             now = self._clock()
             if now >= next_hb_s:
-                self._try_send(sock, [encode(Heartbeat(self._epoch))])
+                self._try_send(sock, [encode(Heartbeat(self._epoch, stats=self.stage_counters()))])
                 next_hb_s = now + self._hb_s
 
     def _drain_inbox(self, sock: zmq.Socket[bytes]) -> None:

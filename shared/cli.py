@@ -22,6 +22,7 @@ _OVERRIDES = {  # flag dest -> config key
     "batch_size": "buckets.batch_size", "status_interval_s": "consumer.status_interval_s",
     "state_dir": "consumer.state_dir", "model_step": "model.step",
     "checkpoint_every_steps": "consumer.checkpoint_every_steps",
+    "metrics_file": "consumer.metrics_file", "metrics_port": "consumer.metrics_port",
 }
 
 
@@ -45,6 +46,8 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--checkpoint-every-steps", type=int, help="checkpoint period (also on stop and at the end)")
         p.add_argument("--model-step", help="training step factory, module:function")
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
+        p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
+        p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("metrics", help="metrics JSONL written by the consumer's --metrics-file")
     rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
     rep.add_argument("--title", help="first title line (default: the metrics file name)")
+    st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
+    st.add_argument("--config", help="YAML config the consumer runs with (to find its control endpoint)")
+    st.add_argument("--endpoint", help="the consumer's control endpoint (default: derived from --config)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
+    st.add_argument("--log-level", default="WARNING")
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
     demo.add_argument("--utterances", type=int, default=2000)

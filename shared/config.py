@@ -40,6 +40,11 @@ def _check(cond: bool, message: str, path: tuple[str, ...], got: Any) -> None:
         raise ConfigError(message, path=path, got=got)
 
 
+def _is_loopback_tcp(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return endpoint.startswith("tcp://") and host in ("127.0.0.1", "localhost", "[::1]")
+
+
 @dataclass(frozen=True, slots=True)
 class BucketConfig:
     """How utterances are grouped into a few fixed batch shapes."""
@@ -144,6 +149,12 @@ class ConsumerConfig:
     wait_timeout_s: float = 2.0            # one bounded wait of the step loop for its next batch
     checkpoint_every_steps: int = 200      # with state_dir: checkpoint period (also on stop and at the end)
     keep_checkpoints: int = 2              # complete checkpoints kept in state_dir (>= 1)
+    metrics_window_s: float = 30.0         # sliding window of the live figures (snapshots, status, Prometheus)
+    gpu_sample_interval_s: float = 1.0     # NVML sampling period of the model and data GPUs; 0 = off
+    metrics_file: str | None = None        # JSON lines, one snapshot per status interval + a final one; None = off
+    metrics_port: int | None = None        # Prometheus HTTP endpoint port; None = off (needs prometheus_client)
+    metrics_host: str = "127.0.0.1"        # address the Prometheus endpoint listens on
+    control_endpoint: str | None = None    # REP socket serving `status`; None = derived from transport.endpoint
 
     def __post_init__(self) -> None:
         p = ("consumer",)
@@ -157,6 +168,19 @@ class ConsumerConfig:
         _check(self.checkpoint_every_steps >= 1, "must be >= 1", p + ("checkpoint_every_steps",),
                self.checkpoint_every_steps)
         _check(self.keep_checkpoints >= 1, "must be >= 1", p + ("keep_checkpoints",), self.keep_checkpoints)
+        _check(self.metrics_window_s > 0, "must be > 0", p + ("metrics_window_s",), self.metrics_window_s)
+        _check(self.gpu_sample_interval_s >= 0, "must be >= 0 (0 = off)", p + ("gpu_sample_interval_s",),
+               self.gpu_sample_interval_s)
+        if self.metrics_port is not None:
+            _check(1 <= self.metrics_port <= 65535, "must be in 1..65535 or null", p + ("metrics_port",),
+                   self.metrics_port)
+        _check(bool(self.metrics_host), "must not be empty", p + ("metrics_host",), self.metrics_host)
+        if self.metrics_file is not None:
+            _check(bool(self.metrics_file), "must be a path or null", p + ("metrics_file",), self.metrics_file)
+        if self.control_endpoint is not None:
+            _check(self.control_endpoint.startswith("ipc://") or _is_loopback_tcp(self.control_endpoint),
+                   "must be ipc://PATH or tcp:// on a loopback address (it is unauthenticated)",
+                   p + ("control_endpoint",), self.control_endpoint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["GpuSampler", "visible_gpu_selectors"]
+__all__ = ["GpuSampler", "visible_gpu_selectors", "format_gpus"]
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,15 @@ class GpuSampler:
             try:
                 util = pynvml.nvmlDeviceGetUtilizationRates(h)
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                power_mw = pynvml.nvmlDeviceGetPowerUsage(h)
             except Exception:  # noqa: BLE001 - a transient NVML error skips one sample
                 continue
+            try:
+                power_w: float | None = pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0
+            except Exception:  # noqa: BLE001 - some boards do not report power: keep the rest
+                power_w = None
             out.append({"index": index, "util_pct": float(util.gpu),
                         "mem_used_mib": mem.used / 2**20, "mem_total_mib": mem.total / 2**20,
-                        "power_w": power_mw / 1000.0})
+                        "power_w": power_w})
         with self._lock:
             self._latest = out
 
@@ -120,3 +123,24 @@ def _is_selected(pynvml: Any, handle: tuple[int, Any], selectors: list[str]) -> 
         return False
     uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
     return any(s.startswith("GPU-") and uuid.startswith(s) for s in selectors)
+
+
+def format_gpus(samples: list[dict[str, Any]] | None) -> str:
+    """The status-line part for GPUs: ``gpu model:0 97% 12.1/79.6 GiB 301 W data:1 12%``.
+
+    Model GPUs show utilisation, memory and power; data GPUs only utilisation (the short form a
+    status line has room for). ``None`` means sampling is off (empty string); ``[]`` gives ``gpu n/a``.
+    """
+    if samples is None:
+        return ""
+    if not samples:
+        return "gpu n/a"
+    parts = []
+    for g in samples:
+        text = f"{g.get('role', 'gpu')}:{g['index']} {g['util_pct']:.0f}%"
+        if g.get("role") != "data":
+            text += f" {g['mem_used_mib'] / 1024:.1f}/{g['mem_total_mib'] / 1024:.1f} GiB"
+            if g.get("power_w") is not None:
+                text += f" {g['power_w']:.0f} W"
+        parts.append(text)
+    return "gpu " + " ".join(parts)

@@ -18,7 +18,8 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "prepare_runtime_dir", "resolve_endpoint", "die_with_parent", "setup_logging"]
+__all__ = ["stop_on_signals", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent",
+           "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,6 +54,22 @@ def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str]) -> str:
     if cfg.transport.endpoint is not None:
         return cfg.transport.endpoint
     return f"ipc://{prepare_runtime_dir(resolve_runtime_dir(environ)) / 'melfeed.sock'}"
+
+
+def resolve_control_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *, create_dir: bool) -> str:
+    """Where the consumer serves ``status``: ``consumer.control_endpoint``; else, for a transport
+    endpoint ``ipc://DIR/NAME.sock``, ``ipc://DIR/NAME.control.sock``; else
+    ``ipc://<private runtime dir>/melfeed-control.sock`` (the directory is made only with ``create_dir``).
+    """
+    if cfg.consumer.control_endpoint is not None:
+        return cfg.consumer.control_endpoint
+    data = cfg.transport.endpoint
+    if data is not None and data.startswith("ipc://"):
+        return f"{data.removesuffix('.sock')}.control.sock"
+    runtime = resolve_runtime_dir(environ)
+    if create_dir:
+        prepare_runtime_dir(runtime)
+    return f"ipc://{runtime / 'melfeed-control.sock'}"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -65,11 +65,22 @@ class StepWindow:
     def add(self, record: StepRecord) -> None:
         self._records.append(record)
 
-    def figures(self, now_s: float) -> WindowFigures | None:
-        """The figures over the window ending at ``now_s``; ``None`` with no record in it."""
+    def _trim(self, now_s: float) -> list[StepRecord]:
         while self._records and self._records[0].end_s <= now_s - self.window_s:
             self._records.popleft()
-        recs = list(self._records)
+        return list(self._records)
+
+    def depth_histogram(self, now_s: float) -> list[int]:
+        """Counts per queue depth over the window: index = depth seen when a batch was taken."""
+        recs = self._trim(now_s)
+        hist = [0] * (max((max(0, r.queue_depth) for r in recs), default=-1) + 1)
+        for r in recs:
+            hist[max(0, r.queue_depth)] += 1
+        return hist
+
+    def figures(self, now_s: float) -> WindowFigures | None:
+        """The figures over the window ending at ``now_s``; ``None`` with no record in it."""
+        recs = self._trim(now_s)
         if not recs:
             return None
         first = recs[0]

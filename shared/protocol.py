@@ -37,6 +37,7 @@ __all__ = [
     "Lease",
     "BatchHeader",
     "Heartbeat",
+    "StageCounters",
     "Err",
     "Bye",
     "Message",
@@ -152,12 +153,27 @@ class BatchHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class StageCounters:
+    """A producer process's cumulative build counters since it started (P->C heartbeats).
+
+    Wire form: ``[batches, read_s, assemble_s, send_s]``; times are seconds, all >= 0.
+    """
+
+    batches: int            # batches built and handed to ZeroMQ
+    read_s: float           # preadv of the cache files into the batch rows
+    assemble_s: float       # the rest of building a batch: padding, checks, buffer reuse
+    send_s: float           # header encoding and send_multipart
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Both ways. From the consumer it carries queue depth and the applied count."""
+    """Both ways. From the consumer it carries queue depth and the applied count; from a producer,
+    optionally its stage counters (older producers send none)."""
 
     epoch: int
     queue_depth: int = 0
     applied: int = 0
+    stats: StageCounters | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +217,9 @@ def encode(msg: Message) -> bytes:
             d["slot"], d["gen"] = msg.shm
     elif isinstance(msg, Heartbeat):
         d = {"t": MsgKind.HB, "epoch": msg.epoch, "depth": msg.queue_depth, "applied": msg.applied}
+        if msg.stats is not None:
+            st = msg.stats
+            d["st"] = [st.batches, st.read_s, st.assemble_s, st.send_s]
     elif isinstance(msg, Err):
         d = {"t": MsgKind.ERR, "code": msg.code, "why": msg.why[:200]}
     elif isinstance(msg, Bye):
@@ -292,6 +311,21 @@ def _decode_lease(item: Any) -> Lease:
     return Lease(bid, bucket, _int_list(ids, "sample_ids"), float(deadline), shm)
 
 
+def _decode_stats(item: Any) -> StageCounters | None:
+    """The optional ``st`` of a heartbeat: a count and three finite, non-negative times."""
+    if item is None:
+        return None
+    if not isinstance(item, list) or len(item) != 4:
+        raise ProtocolError(RejectCode.SCHEMA, "st must be [batches, read_s, assemble_s, send_s]")
+    n, *times = item
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ProtocolError(RejectCode.SCHEMA, "st batches must be a non-negative integer")
+    for v in times:   # inf and nan fail the range test too
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1e12:
+            raise ProtocolError(RejectCode.SCHEMA, "st times must be finite non-negative numbers")
+    return StageCounters(n, float(times[0]), float(times[1]), float(times[2]))
+
+
 def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
     """Decode and validate one header frame.
 
@@ -341,7 +375,8 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
                            [_int_list(s, "shapes") for s in shapes], dtypes, crc,
                            _int_list(d.get("q", []), "q"), shm)
     if kind is MsgKind.HB:
-        return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"))
+        return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
+                         _decode_stats(d.get("st")))
     if kind is MsgKind.ERR:
         return Err(_get(d, "code", str), _get(d, "why", str))
     return Bye(_count(d, "epoch"))

@@ -32,6 +32,10 @@ def test_defaults_are_valid_and_round_trip() -> None:
     ({"transport": {"mode": "tcp"}}, "transport.mode: must be 'auto', 'shm' or 'zmq', got 'tcp'"),
     ({"transport": {"mode": "shm", "endpoint": "tcp://127.0.0.1:5555"}}, "transport.mode: 'shm' needs an ipc://"),
     ({"transport": {"shm_dir": "rel/dir"}}, "transport.shm_dir: must be an absolute path"),
+    ({"consumer": {"metrics_port": 0}}, "consumer.metrics_port: must be in 1..65535 or null, got 0"),
+    ({"consumer": {"gpu_sample_interval_s": -1}}, "consumer.gpu_sample_interval_s: must be >= 0"),
+    ({"consumer": {"metrics_window_s": 0}}, "consumer.metrics_window_s: must be > 0"),
+    ({"consumer": {"control_endpoint": "tcp://0.0.0.0:5600"}}, "consumer.control_endpoint: must be ipc://"),
 ])
 def test_bad_values_name_the_key(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pynvml  # type: ignore[import-untyped]  # no stubs shipped
 import pytest
 
-from shared.gpu import GpuSampler
+from shared.gpu import GpuSampler, format_gpus
 
 
 def test_absent_nvml_gives_empty_snapshot_and_no_crash() -> None:
@@ -47,3 +47,34 @@ def test_present_nvml_all_gpus_when_unset(fake_nvml: None) -> None:
         assert [d["index"] for d in s.snapshot()] == [0, 1]
     finally:
         s.stop()
+
+
+def test_power_unsupported_keeps_the_other_figures(fake_nvml: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_power(h: int) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", no_power)
+    s = GpuSampler(interval_s=60.0, visible="0")
+    s.start()
+    try:
+        assert s.snapshot() == [{"index": 0, "util_pct": 40.0, "mem_used_mib": 1024.0,
+                                 "mem_total_mib": 4096.0, "power_w": None}]
+    finally:
+        s.stop()
+
+
+def test_status_text_without_gpus_says_n_a_and_is_empty_when_off() -> None:
+    assert format_gpus([]) == "gpu n/a"
+    assert format_gpus(None) == ""
+
+
+def test_status_text_from_sampled_gpus(fake_nvml: None) -> None:
+    model, data = GpuSampler(interval_s=60.0, visible="0"), GpuSampler(interval_s=60.0, visible="1")
+    model.start()
+    data.start()
+    try:
+        samples = ([{"role": "model", **g} for g in model.snapshot()]
+                   + [{"role": "data", **g} for g in data.snapshot()])
+    finally:
+        model.stop()
+        data.stop()
+    assert format_gpus(samples) == "gpu model:0 40% 1.0/4.0 GiB 150 W data:1 41%"

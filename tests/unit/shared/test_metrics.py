@@ -48,3 +48,11 @@ def test_memory_is_bounded_and_percentile_edges() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 90) == 9.0
     with pytest.raises(ValueError):
         StepWindow(window_s=0)
+
+
+def test_queue_depth_histogram_counts_the_window_only() -> None:
+    w = StepWindow(window_s=10.0)
+    for end_s, depth in [(1.0, 3), (12.0, 2), (13.0, 0), (14.0, 2), (15.0, 5)]:
+        w.add(StepRecord(end_s, 0.0, 0.5, 4, 10, 20, depth))
+    assert w.depth_histogram(15.0) == [1, 0, 2, 0, 0, 1]      # the record at 1.0 left the window
+    assert w.depth_histogram(30.0) == []

@@ -7,7 +7,7 @@ import pytest
 
 from shared.errors import ProtocolError
 from shared.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
-                             RejectCode, ShmSlot, Welcome, decode_header, encode)
+                             RejectCode, ShmSlot, StageCounters, Welcome, decode_header, encode)
 
 MESSAGES = [
     Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7),
@@ -20,6 +20,7 @@ MESSAGES = [
     LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
     Heartbeat(123, 4, 99),
+    Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
     Err("LEASE", "batch 7 is not leased"),
     Bye(123),
 ]
@@ -74,3 +75,26 @@ def test_oversized_header_is_refused_before_unpacking() -> None:
 def test_bool_is_not_accepted_as_an_integer_field() -> None:
     with pytest.raises(ProtocolError):
         decode_header(msgpack.packb({"t": int(MsgKind.BYE), "epoch": True}))
+
+
+def test_heartbeat_without_stats_from_an_older_producer_is_accepted() -> None:
+    raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7})
+    assert decode_header(raw) == Heartbeat(7, 0, 0, None)
+
+
+def test_heartbeat_stats_travel_as_four_numbers() -> None:
+    raw = encode(Heartbeat(7, stats=StageCounters(3, 1, 0.5, 0.25)))
+    assert msgpack.unpackb(raw)["st"] == [3, 1, 0.5, 0.25]
+    assert decode_header(raw).stats == StageCounters(3, 1.0, 0.5, 0.25)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stats", [
+    "fast", [1, 0.1, 0.1], [1, 0.1, 0.1, 0.1, 0.1], [-1, 0.0, 0.0, 0.0], [True, 0.0, 0.0, 0.0],
+    [1.5, 0.0, 0.0, 0.0], [1, -0.1, 0.0, 0.0], [1, 0.0, float("nan"), 0.0], [1, 0.0, 0.0, float("inf")],
+    [1, "0", 0.0, 0.0], [1, 0.0, False, 0.0], {"batches": 1},
+])
+def test_malformed_heartbeat_stats_are_rejected(stats: object) -> None:
+    raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "st": stats})
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw)
+    assert info.value.code == RejectCode.SCHEMA

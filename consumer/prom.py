@@ -1,0 +1,161 @@
+"""Prometheus endpoint: the latest snapshot as metrics, served by prometheus_client's HTTP server.
+
+Role: ``--metrics-port N`` (``consumer.metrics_port``) starts the server on ``consumer.metrics_host``
+(127.0.0.1 by default) with a registry of its own (the process-global one is left untouched) and
+one custom collector that reads the latest snapshot at scrape time; nothing is computed twice.
+Names follow Prometheus conventions: ``melfeed_`` prefix, base units (seconds, bytes, ratios 0..1),
+counters end in ``_total``, labels for producer, reject code, GPU role and index (consumer/README.md
+lists every name). A figure that is not known yet (null in the snapshot) is left out of the scrape.
+prometheus_client is optional (extra ``metrics``) and imported only here, only when a port is given.
+Shutdown: ``close()`` shuts the server down and joins its thread (bounded); idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from shared.errors import ConfigError
+
+__all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 2.0   # > one scrape of a few kB
+
+# (snapshot key, metric name, help, scale) for the plain gauges; scale converts to base units.
+_GAUGES = (
+    ("uptime_s", "melfeed_uptime_seconds", "Seconds since the consumer process started", 1.0),
+    ("steps_total", "melfeed_steps_target", "Plan position the run stops at (absent: until stopped)", 1.0),
+    ("loss", "melfeed_loss", "Loss of the newest step", 1.0),
+    ("window_s", "melfeed_window_seconds", "Length of the sliding window of the windowed figures", 1.0),
+    ("stall_pct", "melfeed_stall_ratio", "Time the step loop waited for batches / wall time (window)", 0.01),
+    ("batches_per_s", "melfeed_batches_per_second", "Batches applied per second (window)", 1.0),
+    ("samples_per_s", "melfeed_samples_per_second", "Real samples applied per second (window)", 1.0),
+    ("bytes_per_s", "melfeed_received_bytes_per_second", "Payload bytes received per second (window)", 1.0),
+    ("step_cv", "melfeed_step_time_cv_ratio", "Coefficient of variation of the step time (window)", 1.0),
+    ("padding_efficiency", "melfeed_padding_efficiency_ratio", "Real frames / padded frames (window)", 1.0),
+    ("queue_depth_mean", "melfeed_queue_depth_mean", "Mean ready batches + leases when a batch was taken", 1.0),
+    ("lease_window", "melfeed_lease_window", "Leases one producer may hold", 1.0),
+    ("leases_outstanding", "melfeed_leases_outstanding", "Leases granted and not yet delivered", 1.0),
+    ("producers_alive", "melfeed_producers_alive", "Producers connected now", 1.0),
+)
+_COUNTERS = (
+    ("step", "melfeed_batches_applied", "Batches applied to the model by this consumer process"),
+    ("duplicates", "melfeed_duplicates", "Duplicate batches dropped"),
+    ("quarantined", "melfeed_quarantined_samples", "Bad cache rows left empty by producers"),
+    ("compiles_after_ready", "melfeed_compiles_after_ready", "Step compiles after READY"),
+)
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over ``get_snapshot()`` (called once per scrape)."""
+
+    def __init__(self, get_snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self._get = get_snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        snap = self._get()
+        if snap is None:
+            return
+        for key, name, doc, scale in _GAUGES:
+            if snap.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=snap[key] * scale)
+        for key, name, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=snap[key])
+        phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
+        for p in ("compiling", "training", "waiting", "done"):
+            phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)
+        yield phase
+        step = GaugeMetricFamily("melfeed_step_seconds", "Step time percentiles (window)", labels=["quantile"])
+        for q, key in (("0.5", "step_p50_ms"), ("0.99", "step_p99_ms")):
+            if snap[key] is not None:
+                step.add_metric([q], snap[key] / 1000.0)
+        yield step
+        hist = GaugeMetricFamily("melfeed_queue_depth_batches", "Batches taken at each queue depth (window)",
+                                 labels=["depth"])
+        for depth, count in enumerate(snap["queue_depth_hist"]):
+            hist.add_metric([str(depth)], count)
+        yield hist
+        rejects = CounterMetricFamily("melfeed_rejects", "Rejected messages by reject code", labels=["code"])
+        for code, count in snap["rejects"].items():
+            rejects.add_metric([code], count)
+        yield rejects
+        yield from _producer_families(snap["producers"])
+        yield from _gpu_families(snap["gpus"])
+
+
+def _producer_families(producers: list[dict[str, Any]]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    built = CounterMetricFamily("melfeed_producer_batches", "Batches built by the producer process",
+                                labels=["producer"])
+    rate = GaugeMetricFamily("melfeed_producer_batches_per_second", "Batches built per second (window)",
+                             labels=["producer"])
+    stage = GaugeMetricFamily("melfeed_producer_stage_seconds", "Seconds per batch in a build stage (window)",
+                              labels=["producer", "stage"])
+    for p in producers:
+        if p["batches"] is not None:
+            built.add_metric([p["id"]], p["batches"])
+        if p["batches_per_s"] is not None:
+            rate.add_metric([p["id"]], p["batches_per_s"])
+        for name in ("read", "assemble", "send"):
+            if p[f"{name}_ms"] is not None:
+                stage.add_metric([p["id"], name], p[f"{name}_ms"] / 1000.0)
+    yield from (built, rate, stage)
+
+
+def _gpu_families(gpus: list[dict[str, Any]]) -> Iterator[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+    labels = ["role", "index"]
+    util = GaugeMetricFamily("melfeed_gpu_utilization_ratio", "GPU busy fraction (NVML)", labels=labels)
+    used = GaugeMetricFamily("melfeed_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=labels)
+    total = GaugeMetricFamily("melfeed_gpu_memory_total_bytes", "GPU memory size (NVML)", labels=labels)
+    power = GaugeMetricFamily("melfeed_gpu_power_watts", "GPU board power (NVML)", labels=labels)
+    for g in gpus:
+        key = [g["role"], str(g["index"])]
+        util.add_metric(key, g["util_pct"] / 100.0)
+        used.add_metric(key, g["mem_used_mib"] * 2**20)
+        total.add_metric(key, g["mem_total_mib"] * 2**20)
+        if g.get("power_w") is not None:
+            power.add_metric(key, g["power_w"])
+    yield from (util, used, total, power)
+
+
+class PrometheusServer:
+    """A started prometheus_client HTTP server; ``close()`` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server, self._thread = server, thread
+
+    def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(_JOIN_TIMEOUT_S)
+        self._server = None
+
+
+def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, Any] | None]) -> PrometheusServer:
+    """Serve ``http://host:port/metrics`` from a private registry.
+
+    Raises:
+        ConfigError: prometheus_client is not installed, or the address cannot be bound (names the key).
+    """
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as err:
+        raise ConfigError("needs prometheus_client (pip install 'melfeed[metrics]')",
+                          path=("consumer", "metrics_port"), got=port) from err
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(get_snapshot))   # type: ignore[arg-type]  # duck-typed Collector
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror}", path=("consumer", "metrics_port"),
+                          got=port) from err
+    log.info("prometheus metrics at http://%s:%d/metrics", host, port)
+    return PrometheusServer(server, thread)
