@@ -138,11 +138,15 @@ class Progress:
     """A bar on a terminal (redrawn at most 10 times a second), else a line every ``interval_s``.
 
     Rate and ETA count from ``start()`` (the first worker ready), or from construction.
+    ``label`` prefixes the plain lines, ``unit`` names what is counted; ``count_skipped=False``
+    leaves the skip count out (``run_pipeline.py doctor`` counts stages, none of them skipped).
     """
 
     def __init__(self, total: int, stream: TextIO, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, label: str = "prepare",
+                 unit: str = "utterances", count_skipped: bool = True) -> None:
         self._total, self._stream, self._interval_s, self._clock = total, stream, interval_s, clock
+        self._label, self._unit, self._count_skipped = label, unit, count_skipped
         self._is_tty = stream.isatty()
         self._started = self._last = clock()
         self._done = self._skipped = 0
@@ -157,10 +161,11 @@ class Progress:
         rate = self._done / elapsed
         eta = _clock((self._total - handled) * elapsed / handled) if handled else "?"
         pct = 100.0 * handled / self._total if self._total else 100.0
-        text = (f"{handled}/{self._total} ({pct:.0f}%) {rate:.1f} utterances/s, eta {eta}, "
-                f"skipped {self._skipped}")
+        text = f"{handled}/{self._total} ({pct:.0f}%) {rate:.1f} {self._unit}/s, eta {eta}"
+        if self._count_skipped:
+            text += f", skipped {self._skipped}"
         if not self._is_tty:
-            return f"prepare: {text}"
+            return f"{self._label}: {text}"
         filled = int(30 * pct / 100)
         return f"\r[{'#' * filled}{'.' * (30 - filled)}] {text}\x1b[K"
 
