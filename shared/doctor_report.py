@@ -35,7 +35,8 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
         f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})",
-        "stage 2  transport producer -> consumer (real Consumer ring, batches released at once, no step)",
+        "stage 2  transport producer -> consumer (real Consumer ring on a private ipc socket, batches released "
+        "at once, no step)",
         f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered; {n} producers: {tn['batches_per_s']:.1f}",
         f"         transport cost per batch ~ {v.transport_ms:.2f} ms = 1000 / {t1['batches_per_s']:.1f} delivered "
         f"- {one['build_ms_p50']:.2f} build, floored at 0 (one producer builds and sends in series; "

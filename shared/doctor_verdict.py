@@ -88,7 +88,7 @@ class Verdict:
     transport_ms: float
     producers_needed: int          # uncapped
     producers_recommended: int     # capped by the cores
-    memory_bound_bytes: int        # with producers_recommended
+    memory_bound_bytes: int        # with the recommended producer.count and consumer.ring_slots
     changes: list[Change] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -137,11 +137,12 @@ def decide(m: Measurements, c: ConfigFacts) -> Verdict:
                      f"{m.producers} x one alone would be {m.producers * m.build_rate_1:.1f}: they compete for cores "
                      "or the disk")
     changes = _changes(m, c, bound, recommended)
+    slots = next((int(ch.new) for ch in changes if ch.key == "consumer.ring_slots"), c.ring_slots)
+    producers = next((int(ch.new) for ch in changes if ch.key == "producer.count"), c.producer_count)
     return Verdict(bound=bound, exit_code=code, supply_per_s=m.delivered_n, demand_per_s=demand, h2d_per_s=h2d,
                    per_producer_per_s=per_producer, transport_ms=transport_ms, producers_needed=needed,
                    producers_recommended=recommended,
-                   memory_bound_bytes=memory_bound_bytes(max(c.ring_slots, _slots_for(recommended, c)), recommended,
-                                                         c.lease_window, c.largest_batch_bytes),
+                   memory_bound_bytes=memory_bound_bytes(slots, producers, c.lease_window, c.largest_batch_bytes),
                    changes=changes, notes=notes)
 
 

@@ -81,6 +81,7 @@ def test_too_many_producers_for_a_slow_step_recommends_fewer() -> None:
     assert v.bound == BOUND_STEP and v.producers_needed == 1
     change = next(c for c in v.changes if c.key == "producer.count")
     assert (change.old, change.new) == ("4", "1")
+    assert v.memory_bound_bytes == (3 + 1 * 2) * 9_000_000   # ring unchanged, 1 producer x window 2
 
 
 def test_more_buckets_recommended_only_for_a_real_padding_gain_and_derived_boundaries() -> None:
