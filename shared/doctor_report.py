@@ -34,10 +34,12 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
-        f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})",
+        f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})" if n > 1 else
+        "         (1 producer: not repeated)",
         "stage 2  transport producer -> consumer (real Consumer ring on a private ipc socket, batches released "
         "at once, no step)",
-        f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered; {n} producers: {tn['batches_per_s']:.1f}",
+        f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered"
+        + (f"; {n} producers: {tn['batches_per_s']:.1f}" if n > 1 else ""),
         f"         transport cost per batch ~ {v.transport_ms:.2f} ms = 1000 / {t1['batches_per_s']:.1f} delivered "
         f"- {one['build_ms_p50']:.2f} build, floored at 0 (one producer builds and sends in series; "
         "0 = hidden behind the build, ZeroMQ's I/O thread sends while the next batch is built)",
@@ -57,7 +59,7 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
 def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
     """The full report as printed on stdout."""
     lines = [f"melfeed doctor: {r['cache_dir']} ({r['utterances']} utterances, {len(r['buckets'])} buckets), "
-             f"{r['producers']} producers, {r['cores']} cores"]
+             f"{r['producers']} producer(s), {r['cores']} cores"]
     lines += _stage_lines(r, v)
     lines.append("padding  " + ", ".join(f"bucket {w[0]}: {p:.2f}" for w, p in zip(r["buckets"], r["padding"]))
                  + f" (overall {r['config_facts']['padding']:.3f})")

@@ -157,8 +157,10 @@ def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> lis
     if producers != c.producer_count and (data_bound or producers < c.producer_count):
         why = ("supply must reach 1.2 x the step's demand" if producers > c.producer_count
                else "fewer producers already supply 1.2 x the step's demand; the rest only take CPU from the trainer")
+        rate = min(m.build_rate_1, m.delivered_1)
         out.append(Change("producer.count", str(c.producer_count), str(producers),
-                          f"{why}: {producers} x {min(m.build_rate_1, m.delivered_1):.1f} batches/s"))
+                          f"{why}: {producers} x {rate:.1f} = {producers * rate:.1f} batches/s for a demand of "
+                          f"{_rate(weighted_ms(m.step_ms, m.mix)):.1f}"))
     slots = _slots_for(max(producers, c.producer_count) if data_bound else producers, c)
     if data_bound and c.ring_slots < slots:
         n = max(producers, c.producer_count)
