@@ -17,6 +17,7 @@ _COMMANDS = {
     "audit": "consumer.audit:main_audit", "deploy": "shared.deploy:main_deploy", "keys": "shared.curve:main_keys",
     "producer": "producer.app:main_producer", "report": "shared.report_plot:main_report",
     "status": "consumer.status:main_status",
+    "doctor": "shared.doctor:main_doctor",
 }
 
 

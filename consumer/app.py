@@ -38,11 +38,6 @@ log = logging.getLogger(__name__)
 _PRODUCERS_STOP_S = 20.0   # > the launcher's own SIGTERM ladder (10 s) + BYE
 
 
-def _demo_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "melfeed" / "demo"
-
-
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     notifier = Notifier()
@@ -83,8 +78,8 @@ def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = config_from_args(args)
     if args.demo:
-        from shared.demo_data import write_demo_cache
-        cache = Path(cfg.cache_dir) if args.cache_dir else _demo_dir() / str(args.demo_utterances)
+        from shared.demo_data import default_demo_dir, write_demo_cache
+        cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
         log.info("demo data in %s", cache)
         write_demo_cache(cache, n_utterances=args.demo_utterances)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})

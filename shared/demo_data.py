@@ -31,7 +31,7 @@ from shared.errors import CacheError
 from shared.cache_index import build_manifest
 from shared.manifest import Manifest, load_manifest, write_manifest
 
-__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "write_demo_cache", "demo_utterance_id"]
+__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "write_demo_cache", "demo_utterance_id", "default_demo_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ _LOG_MEL_MIN, _LOG_MEL_MAX = -11.5, 2.0  # log(1e-5) floor, as in Tacotron-style
 _NOISE_STD = 0.25
 _SMOOTH_FRAMES = 5  # moving-average width in frames: token boundaries blur like real speech
 _UTTERANCES_PER_CHAPTER = 300
+
+
+def default_demo_dir(n_utterances: int) -> Path:
+    """Where ``--demo`` keeps its cache: ``$XDG_CACHE_HOME`` (or ~/.cache)/melfeed/demo/N."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "melfeed" / "demo" / str(n_utterances)
 
 
 def demo_utterance_id(index: int) -> str:

@@ -39,3 +39,27 @@ class _TinyStep:
 
 def tiny_step(spec: StepSpec) -> _TinyStep:
     return _TinyStep(spec)
+
+
+_SLOW_MATMULS = 12      # chained [512, 512] matmuls per step: ~50-100 ms on the 2-core CI machine
+_SLOW_SIDE = 512
+
+
+class _SlowStep(_TinyStep):
+    """``tiny_step`` plus real, un-elidable compute (a sleep cannot live inside an XLA program:
+    ``jit_compile=True`` rejects ``tf.py_function``), so the step, not the data, bounds throughput."""
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        loss = super().__call__(mel, mel_len, tokens, tok_len)
+        x = tf.reshape(tf.tile(self.w, [_SLOW_SIDE * _SLOW_SIDE // self.w.shape[0] + 1])[:_SLOW_SIDE * _SLOW_SIDE],
+                       [_SLOW_SIDE, _SLOW_SIDE]) + 1.0
+
+        def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            return i + 1, tf.tanh(tf.matmul(acc, x) * (1.0 / _SLOW_SIDE))
+
+        _, acc = tf.while_loop(lambda i, acc: i < _SLOW_MATMULS, body, (tf.constant(0), x))
+        return loss + 0.0 * tf.reduce_mean(acc)   # depends on the chain, so XLA must compute it
+
+
+def slow_step(spec: StepSpec) -> _SlowStep:
+    return _SlowStep(spec)

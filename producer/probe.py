@@ -1,0 +1,123 @@
+"""Stage 1 of ``run_pipeline.py doctor``: cache read + batch assembly in this one process.
+
+``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N]``
+builds representative batches (``shared.bucket_mix``: the epoch's bucket proportions) with the real
+``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
+``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
+"cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
+part is the time inside ``read_mel_into``/``read_tokens_into``. Nothing is sent.
+``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
+producers would. Exit codes: 0 measured, 78 configuration/cache error (one line on stderr).
+Shutdown: nothing outlives the process; buffers are freed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["main", "TimedReader"]
+
+_MIN_BATCHES = 3          # a p50 of fewer builds says nothing
+_MAX_BATCHES = 100_000    # bounds memory of the timing lists on very fast caches
+_MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; cap the sleep
+
+
+class TimedReader:
+    """Wraps a ``CacheReader`` and adds up the seconds spent reading (the read part of a build)."""
+
+    def __init__(self, reader: object) -> None:
+        self._reader = reader
+        self.read_s = 0.0
+
+    def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
+        t0 = time.perf_counter()
+        try:
+            return int(self._reader.read_mel_into(index, dst))  # type: ignore[attr-defined]
+        finally:
+            self.read_s += time.perf_counter() - t0
+
+    def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
+        t0 = time.perf_counter()
+        try:
+            return int(self._reader.read_tokens_into(index, dst))  # type: ignore[attr-defined]
+        finally:
+            self.read_s += time.perf_counter() - t0
+
+
+def _p(values: list[float], q: float) -> float:
+    from shared.metrics import percentile
+    return percentile(sorted(values), q)
+
+
+def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
+            seed: int) -> dict[str, float]:
+    """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
+    from producer.batcher import BatchAssembler
+    from producer.source import CacheReader
+    from shared.bucket_mix import representative_batches
+    from shared.buckets import build_buckets
+    from shared.config import load_config
+    from shared.errors import ConfigError
+    from shared.features import load_manifest_for
+
+    cfg = load_config(config_path)
+    if cfg.cache_dir is None:
+        raise ConfigError("is required", path=("cache_dir",))
+    manifest = load_manifest_for(cfg)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    reader = TimedReader(CacheReader(manifest))
+    assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
+                               bad_sample_policy=cfg.producer.bad_samples)
+    plan = representative_batches(bucket_set, 256, seed)
+    if start_at is not None:
+        time.sleep(min(max(0.0, start_at - time.time()), _MAX_START_WAIT_S))
+    build_ms: list[float] = []
+    read_ms: list[float] = []
+    cpu0, t_start = time.process_time(), time.perf_counter()
+    while len(build_ms) < _MAX_BATCHES and (
+            len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
+        bucket, sample_ids = plan[len(build_ms) % len(plan)]
+        read0, t0 = reader.read_s, time.perf_counter()
+        assembler.build(len(build_ms), bucket, sample_ids)
+        if debug_delay_s:
+            time.sleep(debug_delay_s)
+        build_ms.append(1000 * (time.perf_counter() - t0))
+        read_ms.append(1000 * (reader.read_s - read0))
+    elapsed_s = time.perf_counter() - t_start
+    n = len(build_ms)
+    return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
+            "build_ms_p50": _p(build_ms, 50), "build_ms_p99": _p(build_ms, 99), "read_ms_p50": _p(read_ms, 50),
+            "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="producer.probe")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--debug-delay-ms", type=float, default=0.0)
+    ap.add_argument("--start-at", type=float, help="time.time() at which to start building")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import os
+    from shared.errors import EXIT_CONFIG, PipelineError
+    from shared.lifecycle import setup_logging
+    setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
+    try:
+        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed)
+    except PipelineError as err:
+        print(f"producer.probe: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""``run_pipeline.py doctor`` end to end: real probes, real producers, real consumer ring, real TensorFlow.
+
+Slowed producers (``--debug-delay-ms``) must give the data-bound verdict (exit 3) naming the producers;
+a slow step (``tests.steps:slow_step``) with fast producers must give exit 0 naming the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO
+
+
+def _doctor(tmp_path: Path, cache: Path, step: str, *extra: str, timeout_s: float = 110) -> subprocess.CompletedProcess[str]:
+    cfg = tmp_path / "doctor.yaml"
+    cfg.write_text(yaml.safe_dump({"cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 8},
+                                   "model": {"step": step}}))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(cfg),
+                           "--seconds-per-stage", "1", *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_slowed_producers_are_named_as_the_bottleneck_and_exit_3(demo_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "doctor.json"
+    proc = _doctor(tmp_path, demo_cache, "tests.steps:tiny_step", "--producers", "1", "--debug-delay-ms", "200",
+                   "--json", str(out))
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+    assert "bound by producers (cache read / assembly)" in proc.stdout
+    report = json.loads(out.read_text())
+    v = report["verdict"]
+    assert v["supply_per_s"] < 1.2 * v["demand_per_s"]
+    assert report["stages"]["build_1"][0]["build_ms_p50"] >= 200          # the delay is inside the build
+    assert v["producers_needed"] > 1
+    assert "producer.count: 1 -> " in proc.stdout                           # more producers recommended
+    assert any(c["key"] == "producer.count" and int(c["new"]) > 1 for c in v["changes"])
+    assert "doctor: stage 1/4" in proc.stderr                               # progress per stage
+    assert "Traceback" not in proc.stderr
+
+
+def test_slow_step_with_fast_producers_names_the_step_and_exits_0(demo_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "doctor.json"
+    proc = _doctor(tmp_path, demo_cache, "tests.steps:slow_step", "--producers", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "bound by the training step (the GPU is the bottleneck; data keeps up)" in proc.stdout
+    report = json.loads(out.read_text())
+    v = report["verdict"]
+    assert v["exit_code"] == 0 and v["supply_per_s"] >= 1.2 * v["demand_per_s"] > 0
+    stages = report["stages"]
+    assert len(stages["build_n"]) == 2 and stages["transport_n"]["producers_alive"] == 2
+    assert [b["index"] for b in stages["device"]["buckets"]] == [0, 1]
+    assert stages["device"]["compiles_after_ready"] == 0
+    assert stages["device"]["device"] in proc.stdout                        # says which device (CPU here)
+    assert {c["name"] for c in report["environment"]} >= {"model vs data GPU", "memory", "socket directory"}
+    assert "padding  bucket 0:" in proc.stdout and "in-flight bound" in proc.stdout
+
+
+def test_config_errors_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("consumer:\n  ring_slots: 1\n")
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(bad),
+                           "--cache-dir", str(demo_cache)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78
+    assert proc.stderr.strip().splitlines()[-1] == "run_pipeline.py doctor: consumer.ring_slots: must be in 3..256, got 1"
+    proc = _doctor(tmp_path, tmp_path / "nocache", "tests.steps:tiny_step", timeout_s=60)
+    assert proc.returncode == 78 and "nocache" in proc.stderr and "Traceback" not in proc.stderr
