@@ -15,7 +15,7 @@ _COMMANDS = {
     "index": "shared.tools:main_index", "verify-cache": "shared.tools:main_verify_cache",
     "demo-data": "shared.tools:main_demo", "prepare": "shared.prepare:main_prepare",
     "audit": "consumer.audit:main_audit", "deploy": "shared.deploy:main_deploy", "keys": "shared.curve:main_keys",
-    "producer": "producer.app:main_producer",
+    "producer": "producer.app:main_producer", "bench": "consumer.bench:main_bench",
 }
 
 

@@ -30,14 +30,14 @@ from shared.errors import ConfigError, PipelineError
 from shared.lifecycle import prepare_runtime_dir, stop_on_signals
 from shared.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run"]
+__all__ = ["demo_dir", "main_consumer", "main_run", "start_producers", "stop_producers"]
 
 log = logging.getLogger(__name__)
 
 _PRODUCERS_STOP_S = 20.0   # > the launcher's own SIGTERM ladder (10 s) + BYE
 
 
-def _demo_dir() -> Path:
+def demo_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "melfeed" / "demo"
 
@@ -76,7 +76,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = config_from_args(args)
     if args.demo:
         from shared.demo_data import write_demo_cache
-        cache = Path(cfg.cache_dir) if args.cache_dir else _demo_dir() / str(args.demo_utterances)
+        cache = Path(cfg.cache_dir) if args.cache_dir else demo_dir() / str(args.demo_utterances)
         log.info("demo data in %s", cache)
         write_demo_cache(cache, n_utterances=args.demo_utterances)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
@@ -86,13 +86,13 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
-        group = _start_producers(child_cfg, entry, args.debug_delay_ms)
+        group = start_producers(child_cfg, entry, args.debug_delay_ms)
         watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
         watcher.start()
         try:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state)
         finally:
-            _stop_producers(group)
+            stop_producers(group)
     code = group.proc.returncode or 0
     return code if code not in (-signal.SIGTERM, 0) else 0
 
@@ -104,7 +104,8 @@ class _Group:
         self.stopping = False
 
 
-def _start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+    """``run_pipeline.py producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
     path = prepare_runtime_dir(resolve_runtime_dir(os.environ)) / f"run-{os.getpid()}.yaml"
     path.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
     cmd = [sys.executable, entry, "producer", "--config", str(path)]
@@ -123,7 +124,8 @@ def _watch(group: _Group, stop: threading.Event) -> None:
         stop.set()
 
 
-def _stop_producers(group: _Group) -> None:
+def stop_producers(group: _Group) -> None:
+    """SIGTERM the group, wait (bounded), kill if ignored; reaps it and removes its config. Idempotent."""
     group.stopping = True
     if group.proc.poll() is None:
         group.proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,7 +78,7 @@ class _Meter:
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
-          notifier: Notifier | None = None) -> TrainSummary:
+          notifier: Notifier | None = None, on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -88,6 +88,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     With ``notifier`` (systemd): EXTEND_TIMEOUT_USEC while compiling, READY=1 after, STATUS= with the
     live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
     loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
+    ``on_step(steps_done)`` runs after each step's loss was read, while its slot is still held and
+    inside the timed step (``bench`` models device time there with a sleep).
     """
     notifier = notifier if notifier is not None else Notifier({})
     from consumer.model import StepSpec
@@ -122,6 +124,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
+        if on_step is not None:
+            on_step(out.steps + 1)
         step_t1 = time.perf_counter()
         copies += n_copies
         out.steps += 1
