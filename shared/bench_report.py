@@ -87,7 +87,9 @@ def render(report: Mapping[str, Any]) -> str:
              f"note: {report['device_model']}",
              f"note: copies: {report['copies_counted']}",
              f"best tuned tf.data (the baseline): {report['baseline'] or 'none finished'}", "",
-             "max rate (zero-cost step), CPU per batch, peak RSS, copies:", _main_table(report), "",
+             "max rate (zero-cost step), CPU per batch, peak RSS, copies:", _main_table(report)]
+    parts += [f"{system}: {reason}" for system, reason in report["unavailable"].items()]
+    parts += ["",
              "with a calibrated step cost:", _stall_table(report)]
     if report["transport_medians"] or any(x.startswith("transport-") for x in report["unavailable"]):
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
