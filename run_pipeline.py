@@ -18,6 +18,7 @@ _COMMANDS = {
     "producer": "producer.app:main_producer", "report": "shared.report_plot:main_report",
     "status": "consumer.status:main_status",
     "doctor": "shared.doctor:main_doctor",
+    "bench": "consumer.bench:main_bench",
 }
 
 

@@ -31,7 +31,7 @@ from shared.errors import ConfigError, PipelineError
 from shared.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
 from shared.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run"]
+__all__ = ["main_consumer", "main_run", "start_producers", "stop_producers"]
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,14 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
             _telemetry(cfg, consumer, started_s) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
-        group = _start_producers(child_cfg, entry, args.debug_delay_ms)
+        group = start_producers(child_cfg, entry, args.debug_delay_ms)
         watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
         watcher.start()
         try:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   telemetry=telemetry)
         finally:
-            _stop_producers(group)
+            stop_producers(group)
     code = group.proc.returncode or 0
     return code if code not in (-signal.SIGTERM, 0) else 0
 
@@ -109,7 +109,8 @@ class _Group:
         self.stopping = False
 
 
-def _start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+    """``run_pipeline.py producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
     path = prepare_runtime_dir(resolve_runtime_dir(os.environ)) / f"run-{os.getpid()}.yaml"
     path.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
     cmd = [sys.executable, entry, "producer", "--config", str(path)]
@@ -128,7 +129,8 @@ def _watch(group: _Group, stop: threading.Event) -> None:
         stop.set()
 
 
-def _stop_producers(group: _Group) -> None:
+def stop_producers(group: _Group) -> None:
+    """SIGTERM the group, wait (bounded), kill if ignored; reaps it and removes its config. Idempotent."""
     group.stopping = True
     if group.proc.poll() is None:
         group.proc.send_signal(signal.SIGTERM)

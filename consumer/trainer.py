@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,7 +82,8 @@ class _Meter:
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
-          notifier: Notifier | None = None, telemetry: Telemetry | None = None) -> TrainSummary:
+          notifier: Notifier | None = None, telemetry: Telemetry | None = None,
+          on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -93,6 +94,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
     loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
     With ``telemetry``: a snapshot with every status line, during starved waits, and at the end.
+    ``on_step(steps_done)`` runs after each step's loss was read, while its slot is still held and
+    inside the timed step (``bench`` models device time there with a sleep).
     """
     notifier = notifier if notifier is not None else Notifier({})
     from consumer.model import StepSpec
@@ -133,6 +136,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
         loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
+        if on_step is not None:
+            on_step(out.steps + 1)
         step_t1 = time.perf_counter()
         copies += n_copies
         payload_copies += batch.copies

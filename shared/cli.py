@@ -110,11 +110,33 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
     st.add_argument("--log-level", default="WARNING")
+    _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service"))
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
     demo.add_argument("--utterances", type=int, default=2000)
     demo.add_argument("--seed", type=int, default=1234)
     return ap
+
+
+def _bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (buckets, seed, n_mels, transport settings apply)")
+    p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
+    p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
+    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
+    p.add_argument("--transports", default="zmq,shm", help="melfeed payload paths, comma-separated (zmq, shm)")
+    p.add_argument("--step-ms", default="5,20,50", help="modelled device time per step, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="rounds alternating the systems; medians over them")
+    p.add_argument("--batches", type=int, default=300, help="measured batches per trial")
+    p.add_argument("--warmup", type=int, default=10, help="batches before measuring, per trial")
+    p.add_argument("--tfdata-parallel", default="autotune,8,16", help="tuned tf.data num_parallel_calls variants")
+    p.add_argument("--service-workers", type=int, default=1, help="tf.data service workers (0 = skip the service)")
+    p.add_argument("--transport-only", action="store_true", help="only the transport GB/s section")
+    p.add_argument("--no-transport", action="store_true", help="skip the transport GB/s section")
+    p.add_argument("--smoke", action="store_true", help="tiny run: 1 round, 5 ms step, 20 batches, 1 producer")
+    p.add_argument("--trial-timeout-s", type=float, default=300.0, help="kill a trial (and its helpers) after this")
+    p.add_argument("--json", help="write every trial's raw numbers, the medians, ratios and goals to this file")
+    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
 
 
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:

@@ -1,0 +1,98 @@
+"""``run_pipeline.py bench --smoke`` end to end: real trials, checked for structure, never for speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.config import TransportConfig
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_MODE = "mode" in TransportConfig.__dataclass_fields__
+
+
+def _bench(tmp_path: Path, *flags: str, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "bench", *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_report(doc: dict[str, Any], systems: list[str]) -> None:
+    meds, ratios, base = doc["medians"], doc["ratios"], doc["baseline"]
+    assert base == "tfdata-npc8"
+    for system in systems:
+        for step in ("0", "5"):
+            figs = meds[system][step]
+            for metric in ("batches_per_s", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch", "trainer_rss_mb",
+                           "total_rss_mb", "payload_copies"):
+                assert _positive(figs[metric]), (system, step, metric, figs[metric])
+            assert figs["total_cpu_ms_per_batch"] >= figs["trainer_cpu_ms_per_batch"]
+            assert figs["total_rss_mb"] >= figs["trainer_rss_mb"]
+            assert 0 <= figs["stall_pct"] <= 100
+            for metric, value in ratios[system][step].items():
+                expected = figs[metric] / meds[base][step][metric] if meds[base][step][metric] else None
+                assert value == pytest.approx(expected), (system, step, metric)
+    trial_systems = {t["system"] for t in doc["trials"]}
+    assert trial_systems == set(systems)
+    assert len(doc["trials"]) == 2 * len(systems) and all(t["ok"] for t in doc["trials"])
+    assert meds["melfeed-zmq-p1"]["0"]["payload_copies"] >= 1
+    lines = [g["line"] for g in doc["goals"]]
+    assert any(line.startswith(("PASS", "FAIL")) and "max rate" in line for line in lines)
+    assert doc["device_model"] and doc["copies_counted"]
+
+
+@pytest.mark.timeout(400)
+def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--service-workers", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive"] + (["melfeed-shm-p1"] if HAS_MODE else [])
+    _check_report(doc, systems)
+    if not HAS_MODE:
+        assert "not available in this build" in doc["unavailable"]["melfeed-shm-p1"]
+        assert "melfeed-shm-p1: not available in this build" in proc.stdout
+    probe = doc["transport_medians"]["transport-zmq-p1"]["0"]
+    assert _positive(probe["gb_per_s"]) and _positive(probe["memcpy_gb_per_s"])
+    assert "goals (medians of this run):" in proc.stdout and "transport-zmq-p1" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--no-transport", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive", "tfdata-service-w1"] + (["melfeed-shm-p1"] if HAS_MODE else [])
+    _check_report(doc, systems)
+    assert doc["medians"]["tfdata-service-w1"]["0"]["payload_copies"] == 7
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
+    (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm"),
+    (["--step-ms", "0"], "--step-ms: must be a comma-separated list of integers >= 1"),
+])
+def test_bench_bad_flags_give_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, flags: list[str],
+                                                   needle: str) -> None:
+    proc = _bench(tmp_path, "--cache-dir", str(demo_cache), *flags, timeout_s=60)
+    assert proc.returncode == 78
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_without_cache_names_the_key(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--cache-dir", str(tmp_path / "missing"), timeout_s=60)
+    assert proc.returncode == 78
+    assert str(tmp_path / "missing") in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
