@@ -17,6 +17,7 @@ once) and closes the socket with linger 0.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _WAITING_WARN_S = 10.0   # warn when no consumer answered for this long (silent connect failures)
 _FIRST_BACKOFF_S = 0.1
+_MAX_MISSING_FILES = 3   # more consecutive missing slot files: shm_dir is not visible here, use payload frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class ProducerWorker:
         self._slot_maps = slot_maps
         self._shm_dir: str | None = None      # from WELCOME: leases name files here
         self._shm_sent = 0
+        self._missing_files = 0               # consecutive slot files not found
         self._hello = Hello(PROTOCOL_VERSION, producer_id, fingerprint, bucket_set.as_wire(), n_mels, seed,
                             [CAP_SHM] if slot_maps is not None else [])
         self._hb_s = heartbeat_interval_s
@@ -169,6 +172,8 @@ class ProducerWorker:
                 continue
             if self._leases:
                 self._build_and_send(sock)
+                if self._epoch is None:        # the build made us leave (slot file unusable): HELLO again
+                    continue
             now = self._clock()
             if now >= next_hb_s:
                 self._try_send(sock, [encode(Heartbeat(self._epoch, stats=self.stage_counters()))])
@@ -195,6 +200,10 @@ class ProducerWorker:
             self._epoch, self._checksum = msg.epoch, msg.checksum
             self._shm_dir = msg.shm_dir if self._slot_maps is not None else None
             self._leases.clear()
+            if msg.shm_dir is not None and self._slot_maps is None:
+                # Answer to a HELLO that still offered shm (sent before we gave it up): join again without.
+                self._epoch = None
+                return
             self._last_heard_s = now
             log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
                      f"shm ({self._shm_dir})" if self._shm_dir else "zmq")
@@ -257,12 +266,21 @@ class ProducerWorker:
         """Views of the lease's slot file; on failure fall back to payload frames for good."""
         assert lease.shm is not None
         if self._slot_maps is None or self._shm_dir is None:
-            log.warning("lease for batch %d names a slot file, but shared memory was not agreed; skipping",
+            log.warning("lease for batch %d names a slot file, but shared memory was not agreed; joining again",
                         lease.batch_id)
+            self._forget_consumer()
             return None
         try:
-            return self._slot_maps.views(self._shm_dir, lease.shm, lease.bucket)
+            views = self._slot_maps.views(self._shm_dir, lease.shm, lease.bucket)
+            self._missing_files = 0
+            return views
         except (OSError, ValueError, KeyError) as err:
+            if getattr(err, "errno", None) == errno.ENOENT and self._missing_files < _MAX_MISSING_FILES:
+                # A slot retired while the lease was in flight (a re-handshake race): the consumer has
+                # already re-leased it; skip it. Only repeated misses mean we cannot see shm_dir.
+                self._missing_files += 1
+                log.info("slot file %s is gone (retired); skipping batch %d", lease.shm.name, lease.batch_id)
+                return None
             log.warning("cannot map slot file %s (errno %s: %s); using ZeroMQ payload frames from now on",
                         f"{self._shm_dir}/{lease.shm.name}", getattr(err, "errno", None),
                         getattr(err, "strerror", None) or err)

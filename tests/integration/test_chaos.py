@@ -19,7 +19,8 @@ import pytest
 
 from tests import procs
 
-_FAST_SEEDS = [11, 23, 37]
+# (seed, transport.mode): both same-host data paths, no more runs than before shm existed
+_FAST_CASES = [(11, "shm"), (23, "zmq"), (37, "shm")]
 
 
 @dataclass
@@ -27,6 +28,7 @@ class _Chaos:
     seed: int
     steps: int
     consumer_kills: int
+    mode: str = "auto"
     events: list[str] = field(default_factory=list)
     producer_kills: int = 0
     frozen: int = 0
@@ -62,7 +64,8 @@ def _freeze_a_producer(rng: random.Random, launcher: int, chaos: _Chaos, livenes
 def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     rng = random.Random(chaos.seed)
     state = tmp_path / "state"
-    config = procs.write_config(tmp_path / "chaos.yaml", cache, f"ipc://{tmp_path}/c.sock", state, chaos.steps)
+    config = procs.write_config(tmp_path / "chaos.yaml", cache, f"ipc://{tmp_path}/c.sock", state, chaos.steps,
+                                transport={"mode": chaos.mode})
     liveness_s = 0.2 * 5
     log = tmp_path / "chaos.log"
     # Kill points in the applied sequence, spread over the run; one freeze in between.
@@ -107,9 +110,10 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     assert chaos.producer_kills >= 3 and chaos.frozen == 1, context   # the chaos really happened
 
 
-@pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s] or _FAST_SEEDS)
-def test_chaos_applied_sequence_equals_the_plan(seed: int, demo_cache: Path, tmp_path: Path) -> None:
-    _run(tmp_path, demo_cache, _Chaos(seed, steps=240, consumer_kills=1))
+@pytest.mark.parametrize(("seed", "mode"), [(int(s), m) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s
+                                             for m in ("shm", "zmq")] or _FAST_CASES)
+def test_chaos_applied_sequence_equals_the_plan(seed: int, mode: str, demo_cache: Path, tmp_path: Path) -> None:
+    _run(tmp_path, demo_cache, _Chaos(seed, steps=240, consumer_kills=1, mode=mode))
 
 
 @pytest.mark.slow

@@ -119,17 +119,16 @@ def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: 
 
 def test_producers_started_first_wait_and_join_when_the_consumer_appears(
         demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
-    # Back-off ceiling 0.5 s. One shm producer can deliver 20 batches before the other's next HELLO,
-    # so the test waits (bounded) for both to join instead of racing them against the batches.
+    # back-off ceiling 0.5 s: both must join before 20 batches are done (shm delivers them fast)
     group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode, "connect_backoff_max_s": 0.5})
     time.sleep(2.0)                                # producers up, consumer absent
     assert group.poll() is None
     with Consumer(_cfg(demo_cache, endpoint, 20, transport_mode)) as consumer:
-        deadline_s = time.monotonic() + 20.0
-        while consumer.receiver_stats().producers_seen < 2 and time.monotonic() < deadline_s:
+        deadline = time.monotonic() + 30              # both join (a loaded machine may start one late) ...
+        while consumer.receiver_stats().producers_seen < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert consumer.receiver_stats().producers_seen == 2
-        ids = [b.batch_id for b in consumer.batches()]
+        ids = [b.batch_id for b in consumer.batches()]  # ... and the batches arrive
     assert ids == list(range(20))
 
 
