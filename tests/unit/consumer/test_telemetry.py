@@ -175,3 +175,20 @@ def test_status_table_and_prometheus_families_from_one_snapshot(tmp_path: Path) 
     assert samples[("melfeed_producer_stage_seconds", (("producer", "producer-1"), ("stage", "read")))] == \
         pytest.approx(0.001)
     assert samples[("melfeed_phase", (("phase", "compiling"),))] == 1.0
+
+
+def test_prometheus_without_the_package_or_with_a_taken_port_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import sys
+    from consumer.prom import start_prometheus
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as info:
+            start_prometheus("127.0.0.1", port, lambda: None)
+        assert str(info.value).startswith(f"consumer.metrics_port: cannot listen on 127.0.0.1:{port}")
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)     # import fails as if not installed
+    with pytest.raises(ConfigError) as info:
+        start_prometheus("127.0.0.1", port, lambda: None)
+    assert "consumer.metrics_port: needs prometheus_client" in str(info.value)

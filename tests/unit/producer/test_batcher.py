@@ -78,3 +78,13 @@ def test_transient_errors_are_never_quarantined(cache: tuple[Manifest, BucketSet
     monkeypatch.setattr(reader, "read_mel_into", out_of_fds)
     with pytest.raises(TransientReadError):
         BatchAssembler(reader, buckets).build(0, 0, [1])
+
+
+def test_read_time_accumulates_over_builds(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    assembler = BatchAssembler(CacheReader(manifest), buckets)
+    assert assembler.read_s_total == 0.0
+    assembler.build(0, 0, [0, 1])
+    first = assembler.read_s_total
+    assembler.build(1, 0, [2, 3])
+    assert 0.0 < first < assembler.read_s_total

@@ -76,3 +76,15 @@ def test_shm_mode_is_checked_again_once_the_endpoint_is_overridden() -> None:
         with_overrides(cfg, {"transport.endpoint": "tcp://127.0.0.1:5555"})
     auto = config_from_mapping({"transport": {"endpoint": "tcp://127.0.0.1:5555"}})
     assert auto.transport.mode == "auto" and auto.transport.shm_dir is None
+
+
+def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path: Path) -> None:
+    from shared.lifecycle import resolve_control_endpoint
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    ipc = config_from_mapping({"transport": {"endpoint": "ipc:///run/x/feed.sock"}})
+    assert resolve_control_endpoint(ipc, env, create_dir=False) == "ipc:///run/x/feed.control.sock"
+    tcp = config_from_mapping({"transport": {"endpoint": "tcp://127.0.0.1:5555"}})
+    assert resolve_control_endpoint(tcp, env, create_dir=False) == f"ipc://{tmp_path}/melfeed/melfeed-control.sock"
+    assert not (tmp_path / "melfeed").exists()
+    own = config_from_mapping({"consumer": {"control_endpoint": "tcp://127.0.0.1:5600"}})
+    assert resolve_control_endpoint(own, env, create_dir=True) == "tcp://127.0.0.1:5600"
