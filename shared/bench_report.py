@@ -53,7 +53,8 @@ def _main_table(report: Mapping[str, Any]) -> str:
                      top.get("trainer_cpu_ms_per_batch"), top.get("total_cpu_ms_per_batch"),
                      top.get("trainer_rss_mb"), top.get("total_rss_mb"), top.get("payload_copies"),
                      int(top.get("trials") or 0)])
-    rows += [[system, "n/a", None, None, None, None, None, None, 0] for system in report["unavailable"]]
+    rows += [[system, "n/a", None, None, None, None, None, None, 0] for system in report["unavailable"]
+             if not system.startswith("transport-")]
     return bs.format_table(["system", "max b/s", "x base", "trainer CPU ms/b", "total CPU ms/b", "trainer RSS MB",
                             "total RSS MB", "copies", "n"], rows)
 
