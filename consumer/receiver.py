@@ -68,7 +68,7 @@ class HandshakeContract:
 @dataclass(frozen=True, slots=True)
 class ReceiverStats:
     batches_received: int
-    bytes_received: int
+    bytes_received: int          # batch bytes delivered into the ring (payload frames or built in place)
     duplicates_dropped: int
     stale_dropped: int
     leases_outstanding: int
@@ -360,8 +360,9 @@ class Receiver:
         try:
             expected = check_header(hdr, self._plan.batch(hdr.batch_id).bucket, self._buckets)
             views = self._ring.views(lease.slot, expected.index)
-            if in_place:
+            if in_place:        # built in the slot by the producer: the same bytes arrived, without a frame
                 check_in_place(sock, views, hdr, expected, self._checksum)
+                self._counts["bytes"] += sum(int(v.nbytes) for v in views.values())
             else:
                 self._counts["bytes"] += fill_from_frames(sock, views, hdr, expected, self._checksum)
         except ProtocolError:

@@ -108,6 +108,21 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
     assert len(lines) >= 2 and all(tuple(x) == SCHEMA_KEYS for x in lines)
     assert lines[-1]["phase"] == "done" and lines[-1]["step"] >= step
     assert "| gpu " in log.read_text()          # the status line names the GPUs (or says n/a)
+    _check_report_of(jsonl, tmp_path)
+
+
+def _check_report_of(jsonl: Path, tmp: Path) -> None:
+    """`report` draws the real run's metrics file: a 1600x1400 PNG with drawn panels, not a blank page."""
+    import matplotlib.image
+    png = tmp / "run.png"
+    r = _cli(["report", str(jsonl), "-o", str(png)], tmp, timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    assert (int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")) == (1600, 1400)
+    rgb = matplotlib.image.imread(str(png))[:, :, :3]
+    colored = (rgb.max(axis=2) - rgb.min(axis=2)) > 0.2      # line and legend colours, not grey or white
+    assert colored[:700].sum() > 2000 and colored[700:].sum() > 2000   # upper and lower panels both drawn
 
 
 def test_status_with_nothing_listening_is_one_line_and_exit_1(tmp_path: Path) -> None:
