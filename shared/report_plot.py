@@ -100,7 +100,9 @@ def _draw_queue(ax: Any, s: RunSeries) -> None:
     _line(ax, s.t_s, ready + leased, "ready + leased")
     ax.plot(s.t_s, s.scalars["lease_window"], "k--", linewidth=1.2, drawstyle="steps-post",
             label="lease window\n(per producer)")
-    ax.set_ylim(bottom=0)
+    values = np.concatenate([ready + leased, s.scalars["lease_window"]])
+    top = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
+    ax.set_ylim(0, top * 1.2 + 0.5)      # headroom: a steady queue at its limit must not hide on the frame
     ax.set_ylabel("queue depth (batches)")
 
 
