@@ -64,13 +64,14 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
             try:
                 n, elapsed_s = _count_batches(feed, group, seconds)
                 alive = feed.receiver_stats().producers_alive
+                path = "shm" if feed.shm is not None else "zmq"     # the data path these batches took
             finally:
                 _stop_group(group)
     if n < 2:
         raise PipelineError(f"only {n} batch(es) arrived from {producers} producer(s) "
                             f"(producer group exit code {group.returncode})")
     return {"producers": producers, "batches": n - 1, "elapsed_s": elapsed_s,
-            "batches_per_s": (n - 1) / elapsed_s, "producers_alive": alive}
+            "batches_per_s": (n - 1) / elapsed_s, "producers_alive": alive, "path": path}
 
 
 def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:

@@ -37,7 +37,7 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})" if n > 1 else
         "         (1 producer: not repeated)",
         "stage 2  transport producer -> consumer (real Consumer ring on a private ipc socket, batches released "
-        "at once, no step)",
+        f"at once, no step; data path: {_path_words(t1.get('path'))})",
         f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered"
         + (f"; {n} producers: {tn['batches_per_s']:.1f}" if n > 1 else ""),
         f"         transport cost per batch ~ {v.transport_ms:.2f} ms = 1000 / {t1['batches_per_s']:.1f} delivered "
@@ -80,3 +80,8 @@ def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
     lines += [f"note:    {n}" for n in v.notes]
     lines.append(f"exit {v.exit_code}" + (" (the data side is the bottleneck)" if v.exit_code else ""))
     return "\n".join(lines)
+
+
+def _path_words(path: str | None) -> str:
+    """How the probe's batches travelled (older probe output has no ``path``)."""
+    return {"shm": "shared-memory slots, 1 copy", "zmq": "ZeroMQ payload frames, 4 copies"}.get(path or "", "unknown")

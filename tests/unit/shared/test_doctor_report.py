@@ -21,7 +21,7 @@ def _report(n: int) -> dict[str, object]:
             "mix": [1.0], "padding": [0.8], "memory_bound_now_bytes": 63_000_000,
             "config_facts": dataclasses.asdict(_FACTS),
             "stages": {"build_1": [_BUILD], "build_n": [_BUILD] * n, "device": _DEVICE,
-                       "transport_1": {"batches_per_s": 25.0}, "transport_n": {"batches_per_s": 55.0}}}
+                       "transport_1": {"batches_per_s": 25.0, "path": "shm"}, "transport_n": {"batches_per_s": 55.0}}}
 
 
 def _measurements(n: int) -> Measurements:
@@ -46,4 +46,5 @@ def test_one_producer_is_not_reported_twice() -> None:
     v = decide(_measurements(1), dataclasses.replace(_FACTS, producer_count=1))
     text = render(_report(1), v, [])
     assert "processes at once" not in text and "(1 producer: not repeated)" in text
+    assert "data path: shared-memory slots, 1 copy" in text
     assert "change:  producer.count: 1 -> 2" in text
