@@ -12,20 +12,20 @@ _STARTED_S = time.time()
 
 # command -> "module:function(args)"; imported only when chosen (most commands never load TensorFlow)
 _COMMANDS = {
-    "index": "shared.tools:main_index", "verify-cache": "shared.tools:main_verify_cache",
-    "demo-data": "shared.tools:main_demo", "prepare": "shared.prepare:main_prepare",
-    "audit": "consumer.audit:main_audit", "deploy": "shared.deploy:main_deploy", "keys": "shared.curve:main_keys",
-    "producer": "producer.app:main_producer", "report": "shared.report_plot:main_report",
-    "status": "consumer.status:main_status",
-    "doctor": "shared.doctor:main_doctor",
-    "bench": "consumer.bench:main_bench",
+    "index": "shared.cache.commands:main_index", "verify-cache": "shared.cache.commands:main_verify_cache",
+    "demo-data": "shared.cache.commands:main_demo", "prepare": "producer.prepare.command:main_prepare",
+    "audit": "consumer.resume.audit:main_audit", "deploy": "shared.service.units:main_deploy", "keys": "shared.wire.curve:main_keys",
+    "producer": "producer.app:main_producer", "report": "consumer.observe.report_plot:main_report",
+    "status": "consumer.observe.status:main_status",
+    "doctor": "consumer.doctor.command:main_doctor",
+    "bench": "consumer.bench.command:main_bench",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from shared.cli import build_parser
+    from shared.service.cli import build_parser
     from shared.errors import EXIT_CONFIG, CacheError, ConfigError, StateError
-    from shared.lifecycle import setup_logging
+    from shared.service.lifecycle import setup_logging
 
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))

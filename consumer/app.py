@@ -21,15 +21,15 @@ from pathlib import Path
 
 import yaml
 
-from consumer.pipeline import Consumer
-from consumer.state import RunState
-from consumer.telemetry import Telemetry
-from consumer.trainer import train
-from shared.cli import config_from_args
+from consumer.feed import Consumer
+from consumer.resume.state import RunState
+from consumer.observe.telemetry import Telemetry
+from consumer.train.loop import train
+from shared.service.cli import config_from_args
 from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
 from shared.errors import ConfigError, PipelineError
-from shared.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
-from shared.sdnotify import Notifier
+from shared.service.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
+from shared.service.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run", "start_producers", "stop_producers"]
 
@@ -64,7 +64,7 @@ def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Tel
 @contextmanager
 def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
     """The state directory's lock, audit log and resume cursor for the whole run."""
-    from shared.features import load_manifest_for
+    from shared.cache.features import load_manifest_for
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
@@ -78,7 +78,7 @@ def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = config_from_args(args)
     if args.demo:
-        from shared.demo_data import default_demo_dir, write_demo_cache
+        from shared.cache.demo_data import default_demo_dir, write_demo_cache
         cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
         log.info("demo data in %s", cache)
         write_demo_cache(cache, n_utterances=args.demo_utterances)

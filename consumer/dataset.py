@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from consumer.pipeline import Consumer
+    from consumer.feed import Consumer
 
 __all__ = ["make_dataset"]
 

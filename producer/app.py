@@ -14,12 +14,12 @@ from pathlib import Path
 
 import yaml
 
-from producer.launcher import supervise_producers
-from shared.cli import config_from_args
+from producer.supervisor import supervise_producers
+from shared.service.cli import config_from_args
 from shared.config import config_to_mapping, resolve_runtime_dir, with_overrides
 from shared.errors import ConfigError
-from shared.lifecycle import prepare_runtime_dir, resolve_endpoint, stop_on_signals
-from shared.sdnotify import Notifier
+from shared.service.lifecycle import prepare_runtime_dir, resolve_endpoint, stop_on_signals
+from shared.service.sdnotify import Notifier
 
 __all__ = ["main_producer", "write_effective_config"]
 
@@ -42,7 +42,7 @@ def main_producer(args: argparse.Namespace) -> int:
     notifier = Notifier()
     try:
         if args.instance is not None:        # systemd producer@N.service: systemd is the supervisor
-            from producer.main import run_one
+            from producer.process import run_one
             multiprocessing.current_process().name = f"producer-{args.instance}"
             return run_one(cfg, args.instance, args.debug_delay_ms / 1000.0, notifier)
         path = write_effective_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml")

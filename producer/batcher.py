@@ -23,10 +23,10 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from producer.source import CacheReader, TransientReadError
-from shared.buckets import BucketSet
+from producer.reader import CacheReader, TransientReadError
+from shared.wire.buckets import BucketSet
 from shared.errors import CacheError
-from shared.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
+from shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
 __all__ = ["BuiltBatch", "BatchAssembler"]
 

@@ -1,7 +1,7 @@
 """Stage 1 of ``run_pipeline.py doctor``: cache read + batch assembly in this one process.
 
 ``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N]``
-builds representative batches (``shared.bucket_mix``: the epoch's bucket proportions) with the real
+builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
 ``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
 "cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
@@ -60,12 +60,12 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
             seed: int) -> dict[str, float]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
-    from producer.source import CacheReader
-    from shared.bucket_mix import representative_batches
-    from shared.buckets import build_buckets
+    from producer.reader import CacheReader
+    from shared.wire.bucket_mix import representative_batches
+    from shared.wire.buckets import build_buckets
     from shared.config import load_config
     from shared.errors import ConfigError
-    from shared.features import load_manifest_for
+    from shared.cache.features import load_manifest_for
 
     cfg = load_config(config_path)
     if cfg.cache_dir is None:
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import os
     from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.lifecycle import setup_logging
+    from shared.service.lifecycle import setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
         result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed)

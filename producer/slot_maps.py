@@ -2,7 +2,7 @@
 
 A lease on the shared-memory path names a slot file in the WELCOME's ``shm_dir``; the producer maps
 it once (``MAP_SHARED``, read-write) and the assembler builds the batch straight into typed views of
-that mapping, laid out exactly as the consumer's slot (``shared/layout.py``).
+that mapping, laid out exactly as the consumer's slot (``shared/wire/layout.py``).
 Invariant: at most ``max_mappings`` files stay mapped: the least recently leased mapping goes
 first (the consumer retires a slot's file by giving the slot a new generation, so old names stop
 coming). Mappings are dropped, never ``close()``d: numpy views of a batch may still exist; the
@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.buckets import BucketSet
-from shared.layout import batch_layout, layout_nbytes, layout_views
-from shared.protocol import ShmSlot
+from shared.wire.buckets import BucketSet
+from shared.wire.layout import batch_layout, layout_nbytes, layout_views
+from shared.wire.protocol import ShmSlot
 
 __all__ = ["SlotMappings"]
 

@@ -32,11 +32,11 @@ import zmq
 
 from producer.batcher import BatchAssembler, BuiltBatch
 from producer.slot_maps import SlotMappings
-from producer.source import TransientReadError
-from shared.curve import ClientKeys
-from shared.buckets import BucketSet
+from producer.reader import TransientReadError
+from shared.wire.curve import ClientKeys
+from shared.wire.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
-from shared.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
+from shared.wire.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
                              Lease, LeaseGrant, RejectCode, StageCounters, Welcome, decode_header, encode)
 
 __all__ = ["ProducerWorker", "ProducerStats"]

@@ -102,7 +102,7 @@ class TransportConfig:
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
-    # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/curve.py)
+    # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
@@ -211,7 +211,7 @@ class ProducerConfig:
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
 
-    step: str = "consumer.model:build_reference_step"
+    step: str = "consumer.train.model:build_reference_step"
     vocab_size: int = 256                  # token ids must be < vocab_size
     learning_rate: float = 1e-3
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
@@ -230,7 +230,7 @@ class FeatureConfig:
     """How ``run_pipeline.py prepare`` turns audio into log-mels (the bin count is root ``n_mels``).
 
     A prepared cache records every field but the duration limits in its manifest; a producer or
-    consumer whose config differs refuses to start, naming the key (see ``shared/features.py``).
+    consumer whose config differs refuses to start, naming the key (see ``shared/cache/features.py``).
     """
 
     sample_rate_hz: int = 22050            # audio is resampled to this rate before analysis

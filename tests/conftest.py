@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shared.demo_data import write_demo_cache
+    from shared.cache.demo_data import write_demo_cache
     path = tmp_path_factory.mktemp("demo") / "cache"
     write_demo_cache(path, n_utterances=200)
     return path

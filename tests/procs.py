@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from consumer.audit import RECORD_BYTES
+from consumer.resume.audit import RECORD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_STEP = "tests.steps:tiny_step"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from consumer.model import StepSpec
+from consumer.train.model import StepSpec
 
 
 class _TinyStep:

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.pipeline import Consumer
-from consumer.plan import EpochPlan
-from shared.buckets import build_buckets
+from consumer.feed import Consumer
+from consumer.flow.plan import EpochPlan
+from shared.wire.buckets import build_buckets
 from shared.config import PipelineConfig, config_from_mapping
-from shared.demo_data import demo_utterance_id, write_demo_cache
-from shared.manifest import load_manifest
+from shared.cache.demo_data import demo_utterance_id, write_demo_cache
+from shared.cache.manifest import load_manifest
 from tests.conftest import ProducerGroup
 
 N_UTTERANCES = 48
@@ -87,12 +87,12 @@ def _run_quarantine(cache: Path, endpoint: str, producers: ProducerGroup, count:
     """One run: (batch id, content digest) per batch, quarantined rows seen, consumer's count."""
     got, seen = [], 0
     with Consumer(_cfg(cache, endpoint, STEPS)) as consumer:
-        assert consumer.plan.batches_per_epoch <= STEPS // 2       # the run covers two epochs or more
+        assert consumer.flow.plan.batches_per_epoch <= STEPS // 2       # the run covers two epochs or more
         group = producers.start(cache, endpoint, count, buckets=BUCKETS)   # default policy: quarantine
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             a = batch.arrays
-            for row, sid in enumerate(consumer.plan.batch(batch.batch_id).sample_ids):
+            for row, sid in enumerate(consumer.flow.plan.batch(batch.batch_id).sample_ids):
                 if sid in bad:
                     seen += 1
                     assert a["mel_len"][row] == a["tok_len"][row] == 0

@@ -29,15 +29,15 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from consumer.pipeline import Consumer
-from consumer.plan import EpochPlan
-from consumer.receiver import ReceiverStats
+from consumer.feed import Consumer
+from consumer.flow.plan import EpochPlan
+from consumer.transport.receiver import ReceiverStats
 from producer.batcher import BatchAssembler
 from producer.slot_maps import SlotMappings
-from producer.source import CacheReader
+from producer.reader import CacheReader
 from shared.config import config_from_mapping
 from shared.errors import ClosedError
-from shared.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
+from shared.wire.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
                              LeaseGrant, MsgKind, RejectCode, Welcome, decode_header, encode)
 from tests.conftest import ProducerGroup
 
@@ -536,10 +536,10 @@ def test_b12_duplicate_and_stale_batches_are_dropped_counted_and_never_applied(
     peer = attack("dup")
     peer.join()
     deadline = time.monotonic() + _WAIT_S
-    while not wire.consumer.ring.ready_ids():            # idle stream: the producer fills the ring
+    while not wire.consumer.flow.ring.ready_ids():            # idle stream: the producer fills the ring
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    ready = wire.consumer.ring.ready_ids()[0]             # received, not yet applied
+    ready = wire.consumer.flow.ring.ready_ids()[0]             # received, not yet applied
     applied = wire.stream.applied[-1][0]                  # applied long ago
     before = wire.stats()
     start = len(wire.stream.applied)
@@ -777,7 +777,7 @@ def _length_beyond_bucket(peer: BadPeer, lease: Lease) -> list[bytes]:
 
 
 def _n_slots(peer: BadPeer) -> int:
-    return peer.wire.consumer.ring.n_slots
+    return peer.wire.consumer.flow.ring.n_slots
 
 
 _SHM_CASES: dict[str, tuple[ShmCase, str]] = {

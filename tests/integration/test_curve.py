@@ -10,10 +10,10 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from consumer.pipeline import Consumer
+from consumer.feed import Consumer
 from shared.config import config_from_mapping
-from shared.curve import generate_keys
-from shared.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
+from shared.wire.curve import generate_keys
+from shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
 from tests.conftest import ProducerGroup
 
 

@@ -25,9 +25,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from consumer.pipeline import Consumer
+from consumer.feed import Consumer
 from shared.errors import ProtocolError
-from shared.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
+from shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests.conftest import ProducerGroup
 from tests.integration.test_bad_input import (_BATCH_CASES, BadPeer, Reference, Stream, Wire, _delta, start_producer,

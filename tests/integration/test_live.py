@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer.telemetry import SCHEMA_KEYS
+from consumer.observe.telemetry import SCHEMA_KEYS
 from tests.conftest import REPO
 from tests.procs import TINY_STEP, stop, tail
 

@@ -161,7 +161,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
 
 def test_mel_frames_follow_the_audio_length(corpus: Path, prepared: tuple[Path, object]) -> None:
     cache = prepared[0]
-    from shared.wav import read_wav
+    from producer.prepare.wav import read_wav
     for mel_path in sorted((cache / "mels").glob("*.npy")):
         _, info = read_wav(corpus / "wavs" / f"{mel_path.stem}.wav")
         n = math.ceil(info.frames * 22050 / info.sample_rate_hz)  # samples after resampling
@@ -258,7 +258,7 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     adopted = subprocess.run([*argv, "--skip-bad"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert adopted.returncode == 0 and "indexed 2 utterances" in adopted.stdout, adopted.stderr
     assert (cache / "mels").resolve() == user / "mel_spec"
-    from shared.manifest import load_manifest
+    from shared.cache.manifest import load_manifest
     manifest = load_manifest(cache, 80)
     assert [u.id for u in manifest.utterances] == ["utt0", "utt3"] and manifest.features is None
 

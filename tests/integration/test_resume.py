@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from consumer.checkpoint import latest_checkpoint
+from consumer.resume.checkpoint import latest_checkpoint
 from tests import procs
 
 _STEPS = 90

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import zmq
 
-from consumer.pipeline import Consumer
+from consumer.feed import Consumer
 from producer.slot_maps import SlotMappings
 from shared.config import config_from_mapping
-from shared.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
+from shared.wire.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests import procs
 from tests.conftest import ProducerGroup
@@ -204,7 +204,7 @@ def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_
         pytest.skip(f"cannot mount tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
     endpoint = f"ipc://{tmp_path}/m.sock"
     try:
-        with caplog.at_level(logging.WARNING, logger="consumer.shm_slots"):
+        with caplog.at_level(logging.WARNING, logger="consumer.transport.shm_slots"):
             with Consumer(_cfg(demo_cache, endpoint, small, 12)) as consumer:   # type: ignore[arg-type]
                 assert consumer.shm is None
                 producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from consumer.pipeline import Consumer
+from consumer.feed import Consumer
 from shared.config import config_from_mapping
 from tests import procs
 from tests.conftest import ProducerGroup

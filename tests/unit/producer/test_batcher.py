@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from producer.batcher import BatchAssembler
-from producer.source import CacheReader, TransientReadError
-from shared.buckets import BucketSet, build_buckets
+from producer.reader import CacheReader, TransientReadError
+from shared.wire.buckets import BucketSet, build_buckets
 from shared.config import BucketConfig
-from shared.demo_data import write_demo_cache
+from shared.cache.demo_data import write_demo_cache
 from shared.errors import CacheError
-from shared.manifest import Manifest
+from shared.cache.manifest import Manifest
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.ring import BatchRing, slot_nbytes_for
-from consumer.shm_slots import ShmSlots
+from consumer.flow.ring import BatchRing, slot_nbytes_for
+from consumer.transport.shm_slots import ShmSlots
 from producer.batcher import BatchAssembler
 from producer.slot_maps import SlotMappings
-from producer.source import CacheReader
-from shared.buckets import build_buckets
+from producer.reader import CacheReader
+from shared.wire.buckets import build_buckets
 from shared.config import BucketConfig
-from shared.demo_data import write_demo_cache
-from shared.protocol import ShmSlot
+from shared.cache.demo_data import write_demo_cache
+from shared.wire.protocol import ShmSlot
 
 
 def test_a_batch_built_into_a_mapped_slot_is_what_the_consumer_sees_and_equals_a_payload_build(

@@ -79,7 +79,7 @@ def test_shm_mode_is_checked_again_once_the_endpoint_is_overridden() -> None:
 
 
 def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path: Path) -> None:
-    from shared.lifecycle import resolve_control_endpoint
+    from shared.service.lifecycle import resolve_control_endpoint
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     ipc = config_from_mapping({"transport": {"endpoint": "ipc:///run/x/feed.sock"}})
     assert resolve_control_endpoint(ipc, env, create_dir=False) == "ipc:///run/x/feed.control.sock"

@@ -1,0 +1,179 @@
+"""``run_pipeline.py bench``: melfeed against tuned tf.data, the naive loader and tf.data service.
+
+Role: run every system on the same cache, bucket shapes and compiled zero-cost step, each trial a
+fresh ``python -m consumer.bench.trial`` process (helpers are its children), in ``--rounds``
+rounds that alternate the systems (the order rotates every round, so drift hits all of them), then
+print medians, ratios against the best tuned tf.data and the goals as PASS/FAIL, and write every
+raw trial plus the medians with ``--json``. A transport section (or ``--transport-only``) measures
+producer -> consumer GB/s on each path against memcpy measured in the same trial.
+shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
+as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
+trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
+Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from consumer.bench.report import build_report, render
+from shared.config import PipelineConfig, TransportConfig, config_to_mapping, load_config, with_overrides
+from shared.errors import ConfigError
+from shared.service.children import REPO_ROOT
+
+__all__ = ["main_bench"]
+
+log = logging.getLogger(__name__)
+
+_REPO = REPO_ROOT
+_ZERO_STEP = "consumer.bench.trial:zero_step"
+_SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
+          "warmup": 3, "demo_utterances": 200}
+
+
+def _ints(text: str, flag: str, low: int = 0) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise ConfigError(f"must be a comma-separated list of integers >= {low}", path=(flag,), got=text)
+    return values
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    smoke = _SMOKE if args.smoke else {}
+    pick = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
+                                                         "batches", "warmup", "demo_utterances")}
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or set(transports) - {"zmq", "shm"}:
+        raise ConfigError("must be a comma-separated subset of zmq,shm", path=("--transports",), got=args.transports)
+    parallel = [None if p == "autotune" else _ints(p, "--tfdata-parallel", 1)[0]
+                for p in pick["tfdata_parallel"].split(",") if p]
+    if pick["rounds"] < 1 or pick["batches"] < 1 or pick["warmup"] < 1:
+        raise ConfigError("must be >= 1", path=("--rounds/--batches/--warmup",))
+    return {"rounds": pick["rounds"], "step_ms": _ints(pick["step_ms"], "--step-ms", 1),
+            "producers": _ints(pick["producers"], "--producers", 1), "transports": transports,
+            "tfdata_parallel": parallel, "batches": pick["batches"], "warmup": pick["warmup"],
+            "demo_utterances": pick["demo_utterances"], "service_workers": args.service_workers,
+            "has_mode": "mode" in TransportConfig.__dataclass_fields__}
+
+
+def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig:
+    cfg = with_overrides(load_config(args.config), {"cache_dir": args.cache_dir})
+    if args.demo:
+        from shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
+        from shared.cache.demo_data import write_demo_cache
+        cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(s["demo_utterances"])
+        write_demo_cache(cache, n_utterances=s["demo_utterances"])
+        cfg = with_overrides(cfg, {"cache_dir": str(cache)})
+    if cfg.cache_dir is None:
+        raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    from shared.cache.features import load_manifest_for
+    load_manifest_for(cfg)   # a missing or bad cache fails here, once, with its path
+    return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+
+
+def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every system of the run: name, kind and its own knobs (``available`` False: reported, not run)."""
+    out = []
+    for transport in s["transports"]:
+        for count in s["producers"]:
+            out.append({"system": f"melfeed-{transport}-p{count}", "kind": "melfeed", "transport": transport,
+                        "producers": count, "available": transport == "zmq" or s["has_mode"]})
+    for par in s["tfdata_parallel"]:
+        out.append({"system": f"tfdata-{'autotune' if par is None else f'npc{par}'}", "kind": "tfdata",
+                    "parallel_calls": par, "available": True})
+    out.append({"system": "naive", "kind": "naive", "available": True})
+    if s["service_workers"] > 0:
+        out.append({"system": f"tfdata-service-w{s['service_workers']}", "kind": "service",
+                    "parallel_calls": max([p for p in s["tfdata_parallel"] if p] or [8]),
+                    "workers": s["service_workers"], "available": True})
+    return out
+
+
+def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    over: dict[str, Any] = {"consumer.steps": s["warmup"] + s["batches"], "consumer.warmup_steps": s["warmup"],
+                            "consumer.status_interval_s": 3600.0, "model.step": _ZERO_STEP,
+                            "producer.count": system.get("producers", 1)}
+    mapping = config_to_mapping(with_overrides(cfg, over))
+    mapping["consumer"]["state_dir"] = None
+    mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir
+    if s["has_mode"] and "transport" in system:
+        mapping["transport"]["mode"] = system["transport"]
+    return mapping
+
+
+def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
+    env.update(XDG_RUNTIME_DIR=str(runtime), TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([str(_REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
+    proc = subprocess.Popen([sys.executable, "-m", "consumer.bench.trial", json.dumps(spec)], cwd=_REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err = f"killed after {timeout_s:.0f} s\n{err}"
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    reason = ([ln for ln in err.splitlines() if ln.startswith("bench trial")] or err.strip().splitlines() or
+              [f"exit {proc.returncode}"])[-1]
+    return {k: spec[k] for k in ("system", "kind", "round", "step_ms")} | {"ok": False, "error": reason}
+
+
+def _spec(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any], rnd: int, step_ms: int) -> dict[str, Any]:
+    return {"system": system["system"], "kind": system["kind"], "round": rnd, "step_ms": step_ms,
+            "warmup": s["warmup"], "batches": s["batches"], "parallel_calls": system.get("parallel_calls"),
+            "workers": system.get("workers", 1), "config": _trial_config(cfg, system, s)}
+
+
+def _rounds(cfg: PipelineConfig, systems: list[dict[str, Any]], s: dict[str, Any], steps: list[int],
+            timeout_s: float, workdir: Path) -> list[dict[str, Any]]:
+    runnable = [x for x in systems if x["available"]]
+    trials: list[dict[str, Any]] = []
+    for rnd in range(s["rounds"]):
+        for step_ms in steps:
+            k = rnd % max(1, len(runnable))
+            for system in runnable[k:] + runnable[:k]:   # rotate: no system is always first
+                result = _run_trial(_spec(cfg, system, s, rnd, step_ms), timeout_s, workdir / str(len(trials)))
+                trials.append(result)
+                log.info("trial %s round=%d step_ms=%d: %s", system["system"], rnd, step_ms,
+                         f"{result['batches_per_s']:.1f} batches/s stall {result['stall_pct']:.2f} %"
+                         if result["ok"] else result["error"])
+    return trials
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    cfg = _cache_config(args, s)
+    systems = _systems(s)
+    if args.transport_only:
+        systems = []
+    transport = [x | {"system": f"transport-{x['transport']}-p{max(s['producers'])}", "kind": "transport",
+                      "producers": max(s["producers"])}
+                 for x in _systems(s) if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
+    with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp:
+        trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
+        probes = [] if args.no_transport else _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t")
+    report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s)
+    report["command"] = list(sys.argv)
+    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    failed = [t for t in trials + probes if not t["ok"]]
+    return 1 if failed else 0

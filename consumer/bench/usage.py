@@ -1,0 +1,109 @@
+"""CPU seconds and peak memory of one bench trial: this process and every process below it.
+
+Role: a trial process (``consumer.bench.trial``) opens a ``UsageWindow`` after its warm-up batches
+and closes it after the last measured batch; once every helper process (producers, tf.data service
+servers) has been reaped, ``children_cpu_s()`` gives the CPU they spent inside the window.
+How: the trainer's own CPU is ``getrusage(RUSAGE_SELF)`` at both ends. Children are counted as
+``getrusage(RUSAGE_CHILDREN)`` after reaping minus what was already charged at the start: the
+children reaped by then plus utime+stime+cutime+cstime of every live descendant (from /proc), so
+the start-up of helpers (imports, TensorFlow) is excluded. Their shutdown after the window is
+included (small: a stop ladder). Peak memory: the trainer's ``ru_maxrss`` plus the sum of every
+live descendant's ``VmHWM`` at the end of the window (an upper bound of the simultaneous total).
+Invariants: Linux only (/proc); a descendant that vanishes while being read is skipped.
+Shutdown: nothing to release.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+__all__ = ["UsageWindow", "descendants"]
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(who: int) -> float:
+    ru = resource.getrusage(who)
+    return ru.ru_utime + ru.ru_stime
+
+
+def descendants(root: int) -> list[int]:
+    """Pids of every live process below ``root`` (children, grandchildren, ...)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parent_of[int(entry)] = int(fields[1])
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, pp in parent_of.items() if pp == pid]
+        found.extend(kids)
+        frontier.extend(kids)
+    return found
+
+
+def _tree_cpu_s(pids: list[int]) -> float:
+    """utime + stime + cutime + cstime of each pid (seconds); vanished pids count 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15]) * _TICK_S  # fields 14-17 of proc(5)
+    return total
+
+
+def _hwm_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+class UsageWindow:
+    """Wall time, trainer CPU and helper CPU between ``open()`` and ``close()``."""
+
+    def __init__(self) -> None:
+        self._t0 = self._t1 = 0.0
+        self._self0 = self._self1 = 0.0
+        self._children0 = 0.0
+        self.helpers_rss_mb = 0.0
+
+    def open(self) -> None:
+        self._t0 = time.perf_counter()
+        self._self0 = _cpu_s(resource.RUSAGE_SELF)
+        self._children0 = _cpu_s(resource.RUSAGE_CHILDREN) + _tree_cpu_s(descendants(os.getpid()))
+
+    def close(self) -> None:
+        """End of the measured batches: wall time, trainer CPU and the helpers' peak memory."""
+        self._t1 = time.perf_counter()
+        self._self1 = _cpu_s(resource.RUSAGE_SELF)
+        self.helpers_rss_mb = sum(_hwm_mb(p) for p in descendants(os.getpid()))
+
+    @property
+    def wall_s(self) -> float:
+        return self._t1 - self._t0
+
+    @property
+    def trainer_cpu_s(self) -> float:
+        return self._self1 - self._self0
+
+    def children_cpu_s(self) -> float:
+        """Helpers' CPU in the window; call only after every helper was reaped."""
+        return max(0.0, _cpu_s(resource.RUSAGE_CHILDREN) - self._children0)
+
+    @staticmethod
+    def trainer_rss_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

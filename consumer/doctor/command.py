@@ -1,0 +1,207 @@
+"""``run_pipeline.py doctor``: measure every stage with the real code, name the bottleneck.
+
+Role: the orchestrator. It runs the probes as real subprocesses (producer/ and consumer/ may not be
+imported from shared/): ``python -m producer.probe`` alone and N at once (stage 1: cache read +
+assembly), ``python -m consumer.doctor.probe transport`` with 1 and with N producers (stage 2), and
+``python -m consumer.doctor.probe device`` (stages 3 and 4: host->device hand-off and the compiled step).
+Each probe prints one JSON object; ``consumer.doctor.verdict.decide`` turns them into the verdict and
+``consumer.doctor.report`` prints it. Exit codes: 0 supply >= 1.2 x demand, 3 the data side is the
+bottleneck (a verdict), 78 configuration error, 1 a probe failed (one line naming it).
+Invariants: every probe runs under a timeout; the effective config lives in a private temp
+directory removed on exit; stages run one after another so they never compete with each other.
+Shutdown: a probe past its timeout is killed (its process group: the transport probe's producers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.wire.bucket_mix import batch_mix, bucket_padding
+from shared.wire.buckets import BucketSet, build_buckets
+from shared.service.cli import config_from_args
+from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from consumer.doctor.env import check_environment, gather_facts
+from consumer.doctor.report import render
+from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
+from shared.errors import EXIT_CONFIG, ConfigError
+from shared.cache.features import load_manifest_for
+from shared.service.progress import Progress
+from shared.service.children import child_env
+
+__all__ = ["main_doctor", "ProbeFailed"]
+
+_PROBE_START_S = 120.0    # importing TensorFlow and compiling tiny steps on a loaded 2-core machine
+_START_TOGETHER_S = 1.5   # N stage-1 probes wait for a common start (interpreter start-up is ~0.3 s)
+_STAGES = 5               # build x1, build xN, transport x1, transport xN, device
+
+
+class ProbeFailed(Exception):
+    """A probe exited non-zero; ``exit_code`` is 78 when it reported a configuration error."""
+
+    def __init__(self, name: str, exit_code: int, detail: str) -> None:
+        self.exit_code = EXIT_CONFIG if exit_code == EXIT_CONFIG else 1
+        super().__init__(f"{name} probe failed (exit {exit_code}): {detail}")
+
+
+def _probe_env() -> dict[str, str]:
+    env = child_env({"MELFEED_LOG_LEVEL": "WARNING"})
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def _finish(name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise ProbeFailed(name, 1, f"no result within {timeout_s:.0f} s") from None
+    if proc.returncode != 0:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        raise ProbeFailed(name, proc.returncode, lines[-1] if lines else "no message")
+    try:
+        return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    except (ValueError, IndexError) as exc:
+        raise ProbeFailed(name, 1, f"printed no JSON result: {out[-200:]!r}") from exc
+
+
+def _spawn(module: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_probe_env(),
+                            start_new_session=True)
+
+
+def _build_stage(config: Path, n: int, seconds: float, delay_ms: float) -> list[dict[str, Any]]:
+    start_at = time.time() + _START_TOGETHER_S
+    procs = [_spawn("producer.probe", "--config", str(config), "--seconds", str(seconds), "--debug-delay-ms",
+                    str(delay_ms), "--start-at", str(start_at), "--seed", str(i)) for i in range(n)]
+    try:
+        return [_finish(f"producer (stage 1, {n} at once)", p, seconds + _PROBE_START_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def _transport_stage(config: Path, n: int, seconds: float, delay_ms: float) -> dict[str, Any]:
+    proc = _spawn("consumer.doctor.probe", "transport", "--config", str(config), "--producers", str(n),
+                  "--seconds", str(seconds), "--debug-delay-ms", str(delay_ms))
+    return _finish(f"transport (stage 2, {n} producer(s))", proc, seconds + 2 * _PROBE_START_S)
+
+
+def _resolve(args: argparse.Namespace) -> PipelineConfig:
+    cfg = config_from_args(args)
+    if args.demo:
+        from shared.cache.demo_data import default_demo_dir, write_demo_cache
+        cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
+        write_demo_cache(cache, n_utterances=args.demo_utterances)
+        cfg = with_overrides(cfg, {"cache_dir": str(cache)})
+    if cfg.cache_dir is None:
+        raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    if args.seconds_per_stage <= 0:
+        raise ConfigError("must be > 0", path=("--seconds-per-stage",), got=args.seconds_per_stage)
+    return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+
+
+def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tuple[tuple[int, float], ...]:
+    if cfg.buckets.boundaries is not None:
+        return ()
+    out = []
+    for k in sorted({min(16, cfg.buckets.num_buckets + d) for d in (1, 2, 4)} - {cfg.buckets.num_buckets}):
+        alt = dataclasses.replace(cfg.buckets, num_buckets=k)
+        out.append((k, build_buckets(frames, tokens, cfg.n_mels, alt).padding_efficiency()))
+    return tuple(out)
+
+
+def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple[int, float], ...]) -> ConfigFacts:
+    t = cfg.transport
+    is_tcp = (t.endpoint or "").startswith("tcp://")
+    return ConfigFacts(cores=len(os.sched_getaffinity(0)), producer_count=cfg.producer.count,
+                       ring_slots=cfg.consumer.ring_slots, lease_window=t.lease_window,
+                       largest_batch_bytes=bucket_set.max_batch_nbytes(), padding=bucket_set.padding_efficiency(),
+                       num_buckets=cfg.buckets.num_buckets if cfg.buckets.boundaries is None else None,
+                       padding_alternatives=alternatives, checksum=t.checksum if t.checksum is not None else is_tcp,
+                       is_tcp=is_tcp)
+
+
+def _measure(config: Path, n: int, seconds: float, delay_ms: float, progress: Progress) -> dict[str, Any]:
+    """Run the five probe rounds in order, one progress step each."""
+    stages: dict[str, Any] = {}
+    steps = [("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
+              lambda: _build_stage(config, 1, seconds, delay_ms)),
+             ("build_n", f"stage 1/4: cache read + assembly, {n} producer processes at once ({seconds:g} s)",
+              lambda: _build_stage(config, n, seconds, delay_ms)),
+             ("transport_1", f"stage 2/4: transport, 1 producer -> consumer ({seconds:g} s after the first batch)",
+              lambda: _transport_stage(config, 1, seconds, delay_ms)),
+             ("transport_n", f"stage 2/4: transport, {n} producers -> consumer ({seconds:g} s)",
+              lambda: _transport_stage(config, n, seconds, delay_ms)),
+             ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
+              lambda: _finish("device (stages 3-4)", _spawn("consumer.doctor.probe", "device", "--config", str(config),
+                                                            "--seconds", str(seconds)), seconds + 3 * _PROBE_START_S))]
+    for done, (key, text, fn) in enumerate(steps):
+        if n == 1 and key.endswith("_n"):       # N = 1: the same measurement again would say nothing new
+            stages[key] = stages[key[:-2] + "_1"]
+        else:
+            progress.note(f"doctor: {text}")
+            stages[key] = fn()
+        progress.update(done + 1, 0)
+    progress.finish()
+    return stages
+
+
+def _measurements(stages: dict[str, Any], n: int, mix: list[float]) -> Measurements:
+    one = stages["build_1"][0]
+    dev = stages["device"]["buckets"]
+    return Measurements(producers=n, build_ms_p50=one["build_ms_p50"], read_ms_p50=one["read_ms_p50"],
+                        build_rate_1=one["batches_per_s"],
+                        build_rate_n=sum(p["batches_per_s"] for p in stages["build_n"]),
+                        delivered_1=stages["transport_1"]["batches_per_s"],
+                        delivered_n=stages["transport_n"]["batches_per_s"],
+                        h2d_ms=tuple(b["h2d_ms_p50"] for b in dev), step_ms=tuple(b["step_ms_p50"] for b in dev),
+                        mix=tuple(mix))
+
+
+def main_doctor(args: argparse.Namespace) -> int:
+    cfg = _resolve(args)
+    n = cfg.producer.count
+    manifest = load_manifest_for(cfg)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    mix = batch_mix(bucket_set)
+    facts = _facts(cfg, bucket_set, _padding_alternatives(cfg, manifest.frames, manifest.token_counts))
+    largest = bucket_set.max_batch_nbytes()
+    env_facts = gather_facts(cfg.consumer.model_gpu, cfg.producer.data_gpu, resolve_runtime_dir(os.environ),
+                             cfg.consumer.ring_slots * largest,
+                             memory_bound_bytes(cfg.consumer.ring_slots, n, cfg.transport.lease_window, largest),
+                             os.environ)
+    progress = Progress(_STAGES, sys.stderr, interval_s=10.0, label="doctor", unit="stages", count_skipped=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
+            config = Path(tmp) / "doctor.yaml"
+            config.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
+            stages = _measure(config, n, args.seconds_per_stage, args.debug_delay_ms, progress)
+    except ProbeFailed as err:
+        print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
+        return err.exit_code
+    verdict = decide(_measurements(stages, n, mix), facts)
+    checks = check_environment(env_facts)
+    report = {"cache_dir": cfg.cache_dir, "memory_bound_now_bytes": env_facts.in_flight_bytes, "utterances": len(manifest.frames), "producers": n, "cores": facts.cores,
+              "buckets": [b.as_wire() for b in bucket_set.buckets], "mix": mix,
+              "padding": bucket_padding(bucket_set, manifest.frames), "stages": stages,
+              "config_facts": dataclasses.asdict(facts), "verdict": dataclasses.asdict(verdict),
+              "environment": [dataclasses.asdict(c) for c in checks], "exit_code": verdict.exit_code}
+    print(render(report, verdict, checks))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return verdict.exit_code

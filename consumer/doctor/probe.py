@@ -1,0 +1,206 @@
+"""Stages 2-4 of ``run_pipeline.py doctor``, measured with the consumer's real code.
+
+``python -m consumer.doctor.probe transport --config FILE --producers N --seconds S [--debug-delay-ms D]``:
+a real ``Consumer`` (library mode, every batch released at once, no step) on a private ipc
+endpoint and a real producer group (``run_pipeline.py producer``, a child process). The clock
+starts at the first delivered batch (producer start-up excluded) and runs S seconds:
+``{"producers", "batches", "elapsed_s", "batches_per_s", "producers_alive"}``.
+
+``python -m consumer.doctor.probe device --config FILE --seconds S``: per bucket, the host->device
+hand-off (``to_tensors`` + ``tf.identity`` under ``tf.device`` of the first GPU TensorFlow sees,
+else the CPU) and the compiled step (``CompiledStep`` with the configured ``model.step``, warmed up,
+then timed runs on a synthetic batch of the bucket's shape):
+``{"device", "compile_s", "buckets": [{"index", "h2d_ms_p50", "step_ms_p50", "step_ms_p99", "runs"}]}``.
+
+Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
+configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
+Shutdown: the producer group gets SIGTERM and a bounded wait, then SIGKILL; the consumer is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from shared.service.children import ENTRY_SCRIPT
+
+__all__ = ["main", "measure_transport", "measure_device"]
+
+_FIRST_BATCH_TIMEOUT_S = 60.0   # producer start-up on a loaded 2-core machine stays well below
+_GROUP_STOP_S = 20.0            # > the launcher's own SIGTERM ladder (10 s)
+_MIN_RUNS = 3                   # timed step runs per bucket, whatever the time budget
+_MAX_RUNS = 200
+_ENTRY = ENTRY_SCRIPT
+
+
+def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
+    """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
+    from consumer.feed import Consumer
+    from shared.config import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from shared.errors import PipelineError
+
+    with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
+        data = config_to_mapping(with_overrides(load_config(config_path), {
+            "transport.endpoint": f"ipc://{tmp}/doctor.sock", "producer.count": producers}))
+        data["consumer"]["steps"] = None     # no end: with_overrides skips None values
+        cfg = config_from_mapping(data)
+        producer_cfg = Path(tmp) / "producers.yaml"
+        producer_cfg.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
+        with Consumer(cfg) as feed:
+            cmd = [sys.executable, str(_ENTRY), "producer", "--config", str(producer_cfg)]
+            if debug_delay_ms:
+                cmd += ["--debug-delay-ms", str(debug_delay_ms)]
+            group = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                                     env={**os.environ, "XDG_RUNTIME_DIR": tmp})
+            try:
+                n, elapsed_s = _count_batches(feed, group, seconds)
+                alive = feed.receiver_stats().producers_alive
+                path = "shm" if feed.shm is not None else "zmq"     # the data path these batches took
+            finally:
+                _stop_group(group)
+    if n < 2:
+        raise PipelineError(f"only {n} batch(es) arrived from {producers} producer(s) "
+                            f"(producer group exit code {group.returncode})")
+    return {"producers": producers, "batches": n - 1, "elapsed_s": elapsed_s,
+            "batches_per_s": (n - 1) / elapsed_s, "producers_alive": alive, "path": path}
+
+
+def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
+    """Batches taken (and released at once) and the seconds from the first to the last one."""
+    deadline = time.monotonic() + _FIRST_BATCH_TIMEOUT_S
+    n, first_s, last_s = 0, 0.0, 0.0
+    while group.poll() is None:
+        now = time.monotonic()
+        if (n == 0 and now > deadline) or (n > 0 and now - first_s >= seconds):
+            break
+        batch = feed.next_batch(0.5)
+        if batch is None:
+            continue
+        feed.release(batch)
+        last_s = time.monotonic()
+        first_s = first_s if n else last_s
+        n += 1
+    return n, max(last_s - first_s, 1e-9)
+
+
+def _stop_group(group: subprocess.Popen[bytes]) -> None:
+    if group.poll() is None:
+        group.send_signal(signal.SIGTERM)
+        try:
+            group.wait(_GROUP_STOP_S)
+        except subprocess.TimeoutExpired:
+            group.kill()
+            group.wait(_GROUP_STOP_S)
+
+
+def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
+    """Host->device hand-off and compiled step time per bucket on synthetic batches."""
+    import numpy as np
+    import tensorflow as tf
+
+    from consumer.train.model import StepSpec
+    from consumer.train.step import CompiledStep, load_step_factory, to_tensors
+    from shared.wire.buckets import build_buckets
+    from shared.config import load_config
+    from shared.cache.features import load_manifest_for
+
+    cfg = load_config(config_path)
+    manifest = load_manifest_for(cfg)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    m = cfg.model
+    step_fn = load_step_factory(m.step)(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision,
+                                                 m.seed))
+    compiled = CompiledStep(step_fn, [b.shapes() for b in bucket_set.buckets])
+    compile_s = compiled.warm_up()
+    gpus = tf.config.list_logical_devices("GPU")
+    device = gpus[0].name if gpus else "/CPU:0"
+    rng = np.random.default_rng(0)
+    budget_s = seconds / max(1, len(bucket_set.buckets))
+    out = []
+    for b in bucket_set.buckets:
+        arrays = _synthetic_batch(b, m.vocab_size, rng)
+        h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
+        tensors, _ = to_tensors(arrays)
+        float(compiled.run(b.index, tensors))  # one untimed run: first-call dispatch costs
+        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)), budget_s)
+        out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
+                    "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
+    return {"device": device, "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
+            "buckets": out}
+
+
+def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
+    """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
+    import numpy as np
+
+    from consumer.train.step import aligned_empty
+    arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
+    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=np.float32)
+    arrays["mel_len"][...] = bucket.max_frames
+    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=np.int32)
+    arrays["tok_len"][...] = bucket.max_tokens
+    return arrays
+
+
+def _hand_off(tf: Any, to_tensors: Any, arrays: dict[str, Any], device: str) -> None:
+    tensors, _ = to_tensors(arrays)
+    with tf.device(device):
+        moved = [tf.identity(t) for t in tensors.values()]
+    # host sync: read back the last array; copies to a device run in order on one stream
+    tf.reshape(moved[-1], [-1])[:1].numpy()
+
+
+def _time_runs(fn: Any, budget_s: float) -> list[float]:
+    times_ms: list[float] = []
+    started = time.perf_counter()
+    while len(times_ms) < _MAX_RUNS and (len(times_ms) < _MIN_RUNS or time.perf_counter() - started < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times_ms.append(1000 * (time.perf_counter() - t0))
+    return times_ms
+
+
+def _pct(values: list[float], q: float) -> float:
+    from shared.metrics import percentile
+    return percentile(sorted(values), q)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="consumer.doctor.probe")
+    ap.add_argument("mode", choices=("transport", "device"))
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--debug-delay-ms", type=float, default=0.0)
+    args = ap.parse_args(argv)
+
+    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
+    from shared.service.lifecycle import setup_logging
+    setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
+    try:
+        if args.mode == "transport":
+            result = measure_transport(args.config, args.producers, args.seconds, args.debug_delay_ms)
+        else:
+            result = measure_device(args.config, args.seconds)
+    except (ConfigError, CacheError) as err:
+        print(f"consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except PipelineError as err:
+        print(f"consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset``.
+
+```python
+from consumer import Consumer
+with Consumer(cfg) as feed:
+    for batch in feed.batches():          # Batch.arrays: views into a ring slot
+        my_step(batch.arrays)             # valid until the loop asks for the next batch
+```
+Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
+plan order (DESIGN invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
+Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in
+producers (none on the shared-memory path: they build in the ring's slot files); logged at start.
+Transport (``transport.mode``): on an ipc:// endpoint the slots are shared-memory files
+(``consumer/transport/shm_slots.py``) unless mode is ``zmq`` or the directory is too small (one WARNING, then
+the payload path for the whole run). Shutdown: ``close()`` stops the receiver and wakes any waiter;
+idempotent; every wait is bounded by ``consumer.wait_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from consumer.flow.credit import LeaseBook
+from consumer.flow.plan import EpochPlan
+from consumer.transport.receiver import HandshakeContract, Receiver, ReceiverStats
+from consumer.flow.ring import BatchRing, slot_nbytes_for
+from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
+from shared.wire.buckets import BucketSet, build_buckets
+from shared.config import PipelineConfig, check_transport_mode
+from shared.wire.curve import server_keys_for
+from shared.errors import ClosedError, ConfigError, PipelineError
+from shared.service.lifecycle import resolve_endpoint
+from shared.cache.features import load_manifest_for
+from shared.cache.manifest import Manifest
+
+__all__ = ["Batch", "Consumer"]
+
+log = logging.getLogger(__name__)
+
+_WAITING_LOG_S = 10.0
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
+
+    batch_id: int
+    bucket: int
+    arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
+    slot: int
+    copies: int = 4                       # copies from page cache into the slot: 1 shared memory, 4 payload
+
+    @property
+    def rows(self) -> int:
+        """Real (non-padding) rows."""
+        return int(np.count_nonzero(self.arrays["mel_len"]))
+
+    @property
+    def real_frames(self) -> int:
+        return int(self.arrays["mel_len"].sum())
+
+    @property
+    def padded_frames(self) -> int:
+        mel = self.arrays["mel"]
+        return int(mel.shape[0] * mel.shape[1])
+
+
+class Consumer:
+    """Receives leased batches from producers into a ring and hands them out in plan order.
+
+    Args:
+        cfg: the pipeline config (``cache_dir`` is required).
+        start_batch: first batch id to apply (a resume position); ``consumer.steps`` stays the
+            absolute end, so a resumed run stops where an uninterrupted one would.
+        environ: where the default ipc endpoint's runtime directory is looked up.
+    """
+
+    def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0,
+                 environ: Mapping[str, str] | None = None) -> None:
+        if cfg.cache_dir is None:
+            raise ConfigError("is required", path=("cache_dir",))
+        self.cfg = cfg
+        self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
+        self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
+                                                   cfg.n_mels, cfg.buckets)
+        self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
+        self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
+        steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
+        self.end_batch = max(start_batch, steps) if steps is not None else None
+        self.next_apply = start_batch
+        self.epoch = int.from_bytes(os.urandom(6), "big") | 1
+        t = cfg.transport
+        checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
+        self._book = LeaseBook(start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
+        self.shm: ShmSlots | None = self._open_shm()
+        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
+                              memory=self.shm)
+        contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
+        self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
+                                  self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
+                                  liveness_s=t.liveness_s, checksum=checksum,
+                                  curve=server_keys_for(t, self.endpoint), shm=self.shm)
+        self.wait_s_total = 0.0
+        self.applied = 0
+        self._started = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _open_shm(self) -> ShmSlots | None:
+        """Slot files for the shared-memory path, or ``None`` for payload frames (mode, tcp, no room)."""
+        mode = self.cfg.transport.mode
+        check_transport_mode(mode, self.endpoint)          # --endpoint may have made it tcp
+        if mode == "zmq" or not self.endpoint.startswith("ipc://"):
+            return None
+        directory = resolve_shm_dir(self.cfg.transport.shm_dir, self.endpoint)
+        return open_shm_slots(directory, self.cfg.consumer.ring_slots, slot_nbytes_for(self.bucket_set.buckets),
+                              self.epoch)
+
+    def _wake_receiver(self) -> None:
+        """A slot was freed: let the receiver lease it at once."""
+        self._receiver.wake()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the endpoint and start receiving. Idempotent."""
+        if self._started:
+            return
+        self._receiver.start()
+        self._started = True
+        largest = self.bucket_set.max_batch_nbytes()
+        log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
+                 [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
+        if self.shm is not None:
+            log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
+                     "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
+                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.shm.directory,
+                     self.cfg.transport.lease_window, largest / 1e6)
+        else:
+            log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
+                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.cfg.transport.lease_window, largest / 1e6)
+
+    def close(self) -> None:
+        """Stop receiving and wake waiters. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ring.close()
+        self._receiver.stop()
+        if self.shm is not None:
+            self.shm.close()
+
+    def __enter__(self) -> Consumer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- batches -------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.end_batch is not None and self.next_apply >= self.end_batch
+
+    def next_batch(self, timeout_s: float) -> Batch | None:
+        """The next batch in plan order, or ``None`` if it did not arrive within ``timeout_s``.
+
+        Raises:
+            ClosedError: the consumer was closed, or the plan is finished.
+            PipelineError: the receiver thread failed.
+        """
+        if self._receiver.error is not None:
+            raise PipelineError(f"receiver failed: {self._receiver.error}") from self._receiver.error
+        if self.finished:
+            raise ClosedError("all planned batches were applied")
+        t0 = time.perf_counter()
+        slot = self.ring.take(self.next_apply, timeout_s)
+        self.wait_s_total += time.perf_counter() - t0
+        if slot is None:
+            return None
+        bucket = self.plan.batch(self.next_apply).bucket
+        batch = Batch(self.next_apply, bucket, self.ring.views(slot, bucket), slot, self.ring.copies(slot))
+        self.next_apply += 1
+        return batch
+
+    def release(self, batch: Batch) -> None:
+        """The step that read ``batch`` has finished: free its slot and count it applied."""
+        self.ring.release(batch.slot)
+        self.applied += 1
+        self._receiver.mark_applied(batch.batch_id)
+
+    def batches(self, stop: threading.Event | None = None,
+                on_wait: Callable[[int], None] | None = None) -> Iterator[Batch]:
+        """Yield batches in plan order until the plan ends, ``stop`` is set or ``close()``.
+
+        Each batch is released when the caller asks for the next one (or leaves the loop).
+        ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
+        (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
+        """
+        waited_s = 0.0
+        while not self.finished and not (stop is not None and stop.is_set()):
+            try:
+                batch = self.next_batch(self.cfg.consumer.wait_timeout_s)
+            except ClosedError:
+                return
+            if batch is None:
+                if on_wait is not None:
+                    on_wait(self._receiver.stats().producers_alive)
+                waited_s += self.cfg.consumer.wait_timeout_s
+                if waited_s >= _WAITING_LOG_S:
+                    log.info("waiting for batch %d: producers alive=%d", self.next_apply,
+                             self._receiver.stats().producers_alive)
+                    waited_s = 0.0
+                continue
+            waited_s = 0.0
+            try:
+                yield batch
+            finally:
+                self.release(batch)
+
+    def as_dataset(self, single_shape: bool = False) -> Any:
+        """A ``tf.data.Dataset`` of ``({"tokens", "tok_len", "mel_len"}, mel)`` pairs for Keras ``fit``.
+
+        Every element has one of the bucket shapes (at most ``buckets.num_buckets`` traces);
+        ``single_shape=True`` pads every batch to the largest bucket so the spec is fully static.
+        Elements are copies, so the ring slot is released as soon as TensorFlow took the batch.
+        """
+        from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
+        return make_dataset(self, single_shape)
+
+    def zmq_context(self) -> Any:
+        """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""
+        return self._receiver.context
+
+    def receiver_stats(self) -> ReceiverStats:
+        return self._receiver.stats()
+
+    def queue_depth(self) -> int:
+        return self._receiver.queue_depth()
+
+    def in_flight_bound_bytes(self, producers: int) -> int:
+        """DESIGN invariant 4: (ring slots + Σ lease windows) x largest batch."""
+        return (self.ring.n_slots + producers * self.cfg.transport.lease_window) * self.bucket_set.max_batch_nbytes()

@@ -1,0 +1,108 @@
+"""Table of connected producers, keyed by ZeroMQ routing id. Pure bookkeeping (times passed in).
+
+Invariant: a routing id is in the table only between a valid HELLO and its removal (liveness
+expiry, BYE, unreachable, flood, or a new HELLO). ``seen`` counts distinct producer ids ever joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.wire.protocol import StageCounters
+
+__all__ = ["PeerInfo", "PeerTable", "ProducerReport"]
+
+
+class _HasHeld(Protocol):
+    def held_by(self, peer: bytes) -> int: ...
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    producer_id: str
+    joined_s: float
+    last_seen_s: float
+    batches: int = 0
+    last_grant_s: float = 0.0
+    uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
+    stage: StageCounters | None = None     # latest cumulative counters from its heartbeats
+    stage_at_s: float = 0.0                # when they arrived
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerReport:
+    """What the consumer knows about one connected producer, for the live figures."""
+
+    producer_id: str
+    batches_received: int
+    stage: StageCounters | None
+    stage_at_s: float
+
+
+class PeerTable:
+    def __init__(self) -> None:
+        self._peers: dict[bytes, PeerInfo] = {}
+        self._blocked_until: dict[bytes, float] = {}
+        self._seen_ids: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, ident: bytes) -> bool:
+        return ident in self._peers
+
+    @property
+    def seen(self) -> int:
+        return len(self._seen_ids)
+
+    def add(self, ident: bytes, producer_id: str, now_s: float) -> PeerInfo:
+        info = PeerInfo(producer_id, now_s, now_s)
+        self._peers[ident] = info
+        self._seen_ids.add(producer_id)
+        return info
+
+    def get(self, ident: bytes) -> PeerInfo | None:
+        return self._peers.get(ident)
+
+    def remove(self, ident: bytes) -> PeerInfo | None:
+        return self._peers.pop(ident, None)
+
+    def idents(self) -> Iterator[bytes]:
+        return iter(list(self._peers))
+
+    def name(self, ident: bytes) -> str:
+        info = self._peers.get(ident)
+        if info is not None:
+            return info.producer_id
+        text = ident.decode("ascii", errors="replace")
+        return text[:64] if text.isprintable() and "\ufffd" not in text else "0x" + ident.hex()[:32]
+
+    def silent_since(self, cutoff_s: float) -> list[bytes]:
+        """Routing ids not heard from since ``cutoff_s``."""
+        return [i for i, p in self._peers.items() if p.last_seen_s < cutoff_s]
+
+    def by_fewest_leases(self, book: _HasHeld) -> list[bytes]:
+        """Peers ordered so the least-loaded producer is offered work first."""
+        return sorted(self._peers, key=lambda i: (book.held_by(i), self._peers[i].last_grant_s))
+
+    def block(self, ident: bytes, until_s: float) -> None:
+        self._blocked_until[ident] = until_s
+
+    def is_blocked(self, ident: bytes, now_s: float) -> bool:
+        until = self._blocked_until.get(ident)
+        if until is None:
+            return False
+        if now_s >= until:
+            del self._blocked_until[ident]
+            return False
+        return True
+
+    def reports(self) -> tuple[ProducerReport, ...]:
+        """One report per connected producer (a copy: safe to hand to another thread)."""
+        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s)
+                     for p in list(self._peers.values()))
+
+    def per_producer_batches(self) -> dict[str, int]:
+        return {p.producer_id: p.batches for p in self._peers.values()}

@@ -1,0 +1,190 @@
+"""Consumer-side ring of preallocated, 64-byte-aligned batch slots with a reorder stage.
+
+Each slot is FREE, LEASED (reserved for a lease; the receiver writes into it), READY (holds a
+received batch, keyed by batch id) or IN_STEP (handed to the step loop).
+Invariant: free + leased + ready + in_step == n_slots; a lease always owns a slot, so leases
+outstanding <= slots not ready or in the step, and memory never exceeds n_slots * slot_nbytes.
+The receiver thread only touches FREE/LEASED slots' bytes; the step thread only READY/IN_STEP
+ones, so slot memory needs no lock; state changes go through one lock.
+Slot bytes come from a ``SlotMemory``: ``PrivateSlots`` (one aligned buffer, the ZeroMQ payload
+path) or ``consumer.transport.shm_slots.ShmSlots`` (one shared file per slot that producers build into).
+Shutdown: ``close()`` wakes every waiter with ``ClosedError``; no wait lasts longer than its timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.wire.buckets import Bucket
+from shared.errors import ClosedError
+from shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views, round_up
+
+__all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "slot_nbytes_for"]
+
+_PAGE_BYTES = 4096
+PAYLOAD_COPIES = 4   # page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
+
+
+def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
+    """Bytes of one slot: the largest bucket's layout, rounded up to whole pages."""
+    return round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
+
+
+class SlotMemory(Protocol):
+    """Where slot bytes live. ``buffer(slot)`` is 64-byte aligned and ``slot_nbytes`` long."""
+
+    slot_nbytes: int
+
+    @property
+    def total_nbytes(self) -> int: ...
+
+    def buffer(self, slot: int) -> npt.NDArray[np.uint8]: ...
+
+    def close(self) -> None: ...
+
+
+class PrivateSlots:
+    """All slots in one private aligned buffer (the ZeroMQ payload path)."""
+
+    def __init__(self, n_slots: int, slot_nbytes: int) -> None:
+        self.slot_nbytes = slot_nbytes
+        self._memory = aligned_buffer(n_slots * slot_nbytes)
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self._memory.nbytes)
+
+    def buffer(self, slot: int) -> npt.NDArray[np.uint8]:
+        return self._memory[slot * self.slot_nbytes:(slot + 1) * self.slot_nbytes]
+
+    def close(self) -> None:
+        """Nothing to release: the buffer goes with its last view."""
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    LEASED = 1
+    READY = 2
+    IN_STEP = 3
+
+
+class BatchRing:
+    """Fixed set of aligned slots; the receiver fills them, the step loop takes them in id order.
+
+    Args:
+        n_slots: number of slots (>= 3: filling, ready, in the step).
+        buckets: every bucket shape a slot must be able to hold.
+        on_release: called (from the releasing thread) after a slot becomes FREE; the receiver
+            uses it to wake its poll loop so it can lease the slot again.
+        memory: slot bytes; ``None`` = a private aligned buffer. Its ``slot_nbytes`` must be
+            ``slot_nbytes_for(buckets)``.
+    """
+
+    def __init__(self, n_slots: int, buckets: tuple[Bucket, ...],
+                 on_release: Callable[[], None] | None = None, memory: SlotMemory | None = None) -> None:
+        if n_slots < 1:
+            raise ValueError("n_slots must be >= 1")
+        self.slot_nbytes = slot_nbytes_for(buckets)
+        self.memory: SlotMemory = memory if memory is not None else PrivateSlots(n_slots, self.slot_nbytes)
+        if self.memory.slot_nbytes != self.slot_nbytes:
+            raise ValueError(f"slot memory has {self.memory.slot_nbytes} bytes per slot, need {self.slot_nbytes}")
+        self._copies = [PAYLOAD_COPIES] * n_slots   # copies from page cache that filled each READY slot
+        self._layouts = {b.index: batch_layout(b) for b in buckets}
+        self._state = [SlotState.FREE] * n_slots
+        self._ready: dict[int, int] = {}        # batch id -> slot
+        self._cond = threading.Condition()
+        self._closed = False
+        self._on_release = on_release
+        self.n_slots = n_slots
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.memory.total_nbytes
+
+    def views(self, slot: int, bucket: int) -> dict[str, npt.NDArray[np.generic]]:
+        """Aligned array views of ``slot`` laid out for ``bucket``; valid while the slot is held."""
+        return layout_views(self.memory.buffer(slot), 0, self._layouts[bucket])
+
+    def copies(self, slot: int) -> int:
+        """Copies from page cache into this READY/IN_STEP slot (1 shared memory, 4 payload frames)."""
+        return self._copies[slot]
+
+    # --- receiver side -------------------------------------------------------------------
+    def reserve(self) -> int | None:
+        """FREE -> LEASED; returns the slot or ``None`` when none is free."""
+        with self._cond:
+            for i, s in enumerate(self._state):
+                if s is SlotState.FREE:
+                    self._state[i] = SlotState.LEASED
+                    return i
+        return None
+
+    def cancel(self, slot: int) -> None:
+        """LEASED -> FREE (the lease was revoked before its batch arrived)."""
+        with self._cond:
+            self._expect(slot, SlotState.LEASED)
+            self._state[slot] = SlotState.FREE
+
+    def mark_ready(self, slot: int, batch_id: int, copies: int = PAYLOAD_COPIES) -> None:
+        """LEASED -> READY: the slot now holds batch ``batch_id``, filled with ``copies`` copies."""
+        with self._cond:
+            self._expect(slot, SlotState.LEASED)
+            self._state[slot] = SlotState.READY
+            self._copies[slot] = copies
+            self._ready[batch_id] = slot
+            self._cond.notify_all()
+
+    # --- step side -------------------------------------------------------------------------
+    def take(self, batch_id: int, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for batch ``batch_id``; READY -> IN_STEP.
+
+        Returns:
+            The slot, or ``None`` on timeout.
+        Raises:
+            ClosedError: the ring was closed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while batch_id not in self._ready:
+                if self._closed:
+                    raise ClosedError("ring closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            slot = self._ready.pop(batch_id)
+            self._state[slot] = SlotState.IN_STEP
+            return slot
+
+    def release(self, slot: int) -> None:
+        """IN_STEP -> FREE once the step that read the slot has finished."""
+        with self._cond:
+            self._expect(slot, SlotState.IN_STEP)
+            self._state[slot] = SlotState.FREE
+        if self._on_release is not None:
+            self._on_release()
+
+    def counts(self) -> dict[SlotState, int]:
+        with self._cond:
+            return {s: self._state.count(s) for s in SlotState}
+
+    def ready_ids(self) -> list[int]:
+        with self._cond:
+            return sorted(self._ready)
+
+    def close(self) -> None:
+        """Wake every waiter with ``ClosedError``. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _expect(self, slot: int, state: SlotState) -> None:
+        if self._state[slot] is not state:
+            raise ValueError(f"slot {slot} is {self._state[slot].name}, expected {state.name}")

@@ -1,0 +1,190 @@
+"""``run_pipeline.py report``: one PNG timeline of a run from its metrics JSONL.
+
+Role: draws ``consumer.observe.report_data.RunSeries`` with matplotlib (Agg, never a display) as stacked
+panels on one shared time axis: step time p50/p99, data stall, queue depth against the lease
+window, per-producer batches/s, GPU utilisation per device. Phases other than "training"
+(compiling, waiting) are shaded in every panel. The title carries the run's totals.
+Invariants: matplotlib is an optional extra (``melfeed[report]``), imported only here and only when
+the command runs; without it the command is one line and exit 78. The figure is always
+``_FIGSIZE_IN`` x ``_DPI`` pixels (no tight bbox), so tests and docs can rely on its size.
+Shutdown: the figure is closed after saving, also on error (no pyplot state survives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigError
+from consumer.observe.report_data import RunSeries, read_metrics
+
+__all__ = ["render_report", "main_report", "RenderedReport", "PANELS", "GPU_NA_TEXT"]
+
+PANELS = ("step", "stall", "queue", "producers", "gpu")
+GPU_NA_TEXT = "GPU n/a (no NVML / no GPU)"
+_FIGSIZE_IN = (16.0, 14.0)
+_DPI = 100  # 1600 x 1400 px: readable at a glance on a laptop screen, small enough for a README
+_INSTALL_HINT = "needs matplotlib: pip install 'melfeed[report]'"
+_SHADE = {"compiling": "#fde7c8", "waiting": "#e6e6e6"}  # phases without steps ("done" is one last line)
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedReport:
+    """Where the PNG went and where each panel lies in it (pixels, origin top-left: x0, y0, x1, y1)."""
+    path: Path
+    width_px: int
+    height_px: int
+    panel_boxes_px: dict[str, tuple[int, int, int, int]]
+
+
+def _import_pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(_INSTALL_HINT) from None
+    matplotlib.use("Agg", force=True)  # a file, never a window: works on servers and in tests
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _phase_spans(series: RunSeries) -> list[tuple[str, float, float]]:
+    """(phase, start_s, end_s) runs of consecutive non-training snapshots (each to the next snapshot)."""
+    spans: list[tuple[str, float, float]] = []
+    t = series.t_s
+    for i, phase in enumerate(series.phase):
+        if phase not in _SHADE:
+            continue
+        end = float(t[i + 1]) if i + 1 < len(t) else float(t[i])
+        if spans and spans[-1][0] == phase and spans[-1][2] == float(t[i]):
+            spans[-1] = (phase, spans[-1][1], end)
+        else:
+            spans.append((phase, float(t[i]), end))
+    return spans
+
+
+def _shade(ax: Any, spans: list[tuple[str, float, float]], label: bool) -> None:
+    seen: set[str] = set()
+    for phase, start, end in spans:
+        ax.axvspan(start, end, color=_SHADE[phase], zorder=0, lw=0,
+                   label=phase if label and phase not in seen else None)
+        seen.add(phase)
+
+
+def _line(ax: Any, t: np.ndarray, y: np.ndarray, label: str, **kw: Any) -> None:
+    ax.plot(t, y, label=label, marker=".", markersize=4, linewidth=1.6, **kw)  # markers: lone points show
+
+
+def _draw_step(ax: Any, s: RunSeries) -> None:
+    _line(ax, s.t_s, s.scalars["step_p50_ms"], "p50")
+    _line(ax, s.t_s, s.scalars["step_p99_ms"], "p99")
+    ax.set_ylabel("step time (ms)")
+
+
+def _draw_stall(ax: Any, s: RunSeries) -> None:
+    y = s.scalars["stall_pct"]
+    _line(ax, s.t_s, y, "data stall", color="tab:red")
+    ax.fill_between(s.t_s, 0, np.nan_to_num(y), color="tab:red", alpha=0.15, step=None)
+    top = np.nanmax(y) if np.isfinite(y).any() else 0.0
+    ax.set_ylim(0, max(5.0, min(100.0, top * 1.15)))  # a near-zero stall stays visible as near zero
+    ax.set_ylabel("data stall (%)")
+
+
+def _draw_queue(ax: Any, s: RunSeries) -> None:
+    ready, leased = s.scalars["queue_depth_mean"], s.scalars["leases_outstanding"]
+    _line(ax, s.t_s, ready, "ready (mean)")
+    _line(ax, s.t_s, ready + leased, "ready + leased")
+    ax.plot(s.t_s, s.scalars["lease_window"], "k--", linewidth=1.2, drawstyle="steps-post",
+            label="lease window\n(per producer)")
+    values = np.concatenate([ready + leased, s.scalars["lease_window"]])
+    top = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
+    ax.set_ylim(0, top * 1.2 + 0.5)      # headroom: a steady queue at its limit must not hide on the frame
+    ax.set_ylabel("queue depth (batches)")
+
+
+def _draw_producers(ax: Any, s: RunSeries) -> None:
+    _line(ax, s.t_s, s.scalars["batches_per_s"], "consumer (all)", color="0.55", linestyle=":")
+    for pid in sorted(s.producers):
+        _line(ax, s.t_s, s.producers[pid], pid)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("batches/s")
+
+
+def _draw_gpu(ax: Any, s: RunSeries) -> bool:
+    """Returns whether a legend is useful (there were GPUs)."""
+    if not s.gpus or all(np.isnan(v).all() for v in s.gpus.values()):
+        ax.text(0.5, 0.5, GPU_NA_TEXT, transform=ax.transAxes, ha="center", va="center",
+                fontsize=16, color="0.35")
+        ax.set_yticks([])
+        ax.set_ylabel("GPU utilisation")
+        return False
+    for label, util in s.gpus.items():
+        _line(ax, s.t_s, util, label)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("GPU utilisation (%)")
+    return True
+
+
+def _title(series: RunSeries, name: str) -> str:
+    tot = series.totals()
+
+    def fmt(value: float, spec: str) -> str:
+        return "n/a" if math.isnan(value) else format(value, spec)
+    return (f"{name}\n{tot.steps} steps in {tot.duration_s:.0f} s  ·  mean {fmt(tot.batches_per_s_mean, '.1f')} "
+            f"batches/s  ·  data stall {fmt(tot.stall_pct_mean, '.1f')} % overall  ·  "
+            f"{len(series.producers)} producers  ·  " + (f"{len(series.gpus)} GPUs" if series.gpus else "GPU n/a"))
+
+
+def render_report(series: RunSeries, out: str | Path, title: str) -> RenderedReport:
+    """Draw ``series`` into the PNG ``out``.
+
+    Raises:
+        ConfigError: matplotlib is missing, or ``out`` cannot be written (names it).
+    """
+    plt = _import_pyplot()
+    drawers = (_draw_step, _draw_stall, _draw_queue, _draw_producers)
+    with plt.rc_context({"font.size": 12, "axes.grid": True, "grid.alpha": 0.35}):
+        fig, axes = plt.subplots(len(PANELS), 1, sharex=True, figsize=_FIGSIZE_IN, dpi=_DPI,
+                                 layout="constrained", height_ratios=[1, 0.8, 1, 1.2, 1])
+        try:
+            spans = _phase_spans(series)
+            for i, (ax, draw) in enumerate(zip(axes, drawers)):
+                draw(ax, series)
+                _shade(ax, spans, label=i == 0)
+            has_gpus = _draw_gpu(axes[-1], series)
+            _shade(axes[-1], spans, label=False)
+            for ax in axes[:-1] if not has_gpus else axes:
+                ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=11, frameon=False)
+            axes[-1].set_xlabel("time since the first snapshot (s)")
+            axes[-1].set_xlim(0, max(float(series.t_s[-1]), 1.0))
+            fig.suptitle(_title(series, title), fontsize=15)
+            return _save(fig, axes, Path(out))
+        finally:
+            plt.close(fig)
+
+
+def _save(fig: Any, axes: Any, out: Path) -> RenderedReport:
+    try:
+        fig.savefig(out, dpi=_DPI, format="png")
+    except OSError as err:
+        raise ConfigError(f"cannot write the report: {err.strerror or err}", path=(str(out),)) from None
+    width, height = fig.canvas.get_width_height()
+    boxes = {}
+    for name, ax in zip(PANELS, axes):
+        x0, y0, x1, y1 = ax.get_window_extent().extents  # display pixels, origin bottom-left
+        boxes[name] = (int(x0), int(height - y1), int(x1), int(height - y0))
+    return RenderedReport(out, width, height, boxes)
+
+
+def main_report(args: argparse.Namespace) -> int:
+    """``run_pipeline.py report METRICS.jsonl -o PNG [--title T]``; 0 on success, 78 on bad input."""
+    _import_pyplot()  # before reading: a missing extra is the only message
+    series = read_metrics(args.metrics)
+    rendered = render_report(series, args.output, args.title or Path(args.metrics).name)
+    print(f"report: {len(series)} snapshots over {series.totals().duration_s:.0f} s, "
+          f"{rendered.width_px}x{rendered.height_px} px -> {rendered.path}")
+    return 0

@@ -1,0 +1,115 @@
+"""``run_pipeline.py status``: ask a running consumer for its latest snapshot and print it.
+
+Role: the client side of consumer/observe/control.py. The endpoint is ``--endpoint`` (the control
+endpoint itself), else the one ``--config`` implies (``consumer.control_endpoint``, or derived
+from ``transport.endpoint``, or the private runtime directory; ``shared.service.lifecycle``).
+Every try uses a fresh REQ socket (a REQ that timed out cannot be reused) with RCVTIMEO,
+SNDTIMEO and LINGER 0, so the command never outlives ``--timeout-s`` by more than a moment.
+Exit codes: 0 printed; 1 nobody answered or the answer was not a snapshot (one line on stderr);
+78 a bad ``--config``. Imports neither TensorFlow nor the consumer's data path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import zmq
+
+from shared.config import load_config
+from shared.service.lifecycle import resolve_control_endpoint
+
+__all__ = ["main_status", "ask_status", "format_status"]
+
+_TRIES = 2                   # the timeout is split between them: a consumer that is just binding gets a second ask
+_MAX_REPLY_BYTES = 16 << 20  # a snapshot is a few kB; refuse anything absurd
+
+
+def ask_status(endpoint: str, timeout_s: float) -> bytes | None:
+    """The raw reply of the consumer at ``endpoint``, or ``None`` if none came within ``timeout_s``."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try_ms = max(1, int(timeout_s * 1000 / _TRIES))
+    try:
+        for _ in range(_TRIES):
+            sock = ctx.socket(zmq.REQ)
+            for opt, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, try_ms), (zmq.SNDTIMEO, try_ms),
+                               (zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)):
+                sock.setsockopt(opt, value)
+            try:
+                sock.connect(endpoint)
+                sock.send(b"status")
+                return sock.recv()
+            except zmq.Again:
+                continue
+            finally:
+                sock.close(0)
+        return None
+    finally:
+        ctx.term()
+
+
+def main_status(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    endpoint = args.endpoint or resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    try:
+        raw = ask_status(endpoint, args.timeout_s)
+    except zmq.ZMQError as err:     # e.g. a malformed endpoint given with --endpoint
+        print(f"run_pipeline.py status: cannot ask {endpoint}: {err.strerror}", file=sys.stderr)
+        return 1
+    if raw is None:
+        print(f"run_pipeline.py status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s",
+              file=sys.stderr)
+        return 1
+    try:
+        snap = json.loads(raw)
+        if not isinstance(snap, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        print(f"run_pipeline.py status: the answer from {endpoint} is not a snapshot", file=sys.stderr)
+        return 1
+    print(json.dumps(snap, indent=2) if args.json else format_status(snap, endpoint))
+    return 0
+
+
+def _f(value: Any, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
+def format_status(snap: dict[str, Any], endpoint: str) -> str:
+    """The human table: overall figures, one row per producer, one per GPU, rejects by code."""
+    total = f"/{snap['steps_total']}" if snap.get("steps_total") else ""
+    mb_s = None if snap["bytes_per_s"] is None else snap["bytes_per_s"] / 1e6
+    lines = [
+        f"consumer {endpoint}: {snap['phase']}, step {snap['step']}{total}, loss {_f(snap['loss'], '.4f')}, "
+        f"up {snap['uptime_s']:.0f} s",
+        f"last {snap['window_s']:.0f} s: {_f(snap['batches_per_s'], '.1f')} batches/s, "
+        f"{_f(snap['samples_per_s'], '.0f')} samples/s, {_f(mb_s, '.1f')} MB/s received, "
+        f"stall {_f(snap['stall_pct'], '.1f', '%')}",
+        f"step p50 {_f(snap['step_p50_ms'], '.1f', ' ms')}, p99 {_f(snap['step_p99_ms'], '.1f', ' ms')}, "
+        f"cv {_f(snap['step_cv'], '.2f')}, padding efficiency {_f(snap['padding_efficiency'], '.3f')}",
+        f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
+        f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
+        f"{snap['producers_alive']}",
+        f"duplicates {snap['duplicates']}, quarantined {snap['quarantined']}, "
+        f"compiles after ready {snap['compiles_after_ready']}",
+        "",
+        f"{'producer':<20} {'batches':>8} {'batches/s':>10} {'read ms':>8} {'assemble ms':>12} {'send ms':>8}",
+    ]
+    for p in snap["producers"]:
+        lines.append(f"{p['id']:<20} {_f(p['batches'], 'd'):>8} {_f(p['batches_per_s'], '.1f'):>10} "
+                     f"{_f(p['read_ms'], '.2f'):>8} {_f(p['assemble_ms'], '.2f'):>12} {_f(p['send_ms'], '.2f'):>8}")
+    if not snap["producers"]:
+        lines.append("(no producer connected)")
+    lines += ["", f"{'gpu':<20} {'util %':>8} {'mem used/total GiB':>20} {'power W':>8}"]
+    for g in snap["gpus"]:
+        mem = f"{g['mem_used_mib'] / 1024:.1f}/{g['mem_total_mib'] / 1024:.1f}"
+        lines.append(f"{g['role'] + ':' + str(g['index']):<20} {g['util_pct']:>8.0f} {mem:>20} "
+                     f"{_f(g['power_w'], '.0f'):>8}")
+    if not snap["gpus"]:
+        lines.append("n/a (no NVML, no GPU, or sampling off)")
+    rejects = ", ".join(f"{code} {n}" for code, n in snap["rejects"].items()) or "none"
+    lines += ["", f"rejects: {rejects}"]
+    return "\n".join(lines)

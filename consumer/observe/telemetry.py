@@ -1,0 +1,309 @@
+"""Live figures of a running consumer: the metrics snapshot (docs: consumer/README.md "Metrics").
+
+Role: turns the step loop's records, the receiver's counters, the producers' heartbeat stage
+counters and the GPU samples into one snapshot dict (the fixed schema that ``status``, ``report``
+and Prometheus read), every status interval and once at the end. ``build_snapshot`` and
+``ProducerRates`` are pure (times passed in) so tests check them with hand-computed values;
+``Telemetry`` is the I/O shell: GPU samplers, the JSONL file, the control socket, Prometheus.
+Invariants: every schema key is present in every snapshot (null when not yet known); no float is
+NaN or infinite (JSON stays strict); readers get a copy under a lock, never the writer's dict.
+Shutdown: ``close()`` (idempotent) stops the servers and samplers with bounded joins and closes
+the file; it must run before the consumer closes, whose ZeroMQ context the control socket shares.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+from consumer.flow.peers import ProducerReport
+from consumer.transport.receiver import ReceiverStats
+from shared.metrics import StepRecord, StepWindow, WindowFigures
+from shared.errors import ConfigError
+from consumer.observe.gpu import GpuSampler
+
+__all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "window_s", "stall_pct",
+               "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
+               "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
+               "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
+               "compiles_after_ready", "gpus")
+PHASES = ("compiling", "training", "waiting", "done")
+
+
+def _num(value: float | None) -> float | None:
+    """A JSON-safe figure: ``None`` for unknown, NaN or infinite."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+class _Series:
+    """(time, cumulative value) points over a sliding window; the newest older point stays as the base."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._points: deque[tuple[float, Any]] = deque()
+
+    def add(self, t_s: float, value: Any) -> None:
+        if not self._points or t_s > self._points[-1][0]:
+            self._points.append((t_s, value))
+
+    def span(self, now_s: float) -> tuple[tuple[float, Any], tuple[float, Any]] | None:
+        """Oldest and newest point of the window, or ``None`` with fewer than two."""
+        while len(self._points) > 2 and self._points[1][0] <= now_s - self._window_s:
+            self._points.popleft()
+        return (self._points[0], self._points[-1]) if len(self._points) >= 2 else None
+
+    def reset(self) -> None:
+        self._points.clear()
+
+    def last(self) -> Any:
+        return self._points[-1][1] if self._points else None
+
+
+class ProducerRates:
+    """Per-producer batches/s and ms per batch per stage, from cumulative heartbeat counters.
+
+    A producer whose counter went backwards was restarted (same id, new process): its history
+    starts again. Producers no longer connected are forgotten.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._series: dict[str, _Series] = {}
+
+    def update(self, reports: Iterable[ProducerReport], now_s: float) -> list[dict[str, Any]]:
+        rows = []
+        alive = set()
+        for rep in sorted(reports, key=lambda r: r.producer_id):
+            alive.add(rep.producer_id)
+            series = self._series.setdefault(rep.producer_id, _Series(self._window_s))
+            if rep.stage is not None:
+                last = series.last()
+                if last is not None and rep.stage.batches < last.batches:
+                    series.reset()
+                series.add(rep.stage_at_s, rep.stage)
+            rows.append(self._row(rep, series.span(now_s)))
+        for gone in set(self._series) - alive:
+            del self._series[gone]
+        return rows
+
+    @staticmethod
+    def _row(rep: ProducerReport, span: tuple[tuple[float, Any], tuple[float, Any]] | None) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": rep.producer_id, "batches": rep.stage.batches if rep.stage else None,
+                               "batches_per_s": None, "read_ms": None, "assemble_ms": None, "send_ms": None}
+        if span is None:
+            return row
+        (t0, a), (t1, b) = span          # StageCounters at the window's oldest and newest heartbeat
+        n = b.batches - a.batches
+        row["batches_per_s"] = n / (t1 - t0)
+        if n > 0:
+            row["read_ms"] = 1000.0 * (b.read_s - a.read_s) / n
+            row["assemble_ms"] = 1000.0 * (b.assemble_s - a.assemble_s) / n
+            row["send_ms"] = 1000.0 * (b.send_s - a.send_s) / n
+        return row
+
+
+def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, steps_total: int | None,
+                   loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
+                   bytes_per_s: float | None, rs: ReceiverStats, producers: list[dict[str, Any]],
+                   compiles_after_ready: int, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure."""
+    f = figures
+    return {
+        "t_unix_s": t_unix_s, "uptime_s": uptime_s, "phase": phase, "step": step, "steps_total": steps_total,
+        "loss": _num(loss), "window_s": window_s,
+        "stall_pct": _num(f.stall_pct) if f else None,
+        "batches_per_s": _num(f.batches_per_s) if f else None,
+        "samples_per_s": _num(f.samples_per_s) if f else None,
+        "bytes_per_s": _num(bytes_per_s),
+        "step_p50_ms": _num(1000.0 * f.step_p50_s) if f else None,
+        "step_p99_ms": _num(1000.0 * f.step_p99_s) if f else None,
+        "step_cv": _num(f.step_cv) if f else None,
+        "padding_efficiency": _num(f.padding_efficiency) if f else None,
+        "queue_depth_mean": _num(f.queue_depth_mean) if f else None,
+        "queue_depth_hist": list(depth_hist),
+        "lease_window": rs.lease_window, "leases_outstanding": rs.leases_outstanding,
+        "producers_alive": rs.producers_alive,
+        "producers": [{k: (_num(v) if isinstance(v, float) else v) for k, v in p.items()} for p in producers],
+        "rejects": dict(sorted(rs.rejects.items())), "duplicates": rs.duplicates_dropped,
+        "quarantined": rs.quarantined, "compiles_after_ready": compiles_after_ready,
+        "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
+    }
+
+
+class Telemetry:
+    """Publishes snapshots of ``consumer``; start with ``with Telemetry(...) as tel:`` (see app.py).
+
+    Args:
+        cfg: the pipeline config (``consumer.metrics_*``, ``gpu_sample_interval_s``, ``control_endpoint``).
+        consumer: the started ``Consumer`` (receiver stats, ZeroMQ context).
+        process_start_s: wall-clock start of the process (uptime).
+        control_endpoint: where the REP socket for ``status`` binds (``None`` = no control socket).
+    """
+
+    def __init__(self, cfg: Any, consumer: Any, process_start_s: float, *, control_endpoint: str | None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self._cfg, self._consumer = cfg, consumer
+        self._start_s = process_start_s
+        self._clock, self._wall = clock, wall
+        c = cfg.consumer
+        self._window = StepWindow(window_s=c.metrics_window_s)
+        self._producers = ProducerRates(c.metrics_window_s)
+        self._bytes = _Series(c.metrics_window_s)
+        self._control_endpoint = control_endpoint
+        self._phase = "compiling"
+        self._lock = threading.Lock()
+        self._latest: dict[str, Any] | None = None
+        self._latest_json = b"null"
+        self._last_publish_s = -math.inf
+        self._file: IO[str] | None = None
+        self._samplers: list[tuple[str, Any]] = []
+        self._servers: list[Any] = []
+        self._closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the metrics file, start GPU sampling, the control socket and Prometheus; publish once.
+
+        Raises:
+            ConfigError: the metrics file cannot be appended to, an endpoint or port cannot be bound,
+                or prometheus_client is missing (each names its key).
+        """
+        from consumer.observe.control import ControlServer
+        from consumer.observe.prom import start_prometheus
+        c = self._cfg.consumer
+        try:
+            if c.metrics_file is not None:
+                self._file = open_metrics_file(c.metrics_file)
+            self._samplers = start_samplers(self._cfg)
+            self.publish(0, None, 0)          # before any reader can ask: never an empty answer
+            if self._control_endpoint is not None:
+                server = ControlServer(self._consumer.zmq_context(), self._control_endpoint, self.latest_json)
+                server.start()
+                self._servers.append(server)
+            if c.metrics_port is not None:
+                self._servers.append(start_prometheus(c.metrics_host, c.metrics_port, self.latest))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop servers and samplers, close the file. Idempotent; every join is bounded."""
+        if self._closed:
+            return
+        self._closed = True
+        for server in reversed(self._servers):
+            server.close()
+        for _, sampler in self._samplers:
+            sampler.stop()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Telemetry:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the step loop's side ---------------------------------------------------------------------
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self._phase = phase
+
+    def add(self, record: StepRecord) -> None:
+        """One applied batch (after warm-up), for the windowed figures."""
+        self._window.add(record)
+
+    def gpus(self) -> list[dict[str, Any]] | None:
+        """Latest GPU samples with their role; ``None`` when sampling is off."""
+        if self._cfg.consumer.gpu_sample_interval_s <= 0:
+            return None
+        return [{"role": role, **g} for role, sampler in self._samplers for g in sampler.snapshot()]
+
+    def publish_if_due(self, step: int, loss: float | None, compiles_after_ready: int) -> None:
+        """Publish when a status interval passed since the last snapshot (the loop is starved)."""
+        if self._clock() - self._last_publish_s >= self._cfg.consumer.status_interval_s:
+            self.publish(step, loss, compiles_after_ready)
+
+    def publish(self, step: int, loss: float | None, compiles_after_ready: int,
+                phase: str | None = None) -> dict[str, Any]:
+        """Build a snapshot, append it to the metrics file and hand it to the readers."""
+        if phase is not None:
+            self.set_phase(phase)
+        now = self._clock()
+        rs = self._consumer.receiver_stats()
+        self._bytes.add(now, rs.bytes_received)
+        span = self._bytes.span(now)
+        bytes_per_s = (span[1][1] - span[0][1]) / (span[1][0] - span[0][0]) if span else None
+        snap = build_snapshot(
+            t_unix_s=self._wall(), uptime_s=self._wall() - self._start_s, phase=self._phase, step=step,
+            steps_total=self._cfg.consumer.steps, loss=loss, window_s=self._cfg.consumer.metrics_window_s,
+            figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
+            bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
+            compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [])
+        text = json.dumps(snap, allow_nan=False)
+        with self._lock:
+            self._latest, self._latest_json = snap, text.encode()
+        self._last_publish_s = now
+        if self._file is not None:
+            self._write(text)
+        return snap
+
+    def _write(self, text: str) -> None:
+        assert self._file is not None
+        try:
+            self._file.write(text + "\n")     # line-buffered: one write(2) per snapshot
+        except OSError as err:                # disk full mid-run: keep training, stop writing
+            log.warning("metrics file %s: %s; no more snapshots are written", self._cfg.consumer.metrics_file,
+                        err.strerror)
+            self._file.close()
+            self._file = None
+
+    # --- readers (any thread) ---------------------------------------------------------------------
+    def latest(self) -> dict[str, Any] | None:
+        """A copy of the newest snapshot."""
+        with self._lock:
+            return copy.deepcopy(self._latest)
+
+    def latest_json(self) -> bytes:
+        """The newest snapshot as JSON bytes (immutable, so no copy is needed)."""
+        with self._lock:
+            return self._latest_json
+
+
+def open_metrics_file(path: str) -> IO[str]:
+    """Open the JSONL file for line-buffered appending; ``ConfigError`` naming the key if it cannot be."""
+    try:
+        return open(path, "a", buffering=1, encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot append to {path}: {err.strerror}", path=("consumer", "metrics_file")) from err
+
+
+def start_samplers(cfg: Any) -> list[tuple[str, GpuSampler]]:
+    """One NVML sampler per role: the model GPU(s) (``consumer.model_gpu``, else this process's
+    CUDA_VISIBLE_DEVICES) and the data GPU(s) (``producer.data_gpu``; none when empty).
+
+    NVML sees every physical GPU whatever CUDA_VISIBLE_DEVICES says, so the consumer samples both roles.
+    """
+    interval_s = cfg.consumer.gpu_sample_interval_s
+    if interval_s <= 0:
+        return []
+    samplers = [("model", GpuSampler(interval_s, visible=cfg.consumer.model_gpu))]
+    if cfg.producer.data_gpu:
+        samplers.append(("data", GpuSampler(interval_s, visible=cfg.producer.data_gpu)))
+    for _, sampler in samplers:
+        sampler.start()
+    return samplers

@@ -1,0 +1,157 @@
+"""One consumer's state directory: exclusive lock, run identity, audit log and checkpoints.
+
+```python
+state = RunState.open(cfg, manifest.fingerprint)      # lock, check run.json, resume cursor
+consumer = Consumer(cfg, start_batch=state.next_batch)
+state.restore_into(items)                             # after warm-up: the checkpointed variables
+for batch in consumer.batches(stop):
+    step(batch)
+    state.record(batch.batch_id, planned_sample_ids, consumer.epoch)
+    if state.due():
+        state.checkpoint(items, consumer.epoch)
+state.checkpoint(items, consumer.epoch)               # on stop and at the end
+state.close()
+```
+Invariants:
+    * One consumer per state directory (``flock`` on ``.lock``; the kernel drops it on SIGKILL).
+    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets); a config
+      that would change the plan is refused instead of silently mixing two plans in one lineage.
+    * Opening truncates the audit log to the newest checkpoint's record count, so the log always
+      describes the lineage of the variables that will be trained on.
+Shutdown: ``close()`` is idempotent and releases the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
+from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint
+from shared.config import PipelineConfig, config_to_mapping
+from shared.errors import StateError
+
+__all__ = ["RunState"]
+
+log = logging.getLogger(__name__)
+
+_PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
+
+
+class RunState:
+    def __init__(self, root: Path, lock_fd: int, identity: dict[str, Any], every_steps: int, keep: int) -> None:
+        self.root = root
+        self._lock_fd: int | None = lock_fd
+        self._identity = identity
+        self._every = every_steps
+        self._store = CheckpointStore(root, keep)
+        found = latest_checkpoint(root)
+        self._resume_path = found[0] if found else None
+        cursor = found[1] if found else None
+        if cursor is not None and (cursor.fingerprint, cursor.seed) != (identity["fingerprint"], identity["seed"]):
+            raise StateError(self._resume_path, "checkpoint belongs to another dataset or seed")
+        self.next_batch = cursor.next_batch if cursor else 0
+        self._audit = AuditLog(root / AUDIT_NAME)
+        dropped = self._audit.truncate_to(cursor.audit_records if cursor else 0)
+        self._saved_records = self._audit.records
+        where = f"checkpoint {self._resume_path.name}" if self._resume_path else "no checkpoint: from the start"
+        log.info("state %s: resuming at batch %d (%s); %d audit records after it dropped",
+                 root, self.next_batch, where, dropped)
+
+    @classmethod
+    def open(cls, cfg: PipelineConfig, fingerprint: str) -> RunState | None:
+        """The state of ``cfg.consumer.state_dir``, or ``None`` when no state directory is set.
+
+        Raises:
+            StateError: another consumer holds the directory, it cannot be created, or it holds
+                a run whose plan differs from ``cfg`` (fatal: exit 78).
+        """
+        if cfg.consumer.state_dir is None:
+            log.warning("no consumer.state_dir: no checkpoints or audit log; a restart starts at batch 0")
+            return None
+        root = Path(cfg.consumer.state_dir).resolve()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise StateError(root, f"cannot use as state directory: {err.strerror}") from err
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
+            os.close(lock_fd)
+            raise StateError(root, f"in use by another consumer (pid {holder or '?'})") from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            identity = _check_identity(root, cfg, fingerprint)
+            return cls(root, lock_fd, identity, cfg.consumer.checkpoint_every_steps, cfg.consumer.keep_checkpoints)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    @property
+    def resumed(self) -> bool:
+        return self._resume_path is not None
+
+    def restore_into(self, items: dict[str, object]) -> None:
+        """Load the resume checkpoint's variables (no-op when starting from scratch)."""
+        if self._resume_path is not None:
+            CheckpointStore.restore(self._resume_path, items)
+            log.info("restored variables from %s", self._resume_path.name)
+
+    def record(self, batch_id: int, sample_ids: Sequence[int], consumer_epoch: int) -> None:
+        """Batch ``batch_id`` was applied (its step finished)."""
+        self._audit.append(batch_id, self._audit.records + 1, consumer_epoch, sample_digest(sample_ids))
+        self.next_batch = batch_id + 1
+
+    def due(self) -> bool:
+        return self._audit.records - self._saved_records >= self._every
+
+    def checkpoint(self, items: dict[str, object], consumer_epoch: int) -> None:
+        """Commit variables + cursor if anything was applied since the last one."""
+        if self._audit.records == self._saved_records:
+            return
+        try:
+            self._audit.sync()
+        except OSError as err:
+            raise StateError(self._audit.path, f"fsync failed: {err.strerror}", fatal=False) from err
+        cursor = Cursor(self.next_batch, self._audit.records, self._identity["seed"], self._identity["fingerprint"],
+                        consumer_epoch, time.time())
+        self._resume_path = self._store.save(cursor, items)
+        self._saved_records = self._audit.records
+
+    def close(self) -> None:
+        self._audit.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str) -> dict[str, Any]:
+    """Write ``run.json`` on first use; afterwards refuse a config that changes the plan."""
+    mapping = config_to_mapping(cfg)
+    identity = {"fingerprint": fingerprint, "seed": cfg.seed, "n_mels": cfg.n_mels, "buckets": mapping["buckets"],
+                "cache_dir": str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir else None}
+    path = root / RUN_NAME
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise StateError(path, f"unreadable: {err}") from err
+        for key in _PLAN_KEYS:
+            if old.get(key) != identity[key]:
+                raise StateError(path, f"this state belongs to a run with {key}={old.get(key)!r}, the config has "
+                                       f"{identity[key]!r}; use a new consumer.state_dir or the original config")
+        if old.get("cache_dir") != identity["cache_dir"]:
+            log.info("cache moved from %s to %s (same fingerprint)", old.get("cache_dir"), identity["cache_dir"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(identity, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return identity

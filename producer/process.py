@@ -1,0 +1,143 @@
+"""Entry point of one producer process (spawned by ``producer.supervisor``).
+
+``python -m producer.process --config FILE --index N``: sets ``CUDA_VISIBLE_DEVICES`` to the data GPU
+before anything could import a framework, loads the manifest, derives the bucket shapes (the
+consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM.
+Exit codes: 0 clean stop, 78 configuration/contract error (no restart), 1 unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producer.worker import ProducerWorker
+    from shared.config import PipelineConfig
+    from shared.service.sdnotify import Notifier
+
+__all__ = ["main", "run_one"]
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="producer.process")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--debug-delay-ms", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    multiprocessing.current_process().name = f"producer-{args.index}"
+
+    from shared.config import load_config
+    from shared.errors import EXIT_CONFIG, PipelineError
+    from shared.service.lifecycle import die_with_parent, setup_logging
+    setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+    die_with_parent()
+    try:
+        cfg = load_config(args.config)
+    except PipelineError as err:
+        print(f"producer-{args.index}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run_one(cfg, args.index, args.debug_delay_ms / 1000.0)
+
+
+def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Notifier | None = None) -> int:
+    """One producer in this process until SIGTERM: the launcher's child, or a systemd instance.
+
+    With a ``shared.service.sdnotify.Notifier``: READY once built and connecting, STATUS on join/leave and
+    every few seconds, WATCHDOG from the worker loop (which turns at least every heartbeat).
+    """
+    from shared.errors import EXIT_CONFIG, PipelineError
+    from shared.service.lifecycle import stop_on_signals
+    from shared.service.sdnotify import Notifier
+    notifier = notifier if notifier is not None else Notifier({})
+    try:
+        # Before any framework import: producers see only the data GPU ("" = CPU only).
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
+        status = _Status(notifier)
+        worker = _build_worker(cfg, index, debug_delay_s, status.tick)
+    except PipelineError as err:
+        print(f"producer-{index}: {err}", file=sys.stderr)
+        notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
+        return EXIT_CONFIG
+    notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
+    with stop_on_signals() as stop:
+        try:
+            code = worker.run(stop)
+        except Exception:  # top level of the process: log and map to an exit code
+            log.error("producer crashed", exc_info=True)
+            return 1
+        finally:
+            notifier.stopping()
+    s = worker.stats()
+    log.info("producer stopped batches=%d shm_batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
+             s.shm_batches,
+             1000 * s.build_s_total / max(1, s.batches_sent), 1000 * s.send_s_total / max(1, s.batches_sent),
+             s.rejoins)
+    return code
+
+
+class _Status:
+    """Turns worker loop ticks into WATCHDOG pings and a STATUS line (on change or every 5 s)."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self._notifier = notifier
+        self._last: tuple[int | None, int] | None = None
+        self._next_s = 0.0
+
+    def tick(self, worker: ProducerWorker) -> None:
+        self._notifier.watchdog()
+        if not self._notifier.enabled:
+            return
+        now = time.monotonic()
+        epoch = worker.joined_epoch
+        if self._last is not None and self._last[0] == epoch and now < self._next_s:
+            return
+        sent = worker.stats().batches_sent
+        self._last, self._next_s = (epoch, sent), now + 5.0
+        self._notifier.status(f"joined consumer epoch {epoch}; {sent} batches sent" if epoch is not None
+                              else f"waiting for a consumer at {worker.endpoint}; {sent} batches sent")
+
+
+def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
+                  on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
+    from producer.batcher import BatchAssembler
+    from producer.slot_maps import SlotMappings
+    from shared.config import check_transport_mode
+    from producer.reader import CacheReader
+    from producer.worker import ProducerWorker
+    from shared.wire.buckets import build_buckets
+    from shared.errors import ConfigError
+    from shared.service.lifecycle import resolve_endpoint
+    from shared.wire.curve import client_keys_for
+    from shared.cache.features import load_manifest_for
+
+    if cfg.cache_dir is None:
+        raise ConfigError("is required for producers", path=("cache_dir",))
+    manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    assembler = BatchAssembler(CacheReader(manifest), bucket_set, max_buffers=cfg.transport.lease_window + 2,
+                               bad_sample_policy=cfg.producer.bad_samples)
+    t = cfg.transport
+    endpoint = resolve_endpoint(cfg, os.environ)
+    curve = client_keys_for(t, endpoint)
+    name = curve.name if curve is not None else "producer"     # a CURVE key named N may only speak as N-<index>
+    check_transport_mode(t.mode, endpoint)               # --endpoint may have made it tcp
+    # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
+    slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots)
+                 if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
+    return ProducerWorker(endpoint, f"{name}-{index}", assembler, bucket_set,
+                          manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
+                          liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
+                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve, slot_maps=slot_maps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Read cache files straight into preallocated batch rows.
+
+Role: the producer's only reader of ``mels/`` and ``tokens/``. Each read is one
+``os.preadv`` of the header and of the data (at the offset recorded in the manifest, straight into
+a view of the batch buffer): no temporary array (float32 mels and int32 tokens), no copy, and a
+header parse only the first time a process reads a file. This is the fastest method measured
+(docs: perf-facts "Reading the cache", ~1.3 ms CPU per 64-row batch).
+
+Invariants:
+- A read either fills ``dst[:n]`` with the file's first ``n`` rows and zeroes ``dst[n:]``
+  (only that padding tail), or raises ``CacheError`` naming the file.
+- A file whose size or header differs from the manifest's record is refused: it changed since
+  indexing, so its recorded data offset and layout can no longer be trusted. The header comes in
+  the same ``preadv`` as the data and is parsed once per file per process (then compared).
+- A mel row holding NaN or Inf is refused. Every refusal depends only on the file (its presence,
+  size and bytes), so every producer refuses the same rows and quarantine stays deterministic;
+  reads that fail for reasons outside the file (out of fds or memory) raise ``TransientReadError``
+  instead, which is never a quarantine decision.
+- Not thread-safe: the scratch buffers are shared between calls. Use one reader per thread.
+Shutdown: no resource outlives a call; every fd is closed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.errors import CacheError
+from shared.cache.manifest import Manifest
+from shared.cache.npyfile import parse_npy_header
+
+__all__ = ["CacheReader", "TransientReadError"]
+
+log = logging.getLogger(__name__)
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+_F32 = np.dtype(np.float32)  # dtype objects: comparing dst.dtype to a scalar type converts per call
+_I32 = np.dtype(np.int32)
+_MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # by mel_dtype
+_TOKEN_DTYPE: np.dtype = np.dtype("<i4")
+# Failures that say nothing about the file: another try (or a restarted process) may succeed.
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
+
+
+class TransientReadError(CacheError):
+    """A read failed for a reason outside the file (out of fds or memory): retry, never quarantine."""
+
+
+def _open_error(path: str, err: OSError, what: str) -> CacheError:
+    cls = TransientReadError if err.errno in _TRANSIENT_ERRNOS else CacheError
+    return cls(path, f"{what} ({err.strerror})")
+
+
+def _check_dst(dst: np.ndarray, dtype: np.dtype, ndim: int) -> None:
+    flags = dst.flags
+    if dst.dtype != dtype or dst.ndim != ndim or not flags.c_contiguous or not flags.writeable:
+        raise ValueError(
+            f"dst must be a writable C-contiguous {dtype.name} array of rank {ndim}, "
+            f"got {dst.dtype} shape {dst.shape} contiguous={flags.c_contiguous}"
+        )
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    """A flat writable byte view of a C-contiguous array (also when it has zero rows)."""
+    # memoryview.cast refuses zero-length shapes; reshape+view would work but costs 2x.
+    return arr.data.cast("B") if arr.size else memoryview(bytearray())
+
+
+def _pread_exact(path: str, file_bytes: int, head: memoryview, buf: memoryview) -> None:
+    """Fill ``head`` with the file's first bytes and ``buf`` with the data right after: one ``preadv``.
+
+    Raises:
+        CacheError: Missing file, size differs from ``file_bytes``, or the file ends early.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError as err:
+        raise CacheError(path, "missing") from err
+    except OSError as err:
+        raise _open_error(path, err, "cannot open") from err
+    try:
+        size = os.fstat(fd).st_size
+        if size != file_bytes:
+            raise CacheError(path, f"file changed since index (size {size}, "
+                                   f"manifest says {file_bytes}); re-run index")
+        offset, need = head.nbytes, head.nbytes + buf.nbytes
+        got = os.preadv(fd, [head, buf], 0)
+        while 0 < got < need:  # regular files only return short at EOF, but be exact anyway
+            rest = [head[got:], buf] if got < offset else [buf[got - offset:]]
+            more = os.preadv(fd, rest, got)
+            if more == 0:
+                break
+            got += more
+        if got < need:
+            raise CacheError(path, f"short read: {max(0, got - offset)} of {buf.nbytes} bytes at offset {offset}")
+    except OSError as err:
+        raise _open_error(path, err, "read failed") from err
+    finally:
+        os.close(fd)
+
+
+class CacheReader:
+    """Reads one manifest's mel and token files into caller-owned batch rows."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        """Bind to ``manifest``; opens nothing until a read."""
+        self.manifest = manifest
+        self._n_mels = manifest.n_mels
+        # Path strings built once: pathlib joins cost ~10 us per read, more than the syscalls.
+        # Same layout as Manifest.mel_path / tokens_path (tests check they agree).
+        mel_dir, tok_dir = (os.path.join(manifest.cache_dir, d) for d in ("mels", "tokens"))
+        self._mel_paths = [os.path.join(mel_dir, f"{u.id}.npy") for u in manifest.utterances]
+        self._tok_paths = [os.path.join(tok_dir, f"{u.id}.npy") for u in manifest.utterances]
+        self._scratch = np.empty(0, dtype=np.float16)  # float16 staging, grown on demand
+        self._finite = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
+        self._head = bytearray(128)  # header bytes of the file being read, grown on demand
+        # Header bytes already checked against the manifest, per (index, is_mel): later reads cost
+        # one compare instead of a ~7.5 us parse. Bounded by the manifest: 2 x N x ~128 bytes.
+        self._checked_heads: dict[tuple[int, bool], bytes] = {}
+
+    def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
+        """Read utterance ``index``'s mel into a batch row.
+
+        Args:
+            index: Utterance index in the manifest.
+            dst: C-contiguous float32 row view [T_max, n_mels] of the batch buffer.
+
+        Returns:
+            Frames written, ``min(frames, T_max)``; rows after that are zeroed.
+
+        Raises:
+            CacheError: The file is missing, changed since indexing (size or header), ends
+                early, or its first ``n`` frames hold NaN or Inf (``TransientReadError`` if the
+                read failed for a reason outside the file).
+            ValueError: ``dst`` has the wrong dtype, rank, width or layout.
+        """
+        _check_dst(dst, _F32, 2)
+        if dst.shape[1] != self._n_mels:
+            raise ValueError(f"dst has {dst.shape[1]} mel bins, manifest has {self._n_mels}")
+        utt = self.manifest.utterances[index]
+        n = min(utt.frames, int(dst.shape[0]))
+        path = self._mel_paths[index]
+        if utt.mel_dtype == "float32":
+            self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(dst[:n]))
+        else:  # float16: stage, then widen into the row
+            count = n * self._n_mels
+            if self._scratch.size < count:
+                self._scratch = np.empty(count, dtype=np.float16)
+            staged = self._scratch[:count]
+            self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
+            np.copyto(dst[:n], staged.reshape(n, self._n_mels))
+        self._check_finite(path, dst[:n])
+        dst[n:] = 0.0
+        return n
+
+    def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int, buf: memoryview) -> None:
+        """One ``preadv`` of header + data; then the header must still say what the manifest says.
+
+        Same-size rewrites (Fortran order, another rank or a 4-byte dtype) keep the size the
+        manifest recorded, so only the header shows the data can no longer be read as indexed.
+        """
+        if len(self._head) < offset:
+            self._head = bytearray(offset)
+        head = memoryview(self._head)[:offset]
+        _pread_exact(path, file_bytes, head, buf)
+        key = (index, is_mel)
+        if self._checked_heads.get(key) == head:
+            return
+        try:
+            header = parse_npy_header(bytes(head), path)
+        except CacheError as err:   # e.g. Fortran order, or a header now longer than the indexed one
+            raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
+        utt = self.manifest.utterances[index]
+        shape: tuple[int, ...] = (utt.frames, self._n_mels) if is_mel else (utt.tokens,)
+        dtype = _MEL_DTYPES[utt.mel_dtype] if is_mel else _TOKEN_DTYPE
+        if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
+            raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
+                                   f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
+        self._checked_heads[key] = bytes(head)
+
+    def _check_finite(self, path: str, rows: npt.NDArray[np.float32]) -> None:
+        """Raise ``CacheError`` if ``rows`` [n, n_mels] holds NaN or Inf.
+
+        Cost (timeit, 2-core dev box): ~8 us per 575-frame row, ~0.5 ms per 64-row batch of 36k
+        frames; a whole 64-row build (mels + tokens) went from 3.6 to 4.7-5.0 ms on that box
+        under load. ``isfinite`` into a reused flag buffer was the cheapest exact test measured:
+        ``max``/``sum`` reductions were no faster and need two passes or can overflow, and ``dot``
+        may start BLAS threads.
+        """
+        count = rows.size
+        if self._finite.size < count:
+            self._finite = np.empty(count, dtype=bool)
+        finite = np.isfinite(rows.reshape(-1), out=self._finite[:count])
+        if finite.all():
+            return
+        bad = count - int(np.count_nonzero(finite))
+        first = int(np.argmin(finite)) // self._n_mels
+        raise CacheError(path, f"{bad} non-finite values (NaN/Inf) in the first {rows.shape[0]} frames, "
+                               f"first at frame {first}; run verify-cache")
+
+    def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
+        """Read utterance ``index``'s token ids into a batch row.
+
+        Args:
+            index: Utterance index in the manifest.
+            dst: C-contiguous int32 row view [L_max] of the batch buffer.
+
+        Returns:
+            Tokens written, ``min(tokens, L_max)``; entries after that are zeroed (padding id 0).
+
+        Raises:
+            CacheError: The file is missing, changed since indexing (size or header), or ends early.
+            ValueError: ``dst`` has the wrong dtype, rank or layout.
+        """
+        _check_dst(dst, _I32, 1)
+        utt = self.manifest.utterances[index]
+        n = min(utt.tokens, int(dst.shape[0]))
+        path = self._tok_paths[index]
+        self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n]))
+        dst[n:] = 0
+        return n

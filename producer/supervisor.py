@@ -1,0 +1,130 @@
+"""Parent of N producer processes (``run_pipeline.py producer --producers N``), supervised on uvloop.
+
+Each child is a fresh interpreter (``python -m producer.process``; never fork a process that may hold a
+ZeroMQ context or TensorFlow). A child that crashes is restarted with exponential back-off (reset
+after it stayed up ``_HEALTHY_S``); a child that exits 78 (configuration or contract error) stops
+the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies.
+Shutdown ladder on stop: SIGTERM every child -> wait ``_TERM_WAIT_S`` -> SIGKILL -> wait; each
+escalation is logged. Children die with the parent (PR_SET_PDEATHSIG) if the parent is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvloop
+
+from shared.errors import EXIT_CONFIG
+from shared.service.sdnotify import Notifier
+
+__all__ = ["supervise_producers"]
+
+log = logging.getLogger(__name__)
+
+_TERM_WAIT_S = 10.0      # > one batch build + BYE; below systemd's TimeoutStopSec
+_HEALTHY_S = 30.0
+_BACKOFF_MAX_S = 30.0
+
+
+class _Group:
+    def __init__(self, config_path: Path, count: int, backoff_s: float, debug_delay_ms: float) -> None:
+        self.config_path = config_path
+        self.count = count
+        self.backoff_s = backoff_s
+        self.debug_delay_ms = debug_delay_ms
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.exit_code = 0
+        self.restarts = 0
+
+    async def spawn(self, index: int) -> asyncio.subprocess.Process:
+        cmd = [sys.executable, "-m", "producer.process", "--config", str(self.config_path), "--index", str(index)]
+        if self.debug_delay_ms:
+            cmd += ["--debug-delay-ms", str(self.debug_delay_ms)]
+        proc = await asyncio.create_subprocess_exec(*cmd, env=dict(os.environ))
+        self.procs[index] = proc
+        log.info("started producer-%d pid=%d", index, proc.pid)
+        return proc
+
+    async def keep_alive(self, index: int, stopping: asyncio.Event) -> None:
+        delay_s = self.backoff_s
+        while not stopping.is_set():
+            started = time.monotonic()
+            proc = await self.spawn(index)
+            code = await proc.wait()
+            if stopping.is_set():
+                return
+            if code == EXIT_CONFIG:
+                log.error("producer-%d exited %d (configuration error); stopping all producers", index, code)
+                self.exit_code = EXIT_CONFIG
+                stopping.set()
+                return
+            if time.monotonic() - started > _HEALTHY_S:
+                delay_s = self.backoff_s
+            log.warning("producer-%d exited with %d; restarting in %.1f s", index, code, delay_s)
+            self.restarts += 1
+            try:
+                await asyncio.wait_for(stopping.wait(), delay_s)
+            except asyncio.TimeoutError:
+                pass
+            delay_s = min(max(delay_s * 2, 0.5), _BACKOFF_MAX_S)
+
+    async def terminate_all(self) -> None:
+        live = [p for p in self.procs.values() if p.returncode is None]
+        for p in live:
+            with _suppress_lookup():
+                p.send_signal(signal.SIGTERM)
+        if not live:
+            return
+        done, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=_TERM_WAIT_S)
+        if pending:
+            log.warning("%d producers ignored SIGTERM for %.0f s; killing", len(pending), _TERM_WAIT_S)
+            for p in live:
+                if p.returncode is None:
+                    with _suppress_lookup():
+                        p.kill()
+            await asyncio.wait(pending, timeout=_TERM_WAIT_S)
+
+
+class _suppress_lookup:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is ProcessLookupError
+
+
+async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int:
+    stopping = asyncio.Event()
+    tasks = [asyncio.ensure_future(group.keep_alive(i, stopping)) for i in range(1, group.count + 1)]
+    notifier.ready(f"supervising {group.count} producers")
+    next_status_s = 0.0
+    while not stopping.is_set() and not stop.is_set():
+        await asyncio.sleep(0.1)   # the threading.Event is set by a signal handler; poll it cheaply
+        notifier.watchdog()        # this loop turning is the supervisor's progress
+        if notifier.enabled and time.monotonic() >= next_status_s:
+            alive = sum(1 for p in group.procs.values() if p.returncode is None)
+            notifier.status(f"{alive}/{group.count} producers alive; {group.restarts} restarts")
+            next_status_s = time.monotonic() + 2.0
+    notifier.stopping()
+    stopping.set()
+    await group.terminate_all()
+    await asyncio.wait(tasks, timeout=_TERM_WAIT_S)
+    return group.exit_code
+
+
+def supervise_producers(config_path: Path, count: int, stop: threading.Event, *, backoff_s: float = 1.0,
+                        debug_delay_ms: float = 0.0, notifier: Notifier | None = None) -> int:
+    """Run ``count`` producers until ``stop`` is set or one reports a configuration error.
+
+    Returns:
+        0 after a clean stop, 78 when a producer exited with a configuration error.
+    """
+    group = _Group(config_path, count, backoff_s, debug_delay_ms)
+    return uvloop.run(_main(group, stop, notifier if notifier is not None else Notifier({})))

@@ -1,0 +1,106 @@
+"""Offline commands: ``index`` (manifest from .npy headers), ``verify-cache`` and ``demo-data``.
+
+``index`` and ``verify-cache`` show a ``shared.service.progress.Progress`` on stderr (a bar on a terminal,
+else a line every ``_PROGRESS_EVERY_S`` or ``$MELFEED_PROGRESS_S``); results go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from shared.cache.demo_data import write_demo_cache
+from shared.errors import CacheError
+from shared.cache.index import build_manifest
+from shared.cache.manifest import write_manifest
+from shared.service.progress import Progress, progress_interval_s
+from shared.cache.verify import verify_cache
+
+__all__ = ["main_index", "main_verify_cache", "main_demo"]
+
+log = logging.getLogger(__name__)
+
+_PROGRESS_EVERY_S = 5.0  # a large cache takes minutes to read; say it is alive this often
+
+
+def _link_folder(root: Path, name: str, target: str | None) -> None:
+    """Adopt an existing folder of ``<id>.npy`` files as ``ROOT/name`` (a symlink; nothing is copied).
+
+    The link is relative when the folder is inside ``root`` (the cache stays relocatable), else absolute.
+    """
+    if target is None:
+        return
+    src = Path(target).resolve()
+    if not src.is_dir():
+        raise CacheError(target, "not a directory")
+    link = root / name
+    if link.exists() or link.is_symlink():
+        if link.resolve() == src:
+            return
+        raise CacheError(link, f"exists and is not {src}; refusing to replace it")
+    root.mkdir(parents=True, exist_ok=True)
+    inside = src.is_relative_to(root.resolve())
+    link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
+
+
+def _progress(label: str) -> Progress:
+    """Progress over utterances on stderr; the total is learnt from the first callback."""
+    return Progress(0, sys.stderr, label=label, unit="utterances",
+                    interval_s=progress_interval_s(_PROGRESS_EVERY_S))
+
+
+def main_index(args: argparse.Namespace) -> int:
+    """Exit 0 when every file is valid; 1 when some are bad (manifest written only with --skip-bad).
+
+    With ``--mels``/``--tokens``, existing folders are adopted first (``_link_folder``).
+    """
+    _link_folder(Path(args.cache_dir), "mels", getattr(args, "mels", None))
+    _link_folder(Path(args.cache_dir), "tokens", getattr(args, "tokens", None))
+    progress = _progress("index")
+    try:
+        manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+    finally:
+        progress.finish()  # ends the bar's line before any message
+    for problem in problems:
+        print(f"bad: {problem}", file=sys.stderr)
+    unmatched = sum(p.reason.startswith("no matching ") for p in problems)
+    if problems:
+        print(f"{unmatched} unmatched, {len(problems) - unmatched} invalid files", file=sys.stderr)
+    if problems and not args.skip_bad:
+        print(f"{len(problems)} bad files; manifest not written (fix them, or pass --skip-bad)", file=sys.stderr)
+        return 1
+    path = write_manifest(manifest)
+    frames = int(manifest.frames.sum())
+    print(f"indexed {len(manifest.utterances)} utterances ({frames} frames, fingerprint {manifest.fingerprint})"
+          f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else ""))
+    return 0
+
+
+def main_verify_cache(args: argparse.Namespace) -> int:
+    """Exit 0 when every file a training run reads is good, 1 when some are bad.
+
+    Prints ``bad: PATH: REASON`` per bad file and ``warning: PATH: REASON`` per unlisted file
+    (stdout, sorted by path), then the summary line. A missing cache dir raises ``CacheError`` (78).
+    """
+    progress = _progress("verify-cache")
+    try:
+        report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+    finally:
+        progress.finish()
+    for problem in report.problems:
+        print(f"{'bad' if problem.fatal else 'warning'}: {problem}")
+    n_warn = len(report.warnings)
+    print(f"verified {report.utterances} utterances ({report.files} files): {len(report.bad)} bad"
+          + (f", {n_warn} not in the manifest" if n_warn else "")
+          + ("" if report.has_manifest else " (no usable manifest: checked by header)"))
+    return 1 if report.bad else 0
+
+
+def main_demo(args: argparse.Namespace) -> int:
+    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed)
+    print(f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
+          f"(fingerprint {manifest.fingerprint})")
+    return 0

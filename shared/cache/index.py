@@ -1,0 +1,133 @@
+"""Indexing a cache: a ``Manifest`` built from the ``.npy`` headers of ``mels/`` and ``tokens/``.
+
+Role: ``build_manifest`` (``run_pipeline.py index``, ``prepare``, the demo data) reads only each
+file's header, never its data, pairs mels and tokens by file stem, and records every file's data
+offset and size. The header rules (``check_mel_header``, ``check_token_header``) are the same ones
+``verify-cache`` applies. Bad or unpaired files become ``CacheProblem``s naming the file and are
+left out of the manifest; the caller decides whether that is fatal.
+Shutdown: nothing to shut down; every file opened here is closed before returning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import CacheError
+from shared.cache.manifest import CacheProblem, Manifest, Utterance, recorded_features
+from shared.cache.npyfile import NpyHeader, inspect_npy
+
+__all__ = ["build_manifest", "check_mel_header", "check_token_header", "MEL_DTYPES"]
+
+log = logging.getLogger(__name__)
+
+MEL_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
+_TOKEN_DTYPE = np.dtype("<i4")
+
+
+def _list_npy(directory: Path) -> dict[str, Path]:
+    if not directory.is_dir():
+        raise CacheError(directory, "missing directory")
+    with os.scandir(directory) as entries:
+        return {e.name[:-4]: Path(e.path) for e in entries
+                if e.name.endswith(".npy") and len(e.name) > 4 and e.is_file()}
+
+
+def check_mel_header(header: NpyHeader, n_mels: int) -> str | None:
+    """Why a mel header is unusable (one line), or ``None``; ``index`` and ``verify-cache`` share it."""
+    if len(header.shape) != 2:
+        return f"expected rank 2 [frames, n_mels], got shape {header.shape}"
+    if header.shape[1] != n_mels:
+        hint = " (stored as [n_mels, frames]? transpose it)" if header.shape[0] == n_mels else ""
+        return f"expected n_mels={n_mels} in shape [frames, n_mels], got shape {header.shape}{hint}"
+    if header.dtype not in MEL_DTYPES:
+        return f"mel dtype {header.dtype.str} not allowed (little-endian float32 or float16)"
+    if header.shape[0] == 0:
+        return "zero frames"
+    return None
+
+
+def check_token_header(header: NpyHeader) -> str | None:
+    """Why a token header is unusable (one line), or ``None``."""
+    if len(header.shape) != 1:
+        return f"expected rank 1 [tokens], got shape {header.shape}"
+    if header.dtype != _TOKEN_DTYPE:
+        return f"token dtype {header.dtype.str} not allowed (little-endian int32)"
+    if header.shape[0] == 0:
+        return "zero tokens"
+    return None
+
+
+def _inspect(path: Path, problems: list[CacheProblem]) -> tuple[NpyHeader, int] | None:
+    try:
+        return inspect_npy(path)
+    except CacheError as err:
+        problems.append(CacheProblem(err.path, err.reason))
+        return None
+
+
+def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
+               problems: list[CacheProblem]) -> Utterance | None:
+    mel_info, tok_info = _inspect(mel, problems), _inspect(tok, problems)
+    mel_bad = check_mel_header(mel_info[0], n_mels) if mel_info else None
+    tok_bad = check_token_header(tok_info[0]) if tok_info else None
+    if mel_bad:
+        problems.append(CacheProblem(str(mel), mel_bad))
+    if tok_bad:
+        problems.append(CacheProblem(str(tok), tok_bad))
+    if mel_info is None or tok_info is None or mel_bad or tok_bad:
+        return None
+    (mh, mel_bytes), (th, tok_bytes) = mel_info, tok_info
+    return Utterance(uid, mh.shape[0], th.shape[0], MEL_DTYPES[mh.dtype],
+                     mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
+
+
+def build_manifest(
+    cache_dir: str | os.PathLike[str],
+    n_mels: int = 80,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Manifest, list[CacheProblem]]:
+    """Index a cache directory by reading every file's ``.npy`` header (never its data).
+
+    Args:
+        cache_dir: Directory holding ``mels/`` and ``tokens/``.
+        n_mels: Required last dimension of every mel file.
+        progress: Called as ``progress(done, total)`` after each utterance id.
+
+    Returns:
+        ``(manifest, problems)``: the usable utterances, and one ``CacheProblem`` per bad or
+        unpaired file (its utterance is left out). An all-bad cache gives an empty manifest;
+        the caller decides whether that is fatal.
+
+    Raises:
+        CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file,
+            or ``features.json`` is malformed or names another ``n_mels``.
+    """
+    root = Path(cache_dir)
+    features, vocabulary = recorded_features(root, n_mels)
+    mels, toks = _list_npy(root / "mels"), _list_npy(root / "tokens")
+    if not mels and not toks:
+        raise CacheError(root, "empty cache: no .npy files in mels/ or tokens/")
+    ids = sorted(mels.keys() | toks.keys())
+    problems: list[CacheProblem] = []
+    utterances: list[Utterance] = []
+    for done, uid in enumerate(ids, 1):
+        mel, tok = mels.get(uid), toks.get(uid)
+        if tok is None and mel is not None:
+            problems.append(CacheProblem(str(mel), f"no matching tokens/{uid}.npy"))
+        elif mel is None and tok is not None:
+            problems.append(CacheProblem(str(tok), f"no matching mels/{uid}.npy"))
+        elif mel is not None and tok is not None:
+            utt = _index_one(uid, mel, tok, n_mels, problems)
+            if utt is not None:
+                utterances.append(utt)
+        if progress is not None:
+            progress(done, len(ids))
+    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary)
+    log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
+             root, len(utterances), len(problems), manifest.fingerprint)
+    return manifest, problems

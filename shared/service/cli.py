@@ -1,0 +1,146 @@
+"""Command-line parser for ``run_pipeline.py`` and the mapping from flags to config keys.
+
+Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/app.py`` and
+``shared/cache/commands.py``, ``consumer/observe/report_plot.py``. A flag overrides the YAML value of the key it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from shared.config import PipelineConfig, load_config, with_overrides
+from shared.service.children import REPO_ROOT
+
+__all__ = ["build_parser", "config_from_args"]
+
+_OVERRIDES = {  # flag dest -> config key
+    "cache_dir": "cache_dir", "endpoint": "transport.endpoint", "steps": "consumer.steps",
+    "producers": "producer.count", "seed": "seed", "ring_slots": "consumer.ring_slots",
+    "batch_size": "buckets.batch_size", "status_interval_s": "consumer.status_interval_s",
+    "state_dir": "consumer.state_dir", "model_step": "model.step",
+    "checkpoint_every_steps": "consumer.checkpoint_every_steps",
+    "metrics_file": "consumer.metrics_file", "metrics_port": "consumer.metrics_port",
+}
+
+
+def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bool = False) -> None:
+    p.add_argument("--config", help="YAML config file (see deploy/example.yaml)")
+    p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
+    p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)")
+    p.add_argument("--seed", type=int, help="data order seed")
+    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+    if producers:
+        p.add_argument("--producers", type=int, help="number of producer processes")
+        p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+        if not consumer:
+            p.add_argument("--instance", type=int, help="run only producer N in this process (systemd producer@N)")
+    if consumer:
+        p.add_argument("--steps", type=int, help="stop after this many applied batches")
+        p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")
+        p.add_argument("--batch-size", type=int, help="rows per batch")
+        p.add_argument("--status-interval-s", type=float, help="seconds between status lines")
+        p.add_argument("--state-dir", help="directory for checkpoints and the audit log (resume from it)")
+        p.add_argument("--checkpoint-every-steps", type=int, help="checkpoint period (also on stop and at the end)")
+        p.add_argument("--model-step", help="training step factory, module:function")
+        p.add_argument("--summary-json", help="write the final summary as JSON to this file")
+        p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
+        p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="consumer and N producers on this host")
+    _common(run, producers=True, consumer=True)
+    run.add_argument("--demo", action="store_true", help="generate (once) and train on the built-in demo data")
+    run.add_argument("--demo-utterances", type=int, default=2000)
+    _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)"), consumer=True)
+    _common(sub.add_parser("producer", help="N producer processes under one parent"), producers=True)
+    doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up")
+    _common(doc)
+    doc.add_argument("--producers", type=int, help="producer processes to measure (default: producer.count)")
+    doc.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+    doc.add_argument("--model-step", help="training step factory, module:function")
+    doc.add_argument("--demo", action="store_true", help="run on the built-in demo cache (generated once)")
+    doc.add_argument("--demo-utterances", type=int, default=2000)
+    doc.add_argument("--seconds-per-stage", type=float, default=3.0, help="measuring time of each stage")
+    doc.add_argument("--json", help="also write every figure and the verdict as JSON to this file")
+    idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers")
+    idx.add_argument("cache_dir")
+    idx.add_argument("--n-mels", type=int, default=80)
+    idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
+    idx.add_argument("--mels", help="adopt an existing folder of <id>.npy mels (linked as CACHE_DIR/mels)")
+    idx.add_argument("--tokens", help="adopt an existing folder of <id>.npy token ids (linked as CACHE_DIR/tokens)")
+    prep = sub.add_parser("prepare", help="build a mel cache from an LJSpeech-format corpus (resumable)")
+    prep.add_argument("--ljspeech", required=True, help="corpus dir with metadata.csv (id|text|normalized_text) and wavs/")
+    prep.add_argument("--cache", required=True, help="output cache dir (created; an interrupted run resumes in it)")
+    prep.add_argument("--config", help="YAML config: its features section, n_mels and producer.data_gpu apply")
+    prep.add_argument("--workers", type=int, help="worker processes (default: one per available CPU)")
+    prep.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every utterance (testing)")
+    prep.add_argument("--log-level", default="INFO")
+    ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
+    ver.add_argument("cache_dir")
+    ver.add_argument("--n-mels", type=int, default=80)
+    aud = sub.add_parser("audit", help="compare the applied-batch log in STATE_DIR with the plan; exit 1 if not exact")
+    aud.add_argument("state_dir")
+    aud.add_argument("--json", help="also write the counts as JSON to this file")
+    dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
+    dep.add_argument("--producers", type=int, required=True, help="instances pipeline.target wants (1..N)")
+    dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
+    dep.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
+    dep.add_argument("--group", help="service group (default: the user's primary group)")
+    dep.add_argument("--config", default=str(REPO_ROOT / "deploy" / "example.yaml"),
+                     help="YAML config the services read (must set cache_dir)")
+    dep.add_argument("--target-dir", default="/etc/systemd/system", help="where the unit files go")
+    dep.add_argument("--state-dir", default="/var/lib/melfeed", help="consumer checkpoints and audit log")
+    dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
+    keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
+    keys.add_argument("dir")
+    keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
+    rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
+    rep.add_argument("metrics", help="metrics JSONL written by the consumer's --metrics-file")
+    rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
+    rep.add_argument("--title", help="first title line (default: the metrics file name)")
+    st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
+    st.add_argument("--config", help="YAML config the consumer runs with (to find its control endpoint)")
+    st.add_argument("--endpoint", help="the consumer's control endpoint (default: derived from --config)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
+    st.add_argument("--log-level", default="WARNING")
+    _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service"))
+    demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
+    demo.add_argument("dir")
+    demo.add_argument("--utterances", type=int, default=2000)
+    demo.add_argument("--seed", type=int, default=1234)
+    return ap
+
+
+def _bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (buckets, seed, n_mels, transport settings apply)")
+    p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
+    p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
+    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
+    p.add_argument("--transports", default="zmq,shm", help="melfeed payload paths, comma-separated (zmq, shm)")
+    p.add_argument("--step-ms", default="5,20,50", help="modelled device time per step, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="rounds alternating the systems; medians over them")
+    p.add_argument("--batches", type=int, default=300, help="measured batches per trial")
+    p.add_argument("--warmup", type=int, default=10, help="batches before measuring, per trial")
+    p.add_argument("--tfdata-parallel", default="autotune,8,16", help="tuned tf.data num_parallel_calls variants")
+    p.add_argument("--service-workers", type=int, default=1, help="tf.data service workers (0 = skip the service)")
+    p.add_argument("--transport-only", action="store_true", help="only the transport GB/s section")
+    p.add_argument("--no-transport", action="store_true", help="skip the transport GB/s section")
+    p.add_argument("--smoke", action="store_true", help="tiny run: 1 round, 5 ms step, 20 batches, 1 producer")
+    p.add_argument("--trial-timeout-s", type=float, default=300.0, help="kill a trial (and its helpers) after this")
+    p.add_argument("--json", help="write every trial's raw numbers, the medians, ratios and goals to this file")
+    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+
+
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """Load ``--config`` (or defaults) and apply the flags given on the command line."""
+    cfg = load_config(getattr(args, "config", None))
+    overrides: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in _OVERRIDES.items()}
+    return with_overrides(cfg, overrides)

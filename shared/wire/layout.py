@@ -1,0 +1,54 @@
+"""Byte layout of one batch inside a buffer: every array 64-byte aligned (DLPack requirement).
+
+Shared so a producer can fill exactly the layout a consumer slot uses (same-host paths).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.wire.buckets import Bucket
+
+__all__ = ["ALIGN_BYTES", "batch_layout", "layout_nbytes", "aligned_buffer", "layout_views", "round_up"]
+
+ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (perf-facts.md)
+
+
+def round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def batch_layout(bucket: Bucket) -> list[tuple[str, int, tuple[int, ...], np.dtype]]:
+    """(key, byte offset, shape, dtype) of each array of a ``bucket`` batch, in wire order."""
+    out = []
+    offset = 0
+    dtypes = bucket.dtypes()
+    for key, shape in bucket.shapes().items():
+        dtype = np.dtype(dtypes[key])
+        out.append((key, offset, shape, dtype))
+        offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
+    return out
+
+
+def layout_nbytes(bucket: Bucket) -> int:
+    """Bytes one batch of ``bucket`` occupies, padding between arrays included."""
+    _, offset, shape, dtype = batch_layout(bucket)[-1]
+    return offset + int(np.prod(shape)) * dtype.itemsize
+
+
+def aligned_buffer(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A uint8 buffer of ``nbytes`` whose first byte is 64-byte aligned."""
+    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[start:start + nbytes]
+
+
+def layout_views(memory: npt.NDArray[np.uint8], base: int,
+                 layout: list[tuple[str, int, tuple[int, ...], np.dtype]]) -> dict[str, npt.NDArray[np.generic]]:
+    """Typed views of one batch laid out at byte ``base`` of ``memory``."""
+    out = {}
+    for key, offset, shape, dtype in layout:
+        n = int(np.prod(shape)) * dtype.itemsize
+        out[key] = memory[base + offset:base + offset + n].view(dtype).reshape(shape)
+    return out

@@ -1,0 +1,50 @@
+"""The doctor's printed report from a hand-made report dict: every stage, the verdict, the changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from consumer.doctor.env import Check
+from consumer.doctor.report import render
+from consumer.doctor.verdict import ConfigFacts, Measurements, decide
+
+_BUILD = {"batches": 30, "elapsed_s": 1.0, "batches_per_s": 30.0, "build_ms_p50": 30.0, "build_ms_p99": 40.0,
+          "read_ms_p50": 20.0, "cpu_ms_per_batch": 25.0}
+_DEVICE = {"device": "/CPU:0", "compile_s": 2.0, "compiles_after_ready": 0,
+           "buckets": [{"index": 0, "h2d_ms_p50": 1.0, "step_ms_p50": 10.0, "step_ms_p99": 12.0, "runs": 9}]}
+_FACTS = ConfigFacts(cores=2, producer_count=2, ring_slots=3, lease_window=2, largest_batch_bytes=9_000_000,
+                     padding=0.8, num_buckets=1)
+
+
+def _report(n: int) -> dict[str, object]:
+    return {"cache_dir": "/c", "utterances": 10, "producers": n, "cores": 2, "buckets": [[0, 32, 456, 126, 80]],
+            "mix": [1.0], "padding": [0.8], "memory_bound_now_bytes": 63_000_000,
+            "config_facts": dataclasses.asdict(_FACTS),
+            "stages": {"build_1": [_BUILD], "build_n": [_BUILD] * n, "device": _DEVICE,
+                       "transport_1": {"batches_per_s": 25.0, "path": "shm"}, "transport_n": {"batches_per_s": 55.0}}}
+
+
+def _measurements(n: int) -> Measurements:
+    return Measurements(producers=n, build_ms_p50=30.0, read_ms_p50=20.0, build_rate_1=30.0, build_rate_n=30.0 * n,
+                        delivered_1=25.0, delivered_n=55.0 if n > 1 else 25.0, h2d_ms=(1.0,), step_ms=(10.0,),
+                        mix=(1.0,))
+
+
+def test_report_shows_every_stage_the_derivation_and_the_verdict() -> None:
+    v = decide(_measurements(2), _FACTS)
+    text = render(_report(2), v, [Check("warn", "socket directory", "/x has mode 0755")])
+    assert "2 processes at once: 60.0 batches/s (30.0, 30.0)" in text
+    # 1000 / 25 delivered = 40 ms per batch, 30 ms of it building -> 10 ms transport
+    assert "transport cost per batch ~ 10.00 ms = 1000 / 25.0 delivered - 30.00 build" in text
+    assert "tf.identity on /CPU:0" in text and "demand 100.0 batches/s" in text
+    assert "bound by producers (cache read / assembly)" in text and text.endswith("(the data side is the bottleneck)")
+    assert "  warn socket directory: /x has mode 0755" in text
+    assert "note:    the step needs 5 producers at 25.0 batches/s each, but this machine has 2 cores" in text
+
+
+def test_one_producer_is_not_reported_twice() -> None:
+    v = decide(_measurements(1), dataclasses.replace(_FACTS, producer_count=1))
+    text = render(_report(1), v, [])
+    assert "processes at once" not in text and "(1 producer: not repeated)" in text
+    assert "data path: shared-memory slots, 1 copy" in text
+    assert "change:  producer.count: 1 -> 2" in text

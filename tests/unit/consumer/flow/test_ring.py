@@ -1,0 +1,60 @@
+"""Slot ring: alignment, state machine, reorder by batch id, bounded waits, close."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from consumer.flow.ring import BatchRing, SlotState
+from shared.wire.buckets import Bucket
+from shared.errors import ClosedError
+
+BUCKETS = (Bucket(0, 4, 16, 5, 80), Bucket(1, 2, 40, 9, 80))
+
+
+def test_every_view_is_64_byte_aligned_and_disjoint() -> None:
+    ring = BatchRing(3, BUCKETS)
+    spans = []
+    for slot in range(3):
+        for bucket in (0, 1):
+            for key, arr in ring.views(slot, bucket).items():
+                assert arr.ctypes.data % 64 == 0, (slot, bucket, key)
+                assert arr.flags.c_contiguous
+        spans.append({k: (a.ctypes.data, a.ctypes.data + a.nbytes) for k, a in ring.views(slot, 1).items()})
+    assert spans[0]["tok_len"][1] <= spans[1]["mel"][0]
+    assert ring.views(0, 0)["mel"].shape == (4, 16, 80)
+
+
+def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
+    released: list[int] = []
+    ring = BatchRing(3, BUCKETS, on_release=lambda: released.append(1))
+    slots = [ring.reserve() for _ in range(3)]
+    assert ring.reserve() is None
+    ring.mark_ready(slots[0], 11)
+    ring.mark_ready(slots[1], 10)
+    assert ring.take(12, 0.0) is None
+    assert ring.take(10, 0.0) == slots[1]
+    assert ring.counts()[SlotState.IN_STEP] == 1
+    ring.release(slots[1])
+    assert released == [1]
+    assert ring.reserve() == slots[1]
+    with pytest.raises(ValueError):
+        ring.release(slots[0])          # READY, not IN_STEP
+
+
+def test_close_wakes_a_waiting_taker() -> None:
+    ring = BatchRing(3, BUCKETS)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            ring.take(0, 30.0)
+        except ClosedError as err:
+            errors.append(err)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    ring.close()
+    t.join(5.0)
+    assert not t.is_alive() and len(errors) == 1

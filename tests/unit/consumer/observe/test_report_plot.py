@@ -1,0 +1,123 @@
+"""Tests for ``run_pipeline.py report``: a real PNG from a schema-conforming JSONL, checked by its pixels."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from consumer.observe.report_data import read_metrics
+from consumer.observe.report_plot import PANELS, RenderedReport, render_report
+from tests.fakes import realistic_run
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def _jsonl(path: Path, gpus: bool = True) -> Path:
+    lines = realistic_run(n_lines=120, gpus=gpus)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _cli(*args: str, pythonpath: str = str(REPO)) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "report", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={**os.environ, "PYTHONPATH": pythonpath, "MPLBACKEND": "TkAgg"})
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", head[16:24])
+    return width, height
+
+
+def _pixels(path: Path) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))[:, :, :3]  # RGB floats 0..1
+
+
+def _panel(rgb: np.ndarray, report: RenderedReport, name: str) -> np.ndarray:
+    x0, y0, x1, y1 = report.panel_boxes_px[name]
+    return rgb[y0 + 2:y1 - 2, x0 + 2:x1 - 2]  # inside the frame
+
+
+def _colored(area: np.ndarray) -> int:
+    """Pixels of a drawn data line: strongly coloured (grid, text, frame and phase shading are grey or pale)."""
+    return int(((area.max(axis=2) - area.min(axis=2)) > 0.3).sum())
+
+
+def test_cli_writes_a_1600x1400_png(tmp_path: Path) -> None:
+    out = tmp_path / "report.png"
+    proc = _cli(str(_jsonl(tmp_path / "m.jsonl")), "-o", str(out), "--title", "two producers")
+    assert proc.returncode == 0, proc.stderr
+    assert _png_size(out) == (1600, 1400)
+    assert proc.stdout == f"report: 120 snapshots over 238 s, 1600x1400 px -> {out}\n"
+    rgb = _pixels(out)
+    assert rgb.shape == (1400, 1600, 3) and rgb.std() > 0.05
+
+
+def test_every_panel_shows_its_data(tmp_path: Path) -> None:
+    out = tmp_path / "report.png"
+    report = render_report(read_metrics(_jsonl(tmp_path / "m.jsonl")), out, "t")
+    assert (report.width_px, report.height_px) == _png_size(out) == (1600, 1400)
+    rgb = _pixels(out)
+    boxes = [report.panel_boxes_px[name] for name in PANELS]
+    assert all(b[1] < b[3] <= n[1] for b, n in zip(boxes, boxes[1:]))  # stacked top to bottom, no overlap
+    for name in PANELS:
+        area = _panel(rgb, report, name)
+        assert area.shape[0] > 150 and area.shape[1] > 1200, (name, area.shape)  # readable panel sizes
+        assert area.std() > 0.02, name                                           # not blank
+        assert _colored(area) > 1000, (name, _colored(area))                     # data lines drawn in it
+
+
+def test_without_gpus_the_gpu_panel_says_so_instead_of_an_empty_plot(tmp_path: Path) -> None:
+    out = tmp_path / "report.png"
+    report = render_report(read_metrics(_jsonl(tmp_path / "m.jsonl", gpus=False)), out, "t")
+    rgb = _pixels(out)
+    gpu = _panel(rgb, report, "gpu")
+    assert _colored(gpu) < 50, _colored(gpu)                             # no data line
+    dark = (gpu.max(axis=2) < 0.6).sum()                                 # but the n/a text is there
+    assert dark > 500, dark
+    assert _colored(_panel(rgb, report, "producers")) > 1500
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (None, "cannot read metrics file: No such file or directory"),
+    ("", "empty: no metrics snapshots"),
+    ("{}\n{}\n", "missing keys t_unix_s"),
+])
+def test_bad_input_is_one_line_and_exit_78(tmp_path: Path, content: str | None, reason: str) -> None:
+    path = tmp_path / "m.jsonl"
+    if content is not None:
+        path.write_text(content)
+    proc = _cli(str(path), "-o", str(tmp_path / "r.png"))
+    where = f"{path}:1" if content and content.startswith("{") else str(path)
+    assert proc.returncode == 78
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"run_pipeline.py report: {where}: {reason}")
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_an_unwritable_output_is_one_line_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "no-such-dir" / "r.png"
+    proc = _cli(str(_jsonl(tmp_path / "m.jsonl")), "-o", str(out))
+    assert proc.returncode == 78
+    assert proc.stderr.splitlines() == [f"run_pipeline.py report: {out}: cannot write the report: "
+                                        "No such file or directory"]
+
+
+def test_without_matplotlib_the_command_says_how_to_install_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('blocked for the test')\n")
+    proc = _cli(str(_jsonl(tmp_path / "m.jsonl")), "-o", str(tmp_path / "r.png"),
+                pythonpath=f"{blocker.parent}{os.pathsep}{REPO}")
+    assert proc.returncode == 78
+    assert proc.stderr == "run_pipeline.py report: needs matplotlib: pip install 'melfeed[report]'\n"

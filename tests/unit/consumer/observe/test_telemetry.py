@@ -1,0 +1,194 @@
+"""Snapshots from synthetic step records, receiver stats and heartbeat counters, against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from consumer.flow.peers import ProducerReport
+from consumer.observe.prom import SnapshotCollector
+from consumer.transport.receiver import ReceiverStats
+from consumer.observe.status import format_status
+from consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
+from shared.config import config_from_mapping
+from shared.errors import ConfigError
+from shared.metrics import StepRecord, StepWindow
+from shared.wire.protocol import StageCounters
+
+
+def _stats(producers: tuple[ProducerReport, ...] = (), rejects: dict[str, int] | None = None,
+           bytes_received: int = 0) -> ReceiverStats:
+    return ReceiverStats(batches_received=10, bytes_received=bytes_received, duplicates_dropped=1, stale_dropped=0,
+                         leases_outstanding=3, leases_reissued=0, producers_alive=len(producers), producers_seen=2,
+                         rejects=rejects or {}, quarantined=2, lease_window=2, producers=producers)
+
+
+def test_snapshot_has_every_schema_key_and_hand_computed_figures() -> None:
+    w = StepWindow(window_s=100.0)
+    # (end, wait, step, depth): starts at 0; waits 1 s of 8; steps [1, 1, 2, 2] s; depths 1, 1, 2, 2.
+    for end, wait, step in ((2.0, 1.0, 1.0), (3.0, 0.0, 1.0), (5.0, 0.0, 2.0), (8.0, 0.0, 2.0)):
+        w.add(StepRecord(end, wait, step, 4, 30, 40, int(step)))
+    gpus = [{"role": "model", "index": 0, "util_pct": 97.0, "mem_used_mib": 1000.0, "mem_total_mib": 81559.0,
+             "power_w": None}]
+    producers = [{"id": "producer-1", "batches": 60, "batches_per_s": 5.0, "read_ms": 1.5, "assemble_ms": None,
+                  "send_ms": float("nan")}]
+    snap = build_snapshot(t_unix_s=1000.5, uptime_s=12.0, phase="training", step=120, steps_total=300,
+                          loss=float("nan"), window_s=100.0, figures=w.figures(8.0), depth_hist=w.depth_histogram(8.0),
+                          bytes_per_s=9e7, rs=_stats(rejects={"SHAPE": 1, "CRC": 2}), producers=producers,
+                          compiles_after_ready=0, gpus=gpus)
+    assert tuple(snap) == SCHEMA_KEYS
+    assert snap["loss"] is None                                        # NaN never reaches JSON
+    assert snap["stall_pct"] == pytest.approx(12.5)                    # 1 s of 8
+    assert snap["batches_per_s"] == pytest.approx(0.5) and snap["samples_per_s"] == pytest.approx(2.0)
+    assert (snap["step_p50_ms"], snap["step_p99_ms"]) == (1000.0, 2000.0)
+    assert snap["step_cv"] == pytest.approx(1 / 3) and snap["padding_efficiency"] == pytest.approx(0.75)
+    assert snap["queue_depth_mean"] == pytest.approx(1.5) and snap["queue_depth_hist"] == [0, 2, 2]
+    assert (snap["lease_window"], snap["leases_outstanding"], snap["duplicates"], snap["quarantined"]) == (2, 3, 1, 2)
+    assert snap["rejects"] == {"CRC": 2, "SHAPE": 1}
+    assert snap["producers"][0]["send_ms"] is None and snap["gpus"] == gpus
+    json.dumps(snap, allow_nan=False)
+
+
+def test_snapshot_before_any_step_is_all_nulls_where_unknown() -> None:
+    snap = build_snapshot(t_unix_s=1.0, uptime_s=0.1, phase="compiling", step=0, steps_total=None, loss=None,
+                          window_s=30.0, figures=None, depth_hist=[], bytes_per_s=None, rs=_stats(), producers=[],
+                          compiles_after_ready=0, gpus=[])
+    assert tuple(snap) == SCHEMA_KEYS
+    assert all(snap[k] is None for k in ("stall_pct", "batches_per_s", "step_p50_ms", "step_cv", "bytes_per_s"))
+
+
+def _report(pid: str, at_s: float, batches: int, read_s: float, asm_s: float, send_s: float) -> ProducerReport:
+    return ProducerReport(pid, batches, StageCounters(batches, read_s, asm_s, send_s), at_s)
+
+
+def test_producer_rates_are_deltas_of_cumulative_counters_over_the_window() -> None:
+    rates = ProducerRates(window_s=30.0)
+    first = rates.update([_report("producer-1", 10.0, 100, 1.0, 0.2, 0.5)], now_s=10.0)
+    assert first == [{"id": "producer-1", "batches": 100, "batches_per_s": None, "read_ms": None,
+                      "assemble_ms": None, "send_ms": None}]
+    # 50 more batches in 10 s costing 0.1 s read, 0.05 s assemble, 0.2 s send: 2, 1 and 4 ms per batch.
+    [row] = rates.update([_report("producer-1", 20.0, 150, 1.1, 0.25, 0.7)], now_s=20.0)
+    assert row["batches"] == 150 and row["batches_per_s"] == pytest.approx(5.0)
+    assert (row["read_ms"], row["assemble_ms"], row["send_ms"]) == pytest.approx((2.0, 1.0, 4.0))
+    # At t=65 the window (30 s) opens at 35; the base is the newest point before it (t=20), the one at
+    # t=10 is dropped: 130 batches in 45 s, 0.26 s of reads = 2 ms per batch.
+    rates.update([_report("producer-1", 50.0, 250, 1.3, 0.3, 0.9)], now_s=50.0)
+    [row] = rates.update([_report("producer-1", 65.0, 280, 1.36, 0.33, 1.02)], now_s=65.0)
+    assert row["batches_per_s"] == pytest.approx(130 / 45) and row["read_ms"] == pytest.approx(2.0)
+
+
+def test_a_restarted_producer_starts_over_and_a_gone_one_is_forgotten() -> None:
+    rates = ProducerRates(window_s=30.0)
+    rates.update([_report("producer-1", 1.0, 500, 5.0, 1.0, 1.0), _report("producer-2", 1.0, 9, 0.1, 0.1, 0.1)], 1.0)
+    [row] = rates.update([_report("producer-1", 2.0, 3, 0.01, 0.0, 0.0)], now_s=2.0)  # counter went back
+    assert row["batches"] == 3 and row["batches_per_s"] is None
+    [row] = rates.update([_report("producer-1", 3.0, 13, 0.03, 0.0, 0.0)], now_s=3.0)
+    assert row["batches_per_s"] == pytest.approx(10.0) and row["read_ms"] == pytest.approx(2.0)
+    [row] = rates.update([ProducerReport("producer-2", 4, None, 0.0)], now_s=4.0)      # rejoined, no stats yet
+    assert row == {"id": "producer-2", "batches": None, "batches_per_s": None, "read_ms": None,
+                   "assemble_ms": None, "send_ms": None}
+
+
+class _FakeConsumer:
+    """Only what Telemetry reads: receiver stats (bytes grow 1 MB per call) and no ZeroMQ context."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def receiver_stats(self) -> ReceiverStats:
+        self.calls += 1
+        return _stats((_report("producer-1", float(self.calls), 10 * self.calls, 0.01 * self.calls, 0.0, 0.0),),
+                      bytes_received=1_000_000 * self.calls)
+
+
+def _cfg(tmp_path: Path, **consumer: Any) -> Any:
+    return config_from_mapping({"cache_dir": str(tmp_path), "consumer": {"gpu_sample_interval_s": 0, **consumer}})
+
+
+def test_metrics_file_gets_one_line_per_publish_with_every_key(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    clock = iter(float(t) for t in range(100))
+    tel = Telemetry(_cfg(tmp_path, metrics_file=str(path)), _FakeConsumer(), 0.0, control_endpoint=None,
+                    clock=lambda: next(clock), wall=lambda: 50.0)
+    with tel:
+        tel.set_phase("training")
+        tel.add(StepRecord(1.5, 0.0, 0.5, 4, 30, 40, 2))
+        tel.publish(1, 0.5, 0)
+        latest = tel.latest()
+        tel.publish(1, 0.5, 0, phase="done")
+    tel.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["phase"] for x in lines] == ["compiling", "training", "done"]
+    assert all(tuple(x) == SCHEMA_KEYS for x in lines)
+    assert lines[0]["bytes_per_s"] is None and lines[1]["bytes_per_s"] == pytest.approx(1e6)   # 1 MB per 1 s
+    assert latest == lines[1] and latest is not tel.latest()
+    assert json.loads(tel.latest_json()) == lines[2]
+
+
+def test_unwritable_metrics_file_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "missing-dir" / "m.jsonl"
+    tel = Telemetry(_cfg(tmp_path, metrics_file=str(bad)), _FakeConsumer(), 0.0, control_endpoint=None)
+    with pytest.raises(ConfigError) as info:
+        tel.start()
+    assert str(info.value).startswith(f"consumer.metrics_file: cannot append to {bad}: No such file")
+    tel.close()
+
+
+def test_gpu_samples_carry_their_role_with_nvml_replaced_at_the_boundary(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import pynvml  # type: ignore[import-untyped]  # no stubs shipped
+    for name, fn in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+                     "nvmlDeviceGetHandleByIndex": lambda i: i,
+                     "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=90 + h),
+                     "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(used=2**30, total=2**33),
+                     "nvmlDeviceGetPowerUsage": lambda h: 300_000}.items():
+        monkeypatch.setattr(pynvml, name, fn)
+    cfg = config_from_mapping({"cache_dir": str(tmp_path), "consumer": {"model_gpu": "0", "gpu_sample_interval_s": 60},
+                               "producer": {"data_gpu": "1"}})
+    with Telemetry(cfg, _FakeConsumer(), 0.0, control_endpoint=None) as tel:
+        snap = tel.publish(0, None, 0)
+    assert snap["gpus"] == [
+        {"role": "model", "index": 0, "util_pct": 90.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0},
+        {"role": "data", "index": 1, "util_pct": 91.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0}]
+
+
+def test_status_table_and_prometheus_families_from_one_snapshot(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    clock = iter(float(t) for t in range(100))
+    with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
+        tel.add(StepRecord(1.0, 0.25, 0.75, 4, 30, 40, 2))     # waited 0.25 s of the 1 s it covers
+        snap = tel.publish(7, 0.5, 0)
+    table = format_status(snap, "ipc:///x.control.sock")
+    assert "step 7/300" in table and "stall 25.0%" in table
+    assert any(line.split()[:4] == ["producer-1", "20", "10.0", "1.00"] for line in table.splitlines())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
+    assert samples[("melfeed_batches_applied_total", ())] == 7
+    assert samples[("melfeed_stall_ratio", ())] == pytest.approx(0.25)
+    assert samples[("melfeed_producer_stage_seconds", (("producer", "producer-1"), ("stage", "read")))] == \
+        pytest.approx(0.001)
+    assert samples[("melfeed_phase", (("phase", "compiling"),))] == 1.0
+
+
+def test_prometheus_without_the_package_or_with_a_taken_port_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import sys
+    from consumer.observe.prom import start_prometheus
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as info:
+            start_prometheus("127.0.0.1", port, lambda: None)
+        assert str(info.value).startswith(f"consumer.metrics_port: cannot listen on 127.0.0.1:{port}")
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)     # import fails as if not installed
+    with pytest.raises(ConfigError) as info:
+        start_prometheus("127.0.0.1", port, lambda: None)
+    assert "consumer.metrics_port: needs prometheus_client" in str(info.value)

@@ -1,0 +1,163 @@
+"""CompiledStep warm-up and retrace accounting, step-factory loading, zero-copy hand-off."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from consumer.train.model import StepSpec, TrainStep, build_reference_step
+from consumer.train.step import CompiledStep, aligned_empty, load_step_factory, to_tensors
+from shared.errors import ConfigError
+
+N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning
+
+
+def _step(seed: int = 0) -> TrainStep:
+    return build_reference_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3,
+                                         mixed_precision=False, seed=seed))
+
+
+def _shapes(rows: int, frames: int, tokens: int) -> dict[str, tuple[int, ...]]:
+    return {"mel": (rows, frames, N_MELS), "mel_len": (rows,), "tokens": (rows, tokens),
+            "tok_len": (rows,)}
+
+
+def _batch(rows: int, frames: int, tokens: int, seed: int = 0) -> dict[str, tf.Tensor]:
+    rng = np.random.default_rng(seed)
+    tok_len = rng.integers(1, tokens + 1, rows).astype(np.int32)
+    return {"mel": tf.constant(rng.normal(size=(rows, frames, N_MELS)).astype(np.float32)),
+            "mel_len": tf.constant(rng.integers(1, frames + 1, rows).astype(np.int32)),
+            "tokens": tf.constant(rng.integers(1, 32, (rows, tokens)).astype(np.int32)),
+            "tok_len": tf.constant(tok_len)}
+
+
+# --- load_step_factory ------------------------------------------------------------------------
+
+def test_load_step_factory_returns_the_named_function() -> None:
+    assert load_step_factory("consumer.train.model:build_reference_step") is build_reference_step
+
+
+@pytest.mark.parametrize(("dotted", "reason"), [
+    ("melfeed_no_such_module:build", "cannot import module 'melfeed_no_such_module'"),
+    ("consumer.train.model:no_such_factory", "has no attribute 'no_such_factory'"),
+    ("consumer.train.model:__all__", "is a list, not callable"),
+    ("consumer.train.model", "must look like 'module:function'"),
+])
+def test_load_step_factory_reports_bad_names_as_config_errors(dotted: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_step_factory(dotted)
+    assert info.value.path == ("model", "step") and info.value.got == dotted
+    assert reason in str(info.value) and "\n" not in str(info.value)
+
+
+def test_load_step_factory_reports_a_module_that_fails_on_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "melfeed_broken_step.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "melfeed_broken_step", raising=False)
+    with pytest.raises(ConfigError, match="RuntimeError: boom, got"):
+        load_step_factory("melfeed_broken_step:build")
+
+
+# --- CompiledStep -----------------------------------------------------------------------------
+
+def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly() -> None:
+    step = _step()
+    step(*_batch(4, 24, 6).values())  # non-zero Adam moments and iteration, as after a restore
+    before = [v.numpy() for v in step.variables()]
+    compiled = CompiledStep(step, [_shapes(4, 24, 6), _shapes(2, 40, 10), _shapes(4, 24, 6)])
+    assert compiled.warm_up() > 0
+    assert compiled.traces == 2 and compiled.compiles_after_ready == 0 and compiled.is_ready
+    after = [v.numpy() for v in step.variables()]
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after))
+    for bucket, (rows, frames, tokens) in enumerate([(4, 24, 6), (2, 40, 10), (4, 24, 6)]):
+        loss = compiled.run(bucket, _batch(rows, frames, tokens, seed=bucket))
+        assert loss.shape == () and loss.dtype == tf.float32 and float(loss) > 0
+    assert compiled.traces == 2 and compiled.compiles_after_ready == 0
+
+
+def test_new_shape_after_warm_up_is_compiled_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)])
+    compiled.warm_up()
+    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+        compiled.run(0, _batch(2, 16, 4))
+        assert compiled.compiles_after_ready == 0
+        compiled.run(0, _batch(2, 24, 4))
+        compiled.run(0, _batch(2, 24, 4, seed=1))  # same new shape: its program is reused
+    assert compiled.compiles_after_ready == 1 and compiled.traces == 2
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "after warm-up" in caplog.records[0].getMessage()
+
+
+def test_compiled_step_rejects_bad_bucket_shapes_and_dtypes() -> None:
+    with pytest.raises(ValueError, match="inconsistent"):
+        CompiledStep(_step(), [{**_shapes(2, 16, 4), "tok_len": (3,)}])
+    with pytest.raises(ValueError, match="keys"):
+        CompiledStep(_step(), [{"mel": (2, 16, N_MELS)}])
+    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)])
+    with pytest.raises(TypeError, match="tokens"):
+        compiled.run(0, {**_batch(2, 16, 4), "tokens": tf.zeros((2, 4), tf.int64)})
+
+
+# --- to_tensors / aligned_empty ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint8, np.float64])
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (4, 33, 7)])
+def test_aligned_empty_is_aligned_and_contiguous(shape: tuple[int, ...], dtype: type) -> None:
+    arr = aligned_empty(shape, dtype)
+    assert arr.shape == shape and arr.dtype == dtype and arr.flags.c_contiguous
+    assert arr.ctypes.data % 64 == 0 and arr.flags.writeable
+    assert aligned_empty(shape, dtype, alignment=4096).ctypes.data % 4096 == 0
+    with pytest.raises(ValueError):
+        aligned_empty(shape, dtype, alignment=48)
+
+
+def test_to_tensors_aliases_aligned_arrays_without_copying() -> None:
+    mel = aligned_empty((2, 8, N_MELS), np.float32)
+    mel[...] = 1.0
+    lens = aligned_empty((2,), np.int32)
+    lens[...] = 8
+    tensors, copies = to_tensors({"mel": mel, "mel_len": lens})
+    assert copies == 0
+    mel[1, 3, 5] = 42.0  # written after conversion: an aliased tensor sees it
+    lens[0] = 3
+    assert float(tensors["mel"][1, 3, 5]) == 42.0 and int(tensors["mel_len"][0]) == 3
+    assert tensors["mel"].dtype == tf.float32 and tensors["mel"].shape == (2, 8, N_MELS)
+
+
+def test_to_tensors_copies_misaligned_strided_and_readonly_arrays() -> None:
+    raw = aligned_empty((4 * 64 + 4,), np.uint8)
+    misaligned = raw[4:].view(np.float32).reshape(8, 8)  # C-contiguous, address % 64 == 4
+    assert misaligned.flags.c_contiguous and misaligned.ctypes.data % 64 == 4
+    strided = aligned_empty((8, 8), np.float32)[:, ::2]
+    readonly = aligned_empty((8,), np.float32)
+    readonly.flags.writeable = False
+    for arr in (misaligned, strided):
+        arr[...] = 1.0
+    tensors, copies = to_tensors({"a": misaligned, "b": strided, "c": readonly})
+    assert copies == 3
+    misaligned[0, 0] = 42.0
+    assert float(tensors["a"][0, 0]) == 1.0  # a copy: later writes do not show
+    assert tensors["b"].shape == (8, 4)
+
+
+def test_compiled_step_runs_on_dlpack_tensors() -> None:
+    rows, frames, tokens = 2, 16, 4
+    slot = {"mel": aligned_empty((rows, frames, N_MELS), np.float32),
+            "mel_len": aligned_empty((rows,), np.int32),
+            "tokens": aligned_empty((rows, tokens), np.int32),
+            "tok_len": aligned_empty((rows,), np.int32)}
+    for name, value in _batch(rows, frames, tokens).items():
+        slot[name][...] = value.numpy()
+    reference = float(_step()(*[tf.constant(slot[k]) for k in slot]))
+    compiled = CompiledStep(_step(), [_shapes(rows, frames, tokens)])
+    compiled.warm_up()
+    tensors, copies = to_tensors(slot)
+    assert copies == 0
+    np.testing.assert_allclose(float(compiled.run(0, tensors)), reference, rtol=1e-5)

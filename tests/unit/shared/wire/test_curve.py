@@ -1,0 +1,73 @@
+"""CURVE keys, allow-list, ZAP decisions and when CURVE is required (pure logic + key files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import zmq.utils.z85
+
+from shared.config import config_from_mapping
+from shared.wire.curve import (AllowList, client_keys_for, generate_keys, is_loopback, producer_id_matches,
+                          server_keys_for, zap_reply)
+from shared.errors import ConfigError
+
+
+@pytest.mark.parametrize(("endpoint", "loopback"), [
+    ("ipc:///run/melfeed/melfeed.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
+    ("tcp://[::1]:5555", True), ("tcp://10.0.0.7:5555", False), ("tcp://gpu-box:5555", False),
+    ("tcp://0.0.0.0:5555", False)])
+def test_only_ipc_and_loopback_tcp_go_without_curve(endpoint: str, loopback: bool) -> None:
+    assert is_loopback(endpoint) is loopback
+
+
+def test_keys_are_written_once_with_private_secrets_and_load_as_an_allow_list(tmp_path: Path) -> None:
+    written = generate_keys(tmp_path / "k", ["hostA", "hostB"])
+    assert {p.name for p in written} == {"consumer.key", "consumer.key_secret", "hostA.key", "hostA.key_secret",
+                                         "hostB.key", "hostB.key_secret"}
+    assert oct(os.stat(tmp_path / "k" / "producers" / "hostA.key_secret").st_mode & 0o777) == "0o600"
+    assert generate_keys(tmp_path / "k", ["hostA"]) == []            # never overwrites a key in use
+    allowed = AllowList.load(tmp_path / "k" / "producers")
+    assert sorted(allowed.names.values()) == ["hostA", "hostB"]
+
+
+def test_zap_admits_an_allowed_curve_key_with_its_name_and_refuses_everything_else(tmp_path: Path) -> None:
+    generate_keys(tmp_path, ["hostA"])
+    allowed = AllowList.load(tmp_path / "producers")
+    key_z85 = next(iter(allowed.names))
+    raw = zmq.utils.z85.decode(key_z85)
+    ok = zap_reply([b"1.0", b"7", b"melfeed", b"1.2.3.4", b"", b"CURVE", raw], allowed)
+    assert ok[2:5] == [b"200", b"OK", b"hostA"] and ok[1] == b"7"
+    assert zap_reply([b"1.0", b"8", b"melfeed", b"", b"", b"CURVE", bytes(32)], allowed)[2:4] == [b"400", b"unknown key"]
+    assert zap_reply([b"1.0", b"9", b"melfeed", b"", b"", b"NULL"], allowed)[2:4] == [b"400", b"CURVE required"]
+    assert zap_reply([b"2.0", b"9", b"", b"", b"", b"CURVE", raw], allowed)[2] == b"400"
+    assert zap_reply([b"1.0"], allowed)[2] == b"400"
+
+
+@pytest.mark.parametrize(("producer_id", "user", "ok"), [
+    ("hostA-3", "hostA", True), ("hostA", "hostA", True), ("hostB-3", "hostA", False),
+    ("hostA-x", "hostA", False), ("hostAA-1", "hostA", False)])
+def test_a_key_speaks_only_for_its_own_name(producer_id: str, user: str, ok: bool) -> None:
+    assert producer_id_matches(producer_id, user) is ok
+
+
+def test_tcp_beyond_loopback_requires_keys_on_both_sides_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    plain = config_from_mapping({}).transport
+    assert server_keys_for(plain, "tcp://127.0.0.1:5555") is None
+    with pytest.raises(ConfigError, match="transport.curve_secret_key: is required for tcp://10.0.0.7:5555"):
+        server_keys_for(plain, "tcp://10.0.0.7:5555")
+    with pytest.raises(ConfigError, match="transport.curve_secret_key"):
+        client_keys_for(plain, "tcp://10.0.0.7:5555")
+    generate_keys(tmp_path, ["hostA"])
+    half = config_from_mapping({"transport": {"curve_secret_key": str(tmp_path / "consumer.key_secret")}}).transport
+    with pytest.raises(ConfigError, match="transport.curve_allowed_dir: is required with curve_secret_key"):
+        server_keys_for(half, "tcp://10.0.0.7:5555")
+    public_only = config_from_mapping({"transport": {"curve_secret_key": str(tmp_path / "consumer.key"),
+                                                     "curve_allowed_dir": str(tmp_path / "producers")}}).transport
+    with pytest.raises(ConfigError, match="holds no secret key"):
+        server_keys_for(public_only, "tcp://10.0.0.7:5555")
+    client = config_from_mapping({"transport": {"curve_secret_key": str(tmp_path / "producers/hostA.key_secret"),
+                                                "curve_server_key": str(tmp_path / "consumer.key")}}).transport
+    keys = client_keys_for(client, "tcp://10.0.0.7:5555")
+    assert keys is not None and keys.name == "hostA"

@@ -1,0 +1,100 @@
+"""Wire protocol: round trips and rejection codes for malformed headers (B1-B4, B13)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from shared.errors import ProtocolError
+from shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
+                             RejectCode, ShmSlot, StageCounters, Welcome, decode_header, encode)
+
+MESSAGES = [
+    Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7),
+    Welcome(123, 2, 0.5, True),
+    LeaseGrant(123, [Lease(5, 1, [3, 9, 11], 30.0)], 4),
+    BatchHeader(123, 5, 1, [[32, 440, 80], [32], [32, 106], [32]], ["float32", "int32", "int32", "int32"], 77, [3]),
+    BatchHeader(123, 6, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, []),
+    Hello(1, "producer-2", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM]),
+    Welcome(123, 2, 0.5, False, "/run/melfeed"),
+    LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
+    BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
+    Heartbeat(123, 4, 99),
+    Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
+    Err("LEASE", "batch 7 is not leased"),
+    Bye(123),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg: object) -> None:
+    assert decode_header(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("raw", "code"), [
+    (b"\xc1garbage", RejectCode.DECODE),                           # B1 reserved byte
+    (encode(Bye(1))[:-1], RejectCode.DECODE),                      # B2 truncated
+    (encode(Bye(1)) + encode(Bye(1)), RejectCode.DECODE),          # B3 two objects
+    (b"\xdb\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB str32 declared
+    (b"\xc6\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB bin32 declared
+    (b"\x91" * 5000 + b"\xc0", RejectCode.DECODE),                 # B4 deep nesting
+    (msgpack.packb([1, 2, 3]), RejectCode.SCHEMA),                 # not a map
+    (msgpack.packb({"epoch": 1}), RejectCode.SCHEMA),              # B13 map without t
+    (msgpack.packb({"t": 99}), RejectCode.TYPE),                   # B13 unknown kind
+    (msgpack.packb({"t": "x"}), RejectCode.TYPE),
+    (msgpack.packb({"t": int(MsgKind.HB), "epoch": "one"}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.HB), "epoch": 1, "depth": "x"}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]],
+                    "dtypes": ["float32"]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [[1, "x"]],
+                    "n_mels": 80, "seed": 0}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 2]]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
+                    "leases": [[1, 0, [1], 1.0, "../etc/passwd", 0, 0]]}), RejectCode.SCHEMA),   # not a bare name
+    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
+                    "leases": [[1, 0, [1], 1.0, "f", -1, 0]]}), RejectCode.SCHEMA),
+    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]] * 4,
+                    "dtypes": ["float32"] * 4, "slot": 1}), RejectCode.SCHEMA),                   # slot without gen
+    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [],
+                    "n_mels": 80, "seed": 0, "caps": [1]}), RejectCode.SCHEMA),
+    (b"", RejectCode.DECODE),
+])
+def test_malformed_headers_are_rejected_with_a_code(raw: bytes, code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw)
+    assert info.value.code == code
+    assert len(info.value.why) <= 200
+
+
+def test_oversized_header_is_refused_before_unpacking() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(b"\x80" + b"\x00" * (2 << 20))
+    assert info.value.code == RejectCode.DECODE
+
+
+def test_bool_is_not_accepted_as_an_integer_field() -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(msgpack.packb({"t": int(MsgKind.BYE), "epoch": True}))
+
+
+def test_heartbeat_without_stats_from_an_older_producer_is_accepted() -> None:
+    raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7})
+    assert decode_header(raw) == Heartbeat(7, 0, 0, None)
+
+
+def test_heartbeat_stats_travel_as_four_numbers() -> None:
+    raw = encode(Heartbeat(7, stats=StageCounters(3, 1, 0.5, 0.25)))
+    assert msgpack.unpackb(raw)["st"] == [3, 1, 0.5, 0.25]
+    assert decode_header(raw).stats == StageCounters(3, 1.0, 0.5, 0.25)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stats", [
+    "fast", [1, 0.1, 0.1], [1, 0.1, 0.1, 0.1, 0.1], [-1, 0.0, 0.0, 0.0], [True, 0.0, 0.0, 0.0],
+    [1.5, 0.0, 0.0, 0.0], [1, -0.1, 0.0, 0.0], [1, 0.0, float("nan"), 0.0], [1, 0.0, 0.0, float("inf")],
+    [1, "0", 0.0, 0.0], [1, 0.0, False, 0.0], {"batches": 1},
+])
+def test_malformed_heartbeat_stats_are_rejected(stats: object) -> None:
+    raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "st": stats})
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw)
+    assert info.value.code == RejectCode.SCHEMA
