@@ -28,6 +28,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "ARRAY_KEYS",
     "CAP_SHM",
+    "MAX_REASON_CHARS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -53,6 +54,7 @@ CAP_SHM = "shm"          # HELLO capability: this producer can build into the co
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
+MAX_REASON_CHARS = 200  # ERR.why and BYE.why: one log line, never a traceback
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 
@@ -186,9 +188,18 @@ class Err:
 
 @dataclass(frozen=True, slots=True)
 class Bye:
-    """P->C: leaving on purpose; the consumer returns this producer's leases at once."""
+    """P->C: leaving; the consumer returns this producer's leases at once.
+
+    A producer that is about to fail (a bad cache file under ``producer.bad_samples: fail``, a crash
+    while building) says why before it exits, so the consumer logs the reason with the producer's
+    id before any exit code reaches a supervisor: ``exit_code`` is what the producer exits with
+    (0 = a planned leave) and ``reason`` one line (``"CacheError: PATH: REASON"``), cut to
+    ``MAX_REASON_CHARS`` on the wire.
+    """
 
     epoch: int
+    exit_code: int = 0
+    reason: str = ""
 
 
 Message = Hello | Welcome | LeaseGrant | BatchHeader | Heartbeat | Err | Bye
@@ -221,9 +232,11 @@ def encode(msg: Message) -> bytes:
             st = msg.stats
             d["st"] = [st.batches, st.read_s, st.assemble_s, st.send_s]
     elif isinstance(msg, Err):
-        d = {"t": MsgKind.ERR, "code": msg.code, "why": msg.why[:200]}
+        d = {"t": MsgKind.ERR, "code": msg.code, "why": msg.why[:MAX_REASON_CHARS]}
     elif isinstance(msg, Bye):
         d = {"t": MsgKind.BYE, "epoch": msg.epoch}
+        if msg.exit_code or msg.reason:
+            d["code"], d["why"] = msg.exit_code, msg.reason[:MAX_REASON_CHARS]
     else:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
@@ -379,4 +392,4 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
                          _decode_stats(d.get("st")))
     if kind is MsgKind.ERR:
         return Err(_get(d, "code", str), _get(d, "why", str))
-    return Bye(_count(d, "epoch"))
+    return Bye(_count(d, "epoch"), _opt_int(d, "code"), _get(d, "why", str) if "why" in d else "")

@@ -87,12 +87,12 @@ def _run_quarantine(cache: Path, endpoint: str, producers: ProducerGroup, count:
     """One run: (batch id, content digest) per batch, quarantined rows seen, consumer's count."""
     got, seen = [], 0
     with Consumer(_cfg(cache, endpoint, STEPS)) as consumer:
-        assert consumer.flow.plan.batches_per_epoch <= STEPS // 2       # the run covers two epochs or more
+        assert consumer.plan.batches_per_epoch <= STEPS // 2       # the run covers two epochs or more
         group = producers.start(cache, endpoint, count, buckets=BUCKETS)   # default policy: quarantine
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             a = batch.arrays
-            for row, sid in enumerate(consumer.flow.plan.batch(batch.batch_id).sample_ids):
+            for row, sid in enumerate(consumer.plan.batch(batch.batch_id).sample_ids):
                 if sid in bad:
                     seen += 1
                     assert a["mel_len"][row] == a["tok_len"][row] == 0

@@ -536,10 +536,10 @@ def test_b12_duplicate_and_stale_batches_are_dropped_counted_and_never_applied(
     peer = attack("dup")
     peer.join()
     deadline = time.monotonic() + _WAIT_S
-    while not wire.consumer.flow.ring.ready_ids():            # idle stream: the producer fills the ring
+    while not wire.consumer.ring.ready_ids():            # idle stream: the producer fills the ring
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    ready = wire.consumer.flow.ring.ready_ids()[0]             # received, not yet applied
+    ready = wire.consumer.ring.ready_ids()[0]             # received, not yet applied
     applied = wire.stream.applied[-1][0]                  # applied long ago
     before = wire.stats()
     start = len(wire.stream.applied)
@@ -777,7 +777,7 @@ def _length_beyond_bucket(peer: BadPeer, lease: Lease) -> list[bytes]:
 
 
 def _n_slots(peer: BadPeer) -> int:
-    return peer.wire.consumer.flow.ring.n_slots
+    return peer.wire.consumer.ring.n_slots
 
 
 _SHM_CASES: dict[str, tuple[ShmCase, str]] = {

@@ -62,7 +62,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
 
 def _batch_nbytes(consumer: Consumer, batch_id: int) -> int:
     """Bytes of the four arrays of planned batch ``batch_id`` (its bucket's shapes)."""
-    bucket = consumer.bucket_set.buckets[consumer.flow.plan.batch(batch_id).bucket]
+    bucket = consumer.bucket_set.buckets[consumer.plan.batch(batch_id).bucket]
     dtypes = bucket.dtypes()
     return sum(int(np.prod(shape)) * np.dtype(dtypes[k]).itemsize for k, shape in bucket.shapes().items())
 
@@ -74,7 +74,7 @@ def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint:
         producers.start(demo_cache, endpoint, 1, transport={"mode": transport_mode})
         frames = consumer.manifest.frames
         for batch in consumer.batches():
-            planned = consumer.flow.plan.batch(batch.batch_id)
+            planned = consumer.plan.batch(batch.batch_id)
             n = len(planned.sample_ids)
             assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
                                                          for i in planned.sample_ids]
