@@ -155,7 +155,7 @@ def grant_round(book: LeaseBook, peers: Iterable[bytes], reserve: Callable[[], i
 
     ``reserve``/``cancel`` take and give back ring slots, so each lease owns exactly one slot.
     """
-    granted = []
+    granted: list[ActiveLease] = []
     for peer in peers:
         while book.room(peer) > 0 and book.has_work():
             slot = reserve()

@@ -46,7 +46,7 @@ def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, ex
     for key in ARRAY_KEYS:
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
-        buf = memoryview(views[key]).cast("B")
+        buf = views[key].data.cast("B")
         n = sock.recv_into(buf)
         if n != buf.nbytes:
             raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, "
@@ -69,7 +69,7 @@ def check_in_place(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expe
     crc = 0
     if hdr.crc32 is not None:
         for key in ARRAY_KEYS:
-            crc = zlib.crc32(memoryview(views[key]).cast("B"), crc)
+            crc = zlib.crc32(views[key].data.cast("B"), crc)
     _check_crc(hdr, crc, checksum)
     check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
 
