@@ -7,7 +7,7 @@ with Consumer(cfg) as feed:
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
 Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
-plan order (DESIGN invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
+plan order (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
 Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in
 producers (none on the shared-memory path: they build in the ring's slot files); logged at start.
 Transport (``transport.mode``): on an ipc:// endpoint the slots are shared-memory files
@@ -247,5 +247,5 @@ class Consumer:
         return self._receiver.queue_depth()
 
     def in_flight_bound_bytes(self, producers: int) -> int:
-        """DESIGN invariant 4: (ring slots + Σ lease windows) x largest batch."""
+        """docs/ARCHITECTURE.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
         return (self.ring.n_slots + producers * self.cfg.transport.lease_window) * self.bucket_set.max_batch_nbytes()

@@ -12,7 +12,7 @@ from shared.wire.buckets import Bucket
 
 __all__ = ["ALIGN_BYTES", "batch_layout", "layout_nbytes", "aligned_buffer", "layout_views", "round_up"]
 
-ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (perf-facts.md)
+ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/ARCHITECTURE.md)
 
 
 def round_up(n: int, k: int) -> int:

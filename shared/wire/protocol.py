@@ -4,8 +4,8 @@ Every message is a multipart ``[header]`` or ``[header, *payload]``: the header 
 map tagged by ``t`` (a ``MsgKind``); only BATCH carries payload frames, one raw frame per array in
 ``ARRAY_KEYS`` order -- except on the same-host shared-memory path: a producer whose HELLO offers
 ``CAP_SHM`` and whose WELCOME names an ``shm_dir`` gets leases naming a slot file, builds into it,
-and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (perf-facts: a 100-byte header packs in
-2 us; an 8 MB bin would be copied twice).
+and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (a ~100-byte header packs in
+microseconds; an 8 MB bin would be copied in and out again: docs/ARCHITECTURE.md).
 
 Invariant: ``decode_header`` either returns a fully validated message dataclass or raises
 ``ProtocolError`` with a reject code; it never allocates more than the limits below, whatever
@@ -70,7 +70,7 @@ class MsgKind(IntEnum):
 
 
 class RejectCode:
-    """Reject codes sent in ERR (see notes/reliability-tests.md 4.2)."""
+    """Reject codes sent in ERR (docs/ARCHITECTURE.md "Wire protocol"; invariant 7)."""
 
     DECODE = "DECODE"
     FRAMES = "FRAMES"
