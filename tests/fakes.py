@@ -96,7 +96,8 @@ class FakeSlotFiles:
     ``retire(slot)`` bumps the slot's generation and records the call, as ``ShmSlots.retire`` does.
     """
 
-    def __init__(self, n_slots: int, directory: str = "/dev/shm/fake", private: frozenset[int] = frozenset()) -> None:
+    def __init__(self, n_slots: int, directory: str = "/dev/shm/fake",
+                 private: frozenset[int] = frozenset()) -> None:
         self.directory = Path(directory)
         self.retired = 0
         self.retired_slots: list[int] = []

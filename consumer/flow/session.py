@@ -70,8 +70,7 @@ class ReceiverSession:
         self._shm = ShmLeases(shm)
         self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0,
                         "failures": 0}
-        self._applied_seen = -1
-        self._applied_through = -1
+        self._applied_seen = -1              # the last applied id handed to the lease book
         self.next_heartbeat_s: float | None = None    # None: due at the next tick
 
     # --- queries (any thread) -------------------------------------------------------------------
@@ -86,9 +85,6 @@ class ReceiverSession:
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
         return len(self._ring.ready_ids()) + self._book.outstanding
-
-    def is_connected(self, ident: bytes) -> bool:
-        return ident in self._peers
 
     def poll_timeout_ms(self, now_s: float) -> int:
         """How long the shell may wait for a message before the next heartbeat is due."""
@@ -167,7 +163,6 @@ class ReceiverSession:
         Args:
             applied_through: the last batch id the step loop applied (-1: none yet).
         """
-        self._applied_through = applied_through
         while self._applied_seen < applied_through:
             self._applied_seen += 1
             self._book.mark_applied(self._applied_seen)
