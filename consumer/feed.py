@@ -31,7 +31,8 @@ import numpy.typing as npt
 
 from consumer.flow.credit import LeaseBook
 from consumer.flow.plan import EpochPlan
-from consumer.transport.receiver import HandshakeContract, Receiver, ReceiverStats
+from consumer.flow.decisions import HandshakeContract, SessionConfig
+from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
 from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
 from shared.wire.buckets import BucketSet, build_buckets
@@ -105,10 +106,10 @@ class Consumer:
         self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
                               memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
-        self._receiver = Receiver(self.endpoint, self.ring, self._book, self.plan, self.bucket_set, contract,
-                                  self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
-                                  liveness_s=t.liveness_s, checksum=checksum,
-                                  curve=server_keys_for(t, self.endpoint), shm=self.shm)
+        session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
+                                liveness_s=t.liveness_s, checksum=checksum)
+        self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
+                                  self.ring, self._book, self.plan, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
         self.applied = 0
         self._started = False
