@@ -3,7 +3,7 @@
 Why a thread with a plain ``poll`` loop and not asyncio: the ROUTER carries both the bulk data
 (BATCH payloads received with ``recv_into`` straight into aligned ring slots) and the control
 messages (HELLO, LEASE, HB, ERR); a ZeroMQ socket must have one owner, and pyzmq's asyncio FD is
-edge-triggered (notes/zmq-systemd.md 3.5 #6). One thread owning the socket keeps the hot path at
+edge-triggered (docs/ARCHITECTURE.md "Threads"). One thread owning the socket keeps the hot path at
 one copy out of libzmq and keeps all lease state single-threaded.
 This module holds only what needs the socket: its options, the ZAP handler (CURVE), the poll loop,
 decoding headers (under the bound of a producer header, so no message costs the loop more than a few
