@@ -25,7 +25,7 @@ import stat
 
 from shared.errors import CacheError
 
-__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "entry_kind", "not_regular_reason"]
+__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "entry_kind", "mode_kind", "not_regular_reason"]
 
 OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
@@ -38,7 +38,7 @@ _KINDS = (
 )
 
 
-def _mode_kind(mode: int) -> str:
+def mode_kind(mode: int) -> str:
     for is_kind, name in _KINDS:
         if is_kind(mode):
             return name
@@ -64,7 +64,7 @@ def entry_kind(path: str | os.PathLike[str]) -> str | None:
         if err.errno == errno.ENOENT and os.path.islink(path):
             return f"dangling symlink to {os.readlink(path)}"
         return None
-    return None if stat.S_ISREG(mode) else _mode_kind(mode)
+    return None if stat.S_ISREG(mode) else mode_kind(mode)
 
 
 def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
@@ -95,7 +95,7 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
         raise
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise CacheError(path, not_regular_reason(_mode_kind(st.st_mode)))
+        raise CacheError(path, not_regular_reason(mode_kind(st.st_mode)))
     return fd, st
 
 
