@@ -41,7 +41,7 @@ class _AliasFound(Exception):
         self.name, self.line = name, line
 
 
-class _NoAliasLoader(yaml.SafeLoader):  # type: ignore[misc]  # untyped yaml
+class _NoAliasLoader(yaml.SafeLoader):
     """``SafeLoader`` that stops at the first alias event, before the composer resolves it."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:

@@ -120,3 +120,14 @@ def test_cli_exits_78_with_one_line_naming_the_file(tmp_path: Path, case: str) -
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"run_pipeline.py consumer: {path}: "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_configs_melfeed_writes_for_its_children_load_back(tmp_path: Path) -> None:
+    """Guard: the effective config handed to producers (safe_dump of config_to_mapping) has no aliases."""
+    import yaml
+
+    from shared.config import config_from_mapping, config_to_mapping
+    cfg = config_from_mapping({"cache_dir": "/data/caché", "buckets": {"boundaries": [400, 800]},
+                               "producer": {"count": 2}})
+    path = _write(tmp_path, yaml.safe_dump(config_to_mapping(cfg), sort_keys=False).encode())
+    assert load_config(path) == cfg
