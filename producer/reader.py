@@ -9,6 +9,9 @@ header parse only the first time a process reads a file. This is the fastest met
 Invariants:
 - A read either fills ``dst[:n]`` with the file's first ``n`` rows and zeroes ``dst[n:]``
   (only that padding tail), or raises ``CacheError`` naming the file.
+- Only regular files are read: the open cannot block (``O_NONBLOCK``) and a FIFO, device,
+  directory, dangling symlink or symlink loop is refused like any other bad file
+  (``shared.cache.filekind``; the type check is the ``fstat`` the size check needs anyway).
 - A file whose size or header differs from the manifest's record is refused: it changed since
   indexing, so its recorded data offset and layout can no longer be trusted. The header comes in
   the same ``preadv`` as the data and is parsed once per file per process (then compared).
@@ -30,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
+from shared.cache.filekind import open_regular
 from shared.cache.manifest import Manifest
 from shared.cache.npyfile import parse_npy_header
 
@@ -37,7 +41,6 @@ __all__ = ["CacheReader", "TransientReadError"]
 
 log = logging.getLogger(__name__)
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 _F32 = np.dtype(np.float32)  # dtype objects: comparing dst.dtype to a scalar type converts per call
 _I32 = np.dtype(np.int32)
 _MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # by mel_dtype
@@ -74,16 +77,15 @@ def _pread_exact(path: str, file_bytes: int, head: memoryview, buf: memoryview) 
     """Fill ``head`` with the file's first bytes and ``buf`` with the data right after: one ``preadv``.
 
     Raises:
-        CacheError: Missing file, size differs from ``file_bytes``, or the file ends early.
+        CacheError: Missing file, not a regular file (FIFO, device, directory, symlink loop),
+            size differs from ``file_bytes``, or the file ends early.
     """
     try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError as err:
-        raise CacheError(path, "missing") from err
+        fd, st = open_regular(path)    # a FIFO, device or directory is a bad file, never a blocked read
     except OSError as err:
         raise _open_error(path, err, "cannot open") from err
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         if size != file_bytes:
             raise CacheError(path, f"file changed since index (size {size}, "
                                    f"manifest says {file_bytes}); re-run index")

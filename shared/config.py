@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from shared.errors import ConfigError
+from shared.yaml_safe import read_config_file
 
 __all__ = [
     "BucketConfig",
@@ -347,20 +346,12 @@ def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:
     """Read and validate a YAML config file; ``None`` gives the defaults.
 
     Raises:
-        ConfigError: unreadable file, bad YAML, unknown key or bad value (one line, names the key).
+        ConfigError: unreadable, oversized, non-UTF-8 or non-regular file, bad YAML, an alias, a
+            top level that is no mapping, unknown key or bad value (one line, names the file or key).
     """
     if path is None:
         return PipelineConfig()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read config file: {err.strerror}", path=(str(path),)) from err
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"invalid YAML{where}", path=(str(path),)) from err
+    data = read_config_file(path)  # bounded, UTF-8 only, no aliases, a mapping (shared/yaml_safe.py)
     return config_from_mapping(data)
 
 

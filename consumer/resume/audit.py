@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from consumer.resume.filemode import STATE_FILE_MODE
 from shared.errors import StateError
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
@@ -58,7 +59,8 @@ class AuditLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                                         STATE_FILE_MODE)   # whatever the umask
         self.records = os.fstat(self._fd).st_size // RECORD_BYTES
 
     def truncate_to(self, n_records: int) -> int:

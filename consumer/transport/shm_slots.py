@@ -170,6 +170,8 @@ class ShmSlots:
 
     def _create(self, slot: int) -> npt.NDArray[np.uint8]:
         path = self.directory / self.name(slot)
+        # 0600 whatever the umask: producers map it read-write as the same service user (deploy/units
+        # set one User= for both), so neither the group nor anyone else needs access.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, self.slot_nbytes)

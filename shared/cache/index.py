@@ -33,8 +33,9 @@ def _list_npy(directory: Path) -> dict[str, Path]:
     if not directory.is_dir():
         raise CacheError(directory, "missing directory")
     with os.scandir(directory) as entries:
-        return {e.name[:-4]: Path(e.path) for e in entries
-                if e.name.endswith(".npy") and len(e.name) > 4 and e.is_file()}
+        # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
+        # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
+        return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
 
 
 def check_mel_header(header: NpyHeader, n_mels: int) -> str | None:

@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
+from shared.cache.filekind import read_regular
 
 __all__ = [
     "MANIFEST_NAME",
@@ -215,9 +216,11 @@ def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | N
     """
     path = Path(cache_dir) / FEATURES_NAME
     try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
+        doc = json.loads(read_regular(path))
+    except CacheError as err:
+        if err.reason == "missing":
+            return None
+        raise
     except (OSError, ValueError) as err:
         raise CacheError(path, f"malformed feature record: {err}".replace("\n", " ")) from err
     if not isinstance(doc, dict) or doc.get("format") != _FEATURES_FORMAT:
@@ -360,10 +363,10 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     root = Path(cache_dir)
     path = root / MANIFEST_NAME
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except FileNotFoundError as err:
-        raise CacheError(path, "no manifest; run `python run_pipeline.py index DIR` first") from err
+        doc = json.loads(read_regular(path))  # a FIFO or device named manifest.json is refused, never read
+    except CacheError as err:
+        raise CacheError(path, "no manifest; run `python run_pipeline.py index DIR` first"
+                         if err.reason == "missing" else err.reason) from err
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CacheError(path, f"malformed manifest: {err}".replace("\n", " ")) from err
     file_n_mels, rows, stored = _parse_doc(doc, path)
