@@ -6,7 +6,7 @@ consumer = Consumer(cfg, start_batch=state.next_batch)
 state.restore_into(items)                             # after warm-up: the checkpointed variables
 for batch in consumer.batches(stop):
     step(batch)
-    state.record(batch.batch_id, planned_sample_ids, consumer.epoch)
+    state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
     if state.due():
         state.checkpoint(items, consumer.epoch)
 state.checkpoint(items, consumer.epoch)               # on stop and at the end

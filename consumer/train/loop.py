@@ -143,7 +143,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         payload_copies += batch.copies
         out.steps += 1
         if state is not None:
-            state.record(batch.batch_id, consumer.plan.batch(batch.batch_id).sample_ids, consumer.epoch)
+            state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
             if state.due():
                 state.checkpoint(items, consumer.epoch)
         if out.time_to_first_step_s is None:

@@ -35,12 +35,12 @@ import zmq
 from consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.flow.peers import PeerTable, ProducerReport
-from consumer.flow.plan import EpochPlan
 from consumer.flow.rejects import RejectLog, peer_label
-from consumer.flow.ring import PAYLOAD_COPIES, BatchRing
+from consumer.flow.ring import BatchRing
 from consumer.transport.shm_slots import ShmSlots
 from shared.wire.buckets import BucketSet
 from shared.wire.curve import ZAP_ENDPOINT, ServerKeys, producer_id_matches, zap_reply
+from shared.wire.layout import PAYLOAD_COPIES
 from shared.errors import ProtocolError
 from shared.wire.protocol import (CAP_SHM, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat, Hello,
                              LeaseGrant, Lease, Message, RejectCode, ShmSlot, Welcome, decode_header, encode,
@@ -89,20 +89,19 @@ class Receiver:
 
     Args:
         endpoint: where to bind (``ipc://...`` or ``tcp://...``).
-        ring, book, plan: shared with the step loop (ring) or owned here (book).
+        ring, book: shared with the step loop (ring) or owned here (book); a lease carries its planned batch.
         contract: what HELLO must carry.
         epoch: this consumer start's epoch (random, non-zero).
         clock: monotonic seconds (injectable for tests).
         shm: the ring's slot files when the shared-memory path is on (the ring's memory), else ``None``.
     """
 
-    def __init__(self, endpoint: str, ring: BatchRing, book: LeaseBook, plan: EpochPlan,
-                 bucket_set: BucketSet, contract: HandshakeContract, epoch: int, *,
+    def __init__(self, endpoint: str, ring: BatchRing, book: LeaseBook, bucket_set: BucketSet, contract: HandshakeContract, epoch: int, *,
                  heartbeat_interval_s: float, liveness_s: float, checksum: bool,
                  clock: Callable[[], float] = time.monotonic, curve: ServerKeys | None = None,
                  shm: ShmSlots | None = None) -> None:
         self.endpoint = endpoint
-        self._ring, self._book, self._plan = ring, book, plan
+        self._ring, self._book = ring, book
         self._buckets = bucket_set
         self._max_header_bytes = max_producer_header_bytes(max(b.batch_size for b in bucket_set.buckets))
         self._contract = contract
@@ -358,7 +357,7 @@ class Receiver:
             raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
         in_place = lease.slot in self._shm_leased
         try:
-            expected = check_header(hdr, self._plan.batch(hdr.batch_id).bucket, self._buckets)
+            expected = check_header(hdr, lease.planned.bucket, self._buckets)
             views = self._ring.views(lease.slot, expected.index)
             if in_place:        # built in the slot by the producer: the same bytes arrived, without a frame
                 check_in_place(sock, views, hdr, expected, self._checksum)
@@ -371,7 +370,7 @@ class Receiver:
             self._counts["reissued"] += 1
             raise
         self._shm_leased.pop(lease.slot, None)
-        self._ring.mark_ready(lease.slot, hdr.batch_id, 1 if in_place else PAYLOAD_COPIES)
+        self._ring.mark_ready(lease.slot, lease.planned, 1 if in_place else PAYLOAD_COPIES)
         peer.batches += 1
         self._counts["batches"] += 1
         self._counts["quarantined"] += len(hdr.quarantined)
@@ -398,7 +397,7 @@ class Receiver:
         order = self._peers.by_fewest_leases(self._book)
         for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now):
             self._peers.get(lease.peer).last_grant_s = now  # type: ignore[union-attr]  # ties go round-robin
-            planned = self._plan.batch(lease.batch_id)
+            planned = lease.planned
             grants.setdefault(lease.peer, []).append(
                 Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
                       self._shm_slot_for(lease)))

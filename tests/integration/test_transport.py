@@ -75,6 +75,7 @@ def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint:
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             planned = consumer.plan.batch(batch.batch_id)
+            assert batch.planned == planned                 # the identity the lease carried is the plan's
             n = len(planned.sample_ids)
             assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
                                                          for i in planned.sample_ids]
