@@ -141,13 +141,11 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
 def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    import numpy as np
-
     from consumer.train.step import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
-    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=np.float32)
+    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=arrays["mel"].dtype)
     arrays["mel_len"][...] = bucket.max_frames
-    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=np.int32)
+    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens
     return arrays
 

@@ -36,9 +36,9 @@ def batch_layout(bucket: Bucket) -> list[tuple[str, int, tuple[int, ...], np.dty
     """(key, byte offset, shape, dtype) of each array of a ``bucket`` batch, in wire order."""
     out = []
     offset = 0
-    dtypes = bucket.dtypes()
-    for key, shape in bucket.shapes().items():
-        dtype = np.dtype(dtypes[key])
+    shapes = bucket.shapes()
+    for key in ARRAY_KEYS:
+        shape, dtype = shapes[key], np.dtype(ARRAY_DTYPES[key])
         out.append((key, offset, shape, dtype))
         offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
     return out

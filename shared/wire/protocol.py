@@ -22,11 +22,11 @@ from typing import Any
 import msgpack
 
 from shared.errors import ProtocolError
+from shared.wire.layout import ARRAY_KEYS
 
 __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
-    "ARRAY_KEYS",
     "CAP_SHM",
     "MAX_REASON_CHARS",
     "ShmSlot",
@@ -49,7 +49,6 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # payload frame order of a BATCH
 CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
