@@ -21,14 +21,13 @@ from typing import Any
 
 import msgpack
 
-from shared.errors import ProtocolError
+from shared.errors import MAX_REASON_CHARS, ProtocolError
 from shared.wire.layout import ARRAY_KEYS
 
 __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "CAP_SHM",
-    "MAX_REASON_CHARS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -53,7 +52,6 @@ CAP_SHM = "shm"          # HELLO capability: this producer can build into the co
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
-MAX_REASON_CHARS = 200  # ERR.why and BYE.why: one log line, never a traceback
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 
