@@ -2,7 +2,7 @@
 
 ```python
 from consumer import Consumer
-with Consumer(cfg) as feed:            # cfg: shared.config.load_config(path)
+with Consumer(cfg) as feed:            # cfg: shared.config_loader.load_config(path)
     for batch in feed.batches():       # Batch: planned (id, bucket, sample ids), arrays, slot
         my_step(batch.arrays)          # views into a ring slot, valid until the next batch
 ```

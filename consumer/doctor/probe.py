@@ -46,7 +46,7 @@ _ENTRY = ENTRY_SCRIPT
 def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
     from consumer.feed import Consumer
-    from shared.config import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
     from shared.errors import PipelineError
 
     with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
@@ -111,7 +111,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from consumer.train.model import StepSpec
     from consumer.train.step import CompiledStep, load_step_factory, to_tensors
     from shared.wire.buckets import build_buckets
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.cache.features import load_manifest_for
 
     cfg = load_config(config_path)

@@ -34,7 +34,8 @@ from typing import Any
 
 from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
 from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint
-from shared.config import PipelineConfig, config_to_mapping
+from shared.config import PipelineConfig
+from shared.config_loader import config_to_mapping
 from shared.errors import StateError
 
 __all__ = ["RunState"]

@@ -291,7 +291,7 @@ def _print_summary(s: PrepareSummary, cache: Path, cfg: PipelineConfig) -> None:
 
 def main_prepare(args: argparse.Namespace) -> int:
     """``run_pipeline.py prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.service.lifecycle import stop_on_signals
 
     cfg = load_config(args.config)

@@ -23,7 +23,7 @@ import zmq
 
 from consumer.feed import Consumer
 from producer.slot_maps import SlotMappings
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.wire.layout import ARRAY_KEYS
 from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)

@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import write_demo_cache
 from shared.wire.protocol import MsgKind, RejectCode, encode, Hello
 from tests.conftest import ProducerGroup
