@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from consumer.feed import Consumer
 from consumer.resume.state import RunState
 from shared.config import PipelineConfig
-from shared.metrics import StepRecord, StepWindow
+from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, StepWindow
 from consumer.observe.gpu import format_gpus
 from shared.service.sdnotify import Notifier
 
@@ -115,7 +115,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             state.restore_into(items)
     log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
     if telemetry is not None:
-        telemetry.set_phase("training")
+        telemetry.set_phase(PHASE_TRAINING)
     notifier.ready(f"compiled {len(consumer.bucket_set.buckets)} shapes in {out.compile_s:.1f} s; "
                    f"starting at batch {consumer.next_apply}")
 
@@ -124,7 +124,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
                         f"producers alive {producers_alive}")
         if telemetry is not None:
-            telemetry.set_phase("waiting")
+            telemetry.set_phase(PHASE_WAITING)
             telemetry.publish_if_due(out.steps, loss_v, compiled.compiles_after_ready)
 
     meter = _Meter()
@@ -143,7 +143,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         payload_copies += batch.copies
         out.steps += 1
         if state is not None:
-            state.record(batch.batch_id, consumer.plan.batch(batch.batch_id).sample_ids, consumer.epoch)
+            state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
             if state.due():
                 state.checkpoint(items, consumer.epoch)
         if out.time_to_first_step_s is None:
@@ -172,7 +172,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
             notifier.status(_status_line(out.steps, loss_v, meter, consumer, cfg, gpus))
             if telemetry is not None:
-                telemetry.set_phase("training")
+                telemetry.set_phase(PHASE_TRAINING)
                 telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready)
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
@@ -182,7 +182,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         out.next_batch = state.next_batch
     _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies + payload_copies)
     if telemetry is not None:
-        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase="done")
+        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE)
     if summary_path:
         out.write(summary_path)
     return out

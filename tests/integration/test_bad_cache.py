@@ -20,7 +20,8 @@ import pytest
 from consumer.feed import Consumer
 from consumer.flow.plan import EpochPlan
 from shared.wire.buckets import build_buckets
-from shared.config import PipelineConfig, config_from_mapping
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import demo_utterance_id, write_demo_cache
 from shared.cache.manifest import load_manifest
 from tests.conftest import ProducerGroup

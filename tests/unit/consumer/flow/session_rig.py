@@ -33,9 +33,9 @@ class Rig:
                  shm: SlotFiles | None = None, flood_limit: int = 200, start_s: float = 100.0) -> None:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
-        self.book = LeaseBook(0, end_id, window, lease_timeout_s)
+        self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
         cfg = SessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False)
-        self.session = ReceiverSession(cfg, self.ring, self.book, FakePlan(BUCKET.batch_size), shm=shm,
+        self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
                                        rejects=RejectLog(flood_limit=flood_limit))
 
     # --- inbound --------------------------------------------------------------------------------
