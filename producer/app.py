@@ -36,9 +36,10 @@ def main_producer(args: argparse.Namespace) -> int:
             from producer.process import run_one
             multiprocessing.current_process().name = f"producer-{args.instance}"
             return run_one(cfg, args.instance, args.debug_delay_ms / 1000.0, notifier)
-        # Children read one file holding the config with every CLI override applied.
-        with handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path, \
-                stop_on_signals() as stop:
+        # Handlers first (a SIGTERM from here on is a clean stop that removes the file and says
+        # STOPPING); children read one file holding the config with every CLI override applied.
+        with stop_on_signals() as stop, \
+                handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path:
             return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
                                        debug_delay_ms=args.debug_delay_ms, notifier=notifier)
     finally:
