@@ -40,6 +40,14 @@ ENTRY_SCRIPT = REPO_ROOT / "run_pipeline.py"
 _CONFIG_MODE = 0o600    # the config may name key files and paths: the owner's eyes only
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Never writes anchors/aliases (a value shared by two keys is written twice): config files are
+    read by a loader that refuses every alias (alias bombs)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def child_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
     """This process's environment plus ``extra``, less ``drop``, with ``REPO_ROOT`` first on ``PYTHONPATH``.
 
@@ -90,7 +98,7 @@ def write_private_config(mapping: Mapping[str, Any], name: str, directory: Path 
     try:
         os.fchmod(fd, _CONFIG_MODE)          # a leftover temporary file keeps its old mode otherwise
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            yaml.safe_dump(dict(mapping), out, sort_keys=False)
+            yaml.dump(dict(mapping), out, Dumper=_PlainDumper, sort_keys=False)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -50,6 +50,14 @@ def test_handed_over_config_is_removed_when_the_block_fails(tmp_path: Path) -> N
     assert not path.exists()
 
 
+def test_a_value_shared_by_two_keys_is_written_twice_not_as_an_alias(tmp_path: Path) -> None:
+    shared = [400, 800]
+    path = write_private_config({"a": shared, "b": shared}, "c.yaml", tmp_path)
+    text = path.read_text()
+    assert "&" not in text and "*" not in text, text
+    assert yaml.safe_load(text) == {"a": [400, 800], "b": [400, 800]}
+
+
 def test_a_leftover_temporary_file_does_not_widen_the_mode(tmp_path: Path) -> None:
     (tmp_path / ".c.yaml.tmp").write_text("old")
     (tmp_path / ".c.yaml.tmp").chmod(0o644)
