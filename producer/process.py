@@ -58,17 +58,19 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     from shared.service.lifecycle import stop_on_signals
     from shared.service.sdnotify import Notifier
     notifier = notifier if notifier is not None else Notifier({})
-    try:
-        # Before any framework import: producers see only the data GPU ("" = CPU only).
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
-        status = _Status(notifier)
-        worker = _build_worker(cfg, index, debug_delay_s, status.tick)
-    except PipelineError as err:
-        print(f"producer-{index}: {err}", file=sys.stderr)
-        notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
-        return EXIT_CONFIG
-    notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
+    # Handlers first: a SIGTERM while the worker is built (or right after READY) is a clean stop
+    # that says STOPPING, not a death by the default action that says nothing.
     with stop_on_signals() as stop:
+        try:
+            # Before any framework import: producers see only the data GPU ("" = CPU only).
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
+            status = _Status(notifier)
+            worker = _build_worker(cfg, index, debug_delay_s, status.tick)
+        except PipelineError as err:
+            print(f"producer-{index}: {err}", file=sys.stderr)
+            notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
+            return EXIT_CONFIG
+        notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
         try:
             code = worker.run(stop)
         except Exception:  # top level of the process: log and map to an exit code

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,13 +29,13 @@ from consumer.bench.report import build_report, render
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
-from shared.service.children import REPO_ROOT
+from shared.service.children import REPO_ROOT, child_env, module_argv, spawn
+from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
 
 log = logging.getLogger(__name__)
 
-_REPO = REPO_ROOT
 _ZERO_STEP = "consumer.bench.trial:zero_step"
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200}
@@ -116,17 +115,11 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
 
 
 def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
-    env.update(XDG_RUNTIME_DIR=str(runtime), TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([str(_REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
-    proc = subprocess.Popen([sys.executable, "-m", "consumer.bench.trial", json.dumps(spec)], cwd=_REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    env = child_env({"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}, drop=("RUNTIME_DIRECTORY",))
+    proc = spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, new_group=True, cwd=REPO_ROOT,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+    if timed_out:
         err = f"killed after {timeout_s:.0f} s\n{err}"
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:

@@ -9,8 +9,9 @@ for real, then the loop sleeps so a step takes ``step_ms`` in total (``sleep_for
 zero step's own median time measured here first). A GPU step costs the host no CPU; real compute on
 this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
-Shutdown: every helper is stopped in ``finally`` (producers: the run command's SIGTERM ladder;
-service: ``ServiceProcesses.close``). Exit 0 after printing, 1 on any failure (one line on stderr).
+Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``shared.service.stop_ladder``
+(producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``). Exit 0 after
+printing, 1 on any failure (one line on stderr).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from consumer.bench.usage import UsageWindow
 from consumer.bench.stats import gb_per_s, sleep_for_step_s
 from shared.config import PipelineConfig
 from shared.config_loader import config_from_mapping, with_overrides
-from shared.service.children import ENTRY_SCRIPT
+from shared.service.children import ENTRY_SCRIPT, child_env
 
 __all__ = ["zero_step", "main"]
 
@@ -131,7 +132,7 @@ def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed), bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
     window = UsageWindow()
-    service = baselines.ServiceProcesses(spec["workers"], dict(os.environ)) if spec["kind"] == "service" else None
+    service = baselines.ServiceProcesses(spec["workers"], child_env()) if spec["kind"] == "service" else None
     try:
         from consumer.train.step import CompiledStep   # TensorFlow: after the servers started their own import
         zero_s = _calibrate_zero_step_s(shapes)

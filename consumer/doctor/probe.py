@@ -14,7 +14,8 @@ then timed runs on a synthetic batch of the bucket's shape):
 
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
 configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
-Shutdown: the producer group gets SIGTERM and a bounded wait, then SIGKILL; the consumer is closed.
+Shutdown: the producer group gets the stop ladder (``shared.service.children.Child``: SIGTERM, a
+bounded wait, then SIGKILL); the consumer is closed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,16 +31,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-from shared.service.children import ENTRY_SCRIPT
+from shared.service.children import Child, child_env, entry_argv, handed_over_config, spawn
+from shared.service.stop_ladder import GROUP_LADDER
 
 __all__ = ["main", "measure_transport", "measure_device"]
 
 _FIRST_BATCH_TIMEOUT_S = 60.0   # producer start-up on a loaded 2-core machine stays well below
-_GROUP_STOP_S = 20.0            # > the launcher's own SIGTERM ladder (10 s)
 _MIN_RUNS = 3                   # timed step runs per bucket, whatever the time budget
 _MAX_RUNS = 200
-_ENTRY = ENTRY_SCRIPT
 
 
 def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
@@ -54,28 +52,23 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
             "transport.endpoint": f"ipc://{tmp}/doctor.sock", "producer.count": producers}))
         data["consumer"]["steps"] = None     # no end: with_overrides skips None values
         cfg = config_from_mapping(data)
-        producer_cfg = Path(tmp) / "producers.yaml"
-        producer_cfg.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
-        with Consumer(cfg) as feed:
-            cmd = [sys.executable, str(_ENTRY), "producer", "--config", str(producer_cfg)]
-            if debug_delay_ms:
-                cmd += ["--debug-delay-ms", str(debug_delay_ms)]
-            group = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                                     env={**os.environ, "XDG_RUNTIME_DIR": tmp})
-            try:
-                n, elapsed_s = _count_batches(feed, group, seconds)
+        extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
+        with handed_over_config(config_to_mapping(cfg), "producers.yaml", Path(tmp)) as producer_cfg, \
+                Consumer(cfg) as feed:
+            proc = spawn(entry_argv("producer", "--config", str(producer_cfg), *extra), stdout=sys.stderr,
+                         env=child_env({"XDG_RUNTIME_DIR": tmp}))
+            with Child(proc, "producer group", GROUP_LADDER) as group:
+                n, elapsed_s = _count_batches(feed, group.proc, seconds)
                 alive = feed.receiver_stats().producers_alive
                 path = "shm" if feed.shm is not None else "zmq"     # the data path these batches took
-            finally:
-                _stop_group(group)
     if n < 2:
         raise PipelineError(f"only {n} batch(es) arrived from {producers} producer(s) "
-                            f"(producer group exit code {group.returncode})")
+                            f"(producer group exit code {proc.returncode})")
     return {"producers": producers, "batches": n - 1, "elapsed_s": elapsed_s,
             "batches_per_s": (n - 1) / elapsed_s, "producers_alive": alive, "path": path}
 
 
-def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
+def _count_batches(feed: Any, group: subprocess.Popen[Any], seconds: float) -> tuple[int, float]:
     """Batches taken (and released at once) and the seconds from the first to the last one."""
     deadline = time.monotonic() + _FIRST_BATCH_TIMEOUT_S
     n, first_s, last_s = 0, 0.0, 0.0
@@ -91,16 +84,6 @@ def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) ->
         first_s = first_s if n else last_s
         n += 1
     return n, max(last_s - first_s, 1e-9)
-
-
-def _stop_group(group: subprocess.Popen[bytes]) -> None:
-    if group.poll() is None:
-        group.send_signal(signal.SIGTERM)
-        try:
-            group.wait(_GROUP_STOP_S)
-        except subprocess.TimeoutExpired:
-            group.kill()
-            group.wait(_GROUP_STOP_S)
 
 
 def measure_device(config_path: str, seconds: float) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from shared.config import PipelineConfig
 from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import demo_utterance_id, write_demo_cache
 from shared.cache.manifest import load_manifest
+from tests import procs
 from tests.conftest import ProducerGroup
 
 N_UTTERANCES = 48
@@ -117,7 +118,7 @@ def _run_quarantine(cache: Path, endpoint: str, producers: ProducerGroup, count:
             got.append((batch.batch_id, hashlib.sha256(b"".join(x.tobytes() for x in a.values())).hexdigest()))
         stats = consumer.receiver_stats()
         group.terminate()
-        assert group.wait(30) == 0
+        assert group.wait(procs.WAIT_S) == 0
     assert stats.duplicates_dropped == 0 and stats.rejects == {}
     return got, seen, stats.quarantined
 
@@ -152,7 +153,7 @@ def test_fail_policy_stops_the_producers_with_78_naming_the_file(
     start = max(0, first_bad - 2)                  # resume just before it: two good batches, then the bad one
     with Consumer(_cfg(cache, endpoint, first_bad + 3), start_batch=start) as consumer:
         group = producers.start(cache, endpoint, 1, buckets=BUCKETS, producer={"bad_samples": "fail"})
-        assert group.wait(30) == 78                # a data error: the supervisor does not restart it
+        assert group.wait(procs.WAIT_S) == 78                # a data error: the supervisor does not restart it
         ids = []
         while (batch := consumer.next_batch(0.5)) is not None:     # bounded: no more batches come
             ids.append(batch.batch_id)

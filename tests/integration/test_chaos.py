@@ -85,7 +85,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
             if kill_at and done >= kill_at[0]:
                 kill_at.pop(0)
                 consumer.kill()
-                consumer.wait(10)
+                consumer.wait(procs.WAIT_S)
                 chaos.note(f"SIGKILL consumer at {done} records; restart")
                 consumer = procs.start("consumer", config, log)
             elif freeze_at is not None and done >= freeze_at:
@@ -95,7 +95,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
                 _kill_a_producer(rng, producers.pid, chaos, 3)
                 next_producer_kill = time.monotonic() + rng.uniform(0.4, 1.2)
             time.sleep(0.01)
-        code = consumer.wait(30)
+        code = consumer.wait(procs.WAIT_S)
         assert code == 0, f"seed {chaos.seed}: consumer exited {code}\n{procs.tail(log)}"
     finally:
         procs.stop(consumer)

@@ -1,34 +1,69 @@
 """The consumer and a producer instance talk sd_notify to a real datagram socket (no systemd):
-EXTEND_TIMEOUT_USEC while compiling, READY=1, STATUS= with live figures, WATCHDOG=1, STOPPING=1."""
+EXTEND_TIMEOUT_USEC while compiling, READY=1, STATUS= with live figures, WATCHDOG=1, STOPPING=1.
+
+Each socket is drained by its own thread from start to end, as systemd does: a reader that stops
+reading while the other process is stopped lets Linux's 10-datagram queue fill with WATCHDOG pings.
+Every wait is event-based with a generous bound that only runs out when something is truly broken.
+"""
 
 from __future__ import annotations
 
 import socket
-import time
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 
 from tests import procs
 
-
-def _listen(path: Path) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(path))
-    sock.settimeout(0.2)
-    return sock
+_WAIT_S = 60.0        # start-up, a join, a stop: seconds on a loaded 2-core machine, never a minute
+_Message = dict[str, str]
 
 
-def _collect_until(sock: socket.socket, want: str, timeout_s: float, into: list[dict[str, str]]) -> bool:
-    """Read datagrams into ``into`` until one has key ``want`` (True) or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            msg = dict(line.split("=", 1) for line in sock.recv(4096).decode().splitlines())
-        except socket.timeout:
-            continue
-        into.append(msg)
-        if want in msg:
-            return True
-    return False
+class _Listener:
+    """A bound ``AF_UNIX``/``SOCK_DGRAM`` socket read by a thread into ``messages`` until closed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.messages: list[_Message] = []
+        self._changed = threading.Condition()
+        self._closing = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.settimeout(0.2)       # how often the thread re-checks ``_closing``
+        self._thread = threading.Thread(target=self._read, name=f"notify-{path.name}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._closing.is_set():
+            try:
+                data = self._sock.recv(4096)
+            except socket.timeout:
+                continue
+            with self._changed:
+                self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+                self._changed.notify_all()
+
+    def wait_for(self, found: Callable[[_Message], bool], timeout_s: float = _WAIT_S) -> bool:
+        """True once a message satisfies ``found`` (checked against every message so far)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: any(found(m) for m in self.messages), timeout_s)
+
+    def has(self, key: str, text: str = "", timeout_s: float = _WAIT_S) -> bool:
+        """A message with ``key`` whose value contains ``text``."""
+        return self.wait_for(lambda m: key in m and text in m[key], timeout_s)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(_WAIT_S)
+        self._sock.close()
+
+    def __enter__(self) -> _Listener:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
 def test_consumer_and_producer_instance_notify_readiness_status_watchdog_and_stop(
@@ -36,35 +71,25 @@ def test_consumer_and_producer_instance_notify_readiness_status_watchdog_and_sto
     log = tmp_path / "notify.log"
     config = procs.write_config(tmp_path / "n.yaml", demo_cache, f"ipc://{tmp_path}/n.sock", tmp_path / "state",
                                 100_000, consumer={"status_interval_s": 0.5})
-    c_sock, p_sock = _listen(tmp_path / "c.notify"), _listen(tmp_path / "p.notify")
     watchdog = {"WATCHDOG_USEC": "1000000"}
-    producer = procs.start("producer", config, log, "--instance", "4", "--debug-delay-ms", "5",
-                           extra_env={"NOTIFY_SOCKET": str(tmp_path / "p.notify")} | watchdog)
-    consumer = procs.start("consumer", config, log, extra_env={"NOTIFY_SOCKET": str(tmp_path / "c.notify")} | watchdog)
-    c_msgs: list[dict[str, str]] = []
-    p_msgs: list[dict[str, str]] = []
-    try:
-        assert _collect_until(c_sock, "READY", 60, c_msgs), procs.tail(log)
-        assert "EXTEND_TIMEOUT_USEC" in c_msgs[0]                 # sent before READY, while compiling
-        deadline = time.monotonic() + 30
-        while not any("loss" in m.get("STATUS", "") for m in c_msgs) and time.monotonic() < deadline:
-            _collect_until(c_sock, "STATUS", 1, c_msgs)
-        assert _collect_until(p_sock, "READY", 10, p_msgs), procs.tail(log)
-        deadline = time.monotonic() + 10
-        while not any("joined consumer epoch" in m.get("STATUS", "") for m in p_msgs) and time.monotonic() < deadline:
-            _collect_until(p_sock, "STATUS", 1, p_msgs)
-        _collect_until(p_sock, "WATCHDOG", 3, p_msgs)
-        assert procs.stop(consumer, 30) == 0
-        assert _collect_until(c_sock, "STOPPING", 5, c_msgs)
-        assert procs.stop(producer, 30) == 0
-        assert _collect_until(p_sock, "STOPPING", 5, p_msgs)
-    finally:
-        procs.stop(consumer)
-        procs.stop(producer)
-        c_sock.close()
-        p_sock.close()
-    status = next(m["STATUS"] for m in c_msgs if "loss" in m.get("STATUS", ""))
+    with _Listener(tmp_path / "c.notify") as c, _Listener(tmp_path / "p.notify") as p:
+        producer = procs.start("producer", config, log, "--instance", "4", "--debug-delay-ms", "5",
+                               extra_env={"NOTIFY_SOCKET": str(p.path)} | watchdog)
+        consumer = procs.start("consumer", config, log, extra_env={"NOTIFY_SOCKET": str(c.path)} | watchdog)
+        try:
+            assert c.has("READY"), procs.tail(log)
+            assert "EXTEND_TIMEOUT_USEC" in c.messages[0]              # sent before READY, while compiling
+            assert c.has("STATUS", "loss"), procs.tail(log)
+            assert p.has("READY"), procs.tail(log)
+            assert p.has("STATUS", "joined consumer epoch"), procs.tail(log)
+            assert p.has("WATCHDOG") and c.has("WATCHDOG")
+            assert procs.stop(consumer, _WAIT_S) == 0
+            assert c.has("STOPPING"), procs.tail(log)
+            assert procs.stop(producer, _WAIT_S) == 0
+            assert p.has("STOPPING"), procs.tail(log)
+        finally:
+            procs.stop(consumer, _WAIT_S)
+            procs.stop(producer, _WAIT_S)
+        status = next(m["STATUS"] for m in c.messages if "loss" in m.get("STATUS", ""))
     for figure in ("batches/s", "stall", "producers 1", "rejects 0"):
         assert figure in status, status
-    assert any("WATCHDOG" in m for m in c_msgs) and any("WATCHDOG" in m for m in p_msgs)
-    assert any("joined consumer epoch" in m.get("STATUS", "") for m in p_msgs), p_msgs

@@ -18,6 +18,7 @@ from consumer.feed import Consumer
 from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import write_demo_cache
 from shared.wire.protocol import MsgKind, RejectCode, encode, Hello
+from tests import procs
 from tests.conftest import ProducerGroup
 
 
@@ -48,7 +49,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
             got = _collect(consumer, copies)
             stats = consumer.receiver_stats()
             group.terminate()
-            assert group.wait(30) == 0
+            assert group.wait(procs.WAIT_S) == 0
         assert [bid for bid, _ in got] == list(range(steps))
         assert stats.producers_seen == count
         assert stats.duplicates_dropped == 0 and stats.rejects == {}
