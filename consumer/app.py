@@ -76,7 +76,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = config_from_args(args)
     if args.demo:
         from shared.cache.demo_data import default_demo_dir, write_demo_cache
-        cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
+        cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
         log.info("demo data in %s", cache)
         write_demo_cache(cache, n_utterances=args.demo_utterances)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})

@@ -53,7 +53,7 @@ def _ints(text: str, flag: str, low: int = 0) -> list[int]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     smoke = _SMOKE if args.smoke else {}
-    pick = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
+    pick: dict[str, Any] = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
                                                          "batches", "warmup", "demo_utterances")}
     transports = [t for t in args.transports.split(",") if t]
     if not transports or set(transports) - {"zmq", "shm"}:
