@@ -9,7 +9,7 @@ Invariants:
 - Resumable: outputs are atomic (``producer.prepare.worker``); an utterance whose two files are
   present and valid, with the tokens of its current transcript, is not computed again; temp
   files of an interrupted run are removed at start. Interrupted + resumed = uninterrupted, byte
-  for byte (tests/integration/test_prepare.py).
+  for byte (tests/integration/tools/test_prepare.py).
 - ``features.json`` is written before the first output and checked on every later run: other
   features, vocabulary or duration limits never mix into one cache (refused, naming the key).
 - Every skipped utterance gets one line naming its id and file; the summary counts them by
