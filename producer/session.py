@@ -6,8 +6,8 @@ the data path chosen: the consumer's slot file or payload frames), whether to ex
 State: DISCONNECTED --HELLO/WELCOME--> ACTIVE. Leaving ACTIVE drops every pending lease (the consumer
 reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of another epoch, or
 ``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
-a consumer message that leaves us DISCONNECTED (``UNKNOWN_PEER``, a new epoch) makes the next HELLO
-go at once. ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch, a WELCOME to a HELLO that still
+offered shm) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
 Invariants: only leases of the joined epoch are ever built (docs/ARCHITECTURE.md, invariant 2), the
 pending queue never holds a batch id twice, and every timer is a due time compared with ``now_s``
 (invariant 6: the worker's waits are bounded by ``poll_timeout_s``).
@@ -170,8 +170,6 @@ class ProducerSession:
                     self._take_leases(msg.leases, now_s)
         elif isinstance(msg, Err):
             self._on_err(msg, now_s)
-        if self._epoch is None:           # the consumer is there: answer it at once, not after a back-off
-            self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
 
     def _take_leases(self, leases: list[Lease], now_s: float) -> None:
         held = {x.batch_id for x, _ in self._leases}
@@ -187,8 +185,9 @@ class ProducerSession:
         self._shm_dir = msg.shm_dir if self._offers_shm else None
         self._leases.clear()
         if msg.shm_dir is not None and not self._offers_shm:
-            # Answer to a HELLO that still offered shm (sent before we gave it up): join again without.
+            # Answer to a HELLO that still offered shm (sent before we gave it up): join again without, at once.
             self._epoch = None
+            self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
             return
         self._last_heard_s = now_s
         log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,

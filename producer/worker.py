@@ -39,7 +39,7 @@ from shared.wire.curve import ClientKeys
 from shared.wire.layout import ARRAY_KEYS
 from shared.wire.protocol import BatchHeader, Message, StageCounters, decode_header, encode
 
-__all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig"]
+__all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig", "BatchBuilder", "Dealer"]
 
 log = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ class FakeDealer:
 
 
 class FakeAssembler:
-    """A ``BatchAssembler`` stand-in: zero-filled batches of ``shape`` rows, or ``error`` raised on build."""
+    """A ``BatchAssembler`` stand-in: zero-filled batches (``rows`` x ``frames`` x ``n_mels``), or ``error`` raised."""
 
     def __init__(self, rows: int = 2, frames: int = 4, n_mels: int = 3, error: Exception | None = None) -> None:
         self.read_s_total = 0.0

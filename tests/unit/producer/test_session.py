@@ -100,6 +100,15 @@ def test_a_non_fatal_err_is_counted_and_changes_nothing() -> None:
     assert s.exit_code == 0 and s.joined_epoch == 7 and _builds(s, clock()) == [1]
 
 
+def test_a_non_fatal_err_answering_hello_keeps_the_back_off() -> None:
+    clock = FakeClock()
+    s = ProducerSession(CFG, clock())
+    assert s.on_turn(clock())                                    # HELLO at 0; the next one is due at 0.1
+    s.on_message(Err(RejectCode.SCHEMA, "missing key 'fp'"), clock.advance(0.01))
+    assert s.on_turn(clock()) == []                              # no HELLO/ERR ping-pong
+    assert s.on_turn(clock.advance(0.1)) and s.counts.errors == {RejectCode.SCHEMA: 1}
+
+
 def test_consumer_silent_past_liveness_drops_leases_and_hellos_with_growing_bounded_back_off() -> None:
     clock = FakeClock()
     s = _joined(clock, 7, _lease(1), _lease(2))
