@@ -111,15 +111,16 @@ class _Status:
 def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                   on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
     from producer.batcher import BatchAssembler
-    from producer.slot_maps import SlotMappings
-    from shared.config import check_transport_mode
     from producer.reader import CacheReader
-    from producer.worker import ProducerWorker
-    from shared.wire.buckets import build_buckets
+    from producer.session import SessionConfig
+    from producer.slot_maps import SlotMappings
+    from producer.worker import ProducerWorker, WorkerConfig
+    from shared.cache.features import load_manifest_for
+    from shared.config import check_transport_mode
     from shared.errors import ConfigError
     from shared.service.lifecycle import resolve_endpoint
+    from shared.wire.buckets import build_buckets
     from shared.wire.curve import client_keys_for
-    from shared.cache.features import load_manifest_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
@@ -135,10 +136,11 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
     slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots)
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
-    return ProducerWorker(endpoint, f"{name}-{index}", assembler, bucket_set,
-                          manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
-                          liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
-                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve, slot_maps=slot_maps)
+    session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
+                            cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
+                            backoff_max_s=t.connect_backoff_max_s)
+    return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
+                          on_tick=on_tick)
 
 
 if __name__ == "__main__":
