@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from producer.session import ProducerSession, SessionConfig
-from shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, Welcome
+from shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters, Welcome
 from tests.fakes import FakeClock
 
 HB_S = 0.2
@@ -41,7 +41,7 @@ def test_with_exit_at_plan_end_the_session_stops_building_and_leaves_with_a_plan
     s.on_message(DONE, clock())
     assert s.finished and s.exit_code == 0
     assert s.pending_leases == 0 and s.next_build(clock()) is None
-    assert s.heartbeat(clock.advance(1.0), None) is None       # type: ignore[arg-type]  # nothing more to say
+    assert s.heartbeat(clock.advance(1.0), StageCounters(0, 0.0, 0.0, 0.0)) is None   # nothing more to say
     assert s.farewell() == Bye(7)                                # exit code 0: a planned leave
 
 
