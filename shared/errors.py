@@ -18,6 +18,7 @@ __all__ = [
     "ProducerCrashedError",
     "EXIT_CONFIG",
     "StateError",
+    "StepError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
@@ -89,3 +90,16 @@ class ProducerCrashedError(PipelineError):
         self.exit_code = exit_code
         self.detail = detail
         super().__init__(f"producer {producer_id} exited with {exit_code}: {detail}".rstrip(": "))
+
+
+class StepError(PipelineError):
+    """The training step cannot run (e.g. ``model.jit_compile: true`` and XLA cannot compile it).
+
+    One line naming the step factory and the error as TensorFlow reports it; the process exits 1
+    (a factory that cannot be loaded at all is a ``ConfigError``, exit 78).
+    """
+
+    def __init__(self, factory: str, reason: str) -> None:
+        self.factory = factory
+        self.reason = reason
+        super().__init__(f"model.step {factory}: {reason}")
