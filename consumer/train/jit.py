@@ -1,7 +1,9 @@
 """How each model's step is compiled: the ``model.jit_compile`` decision, free of clocks and TensorFlow.
 
 Role: ``choose_mode`` turns the setting, an XLA failure (if any) and warm-up timings into the
-mode the run uses; ``describe_tf_error`` turns a TensorFlow error into the one line an operator
+mode the run uses; ``remembered_mode``/``remember_mode`` keep an "auto" decision in the state
+directory (``STATE_DIR/jit_compile.json``), so a resumed run continues with the arithmetic it
+started with instead of re-timing (timings on a busy machine can tip the other way); ``describe_tf_error`` turns a TensorFlow error into the one line an operator
 reads (the failing op or layer as TensorFlow names it, then the first line of its message).
 ``CompiledStep.warm_up`` (consumer/train/step.py) is the shell that compiles, times and calls these.
 Invariants: the result is always "xla" or "graph"; ``jit_compile: true`` never yields "graph"
@@ -12,12 +14,21 @@ Shutdown: nothing to release.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["JitChoice", "choose_mode", "describe_tf_error", "setting_name"]
+__all__ = ["JitChoice", "choose_mode", "describe_tf_error", "setting_name", "remembered_mode", "remember_mode",
+           "MEMO_NAME"]
+
+log = logging.getLogger(__name__)
+
+MEMO_NAME = "jit_compile.json"   # in consumer.state_dir: the mode "auto" chose for this run
 
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 _MAX_LINE_CHARS = 300   # one readable log line, even for a long TensorFlow message
@@ -38,7 +49,7 @@ def setting_name(setting: str | bool) -> str:
     return setting if isinstance(setting, str) else str(setting).lower()
 
 
-def choose_mode(setting: str | bool, *, xla_error: str | None = None,
+def choose_mode(setting: str | bool, *, xla_error: str | None = None, remembered: str | None = None,
                 xla_times_s: Sequence[float] = (), graph_times_s: Sequence[float] = ()) -> JitChoice:
     """The mode to train with.
 
@@ -46,6 +57,8 @@ def choose_mode(setting: str | bool, *, xla_error: str | None = None,
         setting: ``model.jit_compile``: "auto", True or False.
         xla_error: ``describe_tf_error`` of the XLA compile's failure; None if it compiled (or
             was not tried).
+        remembered: the mode "auto" chose earlier in this run (state directory), kept unless XLA
+            now fails; the timings are then not needed.
         xla_times_s, graph_times_s: seconds per warm-up step in each mode on the same batch (auto
             only; both empty when not measured).
 
@@ -63,6 +76,8 @@ def choose_mode(setting: str | bool, *, xla_error: str | None = None,
         raise ValueError(f"unknown jit_compile setting {setting!r}")
     if xla_error is not None:
         return JitChoice("graph", f"XLA cannot compile the step: {xla_error}")
+    if remembered in ("xla", "graph"):
+        return JitChoice(remembered, f"{remembered}, as chosen earlier in this run ({MEMO_NAME})")
     if not xla_times_s or not graph_times_s:
         return JitChoice("xla", "XLA compiled (not timed)")
     xla_ms = 1000.0 * statistics.median(xla_times_s)
@@ -89,3 +104,26 @@ def describe_tf_error(err: BaseException) -> str:
         last = lines[-1] if lines else ""
         line = last if len(lines) > 1 and ":" in last else f"{type(err).__name__}: {last}".rstrip(": ")
     return line if len(line) <= _MAX_LINE_CHARS else line[:_MAX_LINE_CHARS - 3] + "..."
+
+
+def remembered_mode(state_dir: Path) -> str | None:
+    """The mode "auto" chose earlier for the run in ``state_dir``; None if none (or unreadable)."""
+    try:
+        mode = json.loads((state_dir / MEMO_NAME).read_text(encoding="utf-8")).get("mode")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as err:   # a damaged memo only costs a new decision
+        log.warning("ignoring %s: %s", state_dir / MEMO_NAME, err)
+        return None
+    return mode if mode in ("xla", "graph") else None
+
+
+def remember_mode(state_dir: Path, choice: JitChoice) -> None:
+    """Store an "auto" decision for the next start of this run (atomically: temp file, rename)."""
+    path = state_dir / MEMO_NAME
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps({"mode": choice.mode, "reason": choice.reason}) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:   # not fatal: the next start decides again (the checkpoint write will tell)
+        log.warning("cannot write %s: %s; a restart decides jit_compile again", path, err.strerror)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from consumer.feed import Consumer
 from consumer.observe.gpu import format_gpus
 from consumer.resume.state import RunState
+from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
 from shared.config import PipelineConfig
 from shared.errors import PipelineError
@@ -96,12 +97,14 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     from consumer.train.step import to_tensors
 
     notifier = notifier if notifier is not None else Notifier({})
-    step_fn, compiled = _build_step(cfg, consumer)
+    step_fn, compiled = _build_step(cfg, consumer, state)
     consumer.start()
     out = TrainSummary(padding_efficiency=0.0,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
     with _extending_start_timeout(notifier):
         _warm_up(compiled, out, summary_path)
+        if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
+            remember_mode(state.root, compiled.choice)
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
@@ -181,15 +184,20 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     return out
 
 
-def _build_step(cfg: PipelineConfig, consumer: Consumer) -> tuple[Any, CompiledStep]:
-    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``)."""
+def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> tuple[Any, CompiledStep]:
+    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``).
+
+    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
+    """
     from consumer.train.model import StepSpec
     from consumer.train.step import CompiledStep, load_step_factory
 
     factory = load_step_factory(cfg.model.step)
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
     step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
-    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
+    remembered = remembered_mode(state.root) if state is not None else None
+    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
+                                 remembered=remembered)
 
 
 def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:

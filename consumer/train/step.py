@@ -103,16 +103,19 @@ class CompiledStep:
         jit_compile: ``model.jit_compile``: True = XLA or fail, False = graph mode, "auto" = XLA
             where it compiles and its warm-up steps are not slower (``consumer/train/jit.py``).
         factory: the step factory's name (``model.step``), for error messages.
+        remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept
+            without timing, unless XLA now fails.
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
-                 jit_compile: str | bool = True, factory: str = "step") -> None:
+                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
         self._step = step
         self._setting = jit_compile
         self._factory = factory
+        self._remembered = remembered if jit_compile == "auto" else None
         self._bucket_keys = [_shapes_of(s) for s in bucket_shapes]
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
@@ -219,9 +222,9 @@ class CompiledStep:
         return compile_s
 
     def _settle_mode(self) -> JitChoice:
-        if self._setting is False:
+        if self._setting is False or self._remembered == "graph":
             self._compile_all("graph")
-            return choose_mode(False)
+            return choose_mode(self._setting, remembered=self._remembered)
         try:
             self._compile_all("xla")
         except Exception as err:    # user code under XLA: TensorFlow raises many types; all are reported
@@ -234,8 +237,8 @@ class CompiledStep:
             log.warning("XLA cannot compile the step of %s, using graph mode: %s", self._factory, reason)
             self._compile_all("graph")
             return choose_mode("auto", xla_error=reason)
-        if self._setting is True:
-            return choose_mode(True)
+        if self._setting is True or self._remembered == "xla":
+            return choose_mode(self._setting, remembered=self._remembered)
         key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
         xla_times = self._time_calls(key)
         self._compile_all("graph", only=key)

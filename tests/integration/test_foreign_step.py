@@ -26,7 +26,7 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
     cfg = tmp / "run.yaml"
     cfg.write_text(yaml.safe_dump({
         "cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 16},
-        "consumer": {"warmup_steps": 2, "status_interval_s": 0.3},
+        "consumer": {"warmup_steps": 2, "status_interval_s": 0.3, "state_dir": str(tmp / "state")},
         "model": {"step": FACTORY, "jit_compile": jit_compile, "learning_rate": 0.02,
                   "params": {"hidden": 16, "stop_weight": 0.5}}}))
     summary = tmp / "summary.json"
@@ -57,6 +57,8 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     snaps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert snaps[-1]["phase"] == "done" and snaps[-1]["jit_compile"] == "graph"
     assert list(snaps[-1]["outputs"]) == ["loss", "mel_l1", "stop_bce"]
+    memo = json.loads((tmp_path / "state" / "jit_compile.json").read_text())   # a restart keeps graph mode
+    assert memo["mode"] == "graph" and "StridedSliceGrad" in memo["reason"]
 
 
 def test_true_exits_1_with_one_line_and_writes_the_summary(demo_cache: Path, tmp_path: Path) -> None:

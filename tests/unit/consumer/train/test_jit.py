@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import tensorflow as tf
 
-from consumer.train.jit import choose_mode, describe_tf_error, setting_name
+from consumer.train.jit import MEMO_NAME, choose_mode, describe_tf_error, remember_mode, remembered_mode, setting_name
 
 
 def test_false_is_graph_and_true_is_xla_without_timing() -> None:
@@ -62,3 +64,16 @@ def test_wrapped_user_code_error_keeps_its_original_last_line() -> None:
     assert describe_tf_error(ValueError("plain")) == "ValueError: plain"
     long = describe_tf_error(tf.errors.UnimplementedError(None, None, "x" * 1000))
     assert len(long) == 300 and "\n" not in long
+
+
+def test_auto_keeps_the_mode_remembered_for_this_run_unless_xla_now_fails(tmp_path: Path) -> None:
+    assert remembered_mode(tmp_path) is None
+    chosen = choose_mode("auto", xla_times_s=[0.03], graph_times_s=[0.02])
+    remember_mode(tmp_path, chosen)
+    assert remembered_mode(tmp_path) == "graph"
+    kept = choose_mode("auto", remembered="graph", xla_times_s=[0.01], graph_times_s=[0.02])
+    assert kept.mode == "graph" and MEMO_NAME in kept.reason          # a restart does not re-time
+    assert choose_mode("auto", remembered="xla", xla_error="op x: boom").mode == "graph"
+    assert choose_mode(False, remembered="xla").mode == "graph"
+    (tmp_path / MEMO_NAME).write_text("{not json")
+    assert remembered_mode(tmp_path) is None                          # damaged: decide again

@@ -108,3 +108,15 @@ def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
     with pytest.raises(TypeError):
         spec.params["hidden"] = 9  # type: ignore[index]
     assert build_foreign_step(spec).hidden == 8
+
+
+def test_auto_with_a_remembered_mode_compiles_only_that_mode(caplog: pytest.LogCaptureFixture) -> None:
+    compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step",
+                            remembered="graph")
+    with caplog.at_level(logging.INFO, logger="consumer.train.step"):
+        compiled.warm_up()
+    assert compiled.mode == "graph" and compiled.traces == 2          # no XLA compile, no timing
+    assert not any(r.getMessage().startswith("jit_compile auto:") for r in caplog.records)
+    ignored = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile=True, remembered="graph")
+    ignored.warm_up()
+    assert ignored.mode == "xla"                                      # only "auto" remembers
