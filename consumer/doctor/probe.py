@@ -118,10 +118,9 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     m = cfg.model
-    step_fn = load_step_factory(m.step)(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision,
-                                                 m.seed))
-    compiled = CompiledStep(step_fn, [b.shapes() for b in bucket_set.buckets], jit_compile=m.jit_compile,
-                            factory=m.step)
+    shapes = [b.shapes() for b in bucket_set.buckets]
+    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
