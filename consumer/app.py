@@ -26,7 +26,8 @@ from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config import PipelineConfig, resolve_runtime_dir
+from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
 from shared.service.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier

@@ -16,7 +16,8 @@ import yaml
 
 from producer.supervisor import supervise_producers
 from shared.service.cli import config_from_args
-from shared.config import config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config import resolve_runtime_dir
+from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError
 from shared.service.lifecycle import prepare_runtime_dir, resolve_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier

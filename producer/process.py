@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     multiprocessing.current_process().name = f"producer-{args.index}"
 
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.errors import EXIT_CONFIG, PipelineError
     from shared.service.lifecycle import die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))

@@ -4,11 +4,14 @@ Role: the producer's only reader of ``mels/`` and ``tokens/``. Each read is one
 ``os.preadv`` of the header and of the data (at the offset recorded in the manifest, straight into
 a view of the batch buffer): no temporary array (float32 mels and int32 tokens), no copy, and a
 header parse only the first time a process reads a file. This is the fastest method measured
-(docs: perf-facts "Reading the cache", ~1.3 ms CPU per 64-row batch).
+(docs/ARCHITECTURE.md "The path of one batch"; docs/BENCHMARKS.md "Where the time goes").
 
 Invariants:
 - A read either fills ``dst[:n]`` with the file's first ``n`` rows and zeroes ``dst[n:]``
   (only that padding tail), or raises ``CacheError`` naming the file.
+- Only regular files are read: the open cannot block (``O_NONBLOCK``) and a FIFO, device,
+  directory, dangling symlink or symlink loop is refused like any other bad file
+  (``shared.cache.filekind``; the type check is the ``fstat`` the size check needs anyway).
 - A file whose size or header differs from the manifest's record is refused: it changed since
   indexing, so its recorded data offset and layout can no longer be trusted. The header comes in
   the same ``preadv`` as the data and is parsed once per file per process (then compared).
@@ -30,18 +33,18 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
-from shared.cache.manifest import Manifest
+from shared.cache.filekind import open_regular
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from shared.cache.npyfile import parse_npy_header
+from shared.wire.layout import ARRAY_DTYPES
 
 __all__ = ["CacheReader", "TransientReadError"]
 
 log = logging.getLogger(__name__)
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC
-_F32 = np.dtype(np.float32)  # dtype objects: comparing dst.dtype to a scalar type converts per call
-_I32 = np.dtype(np.int32)
-_MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # by mel_dtype
-_TOKEN_DTYPE: np.dtype = np.dtype("<i4")
+# dtype objects: comparing dst.dtype to a scalar type converts per call
+_MEL_DST_DTYPE = np.dtype(ARRAY_DTYPES["mel"])
+_TOKEN_DST_DTYPE = np.dtype(ARRAY_DTYPES["tokens"])
 # Failures that say nothing about the file: another try (or a restarted process) may succeed.
 _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
 
@@ -74,16 +77,15 @@ def _pread_exact(path: str, file_bytes: int, head: memoryview, buf: memoryview) 
     """Fill ``head`` with the file's first bytes and ``buf`` with the data right after: one ``preadv``.
 
     Raises:
-        CacheError: Missing file, size differs from ``file_bytes``, or the file ends early.
+        CacheError: Missing file, not a regular file (FIFO, device, directory, symlink loop),
+            size differs from ``file_bytes``, or the file ends early.
     """
     try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError as err:
-        raise CacheError(path, "missing") from err
+        fd, st = open_regular(path)    # a FIFO, device or directory is a bad file, never a blocked read
     except OSError as err:
         raise _open_error(path, err, "cannot open") from err
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         if size != file_bytes:
             raise CacheError(path, f"file changed since index (size {size}, "
                                    f"manifest says {file_bytes}); re-run index")
@@ -138,7 +140,7 @@ class CacheReader:
                 read failed for a reason outside the file).
             ValueError: ``dst`` has the wrong dtype, rank, width or layout.
         """
-        _check_dst(dst, _F32, 2)
+        _check_dst(dst, _MEL_DST_DTYPE, 2)
         if dst.shape[1] != self._n_mels:
             raise ValueError(f"dst has {dst.shape[1]} mel bins, manifest has {self._n_mels}")
         utt = self.manifest.utterances[index]
@@ -176,7 +178,7 @@ class CacheReader:
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
         utt = self.manifest.utterances[index]
         shape: tuple[int, ...] = (utt.frames, self._n_mels) if is_mel else (utt.tokens,)
-        dtype = _MEL_DTYPES[utt.mel_dtype] if is_mel else _TOKEN_DTYPE
+        dtype = MEL_DTYPES[utt.mel_dtype] if is_mel else TOKEN_DTYPE
         if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
@@ -216,7 +218,7 @@ class CacheReader:
             CacheError: The file is missing, changed since indexing (size or header), or ends early.
             ValueError: ``dst`` has the wrong dtype, rank or layout.
         """
-        _check_dst(dst, _I32, 1)
+        _check_dst(dst, _TOKEN_DST_DTYPE, 1)
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, int(dst.shape[0]))
         path = self._tok_paths[index]

@@ -36,7 +36,8 @@ from producer.reader import TransientReadError
 from shared.wire.curve import ClientKeys
 from shared.wire.buckets import BucketSet
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
-from shared.wire.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello,
                              Lease, LeaseGrant, RejectCode, StageCounters, Welcome, decode_header, encode)
 
 __all__ = ["ProducerWorker", "ProducerStats"]

@@ -1,20 +1,21 @@
-"""Pipeline configuration: frozen dataclasses validated at construction, loaded from YAML.
+"""Pipeline configuration: frozen dataclasses, one per section, validated at construction.
 
+Role: what every setting means, its unit, its default and its valid range. Reading a YAML file,
+turning a mapping into a config and back, and dotted CLI overrides live in
+``shared/config_loader.py``.
 Invariant: every ``PipelineConfig`` that exists is valid; a bad value raises ``ConfigError``
 naming the key path and the value (``buckets.batch_size: must be >= 1, got 0``).
 Environment lookups happen only in ``resolve_runtime_dir`` (called from the CLI layer).
+Shutdown: nothing to release; configs are immutable values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 from shared.errors import ConfigError
 
@@ -27,10 +28,6 @@ __all__ = [
     "ModelConfig",
     "FeatureConfig",
     "PipelineConfig",
-    "load_config",
-    "config_from_mapping",
-    "config_to_mapping",
-    "with_overrides",
     "resolve_runtime_dir",
 ]
 
@@ -316,111 +313,6 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
         _check(isinstance(self.seed, int) and self.seed >= 0, "must be an integer >= 0", ("seed",), self.seed)
-
-
-_SECTIONS: dict[str, type] = {
-    "buckets": BucketConfig,
-    "transport": TransportConfig,
-    "consumer": ConsumerConfig,
-    "producer": ProducerConfig,
-    "model": ModelConfig,
-    "features": FeatureConfig,
-}
-
-
-def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
-    """Type-check one scalar against the dataclass annotation string."""
-    if value is None:
-        if "None" in annotation:
-            return None
-        raise ConfigError("must not be null", path=path, got=value)
-    if annotation.startswith("tuple"):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError("must be a list", path=path, got=value)
-        return tuple(value)
-    base = annotation.split("|")[0].strip()
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError("must be true or false", path=path, got=value)
-    elif base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError("must be an integer", path=path, got=value)
-    elif base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError("must be a number", path=path, got=value)
-        value = float(value)
-    elif base == "str" and not isinstance(value, str):
-        raise ConfigError("must be a string", path=path, got=value)
-    return value
-
-
-def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError("must be a mapping", path=path, got=data)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key (known: {', '.join(sorted(fields))})", path=path + (str(key),))
-        if key in _SECTIONS and cls is PipelineConfig:
-            kwargs[key] = _build(_SECTIONS[key], value if value is not None else {}, path + (key,))
-        else:
-            kwargs[key] = _coerce(value, str(fields[key].type), path + (key,))
-    return cls(**kwargs)
-
-
-def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
-    """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
-    return _build(PipelineConfig, data or {}, ())
-
-
-def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:
-    """Read and validate a YAML config file; ``None`` gives the defaults.
-
-    Raises:
-        ConfigError: unreadable file, bad YAML, unknown key or bad value (one line, names the key).
-    """
-    if path is None:
-        return PipelineConfig()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read config file: {err.strerror}", path=(str(path),)) from err
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"invalid YAML{where}", path=(str(path),)) from err
-    return config_from_mapping(data)
-
-
-def config_to_mapping(cfg: PipelineConfig) -> dict[str, Any]:
-    """Plain dict (lists, not tuples) that ``config_from_mapping`` turns back into ``cfg``."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        return v
-    return plain(cfg)  # type: ignore[no-any-return]
-
-
-def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
-    """Apply dotted-key overrides (``{"producer.count": 4}``), skipping ``None`` values.
-
-    The result is validated like a loaded file, so a bad CLI value names its key too.
-    """
-    data = config_to_mapping(cfg)
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config_from_mapping(data)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:

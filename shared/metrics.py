@@ -3,7 +3,7 @@
 Role: pure arithmetic over step records (no clock of its own, no I/O), so the same numbers feed the
 status line, the summary and tests with hand-computed values. One record per applied batch:
 ``StepRecord(end_s, wait_s, step_s, rows, real_frames, padded_frames, queue_depth)``.
-Definitions (DESIGN "The figures that matter"), over the records whose ``end_s`` falls in the
+Definitions (docs/ARCHITECTURE.md; consumer/README.md "Metrics"), over the records whose ``end_s`` falls in the
 window ``(now - window_s, now]``:
     * wall = now - (end_s of the oldest record - its wait_s - its step_s), the span they cover;
     * stall % = 100 * sum(wait_s) / wall;
@@ -19,7 +19,15 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile"]
+__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile", "PHASES", "PHASE_COMPILING",
+           "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE"]
+
+# What the step loop is doing, as the metrics snapshot, ``status``, Prometheus and ``report`` name it.
+PHASE_COMPILING = "compiling"   # from start until every bucket shape is compiled (READY)
+PHASE_TRAINING = "training"     # steps are running
+PHASE_WAITING = "waiting"       # a bounded wait for the next batch brought none
+PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
+PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import numpy.typing as npt
+
+from consumer.flow.plan import PlannedBatch
 
 
 def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -67,3 +71,60 @@ def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,
             producers=producers, gpus=gpu if gpus and i >= n_lines // 2 else []))
     lines[-1]["phase"] = "done"
     return lines
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so (unit tests never sleep)."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> float:
+        """Move time forward; returns the new time."""
+        if seconds < 0:
+            raise ValueError("a monotonic clock never goes back")
+        self.now_s += seconds
+        return self.now_s
+
+
+class FakeSlotFiles:
+    """The ring's shared-memory slot files as the receiver session sees them, without files.
+
+    ``retire(slot)`` bumps the slot's generation and records the call, as ``ShmSlots.retire`` does.
+    """
+
+    def __init__(self, n_slots: int, directory: str = "/dev/shm/fake",
+                 private: frozenset[int] = frozenset()) -> None:
+        self.directory = Path(directory)
+        self.retired = 0
+        self.retired_slots: list[int] = []
+        self._gens = [0] * n_slots
+        self._private = private
+
+    def name(self, slot: int) -> str:
+        return f"melfeed-1-1-s{slot}-g{self._gens[slot]}"
+
+    def generation(self, slot: int) -> int:
+        return self._gens[slot]
+
+    def is_shared(self, slot: int) -> bool:
+        return slot not in self._private
+
+    def retire(self, slot: int) -> None:
+        self._gens[slot] += 1
+        self.retired += 1
+        self.retired_slots.append(slot)
+
+
+class FakePlan:
+    """An epoch plan of one bucket: batch ``b`` holds samples ``rows*b .. rows*b + rows - 1``."""
+
+    def __init__(self, rows: int = 2) -> None:
+        self.rows = rows
+
+    def batch(self, batch_id: int) -> PlannedBatch:
+        first = batch_id * self.rows
+        return PlannedBatch(batch_id, 0, 0, tuple(range(first, first + self.rows)))

@@ -1,6 +1,6 @@
 """A real systemd booted as PID 1 of private namespaces, for tests of ``deploy/`` (no container daemon).
 
-Follows notes/systemd-in-tests.md: a unit directory with the rendered units, stub targets and
+How: a unit directory with the rendered units, stub targets and
 ``exit.target``; the launching shell in its own cgroup; ``unshare`` of pid/mount/cgroup/uts/ipc;
 private ``/proc``, ``/run``, ``/var/tmp``, cgroup mounts and ``/dev/console``; then systemd with
 ``SYSTEMD_UNIT_PATH`` pointing at the unit directory only (never the host's units: their tmpfiles

@@ -29,13 +29,16 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from consumer.flow.plan import EpochPlan
 from shared.wire.buckets import BucketSet
 from shared.cache.manifest import Manifest
+
+if TYPE_CHECKING:   # annotations only: the import itself happens inside the builders
+    import tensorflow as tf
 
 __all__ = ["COPIES", "PlanFiles", "plan_files", "tuned_dataset", "naive_dataset", "ServiceProcesses"]
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from consumer.bench.report import build_report, render
-from shared.config import PipelineConfig, TransportConfig, config_to_mapping, load_config, with_overrides
+from shared.config import PipelineConfig, TransportConfig
+from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
 from shared.service.children import REPO_ROOT
 

@@ -29,7 +29,8 @@ import numpy as np
 
 from consumer.bench.usage import UsageWindow
 from consumer.bench.stats import gb_per_s, sleep_for_step_s
-from shared.config import PipelineConfig, config_from_mapping, with_overrides
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping, with_overrides
 from shared.service.children import ENTRY_SCRIPT
 
 __all__ = ["zero_step", "main"]

@@ -30,7 +30,8 @@ import yaml
 from shared.wire.bucket_mix import batch_mix, bucket_padding
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config import PipelineConfig, resolve_runtime_dir
+from shared.config_loader import config_to_mapping, with_overrides
 from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes

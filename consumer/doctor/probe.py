@@ -46,7 +46,7 @@ _ENTRY = ENTRY_SCRIPT
 def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
     from consumer.feed import Consumer
-    from shared.config import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
     from shared.errors import PipelineError
 
     with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
@@ -111,7 +111,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from consumer.train.model import StepSpec
     from consumer.train.step import CompiledStep, load_step_factory, to_tensors
     from shared.wire.buckets import build_buckets
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.cache.features import load_manifest_for
 
     cfg = load_config(config_path)
@@ -141,13 +141,11 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
 def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    import numpy as np
-
     from consumer.train.step import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
-    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=np.float32)
+    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=arrays["mel"].dtype)
     arrays["mel_len"][...] = bucket.max_frames
-    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=np.int32)
+    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens
     return arrays
 

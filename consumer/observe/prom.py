@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.metrics import PHASES
 
 __all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
 
@@ -67,7 +68,7 @@ class SnapshotCollector:
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=snap[key])
         phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
-        for p in ("compiling", "training", "waiting", "done"):
+        for p in PHASES:
             phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)
         yield phase
         step = GaugeMetricFamily("melfeed_step_seconds", "Step time percentiles (window)", labels=["quantile"])

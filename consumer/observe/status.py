@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from shared.config import load_config
+from shared.config_loader import load_config
 from shared.service.lifecycle import resolve_control_endpoint
 
 __all__ = ["main_status", "ask_status", "format_status"]

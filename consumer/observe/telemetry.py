@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from consumer.flow.peers import ProducerReport
 from consumer.transport.receiver import ReceiverStats
-from shared.metrics import StepRecord, StepWindow, WindowFigures
+from shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
 from shared.errors import ConfigError
 from consumer.observe.gpu import GpuSampler
 
@@ -38,7 +38,6 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
                "compiles_after_ready", "gpus", "jit_compile", "outputs")
-PHASES = ("compiling", "training", "waiting", "done")
 
 
 def _num(value: float | None) -> float | None:
@@ -167,7 +166,7 @@ class Telemetry:
         self._producers = ProducerRates(c.metrics_window_s)
         self._bytes = _Series(c.metrics_window_s)
         self._control_endpoint = control_endpoint
-        self._phase = "compiling"
+        self._phase = PHASE_COMPILING
         self._jit_compile: str | None = None
         self._outputs: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -1,6 +1,6 @@
 """The applied-batch audit log and ``run_pipeline.py audit STATE_DIR``.
 
-Role: after the fact, anyone can check DESIGN invariant 3 (every planned batch applied exactly
+Role: after the fact, anyone can check docs/ARCHITECTURE.md invariant 3 (every planned batch applied exactly
 once, in plan order) from the state directory alone. The consumer appends one fixed-width record
 per applied batch *after* the step that read it finished::
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from consumer.resume.filemode import STATE_FILE_MODE
 from shared.errors import StateError
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
@@ -58,7 +59,8 @@ class AuditLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                                         STATE_FILE_MODE)   # whatever the umask
         self.records = os.fstat(self._fd).st_size // RECORD_BYTES
 
     def truncate_to(self, n_records: int) -> int:
@@ -186,7 +188,7 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
 def _planned_digests(root: Path, end: int) -> tuple[dict[int, int] | None, str]:
     from consumer.flow.plan import EpochPlan
     from shared.wire.buckets import build_buckets
-    from shared.config import config_from_mapping
+    from shared.config_loader import config_from_mapping
     from shared.errors import PipelineError
     from shared.cache.manifest import load_manifest
     try:

@@ -9,7 +9,8 @@ Layout in the state directory::
 
 Commit protocol: write everything into the ``.tmp-PID`` directory, fsync each file and the
 directory, ``rename`` it to its final name, fsync the state directory. A crash at any point leaves
-either the previous checkpoint or the new one, never a half-written one under a final name. The
+either the previous checkpoint or the new one, never a half-written one under a final name. Files
+are 0640 and the directory 0750 or stricter whatever the umask (``filemode``) before the rename. The
 newest readable checkpoint wins; an unreadable one is skipped with a warning (the one before it is
 kept, ``keep`` >= 1 complete checkpoints stay on disk).
 TensorFlow is imported only by ``save`` and ``restore``; the audit command never loads it.
@@ -25,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from consumer.resume.filemode import STATE_DIR_MODE, restrict, write_private
 from shared.errors import StateError
 
 __all__ = ["Cursor", "CheckpointStore", "latest_checkpoint", "latest_cursor", "list_checkpoints"]
@@ -117,10 +119,11 @@ class CheckpointStore:
         t0 = time.perf_counter()
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            tmp.mkdir(mode=STATE_DIR_MODE)          # 0750 or stricter whatever the umask
             tf.train.Checkpoint(**items).write(str(tmp / _VARS))
-            (tmp / _CURSOR).write_text(json.dumps(asdict(cursor), indent=1) + "\n", encoding="utf-8")
+            write_private(tmp / _CURSOR, (json.dumps(asdict(cursor), indent=1) + "\n").encode("utf-8"))
             for f in tmp.iterdir():
+                restrict(f)                         # TensorFlow creates its files 0666 & ~umask
                 _fsync_path(f)
             _fsync_path(tmp)
             os.rename(tmp, final)

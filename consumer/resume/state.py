@@ -6,7 +6,7 @@ consumer = Consumer(cfg, start_batch=state.next_batch)
 state.restore_into(items)                             # after warm-up: the checkpointed variables
 for batch in consumer.batches(stop):
     step(batch)
-    state.record(batch.batch_id, planned_sample_ids, consumer.epoch)
+    state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
     if state.due():
         state.checkpoint(items, consumer.epoch)
 state.checkpoint(items, consumer.epoch)               # on stop and at the end
@@ -18,6 +18,8 @@ Invariants:
       that would change the plan is refused instead of silently mixing two plans in one lineage.
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
+    * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
+      service user and group can read the variables or the data order.
 Shutdown: ``close()`` is idempotent and releases the lock.
 """
 
@@ -34,7 +36,9 @@ from typing import Any
 
 from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
 from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint
-from shared.config import PipelineConfig, config_to_mapping
+from consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
+from shared.config import PipelineConfig
+from shared.config_loader import config_to_mapping
 from shared.errors import StateError
 
 __all__ = ["RunState"]
@@ -77,8 +81,8 @@ class RunState:
             return None
         root = Path(cfg.consumer.state_dir).resolve()
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            make_private_dir(root)
+            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, STATE_FILE_MODE)
         except OSError as err:
             raise StateError(root, f"cannot use as state directory: {err.strerror}") from err
         try:
@@ -152,6 +156,6 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str) -> dict[s
         if old.get("cache_dir") != identity["cache_dir"]:
             log.info("cache moved from %s to %s (same fingerprint)", old.get("cache_dir"), identity["cache_dir"])
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(identity, indent=1) + "\n", encoding="utf-8")
+    write_private(tmp, (json.dumps(identity, indent=1) + "\n").encode("utf-8"))
     os.replace(tmp, path)
     return identity

@@ -30,7 +30,7 @@ from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
 from shared.config import PipelineConfig
 from shared.errors import PipelineError
-from shared.metrics import StepRecord
+from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
 from shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     log.info("READY: compiled %d bucket shapes in %.1f s jit_compile=%s", n_buckets, out.compile_s,
              out.jit_compile)
     if telemetry is not None:
-        telemetry.set_phase("training")
+        telemetry.set_phase(PHASE_TRAINING)
         telemetry.set_jit_compile(out.jit_compile)
     notifier.ready(f"compiled {n_buckets} shapes ({out.jit_compile}) in {out.compile_s:.1f} s; "
                    f"starting at batch {consumer.next_apply}")
@@ -122,7 +122,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
                         f"producers alive {producers_alive}")
         if telemetry is not None:
-            telemetry.set_phase("waiting")
+            telemetry.set_phase(PHASE_WAITING)
             telemetry.publish_if_due(out.steps, loss_v, compiled.compiles_after_ready)
 
     meter = LoopMeter(cfg.consumer.metrics_window_s)
@@ -144,7 +144,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         payload_copies += batch.copies
         out.steps += 1
         if state is not None:
-            state.record(batch.batch_id, consumer.plan.batch(batch.batch_id).sample_ids, consumer.epoch)
+            state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
             if state.due():
                 state.checkpoint(items, consumer.epoch)
         if out.time_to_first_step_s is None:
@@ -167,7 +167,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             means = meter.outputs.take()
             notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
             if telemetry is not None:
-                telemetry.set_phase("training")
+                telemetry.set_phase(PHASE_TRAINING)
                 telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
@@ -177,7 +177,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         out.next_batch = state.next_batch
     _finish(out, meter, consumer, compiled.compiles_after_ready, outputs, copies + payload_copies)
     if telemetry is not None:
-        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase="done",
+        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE,
                           outputs=meter.outputs.take())
     if summary_path:
         out.write(summary_path)

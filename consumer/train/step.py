@@ -37,15 +37,14 @@ from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from shared.errors import ConfigError, StepError
+from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
 
 __all__ = ["load_step_factory", "CompiledStep", "to_tensors", "aligned_empty"]
 
 log = logging.getLogger(__name__)
 
-_DLPACK_ALIGNMENT = 64  # TensorFlow's CPU allocator alignment; DLPack CHECK-fails below it
-_BATCH_DTYPES: dict[str, tf.DType] = {
-    "mel": tf.float32, "mel_len": tf.int32, "tokens": tf.int32, "tok_len": tf.int32}
-_ARG_ORDER = ("mel", "mel_len", "tokens", "tok_len")  # TrainStep.__call__ positional order
+_BATCH_DTYPES: dict[str, tf.DType] = {name: tf.as_dtype(dtype) for name, dtype in ARRAY_DTYPES.items()}
+_ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
 _Shapes = tuple[tuple[int, ...], ...]  # shapes in _ARG_ORDER: the key of one compiled program
@@ -305,7 +304,7 @@ def _zeros(key: _Shapes) -> list[tf.Tensor]:
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
-                  alignment: int = _DLPACK_ALIGNMENT) -> npt.NDArray[np.generic]:
+                  alignment: int = ALIGN_BYTES) -> npt.NDArray[np.generic]:
     """Uninitialised C-contiguous array whose data starts on an ``alignment``-byte boundary.
 
     Over-allocates a uint8 buffer by ``alignment`` bytes and views it from the first aligned
@@ -324,7 +323,7 @@ def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
 def _can_alias(arr: np.ndarray) -> bool:
     """Whether DLPack may wrap ``arr`` without a copy (and without aborting TensorFlow)."""
     return (arr.flags.c_contiguous and arr.flags.writeable and arr.size > 0
-            and arr.dtype.isnative and arr.ctypes.data % _DLPACK_ALIGNMENT == 0)
+            and arr.dtype.isnative and arr.ctypes.data % ALIGN_BYTES == 0)
 
 
 def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], int]:

@@ -1,6 +1,6 @@
 """Checks a BATCH against its lease and takes its payload into the lease's ring slot.
 
-Two paths, one set of checks (DESIGN invariant 7): the header's bucket, shapes and dtypes must be the
+Two paths, one set of checks (docs/ARCHITECTURE.md, invariant 7): the header's bucket, shapes and dtypes must be the
 planned ones (SHAPE/DTYPE), then either the four payload frames are received with ``recv_into``
 straight into the slot (ZeroMQ payload path) or, on the shared-memory path, the producer already
 built the batch in the slot and the header must come alone (FRAMES otherwise). Either way the
@@ -18,7 +18,8 @@ import zmq
 
 from shared.wire.buckets import Bucket, BucketSet
 from shared.errors import ProtocolError
-from shared.wire.protocol import ARRAY_KEYS, BatchHeader, RejectCode
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import BatchHeader, RejectCode
 
 __all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths"]
 
@@ -46,7 +47,7 @@ def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, ex
     for key in ARRAY_KEYS:
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
-        buf = memoryview(views[key]).cast("B")
+        buf = views[key].data.cast("B")
         n = sock.recv_into(buf)
         if n != buf.nbytes:
             raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, "
@@ -69,7 +70,7 @@ def check_in_place(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expe
     crc = 0
     if hdr.crc32 is not None:
         for key in ARRAY_KEYS:
-            crc = zlib.crc32(memoryview(views[key]).cast("B"), crc)
+            crc = zlib.crc32(views[key].data.cast("B"), crc)
     _check_crc(hdr, crc, checksum)
     check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import CacheError
+from shared.cache.filekind import open_regular
 
-__all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "read_npy_header", "inspect_npy"]
+__all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "inspect_npy"]
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,11 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
 
     Raises:
         CacheError: The header is bad, or the file is shorter than ``data_offset + nbytes``.
-            Also raised (chained) when the file is missing or cannot be read.
+            Also raised (chained) when the file is missing or cannot be read, and for an entry
+            that is not a regular file (``not a regular file (fifo)``; see ``shared.cache.filekind``).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError as err:
-        raise CacheError(path, "missing") from err
+        fd, st = open_regular(path)   # never blocks on a FIFO; refuses devices and directories
     except OSError as err:
         raise CacheError(path, f"cannot open ({err.strerror})") from err
     try:
@@ -198,7 +198,7 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
         _, _, data_offset = _header_span(preamble, path)
         prefix = os.pread(fd, data_offset, 0) if data_offset > len(preamble) else preamble
         header = parse_npy_header(prefix, path)
-        file_bytes = os.fstat(fd).st_size
+        file_bytes = st.st_size
     except OSError as err:
         raise CacheError(path, f"cannot read ({err.strerror})") from err
     finally:
@@ -207,12 +207,3 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
     if have < header.nbytes:
         raise CacheError(path, f"truncated: {have} data bytes, expected {header.nbytes}")
     return header, file_bytes
-
-
-def read_npy_header(path: str | os.PathLike[str]) -> NpyHeader:
-    """Read and check a ``.npy`` file's header; see ``inspect_npy``, which also gives the size.
-
-    Raises:
-        CacheError: The header is bad, the data is truncated, or the file cannot be read.
-    """
-    return inspect_npy(path)[0]

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import CacheError
+from shared.cache.filekind import open_regular
 from shared.cache.index import check_mel_header, check_token_header   # the same rules as index
-from shared.cache.manifest import MANIFEST_NAME, Utterance, load_manifest
+from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Utterance, load_manifest
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
@@ -75,8 +76,9 @@ def _list_npy(directory: Path) -> dict[str, Path]:
     if not directory.is_dir():
         return {}
     with os.scandir(directory) as entries:
-        return {e.name[:-4]: Path(e.path) for e in entries
-                if e.name.endswith(".npy") and len(e.name) > 4 and e.is_file()}
+        # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
+        # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
+        return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
 
 
 class _Scanner:
@@ -93,7 +95,8 @@ class _Scanner:
         n_nan = n_inf = 0
         first_frame = -1
         try:
-            with open(path, "rb", buffering=0) as f:
+            fd, _ = open_regular(path)          # inspect_npy checked it; this guards against a swap since
+            with os.fdopen(fd, "rb", buffering=0) as f:
                 f.seek(header.data_offset)
                 done, total = 0, header.nbytes // dtype.itemsize
                 while done < total:
@@ -110,6 +113,8 @@ class _Scanner:
                         n_nan += nan
                         n_inf += k - int(np.count_nonzero(finite)) - nan
                     done += k
+        except CacheError as err:
+            return err.reason
         except OSError as err:
             return f"read failed ({err.strerror})"
         if first_frame < 0:
@@ -133,7 +138,7 @@ def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
         if size != want_bytes:
             return f"changed since index: {size} bytes, manifest says {want_bytes}; re-run index"
         want = ((row.frames, n_mels), row.mel_dtype, row.mel_offset) if is_mel else \
-            ((row.tokens,), "int32", row.tok_offset)
+            ((row.tokens,), TOKEN_DTYPE.name, row.tok_offset)
         got = (header.shape, header.dtype.name, header.data_offset)
         if got != want:
             return f"changed since index: header says shape/dtype/offset {got}, manifest {want}; re-run index"

@@ -4,8 +4,8 @@ Every message is a multipart ``[header]`` or ``[header, *payload]``: the header 
 map tagged by ``t`` (a ``MsgKind``); only BATCH carries payload frames, one raw frame per array in
 ``ARRAY_KEYS`` order -- except on the same-host shared-memory path: a producer whose HELLO offers
 ``CAP_SHM`` and whose WELCOME names an ``shm_dir`` gets leases naming a slot file, builds into it,
-and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (perf-facts: a 100-byte header packs in
-2 us; an 8 MB bin would be copied twice).
+and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (a ~100-byte header packs in
+microseconds; an 8 MB bin would be copied in and out again: docs/ARCHITECTURE.md).
 
 Invariant: ``decode_header`` either returns a fully validated message dataclass or raises
 ``ProtocolError`` with a reject code; it never allocates more than the limits below, whatever
@@ -21,14 +21,13 @@ from typing import Any
 
 import msgpack
 
-from shared.errors import ProtocolError
+from shared.errors import MAX_REASON_CHARS, ProtocolError
+from shared.wire.layout import ARRAY_KEYS
 
 __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
-    "ARRAY_KEYS",
     "CAP_SHM",
-    "MAX_REASON_CHARS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -49,12 +48,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # payload frame order of a BATCH
 CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
-MAX_REASON_CHARS = 200  # ERR.why and BYE.why: one log line, never a traceback
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 
@@ -70,7 +67,7 @@ class MsgKind(IntEnum):
 
 
 class RejectCode:
-    """Reject codes sent in ERR (see notes/reliability-tests.md 4.2)."""
+    """Reject codes sent in ERR (docs/ARCHITECTURE.md "Wire protocol"; invariant 7)."""
 
     DECODE = "DECODE"
     FRAMES = "FRAMES"

@@ -2,12 +2,14 @@
 
 The cache is indexed first and then damaged in place, so the manifest still loads and only the
 producers' reads find the damage: every case ``verify-cache`` knows (missing, truncated, wrong
-dtype, rank or mel bins, Fortran order, NaN, Inf).
+dtype, rank or mel bins, Fortran order, NaN, Inf), and entries that are not regular files (a FIFO,
+a symlink to /dev/zero), which must be refused without blocking the producer.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +20,8 @@ import pytest
 from consumer.feed import Consumer
 from consumer.flow.plan import EpochPlan
 from shared.wire.buckets import build_buckets
-from shared.config import PipelineConfig, config_from_mapping
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import demo_utterance_id, write_demo_cache
 from shared.cache.manifest import load_manifest
 from tests.conftest import ProducerGroup
@@ -43,6 +46,16 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-16])
 
 
+def _fifo(path: Path) -> None:           # opening it without O_NONBLOCK would block the producer forever
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _dev_zero(path: Path) -> None:       # reading it never ends
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
 # case -> (sample index, file, damage, what the producer's message says about it)
 CASES: dict[str, tuple[int, str, Callable[[Path], None], str]] = {
     "missing": (3, "mels", Path.unlink, ": missing"),
@@ -54,6 +67,8 @@ CASES: dict[str, tuple[int, str, Callable[[Path], None], str]] = {
                 ": file changed since index (Fortran order not supported)"),
     "nan": (27, "mels", lambda p: _rewrite(p, _set(40, np.nan)), ": 1 non-finite values (NaN/Inf) in the first "),
     "inf": (31, "mels", lambda p: _rewrite(p, _set(2, -np.inf)), ": 1 non-finite values (NaN/Inf) in the first "),
+    "fifo": (35, "mels", _fifo, ": not a regular file (fifo)"),
+    "dev_zero": (39, "tokens", _dev_zero, ": not a regular file (character device)"),
 }
 
 
@@ -66,7 +81,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _damaged(pristine: Path, dest: Path, cases: list[str]) -> tuple[Path, dict[int, Path]]:
     """A copy of the indexed cache with ``cases`` applied in place; returns it and {sample: bad file}."""
-    cache = Path(shutil.copytree(pristine, dest))
+    cache = Path(shutil.copytree(pristine, dest, symlinks=True))
     bad = {}
     for case in cases:
         sample, sub, damage, _ = CASES[case]

@@ -11,7 +11,7 @@ import msgpack
 import zmq
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.wire.curve import generate_keys
 from shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
 from tests.conftest import ProducerGroup

@@ -23,8 +23,9 @@ import zmq
 
 from consumer.feed import Consumer
 from producer.slot_maps import SlotMappings
-from shared.config import config_from_mapping
-from shared.wire.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
+from shared.config_loader import config_from_mapping
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests import procs
 from tests.conftest import ProducerGroup

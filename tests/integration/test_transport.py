@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import write_demo_cache
 from shared.wire.protocol import MsgKind, RejectCode, encode, Hello
 from tests.conftest import ProducerGroup
@@ -75,6 +75,7 @@ def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint:
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             planned = consumer.plan.batch(batch.batch_id)
+            assert batch.planned == planned                 # the identity the lease carried is the plan's
             n = len(planned.sample_ids)
             assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
                                                          for i in planned.sample_ids]

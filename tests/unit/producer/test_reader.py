@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,6 +105,37 @@ def test_missing_file(manifest: Manifest) -> None:
     with pytest.raises(CacheError) as info:
         CacheReader(manifest).read_tokens_into(0, np.empty(8, np.int32))
     assert str(info.value) == f"{manifest.tokens_path(0)}: missing"
+
+
+def _not_a_file(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "character device":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "symlink loop":                      # a -> b -> a
+        path.with_name("b").symlink_to(path.name)
+        path.symlink_to("b")
+    else:
+        path.symlink_to(path.with_name("gone"))
+
+
+@pytest.mark.timeout(20)  # a blocking open of the FIFO (or reading /dev/zero) fails here instead of hanging
+@pytest.mark.parametrize("kind", ["fifo", "character device", "directory", "symlink loop", "dangling symlink"])
+def test_an_entry_that_is_not_a_regular_file_is_a_bad_file_never_a_blocked_read(manifest: Manifest,
+                                                                                   kind: str) -> None:
+    reader = CacheReader(manifest)
+    _not_a_file(manifest.mel_path(2), kind)
+    _not_a_file(manifest.tokens_path(1), kind)
+    with pytest.raises(CacheError) as info:
+        reader.read_mel_into(2, np.empty((16, N_MELS), np.float32))
+    assert type(info.value) is CacheError             # a bad file (quarantined), never TransientReadError
+    assert str(info.value).startswith(f"{manifest.mel_path(2)}: not a regular file ({kind}")
+    with pytest.raises(CacheError, match=re.escape(f": not a regular file ({kind}")):
+        reader.read_tokens_into(1, np.empty(8, np.int32))
+    assert reader.read_mel_into(0, np.empty((16, N_MELS), np.float32)) == 9   # the others still read
 
 
 def test_short_read(manifest: Manifest) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import ModelConfig, config_from_mapping, config_to_mapping, load_config, with_overrides
+from shared.config import ModelConfig
+from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]

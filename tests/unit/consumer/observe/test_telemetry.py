@@ -14,7 +14,7 @@ from consumer.observe.prom import SnapshotCollector
 from consumer.transport.receiver import ReceiverStats
 from consumer.observe.status import format_status
 from consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.errors import ConfigError
 from shared.metrics import StepRecord, StepWindow
 from shared.wire.protocol import StageCounters

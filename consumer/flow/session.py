@@ -1,0 +1,287 @@
+"""The consumer's side of the wire protocol as a pure object: messages in, decisions and replies out.
+
+The receiver thread (``consumer/transport/receiver.py``) owns the ROUTER socket; it decodes each
+message and hands it here with the time, and sends what comes back. Nothing here touches a socket,
+a thread or a clock (trio's and httpx's transport seam), so every rule is unit-tested with fake
+messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
+CURVE user-id binding) and WELCOME; lease grants into free ring slots; liveness and lease deadlines
+(leases back to pending); the shared-memory fencing (``consumer.flow.shm_leases``); duplicate and
+stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code).
+A BATCH is taken in two steps because its payload is received straight into a ring slot:
+``on_message`` returns a ``BatchIntake`` (the lease and its slot), the shell fills or checks the slot,
+then calls ``on_batch_taken`` or ``on_batch_refused``.
+Invariants (docs/ARCHITECTURE.md, invariants 2, 3 and 7): only leased ids are accepted; every
+message not taken is counted once -- as a reject (answered by exactly one ERR), a duplicate, or,
+from a peer blocked for flooding, FLOOD (dropped unread, unanswered).
+Threads: one writer (the receiver thread); ``stats()`` and ``queue_depth()`` may be read from any
+thread (plain counters, copied). Shutdown: nothing to release; the shell closes the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import reprlib
+
+from consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
+from consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
+                                     SessionConfig)
+from consumer.flow.peers import PeerInfo, PeerTable
+from consumer.flow.rejects import RejectLog, peer_label
+from consumer.flow.ring import BatchRing
+from consumer.flow.shm_leases import ShmLeases, SlotFiles
+from shared.errors import ProtocolError
+from shared.wire.curve import producer_id_matches
+from shared.wire.layout import PAYLOAD_COPIES
+from shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
+                                  Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
+
+__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
+           "ReceiverStats", "SessionConfig", "escape_line"]
+
+log = logging.getLogger(__name__)
+
+BLOCK_S = 30.0            # a flooding peer is ignored this long
+
+
+class ReceiverSession:
+    """Handshake, leases, liveness, fencing and rejects for one consumer epoch.
+
+    Args:
+        cfg: contract, epoch and timing.
+        ring, book: the ring (shared with the step loop) and the lease book (each lease carries its planned batch).
+        shm: the ring's slot files when the shared-memory path is on, else ``None``.
+        rejects: reject counters and flood detection (injectable for tests).
+    """
+
+    def __init__(self, cfg: SessionConfig, ring: BatchRing, book: LeaseBook, *,
+                 shm: SlotFiles | None = None, rejects: RejectLog | None = None) -> None:
+        self.cfg = cfg
+        self.epoch = cfg.epoch
+        self._ring, self._book = ring, book
+        self._peers = PeerTable()
+        self._rejects = rejects if rejects is not None else RejectLog()
+        self._shm = ShmLeases(shm)
+        self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0,
+                        "failures": 0}
+        self._applied_seen = -1              # the last applied id handed to the lease book
+        self.next_heartbeat_s: float | None = None    # None: due at the next tick
+
+    # --- queries (any thread) -------------------------------------------------------------------
+    def stats(self) -> ReceiverStats:
+        c = self._counts
+        return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
+                             c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
+                             c["quarantined"], self._rejects.peer_snapshot(), shm_retired=self._shm.retired,
+                             lease_window=self._book.window, producers=self._peers.reports(),
+                             producer_failures=c["failures"])
+
+    def queue_depth(self) -> int:
+        """Ready batches plus leases outstanding (what is sent back to producers)."""
+        return len(self._ring.ready_ids()) + self._book.outstanding
+
+    def poll_timeout_ms(self, now_s: float) -> int:
+        """How long the shell may wait for a message before the next heartbeat is due."""
+        if self.next_heartbeat_s is None:
+            return 1
+        return max(0, int((self.next_heartbeat_s - now_s) * 1000)) + 1
+
+    # --- inbound ------------------------------------------------------------------------------
+    def admit(self, ident: bytes, now_s: float) -> bool:
+        """False for a peer blocked for flooding: drop its message unread (counted as FLOOD)."""
+        if self._peers.is_blocked(ident, now_s):
+            self._rejects.ignore(peer_label(ident))
+            return False
+        return True
+
+    def on_message(self, ident: bytes, msg: Message, now_s: float, *, more: bool = False,
+                   user_id: str | None = None) -> Decision:
+        """Decide on one decoded message.
+
+        Args:
+            more: frames follow the header (only a BATCH on a payload lease may have them).
+            user_id: the CURVE name (ZAP User-Id) the message arrived under; ``None`` without CURVE.
+        """
+        try:
+            if isinstance(msg, BatchHeader):
+                return self._on_batch(ident, msg, now_s)
+            if more:
+                raise ProtocolError(RejectCode.FRAMES, f"{type(msg).__name__} must be a single frame")
+            if isinstance(msg, Hello):
+                return Decision(self._on_hello(ident, msg, now_s, user_id))
+            if isinstance(msg, Heartbeat | Bye):
+                peer = self._known(ident, msg.epoch)
+                if isinstance(msg, Bye):
+                    self._on_bye(ident, peer, msg)
+                else:
+                    peer.last_seen_s = now_s
+                    if msg.stats is not None:
+                        peer.stage, peer.stage_at_s = msg.stats, now_s
+                return Decision()
+            raise ProtocolError(RejectCode.TYPE, f"{type(msg).__name__} is not sent to the consumer")
+        except ProtocolError as err:
+            return self.on_invalid(ident, err, now_s)
+
+    def on_invalid(self, ident: bytes, err: ProtocolError, now_s: float) -> Decision:
+        """A message that cannot be taken (undecodable, or refused above): count it and answer ERR."""
+        return Decision(self._reject(ident, err.code, err.why, now_s), drain=True)
+
+    def on_batch_taken(self, intake: BatchIntake, n_bytes: int) -> None:
+        """The shell filled (or checked in place) the lease's slot: the batch is READY."""
+        lease, hdr = intake.lease, intake.hdr
+        self._counts["bytes"] += n_bytes
+        self._shm.settle(lease.slot)
+        self._ring.mark_ready(lease.slot, lease.planned, 1 if intake.in_place else PAYLOAD_COPIES)
+        peer = self._peers.get(intake.ident)
+        if peer is not None:
+            peer.batches += 1
+        self._counts["batches"] += 1
+        self._counts["quarantined"] += len(hdr.quarantined)
+
+    def on_batch_refused(self, intake: BatchIntake, err: ProtocolError, now_s: float) -> Decision:
+        """The payload failed its checks: the lease stays open (rebuild it, never drop it)."""
+        self._book.requeue(intake.lease)
+        self._cancel(intake.lease)
+        self._counts["reissued"] += 1
+        return self.on_invalid(intake.ident, err, now_s)
+
+    def on_unreachable(self, ident: bytes) -> None:
+        """A send to ``ident`` found no such peer (it vanished): drop it if it was connected."""
+        if ident in self._peers:
+            self._drop_peer(ident, "unreachable")
+
+    # --- periodic -----------------------------------------------------------------------------
+    def tick(self, now_s: float, applied_through: int) -> list[Outgoing]:
+        """Forget applied batches, expire silent peers and late leases; heartbeats when due.
+
+        Args:
+            applied_through: the last batch id the step loop applied (-1: none yet).
+        """
+        while self._applied_seen < applied_through:
+            self._applied_seen += 1
+            self._book.mark_applied(self._applied_seen)
+        self._check_liveness(now_s)
+        if self.next_heartbeat_s is not None and now_s < self.next_heartbeat_s:
+            return []
+        self.next_heartbeat_s = now_s + self.cfg.heartbeat_interval_s
+        hb = Heartbeat(self.epoch, self.queue_depth(), applied_through + 1)
+        return [Outgoing(ident, hb) for ident in self._peers.idents()]
+
+    def grant(self, now_s: float) -> list[Outgoing]:
+        """Lease free ring slots to producers with room in their window, least loaded first."""
+        grants: dict[bytes, list[Lease]] = {}
+        order = self._peers.by_fewest_leases(self._book)
+        for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now_s):
+            info = self._peers.get(lease.peer)
+            assert info is not None               # grant_round only leases to peers in ``order``
+            info.last_grant_s = now_s             # ties go round-robin
+            planned = lease.planned
+            grants.setdefault(lease.peer, []).append(
+                Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
+                      self._shm.slot_for(lease, info.uses_shm)))
+        depth = self.queue_depth()
+        return [Outgoing(ident, LeaseGrant(self.epoch, leases, depth)) for ident, leases in grants.items()]
+
+    # --- handlers -----------------------------------------------------------------------------
+    def _on_hello(self, ident: bytes, msg: Hello, now_s: float, user_id: str | None) -> list[Outgoing]:
+        if msg.proto not in SUPPORTED_VERSIONS:
+            raise ProtocolError(RejectCode.PROTO, f"protocol {msg.proto} not supported; supported: "
+                                                  f"{list(SUPPORTED_VERSIONS)}")
+        if user_id is not None and not producer_id_matches(msg.producer_id, user_id):
+            raise ProtocolError(RejectCode.CONTRACT, f"producer id {_short(msg.producer_id)} does not match its "
+                                                     f"CURVE key {user_id!r} (ids must be {user_id}-<n>)")
+        c = self.cfg.contract
+        for name, theirs, ours in (("manifest fingerprint", msg.fingerprint, c.fingerprint),
+                                   ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
+                                   ("bucket shapes", msg.buckets, c.buckets)):
+            if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+                raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "
+                                                         f"consumer {_short(ours)}")
+        if ident in self._peers:
+            self._drop_peer(ident, "re-handshake")
+        info = self._peers.add(ident, msg.producer_id, now_s)
+        info.uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
+        log.info("producer joined id=%s peer=%s alive=%d transport=%s", msg.producer_id, peer_label(ident),
+                 len(self._peers), "shm" if info.uses_shm else "zmq")
+        shm_dir = self._shm.directory if info.uses_shm else None
+        cfg = self.cfg
+        return [Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
+                                        shm_dir))]
+
+    def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
+        if msg.exit_code != 0:
+            # Peer-supplied text: escaped, so a reason cannot forge log lines (invariant 7).
+            self._counts["failures"] += 1
+            log.error("producer failed id=%s exit=%d: %s", escape_line(peer.producer_id), msg.exit_code,
+                      escape_line(msg.reason[:MAX_REASON_CHARS]))
+        self._drop_peer(ident, "said goodbye")
+
+    def _known(self, ident: bytes, epoch: int) -> PeerInfo:
+        peer = self._peers.get(ident)
+        if peer is None or epoch != self.epoch:
+            if epoch != self.epoch:
+                self._counts["stale"] += 1
+            raise ProtocolError(RejectCode.UNKNOWN_PEER, "unknown peer or old consumer epoch; send HELLO")
+        return peer
+
+    def _on_batch(self, ident: bytes, hdr: BatchHeader, now_s: float) -> Decision:
+        peer = self._known(ident, hdr.epoch)
+        peer.last_seen_s = now_s
+        self._shm.check_claim(ident, hdr, self._book.active(hdr.batch_id))
+        verdict, lease = self._book.accept(ident, hdr.batch_id)
+        if verdict == Verdict.DUP:
+            self._counts["dup"] += 1
+            return Decision(drain=True)
+        if verdict == Verdict.NOT_LEASED or lease is None:
+            raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
+        return Decision(intake=BatchIntake(ident, hdr, lease, lease.planned.bucket, self._shm.is_in_place(lease.slot)))
+
+    # --- leases, liveness, rejects --------------------------------------------------------------
+    def _cancel(self, lease: ActiveLease) -> None:
+        """Give a lease's slot back unfilled; an shm slot is retired first (a zombie may write into it)."""
+        self._shm.cancel(lease)
+        self._ring.cancel(lease.slot)
+
+    def _check_liveness(self, now_s: float) -> None:
+        for ident in self._peers.silent_since(now_s - self.cfg.liveness_s):
+            self._drop_peer(ident, f"silent for more than {self.cfg.liveness_s:.1f} s")
+        for lease in self._book.expire(now_s):
+            self._cancel(lease)
+            self._counts["reissued"] += 1
+            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id,
+                        lease.peer.decode(errors="replace"))
+
+    def _drop_peer(self, ident: bytes, why: str) -> None:
+        for lease in self._book.revoke_peer(ident):
+            self._cancel(lease)
+            self._counts["reissued"] += 1
+        info = self._peers.remove(ident)
+        if info is not None:
+            level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
+            log.log(level, "producer left id=%s reason=%s alive=%d", info.producer_id, why, len(self._peers))
+
+    def _reject(self, ident: bytes, code: str, why: str, now_s: float) -> list[Outgoing]:
+        # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
+        # flooder claiming a good producer's id must not get that producer blocked.
+        name = peer_label(ident)
+        if self._rejects.record(name, code, why, now_s):
+            log.warning("peer %s floods invalid messages; ignoring it for %.0f s", name, BLOCK_S)
+            self._drop_peer(ident, "flooding")
+            self._peers.block(ident, now_s + BLOCK_S)
+            # The last answer it gets says why the others stop: every reject but an ignored one
+            # (counted as FLOOD) is answered exactly once.
+            code, why = RejectCode.FLOOD, f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
+        return [Outgoing(ident, Err(code, why))]
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlist, _REPR.maxstring, _REPR.maxother, _REPR.maxlevel = 8, 80, 80, 3
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a peer-supplied value, cheap whatever its size."""
+    return _REPR.repr(value)
+
+
+def escape_line(text: str) -> str:
+    """``text`` on one log line: newlines and other control or invisible characters written as escapes."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

@@ -1,0 +1,114 @@
+"""Opening cache files that may not be files: FIFOs, devices, directories, symlink loops.
+
+Role: every reader of ``.npy`` cache files (``index``, ``verify-cache``, the producers' reader)
+opens them through ``open_regular``. A cache directory is written by people and scripts, and on a
+shared box an entry can be anything: a FIFO (``open`` of one blocks until a writer appears), a
+symlink to ``/dev/zero`` (reads never end), a directory named ``x.npy``, a dangling symlink or a
+symlink loop. Each is refused with a one-line ``CacheError`` naming the path and its kind
+(``not a regular file (fifo)``), so it is reported or quarantined like any other bad file
+(docs/ARCHITECTURE.md, invariant 7).
+
+Invariants:
+- Never blocks: the open uses ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a
+  writer) and ``O_NOCTTY``; the type is then checked with ``fstat`` on the open descriptor, so an
+  entry swapped between a check and the open cannot slip through.
+- The refusal depends only on the entry, so every producer refuses the same samples.
+- ``O_NONBLOCK`` changes nothing for a regular file (Linux ignores it for reads of one).
+Shutdown: nothing to shut down; a refused descriptor is closed before raising.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from shared.errors import CacheError
+
+__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "entry_kind", "mode_kind", "not_regular_reason"]
+
+OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "fifo"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def mode_kind(mode: int) -> str:
+    for is_kind, name in _KINDS:
+        if is_kind(mode):
+            return name
+    return "unknown file type"
+
+
+def not_regular_reason(kind: str) -> str:
+    """The one reason every reader gives for a non-regular entry: ``not a regular file (fifo)``."""
+    return f"not a regular file ({kind})"
+
+
+def entry_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is when it is not a regular file (after following symlinks), else ``None``.
+
+    Never opens anything: ``stat`` and ``lstat`` only. A missing entry that is no symlink gives
+    ``None`` too (the caller's open reports it as missing).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "symlink loop"
+        if err.errno == errno.ENOENT and os.path.islink(path):
+            return f"dangling symlink to {os.readlink(path)}"
+        return None
+    return None if stat.S_ISREG(mode) else mode_kind(mode)
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without blocking, and only if it is a regular file.
+
+    Returns:
+        ``(fd, st)``: the open descriptor (the caller closes it) and its ``fstat``.
+
+    Raises:
+        CacheError: ``missing``, or ``not a regular file (KIND)`` for a FIFO, device,
+            directory, socket, dangling symlink or symlink loop.
+        OSError: any other failure (permission, out of fds or memory), left to the caller, which
+            knows whether it says something about the file.
+    """
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as err:
+        kind = entry_kind(path) if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO) else None
+        if kind is not None:
+            raise CacheError(path, not_regular_reason(kind)) from err
+        if isinstance(err, FileNotFoundError):
+            raise CacheError(path, "missing") from err
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CacheError(path, not_regular_reason(mode_kind(st.st_mode)))
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The whole content of a small regular file (``manifest.json``, ``features.json``).
+
+    Raises:
+        CacheError: missing, or not a regular file (as ``open_regular``).
+        OSError: the read failed.
+    """
+    fd, _ = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
