@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shared.errors import ConfigError
 
@@ -204,6 +204,26 @@ class ProducerConfig:
                self.restart_backoff_s)
 
 
+JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged
+
+_PARAM_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain_params(value: Any, path: tuple[str, ...]) -> Any:
+    """A deep copy of ``model.params`` made of YAML values only (producers get the config as YAML)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            _check(isinstance(key, str) and bool(key), "keys must be non-empty strings", path, key)
+            out[key] = _plain_params(item, path + (key,))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain_params(item, path) for item in value]
+    _check(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
+           "mappings", path, type(value).__name__)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
@@ -213,6 +233,11 @@ class ModelConfig:
     learning_rate: float = 1e-3
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
     seed: int = 0                          # weight initialisation
+    jit_compile: JitSetting = "auto"       # "auto": XLA where it compiles and is faster, else graph mode;
+                                           # true: XLA or fail (exit 1); false: graph-mode tf.function
+    # Free-form settings for the step factory (StepSpec.params); YAML values only; null = empty.
+    # Always a plain dict after construction (a deep copy); left out of the hash (dicts have none).
+    params: Mapping[str, Any] | None = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         p = ("model",)
@@ -220,6 +245,12 @@ class ModelConfig:
                p + ("step",), self.step)
         _check(self.vocab_size >= 2, "must be >= 2", p + ("vocab_size",), self.vocab_size)
         _check(self.learning_rate > 0, "must be > 0", p + ("learning_rate",), self.learning_rate)
+        _check(isinstance(self.jit_compile, bool) or self.jit_compile == "auto",
+               "must be auto, true or false", p + ("jit_compile",), self.jit_compile)
+        params = {} if self.params is None else self.params
+        _check(isinstance(params, Mapping), "must be a mapping (name: value)", p + ("params",), params)
+        # slots + frozen: object.__setattr__ is the documented way to normalise in __post_init__
+        object.__setattr__(self, "params", _plain_params(params, p + ("params",)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ __all__ = [
     "EXIT_CONFIG",
     "MAX_REASON_CHARS",
     "StateError",
+    "StepError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
@@ -75,3 +76,16 @@ class ProtocolError(PipelineError):
 
 class ClosedError(PipelineError):
     """We closed the ring or socket; waiters are woken with this."""
+
+
+class StepError(PipelineError):
+    """The training step cannot run (e.g. ``model.jit_compile: true`` and XLA cannot compile it).
+
+    One line naming the step factory and the error as TensorFlow reports it; the process exits 1
+    (a factory that cannot be loaded at all is a ``ConfigError``, exit 78).
+    """
+
+    def __init__(self, factory: str, reason: str) -> None:
+        self.factory = factory
+        self.reason = reason
+        super().__init__(f"model.step {factory}: {reason}")

@@ -73,7 +73,7 @@ def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> f
     times = []
     for _ in range(_CALIBRATION_CALLS):
         t0 = time.perf_counter()
-        float(compiled.run(0, batch))
+        float(compiled.run(0, batch)["loss"])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -160,7 +160,7 @@ def _drive(it: Any, compiled: Any, window: UsageWindow, warmup: int, batches: in
         element = next(it)
         if done > warmup:
             waited_s += time.perf_counter() - t0
-        float(compiled.run(int(element["bucket"][0]), element))
+        float(compiled.run(int(element["bucket"][0]), element)["loss"])
         if sleep_s:
             time.sleep(sleep_s)
         if done == warmup:

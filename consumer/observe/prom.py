@@ -85,6 +85,12 @@ class SnapshotCollector:
         for code, count in snap["rejects"].items():
             rejects.add_metric([code], count)
         yield rejects
+        named = GaugeMetricFamily("melfeed_step_output", "The step's named scalars, mean over the status "
+                                  "interval (loss, and e.g. mel_l1, stop_bce)", labels=["name"])
+        for name, value in (snap.get("outputs") or {}).items():
+            if value is not None:
+                named.add_metric([name], value)
+        yield named
         yield from _producer_families(snap["producers"])
         yield from _gpu_families(snap["gpus"])
 
