@@ -56,6 +56,9 @@ class _ZeroStep:
     def variables(self) -> list[Any]:
         return []
 
+    def checkpoint_items(self) -> dict[str, object]:
+        return {}            # nothing to save: bench trials never checkpoint
+
 
 def zero_step(spec: object) -> _ZeroStep:
     """Step factory for ``model.step: consumer.bench.trial:zero_step``."""
