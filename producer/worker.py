@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import threading
 import time
 import zlib
@@ -123,7 +122,7 @@ class ProducerWorker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
-        sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}-{os.getpid()}".encode())
+        # No ROUTING_ID: the consumer's ROUTER assigns a fresh one per connection (docs/ARCHITECTURE.md "Trust").
         if self._curve is not None:
             self._curve.apply(sock)
         try:

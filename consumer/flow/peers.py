@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from consumer.flow.rejects import peer_label as _label
 from shared.wire.protocol import StageCounters
 
 __all__ = ["PeerInfo", "PeerTable", "ProducerReport"]
@@ -39,6 +40,7 @@ class ProducerReport:
     batches_received: int
     stage: StageCounters | None
     stage_at_s: float
+    peer: str = ""              # its routing id (``peer_label``): assigned by the ROUTER, one per connection
 
 
 class PeerTable:
@@ -101,8 +103,8 @@ class PeerTable:
 
     def reports(self) -> tuple[ProducerReport, ...]:
         """One report per connected producer (a copy: safe to hand to another thread)."""
-        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s)
-                     for p in list(self._peers.values()))
+        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s, _label(i))
+                     for i, p in list(self._peers.items()))
 
     def per_producer_batches(self) -> dict[str, int]:
         return {p.producer_id: p.batches for p in self._peers.values()}

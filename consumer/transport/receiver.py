@@ -101,10 +101,11 @@ class Receiver:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A producer keeps its routing id when its DEALER reconnects (network cut, MAXMSGSIZE drop).
-        # Without handover the ROUTER silently ignores the new connection for as long as it still
-        # holds the old one (a cut sends no FIN): that producer is deaf for good (test_bad_input B14).
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a connection announcing a routing id the ROUTER already holds is ignored, so
+        # a peer can never displace a live peer by claiming its id (docs/ARCHITECTURE.md "Trust").
+        # Producers announce no id: the ROUTER assigns a fresh one to every connection, so a producer
+        # whose DEALER reconnects after a cut is a new peer (UNKNOWN_PEER -> HELLO), never a duplicate.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)

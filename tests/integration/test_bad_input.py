@@ -667,10 +667,11 @@ class _Relay:
             t.join(5.0)
 
 
-def test_b14_producer_reconnecting_under_its_routing_id_is_heard_while_its_old_connection_lingers(
+def test_b14_producer_reconnecting_after_a_cut_is_heard_as_a_new_peer_while_its_old_connection_lingers(
         demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
-    """After a disconnect (MAXMSGSIZE, network cut) a producer's DEALER reconnects under the same
-    routing id. The consumer must hear the new connection even while it still holds the old one."""
+    """After a network cut a producer's DEALER reconnects; the ROUTER gives the new connection a new
+    routing id (no handover: a claimed id never displaces a live one), the consumer answers its first
+    message UNKNOWN_PEER and it joins again, while the old connection still lingers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -688,7 +689,7 @@ def test_b14_producer_reconnecting_under_its_routing_id_is_heard_while_its_old_c
             relay.close()
     ids = [b for b, _ in stream.applied]
     assert ids == list(range(40)) and stream.error is None
-    assert stats.producers_alive == 1 and stats.rejects == {}
+    assert stats.producers_alive == 1 and set(stats.rejects) <= {RejectCode.UNKNOWN_PEER}
 
 
 # --- B15: flood ------------------------------------------------------------------------------------------------

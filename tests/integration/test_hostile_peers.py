@@ -1,0 +1,86 @@
+"""Hostile peers on a shared host (docs/ARCHITECTURE.md "Trust") against a real consumer and real producers.
+
+A peer that claims a live producer's routing id, a second consumer on the same runtime directory,
+and peer-supplied text that tries to forge log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from consumer.feed import Consumer
+from consumer.flow.peers import ProducerReport
+from shared.config import config_from_mapping
+from shared.wire.protocol import PROTOCOL_VERSION, Hello, Welcome, decode_header, encode
+from tests.conftest import ProducerGroup
+
+HB_S = 0.2
+_WAIT_S = 20.0            # bound of every wait below; only a hang gets near it
+
+
+def _cfg(cache: Path, endpoint: str, steps: int | None = None):  # type: ignore[no-untyped-def]
+    return config_from_mapping({"cache_dir": str(cache), "buckets": {"batch_size": 4},
+                                "consumer": {"steps": steps, "wait_timeout_s": 0.2},
+                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": HB_S,
+                                              "mode": "zmq"}})
+
+
+def _ident(label: str) -> bytes:
+    """The routing id behind a ``peer_label``."""
+    return bytes.fromhex(label[2:]) if label.startswith("0x") else label.encode()
+
+
+def _one_producer(consumer: Consumer) -> ProducerReport:
+    deadline = time.monotonic() + _WAIT_S
+    while len(reports := consumer.receiver_stats().producers) != 1:
+        assert time.monotonic() < deadline, "the producer never joined"
+        time.sleep(0.02)
+    return reports[0]
+
+
+@pytest.fixture()
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def test_an_impostor_claiming_a_live_producers_routing_id_neither_displaces_nor_disturbs_it(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup, zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Consumer(_cfg(demo_cache, endpoint)) as consumer:
+        producers.start(demo_cache, endpoint, 1, transport={"mode": "zmq"}, buckets={"batch_size": 4})
+        batches = consumer.batches()
+        assert [next(batches).batch_id for _ in range(10)] == list(range(10))
+        good = _one_producer(consumer)
+        before = consumer.receiver_stats()
+        impostor = zctx.socket(zmq.DEALER)
+        impostor.setsockopt(zmq.LINGER, 0)
+        impostor.setsockopt(zmq.ROUTING_ID, _ident(good.peer))      # the id the consumer's log shows
+        monitor = impostor.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            impostor.connect(endpoint)
+            assert monitor.poll(int(_WAIT_S * 1000)), "the impostor never connected"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            got_anything = impostor.poll(int(3 * HB_S * 1000))     # heartbeats would reach a usurper
+        finally:
+            impostor.disable_monitor()
+            monitor.close(0)
+            impostor.close(0)
+        liveness_s = consumer.cfg.transport.liveness_s
+        last_s = time.monotonic()
+        for expected in range(10, 40):                 # the stream never stalls for a liveness period
+            assert next(batches).batch_id == expected
+            now = time.monotonic()
+            assert now - last_s < liveness_s, f"batch {expected} took {now - last_s:.2f} s"
+            last_s = now
+        after = consumer.receiver_stats()
+    assert not got_anything
+    assert [p.peer for p in after.producers] == [good.peer]          # the same connection, never re-joined
+    assert after.leases_reissued == before.leases_reissued and after.producers_seen == 1
