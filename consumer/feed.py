@@ -135,7 +135,11 @@ class Consumer:
         """Bind the endpoint and start receiving. Idempotent."""
         if self._started:
             return
-        self._receiver.start()
+        try:
+            self._receiver.start()
+        except BaseException:       # e.g. another consumer holds the endpoint: leave nothing behind
+            self.close()
+            raise
         self._started = True
         largest = self.bucket_set.max_batch_nbytes()
         log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,

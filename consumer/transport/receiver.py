@@ -33,6 +33,7 @@ from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, Re
 from consumer.flow.plan import EpochPlan
 from consumer.flow.ring import BatchRing
 from consumer.flow.session import ReceiverSession
+from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
 from shared.errors import ProtocolError
@@ -91,12 +92,15 @@ class Receiver:
         self._zap: zmq.Socket[bytes] | None = None
         self._auth_denied = 0
         self._auth_log_s = 0.0
+        self._endpoint_lock: EndpointLock | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Bind (errors surface here, in the caller's thread) and start the loop. Idempotent."""
         if self._thread is not None:
             return
+        # Before the bind: libzmq's ipc bind unlinks a live consumer's socket (one consumer per endpoint).
+        self._endpoint_lock = lock_endpoint(self.endpoint)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -122,6 +126,7 @@ class Receiver:
             if self._zap is not None:
                 self._zap.close()
             self._ctx.term()
+            self._release_lock()
             raise
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
@@ -143,6 +148,12 @@ class Receiver:
         if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
             os.close(self._wake_fd)
             self._wake_fd = -1
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._endpoint_lock is not None:
+            self._endpoint_lock.release()
+            self._endpoint_lock = None
 
     def wake(self) -> None:
         """Make the loop run now (a slot was freed or a batch applied). Any thread may call it."""

@@ -7,19 +7,24 @@ and peer-supplied text that tries to forge log lines.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from consumer.feed import Consumer
 from consumer.flow.peers import ProducerReport
 from shared.config import config_from_mapping
+from shared.errors import ConfigError
 from shared.wire.protocol import PROTOCOL_VERSION, Hello, Welcome, decode_header, encode
-from tests.conftest import ProducerGroup
+from tests.conftest import REPO, ProducerGroup
 
 HB_S = 0.2
 _WAIT_S = 20.0            # bound of every wait below; only a hang gets near it
@@ -84,3 +89,30 @@ def test_an_impostor_claiming_a_live_producers_routing_id_neither_displaces_nor_
     assert not got_anything
     assert [p.peer for p in after.producers] == [good.peer]          # the same connection, never re-joined
     assert after.leases_reissued == before.leases_reissued and after.producers_seen == 1
+
+
+def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_leaves_the_socket(
+        demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
+    runtime = tmp_path / "run"
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    cfg = config_from_mapping({"cache_dir": str(demo_cache), "buckets": {"batch_size": 4},
+                               "consumer": {"steps": 30, "wait_timeout_s": 0.2},
+                               "transport": {"heartbeat_interval_s": HB_S, "mode": "zmq"}})
+    with Consumer(cfg, environ=environ) as first:
+        sock_path = Path(first.endpoint.removeprefix("ipc://"))
+        inode = sock_path.stat().st_ino
+        with pytest.raises(ConfigError, match=rf"another consumer \(pid {os.getpid()}\) is running on"):
+            Consumer(cfg, environ=environ).start()
+        config = tmp_path / "second.yaml"
+        config.write_text(yaml.safe_dump({"cache_dir": str(demo_cache), "buckets": {"batch_size": 4},
+                                          "transport": {"mode": "zmq"}}))
+        second = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "consumer", "--config", str(config)],
+                                cwd=REPO, env={**os.environ, **environ}, capture_output=True, text=True,
+                                timeout=120)
+        assert sock_path.stat().st_ino == inode                    # the live socket was never unlinked
+        producers.start(demo_cache, first.endpoint, 1, transport={"mode": "zmq"}, buckets={"batch_size": 4})
+        assert [b.batch_id for b in first.batches()] == list(range(30))    # ... and still serves
+    assert second.returncode == 78, second.stderr
+    [line] = [x for x in second.stderr.splitlines() if "another consumer" in x]
+    assert line.startswith("run_pipeline.py consumer: transport.endpoint: ") and f"pid {os.getpid()}" in line
+    assert "Traceback" not in second.stderr
