@@ -105,6 +105,7 @@ class TransportConfig:
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
+    insecure: bool = False                 # true = tcp:// (loopback too) without CURVE: any local user may connect
     # Same-host shared memory: producers write straight into the consumer's ring slots (1 copy).
     mode: str = "auto"                     # "auto" = shm for ipc://, zmq for tcp://; "shm"; "zmq" = payload frames
     shm_dir: str | None = None             # slot files' directory; None = the ipc socket's directory if it is
@@ -284,6 +285,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
         _check(isinstance(self.seed, int) and self.seed >= 0, "must be an integer >= 0", ("seed",), self.seed)
+        control = self.consumer.control_endpoint
+        _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
+               "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",
+               ("consumer", "control_endpoint"), control)
 
 
 _SECTIONS: dict[str, type] = {

@@ -130,7 +130,7 @@ class ReceiverSession:
 
     def on_invalid(self, ident: bytes, err: ProtocolError, now_s: float) -> Decision:
         """A message that cannot be taken (undecodable, or refused above): count it and answer ERR."""
-        return Decision(self._reject(ident, err.code, err.why, now_s), drain=True)
+        return Decision(self._reject(ident, err.code, err.why, now_s, reply=err.reply), drain=True)
 
     def on_batch_taken(self, intake: BatchIntake, n_bytes: int) -> None:
         """The shell filled (or checked in place) the lease's slot: the batch is READY."""
@@ -201,8 +201,11 @@ class ReceiverSession:
                                    ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
                                    ("bucket shapes", msg.buckets, c.buckets)):
             if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+                # The peer is not authenticated yet: the reply names only its own value (the log has ours).
                 raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "
-                                                         f"consumer {_short(ours)}")
+                                                         f"consumer {_short(ours)}",
+                                    reply=f"{name} differs from the consumer's (see its log): producer "
+                                          f"{_short(theirs)}")
         if ident in self._peers:
             self._drop_peer(ident, "re-handshake")
         info = self._peers.add(ident, msg.producer_id, now_s)
@@ -267,7 +270,7 @@ class ReceiverSession:
             level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
             log.log(level, "producer left id=%s reason=%s alive=%d", info.producer_id, why, len(self._peers))
 
-    def _reject(self, ident: bytes, code: str, why: str, now_s: float) -> list[Outgoing]:
+    def _reject(self, ident: bytes, code: str, why: str, now_s: float, *, reply: str | None = None) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
         # flooder claiming a good producer's id must not get that producer blocked.
         name = peer_label(ident)
@@ -277,8 +280,9 @@ class ReceiverSession:
             self._peers.block(ident, now_s + BLOCK_S)
             # The last answer it gets says why the others stop: every reject but an ignored one
             # (counted as FLOOD) is answered exactly once.
-            code, why = RejectCode.FLOOD, f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
-        return [Outgoing(ident, Err(code, why))]
+            reply = f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
+            code = RejectCode.FLOOD
+        return [Outgoing(ident, Err(code, why if reply is None else reply))]
 
 
 _REPR = reprlib.Repr()

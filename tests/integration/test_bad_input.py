@@ -48,16 +48,17 @@ _names = itertools.count()
 
 
 def wire_config(cache: Path, endpoint: str, lease_timeout_s: float = 5.0) -> Any:
-    """Endless consumer, checksums on (B10), short liveness and lease deadlines."""
+    """Endless consumer, checksums on (B10), short liveness and lease deadlines; loopback tcp without CURVE."""
     return config_from_mapping({
         "cache_dir": str(cache), "buckets": {"batch_size": BATCH_SIZE},
         "consumer": {"steps": None, "wait_timeout_s": 0.2},
         "transport": {"endpoint": endpoint, "heartbeat_interval_s": HB_S, "checksum": True,
-                      "lease_timeout_s": lease_timeout_s}})
+                      "lease_timeout_s": lease_timeout_s, "insecure": endpoint.startswith("tcp://")}})
 
 
 def start_producer(group: ProducerGroup, cache: Path, endpoint: str) -> None:
-    group.start(cache, endpoint, 1, buckets={"batch_size": BATCH_SIZE})
+    group.start(cache, endpoint, 1, buckets={"batch_size": BATCH_SIZE},
+                transport={"insecure": endpoint.startswith("tcp://")})
 
 
 def digest(arrays: dict[str, np.ndarray]) -> int:
