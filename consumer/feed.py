@@ -107,7 +107,8 @@ class Consumer:
                               memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
         session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
-                                liveness_s=t.liveness_s, checksum=checksum)
+                                liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
+                                lease_backoff_s=t.lease_backoff_s)
         self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
                                   self.ring, self._book, self.plan, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0

@@ -99,6 +99,8 @@ class TransportConfig:
     liveness_intervals: int = 6            # peer declared dead after this many silent intervals
     lease_window: int = 2                  # leases one producer may hold at once
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
+    lease_expiry_limit: int = 3            # a producer letting this many leases in a row expire is benched ...
+    lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
     # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
@@ -122,6 +124,8 @@ class TransportConfig:
                self.liveness_intervals)
         _check(1 <= self.lease_window <= 64, "must be in 1..64", p + ("lease_window",), self.lease_window)
         _check(self.lease_timeout_s > 0, "must be > 0", p + ("lease_timeout_s",), self.lease_timeout_s)
+        _check(self.lease_expiry_limit >= 1, "must be >= 1", p + ("lease_expiry_limit",), self.lease_expiry_limit)
+        _check(self.lease_backoff_s >= 0, "must be >= 0", p + ("lease_backoff_s",), self.lease_backoff_s)
         _check(self.connect_backoff_max_s > 0, "must be > 0", p + ("connect_backoff_max_s",),
                self.connect_backoff_max_s)
         _check(self.mode in ("auto", "shm", "zmq"), "must be 'auto', 'shm' or 'zmq'", p + ("mode",), self.mode)

@@ -80,7 +80,8 @@ class ReceiverSession:
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
                              c["quarantined"], self._rejects.peer_snapshot(), shm_retired=self._shm.retired,
                              lease_window=self._book.window, producers=self._peers.reports(),
-                             producer_failures=c["failures"])
+                             producer_failures=c["failures"],
+                             producers_benched=tuple(escape_line(p) for p in self._peers.benched()))
 
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
@@ -141,6 +142,7 @@ class ReceiverSession:
         peer = self._peers.get(intake.ident)
         if peer is not None:
             peer.batches += 1
+            peer.expired_in_row = 0
         self._counts["batches"] += 1
         self._counts["quarantined"] += len(hdr.quarantined)
 
@@ -176,7 +178,7 @@ class ReceiverSession:
     def grant(self, now_s: float) -> list[Outgoing]:
         """Lease free ring slots to producers with room in their window, least loaded first."""
         grants: dict[bytes, list[Lease]] = {}
-        order = self._peers.by_fewest_leases(self._book)
+        order = self._peers.grantable(self._book, now_s)
         for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now_s):
             info = self._peers.get(lease.peer)
             assert info is not None               # grant_round only leases to peers in ``order``
@@ -206,9 +208,12 @@ class ReceiverSession:
                                                          f"consumer {_short(ours)}",
                                     reply=f"{name} differs from the consumer's (see its log): producer "
                                           f"{_short(theirs)}")
-        if ident in self._peers:
+        old = self._peers.get(ident)
+        if old is not None:
             self._drop_peer(ident, "re-handshake")
         info = self._peers.add(ident, msg.producer_id, now_s)
+        if old is not None:       # a HELLO does not lift a bench nor reset its count
+            info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
         info.uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
         log.info("producer joined id=%s peer=%s alive=%d transport=%s", msg.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
@@ -255,11 +260,19 @@ class ReceiverSession:
     def _check_liveness(self, now_s: float) -> None:
         for ident in self._peers.silent_since(now_s - self.cfg.liveness_s):
             self._drop_peer(ident, f"silent for more than {self.cfg.liveness_s:.1f} s")
+        cfg = self.cfg
         for lease in self._book.expire(now_s):
             self._cancel(lease)
             self._counts["reissued"] += 1
-            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id,
-                        lease.peer.decode(errors="replace"))
+            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id, peer_label(lease.peer))
+            benched = self._peers.note_expiry(lease.peer, now_s, cfg.lease_expiry_limit, cfg.lease_backoff_s)
+            if benched is not None:       # it heartbeats but does not deliver: its other leases go too
+                log.warning("producer %s (peer=%s) let %d leases in a row expire; no leases for it for %.0f s",
+                            escape_line(benched.producer_id), peer_label(lease.peer), benched.expired_in_row,
+                            cfg.lease_backoff_s)
+                for held in self._book.revoke_peer(lease.peer):
+                    self._cancel(held)
+                    self._counts["reissued"] += 1
 
     def _drop_peer(self, ident: bytes, why: str) -> None:
         for lease in self._book.revoke_peer(ident):
