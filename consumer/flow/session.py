@@ -32,6 +32,7 @@ from consumer.flow.rejects import RejectLog, peer_label
 from consumer.flow.ring import PAYLOAD_COPIES, BatchRing
 from consumer.flow.shm_leases import ShmLeases, SlotFiles
 from shared.errors import ProtocolError
+from shared.printable import escape_line
 from shared.wire.curve import producer_id_matches
 from shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
@@ -211,11 +212,12 @@ class ReceiverSession:
         old = self._peers.get(ident)
         if old is not None:
             self._drop_peer(ident, "re-handshake")
-        info = self._peers.add(ident, msg.producer_id, now_s)
+        # Peer-chosen text: escaped once here, so no log line, status row or label shows it raw (invariant 7).
+        info = self._peers.add(ident, escape_line(msg.producer_id), now_s)
         if old is not None:       # a HELLO does not lift a bench nor reset its count
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
         info.uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
-        log.info("producer joined id=%s peer=%s alive=%d transport=%s", msg.producer_id, peer_label(ident),
+        log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
         shm_dir = self._shm.directory if info.uses_shm else None
         cfg = self.cfg
@@ -281,7 +283,8 @@ class ReceiverSession:
         info = self._peers.remove(ident)
         if info is not None:
             level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
-            log.log(level, "producer left id=%s reason=%s alive=%d", info.producer_id, why, len(self._peers))
+            log.log(level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why,
+                    len(self._peers))
 
     def _reject(self, ident: bytes, code: str, why: str, now_s: float, *, reply: str | None = None) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
@@ -306,7 +309,3 @@ def _short(value: object) -> str:
     """A bounded repr of a peer-supplied value, cheap whatever its size."""
     return _REPR.repr(value)
 
-
-def escape_line(text: str) -> str:
-    """``text`` on one log line: newlines and other control or invisible characters written as escapes."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

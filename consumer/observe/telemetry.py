@@ -37,7 +37,7 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus")
+               "compiles_after_ready", "gpus", "producers_benched")
 PHASES = ("compiling", "training", "waiting", "done")
 
 
@@ -138,6 +138,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "rejects": dict(sorted(rs.rejects.items())), "duplicates": rs.duplicates_dropped,
         "quarantined": rs.quarantined, "compiles_after_ready": compiles_after_ready,
         "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
+        "producers_benched": list(rs.producers_benched),
     }
 
 

@@ -37,6 +37,7 @@ from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
 from shared.errors import ProtocolError
+from shared.printable import escape_line
 from shared.wire.buckets import BucketSet
 from shared.wire.curve import ZAP_ENDPOINT, ServerKeys, zap_reply
 from shared.wire.protocol import BatchHeader, decode_header, encode, max_producer_header_bytes
@@ -231,8 +232,9 @@ class Receiver:
             self._auth_denied += 1
             now = self._clock()
             if now >= self._auth_log_s:        # rate-limited: a scanner must not flood the log
+                address = request[3].decode(errors="replace") if len(request) > 3 else "?"
                 log.warning("CURVE handshake refused (%s) from %s; %d refused so far", reply[3].decode(errors="replace"),
-                            request[3].decode(errors="replace") if len(request) > 3 else "?", self._auth_denied)
+                            escape_line(address), self._auth_denied)
                 self._auth_log_s = now + _AUTH_LOG_INTERVAL_S
         self._zap.send_multipart(reply)
 

@@ -23,7 +23,7 @@ from consumer.feed import Consumer
 from consumer.flow.peers import ProducerReport
 from shared.config import config_from_mapping
 from shared.errors import ConfigError
-from shared.wire.protocol import PROTOCOL_VERSION, Hello, Welcome, decode_header, encode
+from shared.wire.protocol import PROTOCOL_VERSION, Bye, Hello, Welcome, decode_header, encode
 from tests.conftest import REPO, ProducerGroup
 
 HB_S = 0.2
@@ -116,3 +116,33 @@ def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_lea
     [line] = [x for x in second.stderr.splitlines() if "another consumer" in x]
     assert line.startswith("run_pipeline.py consumer: transport.endpoint: ") and f"pid {os.getpid()}" in line
     assert "Traceback" not in second.stderr
+
+
+def test_a_hello_whose_id_holds_a_newline_never_forges_a_log_line(
+        demo_cache: Path, endpoint: str, zctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture) -> None:
+    evil = "evil\nINFO forged\x1b[2J"
+    peer = zctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        with caplog.at_level(logging.INFO), Consumer(_cfg(demo_cache, endpoint)) as consumer:
+            peer.connect(endpoint)
+            peer.send(encode(Hello(PROTOCOL_VERSION, evil, consumer.manifest.fingerprint,
+                                   consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed)))
+            assert peer.poll(int(_WAIT_S * 1000)), "no answer to HELLO"
+            welcome = decode_header(peer.recv())
+            assert isinstance(welcome, Welcome)
+            peer.send(encode(Bye(welcome.epoch, exit_code=3, reason="boom\nERROR forged too")))
+            deadline = time.monotonic() + _WAIT_S
+            while consumer.receiver_stats().producer_failures < 1:
+                assert time.monotonic() < deadline, "the BYE never arrived"
+                time.sleep(0.02)
+            shown = consumer.receiver_stats()
+    finally:
+        peer.close(0)
+    lines = [line for r in caplog.records for line in logging.Formatter("%(levelname)s %(message)s").format(r)
+             .splitlines()]
+    assert not any(line.startswith(("INFO forged", "ERROR forged")) or "\x1b" in line for line in lines), lines
+    assert any("producer joined id=evil\\nINFO forged\\x1b[2J" in line for line in lines), lines
+    assert any("producer failed id=evil\\nINFO forged\\x1b[2J exit=3: boom\\nERROR forged too" in line
+               for line in lines), lines
+    assert shown.producers_alive == 0

@@ -192,3 +192,19 @@ def test_prometheus_without_the_package_or_with_a_taken_port_names_the_key(monke
     with pytest.raises(ConfigError) as info:
         start_prometheus("127.0.0.1", port, lambda: None)
     assert "consumer.metrics_port: needs prometheus_client" in str(info.value)
+
+
+def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from tests.fakes import metrics_snapshot
+    evil = "evil\nINFO forged\x1b[2J"
+    row = {"id": evil, "batches": 3, "batches_per_s": 1.0, "read_ms": 1.0, "assemble_ms": 1.0, "send_ms": 1.0}
+    snap = metrics_snapshot(1.0, producers=[row], producers_benched=[evil])
+    table = format_status(snap, "ipc:///x.control.sock")
+    assert "\x1b" not in table and not any(line.startswith("INFO forged") for line in table.splitlines())
+    assert "evil\\nINFO forged\\x1b[2J" in table
+    assert "benched (let leases expire in a row; no leases for now): evil\\nINFO forged" in table
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    exposition = generate_latest(registry).decode()
+    assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition
