@@ -146,3 +146,19 @@ def test_a_hello_whose_id_holds_a_newline_never_forges_a_log_line(
     assert any("producer failed id=evil\\nINFO forged\\x1b[2J exit=3: boom\\nERROR forged too" in line
                for line in lines), lines
     assert shown.producers_alive == 0
+
+
+def test_a_consumer_refuses_a_runtime_directory_others_can_write_with_78(demo_cache: Path, tmp_path: Path) -> None:
+    runtime = tmp_path / "melfeed"
+    runtime.mkdir()
+    runtime.chmod(0o777)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cache_dir": str(demo_cache)}))
+    run = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "consumer", "--config", str(config)],
+                         cwd=REPO, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 78, run.stderr
+    [line] = [x for x in run.stderr.splitlines() if "runtime directory" in x]
+    assert line == (f"run_pipeline.py consumer: runtime_dir: runtime directory {runtime} is mode 0777: every user "
+                    "can write to it (and replace its socket); make it 0700 or 0770 for the service group")
+    assert "Traceback" not in run.stderr and not list(runtime.iterdir())
