@@ -191,7 +191,7 @@ class BadPeer:
         self.label = label
         self.sock = wire.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, label.encode())   # fixed, like a real producer's
+        self.sock.setsockopt(zmq.ROUTING_ID, label.encode())   # fixed, so its counters have a known label
         self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
         self.sock.connect(wire.endpoint)
         self.errs: list[Err] = []
