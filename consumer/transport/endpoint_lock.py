@@ -38,15 +38,16 @@ class EndpointLock:
 
 
 def lock_endpoint(endpoint: str) -> EndpointLock | None:
-    """Lock ``ipc://PATH`` through ``PATH.lock``; ``None`` for other transports (their bind fails by itself).
+    """Lock ``ipc://PATH`` through ``PATH.lock``; ``None`` for tcp and abstract ipc (a taken bind fails by itself).
 
     Raises:
         ConfigError: another live process holds the lock (names it and its pid), or the lock file
             cannot be opened (names the file).
     """
-    if not endpoint.startswith("ipc://"):
+    address = endpoint.removeprefix("ipc://")
+    if address == endpoint or address.startswith("@"):   # tcp, or an abstract socket (never unlinked)
         return None
-    path = Path(endpoint.removeprefix("ipc://") + ".lock")
+    path = Path(address + ".lock")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, _LOCK_MODE)
     except OSError as err:
