@@ -12,30 +12,27 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import yaml
 
 from consumer.feed import Consumer
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config import PipelineConfig
+from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
-from shared.service.lifecycle import prepare_runtime_dir, resolve_control_endpoint, stop_on_signals
+from shared.service.children import Child, python_argv, spawn, write_private_config
+from shared.service.lifecycle import resolve_control_endpoint, stop_on_signals
+from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run", "start_producers", "stop_producers"]
 
 log = logging.getLogger(__name__)
-
-_PRODUCERS_STOP_S = 20.0   # > the launcher's own SIGTERM ladder (10 s) + BYE
 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
@@ -79,7 +76,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = config_from_args(args)
     if args.demo:
         from shared.cache.demo_data import default_demo_dir, write_demo_cache
-        cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
+        cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
         log.info("demo data in %s", cache)
         write_demo_cache(cache, n_utterances=args.demo_utterances)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
@@ -102,26 +99,21 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     return code if code not in (-signal.SIGTERM, 0) else 0
 
 
-class _Group:
-    def __init__(self, proc: subprocess.Popen[bytes], config_path: Path) -> None:
-        self.proc = proc
-        self.config_path = config_path
-        self.stopping = False
-
-
-def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> _Group:
+def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> Child:
     """``run_pipeline.py producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
-    path = prepare_runtime_dir(resolve_runtime_dir(os.environ)) / f"run-{os.getpid()}.yaml"
-    path.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
-    cmd = [sys.executable, entry, "producer", "--config", str(path)]
-    if debug_delay_ms:
-        cmd += ["--debug-delay-ms", str(debug_delay_ms)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-    log.info("started %d producers (group pid=%d)", cfg.producer.count, proc.pid)
-    return _Group(proc, path)
+    path = write_private_config(config_to_mapping(cfg), f"run-{os.getpid()}.yaml")
+    extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
+    try:
+        proc = spawn(python_argv(entry, "producer", "--config", str(path), *extra))   # entry: run_pipeline.py
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+    group = Child(proc, "producer group", GROUP_LADDER, config_path=path)
+    log.info("started %d producers (group pid=%d)", cfg.producer.count, group.proc.pid)
+    return group
 
 
-def _watch(group: _Group, stop: threading.Event) -> None:
+def _watch(group: Child, stop: threading.Event) -> None:
     """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error)."""
     code = group.proc.wait()
     if not group.stopping:
@@ -129,15 +121,6 @@ def _watch(group: _Group, stop: threading.Event) -> None:
         stop.set()
 
 
-def stop_producers(group: _Group) -> None:
-    """SIGTERM the group, wait (bounded), kill if ignored; reaps it and removes its config. Idempotent."""
-    group.stopping = True
-    if group.proc.poll() is None:
-        group.proc.send_signal(signal.SIGTERM)
-        try:
-            group.proc.wait(_PRODUCERS_STOP_S)
-        except subprocess.TimeoutExpired:
-            log.warning("producer group ignored SIGTERM for %.0f s; killing", _PRODUCERS_STOP_S)
-            group.proc.kill()
-            group.proc.wait(_PRODUCERS_STOP_S)
-    group.config_path.unlink(missing_ok=True)
+def stop_producers(group: Child) -> None:
+    """The stop ladder (SIGTERM, bounded wait, SIGKILL); reaps the group and removes its config. Idempotent."""
+    group.stop()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from shared.wire.layout import ARRAY_DTYPES
+
 if TYPE_CHECKING:
     from consumer.feed import Consumer
 
@@ -50,9 +52,10 @@ def make_dataset(consumer: Consumer, single_shape: bool) -> tf.data.Dataset:
     m = consumer.cfg.n_mels
     if single_shape:
         b, length, t = big["len"][0], big["tokens"][1], big["mel"][1]
-        spec = ({"tokens": tf.TensorSpec((b, length), tf.int32), "tok_len": tf.TensorSpec((b,), tf.int32),
-                 "mel_len": tf.TensorSpec((b,), tf.int32)}, tf.TensorSpec((b, t, m), tf.float32))
+        shapes: dict[str, tuple[int | None, ...]] = {"tokens": (b, length), "tok_len": (b,), "mel_len": (b,),
+                                                     "mel": (b, t, m)}
     else:
-        spec = ({"tokens": tf.TensorSpec((None, None), tf.int32), "tok_len": tf.TensorSpec((None,), tf.int32),
-                 "mel_len": tf.TensorSpec((None,), tf.int32)}, tf.TensorSpec((None, None, m), tf.float32))
+        shapes = {"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)}
+    specs = {k: tf.TensorSpec(shape, tf.as_dtype(ARRAY_DTYPES[k])) for k, shape in shapes.items()}
+    spec = ({k: specs[k] for k in ("tokens", "tok_len", "mel_len")}, specs["mel"])
     return tf.data.Dataset.from_generator(generate, output_signature=spec)

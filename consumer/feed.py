@@ -7,9 +7,11 @@ with Consumer(cfg) as feed:
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
 Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
-plan order (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was released.
-Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in
-producers (none on the shared-memory path: they build in the ring's slot files); logged at start.
+plan order (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was
+released. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
+ids), so nothing downstream asks the plan again. Memory bound (invariant 4): ring slots * slot bytes
+here, plus Σ lease windows * largest batch in producers (none on the shared-memory path: they build
+in the ring's slot files); logged at start.
 Transport (``transport.mode``): on an ipc:// endpoint the slots are shared-memory files
 (``consumer/transport/shm_slots.py``) unless mode is ``zmq`` or the directory is too small (one WARNING, then
 the payload path for the whole run). Shutdown: ``close()`` stops the receiver and wakes any waiter;
@@ -30,18 +32,19 @@ import numpy as np
 import numpy.typing as npt
 
 from consumer.flow.credit import LeaseBook
-from consumer.flow.plan import EpochPlan
+from consumer.flow.plan import EpochPlan, PlannedBatch
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
 from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.config import PipelineConfig, check_transport_mode
-from shared.wire.curve import server_keys_for
-from shared.errors import ClosedError, ConfigError, PipelineError
-from shared.service.lifecycle import resolve_endpoint
 from shared.cache.features import load_manifest_for
 from shared.cache.manifest import Manifest
+from shared.config import PipelineConfig, check_transport_mode
+from shared.errors import ClosedError, ConfigError, PipelineError
+from shared.service.lifecycle import resolve_endpoint
+from shared.wire.buckets import BucketSet, build_buckets
+from shared.wire.curve import server_keys_for
+from shared.wire.layout import PAYLOAD_COPIES
 
 __all__ = ["Batch", "Consumer"]
 
@@ -54,11 +57,24 @@ _WAITING_LOG_S = 10.0
 class Batch:
     """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
 
-    batch_id: int
-    bucket: int
+    planned: PlannedBatch                 # its identity in the plan: id, data epoch, bucket, sample ids
     arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
     slot: int
-    copies: int = 4                       # copies from page cache into the slot: 1 shared memory, 4 payload
+    copies: int = PAYLOAD_COPIES          # copies from page cache into the slot: 1 shared memory, 4 payload
+
+    @property
+    def batch_id(self) -> int:
+        return self.planned.batch_id
+
+    @property
+    def bucket(self) -> int:
+        """Index into ``Consumer.bucket_set.buckets``."""
+        return self.planned.bucket
+
+    @property
+    def sample_ids(self) -> tuple[int, ...]:
+        """Manifest indices of the real rows, in row order."""
+        return self.planned.sample_ids
 
     @property
     def rows(self) -> int:
@@ -101,7 +117,7 @@ class Consumer:
         self.epoch = int.from_bytes(os.urandom(6), "big") | 1
         t = cfg.transport
         checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
-        self._book = LeaseBook(start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
+        self._book = LeaseBook(self.plan, start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
         self.shm: ShmSlots | None = self._open_shm()
         self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
                               memory=self.shm)
@@ -110,7 +126,7 @@ class Consumer:
                                 liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
                                 lease_backoff_s=t.lease_backoff_s)
         self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
-                                  self.ring, self._book, self.plan, self.bucket_set, shm=self.shm)
+                                  self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
         self.applied = 0
         self._started = False
@@ -188,12 +204,11 @@ class Consumer:
         if self.finished:
             raise ClosedError("all planned batches were applied")
         t0 = time.perf_counter()
-        slot = self.ring.take(self.next_apply, timeout_s)
+        ready = self.ring.take(self.next_apply, timeout_s)
         self.wait_s_total += time.perf_counter() - t0
-        if slot is None:
+        if ready is None:
             return None
-        bucket = self.plan.batch(self.next_apply).bucket
-        batch = Batch(self.next_apply, bucket, self.ring.views(slot, bucket), slot, self.ring.copies(slot))
+        batch = Batch(ready.planned, self.ring.views(ready.slot, ready.planned.bucket), ready.slot, ready.copies)
         self.next_apply += 1
         return batch
 

@@ -1,6 +1,7 @@
 """``run_pipeline.py producer``: supervise N producers, or run one (``--instance N``, for systemd).
 
-``--producers N`` writes the effective config once and supervises N child processes (restart with
+``--producers N`` writes the effective config once (``shared.service.children.handed_over_config``:
+mode 0600 in the runtime directory, removed on exit) and supervises N child processes (restart with
 back-off). ``--instance N`` runs producer N in this process, for ``producer@N.service``, where
 systemd restarts it; both notify systemd when ``$NOTIFY_SOCKET`` is set.
 """
@@ -12,25 +13,15 @@ import multiprocessing
 import os
 from pathlib import Path
 
-import yaml
-
 from producer.supervisor import supervise_producers
 from shared.service.cli import config_from_args
-from shared.config import config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError
-from shared.service.lifecycle import prepare_runtime_dir, resolve_endpoint, stop_on_signals
+from shared.service.children import handed_over_config
+from shared.service.lifecycle import resolve_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier
 
-__all__ = ["main_producer", "write_effective_config"]
-
-
-def write_effective_config(cfg_map: dict[str, object], name: str) -> Path:
-    """Children read one file holding the config with every CLI override applied."""
-    path = prepare_runtime_dir(resolve_runtime_dir(os.environ)) / name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg_map, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+__all__ = ["main_producer"]
 
 
 def main_producer(args: argparse.Namespace) -> int:
@@ -45,12 +36,11 @@ def main_producer(args: argparse.Namespace) -> int:
             from producer.process import run_one
             multiprocessing.current_process().name = f"producer-{args.instance}"
             return run_one(cfg, args.instance, args.debug_delay_ms / 1000.0, notifier)
-        path = write_effective_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml")
-        try:
-            with stop_on_signals() as stop:
-                return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
-                                           debug_delay_ms=args.debug_delay_ms, notifier=notifier)
-        finally:
-            path.unlink(missing_ok=True)
+        # Handlers first (a SIGTERM from here on is a clean stop that removes the file and says
+        # STOPPING); children read one file holding the config with every CLI override applied.
+        with stop_on_signals() as stop, \
+                handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path:
+            return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
+                                       debug_delay_ms=args.debug_delay_ms, notifier=notifier)
     finally:
         notifier.close()

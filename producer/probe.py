@@ -63,7 +63,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     from producer.reader import CacheReader
     from shared.wire.bucket_mix import representative_batches
     from shared.wire.buckets import build_buckets
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.errors import ConfigError
     from shared.cache.features import load_manifest_for
 

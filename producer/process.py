@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     multiprocessing.current_process().name = f"producer-{args.index}"
 
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.errors import EXIT_CONFIG, PipelineError
     from shared.service.lifecycle import die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
@@ -58,17 +58,19 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     from shared.service.lifecycle import stop_on_signals
     from shared.service.sdnotify import Notifier
     notifier = notifier if notifier is not None else Notifier({})
-    try:
-        # Before any framework import: producers see only the data GPU ("" = CPU only).
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
-        status = _Status(notifier)
-        worker = _build_worker(cfg, index, debug_delay_s, status.tick)
-    except PipelineError as err:
-        print(f"producer-{index}: {err}", file=sys.stderr)
-        notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
-        return EXIT_CONFIG
-    notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
+    # Handlers first: a SIGTERM while the worker is built (or right after READY) is a clean stop
+    # that says STOPPING, not a death by the default action that says nothing.
     with stop_on_signals() as stop:
+        try:
+            # Before any framework import: producers see only the data GPU ("" = CPU only).
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
+            status = _Status(notifier)
+            worker = _build_worker(cfg, index, debug_delay_s, status.tick)
+        except PipelineError as err:
+            print(f"producer-{index}: {err}", file=sys.stderr)
+            notifier.notify(STATUS=f"configuration error: {err}", ERRNO=78)
+            return EXIT_CONFIG
+        notifier.ready(f"producer-{index}: connecting to {worker.endpoint}")
         try:
             code = worker.run(stop)
         except Exception:  # top level of the process: log and map to an exit code
@@ -109,15 +111,16 @@ class _Status:
 def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                   on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
     from producer.batcher import BatchAssembler
-    from producer.slot_maps import SlotMappings
-    from shared.config import check_transport_mode
     from producer.reader import CacheReader
-    from producer.worker import ProducerWorker
-    from shared.wire.buckets import build_buckets
+    from producer.session import SessionConfig
+    from producer.slot_maps import SlotMappings
+    from producer.worker import ProducerWorker, WorkerConfig
+    from shared.cache.features import load_manifest_for
+    from shared.config import check_transport_mode
     from shared.errors import ConfigError
     from shared.service.lifecycle import resolve_endpoint
+    from shared.wire.buckets import build_buckets
     from shared.wire.curve import client_keys_for
-    from shared.cache.features import load_manifest_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
@@ -133,10 +136,11 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
     slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots)
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
-    return ProducerWorker(endpoint, f"{name}-{index}", assembler, bucket_set,
-                          manifest.fingerprint, cfg.n_mels, cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s,
-                          liveness_s=t.liveness_s, backoff_max_s=t.connect_backoff_max_s,
-                          debug_delay_s=debug_delay_s, on_tick=on_tick, curve=curve, slot_maps=slot_maps)
+    session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
+                            cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
+                            backoff_max_s=t.connect_backoff_max_s)
+    return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
+                          on_tick=on_tick)
 
 
 if __name__ == "__main__":

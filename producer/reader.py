@@ -34,17 +34,17 @@ import numpy.typing as npt
 
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
-from shared.cache.manifest import Manifest
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from shared.cache.npyfile import parse_npy_header
+from shared.wire.layout import ARRAY_DTYPES
 
 __all__ = ["CacheReader", "TransientReadError"]
 
 log = logging.getLogger(__name__)
 
-_F32 = np.dtype(np.float32)  # dtype objects: comparing dst.dtype to a scalar type converts per call
-_I32 = np.dtype(np.int32)
-_MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # by mel_dtype
-_TOKEN_DTYPE: np.dtype = np.dtype("<i4")
+# dtype objects: comparing dst.dtype to a scalar type converts per call
+_MEL_DST_DTYPE = np.dtype(ARRAY_DTYPES["mel"])
+_TOKEN_DST_DTYPE = np.dtype(ARRAY_DTYPES["tokens"])
 # Failures that say nothing about the file: another try (or a restarted process) may succeed.
 _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
 
@@ -140,7 +140,7 @@ class CacheReader:
                 read failed for a reason outside the file).
             ValueError: ``dst`` has the wrong dtype, rank, width or layout.
         """
-        _check_dst(dst, _F32, 2)
+        _check_dst(dst, _MEL_DST_DTYPE, 2)
         if dst.shape[1] != self._n_mels:
             raise ValueError(f"dst has {dst.shape[1]} mel bins, manifest has {self._n_mels}")
         utt = self.manifest.utterances[index]
@@ -178,7 +178,7 @@ class CacheReader:
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
         utt = self.manifest.utterances[index]
         shape: tuple[int, ...] = (utt.frames, self._n_mels) if is_mel else (utt.tokens,)
-        dtype = _MEL_DTYPES[utt.mel_dtype] if is_mel else _TOKEN_DTYPE
+        dtype = MEL_DTYPES[utt.mel_dtype] if is_mel else TOKEN_DTYPE
         if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
@@ -218,7 +218,7 @@ class CacheReader:
             CacheError: The file is missing, changed since indexing (size or header), or ends early.
             ValueError: ``dst`` has the wrong dtype, rank or layout.
         """
-        _check_dst(dst, _I32, 1)
+        _check_dst(dst, _TOKEN_DST_DTYPE, 1)
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, int(dst.shape[0]))
         path = self._tok_paths[index]

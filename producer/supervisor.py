@@ -4,17 +4,16 @@ Each child is a fresh interpreter (``python -m producer.process``; never fork a 
 ZeroMQ context or TensorFlow). A child that crashes is restarted with exponential back-off (reset
 after it stayed up ``_HEALTHY_S``); a child that exits 78 (configuration or contract error) stops
 the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies.
-Shutdown ladder on stop: SIGTERM every child -> wait ``_TERM_WAIT_S`` -> SIGKILL -> wait; each
-escalation is logged. Children die with the parent (PR_SET_PDEATHSIG) if the parent is killed.
+Shutdown ladder on stop (``shared.service.stop_ladder``: the same rungs, timeouts and ``escalate``
+as every other parent, run here on the event loop): set stop -> SIGTERM every child -> wait
+``PRODUCER_LADDER.term_wait_s`` -> SIGKILL -> wait; each escalation is logged. Children die with
+the parent (PR_SET_PDEATHSIG) if the parent is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,13 +21,14 @@ from pathlib import Path
 import uvloop
 
 from shared.errors import EXIT_CONFIG
+from shared.service.children import child_env, module_argv
 from shared.service.sdnotify import Notifier
+from shared.service.stop_ladder import PRODUCER_LADDER, Rung, escalate, next_rung, signal_child
 
 __all__ = ["supervise_producers"]
 
 log = logging.getLogger(__name__)
 
-_TERM_WAIT_S = 10.0      # > one batch build + BYE; below systemd's TimeoutStopSec
 _HEALTHY_S = 30.0
 _BACKOFF_MAX_S = 30.0
 
@@ -44,10 +44,9 @@ class _Group:
         self.restarts = 0
 
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
-        cmd = [sys.executable, "-m", "producer.process", "--config", str(self.config_path), "--index", str(index)]
-        if self.debug_delay_ms:
-            cmd += ["--debug-delay-ms", str(self.debug_delay_ms)]
-        proc = await asyncio.create_subprocess_exec(*cmd, env=dict(os.environ))
+        extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
+        argv = module_argv("producer.process", "--config", str(self.config_path), "--index", str(index), *extra)
+        proc = await asyncio.create_subprocess_exec(*argv, env=child_env())
         self.procs[index] = proc
         log.info("started producer-%d pid=%d", index, proc.pid)
         return proc
@@ -76,28 +75,15 @@ class _Group:
             delay_s = min(max(delay_s * 2, 0.5), _BACKOFF_MAX_S)
 
     async def terminate_all(self) -> None:
+        """The stop ladder on every live child at once; ``stopping`` (the first rung) is already set."""
         live = [p for p in self.procs.values() if p.returncode is None]
-        for p in live:
-            with _suppress_lookup():
-                p.send_signal(signal.SIGTERM)
-        if not live:
-            return
-        done, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=_TERM_WAIT_S)
-        if pending:
-            log.warning("%d producers ignored SIGTERM for %.0f s; killing", len(pending), _TERM_WAIT_S)
+        rung: Rung | None = next_rung(None, alive=bool(live))
+        while rung is not None:
             for p in live:
-                if p.returncode is None:
-                    with _suppress_lookup():
-                        p.kill()
-            await asyncio.wait(pending, timeout=_TERM_WAIT_S)
-
-
-class _suppress_lookup:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is ProcessLookupError
+                signal_child(p, rung)
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=PRODUCER_LADDER.wait_s(rung))
+            live = [p for p in live if p.returncode is None]
+            rung = escalate("producers", rung, PRODUCER_LADDER, len(live))
 
 
 async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int:
@@ -115,7 +101,7 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
     notifier.stopping()
     stopping.set()
     await group.terminate_all()
-    await asyncio.wait(tasks, timeout=_TERM_WAIT_S)
+    await asyncio.wait(tasks, timeout=PRODUCER_LADDER.kill_wait_s)   # they end once their child is reaped
     return group.exit_code
 
 

@@ -1,21 +1,23 @@
-"""Pipeline configuration: frozen dataclasses validated at construction, loaded from YAML.
+"""Pipeline configuration: frozen dataclasses, one per section, validated at construction.
 
+Role: what every setting means, its unit, its default and its valid range. Reading a YAML file,
+turning a mapping into a config and back, and dotted CLI overrides live in
+``shared/config_loader.py``.
 Invariant: every ``PipelineConfig`` that exists is valid; a bad value raises ``ConfigError``
 naming the key path and the value (``buckets.batch_size: must be >= 1, got 0``).
 Environment lookups happen only in ``resolve_runtime_dir`` (called from the CLI layer).
+Shutdown: nothing to release; configs are immutable values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shared.errors import ConfigError
-from shared.yaml_safe import read_config_file
 
 __all__ = [
     "BucketConfig",
@@ -26,10 +28,6 @@ __all__ = [
     "ModelConfig",
     "FeatureConfig",
     "PipelineConfig",
-    "load_config",
-    "config_from_mapping",
-    "config_to_mapping",
-    "with_overrides",
     "resolve_runtime_dir",
 ]
 
@@ -211,6 +209,26 @@ class ProducerConfig:
                self.restart_backoff_s)
 
 
+JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged
+
+_PARAM_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain_params(value: Any, path: tuple[str, ...]) -> Any:
+    """A deep copy of ``model.params`` made of YAML values only (producers get the config as YAML)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            _check(isinstance(key, str) and bool(key), "keys must be non-empty strings", path, key)
+            out[key] = _plain_params(item, path + (key,))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain_params(item, path) for item in value]
+    _check(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
+           "mappings", path, type(value).__name__)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
@@ -220,6 +238,11 @@ class ModelConfig:
     learning_rate: float = 1e-3
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
     seed: int = 0                          # weight initialisation
+    jit_compile: JitSetting = "auto"       # "auto": XLA where it compiles and is faster, else graph mode;
+                                           # true: XLA or fail (exit 1); false: graph-mode tf.function
+    # Free-form settings for the step factory (StepSpec.params); YAML values only; null = empty.
+    # Always a plain dict after construction (a deep copy); left out of the hash (dicts have none).
+    params: Mapping[str, Any] | None = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         p = ("model",)
@@ -227,6 +250,12 @@ class ModelConfig:
                p + ("step",), self.step)
         _check(self.vocab_size >= 2, "must be >= 2", p + ("vocab_size",), self.vocab_size)
         _check(self.learning_rate > 0, "must be > 0", p + ("learning_rate",), self.learning_rate)
+        _check(isinstance(self.jit_compile, bool) or self.jit_compile == "auto",
+               "must be auto, true or false", p + ("jit_compile",), self.jit_compile)
+        params = {} if self.params is None else self.params
+        _check(isinstance(params, Mapping), "must be a mapping (name: value)", p + ("params",), params)
+        # slots + frozen: object.__setattr__ is the documented way to normalise in __post_init__
+        object.__setattr__(self, "params", _plain_params(params, p + ("params",)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,103 +322,6 @@ class PipelineConfig:
         _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
                "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",
                ("consumer", "control_endpoint"), control)
-
-
-_SECTIONS: dict[str, type] = {
-    "buckets": BucketConfig,
-    "transport": TransportConfig,
-    "consumer": ConsumerConfig,
-    "producer": ProducerConfig,
-    "model": ModelConfig,
-    "features": FeatureConfig,
-}
-
-
-def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
-    """Type-check one scalar against the dataclass annotation string."""
-    if value is None:
-        if "None" in annotation:
-            return None
-        raise ConfigError("must not be null", path=path, got=value)
-    if annotation.startswith("tuple"):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError("must be a list", path=path, got=value)
-        return tuple(value)
-    base = annotation.split("|")[0].strip()
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError("must be true or false", path=path, got=value)
-    elif base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError("must be an integer", path=path, got=value)
-    elif base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError("must be a number", path=path, got=value)
-        value = float(value)
-    elif base == "str" and not isinstance(value, str):
-        raise ConfigError("must be a string", path=path, got=value)
-    return value
-
-
-def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError("must be a mapping", path=path, got=data)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key (known: {', '.join(sorted(fields))})", path=path + (str(key),))
-        if key in _SECTIONS and cls is PipelineConfig:
-            kwargs[key] = _build(_SECTIONS[key], value if value is not None else {}, path + (key,))
-        else:
-            kwargs[key] = _coerce(value, str(fields[key].type), path + (key,))
-    return cls(**kwargs)
-
-
-def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
-    """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
-    return _build(PipelineConfig, data or {}, ())
-
-
-def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:
-    """Read and validate a YAML config file; ``None`` gives the defaults.
-
-    Raises:
-        ConfigError: unreadable, oversized, non-UTF-8 or non-regular file, bad YAML, an alias, a
-            top level that is no mapping, unknown key or bad value (one line, names the file or key).
-    """
-    if path is None:
-        return PipelineConfig()
-    data = read_config_file(path)  # bounded, UTF-8 only, no aliases, a mapping (shared/yaml_safe.py)
-    return config_from_mapping(data)
-
-
-def config_to_mapping(cfg: PipelineConfig) -> dict[str, Any]:
-    """Plain dict (lists, not tuples) that ``config_from_mapping`` turns back into ``cfg``."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        return v
-    return plain(cfg)  # type: ignore[no-any-return]
-
-
-def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
-    """Apply dotted-key overrides (``{"producer.count": 4}``), skipping ``None`` values.
-
-    The result is validated like a loaded file, so a bad CLI value names its key too.
-    """
-    data = config_to_mapping(cfg)
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config_from_mapping(data)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:

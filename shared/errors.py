@@ -14,13 +14,14 @@ __all__ = [
     "CacheError",
     "ProtocolError",
     "ClosedError",
-    "PeerLostError",
-    "ProducerCrashedError",
     "EXIT_CONFIG",
+    "MAX_REASON_CHARS",
     "StateError",
+    "StepError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, never a traceback
 
 
 class PipelineError(Exception):
@@ -73,8 +74,8 @@ class ProtocolError(PipelineError):
 
     def __init__(self, code: str, why: str, *, reply: str | None = None) -> None:
         self.code = code
-        self.why = why[:200]
-        self.reply = self.why if reply is None else reply[:200]
+        self.why = why[:MAX_REASON_CHARS]
+        self.reply = self.why if reply is None else reply[:MAX_REASON_CHARS]
         super().__init__(f"{code}: {self.why}")
 
 
@@ -82,15 +83,14 @@ class ClosedError(PipelineError):
     """We closed the ring or socket; waiters are woken with this."""
 
 
-class PeerLostError(PipelineError):
-    """The other side vanished (heartbeat or lease timeout)."""
+class StepError(PipelineError):
+    """The training step cannot run (e.g. ``model.jit_compile: true`` and XLA cannot compile it).
 
+    One line naming the step factory and the error as TensorFlow reports it; the process exits 1
+    (a factory that cannot be loaded at all is a ``ConfigError``, exit 78).
+    """
 
-class ProducerCrashedError(PipelineError):
-    """A producer process exited with an error."""
-
-    def __init__(self, producer_id: str, exit_code: int, detail: str = "") -> None:
-        self.producer_id = producer_id
-        self.exit_code = exit_code
-        self.detail = detail
-        super().__init__(f"producer {producer_id} exited with {exit_code}: {detail}".rstrip(": "))
+    def __init__(self, factory: str, reason: str) -> None:
+        self.factory = factory
+        self.reason = reason
+        super().__init__(f"model.step {factory}: {reason}")

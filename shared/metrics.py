@@ -19,7 +19,15 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile"]
+__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile", "PHASES", "PHASE_COMPILING",
+           "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE"]
+
+# What the step loop is doing, as the metrics snapshot, ``status``, Prometheus and ``report`` name it.
+PHASE_COMPILING = "compiling"   # from start until every bucket shape is compiled (READY)
+PHASE_TRAINING = "training"     # steps are running
+PHASE_WAITING = "waiting"       # a bounded wait for the next batch brought none
+PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
+PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
 
 
 @dataclass(frozen=True, slots=True)

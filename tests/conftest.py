@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.service.stop_ladder import Ladder, stop_process
+
 REPO = Path(__file__).resolve().parent.parent
+_GROUP_LADDER = Ladder(60.0, 60.0)   # only a real hang gets near it (tests/procs.py: WAIT_S)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -54,17 +57,9 @@ class ProducerGroup:
         return proc
 
     def stop_all(self) -> list[int]:
-        codes = []
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                codes.append(p.wait(30))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-                codes.append(-9)
-        return codes
+        """The stop ladder on each group (SIGTERM, bounded wait, SIGKILL); their exit codes."""
+        codes = [stop_process(p, "producer group", _GROUP_LADDER) for p in self.procs]
+        return [-signal.SIGKILL if code is None else code for code in codes]
 
 
 @pytest.fixture()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import zmq
 
 from consumer.flow.plan import PlannedBatch
+from producer.batcher import BuiltBatch
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import Message, decode_header, encode
 
 
 def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -33,6 +39,68 @@ def metrics_snapshot(t_unix_s: float, **overrides: object) -> dict[str, object]:
     }
     snap.update(overrides)
     return snap
+
+
+class FakeDealer:
+    """The producer worker's DEALER socket without ZeroMQ: the test queues inbound messages, sends are recorded.
+
+    ``poll`` on an empty inbox lets ``clock`` run for the whole timeout (nothing else would have woken
+    the socket), then calls ``on_idle`` so a test can stop the loop or script the consumer's next words.
+    With ``refuse_sends`` every send fails as a full or unconnected DEALER does (``zmq.Again``).
+    """
+
+    def __init__(self, clock: FakeClock, on_idle: Callable[[FakeDealer], None] | None = None,
+                 refuse_sends: bool = False) -> None:
+        self.clock = clock
+        self.on_idle = on_idle
+        self.refuse_sends = refuse_sends
+        self.inbox: deque[list[bytes]] = deque()
+        self.sent: list[list[bytes]] = []     # every frame as bytes, in send order
+        self.poll_timeouts_ms: list[int] = []
+
+    def push(self, *msgs: Message) -> None:
+        self.inbox.extend([encode(m)] for m in msgs)
+
+    def poll(self, timeout: int, flags: int) -> int:
+        self.poll_timeouts_ms.append(timeout)
+        if not self.inbox:
+            self.clock.advance(timeout / 1000)
+            if self.on_idle is not None:
+                self.on_idle(self)
+        return zmq.POLLIN if self.inbox else 0
+
+    def recv_multipart(self, flags: int) -> list[bytes]:
+        if not self.inbox:
+            raise zmq.Again()
+        return self.inbox.popleft()
+
+    def send_multipart(self, msg_parts: list[bytes | zmq.Frame], flags: int = 0, copy: bool = True) -> None:
+        if self.refuse_sends:
+            raise zmq.Again()
+        self.sent.append([p.bytes if isinstance(p, zmq.Frame) else bytes(p) for p in msg_parts])
+
+    def messages(self) -> list[Message]:
+        """The header of every message sent, decoded."""
+        return [decode_header(frames[0]) for frames in self.sent]
+
+
+class FakeAssembler:
+    """A ``BatchAssembler`` stand-in: zero-filled batches (``rows`` x ``frames`` x ``n_mels``), or ``error`` raised."""
+
+    def __init__(self, rows: int = 2, frames: int = 4, n_mels: int = 3, error: Exception | None = None) -> None:
+        self.read_s_total = 0.0
+        self.error = error
+        self.built: list[int] = []            # batch ids built
+        self._shapes = {"mel": (rows, frames, n_mels), "mel_len": (rows,), "tokens": (rows, frames), "tok_len": (rows,)}
+
+    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
+              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+        if self.error is not None:
+            raise self.error
+        self.built.append(batch_id)
+        dtypes = {"mel": np.float32, "mel_len": np.int32, "tokens": np.int32, "tok_len": np.int32}
+        arrays = target if target is not None else {k: np.zeros(self._shapes[k], dtypes[k]) for k in ARRAY_KEYS}
+        return BuiltBatch(batch_id, bucket, arrays)
 
 
 def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,

@@ -21,6 +21,7 @@ from consumer.resume.audit import RECORD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_STEP = "tests.steps:tiny_step"
+WAIT_S = 60.0   # bound of a wait for a process to start, stop or answer: only a real hang gets near it
 
 
 def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps: int, **sections: Any) -> Path:
@@ -31,7 +32,10 @@ def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps:
         "consumer": {"steps": steps, "state_dir": str(state_dir), "checkpoint_every_steps": 7,
                      "wait_timeout_s": 0.5, "status_interval_s": 2.0},
         "producer": {"count": 3, "restart_backoff_s": 0.2},
-        "model": {"step": TINY_STEP},
+        # One compile mode for every run: these tests compare separate runs bit for bit, and "auto" may
+        # time XLA and graph mode differently in each (a resumed run keeps its own choice, see
+        # consumer/train/jit.py, but two separate runs decide separately).
+        "model": {"step": TINY_STEP, "jit_compile": True},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
@@ -104,7 +108,7 @@ def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:
     return proc.returncode, doc, proc.stdout + proc.stderr
 
 
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = WAIT_S) -> int:
     """SIGTERM, bounded wait, SIGKILL if ignored; returns the exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -112,7 +116,7 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait(10)
+        return proc.wait(WAIT_S)
 
 
 def tail(path: Path, lines: int = 40) -> str:

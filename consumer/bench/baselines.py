@@ -18,8 +18,9 @@ so a window of B consecutive samples is exactly one plan batch.
 TensorFlow is imported inside the functions that build datasets, so the service servers can be
 started (and import it themselves) before the trainer pays for its own import.
 Invariants: datasets repeat forever (the caller takes what it measures); element order is the
-plan's full batches in plan order. Shutdown: ``ServiceProcesses.close()`` terminates and reaps its
-servers (bounded), idempotent.
+plan's full batches in plan order. Shutdown: ``ServiceProcesses.close()`` runs the stop ladder
+(``shared.service.stop_ladder``: SIGTERM, bounded wait, SIGKILL) on its servers and reaps them;
+idempotent.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,8 @@ import numpy as np
 from consumer.flow.plan import EpochPlan
 from shared.wire.buckets import BucketSet
 from shared.cache.manifest import Manifest
+from shared.service.children import python_argv, spawn
+from shared.service.stop_ladder import SERVER_LADDER, stop_all
 
 if TYPE_CHECKING:   # annotations only: the import itself happens inside the builders
     import tensorflow as tf
@@ -45,7 +47,6 @@ __all__ = ["COPIES", "PlanFiles", "plan_files", "tuned_dataset", "naive_dataset"
 log = logging.getLogger(__name__)
 
 COPIES = {"tfdata": 3, "naive": 3, "service": 7}   # counted from the ops, see the module docstring
-_STOP_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +164,7 @@ class ServiceProcesses:
         self.port = _free_port()
         self._procs: list[subprocess.Popen[bytes]] = []
         for code in [_DISPATCHER] + [_WORKER] * workers:
-            self._procs.append(subprocess.Popen([sys.executable, "-c", code, str(self.port)], env=env,
-                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+            self._procs.append(spawn(python_argv("-c", code, str(self.port)), env=env, stdout=subprocess.DEVNULL))
         self._closed = False
 
     @property
@@ -178,17 +178,8 @@ class ServiceProcesses:
                                            compression=None)).prefetch(2)
 
     def close(self) -> None:
-        """SIGTERM every server, wait, kill what is left; reaps all. Idempotent."""
+        """The stop ladder on every server at once (SIGTERM, wait, SIGKILL, wait); reaps all. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for p in self._procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self._procs:
-            try:
-                p.wait(_STOP_S)
-            except subprocess.TimeoutExpired:
-                log.warning("tf.data service pid=%d ignored SIGTERM for %.0f s; killing", p.pid, _STOP_S)
-                p.kill()
-                p.wait(_STOP_S)
+        stop_all(self._procs, "tf.data service servers", SERVER_LADDER)

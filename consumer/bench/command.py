@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from consumer.bench.report import build_report, render
-from shared.config import PipelineConfig, TransportConfig, config_to_mapping, load_config, with_overrides
+from shared.config import PipelineConfig, TransportConfig
+from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
-from shared.service.children import REPO_ROOT
+from shared.service.children import REPO_ROOT, child_env, module_argv, spawn
+from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
 
 log = logging.getLogger(__name__)
 
-_REPO = REPO_ROOT
 _ZERO_STEP = "consumer.bench.trial:zero_step"
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200}
@@ -53,7 +53,7 @@ def _ints(text: str, flag: str, low: int = 0) -> list[int]:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     smoke = _SMOKE if args.smoke else {}
-    pick = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
+    pick: dict[str, Any] = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
                                                          "batches", "warmup", "demo_utterances")}
     transports = [t for t in args.transports.split(",") if t]
     if not transports or set(transports) - {"zmq", "shm"}:
@@ -105,7 +105,8 @@ def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:
 def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     over: dict[str, Any] = {"consumer.steps": s["warmup"] + s["batches"], "consumer.warmup_steps": s["warmup"],
                             "consumer.status_interval_s": 3600.0, "model.step": _ZERO_STEP,
-                            "producer.count": system.get("producers", 1)}
+                            # XLA, as the calibration and the tf.data baselines compile the zero step
+                            "model.jit_compile": True, "producer.count": system.get("producers", 1)}
     mapping = config_to_mapping(with_overrides(cfg, over))
     mapping["consumer"]["state_dir"] = None
     mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir
@@ -115,17 +116,11 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
 
 
 def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
-    env.update(XDG_RUNTIME_DIR=str(runtime), TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([str(_REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
-    proc = subprocess.Popen([sys.executable, "-m", "consumer.bench.trial", json.dumps(spec)], cwd=_REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    env = child_env({"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}, drop=("RUNTIME_DIRECTORY",))
+    proc = spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, new_group=True, cwd=REPO_ROOT,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+    if timed_out:
         err = f"killed after {timeout_s:.0f} s\n{err}"
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:

@@ -9,8 +9,9 @@ for real, then the loop sleeps so a step takes ``step_ms`` in total (``sleep_for
 zero step's own median time measured here first). A GPU step costs the host no CPU; real compute on
 this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
-Shutdown: every helper is stopped in ``finally`` (producers: the run command's SIGTERM ladder;
-service: ``ServiceProcesses.close``). Exit 0 after printing, 1 on any failure (one line on stderr).
+Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``shared.service.stop_ladder``
+(producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``). Exit 0 after
+printing, 1 on any failure (one line on stderr).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import numpy as np
 
 from consumer.bench.usage import UsageWindow
 from consumer.bench.stats import gb_per_s, sleep_for_step_s
-from shared.config import PipelineConfig, config_from_mapping, with_overrides
-from shared.service.children import ENTRY_SCRIPT
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping, with_overrides
+from shared.service.children import ENTRY_SCRIPT, child_env
 
 __all__ = ["zero_step", "main"]
 
@@ -54,6 +56,9 @@ class _ZeroStep:
     def variables(self) -> list[Any]:
         return []
 
+    def checkpoint_items(self) -> dict[str, object]:
+        return {}            # nothing to save: bench trials never checkpoint
+
 
 def zero_step(spec: object) -> _ZeroStep:
     """Step factory for ``model.step: consumer.bench.trial:zero_step``."""
@@ -71,7 +76,7 @@ def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> f
     times = []
     for _ in range(_CALIBRATION_CALLS):
         t0 = time.perf_counter()
-        float(compiled.run(0, batch))
+        float(compiled.run(0, batch)["loss"])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -130,7 +135,7 @@ def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed), bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
     window = UsageWindow()
-    service = baselines.ServiceProcesses(spec["workers"], dict(os.environ)) if spec["kind"] == "service" else None
+    service = baselines.ServiceProcesses(spec["workers"], child_env()) if spec["kind"] == "service" else None
     try:
         from consumer.train.step import CompiledStep   # TensorFlow: after the servers started their own import
         zero_s = _calibrate_zero_step_s(shapes)
@@ -158,7 +163,7 @@ def _drive(it: Any, compiled: Any, window: UsageWindow, warmup: int, batches: in
         element = next(it)
         if done > warmup:
             waited_s += time.perf_counter() - t0
-        float(compiled.run(int(element["bucket"][0]), element))
+        float(compiled.run(int(element["bucket"][0]), element)["loss"])
         if sleep_s:
             time.sleep(sleep_s)
         if done == warmup:

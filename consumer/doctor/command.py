@@ -25,19 +25,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from shared.wire.bucket_mix import batch_mix, bucket_padding
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, config_to_mapping, resolve_runtime_dir, with_overrides
+from shared.config import PipelineConfig, resolve_runtime_dir
+from shared.config_loader import config_to_mapping, with_overrides
 from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
 from shared.errors import EXIT_CONFIG, ConfigError
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
-from shared.service.children import child_env
+from shared.service.children import child_env, handed_over_config, module_argv, spawn
+from shared.service.stop_ladder import GROUP_LADDER, Rung, communicate_or_kill, stop_all
 
 __all__ = ["main_doctor", "ProbeFailed"]
 
@@ -61,12 +61,9 @@ def _probe_env() -> dict[str, str]:
 
 
 def _finish(name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        raise ProbeFailed(name, 1, f"no result within {timeout_s:.0f} s") from None
+    out, err, timed_out = communicate_or_kill(proc, f"{name} probe", timeout_s)
+    if timed_out:
+        raise ProbeFailed(name, 1, f"no result within {timeout_s:.0f} s")
     if proc.returncode != 0:
         lines = [ln for ln in err.splitlines() if ln.strip()]
         raise ProbeFailed(name, proc.returncode, lines[-1] if lines else "no message")
@@ -77,9 +74,9 @@ def _finish(name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[st
 
 
 def _spawn(module: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_probe_env(),
-                            start_new_session=True)
+    """A probe in its own process group (a timeout kills it with its producers)."""
+    return spawn(module_argv(module, *args), env=_probe_env(), new_group=True, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
 
 
 def _build_stage(config: Path, n: int, seconds: float, delay_ms: float) -> list[dict[str, Any]]:
@@ -88,11 +85,8 @@ def _build_stage(config: Path, n: int, seconds: float, delay_ms: float) -> list[
                     str(delay_ms), "--start-at", str(start_at), "--seed", str(i)) for i in range(n)]
     try:
         return [_finish(f"producer (stage 1, {n} at once)", p, seconds + _PROBE_START_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+    finally:   # after a failure: the others are no longer needed
+        stop_all(procs, f"producer probes (stage 1, {n} at once)", GROUP_LADDER, group=True, first=Rung.KILL)
 
 
 def _transport_stage(config: Path, n: int, seconds: float, delay_ms: float) -> dict[str, Any]:
@@ -105,7 +99,7 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
     cfg = config_from_args(args)
     if args.demo:
         from shared.cache.demo_data import default_demo_dir, write_demo_cache
-        cache = Path(cfg.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
+        cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
         write_demo_cache(cache, n_utterances=args.demo_utterances)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
@@ -187,9 +181,8 @@ def main_doctor(args: argparse.Namespace) -> int:
                              os.environ)
     progress = Progress(_STAGES, sys.stderr, interval_s=10.0, label="doctor", unit="stages", count_skipped=False)
     try:
-        with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
-            config = Path(tmp) / "doctor.yaml"
-            config.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
+        with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp, \
+                handed_over_config(config_to_mapping(cfg), "doctor.yaml", Path(tmp)) as config:
             stages = _measure(config, n, args.seconds_per_stage, args.debug_delay_ms, progress)
     except ProbeFailed as err:
         print(f"run_pipeline.py doctor: {err}", file=sys.stderr)

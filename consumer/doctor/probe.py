@@ -14,7 +14,8 @@ then timed runs on a synthetic batch of the bucket's shape):
 
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
 configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
-Shutdown: the producer group gets SIGTERM and a bounded wait, then SIGKILL; the consumer is closed.
+Shutdown: the producer group gets the stop ladder (``shared.service.children.Child``: SIGTERM, a
+bounded wait, then SIGKILL); the consumer is closed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,22 +31,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-from shared.service.children import ENTRY_SCRIPT
+from shared.service.children import Child, child_env, entry_argv, handed_over_config, spawn
+from shared.service.stop_ladder import GROUP_LADDER
 
 __all__ = ["main", "measure_transport", "measure_device"]
 
 _FIRST_BATCH_TIMEOUT_S = 60.0   # producer start-up on a loaded 2-core machine stays well below
-_GROUP_STOP_S = 20.0            # > the launcher's own SIGTERM ladder (10 s)
 _MIN_RUNS = 3                   # timed step runs per bucket, whatever the time budget
 _MAX_RUNS = 200
-_ENTRY = ENTRY_SCRIPT
 
 
 def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
     from consumer.feed import Consumer
-    from shared.config import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
     from shared.errors import PipelineError
 
     with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
@@ -54,28 +52,23 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
             "transport.endpoint": f"ipc://{tmp}/doctor.sock", "producer.count": producers}))
         data["consumer"]["steps"] = None     # no end: with_overrides skips None values
         cfg = config_from_mapping(data)
-        producer_cfg = Path(tmp) / "producers.yaml"
-        producer_cfg.write_text(yaml.safe_dump(config_to_mapping(cfg), sort_keys=False), encoding="utf-8")
-        with Consumer(cfg) as feed:
-            cmd = [sys.executable, str(_ENTRY), "producer", "--config", str(producer_cfg)]
-            if debug_delay_ms:
-                cmd += ["--debug-delay-ms", str(debug_delay_ms)]
-            group = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                                     env={**os.environ, "XDG_RUNTIME_DIR": tmp})
-            try:
-                n, elapsed_s = _count_batches(feed, group, seconds)
+        extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
+        with handed_over_config(config_to_mapping(cfg), "producers.yaml", Path(tmp)) as producer_cfg, \
+                Consumer(cfg) as feed:
+            proc = spawn(entry_argv("producer", "--config", str(producer_cfg), *extra), stdout=sys.stderr,
+                         env=child_env({"XDG_RUNTIME_DIR": tmp}))
+            with Child(proc, "producer group", GROUP_LADDER) as group:
+                n, elapsed_s = _count_batches(feed, group.proc, seconds)
                 alive = feed.receiver_stats().producers_alive
                 path = "shm" if feed.shm is not None else "zmq"     # the data path these batches took
-            finally:
-                _stop_group(group)
     if n < 2:
         raise PipelineError(f"only {n} batch(es) arrived from {producers} producer(s) "
-                            f"(producer group exit code {group.returncode})")
+                            f"(producer group exit code {proc.returncode})")
     return {"producers": producers, "batches": n - 1, "elapsed_s": elapsed_s,
             "batches_per_s": (n - 1) / elapsed_s, "producers_alive": alive, "path": path}
 
 
-def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
+def _count_batches(feed: Any, group: subprocess.Popen[Any], seconds: float) -> tuple[int, float]:
     """Batches taken (and released at once) and the seconds from the first to the last one."""
     deadline = time.monotonic() + _FIRST_BATCH_TIMEOUT_S
     n, first_s, last_s = 0, 0.0, 0.0
@@ -93,16 +86,6 @@ def _count_batches(feed: Any, group: subprocess.Popen[bytes], seconds: float) ->
     return n, max(last_s - first_s, 1e-9)
 
 
-def _stop_group(group: subprocess.Popen[bytes]) -> None:
-    if group.poll() is None:
-        group.send_signal(signal.SIGTERM)
-        try:
-            group.wait(_GROUP_STOP_S)
-        except subprocess.TimeoutExpired:
-            group.kill()
-            group.wait(_GROUP_STOP_S)
-
-
 def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     """Host->device hand-off and compiled step time per bucket on synthetic batches."""
     import numpy as np
@@ -111,16 +94,16 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from consumer.train.model import StepSpec
     from consumer.train.step import CompiledStep, load_step_factory, to_tensors
     from shared.wire.buckets import build_buckets
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.cache.features import load_manifest_for
 
     cfg = load_config(config_path)
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     m = cfg.model
-    step_fn = load_step_factory(m.step)(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision,
-                                                 m.seed))
-    compiled = CompiledStep(step_fn, [b.shapes() for b in bucket_set.buckets])
+    shapes = [b.shapes() for b in bucket_set.buckets]
+    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -131,8 +114,8 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
         arrays = _synthetic_batch(b, m.vocab_size, rng)
         h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
         tensors, _ = to_tensors(arrays)
-        float(compiled.run(b.index, tensors))  # one untimed run: first-call dispatch costs
-        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)), budget_s)
+        float(compiled.run(b.index, tensors)["loss"])  # one untimed run: first-call dispatch costs
+        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)["loss"]), budget_s)
         out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
     return {"device": device, "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
@@ -141,13 +124,11 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
 def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    import numpy as np
-
     from consumer.train.step import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
-    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=np.float32)
+    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=arrays["mel"].dtype)
     arrays["mel_len"][...] = bucket.max_frames
-    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=np.int32)
+    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens
     return arrays
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from consumer.doctor.env import Check
 from consumer.doctor.verdict import HEADROOM, Verdict, weighted_ms
+from shared.wire.layout import PAYLOAD_COPIES
 
 __all__ = ["render"]
 
@@ -84,4 +85,5 @@ def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
 
 def _path_words(path: str | None) -> str:
     """How the probe's batches travelled (older probe output has no ``path``)."""
-    return {"shm": "shared-memory slots, 1 copy", "zmq": "ZeroMQ payload frames, 4 copies"}.get(path or "", "unknown")
+    return {"shm": "shared-memory slots, 1 copy",
+            "zmq": f"ZeroMQ payload frames, {PAYLOAD_COPIES} copies"}.get(path or "", "unknown")

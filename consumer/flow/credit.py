@@ -7,25 +7,34 @@ Invariants:
     lease, received (until applied);
   * a peer holds at most ``window`` active leases;
   * revoked or expired ids go back to the reissue queue, which is served lowest id first, so the
-    batch the step loop waits for is always the next one leased.
+    batch the step loop waits for is always the next one leased;
+  * the plan is asked once per batch id, when it is first leased: the lease carries the
+    ``PlannedBatch`` (bucket, sample ids) from then on, through the ring to the step.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from collections.abc import Callable, Iterable
+from consumer.flow.plan import EpochPlan, PlannedBatch
 
 __all__ = ["ActiveLease", "LeaseBook", "Verdict", "grant_round"]
 
 
 @dataclass(slots=True)
 class ActiveLease:
-    batch_id: int
+    """One open lease: which planned batch, held by which peer, in which ring slot, until when."""
+
+    planned: PlannedBatch
     peer: bytes
     slot: int
     deadline_s: float
+
+    @property
+    def batch_id(self) -> int:
+        return self.planned.batch_id
 
 
 class Verdict:
@@ -40,17 +49,20 @@ class LeaseBook:
     """Lease table for one consumer epoch.
 
     Args:
+        plan: the epoch plan; asked for each batch id when it is first leased.
         start_id: first batch id to lease (the resume position).
         end_id: one past the last id to lease, or ``None`` for an endless run.
         window: most leases one peer may hold.
         lease_timeout_s: deadline given to each lease.
     """
 
-    def __init__(self, start_id: int, end_id: int | None, window: int, lease_timeout_s: float) -> None:
+    def __init__(self, plan: EpochPlan, start_id: int, end_id: int | None, window: int,
+                 lease_timeout_s: float) -> None:
+        self._plan = plan
         self._next_new = start_id
         self._end_id = end_id
         self._applied_floor = start_id          # ids below this were applied (or precede the resume)
-        self._reissue: list[int] = []
+        self._reissue: list[tuple[int, PlannedBatch]] = []   # heap by batch id (ids are unique)
         self._active: dict[int, ActiveLease] = {}
         self._by_peer: dict[bytes, set[int]] = {}
         self._leased_to: dict[int, set[bytes]] = {}   # every peer that ever held the id (late copies win too)
@@ -80,20 +92,21 @@ class LeaseBook:
         return [self._active[b] for b in sorted(self._by_peer.get(peer, ()))]
 
     # --- transitions -----------------------------------------------------------------------
-    def next_id(self) -> int | None:
-        """The id to lease next: lowest reissued id first, then the next new one."""
+    def next_batch(self) -> PlannedBatch | None:
+        """The batch to lease next: lowest reissued id first, then the next new one from the plan."""
         if self._reissue:
-            return heapq.heappop(self._reissue)
+            return heapq.heappop(self._reissue)[1]
         if self._end_id is not None and self._next_new >= self._end_id:
             return None
         self._next_new += 1
-        return self._next_new - 1
+        return self._plan.batch(self._next_new - 1)
 
-    def grant(self, peer: bytes, batch_id: int, slot: int, now_s: float) -> ActiveLease:
-        """Record a lease of ``batch_id`` (from ``next_id``) to ``peer`` in ``slot``."""
+    def grant(self, peer: bytes, planned: PlannedBatch, slot: int, now_s: float) -> ActiveLease:
+        """Record a lease of ``planned`` (from ``next_batch``) to ``peer`` in ``slot``."""
+        batch_id = planned.batch_id
         if batch_id in self._active:
             raise ValueError(f"batch {batch_id} is already leased")
-        lease = ActiveLease(batch_id, peer, slot, now_s + self.lease_timeout_s)
+        lease = ActiveLease(planned, peer, slot, now_s + self.lease_timeout_s)
         self._active[batch_id] = lease
         self._by_peer.setdefault(peer, set()).add(batch_id)
         self._leased_to.setdefault(batch_id, set()).add(peer)
@@ -117,14 +130,14 @@ class LeaseBook:
     def requeue(self, lease: ActiveLease) -> None:
         """Undo an ``accept`` whose payload turned out invalid: the id is leased again, first."""
         self._received.discard(lease.batch_id)
-        heapq.heappush(self._reissue, lease.batch_id)
+        self._push_reissue(lease)
 
     def revoke_peer(self, peer: bytes) -> list[ActiveLease]:
         """Return all of ``peer``'s leases to the reissue queue (peer dead or gone)."""
         leases = [self._active[b] for b in sorted(self._by_peer.get(peer, ()))]
         for lease in leases:
             self._close(lease)
-            heapq.heappush(self._reissue, lease.batch_id)
+            self._push_reissue(lease)
         self._by_peer.pop(peer, None)
         return leases
 
@@ -133,7 +146,7 @@ class LeaseBook:
         late = [x for x in self._active.values() if x.deadline_s <= now_s]
         for lease in late:
             self._close(lease)
-            heapq.heappush(self._reissue, lease.batch_id)
+            self._push_reissue(lease)
         return late
 
     def mark_applied(self, batch_id: int) -> None:
@@ -141,6 +154,9 @@ class LeaseBook:
         self._received.discard(batch_id)
         self._leased_to.pop(batch_id, None)
         self._applied_floor = max(self._applied_floor, batch_id + 1)
+
+    def _push_reissue(self, lease: ActiveLease) -> None:
+        heapq.heappush(self._reissue, (lease.batch_id, lease.planned))
 
     def _close(self, lease: ActiveLease) -> None:
         del self._active[lease.batch_id]
@@ -161,9 +177,9 @@ def grant_round(book: LeaseBook, peers: Iterable[bytes], reserve: Callable[[], i
             slot = reserve()
             if slot is None:
                 return granted
-            batch_id = book.next_id()
-            if batch_id is None:  # unreachable while has_work() holds; keeps the slot from leaking
+            planned = book.next_batch()
+            if planned is None:  # unreachable while has_work() holds; keeps the slot from leaking
                 cancel(slot)
                 return granted
-            granted.append(book.grant(peer, batch_id, slot, now_s))
+            granted.append(book.grant(peer, planned, slot, now_s))
     return granted

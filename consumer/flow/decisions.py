@@ -76,7 +76,7 @@ class BatchIntake:
     """A BATCH header passed its lease checks: take its payload into ``lease.slot``.
 
     ``in_place``: the producer built the batch in the slot's shared-memory file (header alone);
-    otherwise the payload frames follow. ``planned_bucket`` is the plan's bucket for the batch id.
+    otherwise the payload frames follow. ``planned_bucket`` is the leased batch's bucket.
     """
 
     ident: bytes

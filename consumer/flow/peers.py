@@ -25,7 +25,6 @@ class _HasHeld(Protocol):
 @dataclass(slots=True)
 class PeerInfo:
     producer_id: str
-    joined_s: float
     last_seen_s: float
     batches: int = 0
     last_grant_s: float = 0.0
@@ -64,7 +63,7 @@ class PeerTable:
         return len(self._seen_ids)
 
     def add(self, ident: bytes, producer_id: str, now_s: float) -> PeerInfo:
-        info = PeerInfo(producer_id, now_s, now_s)
+        info = PeerInfo(producer_id, last_seen_s=now_s)
         self._peers[ident] = info
         self._seen_ids.add(producer_id)
         return info
@@ -135,6 +134,3 @@ class PeerTable:
         """One report per connected producer (a copy: safe to hand to another thread)."""
         return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s, _label(i))
                      for i, p in list(self._peers.items()))
-
-    def per_producer_batches(self) -> dict[str, int]:
-        return {p.producer_id: p.batches for p in self._peers.values()}

@@ -1,7 +1,8 @@
 """Consumer-side ring of preallocated, 64-byte-aligned batch slots with a reorder stage.
 
 Each slot is FREE, LEASED (reserved for a lease; the receiver writes into it), READY (holds a
-received batch, keyed by batch id) or IN_STEP (handed to the step loop).
+received batch, keyed by batch id) or IN_STEP (handed to the step loop). A READY slot keeps the
+lease's ``PlannedBatch``, so the step reads the bucket and sample ids from it, not from the plan.
 Invariant: free + leased + ready + in_step == n_slots; a lease always owns a slot, so leases
 outstanding <= slots not ready or in the step, and memory never exceeds n_slots * slot_nbytes.
 The receiver thread only touches FREE/LEASED slots' bytes; the step thread only READY/IN_STEP
@@ -16,20 +17,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from shared.wire.buckets import Bucket
+from consumer.flow.plan import PlannedBatch
 from shared.errors import ClosedError
-from shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views, round_up
+from shared.wire.buckets import Bucket
+from shared.wire.layout import PAYLOAD_COPIES, aligned_buffer, batch_layout, layout_nbytes, layout_views, round_up
 
-__all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "slot_nbytes_for"]
+__all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "ReadySlot", "slot_nbytes_for"]
 
 _PAGE_BYTES = 4096
-PAYLOAD_COPIES = 4   # page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
 
 
 def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
@@ -68,6 +70,15 @@ class PrivateSlots:
         """Nothing to release: the buffer goes with its last view."""
 
 
+@dataclass(frozen=True, slots=True)
+class ReadySlot:
+    """A slot holding a received batch: which slot, which planned batch, and how it was filled."""
+
+    slot: int
+    planned: PlannedBatch
+    copies: int          # copies from page cache into the slot: 1 shared memory, PAYLOAD_COPIES payload
+
+
 class SlotState(IntEnum):
     FREE = 0
     LEASED = 1
@@ -95,10 +106,9 @@ class BatchRing:
         self.memory: SlotMemory = memory if memory is not None else PrivateSlots(n_slots, self.slot_nbytes)
         if self.memory.slot_nbytes != self.slot_nbytes:
             raise ValueError(f"slot memory has {self.memory.slot_nbytes} bytes per slot, need {self.slot_nbytes}")
-        self._copies = [PAYLOAD_COPIES] * n_slots   # copies from page cache that filled each READY slot
         self._layouts = {b.index: batch_layout(b) for b in buckets}
         self._state = [SlotState.FREE] * n_slots
-        self._ready: dict[int, int] = {}        # batch id -> slot
+        self._ready: dict[int, ReadySlot] = {}  # batch id -> its READY slot
         self._cond = threading.Condition()
         self._closed = False
         self._on_release = on_release
@@ -111,10 +121,6 @@ class BatchRing:
     def views(self, slot: int, bucket: int) -> dict[str, npt.NDArray[np.generic]]:
         """Aligned array views of ``slot`` laid out for ``bucket``; valid while the slot is held."""
         return layout_views(self.memory.buffer(slot), 0, self._layouts[bucket])
-
-    def copies(self, slot: int) -> int:
-        """Copies from page cache into this READY/IN_STEP slot (1 shared memory, 4 payload frames)."""
-        return self._copies[slot]
 
     # --- receiver side -------------------------------------------------------------------
     def reserve(self) -> int | None:
@@ -132,21 +138,20 @@ class BatchRing:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.FREE
 
-    def mark_ready(self, slot: int, batch_id: int, copies: int = PAYLOAD_COPIES) -> None:
-        """LEASED -> READY: the slot now holds batch ``batch_id``, filled with ``copies`` copies."""
+    def mark_ready(self, slot: int, planned: PlannedBatch, copies: int = PAYLOAD_COPIES) -> None:
+        """LEASED -> READY: the slot now holds ``planned``, filled with ``copies`` copies."""
         with self._cond:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.READY
-            self._copies[slot] = copies
-            self._ready[batch_id] = slot
+            self._ready[planned.batch_id] = ReadySlot(slot, planned, copies)
             self._cond.notify_all()
 
     # --- step side -------------------------------------------------------------------------
-    def take(self, batch_id: int, timeout_s: float) -> int | None:
+    def take(self, batch_id: int, timeout_s: float) -> ReadySlot | None:
         """Wait up to ``timeout_s`` for batch ``batch_id``; READY -> IN_STEP.
 
         Returns:
-            The slot, or ``None`` on timeout.
+            The slot with its planned batch, or ``None`` on timeout.
         Raises:
             ClosedError: the ring was closed.
         """
@@ -159,9 +164,9 @@ class BatchRing:
                 if left <= 0:
                     return None
                 self._cond.wait(left)
-            slot = self._ready.pop(batch_id)
-            self._state[slot] = SlotState.IN_STEP
-            return slot
+            ready = self._ready.pop(batch_id)
+            self._state[ready.slot] = SlotState.IN_STEP
+            return ready
 
     def release(self, slot: int) -> None:
         """IN_STEP -> FREE once the step that read the slot has finished."""

@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import logging
 import reprlib
-from typing import Protocol
 
 from consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
                                      SessionConfig)
 from consumer.flow.peers import PeerInfo, PeerTable
-from consumer.flow.plan import PlannedBatch
 from consumer.flow.rejects import RejectLog, peer_label
-from consumer.flow.ring import PAYLOAD_COPIES, BatchRing
+from consumer.flow.ring import BatchRing
 from consumer.flow.shm_leases import ShmLeases, SlotFiles
 from shared.errors import ProtocolError
 from shared.printable import escape_line
 from shared.wire.curve import producer_id_matches
+from shared.wire.layout import PAYLOAD_COPIES
 from shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
 
-__all__ = ["BatchIntake", "BatchPlan", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
+__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
            "ReceiverStats", "SessionConfig", "escape_line"]
 
 log = logging.getLogger(__name__)
@@ -45,27 +44,21 @@ log = logging.getLogger(__name__)
 BLOCK_S = 30.0            # a flooding peer is ignored this long
 
 
-class BatchPlan(Protocol):
-    """What the session reads of the epoch plan (``consumer.flow.plan.EpochPlan``)."""
-
-    def batch(self, batch_id: int) -> PlannedBatch: ...
-
-
 class ReceiverSession:
     """Handshake, leases, liveness, fencing and rejects for one consumer epoch.
 
     Args:
         cfg: contract, epoch and timing.
-        ring, book, plan: the ring (shared with the step loop), the lease book, the epoch plan.
+        ring, book: the ring (shared with the step loop) and the lease book (each lease carries its planned batch).
         shm: the ring's slot files when the shared-memory path is on, else ``None``.
         rejects: reject counters and flood detection (injectable for tests).
     """
 
-    def __init__(self, cfg: SessionConfig, ring: BatchRing, book: LeaseBook, plan: BatchPlan, *,
+    def __init__(self, cfg: SessionConfig, ring: BatchRing, book: LeaseBook, *,
                  shm: SlotFiles | None = None, rejects: RejectLog | None = None) -> None:
         self.cfg = cfg
         self.epoch = cfg.epoch
-        self._ring, self._book, self._plan = ring, book, plan
+        self._ring, self._book = ring, book
         self._peers = PeerTable()
         self._rejects = rejects if rejects is not None else RejectLog()
         self._shm = ShmLeases(shm)
@@ -139,7 +132,7 @@ class ReceiverSession:
         lease, hdr = intake.lease, intake.hdr
         self._counts["bytes"] += n_bytes
         self._shm.settle(lease.slot)
-        self._ring.mark_ready(lease.slot, hdr.batch_id, 1 if intake.in_place else PAYLOAD_COPIES)
+        self._ring.mark_ready(lease.slot, lease.planned, 1 if intake.in_place else PAYLOAD_COPIES)
         peer = self._peers.get(intake.ident)
         if peer is not None:
             peer.batches += 1
@@ -184,7 +177,7 @@ class ReceiverSession:
             info = self._peers.get(lease.peer)
             assert info is not None               # grant_round only leases to peers in ``order``
             info.last_grant_s = now_s             # ties go round-robin
-            planned = self._plan.batch(lease.batch_id)
+            planned = lease.planned
             grants.setdefault(lease.peer, []).append(
                 Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
                       self._shm.slot_for(lease, info.uses_shm)))
@@ -250,8 +243,7 @@ class ReceiverSession:
             return Decision(drain=True)
         if verdict == Verdict.NOT_LEASED or lease is None:
             raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
-        planned = self._plan.batch(hdr.batch_id).bucket
-        return Decision(intake=BatchIntake(ident, hdr, lease, planned, self._shm.is_in_place(lease.slot)))
+        return Decision(intake=BatchIntake(ident, hdr, lease, lease.planned.bucket, self._shm.is_in_place(lease.slot)))
 
     # --- leases, liveness, rejects --------------------------------------------------------------
     def _cancel(self, lease: ActiveLease) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.printable import escape_line
+from shared.metrics import PHASES
 
 __all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
 
@@ -68,7 +69,7 @@ class SnapshotCollector:
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=snap[key])
         phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
-        for p in ("compiling", "training", "waiting", "done"):
+        for p in PHASES:
             phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)
         yield phase
         step = GaugeMetricFamily("melfeed_step_seconds", "Step time percentiles (window)", labels=["quantile"])
@@ -85,6 +86,12 @@ class SnapshotCollector:
         for code, count in snap["rejects"].items():
             rejects.add_metric([code], count)
         yield rejects
+        named = GaugeMetricFamily("melfeed_step_output", "The step's named scalars, mean over the status "
+                                  "interval (loss, and e.g. mel_l1, stop_bce)", labels=["name"])
+        for name, value in (snap.get("outputs") or {}).items():
+            if value is not None:
+                named.add_metric([name], value)
+        yield named
         yield from _producer_families(snap["producers"])
         yield from _gpu_families(snap["gpus"])
 

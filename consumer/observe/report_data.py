@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import ConfigError
+from shared.metrics import PHASE_TRAINING
 
 __all__ = ["RunSeries", "RunTotals", "read_metrics", "parse_lines", "SCALAR_KEYS"]
 
@@ -63,7 +64,7 @@ class RunSeries:
 
     def totals(self) -> RunTotals:
         """Steps, mean batches/s and mean stall % of the run (for the title)."""
-        training = np.array([p == "training" for p in self.phase])
+        training = np.array([p == PHASE_TRAINING for p in self.phase])
         pick = training if training.any() else np.ones(len(self), dtype=bool)
         steps = self.scalars["step"][~np.isnan(self.scalars["step"])]
         return RunTotals(steps=int(steps[-1]) if steps.size else 0,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.metrics import PHASE_COMPILING, PHASE_WAITING
 from consumer.observe.report_data import RunSeries, read_metrics
 
 __all__ = ["render_report", "main_report", "RenderedReport", "PANELS", "GPU_NA_TEXT"]
@@ -30,7 +31,7 @@ GPU_NA_TEXT = "GPU n/a (no NVML / no GPU)"
 _FIGSIZE_IN = (16.0, 14.0)
 _DPI = 100  # 1600 x 1400 px: readable at a glance on a laptop screen, small enough for a README
 _INSTALL_HINT = "needs matplotlib: pip install 'melfeed[report]'"
-_SHADE = {"compiling": "#fde7c8", "waiting": "#e6e6e6"}  # phases without steps ("done" is one last line)
+_SHADE = {PHASE_COMPILING: "#fde7c8", PHASE_WAITING: "#e6e6e6"}  # phases without steps (done: one last line)
 
 
 @dataclass(frozen=True, slots=True)

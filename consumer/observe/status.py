@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from shared.config import load_config
+from shared.config_loader import load_config
 from shared.printable import escape_line
 from shared.service.lifecycle import resolve_control_endpoint
 
@@ -79,6 +79,10 @@ def _f(value: Any, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
 
 
+def _outputs(outputs: dict[str, float | None] | None) -> str:
+    return ", ".join(f"{name} {_f(value, '.4f')}" for name, value in (outputs or {}).items()) or "-"
+
+
 def format_status(snap: dict[str, Any], endpoint: str) -> str:
     """The human table: overall figures, one row per producer, one per GPU, rejects by code."""
     total = f"/{snap['steps_total']}" if snap.get("steps_total") else ""
@@ -94,6 +98,8 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
         f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
         f"{snap['producers_alive']}",
+        f"step outputs (mean over the status interval): {_outputs(snap.get('outputs'))}; "
+        f"compiled with {snap.get('jit_compile') or '-'}",
         f"duplicates {snap['duplicates']}, quarantined {snap['quarantined']}, "
         f"compiles after ready {snap['compiles_after_ready']}",
         "",

@@ -188,7 +188,7 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
 def _planned_digests(root: Path, end: int) -> tuple[dict[int, int] | None, str]:
     from consumer.flow.plan import EpochPlan
     from shared.wire.buckets import build_buckets
-    from shared.config import config_from_mapping
+    from shared.config_loader import config_from_mapping
     from shared.errors import PipelineError
     from shared.cache.manifest import load_manifest
     try:

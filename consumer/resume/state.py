@@ -6,7 +6,7 @@ consumer = Consumer(cfg, start_batch=state.next_batch)
 state.restore_into(items)                             # after warm-up: the checkpointed variables
 for batch in consumer.batches(stop):
     step(batch)
-    state.record(batch.batch_id, planned_sample_ids, consumer.epoch)
+    state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
     if state.due():
         state.checkpoint(items, consumer.epoch)
 state.checkpoint(items, consumer.epoch)               # on stop and at the end
@@ -37,7 +37,8 @@ from typing import Any
 from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
 from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint
 from consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
-from shared.config import PipelineConfig, config_to_mapping
+from shared.config import PipelineConfig
+from shared.config_loader import config_to_mapping
 from shared.errors import StateError
 
 __all__ = ["RunState"]

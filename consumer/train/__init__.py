@@ -1,3 +1,6 @@
-"""The built-in training loop, the compiled step per bucket, and the reference model."""
+"""The built-in training loop, the compiled step per bucket, and the reference model.
+
+Nothing is re-exported: import the module you need (``consumer.train.<module>``).
+"""
 
 __all__: list[str] = []

@@ -18,7 +18,8 @@ import zmq
 
 from shared.wire.buckets import Bucket, BucketSet
 from shared.errors import ProtocolError
-from shared.wire.protocol import ARRAY_KEYS, BatchHeader, RejectCode
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import BatchHeader, RejectCode
 
 __all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths"]
 

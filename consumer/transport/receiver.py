@@ -30,7 +30,6 @@ import zmq
 
 from consumer.flow.credit import LeaseBook
 from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
-from consumer.flow.plan import EpochPlan
 from consumer.flow.ring import BatchRing
 from consumer.flow.session import ReceiverSession
 from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
@@ -65,13 +64,13 @@ class Receiver:
 
     Args:
         cfg: endpoint, protocol settings, CURVE keys.
-        ring, book, plan: shared with the step loop (ring) or owned here (book).
+        ring, book: shared with the step loop (ring) or owned here (book); a lease carries its planned batch.
         bucket_set: the buckets (header bound, payload checks, largest message).
         shm: the ring's slot files when the shared-memory path is on (the ring's memory), else ``None``.
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, cfg: ReceiverConfig, ring: BatchRing, book: LeaseBook, plan: EpochPlan,
+    def __init__(self, cfg: ReceiverConfig, ring: BatchRing, book: LeaseBook,
                  bucket_set: BucketSet, *, shm: ShmSlots | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = cfg.endpoint
@@ -81,7 +80,7 @@ class Receiver:
         self._max_header_bytes = max_producer_header_bytes(max(b.batch_size for b in bucket_set.buckets))
         self._checksum = cfg.session.checksum
         self._clock = clock
-        self._session = ReceiverSession(cfg.session, ring, book, plan, shm=shm)
+        self._session = ReceiverSession(cfg.session, ring, book, shm=shm)
         self._stop = threading.Event()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._applied_through = -1            # written by the step thread, read here

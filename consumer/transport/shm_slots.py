@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ShmSlots", "ShmUnavailable", "clean_stale", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
+__all__ = ["ShmSlots", "clean_stale", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,6 @@ _TMPFS_MAGIC = 0x01021994
 _NAME_RE = re.compile(r"^melfeed-(\d+)-(\d+)-s(\d+)-g(\d+)$")
 _MARGIN_BYTES = 1 << 20        # statvfs rounding and the files' own metadata
 _DEFAULT_DIR = Path("/dev/shm")
-
-
-class ShmUnavailable(OSError):
-    """The slot files cannot be created (no room, no directory): fall back to payload frames."""
 
 
 def is_tmpfs(path: Path) -> bool:
@@ -104,7 +100,7 @@ class ShmSlots:
     """``n_slots`` slot files of ``slot_nbytes`` each in ``directory``.
 
     Raises:
-        ShmUnavailable: a file could not be created or its pages reserved (files made so far are removed).
+        OSError: a file could not be created or its pages reserved (files made so far are removed).
     """
 
     def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, epoch: int) -> None:

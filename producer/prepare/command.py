@@ -9,7 +9,7 @@ Invariants:
 - Resumable: outputs are atomic (``producer.prepare.worker``); an utterance whose two files are
   present and valid, with the tokens of its current transcript, is not computed again; temp
   files of an interrupted run are removed at start. Interrupted + resumed = uninterrupted, byte
-  for byte (tests/integration/test_prepare.py).
+  for byte (tests/integration/tools/test_prepare.py).
 - ``features.json`` is written before the first output and checked on every later run: other
   features, vocabulary or duration limits never mix into one cache (refused, naming the key).
 - Every skipped utterance gets one line naming its id and file; the summary counts them by
@@ -38,7 +38,7 @@ from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
 from shared.cache.features import RESAMPLER_VERSION, feature_params
 from shared.cache.index import build_manifest
-from shared.cache.manifest import read_feature_record, write_feature_record, write_manifest
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, read_feature_record, write_feature_record, write_manifest
 from shared.cache.npyfile import inspect_npy
 from producer.prepare.pool import WorkerPool
 from shared.service.progress import Progress, progress_interval_s
@@ -168,8 +168,8 @@ def _done_frames(cache: Path, uid: str, tokens: np.ndarray, n_mels: int) -> int:
         same = np.array_equal(np.load(cache / "tokens" / f"{uid}.npy"), tokens)
     except (CacheError, OSError, ValueError):
         return 0
-    ok = (same and mel.dtype == np.dtype("<f4") and len(mel.shape) == 2 and mel.shape[1] == n_mels
-          and mel.shape[0] > 0 and tok.dtype == np.dtype("<i4"))
+    ok = (same and mel.dtype == MEL_DTYPES["float32"] and len(mel.shape) == 2 and mel.shape[1] == n_mels
+          and mel.shape[0] > 0 and tok.dtype == TOKEN_DTYPE)
     return mel.shape[0] if ok else 0
 
 
@@ -291,7 +291,7 @@ def _print_summary(s: PrepareSummary, cache: Path, cfg: PipelineConfig) -> None:
 
 def main_prepare(args: argparse.Namespace) -> int:
     """``run_pipeline.py prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
-    from shared.config import load_config
+    from shared.config_loader import load_config
     from shared.service.lifecycle import stop_on_signals
 
     cfg = load_config(args.config)

@@ -1,8 +1,7 @@
 """Process plumbing of ``prepare``: the worker pool.
 
 Role: ``WorkerPool`` runs N ``producer.prepare.worker`` processes (spawn: TensorFlow is not
-fork-safe) fed from one task queue and yields their results as they come. ``Progress`` now lives
-in ``shared.service.progress``; it is re-exported here so ``from producer.prepare.pool import Progress`` works.
+fork-safe) fed from one task queue and yields their results as they come.
 
 Invariants:
 - Nothing blocks forever: every queue read has a timeout and re-checks ``stop`` and whether
@@ -26,10 +25,9 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 
 from shared.errors import CacheError
-from shared.service.progress import Progress
 from producer.prepare.worker import WorkerEvent, WorkerSpec, WorkItem, WorkResult, worker_main
 
-__all__ = ["WorkerPool", "Progress"]
+__all__ = ["WorkerPool"]
 
 log = logging.getLogger(__name__)
 

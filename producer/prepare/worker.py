@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.config import FeatureConfig
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
 from shared.errors import CacheError
 from producer.prepare.dsp import LogMel, frame_count, resample
 from shared.service.lifecycle import die_with_parent
@@ -125,8 +126,8 @@ def prepare_one(item: WorkItem, spec: WorkerSpec, logmel: LogMel) -> WorkResult:
         return WorkResult(item.uid, item.wav_path, "duration", problem, 0)
     mel = logmel(audio)
     root = Path(spec.cache_dir)
-    write_npy_atomic(root / "tokens" / f"{item.uid}.npy", np.asarray(item.tokens, dtype="<i4"))
-    write_npy_atomic(root / "mels" / f"{item.uid}.npy", mel.astype("<f4", copy=False))
+    write_npy_atomic(root / "tokens" / f"{item.uid}.npy", np.asarray(item.tokens, dtype=TOKEN_DTYPE))
+    write_npy_atomic(root / "mels" / f"{item.uid}.npy", mel.astype(MEL_DTYPES["float32"], copy=False))
     return WorkResult(item.uid, item.wav_path, None, "", mel.shape[0])
 
 

@@ -15,18 +15,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from shared.errors import CacheError
-from shared.cache.manifest import CacheProblem, Manifest, Utterance, recorded_features
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, CacheProblem, Manifest, Utterance, recorded_features
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
-__all__ = ["build_manifest", "check_mel_header", "check_token_header", "MEL_DTYPES"]
+__all__ = ["build_manifest", "check_mel_header", "check_token_header"]
 
 log = logging.getLogger(__name__)
 
-MEL_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
-_TOKEN_DTYPE = np.dtype("<i4")
+_MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # .npy dtype -> manifest mel_dtype
 
 
 def _list_npy(directory: Path) -> dict[str, Path]:
@@ -45,7 +42,7 @@ def check_mel_header(header: NpyHeader, n_mels: int) -> str | None:
     if header.shape[1] != n_mels:
         hint = " (stored as [n_mels, frames]? transpose it)" if header.shape[0] == n_mels else ""
         return f"expected n_mels={n_mels} in shape [frames, n_mels], got shape {header.shape}{hint}"
-    if header.dtype not in MEL_DTYPES:
+    if header.dtype not in _MEL_DTYPE_NAMES:
         return f"mel dtype {header.dtype.str} not allowed (little-endian float32 or float16)"
     if header.shape[0] == 0:
         return "zero frames"
@@ -56,7 +53,7 @@ def check_token_header(header: NpyHeader) -> str | None:
     """Why a token header is unusable (one line), or ``None``."""
     if len(header.shape) != 1:
         return f"expected rank 1 [tokens], got shape {header.shape}"
-    if header.dtype != _TOKEN_DTYPE:
+    if header.dtype != TOKEN_DTYPE:
         return f"token dtype {header.dtype.str} not allowed (little-endian int32)"
     if header.shape[0] == 0:
         return "zero tokens"
@@ -83,7 +80,7 @@ def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
     if mel_info is None or tok_info is None or mel_bad or tok_bad:
         return None
     (mh, mel_bytes), (th, tok_bytes) = mel_info, tok_info
-    return Utterance(uid, mh.shape[0], th.shape[0], MEL_DTYPES[mh.dtype],
+    return Utterance(uid, mh.shape[0], th.shape[0], _MEL_DTYPE_NAMES[mh.dtype],
                      mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
 
 

@@ -49,6 +49,8 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
     "FEATURES_NAME",
+    "MEL_DTYPES",
+    "TOKEN_DTYPE",
     "Utterance",
     "CacheProblem",
     "Manifest",
@@ -69,7 +71,9 @@ _COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes
             "tok_offset", "tok_file_bytes")
 _ROW_TYPES = (str, int, int, str, int, int, int, int)  # exact types, so JSON true/1.0 are rejected
 _BAD_ID = re.compile(r"\A(?:\.|\Z)|[/\\\x00]")  # empty, hidden/"..", or a path separator or NUL
-_MEL_ITEMSIZE = {"float32": 4, "float16": 2}
+# The cache's .npy dtypes: a mel file is one of these (by the manifest's mel_dtype), a token file int32.
+MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+TOKEN_DTYPE: np.dtype = np.dtype("<i4")
 
 
 class Utterance(NamedTuple):
@@ -316,17 +320,17 @@ def _check_ids(ids: tuple[str, ...], mel_dtypes: tuple[str, ...], path: Path) ->
     bad_id = next(filter(_BAD_ID.search, ids), None)  # ids become file names: no traversal
     if bad_id is not None:
         raise CacheError(path, f"bad utterance id {bad_id!r}")
-    if set(mel_dtypes) - _MEL_ITEMSIZE.keys():
+    if set(mel_dtypes) - MEL_DTYPES.keys():
         raise CacheError(path, "malformed manifest: mel_dtype must be float32 or float16")
 
 
 def _check_sizes(manifest: Manifest, rows: list[Any], path: Path) -> None:
     """Lengths >= 1, offsets >= 0, each file big enough for its data; vectorised over all rows."""
     frames, tokens, mel_off, mel_bytes, tok_off, tok_bytes = manifest._ints
-    itemsize = np.array([_MEL_ITEMSIZE[u.mel_dtype] for u in manifest.utterances], dtype=np.int64)
+    itemsize = np.array([MEL_DTYPES[u.mel_dtype].itemsize for u in manifest.utterances], dtype=np.int64)
     ok = ((frames >= 1) & (tokens >= 1) & (mel_off >= 0) & (tok_off >= 0)
           & (mel_bytes >= mel_off + frames * manifest.n_mels * itemsize)
-          & (tok_bytes >= tok_off + tokens * 4))
+          & (tok_bytes >= tok_off + tokens * TOKEN_DTYPE.itemsize))
     if not ok.all():
         raise CacheError(path, f"malformed manifest row {str(rows[int(np.argmin(ok))])[:80]}")
 

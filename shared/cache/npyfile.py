@@ -30,7 +30,7 @@ import numpy as np
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
 
-__all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "read_npy_header", "inspect_npy"]
+__all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "inspect_npy"]
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +207,3 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
     if have < header.nbytes:
         raise CacheError(path, f"truncated: {have} data bytes, expected {header.nbytes}")
     return header, file_bytes
-
-
-def read_npy_header(path: str | os.PathLike[str]) -> NpyHeader:
-    """Read and check a ``.npy`` file's header; see ``inspect_npy``, which also gives the size.
-
-    Raises:
-        CacheError: The header is bad, the data is truncated, or the file cannot be read.
-    """
-    return inspect_npy(path)[0]

@@ -31,7 +31,7 @@ import numpy as np
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
 from shared.cache.index import check_mel_header, check_token_header   # the same rules as index
-from shared.cache.manifest import MANIFEST_NAME, Utterance, load_manifest
+from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Utterance, load_manifest
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
@@ -138,7 +138,7 @@ def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
         if size != want_bytes:
             return f"changed since index: {size} bytes, manifest says {want_bytes}; re-run index"
         want = ((row.frames, n_mels), row.mel_dtype, row.mel_offset) if is_mel else \
-            ((row.tokens,), "int32", row.tok_offset)
+            ((row.tokens,), TOKEN_DTYPE.name, row.tok_offset)
         got = (header.shape, header.dtype.name, header.data_offset)
         if got != want:
             return f"changed since index: header says shape/dtype/offset {got}, manifest {want}; re-run index"

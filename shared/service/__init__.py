@@ -1,3 +1,6 @@
-"""Process lifecycle shared by both sides: signals, sd_notify, child processes, unit rendering, CLI."""
+"""Process lifecycle shared by both sides: signals, sd_notify, child processes, unit rendering, CLI.
+
+Nothing is re-exported: import the module you need (``shared.service.<module>``).
+"""
 
 __all__: list[str] = []

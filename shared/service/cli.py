@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-from shared.config import PipelineConfig, load_config, with_overrides
+from shared.config import PipelineConfig
+from shared.config_loader import load_config, with_overrides
 from shared.service.children import REPO_ROOT
 
 __all__ = ["build_parser", "config_from_args"]

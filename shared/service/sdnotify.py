@@ -5,9 +5,15 @@ that is not ``Type=notify``) every call is a cheap no-op, so callers never branc
 Protocol (sd_notify(3)): one ``AF_UNIX``/``SOCK_DGRAM`` datagram of ``KEY=VALUE`` lines to the path
 in ``$NOTIFY_SOCKET`` (a leading ``@`` names an abstract socket). ``$WATCHDOG_USEC`` (with
 ``$WATCHDOG_PID`` naming us, when set) asks for ``WATCHDOG=1`` at least that often; we ping at half
-the period. Sends never block (``MSG_DONTWAIT``); a failed send is logged once and never raises:
-losing a status line must not stop training (systemd's watchdog catches a notifier that really
-stopped). Found the hard way: a full datagram queue blocked a producer's loop for 30 s.
+the period. A failed send is logged once and never raises.
+Two kinds of send: STATUS, WATCHDOG and EXTEND_TIMEOUT_USEC never block (``MSG_DONTWAIT``): losing
+one must not stop training (systemd's watchdog catches a notifier that really stopped), and they
+are sent from loops (found the hard way: a full datagram queue blocked a producer's loop for 30 s).
+State changes (READY, STOPPING, RELOADING, ERRNO) are sent once each and systemd acts on them, so
+when the receiver's queue is full they wait for room, at most ``_STATE_SEND_WAIT_S`` (the kernel's
+send timeout, woken as soon as the reader drains one datagram), instead of being dropped. Found the
+hard way too: a reader that fell behind (Linux queues 10 datagrams by default) lost a producer's
+STOPPING behind its own WATCHDOG pings.
 Invariants: ``watchdog()`` is only called by a loop that made progress since its last call (the
 callers' job; see ``consumer/train/loop.py``); STATUS texts are single lines of at most 200 chars.
 Shutdown: ``close()`` is idempotent.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Mapping
 
@@ -26,6 +33,8 @@ __all__ = ["Notifier"]
 log = logging.getLogger(__name__)
 
 _STATUS_MAX = 200
+_STATE_KEYS = frozenset({"READY", "STOPPING", "RELOADING", "ERRNO"})   # sent once; systemd acts on them
+_STATE_SEND_WAIT_S = 1.0  # > a reader busy for a moment on a loaded machine; far below any start/stop timeout
 
 
 class Notifier:
@@ -42,6 +51,9 @@ class Notifier:
         self._sock: socket.socket | None = None
         if self._address is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Bounds a blocking send (state changes only): the kernel waits for room in the
+            # receiver's queue, then gives up with EAGAIN.
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(_STATE_SEND_WAIT_S))
         self.watchdog_interval_s = _watchdog_interval(env)
         self._next_ping_s = 0.0
         self._warned = False
@@ -51,14 +63,18 @@ class Notifier:
         return self._sock is not None
 
     def notify(self, **fields: object) -> bool:
-        """Send ``KEY=VALUE`` lines, e.g. ``notify(READY=1, STATUS="...")``. True if sent."""
+        """Send ``KEY=VALUE`` lines, e.g. ``notify(READY=1, STATUS="...")``. True if sent.
+
+        A state change waits (bounded) for room in a full queue; anything else is dropped at once.
+        """
         if self._sock is None or self._address is None:
             return False
         text = "\n".join(f"{k}={_one_line(v)}" for k, v in fields.items())
+        # A datagram queue that systemd (or anyone) stopped reading must not stall the loop that
+        # sends: MSG_DONTWAIT drops the message instead (EAGAIN). State changes may wait for room.
+        flags = 0 if _STATE_KEYS.intersection(fields) else socket.MSG_DONTWAIT
         try:
-            # Never block: a datagram queue that systemd (or anyone) stopped reading must not stall
-            # the loop that sends; the message is dropped instead (EAGAIN).
-            self._sock.sendto(text.encode(), socket.MSG_DONTWAIT, self._address)
+            self._sock.sendto(text.encode(), flags, self._address)
             return True
         except OSError as err:
             if not self._warned:
@@ -93,6 +109,12 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _timeval(seconds: float) -> bytes:
+    """``struct timeval`` for ``SO_SNDTIMEO``."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 def _one_line(value: object) -> str:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import load_config
+from shared.config_loader import load_config
 from shared.errors import ConfigError
 from shared.service.children import REPO_ROOT
 

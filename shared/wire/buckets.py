@@ -27,10 +27,10 @@ import numpy.typing as npt
 
 from shared.config import BucketConfig
 from shared.errors import ConfigError
+from shared.wire.layout import ARRAY_DTYPES
 
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
 
-_DTYPES: dict[str, str] = {"mel": "float32", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
 _INF_COST = np.int64(1) << np.int64(62)  # > any real padded-frame total; INF + cost stays < 2**63
 _DP_CHUNK_CELLS = 1 << 22  # bounds one DP layer's scratch matrix to ~32 MiB of int64
 
@@ -64,11 +64,11 @@ class Bucket:
 
     def dtypes(self) -> dict[str, str]:
         """NumPy dtype names of the arrays in ``shapes()``, by the same keys."""
-        return dict(_DTYPES)
+        return dict(ARRAY_DTYPES)
 
     def nbytes(self) -> int:
         """Total bytes of one batch's four arrays."""
-        return sum(math.prod(shape) * np.dtype(_DTYPES[name]).itemsize
+        return sum(math.prod(shape) * np.dtype(ARRAY_DTYPES[name]).itemsize
                    for name, shape in self.shapes().items())
 
     def as_wire(self) -> list[int]:

@@ -21,14 +21,13 @@ from typing import Any
 
 import msgpack
 
-from shared.errors import ProtocolError
+from shared.errors import MAX_REASON_CHARS, ProtocolError
+from shared.wire.layout import ARRAY_KEYS
 
 __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
-    "ARRAY_KEYS",
     "CAP_SHM",
-    "MAX_REASON_CHARS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -49,12 +48,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # payload frame order of a BATCH
 CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
 
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
-MAX_REASON_CHARS = 200  # ERR.why and BYE.why: one log line, never a traceback
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 

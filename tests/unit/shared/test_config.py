@@ -1,4 +1,4 @@
-"""Config loading: every bad value names its key path and value."""
+"""Config sections: every bad value names its key path and value; the runtime and control paths."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import (PipelineConfig, config_from_mapping, config_to_mapping, load_config,
-                           resolve_runtime_dir, with_overrides)
+from shared.config import resolve_runtime_dir
+from shared.config_loader import config_from_mapping, with_overrides
 from shared.errors import ConfigError
-
-
-def test_defaults_are_valid_and_round_trip() -> None:
-    cfg = PipelineConfig()
-    assert config_from_mapping(config_to_mapping(cfg)) == cfg
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -45,26 +40,6 @@ def test_bad_values_name_the_key(data: dict, message: str) -> None:
         config_from_mapping(data)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
-
-
-def test_load_config_reports_bad_yaml_and_missing_file(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("consumer: [\n")
-    with pytest.raises(ConfigError, match="invalid YAML at line"):
-        load_config(bad)
-    with pytest.raises(ConfigError, match="cannot read config file"):
-        load_config(tmp_path / "missing.yaml")
-
-
-def test_yaml_file_and_overrides(tmp_path: Path) -> None:
-    path = tmp_path / "c.yaml"
-    path.write_text("seed: 3\nproducer:\n  count: 2\nbuckets:\n  boundaries: [400, 800]\n")
-    cfg = load_config(path)
-    assert cfg.seed == 3 and cfg.buckets.boundaries == (400, 800)
-    cfg2 = with_overrides(cfg, {"producer.count": 5, "seed": None})
-    assert cfg2.producer.count == 5 and cfg2.seed == 3
-    with pytest.raises(ConfigError, match="producer.count: must be in 1..64, got 0"):
-        with_overrides(cfg, {"producer.count": 0})
 
 
 def test_runtime_dir_prefers_systemd_then_xdg() -> None:

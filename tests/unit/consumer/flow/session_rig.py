@@ -34,10 +34,10 @@ class Rig:
                  lease_expiry_limit: int = 3, lease_backoff_s: float = 60.0) -> None:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
-        self.book = LeaseBook(0, end_id, window, lease_timeout_s)
+        self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
         cfg = SessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False,
                             lease_expiry_limit=lease_expiry_limit, lease_backoff_s=lease_backoff_s)
-        self.session = ReceiverSession(cfg, self.ring, self.book, FakePlan(BUCKET.batch_size), shm=shm,
+        self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
                                        rejects=RejectLog(flood_limit=flood_limit))
 
     # --- inbound --------------------------------------------------------------------------------

@@ -6,10 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer.flow.credit import LeaseBook, Verdict, grant_round
+from consumer.flow.plan import EpochPlan
 from consumer.flow.ring import BatchRing, SlotState
-from shared.wire.buckets import Bucket
+from shared.config import BucketConfig
+from shared.wire.buckets import build_buckets
+from tests.fakes import ljspeech_like
 
-BUCKET = Bucket(index=0, batch_size=2, max_frames=8, max_tokens=4, n_mels=3)
+BUCKET_SET = build_buckets(*ljspeech_like(60), 3, BucketConfig(batch_size=4))
+PLAN = EpochPlan(BUCKET_SET, "3f9a0c47d12e88b5", seed=1)
 PEERS = [b"p1", b"p2", b"p3"]
 
 
@@ -17,8 +21,8 @@ class Sim:
     """The receiver's and step loop's use of LeaseBook + BatchRing, driven by a script."""
 
     def __init__(self, n_slots: int, window: int, end: int) -> None:
-        self.book = LeaseBook(0, end, window, lease_timeout_s=10.0)
-        self.ring = BatchRing(n_slots, (BUCKET,))
+        self.book = LeaseBook(PLAN, 0, end, window, lease_timeout_s=10.0)
+        self.ring = BatchRing(n_slots, BUCKET_SET.buckets)
         self.now = 0.0
         self.next_apply = 0
         self.applied: list[int] = []
@@ -34,15 +38,17 @@ class Sim:
         lease = held[pick % len(held)]
         verdict, got = self.book.accept(peer, lease.batch_id)
         assert verdict == Verdict.ACCEPT and got is not None
-        self.ring.mark_ready(got.slot, got.batch_id)
+        assert got.planned == PLAN.batch(lease.batch_id)       # the lease carries its planned batch
+        self.ring.mark_ready(got.slot, got.planned)
         # a second copy of the same batch is a duplicate, never applied twice
         assert self.book.accept(peer, lease.batch_id)[0] == Verdict.DUP
 
     def step(self) -> None:
-        slot = self.ring.take(self.next_apply, 0.0)
-        if slot is None:
+        ready = self.ring.take(self.next_apply, 0.0)
+        if ready is None:
             return
-        self.ring.release(slot)
+        assert ready.planned.batch_id == self.next_apply
+        self.ring.release(ready.slot)
         self.book.mark_applied(self.next_apply)
         self.applied.append(self.next_apply)
         self.next_apply += 1
@@ -112,15 +118,17 @@ def test_slow_consumer_stops_leasing_when_slots_are_full() -> None:
 
 
 def test_reissued_ids_come_back_first_and_late_copy_wins() -> None:
-    book = LeaseBook(0, None, window=2, lease_timeout_s=5.0)
-    a, b = book.next_id(), book.next_id()
-    assert (a, b) == (0, 1)
-    book.grant(b"p1", 0, slot=0, now_s=0.0)
-    book.grant(b"p1", 1, slot=1, now_s=0.0)
+    book = LeaseBook(PLAN, 0, None, window=2, lease_timeout_s=5.0)
+    a, b = book.next_batch(), book.next_batch()
+    assert a is not None and b is not None and (a.batch_id, b.batch_id) == (0, 1)
+    book.grant(b"p1", a, slot=0, now_s=0.0)
+    book.grant(b"p1", b, slot=1, now_s=0.0)
     expired = book.expire(now_s=6.0)
     assert [x.batch_id for x in expired] == [0, 1]
-    assert book.next_id() == 0                     # lowest reissued id first
-    book.grant(b"p2", 0, slot=2, now_s=6.0)
+    again = book.next_batch()
+    assert again == a                              # lowest reissued id first, the same planned batch
+    assert again is not None
+    book.grant(b"p2", again, slot=2, now_s=6.0)
     verdict, lease = book.accept(b"p1", 0)         # p1's late copy arrives first: it wins
     assert verdict == Verdict.ACCEPT and lease is not None and lease.slot == 2
     assert book.accept(b"p2", 0)[0] == Verdict.DUP
@@ -128,10 +136,28 @@ def test_reissued_ids_come_back_first_and_late_copy_wins() -> None:
 
 
 def test_requeue_after_a_bad_payload_leases_the_id_again() -> None:
-    book = LeaseBook(0, 3, window=1, lease_timeout_s=5.0)
-    bid = book.next_id()
-    book.grant(b"p1", bid, slot=0, now_s=0.0)
-    verdict, lease = book.accept(b"p1", bid)
+    book = LeaseBook(PLAN, 0, 3, window=1, lease_timeout_s=5.0)
+    planned = book.next_batch()
+    assert planned is not None
+    book.grant(b"p1", planned, slot=0, now_s=0.0)
+    verdict, lease = book.accept(b"p1", planned.batch_id)
     assert verdict == Verdict.ACCEPT and lease is not None
     book.requeue(lease)
-    assert book.next_id() == bid
+    assert book.next_batch() == planned
+
+
+def test_the_plan_is_asked_once_per_batch_id_and_the_lease_carries_the_answer() -> None:
+    asked: list[int] = []
+
+    class CountingPlan:
+        def batch(self, batch_id: int) -> object:
+            asked.append(batch_id)
+            return PLAN.batch(batch_id)
+
+    book = LeaseBook(CountingPlan(), 5, None, window=1, lease_timeout_s=5.0)  # type: ignore[arg-type]
+    first = book.next_batch()
+    assert first is not None
+    book.grant(b"p1", first, slot=0, now_s=0.0)
+    book.revoke_peer(b"p1")                        # the id goes back to the queue with its plan entry
+    assert book.next_batch() == first == PLAN.batch(5)
+    assert asked == [5]

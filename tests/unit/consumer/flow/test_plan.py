@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from consumer.flow.plan import PlannedBatch
 from consumer.flow.ring import BatchRing, SlotState
 from shared.wire.buckets import Bucket
 from shared.errors import ClosedError
@@ -31,10 +32,12 @@ def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
     ring = BatchRing(3, BUCKETS, on_release=lambda: released.append(1))
     slots = [ring.reserve() for _ in range(3)]
     assert ring.reserve() is None
-    ring.mark_ready(slots[0], 11)
-    ring.mark_ready(slots[1], 10)
+    ten = PlannedBatch(batch_id=10, data_epoch=0, bucket=1, sample_ids=(3, 4))
+    ring.mark_ready(slots[0], PlannedBatch(batch_id=11, data_epoch=0, bucket=0, sample_ids=(5,)))
+    ring.mark_ready(slots[1], ten, copies=1)
     assert ring.take(12, 0.0) is None
-    assert ring.take(10, 0.0) == slots[1]
+    taken = ring.take(10, 0.0)
+    assert taken is not None and (taken.slot, taken.planned, taken.copies) == (slots[1], ten, 1)
     assert ring.counts()[SlotState.IN_STEP] == 1
     ring.release(slots[1])
     assert released == [1]

@@ -100,9 +100,9 @@ def test_grants_never_exceed_free_slots_and_go_to_the_least_loaded_peer() -> Non
     assert ids(grants[A]) == [0, 1, 2] and ids(grants[B]) == [3]      # 4 slots, never 6 leases
     assert rig.session.stats().leases_outstanding == 4
     assert rig.deliver(A, 0).intake is not None
-    slot = rig.ring.take(0, 0.0)
-    assert slot is not None
-    rig.ring.release(slot)
+    ready = rig.ring.take(0, 0.0)
+    assert ready is not None
+    rig.ring.release(ready.slot)
     # the freed slot goes to B (one lease held), not to A (two held), though A joined first
     assert {p: ids(v) for p, v in rig.loop(applied_through=0).items()} == {B: [4]}
 

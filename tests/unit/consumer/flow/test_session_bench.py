@@ -17,9 +17,9 @@ from tests.unit.consumer.flow.session_rig import A, B, Rig, ids
 def _apply_ready(rig: Rig, next_id: int) -> int:
     """The step loop: apply every ready batch in order; returns the next id it waits for."""
     while next_id in rig.ring.ready_ids():
-        slot = rig.ring.take(next_id, 0.0)
-        assert slot is not None
-        rig.ring.release(slot)
+        ready = rig.ring.take(next_id, 0.0)
+        assert ready is not None
+        rig.ring.release(ready.slot)
         next_id += 1
     return next_id
 

@@ -30,9 +30,9 @@ def test_a_late_copy_after_the_batch_was_applied_is_a_duplicate() -> None:
     rig.join(A)
     rig.grant()
     rig.deliver(A, 0)
-    slot = rig.ring.take(0, 0.0)
-    assert slot is not None
-    rig.ring.release(slot)
+    ready = rig.ring.take(0, 0.0)
+    assert ready is not None
+    rig.ring.release(ready.slot)
     rig.tick(applied_through=0)
     assert rig.deliver(A, 0).sends == [] and rig.session.stats().duplicates_dropped == 1
 

@@ -35,8 +35,8 @@ def test_a_header_only_batch_naming_its_slot_and_generation_is_taken_in_place() 
     assert lease.shm is not None
     decision = rig.deliver(A, 0, shm=(lease.shm.slot, lease.shm.generation))
     assert decision.intake is not None and decision.intake.in_place
-    slot = rig.ring.take(0, 0.0)
-    assert slot == lease.shm.slot and rig.ring.copies(slot) == 1          # one copy: built in the slot
+    ready = rig.ring.take(0, 0.0)
+    assert ready is not None and ready.slot == lease.shm.slot and ready.copies == 1   # one copy: built in the slot
     assert rig.session.stats().shm_retired == 0
 
 
@@ -68,9 +68,9 @@ def test_a_slot_delivered_in_place_is_a_payload_slot_for_its_next_payload_lease(
     rig.join(A, caps=SHM)
     [lease] = rig.grant()[A]
     assert lease.shm is not None and rig.deliver(A, 0, shm=(0, 0)).intake is not None
-    slot = rig.ring.take(0, 0.0)
-    assert slot == 0
-    rig.ring.release(slot)
+    ready = rig.ring.take(0, 0.0)
+    assert ready is not None and ready.slot == 0
+    rig.ring.release(ready.slot)
     rig.send(A, Bye(EPOCH))
     rig.join(B)                                                            # payload producer
     assert ids(rig.grant()[B]) == [1]

@@ -17,7 +17,7 @@ import tensorflow as tf
 from consumer.resume.filemode import make_private_dir, restrict, write_private
 from consumer.resume.state import RunState
 from consumer.transport.shm_slots import ShmSlots
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import tensorflow as tf
 from consumer.resume.audit import RECORD_BYTES, AuditLog, AuditRecord, analyse, read_records, sample_digest
 from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints
 from consumer.resume.state import RunState
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.errors import StateError
 
 

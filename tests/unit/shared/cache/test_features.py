@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.config import FeatureConfig, PipelineConfig, config_from_mapping
+from shared.config import FeatureConfig, PipelineConfig
+from shared.config_loader import config_from_mapping
 from shared.errors import CacheError, ConfigError
 from producer.prepare.dsp import LogMel, frame_count, resample
 from shared.cache.features import feature_params, load_manifest_for

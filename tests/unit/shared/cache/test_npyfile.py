@@ -10,7 +10,7 @@ import pytest
 
 from shared.cache import npyfile
 from shared.errors import CacheError
-from shared.cache.npyfile import NpyHeader, inspect_npy, parse_npy_header, read_npy_header
+from shared.cache.npyfile import NpyHeader, inspect_npy, parse_npy_header
 
 
 def _write_array(path: Path, arr: np.ndarray, version: tuple[int, int] | None) -> None:
@@ -31,7 +31,7 @@ def _hand_built(text: str, version: tuple[int, int] = (1, 0), pad_to: int | None
 
 def _expect(path: Path, match: str) -> pytest.ExceptionInfo[CacheError]:
     with pytest.raises(CacheError, match=match) as info:
-        read_npy_header(path)
+        inspect_npy(path)[0]
     assert str(info.value).startswith(f"{path}: ")
     assert "\n" not in str(info.value)
     return info
@@ -54,7 +54,7 @@ def test_long_shape_gives_header_longer_than_128(tmp_path: Path, version: tuple[
     arr = np.zeros((1,) * 30 + (3,), dtype=np.int32)
     path = tmp_path / "long.npy"
     _write_array(path, arr, version)
-    header = read_npy_header(path)
+    header = inspect_npy(path)[0]
     assert header.data_offset > 128
     assert header.shape == arr.shape
     assert header.data_offset == path.stat().st_size - arr.nbytes
@@ -68,7 +68,7 @@ def test_hand_built_header_of_odd_length(tmp_path: Path, version: tuple[int, int
     data = np.array([7, 8, 9], dtype="<i4").tobytes()
     path = tmp_path / "odd.npy"
     path.write_bytes(_hand_built(text, version, header_bytes) + data)
-    header = read_npy_header(path)
+    header = inspect_npy(path)[0]
     assert header.data_offset == (10 if version == (1, 0) else 12) + header_bytes
     assert (header.shape, header.dtype) == ((3,), np.dtype("<i4"))
     np.testing.assert_array_equal(np.load(path), [7, 8, 9])  # numpy agrees on the layout

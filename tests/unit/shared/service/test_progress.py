@@ -116,9 +116,3 @@ def test_interval_comes_from_the_environment_and_a_bad_value_names_the_variable(
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(ConfigError, match=f"{PROGRESS_ENV}: must be a number of seconds >= 0"):
             progress_interval_s(5.0, {PROGRESS_ENV: bad})
-
-
-def test_prepare_pool_still_exports_progress() -> None:
-    from producer.prepare import pool as prepare_pool
-
-    assert prepare_pool.Progress is Progress

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +81,37 @@ def test_a_receiver_that_stopped_reading_never_blocks_the_sender(listener: tuple
     n = Notifier({"NOTIFY_SOCKET": path})
     sent = [n.notify(STATUS=f"status {i}") for i in range(2000)]   # far beyond the datagram queue length
     assert sent[0] and not all(sent)                                # a blocking send would hang here
+
+
+def _fill(n: Notifier) -> int:
+    """Fill the receiver's datagram queue with STATUS lines (never blocking); how many went in."""
+    sent = 0
+    while n.notify(STATUS=f"status {sent}"):
+        sent += 1
+        assert sent < 100_000, "the queue never filled"
+    return sent
+
+
+def test_a_state_change_waits_for_room_in_a_full_queue_instead_of_being_dropped(
+        listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2"})
+    queued = _fill(n)
+    assert not n.watchdog(now_s=1.0)                   # a ping is dropped at once: the queue is full
+    drainer = threading.Timer(0.2, sock.recv, args=(4096,))   # a reader that fell behind for a moment
+    drainer.start()
+    try:
+        n.stopping("bye")                              # waits (bounded) for the reader, then goes in
+    finally:
+        drainer.join(60)
+    received = [_recv(sock) for _ in range(queued)]
+    assert received[-1] == {"STOPPING": "1", "STATUS": "bye"}, received[-3:]
+
+
+def test_a_state_change_gives_up_after_its_bounded_wait(listener: tuple[socket.socket, str]) -> None:
+    _, path = listener
+    n = Notifier({"NOTIFY_SOCKET": path})
+    _fill(n)
+    started_s = time.monotonic()
+    assert not n.notify(READY=1)                       # nobody reads: dropped after the wait, never raises
+    assert 0.5 <= time.monotonic() - started_s < 30

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq.utils.z85
 
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
                                zap_reply)
 from shared.errors import ConfigError

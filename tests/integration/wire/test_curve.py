@@ -11,9 +11,10 @@ import msgpack
 import zmq
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.wire.curve import generate_keys
 from shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
+from tests import procs
 from tests.conftest import ProducerGroup
 
 
@@ -73,7 +74,7 @@ def test_only_allow_listed_keys_speaking_for_their_own_name_get_through(
             time.sleep(0.3)
             leaked = {name: sock.poll(0) for name, sock in bad.items()}
             good.terminate()
-            assert good.wait(30) == 0
+            assert good.wait(procs.WAIT_S) == 0
     finally:
         for sock in [*bad.values(), impostor]:
             sock.close()

@@ -35,9 +35,10 @@ from consumer.transport.receiver import ReceiverStats
 from producer.batcher import BatchAssembler
 from producer.slot_maps import SlotMappings
 from producer.reader import CacheReader
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.errors import ClosedError
-from shared.wire.protocol import (ARRAY_KEYS, PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
                              LeaseGrant, MsgKind, RejectCode, Welcome, decode_header, encode)
 from tests.conftest import ProducerGroup
 

@@ -9,8 +9,11 @@ a symlink to /dev/zero), which must be refused without blocking the producer.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,9 +23,11 @@ import pytest
 from consumer.feed import Consumer
 from consumer.flow.plan import EpochPlan
 from shared.wire.buckets import build_buckets
-from shared.config import PipelineConfig, config_from_mapping
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import demo_utterance_id, write_demo_cache
 from shared.cache.manifest import load_manifest
+from tests import procs
 from tests.conftest import ProducerGroup
 
 N_UTTERANCES = 48
@@ -116,7 +121,7 @@ def _run_quarantine(cache: Path, endpoint: str, producers: ProducerGroup, count:
             got.append((batch.batch_id, hashlib.sha256(b"".join(x.tobytes() for x in a.values())).hexdigest()))
         stats = consumer.receiver_stats()
         group.terminate()
-        assert group.wait(30) == 0
+        assert group.wait(procs.WAIT_S) == 0
     assert stats.duplicates_dropped == 0 and stats.rejects == {}
     return got, seen, stats.quarantined
 
@@ -138,20 +143,40 @@ def test_quarantine_empties_bad_rows_counts_them_and_is_deterministic(
         assert f"quarantined sample={sample} " in err and f": {path}: " in err
 
 
+class _FailureLines(logging.Handler):
+    """Collects the consumer's ``producer failed ...`` lines; ``seen`` is set on the first."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("producer failed id="):
+            self.lines.append(record.getMessage())
+            self.seen.set()
+
+
+def _plan_position(cache: Path, endpoint: str, sample: int) -> int:
+    """The first batch id of epoch 0 that holds ``sample``."""
+    manifest = load_manifest(cache)
+    cfg = _cfg(cache, endpoint, 1)
+    plan = EpochPlan(build_buckets(manifest.frames, manifest.token_counts, 80, cfg.buckets), manifest.fingerprint,
+                     cfg.seed)
+    return next(b.batch_id for b in plan.epoch(0) if sample in b.sample_ids)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fail_policy_stops_the_producers_with_78_naming_the_file(
         case: str, pristine: Path, tmp_path: Path, endpoint: str, producers: ProducerGroup,
         capfd: pytest.CaptureFixture[str]) -> None:
     cache, bad = _damaged(pristine, tmp_path / "cache", [case])
     [(sample, path)] = bad.items()
-    manifest = load_manifest(cache)
-    plan = EpochPlan(build_buckets(manifest.frames, manifest.token_counts, 80, _cfg(cache, endpoint, 1).buckets),
-                     manifest.fingerprint, _cfg(cache, endpoint, 1).seed)
-    first_bad = next(b.batch_id for b in plan.epoch(0) if sample in b.sample_ids)
+    first_bad = _plan_position(cache, endpoint, sample)
     start = max(0, first_bad - 2)                  # resume just before it: two good batches, then the bad one
     with Consumer(_cfg(cache, endpoint, first_bad + 3), start_batch=start) as consumer:
         group = producers.start(cache, endpoint, 1, buckets=BUCKETS, producer={"bad_samples": "fail"})
-        assert group.wait(30) == 78                # a data error: the supervisor does not restart it
+        assert group.wait(procs.WAIT_S) == 78                # a data error: the supervisor does not restart it
         ids = []
         while (batch := consumer.next_batch(0.5)) is not None:     # bounded: no more batches come
             ids.append(batch.batch_id)
@@ -160,3 +185,25 @@ def test_fail_policy_stops_the_producers_with_78_naming_the_file(
     err = capfd.readouterr().err
     assert f"bad cache file in batch {first_bad} (producer.bad_samples=fail); stopping: {path}{CASES[case][3]}" in err
     assert "exited 78 (configuration error); stopping all producers" in err
+
+
+def test_fail_policy_producer_tells_the_consumer_its_exit_code_and_the_file_before_exiting(
+        pristine: Path, tmp_path: Path, endpoint: str, producers: ProducerGroup) -> None:
+    # The BYE's exit code and reason reach the consumer's log (consumer.flow.session) as data.
+    cache, bad = _damaged(pristine, tmp_path / "cache", ["missing"])
+    [(sample, path)] = bad.items()
+    first_bad = _plan_position(cache, endpoint, sample)
+    failures = _FailureLines()
+    logging.getLogger("consumer").addHandler(failures)
+    try:
+        with Consumer(_cfg(cache, endpoint, first_bad + 3), start_batch=max(0, first_bad - 2)) as consumer:
+            group = producers.start(cache, endpoint, 1, buckets=BUCKETS, producer={"bad_samples": "fail"})
+            deadline_s = time.monotonic() + procs.WAIT_S
+            while not failures.seen.is_set() and time.monotonic() < deadline_s:    # each turn waits <= 0.5 s
+                if (batch := consumer.next_batch(0.5)) is not None:
+                    consumer.release(batch)
+            assert group.wait(procs.WAIT_S) == 78
+    finally:
+        logging.getLogger("consumer").removeHandler(failures)
+    assert len(failures.lines) == 1, failures.lines                # one BYE, one line
+    assert failures.lines[0].startswith(f"producer failed id=producer-1 exit=78: CacheError: {path}{CASES['missing'][3]}")

@@ -73,7 +73,9 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     freeze_at = rng.randrange(chaos.steps // 4, chaos.steps * 3 // 4)
     producers = procs.start("producer", config, log, "--debug-delay-ms", "25")
     consumer = procs.start("consumer", config, log)
-    deadline = time.monotonic() + 60 + 25 * chaos.consumer_kills
+    # Generous: each consumer restart recompiles its step, which takes minutes on a loaded 2-core machine;
+    # the bound only has to catch a run that stopped making progress.
+    deadline = time.monotonic() + 240 + 90 * chaos.consumer_kills
     next_producer_kill = time.monotonic() + rng.uniform(0.5, 1.5)
     try:
         while consumer.poll() is None or kill_at:
@@ -85,7 +87,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
             if kill_at and done >= kill_at[0]:
                 kill_at.pop(0)
                 consumer.kill()
-                consumer.wait(10)
+                consumer.wait(procs.WAIT_S)
                 chaos.note(f"SIGKILL consumer at {done} records; restart")
                 consumer = procs.start("consumer", config, log)
             elif freeze_at is not None and done >= freeze_at:
@@ -95,7 +97,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
                 _kill_a_producer(rng, producers.pid, chaos, 3)
                 next_producer_kill = time.monotonic() + rng.uniform(0.4, 1.2)
             time.sleep(0.01)
-        code = consumer.wait(30)
+        code = consumer.wait(procs.WAIT_S)
         assert code == 0, f"seed {chaos.seed}: consumer exited {code}\n{procs.tail(log)}"
     finally:
         procs.stop(consumer)
@@ -110,6 +112,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     assert chaos.producer_kills >= 3 and chaos.frozen == 1, context   # the chaos really happened
 
 
+@pytest.mark.timeout(420)   # > the run's own progress deadline (240 + 90 s per consumer kill)
 @pytest.mark.parametrize(("seed", "mode"), [(int(s), m) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s
                                              for m in ("shm", "zmq")] or _FAST_CASES)
 def test_chaos_applied_sequence_equals_the_plan(seed: int, mode: str, demo_cache: Path, tmp_path: Path) -> None:
@@ -117,7 +120,7 @@ def test_chaos_applied_sequence_equals_the_plan(seed: int, mode: str, demo_cache
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(720)   # > 240 + 3 x 90 s of progress deadline
 @pytest.mark.parametrize("seed", range(100, 106))
 def test_chaos_long_run_with_repeated_consumer_kills(seed: int, demo_cache: Path, tmp_path: Path) -> None:
     _run(tmp_path, demo_cache, _Chaos(seed, steps=900, consumer_kills=3))

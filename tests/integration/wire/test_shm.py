@@ -23,8 +23,9 @@ import zmq
 
 from consumer.feed import Consumer
 from producer.slot_maps import SlotMappings
-from shared.config import config_from_mapping
-from shared.wire.protocol import (ARRAY_KEYS, CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
+from shared.config_loader import config_from_mapping
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests import procs
 from tests.conftest import ProducerGroup
@@ -38,7 +39,7 @@ def _cfg(cache: Path, endpoint: str, shm_dir: Path, steps: int) -> object:
                                               "liveness_intervals": 5, "mode": "shm", "shm_dir": str(shm_dir)}})
 
 
-def _recv(sock: zmq.Socket[bytes], kind: type, timeout_s: float = 10.0) -> object:
+def _recv(sock: zmq.Socket[bytes], kind: type, timeout_s: float = procs.WAIT_S) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sock.poll(100):
@@ -89,7 +90,7 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
             assert views, "the zombie got no slot lease"
             # It never heartbeats: declared dead after 1 s, its leases reissued to the real producer.
             producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + procs.WAIT_S
             while consumer.receiver_stats().leases_reissued < len(views):
                 assert time.monotonic() < deadline, "the zombie's leases were never reissued"
                 time.sleep(0.05)
@@ -141,7 +142,7 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
     consumer = procs.start("consumer", config, log, "--summary-json", str(summary))
     try:
         assert procs.wait_for_records(state, 5, consumer, 60), procs.tail(log)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + procs.WAIT_S
         victim = None
         while victim is None:
             assert time.monotonic() < deadline, "never caught a producer in its debug delay"
@@ -180,7 +181,7 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
     try:
         assert procs.wait_for_records(state, 10, consumer, 60), procs.tail(log)
         consumer.kill()
-        consumer.wait(10)
+        consumer.wait(procs.WAIT_S)
         stale = sorted(p.name for p in shm_dir.iterdir())
         assert stale and all(n.startswith(f"melfeed-{consumer.pid}-") for n in stale)
         consumer = procs.start("consumer", config, log)

@@ -30,7 +30,7 @@ from shared.errors import ProtocolError
 from shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests.conftest import ProducerGroup
-from tests.integration.test_bad_input import (_BATCH_CASES, BadPeer, Reference, Stream, Wire, _delta, start_producer,
+from tests.integration.wire.test_bad_input import (_BATCH_CASES, BadPeer, Reference, Stream, Wire, _delta, start_producer,
                                               wire_config)
 
 SEED = int(os.environ.get("MELFEED_FUZZ_SEED", "1357"))

@@ -14,7 +14,7 @@ import pytest
 
 from shared.config import TransportConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HAS_MODE = "mode" in TransportConfig.__dataclass_fields__
 
 

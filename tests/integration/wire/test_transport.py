@@ -15,9 +15,10 @@ import numpy as np
 import zmq
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.cache.demo_data import write_demo_cache
 from shared.wire.protocol import MsgKind, RejectCode, encode, Hello
+from tests import procs
 from tests.conftest import ProducerGroup
 
 
@@ -48,7 +49,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
             got = _collect(consumer, copies)
             stats = consumer.receiver_stats()
             group.terminate()
-            assert group.wait(30) == 0
+            assert group.wait(procs.WAIT_S) == 0
         assert [bid for bid, _ in got] == list(range(steps))
         assert stats.producers_seen == count
         assert stats.duplicates_dropped == 0 and stats.rejects == {}
@@ -75,6 +76,7 @@ def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint:
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             planned = consumer.plan.batch(batch.batch_id)
+            assert batch.planned == planned                 # the identity the lease carried is the plan's
             n = len(planned.sample_ids)
             assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
                                                          for i in planned.sample_ids]

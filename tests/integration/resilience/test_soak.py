@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from consumer.feed import Consumer
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from tests import procs
 from tests.conftest import ProducerGroup
 

@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from consumer.feed import Consumer
 from consumer.flow.peers import ProducerReport
-from shared.config import config_from_mapping
+from shared.config_loader import config_from_mapping
 from shared.errors import ConfigError
 from shared.wire.protocol import PROTOCOL_VERSION, Bye, Hello, Welcome, decode_header, encode
 from tests.conftest import REPO, ProducerGroup

@@ -1,0 +1,273 @@
+"""A producer's side of the protocol as pure decisions: no socket, no clock, no files.
+
+The worker (``producer/worker.py``) feeds it decoded consumer messages and the time (``now_s``,
+monotonic seconds) and does what it answers: the messages to send, the next lease to build (with
+the data path chosen: the consumer's slot file or payload frames), whether to exit and with which code.
+State: DISCONNECTED --HELLO/WELCOME--> ACTIVE. Leaving ACTIVE drops every pending lease (the consumer
+reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of another epoch, or
+``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
+a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch, a WELCOME to a HELLO that still
+offered shm) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+Invariants: only leases of the joined epoch are ever built (docs/ARCHITECTURE.md, invariant 2), the
+pending queue never holds a batch id twice, and every timer is a due time compared with ``now_s``
+(invariant 6: the worker's waits are bounded by ``poll_timeout_s``).
+Shutdown: ``fail`` records why the process is about to exit non-zero; ``farewell`` is the BYE to send
+before closing (carrying that code and reason) or ``None`` when no consumer knows us.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.errors import EXIT_CONFIG
+from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
+                                  Message, RejectCode, StageCounters, Welcome)
+
+__all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason"]
+
+log = logging.getLogger(__name__)
+
+_WAITING_WARN_S = 10.0   # warn when no consumer answered for this long (silent connect failures)
+_FIRST_BACKOFF_S = 0.1
+_MIN_POLL_S = 0.001      # the worker's poll granularity (ZeroMQ polls in whole milliseconds)
+_MAX_MISSING_FILES = 3   # more consecutive missing slot files: shm_dir is not visible here, use payload frames
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """Who this producer is, the data contract it announces in HELLO, and its protocol timing."""
+
+    producer_id: str                  # stable name (``producer-3``)
+    endpoint: str                     # the consumer's, for log lines only: the session never connects
+    fingerprint: str                  # the manifest's
+    buckets: list[list[int]]          # ``BucketSet.as_wire()``
+    n_mels: int
+    seed: int
+    heartbeat_interval_s: float       # our HB period while ACTIVE
+    liveness_s: float                 # consumer silent this long: it is gone, re-join
+    backoff_max_s: float              # longest pause between two HELLOs
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOrder:
+    """One lease to build now: into the slot file ``shm_dir/lease.shm.name`` or a send buffer."""
+
+    epoch: int
+    lease: Lease
+    checksum: bool                    # the WELCOME asked for a CRC32 of the payload
+    shm_dir: str | None = None        # set: build in the consumer's slot file, send the header alone
+
+
+def failure_reason(err: BaseException) -> str:
+    """``"<ExceptionType>: <message>"`` on one line: the BYE's reason (a CacheError names its file)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+@dataclass(slots=True)
+class _Joining:
+    """HELLO timing while DISCONNECTED."""
+
+    backoff_s: float = _FIRST_BACKOFF_S
+    next_hello_s: float = 0.0
+    since_s: float = 0.0              # waiting for a consumer since
+    warned: bool = False
+
+
+@dataclass(slots=True)
+class _Counts:
+    rejoins: int = 0
+    errors: dict[str, int] = field(default_factory=dict)   # ERR codes received
+
+
+class ProducerSession:
+    """The producer's protocol state; every method takes the time instead of reading a clock.
+
+    Args:
+        cfg: name, contract and timing.
+        now_s: the time the session starts (the first HELLO is due at once).
+        offers_shm: HELLO offers ``CAP_SHM`` (the worker can map the consumer's slot files).
+    """
+
+    def __init__(self, cfg: SessionConfig, now_s: float, *, offers_shm: bool = False) -> None:
+        self.cfg = cfg
+        self.exit_code = 0                # non-zero: leave the loop and exit with it
+        self.reason = ""                  # one line, why ``exit_code`` is not 0 (for the BYE)
+        self.counts = _Counts()
+        self._offers_shm = offers_shm
+        self._epoch: int | None = None
+        self._checksum = False
+        self._shm_dir: str | None = None  # from WELCOME: shm leases name files here
+        self._leases: deque[tuple[Lease, float]] = deque()   # (lease, expiry on our clock)
+        self._last_heard_s = now_s
+        self._next_hb_s = 0.0
+        self._missing_files = 0           # consecutive slot files not found
+        self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
+
+    @property
+    def joined_epoch(self) -> int | None:
+        """The consumer epoch we joined, or ``None`` while DISCONNECTED."""
+        return self._epoch
+
+    @property
+    def offers_shm(self) -> bool:
+        """False once a slot file could not be mapped: payload frames for the rest of the process."""
+        return self._offers_shm
+
+    @property
+    def pending_leases(self) -> int:
+        return len(self._leases)
+
+    def hello(self) -> Hello:
+        caps = [CAP_SHM] if self._offers_shm else []
+        c = self.cfg
+        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps)
+
+    def on_turn(self, now_s: float) -> list[Message]:
+        """Timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
+        if self._epoch is not None:
+            if now_s - self._last_heard_s <= self.cfg.liveness_s:
+                return []
+            log.warning("consumer silent for %.1f s; dropping %d leases and re-joining",
+                        now_s - self._last_heard_s, len(self._leases))
+            self._leave(now_s)
+        j = self._joining
+        out: list[Message] = []
+        if now_s >= j.next_hello_s:
+            out.append(self.hello())
+            j.next_hello_s = now_s + j.backoff_s
+            j.backoff_s = min(j.backoff_s * 2, self.cfg.backoff_max_s)
+        if not j.warned and now_s - j.since_s > _WAITING_WARN_S:
+            log.warning("no consumer answered at %s for %.0f s; still waiting", self.cfg.endpoint, now_s - j.since_s)
+            j.warned = True
+        return out
+
+    def poll_timeout_s(self, now_s: float) -> float:
+        """How long the worker may wait for input before the next timer is due (0 with work pending)."""
+        if self._epoch is not None:
+            if self._leases:
+                return 0.0
+            due_s = min(self._next_hb_s, self._last_heard_s + self.cfg.liveness_s)
+        else:
+            due_s = self._joining.next_hello_s
+        return max(_MIN_POLL_S, min(self.cfg.heartbeat_interval_s, due_s - now_s))
+
+    def on_message(self, msg: Message, now_s: float) -> None:
+        """Take one decoded consumer message (WELCOME, LEASE, HB, ERR; others are ignored)."""
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg, now_s)
+        elif isinstance(msg, LeaseGrant | Heartbeat):
+            if msg.epoch != self._epoch:
+                if self._epoch is not None:
+                    log.warning("consumer epoch changed (%s -> %d); re-joining", self._epoch, msg.epoch)
+                    self._leave(now_s)
+            else:
+                self._last_heard_s = now_s
+                if isinstance(msg, LeaseGrant):
+                    self._take_leases(msg.leases, now_s)
+        elif isinstance(msg, Err):
+            self._on_err(msg, now_s)
+
+    def _take_leases(self, leases: list[Lease], now_s: float) -> None:
+        held = {x.batch_id for x, _ in self._leases}
+        for x in leases:
+            if x.batch_id not in held:      # a batch id already pending (or repeated in this grant) once
+                held.add(x.batch_id)
+                self._leases.append((x, now_s + x.deadline_s))
+
+    def _on_welcome(self, msg: Welcome, now_s: float) -> None:
+        if self._epoch is not None and msg.epoch != self._epoch:
+            self.counts.rejoins += 1
+        self._epoch, self._checksum = msg.epoch, msg.checksum
+        self._shm_dir = msg.shm_dir if self._offers_shm else None
+        self._leases.clear()
+        if msg.shm_dir is not None and not self._offers_shm:
+            # Answer to a HELLO that still offered shm (sent before we gave it up): join again without, at once.
+            self._epoch = None
+            self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
+            return
+        self._last_heard_s = now_s
+        log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
+                 f"shm ({self._shm_dir})" if self._shm_dir else "zmq")
+
+    def _on_err(self, msg: Err, now_s: float) -> None:
+        self.counts.errors[msg.code] = self.counts.errors.get(msg.code, 0) + 1
+        if msg.code == RejectCode.UNKNOWN_PEER:
+            log.info("consumer does not know us (%s); re-joining", msg.why)
+            self._leave(now_s)
+        elif msg.code in RejectCode.FATAL:
+            log.error("consumer refused this producer: %s: %s", msg.code, msg.why)
+            self.exit_code = EXIT_CONFIG
+            self.reason = f"{msg.code}: {msg.why}"
+        else:
+            log.warning("consumer rejected a message: %s: %s", msg.code, msg.why)
+
+    def _leave(self, now_s: float) -> None:
+        """Back to DISCONNECTED: drop every lease; the next HELLO goes at once."""
+        if self._epoch is not None:
+            self.counts.rejoins += 1
+        self._epoch = None
+        self._leases.clear()
+        self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
+
+    def next_build(self, now_s: float) -> BuildOrder | None:
+        """Pop the oldest pending lease: what to build, or ``None`` (nothing due, expired, or unusable)."""
+        if self._epoch is None or not self._leases or self.exit_code != 0:
+            return None
+        lease, expiry_s = self._leases.popleft()
+        if now_s > expiry_s:
+            log.info("lease for batch %d expired before it was built; skipping", lease.batch_id)
+            return None
+        if lease.shm is None:
+            return BuildOrder(self._epoch, lease, self._checksum)
+        if self._shm_dir is None:
+            log.warning("lease for batch %d names a slot file, but shared memory was not agreed; joining again",
+                        lease.batch_id)
+            self._leave(now_s)
+            return None
+        return BuildOrder(self._epoch, lease, self._checksum, self._shm_dir)
+
+    def on_slot_mapped(self) -> None:
+        self._missing_files = 0
+
+    def on_slot_error(self, order: BuildOrder, err_no: int | None, detail: str, now_s: float) -> bool:
+        """The order's slot file could not be mapped. Returns True when shared memory is given up for good.
+
+        A missing file is a slot retired while the lease was in flight (a re-handshake race): the consumer
+        has already re-leased it, so skip it. Only repeated misses, or any other error, mean we cannot
+        use ``shm_dir``: stop offering ``CAP_SHM`` and join again (the consumer returns our leases at once).
+        """
+        assert order.lease.shm is not None and order.shm_dir is not None   # only shm orders are mapped
+        if err_no == errno.ENOENT and self._missing_files < _MAX_MISSING_FILES:
+            self._missing_files += 1
+            log.info("slot file %s is gone (retired); skipping batch %d", order.lease.shm.name, order.lease.batch_id)
+            return False
+        log.warning("cannot map slot file %s (errno %s: %s); using ZeroMQ payload frames from now on",
+                    f"{order.shm_dir}/{order.lease.shm.name}", err_no, detail)
+        self._offers_shm = False
+        self._leave(now_s)
+        return True
+
+    def heartbeat(self, now_s: float, stats: StageCounters) -> Heartbeat | None:
+        """The HB to send at the end of an ACTIVE turn, when one is due."""
+        if self._epoch is None or now_s < self._next_hb_s or self.exit_code != 0:
+            return None
+        self._next_hb_s = now_s + self.cfg.heartbeat_interval_s
+        return Heartbeat(self._epoch, stats=stats)
+
+    def fail(self, exit_code: int, err: BaseException) -> None:
+        """This process is about to exit ``exit_code`` because of ``err``: remember why for the BYE."""
+        self.exit_code = exit_code
+        self.reason = failure_reason(err)
+
+    def farewell(self) -> Bye | None:
+        """The BYE to send before closing (``None`` when no consumer knows us): its leases go back at once,
+        and a non-zero ``exit_code`` tells the consumer why we are leaving."""
+        if self._epoch is None:
+            return None
+        if self.exit_code == 0:
+            return Bye(self._epoch)
+        return Bye(self._epoch, self.exit_code, self.reason)

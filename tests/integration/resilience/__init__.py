@@ -1,0 +1,1 @@
+"""Nothing lost: chaos (kills), soak, checkpoint/resume, bad cache files."""

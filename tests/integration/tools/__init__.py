@@ -1,0 +1,1 @@
+"""Offline and diagnostic commands: bench, doctor, prepare, live figures and report."""

@@ -1,0 +1,1 @@
+"""Real producers and consumers over real ZeroMQ: delivery, both data paths, bad input, CURVE."""

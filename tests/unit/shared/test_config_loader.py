@@ -1,0 +1,36 @@
+"""Config loading: YAML files, mappings both ways, dotted overrides; errors name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import PipelineConfig
+from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+from shared.errors import ConfigError
+
+
+def test_defaults_are_valid_and_round_trip() -> None:
+    cfg = PipelineConfig()
+    assert config_from_mapping(config_to_mapping(cfg)) == cfg
+
+
+def test_load_config_reports_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("consumer: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML at line"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_file_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 3\nproducer:\n  count: 2\nbuckets:\n  boundaries: [400, 800]\n")
+    cfg = load_config(path)
+    assert cfg.seed == 3 and cfg.buckets.boundaries == (400, 800)
+    cfg2 = with_overrides(cfg, {"producer.count": 5, "seed": None})
+    assert cfg2.producer.count == 5 and cfg2.seed == 3
+    with pytest.raises(ConfigError, match="producer.count: must be in 1..64, got 0"):
+        with_overrides(cfg, {"producer.count": 0})
