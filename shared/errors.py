@@ -66,11 +66,16 @@ class StateError(PipelineError):
 
 
 class ProtocolError(PipelineError):
-    """A wire message is malformed. ``code`` is the reject code sent back in ERR."""
+    """A wire message is malformed. ``code`` is the reject code sent back in ERR.
 
-    def __init__(self, code: str, why: str) -> None:
+    ``why`` is logged; ``reply`` (default: ``why``) is what the peer is told, for reasons that name
+    what an unauthenticated peer must not learn (the consumer's contract).
+    """
+
+    def __init__(self, code: str, why: str, *, reply: str | None = None) -> None:
         self.code = code
         self.why = why[:MAX_REASON_CHARS]
+        self.reply = self.why if reply is None else reply[:MAX_REASON_CHARS]
         super().__init__(f"{code}: {self.why}")
 
 

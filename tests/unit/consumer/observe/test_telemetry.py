@@ -215,3 +215,19 @@ def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tm
     families = {fam.name: fam for fam in text_string_to_metric_families(generate_latest(registry).decode())}
     named = {s.labels["name"]: s.value for s in families["melfeed_step_output"].samples}
     assert named == {"loss": 0.75, "mel_l1": 0.5}          # one family, a `name` label; null left out
+
+
+def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from tests.fakes import metrics_snapshot
+    evil = "evil\nINFO forged\x1b[2J"
+    row = {"id": evil, "batches": 3, "batches_per_s": 1.0, "read_ms": 1.0, "assemble_ms": 1.0, "send_ms": 1.0}
+    snap = metrics_snapshot(1.0, producers=[row], producers_benched=[evil])
+    table = format_status(snap, "ipc:///x.control.sock")
+    assert "\x1b" not in table and not any(line.startswith("INFO forged") for line in table.splitlines())
+    assert "evil\\nINFO forged\\x1b[2J" in table
+    assert "benched (let leases expire in a row; no leases for now): evil\\nINFO forged" in table
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    exposition = generate_latest(registry).decode()
+    assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition
