@@ -24,7 +24,7 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.cli import build_parser
-    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, StateError
+    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, StateError, StepError
     from shared.service.lifecycle import setup_logging
 
     args = build_parser().parse_args(argv)
@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StateError as err:
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return EXIT_CONFIG if err.fatal else 1
+    except StepError as err:    # the step cannot run (e.g. jit_compile: true and XLA fails)
+        print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

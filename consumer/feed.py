@@ -123,7 +123,8 @@ class Consumer:
                               memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
         session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
-                                liveness_s=t.liveness_s, checksum=checksum)
+                                liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
+                                lease_backoff_s=t.lease_backoff_s)
         self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
                                   self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
@@ -151,7 +152,11 @@ class Consumer:
         """Bind the endpoint and start receiving. Idempotent."""
         if self._started:
             return
-        self._receiver.start()
+        try:
+            self._receiver.start()
+        except BaseException:       # e.g. another consumer holds the endpoint: leave nothing behind
+            self.close()
+            raise
         self._started = True
         largest = self.bucket_set.max_batch_nbytes()
         log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import zlib
@@ -144,7 +143,7 @@ class ProducerWorker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
-        sock.setsockopt(zmq.ROUTING_ID, f"{self.producer_id}-{os.getpid()}".encode())
+        # No ROUTING_ID: the consumer's ROUTER assigns a fresh one per connection (docs/ARCHITECTURE.md "Trust").
         if self.cfg.curve is not None:
             self.cfg.curve.apply(sock)
         try:

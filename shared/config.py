@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shared.errors import ConfigError
 
@@ -97,12 +97,15 @@ class TransportConfig:
     liveness_intervals: int = 6            # peer declared dead after this many silent intervals
     lease_window: int = 2                  # leases one producer may hold at once
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
+    lease_expiry_limit: int = 3            # a producer letting this many leases in a row expire is benched ...
+    lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
     # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
+    insecure: bool = False                 # true = tcp:// (loopback too) without CURVE: any local user may connect
     # Same-host shared memory: producers write straight into the consumer's ring slots (1 copy).
     mode: str = "auto"                     # "auto" = shm for ipc://, zmq for tcp://; "shm"; "zmq" = payload frames
     shm_dir: str | None = None             # slot files' directory; None = the ipc socket's directory if it is
@@ -119,6 +122,8 @@ class TransportConfig:
                self.liveness_intervals)
         _check(1 <= self.lease_window <= 64, "must be in 1..64", p + ("lease_window",), self.lease_window)
         _check(self.lease_timeout_s > 0, "must be > 0", p + ("lease_timeout_s",), self.lease_timeout_s)
+        _check(self.lease_expiry_limit >= 1, "must be >= 1", p + ("lease_expiry_limit",), self.lease_expiry_limit)
+        _check(self.lease_backoff_s >= 0, "must be >= 0", p + ("lease_backoff_s",), self.lease_backoff_s)
         _check(self.connect_backoff_max_s > 0, "must be > 0", p + ("connect_backoff_max_s",),
                self.connect_backoff_max_s)
         _check(self.mode in ("auto", "shm", "zmq"), "must be 'auto', 'shm' or 'zmq'", p + ("mode",), self.mode)
@@ -205,6 +210,26 @@ class ProducerConfig:
                self.restart_backoff_s)
 
 
+JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged
+
+_PARAM_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain_params(value: Any, path: tuple[str, ...]) -> Any:
+    """A deep copy of ``model.params`` made of YAML values only (producers get the config as YAML)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            _check(isinstance(key, str) and bool(key), "keys must be non-empty strings", path, key)
+            out[key] = _plain_params(item, path + (key,))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain_params(item, path) for item in value]
+    _check(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
+           "mappings", path, type(value).__name__)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
@@ -214,6 +239,11 @@ class ModelConfig:
     learning_rate: float = 1e-3
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
     seed: int = 0                          # weight initialisation
+    jit_compile: JitSetting = "auto"       # "auto": XLA where it compiles and is faster, else graph mode;
+                                           # true: XLA or fail (exit 1); false: graph-mode tf.function
+    # Free-form settings for the step factory (StepSpec.params); YAML values only; null = empty.
+    # Always a plain dict after construction (a deep copy); left out of the hash (dicts have none).
+    params: Mapping[str, Any] | None = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         p = ("model",)
@@ -221,6 +251,12 @@ class ModelConfig:
                p + ("step",), self.step)
         _check(self.vocab_size >= 2, "must be >= 2", p + ("vocab_size",), self.vocab_size)
         _check(self.learning_rate > 0, "must be > 0", p + ("learning_rate",), self.learning_rate)
+        _check(isinstance(self.jit_compile, bool) or self.jit_compile == "auto",
+               "must be auto, true or false", p + ("jit_compile",), self.jit_compile)
+        params = {} if self.params is None else self.params
+        _check(isinstance(params, Mapping), "must be a mapping (name: value)", p + ("params",), params)
+        # slots + frozen: object.__setattr__ is the documented way to normalise in __post_init__
+        object.__setattr__(self, "params", _plain_params(params, p + ("params",)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +319,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
         _check(isinstance(self.seed, int) and self.seed >= 0, "must be an integer >= 0", ("seed",), self.seed)
+        control = self.consumer.control_endpoint
+        _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
+               "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",
+               ("consumer", "control_endpoint"), control)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:

@@ -17,6 +17,7 @@ __all__ = [
     "EXIT_CONFIG",
     "MAX_REASON_CHARS",
     "StateError",
+    "StepError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
@@ -65,13 +66,31 @@ class StateError(PipelineError):
 
 
 class ProtocolError(PipelineError):
-    """A wire message is malformed. ``code`` is the reject code sent back in ERR."""
+    """A wire message is malformed. ``code`` is the reject code sent back in ERR.
 
-    def __init__(self, code: str, why: str) -> None:
+    ``why`` is logged; ``reply`` (default: ``why``) is what the peer is told, for reasons that name
+    what an unauthenticated peer must not learn (the consumer's contract).
+    """
+
+    def __init__(self, code: str, why: str, *, reply: str | None = None) -> None:
         self.code = code
         self.why = why[:MAX_REASON_CHARS]
+        self.reply = self.why if reply is None else reply[:MAX_REASON_CHARS]
         super().__init__(f"{code}: {self.why}")
 
 
 class ClosedError(PipelineError):
     """We closed the ring or socket; waiters are woken with this."""
+
+
+class StepError(PipelineError):
+    """The training step cannot run (e.g. ``model.jit_compile: true`` and XLA cannot compile it).
+
+    One line naming the step factory and the error as TensorFlow reports it; the process exits 1
+    (a factory that cannot be loaded at all is a ``ConfigError``, exit 78).
+    """
+
+    def __init__(self, factory: str, reason: str) -> None:
+        self.factory = factory
+        self.reason = reason
+        super().__init__(f"model.step {factory}: {reason}")

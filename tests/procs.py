@@ -32,7 +32,10 @@ def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps:
         "consumer": {"steps": steps, "state_dir": str(state_dir), "checkpoint_every_steps": 7,
                      "wait_timeout_s": 0.5, "status_interval_s": 2.0},
         "producer": {"count": 3, "restart_backoff_s": 0.2},
-        "model": {"step": TINY_STEP},
+        # One compile mode for every run: these tests compare separate runs bit for bit, and "auto" may
+        # time XLA and graph mode differently in each (a resumed run keeps its own choice, see
+        # consumer/train/jit.py, but two separate runs decide separately).
+        "model": {"step": TINY_STEP, "jit_compile": True},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

@@ -105,7 +105,8 @@ def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:
 def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     over: dict[str, Any] = {"consumer.steps": s["warmup"] + s["batches"], "consumer.warmup_steps": s["warmup"],
                             "consumer.status_interval_s": 3600.0, "model.step": _ZERO_STEP,
-                            "producer.count": system.get("producers", 1)}
+                            # XLA, as the calibration and the tf.data baselines compile the zero step
+                            "model.jit_compile": True, "producer.count": system.get("producers", 1)}
     mapping = config_to_mapping(with_overrides(cfg, over))
     mapping["consumer"]["state_dir"] = None
     mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir

@@ -56,6 +56,9 @@ class _ZeroStep:
     def variables(self) -> list[Any]:
         return []
 
+    def checkpoint_items(self) -> dict[str, object]:
+        return {}            # nothing to save: bench trials never checkpoint
+
 
 def zero_step(spec: object) -> _ZeroStep:
     """Step factory for ``model.step: consumer.bench.trial:zero_step``."""
@@ -73,7 +76,7 @@ def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> f
     times = []
     for _ in range(_CALIBRATION_CALLS):
         t0 = time.perf_counter()
-        float(compiled.run(0, batch))
+        float(compiled.run(0, batch)["loss"])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -160,7 +163,7 @@ def _drive(it: Any, compiled: Any, window: UsageWindow, warmup: int, batches: in
         element = next(it)
         if done > warmup:
             waited_s += time.perf_counter() - t0
-        float(compiled.run(int(element["bucket"][0]), element))
+        float(compiled.run(int(element["bucket"][0]), element)["loss"])
         if sleep_s:
             time.sleep(sleep_s)
         if done == warmup:

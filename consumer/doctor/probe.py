@@ -101,9 +101,9 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     m = cfg.model
-    step_fn = load_step_factory(m.step)(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision,
-                                                 m.seed))
-    compiled = CompiledStep(step_fn, [b.shapes() for b in bucket_set.buckets])
+    shapes = [b.shapes() for b in bucket_set.buckets]
+    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -114,8 +114,8 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
         arrays = _synthetic_batch(b, m.vocab_size, rng)
         h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
         tensors, _ = to_tensors(arrays)
-        float(compiled.run(b.index, tensors))  # one untimed run: first-call dispatch costs
-        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)), budget_s)
+        float(compiled.run(b.index, tensors)["loss"])  # one untimed run: first-call dispatch costs
+        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)["loss"]), budget_s)
         out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
     return {"device": device, "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,

@@ -37,6 +37,8 @@ class SessionConfig:
     heartbeat_interval_s: float   # between two consumer heartbeats; also sent in WELCOME
     liveness_s: float             # a producer silent this long is dropped and its leases reissued
     checksum: bool                # producers must send crc32 (WELCOME tells them)
+    lease_expiry_limit: int = 3   # leases a producer lets expire in a row before it is benched ...
+    lease_backoff_s: float = 60.0  # ... and gets no leases for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class ReceiverStats:
     lease_window: int = 0                                   # leases one producer may hold
     producers: tuple[ProducerReport, ...] = ()              # connected producers and their stage counters
     producer_failures: int = 0   # BYEs with a non-zero exit code (the producer said why it fails)
+    # Producers getting no leases because they let ``lease_expiry_limit`` leases in a row expire (escaped ids).
+    producers_benched: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 Invariant: a routing id is in the table only between a valid HELLO and its removal (liveness
 expiry, BYE, unreachable, flood, or a new HELLO). ``seen`` counts distinct producer ids ever joined.
+A peer that let ``limit`` leases in a row expire is benched (no leases) for a back-off period; a
+delivered batch resets its count (docs/ARCHITECTURE.md "Trust").
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from consumer.flow.rejects import peer_label as _label
 from shared.wire.protocol import StageCounters
 
 __all__ = ["PeerInfo", "PeerTable", "ProducerReport"]
@@ -28,6 +31,8 @@ class PeerInfo:
     uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
     stage: StageCounters | None = None     # latest cumulative counters from its heartbeats
     stage_at_s: float = 0.0                # when they arrived
+    expired_in_row: int = 0                # its leases that expired since its last delivered batch
+    benched_until_s: float | None = None   # no leases for it until then (it let too many expire)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,7 @@ class ProducerReport:
     batches_received: int
     stage: StageCounters | None
     stage_at_s: float
+    peer: str = ""              # its routing id (``peer_label``): assigned by the ROUTER, one per connection
 
 
 class PeerTable:
@@ -86,6 +92,32 @@ class PeerTable:
         """Peers ordered so the least-loaded producer is offered work first."""
         return sorted(self._peers, key=lambda i: (book.held_by(i), self._peers[i].last_grant_s))
 
+    def grantable(self, book: _HasHeld, now_s: float) -> list[bytes]:
+        """``by_fewest_leases`` without benched peers; a bench that ran out is lifted (count back to 0)."""
+        order = []
+        for ident in self.by_fewest_leases(book):
+            info = self._peers[ident]
+            if info.benched_until_s is not None and now_s >= info.benched_until_s:
+                info.benched_until_s, info.expired_in_row = None, 0
+            if info.benched_until_s is None:
+                order.append(ident)
+        return order
+
+    def note_expiry(self, ident: bytes, now_s: float, limit: int, backoff_s: float) -> PeerInfo | None:
+        """Count one expired lease of ``ident``. Returns its info when this benches it (once per bench)."""
+        info = self._peers.get(ident)
+        if info is None or info.benched_until_s is not None:
+            return None
+        info.expired_in_row += 1
+        if info.expired_in_row < limit:
+            return None
+        info.benched_until_s = now_s + backoff_s
+        return info
+
+    def benched(self) -> tuple[str, ...]:
+        """Producer ids of the benched peers (peer-chosen: callers escape them before showing them)."""
+        return tuple(p.producer_id for p in list(self._peers.values()) if p.benched_until_s is not None)
+
     def block(self, ident: bytes, until_s: float) -> None:
         self._blocked_until[ident] = until_s
 
@@ -100,5 +132,5 @@ class PeerTable:
 
     def reports(self) -> tuple[ProducerReport, ...]:
         """One report per connected producer (a copy: safe to hand to another thread)."""
-        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s)
-                     for p in list(self._peers.values()))
+        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s, _label(i))
+                     for i, p in list(self._peers.items()))

@@ -17,6 +17,7 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
+from shared.printable import escape_line
 from shared.wire.protocol import RejectCode
 
 __all__ = ["RejectLog", "peer_label"]
@@ -79,7 +80,7 @@ class RejectLog:
         if last is None or now_s - last >= self._log_interval_s:
             extra = self._suppressed.pop(code, 0)
             more = f" (+{extra} similar suppressed)" if extra else ""
-            log.warning("rejected peer=%s code=%s why=%s%s", peer, code, why, more)
+            log.warning("rejected peer=%s code=%s why=%s%s", peer, escape_line(code), escape_line(why), more)
             self._last_log_s[code] = now_s
         else:
             self._suppressed[code] += 1

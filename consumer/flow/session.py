@@ -31,6 +31,7 @@ from consumer.flow.rejects import RejectLog, peer_label
 from consumer.flow.ring import BatchRing
 from consumer.flow.shm_leases import ShmLeases, SlotFiles
 from shared.errors import ProtocolError
+from shared.printable import escape_line
 from shared.wire.curve import producer_id_matches
 from shared.wire.layout import PAYLOAD_COPIES
 from shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
@@ -75,7 +76,8 @@ class ReceiverSession:
                              c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
                              c["quarantined"], self._rejects.peer_snapshot(), shm_retired=self._shm.retired,
                              lease_window=self._book.window, producers=self._peers.reports(),
-                             producer_failures=c["failures"])
+                             producer_failures=c["failures"],
+                             producers_benched=tuple(escape_line(p) for p in self._peers.benched()))
 
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
@@ -125,7 +127,7 @@ class ReceiverSession:
 
     def on_invalid(self, ident: bytes, err: ProtocolError, now_s: float) -> Decision:
         """A message that cannot be taken (undecodable, or refused above): count it and answer ERR."""
-        return Decision(self._reject(ident, err.code, err.why, now_s), drain=True)
+        return Decision(self._reject(ident, err.code, err.why, now_s, reply=err.reply), drain=True)
 
     def on_batch_taken(self, intake: BatchIntake, n_bytes: int) -> None:
         """The shell filled (or checked in place) the lease's slot: the batch is READY."""
@@ -136,6 +138,7 @@ class ReceiverSession:
         peer = self._peers.get(intake.ident)
         if peer is not None:
             peer.batches += 1
+            peer.expired_in_row = 0
         self._counts["batches"] += 1
         self._counts["quarantined"] += len(hdr.quarantined)
 
@@ -184,7 +187,7 @@ class ReceiverSession:
     def grant(self, now_s: float) -> list[Outgoing]:
         """Lease free ring slots to producers with room in their window, least loaded first."""
         grants: dict[bytes, list[Lease]] = {}
-        order = self._peers.by_fewest_leases(self._book)
+        order = self._peers.grantable(self._book, now_s)
         for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now_s):
             info = self._peers.get(lease.peer)
             assert info is not None               # grant_round only leases to peers in ``order``
@@ -209,13 +212,20 @@ class ReceiverSession:
                                    ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
                                    ("bucket shapes", msg.buckets, c.buckets)):
             if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+                # The peer is not authenticated yet: the reply names only its own value (the log has ours).
                 raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "
-                                                         f"consumer {_short(ours)}")
-        if ident in self._peers:
+                                                         f"consumer {_short(ours)}",
+                                    reply=f"{name} differs from the consumer's (see its log): producer "
+                                          f"{_short(theirs)}")
+        old = self._peers.get(ident)
+        if old is not None:
             self._drop_peer(ident, "re-handshake")
-        info = self._peers.add(ident, msg.producer_id, now_s)
+        # Peer-chosen text: escaped once here, so no log line, status row or label shows it raw (invariant 7).
+        info = self._peers.add(ident, escape_line(msg.producer_id), now_s)
+        if old is not None:       # a HELLO does not lift a bench nor reset its count
+            info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
         info.uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
-        log.info("producer joined id=%s peer=%s alive=%d transport=%s", msg.producer_id, peer_label(ident),
+        log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
         shm_dir = self._shm.directory if info.uses_shm else None
         cfg = self.cfg
@@ -259,11 +269,19 @@ class ReceiverSession:
     def _check_liveness(self, now_s: float) -> None:
         for ident in self._peers.silent_since(now_s - self.cfg.liveness_s):
             self._drop_peer(ident, f"silent for more than {self.cfg.liveness_s:.1f} s")
+        cfg = self.cfg
         for lease in self._book.expire(now_s):
             self._cancel(lease)
             self._counts["reissued"] += 1
-            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id,
-                        lease.peer.decode(errors="replace"))
+            log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id, peer_label(lease.peer))
+            benched = self._peers.note_expiry(lease.peer, now_s, cfg.lease_expiry_limit, cfg.lease_backoff_s)
+            if benched is not None:       # it heartbeats but does not deliver: its other leases go too
+                log.warning("producer %s (peer=%s) let %d leases in a row expire; no leases for it for %.0f s",
+                            escape_line(benched.producer_id), peer_label(lease.peer), benched.expired_in_row,
+                            cfg.lease_backoff_s)
+                for held in self._book.revoke_peer(lease.peer):
+                    self._cancel(held)
+                    self._counts["reissued"] += 1
 
     def _drop_peer(self, ident: bytes, why: str) -> None:
         for lease in self._book.revoke_peer(ident):
@@ -272,9 +290,10 @@ class ReceiverSession:
         info = self._peers.remove(ident)
         if info is not None:
             level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
-            log.log(level, "producer left id=%s reason=%s alive=%d", info.producer_id, why, len(self._peers))
+            log.log(level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why,
+                    len(self._peers))
 
-    def _reject(self, ident: bytes, code: str, why: str, now_s: float) -> list[Outgoing]:
+    def _reject(self, ident: bytes, code: str, why: str, now_s: float, *, reply: str | None = None) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
         # flooder claiming a good producer's id must not get that producer blocked.
         name = peer_label(ident)
@@ -284,8 +303,9 @@ class ReceiverSession:
             self._peers.block(ident, now_s + BLOCK_S)
             # The last answer it gets says why the others stop: every reject but an ignored one
             # (counted as FLOOD) is answered exactly once.
-            code, why = RejectCode.FLOOD, f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
-        return [Outgoing(ident, Err(code, why))]
+            reply = f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
+            code = RejectCode.FLOOD
+        return [Outgoing(ident, Err(code, why if reply is None else reply))]
 
 
 _REPR = reprlib.Repr()
@@ -296,7 +316,3 @@ def _short(value: object) -> str:
     """A bounded repr of a peer-supplied value, cheap whatever its size."""
     return _REPR.repr(value)
 
-
-def escape_line(text: str) -> str:
-    """``text`` on one log line: newlines and other control or invisible characters written as escapes."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

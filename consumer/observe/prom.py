@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.printable import escape_line
 from shared.metrics import PHASES
 
 __all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
@@ -85,6 +86,12 @@ class SnapshotCollector:
         for code, count in snap["rejects"].items():
             rejects.add_metric([code], count)
         yield rejects
+        named = GaugeMetricFamily("melfeed_step_output", "The step's named scalars, mean over the status "
+                                  "interval (loss, and e.g. mel_l1, stop_bce)", labels=["name"])
+        for name, value in (snap.get("outputs") or {}).items():
+            if value is not None:
+                named.add_metric([name], value)
+        yield named
         yield from _producer_families(snap["producers"])
         yield from _gpu_families(snap["gpus"])
 
@@ -98,13 +105,14 @@ def _producer_families(producers: list[dict[str, Any]]) -> Iterator[Any]:
     stage = GaugeMetricFamily("melfeed_producer_stage_seconds", "Seconds per batch in a build stage (window)",
                               labels=["producer", "stage"])
     for p in producers:
+        label = escape_line(str(p["id"]), 64)      # peer-chosen: one printable line in the exposition
         if p["batches"] is not None:
-            built.add_metric([p["id"]], p["batches"])
+            built.add_metric([label], p["batches"])
         if p["batches_per_s"] is not None:
-            rate.add_metric([p["id"]], p["batches_per_s"])
+            rate.add_metric([label], p["batches_per_s"])
         for name in ("read", "assemble", "send"):
             if p[f"{name}_ms"] is not None:
-                stage.add_metric([p["id"], name], p[f"{name}_ms"] / 1000.0)
+                stage.add_metric([label, name], p[f"{name}_ms"] / 1000.0)
     yield from (built, rate, stage)
 
 

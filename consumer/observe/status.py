@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from shared.config_loader import load_config
+from shared.printable import escape_line
 from shared.service.lifecycle import resolve_control_endpoint
 
 __all__ = ["main_status", "ask_status", "format_status"]
@@ -78,6 +79,10 @@ def _f(value: Any, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
 
 
+def _outputs(outputs: dict[str, float | None] | None) -> str:
+    return ", ".join(f"{name} {_f(value, '.4f')}" for name, value in (outputs or {}).items()) or "-"
+
+
 def format_status(snap: dict[str, Any], endpoint: str) -> str:
     """The human table: overall figures, one row per producer, one per GPU, rejects by code."""
     total = f"/{snap['steps_total']}" if snap.get("steps_total") else ""
@@ -93,16 +98,21 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
         f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
         f"{snap['producers_alive']}",
+        f"step outputs (mean over the status interval): {_outputs(snap.get('outputs'))}; "
+        f"compiled with {snap.get('jit_compile') or '-'}",
         f"duplicates {snap['duplicates']}, quarantined {snap['quarantined']}, "
         f"compiles after ready {snap['compiles_after_ready']}",
         "",
         f"{'producer':<20} {'batches':>8} {'batches/s':>10} {'read ms':>8} {'assemble ms':>12} {'send ms':>8}",
     ]
-    for p in snap["producers"]:
-        lines.append(f"{p['id']:<20} {_f(p['batches'], 'd'):>8} {_f(p['batches_per_s'], '.1f'):>10} "
+    for p in snap["producers"]:      # ids are peer-chosen: escaped (a snapshot may come from any file)
+        lines.append(f"{escape_line(str(p['id']), 64):<20} {_f(p['batches'], 'd'):>8} {_f(p['batches_per_s'], '.1f'):>10} "
                      f"{_f(p['read_ms'], '.2f'):>8} {_f(p['assemble_ms'], '.2f'):>12} {_f(p['send_ms'], '.2f'):>8}")
     if not snap["producers"]:
         lines.append("(no producer connected)")
+    if snap.get("producers_benched"):
+        lines.append("benched (let leases expire in a row; no leases for now): "
+                     + ", ".join(escape_line(str(x), 64) for x in snap["producers_benched"]))
     lines += ["", f"{'gpu':<20} {'util %':>8} {'mem used/total GiB':>20} {'power W':>8}"]
     for g in snap["gpus"]:
         mem = f"{g['mem_used_mib'] / 1024:.1f}/{g['mem_total_mib'] / 1024:.1f}"
@@ -110,6 +120,6 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
                      f"{_f(g['power_w'], '.0f'):>8}")
     if not snap["gpus"]:
         lines.append("n/a (no NVML, no GPU, or sampling off)")
-    rejects = ", ".join(f"{code} {n}" for code, n in snap["rejects"].items()) or "none"
+    rejects = ", ".join(f"{escape_line(str(code), 32)} {n}" for code, n in snap["rejects"].items()) or "none"
     lines += ["", f"rejects: {rejects}"]
     return "\n".join(lines)

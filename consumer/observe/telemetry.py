@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from consumer.flow.peers import ProducerReport
@@ -37,7 +37,7 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus")
+               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched")
 
 
 def _num(value: float | None) -> float | None:
@@ -115,8 +115,13 @@ class ProducerRates:
 def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, steps_total: int | None,
                    loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
                    bytes_per_s: float | None, rs: ReceiverStats, producers: list[dict[str, Any]],
-                   compiles_after_ready: int, gpus: list[dict[str, Any]]) -> dict[str, Any]:
-    """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure."""
+                   compiles_after_ready: int, gpus: list[dict[str, Any]], jit_compile: str | None = None,
+                   outputs: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure.
+
+    ``outputs`` are the step's named scalars averaged over the status interval (``loss`` first);
+    ``jit_compile`` is "xla" or "graph" once the step is compiled.
+    """
     f = figures
     return {
         "t_unix_s": t_unix_s, "uptime_s": uptime_s, "phase": phase, "step": step, "steps_total": steps_total,
@@ -137,6 +142,8 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "rejects": dict(sorted(rs.rejects.items())), "duplicates": rs.duplicates_dropped,
         "quarantined": rs.quarantined, "compiles_after_ready": compiles_after_ready,
         "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
+        "jit_compile": jit_compile, "outputs": {name: _num(v) for name, v in (outputs or {}).items()},
+        "producers_benched": list(rs.producers_benched),
     }
 
 
@@ -161,6 +168,8 @@ class Telemetry:
         self._bytes = _Series(c.metrics_window_s)
         self._control_endpoint = control_endpoint
         self._phase = PHASE_COMPILING
+        self._jit_compile: str | None = None
+        self._outputs: dict[str, float] = {}
         self._lock = threading.Lock()
         self._latest: dict[str, Any] | None = None
         self._latest_json = b"null"
@@ -222,6 +231,10 @@ class Telemetry:
             raise ValueError(f"unknown phase {phase!r}")
         self._phase = phase
 
+    def set_jit_compile(self, mode: str | None) -> None:
+        """How the step was compiled ("xla" or "graph"), for every later snapshot."""
+        self._jit_compile = mode
+
     def add(self, record: StepRecord) -> None:
         """One applied batch (after warm-up), for the windowed figures."""
         self._window.add(record)
@@ -238,10 +251,16 @@ class Telemetry:
             self.publish(step, loss, compiles_after_ready)
 
     def publish(self, step: int, loss: float | None, compiles_after_ready: int,
-                phase: str | None = None) -> dict[str, Any]:
-        """Build a snapshot, append it to the metrics file and hand it to the readers."""
+                phase: str | None = None, outputs: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """Build a snapshot, append it to the metrics file and hand it to the readers.
+
+        ``outputs``: the named scalars' means of the status interval that just ended; None keeps
+        the previous ones (a starved loop publishes without new steps).
+        """
         if phase is not None:
             self.set_phase(phase)
+        if outputs is not None and outputs:
+            self._outputs = dict(outputs)
         now = self._clock()
         rs = self._consumer.receiver_stats()
         self._bytes.add(now, rs.bytes_received)
@@ -252,7 +271,8 @@ class Telemetry:
             steps_total=self._cfg.consumer.steps, loss=loss, window_s=self._cfg.consumer.metrics_window_s,
             figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
             bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
-            compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [])
+            compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [], jit_compile=self._jit_compile,
+            outputs=self._outputs)
         text = json.dumps(snap, allow_nan=False)
         with self._lock:
             self._latest, self._latest_json = snap, text.encode()

@@ -1,11 +1,13 @@
 """The built-in training loop: compiled step over the consumer's batches, status line, summary.
 
 Order at start: bind and start receiving (producers fill the ring meanwhile), compile every bucket
-shape (``CompiledStep.warm_up``), then train. Each step hands the slot to TensorFlow with DLPack
-(no copy), runs the compiled step, reads the loss (the step has finished reading the slot) and
-releases the slot. On a GPU, eager dispatch is asynchronous and the DLPack tensor is copied to the
+shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``), then train. Each step
+hands the slot to TensorFlow with DLPack (no copy), runs the compiled step, reads its named scalars
+(the step has finished reading the slot) and releases the slot. On a GPU, eager dispatch is asynchronous and the DLPack tensor is copied to the
 device by the call itself; the next batch is already in the ring, so the hand-off overlaps.
 Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
+A step that cannot be compiled (``StepError``) or breaks the output contract (``ConfigError``)
+ends the run before READY; the summary is still written, with ``error`` set.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from consumer.feed import Consumer
-from consumer.resume.state import RunState
-from shared.config import PipelineConfig
-from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, StepWindow
 from consumer.observe.gpu import format_gpus
+from consumer.resume.state import RunState
+from consumer.train.jit import remember_mode, remembered_mode
+from consumer.train.meter import LoopMeter, format_status_line
+from shared.config import PipelineConfig
+from shared.errors import PipelineError
+from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
 from shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
     from consumer.observe.telemetry import Telemetry
+    from consumer.train.step import CompiledStep
 
 __all__ = ["TrainSummary", "train"]
 
@@ -55,6 +61,10 @@ class TrainSummary:
     producers_seen: int = 0
     final_loss: float | None = None
     first_loss: float | None = None
+    final_outputs: dict[str, float | None] = field(default_factory=dict)  # last step's named scalars
+    jit_compile: str | None = None      # "xla" or "graph": how the step was compiled (None: it was not)
+    jit_reason: str | None = None       # one line: what decided it (setting, XLA error, warm-up timings)
+    error: str | None = None            # one line when the run failed before training (e.g. XLA, jit: true)
     compile_s: float = 0.0
     time_to_first_step_s: float | None = None
     in_flight_bound_bytes: int = 0
@@ -64,20 +74,6 @@ class TrainSummary:
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-
-
-class _Meter:
-    """Counters since warm-up plus a window for the periodic status line."""
-
-    def __init__(self) -> None:
-        self.t0 = 0.0
-        self.wait0 = 0.0
-        self.batches = self.samples = self.real_frames = self.padded_frames = 0
-        self.win_t = self.win_wait = 0.0
-        self.win_batches = self.win_samples = 0
-        self.wait_seen = 0.0
-        # Every post-warm-up step (the newest 100k on longer runs): step time percentiles and CV.
-        self.steps = StepWindow(window_s=math.inf, max_records=100_000)
 
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
@@ -97,26 +93,28 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     ``on_step(steps_done)`` runs after each step's loss was read, while its slot is still held and
     inside the timed step (``bench`` models device time there with a sleep).
     """
-    notifier = notifier if notifier is not None else Notifier({})
-    from consumer.train.model import StepSpec
-    from consumer.train.step import CompiledStep, load_step_factory, to_tensors
+    from consumer.train.outputs import read_outputs
+    from consumer.train.step import to_tensors
 
-    factory = load_step_factory(cfg.model.step)
-    m = cfg.model
-    step_fn = factory(StepSpec(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed))
-    compiled = CompiledStep(step_fn, [b.shapes() for b in consumer.bucket_set.buckets])
+    notifier = notifier if notifier is not None else Notifier({})
+    step_fn, compiled = _build_step(cfg, consumer, state)
     consumer.start()
     out = TrainSummary(padding_efficiency=0.0,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
     with _extending_start_timeout(notifier):
-        out.compile_s = compiled.warm_up()
+        _warm_up(compiled, out, summary_path)
+        if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
+            remember_mode(state.root, compiled.choice)
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
-    log.info("READY: compiled %d bucket shapes in %.1f s", len(consumer.bucket_set.buckets), out.compile_s)
+    n_buckets = len(consumer.bucket_set.buckets)
+    log.info("READY: compiled %d bucket shapes in %.1f s jit_compile=%s", n_buckets, out.compile_s,
+             out.jit_compile)
     if telemetry is not None:
         telemetry.set_phase(PHASE_TRAINING)
-    notifier.ready(f"compiled {len(consumer.bucket_set.buckets)} shapes in {out.compile_s:.1f} s; "
+        telemetry.set_jit_compile(out.jit_compile)
+    notifier.ready(f"compiled {n_buckets} shapes ({out.jit_compile}) in {out.compile_s:.1f} s; "
                    f"starting at batch {consumer.next_apply}")
 
     def on_wait(producers_alive: int) -> None:
@@ -127,15 +125,18 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             telemetry.set_phase(PHASE_WAITING)
             telemetry.publish_if_due(out.steps, loss_v, compiled.compiles_after_ready)
 
-    meter = _Meter()
+    meter = LoopMeter(cfg.consumer.metrics_window_s)
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     loss_v = math.nan
+    outputs: dict[str, float] = {}
     copies = 0
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     for batch in consumer.batches(stop, on_wait):
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
-        loss_v = float(compiled.run(batch.bucket, tensors))   # sync: the step finished reading the slot
+        outputs = read_outputs(compiled.run(batch.bucket, tensors))  # sync: the step finished reading the slot
+        loss_v = outputs["loss"]
+        meter.outputs.add(outputs)
         if on_step is not None:
             on_step(out.steps + 1)
         step_t1 = time.perf_counter()
@@ -148,21 +149,14 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
                 state.checkpoint(items, consumer.epoch)
         if out.time_to_first_step_s is None:
             out.time_to_first_step_s = time.time() - process_start_s
-            out.first_loss = loss_v
+            out.first_loss = loss_v if math.isfinite(loss_v) else None
         if out.steps == cfg.consumer.warmup_steps + 1:
-            meter.t0 = meter.win_t = time.perf_counter()
-            meter.wait0 = meter.win_wait = consumer.wait_s_total
+            meter.t0 = time.perf_counter()
+            meter.wait0 = consumer.wait_s_total
         if out.steps > cfg.consumer.warmup_steps:
-            rows = batch.rows
-            meter.batches += 1
-            meter.samples += rows
-            meter.win_batches += 1
-            meter.win_samples += rows
-            meter.real_frames += batch.real_frames
-            meter.padded_frames += batch.padded_frames
-            record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, rows,
+            record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, batch.rows,
                                 batch.real_frames, batch.padded_frames, consumer.queue_depth())
-            meter.steps.add(record)
+            meter.add(record)
             if telemetry is not None:
                 telemetry.add(record)
         meter.wait_seen = consumer.wait_s_total
@@ -170,22 +164,54 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         notifier.watchdog()
         if time.monotonic() >= next_status_s:
             gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
-            notifier.status(_status_line(out.steps, loss_v, meter, consumer, cfg, gpus))
+            means = meter.outputs.take()
+            notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
             if telemetry is not None:
                 telemetry.set_phase(PHASE_TRAINING)
-                telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready)
+                telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
             next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:
         state.checkpoint(items, consumer.epoch)
         out.next_batch = state.next_batch
-    _finish(out, meter, consumer, compiled.compiles_after_ready, loss_v, copies + payload_copies)
+    _finish(out, meter, consumer, compiled.compiles_after_ready, outputs, copies + payload_copies)
     if telemetry is not None:
-        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE)
+        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE,
+                          outputs=meter.outputs.take())
     if summary_path:
         out.write(summary_path)
     return out
+
+
+def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> tuple[Any, CompiledStep]:
+    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``).
+
+    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
+    """
+    from consumer.train.model import StepSpec
+    from consumer.train.step import CompiledStep, load_step_factory
+
+    factory = load_step_factory(cfg.model.step)
+    shapes = [b.shapes() for b in consumer.bucket_set.buckets]
+    step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
+    remembered = remembered_mode(state.root) if state is not None else None
+    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
+                                 remembered=remembered)
+
+
+def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:
+    """Compile every bucket; on failure write the summary with ``error`` before re-raising."""
+    try:
+        out.compile_s = compiled.warm_up()
+    except PipelineError as err:     # StepError (exit 1) or a broken output contract (ConfigError, 78)
+        out.error = str(err)
+        if summary_path:
+            out.write(summary_path)
+        raise
+    choice = compiled.choice
+    out.jit_compile = compiled.mode
+    out.jit_reason = choice.reason if choice is not None else None
 
 
 def _checkpoint_items(step_fn: Any) -> dict[str, object]:
@@ -215,28 +241,19 @@ def _extending_start_timeout(notifier: Notifier, every_s: float = 10.0) -> Itera
             thread.join(every_s)
 
 
-def _status_line(step: int, loss: float, meter: _Meter, consumer: Consumer, cfg: PipelineConfig,
-                 gpus: str = "") -> str:
-    now = time.perf_counter()
-    span = max(1e-9, now - meter.win_t) if meter.win_t else 0.0
-    rate = meter.win_batches / span if span else 0.0
-    srate = meter.win_samples / span if span else 0.0
-    stall = 100.0 * (consumer.wait_s_total - meter.win_wait) / span if span else 0.0
+def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer: Consumer,
+                 cfg: PipelineConfig, gpus: str = "") -> str:
     rs = consumer.receiver_stats()
-    total = f"/{cfg.consumer.steps}" if cfg.consumer.steps else ""
-    text = (f"step {step}{total} loss {loss:.4f} | {rate:.1f} batches/s {srate:.0f} samples/s | "
-            f"stall {stall:.1f}% | queue {consumer.queue_depth()} | producers {rs.producers_alive} | "
-            f"rejects {sum(rs.rejects.values())}" + (f" | quarantined {rs.quarantined}" if rs.quarantined else "")
-            + (f" | {gpus}" if gpus else ""))
+    text = format_status_line(step=step, steps_total=cfg.consumer.steps, outputs=means,
+                              figures=meter.live.figures(time.perf_counter()), queue_depth=consumer.queue_depth(),
+                              producers_alive=rs.producers_alive, rejects=sum(rs.rejects.values()),
+                              quarantined=rs.quarantined, gpus=gpus)
     log.info("%s", text)
-    if meter.win_t:
-        meter.win_t, meter.win_wait = now, consumer.wait_s_total
-        meter.win_batches = meter.win_samples = 0
     return text
 
 
-def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int, loss: float,
-            copies: int) -> None:
+def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: int,
+            outputs: dict[str, float], copies: int) -> None:
     wall = time.perf_counter() - meter.t0 if meter.t0 else 0.0
     rs = consumer.receiver_stats()
     out.batches_applied = consumer.applied
@@ -254,7 +271,9 @@ def _finish(out: TrainSummary, meter: _Meter, consumer: Consumer, compiles: int,
     out.rejects = rs.rejects
     out.compiles_after_ready = compiles
     out.producers_seen = rs.producers_seen
-    out.final_loss = None if math.isnan(loss) else loss
+    finite = {name: (v if math.isfinite(v) else None) for name, v in outputs.items()}
+    out.final_loss = finite.get("loss")
+    out.final_outputs = finite
     # Mean over applied batches of the copies into the slot (shared memory: page cache -> slot = 1; payload:
     # page cache -> producer buffer -> kernel socket -> libzmq -> slot = 4) plus to_tensors' (DLPack: none).
     out.payload_copies_per_batch = copies / out.steps if out.steps else 0.0

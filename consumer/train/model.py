@@ -1,8 +1,9 @@
 """Reference text-to-mel model and the step-factory contract the consumer compiles.
 
 A step factory (``ModelConfig.step`` = ``"module:function"``) takes a ``StepSpec`` and returns a
-``TrainStep``: a callable that runs one optimisation step on one padded batch and returns the
-scalar float32 loss. ``consumer/train/step.py`` wraps it in one XLA program per bucket shape.
+``TrainStep``: a callable that runs one optimisation step on one padded batch and returns its named
+scalars (a mapping with ``"loss"``, or the bare scalar loss). ``consumer/train/step.py`` wraps it in
+one program per bucket shape (XLA or graph mode, ``ModelConfig.jit_compile``).
 
 Invariants:
     * Rows with ``mel_len == 0`` (padding rows) and frames ``t >= mel_len`` contribute nothing to
@@ -28,12 +29,17 @@ Frame count T and n_mels must be static (they are, under the consumer's fixed in
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    from shared.config import PipelineConfig
 
 __all__ = ["StepSpec", "TrainStep", "build_reference_step"]
 
@@ -57,20 +63,44 @@ class StepSpec:
     learning_rate: float    # Adam step size
     mixed_precision: bool   # float16 (GPU) / bfloat16 (CPU) compute, float32 variables and loss
     seed: int               # weight initialisation
+    # One read-only {"mel": (B, T, M), "mel_len": (B,), "tokens": (B, L), "tok_len": (B,)} per bucket,
+    # in bucket order: the only shapes the step is ever called with (e.g. to size a decoder).
+    bucket_shapes: tuple[Mapping[str, tuple[int, ...]], ...] = field(default=(), hash=False)
+    total_steps: int | None = None        # consumer.steps: where the run stops; None = until stopped
+    batches_per_epoch: int | None = None  # plan batches in one pass over the data (schedules per epoch)
+    params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # model.params, read-only
 
     def __post_init__(self) -> None:
         if self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0:
             raise ValueError(f"invalid StepSpec: {self}")
+        # frozen + slots: object.__setattr__ is how __post_init__ may normalise; read-only views
+        # so a factory cannot change what the next factory call (or the summary) sees.
+        object.__setattr__(self, "bucket_shapes", tuple(
+            MappingProxyType({k: tuple(int(d) for d in v) for k, v in b.items()}) for b in self.bucket_shapes))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+                    batches_per_epoch: int | None) -> StepSpec:
+        """The spec of ``cfg.model`` for these buckets (``Consumer.bucket_set``) and plan length."""
+        m = cfg.model
+        return cls(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed,
+                   bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,
+                   batches_per_epoch=batches_per_epoch, params=dict(m.params or {}))
 
 
 class TrainStep(Protocol):
     """One optimisation step on one padded batch; the unit ``CompiledStep`` compiles."""
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                 tok_len: tf.Tensor) -> tf.Tensor:
-        """Apply one update and return the scalar float32 loss (before the update).
+                 tok_len: tf.Tensor) -> tf.Tensor | Mapping[str, tf.Tensor]:
+        """Apply one update and return its named scalars (computed before the update).
 
-        Must be traceable by ``tf.function(jit_compile=True)`` and create no variables.
+        Either a mapping of names to scalar tensors that holds ``"loss"`` (e.g. ``{"loss": total,
+        "mel_l1": l1, "stop_bce": bce}``), or the bare scalar loss (meaning ``{"loss": loss}``).
+        Each is read as float32, averaged over the status interval and reported by name.
+        Must be traceable by ``tf.function`` (with ``jit_compile=True`` when XLA is used) and
+        create no variables.
         Shapes: mel [B, T, M] float32, mel_len [B] int32, tokens [B, L] int32, tok_len [B] int32.
         """
         ...

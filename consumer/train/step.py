@@ -1,10 +1,12 @@
 """Compile the training step once per bucket shape and hand batches to it without copies.
 
-Role: load the user's step factory (``ModelConfig.step``), build one XLA program per bucket shape
-before training (``CompiledStep.warm_up``), run batches through them, and turn aligned numpy slots
-into TensorFlow tensors with DLPack (``to_tensors``).
+Role: load the user's step factory (``ModelConfig.step``), build one program per bucket shape
+before training (``CompiledStep.warm_up``; XLA or graph mode as ``ModelConfig.jit_compile`` and
+consumer/train/jit.py decide), run batches through them, and turn aligned numpy slots into
+TensorFlow tensors with DLPack (``to_tensors``).
 
 Invariants:
+    * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
     * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
       ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
       exactly its pre-warm-up value: warm-up never changes training.
@@ -31,8 +33,10 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
+from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
-from shared.errors import ConfigError
+from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
+from shared.errors import ConfigError, StepError
 from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
 
 __all__ = ["load_step_factory", "CompiledStep", "to_tensors", "aligned_empty"]
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _BATCH_DTYPES: dict[str, tf.DType] = {name: tf.as_dtype(dtype) for name, dtype in ARRAY_DTYPES.items()}
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
+_TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
 _Shapes = tuple[tuple[int, ...], ...]  # shapes in _ARG_ORDER: the key of one compiled program
 
@@ -88,27 +93,40 @@ def _shapes_of(shapes: Mapping[str, Sequence[int]]) -> _Shapes:
 
 
 class CompiledStep:
-    """One ``tf.function(jit_compile=True)`` program per bucket shape around a ``TrainStep``."""
+    """One ``tf.function`` program per bucket shape around a ``TrainStep``: XLA or graph mode.
 
-    def __init__(self, step: TrainStep,
-                 bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> None:
-        """Args:
-            step: the training step (its variables must all exist already).
-            bucket_shapes: one dict per bucket with the batch keys ("mel", "mel_len", "tokens",
-                "tok_len") and their fixed shapes; bucket ``i`` of ``run`` is entry ``i``.
-        """
+    Args:
+        step: the training step (its variables must all exist already).
+        bucket_shapes: one dict per bucket with the batch keys ("mel", "mel_len", "tokens",
+            "tok_len") and their fixed shapes; bucket ``i`` of ``run`` is entry ``i``.
+        jit_compile: ``model.jit_compile``: True = XLA or fail, False = graph mode, "auto" = XLA
+            where it compiles and its warm-up steps are not slower (``consumer/train/jit.py``).
+        factory: the step factory's name (``model.step``), for error messages.
+        remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept
+            without timing, unless XLA now fails.
+    """
+
+    def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
+                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
+        choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
         self._step = step
+        self._setting = jit_compile
+        self._factory = factory
+        self._remembered = remembered if jit_compile == "auto" else None
         self._bucket_keys = [_shapes_of(s) for s in bucket_shapes]
-        self._programs: dict[_Shapes, Callable[..., tf.Tensor]] = {}
+        self._mode = "graph" if jit_compile is False else "xla"
+        self._choice: JitChoice | None = None
+        self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
+        self._programs: dict[tuple[str, _Shapes], Callable[..., dict[str, tf.Tensor]]] = {}
         self._traces = 0
         self._compiles_after_ready = 0
         self._is_ready = False
 
     @property
     def traces(self) -> int:
-        """Traces of any program so far (each one is an XLA compile on first execution)."""
+        """Traces of any program so far (with XLA, each one is a compile on first execution)."""
         return self._traces
 
     @property
@@ -121,19 +139,29 @@ class CompiledStep:
         """Whether ``warm_up()`` has completed."""
         return self._is_ready
 
-    def _program(self, key: _Shapes) -> Callable[..., tf.Tensor]:
-        program = self._programs.get(key)
+    @property
+    def mode(self) -> str:
+        """"xla" or "graph": how the programs are compiled (settled by ``warm_up()``)."""
+        return self._mode
+
+    @property
+    def choice(self) -> JitChoice | None:
+        """What ``warm_up()`` decided and why (None before it ran)."""
+        return self._choice
+
+    def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
+        program = self._programs.get((self._mode, key))
         if program is None:
             signature = [tf.TensorSpec(shape, _BATCH_DTYPES[name], name=name)
                          for name, shape in zip(_ARG_ORDER, key)]
 
             def traced(mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                       tok_len: tf.Tensor) -> tf.Tensor:
+                       tok_len: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                return self._step(mel, mel_len, tokens, tok_len)
+                return self._normalize(self._step(mel, mel_len, tokens, tok_len))
 
-            program = tf.function(traced, jit_compile=True, input_signature=signature)
-            self._programs[key] = program
+            program = tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature)
+            self._programs[(self._mode, key)] = program
         return program
 
     @tf.autograph.experimental.do_not_convert  # plain Python bookkeeping, runs at trace time
@@ -141,47 +169,119 @@ class CompiledStep:
         self._traces += 1
         if self._is_ready:
             self._compiles_after_ready += 1
-            log.warning("compiling a new step program after warm-up shapes=%s "
-                        "compiles_after_ready=%d", dict(zip(_ARG_ORDER, key)),
+            log.warning("compiling a new step program after warm-up shapes=%s mode=%s "
+                        "compiles_after_ready=%d", dict(zip(_ARG_ORDER, key)), self._mode,
                         self._compiles_after_ready)
         else:
-            log.debug("tracing step program shapes=%s", dict(zip(_ARG_ORDER, key)))
+            log.debug("tracing step program shapes=%s mode=%s", dict(zip(_ARG_ORDER, key)), self._mode)
+
+    @tf.autograph.experimental.do_not_convert
+    def _normalize(self, result: object) -> dict[str, tf.Tensor]:
+        """``normalize_outputs``, remembering a contract error: AutoGraph re-raises it as its own type."""
+        try:
+            return normalize_outputs(result)
+        except StepOutputError as err:
+            self._output_error = err
+            raise
 
     def warm_up(self) -> float:
-        """Compile every bucket's program, then restore every variable to its prior value.
+        """Settle the compile mode, compile every bucket's program, then restore every variable.
 
-        Each program is executed once on an all-padding batch (zeros, all lengths 0) to force the
-        XLA compile; that step may still move optimizer state (iteration counters, Adam moments
-        decay), so all of ``step.variables()`` is snapshotted before and assigned back after.
+        Each program is executed on an all-padding batch (zeros, all lengths 0) to force the
+        compile (and, with "auto", a few more times per mode to time them); those steps may move
+        optimizer state (iteration counters, Adam moments decay), so all of ``step.variables()``
+        is snapshotted before and assigned back after, whatever happens.
 
         Returns:
-            Seconds spent compiling and running the warm-up steps.
+            Seconds spent compiling (and timing) the warm-up steps.
+
+        Raises:
+            StepError: XLA cannot compile the step with ``jit_compile: true``, or the step fails
+                in graph mode (one line naming ``factory`` and the error).
+            ConfigError: the step's return value breaks the contract (``model.step``).
         """
         variables = self._step.variables()
         # Host copies: a device-side snapshot could alias state that the warm-up steps update.
         saved = [v.numpy() for v in variables]
         started = time.perf_counter()
-        for key in dict.fromkeys(self._bucket_keys):  # unique, in bucket order
-            zeros = [tf.zeros(shape, _BATCH_DTYPES[name]) for name, shape in zip(_ARG_ORDER, key)]
-            float(self._program(key)(*zeros))  # host sync: the compile must finish here
+        try:
+            choice = self._settle_mode()
+        except Exception as err:
+            if self._output_error is not None:   # whatever TensorFlow wrapped it in
+                raise ConfigError(str(self._output_error), path=("model", "step"), got=self._factory
+                                  ) from err
+            raise
+        finally:
+            for var, value in zip(variables, saved):
+                var.assign(value)
         compile_s = time.perf_counter() - started
-        for var, value in zip(variables, saved):
-            var.assign(value)
-        self._is_ready = True
-        log.info("step compiled buckets=%d traces=%d compile_s=%.2f",
-                 len(set(self._bucket_keys)), self._traces, compile_s)
+        self._choice, self._is_ready = choice, True
+        log.info("step compiled buckets=%d traces=%d compile_s=%.2f jit_compile=%s (%s)",
+                 len(set(self._bucket_keys)), self._traces, compile_s, self._mode, choice.reason)
         return compile_s
 
-    def run(self, bucket: int, batch: Mapping[str, tf.Tensor]) -> tf.Tensor:
+    def _settle_mode(self) -> JitChoice:
+        if self._setting is False or self._remembered == "graph":
+            self._compile_all("graph")
+            return choose_mode(self._setting, remembered=self._remembered)
+        try:
+            self._compile_all("xla")
+        except Exception as err:    # user code under XLA: TensorFlow raises many types; all are reported
+            if self._output_error is not None:
+                raise               # the contract is broken: graph mode would fail the same way
+            reason = describe_tf_error(err)
+            if self._setting is True:
+                raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): "
+                                               f"{reason}") from err
+            log.warning("XLA cannot compile the step of %s, using graph mode: %s", self._factory, reason)
+            self._compile_all("graph")
+            return choose_mode("auto", xla_error=reason)
+        if self._setting is True or self._remembered == "xla":
+            return choose_mode(self._setting, remembered=self._remembered)
+        key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
+        xla_times = self._time_calls(key)
+        self._compile_all("graph", only=key)
+        choice = choose_mode("auto", xla_times_s=xla_times, graph_times_s=self._time_calls(key))
+        log.info("jit_compile auto: %s; using %s", choice.reason, choice.mode)
+        if choice.mode == "graph":
+            self._compile_all("graph")
+        else:
+            self._mode = "xla"
+        self._programs = {k: v for k, v in self._programs.items() if k[0] == choice.mode}
+        return choice
+
+    def _compile_all(self, mode: str, only: _Shapes | None = None) -> None:
+        """Switch to ``mode`` and run each bucket's program once on zeros (host sync: compiled)."""
+        self._mode = mode
+        for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
+            try:
+                read_outputs(self._program(key)(*_zeros(key)))
+            except Exception as err:  # see _settle_mode; graph mode has no fallback
+                if mode == "xla" or self._output_error is not None:
+                    raise
+                raise StepError(self._factory, f"the step fails in graph mode: {describe_tf_error(err)}"
+                                ) from err
+
+    def _time_calls(self, key: _Shapes) -> list[float]:
+        """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""
+        program, zeros = self._program(key), _zeros(key)
+        times = []
+        for _ in range(_TIMING_CALLS):
+            t0 = time.perf_counter()
+            read_outputs(program(*zeros))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def run(self, bucket: int, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """Run one training step on ``batch`` with the program compiled for ``bucket``.
 
         A batch whose shapes differ from the bucket's still runs (a new program is traced,
         counted and logged). The caller must leave DLPack-backed input buffers untouched until
-        the returned loss has been read (that read is the step's completion point).
+        an output has been read (that read is the step's completion point).
 
         Returns:
-            The scalar float32 loss tensor; reading it (``float()``, ``.numpy()``) is the only
-            host sync.
+            The step's named float32 scalars, ``"loss"`` first (``consumer/train/outputs.py``);
+            reading one (``float()``, ``read_outputs``) is the only host sync.
 
         Raises:
             IndexError: unknown bucket. TypeError: a batch tensor has the wrong dtype.
@@ -196,6 +296,11 @@ class CompiledStep:
         if key != expected:
             log.debug("bucket %d got shapes %s, want %s", bucket, key, expected)
         return self._program(key)(*args)
+
+
+def _zeros(key: _Shapes) -> list[tf.Tensor]:
+    """The all-padding warm-up batch of one bucket (every length 0)."""
+    return [tf.zeros(shape, _BATCH_DTYPES[name]) for name, shape in zip(_ARG_ORDER, key)]
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,

@@ -32,9 +32,11 @@ from consumer.flow.credit import LeaseBook
 from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
 from consumer.flow.ring import BatchRing
 from consumer.flow.session import ReceiverSession
+from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
 from shared.errors import ProtocolError
+from shared.printable import escape_line
 from shared.wire.buckets import BucketSet
 from shared.wire.curve import ZAP_ENDPOINT, ServerKeys, zap_reply
 from shared.wire.protocol import BatchHeader, decode_header, encode, max_producer_header_bytes
@@ -91,20 +93,24 @@ class Receiver:
         self._zap: zmq.Socket[bytes] | None = None
         self._auth_denied = 0
         self._auth_log_s = 0.0
+        self._endpoint_lock: EndpointLock | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Bind (errors surface here, in the caller's thread) and start the loop. Idempotent."""
         if self._thread is not None:
             return
+        # Before the bind: libzmq's ipc bind unlinks a live consumer's socket (one consumer per endpoint).
+        self._endpoint_lock = lock_endpoint(self.endpoint)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A producer keeps its routing id when its DEALER reconnects (network cut, MAXMSGSIZE drop).
-        # Without handover the ROUTER silently ignores the new connection for as long as it still
-        # holds the old one (a cut sends no FIN): that producer is deaf for good (test_bad_input B14).
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a connection announcing a routing id the ROUTER already holds is ignored, so
+        # a peer can never displace a live peer by claiming its id (docs/ARCHITECTURE.md "Trust").
+        # Producers announce no id: the ROUTER assigns a fresh one to every connection, so a producer
+        # whose DEALER reconnects after a cut is a new peer (UNKNOWN_PEER -> HELLO), never a duplicate.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
@@ -121,6 +127,7 @@ class Receiver:
             if self._zap is not None:
                 self._zap.close()
             self._ctx.term()
+            self._release_lock()
             raise
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
@@ -142,6 +149,12 @@ class Receiver:
         if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
             os.close(self._wake_fd)
             self._wake_fd = -1
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._endpoint_lock is not None:
+            self._endpoint_lock.release()
+            self._endpoint_lock = None
 
     def wake(self) -> None:
         """Make the loop run now (a slot was freed or a batch applied). Any thread may call it."""
@@ -227,8 +240,9 @@ class Receiver:
             self._auth_denied += 1
             now = self._clock()
             if now >= self._auth_log_s:        # rate-limited: a scanner must not flood the log
+                address = request[3].decode(errors="replace") if len(request) > 3 else "?"
                 log.warning("CURVE handshake refused (%s) from %s; %d refused so far", reply[3].decode(errors="replace"),
-                            request[3].decode(errors="replace") if len(request) > 3 else "?", self._auth_denied)
+                            escape_line(address), self._auth_denied)
                 self._auth_log_s = now + _AUTH_LOG_INTERVAL_S
         self._zap.send_multipart(reply)
 

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -38,14 +39,26 @@ def stop_on_signals(*signums: int) -> Iterator[threading.Event]:
 
 
 def prepare_runtime_dir(path: Path) -> Path:
-    """Create the socket directory with mode 0700 (0770 is kept if systemd made it so)."""
+    """Create the socket directory with mode 0700 (0770 is kept if systemd made it so).
+
+    Raises:
+        ConfigError: it cannot be made, belongs to another user, or others can write to it: anyone
+            who can write there can replace the socket or the lock file (docs/ARCHITECTURE.md "Trust").
+    """
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",),
                           got=str(path)) from err
-    if path.stat().st_uid != os.getuid():
+    st = path.stat()
+    if st.st_uid != os.getuid():
         raise ConfigError("runtime directory belongs to another user", path=("runtime_dir",), got=str(path))
+    mode = stat.S_IMODE(st.st_mode)
+    foreign_group = st.st_gid != os.getgid() and st.st_gid not in os.getgroups()
+    if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and foreign_group):
+        who = "every user" if mode & stat.S_IWOTH else f"group {st.st_gid}, which is not ours,"
+        raise ConfigError(f"runtime directory {path} is mode {mode:04o}: {who} can write to it (and replace its "
+                          "socket); make it 0700 or 0770 for the service group", path=("runtime_dir",))
     return path
 
 

@@ -1,4 +1,4 @@
-"""CURVE keys, the producer allow-list and the ZAP decisions for tcp endpoints beyond loopback.
+"""CURVE keys, the producer allow-list and the ZAP decisions for tcp endpoints (loopback included).
 
 ``run_pipeline.py keys DIR --producer NAME ...`` writes, with pyzmq's certificate format
 (``zmq.auth.create_certificates``: ``NAME.key`` public, ``NAME.key_secret`` secret, mode 0600)::
@@ -16,12 +16,11 @@ handshake before ZAP. The receiver then requires HELLO's producer id to be NAME 
 
 from __future__ import annotations
 
-import ipaddress
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
@@ -30,23 +29,12 @@ import zmq.utils.z85
 from shared.errors import ConfigError
 
 __all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
-           "is_loopback", "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
+           "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
+
+log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_VERSION = b"1.0"
-
-
-def is_loopback(endpoint: str) -> bool:
-    """ipc:// and tcp:// on a loopback address need no CURVE; anything else does."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _load(path: Path, what: tuple[str, ...], secret: bool) -> tuple[bytes, bytes | None]:
@@ -170,10 +158,14 @@ def _need(value: str | None, key: str, why: str) -> str:
 
 
 def _own_secret(transport: object, endpoint: str) -> str | None:
-    """This side's secret key file, or ``None`` when plaintext is allowed (ipc, loopback tcp)."""
+    """This side's secret key file, or ``None`` when plaintext is allowed (ipc, or tcp marked insecure).
+
+    Loopback tcp is no exception: every local user can connect to it (docs/ARCHITECTURE.md "Trust").
+    """
     secret = getattr(transport, "curve_secret_key", None)
-    if not secret and not is_loopback(endpoint):
-        _need(None, "curve_secret_key", f"for {endpoint}: tcp beyond loopback needs CURVE (run_pipeline.py keys)")
+    if not secret and endpoint.startswith("tcp://") and not getattr(transport, "insecure", False):
+        _need(None, "curve_secret_key", f"for {endpoint}: tcp needs CURVE, loopback included (run_pipeline.py "
+                                        "keys), or transport.insecure: true")
     return secret or None
 
 
@@ -185,6 +177,9 @@ def server_keys_for(transport: object, endpoint: str) -> ServerKeys | None:
     """
     secret = _own_secret(transport, endpoint)
     if secret is None:
+        if endpoint.startswith("tcp://"):
+            log.warning("transport.insecure: true: %s takes unauthenticated peers; any user who can reach it "
+                        "may join as a producer", endpoint)
         return None
     return load_server_keys(secret, _need(getattr(transport, "curve_allowed_dir", None), "curve_allowed_dir",
                                           "with curve_secret_key"))

@@ -1,6 +1,6 @@
 """SIGTERM on the consumer: exit 0, a checkpoint at exactly the next batch, and a restart that
 ends with the same variables as a run that was never interrupted (nothing lost or repeated).
-Producers keep running across the consumer restart (reliability-tests F3, F8)."""
+Producers keep running across the consumer restart."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ active on READY and its STATUS= shows live figures; SIGKILL a producer (systemd 
 training goes on); SIGKILL the consumer (it restarts from its checkpoint, producers are not
 restarted); rescale live from 2 to 4 producers; wedge the consumer with SIGSTOP (the watchdog kills
 and restarts it); ``systemctl stop pipeline.target`` stops producers first and everything exits
-cleanly. Oracle at the end: the audit of the state directory is exact (reliability-tests F1, F3,
-F6, F8, F9, F14).
+cleanly. Oracle at the end: the audit of the state directory is exact (after kills, a watchdog
+restart, a rescale and stops).
 """
 
 from __future__ import annotations

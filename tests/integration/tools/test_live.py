@@ -77,10 +77,11 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
                 return None
             snap: dict[str, Any] = json.loads(r.stdout)
             rated = [p for p in snap["producers"] if p["batches_per_s"] is not None and p["read_ms"] is not None]
-            return snap if snap["step"] > 0 and len(rated) == 2 else None
+            return snap if snap["step"] > 0 and len(rated) == 2 and snap["outputs"] else None
 
         snap = _until(status_json, proc, log)
         assert tuple(snap) == SCHEMA_KEYS
+        assert list(snap["outputs"]) == ["loss"] and snap["jit_compile"] in ("xla", "graph")
         assert snap["phase"] in ("training", "waiting") and snap["producers_alive"] == 2
         assert sorted(p["id"] for p in snap["producers"]) == ["producer-1", "producer-2"]
 
@@ -89,11 +90,13 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
         step = int(table.stdout.split("step ", 1)[1].split(",")[0])
         rows = [line.split() for line in table.stdout.splitlines() if line.startswith("producer-")]
         assert step > 0 and sorted(r[0] for r in rows) == ["producer-1", "producer-2"]
+        assert "step outputs (mean over the status interval): loss " in table.stdout
 
         def scraped() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
             m = _scrape(port)
             built = [k for k in m if k[0] == "melfeed_producer_batches_total"]
-            return m if m.get(("melfeed_batches_applied_total", ()), 0) > 0 and len(built) == 2 else None
+            has_loss = ("melfeed_step_output", (("name", "loss"),)) in m
+            return m if m.get(("melfeed_batches_applied_total", ()), 0) > 0 and len(built) == 2 and has_loss else None
 
         metrics = _until(scraped, proc, log)
         assert metrics[("melfeed_producers_alive", ())] == 2

@@ -1,5 +1,5 @@
 """CURVE over tcp: an allowed key streams; an unknown key, a plaintext peer and a key claiming
-another producer's id never get a frame through (reliability-tests B16)."""
+another producer's id never get a frame through."""
 
 from __future__ import annotations
 

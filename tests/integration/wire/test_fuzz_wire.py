@@ -30,8 +30,8 @@ from shared.errors import ProtocolError
 from shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests.conftest import ProducerGroup
-from tests.integration.wire.test_bad_input import (_BATCH_CASES, BadPeer, Reference, Stream, Wire, _delta, start_producer,
-                                              wire_config)
+from tests.integration.wire.bad_peer import (BATCH_CASES, BadPeer, Reference, Stream, Wire, delta, start_producer,
+                                            wire_config)
 
 SEED = int(os.environ.get("MELFEED_FUZZ_SEED", "1357"))
 N_STRANGER = int(os.environ.get("MELFEED_FUZZ_MESSAGES", "1200"))   # from the rotating strangers
@@ -164,15 +164,15 @@ class Insider:
         while p.leases and not self.done:
             lease = p.leases.pop(0)
             header, payload = p.batch(lease)
-            choice = self.rng.randrange(len(_BATCH_CASES) + 3)
-            if choice < len(_BATCH_CASES):                    # answers the lease: it is requeued
-                mutate, _ = list(_BATCH_CASES.values())[choice]
+            choice = self.rng.randrange(len(BATCH_CASES) + 3)
+            if choice < len(BATCH_CASES):                    # answers the lease: it is requeued
+                mutate, _ = list(BATCH_CASES.values())[choice]
                 header, payload = mutate(header, payload)
             else:                                             # leaves the lease open: answer it later
                 p.leases.insert(0, lease)
-                if choice == len(_BATCH_CASES):
+                if choice == len(BATCH_CASES):
                     header = dataclasses.replace(header, batch_id=10**9 + self.sent)      # LEASE
-                elif choice == len(_BATCH_CASES) + 1 and applied:
+                elif choice == len(BATCH_CASES) + 1 and applied:
                     header = dataclasses.replace(header, batch_id=applied[-1][0])       # dup
                 else:
                     header = dataclasses.replace(header, epoch=header.epoch + 2)         # stale: UNKNOWN_PEER
@@ -280,9 +280,9 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
                 attack.drain()
                 insider.peer.pump(0, heartbeat=False)
                 now = consumer.receiver_stats()
-                counted = sum(_delta(before.rejects, now.rejects).values())
+                counted = sum(delta(before.rejects, now.rejects).values())
                 return counted + now.duplicates_dropped - before.duplicates_dropped >= total_sent
-            assert _wait(settled), _delta(before.rejects, consumer.receiver_stats().rejects)
+            assert _wait(settled), delta(before.rejects, consumer.receiver_stats().rejects)
             time.sleep(0.2)                                 # a surplus count or reply would show by now
             settled()
             after = consumer.receiver_stats()
@@ -296,8 +296,8 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
 
     context = f"seed {SEED}"
     assert stream.error is None, context
-    rejects = _delta(before.rejects, after.rejects)
-    by_peer = _delta(before.rejects_by_peer, after.rejects_by_peer)
+    rejects = delta(before.rejects, after.rejects)
+    by_peer = delta(before.rejects_by_peer, after.rejects_by_peer)
     dups = after.duplicates_dropped - before.duplicates_dropped      # only the insider sends copies
     # Every message counted once: a reject, an ignored one (FLOOD) or a duplicate.
     assert sum(rejects.values()) + dups == total_sent, (context, rejects, dups, total_sent)

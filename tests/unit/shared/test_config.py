@@ -31,6 +31,9 @@ from shared.errors import ConfigError
     ({"consumer": {"gpu_sample_interval_s": -1}}, "consumer.gpu_sample_interval_s: must be >= 0"),
     ({"consumer": {"metrics_window_s": 0}}, "consumer.metrics_window_s: must be > 0"),
     ({"consumer": {"control_endpoint": "tcp://0.0.0.0:5600"}}, "consumer.control_endpoint: must be ipc://"),
+    ({"consumer": {"control_endpoint": "tcp://127.0.0.1:5600"}},
+     "consumer.control_endpoint: serves status without authentication over tcp://; use ipc:// or set "
+     "transport.insecure: true"),
 ])
 def test_bad_values_name_the_key(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -58,8 +61,9 @@ def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path:
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     ipc = config_from_mapping({"transport": {"endpoint": "ipc:///run/x/feed.sock"}})
     assert resolve_control_endpoint(ipc, env, create_dir=False) == "ipc:///run/x/feed.control.sock"
-    tcp = config_from_mapping({"transport": {"endpoint": "tcp://127.0.0.1:5555"}})
+    tcp = config_from_mapping({"transport": {"endpoint": "tcp://127.0.0.1:5555", "insecure": True}})
     assert resolve_control_endpoint(tcp, env, create_dir=False) == f"ipc://{tmp_path}/melfeed/melfeed-control.sock"
     assert not (tmp_path / "melfeed").exists()
-    own = config_from_mapping({"consumer": {"control_endpoint": "tcp://127.0.0.1:5600"}})
+    own = config_from_mapping({"consumer": {"control_endpoint": "tcp://127.0.0.1:5600"},
+                               "transport": {"insecure": True}})
     assert resolve_control_endpoint(own, env, create_dir=True) == "tcp://127.0.0.1:5600"

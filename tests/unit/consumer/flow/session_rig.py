@@ -30,11 +30,13 @@ class Rig:
 
     def __init__(self, *, n_slots: int = 3, window: int = 2, lease_timeout_s: float = 10.0,
                  liveness_s: float = 30.0, heartbeat_interval_s: float = 1.0, end_id: int | None = None,
-                 shm: SlotFiles | None = None, flood_limit: int = 200, start_s: float = 100.0) -> None:
+                 shm: SlotFiles | None = None, flood_limit: int = 200, start_s: float = 100.0,
+                 lease_expiry_limit: int = 3, lease_backoff_s: float = 60.0) -> None:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
         self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
-        cfg = SessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False)
+        cfg = SessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False,
+                            lease_expiry_limit=lease_expiry_limit, lease_backoff_s=lease_backoff_s)
         self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
                                        rejects=RejectLog(flood_limit=flood_limit))
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from consumer.flow.session import escape_line
-from shared.wire.protocol import CAP_SHM, Bye, Heartbeat, LeaseGrant, RejectCode, Welcome
-from tests.unit.consumer.flow.session_rig import A, B, EPOCH, Rig, err_codes, ids
+from shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
+from tests.unit.consumer.flow.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, ids
 
 
 # --- handshake --------------------------------------------------------------------------------
@@ -40,12 +40,24 @@ def test_hello_with_an_unsupported_protocol_is_refused_with_proto() -> None:
 
 @pytest.mark.parametrize("field, value", [("fingerprint", "cd" * 32), ("n_mels", 80), ("seed", 43),
                                           ("buckets", [[0, 2, 16, 4, 3]])])
-def test_hello_with_another_contract_is_refused_with_contract(field: str, value: object) -> None:
+def test_hello_with_another_contract_is_refused_with_contract(field: str, value: object,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig()
     overrides: dict[str, Any] = {field: value}
-    decision = rig.hello(A, **overrides)
+    with caplog.at_level(logging.WARNING):
+        decision = rig.hello(A, **overrides)
     assert err_codes(decision) == [RejectCode.CONTRACT]
     assert rig.session.stats().producers_alive == 0 and rig.grant() == {}
+    # An unauthenticated peer learns nothing of the consumer's contract; the consumer's log has it all.
+    [out] = decision.sends
+    assert isinstance(out.msg, Err)
+    for secret in (CONTRACT.fingerprint, f"consumer {CONTRACT.seed}", str(CONTRACT.buckets), "consumer 3"):
+        assert secret not in out.msg.why
+    assert repr(value)[:20] in out.msg.why                      # its own value, to fix its config by
+    [line] = [r.getMessage() for r in caplog.records if "code=CONTRACT" in r.getMessage()]
+    ours = {"fingerprint": CONTRACT.fingerprint[:20], "n_mels": "consumer 3", "seed": "consumer 42",
+            "buckets": "consumer [[0"}[field]
+    assert ours in line
 
 
 def test_curve_user_id_binds_the_producer_id() -> None:

@@ -192,3 +192,42 @@ def test_prometheus_without_the_package_or_with_a_taken_port_names_the_key(monke
     with pytest.raises(ConfigError) as info:
         start_prometheus("127.0.0.1", port, lambda: None)
     assert "consumer.metrics_port: needs prometheus_client" in str(info.value)
+
+
+def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    clock = iter(float(t) for t in range(100))
+    with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
+        assert tel.latest() is not None and tel.latest()["outputs"] == {} and tel.latest()["jit_compile"] is None
+        tel.set_jit_compile("graph")
+        means = {"loss": 0.75, "mel_l1": 0.5, "stop_bce": float("nan")}
+        first = tel.publish(3, 0.7, 0, outputs=means)
+        starved = tel.publish(3, 0.7, 0)          # a starved loop publishes no new means: the same ones
+    assert first["outputs"] == {"loss": 0.75, "mel_l1": 0.5, "stop_bce": None} and first["jit_compile"] == "graph"
+    assert starved["outputs"] == first["outputs"]
+    json.dumps(first, allow_nan=False)
+    table = format_status(first, "ipc:///x.control.sock")
+    assert "step outputs (mean over the status interval): loss 0.7500, mel_l1 0.5000, stop_bce -; " \
+           "compiled with graph" in table
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: first))  # type: ignore[arg-type]
+    families = {fam.name: fam for fam in text_string_to_metric_families(generate_latest(registry).decode())}
+    named = {s.labels["name"]: s.value for s in families["melfeed_step_output"].samples}
+    assert named == {"loss": 0.75, "mel_l1": 0.5}          # one family, a `name` label; null left out
+
+
+def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from tests.fakes import metrics_snapshot
+    evil = "evil\nINFO forged\x1b[2J"
+    row = {"id": evil, "batches": 3, "batches_per_s": 1.0, "read_ms": 1.0, "assemble_ms": 1.0, "send_ms": 1.0}
+    snap = metrics_snapshot(1.0, producers=[row], producers_benched=[evil])
+    table = format_status(snap, "ipc:///x.control.sock")
+    assert "\x1b" not in table and not any(line.startswith("INFO forged") for line in table.splitlines())
+    assert "evil\\nINFO forged\\x1b[2J" in table
+    assert "benched (let leases expire in a row; no leases for now): evil\\nINFO forged" in table
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    exposition = generate_latest(registry).decode()
+    assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition

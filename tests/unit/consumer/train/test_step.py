@@ -76,7 +76,9 @@ def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly()
     after = [v.numpy() for v in step.variables()]
     assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after))
     for bucket, (rows, frames, tokens) in enumerate([(4, 24, 6), (2, 40, 10), (4, 24, 6)]):
-        loss = compiled.run(bucket, _batch(rows, frames, tokens, seed=bucket))
+        outputs = compiled.run(bucket, _batch(rows, frames, tokens, seed=bucket))
+        loss = outputs["loss"]
+        assert list(outputs) == ["loss"]   # a bare scalar loss means {"loss": loss}
         assert loss.shape == () and loss.dtype == tf.float32 and float(loss) > 0
     assert compiled.traces == 2 and compiled.compiles_after_ready == 0
 
@@ -160,4 +162,4 @@ def test_compiled_step_runs_on_dlpack_tensors() -> None:
     compiled.warm_up()
     tensors, copies = to_tensors(slot)
     assert copies == 0
-    np.testing.assert_allclose(float(compiled.run(0, tensors)), reference, rtol=1e-5)
+    np.testing.assert_allclose(float(compiled.run(0, tensors)["loss"]), reference, rtol=1e-5)

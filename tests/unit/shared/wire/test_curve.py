@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
 import zmq.utils.z85
 
 from shared.config_loader import config_from_mapping
-from shared.wire.curve import (AllowList, client_keys_for, generate_keys, is_loopback, producer_id_matches,
-                          server_keys_for, zap_reply)
+from shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
+                               zap_reply)
 from shared.errors import ConfigError
 
 
-@pytest.mark.parametrize(("endpoint", "loopback"), [
-    ("ipc:///run/melfeed/melfeed.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
-    ("tcp://[::1]:5555", True), ("tcp://10.0.0.7:5555", False), ("tcp://gpu-box:5555", False),
-    ("tcp://0.0.0.0:5555", False)])
-def test_only_ipc_and_loopback_tcp_go_without_curve(endpoint: str, loopback: bool) -> None:
-    assert is_loopback(endpoint) is loopback
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555",
+                                      "tcp://10.0.0.7:5555", "tcp://0.0.0.0:5555"])
+def test_every_tcp_endpoint_loopback_included_needs_curve_unless_marked_insecure(
+        endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    plain = config_from_mapping({}).transport
+    with pytest.raises(ConfigError, match=f"transport.curve_secret_key: is required for {re.escape(endpoint)}: "
+                                          "tcp needs CURVE, loopback included"):
+        server_keys_for(plain, endpoint)
+    with pytest.raises(ConfigError, match="transport.insecure: true"):
+        client_keys_for(plain, endpoint)
+    insecure = config_from_mapping({"transport": {"insecure": True}}).transport
+    with caplog.at_level(logging.WARNING, logger="shared.wire.curve"):
+        assert server_keys_for(insecure, endpoint) is None and client_keys_for(insecure, endpoint) is None
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]     # the consumer's, once
+    assert "transport.insecure" in warning.getMessage() and endpoint in warning.getMessage()
+
+
+def test_ipc_needs_no_curve_and_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    plain = config_from_mapping({}).transport
+    with caplog.at_level(logging.WARNING):
+        assert server_keys_for(plain, "ipc:///run/melfeed/melfeed.sock") is None
+    assert caplog.records == []
 
 
 def test_keys_are_written_once_with_private_secrets_and_load_as_an_allow_list(tmp_path: Path) -> None:
@@ -52,9 +70,8 @@ def test_a_key_speaks_only_for_its_own_name(producer_id: str, user: str, ok: boo
     assert producer_id_matches(producer_id, user) is ok
 
 
-def test_tcp_beyond_loopback_requires_keys_on_both_sides_with_one_line_naming_the_key(tmp_path: Path) -> None:
+def test_tcp_requires_keys_on_both_sides_with_one_line_naming_the_key(tmp_path: Path) -> None:
     plain = config_from_mapping({}).transport
-    assert server_keys_for(plain, "tcp://127.0.0.1:5555") is None
     with pytest.raises(ConfigError, match="transport.curve_secret_key: is required for tcp://10.0.0.7:5555"):
         server_keys_for(plain, "tcp://10.0.0.7:5555")
     with pytest.raises(ConfigError, match="transport.curve_secret_key"):

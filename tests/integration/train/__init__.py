@@ -1,0 +1,1 @@
+"""Training users' own models through the built-in loop and the library."""

@@ -1,0 +1,51 @@
+"""shared/service/lifecycle.py: the runtime directory is refused when others can write to it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shared.errors import ConfigError
+from shared.service.lifecycle import prepare_runtime_dir
+
+
+def test_a_new_runtime_directory_is_private(tmp_path: Path) -> None:
+    made = prepare_runtime_dir(tmp_path / "run" / "melfeed")
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o770, 0o750, 0o1770])
+def test_our_own_or_our_groups_directory_is_kept(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "melfeed"
+    path.mkdir()
+    path.chmod(mode)
+    assert prepare_runtime_dir(path) == path
+    assert path.stat().st_mode & 0o7777 == mode            # never changed behind the operator's back
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o702])
+def test_a_world_writable_runtime_directory_is_refused_with_one_line_naming_it_and_its_mode(
+        tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "melfeed"
+    path.mkdir()
+    path.chmod(mode)
+    with pytest.raises(ConfigError) as info:
+        prepare_runtime_dir(path)
+    text = str(info.value)
+    assert text.startswith(f"runtime_dir: runtime directory {path} is mode {mode & 0o7777:04o}: every user can write")
+    assert "\n" not in text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to a foreign group needs root")
+def test_a_directory_writable_by_a_group_that_is_not_ours_is_refused(tmp_path: Path) -> None:
+    foreign_gid = max(os.getgroups() + [os.getgid()]) + 4242
+    path = tmp_path / "melfeed"
+    path.mkdir()
+    os.chown(path, -1, foreign_gid)
+    path.chmod(0o750)                                       # the group may read: harmless
+    assert prepare_runtime_dir(path) == path
+    path.chmod(0o770)
+    with pytest.raises(ConfigError, match=f"mode 0770: group {foreign_gid}, which is not ours, can write"):
+        prepare_runtime_dir(path)

@@ -1,0 +1,69 @@
+"""The layout's rules, checked on the source: imports flow producer -> shared <- consumer, sizes stay readable.
+
+docs/ARCHITECTURE.md "Map": producer and consumer never import each other (they meet only on the wire),
+and shared imports neither. Every import counts, also one inside a function, except under
+``if TYPE_CHECKING:``, which never runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = ("producer", "consumer", "shared")
+_FORBIDDEN = {"producer": {"consumer"}, "consumer": {"producer"}, "shared": {"producer", "consumer"}}
+_MAX_MODULE_LINES = 400
+_MAX_MODULES_PER_FOLDER = 12
+
+
+def _imported_packages(tree: ast.AST) -> set[str]:
+    """Top-level package names imported anywhere in ``tree``, skipping ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(tree)
+    return found
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted(p for p in (_ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("package", _PACKAGES)
+def test_imports_flow_producer_to_shared_from_consumer(package: str) -> None:
+    offenders = {}
+    for path in _modules(package):
+        bad = _imported_packages(ast.parse(path.read_text(encoding="utf-8"))) & _FORBIDDEN[package]
+        if bad:
+            offenders[str(path.relative_to(_ROOT))] = sorted(bad)
+    assert offenders == {}
+
+
+def test_the_import_check_sees_imports_inside_functions_but_not_type_checking_blocks() -> None:
+    code = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import consumer.feed\n"
+            "def f():\n    from producer.batcher import BatchAssembler\n")
+    assert _imported_packages(ast.parse(code)) == {"typing", "producer"}
+
+
+def test_no_module_is_over_400_lines_and_no_folder_holds_more_than_12_modules() -> None:
+    too_long, too_full = [], []
+    for package in (*_PACKAGES, "tests"):
+        folders: dict[Path, int] = {}
+        for path in _modules(package):
+            if len(path.read_text(encoding="utf-8").splitlines()) > _MAX_MODULE_LINES:
+                too_long.append(str(path.relative_to(_ROOT)))
+            if path.name != "__init__.py":
+                folders[path.parent] = folders.get(path.parent, 0) + 1
+        too_full += [str(d.relative_to(_ROOT)) for d, n in folders.items() if n > _MAX_MODULES_PER_FOLDER]
+    assert (too_long, too_full) == ([], [])
