@@ -1,9 +1,11 @@
 """``run_pipeline.py consumer`` and ``run_pipeline.py run`` (consumer here + producers as a child group).
 
 ``run`` starts the consumer in this process and ``run_pipeline.py producer`` as one child process
-group (its own uvloop supervisor). If that group exits early (e.g. 78 on a contract error) the run
-stops with its exit code. Exit codes: 0 finished or stopped by a signal, 78 configuration error,
-1 unexpected failure.
+group (its own uvloop supervisor) with ``producer.exit_at_plan_end`` set: when the plan is finished the
+consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop ladder is the fallback
+(``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
+78 on a contract error) the run stops with its exit code. Exit codes: 0 finished or stopped by a
+signal, 78 configuration error, 1 unexpected failure.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +36,8 @@ from shared.service.sdnotify import Notifier
 __all__ = ["main_consumer", "main_run", "start_producers", "stop_producers"]
 
 log = logging.getLogger(__name__)
+
+_PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 s poll, on a loaded 2-core machine
 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
@@ -85,15 +90,16 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
             _telemetry(cfg, consumer, started_s) as telemetry:
-        child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint,
+        child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, entry, args.debug_delay_ms)
-        watcher = threading.Thread(target=_watch, args=(group, stop), name="producers-watch", daemon=True)
+        watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
         watcher.start()
         try:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   telemetry=telemetry)
         finally:
+            _await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + _PRODUCERS_EXIT_S)
             stop_producers(group)
     code = group.proc.returncode or 0
     return code if code not in (-signal.SIGTERM, 0) else 0
@@ -113,12 +119,25 @@ def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> C
     return group
 
 
-def _watch(group: Child, stop: threading.Event) -> None:
-    """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error)."""
+def _watch(group: Child, stop: threading.Event, consumer: Consumer) -> None:
+    """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error), unless it
+    exited 0 because the plan is finished."""
     code = group.proc.wait()
-    if not group.stopping:
+    if not group.stopping and not (code == 0 and consumer.finished):
         log.error("producer group exited with %d; stopping", code)
         stop.set()
+
+
+def _await_plan_end(group: Child, consumer: Consumer, wait_s: float) -> None:
+    """A finished plan: the producers heard ``done`` and exit 0 by themselves; bounded, then the ladder."""
+    if not consumer.finished:
+        return
+    try:
+        code = group.proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        log.warning("producer group still running %.0f s after the plan ended; stopping it", wait_s)
+        return
+    log.info("producer group exited %d on its own after the plan ended", code)
 
 
 def stop_producers(group: Child) -> None:

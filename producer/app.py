@@ -41,6 +41,7 @@ def main_producer(args: argparse.Namespace) -> int:
         with stop_on_signals() as stop, \
                 handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path:
             return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
-                                       debug_delay_ms=args.debug_delay_ms, notifier=notifier)
+                                       debug_delay_ms=args.debug_delay_ms, notifier=notifier,
+                                       exit_at_plan_end=cfg.producer.exit_at_plan_end)
     finally:
         notifier.close()

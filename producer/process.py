@@ -2,8 +2,9 @@
 
 ``python -m producer.process --config FILE --index N``: sets ``CUDA_VISIBLE_DEVICES`` to the data GPU
 before anything could import a framework, loads the manifest, derives the bucket shapes (the
-consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM.
-Exit codes: 0 clean stop, 78 configuration/contract error (no restart), 1 unexpected error.
+consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
+``producer.exit_at_plan_end``, until the consumer's plan ended).
+Exit codes: 0 clean stop or plan ended, 78 configuration/contract error (no restart), 1 unexpected error.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
     session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
                             cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
-                            backoff_max_s=t.connect_backoff_max_s)
+                            backoff_max_s=t.connect_backoff_max_s, exit_at_plan_end=cfg.producer.exit_at_plan_end)
     return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
                           on_tick=on_tick)
 

@@ -8,6 +8,9 @@ reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of an
 ``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
 a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch, a WELCOME to a HELLO that still
 offered shm) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+The consumer's plan ended (its HB says ``done``): drop the leases, and either leave with BYE and exit 0
+(``exit_at_plan_end``, set by ``run``) or say BYE and wait for the next consumer (systemd, by hand);
+that consumer's epoch is never joined again (its WELCOME is answered with BYE, the back-off goes on).
 Invariants: only leases of the joined epoch are ever built (docs/ARCHITECTURE.md, invariant 2), the
 pending queue never holds a batch id twice, and every timer is a due time compared with ``now_s``
 (invariant 6: the worker's waits are bounded by ``poll_timeout_s``).
@@ -49,6 +52,7 @@ class SessionConfig:
     heartbeat_interval_s: float       # our HB period while ACTIVE
     liveness_s: float                 # consumer silent this long: it is gone, re-join
     backoff_max_s: float              # longest pause between two HELLOs
+    exit_at_plan_end: bool = False    # the consumer's plan ended: exit 0 (``run``) instead of waiting for the next
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ class ProducerSession:
         self.cfg = cfg
         self.exit_code = 0                # non-zero: leave the loop and exit with it
         self.reason = ""                  # one line, why ``exit_code`` is not 0 (for the BYE)
+        self.finished = False             # the plan ended under ``exit_at_plan_end``: leave the loop, exit 0
         self.counts = _Counts()
         self._offers_shm = offers_shm
         self._epoch: int | None = None
@@ -106,6 +111,8 @@ class ProducerSession:
         self._next_hb_s = 0.0
         self._missing_files = 0           # consecutive slot files not found
         self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
+        self._ended_epoch: int | None = None   # a consumer whose plan ended: never joined again
+        self._outbox: list[Message] = []       # replies decided in ``on_message``, sent by the next ``on_turn``
 
     @property
     def joined_epoch(self) -> int | None:
@@ -127,15 +134,15 @@ class ProducerSession:
         return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps)
 
     def on_turn(self, now_s: float) -> list[Message]:
-        """Timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
+        """Replies owed, then timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
+        out, self._outbox = self._outbox, []
         if self._epoch is not None:
             if now_s - self._last_heard_s <= self.cfg.liveness_s:
-                return []
+                return out
             log.warning("consumer silent for %.1f s; dropping %d leases and re-joining",
                         now_s - self._last_heard_s, len(self._leases))
             self._leave(now_s)
         j = self._joining
-        out: list[Message] = []
         if now_s >= j.next_hello_s:
             out.append(self.hello())
             j.next_hello_s = now_s + j.backoff_s
@@ -168,6 +175,8 @@ class ProducerSession:
                 self._last_heard_s = now_s
                 if isinstance(msg, LeaseGrant):
                     self._take_leases(msg.leases, now_s)
+                elif msg.done:
+                    self._on_plan_end(msg.epoch, now_s)
         elif isinstance(msg, Err):
             self._on_err(msg, now_s)
 
@@ -178,7 +187,24 @@ class ProducerSession:
                 held.add(x.batch_id)
                 self._leases.append((x, now_s + x.deadline_s))
 
+    def _on_plan_end(self, epoch: int, now_s: float) -> None:
+        """The joined consumer's plan is finished: build nothing more; exit 0, or wait for the next consumer."""
+        self._ended_epoch = epoch
+        self._leases.clear()
+        if self.cfg.exit_at_plan_end:     # ``farewell`` says BYE (exit 0) once the loop has ended
+            log.info("consumer epoch=%d finished its plan; exiting (producer.exit_at_plan_end)", epoch)
+            self.finished = True
+            return
+        log.info("consumer epoch=%d finished its plan; waiting for the next consumer", epoch)
+        self._outbox.append(Bye(epoch))
+        self._epoch = None
+        self._joining = _Joining(next_hello_s=now_s + _FIRST_BACKOFF_S, since_s=now_s)
+
     def _on_welcome(self, msg: Welcome, now_s: float) -> None:
+        if msg.epoch == self._ended_epoch:     # the finished consumer answered a HELLO: leave it at once
+            self._outbox.append(Bye(msg.epoch))
+            self._joining.since_s = now_s      # it answered: not a silent endpoint
+            return
         if self._epoch is not None and msg.epoch != self._epoch:
             self.counts.rejoins += 1
         self._epoch, self._checksum = msg.epoch, msg.checksum
@@ -215,7 +241,7 @@ class ProducerSession:
 
     def next_build(self, now_s: float) -> BuildOrder | None:
         """Pop the oldest pending lease: what to build, or ``None`` (nothing due, expired, or unusable)."""
-        if self._epoch is None or not self._leases or self.exit_code != 0:
+        if self._epoch is None or not self._leases or self.exit_code != 0 or self.finished:
             return None
         lease, expiry_s = self._leases.popleft()
         if now_s > expiry_s:
@@ -253,7 +279,7 @@ class ProducerSession:
 
     def heartbeat(self, now_s: float, stats: StageCounters) -> Heartbeat | None:
         """The HB to send at the end of an ACTIVE turn, when one is due."""
-        if self._epoch is None or now_s < self._next_hb_s or self.exit_code != 0:
+        if self._epoch is None or now_s < self._next_hb_s or self.exit_code != 0 or self.finished:
             return None
         self._next_hb_s = now_s + self.cfg.heartbeat_interval_s
         return Heartbeat(self._epoch, stats=stats)

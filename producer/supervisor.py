@@ -3,7 +3,9 @@
 Each child is a fresh interpreter (``python -m producer.process``; never fork a process that may hold a
 ZeroMQ context or TensorFlow). A child that crashes is restarted with exponential back-off (reset
 after it stayed up ``_HEALTHY_S``); a child that exits 78 (configuration or contract error) stops
-the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies.
+the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies. Under
+``producer.exit_at_plan_end`` (set by ``run``) a child that exits 0 has finished (the consumer's plan
+ended): it is not restarted, and once every child has finished the supervisor exits 0 by itself.
 Shutdown ladder on stop (``shared.service.stop_ladder``: the same rungs, timeouts and ``escalate``
 as every other parent, run here on the event loop): set stop -> SIGTERM every child -> wait
 ``PRODUCER_LADDER.term_wait_s`` -> SIGKILL -> wait; each escalation is logged. Children die with
@@ -34,14 +36,17 @@ _BACKOFF_MAX_S = 30.0
 
 
 class _Group:
-    def __init__(self, config_path: Path, count: int, backoff_s: float, debug_delay_ms: float) -> None:
+    def __init__(self, config_path: Path, count: int, backoff_s: float, debug_delay_ms: float,
+                 exit_at_plan_end: bool = False) -> None:
         self.config_path = config_path
+        self.exit_at_plan_end = exit_at_plan_end   # a child's exit 0 is the end of the plan: no restart
         self.count = count
         self.backoff_s = backoff_s
         self.debug_delay_ms = debug_delay_ms
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.exit_code = 0
         self.restarts = 0
+        self.finished = 0                          # children that exited 0 at the plan's end
 
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
@@ -63,6 +68,10 @@ class _Group:
                 log.error("producer-%d exited %d (configuration error); stopping all producers", index, code)
                 self.exit_code = EXIT_CONFIG
                 stopping.set()
+                return
+            if code == 0 and self.exit_at_plan_end:
+                log.info("producer-%d finished: the consumer's plan ended", index)
+                self.finished += 1
                 return
             if time.monotonic() - started > _HEALTHY_S:
                 delay_s = self.backoff_s
@@ -91,13 +100,15 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
     tasks = [asyncio.ensure_future(group.keep_alive(i, stopping)) for i in range(1, group.count + 1)]
     notifier.ready(f"supervising {group.count} producers")
     next_status_s = 0.0
-    while not stopping.is_set() and not stop.is_set():
+    while not stopping.is_set() and not stop.is_set() and group.finished < group.count:
         await asyncio.sleep(0.1)   # the threading.Event is set by a signal handler; poll it cheaply
         notifier.watchdog()        # this loop turning is the supervisor's progress
         if notifier.enabled and time.monotonic() >= next_status_s:
             alive = sum(1 for p in group.procs.values() if p.returncode is None)
             notifier.status(f"{alive}/{group.count} producers alive; {group.restarts} restarts")
             next_status_s = time.monotonic() + 2.0
+    if group.finished == group.count:
+        log.info("all %d producers finished (the consumer's plan ended); exiting 0", group.count)
     notifier.stopping()
     stopping.set()
     await group.terminate_all()
@@ -106,11 +117,13 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
 
 
 def supervise_producers(config_path: Path, count: int, stop: threading.Event, *, backoff_s: float = 1.0,
-                        debug_delay_ms: float = 0.0, notifier: Notifier | None = None) -> int:
-    """Run ``count`` producers until ``stop`` is set or one reports a configuration error.
+                        debug_delay_ms: float = 0.0, notifier: Notifier | None = None,
+                        exit_at_plan_end: bool = False) -> int:
+    """Run ``count`` producers until ``stop`` is set, one reports a configuration error or, with
+    ``exit_at_plan_end``, every one has exited 0 because the consumer's plan ended.
 
     Returns:
-        0 after a clean stop, 78 when a producer exited with a configuration error.
+        0 after a clean stop or the plan's end, 78 when a producer exited with a configuration error.
     """
-    group = _Group(config_path, count, backoff_s, debug_delay_ms)
+    group = _Group(config_path, count, backoff_s, debug_delay_ms, exit_at_plan_end)
     return uvloop.run(_main(group, stop, notifier if notifier is not None else Notifier({})))

@@ -11,7 +11,8 @@ Errors cross the process boundary as data: before exiting non-zero the worker se
 and the socket lingers at most ``_BYE_LINGER_MS`` for it; docs/ARCHITECTURE.md, invariant 6).
 Single-threaded: building a batch takes a few ms, far below the heartbeat interval.
 Shutdown: the stop event is checked every loop turn; on stop it sends BYE (so its leases are reissued
-at once) and closes the socket with linger 0.
+at once) and closes the socket with linger 0. The loop also ends, exit 0, when the consumer's plan ended
+and the session was told to exit then (``exit_at_plan_end``, set by ``run``).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class ProducerWorker:
 
     def _loop(self, sock: Dealer, stop: threading.Event) -> None:
         session = self.session
-        while not stop.is_set() and session.exit_code == 0:
+        while not stop.is_set() and session.exit_code == 0 and not session.finished:
             if self._on_tick is not None:
                 self._on_tick(self)
             self._send_all(sock, session.on_turn(self._clock()))

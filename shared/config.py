@@ -194,6 +194,7 @@ class ProducerConfig:
     gpu_memory_limit_mb: int | None = None # cap when TensorFlow is imported on the data GPU
     restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"        # bad cache file: "quarantine" (empty row, counted) or "fail"
+    exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
 
     def __post_init__(self) -> None:
         p = ("producer",)

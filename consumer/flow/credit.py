@@ -81,6 +81,11 @@ class LeaseBook:
     def room(self, peer: bytes) -> int:
         return max(0, self.window - self.held_by(peer))
 
+    @property
+    def is_finished(self) -> bool:
+        """A finite plan whose every batch id below its end was applied: nothing will be leased again."""
+        return self._end_id is not None and self._applied_floor >= self._end_id
+
     def has_work(self) -> bool:
         return bool(self._reissue) or self._end_id is None or self._next_new < self._end_id
 

@@ -6,7 +6,8 @@ a thread or a clock (trio's and httpx's transport seam), so every rule is unit-t
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
 CURVE user-id binding) and WELCOME; lease grants into free ring slots; liveness and lease deadlines
 (leases back to pending); the shared-memory fencing (``consumer.flow.shm_leases``); duplicate and
-stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code).
+stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code); the end of
+a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a last one to send).
 A BATCH is taken in two steps because its payload is received straight into a ring slot:
 ``on_message`` returns a ``BatchIntake`` (the lease and its slot), the shell fills or checks the slot,
 then calls ``on_batch_taken`` or ``on_batch_refused``.
@@ -66,6 +67,7 @@ class ReceiverSession:
                         "failures": 0}
         self._applied_seen = -1              # the last applied id handed to the lease book
         self.next_heartbeat_s: float | None = None    # None: due at the next tick
+        self.plan_ended = False              # every planned batch applied: heartbeats say ``done``
 
     # --- queries (any thread) -------------------------------------------------------------------
     def stats(self) -> ReceiverStats:
@@ -162,12 +164,25 @@ class ReceiverSession:
         while self._applied_seen < applied_through:
             self._applied_seen += 1
             self._book.mark_applied(self._applied_seen)
+        self._note_plan_end()
         self._check_liveness(now_s)
         if self.next_heartbeat_s is not None and now_s < self.next_heartbeat_s:
             return []
         self.next_heartbeat_s = now_s + self.cfg.heartbeat_interval_s
-        hb = Heartbeat(self.epoch, self.queue_depth(), applied_through + 1)
+        hb = Heartbeat(self.epoch, self.queue_depth(), applied_through + 1, done=self.plan_ended)
         return [Outgoing(ident, hb) for ident in self._peers.idents()]
+
+    def closing(self, now_s: float, applied_through: int) -> list[Outgoing]:
+        """Before the shell closes the socket: a last ``done`` heartbeat to every peer if the plan is finished."""
+        self.next_heartbeat_s = None        # also covers a close before the tick that saw the last batch applied
+        sends = self.tick(now_s, applied_through)
+        return sends if self.plan_ended else []
+
+    def _note_plan_end(self) -> None:
+        if not self.plan_ended and self._book.is_finished:   # the first tick to see it: a heartbeat at once
+            self.plan_ended, self.next_heartbeat_s = True, None
+            log.info("plan finished (batches through %d applied); telling %d producers", self._applied_seen,
+                     len(self._peers))
 
     def grant(self, now_s: float) -> list[Outgoing]:
         """Lease free ring slots to producers with room in their window, least loaded first."""

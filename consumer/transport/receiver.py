@@ -14,7 +14,7 @@ Invariants: every ROUTER send is non-blocking and survives a vanished peer (E5);
 written only into the slot its lease reserved, after the header and the frame sizes were checked;
 every message the session does not take has the rest of its frames drained unread.
 Shutdown: ``stop()`` sets an event, wakes the loop, joins with a timeout; the thread closes the
-socket (linger 0) in ``finally``.
+socket in ``finally`` (linger 0, or ``_END_LINGER_MS`` after a finished plan's last ``done`` heartbeats).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 _JOIN_TIMEOUT_S = 5.0      # > one poll interval plus one 8 MB receive
 _MAX_MSGS_PER_WAKE = 64    # bound one burst so heartbeats and grants still run
 _AUTH_LOG_INTERVAL_S = 5.0  # a scanner must not flood the log with refused CURVE handshakes
+_END_LINGER_MS = 200       # the last ``done`` heartbeats (~50 bytes a peer) leave ipc/loopback far sooner
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +194,7 @@ class Receiver:
         poller.register(self._wake_fd, zmq.POLLIN)
         if self._zap is not None:
             poller.register(self._zap, zmq.POLLIN)
+        linger_ms = 0
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(session.poll_timeout_ms(self._clock())))
@@ -210,14 +212,21 @@ class Receiver:
                 now = self._clock()
                 self._send_all(session.tick(now, self._applied_through))
                 self._send_all(session.grant(now))
+            linger_ms = self._send_closing()
         except BaseException as err:  # the step loop re-raises it; never die silently
             self.error = err
             log.error("receiver loop failed", exc_info=True)
             self._ring.close()
         finally:
-            sock.close(0)
+            sock.close(linger_ms)
             if self._zap is not None:
                 self._zap.close(0)
+
+    def _send_closing(self) -> int:
+        """A finished plan's last ``done`` heartbeats. Returns the linger (ms) that lets them leave."""
+        sends = self._session.closing(self._clock(), self._applied_through)
+        self._send_all(sends)
+        return _END_LINGER_MS if sends else 0
 
     def _answer_zap(self) -> None:
         """One ZAP request per wake is enough: handshakes are rare and the REP socket queues."""

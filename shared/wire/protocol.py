@@ -25,25 +25,9 @@ from shared.errors import MAX_REASON_CHARS, ProtocolError
 from shared.wire.layout import ARRAY_KEYS
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "SUPPORTED_VERSIONS",
-    "CAP_SHM",
-    "ShmSlot",
-    "MsgKind",
-    "RejectCode",
-    "Hello",
-    "Welcome",
-    "LeaseGrant",
-    "Lease",
-    "BatchHeader",
-    "Heartbeat",
-    "StageCounters",
-    "Err",
-    "Bye",
-    "Message",
-    "encode",
-    "decode_header",
-    "max_producer_header_bytes",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
+    "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
+    "decode_header", "max_producer_header_bytes",
 ]
 
 PROTOCOL_VERSION = 1
@@ -167,12 +151,18 @@ class StageCounters:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Both ways. From the consumer it carries queue depth and the applied count; from a producer,
-    optionally its stage counters (older producers send none)."""
+    optionally its stage counters (older producers send none).
+
+    ``done`` (consumer only; on the wire only when true, so older peers never see it): this consumer's
+    plan is finished -- every batch id up to its end was applied -- and nothing more will be leased.
+    Every heartbeat after the end repeats it; a producer stops building and says BYE.
+    """
 
     epoch: int
     queue_depth: int = 0
     applied: int = 0
     stats: StageCounters | None = None
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +218,8 @@ def encode(msg: Message) -> bytes:
         if msg.stats is not None:
             st = msg.stats
             d["st"] = [st.batches, st.read_s, st.assemble_s, st.send_s]
+        if msg.done:
+            d["done"] = True
     elif isinstance(msg, Err):
         d = {"t": MsgKind.ERR, "code": msg.code, "why": msg.why[:MAX_REASON_CHARS]}
     elif isinstance(msg, Bye):
@@ -386,7 +378,7 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
                            _int_list(d.get("q", []), "q"), shm)
     if kind is MsgKind.HB:
         return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
-                         _decode_stats(d.get("st")))
+                         _decode_stats(d.get("st")), _get(d, "done", bool) if "done" in d else False)
     if kind is MsgKind.ERR:
         return Err(_get(d, "code", str), _get(d, "why", str))
     return Bye(_count(d, "epoch"), _opt_int(d, "code"), _get(d, "why", str) if "why" in d else "")

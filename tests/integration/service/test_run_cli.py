@@ -1,5 +1,6 @@
 """End to end through the CLI: `run_pipeline.py run` with 2 producer processes, a real compiled
-TensorFlow step and the summary JSON; plus the one-line config errors (exit 78)."""
+TensorFlow step and the summary JSON; the end of the plan (producers under `run` exit 0 on their own,
+producers started by hand wait for the next consumer); plus the one-line config errors (exit 78)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
+from tests import procs
 from tests.conftest import REPO
 
 
@@ -42,6 +45,55 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     assert 0 < s["step_p50_ms"] <= s["step_p99_ms"] and s["step_cv"] >= 0
     assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
     assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
+
+
+def test_run_ends_with_the_producers_exiting_0_on_their_own_when_the_plan_ends(demo_cache: Path,
+                                                                             tmp_path: Path) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 1, "batch_size": 16}, "model": {"step": procs.TINY_STEP},
+                                   "transport": {"heartbeat_interval_s": 0.2}}))
+    proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2", "--steps", "20"],
+                tmp_path, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr
+    assert err.count("finished its plan; exiting (producer.exit_at_plan_end)") == 2, err[-3000:]
+    assert "producer-1 finished: the consumer's plan ended" in err and "producer-2 finished" in err
+    assert "all 2 producers finished (the consumer's plan ended); exiting 0" in err
+    assert "producer group exited 0 on its own after the plan ended" in err
+    assert "still running" not in err and "restarting" not in err         # no ladder, no restart
+
+
+def _wait_for_lines(path: Path, text: str, count: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """True once ``path`` holds ``text`` ``count`` times (``proc`` running); False on timeout or if ``proc`` exited."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s and proc.poll() is None:
+        if path.read_text(errors="replace").count(text) >= count:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_producers_started_by_hand_wait_for_the_next_consumer_after_the_plan_ends(demo_cache: Path,
+                                                                                  tmp_path: Path) -> None:
+    consumer_log, producer_log = tmp_path / "consumer.log", tmp_path / "producers.log"
+    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/m.sock", tmp_path / "state", 20,
+                                producer={"count": 2})
+    producers = procs.start("producer", config, producer_log)
+    try:
+        consumer = procs.start("consumer", config, consumer_log)
+        assert consumer.wait(3 * procs.WAIT_S) == 0, procs.tail(consumer_log)   # TensorFlow import included
+        assert "plan finished (batches through 19 applied)" in consumer_log.read_text()
+        # Once the finished consumer is gone each producer looks for the next one (warned once, after 10 s).
+        warned = producer_log.read_text().count("still waiting")     # any from before the consumer bound
+        assert _wait_for_lines(producer_log, "still waiting", warned + 2, producers, procs.WAIT_S), \
+            procs.tail(producer_log)
+        text = producer_log.read_text()
+        assert text.count("finished its plan; waiting for the next consumer") == 2, text[-3000:]
+        assert "exit_at_plan_end" not in text and "restarting" not in text
+        assert producers.poll() is None and len(procs.child_pids(producers.pid)) == 2
+    finally:
+        code = procs.stop(producers)
+    assert code == 0, procs.tail(producer_log)
 
 
 def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Path, tmp_path: Path) -> None:

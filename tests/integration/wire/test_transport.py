@@ -143,6 +143,21 @@ def test_producers_started_first_wait_and_join_when_the_consumer_appears(
     assert ids == list(range(20))
 
 
+def test_producers_told_to_exit_at_the_plan_end_leave_with_bye_and_exit_0_while_the_consumer_is_open(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
+    with Consumer(_cfg(demo_cache, endpoint, 12, transport_mode)) as consumer:
+        group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode},
+                                producer={"exit_at_plan_end": True})
+        ids = [b.batch_id for b in consumer.batches()]
+        assert group.wait(procs.WAIT_S) == 0          # no signal: the supervisor ended once both children had
+        deadline = time.monotonic() + procs.WAIT_S    # their BYEs are in (the consumer drops them at once)
+        while consumer.receiver_stats().producers_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = consumer.receiver_stats()
+    assert ids == list(range(12))
+    assert stats.producers_seen == 2 and stats.producers_alive == 0 and stats.producer_failures == 0
+
+
 def test_as_dataset_yields_fixed_shape_elements_for_keras(demo_cache: Path, endpoint: str,
                                                         producers: ProducerGroup) -> None:
     with Consumer(_cfg(demo_cache, endpoint, 6)) as consumer:

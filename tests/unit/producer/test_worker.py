@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -100,3 +101,20 @@ def test_an_idle_joined_worker_waits_until_its_next_heartbeat_instead_of_spinnin
     hbs = [m for m in dealer.messages() if isinstance(m, Heartbeat)]
     assert len(hbs) == 6                                         # t = 0, 0.2, ... 1.0: one per interval
     assert dealer.poll_timeouts_ms[1:] == [200] * 5              # the first poll found the WELCOME waiting
+
+
+@pytest.mark.parametrize("exit_at_plan_end", [True, False])
+def test_the_plan_end_ends_the_loop_with_a_planned_bye_only_when_told_to_exit(exit_at_plan_end: bool) -> None:
+    clock, stop = FakeClock(), threading.Event()
+    cfg = dataclasses.replace(SESSION, exit_at_plan_end=exit_at_plan_end)
+    worker = ProducerWorker(WorkerConfig(cfg.endpoint, cfg), FakeAssembler(), clock=clock)
+    dealer = _consumer(Heartbeat(7, 0, 30, done=True), clock=clock)
+    dealer.on_idle = lambda d: stop.set() if clock() > 3.0 else None    # a waiting producer runs on until stopped
+    worker.serve(dealer, stop)
+    assert worker.exit_code == 0 and dealer.messages()[1] == Bye(7)
+    assert stop.is_set() is not exit_at_plan_end                  # the exiting one returned by itself
+    later = _kinds(dealer)[2:]
+    if exit_at_plan_end:
+        assert later == []
+    else:                                                         # HELLOs for the next consumer, nothing else
+        assert later and set(later) == {"Hello"}

@@ -161,3 +161,21 @@ def test_the_plan_is_asked_once_per_batch_id_and_the_lease_carries_the_answer() 
     book.revoke_peer(b"p1")                        # the id goes back to the queue with its plan entry
     assert book.next_batch() == first == PLAN.batch(5)
     assert asked == [5]
+
+
+def test_the_book_is_finished_once_every_id_below_its_end_was_applied_and_never_without_an_end() -> None:
+    book = LeaseBook(PLAN, 5, 8, window=3, lease_timeout_s=10.0)
+    for batch_id in (5, 6, 7):
+        assert not book.is_finished
+        planned = book.next_batch()
+        assert planned is not None and planned.batch_id == batch_id
+        book.grant(b"p1", planned, slot=batch_id - 5, now_s=0.0)
+        assert book.accept(b"p1", batch_id)[0] == Verdict.ACCEPT
+    assert not book.is_finished and not book.has_work()      # received is not applied
+    for batch_id in (5, 6, 7):
+        book.mark_applied(batch_id)
+    assert book.is_finished
+    assert LeaseBook(PLAN, 8, 8, 3, 10.0).is_finished            # resumed at its end
+    endless = LeaseBook(PLAN, 0, None, 3, 10.0)
+    endless.mark_applied(1000)
+    assert not endless.is_finished

@@ -21,6 +21,7 @@ MESSAGES = [
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
     Heartbeat(123, 4, 99),
     Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
+    Heartbeat(123, 0, 150, done=True),
     Err("LEASE", "batch 7 is not leased"),
     Bye(123),
 ]
@@ -95,6 +96,21 @@ def test_heartbeat_stats_travel_as_four_numbers() -> None:
 ])
 def test_malformed_heartbeat_stats_are_rejected(stats: object) -> None:
     raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "st": stats})
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw)
+    assert info.value.code == RejectCode.SCHEMA
+
+
+def test_plan_end_is_a_heartbeat_field_sent_only_when_true() -> None:
+    assert "done" not in msgpack.unpackb(encode(Heartbeat(7, 1, 2)))      # older producers see what they know
+    raw = encode(Heartbeat(7, 0, 150, done=True))
+    assert msgpack.unpackb(raw)["done"] is True
+    assert decode_header(raw) == Heartbeat(7, 0, 150, None, True)
+
+
+@pytest.mark.parametrize("done", [1, 0, "yes", None, [True]])
+def test_plan_end_flag_must_be_a_boolean(done: object) -> None:
+    raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "done": done})
     with pytest.raises(ProtocolError) as info:
         decode_header(raw)
     assert info.value.code == RejectCode.SCHEMA
