@@ -29,7 +29,7 @@ from typing import Any
 
 from consumer.flow.credit import LeaseBook
 from consumer.handout import ArraySpec, Batch, Handout
-from consumer.flow.plan import EpochPlan, PlannedBatch
+from consumer.flow.plan import EpochPlan
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for

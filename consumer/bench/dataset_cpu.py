@@ -16,6 +16,7 @@ Shutdown: the producer group is stopped (SIGTERM ladder) in ``finally`` after ea
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     cfg = _config(args)
-    import tensorflow as tf  # noqa: F401  imported before either window opens
+    importlib.import_module("tensorflow")   # imported before either window opens
     numpy_loop = _measure(cfg, _numpy_loop, args.warmup, args.batches)
     dataset_loop = _measure(cfg, _dataset_loop, args.warmup, args.batches)
     out = {"batches": args.batches, "producers": args.producers, "batches_loop": numpy_loop,
