@@ -81,7 +81,10 @@ def _generate(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[
                 held = None
             if not consumer.is_current(token):
                 return                       # a newer iterator continues the plan
-            batch = consumer.wait_next(token)
+            try:
+                batch = consumer.wait_next(token)
+            except RuntimeError:             # superseded while waiting: the newer iterator goes on
+                return
             if batch is None:
                 return
             consumer.mark_applied(batch)     # handed to the caller = applied (see the module docstring)

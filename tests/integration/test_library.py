@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from consumer import Consumer
@@ -73,6 +74,12 @@ def test_an_element_taken_from_the_dataset_is_applied_and_nothing_is_read_ahead(
         while not feed.ring.ready_ids():             # producers fill the ring behind it (bounded wait: pytest timeout)
             pass
         assert feed.applied_ids == [0] and feed.next_apply == 1
+        first = float(mel[0, 0, 0])                   # zero copy: writing the slot shows through the tensor
+        slots = [feed.ring.memory.buffer(i)[:4].view(np.float32) for i in range(feed.ring.n_slots)]
+        held = [s for s in slots if s[0] == first]    # mel is the slot's first array
+        assert held
+        held[0][0] = first + 1.0
+        assert float(mel[0, 0, 0]) == first + 1.0
         bucket = feed.bucket_shapes[feed.plan.batch(0).bucket]
         assert tuple(mel.shape) == bucket["mel"]
         assert feats["frames"].numpy().tolist() == [bucket["mel"][1]] * bucket["mel"][0]
