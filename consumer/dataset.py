@@ -16,7 +16,8 @@ Invariants (consumer/README.md, "Exactly once on the library path"):
     * A batch counts as applied when the dataset hands it out; its slot is freed only when the
       caller asks for the next element or the iterator ends (the step has finished reading it).
     * Each new iterator (each ``fit``) supersedes the previous one and continues the plan where the
-      previous one stopped; batches given back by a dropped ``batches()`` loop come first.
+      previous one stopped; batches given back by a dropped ``batches()`` loop come first. Starting it
+      frees the slot the superseded one held, so a late-collected Keras iterator keeps no slot.
 The dataset ends when the consumer's plan ends, ``close()`` is called, or a newer iterator took over.
 Shutdown: a dropped iterator's generator frees the slot it still holds (``finally``).
 """
@@ -77,7 +78,7 @@ def _generate(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[
     try:
         while True:
             if held is not None:             # the caller asked for the next element: its step is done
-                consumer.free_slot(held)
+                consumer.free_held_slot(held)
                 held = None
             if not consumer.is_current(token):
                 return                       # a newer iterator continues the plan
@@ -87,12 +88,12 @@ def _generate(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[
                 return
             if batch is None:
                 return
-            consumer.mark_applied(batch)     # handed to the caller = applied (see the module docstring)
+            consumer.apply_and_hold(batch)   # handed to the caller = applied (see the module docstring)
             held = batch
             yield _element(batch, features, big)
     finally:
         if held is not None:
-            consumer.free_slot(held)
+            consumer.free_held_slot(held)
 
 
 def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int, ...]] | None

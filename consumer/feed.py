@@ -6,9 +6,11 @@ with Consumer(cfg) as feed:
     for batch in feed.batches():          # Batch.arrays: views into a ring slot
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
-Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
-plan order (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was
-released. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
+Owns the ring, the lease book and the receiver thread. Batches are applied strictly in plan order
+(docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was applied, or again
+(first) when the iterator it was handed to was dropped before consuming it; ``consumer/handout.py``
+keeps that book and consumer/README.md ("Exactly once on the library path") states the rules. Shapes,
+schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
 ids), so nothing downstream asks the plan again. Memory bound (invariant 4): ring slots * slot bytes
 here, plus Σ lease windows * largest batch in producers (none on the shared-memory path: they build
 in the ring's slot files); logged at start.
@@ -88,6 +90,7 @@ class Consumer:
                                   self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
         self._handout = Handout(start_batch)
+        self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
@@ -222,9 +225,33 @@ class Consumer:
         """Give ``batch``'s slot back to the ring (its arrays are invalid from here on)."""
         self.ring.release(batch.slot)
 
-    def begin_iterator(self) -> int:
-        """Start a new hand-out iterator (superseding any older one); returns its token."""
+    def apply_and_hold(self, batch: Batch) -> None:
+        """Count ``batch`` applied and keep its slot until ``free_held_slot`` or a newer iterator starts."""
         with self._lock:
+            self._free_held()
+            self.mark_applied(batch)
+            self._held = batch
+
+    def free_held_slot(self, batch: Batch) -> None:
+        """Free the slot ``apply_and_hold`` kept for ``batch``, unless a newer iterator already did."""
+        with self._lock:
+            if self._held is batch:
+                self._free_held()
+
+    def _free_held(self) -> None:
+        if self._held is not None:
+            self.free_slot(self._held)
+            self._held = None
+
+    def begin_iterator(self) -> int:
+        """Start a new hand-out iterator (superseding any older one); returns its token.
+
+        The slot a superseded dataset iterator still holds is freed here: its elements are invalid
+        from now on, and a ``fit`` that ended never reads them again (a Keras iterator may be
+        collected late, and would otherwise keep a ring slot until then).
+        """
+        with self._lock:
+            self._free_held()
             return self._handout.begin()
 
     def is_current(self, token: int) -> bool:
@@ -291,13 +318,11 @@ class Consumer:
 
     def as_dataset(self, single_shape: bool = False,
                    features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames")) -> Any:
-        """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit``; see ``consumer/dataset.py``.
+        """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
-        Zero copy from the ring slot (unless ``single_shape`` pads); a batch counts as applied when
-        the dataset hands it to its caller (Keras's step), and its slot is freed when the caller asks
-        for the next element or the iterator ends. Any number of ``fit`` calls continue the plan.
-        ``features`` picks the dict keys: any of tokens, tok_len, mel_len, frames ([B] int32, every row
-        the bucket's padded T), batch_id ([B] int64).
+        Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
+        hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
+        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64).
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from consumer import Consumer
+from consumer.flow.ring import SlotState
 from shared.config_loader import config_from_mapping
 from tests.conftest import ProducerGroup
 
@@ -60,7 +61,9 @@ def test_two_keras_fits_on_one_dataset_apply_every_batch_once_in_plan_order(
         assert feed.applied_ids == model.seen == [0, 1, 2, 3]
         model.fit(ds, steps_per_epoch=3, epochs=2, verbose=0, shuffle=False)
         assert feed.applied_ids == model.seen == list(range(10))
+        assert feed.ring.counts()[SlotState.IN_STEP] <= 1          # the last element of the last fit, at most
         rest = [batch.batch_id for batch in feed.batches()]      # the plan goes on where fit stopped
+        assert feed.ring.counts()[SlotState.IN_STEP] == 0          # ... and its slot went back to the ring
     assert rest == list(range(10, steps))
     assert feed.applied_ids == list(range(steps)) and feed.applied == steps
 
