@@ -38,8 +38,27 @@ class ConfigError(PipelineError):
         where = ".".join(path)
         text = f"{where}: {message}" if where else message
         if got is not None:
-            text = f"{text}, got {got!r}"
-        super().__init__(text)
+            text = f"{text}, got {_shown(got)}"
+        super().__init__(_one_line(text))
+
+
+_MAX_GOT_CHARS = 200  # a value quoted in an error: enough to recognise it, never a screenful
+
+
+def _shown(got: Any) -> str:
+    """``repr(got)``, cut to ``_MAX_GOT_CHARS``; a value whose repr fails (a 5000-digit int) is named by type."""
+    try:
+        text = repr(got)
+    except Exception:  # noqa: BLE001  # e.g. ValueError: int too large to convert to str
+        return f"a {type(got).__name__} that cannot be shown"
+    return text if len(text) <= _MAX_GOT_CHARS else text[:_MAX_GOT_CHARS] + "..."
+
+
+def _one_line(text: str) -> str:
+    """Escape newlines and other control characters (from a key or value in a hostile file)."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 class CacheError(PipelineError):
