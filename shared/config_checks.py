@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from shared.errors import ConfigError
@@ -80,7 +81,8 @@ def check_endpoint(endpoint: str, path: tuple[str, ...]) -> None:
             raise ConfigError("port must be in 1..65535", path=path, got=endpoint)
 
 
-def check_output_paths(outputs: dict[tuple[str, ...], str | None], endpoints: dict[tuple[str, ...], str]) -> None:
+def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],
+                       endpoints: Mapping[tuple[str, ...], str]) -> None:
     """Before training: each output file's directory and each ipc socket's directory exists and is writable.
 
     Args:

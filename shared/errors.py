@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.printable import escape_line
+
 __all__ = [
     "PipelineError",
     "ConfigError",
@@ -21,6 +23,7 @@ __all__ = [
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+_MAX_LINE_CHARS = 2000  # a ConfigError's whole text: a long path plus a value, never a screenful
 MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, never a traceback
 
 
@@ -42,23 +45,18 @@ class ConfigError(PipelineError):
         super().__init__(_one_line(text))
 
 
-_MAX_GOT_CHARS = 200  # a value quoted in an error: enough to recognise it, never a screenful
-
-
 def _shown(got: Any) -> str:
-    """``repr(got)``, cut to ``_MAX_GOT_CHARS``; a value whose repr fails (a 5000-digit int) is named by type."""
+    """``repr(got)`` on one line, cut to ``MAX_SHOWN_CHARS``; a value whose repr fails (a 5000-digit int)
+    is named by its type."""
     try:
-        text = repr(got)
-    except Exception:  # noqa: BLE001  # e.g. ValueError: int too large to convert to str
+        return escape_line(repr(got))
+    except ValueError:   # int too large to convert to str
         return f"a {type(got).__name__} that cannot be shown"
-    return text if len(text) <= _MAX_GOT_CHARS else text[:_MAX_GOT_CHARS] + "..."
 
 
 def _one_line(text: str) -> str:
     """Escape newlines and other control characters (from a key or value in a hostile file)."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return text if text.isprintable() else escape_line(text, _MAX_LINE_CHARS)
 
 
 class CacheError(PipelineError):
