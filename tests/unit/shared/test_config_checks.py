@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shared.config import PipelineConfig
 from shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths
-from shared.config_loader import config_from_mapping, load_config
+from shared.config_loader import _SECTIONS, config_from_mapping, load_config
 from shared.errors import ConfigError
 
 _HUGE = 2**63
@@ -58,6 +60,30 @@ def test_integers_past_what_the_wire_carries_are_refused(data: dict[str, Any], e
 ])
 def test_seeds_outside_0_to_2_63_are_refused(data: dict[str, Any], expected: str) -> None:
     assert expected in _refusal(data)
+
+
+def _typed_keys(kind: str) -> list[tuple[str, ...]]:
+    """Every key whose annotation starts with ``kind`` (``int``/``float``), as a path."""
+    keys = [(f.name,) for f in dataclasses.fields(PipelineConfig) if str(f.type).startswith(kind)]
+    for name, cls in _SECTIONS.items():
+        keys += [(name, f.name) for f in dataclasses.fields(cls) if str(f.type).startswith(kind)]
+    return keys
+
+
+def _nested(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    return {path[0]: value} if len(path) == 1 else {path[0]: {path[1]: value}}
+
+
+@pytest.mark.parametrize("path", _typed_keys("float"), ids=".".join)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_every_float_key_refuses_non_finite_values(path: tuple[str, ...], value: float) -> None:
+    assert _refusal(_nested(path, value)).startswith(f"{'.'.join(path)}: must be a finite number")
+
+
+@pytest.mark.parametrize("path", _typed_keys("int"), ids=".".join)
+@pytest.mark.parametrize("value", [2**63, -2**63 - 1, 10**30])
+def test_every_int_key_refuses_values_past_64_bits(path: tuple[str, ...], value: int) -> None:
+    assert _refusal(_nested(path, value)).startswith(f"{'.'.join(path)}: must fit in a signed 64-bit integer")
 
 
 def test_the_largest_seed_is_accepted() -> None:
