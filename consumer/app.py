@@ -26,7 +26,7 @@ from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args, with_demo_cache
 from shared.config import PipelineConfig
-from shared.config_checks import check_output_paths
+from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
 from shared.service.children import Child, python_argv, spawn, write_private_config
@@ -68,6 +68,13 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
     endpoints = {key: endpoint for key, endpoint in named.items() if endpoint is not None}
     check_output_paths({("consumer", "metrics_file"): c.metrics_file, ("--summary-json",): args.summary_json},
                        endpoints)
+    control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
+        try:
+            check_endpoint(control, ("consumer", "control_endpoint"))
+        except ConfigError as err:
+            raise ConfigError(f"the status socket derived from transport.endpoint, {control}: {err.reason}; set "
+                              "consumer.control_endpoint or use a shorter path", path=err.path) from None
 
 
 def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Telemetry:

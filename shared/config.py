@@ -329,13 +329,6 @@ class PipelineConfig:
         _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
         check_seed(self.seed, ("seed",))
         control = self.consumer.control_endpoint
-        data = self.transport.endpoint
-        if control is None and data is not None and data.startswith("ipc://"):   # derived: DIR/NAME.control.sock
-            try:
-                check_endpoint(f"{data.removesuffix('.sock')}.control.sock", ("transport", "endpoint"))
-            except ConfigError as err:
-                raise ConfigError(f"the status socket derived from it: {err.reason} (or set "
-                                  "consumer.control_endpoint)", path=err.path, got=data) from None
         _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
                "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",
                ("consumer", "control_endpoint"), control)

@@ -116,11 +116,14 @@ def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Pa
      "does not exist"),
     ("transport:\n  endpoint: ipc://{tmp}/gone/melfeed.sock\n", "transport.endpoint: directory {tmp}/gone does not "
      "exist"),
+    ("transport:\n  endpoint: ipc://{long}\n",     # fits in 107 bytes; {long}.control.sock does not
+     "consumer.control_endpoint: the status socket derived from transport.endpoint, ipc://{tmp}/"),
 ])
 def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, doc: str,
                                                           expected: str) -> None:
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text(doc.replace("{tmp}", str(tmp_path)))
+    long_sock = f"{tmp_path}/{'s' * (104 - len(str(tmp_path)) - len('/.sock'))}.sock"     # 104 bytes
+    cfg.write_text(doc.replace("{tmp}", str(tmp_path)).replace("{long}", long_sock))
     proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
