@@ -25,7 +25,7 @@ from typing import Any
 from shared.errors import ConfigError
 
 __all__ = ["INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed",
-           "check_text", "check_endpoint", "check_output_paths"]
+           "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -102,6 +102,27 @@ def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],
             raise ConfigError(f"directory {directory} does not exist", path=key)
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError(f"directory {directory} is not writable", path=key)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM in bytes, or ``None`` where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_ring_bytes(ring_slots: int, max_batch_nbytes: int, memory_bytes: int | None) -> None:
+    """The ring (``ring_slots`` x the largest batch) must fit in memory; known once the buckets are built.
+
+    Raises:
+        ConfigError: naming ``buckets`` with the bytes needed and the bytes there are.
+    """
+    need = ring_slots * max_batch_nbytes
+    if memory_bytes is not None and need > memory_bytes:
+        raise ConfigError(f"a ring of {ring_slots} slots x the largest batch ({max_batch_nbytes} bytes) needs {need} "
+                          f"bytes, more than this machine's {memory_bytes}; lower buckets.batch_size (or "
+                          "frame_budget, max_frames) or consumer.ring_slots", path=("buckets",))
 
 
 def _short_int(value: int) -> str:

@@ -116,6 +116,7 @@ def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Pa
      "does not exist"),
     ("transport:\n  endpoint: ipc://{tmp}/gone/melfeed.sock\n", "transport.endpoint: directory {tmp}/gone does not "
      "exist"),
+    ("buckets:\n  batch_size: 2147483647\n", "buckets: a ring of 3 slots x the largest batch ("),
     ("transport:\n  endpoint: ipc://{long}\n",     # fits in 107 bytes; {long}.control.sock does not
      "consumer.control_endpoint: the status socket derived from transport.endpoint, ipc://{tmp}/"),
 ])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from shared.config import PipelineConfig
-from shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths
+from shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths, check_ring_bytes, physical_memory_bytes
 from shared.config_loader import _SECTIONS, config_from_mapping, load_config
 from shared.errors import ConfigError
 
@@ -153,3 +153,13 @@ def test_output_paths_need_an_existing_writable_directory(tmp_path: Path) -> Non
         pytest.skip("running as root")
     with pytest.raises(ConfigError, match=r"^--summary-json: directory .*/ro is not writable$"):
         check_output_paths({("--summary-json",): str(locked / "s.json")}, {})
+
+
+def test_a_ring_larger_than_memory_is_refused_naming_the_buckets() -> None:
+    check_ring_bytes(3, 1 << 20, 1 << 30)
+    check_ring_bytes(3, 1 << 40, None)                  # the platform does not say: nothing to compare
+    with pytest.raises(ConfigError, match=r"^buckets: a ring of 4 slots x the largest batch \(1073741824 bytes\) "
+                                          r"needs 4294967296 bytes, more than this machine's 1073741824; "):
+        check_ring_bytes(4, 1 << 30, 1 << 30)
+    memory = physical_memory_bytes()
+    assert memory is None or memory > 0
