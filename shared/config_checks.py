@@ -126,7 +126,7 @@ def check_ring_bytes(ring_slots: int, max_batch_nbytes: int, memory_bytes: int |
 
 
 def _short_int(value: int) -> str:
-    """A huge integer as its digit count, not thousands of digits on one error line."""
-    digits = len(str(abs(value))) if abs(value).bit_length() < 10_000 else None
-    return f"an integer of {digits} digits" if digits is not None and digits > 30 else (
-        "an integer of more than 3000 digits" if digits is None else str(value))
+    """A huge integer by its size, not thousands of digits on one error line."""
+    if value.bit_length() <= 100:
+        return str(value)
+    return f"an integer of about {round(value.bit_length() * math.log10(2))} digits"

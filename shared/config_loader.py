@@ -91,7 +91,7 @@ def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
 def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
     """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
     try:
-        return _build(PipelineConfig, data or {}, ())  # type: ignore[no-any-return]
+        return _build(PipelineConfig, data or {}, ())
     except RecursionError:   # model.params nested past the interpreter's limit (a mapping built in code)
         raise ConfigError("nested too deeply", path=("model", "params")) from None
 
