@@ -9,8 +9,9 @@ Role: the refusals that are the same for many keys, so that no key can forget on
 - endpoints are usable: ``ipc://PATH`` at most ``MAX_IPC_PATH_BYTES`` (the AF_UNIX limit) and
   ``tcp://HOST:PORT`` with a port in 1..65535.
 
-Pure: no filesystem access except in ``check_output_paths``, which the ``consumer`` and ``run``
-commands call before training (``deploy`` and ``status`` read configs written for other hosts).
+Checks that need the machine run where the consumer starts, not at load (``deploy`` and ``status``
+read configs written for other hosts): ``check_output_paths`` (``consumer`` and ``run``, before
+training) and ``check_ring_bytes`` (once the manifest gives the largest batch). The rest is pure.
 Invariant: each refusal is one ``ConfigError`` naming the key path.
 Shutdown: nothing to release.
 """
