@@ -26,6 +26,7 @@ from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args, with_demo_cache
 from shared.config import PipelineConfig
+from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
 from shared.service.children import Child, python_argv, spawn, write_private_config
@@ -42,6 +43,7 @@ _PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
+    _check_paths(cfg, args)
     notifier = Notifier()
     try:
         with stop_on_signals() as stop, _opened_state(cfg) as state, \
@@ -55,6 +57,24 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     finally:
         notifier.close()
     return 0
+
+
+def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """Before anything starts: the files the run writes and the sockets it binds have a usable directory
+    (a missing one found at the end of training would lose the summary)."""
+    c = cfg.consumer
+    named: dict[tuple[str, ...], str | None] = {("transport", "endpoint"): cfg.transport.endpoint,
+                                                ("consumer", "control_endpoint"): c.control_endpoint}
+    endpoints = {key: endpoint for key, endpoint in named.items() if endpoint is not None}
+    check_output_paths({("consumer", "metrics_file"): c.metrics_file, ("--summary-json",): args.summary_json},
+                       endpoints)
+    control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
+        try:
+            check_endpoint(control, ("consumer", "control_endpoint"))
+        except ConfigError as err:
+            raise ConfigError(f"the status socket derived from transport.endpoint, {control}: {err.reason}; set "
+                              "consumer.control_endpoint or use a shorter path", path=err.path) from None
 
 
 def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Telemetry:
@@ -81,6 +101,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    _check_paths(cfg, args)
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
             _telemetry(cfg, consumer, started_s) as telemetry:

@@ -39,6 +39,7 @@ from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_d
 from shared.cache.features import load_manifest_for
 from shared.cache.manifest import Manifest
 from shared.config import PipelineConfig, check_transport_mode
+from shared.config_checks import check_ring_bytes, physical_memory_bytes
 from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.service.lifecycle import resolve_endpoint
 from shared.wire.buckets import BucketSet, build_buckets
@@ -70,6 +71,7 @@ class Consumer:
         self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
                                                    cfg.n_mels, cfg.buckets)
+        check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
         steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shared.config_checks import check_endpoint, check_int32, check_number, check_seed
 from shared.errors import ConfigError
 
 __all__ = [
@@ -70,10 +71,13 @@ class BucketConfig:
                    and list(b) == sorted(set(b)),
                    "must be a strictly increasing list of positive frame counts",
                    p + ("boundaries",), self.boundaries)
+            check_int32(b[-1], p + ("boundaries",))
         for name in ("max_frames", "max_tokens"):
             v = getattr(self, name)
             if v is not None:
                 _check(v >= 1, "must be >= 1", p + (name,), v)
+        for name in ("batch_size", "frame_budget", "max_frames", "max_tokens"):
+            check_int32(getattr(self, name), p + (name,))
         _check(self.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'",
                p + ("overlong",), self.overlong)
         _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
@@ -116,6 +120,7 @@ class TransportConfig:
         if self.endpoint is not None:
             _check(self.endpoint.startswith(("ipc://", "tcp://")), "must start with ipc:// or tcp://",
                    p + ("endpoint",), self.endpoint)
+            check_endpoint(self.endpoint, p + ("endpoint",))
         _check(self.heartbeat_interval_s > 0, "must be > 0", p + ("heartbeat_interval_s",),
                self.heartbeat_interval_s)
         _check(self.liveness_intervals >= 2, "must be >= 2", p + ("liveness_intervals",),
@@ -183,6 +188,7 @@ class ConsumerConfig:
             _check(self.control_endpoint.startswith("ipc://") or _is_loopback_tcp(self.control_endpoint),
                    "must be ipc://PATH or tcp:// on a loopback address (it is unauthenticated)",
                    p + ("control_endpoint",), self.control_endpoint)
+            check_endpoint(self.control_endpoint, p + ("control_endpoint",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +233,7 @@ def _plain_params(value: Any, path: tuple[str, ...]) -> Any:
         return [_plain_params(item, path) for item in value]
     _check(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
            "mappings", path, type(value).__name__)
+    check_number(value, path)
     return value
 
 
@@ -250,6 +257,8 @@ class ModelConfig:
         _check(":" in self.step and all(self.step.split(":", 1)), "must look like 'module:function'",
                p + ("step",), self.step)
         _check(self.vocab_size >= 2, "must be >= 2", p + ("vocab_size",), self.vocab_size)
+        check_int32(self.vocab_size, p + ("vocab_size",))   # token ids are int32 on the wire
+        check_seed(self.seed, p + ("seed",))
         _check(self.learning_rate > 0, "must be > 0", p + ("learning_rate",), self.learning_rate)
         _check(isinstance(self.jit_compile, bool) or self.jit_compile == "auto",
                "must be auto, true or false", p + ("jit_compile",), self.jit_compile)
@@ -318,7 +327,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.n_mels <= 1024, "must be in 1..1024", ("n_mels",), self.n_mels)
-        _check(isinstance(self.seed, int) and self.seed >= 0, "must be an integer >= 0", ("seed",), self.seed)
+        check_seed(self.seed, ("seed",))
         control = self.consumer.control_endpoint
         _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
                "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",

@@ -19,6 +19,7 @@ from typing import Any
 
 from shared.config import (BucketConfig, ConsumerConfig, FeatureConfig, ModelConfig, PipelineConfig,
                            ProducerConfig, TransportConfig)
+from shared.config_checks import check_number, check_text
 from shared.errors import ConfigError
 from shared.yaml_safe import read_config_file
 
@@ -35,7 +36,11 @@ _SECTIONS: dict[str, type] = {
 
 
 def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
-    """Type-check one scalar against the dataclass annotation string."""
+    """Type-check one scalar against the dataclass annotation string.
+
+    Every number is checked by class here (finite, fits in 64 bits) and every string (one printable
+    line), whatever its key (shared/config_checks.py); the per-key ranges are in the dataclasses.
+    """
     if value is None:
         if "None" in annotation:
             return None
@@ -43,6 +48,8 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
     if annotation.startswith("tuple"):
         if not isinstance(value, (list, tuple)):
             raise ConfigError("must be a list", path=path, got=value)
+        for item in value:
+            check_number(item, path)
         return tuple(value)
     base = annotation.split("|")[0].strip()
     if base == "bool":
@@ -54,9 +61,15 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
     elif base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError("must be a number", path=path, got=value)
-        value = float(value)
-    elif base == "str" and not isinstance(value, str):
-        raise ConfigError("must be a string", path=path, got=value)
+        try:
+            value = float(value)
+        except OverflowError:   # an integer past 1.8e308
+            raise ConfigError("must be a finite number", path=path, got=value) from None
+    elif base == "str":
+        if not isinstance(value, str):
+            raise ConfigError("must be a string", path=path, got=value)
+        check_text(value, path)
+    check_number(value, path)   # also where the annotation is not a plain type (e.g. model.jit_compile)
     return value
 
 
@@ -77,7 +90,10 @@ def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
 
 def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
     """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
-    return _build(PipelineConfig, data or {}, ())
+    try:
+        return _build(PipelineConfig, data or {}, ())
+    except RecursionError:   # model.params nested past the interpreter's limit (a mapping built in code)
+        raise ConfigError("nested too deeply", path=("model", "params")) from None
 
 
 def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.printable import escape_line
+
 __all__ = [
     "PipelineError",
     "ConfigError",
@@ -21,6 +23,7 @@ __all__ = [
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+_MAX_LINE_CHARS = 2000  # a ConfigError's whole text: a long path plus a value, never a screenful
 MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, never a traceback
 
 
@@ -38,8 +41,22 @@ class ConfigError(PipelineError):
         where = ".".join(path)
         text = f"{where}: {message}" if where else message
         if got is not None:
-            text = f"{text}, got {got!r}"
-        super().__init__(text)
+            text = f"{text}, got {_shown(got)}"
+        super().__init__(_one_line(text))
+
+
+def _shown(got: Any) -> str:
+    """``repr(got)`` on one line, cut to ``MAX_SHOWN_CHARS``; a value whose repr fails (a 5000-digit int)
+    is named by its type."""
+    try:
+        return escape_line(repr(got))
+    except ValueError:   # int too large to convert to str
+        return f"a {type(got).__name__} that cannot be shown"
+
+
+def _one_line(text: str) -> str:
+    """Escape newlines and other control characters (from a key or value in a hostile file)."""
+    return text if text.isprintable() else escape_line(text, _MAX_LINE_CHARS)
 
 
 class CacheError(PipelineError):

@@ -10,7 +10,8 @@ value is trusted (docs/ARCHITECTURE.md, invariant 7):
   byte; a UTF-8 byte-order mark is accepted);
 - YAML aliases are refused at the first one, before the composer resolves it, so an alias bomb
   ("billion laughs") never expands; plain anchors without an alias are harmless and ignored;
-- nesting deeper than Python's recursion limit is refused, not a traceback;
+- nesting deeper than Python's recursion limit is refused, not a traceback, and so is a scalar its
+  constructor cannot build (an integer past Python's 4300-digit limit, a date like 2001-13-45);
 - the document must be a mapping (or empty: all defaults).
 
 Invariant: every refusal is one ``ConfigError`` whose text starts with the file's path; never a
@@ -110,6 +111,8 @@ def _parse(text: str, path: str | os.PathLike[str]) -> Any:
         raise _fail(path, f"invalid YAML{where}" + (f": {problem}" if problem else "")) from err
     except RecursionError:
         raise _fail(path, "invalid YAML: nested too deeply") from None
+    except (ValueError, OverflowError) as err:  # a scalar its constructor refuses: a 5000-digit int, 2001-13-45
+        raise _fail(path, f"invalid YAML: a value cannot be read: {err}") from None
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:

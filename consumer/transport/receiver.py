@@ -35,7 +35,7 @@ from consumer.flow.session import ReceiverSession
 from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
-from shared.errors import ProtocolError
+from shared.errors import ConfigError, ProtocolError
 from shared.printable import escape_line
 from shared.wire.buckets import BucketSet
 from shared.wire.curve import ZAP_ENDPOINT, ServerKeys, zap_reply
@@ -122,13 +122,13 @@ class Receiver:
                 self._zap.bind(ZAP_ENDPOINT)
                 self._curve.apply(sock)
             sock.bind(self.endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as err:   # port in use, no such directory, address not ours: the operator's to fix
             sock.close()
             if self._zap is not None:
                 self._zap.close()
             self._ctx.term()
             self._release_lock()
-            raise
+            raise ConfigError(f"cannot bind {self.endpoint}: {err.strerror}", path=("transport", "endpoint")) from err
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
         self._thread.start()

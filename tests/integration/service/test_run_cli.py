@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests import procs
@@ -103,6 +105,55 @@ def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Pa
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
         "run_pipeline.py consumer: consumer.ring_slots: must be in 3..256, got 1")
+
+
+@pytest.mark.parametrize("doc, expected", [
+    ("model:\n  learning_rate: .nan\n", "model.learning_rate: must be a finite number, got nan"),
+    ("consumer:\n  steps: 99999999999999999999\n", "consumer.steps: must fit in a signed 64-bit integer"),
+    ("seed: -3\n", "seed: must be an integer in 0..2**63-1, got -3"),
+    ("transport:\n  endpoint: ipc:///tmp/" + "s" * 110 + ".sock\n", "transport.endpoint: socket path is"),
+    ("consumer:\n  metrics_file: {tmp}/no/such/dir/m.jsonl\n", "consumer.metrics_file: directory {tmp}/no/such/dir "
+     "does not exist"),
+    ("transport:\n  endpoint: ipc://{tmp}/gone/melfeed.sock\n", "transport.endpoint: directory {tmp}/gone does not "
+     "exist"),
+    ("buckets:\n  batch_size: 2147483647\n", "buckets: a ring of 3 slots x the largest batch ("),
+    ("transport:\n  endpoint: ipc://{long}\n",     # fits in 107 bytes; {long}.control.sock does not
+     "consumer.control_endpoint: the status socket derived from transport.endpoint, ipc://{tmp}/"),
+])
+def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, doc: str,
+                                                          expected: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    long_sock = f"{tmp_path}/{'s' * (104 - len(str(tmp_path)) - len('/.sock'))}.sock"     # 104 bytes
+    cfg.write_text(doc.replace("{tmp}", str(tmp_path)).replace("{long}", long_sock))
+    proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("run_pipeline.py consumer: " + expected.replace("{tmp}", str(tmp_path))), last
+
+
+def test_summary_json_in_a_missing_directory_is_refused_before_training(demo_cache: Path, tmp_path: Path) -> None:
+    summary = tmp_path / "missing" / "summary.json"
+    proc = _run(["run", "--cache-dir", str(demo_cache), "--steps", "5", "--summary-json", str(summary)], tmp_path,
+                timeout_s=120)
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"run_pipeline.py run: --summary-json: directory {summary.parent} does not exist")
+    assert "Traceback" not in proc.stderr and "started" not in proc.stderr     # no producers were started
+
+
+def test_a_port_in_use_is_one_line_naming_the_endpoint_and_exits_78(demo_cache: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        cfg = tmp_path / "tcp.yaml"
+        cfg.write_text(yaml.safe_dump({"transport": {"endpoint": endpoint, "insecure": True}}))
+        proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"run_pipeline.py consumer: transport.endpoint: cannot bind {endpoint}: Address already in use")
 
 
 def test_missing_manifest_names_the_path_and_exits_78(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from shared.errors import ConfigError
     ({"buckets": {"size": 3}}, "buckets.size: unknown key"),
     ({"buckets": {"batch_size": "big"}}, "buckets.batch_size: must be an integer, got 'big'"),
     ({"buckets": {"batch_size": None, "frame_budget": None}}, "exactly one of batch_size and frame_budget"),
-    ({"seed": -1}, "seed: must be an integer >= 0"),
+    ({"seed": -1}, "seed: must be an integer in 0..2**63-1, got -1"),
     ({"buckets": {"boundaries": [400, 300]}}, "buckets.boundaries: must be a strictly increasing"),
     ({"consumer": 5}, "consumer: must be a mapping"),
     ({"transport": {"mode": "tcp"}}, "transport.mode: must be 'auto', 'shm' or 'zmq', got 'tcp'"),

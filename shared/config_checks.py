@@ -1,0 +1,133 @@
+"""Checks by class that every config value passes, whatever its key (see README "exit 78").
+
+Role: the refusals that are the same for many keys, so that no key can forget one:
+
+- every float is finite (YAML ``.nan`` and ``.inf`` are floats);
+- every integer fits in a signed 64-bit word (msgpack, numpy and the plan's seed all take int64);
+  frame, token and row counts fit in int32 (the wire's ``mel_len``, ``tok_len`` and token arrays);
+- every string is one printable line (a NUL or newline in a path or endpoint fails far from here);
+- endpoints are usable: ``ipc://PATH`` at most ``MAX_IPC_PATH_BYTES`` (the AF_UNIX limit) and
+  ``tcp://HOST:PORT`` with a port in 1..65535.
+
+Checks that need the machine run where the consumer starts, not at load (``deploy`` and ``status``
+read configs written for other hosts): ``check_output_paths`` (``consumer`` and ``run``, before
+training) and ``check_ring_bytes`` (once the manifest gives the largest batch). The rest is pure.
+Invariant: each refusal is one ``ConfigError`` naming the key path.
+Shutdown: nothing to release.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from shared.errors import ConfigError
+
+__all__ = ["INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed",
+           "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes"]
+
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_IPC_PATH_BYTES = 107   # sizeof(sockaddr_un.sun_path) - 1 on Linux: longer paths cannot be bound
+
+
+def check_number(value: Any, path: tuple[str, ...]) -> None:
+    """Refuse a non-finite float or an integer outside the signed 64-bit range (bools pass)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ConfigError(f"must fit in a signed 64-bit integer (|value| < 2**63), got {_short_int(value)}",
+                          path=path)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError("must be a finite number", path=path, got=value)
+
+
+def check_int32(value: int | None, path: tuple[str, ...]) -> None:
+    """Frame, token and row counts travel as int32 on the wire."""
+    if value is not None and value > INT32_MAX:
+        raise ConfigError(f"must be <= {INT32_MAX} (an int32 on the wire)", path=path, got=value)
+
+
+def check_seed(value: Any, path: tuple[str, ...]) -> None:
+    """Seeds: an integer in 0..2**63-1 (numpy's SeedSequence and the HELLO message take any such)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        shown = _short_int(value) if isinstance(value, int) else repr(value)
+        raise ConfigError(f"must be an integer in 0..2**63-1, got {shown}", path=path)
+
+
+def check_text(value: str, path: tuple[str, ...]) -> None:
+    """A config string is one printable line: no NUL, newline or other control character."""
+    bad = next((ch for ch in value if not ch.isprintable() and ch != " "), None)
+    if bad is not None:
+        raise ConfigError(f"must not contain control characters (found U+{ord(bad):04X})", path=path, got=value)
+
+
+def check_endpoint(endpoint: str, path: tuple[str, ...]) -> None:
+    """``ipc://PATH`` (or ``ipc://@NAME``) that fits in a unix socket address, or ``tcp://HOST:PORT``."""
+    if endpoint.startswith("ipc://"):
+        address = endpoint.removeprefix("ipc://")
+        if not address:
+            raise ConfigError("ipc:// needs a socket path", path=path, got=endpoint)
+        size = len(address.encode("utf-8"))
+        if size > MAX_IPC_PATH_BYTES:
+            raise ConfigError(f"socket path is {size} bytes, longer than the {MAX_IPC_PATH_BYTES} a unix socket "
+                              "allows; use a shorter directory", path=path, got=endpoint)
+    elif endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not sep or not host:
+            raise ConfigError("must be tcp://HOST:PORT", path=path, got=endpoint)
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError("port must be in 1..65535", path=path, got=endpoint)
+
+
+def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],
+                       endpoints: Mapping[tuple[str, ...], str]) -> None:
+    """Before training: each output file's directory and each ipc socket's directory exists and is writable.
+
+    Args:
+        outputs: key path -> file the run will write (``None`` = not written), e.g. the metrics file.
+        endpoints: key path -> endpoint the run will bind (tcp and abstract ipc are skipped).
+
+    Raises:
+        ConfigError: naming the key, the directory and why it cannot be used.
+    """
+    dirs = {key: os.path.dirname(os.path.abspath(p)) for key, p in outputs.items() if p is not None}
+    for key, endpoint in endpoints.items():
+        address = endpoint.removeprefix("ipc://")
+        if address != endpoint and not address.startswith("@"):
+            dirs[key] = os.path.dirname(os.path.abspath(address))
+    for key, directory in dirs.items():
+        if not os.path.isdir(directory):
+            raise ConfigError(f"directory {directory} does not exist", path=key)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"directory {directory} is not writable", path=key)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM in bytes, or ``None`` where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_ring_bytes(ring_slots: int, max_batch_nbytes: int, memory_bytes: int | None) -> None:
+    """The ring (``ring_slots`` x the largest batch) must fit in memory; known once the buckets are built.
+
+    Raises:
+        ConfigError: naming ``buckets`` with the bytes needed and the bytes there are.
+    """
+    need = ring_slots * max_batch_nbytes
+    if memory_bytes is not None and need > memory_bytes:
+        raise ConfigError(f"a ring of {ring_slots} slots x the largest batch ({max_batch_nbytes} bytes) needs {need} "
+                          f"bytes, more than this machine's {memory_bytes}; lower buckets.batch_size (or "
+                          "frame_budget, max_frames) or consumer.ring_slots", path=("buckets",))
+
+
+def _short_int(value: int) -> str:
+    """A huge integer by its size, not thousands of digits on one error line."""
+    if value.bit_length() <= 100:
+        return str(value)
+    return f"an integer of about {round(value.bit_length() * math.log10(2))} digits"
