@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from consumer.feed import Consumer
+from consumer.placement import prepare_tensorflow
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
@@ -42,6 +43,7 @@ _PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
+    prepare_tensorflow(cfg)      # consumer.model_gpu, memory growth/cap, XLA cache: before TF is imported
     notifier = Notifier()
     try:
         with stop_on_signals() as stop, _opened_state(cfg) as state, \
@@ -87,6 +89,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    prepare_tensorflow(cfg)      # the producers keep producer.data_gpu (their own processes)
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
             _telemetry(cfg, consumer, started_s) as telemetry:

@@ -1,0 +1,121 @@
+"""Which GPU(s) the consumer's TensorFlow sees and how much memory it takes; the XLA compilation cache.
+
+Everything here that sets the environment must run before TensorFlow is first imported in the process:
+CUDA reads ``CUDA_VISIBLE_DEVICES`` and XLA reads ``TF_XLA_FLAGS`` once, at import. ``run`` and
+``consumer`` call ``apply_placement`` first; a library user calls it (or sets the variables) before
+``import tensorflow``. ``configure_memory`` runs right after the import, before any op touches a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from shared.config import PipelineConfig
+from shared.errors import ConfigError
+
+__all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "configure_memory", "placement_env",
+           "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
+
+log = logging.getLogger(__name__)
+
+XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+_XLA_CACHE_SUBDIR = "xla-cache"
+
+
+def xla_cache_dir(cfg: PipelineConfig) -> Path | None:
+    """``consumer.xla_cache_dir``, else ``<state_dir>/xla-cache``; None without either (no cache)."""
+    if cfg.consumer.xla_cache_dir is not None:
+        return Path(cfg.consumer.xla_cache_dir).resolve()
+    if cfg.consumer.state_dir is not None:
+        return (Path(cfg.consumer.state_dir) / _XLA_CACHE_SUBDIR).resolve()
+    return None
+
+
+def active_xla_cache_dir(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The cache directory TensorFlow in this process uses (from ``TF_XLA_FLAGS``), None without one."""
+    environ = os.environ if environ is None else environ
+    for flag in environ.get("TF_XLA_FLAGS", "").split():
+        if flag.startswith(XLA_CACHE_FLAG + "="):
+            return Path(flag.split("=", 1)[1])
+    return None
+
+
+def xla_cache_warm(cache_dir: Path | None) -> bool | None:
+    """Whether the cache already holds compiled programs (None: no cache)."""
+    if cache_dir is None:
+        return None
+    return cache_dir.is_dir() and any(cache_dir.glob("*.pb"))
+
+
+def placement_env(cfg: PipelineConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set (pure): the model GPU(s) and the cache flag, merged into ``environ``'s."""
+    out: dict[str, str] = {}
+    if cfg.consumer.model_gpu is not None:
+        out["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"      # indices as nvidia-smi and NVML number them
+        out["CUDA_VISIBLE_DEVICES"] = cfg.consumer.model_gpu
+    cache = xla_cache_dir(cfg)
+    if cache is not None:
+        flags = [f for f in environ.get("TF_XLA_FLAGS", "").split() if not f.startswith(XLA_CACHE_FLAG + "=")]
+        out["TF_XLA_FLAGS"] = " ".join([*flags, f"{XLA_CACHE_FLAG}={cache}"])
+    return out
+
+
+def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | None = None,
+                    modules: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Set ``placement_env`` in ``environ`` (os.environ); returns what it set.
+
+    Raises:
+        ConfigError: TensorFlow is already imported and a value would change (too late to take effect).
+    """
+    environ = os.environ if environ is None else environ
+    modules = sys.modules if modules is None else modules
+    wanted = placement_env(cfg, environ)
+    changed = {k: v for k, v in wanted.items() if environ.get(k) != v}
+    if changed and "tensorflow" in modules:
+        key = "model_gpu" if "CUDA_VISIBLE_DEVICES" in changed else "xla_cache_dir"
+        raise ConfigError(f"TensorFlow was imported before it could be applied (it would set "
+                          f"{', '.join(sorted(changed))}); set them before importing TensorFlow or call "
+                          f"consumer.placement.apply_placement first", path=("consumer", key))
+    if cache := xla_cache_dir(cfg):
+        cache.mkdir(parents=True, exist_ok=True)
+    environ.update(changed)
+    if changed:
+        log.info("placement: %s", " ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+    return changed
+
+
+def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
+    """Memory growth (``consumer.gpu_memory_limit_mb`` null) or that cap on every visible GPU.
+
+    Call right after importing TensorFlow, before any op runs. Returns the GPUs configured ([] on CPU).
+    """
+    tf = tf_module if tf_module is not None else importlib.import_module("tensorflow")
+    gpus = tf.config.list_physical_devices("GPU")
+    limit_mb = cfg.consumer.gpu_memory_limit_mb
+    try:
+        for gpu in gpus:
+            if limit_mb is None:
+                tf.config.experimental.set_memory_growth(gpu, True)
+            else:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
+    except RuntimeError as err:    # the GPUs were initialized already (an op ran before this call)
+        log.warning("GPU memory settings not applied (TensorFlow already initialized its GPUs): %s", err)
+    return [str(g.name) for g in gpus]
+
+
+def prepare_tensorflow(cfg: PipelineConfig) -> None:
+    """``apply_placement``, then import TensorFlow and ``configure_memory``: the consumer's first TF import."""
+    apply_placement(cfg)
+    configure_memory(cfg)
+
+
+def step_devices(outputs: Mapping[str, Any]) -> list[str]:
+    """The device(s) the step's output tensors live on, e.g. "/job:localhost/replica:0/task:0/device:GPU:0"."""
+    return sorted({str(t.device) for t in outputs.values() if getattr(t, "device", "")})
