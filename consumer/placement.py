@@ -16,6 +16,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from consumer.resume.filemode import make_private_dir
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
 
@@ -83,7 +84,7 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
                           f"{', '.join(sorted(changed))}); set them before importing TensorFlow or call "
                           f"consumer.placement.apply_placement first", path=("consumer", key))
     if cache := xla_cache_dir(cfg):
-        cache.mkdir(parents=True, exist_ok=True)
+        make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
     environ.update(changed)
     if changed:
         log.info("placement: %s", " ".join(f"{k}={v}" for k, v in sorted(changed.items())))

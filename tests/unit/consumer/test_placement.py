@@ -70,6 +70,13 @@ def test_apply_sets_the_env_and_creates_the_cache_dir_before_tensorflow(tmp_path
     assert cache.is_dir() and xla_cache_warm(cache) is False
 
 
+def test_the_cache_made_inside_a_new_state_dir_keeps_the_state_dir_private(tmp_path: Path) -> None:
+    state = tmp_path / "new" / "state"
+    apply_placement(_cfg(state_dir=str(state)), {}, modules={})
+    assert (state / "xla-cache").is_dir()
+    assert state.stat().st_mode & 0o027 == 0 and (tmp_path / "new").stat().st_mode & 0o027 == 0
+
+
 def test_apply_refuses_once_tensorflow_is_imported_with_a_different_setting() -> None:
     env = {"CUDA_VISIBLE_DEVICES": "0"}
     with pytest.raises(ConfigError, match=r"^consumer.model_gpu: TensorFlow was imported before"):
