@@ -86,8 +86,6 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
     if cache := xla_cache_dir(cfg):
         make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
     environ.update(changed)
-    if changed:
-        log.info("placement: %s", " ".join(f"{k}={v}" for k, v in sorted(changed.items())))
     return changed
 
 
@@ -108,11 +106,15 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
     except RuntimeError as err:    # the GPUs were initialized already (an op ran before this call)
         log.warning("GPU memory settings not applied (TensorFlow already initialized its GPUs): %s", err)
+    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s",
+             os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
+             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off")
     return [str(g.name) for g in gpus]
 
 
 def prepare_tensorflow(cfg: PipelineConfig) -> None:
-    """``apply_placement``, then import TensorFlow and ``configure_memory``: the consumer's first TF import."""
+    """``apply_placement``, then import TensorFlow and ``configure_memory``: for a library user's own loop
+    (``run`` and ``consumer`` apply the env first thing and configure memory once the state dir is open)."""
     apply_placement(cfg)
     configure_memory(cfg)
 
