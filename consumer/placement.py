@@ -71,18 +71,26 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
                     modules: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Set ``placement_env`` in ``environ`` (os.environ); returns what it set.
 
+    Once TensorFlow is imported nothing is set (it would have no effect): a different model GPU is refused,
+    a different XLA cache only warned about (the run works, it just compiles from scratch).
+
     Raises:
-        ConfigError: TensorFlow is already imported and a value would change (too late to take effect).
+        ConfigError: TensorFlow is already imported and ``consumer.model_gpu`` would change the visible GPUs.
     """
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     wanted = placement_env(cfg, environ)
     changed = {k: v for k, v in wanted.items() if environ.get(k) != v}
     if changed and "tensorflow" in modules:
-        key = "model_gpu" if "CUDA_VISIBLE_DEVICES" in changed else "xla_cache_dir"
-        raise ConfigError(f"TensorFlow was imported before it could be applied (it would set "
-                          f"{', '.join(sorted(changed))}); set them before importing TensorFlow or call "
-                          f"consumer.placement.apply_placement first", path=("consumer", key))
+        if "CUDA_VISIBLE_DEVICES" in changed:
+            raise ConfigError(f"TensorFlow was imported before it could be applied (CUDA_VISIBLE_DEVICES is "
+                              f"{environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}); set it before importing "
+                              f"TensorFlow or call consumer.placement.apply_placement first",
+                              path=("consumer", "model_gpu"), got=cfg.consumer.model_gpu)
+        if "TF_XLA_FLAGS" in changed:
+            log.warning("XLA compilation cache off: TensorFlow was imported before TF_XLA_FLAGS could name %s",
+                        xla_cache_dir(cfg))
+        return {}
     if cache := xla_cache_dir(cfg):
         make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
     environ.update(changed)

@@ -84,9 +84,11 @@ def test_apply_refuses_once_tensorflow_is_imported_with_a_different_setting() ->
     assert env == {"CUDA_VISIBLE_DEVICES": "0"}                             # nothing half-applied
 
 
-def test_apply_after_tensorflow_is_fine_when_nothing_would_change() -> None:
-    env = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert apply_placement(_cfg(model_gpu="1"), env, modules={"tensorflow": object()}) == {}
+def test_apply_after_tensorflow_changes_nothing_when_the_visible_gpus_match(tmp_path: Path) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    late_cache = _cfg(model_gpu="1", xla_cache_dir=str(tmp_path / "c"))   # too late: warned, not set
+    assert apply_placement(late_cache, env, modules={"tensorflow": object()}) == {}
+    assert env == {"CUDA_VISIBLE_DEVICES": "1"}
     assert apply_placement(_cfg(), {}, modules={"tensorflow": object()}) == {}
 
 
@@ -148,3 +150,22 @@ def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_runs_on_c
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("device:CPU:0")
+
+
+def test_a_real_tensorflow_imported_first_is_refused_when_model_gpu_would_change_it() -> None:
+    code = ("import os\n"
+            "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n"
+            "import tensorflow\n"
+            "from shared.config_loader import config_from_mapping\n"
+            "from consumer.placement import apply_placement\n"
+            "from shared.errors import ConfigError\n"
+            "apply_placement(config_from_mapping({'consumer': {'model_gpu': ''}}))\n"   # same: fine
+            "try:\n"
+            "    apply_placement(config_from_mapping({'consumer': {'model_gpu': '1'}}))\n"
+            "except ConfigError as err:\n"
+            "    print(err)\n")
+    env = {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("consumer.model_gpu: TensorFlow was imported before it could be applied")
