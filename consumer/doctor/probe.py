@@ -89,13 +89,16 @@ def _count_batches(feed: Any, group: subprocess.Popen[Any], seconds: float) -> t
 def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     """Host->device hand-off and compiled step time per bucket on synthetic batches, on the GPU(s)
     ``consumer.model_gpu`` selects (applied before TensorFlow is imported, as ``run`` does)."""
+    from dataclasses import replace
+
     import numpy as np
 
     from consumer.placement import prepare_tensorflow, step_devices
     from shared.config_loader import load_config
 
     cfg = load_config(config_path)
-    prepare_tensorflow(cfg)
+    # the model GPU as `run` would use it; no cache made inside a state dir the doctor must not create
+    prepare_tensorflow(replace(cfg, consumer=replace(cfg.consumer, state_dir=None)))
     import tensorflow as tf
 
     from consumer.train.model import StepSpec
