@@ -25,7 +25,7 @@ from consumer.placement import apply_placement, configure_memory
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
-from shared.service.cli import config_from_args
+from shared.service.cli import config_from_args, with_demo_cache
 from shared.config import PipelineConfig
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
@@ -81,13 +81,7 @@ def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
 
 
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
-    cfg = config_from_args(args)
-    if args.demo:
-        from shared.cache.demo_data import default_demo_dir, write_demo_cache
-        cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
-        log.info("demo data in %s", cache)
-        write_demo_cache(cache, n_utterances=args.demo_utterances)
-        cfg = with_overrides(cfg, {"cache_dir": str(cache)})
+    cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)

@@ -6,9 +6,11 @@ with Consumer(cfg) as feed:
     for batch in feed.batches():          # Batch.arrays: views into a ring slot
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
-Owns the ring, the lease book and the receiver thread. ``batches()`` applies batches strictly in
-plan order (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was
-released. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
+Owns the ring, the lease book and the receiver thread. Batches are applied strictly in plan order
+(docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was applied, or again
+(first) when the iterator it was handed to was dropped before consuming it; ``consumer/handout.py``
+keeps that book and consumer/README.md ("Exactly once on the library path") states the rules. Shapes,
+schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
 ids), so nothing downstream asks the plan again. Memory bound (invariant 4): ring slots * slot bytes
 here, plus Σ lease windows * largest batch in producers (none on the shared-memory path: they build
 in the ring's slot files); logged at start.
@@ -25,14 +27,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from consumer.flow.credit import LeaseBook
-from consumer.flow.plan import EpochPlan, PlannedBatch
+from consumer.handout import ArraySpec, Batch, Handout
+from consumer.flow.plan import EpochPlan
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
@@ -44,51 +43,13 @@ from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.service.lifecycle import resolve_endpoint
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.wire.curve import server_keys_for
-from shared.wire.layout import PAYLOAD_COPIES
+from shared.wire.layout import ARRAY_DTYPES, ARRAY_KEYS
 
-__all__ = ["Batch", "Consumer"]
+__all__ = ["Batch", "Consumer", "ArraySpec"]
 
 log = logging.getLogger(__name__)
 
 _WAITING_LOG_S = 10.0
-
-
-@dataclass(slots=True)
-class Batch:
-    """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
-
-    planned: PlannedBatch                 # its identity in the plan: id, data epoch, bucket, sample ids
-    arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
-    slot: int
-    copies: int = PAYLOAD_COPIES          # copies from page cache into the slot: 1 shared memory, 4 payload
-
-    @property
-    def batch_id(self) -> int:
-        return self.planned.batch_id
-
-    @property
-    def bucket(self) -> int:
-        """Index into ``Consumer.bucket_set.buckets``."""
-        return self.planned.bucket
-
-    @property
-    def sample_ids(self) -> tuple[int, ...]:
-        """Manifest indices of the real rows, in row order."""
-        return self.planned.sample_ids
-
-    @property
-    def rows(self) -> int:
-        """Real (non-padding) rows."""
-        return int(np.count_nonzero(self.arrays["mel_len"]))
-
-    @property
-    def real_frames(self) -> int:
-        return int(self.arrays["mel_len"].sum())
-
-    @property
-    def padded_frames(self) -> int:
-        mel = self.arrays["mel"]
-        return int(mel.shape[0] * mel.shape[1])
 
 
 class Consumer:
@@ -128,7 +89,8 @@ class Consumer:
         self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
                                   self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
-        self.applied = 0
+        self._handout = Handout(start_batch)
+        self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
@@ -187,13 +149,44 @@ class Consumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # --- what a training loop needs before start() ------------------------------------------------
+    @property
+    def bucket_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+        """Array shapes of each bucket (by bucket index): mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B]."""
+        return tuple(b.shapes() for b in self.bucket_set.buckets)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches in one pass over the dataset (every epoch of the plan has this many)."""
+        return self.plan.batches_per_epoch
+
+    @property
+    def array_schema(self) -> tuple[ArraySpec, ...]:
+        """Every array of a batch, in wire order: name, numpy dtype and its shape in each bucket."""
+        return tuple(ArraySpec(k, ARRAY_DTYPES[k], tuple(s[k] for s in self.bucket_shapes)) for k in ARRAY_KEYS)
+
+    @property
+    def applied(self) -> int:
+        """Batches applied so far by this process (consumer/README.md: what counts as applied)."""
+        return self._handout.applied
+
+    @property
+    def applied_ids(self) -> list[int]:
+        """The ids of the applied batches, in the order they were applied (consecutive from ``start_batch``)."""
+        return self._handout.applied_ids
+
     # --- batches -------------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
-        return self.end_batch is not None and self.next_apply >= self.end_batch
+        """The plan's end was reached and nothing handed out waits to be handed out again."""
+        return (self.end_batch is not None and self.next_apply >= self.end_batch
+                and not self._handout.has_returned)
 
     def next_batch(self, timeout_s: float) -> Batch | None:
         """The next batch in plan order, or ``None`` if it did not arrive within ``timeout_s``.
+
+        A batch handed out before and given back (its iterator was dropped) comes first.
+        Low level: the caller must ``release()`` it once its step has finished.
 
         Raises:
             ClosedError: the consumer was closed, or the plan is finished.
@@ -201,6 +194,9 @@ class Consumer:
         """
         if self._receiver.error is not None:
             raise PipelineError(f"receiver failed: {self._receiver.error}") from self._receiver.error
+        again = self._handout.pop_returned()
+        if again is not None:
+            return again
         if self.finished:
             raise ClosedError("all planned batches were applied")
         t0 = time.perf_counter()
@@ -208,54 +204,128 @@ class Consumer:
         self.wait_s_total += time.perf_counter() - t0
         if ready is None:
             return None
-        batch = Batch(ready.planned, self.ring.views(ready.slot, ready.planned.bucket), ready.slot, ready.copies)
+        planned = ready.planned
+        utterances = self.manifest.utterances
+        batch = Batch(planned, self.ring.views(ready.slot, planned.bucket), ready.slot, ready.copies,
+                      tuple(utterances[i].id for i in planned.sample_ids))
         self.next_apply += 1
         return batch
 
     def release(self, batch: Batch) -> None:
-        """The step that read ``batch`` has finished: free its slot and count it applied."""
-        self.ring.release(batch.slot)
-        self.applied += 1
+        """The step that read ``batch`` has finished: count it applied and free its slot."""
+        self.mark_applied(batch)
+        self.free_slot(batch)
+
+    def mark_applied(self, batch: Batch) -> None:
+        """Count ``batch`` applied (it must be the next id in plan order); its slot stays held."""
+        self._handout.record_applied(batch)
         self._receiver.mark_applied(batch.batch_id)
+
+    def free_slot(self, batch: Batch) -> None:
+        """Give ``batch``'s slot back to the ring (its arrays are invalid from here on)."""
+        self.ring.release(batch.slot)
+
+    def apply_and_hold(self, batch: Batch) -> None:
+        """Count ``batch`` applied and keep its slot until ``free_held_slot`` or a newer iterator starts."""
+        with self._lock:
+            self._free_held()
+            self.mark_applied(batch)
+            self._held = batch
+
+    def free_held_slot(self, batch: Batch) -> None:
+        """Free the slot ``apply_and_hold`` kept for ``batch``, unless a newer iterator already did."""
+        with self._lock:
+            if self._held is batch:
+                self._free_held()
+
+    def _free_held(self) -> None:
+        if self._held is not None:
+            self.free_slot(self._held)
+            self._held = None
+
+    def begin_iterator(self) -> int:
+        """Start a new hand-out iterator (superseding any older one); returns its token.
+
+        The slot a superseded dataset iterator still holds is freed here: its elements are invalid
+        from now on, and a ``fit`` that ended never reads them again (a Keras iterator may be
+        collected late, and would otherwise keep a ring slot until then).
+        """
+        with self._lock:
+            self._free_held()
+            return self._handout.begin()
+
+    def is_current(self, token: int) -> bool:
+        return self._handout.is_current(token)
+
+    def wait_next(self, token: int, stop: threading.Event | None = None,
+                  on_wait: Callable[[int], None] | None = None) -> Batch | None:
+        """The next batch for iterator ``token``, waiting in bounded steps; ``None`` when the plan ended,
+        ``stop`` was set or the consumer was closed.
+
+        ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
+        (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
+
+        Raises:
+            RuntimeError: a newer iterator superseded ``token``.
+            PipelineError: the receiver thread failed.
+        """
+        waited_s = 0.0
+        while not self.finished and not (stop is not None and stop.is_set()):
+            if not self.is_current(token):
+                raise RuntimeError("this iterator was superseded by a newer batches() / as_dataset() iterator")
+            try:
+                batch = self.next_batch(self.cfg.consumer.wait_timeout_s)
+            except ClosedError:
+                return None
+            if batch is not None:
+                return batch
+            if on_wait is not None:
+                on_wait(self._receiver.stats().producers_alive)
+            waited_s += self.cfg.consumer.wait_timeout_s
+            if waited_s >= _WAITING_LOG_S:
+                log.info("waiting for batch %d: producers alive=%d", self.next_apply,
+                         self._receiver.stats().producers_alive)
+                waited_s = 0.0
+        return None
 
     def batches(self, stop: threading.Event | None = None,
                 on_wait: Callable[[int], None] | None = None) -> Iterator[Batch]:
         """Yield batches in plan order until the plan ends, ``stop`` is set or ``close()``.
 
-        Each batch is released when the caller asks for the next one (or leaves the loop).
-        ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
-        (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
+        A batch is applied (and its slot freed) when the loop asks for the next one, or when the
+        loop ends because the plan ended, ``stop`` was set or the consumer closed. A batch the loop
+        holds when it breaks out (or the iterator is dropped, or a newer ``batches()`` /
+        ``as_dataset()`` iterator starts) is not applied: the next iterator hands it out first.
+        ``on_wait``: see ``wait_next``.
         """
-        waited_s = 0.0
-        while not self.finished and not (stop is not None and stop.is_set()):
-            try:
-                batch = self.next_batch(self.cfg.consumer.wait_timeout_s)
-            except ClosedError:
-                return
+        return self._iterate(self.begin_iterator(), stop, on_wait)
+
+    def _iterate(self, token: int, stop: threading.Event | None,
+                 on_wait: Callable[[int], None] | None) -> Iterator[Batch]:
+        while True:
+            batch = self.wait_next(token, stop, on_wait)
             if batch is None:
-                if on_wait is not None:
-                    on_wait(self._receiver.stats().producers_alive)
-                waited_s += self.cfg.consumer.wait_timeout_s
-                if waited_s >= _WAITING_LOG_S:
-                    log.info("waiting for batch %d: producers alive=%d", self.next_apply,
-                             self._receiver.stats().producers_alive)
-                    waited_s = 0.0
-                continue
-            waited_s = 0.0
+                return
+            self._handout.hold(token, batch)
             try:
                 yield batch
-            finally:
-                self.release(batch)
+            except BaseException:           # GeneratorExit (break, dropped) or an error thrown in
+                self._handout.give_back(token, batch)
+                raise
+            if not self.is_current(token):  # a newer iterator took this batch over: it is not applied
+                raise RuntimeError("this iterator was superseded by a newer batches() / as_dataset() iterator")
+            self.release(batch)
 
-    def as_dataset(self, single_shape: bool = False) -> Any:
-        """A ``tf.data.Dataset`` of ``({"tokens", "tok_len", "mel_len"}, mel)`` pairs for Keras ``fit``.
+    def as_dataset(self, single_shape: bool = False,
+                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames")) -> Any:
+        """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
-        Every element has one of the bucket shapes (at most ``buckets.num_buckets`` traces);
-        ``single_shape=True`` pads every batch to the largest bucket so the spec is fully static.
-        Elements are copies, so the ring slot is released as soon as TensorFlow took the batch.
+        Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
+        hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
+        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64).
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
-        return make_dataset(self, single_shape)
+        return make_dataset(self, single_shape, features)
 
     def zmq_context(self) -> Any:
         """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""

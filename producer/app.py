@@ -3,7 +3,8 @@
 ``--producers N`` writes the effective config once (``shared.service.children.handed_over_config``:
 mode 0600 in the runtime directory, removed on exit) and supervises N child processes (restart with
 back-off). ``--instance N`` runs producer N in this process, for ``producer@N.service``, where
-systemd restarts it; both notify systemd when ``$NOTIFY_SOCKET`` is set.
+systemd restarts it; ``--demo`` serves the built-in demo cache (written first if missing, as for
+``run --demo``); both notify systemd when ``$NOTIFY_SOCKET`` is set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 
 from producer.supervisor import supervise_producers
-from shared.service.cli import config_from_args
+from shared.service.cli import config_from_args, with_demo_cache
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError
 from shared.service.children import handed_over_config
@@ -25,9 +26,9 @@ __all__ = ["main_producer"]
 
 
 def main_producer(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
-        raise ConfigError("is required (--cache-dir or cache_dir in the config)", path=("cache_dir",))
+        raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
                                "cache_dir": str(Path(cfg.cache_dir).resolve())})
     notifier = Notifier()

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.errors import EXIT_CONFIG
+from shared.printable import escape_line
 from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
                                   Message, RejectCode, StageCounters, Welcome)
 
@@ -222,14 +223,14 @@ class ProducerSession:
     def _on_err(self, msg: Err, now_s: float) -> None:
         self.counts.errors[msg.code] = self.counts.errors.get(msg.code, 0) + 1
         if msg.code == RejectCode.UNKNOWN_PEER:
-            log.info("consumer does not know us (%s); re-joining", msg.why)
+            log.info("consumer does not know us (%s); re-joining", escape_line(msg.why))
             self._leave(now_s)
         elif msg.code in RejectCode.FATAL:
-            log.error("consumer refused this producer: %s: %s", msg.code, msg.why)
+            log.error("consumer refused this producer: %s: %s", escape_line(msg.code), escape_line(msg.why))
             self.exit_code = EXIT_CONFIG
             self.reason = f"{msg.code}: {msg.why}"
         else:
-            log.warning("consumer rejected a message: %s: %s", msg.code, msg.why)
+            log.warning("consumer rejected a message: %s: %s", escape_line(msg.code), escape_line(msg.why))
 
     def _leave(self, now_s: float) -> None:
         """Back to DISCONNECTED: drop every lease; the next HELLO goes at once."""

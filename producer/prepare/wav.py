@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from shared.cache.filekind import open_regular
 from shared.errors import CacheError
 
 __all__ = ["WavInfo", "read_wav", "parse_wav"]
@@ -166,13 +167,12 @@ def read_wav(path: str | os.PathLike[str]) -> tuple[npt.NDArray[np.float64], Wav
     """Read and decode a wav file; see ``parse_wav``.
 
     Raises:
-        CacheError: The file is missing, unreadable or malformed (one line naming it).
+        CacheError: The file is missing, not a regular file, unreadable or malformed (one line naming it).
     """
     try:
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path)      # a FIFO or device among the wavs is reported, never blocked on
+        with os.fdopen(fd, "rb") as f:
             data = f.read()
-    except FileNotFoundError as err:
-        raise CacheError(path, "missing") from err
     except OSError as err:
         raise CacheError(path, f"cannot read ({err.strerror})") from err
     return parse_wav(data, path)

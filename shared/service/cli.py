@@ -7,15 +7,19 @@ Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/ap
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from shared.config import PipelineConfig
 from shared.config_loader import load_config, with_overrides
 from shared.service.children import REPO_ROOT
 
-__all__ = ["build_parser", "config_from_args"]
+__all__ = ["build_parser", "config_from_args", "with_demo_cache"]
+
+log = logging.getLogger(__name__)
 
 _OVERRIDES = {  # flag dest -> config key
     "cache_dir": "cache_dir", "endpoint": "transport.endpoint", "steps": "consumer.steps",
@@ -51,15 +55,21 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
 
 
+def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--demo", action="store_true", help=help_text)
+    p.add_argument("--demo-utterances", type=int, default=2000)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="consumer and N producers on this host")
     _common(run, producers=True, consumer=True)
-    run.add_argument("--demo", action="store_true", help="generate (once) and train on the built-in demo data")
-    run.add_argument("--demo-utterances", type=int, default=2000)
+    _demo(run, "generate (once) and train on the built-in demo data")
     _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)"), consumer=True)
-    _common(sub.add_parser("producer", help="N producer processes under one parent"), producers=True)
+    producer = sub.add_parser("producer", help="N producer processes under one parent")
+    _common(producer, producers=True)
+    _demo(producer, "generate (once) and serve the built-in demo data")
     doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up")
     _common(doc)
     doc.add_argument("--producers", type=int, help="producer processes to measure (default: producer.count)")
@@ -145,3 +155,18 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(getattr(args, "config", None))
     overrides: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in _OVERRIDES.items()}
     return with_overrides(cfg, overrides)
+
+
+def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineConfig:
+    """``--demo`` (run, producer): the built-in demo cache, written first unless already complete.
+
+    ``cache_dir`` becomes ``--cache-dir`` if given, else ``default_demo_dir(--demo-utterances)``; without
+    ``--demo`` ``cfg`` is returned as is.
+    """
+    if not getattr(args, "demo", False):
+        return cfg
+    from shared.cache.demo_data import default_demo_dir, write_demo_cache
+    cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
+    log.info("demo data in %s", cache)
+    write_demo_cache(cache, n_utterances=args.demo_utterances)
+    return with_overrides(cfg, {"cache_dir": str(cache)})

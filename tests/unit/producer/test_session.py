@@ -239,3 +239,12 @@ def test_farewell_carries_the_exit_code_and_a_one_line_reason_naming_the_file() 
     assert s.farewell() == Bye(7, 78, "CacheError: /cache/mels/LJ001-0003.npy: missing")
     assert failure_reason(ValueError("two\nlines")) == "ValueError: two lines"
     assert failure_reason(KeyError()) == "KeyError"
+
+
+def test_a_consumers_err_text_is_logged_on_one_escaped_line(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    s = _joined(clock, 7, _lease(1))
+    with caplog.at_level(logging.WARNING, logger="producer.session"):
+        s.on_message(Err(RejectCode.LEASE, "no\nINFO forged line\x1b[31m"), clock())
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line and "forged line" in line

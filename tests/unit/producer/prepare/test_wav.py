@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import wave
 from pathlib import Path
@@ -129,3 +130,12 @@ def test_missing_file_is_a_cache_error(tmp_path: Path) -> None:
     with pytest.raises(CacheError) as info:
         read_wav(tmp_path / "nope.wav")
     assert str(info.value) == f"{tmp_path / 'nope.wav'}: missing"
+
+
+@pytest.mark.timeout(20)   # a blocking open of the FIFO would hang here instead of failing
+def test_a_fifo_among_the_wavs_is_reported_never_blocked_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "LJ001-0001.wav"
+    os.mkfifo(fifo)
+    with pytest.raises(CacheError) as info:
+        read_wav(fifo)
+    assert str(info.value) == f"{fifo}: not a regular file (fifo)"

@@ -1,0 +1,141 @@
+"""The consumer as a library with real producers: Keras ``fit`` on ``as_dataset()`` and a user's own loop.
+
+Exactly once on the library path (consumer/README.md): every batch id of the plan is applied once,
+in order, across several ``fit`` calls on one dataset and across a loop that breaks out and resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from consumer import Consumer
+from consumer.flow.ring import SlotState
+from shared.config_loader import config_from_mapping
+from tests.conftest import ProducerGroup
+
+_ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id")
+
+
+def _cfg(cache: Path, endpoint: str, steps: int) -> Any:
+    return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5},
+                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}})
+
+
+def _tiny_model() -> Any:
+    """Tokens -> one spectrum per utterance, repeated over the bucket's ``frames``; records the batch ids it trained on."""
+    import keras
+    import tensorflow as tf
+
+    class Tiny(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = keras.layers.Embedding(64, 8)
+            self.out = keras.layers.Dense(80)
+            self.seen: list[int] = []
+
+        def call(self, x: dict[str, Any]) -> Any:
+            h = self.out(tf.reduce_mean(self.embed(x["tokens"]), axis=1))      # [B, 80]
+            return tf.repeat(h[:, None, :], x["frames"][0], axis=1)            # [B, T, 80]
+
+        def train_step(self, data: Any) -> Any:
+            self.seen.append(int(data[0]["batch_id"][0]))                      # run_eagerly: plain Python
+            return super().train_step(data)
+
+    model = Tiny()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    return model
+
+
+def test_two_keras_fits_on_one_dataset_apply_every_batch_once_in_plan_order(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    steps = 18                                       # > 2 epochs of the 200-utterance cache (8 batches each)
+    with Consumer(_cfg(demo_cache, endpoint, steps)) as feed:
+        producers.start(demo_cache, endpoint, 1)
+        ds = feed.as_dataset(features=_ALL_FEATURES)
+        model = _tiny_model()
+        model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0, shuffle=False)
+        assert feed.applied_ids == model.seen == [0, 1, 2, 3]
+        model.fit(ds, steps_per_epoch=3, epochs=2, verbose=0, shuffle=False)
+        assert feed.applied_ids == model.seen == list(range(10))
+        assert feed.ring.counts()[SlotState.IN_STEP] <= 1          # the last element of the last fit, at most
+        rest = [batch.batch_id for batch in feed.batches()]      # the plan goes on where fit stopped
+        assert feed.ring.counts()[SlotState.IN_STEP] == 0          # ... and its slot went back to the ring
+    assert rest == list(range(10, steps))
+    assert feed.applied_ids == list(range(steps)) and feed.applied == steps
+
+
+def test_an_element_taken_from_the_dataset_is_applied_and_nothing_is_read_ahead(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    with Consumer(_cfg(demo_cache, endpoint, 8)) as feed:
+        producers.start(demo_cache, endpoint, 1)
+        it = iter(feed.as_dataset(features=_ALL_FEATURES))
+        feats, mel = next(it)
+        while not feed.ring.ready_ids():             # producers fill the ring behind it (bounded wait: pytest timeout)
+            pass
+        assert feed.applied_ids == [0] and feed.next_apply == 1
+        first = float(mel[0, 0, 0])                   # zero copy: writing the slot shows through the tensor
+        slots = [feed.ring.memory.buffer(i)[:4].view(np.float32) for i in range(feed.ring.n_slots)]
+        held = [s for s in slots if s[0] == first]    # mel is the slot's first array
+        assert held
+        held[0][0] = first + 1.0
+        assert float(mel[0, 0, 0]) == first + 1.0
+        bucket = feed.bucket_shapes[feed.plan.batch(0).bucket]
+        assert tuple(mel.shape) == bucket["mel"]
+        assert feats["frames"].numpy().tolist() == [bucket["mel"][1]] * bucket["mel"][0]
+        assert feats["batch_id"].numpy().tolist() == [0] * bucket["mel"][0]
+        del it                                        # dropped: its slot goes back, batch 0 stays applied
+        ids = [int(f["batch_id"][0]) for f, _ in feed.as_dataset(features=_ALL_FEATURES)]
+    assert ids == list(range(1, 8))
+
+
+def test_a_loop_that_breaks_out_gets_its_unstepped_batch_first_when_it_resumes(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    steps = 12
+    stepped: list[int] = []
+    with Consumer(_cfg(demo_cache, endpoint, steps)) as feed:
+        producers.start(demo_cache, endpoint, 1)
+        for batch in feed.batches():
+            if len(stepped) == 5:
+                held = batch.batch_id
+                break                                # batch 5 was handed out but not stepped
+            stepped.append(batch.batch_id)
+        assert held == 5 and feed.applied_ids == [0, 1, 2, 3, 4]
+        for batch in feed.batches():                 # resume: batch 5 first, then the rest of the plan
+            stepped.append(batch.batch_id)
+            assert batch.utterance_ids == tuple(feed.manifest.utterances[i].id for i in batch.sample_ids)
+    assert stepped == list(range(steps))
+    assert feed.applied_ids == list(range(steps))
+
+
+def test_a_newer_iterator_takes_over_the_batch_an_older_one_holds(
+        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    with Consumer(_cfg(demo_cache, endpoint, 6)) as feed:
+        producers.start(demo_cache, endpoint, 1)
+        old = feed.batches()
+        assert next(old).batch_id == 0
+        new = feed.batches()
+        assert next(new).batch_id == 0               # handed out again: the old loop never consumed it
+        with pytest.raises(RuntimeError, match="superseded"):
+            next(old)
+        assert [b.batch_id for b in new] == [1, 2, 3, 4, 5]
+    assert feed.applied_ids == list(range(6))
+
+
+def test_shapes_schema_and_epoch_length_are_known_before_start(demo_cache: Path, endpoint: str) -> None:
+    feed = Consumer(_cfg(demo_cache, endpoint, 1))
+    try:
+        shapes = feed.bucket_shapes
+        assert len(shapes) == len(feed.bucket_set.buckets) >= 1
+        members = [int((feed.bucket_set.assignment == b.index).sum()) for b in feed.bucket_set.buckets]
+        assert feed.batches_per_epoch == sum(-(-n // b.batch_size) for n, b in zip(members, feed.bucket_set.buckets))
+        schema = {spec.name: spec for spec in feed.array_schema}
+        assert list(schema) == ["mel", "mel_len", "tokens", "tok_len"]
+        assert schema["mel"].dtype == "float32" and schema["tokens"].dtype == "int32"
+        assert schema["mel"].shapes == tuple(s["mel"] for s in shapes)
+        assert all(s["mel"][2] == 80 for s in shapes)
+    finally:
+        feed.close()
