@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from consumer.feed import Consumer
+from consumer.placement import apply_placement, configure_memory
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
@@ -44,11 +45,13 @@ _PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     _check_paths(cfg, args)
+    apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
         with stop_on_signals() as stop, _opened_state(cfg) as state, \
                 Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
                 _telemetry(cfg, consumer, started_s) as telemetry:
+            configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   notifier=notifier, telemetry=telemetry)
     except PipelineError as err:
@@ -102,12 +105,14 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     _check_paths(cfg, args)
+    apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
             _telemetry(cfg, consumer, started_s) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, entry, args.debug_delay_ms)
+        configure_memory(cfg)        # imports TensorFlow (while the producers start): growth or the cap
         watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
         watcher.start()
         try:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from shared.config_checks import check_endpoint, check_int32, check_number, check_seed
 from shared.errors import ConfigError
+from shared.gpu_select import check_gpu_list
 
 __all__ = [
     "BucketConfig",
@@ -151,7 +152,11 @@ class ConsumerConfig:
                                            # run continues to the same end); None = run until stopped
     status_interval_s: float = 5.0         # period of the status line
     warmup_steps: int = 5                  # excluded from stall % and rates
-    model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer; None = inherit
+    model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied
+                                           # before TensorFlow is imported); None = inherit
+    gpu_memory_limit_mb: int | None = None # cap on each visible GPU; None = memory growth
+    xla_cache_dir: str | None = None       # persistent XLA compilation cache (shareable between state dirs);
+                                           # None = <state_dir>/xla-cache, no cache without a state_dir
     state_dir: str | None = None           # checkpoints and logs; None = no persistent state
     wait_timeout_s: float = 2.0            # one bounded wait of the step loop for its next batch
     checkpoint_every_steps: int = 200      # with state_dir: checkpoint period (also on stop and at the end)
@@ -171,6 +176,14 @@ class ConsumerConfig:
         _check(self.status_interval_s > 0, "must be > 0", p + ("status_interval_s",),
                self.status_interval_s)
         _check(self.warmup_steps >= 0, "must be >= 0", p + ("warmup_steps",), self.warmup_steps)
+        if self.model_gpu is not None:
+            _check(check_gpu_list(self.model_gpu) is None, check_gpu_list(self.model_gpu) or "",
+                   p + ("model_gpu",), self.model_gpu)
+        if self.gpu_memory_limit_mb is not None:
+            _check(self.gpu_memory_limit_mb >= 64, "must be >= 64 or null", p + ("gpu_memory_limit_mb",),
+                   self.gpu_memory_limit_mb)
+        if self.xla_cache_dir is not None:
+            _check(bool(self.xla_cache_dir), "must be a path or null", p + ("xla_cache_dir",), self.xla_cache_dir)
         _check(self.wait_timeout_s > 0, "must be > 0", p + ("wait_timeout_s",), self.wait_timeout_s)
         _check(self.checkpoint_every_steps >= 1, "must be >= 1", p + ("checkpoint_every_steps",),
                self.checkpoint_every_steps)

@@ -87,17 +87,25 @@ def _count_batches(feed: Any, group: subprocess.Popen[Any], seconds: float) -> t
 
 
 def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
-    """Host->device hand-off and compiled step time per bucket on synthetic batches."""
+    """Host->device hand-off and compiled step time per bucket on synthetic batches, on the GPU(s)
+    ``consumer.model_gpu`` selects (applied before TensorFlow is imported, as ``run`` does)."""
+    from dataclasses import replace
+
     import numpy as np
+
+    from consumer.placement import prepare_tensorflow, step_devices
+    from shared.config_loader import load_config
+
+    cfg = load_config(config_path)
+    # the model GPU as `run` would use it; no cache made inside a state dir the doctor must not create
+    prepare_tensorflow(replace(cfg, consumer=replace(cfg.consumer, state_dir=None)))
     import tensorflow as tf
 
     from consumer.train.model import StepSpec
     from consumer.train.step import CompiledStep, load_step_factory, to_tensors
     from shared.wire.buckets import build_buckets
-    from shared.config_loader import load_config
     from shared.cache.features import load_manifest_for
 
-    cfg = load_config(config_path)
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     m = cfg.model
@@ -110,15 +118,18 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     budget_s = seconds / max(1, len(bucket_set.buckets))
     out = []
+    ran_on: set[str] = set()
     for b in bucket_set.buckets:
         arrays = _synthetic_batch(b, m.vocab_size, rng)
         h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
         tensors, _ = to_tensors(arrays)
-        float(compiled.run(b.index, tensors)["loss"])  # one untimed run: first-call dispatch costs
+        first = compiled.run(b.index, tensors)          # one untimed run: first-call dispatch costs
+        float(first["loss"])
+        ran_on.update(step_devices(first))
         step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)["loss"]), budget_s)
         out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
-    return {"device": device, "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
+    return {"device": device, "step_devices": sorted(ran_on), "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
             "buckets": out}
 
 

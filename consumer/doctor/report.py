@@ -49,7 +49,9 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
     for b, wire in zip(dev["buckets"], r["buckets"]):
         lines.append(f"         bucket {b['index']} {_shape(wire)}: {b['h2d_ms_p50']:.2f} ms")
     lines.append(f"         weighted by the bucket mix: {h2d:.2f} ms = {v.h2d_per_s:.1f} batches/s")
-    lines.append(f"stage 4  compiled step (CompiledStep, {dev['compile_s']:.1f} s to compile every bucket)")
+    ran_on = ", ".join(dev.get("step_devices") or ["unknown"])   # older probe output has no step_devices
+    lines.append(f"stage 4  compiled step (CompiledStep, {dev['compile_s']:.1f} s to compile every bucket; "
+                 f"ran on {ran_on})")
     for b, wire, w in zip(dev["buckets"], r["buckets"], mix):
         lines.append(f"         bucket {b['index']} {_shape(wire)}: {b['step_ms_p50']:.2f} ms p50, "
                      f"{b['step_ms_p99']:.2f} ms p99 ({b['runs']} runs), {100 * w:.0f} % of batches")

@@ -65,8 +65,11 @@ class TrainSummary:
     jit_compile: str | None = None      # "xla" or "graph": how the step was compiled (None: it was not)
     jit_reason: str | None = None       # one line: what decided it (setting, XLA error, warm-up timings)
     error: str | None = None            # one line when the run failed before training (e.g. XLA, jit: true)
-    compile_s: float = 0.0
-    time_to_first_step_s: float | None = None
+    compile_s: float = 0.0              # compiling every bucket shape (warm-up), seconds
+    time_to_first_step_s: float | None = None  # process start -> first applied step, seconds
+    devices: list[str] = field(default_factory=list)  # where the first step's outputs live (TF device names)
+    xla_cache_dir: str | None = None    # persistent XLA compilation cache in use (TF_XLA_FLAGS), None = none
+    xla_cache_warm: bool | None = None  # it held compiled programs when the run started
     in_flight_bound_bytes: int = 0
     payload_copies_per_batch: float = 0.0
     interrupted: bool = False
@@ -93,14 +96,17 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     ``on_step(steps_done)`` runs after each step's loss was read, while its slot is still held and
     inside the timed step (``bench`` models device time there with a sleep).
     """
+    from consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from consumer.train.outputs import read_outputs
     from consumer.train.step import to_tensors
 
     notifier = notifier if notifier is not None else Notifier({})
     step_fn, compiled = _build_step(cfg, consumer, state)
     consumer.start()
+    cache_dir = active_xla_cache_dir()
     out = TrainSummary(padding_efficiency=0.0,
-                       in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count))
+                       in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
+                       xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with _extending_start_timeout(notifier):
         _warm_up(compiled, out, summary_path)
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
@@ -134,7 +140,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     for batch in consumer.batches(stop, on_wait):
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
-        outputs = read_outputs(compiled.run(batch.bucket, tensors))  # sync: the step finished reading the slot
+        raw = compiled.run(batch.bucket, tensors)
+        outputs = read_outputs(raw)     # sync: the step finished reading the slot
         loss_v = outputs["loss"]
         meter.outputs.add(outputs)
         if on_step is not None:
@@ -150,6 +157,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         if out.time_to_first_step_s is None:
             out.time_to_first_step_s = time.time() - process_start_s
             out.first_loss = loss_v if math.isfinite(loss_v) else None
+            out.devices = step_devices(raw)
         if out.steps == cfg.consumer.warmup_steps + 1:
             meter.t0 = time.perf_counter()
             meter.wait0 = consumer.wait_s_total

@@ -10,7 +10,8 @@ from consumer.doctor.verdict import ConfigFacts, Measurements, decide
 
 _BUILD = {"batches": 30, "elapsed_s": 1.0, "batches_per_s": 30.0, "build_ms_p50": 30.0, "build_ms_p99": 40.0,
           "read_ms_p50": 20.0, "cpu_ms_per_batch": 25.0}
-_DEVICE = {"device": "/CPU:0", "compile_s": 2.0, "compiles_after_ready": 0,
+_DEVICE = {"device": "/CPU:0", "step_devices": ["/job:localhost/replica:0/task:0/device:GPU:0"], "compile_s": 2.0,
+           "compiles_after_ready": 0,
            "buckets": [{"index": 0, "h2d_ms_p50": 1.0, "step_ms_p50": 10.0, "step_ms_p99": 12.0, "runs": 9}]}
 _FACTS = ConfigFacts(cores=2, producer_count=2, ring_slots=3, lease_window=2, largest_batch_bytes=9_000_000,
                      padding=0.8, num_buckets=1)
@@ -39,6 +40,7 @@ def test_report_shows_every_stage_the_derivation_and_the_verdict() -> None:
     assert "tf.identity on /CPU:0" in text and "demand 100.0 batches/s" in text
     assert "bound by producers (cache read / assembly)" in text and text.endswith("(the data side is the bottleneck)")
     assert "  warn socket directory: /x has mode 0755" in text
+    assert "every bucket; ran on /job:localhost/replica:0/task:0/device:GPU:0)" in text    # where the step ran
     assert "note:    the step needs 5 producers at 25.0 batches/s each, but this machine has 2 cores" in text
 
 
@@ -48,3 +50,10 @@ def test_one_producer_is_not_reported_twice() -> None:
     assert "processes at once" not in text and "(1 producer: not repeated)" in text
     assert "data path: shared-memory slots, 1 copy" in text
     assert "change:  producer.count: 1 -> 2" in text
+
+
+def test_older_probe_output_without_the_step_devices_says_unknown() -> None:
+    report = _report(1)
+    report["stages"] = {**report["stages"], "device": {k: v for k, v in _DEVICE.items() if k != "step_devices"}}  # type: ignore[dict-item]
+    text = render(report, decide(_measurements(1), dataclasses.replace(_FACTS, producer_count=1)), [])
+    assert "ran on unknown)" in text
