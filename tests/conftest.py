@@ -19,6 +19,14 @@ _GROUP_LADDER = Ladder(60.0, 60.0)   # only a real hang gets near it (tests/proc
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+@pytest.fixture(autouse=True)
+def _reap_started_processes() -> Iterator[None]:
+    """A test that fails between starting a consumer and stopping it must not leave it running."""
+    yield
+    from tests import procs
+    procs.reap_started()
+
+
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shared.cache.demo_data import write_demo_cache

@@ -51,12 +51,26 @@ def command(name: str, config: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "run_pipeline.py"), name, "--config", str(config), *extra]
 
 
+_started: list[subprocess.Popen[bytes]] = []   # every process start() made in this test, reaped after it
+
+
 def start(name: str, config: Path, log_path: Path, *extra: str,
           extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``run_pipeline.py NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
     with open(log_path, "ab") as out:
-        return subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent) | (extra_env or {}),
+        proc = subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent) | (extra_env or {}),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    _started.append(proc)
+    return proc
+
+
+def reap_started() -> list[int]:
+    """Stop what a test started and left running (a failed assertion skips its own stop); their pids."""
+    left = [proc for proc in _started if proc.poll() is None]
+    for proc in left:
+        stop(proc)
+    _started.clear()
+    return [proc.pid for proc in left]
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:

@@ -37,11 +37,17 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
     broken = procs.write_config(tmp_path / "broken.yaml", demo_cache, endpoint, tmp_path / "b", _STEPS,
                                 consumer={"checkpoint_every_steps": 1000})
     producers = procs.start("producer", straight, log, "--debug-delay-ms", "20")
-    try:
-        assert _consumer_run(straight, log).wait(90) == 0, procs.tail(log)
+    consumers: list[subprocess.Popen[bytes]] = []
 
-        first = _consumer_run(broken, log, "--summary-json", str(tmp_path / "first.json"))
-        assert procs.wait_for_records(tmp_path / "b", 30, first, 60), procs.tail(log)
+    def consumer(config: Path, *extra: str) -> subprocess.Popen[bytes]:
+        consumers.append(_consumer_run(config, log, *extra))
+        return consumers[-1]
+
+    try:
+        assert consumer(straight).wait(180) == 0, procs.tail(log)
+
+        first = consumer(broken, "--summary-json", str(tmp_path / "first.json"))
+        assert procs.wait_for_records(tmp_path / "b", 30, first, 180), procs.tail(log)
         assert procs.stop(first, 20) == 0, procs.tail(log)          # SIGTERM: clean exit 0
         summary = json.loads((tmp_path / "first.json").read_text())
         found = latest_checkpoint(tmp_path / "b")
@@ -50,8 +56,10 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
         assert found[1].next_batch == found[1].audit_records == procs.audit_records(tmp_path / "b")
         assert summary["next_batch"] == found[1].next_batch < _STEPS
 
-        assert _consumer_run(broken, log).wait(90) == 0, procs.tail(log)   # same producers, no restart
+        assert consumer(broken).wait(180) == 0, procs.tail(log)   # same producers, no restart
     finally:
+        for proc in consumers:     # a failed assertion must not leave a consumer waiting for producers
+            procs.stop(proc)
         procs.stop(producers)
     rc, doc, text = procs.run_audit(tmp_path / "b", tmp_path)
     assert rc == 0 and doc["consumer_epochs"] == 2 and doc["applied"] == _STEPS, text
