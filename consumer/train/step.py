@@ -15,10 +15,12 @@ Invariants:
     * ``to_tensors`` never hands DLPack a buffer that is not 64-byte aligned and C-contiguous
       (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
 
-On a GPU: the compiled step runs on the model GPU; a DLPack tensor made here lives in host memory
-and the call copies it host->device; eager dispatch there is asynchronous, so ``run`` returns as
-soon as the step is enqueued and staging the next batch overlaps the running step. On CPU the call
-returns when the step has finished.
+Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
+when the program is first needed; ``run`` calls it directly, which skips the per-call signature
+matching of a ``tf.function`` (about half the dispatch cost, docs/BENCHMARKS.md "Step dispatch").
+On a GPU the program runs on the model GPU and ``run`` returns once the step is enqueued; a DLPack
+tensor made here lives in host memory, so the staging of the next batch (consumer/train/handoff.py)
+copies it to the GPU while this step runs. On the CPU ``run`` returns when the step has finished.
 Shutdown: nothing to release; programs and tensors are freed with this object.
 """
 
@@ -93,7 +95,7 @@ def _shapes_of(shapes: Mapping[str, Sequence[int]]) -> _Shapes:
 
 
 class CompiledStep:
-    """One ``tf.function`` program per bucket shape around a ``TrainStep``: XLA or graph mode.
+    """One concrete ``tf.function`` program per bucket shape around a ``TrainStep``: XLA or graph mode.
 
     Args:
         step: the training step (its variables must all exist already).
@@ -160,7 +162,10 @@ class CompiledStep:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
                 return self._normalize(self._step(mel, mel_len, tokens, tok_len))
 
-            program = tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature)
+            # The concrete function of the fixed signature (traced here, once): calling it skips
+            # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
+            program = tf.function(traced, jit_compile=self._mode == "xla",
+                                  input_signature=signature).get_concrete_function()
             self._programs[(self._mode, key)] = program
         return program
 
