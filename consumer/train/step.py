@@ -337,13 +337,13 @@ def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], 
     An array that is C-contiguous, writeable, non-empty and 64-byte aligned is wrapped with
     ``tf.experimental.dlpack.from_dlpack(arr.__dlpack__())`` (2-4 us, no copy): the tensor
     aliases the array's memory, so **the caller must keep the buffer untouched (not refilled,
-    not reused as a ring slot) until the step that reads it has finished** - on CPU, until the
-    loss returned by ``CompiledStep.run`` has been read. Alignment is checked before DLPack is
-    touched, because a misaligned DLPack buffer aborts the process. Every other array is copied
-    with ``tf.constant``.
+    not reused as a ring slot) until the step that reads it has finished** (the built-in loop's
+    stager frees the slot only once that step's outputs were read). Alignment is checked before
+    DLPack is touched, because a misaligned DLPack buffer aborts the process. Every other array is
+    copied with ``tf.constant``.
 
-    On a GPU the result is still a host tensor: the compiled step's call copies it host->device
-    (one copy per batch, asynchronous with respect to Python).
+    The result is a host tensor even on a GPU: the TensorFlow hand-off (consumer/train/handoff.py)
+    copies it to the GPU when it stages the batch, while the previous step runs.
 
     Returns:
         The tensors by the same keys, and the number of arrays that were copied.
