@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,42 +142,43 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     stager = Stager(consumer, TfHandOff(compiled, model_device(), on_step), cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
-    for done in stager.run(stop, on_wait, drain):
-        step_t1 = time.perf_counter()
-        batch, outputs = done.batch, done.result.outputs
-        loss_v = outputs["loss"]
-        meter.outputs.add(outputs)
-        copies += done.host_copies
-        payload_copies += batch.copies
-        out.steps += 1
-        if state is not None:
-            state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
-            if state.due():
-                state.checkpoint(items, consumer.epoch)
-        if out.time_to_first_step_s is None:
-            out.time_to_first_step_s = time.time() - process_start_s
-            out.first_loss = loss_v if math.isfinite(loss_v) else None
-            out.devices = step_devices(done.result.raw)
-        if out.steps == cfg.consumer.warmup_steps + 1:
-            meter.t0 = time.perf_counter()
-            meter.wait0 = consumer.wait_s_total
-        if out.steps > cfg.consumer.warmup_steps:
-            record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, done.step_s, done.rows,
-                                done.real_frames, done.padded_frames, consumer.queue_depth())
-            meter.add(record)
-            if telemetry is not None:
-                telemetry.add(record)
-        meter.wait_seen = consumer.wait_s_total
-        out.samples += done.rows
-        notifier.watchdog()
-        if time.monotonic() >= next_status_s:
-            gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
-            means = meter.outputs.take()
-            notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
-            if telemetry is not None:
-                telemetry.set_phase(PHASE_TRAINING)
-                telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
-            next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+    with closing(stager.run(stop, on_wait, drain)) as completed:   # a failing body: in-flight steps settle here
+        for done in completed:
+            step_t1 = time.perf_counter()
+            batch, outputs = done.batch, done.result.outputs
+            loss_v = outputs["loss"]
+            meter.outputs.add(outputs)
+            copies += done.host_copies
+            payload_copies += batch.copies
+            out.steps += 1
+            if state is not None:
+                state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
+                if state.due():
+                    state.checkpoint(items, consumer.epoch)
+            if out.time_to_first_step_s is None:
+                out.time_to_first_step_s = time.time() - process_start_s
+                out.first_loss = loss_v if math.isfinite(loss_v) else None
+                out.devices = step_devices(done.result.raw)
+            if out.steps == cfg.consumer.warmup_steps + 1:
+                meter.t0 = time.perf_counter()
+                meter.wait0 = consumer.wait_s_total
+            if out.steps > cfg.consumer.warmup_steps:
+                record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, done.step_s, done.rows,
+                                    done.real_frames, done.padded_frames, consumer.queue_depth())
+                meter.add(record)
+                if telemetry is not None:
+                    telemetry.add(record)
+            meter.wait_seen = consumer.wait_s_total
+            out.samples += done.rows
+            notifier.watchdog()
+            if time.monotonic() >= next_status_s:
+                gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
+                means = meter.outputs.take()
+                notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
+                if telemetry is not None:
+                    telemetry.set_phase(PHASE_TRAINING)
+                    telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
+                next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:
