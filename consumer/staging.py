@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -127,7 +127,7 @@ class Stager(Generic[V, O, R]):
         self.max_in_flight = 0           # most batches ever in flight at once (<= depth)
 
     def run(self, stop: threading.Event | None = None, on_wait: Callable[[int], None] | None = None,
-            drain_before: Callable[[int], bool] | None = None) -> Iterator[Completed[R]]:
+            drain_before: Callable[[int], bool] | None = None) -> Generator[Completed[R], None, None]:
         """Yield each completed step in plan order until the plan ends, ``stop`` is set or ``close()``.
 
         Starts a new hand-out iterator (it supersedes any other). ``on_wait``: see
@@ -138,7 +138,8 @@ class Stager(Generic[V, O, R]):
         window: deque[_InFlight[V, O]] = deque()
         return self._run(token, window, self._steps(token, window, stop, on_wait, drain_before))
 
-    def _run(self, token: int, window: deque[_InFlight[V, O]], steps: Iterator[Completed[R]]) -> Iterator[Completed[R]]:
+    def _run(self, token: int, window: deque[_InFlight[V, O]],
+             steps: Iterator[Completed[R]]) -> Generator[Completed[R], None, None]:
         while True:
             try:
                 done = next(steps)
