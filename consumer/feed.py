@@ -259,6 +259,14 @@ class Consumer:
     def is_current(self, token: int) -> bool:
         return self._handout.is_current(token)
 
+    def hold(self, token: int, batch: Batch) -> None:
+        """Iterator ``token`` handed ``batch`` out, unapplied: if the iterator ends without it, it comes back."""
+        self._handout.hold(token, batch)
+
+    def give_back(self, token: int, batch: Batch) -> None:
+        """Iterator ``token`` ends without applying ``batch`` (slot still held): handed out again, first."""
+        self._handout.give_back(token, batch)
+
     def wait_next(self, token: int, stop: threading.Event | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Batch | None:
         """The next batch for iterator ``token``, waiting in bounded steps; ``None`` when the plan ended,
@@ -308,11 +316,11 @@ class Consumer:
             batch = self.wait_next(token, stop, on_wait)
             if batch is None:
                 return
-            self._handout.hold(token, batch)
+            self.hold(token, batch)
             try:
                 yield batch
             except BaseException:           # GeneratorExit (break, dropped) or an error thrown in
-                self._handout.give_back(token, batch)
+                self.give_back(token, batch)
                 raise
             if not self.is_current(token):  # a newer iterator took this batch over: it is not applied
                 raise RuntimeError("this iterator was superseded by a newer batches() / as_dataset() iterator")

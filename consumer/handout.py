@@ -8,17 +8,17 @@ the library path") and docs/ARCHITECTURE.md, invariant 3.
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).
-    * A batch taken from the ring is exactly one of: held by the current iterator, waiting in
-      ``returned`` (lowest id first) to be handed out again, or applied.
-    * Starting an iterator (``begin``) moves the batch the previous one held to the front of
-      ``returned``: a batch handed out but not consumed is handed out again, first.
+    * A batch taken from the ring is exactly one of: held by the current iterator (one, or up to
+      ``consumer.stage_depth`` under a ``Stager``), waiting in ``returned`` (lowest id first) to be
+      handed out again, or applied.
+    * Starting an iterator (``begin``) moves the batches the previous one held to ``returned``: a
+      batch handed out but not consumed is handed out again, first (``returned`` stays sorted by id).
 Shutdown: nothing to release; the ring slots are the caller's (``consumer/feed.py``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +85,8 @@ class Handout:
     def __init__(self, start_batch: int) -> None:
         self._next_applied = start_batch
         self._applied_ids = array("q")     # 8 bytes per applied batch
-        self._returned: deque[Batch] = deque()
-        self._in_hand: Batch | None = None
+        self._returned: list[Batch] = []     # sorted by batch id, lowest first
+        self._in_hand: list[Batch] = []      # held by the current iterator, unapplied, in id order
         self._token = 0
 
     @property
@@ -104,27 +104,31 @@ class Handout:
     def begin(self) -> int:
         """A new iterator takes over; returns its token. The batch the previous one held comes back first."""
         self._token += 1
-        if self._in_hand is not None:
-            self._returned.appendleft(self._in_hand)   # lower than any still returned: those came first
-            self._in_hand = None
+        for batch in self._in_hand:
+            self._return(batch)
+        self._in_hand = []
         return self._token
 
     def is_current(self, token: int) -> bool:
         return token == self._token
 
     def pop_returned(self) -> Batch | None:
-        return self._returned.popleft() if self._returned else None
+        return self._returned.pop(0) if self._returned else None
 
     def hold(self, token: int, batch: Batch) -> None:
         """Iterator ``token`` handed ``batch`` out and has not consumed it yet."""
         if self.is_current(token):
-            self._in_hand = batch
+            self._in_hand.append(batch)
 
     def give_back(self, token: int, batch: Batch) -> None:
         """Iterator ``token`` was dropped holding ``batch``: hand it out again, first. No-op if superseded."""
-        if self.is_current(token) and self._in_hand is batch:
-            self._in_hand = None
-            self._returned.appendleft(batch)
+        if self.is_current(token) and any(b is batch for b in self._in_hand):
+            self._in_hand = [b for b in self._in_hand if b is not batch]
+            self._return(batch)
+
+    def _return(self, batch: Batch) -> None:
+        self._returned.append(batch)
+        self._returned.sort(key=lambda b: b.batch_id)   # a few entries at most
 
     def record_applied(self, batch: Batch) -> None:
         """``batch`` was applied; it must be the next id in plan order."""
@@ -132,5 +136,4 @@ class Handout:
             raise RuntimeError(f"batch {batch.batch_id} applied out of order: {self._next_applied} is next")
         self._applied_ids.append(batch.batch_id)
         self._next_applied += 1
-        if self._in_hand is batch:
-            self._in_hand = None
+        self._in_hand = [b for b in self._in_hand if b is not batch]

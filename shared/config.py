@@ -148,6 +148,8 @@ class ConsumerConfig:
     """The training side: ring, step loop, reporting."""
 
     ring_slots: int = 3                    # preallocated batch slots; >= 3 (filling, ready, in step)
+    stage_depth: int = 2                   # batches in flight between ring and step (staged or stepping):
+                                           # 2 = copy batch n+1 while step n runs; 1 = no overlap; < ring_slots
     steps: int | None = 300                # stop once this many batches were applied in total (a resumed
                                            # run continues to the same end); None = run until stopped
     status_interval_s: float = 5.0         # period of the status line
@@ -171,6 +173,9 @@ class ConsumerConfig:
     def __post_init__(self) -> None:
         p = ("consumer",)
         _check(3 <= self.ring_slots <= 256, "must be in 3..256", p + ("ring_slots",), self.ring_slots)
+        _check(1 <= self.stage_depth < self.ring_slots,
+               f"must be in 1..{self.ring_slots - 1} (below consumer.ring_slots: producers need a slot to fill)",
+               p + ("stage_depth",), self.stage_depth)
         if self.steps is not None:
             _check(self.steps >= 1, "must be >= 1 or null", p + ("steps",), self.steps)
         _check(self.status_interval_s > 0, "must be > 0", p + ("status_interval_s",),

@@ -115,8 +115,9 @@ class RunState:
         self._audit.append(batch_id, self._audit.records + 1, consumer_epoch, sample_digest(sample_ids))
         self.next_batch = batch_id + 1
 
-    def due(self) -> bool:
-        return self._audit.records - self._saved_records >= self._every
+    def due(self, pending: int = 0) -> bool:
+        """A checkpoint is due now, or will be once ``pending`` more batches are recorded."""
+        return self._audit.records + pending - self._saved_records >= self._every
 
     def checkpoint(self, items: dict[str, object], consumer_epoch: int) -> None:
         """Commit variables + cursor if anything was applied since the last one."""

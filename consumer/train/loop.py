@@ -1,10 +1,13 @@
 """The built-in training loop: compiled step over the consumer's batches, status line, summary.
 
 Order at start: bind and start receiving (producers fill the ring meanwhile), compile every bucket
-shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``), then train. Each step
-hands the slot to TensorFlow with DLPack (no copy), runs the compiled step, reads its named scalars
-(the step has finished reading the slot) and releases the slot. On a GPU, eager dispatch is asynchronous and the DLPack tensor is copied to the
-device by the call itself; the next batch is already in the ring, so the hand-off overlaps.
+shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``), then train through a
+``Stager`` (consumer/staging.py) with the TensorFlow hand-off (consumer/train/handoff.py): each slot is
+wrapped with DLPack (no copy), on a GPU copied to it while the previous step runs, and stepped; up to
+``consumer.stage_depth`` batches are in flight. The loop sees each step when it has completed (on a GPU
+one step late, so the host never waits on the device with nothing queued): its named scalars, the
+audit record and, when due, a checkpoint; the stager lets the steps in flight complete before a step is
+dispatched past a checkpoint. Step time = host time dispatching the step plus waiting for it.
 Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
 A step that cannot be compiled (``StepError``) or breaks the output contract (``ConfigError``)
 ends the run before READY; the summary is still written, with ``error`` set.
@@ -18,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from consumer.feed import Consumer
 from consumer.observe.gpu import format_gpus
 from consumer.resume.state import RunState
+from consumer.staging import Stager
 from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
 from shared.config import PipelineConfig
@@ -93,12 +97,11 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
     loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
     With ``telemetry``: a snapshot with every status line, during starved waits, and at the end.
-    ``on_step(steps_done)`` runs after each step's loss was read, while its slot is still held and
-    inside the timed step (``bench`` models device time there with a sleep).
+    ``on_step(steps_done)`` runs right after each step was dispatched (on the CPU: completed), while
+    its slot is still held and inside the timed step (``bench`` models device time there with a sleep).
     """
     from consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
-    from consumer.train.outputs import read_outputs
-    from consumer.train.step import to_tensors
+    from consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
     step_fn, compiled = _build_step(cfg, consumer, state)
@@ -137,47 +140,45 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     outputs: dict[str, float] = {}
     copies = 0
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
-    for batch in consumer.batches(stop, on_wait):
-        step_t0 = time.perf_counter()
-        tensors, n_copies = to_tensors(batch.arrays)
-        raw = compiled.run(batch.bucket, tensors)
-        outputs = read_outputs(raw)     # sync: the step finished reading the slot
-        loss_v = outputs["loss"]
-        meter.outputs.add(outputs)
-        if on_step is not None:
-            on_step(out.steps + 1)
-        step_t1 = time.perf_counter()
-        copies += n_copies
-        payload_copies += batch.copies
-        out.steps += 1
-        if state is not None:
-            state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
-            if state.due():
-                state.checkpoint(items, consumer.epoch)
-        if out.time_to_first_step_s is None:
-            out.time_to_first_step_s = time.time() - process_start_s
-            out.first_loss = loss_v if math.isfinite(loss_v) else None
-            out.devices = step_devices(raw)
-        if out.steps == cfg.consumer.warmup_steps + 1:
-            meter.t0 = time.perf_counter()
-            meter.wait0 = consumer.wait_s_total
-        if out.steps > cfg.consumer.warmup_steps:
-            record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, step_t1 - step_t0, batch.rows,
-                                batch.real_frames, batch.padded_frames, consumer.queue_depth())
-            meter.add(record)
-            if telemetry is not None:
-                telemetry.add(record)
-        meter.wait_seen = consumer.wait_s_total
-        out.samples += batch.rows
-        notifier.watchdog()
-        if time.monotonic() >= next_status_s:
-            gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
-            means = meter.outputs.take()
-            notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
-            if telemetry is not None:
-                telemetry.set_phase(PHASE_TRAINING)
-                telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
-            next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+    stager = Stager(consumer, TfHandOff(compiled, model_device(), on_step), cfg.consumer.stage_depth)
+    drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
+    with closing(stager.run(stop, on_wait, drain)) as completed:   # a failing body: in-flight steps settle here
+        for done in completed:
+            step_t1 = time.perf_counter()
+            batch, outputs = done.batch, done.result.outputs
+            loss_v = outputs["loss"]
+            meter.outputs.add(outputs)
+            copies += done.host_copies
+            payload_copies += batch.copies
+            out.steps += 1
+            if state is not None:
+                state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
+                if state.due():
+                    state.checkpoint(items, consumer.epoch)
+            if out.time_to_first_step_s is None:
+                out.time_to_first_step_s = time.time() - process_start_s
+                out.first_loss = loss_v if math.isfinite(loss_v) else None
+                out.devices = step_devices(done.result.raw)
+            if out.steps == cfg.consumer.warmup_steps + 1:
+                meter.t0 = time.perf_counter()
+                meter.wait0 = consumer.wait_s_total
+            if out.steps > cfg.consumer.warmup_steps:
+                record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, done.step_s, done.rows,
+                                    done.real_frames, done.padded_frames, consumer.queue_depth())
+                meter.add(record)
+                if telemetry is not None:
+                    telemetry.add(record)
+            meter.wait_seen = consumer.wait_s_total
+            out.samples += done.rows
+            notifier.watchdog()
+            if time.monotonic() >= next_status_s:
+                gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
+                means = meter.outputs.take()
+                notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
+                if telemetry is not None:
+                    telemetry.set_phase(PHASE_TRAINING)
+                    telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
+                next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     out.interrupted = stop.is_set() and not consumer.finished
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:

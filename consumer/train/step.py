@@ -15,10 +15,12 @@ Invariants:
     * ``to_tensors`` never hands DLPack a buffer that is not 64-byte aligned and C-contiguous
       (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
 
-On a GPU: the compiled step runs on the model GPU; a DLPack tensor made here lives in host memory
-and the call copies it host->device; eager dispatch there is asynchronous, so ``run`` returns as
-soon as the step is enqueued and staging the next batch overlaps the running step. On CPU the call
-returns when the step has finished.
+Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
+when the program is first needed; ``run`` calls it directly, which skips the per-call signature
+matching of a ``tf.function`` (about half the dispatch cost, docs/BENCHMARKS.md "Step dispatch").
+On a GPU the program runs on the model GPU and ``run`` returns once the step is enqueued; a DLPack
+tensor made here lives in host memory, so the staging of the next batch (consumer/train/handoff.py)
+copies it to the GPU while this step runs. On the CPU ``run`` returns when the step has finished.
 Shutdown: nothing to release; programs and tensors are freed with this object.
 """
 
@@ -93,7 +95,7 @@ def _shapes_of(shapes: Mapping[str, Sequence[int]]) -> _Shapes:
 
 
 class CompiledStep:
-    """One ``tf.function`` program per bucket shape around a ``TrainStep``: XLA or graph mode.
+    """One concrete ``tf.function`` program per bucket shape around a ``TrainStep``: XLA or graph mode.
 
     Args:
         step: the training step (its variables must all exist already).
@@ -160,7 +162,10 @@ class CompiledStep:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
                 return self._normalize(self._step(mel, mel_len, tokens, tok_len))
 
-            program = tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature)
+            # The concrete function of the fixed signature (traced here, once): calling it skips
+            # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
+            program = tf.function(traced, jit_compile=self._mode == "xla",
+                                  input_signature=signature).get_concrete_function()
             self._programs[(self._mode, key)] = program
         return program
 
@@ -332,13 +337,13 @@ def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], 
     An array that is C-contiguous, writeable, non-empty and 64-byte aligned is wrapped with
     ``tf.experimental.dlpack.from_dlpack(arr.__dlpack__())`` (2-4 us, no copy): the tensor
     aliases the array's memory, so **the caller must keep the buffer untouched (not refilled,
-    not reused as a ring slot) until the step that reads it has finished** - on CPU, until the
-    loss returned by ``CompiledStep.run`` has been read. Alignment is checked before DLPack is
-    touched, because a misaligned DLPack buffer aborts the process. Every other array is copied
-    with ``tf.constant``.
+    not reused as a ring slot) until the step that reads it has finished** (the built-in loop's
+    stager frees the slot only once that step's outputs were read). Alignment is checked before
+    DLPack is touched, because a misaligned DLPack buffer aborts the process. Every other array is
+    copied with ``tf.constant``.
 
-    On a GPU the result is still a host tensor: the compiled step's call copies it host->device
-    (one copy per batch, asynchronous with respect to Python).
+    The result is a host tensor even on a GPU: the TensorFlow hand-off (consumer/train/handoff.py)
+    copies it to the GPU when it stages the batch, while the previous step runs.
 
     Returns:
         The tensors by the same keys, and the number of arrays that were copied.

@@ -62,3 +62,25 @@ def test_batch_reports_rows_frames_and_identity() -> None:
     b = _batch(3)
     assert (b.batch_id, b.bucket, b.sample_ids) == (3, 0, (3,))
     assert (b.rows, b.real_frames, b.padded_frames) == (1, 4, 8)
+
+
+def test_several_held_batches_come_back_lowest_id_first_whichever_order_they_are_given_back() -> None:
+    h = Handout(0)
+    token = h.begin()
+    b0, b1, b2 = _batch(0), _batch(1), _batch(2)
+    for b in (b0, b1, b2):
+        h.hold(token, b)
+    h.record_applied(b0)
+    h.give_back(token, b2)
+    h.give_back(token, b1)
+    assert [h.pop_returned(), h.pop_returned(), h.pop_returned()] == [b1, b2, None]
+
+
+def test_a_new_iterator_returns_every_batch_the_old_one_held_in_id_order() -> None:
+    h = Handout(0)
+    old = h.begin()
+    b0, b1 = _batch(0), _batch(1)
+    h.hold(old, b0)
+    h.hold(old, b1)
+    h.begin()
+    assert [h.pop_returned(), h.pop_returned(), h.pop_returned()] == [b0, b1, None]

@@ -14,6 +14,8 @@ from shared.errors import ConfigError
 @pytest.mark.parametrize(("data", "message"), [
     ({"buckets": {"batch_size": 0}}, "buckets.batch_size: must be >= 1, got 0"),
     ({"consumer": {"ring_slots": 2}}, "consumer.ring_slots: must be in 3..256, got 2"),
+    ({"consumer": {"stage_depth": 3}}, "consumer.stage_depth: must be in 1..2 (below consumer.ring_slots"),
+    ({"consumer": {"stage_depth": 0, "ring_slots": 6}}, "consumer.stage_depth: must be in 1..5"),
     ({"transport": {"endpoint": "http://x"}}, "transport.endpoint: must start with ipc:// or tcp://"),
     ({"producer": {"data_gpu": "gpu0"}}, "producer.data_gpu:"),
     ({"model": {"step": "nocolon"}}, "model.step: must look like 'module:function'"),

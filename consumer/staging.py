@@ -1,0 +1,232 @@
+"""Staging: batch n+1 goes to the model device while step n runs; a slot is freed when nothing reads it.
+
+Role: ``Stager`` drives a training step over a ``Consumer``'s batches through a framework's ``HandOff``
+(put a batch on the device, dispatch a step, tell whether a step completed, wait for its results). It
+imports no framework: the TensorFlow hand-off is consumer/train/handoff.py; a JAX (or any) client
+writes the four methods itself (consumer/README.md, "Staging").
+
+Order on an asynchronous device (a GPU), depth 2, steady state: dispatch step k (batch k was staged
+before), wait for step k-1 and report it (the host waits one step late, while step k is queued behind
+it, so the device does not idle), then take batch k+1 from the ring and stage it (its copy overlaps
+step k). On a synchronous device (TensorFlow on the CPU) a step has completed when its dispatch
+returns: it is reported, applied and its slot freed at once, so the loop holds one slot, as before.
+
+Invariants:
+    * At most ``depth`` batches are in flight: taken from the ring and not yet completed.
+    * Steps are dispatched and completed in plan order; a batch is marked applied
+      (``Consumer.mark_applied``) only when its step completed.
+    * A slot is freed only when nothing can read it any more: when its step completed, or earlier when
+      the hand-off copied it and ``Staged.copied()`` says the device copy completed.
+    * Before a step is dispatched while others are in flight, ``drain_before`` may ask for those to
+      complete first (a checkpoint must hold the variables of exactly the applied batches).
+    * ``Completed`` carries the batch's row and frame counts, read before its slot could be freed.
+Errors: an exception from the hand-off (or the consumer) gives every unapplied in-flight batch back
+(the next iterator hands them out again, first); if one of them had its slot freed already (it was
+copied), it cannot be handed out again: the consumer is closed and ``PipelineError`` raised. When the
+caller stops iterating (break, an exception in its loop body), the steps already dispatched are waited
+for and applied (the model has seen them); the others are given back.
+Shutdown: nothing owned; the ring slots and the consumer stay the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from shared.errors import PipelineError
+
+if TYPE_CHECKING:
+    from consumer.feed import Consumer
+    from consumer.handout import Batch
+
+__all__ = ["Completed", "HandOff", "Staged", "Stager"]
+
+log = logging.getLogger(__name__)
+
+V = TypeVar("V")                         # what a step reads: device arrays, or tensors over the slot
+O = TypeVar("O")                         # a dispatched step's outputs (not yet on the host)
+R = TypeVar("R")                         # a completed step's results on the host
+R_co = TypeVar("R_co", covariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Staged(Generic[V]):
+    """A batch put on the model device.
+
+    ``copied``: None when ``value`` may read the slot until its step completes (it aliases host memory,
+    as TensorFlow on the CPU does, or the hand-off cannot tell when its copy ends); else a non-blocking
+    check that is True once the device copy completed, so the slot can be freed before the step ends.
+    ``host_copies``: arrays copied on the host while staging (0 for a zero-copy hand-off).
+    """
+
+    value: V
+    copied: Callable[[], bool] | None = None
+    host_copies: int = 0
+
+
+class HandOff(Protocol[V, O, R_co]):
+    """What a framework supplies; every method runs on the thread iterating ``Stager.run``."""
+
+    def put(self, batch: Batch) -> Staged[V]:
+        """Start moving ``batch.arrays`` to the model device (or wrap them); must not wait for a step."""
+
+    def step(self, batch: Batch, value: V) -> O:
+        """Dispatch one training step on ``value``; may return before the device has run it."""
+
+    def is_done(self, outputs: O) -> bool:
+        """Whether the step behind ``outputs`` has completed (never blocks; False when unknown)."""
+
+    def wait(self, outputs: O) -> R_co:
+        """Wait until that step completed and return its results on the host (losses, metrics)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completed(Generic[R]):
+    """One applied step. ``batch.arrays`` are invalid (its slot may hold another batch by now)."""
+
+    batch: Batch
+    result: R
+    step_s: float            # host seconds dispatching the step plus waiting for it to complete
+    host_copies: int         # Staged.host_copies
+    rows: int                # real rows, real and padded frames: read while the slot was held
+    real_frames: int
+    padded_frames: int
+
+
+@dataclass(slots=True)
+class _InFlight(Generic[V, O]):
+    batch: Batch
+    staged: Staged[V]
+    figures: tuple[int, int, int]
+    outputs: O | None = None
+    dispatched: bool = False
+    slot_freed: bool = False
+    step_s: float = 0.0
+
+
+class Stager(Generic[V, O, R]):
+    """Bounded staging of a consumer's batches through ``handoff``.
+
+    Args:
+        consumer: the feed; its ring must have more slots than ``depth`` (producers need one to fill).
+        handoff: the framework's four operations.
+        depth: most batches in flight (``consumer.stage_depth``, default 2; 1 = no overlap).
+    """
+
+    def __init__(self, consumer: Consumer, handoff: HandOff[V, O, R], depth: int = 2) -> None:
+        if not 1 <= depth < consumer.ring.n_slots:
+            raise ValueError(f"stage depth must be in 1..{consumer.ring.n_slots - 1} (ring slots - 1), got {depth}")
+        self.consumer = consumer
+        self.handoff = handoff
+        self.depth = depth
+        self.max_in_flight = 0           # most batches ever in flight at once (<= depth)
+
+    def run(self, stop: threading.Event | None = None, on_wait: Callable[[int], None] | None = None,
+            drain_before: Callable[[int], bool] | None = None) -> Generator[Completed[R], None, None]:
+        """Yield each completed step in plan order until the plan ends, ``stop`` is set or ``close()``.
+
+        Starts a new hand-out iterator (it supersedes any other). ``on_wait``: see
+        ``Consumer.wait_next``. ``drain_before(n)``: asked before a step is dispatched while ``n``
+        steps are in flight; True = let those complete (and be yielded) first.
+        """
+        token = self.consumer.begin_iterator()
+        window: deque[_InFlight[V, O]] = deque()
+        return self._run(token, window, self._steps(token, window, stop, on_wait, drain_before))
+
+    def _run(self, token: int, window: deque[_InFlight[V, O]],
+             steps: Iterator[Completed[R]]) -> Generator[Completed[R], None, None]:
+        while True:
+            try:
+                done = next(steps)
+            except StopIteration:
+                return
+            except BaseException:        # the hand-off or the consumer failed: nothing more completes
+                self._give_back(token, window)
+                raise
+            try:
+                yield done
+            except BaseException:        # the caller stopped: finish what the device already runs
+                self._finish_dispatched(token, window)
+                raise
+
+    def _steps(self, token: int, window: deque[_InFlight[V, O]], stop: threading.Event | None,
+               on_wait: Callable[[int], None] | None,
+               drain_before: Callable[[int], bool] | None) -> Iterator[Completed[R]]:
+        source_open = True
+        while True:
+            while window and window[0].dispatched and self.handoff.is_done(window[0].outputs):  # type: ignore[arg-type]
+                yield self._complete(token, window.popleft())
+            self._free_copied(window)
+            pending = next((f for f in window if not f.dispatched), None)
+            if pending is not None:
+                running = sum(f.dispatched for f in window)
+                if running and drain_before is not None and drain_before(running):
+                    yield self._complete(token, window.popleft())
+                else:
+                    self._dispatch(pending)
+            elif source_open and len(window) < self.depth:
+                batch = self.consumer.wait_next(token, stop, on_wait)
+                if batch is None:
+                    source_open = False
+                    continue
+                self.consumer.hold(token, batch)
+                figures = (batch.rows, batch.real_frames, batch.padded_frames)
+                window.append(_InFlight(batch, self.handoff.put(batch), figures))
+                self.max_in_flight = max(self.max_in_flight, len(window))
+            elif window:
+                yield self._complete(token, window.popleft())
+            else:
+                return
+
+    def _dispatch(self, f: _InFlight[V, O]) -> None:
+        t0 = time.perf_counter()
+        f.outputs = self.handoff.step(f.batch, f.staged.value)
+        f.dispatched = True
+        f.step_s += time.perf_counter() - t0
+
+    def _complete(self, token: int, f: _InFlight[V, O]) -> Completed[R]:
+        """Wait for ``f``'s step, count its batch applied, free its slot (if still held)."""
+        t0 = time.perf_counter()
+        result = self.handoff.wait(f.outputs)  # type: ignore[arg-type]
+        f.step_s += time.perf_counter() - t0
+        if not self.consumer.is_current(token):
+            raise RuntimeError("this stager was superseded by a newer batches() / as_dataset() iterator")
+        self.consumer.mark_applied(f.batch)
+        if not f.slot_freed:
+            f.slot_freed = True
+            self.consumer.free_slot(f.batch)
+        return Completed(f.batch, result, f.step_s, f.staged.host_copies, *f.figures)
+
+    def _free_copied(self, window: deque[_InFlight[V, O]]) -> None:
+        """Free the slots whose batches the device has copied (never those a step may still read)."""
+        for f in window:
+            if not f.slot_freed and f.staged.copied is not None and f.staged.copied():
+                f.slot_freed = True
+                self.consumer.free_slot(f.batch)
+
+    def _finish_dispatched(self, token: int, window: deque[_InFlight[V, O]]) -> None:
+        while window and window[0].dispatched:
+            try:
+                self._complete(token, window[0])
+            except Exception:            # the caller's exception is the one to raise
+                log.exception("a staged step failed while the loop was stopping")
+                break
+            window.popleft()
+        self._give_back(token, window)
+
+    def _give_back(self, token: int, window: deque[_InFlight[V, O]]) -> None:
+        lost = [f.batch.batch_id for f in window if f.slot_freed]
+        for f in window:
+            if not f.slot_freed:
+                self.consumer.give_back(token, f.batch)
+        window.clear()
+        if lost:
+            self.consumer.close()
+            raise PipelineError(f"batches {lost} were copied to the device and their slots reused, but their "
+                                "steps did not complete: they cannot be handed out again; the consumer is "
+                                "closed (restart from the last checkpoint)")

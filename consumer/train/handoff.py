@@ -1,0 +1,85 @@
+"""TensorFlow's hand-off for the ``Stager`` (consumer/staging.py): slot -> tensors, the compiled step, its scalars.
+
+Role: ``TfHandOff`` supplies the four operations the framework-neutral stager needs for the built-in
+loop. ``put`` wraps the slot's arrays with DLPack (``to_tensors``: zero copy, 64-byte aligned) and,
+when the step runs on a GPU, starts the host->device copy there (``tf.identity`` under ``tf.device``),
+while the previous step is still running on the device. ``step`` dispatches ``CompiledStep.run`` (the
+one call the replica path also goes through); ``wait`` reads the step's named scalars to the host.
+Invariants:
+    * The slot is never freed before the step that reads it completed (``Staged.copied`` is None):
+      on the CPU the tensors alias the slot; on a GPU TensorFlow offers no event for the end of the
+      staging copy, so the slot is held until that step's outputs were read, which is safe whatever
+      the copy does (the ring keeps ``consumer.ring_slots - stage_depth`` slots for producers).
+    * On the CPU (no GPU visible) eager execution is synchronous: a step has completed when ``run``
+      returns (``is_done`` True), so its slot is freed at once and the loop holds one slot.
+    * ``on_step(n)`` runs right after the n-th step was dispatched, its slot still held (``bench``
+      models device time there).
+Shutdown: nothing to release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from consumer.handout import Batch
+from consumer.staging import Staged
+from consumer.train.outputs import read_outputs
+from consumer.train.step import CompiledStep, to_tensors
+
+__all__ = ["StepResult", "TfHandOff", "model_device"]
+
+_Tensors = dict[str, tf.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A completed step: its outputs as TensorFlow returned them, and the same named scalars as floats."""
+
+    raw: _Tensors
+    outputs: dict[str, float]
+
+
+def model_device() -> str | None:
+    """The device the step runs on when it is not the CPU: the first GPU TensorFlow sees, else None."""
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else None
+
+
+class TfHandOff:
+    """``HandOff`` of ``CompiledStep``: DLPack in, a copy to ``device`` if given, named scalars out.
+
+    Args:
+        compiled: the step, compiled per bucket (``warm_up`` done).
+        device: a GPU to stage batches on (``model_device()``); None = the CPU, synchronous.
+        on_step: called with the number of steps dispatched so far, right after each dispatch.
+    """
+
+    def __init__(self, compiled: CompiledStep, device: str | None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self._compiled = compiled
+        self._device = device
+        self._on_step = on_step
+        self.dispatched = 0
+
+    def put(self, batch: Batch) -> Staged[_Tensors]:
+        tensors, copies = to_tensors(batch.arrays)
+        if self._device is not None:
+            with tf.device(self._device):
+                tensors = {name: tf.identity(t) for name, t in tensors.items()}
+        return Staged(tensors, copied=None, host_copies=copies)
+
+    def step(self, batch: Batch, value: _Tensors) -> _Tensors:
+        raw = self._compiled.run(batch.bucket, value)
+        self.dispatched += 1
+        if self._on_step is not None:
+            self._on_step(self.dispatched)
+        return raw
+
+    def is_done(self, outputs: _Tensors) -> bool:
+        return self._device is None
+
+    def wait(self, outputs: _Tensors) -> StepResult:
+        return StepResult(outputs, read_outputs(outputs))   # the first read is the host sync

@@ -1,0 +1,97 @@
+"""No step ever reads a reused slot: every released slot is overwritten with garbage at once, and the run
+still ends bit-identical to a clean one.
+
+The built-in loop (``train``: the ``Stager`` with the TensorFlow hand-off) runs in this process, fed by
+real producer processes over shared-memory slots; the tiny step's variables depend on every byte of every
+batch and on their order (momentum). The hook writes ``0x7F`` over the whole slot inside
+``BatchRing.release``, before the slot can be leased again, so a step that still read a released slot
+would train on huge values. The control run proves the hook bites: a hand-off that claims its copy
+is done at once (``Staged.copied``), so the stager frees the slot before the step that reads it (the
+ordering bug this guards against), ends with other variables.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from consumer.feed import Consumer
+from consumer.handout import Batch
+from consumer.resume.checkpoint import latest_checkpoint
+from consumer.resume.state import RunState
+from consumer.staging import Staged
+from consumer.train.handoff import TfHandOff
+from consumer.train.loop import train
+from shared.config_loader import load_config
+from tests import procs
+
+_STEPS = 40
+_GARBAGE = 0x7F        # float32 3.4e38, int32 lengths of 2.1e9
+
+
+def _final_variables(state: Path) -> dict[str, np.ndarray]:
+    found = latest_checkpoint(state)
+    assert found is not None
+    reader = tf.train.load_checkpoint(str(found[0] / "vars"))
+    return {name: reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE") for name in ("w", "momentum", "iterations")}
+
+
+def _train(config: Path, monkeypatch: pytest.MonkeyPatch, *, poison: bool) -> int:
+    """One in-process run of the built-in loop; returns how many released slots were overwritten."""
+    cfg = load_config(config)
+    state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
+    assert state is not None
+    poisoned = 0
+    try:
+        with Consumer(cfg, start_batch=state.next_batch) as consumer:
+            if poison:
+                ring, release = consumer.ring, consumer.ring.release
+
+                def release_then_scribble(slot: int) -> None:
+                    nonlocal poisoned
+                    ring.memory.buffer(slot)[:] = _GARBAGE   # still IN_STEP: no producer writes it yet
+                    poisoned += 1
+                    release(slot)
+
+                monkeypatch.setattr(ring, "release", release_then_scribble)
+            summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
+        assert summary.steps == _STEPS and not summary.interrupted
+    finally:
+        state.close()
+    return poisoned
+
+
+def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_step(
+        demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "staging.log"
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    configs = {name: procs.write_config(tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS,
+                                        producer={"count": 2})
+               for name in ("clean", "poisoned", "released_early")}
+    producers = procs.start("producer", configs["clean"], log)     # one group serves the three consumers
+    try:
+        _train(configs["clean"], monkeypatch, poison=False)
+        assert _train(configs["poisoned"], monkeypatch, poison=True) >= _STEPS
+        put = TfHandOff.put
+
+        def copied_at_once(self: TfHandOff, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
+            staged = put(self, batch)
+            return Staged(staged.value, copied=lambda: True, host_copies=staged.host_copies)
+
+        monkeypatch.setattr(TfHandOff, "put", copied_at_once)
+        _train(configs["released_early"], monkeypatch, poison=True)
+    finally:
+        procs.stop(producers)
+    clean, poisoned, early = (_final_variables(tmp_path / name) for name in ("clean", "poisoned", "released_early"))
+    assert int(clean["iterations"]) == _STEPS
+    for name in clean:
+        assert np.array_equal(clean[name], poisoned[name]), name
+    assert not np.array_equal(clean["w"], early["w"])          # the hook bites when the order is wrong
+    for name in ("clean", "poisoned"):
+        rc, doc, text = procs.run_audit(tmp_path / name, tmp_path)
+        assert rc == 0 and doc["applied"] == _STEPS, text
