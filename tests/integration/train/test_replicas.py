@@ -41,7 +41,8 @@ def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo
                                                                             tmp_path: Path) -> None:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 1, "batch_size": 16},
-                                   "model": {"jit_compile": "auto", "learning_rate": 0.01},
+                                   "model": {"step": "tests.steps:replica_tiny_step", "jit_compile": "auto",
+                                             "learning_rate": 0.05},
                                    "consumer": {"warmup_steps": 2}, "transport": {"heartbeat_interval_s": 0.2}}))
     state, summary = tmp_path / "state", tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg), "--cache-dir",
@@ -54,7 +55,7 @@ def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo
     # XLA cannot compile a mirrored step on logical CPU devices: auto says so and trains in graph mode
     assert s["jit_compile"] == "graph" and "logical CPU devices" in s["jit_reason"], s["jit_reason"]
     assert s["steps"] == s["batches_applied"] == 24 and s["compiles_after_ready"] == 0
-    assert s["final_loss"] < 0.8 * s["first_loss"], (s["first_loss"], s["final_loss"])
+    assert s["final_loss"] < 0.85 * s["first_loss"], (s["first_loss"], s["final_loss"])
     code, audit, text = procs.run_audit(state, tmp_path)
     assert code == 0 and audit["applied"] == 24, text
 
