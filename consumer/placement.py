@@ -119,9 +119,10 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
     except RuntimeError as err:    # the devices were initialized already (an op ran before this call)
         log.warning("device settings not applied (TensorFlow already initialized its devices): %s", err)
-    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s",
+    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
              os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
-             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off")
+             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off",
+             f", CPU split into {replicas} logical devices (replicas)" if not gpus and replicas > 1 else "")
     return [str(g.name) for g in gpus]
 
 

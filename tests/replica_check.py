@@ -6,7 +6,8 @@ ran TensorFlow cannot do. Builds the reference step twice with the same seed: on
 strategy) and once under ``consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
 both through ``CompiledStep`` in graph mode, and runs the same batches through both. Then a checkpoint
 of the replicated step (``CheckpointStore``) restored into it and the last batches run again must end
-bit-identical to the uninterrupted run, with every replica's copy of every variable equal.
+bit-identical to the uninterrupted run, with every replica's copy of every variable equal. Last,
+``jit_compile: true`` on these logical CPU replicas must fail with its one line.
 Writes the figures as JSON; the test (tests/integration/train/test_replicas.py) asserts on them.
 """
 
@@ -94,8 +95,26 @@ def main(out_path: str) -> int:
         all(np.array_equal(c.numpy(), v.values[0].numpy()) for c in v.values) for v in step_2.variables())
     result["mirrored"] = sum(len(getattr(v, "values", ())) == 2 for v in step_2.variables())
     result["variables"] = len(vars_2)
+    result["jit_true_error"] = _xla_on_cpu_replicas(cfg, shapes, replicas)
     Path(out_path).write_text(json.dumps(result), encoding="utf-8")
     return 0
+
+
+def _xla_on_cpu_replicas(cfg: Any, shapes: list[dict[str, tuple[int, ...]]], replicas: Any) -> str:
+    """``jit_compile: true`` on logical CPU replicas: the one-line StepError (empty if none was raised)."""
+    from consumer.train.model import StepSpec
+    from consumer.train.replicas import replica_scope
+    from consumer.train.step import CompiledStep
+    from shared.errors import StepError
+    from tests.steps import replica_tiny_step
+
+    with replica_scope(replicas):
+        step = replica_tiny_step(StepSpec.from_config(cfg, shapes, None))
+    try:
+        CompiledStep(step, shapes, jit_compile=True, factory="tiny", replicas=replicas).warm_up()
+    except StepError as err:
+        return str(err)
+    return ""
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def test_two_replicas_match_one_on_the_whole_batch_and_resume_bit_identically(tm
     assert r["max_abs_var_diff_1_vs_2"] <= 1e-5 * max(1.0, r["max_abs_var_1"]) * 10, r   # summed gradients
     assert r["resumed_bit_identical"] and r["replica_copies_equal"], r
     assert r["losses_resumed"] == r["losses_2"][2:]
+    assert r["jit_true_error"] == ("model.step tiny: XLA cannot compile the step (jit_compile: true): XlaUnavailable: "
+                                   "XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
+                                   "MirroredStrategy updates every replica's variables from one program there")
 
 
 def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo_cache: Path,
