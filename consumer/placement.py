@@ -98,25 +98,31 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
 
 
 def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
-    """Memory growth (``consumer.gpu_memory_limit_mb`` null) or that cap on every visible GPU.
+    """Memory growth (``consumer.gpu_memory_limit_mb`` null) or that cap on every visible GPU; without a GPU,
+    ``consumer.replicas`` > 1 splits the CPU into that many logical devices (consumer/train/replicas.py).
 
     Call right after importing TensorFlow, before any op runs. Returns the GPUs configured ([] on CPU).
     """
     tf = tf_module if tf_module is not None else importlib.import_module("tensorflow")
     gpus = tf.config.list_physical_devices("GPU")
     limit_mb = cfg.consumer.gpu_memory_limit_mb
+    replicas = cfg.consumer.replica_count
     try:
+        if not gpus and replicas > 1:
+            cpus = tf.config.list_physical_devices("CPU")
+            tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
         for gpu in gpus:
             if limit_mb is None:
                 tf.config.experimental.set_memory_growth(gpu, True)
             else:
                 tf.config.set_logical_device_configuration(
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
-    except RuntimeError as err:    # the GPUs were initialized already (an op ran before this call)
-        log.warning("GPU memory settings not applied (TensorFlow already initialized its GPUs): %s", err)
-    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s",
+    except RuntimeError as err:    # the devices were initialized already (an op ran before this call)
+        log.warning("device settings not applied (TensorFlow already initialized its devices): %s", err)
+    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
              os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
-             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off")
+             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off",
+             f", CPU split into {replicas} logical devices (replicas)" if not gpus and replicas > 1 else "")
     return [str(g.name) for g in gpus]
 
 

@@ -157,6 +157,9 @@ class ConsumerConfig:
     model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied
                                            # before TensorFlow is imported); None = inherit
     gpu_memory_limit_mb: int | None = None # cap on each visible GPU; None = memory growth
+    replicas: int | None = None            # model replicas (tf.distribute.MirroredStrategy): the first N visible
+                                           # GPUs, or N logical CPU devices without a GPU; None = one per GPU
+                                           # listed in model_gpu ("1,2": 2), else 1
     xla_cache_dir: str | None = None       # persistent XLA compilation cache (shareable between state dirs);
                                            # None = <state_dir>/xla-cache, no cache without a state_dir
     state_dir: str | None = None           # checkpoints and logs; None = no persistent state
@@ -187,6 +190,11 @@ class ConsumerConfig:
         if self.gpu_memory_limit_mb is not None:
             _check(self.gpu_memory_limit_mb >= 64, "must be >= 64 or null", p + ("gpu_memory_limit_mb",),
                    self.gpu_memory_limit_mb)
+        if self.replicas is not None:
+            _check(1 <= self.replicas <= 64, "must be in 1..64 or null", p + ("replicas",), self.replicas)
+            listed = len(self.model_gpu.split(",")) if self.model_gpu else 0
+            _check(listed in (0, self.replicas), f"must equal the {listed} GPUs consumer.model_gpu lists "
+                   "(or leave it null)", p + ("replicas",), self.replicas)
         if self.xla_cache_dir is not None:
             _check(bool(self.xla_cache_dir), "must be a path or null", p + ("xla_cache_dir",), self.xla_cache_dir)
         _check(self.wait_timeout_s > 0, "must be > 0", p + ("wait_timeout_s",), self.wait_timeout_s)
@@ -207,6 +215,13 @@ class ConsumerConfig:
                    "must be ipc://PATH or tcp:// on a loopback address (it is unauthenticated)",
                    p + ("control_endpoint",), self.control_endpoint)
             check_endpoint(self.control_endpoint, p + ("control_endpoint",))
+
+    @property
+    def replica_count(self) -> int:
+        """Model replicas: ``replicas``, else one per GPU ``model_gpu`` lists, else 1."""
+        if self.replicas is not None:
+            return self.replicas
+        return len(self.model_gpu.split(",")) if self.model_gpu else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +365,10 @@ class PipelineConfig:
         _check(control is None or not control.startswith("tcp://") or self.transport.insecure,
                "serves status without authentication over tcp://; use ipc:// or set transport.insecure: true",
                ("consumer", "control_endpoint"), control)
+        n, rows = self.consumer.replica_count, self.buckets.batch_size
+        _check(rows is None or rows % n == 0, f"must divide by the {n} model replicas (consumer.replicas, "
+               "consumer.model_gpu): each replica takes an equal share of every batch's rows",
+               ("buckets", "batch_size"), rows)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from consumer.train.model import StepSpec
+from consumer.train.model import StepSpec, global_sum
 
 
 class _TinyStep:
@@ -63,3 +63,32 @@ class _SlowStep(_TinyStep):
 
 def slow_step(spec: StepSpec) -> _SlowStep:
     return _SlowStep(spec)
+
+
+class _ReplicaTinyStep(_TinyStep):
+    """``tiny_step`` that keeps the replica contract by hand (no Keras optimizer): the loss is normalised by
+    the whole batch's valid values and the gradient summed over replicas (``global_sum``), and the variables
+    are updated with ``ONLY_FIRST_REPLICA`` (every replica computes the same update). With one replica it is
+    ``tiny_step``'s arithmetic exactly."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        self.lr = float(spec.learning_rate)
+        first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        self.w = tf.Variable(tf.zeros([spec.n_mels]), name="w", aggregation=first)
+        self.momentum = tf.Variable(tf.zeros([spec.n_mels]), name="momentum", aggregation=first)
+        self.iterations = tf.Variable(tf.constant(0, tf.int64), name="iterations", aggregation=first)
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        mask = tf.sequence_mask(mel_len, mel.shape[1], tf.float32)[..., None]
+        n_valid = tf.maximum(global_sum(tf.reduce_sum(mask)) * mel.shape[2], 1.0)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(mel - self.w) * mask) / n_valid
+        grad = global_sum(tape.gradient(loss, self.w))
+        self.momentum.assign(0.9 * self.momentum + grad)
+        self.w.assign_sub(self.lr * self.momentum)
+        self.iterations.assign_add(1)
+        return loss
+
+
+def replica_tiny_step(spec: StepSpec) -> _ReplicaTinyStep:
+    return _ReplicaTinyStep(spec)

@@ -30,6 +30,7 @@ from shared.wire.buckets import BucketSet, build_buckets
 from shared.service.cli import config_from_args
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, with_overrides
+from consumer.doctor.arrangement import advise_data_gpu
 from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
@@ -188,6 +189,10 @@ def main_doctor(args: argparse.Namespace) -> int:
         print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
         return err.exit_code
     verdict = decide(_measurements(stages, n, mix), facts)
+    advice = advise_data_gpu(cfg.consumer.model_gpu, cfg.producer.data_gpu, env_facts.consumer_gpus,
+                             env_facts.producer_gpus, verdict.supply_per_s, verdict.demand_per_s, verdict.bound)
+    verdict = dataclasses.replace(verdict, changes=[*verdict.changes, *advice.changes],
+                                  notes=[*verdict.notes, *advice.notes])
     checks = check_environment(env_facts)
     report = {"cache_dir": cfg.cache_dir, "memory_bound_now_bytes": env_facts.in_flight_bytes, "utterances": len(manifest.frames), "producers": n, "cores": facts.cores,
               "buckets": [b.as_wire() for b in bucket_set.buckets], "mix": mix,

@@ -8,8 +8,8 @@ starts at the first delivered batch (producer start-up excluded) and runs S seco
 
 ``python -m consumer.doctor.probe device --config FILE --seconds S``: per bucket, the host->device
 hand-off (``to_tensors`` + ``tf.identity`` under ``tf.device`` of the first GPU TensorFlow sees,
-else the CPU) and the compiled step (``CompiledStep`` with the configured ``model.step``, warmed up,
-then timed runs on a synthetic batch of the bucket's shape):
+else the CPU) and the compiled step (``CompiledStep`` with the configured ``model.step``, on the replicas
+``consumer.replicas`` asks for, warmed up, then timed runs on a synthetic batch of the bucket's shape):
 ``{"device", "compile_s", "buckets": [{"index", "h2d_ms_p50", "step_ms_p50", "step_ms_p99", "runs"}]}``.
 
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
@@ -102,6 +102,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     import tensorflow as tf
 
     from consumer.train.model import StepSpec
+    from consumer.train.replicas import Replicas, replica_scope
     from consumer.train.step import CompiledStep, load_step_factory, to_tensors
     from shared.wire.buckets import build_buckets
     from shared.cache.features import load_manifest_for
@@ -110,8 +111,10 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
     m = cfg.model
     shapes = [b.shapes() for b in bucket_set.buckets]
-    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
-    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step)
+    replicas = Replicas.from_config(cfg)     # consumer.replicas: the arrangement `run` would use
+    with replica_scope(replicas):
+        step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -125,7 +128,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
         tensors, _ = to_tensors(arrays)
         first = compiled.run(b.index, tensors)          # one untimed run: first-call dispatch costs
         float(first["loss"])
-        ran_on.update(step_devices(first))
+        ran_on.update(compiled.devices or step_devices(first))
         step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)["loss"]), budget_s)
         out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})

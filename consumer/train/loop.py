@@ -71,7 +71,8 @@ class TrainSummary:
     error: str | None = None            # one line when the run failed before training (e.g. XLA, jit: true)
     compile_s: float = 0.0              # compiling every bucket shape (warm-up), seconds
     time_to_first_step_s: float | None = None  # process start -> first applied step, seconds
-    devices: list[str] = field(default_factory=list)  # where the first step's outputs live (TF device names)
+    devices: list[str] = field(default_factory=list)  # the replicas' devices, else where the first step's outputs live
+    replicas: int = 1                   # model replicas (consumer.replicas; consumer/train/replicas.py)
     xla_cache_dir: str | None = None    # persistent XLA compilation cache in use (TF_XLA_FLAGS), None = none
     xla_cache_warm: bool | None = None  # it held compiled programs when the run started
     in_flight_bound_bytes: int = 0
@@ -107,7 +108,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     step_fn, compiled = _build_step(cfg, consumer, state)
     consumer.start()
     cache_dir = active_xla_cache_dir()
-    out = TrainSummary(padding_efficiency=0.0,
+    out = TrainSummary(padding_efficiency=0.0, replicas=cfg.consumer.replica_count,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with _extending_start_timeout(notifier):
@@ -158,7 +159,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             if out.time_to_first_step_s is None:
                 out.time_to_first_step_s = time.time() - process_start_s
                 out.first_loss = loss_v if math.isfinite(loss_v) else None
-                out.devices = step_devices(done.result.raw)
+                out.devices = compiled.devices or step_devices(done.result.raw)
             if out.steps == cfg.consumer.warmup_steps + 1:
                 meter.t0 = time.perf_counter()
                 meter.wait0 = consumer.wait_s_total
@@ -194,19 +195,24 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
 
 
 def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> tuple[Any, CompiledStep]:
-    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``).
+    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
+    under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py).
 
     With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
     """
     from consumer.train.model import StepSpec
+    from consumer.train.replicas import Replicas, check_rows, replica_scope
     from consumer.train.step import CompiledStep, load_step_factory
 
     factory = load_step_factory(cfg.model.step)
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
-    step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
+    check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
+    replicas = Replicas.from_config(cfg)
+    with replica_scope(replicas):
+        step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered)
+                                 remembered=remembered, replicas=replicas)
 
 
 def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:

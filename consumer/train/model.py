@@ -6,6 +6,10 @@ scalars (a mapping with ``"loss"``, or the bare scalar loss). ``consumer/train/s
 one program per bucket shape (XLA or graph mode, ``ModelConfig.jit_compile``).
 
 Invariants:
+    * With several replicas (``StepSpec.replicas`` > 1, consumer/train/replicas.py) the step runs on each
+      replica's rows and returns that replica's share: counts that normalise a loss are summed over
+      replicas with ``global_sum`` first, so the replicas' outputs sum to the value one replica computes
+      on the whole batch, and a Keras optimizer's summed gradients are that value's gradients.
     * Rows with ``mel_len == 0`` (padding rows) and frames ``t >= mel_len`` contribute nothing to
       the loss or the gradients; the loss is normalised by valid frames x n_mels, so adding padding
       rows or padding frames leaves the loss unchanged.
@@ -41,7 +45,7 @@ import tensorflow as tf
 if TYPE_CHECKING:
     from shared.config import PipelineConfig
 
-__all__ = ["StepSpec", "TrainStep", "build_reference_step"]
+__all__ = ["StepSpec", "TrainStep", "build_reference_step", "global_sum"]
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +73,12 @@ class StepSpec:
     total_steps: int | None = None        # consumer.steps: where the run stops; None = until stopped
     batches_per_epoch: int | None = None  # plan batches in one pass over the data (schedules per epoch)
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # model.params, read-only
+    # Model replicas the step runs on (consumer.replicas); > 1: each call sees bucket rows / replicas rows
+    # and returns its share of each named scalar (normalise by global_sum of the count, see the module doc).
+    replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0:
+        if self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0 or self.replicas < 1:
             raise ValueError(f"invalid StepSpec: {self}")
         # frozen + slots: object.__setattr__ is how __post_init__ may normalise; read-only views
         # so a factory cannot change what the next factory call (or the summary) sees.
@@ -86,7 +93,21 @@ class StepSpec:
         m = cfg.model
         return cls(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed,
                    bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,
-                   batches_per_epoch=batches_per_epoch, params=dict(m.params or {}))
+                   batches_per_epoch=batches_per_epoch, params=dict(m.params or {}),
+                   replicas=cfg.consumer.replica_count)
+
+
+def global_sum(value: tf.Tensor) -> tf.Tensor:
+    """``value`` summed over every replica of the step (itself with one replica).
+
+    Call it inside the step on a count that normalises a loss (valid frames, tokens, rows), so every
+    replica divides its own sum by the whole batch's count. Outside a replica context it returns
+    ``value`` unchanged.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
 class TrainStep(Protocol):
@@ -194,12 +215,13 @@ class _TextToMel(keras.Model):
 
 
 def _masked_l1(pred: tf.Tensor, mel: tf.Tensor, mel_len: tf.Tensor) -> tf.Tensor:
-    """Mean |pred - mel| over valid frames x mels; 0.0 for an all-padding batch."""
+    """Mean |pred - mel| over the valid frames x mels of the whole batch (every replica's rows: this
+    replica's share, see ``global_sum``); 0.0 for an all-padding batch."""
     n_frames, n_mels = mel.shape[1], mel.shape[2]
     frame_mask = tf.sequence_mask(mel_len, n_frames)                                 # [B, T]
     # where(), not multiply: a non-finite prediction in a padding row must not leak as NaN.
     err = tf.where(frame_mask[..., None], tf.abs(pred - mel), 0.0)
-    n_valid = tf.cast(tf.reduce_sum(tf.cast(frame_mask, tf.int32)), tf.float32) * n_mels
+    n_valid = tf.cast(global_sum(tf.reduce_sum(tf.cast(frame_mask, tf.int32))), tf.float32) * n_mels
     return tf.reduce_sum(err) / tf.maximum(n_valid, 1.0)
 
 

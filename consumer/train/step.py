@@ -38,6 +38,7 @@ import tensorflow as tf
 from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
+from consumer.train.replicas import Replicas
 from shared.errors import ConfigError, StepError
 from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
 
@@ -106,10 +107,13 @@ class CompiledStep:
         factory: the step factory's name (``model.step``), for error messages.
         remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept
             without timing, unless XLA now fails.
+        replicas: run each program on these replicas (``step`` built under ``replicas.scope()``),
+            each on its share of the batch's rows (consumer/train/replicas.py); None = one device.
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
-                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None) -> None:
+                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
+                 replicas: Replicas | None = None) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -125,6 +129,12 @@ class CompiledStep:
         self._traces = 0
         self._compiles_after_ready = 0
         self._is_ready = False
+        self._replicas = replicas
+
+    @property
+    def devices(self) -> list[str]:
+        """The replicas' devices; [] for one device (then the outputs' device says where it ran)."""
+        return list(self._replicas.devices) if self._replicas is not None else []
 
     @property
     def traces(self) -> int:
@@ -154,6 +164,12 @@ class CompiledStep:
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))
         if program is None:
+            if self._replicas is not None:
+                program = self._replicas.program(
+                    lambda *args: self._normalize(self._step(*args)), key, [_BATCH_DTYPES[n] for n in _ARG_ORDER],
+                    _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
+                self._programs[(self._mode, key)] = program
+                return program
             signature = [tf.TensorSpec(shape, _BATCH_DTYPES[name], name=name)
                          for name, shape in zip(_ARG_ORDER, key)]
 

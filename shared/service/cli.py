@@ -28,6 +28,7 @@ _OVERRIDES = {  # flag dest -> config key
     "state_dir": "consumer.state_dir", "model_step": "model.step",
     "checkpoint_every_steps": "consumer.checkpoint_every_steps",
     "metrics_file": "consumer.metrics_file", "metrics_port": "consumer.metrics_port",
+    "replicas": "consumer.replicas",
 }
 
 
@@ -50,6 +51,7 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--state-dir", help="directory for checkpoints and the audit log (resume from it)")
         p.add_argument("--checkpoint-every-steps", type=int, help="checkpoint period (also on stop and at the end)")
         p.add_argument("--model-step", help="training step factory, module:function")
+        p.add_argument("--replicas", type=int, help="model replicas (MirroredStrategy): N GPUs, or N logical CPUs")
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
         p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
         p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")

@@ -1,0 +1,152 @@
+"""Several model devices on one host: the compiled step under ``tf.distribute.MirroredStrategy``.
+
+Role: ``Replicas.from_config`` picks the devices (the first ``consumer.replicas`` visible GPUs, or as many
+logical CPU devices, which ``consumer.placement.configure_memory`` creates before TensorFlow initialises
+its devices); ``scope()`` is where the step factory must run so every variable is mirrored;
+``program`` builds the one program per bucket that ``CompiledStep`` (consumer/train/step.py) calls with
+the full global batch, so the loop and its ``CompiledStep.run(bucket, batch)`` interface stay unchanged.
+
+What one call does: split each of the four batch tensors along its rows into N equal views (``tf.split``
+on axis 0; TensorFlow's CPU kernel aliases the input when every part is 64-byte aligned, which the mel
+rows always are, so the slot is not copied on the host; a GPU replica's call copies its part
+host->device), hand them to the strategy (``experimental_distribute_values_from_function``), run the
+step on each replica under ``strategy.run`` (its own ``tf.function``, XLA per ``model.jit_compile``) and
+sum each named scalar over the replicas.
+
+Invariants:
+    * Every bucket's rows divide by N (``check_rows``; ``buckets.batch_size`` is checked when the config
+      loads), so every replica gets the same shapes and one program serves them all.
+    * The contract (consumer/README.md, "Plugging in your own step"): a step returns, on each replica,
+      its share of every named scalar (normalised by the GLOBAL count, ``model.global_sum``), so the
+      sum over replicas equals one replica's value on the whole batch; Keras optimizers sum gradients
+      over replicas. The reference model keeps this contract.
+    * Mirrored variables read and write as one value outside ``strategy.run`` (warm-up's snapshot and
+      restore, checkpoints), so checkpoints are the same with 1 or N replicas.
+    * XLA on logical CPU devices: TensorFlow's MirroredStrategy updates every replica's variables from
+      one thread there (a merge_call), which XLA cannot compile across devices; ``jit_compile: auto``
+      then falls back to graph mode with that reason, ``true`` fails (step.py). On GPUs every replica
+      updates its own copy inside its XLA program.
+Shutdown: nothing to release; the strategy lives as long as the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import tensorflow as tf
+
+from shared.config import PipelineConfig
+from shared.errors import ConfigError
+
+__all__ = ["Replicas", "XlaUnavailable", "check_rows", "replica_scope"]
+
+log = logging.getLogger(__name__)
+
+_Shapes = tuple[tuple[int, ...], ...]   # the four batch shapes in argument order (step.py)
+ReplicaFn = Callable[..., dict[str, tf.Tensor]]
+
+
+def check_rows(bucket_rows: Sequence[int], replicas: int, cfg: PipelineConfig) -> None:
+    """Every bucket's batch rows must divide by ``replicas`` (frame_budget buckets differ in rows).
+
+    Raises:
+        ConfigError: naming ``buckets.frame_budget`` (or ``buckets.batch_size``) and the first bucket
+            whose rows do not divide.
+    """
+    for index, rows in enumerate(bucket_rows):
+        if rows % replicas:
+            key = "frame_budget" if cfg.buckets.frame_budget is not None else "batch_size"
+            raise ConfigError(f"bucket {index} has {rows} rows, which do not divide by the {replicas} model "
+                              "replicas (consumer.replicas, consumer.model_gpu)", path=("buckets", key),
+                              got=getattr(cfg.buckets, key))
+
+
+class XlaUnavailable(RuntimeError):
+    """XLA cannot compile this mirrored step (logical CPU devices); "auto" falls back to graph mode."""
+
+
+class Replicas:
+    """A MirroredStrategy over ``devices`` and the programs that run the step on each of them."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        if len(devices) < 2:
+            raise ValueError(f"need at least 2 devices, got {list(devices)}")
+        self.devices = list(devices)
+        self.strategy = tf.distribute.MirroredStrategy(self.devices)
+        log.info("replicas: %d on %s (MirroredStrategy)", len(self.devices), ", ".join(self.devices))
+
+    @property
+    def count(self) -> int:
+        return len(self.devices)
+
+    @property
+    def on_gpus(self) -> bool:
+        return all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.devices)
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig) -> Replicas | None:
+        """The replicas ``cfg`` asks for, on the devices TensorFlow sees; None for one replica.
+
+        Raises:
+            ConfigError: more replicas than visible GPUs, or (no GPU) the CPU was not split in time.
+        """
+        n = cfg.consumer.replica_count
+        if n == 1:
+            return None
+        gpus = tf.config.list_logical_devices("GPU")
+        where = f"consumer.model_gpu={cfg.consumer.model_gpu}"
+        if gpus:
+            if len(gpus) < n:
+                raise ConfigError(f"{n} replicas, but TensorFlow sees {len(gpus)} GPU(s) ({where})",
+                                  path=("consumer", "replicas"), got=n)
+            return cls([g.name for g in gpus[:n]])
+        cpus = tf.config.list_logical_devices("CPU")
+        if len(cpus) < n:
+            raise ConfigError(f"{n} replicas on the CPU need {n} logical CPU devices, TensorFlow has {len(cpus)}: "
+                              "call consumer.placement.configure_memory(cfg) right after importing TensorFlow",
+                              path=("consumer", "replicas"), got=n)
+        return cls([c.name for c in cpus[:n]])
+
+    def scope(self) -> Any:
+        """Build the step (every variable) in here: ``with replicas.scope(): step = factory(spec)``."""
+        return self.strategy.scope()
+
+    def program(self, replica_fn: ReplicaFn, key: _Shapes, dtypes: Sequence[tf.DType], names: Sequence[str], *,
+                jit_compile: bool, on_trace: Callable[[], None]) -> Callable[..., dict[str, tf.Tensor]]:
+        """One bucket's program: full-batch tensors in (``key``'s shapes), summed named scalars out.
+
+        ``replica_fn(mel, mel_len, tokens, tok_len)`` runs on each replica's rows (compiled with
+        ``jit_compile``); ``on_trace`` runs once per trace of the whole program (step.py counts them).
+        """
+        n = self.count
+        if jit_compile and not self.on_gpus:
+            raise XlaUnavailable("XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
+                                 "MirroredStrategy updates every replica's variables from one program there")
+        if jit_compile:   # TensorFlow runs an XLA tf.function once per GPU replica, with collectives inside
+            part = [tf.TensorSpec((shape[0] // n, *shape[1:]), dtype, name=name)
+                    for shape, dtype, name in zip(key, dtypes, names)]
+            per_replica_fn: ReplicaFn = tf.function(replica_fn, jit_compile=True, input_signature=part)
+        else:             # graph mode: traced into the program below, once per replica
+            per_replica_fn = replica_fn
+        strategy = self.strategy
+
+        def whole(*args: tf.Tensor) -> dict[str, tf.Tensor]:
+            on_trace()
+            parts = [tf.split(arg, n, axis=0) for arg in args]   # row views; see the module docstring
+            values = strategy.experimental_distribute_values_from_function(
+                lambda ctx: tuple(p[ctx.replica_id_in_sync_group] for p in parts))
+            per_replica = strategy.run(per_replica_fn, args=values)
+            return {name: strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                    for name, value in per_replica.items()}
+
+        full = [tf.TensorSpec(shape, dtype, name=name) for shape, dtype, name in zip(key, dtypes, names)]
+        return tf.function(whole, input_signature=full)
+
+
+def replica_scope(replicas: Replicas | None) -> Any:
+    """``replicas.scope()``, or a no-op for one replica."""
+    return replicas.scope() if replicas is not None else nullcontext()
+

@@ -1,0 +1,121 @@
+"""``python -m tests.replica_check OUT.json``: one replica against two on the same global batches.
+
+Runs in a fresh interpreter because the CPU must be split into 2 logical devices before TensorFlow
+initialises its devices (``consumer.placement.configure_memory``), which a pytest process that already
+ran TensorFlow cannot do. Builds the reference step twice with the same seed: once on one device (no
+strategy) and once under ``consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
+both through ``CompiledStep`` in graph mode, and runs the same batches through both. Then a checkpoint
+of the replicated step (``CheckpointStore``) restored into it and the last batches run again must end
+bit-identical to the uninterrupted run, with every replica's copy of every variable equal. Last,
+``jit_compile: true`` on these logical CPU replicas must fail with its one line.
+Writes the figures as JSON; the test (tests/integration/train/test_replicas.py) asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from consumer.placement import configure_memory
+from shared.config_loader import config_from_mapping
+
+_ROWS, _FRAMES, _TOKENS, _MELS = 8, 48, 16, 80
+_BATCHES = 4
+_CUT = 2   # the checkpoint is taken after this many batches
+
+
+def _batches() -> list[dict[str, np.ndarray]]:
+    from consumer.train.step import aligned_empty
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(_BATCHES):
+        a = {"mel": aligned_empty((_ROWS, _FRAMES, _MELS), np.float32), "mel_len": aligned_empty((_ROWS,), np.int32),
+             "tokens": aligned_empty((_ROWS, _TOKENS), np.int32), "tok_len": aligned_empty((_ROWS,), np.int32)}
+        a["mel"][...] = rng.standard_normal(a["mel"].shape)
+        # Unequal valid frames per replica half (a padding row in one half): a loss normalised by its own
+        # rows' frames would differ from the whole batch's.
+        a["mel_len"][...] = rng.integers(4, _FRAMES, _ROWS)
+        a["mel_len"][:3] = [_FRAMES, 0, 5]
+        a["tokens"][...] = rng.integers(1, 256, a["tokens"].shape)
+        a["tok_len"][...] = rng.integers(2, _TOKENS, _ROWS)
+        out.append(a)
+    return out
+
+
+def main(out_path: str) -> int:
+    cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
+                               "model": {"learning_rate": 0.01, "jit_compile": False}})
+    configure_memory(cfg)          # before any TensorFlow op: 2 logical CPU devices
+    from consumer.resume.checkpoint import CheckpointStore, Cursor
+    from consumer.train.model import StepSpec, build_reference_step
+    from consumer.train.replicas import Replicas, replica_scope
+    from consumer.train.step import CompiledStep, to_tensors
+
+    shapes = [{"mel": (_ROWS, _FRAMES, _MELS), "mel_len": (_ROWS,), "tokens": (_ROWS, _TOKENS), "tok_len": (_ROWS,)}]
+    batches = _batches()
+
+    def build(replicas: Replicas | None) -> tuple[Any, CompiledStep]:
+        spec = StepSpec.from_config(cfg, shapes, None)
+        with replica_scope(replicas):
+            step = build_reference_step(spec)
+        compiled = CompiledStep(step, shapes, jit_compile=False, replicas=replicas)
+        compiled.warm_up()
+        return step, compiled
+
+    def run(compiled: CompiledStep, todo: list[dict[str, np.ndarray]]) -> list[float]:
+        return [float(compiled.run(0, to_tensors(a)[0])["loss"]) for a in todo]
+
+    result: dict[str, Any] = {}
+    step_1, one = build(None)
+    result["losses_1"] = run(one, batches)
+    vars_1 = [v.numpy() for v in step_1.variables()]
+    replicas = Replicas.from_config(cfg)
+    step_2, two = build(replicas)
+    result["devices"] = two.devices
+    result["traces_2"] = two.traces
+    result["losses_2"] = run(two, batches[:_CUT])
+    items = step_2.checkpoint_items()
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = CheckpointStore(Path(tmp), keep=1).save(Cursor(_CUT, _CUT, 0, "f", 1, 0.0), items)
+        result["losses_2"] += run(two, batches[_CUT:])
+        vars_2 = [v.numpy() for v in step_2.variables()]
+        CheckpointStore.restore(saved, items)
+        result["losses_resumed"] = run(two, batches[_CUT:])
+    vars_resumed = [v.numpy() for v in step_2.variables()]
+    result["max_abs_var_diff_1_vs_2"] = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in
+                                            zip(vars_1, vars_2))
+    result["max_abs_var_1"] = max(float(np.max(np.abs(a))) for a in vars_1)
+    result["resumed_bit_identical"] = all(np.array_equal(a, b) for a, b in zip(vars_2, vars_resumed))
+    result["replica_copies_equal"] = all(
+        all(np.array_equal(c.numpy(), v.values[0].numpy()) for c in v.values) for v in step_2.variables())
+    result["mirrored"] = sum(len(getattr(v, "values", ())) == 2 for v in step_2.variables())
+    result["variables"] = len(vars_2)
+    result["jit_true_error"] = _xla_on_cpu_replicas(cfg, shapes, replicas)
+    Path(out_path).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+def _xla_on_cpu_replicas(cfg: Any, shapes: list[dict[str, tuple[int, ...]]], replicas: Any) -> str:
+    """``jit_compile: true`` on logical CPU replicas: the one-line StepError (empty if none was raised)."""
+    from consumer.train.model import StepSpec
+    from consumer.train.replicas import replica_scope
+    from consumer.train.step import CompiledStep
+    from shared.errors import StepError
+    from tests.steps import replica_tiny_step
+
+    with replica_scope(replicas):
+        step = replica_tiny_step(StepSpec.from_config(cfg, shapes, None))
+    try:
+        CompiledStep(step, shapes, jit_compile=True, factory="tiny", replicas=replicas).warm_up()
+    except StepError as err:
+        return str(err)
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
