@@ -6,6 +6,10 @@ consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop lad
 (``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
 78 on a contract error) the run stops with its exit code. Exit codes: 0 finished or stopped by a
 signal, 78 configuration error, 1 unexpected failure.
+
+Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
+else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are
+then this rank's share (docs/ARCHITECTURE.md "Ranks").
 """
 
 from __future__ import annotations
