@@ -7,6 +7,10 @@ per applied batch *after* the step that read it finished::
     BBBBBBBBBBBB SSSSSSSSSSSS EEEEEEEEEEEEEEEE CCCCCCCC\\n
     batch id     step (1..)   consumer epoch   crc32 of the batch's planned sample ids (hex)
 
+A consumer that is one rank of a multi-worker job records its own steps as batch ids (its share of
+the plan, ``consumer/flow/shards.py``); ``run.json`` names its rank and world, and the audit of its
+directory checks it against that share. ``job_audit.py`` checks the union of several ranks.
+
 Invariants:
     * Records are fixed width (``RECORD_BYTES``), so "the first n records" is a byte offset and a
       torn last record after a crash is cut off by the truncation on resume.
@@ -205,7 +209,7 @@ def read_run_identity(root: Path) -> dict[str, Any]:
         raise StateError(path, "not a JSON object")
     run.setdefault("rank", 0)
     run.setdefault("world", 1)
-    if not (isinstance(run["rank"], int) and isinstance(run["world"], int) and 0 <= run["rank"] < run["world"]):
+    if not (type(run["rank"]) is int and type(run["world"]) is int and 0 <= run["rank"] < run["world"]):
         raise StateError(path, f"rank {run['rank']!r} of world {run['world']!r} is not a rank of that world")
     return run
 
