@@ -32,7 +32,7 @@ from typing import Any
 from consumer.flow.credit import LeaseBook
 from consumer.handout import ArraySpec, Batch, Handout
 from consumer.flow.plan import EpochPlan
-from consumer.flow.shards import plan_for_rank
+from consumer.flow.shards import RankPlan, plan_for_rank
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
@@ -78,6 +78,10 @@ class Consumer:
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self.rank, self.world = rank, world
         self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world)
+        if isinstance(self.plan, RankPlan):
+            log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
+                     "left out (bucket leftovers smaller than the world)", rank, world, self.plan.batches_per_epoch,
+                     world, self.plan.dropped_samples_per_epoch)
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
         steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
         self.end_batch = max(start_batch, steps) if steps is not None else None

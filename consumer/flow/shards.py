@@ -28,7 +28,6 @@ Shutdown: nothing to release.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from consumer.flow.plan import EpochPlan, PlannedBatch
@@ -36,8 +35,6 @@ from shared.errors import ConfigError
 from shared.wire.buckets import BucketSet
 
 __all__ = ["GlobalStep", "RankPlan", "plan_for_rank", "shard_chunks"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +142,6 @@ def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0
     if world == 1 and rank == 0:
         return EpochPlan(buckets, fingerprint, seed)
     try:
-        plan = RankPlan(buckets, fingerprint, seed, rank=rank, world=world)
+        return RankPlan(buckets, fingerprint, seed, rank=rank, world=world)
     except ValueError as err:
         raise ConfigError(f"rank {rank} of {world}: {err}", path=("TF_CONFIG",)) from None
-    log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch left out "
-             "(bucket leftovers smaller than the world)", rank, world, plan.batches_per_epoch, world,
-             plan.dropped_samples_per_epoch)
-    return plan
