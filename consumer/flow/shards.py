@@ -17,7 +17,8 @@ of ``ceil(L / world)`` or ``floor(L / world)`` rows (never more than the bucket'
 ``L <= k * B < world * B``). Only when ``L < world`` (some rank would get an empty batch) are those
 samples left out of the epoch, counted in ``dropped_samples_per_epoch``; they differ every epoch,
 since the shuffle does. So every kept sample is in exactly one batch of one rank per epoch, except
-those counted.
+those counted. ``leftovers="drop"`` (for a plan that never makes a batch smaller than B, such as one
+that drops partial batches) leaves every leftover batch out instead, counted the same way.
 
 Ids: a rank's batches carry *local* ids (``batch_id`` = its step, ``data_epoch * steps + s``), so
 the lease book, the ring, the hand-out rules, the checkpoint cursor and the audit log of one rank
@@ -34,7 +35,9 @@ from consumer.flow.plan import EpochPlan, PlannedBatch
 from shared.errors import ConfigError
 from shared.wire.buckets import BucketSet
 
-__all__ = ["GlobalStep", "RankPlan", "plan_for_rank", "shard_chunks"]
+__all__ = ["GlobalStep", "LEFTOVER_POLICIES", "RankPlan", "plan_for_rank", "shard_chunks"]
+
+LEFTOVER_POLICIES = ("deal", "drop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +48,15 @@ class GlobalStep:
     shares: tuple[tuple[int, ...], ...]
 
 
-def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int) -> tuple[list[GlobalStep], int]:
+def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int,
+                 leftovers: str = "deal") -> tuple[list[GlobalStep], int]:
     """Group an epoch's batches (in bucket order) into global steps of ``world`` batches of one bucket.
 
     Args:
         chunks: ``(bucket, sample_ids)`` per batch, each bucket's batches consecutive (``bucket_chunks``).
         world: ranks in the job, >= 1.
+        leftovers: "deal" (the samples of a bucket's last, fewer-than-``world`` batches are dealt into
+            one more global step when they are at least ``world``) or "drop" (always left out).
 
     Returns:
         The global steps in bucket order (before the order is drawn), and how many samples were left
@@ -58,6 +64,8 @@ def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int) -> tuple
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    if leftovers not in LEFTOVER_POLICIES:
+        raise ValueError(f"leftovers must be one of {LEFTOVER_POLICIES}, got {leftovers!r}")
     by_bucket: dict[int, list[tuple[int, ...]]] = {}
     for bucket, samples in chunks:
         by_bucket.setdefault(bucket, []).append(samples)
@@ -67,7 +75,7 @@ def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int) -> tuple
         full = len(batches) - len(batches) % world
         steps.extend(GlobalStep(bucket, tuple(batches[i:i + world])) for i in range(0, full, world))
         left = [s for batch in batches[full:] for s in batch]
-        if len(left) >= world:
+        if leftovers == "deal" and len(left) >= world:
             steps.append(GlobalStep(bucket, _deal(left, world)))
         else:
             dropped += len(left)
@@ -92,8 +100,11 @@ class RankPlan(EpochPlan):
     ``batch(s)`` is this rank's batch at step ``s``.
     """
 
-    def __init__(self, buckets: BucketSet, fingerprint: str, seed: int, *, rank: int, world: int) -> None:
-        """Raises:
+    def __init__(self, buckets: BucketSet, fingerprint: str, seed: int, *, rank: int, world: int,
+                 leftovers: str = "deal") -> None:
+        """``leftovers``: see ``shard_chunks``.
+
+        Raises:
             ValueError: a rank outside ``0 .. world-1``, or no global step can be filled (every bucket
                 holds fewer utterances than ranks), besides ``EpochPlan``'s own checks.
         """
@@ -102,6 +113,7 @@ class RankPlan(EpochPlan):
             raise ValueError(f"rank must be in 0..world-1, got rank {rank} of world {world}")
         self.rank = rank
         self.world = world
+        self.leftovers = leftovers
         steps, self.dropped_samples_per_epoch = self._sharded(0)
         if not steps:
             raise ValueError(f"no global step can be filled: every bucket holds fewer utterances than the "
@@ -120,7 +132,7 @@ class RankPlan(EpochPlan):
 
     def _sharded(self, data_epoch: int) -> tuple[list[GlobalStep], int]:
         rng, chunks = self.bucket_chunks(data_epoch)
-        steps, dropped = shard_chunks(chunks, self.world)
+        steps, dropped = shard_chunks(chunks, self.world, self.leftovers)
         order: list[int] = rng.permutation(len(steps)).tolist()
         return [steps[k] for k in order], dropped
 

@@ -103,6 +103,21 @@ def test_shard_chunks_deals_leftovers_evenly_and_drops_fewer_samples_than_ranks(
     assert steps == [GlobalStep(0, ((1, 2, 3), (4, 5), (6, 7), (8, 9)))] and dropped == 0
     with pytest.raises(ValueError):
         shard_chunks(chunks, 0)
+    with pytest.raises(ValueError, match="leftovers must be one of"):
+        shard_chunks(chunks, 2, "pad")
+
+
+def test_leftovers_drop_leaves_every_short_group_out_and_counts_its_samples() -> None:
+    chunks = [(0, (1, 2, 3)), (0, (4, 5, 6)), (0, (7, 8, 9)), (1, (20, 21)), (1, (22, 23))]
+    steps, dropped = shard_chunks(chunks, 2, "drop")
+    assert steps == [GlobalStep(0, ((1, 2, 3), (4, 5, 6))), GlobalStep(1, ((20, 21), (22, 23)))] and dropped == 3
+    bs = _bucket_set(700, 12, num_buckets=4)
+    plan = RankPlan(bs, _FINGERPRINT, 1, rank=0, world=5, leftovers="drop")
+    short = Counter(g.bucket for g in plan.global_steps(0) for s in g.shares
+                    if len(s) < bs.buckets[g.bucket].batch_size)
+    assert all(n <= 1 for n in short.values())          # only a bucket's own partial batch, nothing dealt
+    kept = int((bs.assignment >= 0).sum())
+    assert sum(len(s) for g in plan.global_steps(0) for s in g.shares) == kept - plan.dropped_samples_per_epoch
 
 
 def test_bad_rank_or_a_world_larger_than_every_bucket_is_refused() -> None:
