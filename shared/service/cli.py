@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("dir")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
     rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
-    rep.add_argument("metrics", help="metrics JSONL written by the consumer's --metrics-file")
+    rep.add_argument("metrics", nargs="+", help="metrics JSONL written by the consumer's --metrics-file (several: "
+                                                "the ranks of one job, drawn on one time axis)")
     rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
     rep.add_argument("--title", help="first title line (default: the metrics file name)")
     st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
