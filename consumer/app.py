@@ -6,11 +6,16 @@ consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop lad
 (``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
 78 on a contract error) the run stops with its exit code. Exit codes: 0 finished or stopped by a
 signal, 78 configuration error, 1 unexpected failure.
+
+Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
+else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are
+then this rank's share (docs/ARCHITECTURE.md "Ranks").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -33,9 +38,10 @@ from shared.errors import ConfigError, PipelineError
 from shared.service.children import Child, python_argv, spawn, write_private_config
 from shared.service.lifecycle import resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
+from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run", "start_producers", "stop_producers"]
+__all__ = ["main_consumer", "main_run", "start_producers", "stop_producers", "worker_place"]
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +50,14 @@ _PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
+    place = worker_place(args)
     _check_paths(cfg, args)
     apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
-        with stop_on_signals() as stop, _opened_state(cfg) as state, \
-                Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
+        with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
+                Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
+                         world=place.world) as consumer, \
                 _telemetry(cfg, consumer, started_s) as telemetry:
             configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
@@ -86,13 +94,36 @@ def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Tel
     return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint)
 
 
+def worker_place(args: argparse.Namespace) -> WorkerPlace:
+    """This consumer's rank and the world size: ``--tf-config FILE``, else ``TF_CONFIG``, else rank 0 of 1.
+
+    A file given with ``--tf-config`` is also exported as ``TF_CONFIG`` (before TensorFlow loads), so
+    that anything reading the environment later sees the same cluster.
+
+    Raises:
+        ConfigError: a TF_CONFIG that is not a usable cluster (one line naming its source, exit 78).
+    """
+    path = getattr(args, "tf_config", None)
+    place = resolve_worker_place(path, os.environ)
+    if path is not None:
+        os.environ[TF_CONFIG_ENV] = json.dumps({"cluster": {k: list(v) for k, v in place.cluster.items()},
+                                                "task": {"type": place.task_type, "index": place.task_index}}
+                                               ) if place.cluster else "{}"
+    if place.is_multi_worker:
+        log.info("rank %d of %d (%s, task %s:%d): this consumer leases and applies only its share of the plan",
+                 place.rank, place.world, place.source, place.task_type, place.task_index)
+        log.warning("the built-in loop trains each rank's model on its own share; variables are not kept in step "
+                    "across ranks (no MultiWorkerMirroredStrategy here yet)")
+    return place
+
+
 @contextmanager
-def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
+def _opened_state(cfg: PipelineConfig, place: WorkerPlace) -> Iterator[RunState | None]:
     """The state directory's lock, audit log and resume cursor for the whole run."""
     from shared.cache.features import load_manifest_for
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
-    state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
+    state = RunState.open(cfg, load_manifest_for(cfg).fingerprint, rank=place.rank, world=place.world)
     try:
         yield state
     finally:
@@ -101,13 +132,15 @@ def _opened_state(cfg: PipelineConfig) -> Iterator[RunState | None]:
 
 
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
+    place = worker_place(args)
     cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     _check_paths(cfg, args)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
-    with stop_on_signals() as stop, _opened_state(cfg) as state, \
-            Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
+    with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
+            Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
+                     world=place.world) as consumer, \
             _telemetry(cfg, consumer, started_s) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})

@@ -32,6 +32,7 @@ from typing import Any
 from consumer.flow.credit import LeaseBook
 from consumer.handout import ArraySpec, Batch, Handout
 from consumer.flow.plan import EpochPlan
+from consumer.flow.shards import RankPlan, plan_for_rank
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
@@ -61,10 +62,13 @@ class Consumer:
         start_batch: first batch id to apply (a resume position); ``consumer.steps`` stays the
             absolute end, so a resumed run stops where an uninterrupted one would.
         environ: where the default ipc endpoint's runtime directory is looked up.
+        rank, world: this consumer's rank in a job of ``world`` (``shared/service/tf_config.py``): it
+            leases and hands out only its share of the plan (``consumer/flow/shards.py``), whose ids
+            are its steps; the default, rank 0 of 1, is the whole plan.
     """
 
     def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, rank: int = 0, world: int = 1) -> None:
         if cfg.cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
         self.cfg = cfg
@@ -72,7 +76,12 @@ class Consumer:
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
                                                    cfg.n_mels, cfg.buckets)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
-        self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
+        self.rank, self.world = rank, world
+        self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world)
+        if isinstance(self.plan, RankPlan):
+            log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
+                     "left out (bucket leftovers smaller than the world)", rank, world, self.plan.batches_per_epoch,
+                     world, self.plan.dropped_samples_per_epoch)
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
         steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
         self.end_batch = max(start_batch, steps) if steps is not None else None

@@ -30,7 +30,7 @@ import yaml
 from shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
 from shared.errors import ConfigError
 
-__all__ = ["MAX_CONFIG_BYTES", "read_config_file"]
+__all__ = ["MAX_CONFIG_BYTES", "read_config_file", "read_text_file"]
 
 MAX_CONFIG_BYTES = 1 << 20  # example.yaml with every key is ~6 KiB; anything near 1 MiB is not a config
 _BOMS = {b"\xff\xfe": "UTF-16 little-endian", b"\xfe\xff": "UTF-16 big-endian"}
@@ -113,6 +113,15 @@ def _parse(text: str, path: str | os.PathLike[str]) -> Any:
         raise _fail(path, "invalid YAML: nested too deeply") from None
     except (ValueError, OverflowError) as err:  # a scalar its constructor refuses: a 5000-digit int, 2001-13-45
         raise _fail(path, f"invalid YAML: a value cannot be read: {err}") from None
+
+
+def read_text_file(path: str | os.PathLike[str]) -> str:
+    """A small text file read under the same rules as a config file (regular, bounded, strict UTF-8).
+
+    Raises:
+        ConfigError: one line starting with the path (``--tf-config FILE`` uses it too).
+    """
+    return _decode(_read_bounded(path), path)
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:

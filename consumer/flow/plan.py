@@ -122,8 +122,13 @@ class EpochPlan:
         data_epoch, position = divmod(batch_id, self._batches_per_epoch)
         return self.epoch(data_epoch)[position]
 
-    def _build(self, data_epoch: int) -> tuple[PlannedBatch, ...]:
-        """Shuffle within buckets, chunk into batches, shuffle the batch order (one RNG stream)."""
+    def bucket_chunks(self, data_epoch: int) -> tuple[np.random.Generator, list[tuple[int, tuple[int, ...]]]]:
+        """The epoch's batches before their order is drawn: ``(bucket, sample_ids)`` in bucket order.
+
+        Returns the epoch's generator too, advanced past the shuffles within buckets: the next draw
+        is the batch order (``_build``), or the order of global steps in a sharded plan
+        (``consumer/flow/shards.py``), so a world of 1 gives this plan exactly.
+        """
         rng = np.random.default_rng([self._seed, data_epoch, self._fingerprint_key])
         chunks: list[tuple[int, tuple[int, ...]]] = []
         for bucket, members in zip(self._buckets.buckets, self._members):
@@ -131,6 +136,11 @@ class EpochPlan:
             rows = bucket.batch_size
             chunks.extend((bucket.index, tuple(shuffled[start:start + rows]))
                           for start in range(0, len(shuffled), rows))
+        return rng, chunks
+
+    def _build(self, data_epoch: int) -> tuple[PlannedBatch, ...]:
+        """Shuffle within buckets, chunk into batches, shuffle the batch order (one RNG stream)."""
+        rng, chunks = self.bucket_chunks(data_epoch)
         order: list[int] = rng.permutation(len(chunks)).tolist()
         base = data_epoch * self._batches_per_epoch
         return tuple(PlannedBatch(batch_id=base + position, data_epoch=data_epoch,

@@ -5,7 +5,8 @@ Role: ``--metrics-port N`` (``consumer.metrics_port``) starts the server on ``co
 one custom collector that reads the latest snapshot at scrape time; nothing is computed twice.
 Names follow Prometheus conventions: ``melfeed_`` prefix, base units (seconds, bytes, ratios 0..1),
 counters end in ``_total``, labels for producer, reject code, GPU role and index (consumer/README.md
-lists every name). A figure that is not known yet (null in the snapshot) is left out of the scrape.
+lists every name); a consumer that is one rank of a multi-worker job (world > 1) adds ``rank`` to every
+sample, so the ranks' scrapes never collide in one Prometheus. A figure that is not known yet (null in the snapshot) is left out of the scrape.
 prometheus_client is optional (extra ``metrics``) and imported only here, only when a port is given.
 Shutdown: ``close()`` shuts the server down and joins its thread (bounded); idempotent.
 """
@@ -59,10 +60,23 @@ class SnapshotCollector:
         self._get = get_snapshot
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        """Every family of the snapshot; in a multi-worker job each sample also carries ``rank``."""
         snap = self._get()
         if snap is None:
             return
+        world = snap.get("world") or 1
+        if world == 1:
+            yield from self._families(snap)
+            return
+        rank = str(snap.get("rank"))
+        for family in self._families(snap):
+            family.samples = [s._replace(labels={**s.labels, "rank": rank}) for s in family.samples]
+            yield family
+
+    def _families(self, snap: dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        yield GaugeMetricFamily("melfeed_world_size", "Ranks in the job (1: a single consumer)",
+                                value=snap.get("world") or 1)
         for key, name, doc, scale in _GAUGES:
             if snap.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=snap[key] * scale)

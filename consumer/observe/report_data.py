@@ -58,6 +58,8 @@ class RunSeries:
     scalars: dict[str, Floats]                      # SCALAR_KEYS -> values
     producers: dict[str, Floats] = field(default_factory=dict)   # producer id -> batches/s
     gpus: dict[str, Floats] = field(default_factory=dict)        # "role:index" -> util %
+    t0_unix_s: float = 0.0                          # wall clock of the first snapshot (aligns several runs)
+    rank: int | None = None                         # the consumer's rank when it was one of a job (world > 1)
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -157,9 +159,13 @@ def parse_lines(lines: list[str], name: str) -> RunSeries:
     n = len(rows)
     t_unix = np.array([_number(r["t_unix_s"], "t_unix_s", w) for w, r in decoded])
     scalars = {k: np.array([_number(r[k], k, w) for w, r in decoded]) for k in SCALAR_KEYS}
+    last = rows[-1]
+    world, rank = last.get("world"), last.get("rank")
+    is_rank = type(world) is int and world > 1 and type(rank) is int
     return RunSeries(t_s=t_unix - t_unix[0], phase=[str(r["phase"]) for r in rows], scalars=scalars,
                      producers=_entity_series(rows, n, "producers", "batches_per_s", _producer_id, where),
-                     gpus=_entity_series(rows, n, "gpus", "util_pct", _gpu_label, where))
+                     gpus=_entity_series(rows, n, "gpus", "util_pct", _gpu_label, where),
+                     t0_unix_s=float(t_unix[0]), rank=rank if is_rank else None)
 
 
 def read_metrics(path: str | Path) -> RunSeries:

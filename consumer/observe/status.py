@@ -87,8 +87,10 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
     """The human table: overall figures, one row per producer, one per GPU, rejects by code."""
     total = f"/{snap['steps_total']}" if snap.get("steps_total") else ""
     mb_s = None if snap["bytes_per_s"] is None else snap["bytes_per_s"] / 1e6
+    world = snap.get("world") or 1
+    rank = f", rank {snap.get('rank')} of {world}" if world > 1 else ""
     lines = [
-        f"consumer {endpoint}: {snap['phase']}, step {snap['step']}{total}, loss {_f(snap['loss'], '.4f')}, "
+        f"consumer {endpoint}{rank}: {snap['phase']}, step {snap['step']}{total}, loss {_f(snap['loss'], '.4f')}, "
         f"up {snap['uptime_s']:.0f} s",
         f"last {snap['window_s']:.0f} s: {_f(snap['batches_per_s'], '.1f')} batches/s, "
         f"{_f(snap['samples_per_s'], '.0f')} samples/s, {_f(mb_s, '.1f')} MB/s received, "

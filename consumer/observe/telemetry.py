@@ -37,7 +37,7 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched")
+               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "rank", "world")
 
 
 def _num(value: float | None) -> float | None:
@@ -116,11 +116,12 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
                    loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
                    bytes_per_s: float | None, rs: ReceiverStats, producers: list[dict[str, Any]],
                    compiles_after_ready: int, gpus: list[dict[str, Any]], jit_compile: str | None = None,
-                   outputs: Mapping[str, float] | None = None) -> dict[str, Any]:
+                   outputs: Mapping[str, float] | None = None, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure.
 
     ``outputs`` are the step's named scalars averaged over the status interval (``loss`` first);
-    ``jit_compile`` is "xla" or "graph" once the step is compiled.
+    ``jit_compile`` is "xla" or "graph" once the step is compiled; ``rank`` of ``world``: this
+    consumer's place in a multi-worker job (0 of 1 alone).
     """
     f = figures
     return {
@@ -143,7 +144,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "quarantined": rs.quarantined, "compiles_after_ready": compiles_after_ready,
         "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
         "jit_compile": jit_compile, "outputs": {name: _num(v) for name, v in (outputs or {}).items()},
-        "producers_benched": list(rs.producers_benched),
+        "producers_benched": list(rs.producers_benched), "rank": rank, "world": world,
     }
 
 
@@ -272,7 +273,7 @@ class Telemetry:
             figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
             bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
             compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [], jit_compile=self._jit_compile,
-            outputs=self._outputs)
+            outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1))
         text = json.dumps(snap, allow_nan=False)
         with self._lock:
             self._latest, self._latest_json = snap, text.encode()

@@ -7,6 +7,10 @@ per applied batch *after* the step that read it finished::
     BBBBBBBBBBBB SSSSSSSSSSSS EEEEEEEEEEEEEEEE CCCCCCCC\\n
     batch id     step (1..)   consumer epoch   crc32 of the batch's planned sample ids (hex)
 
+A consumer that is one rank of a multi-worker job records its own steps as batch ids (its share of
+the plan, ``consumer/flow/shards.py``); ``run.json`` names its rank and world, and the audit of its
+directory checks it against that share. ``job_audit.py`` checks the union of several ranks.
+
 Invariants:
     * Records are fixed width (``RECORD_BYTES``), so "the first n records" is a byte offset and a
       torn last record after a crash is cut off by the truncation on resume.
@@ -26,6 +30,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +38,7 @@ from consumer.resume.filemode import STATE_FILE_MODE
 from shared.errors import StateError
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
-           "main_audit", "sample_digest"]
+           "main_audit", "print_result", "read_records", "read_run_identity", "sample_digest"]
 
 AUDIT_NAME = "audit.log"
 RUN_NAME = "run.json"
@@ -123,6 +128,8 @@ class AuditResult:
     checkpoint_next_batch: int | None = None
     after_checkpoint: int = 0        # records after the newest checkpoint (replayed on resume)
     first_bad: list[str] = field(default_factory=list)
+    rank: int = 0                    # from run.json: this log's rank in a job of ``world`` (ids are its steps)
+    world: int = 1
 
     @property
     def ok(self) -> bool:
@@ -169,13 +176,13 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
     """
     from consumer.resume.checkpoint import latest_cursor  # no TensorFlow: only reads cursor.json
     root = Path(state_dir)
-    if not (root / RUN_NAME).is_file():
-        raise StateError(root, f"no {RUN_NAME}: not a melfeed state directory (consumer.state_dir)")
+    run = read_run_identity(root)
     records, torn = read_records(root / AUDIT_NAME)
     cursor = latest_cursor(root)
     plan_end = max((r.batch_id for r in records), default=-1) + 1
-    digests, note = _planned_digests(root, plan_end)
+    digests, note = _planned_digests(root, run, plan_end)
     res = analyse(records, digests, cursor.next_batch if cursor else None)
+    res.rank, res.world = run["rank"], run["world"]
     res.torn_bytes = torn
     res.content_checked = digests is not None
     res.content_note = note
@@ -185,14 +192,35 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
     return res
 
 
-def _planned_digests(root: Path, end: int) -> tuple[dict[int, int] | None, str]:
-    from consumer.flow.plan import EpochPlan
+def read_run_identity(root: Path) -> dict[str, Any]:
+    """``STATE_DIR/run.json``, with ``rank`` 0 and ``world`` 1 where a run from before ranks has none.
+
+    Raises:
+        StateError: no run.json (not a state directory), or one that is not a JSON object (exit 78).
+    """
+    path = root / RUN_NAME
+    if not path.is_file():
+        raise StateError(root, f"no {RUN_NAME}: not a melfeed state directory (consumer.state_dir)")
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise StateError(path, f"unreadable: {err}") from err
+    if not isinstance(run, dict):
+        raise StateError(path, "not a JSON object")
+    run.setdefault("rank", 0)
+    run.setdefault("world", 1)
+    if not (type(run["rank"]) is int and type(run["world"]) is int and 0 <= run["rank"] < run["world"]):
+        raise StateError(path, f"rank {run['rank']!r} of world {run['world']!r} is not a rank of that world")
+    return run
+
+
+def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[int, int] | None, str]:
+    from consumer.flow.shards import plan_for_rank
     from shared.wire.buckets import build_buckets
     from shared.config_loader import config_from_mapping
     from shared.errors import PipelineError
     from shared.cache.manifest import load_manifest
     try:
-        run = json.loads((root / RUN_NAME).read_text(encoding="utf-8"))
         cfg = config_from_mapping({"cache_dir": run["cache_dir"], "seed": run["seed"], "n_mels": run["n_mels"],
                                    "buckets": run["buckets"]})
         manifest = load_manifest(run["cache_dir"], cfg.n_mels)
@@ -200,18 +228,30 @@ def _planned_digests(root: Path, end: int) -> tuple[dict[int, int] | None, str]:
         return None, f"plan content not checked: {err}"
     if manifest.fingerprint != run.get("fingerprint"):
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
-    plan = EpochPlan(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
-                     manifest.fingerprint, cfg.seed)
+    try:
+        plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
+                             manifest.fingerprint, cfg.seed, run["rank"], run["world"])
+    except PipelineError as err:
+        return None, f"plan content not checked: {err}"
     return {b: sample_digest(plan.batch(b).sample_ids) for b in range(end)}, "plan content checked"
 
 
 def main_audit(args: argparse.Namespace) -> int:
     """Print the audit; exit 0 when nothing is lost, duplicated, out of order or different."""
-    res = audit_state_dir(args.state_dir)
+    state_dir = args.state_dir if isinstance(args.state_dir, str) else args.state_dir[0]
+    res = audit_state_dir(state_dir)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(asdict(res) | {"ok": res.ok}, indent=2) + "\n", encoding="utf-8")
+    print_result(state_dir, res)
+    print("OK: the applied sequence equals the plan" if res.ok else "FAILED: the applied sequence differs from the plan")
+    return 0 if res.ok else 1
+
+
+def print_result(state_dir: str, res: AuditResult) -> None:
+    """The counts of one state directory (a rank's share when ``world`` > 1: its ids are its steps)."""
     ckpt = "none" if res.checkpoint_next_batch is None else f"next batch {res.checkpoint_next_batch}"
-    print(f"audit {args.state_dir}: {res.applied} batches applied by {res.consumer_epochs} consumer start(s); "
+    share = f" (rank {res.rank} of {res.world}: its share, ids are its steps)" if res.world > 1 else ""
+    print(f"audit {state_dir}{share}: {res.applied} batches applied by {res.consumer_epochs} consumer start(s); "
           f"plan 0..{res.expected - 1}; checkpoint: {ckpt}")
     print(f"lost {res.lost} | duplicated {res.duplicated} | out of order {res.out_of_order} | "
           f"wrong content {res.wrong_content} ({res.content_note})")
@@ -220,5 +260,3 @@ def main_audit(args: argparse.Namespace) -> int:
               " are replaced when the consumer resumes")
     for line in res.first_bad:
         print(f"  {line}")
-    print("OK: the applied sequence equals the plan" if res.ok else "FAILED: the applied sequence differs from the plan")
-    return 0 if res.ok else 1

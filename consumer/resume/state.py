@@ -14,8 +14,10 @@ state.close()
 ```
 Invariants:
     * One consumer per state directory (``flock`` on ``.lock``; the kernel drops it on SIGKILL).
-    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets); a config
-      that would change the plan is refused instead of silently mixing two plans in one lineage.
+    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets, and the rank
+      and world size of a multi-worker job); a config that would change the plan is refused instead
+      of silently mixing two plans in one lineage. A ``run.json`` written before ranks existed has
+      neither key and reads as rank 0 of 1.
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
     * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
@@ -46,6 +48,7 @@ __all__ = ["RunState"]
 log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
+_RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one consumer, the whole plan
 
 
 class RunState:
@@ -69,12 +72,14 @@ class RunState:
                  root, self.next_batch, where, dropped)
 
     @classmethod
-    def open(cls, cfg: PipelineConfig, fingerprint: str) -> RunState | None:
+    def open(cls, cfg: PipelineConfig, fingerprint: str, *, rank: int = 0, world: int = 1) -> RunState | None:
         """The state of ``cfg.consumer.state_dir``, or ``None`` when no state directory is set.
+
+        ``rank`` of ``world``: this consumer's place in a multi-worker job (its share of the plan).
 
         Raises:
             StateError: another consumer holds the directory, it cannot be created, or it holds
-                a run whose plan differs from ``cfg`` (fatal: exit 78).
+                a run whose plan differs from ``cfg`` or whose rank or world differs (fatal: exit 78).
         """
         if cfg.consumer.state_dir is None:
             log.warning("no consumer.state_dir: no checkpoints or audit log; a restart starts at batch 0")
@@ -94,7 +99,7 @@ class RunState:
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
         try:
-            identity = _check_identity(root, cfg, fingerprint)
+            identity = _check_identity(root, cfg, fingerprint, rank, world)
             return cls(root, lock_fd, identity, cfg.consumer.checkpoint_every_steps, cfg.consumer.keep_checkpoints)
         except BaseException:
             os.close(lock_fd)
@@ -139,11 +144,12 @@ class RunState:
             self._lock_fd = None
 
 
-def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str) -> dict[str, Any]:
-    """Write ``run.json`` on first use; afterwards refuse a config that changes the plan."""
+def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int, world: int) -> dict[str, Any]:
+    """Write ``run.json`` on first use; afterwards refuse a config that changes the plan, or another rank."""
     mapping = config_to_mapping(cfg)
     identity = {"fingerprint": fingerprint, "seed": cfg.seed, "n_mels": cfg.n_mels, "buckets": mapping["buckets"],
-                "cache_dir": str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir else None}
+                "cache_dir": str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir else None,
+                "rank": rank, "world": world}
     path = root / RUN_NAME
     if path.exists():
         try:
@@ -154,6 +160,11 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str) -> dict[s
             if old.get(key) != identity[key]:
                 raise StateError(path, f"this state belongs to a run with {key}={old.get(key)!r}, the config has "
                                        f"{identity[key]!r}; use a new consumer.state_dir or the original config")
+        old_place = (old.get("rank", _RANK_DEFAULTS["rank"]), old.get("world", _RANK_DEFAULTS["world"]))
+        if old_place != (rank, world):
+            raise StateError(path, f"this state belongs to rank {old_place[0]} of {old_place[1]}, this consumer is "
+                                   f"rank {rank} of {world} (TF_CONFIG); give each rank its own consumer.state_dir "
+                                   "and keep the world size of the job")
         if old.get("cache_dir") != identity["cache_dir"]:
             log.info("cache moved from %s to %s (same fingerprint)", old.get("cache_dir"), identity["cache_dir"])
     tmp = path.with_suffix(".tmp")

@@ -55,6 +55,9 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
         p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
         p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
+        p.add_argument("--tf-config", metavar="FILE",
+                       help="TF_CONFIG as a JSON file (default: the TF_CONFIG environment variable): this "
+                            "consumer's rank and the world size of a multi-worker job")
 
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -97,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80)
-    aud = sub.add_parser("audit", help="compare the applied-batch log in STATE_DIR with the plan; exit 1 if not exact")
-    aud.add_argument("state_dir")
+    aud = sub.add_parser("audit", help="compare the applied-batch logs of STATE_DIR (one per rank of a job) with "
+                                       "the plan; exit 1 if not exact")
+    aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
     dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
     dep.add_argument("--producers", type=int, required=True, help="instances pipeline.target wants (1..N)")
@@ -114,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("dir")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
     rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
-    rep.add_argument("metrics", help="metrics JSONL written by the consumer's --metrics-file")
+    rep.add_argument("metrics", nargs="+", help="metrics JSONL written by the consumer's --metrics-file (several: "
+                                                "the ranks of one job, drawn on one time axis)")
     rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
     rep.add_argument("--title", help="first title line (default: the metrics file name)")
     st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")

@@ -121,3 +121,24 @@ def test_without_matplotlib_the_command_says_how_to_install_it(tmp_path: Path) -
                 pythonpath=f"{blocker.parent}{os.pathsep}{REPO}")
     assert proc.returncode == 78
     assert proc.stderr == "run_pipeline.py report: needs matplotlib: pip install 'melfeed[report]'\n"
+
+
+def test_several_ranks_share_the_panels_on_one_time_axis_labelled_by_rank(tmp_path: Path) -> None:
+    paths = []
+    for rank, offset_s in ((0, 0.0), (1, 30.0)):           # rank 1 started 30 s later
+        lines = realistic_run(n_lines=60, gpus=False, seed=rank)
+        for line in lines:
+            line.update(rank=rank, world=2, t_unix_s=float(line["t_unix_s"]) + offset_s)  # type: ignore[arg-type]
+        paths.append(tmp_path / f"rank{rank}.jsonl")
+        paths[-1].write_text("".join(json.dumps(line) + "\n" for line in lines))
+    runs = [read_metrics(p) for p in paths]
+    assert [r.rank for r in runs] == [0, 1] and runs[1].t0_unix_s - runs[0].t0_unix_s == 30.0
+    report = render_report(runs, tmp_path / "ranks.png", "job")
+    assert _png_size(report.path) == (1600, 1400) and report.x_max_s == 148.0   # rank 1 drawn 30 s later
+    assert "rank 0 p50" in report.legend_labels["step"] and "rank 1 p50" in report.legend_labels["step"]
+    assert {"rank 0 producer-1", "rank 1 producer-1"} <= set(report.legend_labels["producers"])
+    single = render_report(runs[0], tmp_path / "one.png", "one")
+    assert "p50" in single.legend_labels["step"]                  # one run: labels as before, no prefix
+    proc = _cli(str(paths[0]), str(paths[1]), "-o", str(tmp_path / "cli.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert "snapshots from 2 files over 148 s" in proc.stdout     # 59 intervals of 2 s, + 30 s offset

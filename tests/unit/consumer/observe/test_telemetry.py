@@ -231,3 +231,27 @@ def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels()
     registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
     exposition = generate_latest(registry).decode()
     assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition
+
+
+def test_a_rank_of_a_job_shows_in_status_and_labels_every_prometheus_sample() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from tests.fakes import metrics_snapshot
+
+    def samples(snap: dict[str, Any]) -> list[Any]:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+        return [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples]
+
+    alone = build_snapshot(t_unix_s=1.0, uptime_s=0.1, phase="compiling", step=0, steps_total=None, loss=None,
+                           window_s=30.0, figures=None, depth_hist=[], bytes_per_s=None, rs=_stats(), producers=[],
+                           compiles_after_ready=0, gpus=[])
+    assert (alone["rank"], alone["world"]) == (0, 1)
+    assert "rank" not in format_status(alone, "ipc:///x") and all("rank" not in s.labels for s in samples(alone))
+    job = metrics_snapshot(1.0, rank=1, world=2)
+    assert format_status(job, "ipc:///x").startswith("consumer ipc:///x, rank 1 of 2: training, step 120/300")
+    labelled = samples(job)
+    assert labelled and all(s.labels.get("rank") == "1" for s in labelled)
+    assert {s.name: s.value for s in labelled}["melfeed_world_size"] == 2
+    assert ("melfeed_producer_batches_total", {"producer": "producer-1", "rank": "1"}) in \
+        [(s.name, s.labels) for s in labelled]

@@ -1,0 +1,109 @@
+"""The audit over a job's ranks (consumer/resume/job_audit.py) and the rank in a state directory's identity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from consumer.flow.shards import plan_for_rank
+from consumer.resume.job_audit import audit_job, main_audit, union_counts
+from consumer.resume.state import RunState
+from shared.cache.manifest import load_manifest
+from shared.config_loader import config_from_mapping
+from shared.errors import StateError
+from shared.wire.buckets import build_buckets
+
+_STEPS = 9
+
+
+def _cfg(cache: Path, state_dir: Path, seed: int = 3):  # type: ignore[no-untyped-def]
+    return config_from_mapping({"cache_dir": str(cache), "seed": seed, "buckets": {"batch_size": 8},
+                                "consumer": {"state_dir": str(state_dir)}})
+
+
+def _rank_dir(cache: Path, root: Path, rank: int, world: int, steps: range | list[int],
+              samples_of: int | None = None, name: str | None = None) -> str:
+    """A state dir of ``rank`` whose log applied ``steps`` (samples from rank ``samples_of``'s share)."""
+    state_dir = root / (name or f"rank{rank}")
+    cfg = _cfg(cache, state_dir)
+    manifest = load_manifest(str(cache), cfg.n_mels)
+    plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
+                         manifest.fingerprint, cfg.seed, rank if samples_of is None else samples_of, world)
+    state = RunState.open(cfg, manifest.fingerprint, rank=rank, world=world)
+    assert state is not None
+    for step in steps:
+        state.record(step, plan.batch(step).sample_ids, 1)
+    state.close()
+    return str(state_dir)
+
+
+def test_union_counts_lost_and_duplicated_plan_wide_ids_by_hand() -> None:
+    assert union_counts(2, [(0, [0, 1, 2]), (1, [0, 1, 2])], 3) == (0, 0, [])
+    # rank 1 stopped after step 0: plan-wide ids 3 and 5 lost; rank 0 listed twice: 3 repeats
+    assert union_counts(2, [(0, [0, 1, 2]), (1, [0]), (0, [0, 1, 2])], 3) == (2, 3, [3, 5])
+
+
+def test_two_ranks_that_applied_their_shares_are_exact_and_the_json_has_each_rank(
+        demo_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = [_rank_dir(demo_cache, tmp_path, r, 2, range(_STEPS)) for r in (0, 1)]
+    job = audit_job(dirs)
+    assert job.ok and (job.expected, job.applied, job.lost, job.duplicated) == (2 * _STEPS, 2 * _STEPS, 0, 0)
+    assert [r.content_checked and r.ok and (r.rank, r.world) == (i, 2) for i, (_, r) in enumerate(job.ranks)] \
+        == [True, True]
+    out_json = tmp_path / "audit.json"
+    assert main_audit(argparse.Namespace(state_dir=dirs, json=str(out_json))) == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["ok"] and doc["world"] == 2 and [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert doc["total"]["expected"] == 2 * _STEPS and doc["total"]["lost"] == 0
+    out = capsys.readouterr().out
+    assert "(rank 1 of 2: its share, ids are its steps)" in out and "total: lost 0 | duplicated 0" in out
+
+
+def test_a_short_rank_a_wrong_share_a_missing_rank_and_a_rank_twice_are_each_found(
+        demo_cache: Path, tmp_path: Path) -> None:
+    full0 = _rank_dir(demo_cache, tmp_path, 0, 2, range(_STEPS))
+    short1 = _rank_dir(demo_cache, tmp_path, 1, 2, range(_STEPS - 2), name="short1")
+    job = audit_job([full0, short1])
+    assert job.ranks[1][1].ok and (job.lost, job.ok) == (2, False)      # rank 1 alone looks fine; the job does not
+    wrong1 = _rank_dir(demo_cache, tmp_path, 1, 2, range(_STEPS), samples_of=0, name="wrong1")
+    assert audit_job([full0, wrong1]).wrong_content == _STEPS            # rank 0's samples applied by rank 1
+    job = audit_job([full0])
+    assert job.missing_ranks == [1] and job.lost == _STEPS
+    again0 = _rank_dir(demo_cache, tmp_path, 0, 2, range(_STEPS), name="again0")
+    full1 = _rank_dir(demo_cache, tmp_path, 1, 2, range(_STEPS), name="full1")
+    assert audit_job([full0, full1, again0]).duplicated == _STEPS
+    backwards = _rank_dir(demo_cache, tmp_path, 1, 2, [0, 2, 1, *range(3, _STEPS)], name="backwards1")
+    assert audit_job([full0, backwards]).out_of_order == 1
+
+
+def test_state_dirs_of_another_world_or_plan_are_refused_with_one_line(demo_cache: Path, tmp_path: Path) -> None:
+    two = _rank_dir(demo_cache, tmp_path, 0, 2, range(3))
+    three = _rank_dir(demo_cache, tmp_path, 1, 3, range(3), name="of3")
+    with pytest.raises(StateError, match=f"^{three}: belongs to another job than {two}: world=3, not 2$"):
+        audit_job([two, three])
+
+
+def test_a_state_dir_refuses_another_rank_or_world_and_an_old_run_json_is_rank_0_of_1(
+        demo_cache: Path, tmp_path: Path) -> None:
+    state_dir = tmp_path / "s"
+    cfg = _cfg(demo_cache, state_dir)
+    fingerprint = load_manifest(str(demo_cache), cfg.n_mels).fingerprint
+    state = RunState.open(cfg, fingerprint, rank=1, world=2)
+    assert state is not None
+    state.close()
+    for rank, world in ((0, 2), (1, 3), (0, 1)):
+        with pytest.raises(StateError, match="this state belongs to rank 1 of 2, this consumer is rank") as err:
+            RunState.open(cfg, fingerprint, rank=rank, world=world)
+        assert err.value.fatal
+    run_json = state_dir / "run.json"
+    old = {k: v for k, v in json.loads(run_json.read_text()).items() if k not in ("rank", "world")}
+    run_json.write_text(json.dumps(old))                                 # written before ranks existed
+    state = RunState.open(cfg, fingerprint)
+    assert state is not None
+    state.close()
+    assert json.loads(run_json.read_text())["world"] == 1
+    with pytest.raises(StateError, match="this state belongs to rank 0 of 1"):
+        RunState.open(cfg, fingerprint, rank=0, world=2)
