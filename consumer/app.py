@@ -31,7 +31,7 @@ from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
 from shared.service.children import Child, python_argv, spawn, write_private_config
-from shared.service.lifecycle import resolve_control_endpoint, stop_on_signals
+from shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.sdnotify import Notifier
 
@@ -45,6 +45,7 @@ _PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     _check_paths(cfg, args)
+    raise_fd_limit(cfg.transport.max_connections)   # headroom for the connection bound (conn_guard)
     apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
@@ -105,6 +106,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     _check_paths(cfg, args)
+    raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \

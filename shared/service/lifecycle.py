@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import stat
 import sys
@@ -19,10 +20,13 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent",
+__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent",
            "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
+_FD_RESERVE = 256   # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -60,6 +64,27 @@ def prepare_runtime_dir(path: Path) -> Path:
         raise ConfigError(f"runtime directory {path} is mode {mode:04o}: {who} can write to it (and replace its "
                           "socket); make it 0700 or 0770 for the service group", path=("runtime_dir",))
     return path
+
+
+def raise_fd_limit(max_connections: int) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one (what ``LimitNOFILE=`` sets); returns the soft limit.
+
+    The headroom absorbs a burst of connections accepted faster than the connection guard cuts them
+    (``consumer/transport/conn_guard.py``); a limit below ``max_connections`` plus a reserve is one WARNING.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("descriptor limit raised from %d to the hard limit %d", soft, hard)
+            soft = hard
+        except (OSError, ValueError) as err:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, err)
+    if soft != resource.RLIM_INFINITY and soft < max_connections + _FD_RESERVE:
+        log.warning("descriptor limit %d leaves little room beyond transport.max_connections=%d (wanted >= %d: "
+                    "raise LimitNOFILE= or ulimit -Hn, or lower transport.max_connections)", soft, max_connections,
+                    max_connections + _FD_RESERVE)
+    return soft
 
 
 def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str]) -> str:
