@@ -51,7 +51,7 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     try:
         with stop_on_signals() as stop, _opened_state(cfg) as state, \
                 Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
-                _telemetry(cfg, consumer, started_s) as telemetry:
+                _telemetry(cfg, consumer, started_s, state) as telemetry:
             configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   notifier=notifier, telemetry=telemetry)
@@ -81,10 +81,11 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                               "consumer.control_endpoint or use a shorter path", path=err.path) from None
 
 
-def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Telemetry:
+def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state: RunState | None) -> Telemetry:
     """Live figures: snapshots, the control socket for `status`, optional JSONL file and Prometheus."""
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
-    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint)
+    failures = (lambda: state.checkpoint_failures) if state is not None else None
+    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint, checkpoint_failures=failures)
 
 
 @contextmanager
@@ -110,7 +111,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     with stop_on_signals() as stop, _opened_state(cfg) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0) as consumer, \
-            _telemetry(cfg, consumer, started_s) as telemetry:
+            _telemetry(cfg, consumer, started_s, state) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, entry, args.debug_delay_ms)

@@ -340,6 +340,11 @@ class Consumer:
     def queue_depth(self) -> int:
         return self._receiver.queue_depth()
 
+    @property
+    def connections_cut(self) -> int:
+        """Connections cut at ``transport.max_connections`` (docs/ARCHITECTURE.md "Trust")."""
+        return self._receiver.connections_cut
+
     def in_flight_bound_bytes(self, producers: int) -> int:
         """docs/ARCHITECTURE.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
         return (self.ring.n_slots + producers * self.cfg.transport.lease_window) * self.bucket_set.max_batch_nbytes()

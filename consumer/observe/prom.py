@@ -49,6 +49,8 @@ _COUNTERS = (
     ("duplicates", "melfeed_duplicates", "Duplicate batches dropped"),
     ("quarantined", "melfeed_quarantined_samples", "Bad cache rows left empty by producers"),
     ("compiles_after_ready", "melfeed_compiles_after_ready", "Step compiles after READY"),
+    ("checkpoint_failures", "melfeed_checkpoint_failures", "Periodic checkpoints that could not be written"),
+    ("connections_cut", "melfeed_connections_cut", "Connections cut at transport.max_connections"),
 )
 
 
@@ -67,7 +69,7 @@ class SnapshotCollector:
             if snap.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=snap[key] * scale)
         for key, name, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=snap[key])
+            yield CounterMetricFamily(name, doc, value=snap.get(key, 0))
         phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
         for p in PHASES:
             phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)

@@ -231,3 +231,16 @@ def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels()
     registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
     exposition = generate_latest(registry).decode()
     assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition
+
+
+def test_snapshots_count_failed_checkpoints_and_cut_connections(tmp_path: Path) -> None:
+    from consumer.observe.status import format_status
+    consumer = _FakeConsumer()
+    consumer.connections_cut = 7          # type: ignore[attr-defined]
+    failures = [0]
+    tel = Telemetry(_cfg(tmp_path), consumer, 0.0, control_endpoint=None, checkpoint_failures=lambda: failures[0])
+    with tel:
+        failures[0] = 2
+        snap = tel.publish(1, 0.5, 0)
+    assert (snap["checkpoint_failures"], snap["connections_cut"]) == (2, 7)
+    assert "checkpoint failures 2, connections cut 7" in format_status(snap, "ipc:///x")
