@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -33,7 +34,7 @@ from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, Re
 from consumer.flow.ring import BatchRing
 from consumer.flow.session import ReceiverSession
 from consumer.transport.conn_guard import ConnectionGuard
-from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
+from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
 from shared.errors import ConfigError, ProtocolError
@@ -107,6 +108,9 @@ class Receiver:
         if self._thread is not None:
             return
         # Before the bind: libzmq's ipc bind unlinks a live consumer's socket (one consumer per endpoint).
+        # Sockets of dead consumers beside it go first (their locks are free: endpoint_lock.py).
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            remove_stale_endpoints(Path(self.endpoint.removeprefix("ipc://")).parent)
         self._endpoint_lock = lock_endpoint(self.endpoint)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -159,11 +163,11 @@ class Receiver:
         if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
             os.close(self._wake_fd)
             self._wake_fd = -1
-            self._release_lock()
+            self._release_lock(remove_files=self._sock is not None)   # the socket is closed: leave no file
 
-    def _release_lock(self) -> None:
+    def _release_lock(self, *, remove_files: bool = False) -> None:
         if self._endpoint_lock is not None:
-            self._endpoint_lock.release()
+            self._endpoint_lock.release(remove_files=remove_files)
             self._endpoint_lock = None
 
     def wake(self) -> None:
