@@ -20,10 +20,11 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent",
+__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV",
            "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "MELFEED_PARENT_PID"   # a supervisor's pid, for its children's ``die_with_parent``
 _FD_RESERVE = 256   # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,18 @@ def resolve_control_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *,
     return f"ipc://{runtime / 'melfeed-control.sock'}"
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers)."""
+def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers).
+
+    ``parent_pid``: the pid of the parent that started us. A parent killed before this call sends no
+    signal, so when our parent is no longer that process, ``sig`` is raised here at once.
+    """
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -21,6 +21,7 @@ from consumer.feed import Consumer
 from consumer.observe.control import ControlServer
 from consumer.transport.endpoint_lock import lock_endpoint
 from shared.config_loader import config_from_mapping
+from shared.service.leftovers import is_pid_alive
 from tests import procs
 
 _WAIT_S = 90.0          # a consumer start on a loaded machine imports TensorFlow; only a hang gets near it
@@ -47,10 +48,15 @@ def test_a_killed_producer_groups_config_is_removed_by_the_next_group(demo_cache
     first = procs.start("producer", config, log)
     mine = runtime / f"producers-{first.pid}.yaml"
     try:
-        _wait(mine.exists, first, log)
+        _wait(lambda: mine.exists() and procs.child_pids(first.pid), first, log)
+        children = procs.child_pids(first.pid)
     finally:
         _kill(first)
     assert mine.exists()                                  # SIGKILL: nothing could remove it
+    deadline = time.monotonic() + _WAIT_S                 # its producers die with it, however early it died
+    while any(is_pid_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(is_pid_alive(pid) for pid in children), procs.tail(log)
     live = runtime / f"producers-{os.getpid()}.yaml"      # a live writer's file (this test process)
     live.write_text("x: 1\n")
     second = procs.start("producer", config, log)

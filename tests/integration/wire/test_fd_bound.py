@@ -3,10 +3,13 @@
 A real consumer process whose descriptor limit is lowered (so a few hundred connections would exhaust
 it), a real producer streaming to its tcp endpoint, and a local user holding hundreds of idle tcp
 connections open on that endpoint: the run finishes, every checkpoint is written and the audit is exact.
+The same run has one periodic checkpoint fail (a file where its temporary directory goes): it is
+logged with its path and errno and retried an interval later, and training goes on.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
@@ -31,6 +34,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
 
 
 def _lower_fd_limit() -> None:       # runs in the child before exec
@@ -70,17 +80,23 @@ def test_hundreds_of_idle_tcp_connections_leave_the_run_and_its_checkpoints_inta
                                 transport={"insecure": True, "mode": "zmq", "max_connections": 16,
                                            "handshake_timeout_s": 60.0},
                                 consumer={"checkpoint_every_steps": 5}, producer={"count": 1})
+    state.mkdir(mode=0o750)
     with open(log, "ab") as out:
         consumer = subprocess.Popen(procs.command("consumer", config), cwd=procs.REPO, env=procs.env(tmp_path),
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     preexec_fn=_lower_fd_limit)
+    # A periodic checkpoint that cannot be written (a file where its temporary directory goes) is
+    # retried an interval later while training goes on (consumer/resume/state.py).
+    (state / f"ckpt-{10:012d}.tmp-{consumer.pid}").write_text("in the way\n")
     producers = None
+    peak_fds = 0
     try:
         _wait_listening(port, consumer, log)
         producers = procs.start("producer", config, log, "--debug-delay-ms", "40")
         assert procs.wait_for_records(state, 3, consumer, _WAIT_S), procs.tail(log)
         for _ in range(_IDLE):
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=_WAIT_S))
+            peak_fds = max(peak_fds, _open_fds(consumer.pid))
         assert consumer.wait(_WAIT_S) == 0, procs.tail(log)
     finally:
         procs.stop(consumer)
@@ -89,6 +105,8 @@ def test_hundreds_of_idle_tcp_connections_leave_the_run_and_its_checkpoints_inta
     text = log.read_text(errors="replace")
     assert "Too many open files" not in text
     assert "transport.max_connections" in text            # the bound was reached and said so
+    assert peak_fds < _FD_LIMIT - 64, peak_fds              # the bound leaves room for checkpoint writes
+    assert f"periodic checkpoint failed: {state}/ckpt-{10:012d}.tmp-{consumer.pid} (errno EEXIST)" in text
     found = latest_checkpoint(state)
     assert found is not None and found[1].next_batch == _STEPS
     rc, doc, report = procs.run_audit(state, tmp_path)

@@ -68,3 +68,15 @@ def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_and_warns_when_it_i
         assert hard == resource.RLIM_INFINITY or "transport.max_connections=" in caplog.text
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_child_whose_parent_is_already_gone_stops_itself_at_once() -> None:
+    import signal
+    import subprocess
+    import sys
+    code = ("import os; from shared.service.lifecycle import die_with_parent; "
+            "die_with_parent(parent_pid=os.getppid() + 1_000_000); print('still here')")
+    gone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == -signal.SIGTERM and "still here" not in gone.stdout
+    code = "import os; from shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
