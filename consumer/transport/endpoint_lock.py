@@ -8,7 +8,8 @@ each have one.
 Leftovers: libzmq leaves the socket file behind when it closes. ``release(remove_files=True)``
 (after the socket is closed) unlinks the socket and the lock; ``remove_stale_endpoints`` removes
 those of dead consumers at the next start: a lock nobody holds (the kernel drops a ``flock`` when its
-holder dies) means its socket is dead. Only our own files (uid), only sockets, never through a link.
+holder dies) means its socket is dead. Only our own files (uid), only ``*.sock`` endpoints whose lock
+holds a pid line (never another program's lock in a shared directory), only sockets, never through a link.
 Invariants: the lock file is opened without following links and never truncated before the lock is
 ours; a lock file is unlinked only by a process that holds its ``flock``, and a taker checks after
 locking that the path still names the inode it locked (else it locks again), so two processes can
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 _LOCK_MODE = 0o660       # the service group may read who holds it; nobody else (the directory is 0770)
 _MAX_PID_BYTES = 32
 _LOCK_SUFFIX = ".lock"
+_STALE_SUFFIX = ".sock.lock"   # what the start-up sweep looks at (our endpoint names end in .sock)
 _MAX_LOCK_TRIES = 8      # each retry means another process removed the file between our open and flock
 
 
@@ -103,8 +105,8 @@ def remove_stale_endpoints(directory: Path) -> list[Path]:
     except OSError:
         return removed
     for name in names:
-        if not name.endswith(_LOCK_SUFFIX) or name == _LOCK_SUFFIX:
-            continue
+        if not name.endswith(_STALE_SUFFIX) or name == _STALE_SUFFIX:
+            continue                 # only melfeed's ``*.sock`` endpoints: never another program's lock
         path = directory / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -112,7 +114,7 @@ def remove_stale_endpoints(directory: Path) -> list[Path]:
             continue                 # a link, gone, or not ours to open
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not _holds_a_pid(fd):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,6 +158,12 @@ def _unlink_if_ours(path: Path, *, want_socket: bool) -> bool:
     except OSError:
         pass
     return False
+
+
+def _holds_a_pid(fd: int) -> bool:
+    """The file holds what ``lock_endpoint`` writes: a pid line (or nothing yet), and no more."""
+    text = os.pread(fd, _MAX_PID_BYTES + 1, 0)
+    return len(text) <= _MAX_PID_BYTES and (text.strip() == b"" or text.strip().isdigit())
 
 
 def _read_pid(fd: int) -> str:

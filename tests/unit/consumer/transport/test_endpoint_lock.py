@@ -63,12 +63,17 @@ def test_stale_sockets_of_dead_consumers_are_removed_and_a_live_ones_never(tmp_p
     for name in ("dead.sock", "dead.control.sock"):
         _socket_file(tmp_path / name)
         (tmp_path / f"{name}.lock").write_text("12345\n")       # nobody holds it: its consumer died
-    (tmp_path / "notasocket").write_text("data\n")
-    (tmp_path / "notasocket.lock").write_text("1\n")            # a regular file is never unlinked as a socket
+    (tmp_path / "data.sock").write_text("data\n")
+    (tmp_path / "data.sock.lock").write_text("1\n")            # a regular file is never unlinked as a socket
+    _socket_file(tmp_path / "app")
+    (tmp_path / "app.lock").write_text("1\n")                  # another program's lock: not a *.sock endpoint
+    _socket_file(tmp_path / "other.sock")
+    (tmp_path / "other.sock.lock").write_text("not a pid\n")   # not what lock_endpoint writes
     removed = remove_stale_endpoints(tmp_path)
-    assert sorted(p.name for p in removed) == ["dead.control.sock", "dead.control.sock.lock", "dead.sock",
-                                              "dead.sock.lock", "notasocket.lock"]
-    assert sorted(os.listdir(tmp_path)) == ["live.sock", "live.sock.lock", "notasocket"]
+    assert sorted(p.name for p in removed) == ["data.sock.lock", "dead.control.sock", "dead.control.sock.lock",
+                                              "dead.sock", "dead.sock.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["app", "app.lock", "data.sock", "live.sock", "live.sock.lock",
+                                            "other.sock", "other.sock.lock"]
     live.release()
     again = lock_endpoint(f"ipc://{tmp_path}/live.sock")        # a lock removed under a taker: it locks anew
     assert again is not None
