@@ -36,7 +36,7 @@ from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
 from shared.service.children import Child, python_argv, spawn, write_private_config
-from shared.service.lifecycle import resolve_control_endpoint, stop_on_signals
+from shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
@@ -52,13 +52,14 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     place = worker_place(args)
     _check_paths(cfg, args)
+    raise_fd_limit(cfg.transport.max_connections)   # headroom for the connection bound (conn_guard)
     apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
         with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
                 Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                          world=place.world) as consumer, \
-                _telemetry(cfg, consumer, started_s) as telemetry:
+                _telemetry(cfg, consumer, started_s, state) as telemetry:
             configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   notifier=notifier, telemetry=telemetry)
@@ -88,10 +89,11 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                               "consumer.control_endpoint or use a shorter path", path=err.path) from None
 
 
-def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float) -> Telemetry:
+def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state: RunState | None) -> Telemetry:
     """Live figures: snapshots, the control socket for `status`, optional JSONL file and Prometheus."""
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
-    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint)
+    failures = (lambda: state.checkpoint_failures) if state is not None else None
+    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint, checkpoint_failures=failures)
 
 
 def worker_place(args: argparse.Namespace) -> WorkerPlace:
@@ -137,11 +139,12 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     _check_paths(cfg, args)
+    raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                      world=place.world) as consumer, \
-            _telemetry(cfg, consumer, started_s) as telemetry:
+            _telemetry(cfg, consumer, started_s, state) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, entry, args.debug_delay_ms)

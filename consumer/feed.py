@@ -97,8 +97,9 @@ class Consumer:
         session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
                                 liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
                                 lease_backoff_s=t.lease_backoff_s)
-        self._receiver = Receiver(ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint)),
-                                  self.ring, self._book, self.bucket_set, shm=self.shm)
+        receiving = ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint),
+                                   max_connections=t.max_connections, handshake_timeout_s=t.handshake_timeout_s)
+        self._receiver = Receiver(receiving, self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
         self._handout = Handout(start_batch)
         self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
@@ -355,6 +356,11 @@ class Consumer:
 
     def queue_depth(self) -> int:
         return self._receiver.queue_depth()
+
+    @property
+    def connections_cut(self) -> int:
+        """Connections cut at ``transport.max_connections`` (docs/ARCHITECTURE.md "Trust")."""
+        return self._receiver.connections_cut
 
     def in_flight_bound_bytes(self, producers: int) -> int:
         """docs/ARCHITECTURE.md invariant 4: (ring slots + Σ lease windows) x largest batch."""

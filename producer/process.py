@@ -38,9 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shared.config_loader import load_config
     from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.service.lifecycle import die_with_parent, setup_logging
+    from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
-    die_with_parent()
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    die_with_parent(parent_pid=int(parent) if parent.isdigit() else None)   # the supervisor may already be gone
     try:
         cfg = load_config(args.config)
     except PipelineError as err:

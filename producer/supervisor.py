@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import uvloop
 
 from shared.errors import EXIT_CONFIG
 from shared.service.children import child_env, module_argv
+from shared.service.lifecycle import PARENT_PID_ENV
 from shared.service.sdnotify import Notifier
 from shared.service.stop_ladder import PRODUCER_LADDER, Rung, escalate, next_rung, signal_child
 
@@ -51,7 +53,7 @@ class _Group:
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
         argv = module_argv("producer.process", "--config", str(self.config_path), "--index", str(index), *extra)
-        proc = await asyncio.create_subprocess_exec(*argv, env=child_env())
+        proc = await asyncio.create_subprocess_exec(*argv, env=child_env({PARENT_PID_ENV: str(os.getpid())}))
         self.procs[index] = proc
         log.info("started producer-%d pid=%d", index, proc.pid)
         return proc

@@ -106,6 +106,11 @@ class TransportConfig:
     lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
+    # Descriptor bound of the consumer's endpoint (docs/ARCHITECTURE.md "Trust"): connections beyond
+    # max_connections are cut as they are accepted; one that has not finished its ZeroMQ/CURVE
+    # handshake after handshake_timeout_s is dropped by libzmq (ZMQ_HANDSHAKE_IVL).
+    max_connections: int = 64              # open connections to transport.endpoint (producers + spare)
+    handshake_timeout_s: float = 10.0      # a loaded host finishes a CURVE handshake in milliseconds
     # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
@@ -132,6 +137,10 @@ class TransportConfig:
         _check(self.lease_backoff_s >= 0, "must be >= 0", p + ("lease_backoff_s",), self.lease_backoff_s)
         _check(self.connect_backoff_max_s > 0, "must be > 0", p + ("connect_backoff_max_s",),
                self.connect_backoff_max_s)
+        _check(1 <= self.max_connections <= 65536, "must be in 1..65536", p + ("max_connections",),
+               self.max_connections)
+        _check(0 < self.handshake_timeout_s <= 3600, "must be in (0, 3600] seconds", p + ("handshake_timeout_s",),
+               self.handshake_timeout_s)
         _check(self.mode in ("auto", "shm", "zmq"), "must be 'auto', 'shm' or 'zmq'", p + ("mode",), self.mode)
         check_transport_mode(self.mode, self.endpoint)
         if self.shm_dir is not None:

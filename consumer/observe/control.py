@@ -6,8 +6,11 @@ consumer without touching the data path. The request body is ignored (any single
 Invariants: one thread owns the socket; it uses the consumer's ZeroMQ context (one per process);
 linger 0; every poll is bounded, so ``stop`` is noticed within ``_POLL_MS``; a reply that cannot be
 sent (the asker gave up) is dropped by REP, never retried.
-Shutdown: ``close()`` sets the stop event and joins (bounded); the thread closes the socket.
-The socket must be closed before the context is terminated (``Consumer.close``).
+An ipc control socket has its own endpoint lock (``consumer/transport/endpoint_lock.py``): a dead
+consumer's leftover is removed at start, a live one's never touched.
+Shutdown: ``close()`` sets the stop event and joins (bounded); the thread closes the socket, then
+the socket file and its lock are removed. The socket must be closed before the context is
+terminated (``Consumer.close``).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
 from shared.errors import ConfigError
 
 __all__ = ["ControlServer"]
@@ -46,11 +51,16 @@ class ControlServer:
         self._stop = threading.Event()
         self._sock: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
+        self._lock: EndpointLock | None = None
 
     def start(self) -> None:
         """Bind (errors surface here, as ``ConfigError`` naming the key) and start serving. Idempotent."""
         if self._thread is not None or self._stop.is_set():
             return
+        key = ("consumer", "control_endpoint")
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            remove_stale_endpoints(Path(self.endpoint.removeprefix("ipc://")).parent)
+        self._lock = lock_endpoint(self.endpoint, key)
         sock = self._ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
@@ -58,6 +68,9 @@ class ControlServer:
             sock.bind(self.endpoint)
         except zmq.ZMQError as err:
             sock.close(0)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             raise ConfigError(f"cannot bind {self.endpoint}: {err.strerror}",
                               path=("consumer", "control_endpoint")) from err
         self._sock = sock
@@ -68,14 +81,19 @@ class ControlServer:
     def close(self) -> None:
         """Stop serving and close the socket. Idempotent; bounded by ``_JOIN_TIMEOUT_S``."""
         self._stop.set()
+        closed = True
         if self._thread is not None:
             self._thread.join(_JOIN_TIMEOUT_S)
             if self._thread.is_alive():
                 log.error("control thread did not stop within %.1f s", _JOIN_TIMEOUT_S)
+                closed = False
             self._thread = None
         elif self._sock is not None:
             self._sock.close(0)
         self._sock = None
+        if self._lock is not None:
+            self._lock.release(remove_files=closed)   # a socket still open keeps its file
+            self._lock = None
 
     def _run(self) -> None:
         assert self._sock is not None  # set by start()

@@ -1,4 +1,4 @@
-"""Prometheus endpoint: the latest snapshot as metrics, served by prometheus_client's HTTP server.
+"""Prometheus endpoint: the latest snapshot as metrics, rendered by prometheus_client.
 
 Role: ``--metrics-port N`` (``consumer.metrics_port``) starts the server on ``consumer.metrics_host``
 (127.0.0.1 by default) with a registry of its own (the process-global one is left untouched) and
@@ -8,16 +8,18 @@ counters end in ``_total``, labels for producer, reject code, GPU role and index
 lists every name); a consumer that is one rank of a multi-worker job (world > 1) adds ``rank`` to every
 sample, so the ranks' scrapes never collide in one Prometheus. A figure that is not known yet (null in the snapshot) is left out of the scrape.
 prometheus_client is optional (extra ``metrics``) and imported only here, only when a port is given.
-Shutdown: ``close()`` shuts the server down and joins its thread (bounded); idempotent.
+It renders the exposition; ``http_metrics.MetricsHttpServer`` serves it (one thread, at most
+``_MAX_HTTP_CONNECTIONS`` connections, ``_REQUEST_TIMEOUT_S`` per request: docs/ARCHITECTURE.md "Trust").
+Shutdown: ``close()`` stops the server and joins its thread (bounded); idempotent.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from consumer.observe.http_metrics import MetricsHttpServer
 from shared.errors import ConfigError
 from shared.printable import escape_line
 from shared.metrics import PHASES
@@ -26,7 +28,8 @@ __all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT_S = 2.0   # > one scrape of a few kB
+_MAX_HTTP_CONNECTIONS = 16   # a scraper or two, and curl; more only while the oldest are dropped
+_REQUEST_TIMEOUT_S = 5.0      # a scraper on the same host sends its request in milliseconds
 
 # (snapshot key, metric name, help, scale) for the plain gauges; scale converts to base units.
 _GAUGES = (
@@ -50,6 +53,8 @@ _COUNTERS = (
     ("duplicates", "melfeed_duplicates", "Duplicate batches dropped"),
     ("quarantined", "melfeed_quarantined_samples", "Bad cache rows left empty by producers"),
     ("compiles_after_ready", "melfeed_compiles_after_ready", "Step compiles after READY"),
+    ("checkpoint_failures", "melfeed_checkpoint_failures", "Periodic checkpoints that could not be written"),
+    ("connections_cut", "melfeed_connections_cut", "Connections cut at transport.max_connections"),
 )
 
 
@@ -81,7 +86,7 @@ class SnapshotCollector:
             if snap.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=snap[key] * scale)
         for key, name, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=snap[key])
+            yield CounterMetricFamily(name, doc, value=snap.get(key, 0))
         phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
         for p in PHASES:
             phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)
@@ -150,16 +155,15 @@ def _gpu_families(gpus: list[dict[str, Any]]) -> Iterator[Any]:
 class PrometheusServer:
     """A started prometheus_client HTTP server; ``close()`` stops it."""
 
-    def __init__(self, server: Any, thread: threading.Thread) -> None:
-        self._server, self._thread = server, thread
+    def __init__(self, server: MetricsHttpServer) -> None:
+        self._server = server
+
+    @property
+    def port(self) -> int:
+        return self._server.port
 
     def close(self) -> None:
-        if self._server is None:
-            return
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(_JOIN_TIMEOUT_S)
-        self._server = None
+        self._server.close()          # idempotent
 
 
 def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, Any] | None]) -> PrometheusServer:
@@ -169,16 +173,19 @@ def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, 
         ConfigError: prometheus_client is not installed, or the address cannot be bound (names the key).
     """
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     except ImportError as err:
         raise ConfigError("needs prometheus_client (pip install 'melfeed[metrics]')",
                           path=("consumer", "metrics_port"), got=port) from err
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(get_snapshot))   # type: ignore[arg-type]  # duck-typed Collector
+    server = MetricsHttpServer(host, port, lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
+                               max_connections=_MAX_HTTP_CONNECTIONS, request_timeout_s=_REQUEST_TIMEOUT_S)
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server.start()
     except OSError as err:
+        server.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror}", path=("consumer", "metrics_port"),
                           got=port) from err
     log.info("prometheus metrics at http://%s:%d/metrics", host, port)
-    return PrometheusServer(server, thread)
+    return PrometheusServer(server)

@@ -37,7 +37,8 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "rank", "world")
+               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "rank", "world",
+               "checkpoint_failures", "connections_cut")
 
 
 def _num(value: float | None) -> float | None:
@@ -116,7 +117,8 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
                    loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
                    bytes_per_s: float | None, rs: ReceiverStats, producers: list[dict[str, Any]],
                    compiles_after_ready: int, gpus: list[dict[str, Any]], jit_compile: str | None = None,
-                   outputs: Mapping[str, float] | None = None, rank: int = 0, world: int = 1) -> dict[str, Any]:
+                   outputs: Mapping[str, float] | None = None, rank: int = 0, world: int = 1,
+                   checkpoint_failures: int = 0, connections_cut: int = 0) -> dict[str, Any]:
     """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure.
 
     ``outputs`` are the step's named scalars averaged over the status interval (``loss`` first);
@@ -145,6 +147,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
         "jit_compile": jit_compile, "outputs": {name: _num(v) for name, v in (outputs or {}).items()},
         "producers_benched": list(rs.producers_benched), "rank": rank, "world": world,
+        "checkpoint_failures": checkpoint_failures, "connections_cut": connections_cut,
     }
 
 
@@ -156,11 +159,14 @@ class Telemetry:
         consumer: the started ``Consumer`` (receiver stats, ZeroMQ context).
         process_start_s: wall-clock start of the process (uptime).
         control_endpoint: where the REP socket for ``status`` binds (``None`` = no control socket).
+        checkpoint_failures: how many periodic checkpoints failed so far (``RunState``), if any state.
     """
 
     def __init__(self, cfg: Any, consumer: Any, process_start_s: float, *, control_endpoint: str | None,
+                 checkpoint_failures: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self._cfg, self._consumer = cfg, consumer
+        self._checkpoint_failures = checkpoint_failures
         self._start_s = process_start_s
         self._clock, self._wall = clock, wall
         c = cfg.consumer
@@ -273,7 +279,9 @@ class Telemetry:
             figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
             bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
             compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [], jit_compile=self._jit_compile,
-            outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1))
+            outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1),
+            checkpoint_failures=self._checkpoint_failures() if self._checkpoint_failures is not None else 0,
+            connections_cut=getattr(self._consumer, "connections_cut", 0))
         text = json.dumps(snap, allow_nan=False)
         with self._lock:
             self._latest, self._latest_json = snap, text.encode()

@@ -130,7 +130,8 @@ class CheckpointStore:
             _fsync_path(self.root)
         except (OSError, tf.errors.OpError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise StateError(tmp, f"checkpoint write failed ({err}); the previous checkpoint is intact",
+            first_line = (str(err).splitlines() or [type(err).__name__])[0]
+            raise StateError(tmp, f"checkpoint write failed ({first_line}); the previous checkpoint is intact",
                              fatal=False) from err
         self._prune()
         log.info("checkpoint %s (next batch %d) in %.2f s", final.name, cursor.next_batch, time.perf_counter() - t0)

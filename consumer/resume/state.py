@@ -22,11 +22,19 @@ Invariants:
       describes the lineage of the variables that will be trained on.
     * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
       service user and group can read the variables or the data order.
+    * A periodic checkpoint that cannot be written (disk full, too many open files, EIO) is one
+      WARNING naming the path and errno, counted in ``checkpoint_failures``, and tried again one
+      interval later; training goes on. Nothing of a failed write is committed: the newest checkpoint
+      and its cursor stay as they were, so the cursor never gets ahead of the variables. The final
+      checkpoint (stop, end of plan) failing raises ``StateError``: one line, exit 1.
+      Which call is periodic: ``checkpoint(final=False)``, or a call right after ``due()`` said yes
+      at the same record count (the loop's ``if state.due(): state.checkpoint(...)``).
 Shutdown: ``close()`` is idempotent and releases the lock.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -67,6 +75,9 @@ class RunState:
         self._audit = AuditLog(root / AUDIT_NAME)
         dropped = self._audit.truncate_to(cursor.audit_records if cursor else 0)
         self._saved_records = self._audit.records
+        self._failed_records = -1           # record count of the last failed periodic try
+        self._due_records = -1              # record count ``due()`` last said yes at
+        self.checkpoint_failures = 0        # periodic checkpoints that could not be written
         where = f"checkpoint {self._resume_path.name}" if self._resume_path else "no checkpoint: from the start"
         log.info("state %s: resuming at batch %d (%s); %d audit records after it dropped",
                  root, self.next_batch, where, dropped)
@@ -121,13 +132,38 @@ class RunState:
         self.next_batch = batch_id + 1
 
     def due(self, pending: int = 0) -> bool:
-        """A checkpoint is due now, or will be once ``pending`` more batches are recorded."""
-        return self._audit.records + pending - self._saved_records >= self._every
+        """An interval of steps passed since the last checkpoint (or the last failed try), now or once
+        ``pending`` more batches are recorded (the stager drains its in-flight steps before one)."""
+        is_due = self._audit.records + pending - max(self._saved_records, self._failed_records) >= self._every
+        if is_due and pending == 0:
+            self._due_records = self._audit.records
+        return is_due
 
-    def checkpoint(self, items: dict[str, object], consumer_epoch: int) -> None:
-        """Commit variables + cursor if anything was applied since the last one."""
+    def checkpoint(self, items: dict[str, object], consumer_epoch: int, *, final: bool | None = None) -> None:
+        """Commit variables + cursor if anything was applied since the last one.
+
+        Args:
+            final: False for a periodic checkpoint (a failure is logged, counted and retried an
+                interval later), True for the last one; None: periodic when ``due()`` just said so.
+
+        Raises:
+            StateError: the final checkpoint could not be written (the previous one is intact).
+        """
+        periodic = (not final) if final is not None else self._due_records == self._audit.records
+        self._due_records = -1
         if self._audit.records == self._saved_records:
             return
+        try:
+            self._commit(items, consumer_epoch)
+        except StateError as err:
+            if not periodic:
+                raise
+            self.checkpoint_failures += 1
+            self._failed_records = self._audit.records
+            log.warning("periodic checkpoint failed: %s (%s); training goes on, the next try is in %d steps, "
+                        "%d failed so far", err.path, _errno_name(err), self._every, self.checkpoint_failures)
+
+    def _commit(self, items: dict[str, object], consumer_epoch: int) -> None:
         try:
             self._audit.sync()
         except OSError as err:
@@ -142,6 +178,15 @@ class RunState:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _errno_name(err: StateError) -> str:
+    """``errno ENOSPC``-style name of what made the write fail (TensorFlow's errors carry no errno)."""
+    cause = err.__cause__
+    code = getattr(cause, "errno", None)
+    if isinstance(code, int):
+        return f"errno {errno.errorcode.get(code, code)}"
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else err.reason
 
 
 def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int, world: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -32,7 +33,8 @@ from consumer.flow.credit import LeaseBook
 from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
 from consumer.flow.ring import BatchRing
 from consumer.flow.session import ReceiverSession
-from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint
+from consumer.transport.conn_guard import ConnectionGuard
+from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
 from consumer.transport.intake import check_header, check_in_place, fill_from_frames
 from consumer.transport.shm_slots import ShmSlots
 from shared.errors import ConfigError, ProtocolError
@@ -58,6 +60,8 @@ class ReceiverConfig:
     endpoint: str                      # ``ipc://...`` or ``tcp://...``
     session: SessionConfig
     curve: ServerKeys | None = None    # CURVE server keys + allow-list; None = plaintext (ipc/loopback)
+    max_connections: int = 64          # open connections beyond this are cut (``conn_guard``)
+    handshake_timeout_s: float = 10.0  # ZMQ_HANDSHAKE_IVL: a connection not through its handshake is dropped
 
 
 class Receiver:
@@ -94,6 +98,9 @@ class Receiver:
         self._auth_denied = 0
         self._auth_log_s = 0.0
         self._endpoint_lock: EndpointLock | None = None
+        self._max_connections = cfg.max_connections
+        self._handshake_ivl_ms = max(1, round(cfg.handshake_timeout_s * 1000))
+        self._guard: ConnectionGuard | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +108,9 @@ class Receiver:
         if self._thread is not None:
             return
         # Before the bind: libzmq's ipc bind unlinks a live consumer's socket (one consumer per endpoint).
+        # Sockets of dead consumers beside it go first (their locks are free: endpoint_lock.py).
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            remove_stale_endpoints(Path(self.endpoint.removeprefix("ipc://")).parent)
         self._endpoint_lock = lock_endpoint(self.endpoint)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -114,6 +124,7 @@ class Receiver:
         sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ivl_ms)   # idle connections do not stay (conn_guard)
         try:
             if self._curve is not None:
                 # ZAP handler first: libzmq asks it about every CURVE handshake; this thread answers.
@@ -130,6 +141,7 @@ class Receiver:
             self._release_lock()
             raise ConfigError(f"cannot bind {self.endpoint}: {err.strerror}", path=("transport", "endpoint")) from err
         self._sock = sock
+        self._guard = ConnectionGuard(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), self._max_connections)
         self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
         self._thread.start()
 
@@ -142,6 +154,8 @@ class Receiver:
             if self._thread.is_alive():
                 log.error("receiver thread did not stop within %.1f s", _JOIN_TIMEOUT_S)
         elif self._sock is not None:
+            if self._guard is not None:
+                self._guard.close()
             self._sock.close(0)
         if self._ctx is not None and (self._thread is None or not self._thread.is_alive()):
             self._ctx.term()
@@ -149,11 +163,11 @@ class Receiver:
         if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
             os.close(self._wake_fd)
             self._wake_fd = -1
-            self._release_lock()
+            self._release_lock(remove_files=self._sock is not None)   # the socket is closed: leave no file
 
-    def _release_lock(self) -> None:
+    def _release_lock(self, *, remove_files: bool = False) -> None:
         if self._endpoint_lock is not None:
-            self._endpoint_lock.release()
+            self._endpoint_lock.release(remove_files=remove_files)
             self._endpoint_lock = None
 
     def wake(self) -> None:
@@ -181,6 +195,11 @@ class Receiver:
     def stats(self) -> ReceiverStats:
         return self._session.stats()
 
+    @property
+    def connections_cut(self) -> int:
+        """Connections cut because ``transport.max_connections`` were open (``conn_guard``)."""
+        return self._guard.count.refused if self._guard is not None else 0
+
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
         return self._session.queue_depth()
@@ -194,6 +213,9 @@ class Receiver:
         poller.register(self._wake_fd, zmq.POLLIN)
         if self._zap is not None:
             poller.register(self._zap, zmq.POLLIN)
+        guard = self._guard
+        if guard is not None and guard.monitor is not None:
+            poller.register(guard.monitor, zmq.POLLIN)
         linger_ms = 0
         try:
             while not self._stop.is_set():
@@ -205,6 +227,8 @@ class Receiver:
                         pass
                 if self._zap is not None and self._zap in events:
                     self._answer_zap()
+                if guard is not None and guard.monitor in events:
+                    guard.drain()
                 if sock in events:
                     for _ in range(_MAX_MSGS_PER_WAKE):
                         if not self._recv_one(sock):
@@ -218,6 +242,8 @@ class Receiver:
             log.error("receiver loop failed", exc_info=True)
             self._ring.close()
         finally:
+            if guard is not None:
+                guard.close()
             sock.close(linger_ms)
             if self._zap is not None:
                 self._zap.close(0)

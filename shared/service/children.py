@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from shared.config import resolve_runtime_dir
+from shared.service.leftovers import remove_dead_configs
 from shared.service.lifecycle import prepare_runtime_dir
 from shared.service.stop_ladder import Ladder, stop_process
 
@@ -89,9 +90,11 @@ def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, new_grou
 def write_private_config(mapping: Mapping[str, Any], name: str, directory: Path | None = None) -> Path:
     """Write ``mapping`` as YAML to ``directory/name`` (default: the private runtime dir), mode 0600.
 
-    Written to a temporary name and renamed, so a reader never sees half a file.
+    Written to a temporary name and renamed, so a reader never sees half a file. Files of this kind
+    whose writer is dead are removed first.
     """
     folder = directory if directory is not None else prepare_runtime_dir(resolve_runtime_dir(os.environ))
+    remove_dead_configs(folder)          # left by a writer that was killed (shared/service/leftovers.py)
     path = folder / name
     tmp = folder / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _CONFIG_MODE)

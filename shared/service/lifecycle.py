@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import stat
 import sys
@@ -19,10 +20,14 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent",
+__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV",
            "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "MELFEED_PARENT_PID"   # a supervisor's pid, for its children's ``die_with_parent``
+_FD_RESERVE = 256   # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -62,6 +67,27 @@ def prepare_runtime_dir(path: Path) -> Path:
     return path
 
 
+def raise_fd_limit(max_connections: int) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one (what ``LimitNOFILE=`` sets); returns the soft limit.
+
+    The headroom absorbs a burst of connections accepted faster than the connection guard cuts them
+    (``consumer/transport/conn_guard.py``); a limit below ``max_connections`` plus a reserve is one WARNING.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("descriptor limit raised from %d to the hard limit %d", soft, hard)
+            soft = hard
+        except (OSError, ValueError) as err:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, err)
+    if soft != resource.RLIM_INFINITY and soft < max_connections + _FD_RESERVE:
+        log.warning("descriptor limit %d leaves little room beyond transport.max_connections=%d (wanted >= %d: "
+                    "raise LimitNOFILE= or ulimit -Hn, or lower transport.max_connections)", soft, max_connections,
+                    max_connections + _FD_RESERVE)
+    return soft
+
+
 def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str]) -> str:
     """The configured endpoint, or ``ipc://<private runtime dir>/melfeed.sock``."""
     if cfg.transport.endpoint is not None:
@@ -85,12 +111,18 @@ def resolve_control_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *,
     return f"ipc://{runtime / 'melfeed-control.sock'}"
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers)."""
+def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers).
+
+    ``parent_pid``: the pid of the parent that started us. A parent killed before this call sends no
+    signal, so when our parent is no longer that process, ``sig`` is raised here at once.
+    """
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -255,3 +255,16 @@ def test_a_rank_of_a_job_shows_in_status_and_labels_every_prometheus_sample() ->
     assert {s.name: s.value for s in labelled}["melfeed_world_size"] == 2
     assert ("melfeed_producer_batches_total", {"producer": "producer-1", "rank": "1"}) in \
         [(s.name, s.labels) for s in labelled]
+
+
+def test_snapshots_count_failed_checkpoints_and_cut_connections(tmp_path: Path) -> None:
+    from consumer.observe.status import format_status
+    consumer = _FakeConsumer()
+    consumer.connections_cut = 7          # type: ignore[attr-defined]
+    failures = [0]
+    tel = Telemetry(_cfg(tmp_path), consumer, 0.0, control_endpoint=None, checkpoint_failures=lambda: failures[0])
+    with tel:
+        failures[0] = 2
+        snap = tel.publish(1, 0.5, 0)
+    assert (snap["checkpoint_failures"], snap["connections_cut"]) == (2, 7)
+    assert "checkpoint failures 2, connections cut 7" in format_status(snap, "ipc:///x")

@@ -141,3 +141,60 @@ def test_audit_command_prints_the_counts_and_fails_on_a_repeated_batch(tmp_path:
     assert "lost 0 | duplicated 1 | out of order 1 | wrong content 0" in out and "FAILED" in out
     assert "plan content not checked" in out          # tmp_path holds no manifest: ids and order only
     assert json.loads((tmp_path / "a.json").read_text())["ok"] is False
+
+
+def test_a_failed_periodic_checkpoint_is_counted_and_retried_while_a_failed_final_one_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import consumer.resume.checkpoint as checkpoint_module
+    real_write = checkpoint_module.write_private
+    failing = {"left": 1}
+
+    def write_cursor(path: Path, data: bytes) -> None:     # the cursor write fails after the variables
+        if failing["left"] > 0:
+            failing["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint_module, "write_private", write_cursor)
+    v = tf.Variable(0.0)
+    state = RunState.open(_cfg(tmp_path), "f" * 16)          # checkpoint every 2 steps
+    assert state is not None
+    tried_at = []
+    with caplog.at_level("WARNING", logger="consumer.resume.state"):
+        for b in range(7):
+            v.assign(float(b + 1))                           # the variables after applying batch b
+            state.record(b, [b], 1)
+            if state.due():
+                tried_at.append(b + 1)
+                state.checkpoint({"v": v}, 1)                # periodic: never raises
+    assert tried_at == [2, 4, 6]                             # the failed try at 2 is retried one interval later
+    assert state.checkpoint_failures == 1
+    assert "periodic checkpoint failed" in caplog.text and "errno ENOSPC" in caplog.text
+    assert "ckpt-000000000002.tmp-" in caplog.text           # the path it could not write
+    assert [p.name for p in list_checkpoints(tmp_path / "s")] == ["ckpt-000000000004", "ckpt-000000000006"]
+    assert not list((tmp_path / "s").glob("*.tmp-*"))
+    failing["left"] = 1
+    with pytest.raises(StateError, match="checkpoint write failed") as err:
+        state.checkpoint({"v": v}, 1)                        # the final one (batch 6 is not in a checkpoint)
+    assert not err.value.fatal and "\n" not in str(err.value)
+    state.close()
+    state = RunState.open(_cfg(tmp_path), "f" * 16)          # the committed cursor matches its variables
+    assert state is not None and state.next_batch == 6
+    state.restore_into({"v": v})
+    assert float(v.numpy()) == 6.0
+    state.close()
+
+
+def test_checkpoint_final_false_is_periodic_even_without_due(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*_: object) -> None:
+        raise StateError(tmp_path, "checkpoint write failed (injected)", fatal=False) from OSError(5, "EIO")
+    state = RunState.open(_cfg(tmp_path), "f" * 16)
+    assert state is not None
+    monkeypatch.setattr(state, "_commit", fail)
+    state.record(0, [0], 1)
+    state.checkpoint({}, 1, final=False)
+    assert state.checkpoint_failures == 1
+    with pytest.raises(StateError):
+        state.checkpoint({}, 1, final=True)
+    state.close()

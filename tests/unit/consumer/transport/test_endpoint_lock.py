@@ -38,3 +38,43 @@ def test_a_link_planted_at_the_lock_path_is_refused_naming_the_file(tmp_path: Pa
     with pytest.raises(ConfigError, match=f"cannot open the endpoint lock {tmp_path}/melfeed.sock.lock"):
         lock_endpoint(f"ipc://{tmp_path}/melfeed.sock")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def _socket_file(path: Path) -> None:
+    import socket
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))                 # leaves the file behind when closed, as libzmq does
+    s.close()
+
+
+def test_release_with_remove_files_unlinks_the_socket_and_its_lock(tmp_path: Path) -> None:
+    lock = lock_endpoint(f"ipc://{tmp_path}/melfeed.sock")
+    assert lock is not None
+    _socket_file(tmp_path / "melfeed.sock")
+    lock.release(remove_files=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_stale_sockets_of_dead_consumers_are_removed_and_a_live_ones_never(tmp_path: Path) -> None:
+    from consumer.transport.endpoint_lock import remove_stale_endpoints
+    live = lock_endpoint(f"ipc://{tmp_path}/live.sock")
+    assert live is not None
+    _socket_file(tmp_path / "live.sock")
+    for name in ("dead.sock", "dead.control.sock"):
+        _socket_file(tmp_path / name)
+        (tmp_path / f"{name}.lock").write_text("12345\n")       # nobody holds it: its consumer died
+    (tmp_path / "data.sock").write_text("data\n")
+    (tmp_path / "data.sock.lock").write_text("1\n")            # a regular file is never unlinked as a socket
+    _socket_file(tmp_path / "app")
+    (tmp_path / "app.lock").write_text("1\n")                  # another program's lock: not a *.sock endpoint
+    _socket_file(tmp_path / "other.sock")
+    (tmp_path / "other.sock.lock").write_text("not a pid\n")   # not what lock_endpoint writes
+    removed = remove_stale_endpoints(tmp_path)
+    assert sorted(p.name for p in removed) == ["data.sock.lock", "dead.control.sock", "dead.control.sock.lock",
+                                              "dead.sock", "dead.sock.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["app", "app.lock", "data.sock", "live.sock", "live.sock.lock",
+                                            "other.sock", "other.sock.lock"]
+    live.release()
+    again = lock_endpoint(f"ipc://{tmp_path}/live.sock")        # a lock removed under a taker: it locks anew
+    assert again is not None
+    again.release(remove_files=True)

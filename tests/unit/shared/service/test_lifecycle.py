@@ -49,3 +49,34 @@ def test_a_directory_writable_by_a_group_that_is_not_ours_is_refused(tmp_path: P
     path.chmod(0o770)
     with pytest.raises(ConfigError, match=f"mode 0770: group {foreign_gid}, which is not ours, can write"):
         prepare_runtime_dir(path)
+
+
+def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_and_warns_when_it_is_small(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import resource
+    from shared.service.lifecycle import raise_fd_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 64), hard))
+        with caplog.at_level("WARNING", logger="shared.service.lifecycle"):
+            assert raise_fd_limit(max_connections=64) == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+        assert ("transport.max_connections" in caplog.text) == (hard != resource.RLIM_INFINITY and hard < 64 + 256)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shared.service.lifecycle"):
+            raise_fd_limit(max_connections=hard)            # a bound the limit cannot hold
+        assert hard == resource.RLIM_INFINITY or "transport.max_connections=" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_child_whose_parent_is_already_gone_stops_itself_at_once() -> None:
+    import signal
+    import subprocess
+    import sys
+    code = ("import os; from shared.service.lifecycle import die_with_parent; "
+            "die_with_parent(parent_pid=os.getppid() + 1_000_000); print('still here')")
+    gone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == -signal.SIGTERM and "still here" not in gone.stdout
+    code = "import os; from shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
