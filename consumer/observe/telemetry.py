@@ -37,7 +37,7 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched")
+               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "feed_efficiency")
 
 
 def _num(value: float | None) -> float | None:
@@ -144,6 +144,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
         "jit_compile": jit_compile, "outputs": {name: _num(v) for name, v in (outputs or {}).items()},
         "producers_benched": list(rs.producers_benched),
+        "feed_efficiency": _num(f.feed_efficiency) if f and f.feed_efficiency is not None else None,
     }
 
 
