@@ -96,8 +96,9 @@ def render(report: Mapping[str, Any]) -> str:
     if report["transport_medians"] or any(x.startswith("transport-") for x in report["unavailable"]):
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
     if "feed_efficiency" in report:
-        parts += ["", "feed efficiency (the configured model, reference by default: fed steps/s / steps/s on "
-                  "resident batches of the same buckets):", render_efficiency(report["feed_efficiency"])]
+        parts += ["", f"feed efficiency ({s['efficiency_batches']} measured batches per trial; the configured model, "
+                  "reference by default: fed steps/s / steps/s on resident batches of the same buckets):",
+                  render_efficiency(report["feed_efficiency"])]
     parts += ["", "goals (medians of this run):"] + [g["line"] for g in report["goals"]]
     if report["failed"]:
         parts += ["", "failed trials:"] + list(report["failed"])
