@@ -202,6 +202,8 @@ def main_bench(args: argparse.Namespace) -> int:
     if efficiency:
         report["feed_efficiency"] = build_efficiency(fed, efficiency)
         report["goals"] += report["feed_efficiency"]["goals"]
+        report["failed"] += [f"{t['system']} (feed efficiency) round {t['round']}: {t.get('error')}"
+                             for t in fed if not t["ok"]]
     report["command"] = list(sys.argv)
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     print(render(report))
