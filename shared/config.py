@@ -163,6 +163,9 @@ class ConsumerConfig:
                                            # run continues to the same end); None = run until stopped
     status_interval_s: float = 5.0         # period of the status line
     warmup_steps: int = 5                  # excluded from stall % and rates
+    feed_efficiency_steps: int = 10        # timed steps per bucket on a resident batch after warm-up (the limit
+                                           # of feed efficiency; costs ~(steps + 1) x buckets steps at start);
+                                           # 0 = off (no feed efficiency figure)
     model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied
                                            # before TensorFlow is imported); None = inherit
     gpu_memory_limit_mb: int | None = None # cap on each visible GPU; None = memory growth
@@ -193,6 +196,8 @@ class ConsumerConfig:
         _check(self.status_interval_s > 0, "must be > 0", p + ("status_interval_s",),
                self.status_interval_s)
         _check(self.warmup_steps >= 0, "must be >= 0", p + ("warmup_steps",), self.warmup_steps)
+        _check(0 <= self.feed_efficiency_steps <= 10_000, "must be in 0..10000 (0 = off)",
+               p + ("feed_efficiency_steps",), self.feed_efficiency_steps)
         if self.model_gpu is not None:
             _check(check_gpu_list(self.model_gpu) is None, check_gpu_list(self.model_gpu) or "",
                    p + ("model_gpu",), self.model_gpu)

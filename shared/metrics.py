@@ -9,7 +9,12 @@ window ``(now - window_s, now]``:
     * stall % = 100 * sum(wait_s) / wall;
     * batches/s = n / wall, samples/s = sum(rows) / wall;
     * step p50 / p99: nearest-rank percentiles of ``step_s``; CV = population std / mean;
-    * padding efficiency = sum(real_frames) / sum(padded_frames).
+    * padding efficiency = sum(real_frames) / sum(padded_frames);
+    * feed efficiency = sum(resident_s) / wall: the time the same compiled step needs for the same
+      bucket sequence on batches already resident on its device (no loader at all), over the time the
+      fed loop took; = batches/s / resident steps/s. 1.0 is the limit no loader can beat; None when a
+      record has no ``resident_s`` (the limit was not measured).
+Feed efficiency goals (``feed_efficiency_goal``): >= 0.95 on a CPU step, >= 0.98 on a GPU step.
 Invariants: memory is bounded by ``max_records`` (the oldest are dropped first).
 """
 
@@ -20,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile", "PHASES", "PHASE_COMPILING",
-           "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE"]
+           "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE", "FEED_EFFICIENCY_GOAL_CPU", "FEED_EFFICIENCY_GOAL_GPU",
+           "feed_efficiency_goal"]
 
 # What the step loop is doing, as the metrics snapshot, ``status``, Prometheus and ``report`` name it.
 PHASE_COMPILING = "compiling"   # from start until every bucket shape is compiled (READY)
@@ -28,6 +34,13 @@ PHASE_TRAINING = "training"     # steps are running
 PHASE_WAITING = "waiting"       # a bounded wait for the next batch brought none
 PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
 PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
+FEED_EFFICIENCY_GOAL_CPU = 0.95  # a CPU step shares its cores with the hand-off
+FEED_EFFICIENCY_GOAL_GPU = 0.98  # a GPU step: the copy overlaps, only the dispatch is left
+
+
+def feed_efficiency_goal(on_gpu: bool) -> float:
+    """The feed efficiency a run should reach: 0.98 when the step runs on a GPU, else 0.95."""
+    return FEED_EFFICIENCY_GOAL_GPU if on_gpu else FEED_EFFICIENCY_GOAL_CPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +52,7 @@ class StepRecord:
     real_frames: int
     padded_frames: int
     queue_depth: int        # ready batches in the ring when it was taken
+    resident_s: float | None = None  # the step time of its bucket on a resident batch (None: not measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,7 @@ class WindowFigures:
     step_cv: float
     padding_efficiency: float
     queue_depth_mean: float
+    feed_efficiency: float | None = None   # sum(resident_s) / wall; None unless every record has resident_s
 
 
 def percentile(sorted_values: list[float], pct: float) -> float:
@@ -97,6 +112,7 @@ class StepWindow:
         mean = sum(steps) / len(steps)
         std = math.sqrt(sum((s - mean) ** 2 for s in steps) / len(steps))
         padded = sum(r.padded_frames for r in recs)
+        resident = [r.resident_s for r in recs]
         return WindowFigures(
             batches=len(recs), wall_s=wall,
             stall_pct=100.0 * sum(r.wait_s for r in recs) / wall,
@@ -104,4 +120,5 @@ class StepWindow:
             step_p50_s=percentile(steps, 50), step_p99_s=percentile(steps, 99),
             step_cv=std / mean if mean > 0 else 0.0,
             padding_efficiency=sum(r.real_frames for r in recs) / padded if padded else 0.0,
-            queue_depth_mean=sum(r.queue_depth for r in recs) / len(recs))
+            queue_depth_mean=sum(r.queue_depth for r in recs) / len(recs),
+            feed_efficiency=None if None in resident else sum(r for r in resident if r is not None) / wall)

@@ -5,7 +5,10 @@ fresh ``python -m consumer.bench.trial`` process (helpers are its children), in 
 rounds that alternate the systems (the order rotates every round, so drift hits all of them), then
 print medians, ratios against the best tuned tf.data and the goals as PASS/FAIL, and write every
 raw trial plus the medians with ``--json``. A transport section (or ``--transport-only``) measures
-producer -> consumer GB/s on each path against memcpy measured in the same trial.
+producer -> consumer GB/s on each path against memcpy measured in the same trial. A feed-efficiency
+section (``--efficiency-batches``, or ``--efficiency-only``) trains the configured model (the reference
+model by default) fed by melfeed and by tuned tf.data, each against its own resident-batch limit
+(``consumer/bench/efficiency.py``); its trials share one persistent XLA cache so only the first compiles.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
@@ -25,7 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
+from consumer.placement import XLA_CACHE_FLAG
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 _ZERO_STEP = "consumer.bench.trial:zero_step"
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200}
+_EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
 
 
 def _ints(text: str, flag: str, low: int = 0) -> list[int]:
@@ -66,7 +72,16 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "producers": _ints(pick["producers"], "--producers", 1), "transports": transports,
             "tfdata_parallel": parallel, "batches": pick["batches"], "warmup": pick["warmup"],
             "demo_utterances": pick["demo_utterances"], "service_workers": args.service_workers,
-            "has_mode": "mode" in TransportConfig.__dataclass_fields__}
+            "has_mode": "mode" in TransportConfig.__dataclass_fields__,
+            "efficiency_batches": _efficiency_batches(args)}
+
+
+def _efficiency_batches(args: argparse.Namespace) -> int:
+    n = args.efficiency_batches if args.efficiency_batches is not None else _EFFICIENCY_BATCHES[bool(args.smoke)]
+    if n < 0 or (args.efficiency_only and n < 1):
+        raise ConfigError("must be >= 1 with --efficiency-only, else >= 0 (0 = skip the section)",
+                          path=("--efficiency-batches",), got=n)
+    return int(n)
 
 
 def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig:
@@ -103,8 +118,11 @@ def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
-    over: dict[str, Any] = {"consumer.steps": s["warmup"] + s["batches"], "consumer.warmup_steps": s["warmup"],
-                            "consumer.status_interval_s": 3600.0, "model.step": _ZERO_STEP,
+    batches = s["efficiency_batches"] if system.get("model") else s["batches"]
+    over: dict[str, Any] = {"consumer.steps": s["warmup"] + batches, "consumer.warmup_steps": s["warmup"],
+                            "consumer.status_interval_s": 3600.0,
+                            # feed-efficiency trials train the configured model (the reference one by default)
+                            "model.step": cfg.model.step if system.get("model") else _ZERO_STEP,
                             # XLA, as the calibration and the tf.data baselines compile the zero step
                             "model.jit_compile": True, "producer.count": system.get("producers", 1)}
     mapping = config_to_mapping(with_overrides(cfg, over))
@@ -116,7 +134,12 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
 
 
 def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
-    env = child_env({"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}, drop=("RUNTIME_DIRECTORY",))
+    extra = {"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if spec.get("model"):     # one compile of the model for all feed-efficiency trials (runtime: <tmp>/e/<n>)
+        cache = runtime.parent / "xla-cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        extra["TF_XLA_FLAGS"] = f"{XLA_CACHE_FLAG}={cache}"
+    env = child_env(extra, drop=("RUNTIME_DIRECTORY",))
     proc = spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, new_group=True, cwd=REPO_ROOT,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
@@ -132,7 +155,9 @@ def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[st
 
 def _spec(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any], rnd: int, step_ms: int) -> dict[str, Any]:
     return {"system": system["system"], "kind": system["kind"], "round": rnd, "step_ms": step_ms,
-            "warmup": s["warmup"], "batches": s["batches"], "parallel_calls": system.get("parallel_calls"),
+            "model": system.get("model"), "warmup": s["warmup"],
+            "batches": s["efficiency_batches"] if system.get("model") else s["batches"],
+            "parallel_calls": system.get("parallel_calls"),
             "workers": system.get("workers", 1), "config": _trial_config(cfg, system, s)}
 
 
@@ -146,29 +171,43 @@ def _rounds(cfg: PipelineConfig, systems: list[dict[str, Any]], s: dict[str, Any
             for system in runnable[k:] + runnable[:k]:   # rotate: no system is always first
                 result = _run_trial(_spec(cfg, system, s, rnd, step_ms), timeout_s, workdir / str(len(trials)))
                 trials.append(result)
-                log.info("trial %s round=%d step_ms=%d: %s", system["system"], rnd, step_ms,
-                         f"{result['batches_per_s']:.1f} batches/s stall {result['stall_pct']:.2f} %"
-                         if result["ok"] else result["error"])
+                log.info("trial %s round=%d step_ms=%d: %s", system["system"], rnd, step_ms, _trial_line(result))
     return trials
+
+
+def _trial_line(result: dict[str, Any]) -> str:
+    if not result["ok"]:
+        return str(result["error"])
+    if result.get("model"):
+        return f"feed efficiency {result['feed_efficiency'] or 0:.3f} stall {result['stall_pct']:.2f} %"
+    return f"{result['batches_per_s']:.1f} batches/s stall {result['stall_pct']:.2f} %"
 
 
 def main_bench(args: argparse.Namespace) -> int:
     s = _settings(args)
     cfg = _cache_config(args, s)
     systems = _systems(s)
-    if args.transport_only:
+    efficiency = efficiency_systems(systems, s["producers"][0]) if s["efficiency_batches"] else []
+    if args.transport_only or args.efficiency_only:
         systems = []
     transport = [x | {"system": f"transport-{x['transport']}-p{max(s['producers'])}", "kind": "transport",
                       "producers": max(s["producers"])}
                  for x in _systems(s) if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
     with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp:
         trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
-        probes = [] if args.no_transport else _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t")
+        probes = ([] if args.no_transport or args.efficiency_only else
+                  _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t"))
+        fed = _rounds(cfg, efficiency, s, [0], args.trial_timeout_s, Path(tmp) / "e") if efficiency else []
     report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s)
+    if efficiency:
+        report["feed_efficiency"] = build_efficiency(fed, efficiency)
+        report["goals"] += report["feed_efficiency"]["goals"]
+        report["failed"] += [f"{t['system']} (feed efficiency) round {t['round']}: {t.get('error')}"
+                             for t in fed if not t["ok"]]
     report["command"] = list(sys.argv)
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    failed = [t for t in trials + probes if not t["ok"]]
+    failed = [t for t in trials + probes + fed if not t["ok"]]
     return 1 if failed else 0

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from consumer.bench import stats as bs
+from consumer.bench.efficiency import render_efficiency
 
 __all__ = ["DEVICE_MODEL", "COPIES_COUNTED", "UNAVAILABLE", "build_report", "render"]
 
@@ -94,6 +95,10 @@ def render(report: Mapping[str, Any]) -> str:
              "with a calibrated step cost:", _stall_table(report)]
     if report["transport_medians"] or any(x.startswith("transport-") for x in report["unavailable"]):
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
+    if "feed_efficiency" in report:
+        parts += ["", f"feed efficiency ({s['efficiency_batches']} measured batches per trial; the configured model, "
+                  "reference by default: fed steps/s / steps/s on resident batches of the same buckets):",
+                  render_efficiency(report["feed_efficiency"])]
     parts += ["", "goals (medians of this run):"] + [g["line"] for g in report["goals"]]
     if report["failed"]:
         parts += ["", "failed trials:"] + list(report["failed"])

@@ -1,7 +1,8 @@
 """One ``bench`` trial in a fresh process: ``python -m consumer.bench.trial SPEC_JSON`` prints one JSON line.
 
 Role: run one system (melfeed, tuned tf.data, the naive loader, tf.data service, or the transport
-probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures. Helpers
+probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures; a spec with
+``"model": "reference"`` is a feed-efficiency trial instead (``consumer/bench/trial_reference.py``). Helpers
 (producer group, service servers) are children of this process and are reaped before the CPU of
 the children is read (``consumer.bench.usage``).
 Device-time model: the compiled zero-cost step (``zero_step``: reads one element of each array) runs
@@ -216,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(args[0])
     try:
-        result = _RUNNERS[spec["kind"]](spec, config_from_mapping(spec["config"]))
+        from consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
+        runners = ({"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
+                   if spec.get("model") == "reference" else _RUNNERS)
+        result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
     except Exception as err:  # top level of the trial process: one line for the orchestrator
         log.debug("trial failed", exc_info=True)
         print(f"bench trial {spec.get('system')}: {type(err).__name__}: {err}", file=sys.stderr)

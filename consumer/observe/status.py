@@ -96,7 +96,8 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"{_f(snap['samples_per_s'], '.0f')} samples/s, {_f(mb_s, '.1f')} MB/s received, "
         f"stall {_f(snap['stall_pct'], '.1f', '%')}",
         f"step p50 {_f(snap['step_p50_ms'], '.1f', ' ms')}, p99 {_f(snap['step_p99_ms'], '.1f', ' ms')}, "
-        f"cv {_f(snap['step_cv'], '.2f')}, padding efficiency {_f(snap['padding_efficiency'], '.3f')}",
+        f"cv {_f(snap['step_cv'], '.2f')}, padding efficiency {_f(snap['padding_efficiency'], '.3f')}, "
+        f"feed efficiency {_f(snap.get('feed_efficiency'), '.3f')} (fed / resident-batch steps/s)",
         f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
         f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
         f"{snap['producers_alive']}",

@@ -9,6 +9,9 @@ one step late, so the host never waits on the device with nothing queued): its n
 audit record and, when due, a checkpoint; the stager lets the steps in flight complete before a step is
 dispatched past a checkpoint. Step time = host time dispatching the step plus waiting for it.
 Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
+Feed efficiency = fed steps/s / steps/s of the same step on resident batches of the same buckets: the
+limit is measured after warm-up (``consumer.feed_efficiency_steps``; consumer/train/efficiency.py, which
+leaves every variable as it found it) and each applied batch carries its bucket's resident step time.
 A step that cannot be compiled (``StepError``) or breaks the output contract (``ConfigError``)
 ends the run before READY; the summary is still written, with ``error`` set.
 """
@@ -34,11 +37,12 @@ from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
 from shared.config import PipelineConfig
 from shared.errors import PipelineError
-from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
+from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
 from shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
     from consumer.observe.telemetry import Telemetry
+    from consumer.train.efficiency import ResidentLimit
     from consumer.train.step import CompiledStep
 
 __all__ = ["TrainSummary", "train"]
@@ -77,6 +81,11 @@ class TrainSummary:
     xla_cache_warm: bool | None = None  # it held compiled programs when the run started
     in_flight_bound_bytes: int = 0
     payload_copies_per_batch: float = 0.0
+    feed_efficiency: float | None = None      # fed steps/s / resident steps/s, same buckets (None: not measured)
+    feed_efficiency_goal: float | None = None  # what it should reach on this device (0.95 CPU, 0.98 GPU)
+    resident_steps_per_s: float | None = None  # the limit for the measured batches' bucket mix
+    resident_step_ms: list[float] = field(default_factory=list)  # per bucket, on a resident batch
+    feed_efficiency_measure_s: float = 0.0     # start time spent measuring the limit, seconds
     interrupted: bool = False
     next_batch: int | None = None       # resume position of the final checkpoint (with a state_dir)
 
@@ -115,6 +124,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         _warm_up(compiled, out, summary_path)
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
+        limit = _resident_limit(cfg, compiled, step_fn, consumer, out)
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
@@ -165,7 +175,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
                 meter.wait0 = consumer.wait_s_total
             if out.steps > cfg.consumer.warmup_steps:
                 record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, done.step_s, done.rows,
-                                    done.real_frames, done.padded_frames, consumer.queue_depth())
+                                    done.real_frames, done.padded_frames, consumer.queue_depth(),
+                                    limit.step_s[batch.bucket] if limit is not None else None)
                 meter.add(record)
                 if telemetry is not None:
                     telemetry.add(record)
@@ -229,6 +240,19 @@ def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None
     out.jit_reason = choice.reason if choice is not None else None
 
 
+def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, consumer: Consumer,
+                    out: TrainSummary) -> ResidentLimit | None:
+    """The resident-batch limit (``consumer.feed_efficiency_steps`` per bucket; None when 0)."""
+    from consumer.train.efficiency import measure_resident_limit
+    if cfg.consumer.feed_efficiency_steps == 0:
+        return None
+    limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in consumer.bucket_set.buckets],
+                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size)
+    out.resident_step_ms = [1000.0 * s for s in limit.step_s]
+    out.feed_efficiency_measure_s = limit.measure_s
+    return limit
+
+
 def _checkpoint_items(step_fn: Any) -> dict[str, object]:
     """Named trackables when the step offers them (restorable by Keras users), else its variables."""
     items = getattr(step_fn, "checkpoint_items", None)
@@ -267,6 +291,16 @@ def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer:
     return text
 
 
+def _feed_efficiency(out: TrainSummary, meter: LoopMeter) -> None:
+    """Over every measured step, ending at the last one (the final checkpoint is not feeding time)."""
+    figures = meter.steps.figures(meter.last_end_s) if meter.batches else None
+    if figures is None or figures.feed_efficiency is None:
+        return
+    out.feed_efficiency = figures.feed_efficiency
+    out.resident_steps_per_s = figures.batches_per_s / figures.feed_efficiency
+    out.feed_efficiency_goal = feed_efficiency_goal(any("GPU" in d.upper() for d in out.devices))
+
+
 def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: int,
             outputs: dict[str, float], copies: int) -> None:
     wall = time.perf_counter() - meter.t0 if meter.t0 else 0.0
@@ -283,6 +317,7 @@ def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: i
     if figures is not None:
         out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s
         out.step_cv = figures.step_cv
+    _feed_efficiency(out, meter)
     out.rejects = rs.rejects
     out.compiles_after_ready = compiles
     out.producers_seen = rs.producers_seen

@@ -71,6 +71,7 @@ class LoopMeter:
         self.wait0 = 0.0
         self.batches = self.samples = self.real_frames = self.padded_frames = 0
         self.wait_seen = 0.0
+        self.last_end_s = 0.0   # end_s of the newest record
         # Every post-warm-up step (the newest 100k on longer runs): step time percentiles and CV.
         self.steps = StepWindow(window_s=math.inf, max_records=_SUMMARY_RECORDS)
         self.live = StepWindow(window_s=window_s)
@@ -82,6 +83,7 @@ class LoopMeter:
         self.samples += record.rows
         self.real_frames += record.real_frames
         self.padded_frames += record.padded_frames
+        self.last_end_s = record.end_s
         self.steps.add(record)
         self.live.add(record)
 
@@ -102,6 +104,8 @@ def format_status_line(*, step: int, steps_total: int | None, outputs: Mapping[s
     else:
         rates = f"{figures.batches_per_s:.2f} batches/s {figures.samples_per_s:.0f} samples/s"
         stall = f"{figures.stall_pct:.1f}%"
+        if figures.feed_efficiency is not None:
+            stall += f" | feed efficiency {figures.feed_efficiency:.3f}"
     return (f"step {step}{total} {named} | {rates} | stall {stall} | queue {queue_depth} | "
             f"producers {producers_alive} | rejects {rejects}"
             + (f" | quarantined {quarantined}" if quarantined else "") + (f" | {gpus}" if gpus else ""))

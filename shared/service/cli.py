@@ -151,6 +151,10 @@ def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-workers", type=int, default=1, help="tf.data service workers (0 = skip the service)")
     p.add_argument("--transport-only", action="store_true", help="only the transport GB/s section")
     p.add_argument("--no-transport", action="store_true", help="skip the transport GB/s section")
+    p.add_argument("--efficiency-batches", type=int, default=None,
+                   help="measured batches of each feed-efficiency trial (reference model; default 100, "
+                        "0 with --smoke; 0 = skip the section)")
+    p.add_argument("--efficiency-only", action="store_true", help="only the feed-efficiency section")
     p.add_argument("--smoke", action="store_true", help="tiny run: 1 round, 5 ms step, 20 batches, 1 producer")
     p.add_argument("--trial-timeout-s", type=float, default=300.0, help="kill a trial (and its helpers) after this")
     p.add_argument("--json", help="write every trial's raw numbers, the medians, ratios and goals to this file")

@@ -45,6 +45,13 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     assert s["batches_per_s"] > 0 and s["samples_per_s"] > s["batches_per_s"]
     assert s["compile_s"] > 0 and s["time_to_first_step_s"] > s["compile_s"]
     assert 0 < s["step_p50_ms"] <= s["step_p99_ms"] and s["step_cv"] >= 0
+    # Feed efficiency: the reference step on resident batches, 10 steps per bucket by default. Above 1.2
+    # would mean the limit is not one (loaded machine: the fed figure is a mean, the limit a median).
+    assert 0 < s["feed_efficiency"] <= 1.2 and s["feed_efficiency_goal"] == 0.95
+    assert len(s["resident_step_ms"]) == 2 and all(ms > 0 for ms in s["resident_step_ms"])
+    ms = s["resident_step_ms"]                                           # a mix of the buckets' limits
+    assert 1000 / max(ms) * 0.999 <= s["resident_steps_per_s"] <= 1000 / min(ms) * 1.001
+    assert "feed efficiency" in proc.stderr                              # the status line shows it
     assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
     assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
 

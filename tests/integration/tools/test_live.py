@@ -77,32 +77,40 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
                 return None
             snap: dict[str, Any] = json.loads(r.stdout)
             rated = [p for p in snap["producers"] if p["batches_per_s"] is not None and p["read_ms"] is not None]
-            return snap if snap["step"] > 0 and len(rated) == 2 and snap["outputs"] else None
+            return snap if snap["step"] > 0 and len(rated) == 2 and snap["outputs"] and snap["batches_per_s"] else None
 
         snap = _until(status_json, proc, log)
         assert tuple(snap) == SCHEMA_KEYS
         assert list(snap["outputs"]) == ["loss"] and snap["jit_compile"] in ("xla", "graph")
         assert snap["phase"] in ("training", "waiting") and snap["producers_alive"] == 2
+        assert snap["feed_efficiency"] is not None and snap["feed_efficiency"] > 0   # the limit was measured
         assert sorted(p["id"] for p in snap["producers"]) == ["producer-1", "producer-2"]
 
-        table = _cli(["status", "--config", str(cfg_path)], tmp_path)
-        assert table.returncode == 0, table.stderr
+        def status_table() -> subprocess.CompletedProcess[str] | None:
+            r = _cli(["status", "--config", str(cfg_path)], tmp_path)
+            return r if r.returncode == 0 and "feed efficiency -" not in r.stdout else None
+
+        table = _until(status_table, proc, log)
         step = int(table.stdout.split("step ", 1)[1].split(",")[0])
         rows = [line.split() for line in table.stdout.splitlines() if line.startswith("producer-")]
         assert step > 0 and sorted(r[0] for r in rows) == ["producer-1", "producer-2"]
         assert "step outputs (mean over the status interval): loss " in table.stdout
+        assert "feed efficiency " in table.stdout
 
         def scraped() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
             m = _scrape(port)
             built = [k for k in m if k[0] == "melfeed_producer_batches_total"]
             has_loss = ("melfeed_step_output", (("name", "loss"),)) in m
-            return m if m.get(("melfeed_batches_applied_total", ()), 0) > 0 and len(built) == 2 and has_loss else None
+            fed = ("melfeed_feed_efficiency_ratio", ()) in m       # absent while the window holds no step
+            return m if m.get(("melfeed_batches_applied_total", ()), 0) > 0 and len(built) == 2 and has_loss and fed \
+                else None
 
         metrics = _until(scraped, proc, log)
         assert metrics[("melfeed_producers_alive", ())] == 2
         for pid in ("producer-1", "producer-2"):
             assert metrics[("melfeed_producer_batches_total", (("producer", pid),))] > 0
         assert 0.0 <= metrics[("melfeed_stall_ratio", ())] <= 1.0
+        assert metrics[("melfeed_feed_efficiency_ratio", ())] > 0
         assert sum(v for k, v in metrics.items() if k[0] == "melfeed_phase") == 1.0
     finally:
         code = stop(proc, timeout_s=60)
@@ -110,6 +118,7 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
     lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
     assert len(lines) >= 2 and all(tuple(x) == SCHEMA_KEYS for x in lines)
     assert lines[-1]["phase"] == "done" and lines[-1]["step"] >= step
+    assert any(x["feed_efficiency"] for x in lines)              # the metrics file carries it too
     assert "| gpu " in log.read_text()          # the status line names the GPUs (or says n/a)
     _check_report_of(jsonl, tmp_path)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shared.metrics import StepRecord, StepWindow, percentile
+from shared.metrics import StepRecord, StepWindow, feed_efficiency_goal, percentile
 
 
 def _rec(end_s: float, wait_s: float, step_s: float, rows: int = 4, real: int = 30, padded: int = 40,
@@ -56,3 +56,35 @@ def test_queue_depth_histogram_counts_the_window_only() -> None:
         w.add(StepRecord(end_s, 0.0, 0.5, 4, 10, 20, depth))
     assert w.depth_histogram(15.0) == [1, 0, 2, 0, 0, 1]      # the record at 1.0 left the window
     assert w.depth_histogram(30.0) == []
+
+
+def test_feed_efficiency_is_resident_time_of_the_same_buckets_over_the_wall_by_hand() -> None:
+    w = StepWindow(window_s=100.0)
+    # From t=0: (wait, step, resident) = (1, 1, 0.5), (0, 2, 1.5), (1, 1, 0.5) -> ends at 2, 4, 6.
+    for end, wait, step, resident in ((2.0, 1.0, 1.0, 0.5), (4.0, 0.0, 2.0, 1.5), (6.0, 1.0, 1.0, 0.5)):
+        w.add(StepRecord(end, wait, step, 4, 30, 40, 2, resident))
+    f = w.figures(now_s=6.0)
+    assert f is not None and f.wall_s == 6.0
+    assert f.feed_efficiency == pytest.approx(2.5 / 6.0)    # resident 0.5 + 1.5 + 0.5 s for 6 s of wall
+    # = fed steps/s over resident steps/s of the same buckets: (3 / 6) / (3 / 2.5)
+    assert f.feed_efficiency == pytest.approx(f.batches_per_s / (3 / 2.5))
+    # Only the window's records count: at t=104.5 the first two left (end <= 4.5), one second-long batch
+    # (resident 0.5 s) remains, ending at 6 after a 1 s wait: wall = 104.5 - 4 = 100.5.
+    f_late = w.figures(now_s=104.5)
+    assert f_late is not None and f_late.batches == 1
+    assert f_late.feed_efficiency == pytest.approx(0.5 / 100.5)
+
+
+def test_feed_efficiency_is_unknown_when_any_record_has_no_resident_time() -> None:
+    w = StepWindow(window_s=100.0)
+    w.add(StepRecord(1.0, 0.0, 1.0, 4, 30, 40, 2, 0.9))
+    f = w.figures(now_s=1.0)
+    assert f is not None and f.feed_efficiency == pytest.approx(0.9)
+    w.add(StepRecord(2.0, 0.0, 1.0, 4, 30, 40, 2))           # limit not measured for this one
+    f = w.figures(now_s=2.0)
+    assert f is not None and f.feed_efficiency is None
+
+
+@pytest.mark.parametrize(("on_gpu", "goal"), [(False, 0.95), (True, 0.98)])
+def test_feed_efficiency_goal_is_stricter_on_a_gpu(on_gpu: bool, goal: float) -> None:
+    assert feed_efficiency_goal(on_gpu) == goal

@@ -268,3 +268,22 @@ def test_snapshots_count_failed_checkpoints_and_cut_connections(tmp_path: Path) 
         snap = tel.publish(1, 0.5, 0)
     assert (snap["checkpoint_failures"], snap["connections_cut"]) == (2, 7)
     assert "checkpoint failures 2, connections cut 7" in format_status(snap, "ipc:///x")
+
+
+def test_feed_efficiency_reaches_snapshot_status_and_prometheus(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    clock = iter(float(t) for t in range(100))
+    with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
+        before = tel.latest()
+        # Covers 0..1 s (0.25 s waiting); on a resident batch the bucket takes 0.6 s: 0.6 / 1.0.
+        tel.add(StepRecord(1.0, 0.25, 0.75, 4, 30, 40, 2, resident_s=0.6))
+        snap = tel.publish(7, 0.5, 0)
+    assert before is not None and before["feed_efficiency"] is None       # unknown before any step
+    assert snap["feed_efficiency"] == pytest.approx(0.6)
+    assert "feed efficiency 0.600 (fed / resident-batch steps/s)" in format_status(snap, "ipc:///x.control.sock")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    samples = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in fam.samples}
+    assert samples["melfeed_feed_efficiency_ratio"] == pytest.approx(0.6)

@@ -56,3 +56,14 @@ def test_status_line_before_any_measured_step_shows_no_rate() -> None:
                               producers_alive=1, rejects=2, quarantined=1, gpus="gpu n/a")
     assert line == ("step 3 loss - | - batches/s - samples/s | stall - | queue 0 | producers 1 | rejects 2 | "
                     "quarantined 1 | gpu n/a")
+
+
+def test_status_line_shows_feed_efficiency_when_the_limit_was_measured() -> None:
+    meter = LoopMeter(window_s=30.0)
+    # 0.5 s wait + 2 s step; the same bucket takes 2 s on a resident batch: 2 / 2.5 = 0.8.
+    meter.add(StepRecord(end_s=100.0, wait_s=0.5, step_s=2.0, rows=16, real_frames=80, padded_frames=100,
+                         queue_depth=2, resident_s=2.0))
+    line = format_status_line(step=6, steps_total=None, outputs={"loss": 0.5}, figures=meter.live.figures(100.0),
+                              queue_depth=2, producers_alive=2, rejects=0, quarantined=0)
+    assert "| stall 20.0% | feed efficiency 0.800 | queue 2 |" in line
+    assert meter.last_end_s == 100.0

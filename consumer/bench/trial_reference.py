@@ -1,0 +1,111 @@
+"""The feed-efficiency trials of ``bench``: the reference model fed by melfeed or by tuned tf.data.
+
+Role: the runners that ``consumer/bench/trial.py`` calls for a spec with ``"model": "reference"``. Both
+build the configured step (``model.step``, the reference model by default), compile every bucket, measure
+the resident-batch limit with ``consumer.train.efficiency`` (``consumer.feed_efficiency_steps`` per
+bucket) and then train ``warmup`` + ``batches`` batches for real: no modelled device time, no sleep.
+    * melfeed: the built-in loop (``consumer.train.loop.train``) with real producers; its summary
+      carries the figure.
+    * tuned tf.data: the same loop shape over ``baselines.tuned_dataset`` (take the next element, run
+      the step, read its outputs), each measured batch stamped with its bucket's resident step time;
+      ``shared.metrics.StepWindow`` computes the figure exactly as the consumer's meter does.
+Invariants: a trial reports only what it measured; fed steps/s = feed efficiency x resident steps/s of
+the same window (the summary's own batches_per_s starts one step late). Shutdown: producers are stopped
+in ``finally`` (``consumer.app.stop_producers``); the tf.data iterator is dropped with the process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from shared.config import PipelineConfig
+from shared.config_loader import with_overrides
+from shared.service.children import ENTRY_SCRIPT
+
+__all__ = ["run_melfeed_reference", "run_tfdata_reference"]
+
+_DEFAULT_LIMIT_STEPS = 10   # when the config turned the figure off: bench needs it
+
+
+def _result(spec: dict[str, Any], *, feed_efficiency: float | None, resident_steps_per_s: float | None,
+            stall_pct: float, step_p50_ms: float | None, devices: list[str]) -> dict[str, Any]:
+    fed = (feed_efficiency * resident_steps_per_s
+           if feed_efficiency is not None and resident_steps_per_s is not None else None)
+    return {"system": spec["system"], "kind": spec["kind"], "round": spec["round"], "step_ms": spec["step_ms"],
+            "ok": True, "model": "reference", "batches": spec["batches"], "feed_efficiency": feed_efficiency,
+            "fed_steps_per_s": fed, "resident_steps_per_s": resident_steps_per_s, "stall_pct": stall_pct,
+            "step_p50_ms": step_p50_ms, "devices": devices, "on_gpu": any("GPU" in d.upper() for d in devices)}
+
+
+def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
+    if cfg.consumer.feed_efficiency_steps > 0:
+        return cfg
+    return with_overrides(cfg, {"consumer.feed_efficiency_steps": _DEFAULT_LIMIT_STEPS})
+
+
+def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
+    """melfeed's own loop, real producers, the reference model; the summary's feed efficiency."""
+    from consumer.app import start_producers, stop_producers
+    from consumer.feed import Consumer
+    from consumer.train.loop import train
+    cfg = _with_limit(cfg)
+    with Consumer(cfg) as consumer:
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint}), str(ENTRY_SCRIPT), 0.0)
+        try:
+            summary = train(cfg, consumer, threading.Event(), process_start_s=time.time())
+        finally:
+            stop_producers(group)
+    if summary.steps < spec["warmup"] + spec["batches"]:
+        raise RuntimeError(f"only {summary.steps} of {spec['warmup'] + spec['batches']} batches arrived")
+    return _result(spec, feed_efficiency=summary.feed_efficiency, resident_steps_per_s=summary.resident_steps_per_s,
+                   stall_pct=summary.stall_pct, step_p50_ms=summary.step_p50_ms, devices=summary.devices)
+
+
+def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
+    """Tuned tf.data over the same plan's full batches into the same compiled step."""
+    from consumer.bench import baselines
+    from consumer.flow.plan import EpochPlan
+    from consumer.placement import step_devices
+    from consumer.train.efficiency import measure_resident_limit
+    from consumer.train.model import StepSpec
+    from consumer.train.outputs import read_outputs
+    from consumer.train.step import CompiledStep, load_step_factory
+    from shared.cache.features import load_manifest_for
+    from shared.metrics import StepRecord, StepWindow
+    from shared.wire.buckets import build_buckets
+    cfg = _with_limit(cfg)
+    manifest = load_manifest_for(cfg)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed)
+    files = baselines.plan_files(manifest, plan, bucket_set, 1)
+    shapes = [b.shapes() for b in bucket_set.buckets]
+    step = load_step_factory(cfg.model.step)(StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
+    compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
+    compiled.warm_up()
+    limit = measure_resident_limit(compiled, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
+                                   cfg.model.vocab_size)
+    it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
+    window = StepWindow(window_s=math.inf)
+    devices: list[str] = []
+    end_s = 0.0
+    for done in range(1, spec["warmup"] + spec["batches"] + 1):
+        t_wait = time.perf_counter()
+        element = next(it)
+        t0 = time.perf_counter()
+        bucket = int(element["bucket"][0])
+        raw = compiled.run(bucket, element)
+        read_outputs(raw)                  # as melfeed's loop: the step has finished with the batch
+        end_s = time.perf_counter()
+        devices = devices or step_devices(raw)
+        if done > spec["warmup"]:
+            window.add(StepRecord(end_s, t0 - t_wait, end_s - t0, int(element["mel_len"].shape[0]), 0, 0, 0,
+                                  limit.step_s[bucket]))
+    figures = window.figures(end_s)
+    if figures is None or figures.feed_efficiency is None:
+        raise RuntimeError("no measured batch")
+    return _result(spec, feed_efficiency=figures.feed_efficiency,
+                   resident_steps_per_s=figures.batches_per_s / figures.feed_efficiency,
+                   stall_pct=figures.stall_pct, step_p50_ms=1000.0 * figures.step_p50_s, devices=devices)

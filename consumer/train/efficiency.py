@@ -1,0 +1,119 @@
+"""The resident-batch limit of the compiled step: the denominator of feed efficiency.
+
+Role: after warm-up, time the compiled step on one batch per bucket that is already resident on the
+step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
+seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
+and ``shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
+divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
+Method, per bucket: one untimed step, then ``steps_per_bucket`` timed steps.
+    * Step on a GPU: dispatched back to back with one host read of the last step's outputs (the
+      steps chain through the variables, so that read waits for all of them): seconds per step =
+      elapsed / steps. A read per step would add the very host wait the figure exists to expose.
+    * Step on the CPU: the call returns when the step has finished, so a read per step costs
+      nothing; each step is timed alone and the median taken, which a burst of another process on
+      a shared machine does not move (the fed figure is a mean over wall time, so this errs low).
+The resident batch is deterministic: every row full
+length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1..vocab_size-1.
+Invariants: afterwards every variable of ``variables`` holds exactly its value from before (host
+snapshot, assigned back in ``finally`` as ``CompiledStep.warm_up`` does), so a run's final variables
+never depend on whether the figure was measured; the batches have the buckets' shapes and dtypes, so
+no program is traced. Shutdown: nothing to release; the resident batches are freed on return.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays"]
+
+log = logging.getLogger(__name__)
+
+_BATCH_SEED = 20240614   # the resident batch's mel values; any fixed seed: values do not change the cost
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentLimit:
+    """Seconds per step of the compiled step on a resident batch, per bucket (bucket order)."""
+
+    step_s: tuple[float, ...]
+    steps_per_bucket: int
+    measure_s: float          # the whole measurement: snapshot, untimed and timed steps, restore
+
+
+def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int) -> dict[str, np.ndarray]:
+    """One full batch of a bucket's shapes: every row at full length, mel ~ N(0, 1) from a fixed seed."""
+    batch, frames, n_mels = shapes["mel"]
+    tokens = shapes["tokens"][1]
+    rng = np.random.default_rng(_BATCH_SEED)
+    return {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32),
+            "mel_len": np.full((batch,), frames, np.int32),
+            "tokens": (1 + np.arange(batch * tokens, dtype=np.int32) % max(1, vocab_size - 1)).reshape(batch, tokens),
+            "tok_len": np.full((batch,), tokens, np.int32)}
+
+
+def _time_on_gpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
+    from consumer.train.outputs import read_outputs
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outputs = compiled.run(bucket, batch)
+    read_outputs(outputs)                  # the only host wait: every step before it has finished
+    return (time.perf_counter() - t0) / steps
+
+
+def _time_on_cpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
+    from consumer.train.outputs import read_outputs
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        read_outputs(compiled.run(bucket, batch))
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+                           steps_per_bucket: int, vocab_size: int) -> ResidentLimit:
+    """Time ``compiled`` (a warmed-up ``CompiledStep``) on a resident batch of every bucket.
+
+    Args:
+        compiled: the step, after ``warm_up()``; its ``run(bucket, batch)`` is called.
+        variables: everything the step may change (``step.variables()``); restored exactly afterwards.
+        bucket_shapes: one dict of shapes per bucket, in bucket order.
+        steps_per_bucket: timed steps per bucket (>= 1).
+        vocab_size: token ids of the resident batch stay below it.
+
+    Raises:
+        ValueError: ``steps_per_bucket`` < 1. Whatever the step raises (variables are restored first).
+    """
+    import tensorflow as tf
+
+    from consumer.placement import step_devices
+    from consumer.train.outputs import read_outputs
+
+    if steps_per_bucket < 1:
+        raise ValueError(f"steps_per_bucket must be >= 1, got {steps_per_bucket}")
+    started = time.perf_counter()
+    saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what the steps update
+    step_s = []
+    try:
+        for bucket, shapes in enumerate(bucket_shapes):
+            # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
+            batch = {k: tf.identity(tf.constant(v)) for k, v in resident_arrays(shapes, vocab_size).items()}
+            first = compiled.run(bucket, batch)                 # untimed: first call on this batch
+            read_outputs(first)
+            on_gpu = any("GPU" in d.upper() for d in step_devices(first))
+            step_s.append(_time_on_gpu(compiled, bucket, batch, steps_per_bucket) if on_gpu
+                          else _time_on_cpu(compiled, bucket, batch, steps_per_bucket))
+    finally:
+        for var, value in zip(variables, saved):
+            var.assign(value)
+    limit = ResidentLimit(tuple(step_s), steps_per_bucket, time.perf_counter() - started)
+    log.info("resident-batch limit: %s ms per step by bucket (%d steps each, %.1f s)",
+             [round(1000 * s, 2) for s in limit.step_s], steps_per_bucket, limit.measure_s)
+    return limit

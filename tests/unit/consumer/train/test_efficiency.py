@@ -1,0 +1,43 @@
+"""The resident-batch limit: a real compiled step, timed per bucket, leaves every variable as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from consumer.train.efficiency import measure_resident_limit, resident_arrays
+from consumer.train.model import StepSpec
+from consumer.train.step import CompiledStep
+from tests.steps import tiny_step
+
+N_MELS = 8
+_SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 5), "tok_len": (4,)},
+           {"mel": (2, 32, N_MELS), "mel_len": (2,), "tokens": (2, 9), "tok_len": (2,)}]
+
+
+def test_resident_batch_is_full_length_with_valid_token_ids_and_the_bucket_shapes() -> None:
+    arrays = resident_arrays(_SHAPES[1], vocab_size=4)
+    assert {k: v.shape for k, v in arrays.items()} == _SHAPES[1]
+    assert arrays["mel"].dtype == np.float32 and arrays["tokens"].dtype == np.int32
+    assert (arrays["mel_len"] == 32).all() and (arrays["tok_len"] == 9).all()
+    assert arrays["tokens"].min() == 1 and arrays["tokens"].max() == 3       # never padding (0), always < vocab
+    assert np.array_equal(arrays["mel"], resident_arrays(_SHAPES[1], vocab_size=4)["mel"])   # deterministic
+
+
+def test_limit_is_timed_per_bucket_and_every_variable_is_restored_bit_for_bit() -> None:
+    step = tiny_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=0.1, mixed_precision=False, seed=0))
+    compiled = CompiledStep(step, _SHAPES, jit_compile=False)
+    compiled.warm_up()
+    step.w.assign(np.linspace(-1.0, 1.0, N_MELS, dtype=np.float32))   # not the zeros a bug could restore to
+    before = [v.numpy().copy() for v in step.variables()]
+    limit = measure_resident_limit(compiled, step.variables(), _SHAPES, steps_per_bucket=3, vocab_size=32)
+    assert len(limit.step_s) == 2 and all(s > 0 for s in limit.step_s) and limit.steps_per_bucket == 3
+    assert limit.measure_s >= sum(limit.step_s) * 3
+    for var, old in zip(step.variables(), before):
+        assert var.numpy().tobytes() == old.tobytes(), var.name     # training never sees the measurement
+    assert compiled.compiles_after_ready == 0                        # the buckets' own programs ran
+
+
+def test_steps_per_bucket_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="steps_per_bucket must be >= 1"):
+        measure_resident_limit(object(), [], _SHAPES, steps_per_bucket=0, vocab_size=32)
