@@ -72,7 +72,10 @@ class Consumer:
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
                                                    cfg.n_mels, cfg.buckets)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
-        self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed)
+        try:
+            self.plan = EpochPlan(self.bucket_set, self.manifest.fingerprint, cfg.seed, cfg.buckets.partial)
+        except ValueError as err:           # "drop" with no bucket holding one full batch
+            raise ConfigError(str(err), path=("buckets", "partial"), got=cfg.buckets.partial) from err
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
         steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
         self.end_batch = max(start_batch, steps) if steps is not None else None

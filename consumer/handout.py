@@ -17,6 +17,7 @@ Shutdown: nothing to release; the ring slots are the caller's (``consumer/feed.p
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +29,20 @@ import numpy.typing as npt
 from consumer.flow.plan import PlannedBatch
 from shared.wire.layout import PAYLOAD_COPIES
 
-__all__ = ["Batch", "ArraySpec", "Handout"]
+__all__ = ["Batch", "ArraySpec", "Handout", "row_mask"]
+
+
+@functools.lru_cache(maxsize=1024)
+def row_mask(rows: int, batch_size: int) -> npt.NDArray[np.bool_]:
+    """[batch_size] bool, True for the ``rows`` real rows (they come first), False for padding rows.
+
+    Derived from the plan (``PlannedBatch.rows``), never from the data: a row a producer left empty
+    (quarantined: bad cache file, ``mel_len`` 0) is a planned row and stays True. Read-only and shared
+    (one array per (rows, B)), so TensorFlow can wrap it without a copy.
+    """
+    mask = np.arange(batch_size) < rows
+    mask.flags.writeable = False
+    return mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +80,16 @@ class Batch:
 
     @property
     def rows(self) -> int:
-        """Real (non-padding) rows."""
-        return int(np.count_nonzero(self.arrays["mel_len"]))
+        """Real rows, from the plan: rows ``0 .. rows - 1`` hold ``sample_ids``, the rest are padding.
+
+        Fewer than B only in a bucket's last batch of an epoch under ``buckets.partial: pad``.
+        """
+        return self.planned.rows
+
+    @property
+    def row_mask(self) -> npt.NDArray[np.bool_]:
+        """[B] bool, True for the real rows (``row_mask(rows, B)``; read-only)."""
+        return row_mask(self.planned.rows, int(self.arrays["mel_len"].shape[0]))
 
     @property
     def real_frames(self) -> int:

@@ -62,3 +62,4 @@ def test_batch_reports_rows_frames_and_identity() -> None:
     b = _batch(3)
     assert (b.batch_id, b.bucket, b.sample_ids) == (3, 0, (3,))
     assert (b.rows, b.real_frames, b.padded_frames) == (1, 4, 8)
+    assert b.row_mask.tolist() == [True, False] and not b.row_mask.flags.writeable
