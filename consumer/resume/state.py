@@ -14,8 +14,9 @@ state.close()
 ```
 Invariants:
     * One consumer per state directory (``flock`` on ``.lock``; the kernel drops it on SIGKILL).
-    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets); a config
-      that would change the plan is refused instead of silently mixing two plans in one lineage.
+    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets, ``buckets.partial``
+      included); a config that would change the plan is refused instead of silently mixing two plans
+      in one lineage. A run.json written before ``buckets.partial`` existed means "pad" (what ran then).
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
     * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
@@ -46,6 +47,7 @@ __all__ = ["RunState"]
 log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
+_BUCKET_KEYS_ADDED = {"partial": "pad"}  # buckets keys newer than some run.json files: what those runs used
 
 
 class RunState:
@@ -149,6 +151,8 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str) -> dict[s
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             raise StateError(path, f"unreadable: {err}") from err
+        if isinstance(old.get("buckets"), dict):
+            old["buckets"] = {**_BUCKET_KEYS_ADDED, **old["buckets"]}
         for key in _PLAN_KEYS:
             if old.get(key) != identity[key]:
                 raise StateError(path, f"this state belongs to a run with {key}={old.get(key)!r}, the config has "
