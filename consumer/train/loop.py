@@ -51,6 +51,8 @@ class TrainSummary:
     samples_per_s: float = 0.0
     stall_pct: float = 0.0
     padding_efficiency: float = 0.0
+    partial: str = "pad"                # buckets.partial: a bucket's last, partial batch padded or dropped
+    samples_dropped_per_epoch: int = 0  # kept samples left out of every epoch by partial: drop
     duplicates_dropped: int = 0
     quarantined_samples: int = 0        # bad cache rows left empty (names in the producers' logs)
     step_p50_ms: float | None = None    # compiled step time after warm-up (nearest-rank percentiles)
@@ -104,7 +106,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     step_fn, compiled = _build_step(cfg, consumer, state)
     consumer.start()
     cache_dir = active_xla_cache_dir()
-    out = TrainSummary(padding_efficiency=0.0,
+    out = TrainSummary(padding_efficiency=0.0, partial=cfg.buckets.partial,
+                       samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with _extending_start_timeout(notifier):
@@ -140,7 +143,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     for batch in consumer.batches(stop, on_wait):
         step_t0 = time.perf_counter()
         tensors, n_copies = to_tensors(batch.arrays)
-        raw = compiled.run(batch.bucket, tensors)
+        raw = compiled.run(batch.bucket, tensors, rows=batch.rows)
         outputs = read_outputs(raw)     # sync: the step finished reading the slot
         loss_v = outputs["loss"]
         meter.outputs.add(outputs)
