@@ -2,8 +2,9 @@
 
 Elements: ``(features, mel [B,T,M] float32)``; ``features`` is a dict of the keys asked for, from
 ``tokens`` [B,L] int32, ``tok_len`` [B] int32, ``mel_len`` [B] int32, ``frames`` [B] int32 (every row
-holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``) and ``batch_id``
-[B] int64. Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in
+holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``), ``batch_id``
+[B] int64, and the row inputs of the step contract (consumer/train/rows.py): ``rows`` [] int32 (real
+rows, from the plan) and ``row_mask`` [B] bool (True for the real rows, which come first). Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in
 the spec, so a ``tf.function`` traces once per bucket), or the largest bucket's when ``single_shape``
 (then the spec is fully static, T included).
 Zero copy: the generator yields numpy views of the 64-byte-aligned ring slot and TensorFlow wraps
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tensorflow as tf
 
+from consumer.handout import row_mask
 from shared.wire.layout import ARRAY_DTYPES
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["make_dataset", "FEATURE_KEYS"]
 
-FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id")
+FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")
 
 
 def _pad_to(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -58,8 +60,10 @@ def _element(batch: Batch, features: Sequence[str], big: dict[str, tuple[int, ..
              ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     a = batch.arrays if big is None else {k: _pad_to(v, big[k]) for k, v in batch.arrays.items()}
     rows, frames = a["mel"].shape[:2]
-    extra = {"frames": _constant_rows(rows, frames), "batch_id": np.full((rows,), batch.batch_id, np.int64)}
-    feats = {k: a[k] if k in a else extra[k] for k in features}
+    extra = {"frames": lambda: _constant_rows(rows, frames),
+             "batch_id": lambda: np.full((rows,), batch.batch_id, np.int64),
+             "rows": lambda: np.array(batch.rows, np.int32), "row_mask": lambda: row_mask(batch.rows, rows)}
+    feats = {k: a[k] if k in a else extra[k]() for k in features}
     return feats, a["mel"]
 
 
@@ -105,8 +109,9 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
     else:
         shapes = {"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)}
         b = None
-    shapes.update(frames=(b,), batch_id=(b,))
-    dtypes = {**{k: tf.as_dtype(v) for k, v in ARRAY_DTYPES.items()}, "frames": tf.int32, "batch_id": tf.int64}
+    shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
+    dtypes = {**{k: tf.as_dtype(v) for k, v in ARRAY_DTYPES.items()}, "frames": tf.int32, "batch_id": tf.int64,
+              "rows": tf.int32, "row_mask": tf.bool}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
     return feats, tf.TensorSpec(shapes["mel"], tf.float32, name="mel")
 

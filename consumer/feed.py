@@ -327,7 +327,8 @@ class Consumer:
 
         Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
         hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
-        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64).
+        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows)
+        and row_mask ([B] bool).
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features)
