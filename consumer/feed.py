@@ -128,6 +128,9 @@ class Consumer:
         largest = self.bucket_set.max_batch_nbytes()
         log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
                  [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
+        if self.plan.samples_dropped_per_epoch:
+            log.info("buckets.partial drop: %d samples of each epoch left out (partial batches); %d batches per epoch",
+                     self.plan.samples_dropped_per_epoch, self.plan.batches_per_epoch)
         if self.shm is not None:
             log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
                      "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
