@@ -54,7 +54,16 @@ __all__ = ["make_dataset", "FEATURE_KEYS"]
 
 FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")
 _DERIVED = {"frames": tf.int32, "batch_id": tf.int64, "rows": tf.int32, "row_mask": tf.bool}
-_BUCKET, _BATCH_ID, _ROWS = range(3)  # fields of the info vector handed over with the bytes
+_BUCKET, _BATCH_ID, _ROWS, _TOKEN = range(4)  # fields of the info vector handed over with the bytes
+_PREFETCH_BATCHES = 1  # read-ahead depth of the device stage: one batch hides its copy; each holds a ring slot
+
+
+def resolve_prefetch_device(setting: str | None) -> str | None:
+    """``prefetch_device`` of ``as_dataset``: "auto" = the first GPU TensorFlow sees, else None (no stage)."""
+    if setting != "auto":
+        return setting
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else None
 
 
 class _Tables:
@@ -84,10 +93,11 @@ class _Tables:
 class _Handover:
     """The Python side: one call per element for iterator ``token``; holds at most one slot per token."""
 
-    def __init__(self, consumer: Consumer, tables: _Tables) -> None:
+    def __init__(self, consumer: Consumer, tables: _Tables, read_ahead: bool) -> None:
         self._consumer = consumer
         self._end = tables.end
         self._held: dict[int, Batch] = {}
+        self._read_ahead = read_ahead            # a prefetch stage follows: apply on consumption, not here
 
     def begin(self) -> np.int64:
         """A new iterator asked for its first element: it supersedes the previous one."""
@@ -98,7 +108,8 @@ class _Handover:
         """The next batch's slot bytes and info for iterator ``token``; ``StopIteration`` at the end."""
         token = int(token_arr)
         consumer = self._consumer
-        self.release(token_arr)                  # the caller asked for the next element: its step is done
+        if not self._read_ahead:
+            self.release(token_arr)              # the caller asked for the next element: its step is done
         batch = None
         if consumer.is_current(token):
             try:
@@ -107,10 +118,18 @@ class _Handover:
                 batch = None
         if batch is None:
             raise StopIteration
-        consumer.apply_and_hold(batch)           # handed to the caller = applied (see the module docstring)
-        self._held[token] = batch
+        if self._read_ahead:
+            consumer.hold_read_ahead(token, batch)   # applied when the caller takes it (``consumed``)
+        else:
+            consumer.apply_and_hold(batch)       # handed to the caller = applied (see the module docstring)
+            self._held[token] = batch
         raw = consumer.ring.memory.buffer(batch.slot)[:self._end[batch.bucket]]
-        return raw, np.array([batch.bucket, batch.batch_id, batch.rows], np.int64)
+        return raw, np.array([batch.bucket, batch.batch_id, batch.rows, token], np.int64)
+
+    def consumed(self, info: np.ndarray, keep_slot: bool) -> np.int64:
+        """The dataset's caller took the element ``info`` describes (read-ahead mode only)."""
+        self._consumer.consume_read_ahead(int(info[_TOKEN]), int(info[_BATCH_ID]), keep_slot)
+        return np.int64(0)
 
     def release(self, token_arr: np.ndarray) -> np.int64:
         """Free the slot iterator ``token`` holds (next element, or the iterator ended or was dropped)."""
@@ -157,14 +176,43 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
     return feats, tf.TensorSpec(shapes["mel"], tf.float32, name="mel")
 
 
+def _read_ahead(ds: tf.data.Dataset, device: str, handover: _Handover) -> tf.data.Dataset:
+    """Copy to ``device`` (a GPU) and prefetch there, or prefetch on the host; then count consumption.
+
+    The last stage runs only when the caller takes an element (nothing follows it), so its hook
+    marks exactly the batches the caller received as applied.
+    """
+    is_copy = "GPU" in device.upper()
+    if is_copy:
+        ds = ds.apply(tf.data.experimental.copy_to_device(device))
+        with tf.device(device):
+            ds = ds.prefetch(_PREFETCH_BATCHES)
+    else:
+        ds = ds.prefetch(_PREFETCH_BATCHES)
+
+    def hook(feats: dict[str, tf.Tensor], mel: tf.Tensor, info: tf.Tensor
+             ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        with tf.device("/CPU:0"):
+            done = tf.numpy_function(lambda i: handover.consumed(i, keep_slot=not is_copy), [info], tf.int64,
+                                     stateful=True)
+        with tf.control_dependencies([done]):
+            return {k: tf.identity(v) for k, v in feats.items()}, tf.identity(mel)
+
+    return ds.map(hook)
+
+
 def _big_shapes(consumer: Consumer) -> dict[str, tuple[int, ...]]:
     """The shape of every array when padded to the largest bucket in each dimension."""
     shapes = consumer.bucket_shapes
     return {k: tuple(max(s[k][d] for s in shapes) for d in range(len(shapes[0][k]))) for k in shapes[0]}
 
 
-def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]) -> tf.data.Dataset:
+def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str],
+                 prefetch_device: str | None = "auto") -> tf.data.Dataset:
     """The dataset described in the module docstring.
+
+    ``prefetch_device``: "auto" (the model GPU when TensorFlow sees one, else none), None, or a device
+    name; see "Read-ahead to the model device" in the module docstring.
 
     Raises:
         ValueError: ``features`` is empty or names a key outside ``FEATURE_KEYS``.
@@ -175,7 +223,8 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
     keys = tuple(features)
     tables = _Tables(consumer, ["mel", *(k for k in keys if k in ARRAY_DTYPES and k != "mel")])
     big = _big_shapes(consumer) if single_shape else None
-    handover = _Handover(consumer, tables)
+    device = resolve_prefetch_device(prefetch_device)
+    handover = _Handover(consumer, tables, read_ahead=device is not None)
     spec = _spec(consumer, keys, big)
 
     def begin(_: Any) -> tf.Tensor:
@@ -183,17 +232,21 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
 
     def fetch(token: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         raw, info = tf.numpy_function(handover.next, [token], [tf.uint8, tf.int64], stateful=True)
-        return tf.ensure_shape(raw, [None]), tf.ensure_shape(info, [3])
+        return tf.ensure_shape(raw, [None]), tf.ensure_shape(info, [4])
 
     def finalize(token: tf.Tensor) -> tf.Tensor:
         return tf.numpy_function(handover.release, [token], tf.int64, stateful=True)
 
     def per_iterator(dummy: tf.Tensor) -> tf.data.Dataset:  # a fresh token for every iterator
         return _GeneratorDataset(dummy, begin, fetch, finalize,
-                                 (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([3], tf.int64)))
+                                 (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([4], tf.int64)))
 
     ds = (tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
-          .map(lambda raw, info: _build(tables, spec, big, raw, info)))
+          .map(lambda raw, info: (*_build(tables, spec, big, raw, info), info)))
+    if device is not None:
+        ds = _read_ahead(ds, device, handover)
+    else:
+        ds = ds.map(lambda feats, mel, info: (feats, mel))
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False   # no read-ahead past the hand-out point
     options.experimental_optimization.map_parallelization = False  # a parallel map would pull elements ahead

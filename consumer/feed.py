@@ -251,6 +251,30 @@ class Consumer:
             self.free_slot(self._held)
             self._held = None
 
+    def hold_read_ahead(self, token: int, batch: Batch) -> None:
+        """Iterator ``token`` handed ``batch`` to a read-ahead stage: held, not applied until consumed."""
+        with self._lock:
+            self._handout.hold(token, batch)
+
+    def consume_read_ahead(self, token: int, batch_id: int, keep_slot: bool) -> None:
+        """The caller of iterator ``token`` took batch ``batch_id`` out of the read-ahead stage: apply it.
+
+        ``keep_slot``: the element still reads the slot (host stage), so it is freed at the next
+        consumption or iterator; otherwise (the stage copied it to a device) it is freed now.
+        A superseded iterator's elements are not applied (they are handed out again).
+        """
+        with self._lock:
+            batch = self._handout.first_held(token)
+            if batch is None or batch.batch_id != batch_id:
+                return
+            if keep_slot:
+                self._free_held()
+                self.mark_applied(batch)
+                self._held = batch
+            else:
+                self.mark_applied(batch)
+                self.free_slot(batch)
+
     def begin_iterator(self) -> int:
         """Start a new hand-out iterator (superseding any older one); returns its token.
 
@@ -325,16 +349,19 @@ class Consumer:
             self.release(batch)
 
     def as_dataset(self, single_shape: bool = False,
-                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames")) -> Any:
+                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
+                   prefetch_device: str | None = "auto") -> Any:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
         Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
         hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
         mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows)
-        and row_mask ([B] bool).
+        and row_mask ([B] bool). ``prefetch_device``: "auto" = read one batch ahead onto the model GPU when
+        TensorFlow sees one (none on CPU), None = never, or a device name; a batch read ahead is applied
+        only when the caller takes it (consumer/README.md, "Exactly once on the library path").
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
-        return make_dataset(self, single_shape, features)
+        return make_dataset(self, single_shape, features, prefetch_device)
 
     def zmq_context(self) -> Any:
         """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""

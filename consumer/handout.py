@@ -8,10 +8,12 @@ the library path") and docs/ARCHITECTURE.md, invariant 3.
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).
-    * A batch taken from the ring is exactly one of: held by the current iterator, waiting in
-      ``returned`` (lowest id first) to be handed out again, or applied.
-    * Starting an iterator (``begin``) moves the batch the previous one held to the front of
-      ``returned``: a batch handed out but not consumed is handed out again, first.
+    * A batch taken from the ring is exactly one of: held by the current iterator (handed out, not yet
+      consumed: one for ``batches()``, up to the read-ahead depth for a dataset with a device prefetch
+      stage), waiting in ``returned`` (lowest id first) to be handed out again, or applied.
+    * Starting an iterator (``begin``) moves the batches the previous one held to the front of
+      ``returned``, in order: a batch handed out but not consumed is handed out again, first. A batch
+      handed to an iterator that was superseded meanwhile goes to ``returned`` too, in id order.
 Shutdown: nothing to release; the ring slots are the caller's (``consumer/feed.py``).
 """
 
@@ -108,7 +110,7 @@ class Handout:
         self._next_applied = start_batch
         self._applied_ids = array("q")     # 8 bytes per applied batch
         self._returned: deque[Batch] = deque()
-        self._in_hand: Batch | None = None
+        self._in_hand: deque[Batch] = deque()   # the current iterator's, in plan order
         self._token = 0
 
     @property
@@ -126,9 +128,8 @@ class Handout:
     def begin(self) -> int:
         """A new iterator takes over; returns its token. The batch the previous one held comes back first."""
         self._token += 1
-        if self._in_hand is not None:
-            self._returned.appendleft(self._in_hand)   # lower than any still returned: those came first
-            self._in_hand = None
+        self._returned.extendleft(reversed(self._in_hand))   # lower than any still returned: those came first
+        self._in_hand.clear()
         return self._token
 
     def is_current(self, token: int) -> bool:
@@ -138,14 +139,20 @@ class Handout:
         return self._returned.popleft() if self._returned else None
 
     def hold(self, token: int, batch: Batch) -> None:
-        """Iterator ``token`` handed ``batch`` out and has not consumed it yet."""
+        """Iterator ``token`` handed ``batch`` out and has not consumed it yet (superseded: returned)."""
         if self.is_current(token):
-            self._in_hand = batch
+            self._in_hand.append(batch)
+        else:
+            self._returned = deque(sorted([*self._returned, batch], key=lambda b: b.batch_id))
+
+    def first_held(self, token: int) -> Batch | None:
+        """The oldest batch iterator ``token`` holds unconsumed (None if none, or superseded)."""
+        return self._in_hand[0] if self.is_current(token) and self._in_hand else None
 
     def give_back(self, token: int, batch: Batch) -> None:
         """Iterator ``token`` was dropped holding ``batch``: hand it out again, first. No-op if superseded."""
-        if self.is_current(token) and self._in_hand is batch:
-            self._in_hand = None
+        if self.is_current(token) and batch in self._in_hand:
+            self._in_hand.remove(batch)
             self._returned.appendleft(batch)
 
     def record_applied(self, batch: Batch) -> None:
@@ -154,5 +161,5 @@ class Handout:
             raise RuntimeError(f"batch {batch.batch_id} applied out of order: {self._next_applied} is next")
         self._applied_ids.append(batch.batch_id)
         self._next_applied += 1
-        if self._in_hand is batch:
-            self._in_hand = None
+        if self._in_hand and self._in_hand[0] is batch:
+            self._in_hand.popleft()
