@@ -29,6 +29,13 @@ Invariants (consumer/README.md, "Exactly once on the library path"):
     * Each new iterator (each ``fit``) supersedes the previous one and continues the plan where the
       previous one stopped; batches given back by a dropped ``batches()`` loop come first. Starting it
       frees the slot the superseded one held, so a late-collected Keras iterator keeps no slot.
+Read-ahead to the model device (``prefetch_device``; "auto" = the first GPU TensorFlow sees, none on
+CPU): ``copy_to_device`` + ``prefetch(1)`` after the element is built, then a last ``map`` whose hook
+applies the batch. The generator then only *holds* what it takes (``Consumer.hold_read_ahead``); the hook
+runs when the caller takes the element (nothing follows it), so exactly the batches the caller received
+are applied; what the stage still holds when the iterator is dropped or superseded is handed out again,
+first. A device copy frees its slot when taken; a host stage (a device name without "GPU": tests) keeps
+it until the next element, as above. The invariants below describe the dataset without the stage.
 The dataset ends when the consumer's plan ends, ``close()`` is called, or a newer iterator took over.
 Shutdown: a dropped iterator's finalizer frees the slot it still holds.
 """
