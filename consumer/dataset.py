@@ -248,12 +248,11 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
         return _GeneratorDataset(dummy, begin, fetch, finalize,
                                  (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([4], tf.int64)))
 
-    ds = (tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
-          .map(lambda raw, info: (*_build(tables, spec, big, raw, info), info)))
-    if device is not None:
-        ds = _read_ahead(ds, device, handover)
+    ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
+    if device is not None:                      # the info vector travels to the hook after the stage
+        ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, raw, info), info)), device, handover)
     else:
-        ds = ds.map(lambda feats, mel, info: (feats, mel))
+        ds = ds.map(lambda raw, info: _build(tables, spec, big, raw, info))
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False   # no read-ahead past the hand-out point
     options.experimental_optimization.map_parallelization = False  # a parallel map would pull elements ahead
