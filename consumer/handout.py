@@ -151,8 +151,9 @@ class Handout:
 
     def give_back(self, token: int, batch: Batch) -> None:
         """Iterator ``token`` was dropped holding ``batch``: hand it out again, first. No-op if superseded."""
-        if self.is_current(token) and batch in self._in_hand:
-            self._in_hand.remove(batch)
+        kept = [b for b in self._in_hand if b is not batch]   # by identity: Batch equality compares arrays
+        if self.is_current(token) and len(kept) < len(self._in_hand):
+            self._in_hand = deque(kept)
             self._returned.appendleft(batch)
 
     def record_applied(self, batch: Batch) -> None:
