@@ -77,7 +77,8 @@ class Consumer:
                                                    cfg.n_mels, cfg.buckets)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self.rank, self.world = rank, world
-        self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world)
+        self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world,
+                                                   cfg.buckets.partial)
         if isinstance(self.plan, RankPlan):
             log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
                      "left out (bucket leftovers smaller than the world)", rank, world, self.plan.batches_per_epoch,
@@ -135,6 +136,9 @@ class Consumer:
         largest = self.bucket_set.max_batch_nbytes()
         log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
                  [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
+        if self.plan.samples_dropped_per_epoch:
+            log.info("buckets.partial drop: %d samples of each epoch left out (partial batches); %d batches per epoch",
+                     self.plan.samples_dropped_per_epoch, self.plan.batches_per_epoch)
         if self.shm is not None:
             log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
                      "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
@@ -255,6 +259,30 @@ class Consumer:
             self.free_slot(self._held)
             self._held = None
 
+    def hold_read_ahead(self, token: int, batch: Batch) -> None:
+        """Iterator ``token`` handed ``batch`` to a read-ahead stage: held, not applied until consumed."""
+        with self._lock:
+            self._handout.hold(token, batch)
+
+    def consume_read_ahead(self, token: int, batch_id: int, keep_slot: bool) -> None:
+        """The caller of iterator ``token`` took batch ``batch_id`` out of the read-ahead stage: apply it.
+
+        ``keep_slot``: the element still reads the slot (host stage), so it is freed at the next
+        consumption or iterator; otherwise (the stage copied it to a device) it is freed now.
+        A superseded iterator's elements are not applied (they are handed out again).
+        """
+        with self._lock:
+            batch = self._handout.first_held(token)
+            if batch is None or batch.batch_id != batch_id:
+                return
+            if keep_slot:
+                self._free_held()
+                self.mark_applied(batch)
+                self._held = batch
+            else:
+                self.mark_applied(batch)
+                self.free_slot(batch)
+
     def begin_iterator(self) -> int:
         """Start a new hand-out iterator (superseding any older one); returns its token.
 
@@ -337,15 +365,19 @@ class Consumer:
             self.release(batch)
 
     def as_dataset(self, single_shape: bool = False,
-                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames")) -> Any:
+                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
+                   prefetch_device: str | None = "auto") -> Any:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
         Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
         hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
-        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64).
+        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows)
+        and row_mask ([B] bool). ``prefetch_device``: "auto" = read one batch ahead onto the model GPU when
+        TensorFlow sees one (none on CPU), None = never, or a device name; a batch read ahead is applied
+        only when the caller takes it (consumer/README.md, "Exactly once on the library path").
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
-        return make_dataset(self, single_shape, features)
+        return make_dataset(self, single_shape, features, prefetch_device)
 
     def zmq_context(self) -> Any:
         """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""

@@ -8,16 +8,19 @@ the library path") and docs/ARCHITECTURE.md, invariant 3.
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).
-    * A batch taken from the ring is exactly one of: held by the current iterator (one, or up to
-      ``consumer.stage_depth`` under a ``Stager``), waiting in ``returned`` (lowest id first) to be
-      handed out again, or applied.
+    * A batch taken from the ring is exactly one of: held by the current iterator (handed out, not yet
+      consumed: one for ``batches()``, up to ``consumer.stage_depth`` under a ``Stager``, up to the
+      read-ahead depth for a dataset with a device prefetch stage), waiting in ``returned`` (lowest id
+      first) to be handed out again, or applied.
     * Starting an iterator (``begin``) moves the batches the previous one held to ``returned``: a
       batch handed out but not consumed is handed out again, first (``returned`` stays sorted by id).
+      A batch handed to an iterator that was superseded meanwhile goes to ``returned`` too.
 Shutdown: nothing to release; the ring slots are the caller's (``consumer/feed.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,20 @@ import numpy.typing as npt
 from consumer.flow.plan import PlannedBatch
 from shared.wire.layout import PAYLOAD_COPIES
 
-__all__ = ["Batch", "ArraySpec", "Handout"]
+__all__ = ["Batch", "ArraySpec", "Handout", "row_mask"]
+
+
+@functools.lru_cache(maxsize=1024)
+def row_mask(rows: int, batch_size: int) -> npt.NDArray[np.bool_]:
+    """[batch_size] bool, True for the ``rows`` real rows (they come first), False for padding rows.
+
+    Derived from the plan (``PlannedBatch.rows``), never from the data: a row a producer left empty
+    (quarantined: bad cache file, ``mel_len`` 0) is a planned row and stays True. Read-only and shared
+    (one array per (rows, B)), so TensorFlow can wrap it without a copy.
+    """
+    mask = np.arange(batch_size) < rows
+    mask.flags.writeable = False
+    return mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +82,16 @@ class Batch:
 
     @property
     def rows(self) -> int:
-        """Real (non-padding) rows."""
-        return int(np.count_nonzero(self.arrays["mel_len"]))
+        """Real rows, from the plan: rows ``0 .. rows - 1`` hold ``sample_ids``, the rest are padding.
+
+        Fewer than B only in a bucket's last batch of an epoch under ``buckets.partial: pad``.
+        """
+        return self.planned.rows
+
+    @property
+    def row_mask(self) -> npt.NDArray[np.bool_]:
+        """[B] bool, True for the real rows (``row_mask(rows, B)``; read-only)."""
+        return row_mask(self.planned.rows, int(self.arrays["mel_len"].shape[0]))
 
     @property
     def real_frames(self) -> int:
@@ -116,9 +140,15 @@ class Handout:
         return self._returned.pop(0) if self._returned else None
 
     def hold(self, token: int, batch: Batch) -> None:
-        """Iterator ``token`` handed ``batch`` out and has not consumed it yet."""
+        """Iterator ``token`` handed ``batch`` out and has not consumed it yet (superseded: returned)."""
         if self.is_current(token):
             self._in_hand.append(batch)
+        else:
+            self._return(batch)
+
+    def first_held(self, token: int) -> Batch | None:
+        """The oldest batch iterator ``token`` holds unconsumed (None if none, or superseded)."""
+        return self._in_hand[0] if self.is_current(token) and self._in_hand else None
 
     def give_back(self, token: int, batch: Batch) -> None:
         """Iterator ``token`` was dropped holding ``batch``: hand it out again, first. No-op if superseded."""

@@ -56,6 +56,9 @@ class BucketConfig:
     max_tokens: int | None = None            # longest token sequence kept; None = longest in the bucket
     overlong: str = "truncate"               # "truncate" or "drop" utterances longer than max_frames
     frame_multiple: int = 8                  # bucket frame sizes are multiples of this (XLA-friendly)
+    # A bucket's last batch of an epoch: "pad" = run it with mel_len 0 padding rows (the step gets
+    # rows / row_mask), "drop" = leave it out of the plan (its samples skip that epoch; counted).
+    partial: str = "pad"
 
     def __post_init__(self) -> None:
         p = ("buckets",)
@@ -82,6 +85,7 @@ class BucketConfig:
         _check(self.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'",
                p + ("overlong",), self.overlong)
         _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
+        _check(self.partial in ("pad", "drop"), "must be 'pad' or 'drop'", p + ("partial",), self.partial)
 
 
 def check_transport_mode(mode: str, endpoint: str | None) -> None:

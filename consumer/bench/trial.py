@@ -133,7 +133,7 @@ def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     from shared.cache.features import load_manifest_for
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
-    files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed), bucket_set, 1)
+    files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial), bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
     window = UsageWindow()
     service = baselines.ServiceProcesses(spec["workers"], child_env()) if spec["kind"] == "service" else None

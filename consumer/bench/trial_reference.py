@@ -79,7 +79,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     cfg = _with_limit(cfg)
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
-    plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed)
+    plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
     files = baselines.plan_files(manifest, plan, bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
     step = load_step_factory(cfg.model.step)(StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))

@@ -9,7 +9,10 @@ Randomness: epoch ``e`` draws from one generator,
 ``np.random.default_rng([seed, e, int(fingerprint[:15], 16)])`` (a SeedSequence over the seed, the
 epoch and the first 60 bits of the manifest fingerprint). It first permutes each bucket's members
 (in bucket index order), chunks them into batches of that bucket's B rows (the last may be
-partial), then permutes the order of all batches across buckets. ``hash()`` is never used, so
+partial), then permutes the order of all batches across buckets. With ``partial="drop"`` a bucket's
+last chunk is left out when it has fewer than B rows (the within-bucket draws are the same, so every kept
+batch holds the same samples as under "pad"; only the batch order differs); which samples skip an epoch
+changes with the epoch, how many does not (``samples_dropped_per_epoch``). ``hash()`` is never used, so
 the plan is identical in every process and Python run; NumPy does not promise identical streams
 across its own major versions, and a golden test pins the current one.
 
@@ -18,7 +21,10 @@ Invariants:
     * ``batch_id == data_epoch * batches_per_epoch + position``; an epoch's ids are contiguous.
     * Every kept sample (assignment >= 0) appears in exactly one batch per epoch; dropped never.
     * A batch's samples all belong to its bucket; at most B of them, fewer only in a bucket's
-      last batch of the epoch.
+      last batch of the epoch under "pad" (``rows`` < B: the rows from ``rows`` on are padding),
+      never under "drop".
+    * ``partial`` is part of the plan's identity: the state directory's run.json records it
+      (``buckets.partial``) and a resume with another value is refused.
 
 Shutdown: nothing to release. Sharing one plan between threads is safe: a race on the two-epoch
 memo only recomputes an identical epoch.
@@ -34,7 +40,9 @@ import numpy.typing as npt
 
 from shared.wire.buckets import BucketSet
 
-__all__ = ["PlannedBatch", "EpochPlan"]
+__all__ = ["PlannedBatch", "EpochPlan", "PARTIAL_POLICIES"]
+
+PARTIAL_POLICIES = ("pad", "drop")  # buckets.partial
 
 _MEMO_EPOCHS = 2  # the epoch being leased and the one before it (late lease returns, resume)
 _FINGERPRINT_HEX_DIGITS = 15  # 60 bits of the fingerprint enter the seed
@@ -49,21 +57,29 @@ class PlannedBatch:
     bucket: int                   # index into BucketSet.buckets
     sample_ids: tuple[int, ...]   # manifest indices; len <= bucket batch_size, the rest is padding
 
+    @property
+    def rows(self) -> int:
+        """Real rows: rows ``0 .. rows - 1`` of the batch hold ``sample_ids``, the rest are padding."""
+        return len(self.sample_ids)
+
 
 class EpochPlan:
     """Deterministic batch order over any number of epochs for one dataset and seed."""
 
-    def __init__(self, buckets: BucketSet, fingerprint: str, seed: int) -> None:
+    def __init__(self, buckets: BucketSet, fingerprint: str, seed: int, partial: str = "pad") -> None:
         """Precompute each bucket's members; epochs are built lazily.
 
         Args:
             buckets: the bucket set built from the manifest.
             fingerprint: the manifest fingerprint, a hex string (its first 15 digits are used).
             seed: data-order seed, >= 0.
+            partial: ``buckets.partial``: "pad" keeps each bucket's last, partial batch of an
+                epoch (padding rows fill it), "drop" leaves it out.
 
         Raises:
-            ValueError: a fingerprint that does not start with hex digits, a negative seed, or a
-                bucket set with no kept utterance.
+            ValueError: a fingerprint that does not start with hex digits, a negative seed, an
+                unknown ``partial``, or a plan with no batch (no kept utterance, or under "drop"
+                no bucket with a full batch).
         """
         try:
             self._fingerprint_key = int(fingerprint[:_FINGERPRINT_HEX_DIGITS], 16)
@@ -71,20 +87,30 @@ class EpochPlan:
             raise ValueError(f"fingerprint must be a hex string, got {fingerprint!r}") from err
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
+        if partial not in PARTIAL_POLICIES:
+            raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {partial!r}")
         self._seed = int(seed)
         self._buckets = buckets
+        self._is_dropping = partial == "drop"
         self._members: tuple[npt.NDArray[np.int64], ...] = tuple(
             np.flatnonzero(buckets.assignment == b.index).astype(np.int64) for b in buckets.buckets)
-        self._batches_per_epoch = sum(-(-m.size // b.batch_size)
-                                      for m, b in zip(self._members, buckets.buckets))
+        sizes = [(m.size, b.batch_size) for m, b in zip(self._members, buckets.buckets)]
+        self._dropped_per_epoch = sum(n % rows for n, rows in sizes) if self._is_dropping else 0
+        self._batches_per_epoch = sum(n // rows if self._is_dropping else -(-n // rows) for n, rows in sizes)
         if self._batches_per_epoch == 0:
-            raise ValueError("bucket set has no kept utterance")
+            raise ValueError("no batch in the plan: no kept utterance" if not self._is_dropping or not any(
+                n for n, _ in sizes) else "no batch in the plan: with partial 'drop', no bucket fills one batch")
         self._memo: OrderedDict[int, tuple[PlannedBatch, ...]] = OrderedDict()
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches in every epoch: sum over buckets of ceil(members / B)."""
+        """Batches in every epoch: sum over buckets of ceil(members / B) ("pad") or floor ("drop")."""
         return self._batches_per_epoch
+
+    @property
+    def samples_dropped_per_epoch(self) -> int:
+        """Kept samples left out of each epoch by ``partial="drop"`` (sum of members mod B; 0 under "pad")."""
+        return self._dropped_per_epoch
 
     def epoch(self, data_epoch: int) -> tuple[PlannedBatch, ...]:
         """All batches of one epoch in plan order (the last two epochs asked for are memoised).
@@ -134,8 +160,9 @@ class EpochPlan:
         for bucket, members in zip(self._buckets.buckets, self._members):
             shuffled: list[int] = rng.permutation(members).tolist()
             rows = bucket.batch_size
+            end = len(shuffled) - len(shuffled) % rows if self._is_dropping else len(shuffled)
             chunks.extend((bucket.index, tuple(shuffled[start:start + rows]))
-                          for start in range(0, len(shuffled), rows))
+                          for start in range(0, end, rows))
         return rng, chunks
 
     def _build(self, data_epoch: int) -> tuple[PlannedBatch, ...]:

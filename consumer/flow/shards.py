@@ -101,14 +101,14 @@ class RankPlan(EpochPlan):
     """
 
     def __init__(self, buckets: BucketSet, fingerprint: str, seed: int, *, rank: int, world: int,
-                 leftovers: str = "deal") -> None:
-        """``leftovers``: see ``shard_chunks``.
+                 leftovers: str = "deal", partial: str = "pad") -> None:
+        """``leftovers``: see ``shard_chunks``; ``partial``: ``buckets.partial`` (see ``EpochPlan``).
 
         Raises:
             ValueError: a rank outside ``0 .. world-1``, or no global step can be filled (every bucket
                 holds fewer utterances than ranks), besides ``EpochPlan``'s own checks.
         """
-        super().__init__(buckets, fingerprint, seed)
+        super().__init__(buckets, fingerprint, seed, partial)
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"rank must be in 0..world-1, got rank {rank} of world {world}")
         self.rank = rank
@@ -119,6 +119,11 @@ class RankPlan(EpochPlan):
             raise ValueError(f"no global step can be filled: every bucket holds fewer utterances than the "
                              f"{world} ranks")
         self._batches_per_epoch = len(steps)     # a bucket's batch count is the same in every epoch
+
+    @property
+    def samples_dropped_per_epoch(self) -> int:
+        """Samples left out per epoch: partial batches under ``partial="drop"`` plus unshardable leftovers."""
+        return super().samples_dropped_per_epoch + self.dropped_samples_per_epoch
 
     def global_steps(self, data_epoch: int) -> list[GlobalStep]:
         """Every rank's batch at each step of epoch ``data_epoch``, in step order (not memoised)."""
@@ -143,17 +148,24 @@ class RankPlan(EpochPlan):
                                   sample_ids=g.shares[self.rank]) for s, g in enumerate(steps))
 
 
-def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0, world: int = 1) -> EpochPlan:
-    """The plan a consumer of rank ``rank`` in a world of ``world`` follows.
+def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0, world: int = 1,
+                  partial: str = "pad") -> EpochPlan:
+    """The plan a consumer of rank ``rank`` in a world of ``world`` follows (``partial``: ``buckets.partial``).
 
     A world of 1 is ``EpochPlan`` itself (today's plan, bit for bit); otherwise that rank's ``RankPlan``.
+    Under ``partial="drop"`` no batch smaller than the bucket's rows is ever made: a bucket's leftover
+    batches that do not fill a global step are dropped too, not dealt.
 
     Raises:
-        ConfigError: no global step can be filled with this many ranks (exit 78).
+        ConfigError: "drop" leaves no batch, or no global step can be filled with this many ranks (exit 78).
     """
     if world == 1 and rank == 0:
-        return EpochPlan(buckets, fingerprint, seed)
+        try:
+            return EpochPlan(buckets, fingerprint, seed, partial)
+        except ValueError as err:           # "drop" with no bucket holding one full batch
+            raise ConfigError(str(err), path=("buckets", "partial"), got=partial) from None
     try:
-        return RankPlan(buckets, fingerprint, seed, rank=rank, world=world)
+        return RankPlan(buckets, fingerprint, seed, rank=rank, world=world, partial=partial,
+                        leftovers="drop" if partial == "drop" else "deal")
     except ValueError as err:
         raise ConfigError(f"rank {rank} of {world}: {err}", path=("TF_CONFIG",)) from None

@@ -230,7 +230,7 @@ def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[in
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
     try:
         plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
-                             manifest.fingerprint, cfg.seed, run["rank"], run["world"])
+                             manifest.fingerprint, cfg.seed, run["rank"], run["world"], cfg.buckets.partial)
     except PipelineError as err:
         return None, f"plan content not checked: {err}"
     return {b: sample_digest(plan.batch(b).sample_ids) for b in range(end)}, "plan content checked"

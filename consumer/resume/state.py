@@ -14,10 +14,11 @@ state.close()
 ```
 Invariants:
     * One consumer per state directory (``flock`` on ``.lock``; the kernel drops it on SIGKILL).
-    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets, and the rank
-      and world size of a multi-worker job); a config that would change the plan is refused instead
-      of silently mixing two plans in one lineage. A ``run.json`` written before ranks existed has
-      neither key and reads as rank 0 of 1.
+    * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets with
+      ``buckets.partial``, and the rank and world size of a multi-worker job); a config that would
+      change the plan is refused instead of silently mixing two plans in one lineage. A ``run.json``
+      written before ranks existed reads as rank 0 of 1; one written before ``buckets.partial``
+      existed means "pad" (what ran then).
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
     * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
 _RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one consumer, the whole plan
+_BUCKET_KEYS_ADDED = {"partial": "pad"}  # buckets keys newer than some run.json files: what those runs used
 
 
 class RunState:
@@ -201,6 +203,8 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             raise StateError(path, f"unreadable: {err}") from err
+        if isinstance(old.get("buckets"), dict):
+            old["buckets"] = {**_BUCKET_KEYS_ADDED, **old["buckets"]}
         for key in _PLAN_KEYS:
             if old.get(key) != identity[key]:
                 raise StateError(path, f"this state belongs to a run with {key}={old.get(key)!r}, the config has "

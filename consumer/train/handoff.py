@@ -72,7 +72,7 @@ class TfHandOff:
         return Staged(tensors, copied=None, host_copies=copies)
 
     def step(self, batch: Batch, value: _Tensors) -> _Tensors:
-        raw = self._compiled.run(batch.bucket, value)
+        raw = self._compiled.run(batch.bucket, value, rows=batch.rows)
         self.dispatched += 1
         if self._on_step is not None:
             self._on_step(self.dispatched)

@@ -59,6 +59,8 @@ class TrainSummary:
     samples_per_s: float = 0.0
     stall_pct: float = 0.0
     padding_efficiency: float = 0.0
+    partial: str = "pad"                # buckets.partial: a bucket's last, partial batch padded or dropped
+    samples_dropped_per_epoch: int = 0  # kept samples left out of every epoch by partial: drop
     duplicates_dropped: int = 0
     quarantined_samples: int = 0        # bad cache rows left empty (names in the producers' logs)
     step_p50_ms: float | None = None    # compiled step time after warm-up (nearest-rank percentiles)
@@ -118,6 +120,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     consumer.start()
     cache_dir = active_xla_cache_dir()
     out = TrainSummary(padding_efficiency=0.0, replicas=cfg.consumer.replica_count,
+                       partial=cfg.buckets.partial,
+                       samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with _extending_start_timeout(notifier):

@@ -39,6 +39,7 @@ from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from consumer.train.replicas import Replicas
+from consumer.train.rows import row_inputs, row_inputs_taken
 from shared.errors import ConfigError, StepError
 from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
 
@@ -122,6 +123,7 @@ class CompiledStep:
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
         self._bucket_keys = [_shapes_of(s) for s in bucket_shapes]
+        self._row_inputs = row_inputs_taken(step)   # "rows" / "row_mask" keywords (consumer/train/rows.py)
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
@@ -130,6 +132,9 @@ class CompiledStep:
         self._compiles_after_ready = 0
         self._is_ready = False
         self._replicas = replicas
+        if replicas is not None and self._row_inputs:   # the replicas split 4 arrays, not a batch-wide count
+            raise ConfigError("a step that takes rows / row_mask cannot run on several replicas yet; use "
+                              "mel_len > 0 as the row mask, or consumer.replicas: 1", path=("consumer", "replicas"))
 
     @property
     def devices(self) -> list[str]:
@@ -172,11 +177,13 @@ class CompiledStep:
                 return program
             signature = [tf.TensorSpec(shape, _BATCH_DTYPES[name], name=name)
                          for name, shape in zip(_ARG_ORDER, key)]
+            signature += [tf.TensorSpec([], tf.int32, name="rows")] if self._row_inputs else []
 
             def traced(mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                       tok_len: tf.Tensor) -> dict[str, tf.Tensor]:
+                       tok_len: tf.Tensor, *rows: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                return self._normalize(self._step(mel, mel_len, tokens, tok_len))
+                extra = row_inputs(self._row_inputs, rows[0], key[0][0]) if rows else {}
+                return self._normalize(self._step(mel, mel_len, tokens, tok_len, **extra))
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
@@ -276,7 +283,7 @@ class CompiledStep:
         self._mode = mode
         for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
             try:
-                read_outputs(self._program(key)(*_zeros(key)))
+                read_outputs(self._program(key)(*self._zeros(key)))
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise
@@ -285,7 +292,7 @@ class CompiledStep:
 
     def _time_calls(self, key: _Shapes) -> list[float]:
         """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""
-        program, zeros = self._program(key), _zeros(key)
+        program, zeros = self._program(key), self._zeros(key)
         times = []
         for _ in range(_TIMING_CALLS):
             t0 = time.perf_counter()
@@ -293,8 +300,15 @@ class CompiledStep:
             times.append(time.perf_counter() - t0)
         return times
 
-    def run(self, bucket: int, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    def _zeros(self, key: _Shapes) -> list[tf.Tensor]:
+        """The all-padding warm-up batch of one bucket (every length 0; ``rows`` 0 if the step takes it)."""
+        return _zeros(key) + ([tf.constant(0, tf.int32)] if self._row_inputs else [])
+
+    def run(self, bucket: int, batch: Mapping[str, tf.Tensor], rows: int | None = None) -> dict[str, tf.Tensor]:
         """Run one training step on ``batch`` with the program compiled for ``bucket``.
+
+        ``rows``: real rows of the batch (``Batch.rows``; None = all B), given to a step that takes
+        ``rows`` / ``row_mask`` (consumer/train/rows.py) and otherwise unused.
 
         A batch whose shapes differ from the bucket's still runs (a new program is traced,
         counted and logged). The caller must leave DLPack-backed input buffers untouched until
@@ -316,6 +330,8 @@ class CompiledStep:
         key = tuple(tuple(arg.shape) for arg in args)
         if key != expected:
             log.debug("bucket %d got shapes %s, want %s", bucket, key, expected)
+        if self._row_inputs:
+            args.append(tf.constant(key[0][0] if rows is None else rows, tf.int32))
         return self._program(key)(*args)
 
 

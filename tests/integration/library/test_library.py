@@ -17,7 +17,7 @@ from consumer.flow.ring import SlotState
 from shared.config_loader import config_from_mapping
 from tests.conftest import ProducerGroup
 
-_ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id")
+_ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")
 
 
 def _cfg(cache: Path, endpoint: str, steps: int) -> Any:
@@ -88,8 +88,14 @@ def test_an_element_taken_from_the_dataset_is_applied_and_nothing_is_read_ahead(
         assert feats["frames"].numpy().tolist() == [bucket["mel"][1]] * bucket["mel"][0]
         assert feats["batch_id"].numpy().tolist() == [0] * bucket["mel"][0]
         del it                                        # dropped: its slot goes back, batch 0 stays applied
-        ids = [int(f["batch_id"][0]) for f, _ in feed.as_dataset(features=_ALL_FEATURES)]
-    assert ids == list(range(1, 8))
+        elements = [(int(f["batch_id"][0]), int(f["rows"]), f["row_mask"].numpy().tolist())
+                    for f, _ in feed.as_dataset(features=_ALL_FEATURES)]
+        planned = [feed.plan.batch(i) for i in range(1, 8)]
+        sizes = [feed.bucket_shapes[b.bucket]["mel"][0] for b in planned]
+    assert [e[0] for e in elements] == list(range(1, 8))
+    assert [e[1] for e in elements] == [len(b.sample_ids) for b in planned]     # the plan's real rows ...
+    assert [e[2] for e in elements] == [[i < len(b.sample_ids) for i in range(n)] for b, n in zip(planned, sizes)]
+    assert any(len(b.sample_ids) < n for b, n in zip(planned, sizes))           # ... partial batches included
 
 
 def test_a_loop_that_breaks_out_gets_its_unstepped_batch_first_when_it_resumes(

@@ -132,7 +132,8 @@ class Reference:
     """Builds any planned batch exactly as a producer does (own plan: the consumer's is not shared)."""
 
     def __init__(self, consumer: Consumer) -> None:
-        self._plan = EpochPlan(consumer.bucket_set, consumer.manifest.fingerprint, consumer.cfg.seed)
+        self._plan = EpochPlan(consumer.bucket_set, consumer.manifest.fingerprint, consumer.cfg.seed,
+                               consumer.cfg.buckets.partial)
         self._assembler = BatchAssembler(CacheReader(consumer.manifest), consumer.bucket_set, max_buffers=1)
 
     def arrays(self, batch_id: int) -> dict[str, np.ndarray]:

@@ -62,6 +62,7 @@ def test_batch_reports_rows_frames_and_identity() -> None:
     b = _batch(3)
     assert (b.batch_id, b.bucket, b.sample_ids) == (3, 0, (3,))
     assert (b.rows, b.real_frames, b.padded_frames) == (1, 4, 8)
+    assert b.row_mask.tolist() == [True, False] and not b.row_mask.flags.writeable
 
 
 def test_several_held_batches_come_back_lowest_id_first_whichever_order_they_are_given_back() -> None:
@@ -84,3 +85,21 @@ def test_a_new_iterator_returns_every_batch_the_old_one_held_in_id_order() -> No
     h.hold(old, b1)
     h.begin()
     assert [h.pop_returned(), h.pop_returned(), h.pop_returned()] == [b0, b1, None]
+
+
+def test_an_iterator_may_hold_several_read_ahead_batches_and_a_new_one_gets_them_back_in_order() -> None:
+    h = Handout(0)
+    token = h.begin()
+    b0, b1, b2 = _batch(0), _batch(1), _batch(2)
+    for b in (b0, b1, b2):
+        h.hold(token, b)                           # a read-ahead stage took three
+    assert h.first_held(token) is b0
+    h.record_applied(b0)                           # the caller took the first
+    assert h.first_held(token) is b1
+    h.give_back(token, b2)                         # by identity, never by comparing arrays
+    new = h.begin()
+    assert h.first_held(token) is None and h.first_held(new) is None
+    assert [h.pop_returned() for _ in range(2)] == [b1, b2] and not h.has_returned
+    late = _batch(3)
+    h.hold(token, late)                            # handed to a superseded iterator: returned, not lost
+    assert h.pop_returned() is late

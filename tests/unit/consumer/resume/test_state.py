@@ -198,3 +198,21 @@ def test_checkpoint_final_false_is_periodic_even_without_due(tmp_path: Path, mon
     with pytest.raises(StateError):
         state.checkpoint({}, 1, final=True)
     state.close()
+
+
+def test_run_state_refuses_another_partial_policy_and_reads_an_older_run_json_as_pad(tmp_path: Path) -> None:
+    first = RunState.open(_cfg(tmp_path), "f" * 16)           # buckets.partial: pad (the default)
+    assert first is not None
+    first.close()
+    run_json = tmp_path / "s" / "run.json"
+    assert json.loads(run_json.read_text())["buckets"]["partial"] == "pad"
+    with pytest.raises(StateError, match="buckets=.*'partial': 'pad'.*'partial': 'drop'"):
+        RunState.open(_cfg(tmp_path, buckets={"partial": "drop"}), "f" * 16)
+    older = json.loads(run_json.read_text())
+    del older["buckets"]["partial"]                            # written before buckets.partial existed
+    run_json.write_text(json.dumps(older))
+    again = RunState.open(_cfg(tmp_path), "f" * 16)
+    assert again is not None
+    again.close()
+    with pytest.raises(StateError, match="buckets="):
+        RunState.open(_cfg(tmp_path, buckets={"partial": "drop"}), "f" * 16)
