@@ -3,7 +3,8 @@
 Elements: ``(features, mel [B,T,M] float32)``; ``features`` is a dict of the keys asked for, from
 ``tokens`` [B,L] int32, ``tok_len`` [B] int32, ``mel_len`` [B] int32, ``frames`` [B] int32 (every row
 holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``) and ``batch_id``
-[B] int64. Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in
+[B] int64, and the cache's extra arrays by name (the batch schema, ``Consumer.extras``; a sequence
+extra's ``<name>_len`` too). Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in
 the spec, so a ``tf.function`` traces once per bucket), or the largest bucket's when ``single_shape``
 (then the spec is fully static, T included).
 Zero copy: the generator yields numpy views of the 64-byte-aligned ring slot and TensorFlow wraps
@@ -31,15 +32,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tensorflow as tf
 
-from shared.wire.layout import ARRAY_DTYPES
 
 if TYPE_CHECKING:
     from consumer.feed import Consumer
     from consumer.handout import Batch
 
-__all__ = ["make_dataset", "FEATURE_KEYS"]
+__all__ = ["make_dataset", "FEATURE_KEYS", "feature_keys"]
 
-FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id")
+FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id")   # of every cache; extras come after
+
+
+def feature_keys(consumer: Consumer) -> tuple[str, ...]:
+    """Every key ``features`` may name: ``FEATURE_KEYS`` then the batch schema's extra arrays."""
+    base = set(FEATURE_KEYS) | {"mel"}
+    return FEATURE_KEYS + tuple(k for k in consumer.bucket_shapes[0] if k not in base)
 
 
 def _pad_to(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -103,23 +109,32 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
         shapes: dict[str, tuple[int | None, ...]] = dict(big)
         b = big["mel"][0]
     else:
-        shapes = {"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)}
+        shapes = {k: _varying_dims(consumer, k) for k in consumer.bucket_shapes[0]}   # extras too
+        shapes.update({"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)})
         b = None
     shapes.update(frames=(b,), batch_id=(b,))
-    dtypes = {**{k: tf.as_dtype(v) for k, v in ARRAY_DTYPES.items()}, "frames": tf.int32, "batch_id": tf.int64}
+    dtypes = {**{k: tf.as_dtype(v) for k, v in consumer.bucket_set.buckets[0].dtypes().items()},
+              "frames": tf.int32, "batch_id": tf.int64}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
     return feats, tf.TensorSpec(shapes["mel"], tf.float32, name="mel")
+
+
+def _varying_dims(consumer: Consumer, key: str) -> tuple[int | None, ...]:
+    """``key``'s shape across buckets: rows and any dim that differs between buckets are None."""
+    shapes = [s[key] for s in consumer.bucket_shapes]
+    return (None, *(d if all(s[i] == d for s in shapes) else None for i, d in enumerate(shapes[0]) if i > 0))
 
 
 def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]) -> tf.data.Dataset:
     """The dataset described in the module docstring.
 
     Raises:
-        ValueError: ``features`` is empty or names a key outside ``FEATURE_KEYS``.
+        ValueError: ``features`` is empty or names a key outside ``feature_keys(consumer)``.
     """
-    unknown = [k for k in features if k not in FEATURE_KEYS]
+    allowed = feature_keys(consumer)
+    unknown = [k for k in features if k not in allowed]
     if unknown or not features:
-        raise ValueError(f"features must be a non-empty subset of {FEATURE_KEYS}, got {tuple(features)}")
+        raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}")
     keys = tuple(features)
     big = _big_shapes(consumer) if single_shape else None
     ds = tf.data.Dataset.from_generator(lambda: _generate(consumer, keys, big),

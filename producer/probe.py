@@ -71,7 +71,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     reader = TimedReader(CacheReader(manifest))
     assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
                                bad_sample_policy=cfg.producer.bad_samples)

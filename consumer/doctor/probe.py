@@ -107,11 +107,12 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from shared.cache.features import load_manifest_for
 
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     m = cfg.model
     shapes = [b.shapes() for b in bucket_set.buckets]
-    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
-    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step)
+    extras = manifest.schema.extras
+    step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None, extras=extras))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, extras=extras)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -141,6 +142,10 @@ def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     arrays["mel_len"][...] = bucket.max_frames
     arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens
+    for spec in bucket.extras:                          # the batch schema's extras: zeros, full-length sequences
+        arrays[spec.name][...] = 0
+        if spec.length_key:
+            arrays[spec.length_key][...] = arrays[spec.name].shape[1]
     return arrays
 
 

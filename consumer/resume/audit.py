@@ -200,7 +200,7 @@ def _planned_digests(root: Path, end: int) -> tuple[dict[int, int] | None, str]:
         return None, f"plan content not checked: {err}"
     if manifest.fingerprint != run.get("fingerprint"):
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
-    plan = EpochPlan(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
+    plan = EpochPlan(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema),
                      manifest.fingerprint, cfg.seed)
     return {b: sample_digest(plan.batch(b).sample_ids) for b in range(end)}, "plan content checked"
 

@@ -202,10 +202,10 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None)
 
     factory = load_step_factory(cfg.model.step)
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
-    step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
+    step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered)
+                                 remembered=remembered, extras=consumer.extras)
 
 
 def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:

@@ -7,6 +7,10 @@ TensorFlow tensors with DLPack (``to_tensors``).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
+    * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
+      the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
+      ``__call__`` names (or all of them with ``**extras``): a step written for the four base
+      arrays runs unchanged on a cache with extras.
     * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
       ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
       exactly its pre-warm-up value: warm-up never changes training.
@@ -25,6 +29,7 @@ Shutdown: nothing to release; programs and tensors are freed with this object.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +43,7 @@ from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from shared.errors import ConfigError, StepError
 from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
+from shared.wire.schema import LENGTH_DTYPE, ExtraSpec
 
 __all__ = ["load_step_factory", "CompiledStep", "to_tensors", "aligned_empty"]
 
@@ -47,7 +53,20 @@ _BATCH_DTYPES: dict[str, tf.DType] = {name: tf.as_dtype(dtype) for name, dtype i
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
-_Shapes = tuple[tuple[int, ...], ...]  # shapes in _ARG_ORDER: the key of one compiled program
+_Shapes = tuple[tuple[int, ...], ...]  # shapes in argument order (base, then passed extras): one program's key
+
+
+def _accepted_extras(step: object, extras: Sequence[ExtraSpec]) -> tuple[str, ...]:
+    """Batch keys of ``extras`` (with sequence lengths) that ``step.__call__`` takes by keyword."""
+    keys = [k for e in extras for k in (e.name, e.length_key) if k is not None]
+    try:
+        params = inspect.signature(step).parameters      # type: ignore[arg-type]
+    except (TypeError, ValueError):                      # a builtin or C callable: pass none
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return tuple(keys)
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(k for k in keys if k in named and k not in _ARG_ORDER)
 
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
@@ -78,12 +97,12 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     return factory  # type: ignore[no-any-return]
 
 
-def _shapes_of(shapes: Mapping[str, Sequence[int]]) -> _Shapes:
-    """Validate one bucket's shapes and return them in argument order."""
-    if set(shapes) != set(_ARG_ORDER):
-        raise ValueError(f"bucket shapes need keys {sorted(_ARG_ORDER)}, got {sorted(shapes)}")
-    out = tuple(tuple(int(d) for d in shapes[k]) for k in _ARG_ORDER)
-    mel, mel_len, tokens, tok_len = out
+def _shapes_of(shapes: Mapping[str, Sequence[int]], passed: Sequence[str] = ()) -> _Shapes:
+    """Validate one bucket's shapes and return them in argument order (base keys, then ``passed`` extras)."""
+    if not set(_ARG_ORDER) <= set(shapes) or not set(passed) <= set(shapes):
+        raise ValueError(f"bucket shapes need keys {sorted({*_ARG_ORDER, *passed})}, got {sorted(shapes)}")
+    out = tuple(tuple(int(d) for d in shapes[k]) for k in (*_ARG_ORDER, *passed))
+    mel, mel_len, tokens, tok_len = out[:4]
     batch = mel[0] if len(mel) == 3 else -1
     if not (len(mel) == 3 and mel_len == (batch,) and len(tokens) == 2 and tokens[0] == batch
             and tok_len == (batch,) and min(mel + tokens) >= 1):
@@ -104,10 +123,13 @@ class CompiledStep:
         factory: the step factory's name (``model.step``), for error messages.
         remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept
             without timing, unless XLA now fails.
+        extras: the batch schema's extra arrays (``Consumer.extras``); those the step's ``__call__``
+            names are passed by keyword (shapes from ``bucket_shapes``), the others are not passed.
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
-                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None) -> None:
+                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
+                 extras: Sequence[ExtraSpec] = ()) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -115,7 +137,13 @@ class CompiledStep:
         self._setting = jit_compile
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
-        self._bucket_keys = [_shapes_of(s) for s in bucket_shapes]
+        self._passed = _accepted_extras(step, extras)   # extra keys the step takes, in batch order
+        self._dtypes: dict[str, tf.DType] = {**_BATCH_DTYPES, **{k: tf.as_dtype(d) for e in extras for k, d in
+                                                                  ((e.name, e.dtype), (e.length_key, LENGTH_DTYPE)) if k}}
+        if extras:
+            log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
+                     [e.name for e in extras if e.name not in self._passed] or "none")
+        self._bucket_keys = [_shapes_of(s, self._passed) for s in bucket_shapes]
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
@@ -152,13 +180,12 @@ class CompiledStep:
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))
         if program is None:
-            signature = [tf.TensorSpec(shape, _BATCH_DTYPES[name], name=name)
-                         for name, shape in zip(_ARG_ORDER, key)]
+            names = (*_ARG_ORDER, *self._passed)
+            signature = [tf.TensorSpec(shape, self._dtypes[name], name=name) for name, shape in zip(names, key)]
 
-            def traced(mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                       tok_len: tf.Tensor) -> dict[str, tf.Tensor]:
+            def traced(*args: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                return self._normalize(self._step(mel, mel_len, tokens, tok_len))
+                return self._normalize(self._step(*args[:4], **dict(zip(self._passed, args[4:]))))
 
             program = tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature)
             self._programs[(self._mode, key)] = program
@@ -170,10 +197,11 @@ class CompiledStep:
         if self._is_ready:
             self._compiles_after_ready += 1
             log.warning("compiling a new step program after warm-up shapes=%s mode=%s "
-                        "compiles_after_ready=%d", dict(zip(_ARG_ORDER, key)), self._mode,
+                        "compiles_after_ready=%d", dict(zip((*_ARG_ORDER, *self._passed), key)), self._mode,
                         self._compiles_after_ready)
         else:
-            log.debug("tracing step program shapes=%s mode=%s", dict(zip(_ARG_ORDER, key)), self._mode)
+            log.debug("tracing step program shapes=%s mode=%s", dict(zip((*_ARG_ORDER, *self._passed), key)),
+                      self._mode)
 
     @tf.autograph.experimental.do_not_convert
     def _normalize(self, result: object) -> dict[str, tf.Tensor]:
@@ -255,7 +283,7 @@ class CompiledStep:
         self._mode = mode
         for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
             try:
-                read_outputs(self._program(key)(*_zeros(key)))
+                read_outputs(self._program(key)(*self._zeros(key)))
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise
@@ -264,7 +292,7 @@ class CompiledStep:
 
     def _time_calls(self, key: _Shapes) -> list[float]:
         """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""
-        program, zeros = self._program(key), _zeros(key)
+        program, zeros = self._program(key), self._zeros(key)
         times = []
         for _ in range(_TIMING_CALLS):
             t0 = time.perf_counter()
@@ -287,20 +315,21 @@ class CompiledStep:
             IndexError: unknown bucket. TypeError: a batch tensor has the wrong dtype.
         """
         expected = self._bucket_keys[bucket]
-        args = [batch[name] for name in _ARG_ORDER]
-        for name, arg in zip(_ARG_ORDER, args):
-            if arg.dtype != _BATCH_DTYPES[name]:
+        names = (*_ARG_ORDER, *self._passed)
+        args = [batch[name] for name in names]
+        for name, arg in zip(names, args):
+            if arg.dtype != self._dtypes[name]:
                 raise TypeError(f"batch[{name!r}] has dtype {arg.dtype.name}, "
-                                f"want {_BATCH_DTYPES[name].name}")
+                                f"want {self._dtypes[name].name}")
         key = tuple(tuple(arg.shape) for arg in args)
         if key != expected:
             log.debug("bucket %d got shapes %s, want %s", bucket, key, expected)
         return self._program(key)(*args)
 
 
-def _zeros(key: _Shapes) -> list[tf.Tensor]:
-    """The all-padding warm-up batch of one bucket (every length 0)."""
-    return [tf.zeros(shape, _BATCH_DTYPES[name]) for name, shape in zip(_ARG_ORDER, key)]
+    def _zeros(self, key: _Shapes) -> list[tf.Tensor]:
+        """The all-padding warm-up batch of one bucket (every length 0, every extra zeros)."""
+        return [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._passed), key)]
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
