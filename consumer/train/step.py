@@ -138,8 +138,9 @@ class CompiledStep:
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
         self._passed = _accepted_extras(step, extras)   # extra keys the step takes, in batch order
-        self._dtypes: dict[str, tf.DType] = {**_BATCH_DTYPES, **{k: tf.as_dtype(d) for e in extras for k, d in
-                                                                  ((e.name, e.dtype), (e.length_key, LENGTH_DTYPE)) if k}}
+        extra_dtypes = {k: tf.as_dtype(d) for e in extras for k, d in ((e.name, e.dtype), (e.length_key, LENGTH_DTYPE))
+                        if k is not None}
+        self._dtypes: dict[str, tf.DType] = {**_BATCH_DTYPES, **extra_dtypes}
         if extras:
             log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
                      [e.name for e in extras if e.name not in self._passed] or "none")

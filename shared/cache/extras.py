@@ -192,7 +192,8 @@ def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[in
     dtypes = {h.dtype.str for h in heads}
     first = heads[0]
     if kind is None:
-        kind = infer_kind(heads, [frames[pos[u]] for u in ids if u in found], [tokens[pos[u]] for u in ids if u in found])
+        present = [pos[u] for u in ids if u in found]
+        kind = infer_kind(heads, [frames[i] for i in present], [tokens[i] for i in present])
     trailing = first.shape if kind == "utterance" else first.shape[1:]
     dtype = np.dtype(first.dtype).name if first.dtype.byteorder in "<|=" else first.dtype.str
     bad = check_declaration(name, kind, dtype, list(trailing))

@@ -10,16 +10,19 @@ Shutdown: nothing to shut down; every file opened here is closed before returnin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from shared.errors import CacheError
-from shared.cache.manifest import (FEATURES_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem, FeatureItems, Manifest, Utterance,
-                                   parse_features, parse_vocabulary, read_feature_record)
+from shared.cache.manifest import (FEATURES_NAME, MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
+                                   FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary, read_feature_record)
 from shared.cache.extras import ExtraColumn, extra_dirs, index_extra
+from shared.cache.filekind import read_regular
 from shared.cache.npyfile import NpyHeader, inspect_npy
+from shared.wire.schema import KINDS
 
 __all__ = ["build_manifest", "check_mel_header", "check_token_header"]
 
@@ -112,7 +115,8 @@ def build_manifest(
         n_mels: Required last dimension of every mel file.
         progress: Called as ``progress(done, total)`` after each utterance id.
         kinds: Declared kind of each extra in ``extras/`` (``index --extra NAME:KIND=DIR``); an
-            extra not named here gets the kind its headers show (``shared.cache.extras.infer_kind``).
+            extra not named here keeps the kind the current manifest declares, else gets the kind its
+            headers show (``shared.cache.extras.infer_kind``).
 
     Returns:
         ``(manifest, problems)``: the usable utterances, and one ``CacheProblem`` per bad or
@@ -151,11 +155,22 @@ def build_manifest(
     return manifest, problems
 
 
+def _declared_kinds(root: Path) -> dict[str, str]:
+    """The kinds the current manifest declares (best effort): a re-index keeps them without ``--extra``."""
+    try:
+        doc = json.loads(read_regular(root / MANIFEST_NAME))
+        return {e["name"]: e["kind"] for e in doc.get("extras") or []
+                if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
+    except (CacheError, OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
 def _index_extras(root: Path, utterances: list[Utterance], kinds: Mapping[str, str],
                   problems: list[CacheProblem]) -> tuple[list[Utterance], tuple[ExtraColumn, ...]]:
     """Index ``extras/*``: an utterance whose file of any extra is bad or missing is left out."""
     folders = extra_dirs(root)
     unknown = sorted(set(kinds) - set(folders))
+    kinds = {**_declared_kinds(root), **kinds}
     if unknown:
         raise CacheError(root / "extras", f"no folder for the declared extra {unknown[0]!r}")
     ids = [u.id for u in utterances]
