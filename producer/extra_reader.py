@@ -80,7 +80,7 @@ class ExtraReader:
     @staticmethod
     def _pread(path: str, file_bytes: int, head: bytearray, rows: npt.NDArray[Any]) -> None:
         """One ``preadv`` of the header and the first rows' data, straight into ``rows``."""
-        data = rows.reshape(-1).view(np.uint8) if rows.size else np.empty(0, np.uint8)
+        data = rows.data.cast("B") if rows.size else memoryview(bytearray())
         try:
             fd, st = open_regular(path)
         except OSError as err:

@@ -204,9 +204,9 @@ def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[in
     rows = np.zeros((len(ids), _ROW_WIDTH), dtype=np.int64)
     for uid, (header, nbytes) in found.items():
         i = pos[uid]
-        why = check_extra_header(spec, header, frames[i], tokens[i])
-        if why is not None:
-            problems[uid] = (str(folder / f"{uid}.npy"), why)
+        reason = check_extra_header(spec, header, frames[i], tokens[i])
+        if reason is not None:
+            problems[uid] = (str(folder / f"{uid}.npy"), reason)
             continue
         rows[i] = (header.shape[0] if spec.has_length else 0, header.data_offset, nbytes)
     return ExtraColumn(spec, rows), problems

@@ -23,6 +23,12 @@ N = 6
 REPO = Path(__file__).resolve().parents[4]
 
 
+@pytest.fixture(autouse=True)
+def _keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_pipeline.main`` in-process must not replace the test session's log handlers."""
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda level="INFO": None)
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_cache(tmp_path_factory.mktemp("extras") / "cache", N, n_mels=8, extras=True).cache_dir
