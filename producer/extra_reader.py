@@ -40,6 +40,10 @@ class ExtraReader:
         """Bind to ``manifest``; opens nothing until a read."""
         self.manifest = manifest
         self._columns = {c.spec.name: c for c in manifest.extras}
+        # Plain Python per-row tuples and dtypes made once: numpy indexing per read costs more than the read.
+        self._rows = {name: [tuple(r) for r in c.rows.tolist()] for name, c in self._columns.items()}
+        self._dtypes = {name: np.dtype(c.spec.dtype) for name, c in self._columns.items()}
+        self._head = bytearray(128)   # header bytes of the file being read, grown on demand
         ids = [u.id for u in manifest.utterances]
         self._paths = {name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
                        for name in self._columns}
@@ -58,19 +62,20 @@ class ExtraReader:
         Raises:
             CacheError: see the module invariants. ValueError: ``dst`` has the wrong dtype or shape.
         """
-        column = self._columns[name]
-        spec = column.spec
-        length, offset, file_bytes = (int(x) for x in column.rows[index])
+        spec = self._columns[name].spec
+        length, offset, file_bytes = self._rows[name][index]
         trailing = dst.shape[1:] if spec.has_length else dst.shape
-        if dst.dtype != np.dtype(spec.dtype) or trailing != spec.shape or not dst.flags.c_contiguous:
+        if dst.dtype != self._dtypes[name] or trailing != spec.shape or not dst.flags.c_contiguous:
             raise ValueError(f"dst for extra {name!r} must be C-contiguous {spec.dtype} [..., {spec.shape}], "
                              f"got {dst.dtype} {dst.shape}")
         n = min(length, int(dst.shape[0])) if spec.has_length else 1
         rows = dst[:n] if spec.has_length else dst
         path = self._paths[name][index]
-        head = bytearray(offset)
+        if len(self._head) < offset:
+            self._head = bytearray(offset)
+        head = memoryview(self._head)[:offset]
         self._pread(path, file_bytes, head, rows)
-        self._check_head(spec, index, path, bytes(head), length, offset)
+        self._check_head(spec, index, path, head, length, offset)
         if rows.dtype.kind == "f" and not np.isfinite(rows).all():
             raise CacheError(path, f"non-finite values (NaN/Inf) in extra {name!r}; run verify-cache")
         if spec.has_length:
@@ -78,7 +83,7 @@ class ExtraReader:
         return n
 
     @staticmethod
-    def _pread(path: str, file_bytes: int, head: bytearray, rows: npt.NDArray[Any]) -> None:
+    def _pread(path: str, file_bytes: int, head: memoryview, rows: npt.NDArray[Any]) -> None:
         """One ``preadv`` of the header and the first rows' data, straight into ``rows``."""
         data = rows.data.cast("B") if rows.size else memoryview(bytearray())
         try:
@@ -89,7 +94,7 @@ class ExtraReader:
             if st.st_size != file_bytes:
                 raise CacheError(path, f"file changed since index (size {st.st_size}, manifest says "
                                        f"{file_bytes}); re-run index")
-            need = len(head) + data.nbytes
+            need = head.nbytes + data.nbytes
             got = os.preadv(fd, [head, data], 0)
             if got < need:
                 raise CacheError(path, f"short read: {got} of {need} bytes")
@@ -98,16 +103,16 @@ class ExtraReader:
         finally:
             os.close(fd)
 
-    def _check_head(self, spec: ExtraSpec, index: int, path: str, head: bytes, length: int, offset: int) -> None:
+    def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
         key = (spec.name, index)
         if self._checked_heads.get(key) == head:
             return
         try:
-            header = parse_npy_header(head, path)
+            header = parse_npy_header(bytes(head), path)
         except CacheError as err:
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
         want = (spec.file_shape(length), np.dtype(spec.dtype).newbyteorder("<"), offset)
         if (header.shape, header.dtype, header.data_offset) != want:
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {want[0]} {want[1].str}); re-run index")
-        self._checked_heads[key] = head
+        self._checked_heads[key] = bytes(head)
