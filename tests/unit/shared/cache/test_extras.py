@@ -59,6 +59,10 @@ def test_the_demo_extras_are_declared_and_fingerprinted_and_a_cache_without_them
     assert "extras" not in _doc(plain.cache_dir) and plain.extras == ()
     assert plain.fingerprint != manifest.fingerprint         # the schema is part of the plan identity
     assert [u.id for u in plain.utterances] == [u.id for u in manifest.utterances]
+    assert plain.mel_path(3).read_bytes() == manifest.mel_path(3).read_bytes()    # same random stream
+    mel = np.load(manifest.mel_path(3))
+    assert np.load(manifest.extra_path("energy", 3)).tobytes() == mel.mean(axis=1, dtype=np.float32).tobytes()
+    assert np.load(manifest.extra_path("speaker", 3)).shape == ()
 
 
 @pytest.mark.parametrize(("edit", "key"), [
