@@ -9,8 +9,8 @@ Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
     * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
       the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
-      ``__call__`` names (or all of them with ``**extras``): a step written for the four base
-      arrays runs unchanged on a cache with extras.
+      ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
+      written for the four base arrays runs unchanged on a cache with extras.
     * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
       ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
       exactly its pre-warm-up value: warm-up never changes training.
@@ -29,7 +29,6 @@ Shutdown: nothing to release; programs and tensors are freed with this object.
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,35 +37,23 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
+from consumer.train.inputs import accepted_extras, input_dtypes
 from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from shared.errors import ConfigError, StepError
-from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
-from shared.wire.schema import LENGTH_DTYPE, ExtraSpec
+from shared.wire.layout import ALIGN_BYTES, ARRAY_KEYS
+from shared.wire.schema import ExtraSpec
 
 __all__ = ["load_step_factory", "CompiledStep", "to_tensors", "aligned_empty"]
 
 log = logging.getLogger(__name__)
 
-_BATCH_DTYPES: dict[str, tf.DType] = {name: tf.as_dtype(dtype) for name, dtype in ARRAY_DTYPES.items()}
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
 _Shapes = tuple[tuple[int, ...], ...]  # shapes in argument order (base, then passed extras): one program's key
 
-
-def _accepted_extras(step: object, extras: Sequence[ExtraSpec]) -> tuple[str, ...]:
-    """Batch keys of ``extras`` (with sequence lengths) that ``step.__call__`` takes by keyword."""
-    keys = [k for e in extras for k in (e.name, e.length_key) if k is not None]
-    try:
-        params = inspect.signature(step).parameters      # type: ignore[arg-type]
-    except (TypeError, ValueError):                      # a builtin or C callable: pass none
-        return ()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return tuple(keys)
-    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return tuple(k for k in keys if k in named and k not in _ARG_ORDER)
 
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
@@ -137,10 +124,8 @@ class CompiledStep:
         self._setting = jit_compile
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
-        self._passed = _accepted_extras(step, extras)   # extra keys the step takes, in batch order
-        extra_dtypes = {k: tf.as_dtype(d) for e in extras for k, d in ((e.name, e.dtype), (e.length_key, LENGTH_DTYPE))
-                        if k is not None}
-        self._dtypes: dict[str, tf.DType] = {**_BATCH_DTYPES, **extra_dtypes}
+        self._passed = accepted_extras(step, extras)   # extra keys the step takes (consumer/train/inputs.py)
+        self._dtypes = input_dtypes(extras)
         if extras:
             log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
                      [e.name for e in extras if e.name not in self._passed] or "none")
