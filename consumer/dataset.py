@@ -4,7 +4,9 @@ Elements: ``(features, mel [B,T,M] float32)``; ``features`` is a dict of the key
 ``tokens`` [B,L] int32, ``tok_len`` [B] int32, ``mel_len`` [B] int32, ``frames`` [B] int32 (every row
 holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``), ``batch_id``
 [B] int64, and the row inputs of the step contract (consumer/train/rows.py): ``rows`` [] int32 (real
-rows, from the plan) and ``row_mask`` [B] bool (True for the real rows, which come first).
+rows, from the plan) and ``row_mask`` [B] bool (True for the real rows, which come first), and the
+cache's extra arrays by name (the batch schema, ``Consumer.extras``; a sequence extra's ``<name>_len``
+too).
 Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in the spec, so a
 ``tf.function`` traces once per bucket), or the largest bucket's when ``single_shape`` (then the spec
 is fully static, T included).
@@ -51,18 +53,23 @@ import tensorflow as tf
 # StopIteration); the public function adds ~1 ms of Python checks per element (docs/BENCHMARKS.md).
 from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
-from shared.wire.layout import ARRAY_DTYPES
 
 if TYPE_CHECKING:
     from consumer.feed import Consumer
     from consumer.handout import Batch
 
-__all__ = ["make_dataset", "FEATURE_KEYS"]
+__all__ = ["make_dataset", "FEATURE_KEYS", "feature_keys"]
 
 FEATURE_KEYS = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")
 _DERIVED = {"frames": tf.int32, "batch_id": tf.int64, "rows": tf.int32, "row_mask": tf.bool}
 _BUCKET, _BATCH_ID, _ROWS, _TOKEN = range(4)  # fields of the info vector handed over with the bytes
 _PREFETCH_BATCHES = 1  # read-ahead depth of the device stage: one batch hides its copy; each holds a ring slot
+
+
+def feature_keys(consumer: Consumer) -> tuple[str, ...]:
+    """Every key ``features`` may name: ``FEATURE_KEYS`` then the batch schema's extra arrays."""
+    base = set(FEATURE_KEYS) | {"mel"}
+    return FEATURE_KEYS + tuple(k for k in consumer.bucket_shapes[0] if k not in base)
 
 
 def resolve_prefetch_device(setting: str | None) -> str | None:
@@ -85,7 +92,8 @@ class _Tables:
         self.offset = {k: tf.constant([vs[k].ctypes.data - base for vs in views], tf.int64) for k in names}
         self.nbytes = {k: tf.constant([vs[k].nbytes for vs in views], tf.int64) for k in names}
         self.shape = {k: tf.constant([vs[k].shape for vs in views], tf.int64) for k in names}
-        self.dtype = {k: tf.as_dtype(ARRAY_DTYPES[k]) for k in names}
+        dtypes = buckets[0].dtypes()                             # the same in every bucket
+        self.dtype = {k: tf.as_dtype(dtypes[k]) for k in names}
 
     def array(self, raw: tf.Tensor, bucket: tf.Tensor, name: str) -> tf.Tensor:
         """One array of the batch as a view of ``raw`` (aligned slice, bitcast, reshape: no copy)."""
@@ -175,10 +183,11 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
         shapes: dict[str, tuple[int | None, ...]] = dict(big)
         b = big["mel"][0]
     else:
-        shapes = {"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)}
+        shapes = {k: _varying_dims(consumer, k) for k in consumer.bucket_shapes[0]}   # extras too
+        shapes.update({"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)})
         b = None
     shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
-    dtypes = {**{k: tf.as_dtype(v) for k, v in ARRAY_DTYPES.items()}, **_DERIVED}
+    dtypes = {**{k: tf.as_dtype(v) for k, v in consumer.bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
     return feats, tf.TensorSpec(shapes["mel"], tf.float32, name="mel")
 
@@ -214,6 +223,12 @@ def _big_shapes(consumer: Consumer) -> dict[str, tuple[int, ...]]:
     return {k: tuple(max(s[k][d] for s in shapes) for d in range(len(shapes[0][k]))) for k in shapes[0]}
 
 
+def _varying_dims(consumer: Consumer, key: str) -> tuple[int | None, ...]:
+    """``key``'s shape across buckets: rows and any dim that differs between buckets are None."""
+    shapes = [s[key] for s in consumer.bucket_shapes]
+    return (None, *(d if all(s[i] == d for s in shapes) else None for i, d in enumerate(shapes[0]) if i > 0))
+
+
 def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str],
                  prefetch_device: str | None = "auto") -> tf.data.Dataset:
     """The dataset described in the module docstring.
@@ -222,13 +237,15 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
     name; see "Read-ahead to the model device" in the module docstring.
 
     Raises:
-        ValueError: ``features`` is empty or names a key outside ``FEATURE_KEYS``.
+        ValueError: ``features`` is empty or names a key outside ``feature_keys(consumer)``.
     """
-    unknown = [k for k in features if k not in FEATURE_KEYS]
+    allowed = feature_keys(consumer)
+    unknown = [k for k in features if k not in allowed]
     if unknown or not features:
-        raise ValueError(f"features must be a non-empty subset of {FEATURE_KEYS}, got {tuple(features)}")
+        raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}")
     keys = tuple(features)
-    tables = _Tables(consumer, ["mel", *(k for k in keys if k in ARRAY_DTYPES and k != "mel")])
+    arrays = consumer.bucket_shapes[0]                   # the slot's arrays: base, then extras
+    tables = _Tables(consumer, ["mel", *(k for k in keys if k in arrays and k != "mel")])
     big = _big_shapes(consumer) if single_shape else None
     device = resolve_prefetch_device(prefetch_device)
     handover = _Handover(consumer, tables, read_ahead=device is not None)

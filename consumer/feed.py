@@ -45,7 +45,7 @@ from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.service.lifecycle import resolve_endpoint
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.wire.curve import server_keys_for
-from shared.wire.layout import ARRAY_DTYPES, ARRAY_KEYS
+from shared.wire.schema import ExtraSpec
 
 __all__ = ["Batch", "Consumer", "ArraySpec"]
 
@@ -74,7 +74,7 @@ class Consumer:
         self.cfg = cfg
         self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
-                                                   cfg.n_mels, cfg.buckets)
+                                                   cfg.n_mels, cfg.buckets, self.manifest.schema)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self.rank, self.world = rank, world
         self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world,
@@ -168,7 +168,8 @@ class Consumer:
     # --- what a training loop needs before start() ------------------------------------------------
     @property
     def bucket_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
-        """Array shapes of each bucket (by bucket index): mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B]."""
+        """Array shapes of each bucket (by bucket index): mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B],
+        then the cache's extras by name (``shared/wire/schema.py``)."""
         return tuple(b.shapes() for b in self.bucket_set.buckets)
 
     @property
@@ -179,7 +180,13 @@ class Consumer:
     @property
     def array_schema(self) -> tuple[ArraySpec, ...]:
         """Every array of a batch, in wire order: name, numpy dtype and its shape in each bucket."""
-        return tuple(ArraySpec(k, ARRAY_DTYPES[k], tuple(s[k] for s in self.bucket_shapes)) for k in ARRAY_KEYS)
+        dtypes = self.bucket_set.buckets[0].dtypes()   # every bucket has the same keys and dtypes
+        return tuple(ArraySpec(k, dtype, tuple(s[k] for s in self.bucket_shapes)) for k, dtype in dtypes.items())
+
+    @property
+    def extras(self) -> tuple[ExtraSpec, ...]:
+        """The cache's extra arrays (name, kind, dtype, trailing shape), in batch order; () for none."""
+        return self.manifest.schema.extras
 
     @property
     def applied(self) -> int:
@@ -371,10 +378,11 @@ class Consumer:
 
         Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
         hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
-        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows)
-        and row_mask ([B] bool). ``prefetch_device``: "auto" = read one batch ahead onto the model GPU when
-        TensorFlow sees one (none on CPU), None = never, or a device name; a batch read ahead is applied
-        only when the caller takes it (consumer/README.md, "Exactly once on the library path").
+        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows),
+        row_mask ([B] bool), and the cache's extras by name (``extras``; a sequence's ``<name>_len`` too).
+        ``prefetch_device``: "auto" = read one batch ahead onto the model GPU when TensorFlow sees one
+        (none on CPU), None = never, or a device name; a batch read ahead is applied only when the caller
+        takes it (consumer/README.md, "Exactly once on the library path").
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features, prefetch_device)

@@ -61,7 +61,8 @@ class Batch:
     """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
 
     planned: PlannedBatch                 # its identity in the plan: id, data epoch, bucket, sample ids
-    arrays: dict[str, npt.NDArray[Any]]   # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32
+    # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32, then the cache's extras by name
+    arrays: dict[str, npt.NDArray[Any]]
     slot: int
     copies: int = PAYLOAD_COPIES          # copies from page cache into the slot: 1 shared memory, 4 payload
     utterance_ids: tuple[str, ...] = ()   # manifest ids of the real rows, in row order

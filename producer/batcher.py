@@ -4,7 +4,9 @@ Each row is read from the cache with one ``preadv`` into its place in the buffer
 ``np.load`` + copy); only the padding tail of a row is zeroed. Buffers are sent zero-copy
 (``copy=False``), so a buffer is reused only after ZeroMQ reports it done (``MessageTracker``).
 On the same-host shared-memory path the caller passes ``target`` (views of the consumer's ring slot)
-and the batch is built there instead: no send buffer at all.
+and the batch is built there instead: no send buffer at all. The cache's extra arrays (the batch
+schema, ``shared/wire/schema.py``) are read the same way, row by row into their place
+(``producer/extra_reader.py``), a sequence extra's length into ``<name>_len``.
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
@@ -23,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from producer.extra_reader import ExtraReader
 from producer.reader import CacheReader, TransientReadError
 from shared.wire.buckets import BucketSet
 from shared.errors import CacheError
@@ -57,6 +60,7 @@ class BatchAssembler:
     def __init__(self, reader: CacheReader, bucket_set: BucketSet, *, max_buffers: int = 4,
                  reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine") -> None:
         self._reader = reader
+        self._extras = ExtraReader(reader.manifest) if reader.manifest.extras else None
         self._buckets = bucket_set.buckets
         self._layouts = {b.index: batch_layout(b) for b in self._buckets}
         self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}
@@ -90,6 +94,8 @@ class BatchAssembler:
             try:
                 mel_len[row] = self._reader.read_mel_into(sid, mel[row])
                 tok_len[row] = self._reader.read_tokens_into(sid, tokens[row])
+                if self._extras is not None:
+                    self._read_extras(sid, row, arrays)
             except TransientReadError:
                 raise
             except CacheError as err:
@@ -99,6 +105,8 @@ class BatchAssembler:
                 mel[row] = 0
                 tokens[row] = 0
                 mel_len[row] = tok_len[row] = 0
+                for key in self._extra_keys():
+                    arrays[key][row] = 0
                 quarantined.append(sid)
             finally:
                 self.read_s_total += time.perf_counter() - t0
@@ -108,7 +116,24 @@ class BatchAssembler:
             tokens[n:] = 0
             mel_len[n:] = 0
             tok_len[n:] = 0
+            for key in self._extra_keys():
+                arrays[key][n:] = 0
         return BuiltBatch(batch_id, bucket, arrays, quarantined, buf)
+
+    def _read_extras(self, sid: int, row: int, arrays: dict[str, npt.NDArray[np.generic]]) -> None:
+        """Each extra of sample ``sid`` into its row (and a sequence's length into ``<name>_len``)."""
+        assert self._extras is not None
+        for spec in self._extras.specs:
+            whole = arrays[spec.name]
+            n = self._extras.read_into(spec.name, sid, whole[row:row + 1].reshape(whole.shape[1:]))
+            if spec.length_key is not None:
+                arrays[spec.length_key][row] = n
+
+    def _extra_keys(self) -> list[str]:
+        """Batch keys the extras own (a sequence's ``<name>_len`` included)."""
+        if self._extras is None:
+            return []
+        return [k for s in self._extras.specs for k in (s.name, s.length_key) if k is not None]
 
     def _log_quarantine(self, sid: int, batch_id: int, err: CacheError) -> None:
         """WARNING the first time this process quarantines ``sid``; each epoch repeats it at DEBUG."""

@@ -30,10 +30,12 @@ _MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; c
 
 
 class TimedReader:
-    """Wraps a ``CacheReader`` and adds up the seconds spent reading (the read part of a build)."""
+    """Wraps a ``CacheReader`` and adds up the seconds spent reading mels and tokens (the read part of a
+    build; the cache's extra arrays, read by the assembler's own ``ExtraReader``, count as assembly)."""
 
     def __init__(self, reader: object) -> None:
         self._reader = reader
+        self.manifest = reader.manifest  # type: ignore[attr-defined]  # the assembler reads the extras from it
         self.read_s = 0.0
 
     def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
@@ -71,7 +73,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     reader = TimedReader(CacheReader(manifest))
     assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
                                bad_sample_policy=cfg.producer.bad_samples)

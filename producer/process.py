@@ -127,7 +127,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
     manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     assembler = BatchAssembler(CacheReader(manifest), bucket_set, max_buffers=cfg.transport.lease_window + 2,
                                bad_sample_policy=cfg.producer.bad_samples)
     t = cfg.transport

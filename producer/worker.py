@@ -36,7 +36,6 @@ from producer.session import BuildOrder, ProducerSession, SessionConfig
 from producer.slot_maps import SlotMappings
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from shared.wire.curve import ClientKeys
-from shared.wire.layout import ARRAY_KEYS
 from shared.wire.protocol import BatchHeader, Message, StageCounters, decode_header, encode
 
 __all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig", "BatchBuilder", "Dealer"]
@@ -242,7 +241,7 @@ class ProducerWorker:
         return views
 
     def _send_batch(self, sock: Dealer, order: BuildOrder, batch: BuiltBatch) -> None:
-        arrays = [batch.arrays[k] for k in ARRAY_KEYS]
+        arrays = list(batch.arrays.values())    # layout order: ARRAY_KEYS, then the extras
         crc = None
         if order.checksum:
             crc = 0

@@ -30,7 +30,7 @@ _CUT = 2   # the checkpoint is taken after this many batches
 
 
 def _batches() -> list[dict[str, np.ndarray]]:
-    from consumer.train.step import aligned_empty
+    from consumer.train.handoff import aligned_empty
     rng = np.random.default_rng(7)
     out = []
     for _ in range(_BATCHES):
@@ -54,7 +54,8 @@ def main(out_path: str) -> int:
     from consumer.resume.checkpoint import CheckpointStore, Cursor
     from consumer.train.model import StepSpec, build_reference_step
     from consumer.train.replicas import Replicas, replica_scope
-    from consumer.train.step import CompiledStep, to_tensors
+    from consumer.train.step import CompiledStep
+    from consumer.train.handoff import to_tensors
 
     shapes = [{"mel": (_ROWS, _FRAMES, _MELS), "mel_len": (_ROWS,), "tokens": (_ROWS, _TOKENS), "tok_len": (_ROWS,)}]
     batches = _batches()

@@ -90,7 +90,7 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
         from shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
         from shared.cache.demo_data import write_demo_cache
         cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(s["demo_utterances"])
-        write_demo_cache(cache, n_utterances=s["demo_utterances"])
+        write_demo_cache(cache, n_utterances=s["demo_utterances"], extras=True)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))

@@ -75,7 +75,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     from shared.cache.demo_data import default_demo_dir, write_demo_cache
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     if args.demo:
-        write_demo_cache(cache, n_utterances=args.demo_utterances)
+        write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
     return config_from_mapping({"cache_dir": str(cache.resolve()), "producer": {"count": args.producers},
                                 "consumer": {"steps": args.warmup + args.batches, "wait_timeout_s": 0.5}})
 

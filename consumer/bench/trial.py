@@ -132,7 +132,7 @@ def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     from shared.wire.buckets import build_buckets
     from shared.cache.features import load_manifest_for
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial), bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
     window = UsageWindow()

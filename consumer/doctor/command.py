@@ -101,7 +101,7 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
     if args.demo:
         from shared.cache.demo_data import default_demo_dir, write_demo_cache
         cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
-        write_demo_cache(cache, n_utterances=args.demo_utterances)
+        write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
@@ -172,7 +172,7 @@ def main_doctor(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     n = cfg.producer.count
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     mix = batch_mix(bucket_set)
     facts = _facts(cfg, bucket_set, _padding_alternatives(cfg, manifest.frames, manifest.token_counts))
     largest = bucket_set.max_batch_nbytes()

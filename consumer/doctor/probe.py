@@ -103,18 +103,22 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
     from consumer.train.model import StepSpec
     from consumer.train.replicas import Replicas, replica_scope
-    from consumer.train.step import CompiledStep, load_step_factory, to_tensors
+    from consumer.train.step import CompiledStep, load_step_factory
+    from consumer.train.handoff import to_tensors
     from shared.wire.buckets import build_buckets
     from shared.cache.features import load_manifest_for
 
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     m = cfg.model
     shapes = [b.shapes() for b in bucket_set.buckets]
     replicas = Replicas.from_config(cfg)     # consumer.replicas: the arrangement `run` would use
+    extras = manifest.schema.extras
     with replica_scope(replicas):
-        step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None))
-    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas)
+        step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None,
+                                                                 extras=extras))
+    compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas,
+                            extras=extras)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -138,12 +142,16 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
 def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    from consumer.train.step import aligned_empty
+    from consumer.train.handoff import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
     arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=arrays["mel"].dtype)
     arrays["mel_len"][...] = bucket.max_frames
     arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens
+    for spec in bucket.extras:                          # the batch schema's extras: zeros, full-length sequences
+        arrays[spec.name][...] = 0
+        if spec.length_key:
+            arrays[spec.length_key][...] = arrays[spec.name].shape[1]
     return arrays
 
 

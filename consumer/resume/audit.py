@@ -229,7 +229,8 @@ def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[in
     if manifest.fingerprint != run.get("fingerprint"):
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
     try:
-        plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets),
+        plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets,
+                                           manifest.schema),
                              manifest.fingerprint, cfg.seed, run["rank"], run["world"], cfg.buckets.partial)
     except PipelineError as err:
         return None, f"plan content not checked: {err}"

@@ -47,15 +47,21 @@ class ResidentLimit:
     measure_s: float          # the whole measurement: snapshot, untimed and timed steps, restore
 
 
-def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int) -> dict[str, np.ndarray]:
-    """One full batch of a bucket's shapes: every row at full length, mel ~ N(0, 1) from a fixed seed."""
+def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
+                    dtypes: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """One full batch of a bucket's shapes: every row at full length, mel ~ N(0, 1) from a fixed seed.
+
+    Extra arrays of the batch schema (keys beyond the four base ones, dtypes from ``dtypes``) are zeros.
+    """
     batch, frames, n_mels = shapes["mel"]
     tokens = shapes["tokens"][1]
     rng = np.random.default_rng(_BATCH_SEED)
-    return {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32),
+    base = {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32),
             "mel_len": np.full((batch,), frames, np.int32),
             "tokens": (1 + np.arange(batch * tokens, dtype=np.int32) % max(1, vocab_size - 1)).reshape(batch, tokens),
             "tok_len": np.full((batch,), tokens, np.int32)}
+    extras = {k: np.zeros(shape, (dtypes or {}).get(k, "float32")) for k, shape in shapes.items() if k not in base}
+    return {**base, **extras}
 
 
 def _time_on_gpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
@@ -78,7 +84,8 @@ def _time_on_cpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: in
 
 
 def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
-                           steps_per_bucket: int, vocab_size: int) -> ResidentLimit:
+                           steps_per_bucket: int, vocab_size: int,
+                           bucket_dtypes: Sequence[Mapping[str, str]] | None = None) -> ResidentLimit:
     """Time ``compiled`` (a warmed-up ``CompiledStep``) on a resident batch of every bucket.
 
     Args:
@@ -87,6 +94,7 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
         bucket_shapes: one dict of shapes per bucket, in bucket order.
         steps_per_bucket: timed steps per bucket (>= 1).
         vocab_size: token ids of the resident batch stay below it.
+        bucket_dtypes: dtypes of each bucket's arrays (``Bucket.dtypes()``), for the schema's extras.
 
     Raises:
         ValueError: ``steps_per_bucket`` < 1. Whatever the step raises (variables are restored first).
@@ -104,7 +112,8 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
     try:
         for bucket, shapes in enumerate(bucket_shapes):
             # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
-            batch = {k: tf.identity(tf.constant(v)) for k, v in resident_arrays(shapes, vocab_size).items()}
+            batch = {k: tf.identity(tf.constant(v)) for k, v in resident_arrays(
+                shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None).items()}
             first = compiled.run(bucket, batch)                 # untimed: first call on this batch
             read_outputs(first)
             on_gpu = any("GPU" in d.upper() for d in step_devices(first))

@@ -14,22 +14,30 @@ Invariants:
       returns (``is_done`` True), so its slot is freed at once and the loop holds one slot.
     * ``on_step(n)`` runs right after the n-th step was dispatched, its slot still held (``bench``
       models device time there).
+``to_tensors`` (DLPack where safe, a copy otherwise) and ``aligned_empty`` (aligned arrays for tests and
+probes) live here too: they are the slot -> tensor half of the hand-off.
 Shutdown: nothing to release.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from consumer.handout import Batch
 from consumer.staging import Staged
 from consumer.train.outputs import read_outputs
-from consumer.train.step import CompiledStep, to_tensors
+from consumer.train.step import CompiledStep
+from shared.wire.layout import ALIGN_BYTES
 
-__all__ = ["StepResult", "TfHandOff", "model_device"]
+__all__ = ["StepResult", "TfHandOff", "aligned_empty", "model_device", "to_tensors"]
+
+log = logging.getLogger(__name__)
 
 _Tensors = dict[str, tf.Tensor]
 
@@ -83,3 +91,56 @@ class TfHandOff:
 
     def wait(self, outputs: _Tensors) -> StepResult:
         return StepResult(outputs, read_outputs(outputs))   # the first read is the host sync
+
+def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
+                  alignment: int = ALIGN_BYTES) -> npt.NDArray[np.generic]:
+    """Uninitialised C-contiguous array whose data starts on an ``alignment``-byte boundary.
+
+    Over-allocates a uint8 buffer by ``alignment`` bytes and views it from the first aligned
+    offset; the returned array keeps the buffer alive through ``.base``.
+    """
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    dt = np.dtype(dtype)
+    shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + nbytes].view(dt).reshape(shape_t)
+
+
+def _can_alias(arr: np.ndarray) -> bool:
+    """Whether DLPack may wrap ``arr`` without a copy (and without aborting TensorFlow)."""
+    return (arr.flags.c_contiguous and arr.flags.writeable and arr.size > 0
+            and arr.dtype.isnative and arr.ctypes.data % ALIGN_BYTES == 0)
+
+
+def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], int]:
+    """Hand numpy arrays to TensorFlow, zero-copy where it is safe.
+
+    An array that is C-contiguous, writeable, non-empty and 64-byte aligned is wrapped with
+    ``tf.experimental.dlpack.from_dlpack(arr.__dlpack__())`` (2-4 us, no copy): the tensor
+    aliases the array's memory, so **the caller must keep the buffer untouched (not refilled,
+    not reused as a ring slot) until the step that reads it has finished** (the built-in loop's
+    stager frees the slot only once that step's outputs were read). Alignment is checked before
+    DLPack is touched, because a misaligned DLPack buffer aborts the process. Every other array is
+    copied with ``tf.constant``.
+
+    The result is a host tensor even on a GPU: the TensorFlow hand-off (consumer/train/handoff.py)
+    copies it to the GPU when it stages the batch, while the previous step runs.
+
+    Returns:
+        The tensors by the same keys, and the number of arrays that were copied.
+    """
+    tensors: dict[str, tf.Tensor] = {}
+    copies = 0
+    for name, arr in arrays.items():
+        if _can_alias(arr):
+            try:
+                tensors[name] = tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
+                continue
+            except (BufferError, TypeError, ValueError, tf.errors.InvalidArgumentError) as err:
+                log.debug("dlpack refused %s (%s); copying", name, err)
+        tensors[name] = tf.constant(arr)
+        copies += 1
+    return tensors, copies

@@ -224,10 +224,10 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None)
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
     replicas = Replicas.from_config(cfg)
     with replica_scope(replicas):
-        step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch))
+        step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered, replicas=replicas)
+                                 remembered=remembered, replicas=replicas, extras=consumer.extras)
 
 
 def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:
@@ -250,8 +250,10 @@ def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, c
     from consumer.train.efficiency import measure_resident_limit
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in consumer.bucket_set.buckets],
-                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size)
+    buckets = consumer.bucket_set.buckets
+    limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in buckets],
+                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size,
+                                   [b.dtypes() for b in buckets])
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
     return limit

@@ -42,6 +42,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from shared.wire.schema import ExtraSpec
+
 if TYPE_CHECKING:
     from shared.config import PipelineConfig
 
@@ -67,8 +69,8 @@ class StepSpec:
     learning_rate: float    # Adam step size
     mixed_precision: bool   # float16 (GPU) / bfloat16 (CPU) compute, float32 variables and loss
     seed: int               # weight initialisation
-    # One read-only {"mel": (B, T, M), "mel_len": (B,), "tokens": (B, L), "tok_len": (B,)} per bucket,
-    # in bucket order: the only shapes the step is ever called with (e.g. to size a decoder).
+    # One read-only {"mel": (B, T, M), "mel_len": (B,), "tokens": (B, L), "tok_len": (B,), <extras>...} per
+    # bucket, in bucket order: the only shapes the step is ever called with (e.g. to size a decoder).
     bucket_shapes: tuple[Mapping[str, tuple[int, ...]], ...] = field(default=(), hash=False)
     total_steps: int | None = None        # consumer.steps: where the run stops; None = until stopped
     batches_per_epoch: int | None = None  # plan batches in one pass over the data (schedules per epoch)
@@ -76,6 +78,10 @@ class StepSpec:
     # Model replicas the step runs on (consumer.replicas); > 1: each call sees bucket rows / replicas rows
     # and returns its share of each named scalar (normalise by global_sum of the count, see the module doc).
     replicas: int = 1
+    # The batch schema beyond the base arrays: name, kind, dtype, trailing shape of each extra (shapes per
+    # bucket in bucket_shapes). ``__call__`` receives each one it names as a keyword argument (or all
+    # with ``**extras``); a sequence extra's length comes as ``<name>_len``.
+    extras: tuple[ExtraSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0 or self.replicas < 1:
@@ -88,13 +94,14 @@ class StepSpec:
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
-                    batches_per_epoch: int | None) -> StepSpec:
-        """The spec of ``cfg.model`` for these buckets (``Consumer.bucket_set``) and plan length."""
+                    batches_per_epoch: int | None, extras: Sequence[ExtraSpec] = ()) -> StepSpec:
+        """The spec of ``cfg.model`` for these buckets (``Consumer.bucket_set``), plan length and extras."""
         m = cfg.model
         return cls(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed,
                    bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,
                    batches_per_epoch=batches_per_epoch, params=dict(m.params or {}),
-                   replicas=cfg.consumer.replica_count)
+                   replicas=cfg.consumer.replica_count,
+                   extras=tuple(extras))
 
 
 def global_sum(value: tf.Tensor) -> tf.Tensor:
@@ -122,7 +129,8 @@ class TrainStep(Protocol):
         Each is read as float32, averaged over the status interval and reported by name.
         Must be traceable by ``tf.function`` (with ``jit_compile=True`` when XLA is used) and
         create no variables.
-        Shapes: mel [B, T, M] float32, mel_len [B] int32, tokens [B, L] int32, tok_len [B] int32.
+        Shapes: mel [B, T, M] float32, mel_len [B] int32, tokens [B, L] int32, tok_len [B] int32;
+        extras (``StepSpec.extras``) come as keyword arguments when ``__call__`` names them.
         """
         ...
 

@@ -7,6 +7,10 @@ TensorFlow tensors with DLPack (``to_tensors``).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
+    * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
+      the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
+      ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
+      written for the four base arrays runs unchanged on a cache with extras.
     * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
       ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
       exactly its pre-warm-up value: warm-up never changes training.
@@ -32,26 +36,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-import numpy.typing as npt
 import tensorflow as tf
 
+from consumer.train.inputs import accepted_extras, input_dtypes
 from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from consumer.train.replicas import Replicas
 from consumer.train.rows import row_inputs, row_inputs_taken
 from shared.errors import ConfigError, StepError
-from shared.wire.layout import ALIGN_BYTES, ARRAY_DTYPES, ARRAY_KEYS
+from shared.wire.layout import ARRAY_KEYS
+from shared.wire.schema import ExtraSpec
 
-__all__ = ["load_step_factory", "CompiledStep", "to_tensors", "aligned_empty"]
+__all__ = ["load_step_factory", "CompiledStep"]
 
 log = logging.getLogger(__name__)
 
-_BATCH_DTYPES: dict[str, tf.DType] = {name: tf.as_dtype(dtype) for name, dtype in ARRAY_DTYPES.items()}
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
-_Shapes = tuple[tuple[int, ...], ...]  # shapes in _ARG_ORDER: the key of one compiled program
+_Shapes = tuple[tuple[int, ...], ...]  # shapes in argument order (base, then passed extras): one program's key
+
 
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
@@ -82,12 +87,12 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     return factory  # type: ignore[no-any-return]
 
 
-def _shapes_of(shapes: Mapping[str, Sequence[int]]) -> _Shapes:
-    """Validate one bucket's shapes and return them in argument order."""
-    if set(shapes) != set(_ARG_ORDER):
-        raise ValueError(f"bucket shapes need keys {sorted(_ARG_ORDER)}, got {sorted(shapes)}")
-    out = tuple(tuple(int(d) for d in shapes[k]) for k in _ARG_ORDER)
-    mel, mel_len, tokens, tok_len = out
+def _shapes_of(shapes: Mapping[str, Sequence[int]], passed: Sequence[str] = ()) -> _Shapes:
+    """Validate one bucket's shapes and return them in argument order (base keys, then ``passed`` extras)."""
+    if not set(_ARG_ORDER) <= set(shapes) or not set(passed) <= set(shapes):
+        raise ValueError(f"bucket shapes need keys {sorted({*_ARG_ORDER, *passed})}, got {sorted(shapes)}")
+    out = tuple(tuple(int(d) for d in shapes[k]) for k in (*_ARG_ORDER, *passed))
+    mel, mel_len, tokens, tok_len = out[:4]
     batch = mel[0] if len(mel) == 3 else -1
     if not (len(mel) == 3 and mel_len == (batch,) and len(tokens) == 2 and tokens[0] == batch
             and tok_len == (batch,) and min(mel + tokens) >= 1):
@@ -110,11 +115,13 @@ class CompiledStep:
             without timing, unless XLA now fails.
         replicas: run each program on these replicas (``step`` built under ``replicas.scope()``),
             each on its share of the batch's rows (consumer/train/replicas.py); None = one device.
+        extras: the batch schema's extra arrays (``Consumer.extras``); those the step's ``__call__``
+            names are passed by keyword (shapes from ``bucket_shapes``), the others are not passed.
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
                  jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
-                 replicas: Replicas | None = None) -> None:
+                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = ()) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -122,7 +129,12 @@ class CompiledStep:
         self._setting = jit_compile
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
-        self._bucket_keys = [_shapes_of(s) for s in bucket_shapes]
+        self._passed = accepted_extras(step, extras)   # extra keys the step takes (consumer/train/inputs.py)
+        self._dtypes = input_dtypes(extras)
+        if extras:
+            log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
+                     [e.name for e in extras if e.name not in self._passed] or "none")
+        self._bucket_keys = [_shapes_of(s, self._passed) for s in bucket_shapes]
         self._row_inputs = row_inputs_taken(step)   # "rows" / "row_mask" keywords (consumer/train/rows.py)
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
@@ -132,9 +144,10 @@ class CompiledStep:
         self._compiles_after_ready = 0
         self._is_ready = False
         self._replicas = replicas
-        if replicas is not None and self._row_inputs:   # the replicas split 4 arrays, not a batch-wide count
-            raise ConfigError("a step that takes rows / row_mask cannot run on several replicas yet; use "
-                              "mel_len > 0 as the row mask, or consumer.replicas: 1", path=("consumer", "replicas"))
+        if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
+            raise ConfigError(f"a step that takes {'rows / row_mask' if self._row_inputs else 'extra arrays'} "
+                              "cannot run on several replicas yet (use mel_len > 0 as the row mask), or set "
+                              "consumer.replicas: 1", path=("consumer", "replicas"))
 
     @property
     def devices(self) -> list[str]:
@@ -171,19 +184,21 @@ class CompiledStep:
         if program is None:
             if self._replicas is not None:
                 program = self._replicas.program(
-                    lambda *args: self._normalize(self._step(*args)), key, [_BATCH_DTYPES[n] for n in _ARG_ORDER],
+                    lambda *args: self._normalize(self._step(*args)), key, [self._dtypes[n] for n in _ARG_ORDER],
                     _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
                 self._programs[(self._mode, key)] = program
                 return program
-            signature = [tf.TensorSpec(shape, _BATCH_DTYPES[name], name=name)
-                         for name, shape in zip(_ARG_ORDER, key)]
+            names = (*_ARG_ORDER, *self._passed)
+            signature = [tf.TensorSpec(shape, self._dtypes[name], name=name) for name, shape in zip(names, key)]
             signature += [tf.TensorSpec([], tf.int32, name="rows")] if self._row_inputs else []
+            n_arrays = len(names)
 
-            def traced(mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                       tok_len: tf.Tensor, *rows: tf.Tensor) -> dict[str, tf.Tensor]:
+            def traced(*args: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                extra = row_inputs(self._row_inputs, rows[0], key[0][0]) if rows else {}
-                return self._normalize(self._step(mel, mel_len, tokens, tok_len, **extra))
+                extras = dict(zip(self._passed, args[4:n_arrays]))
+                if self._row_inputs:
+                    extras.update(row_inputs(self._row_inputs, args[n_arrays], key[0][0]))
+                return self._normalize(self._step(*args[:4], **extras))
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
@@ -198,10 +213,11 @@ class CompiledStep:
         if self._is_ready:
             self._compiles_after_ready += 1
             log.warning("compiling a new step program after warm-up shapes=%s mode=%s "
-                        "compiles_after_ready=%d", dict(zip(_ARG_ORDER, key)), self._mode,
+                        "compiles_after_ready=%d", dict(zip((*_ARG_ORDER, *self._passed), key)), self._mode,
                         self._compiles_after_ready)
         else:
-            log.debug("tracing step program shapes=%s mode=%s", dict(zip(_ARG_ORDER, key)), self._mode)
+            log.debug("tracing step program shapes=%s mode=%s", dict(zip((*_ARG_ORDER, *self._passed), key)),
+                      self._mode)
 
     @tf.autograph.experimental.do_not_convert
     def _normalize(self, result: object) -> dict[str, tf.Tensor]:
@@ -300,10 +316,6 @@ class CompiledStep:
             times.append(time.perf_counter() - t0)
         return times
 
-    def _zeros(self, key: _Shapes) -> list[tf.Tensor]:
-        """The all-padding warm-up batch of one bucket (every length 0; ``rows`` 0 if the step takes it)."""
-        return _zeros(key) + ([tf.constant(0, tf.int32)] if self._row_inputs else [])
-
     def run(self, bucket: int, batch: Mapping[str, tf.Tensor], rows: int | None = None) -> dict[str, tf.Tensor]:
         """Run one training step on ``batch`` with the program compiled for ``bucket``.
 
@@ -322,11 +334,12 @@ class CompiledStep:
             IndexError: unknown bucket. TypeError: a batch tensor has the wrong dtype.
         """
         expected = self._bucket_keys[bucket]
-        args = [batch[name] for name in _ARG_ORDER]
-        for name, arg in zip(_ARG_ORDER, args):
-            if arg.dtype != _BATCH_DTYPES[name]:
+        names = (*_ARG_ORDER, *self._passed)
+        args = [batch[name] for name in names]
+        for name, arg in zip(names, args):
+            if arg.dtype != self._dtypes[name]:
                 raise TypeError(f"batch[{name!r}] has dtype {arg.dtype.name}, "
-                                f"want {_BATCH_DTYPES[name].name}")
+                                f"want {self._dtypes[name].name}")
         key = tuple(tuple(arg.shape) for arg in args)
         if key != expected:
             log.debug("bucket %d got shapes %s, want %s", bucket, key, expected)
@@ -334,61 +347,7 @@ class CompiledStep:
             args.append(tf.constant(key[0][0] if rows is None else rows, tf.int32))
         return self._program(key)(*args)
 
-
-def _zeros(key: _Shapes) -> list[tf.Tensor]:
-    """The all-padding warm-up batch of one bucket (every length 0)."""
-    return [tf.zeros(shape, _BATCH_DTYPES[name]) for name, shape in zip(_ARG_ORDER, key)]
-
-
-def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
-                  alignment: int = ALIGN_BYTES) -> npt.NDArray[np.generic]:
-    """Uninitialised C-contiguous array whose data starts on an ``alignment``-byte boundary.
-
-    Over-allocates a uint8 buffer by ``alignment`` bytes and views it from the first aligned
-    offset; the returned array keeps the buffer alive through ``.base``.
-    """
-    if alignment < 1 or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two, got {alignment}")
-    dt = np.dtype(dtype)
-    shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset:offset + nbytes].view(dt).reshape(shape_t)
-
-
-def _can_alias(arr: np.ndarray) -> bool:
-    """Whether DLPack may wrap ``arr`` without a copy (and without aborting TensorFlow)."""
-    return (arr.flags.c_contiguous and arr.flags.writeable and arr.size > 0
-            and arr.dtype.isnative and arr.ctypes.data % ALIGN_BYTES == 0)
-
-
-def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], int]:
-    """Hand numpy arrays to TensorFlow, zero-copy where it is safe.
-
-    An array that is C-contiguous, writeable, non-empty and 64-byte aligned is wrapped with
-    ``tf.experimental.dlpack.from_dlpack(arr.__dlpack__())`` (2-4 us, no copy): the tensor
-    aliases the array's memory, so **the caller must keep the buffer untouched (not refilled,
-    not reused as a ring slot) until the step that reads it has finished** (the built-in loop's
-    stager frees the slot only once that step's outputs were read). Alignment is checked before
-    DLPack is touched, because a misaligned DLPack buffer aborts the process. Every other array is
-    copied with ``tf.constant``.
-
-    The result is a host tensor even on a GPU: the TensorFlow hand-off (consumer/train/handoff.py)
-    copies it to the GPU when it stages the batch, while the previous step runs.
-
-    Returns:
-        The tensors by the same keys, and the number of arrays that were copied.
-    """
-    tensors: dict[str, tf.Tensor] = {}
-    copies = 0
-    for name, arr in arrays.items():
-        if _can_alias(arr):
-            try:
-                tensors[name] = tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
-                continue
-            except (BufferError, TypeError, ValueError, tf.errors.InvalidArgumentError) as err:
-                log.debug("dlpack refused %s (%s); copying", name, err)
-        tensors[name] = tf.constant(arr)
-        copies += 1
-    return tensors, copies
+    def _zeros(self, key: _Shapes) -> list[tf.Tensor]:
+        """The all-padding warm-up batch of one bucket (every length 0, every extra zeros, ``rows`` 0)."""
+        zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._passed), key)]
+        return zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else [])

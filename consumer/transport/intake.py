@@ -4,7 +4,9 @@ Two paths, one set of checks (docs/ARCHITECTURE.md, invariant 7): the header's b
 planned ones (SHAPE/DTYPE), then either the four payload frames are received with ``recv_into``
 straight into the slot (ZeroMQ payload path) or, on the shared-memory path, the producer already
 built the batch in the slot and the header must come alone (FRAMES otherwise). Either way the
-crc32 (when checksums are on) and the lengths are checked in the slot before it is marked ready.
+crc32 (when checksums are on) and the lengths (mel_len, tok_len and each sequence extra's
+``<name>_len``) are checked in the slot before it is marked ready. The arrays are the bucket's
+(``Bucket.shapes()``: the base arrays, then the cache's extras), so the schema is the manifest's.
 Pure functions of the socket's current message; the receiver thread calls them and owns the socket.
 """
 
@@ -18,10 +20,9 @@ import zmq
 
 from shared.wire.buckets import Bucket, BucketSet
 from shared.errors import ProtocolError
-from shared.wire.layout import ARRAY_KEYS
 from shared.wire.protocol import BatchHeader, RejectCode
 
-__all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths"]
+__all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths", "check_extra_lengths"]
 
 Views = dict[str, npt.NDArray[np.generic]]
 
@@ -44,7 +45,7 @@ def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, ex
         raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: header-only BATCH on a payload lease")
     crc = 0
     n_bytes = 0
-    for key in ARRAY_KEYS:
+    for key in views:                         # layout order = the header's order (check_header)
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
         buf = views[key].data.cast("B")
@@ -59,6 +60,7 @@ def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, ex
         raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: extra frames")
     _check_crc(hdr, crc, checksum)
     check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
+    check_extra_lengths(views, expected, hdr.batch_id)
     return n_bytes
 
 
@@ -69,10 +71,11 @@ def check_in_place(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expe
         raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: payload frames on a shared-memory lease")
     crc = 0
     if hdr.crc32 is not None:
-        for key in ARRAY_KEYS:
-            crc = zlib.crc32(views[key].data.cast("B"), crc)
+        for view in views.values():
+            crc = zlib.crc32(view.data.cast("B"), crc)
     _check_crc(hdr, crc, checksum)
     check_lengths(views, expected.max_frames, expected.max_tokens, hdr.batch_id)
+    check_extra_lengths(views, expected, hdr.batch_id)
 
 
 def _check_crc(hdr: BatchHeader, crc: int, checksum: bool) -> None:
@@ -89,3 +92,11 @@ def check_lengths(views: Views, max_frames: int, max_tokens: int, batch_id: int)
         raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: mel_len outside 0..{max_frames}")
     if tok_len.min(initial=0) < 0 or tok_len.max(initial=0) > max_tokens:
         raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: tok_len outside 0..{max_tokens}")
+
+
+def check_extra_lengths(views: Views, bucket: Bucket, batch_id: int) -> None:
+    """Each sequence extra's ``<name>_len`` within 0..S of the bucket: SHAPE otherwise."""
+    for spec, padded in zip((e for e in bucket.extras if e.length_key), bucket.seq_lengths):
+        lengths = views[spec.length_key]    # type: ignore[index]
+        if lengths.min(initial=0) < 0 or lengths.max(initial=0) > padded:
+            raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: {spec.length_key} outside 0..{padded}")

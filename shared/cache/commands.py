@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 
 from shared.cache.demo_data import write_demo_cache
-from shared.errors import CacheError
+from shared.cache.extras import EXTRAS_DIR
+from shared.errors import CacheError, ConfigError
+from shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration
 from shared.cache.index import build_manifest
 from shared.cache.manifest import write_manifest
 from shared.service.progress import Progress, progress_interval_s
 from shared.cache.verify import verify_cache
 
-__all__ = ["main_index", "main_verify_cache", "main_demo"]
+__all__ = ["main_index", "main_verify_cache", "main_demo", "parse_extra_arg"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def _link_folder(root: Path, name: str, target: str | None) -> None:
         if link.resolve() == src:
             return
         raise CacheError(link, f"exists and is not {src}; refusing to replace it")
-    root.mkdir(parents=True, exist_ok=True)
+    link.parent.mkdir(parents=True, exist_ok=True)
     inside = src.is_relative_to(root.resolve())
     link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
 
@@ -52,16 +54,39 @@ def _progress(label: str) -> Progress:
                     interval_s=progress_interval_s(_PROGRESS_EVERY_S))
 
 
+def parse_extra_arg(value: str) -> tuple[str, str | None, str]:
+    """``NAME=DIR`` or ``NAME:KIND=DIR`` (``index --extra``) as (name, kind or None, dir).
+
+    Raises:
+        ConfigError: malformed, a name that cannot be an extra's, or an unknown kind (key ``--extra``).
+    """
+    head, sep, folder = value.partition("=")
+    name, _, kind = head.partition(":")
+    if not sep or not name or not folder:
+        raise ConfigError("must look like NAME=DIR or NAME:KIND=DIR", path=("--extra",), got=value)
+    bad = check_declaration(name, kind or KINDS[0], EXTRA_DTYPES[0], [])
+    if bad is not None:
+        raise ConfigError(f"{bad[0]} {bad[1]}", path=("--extra",), got=value)
+    return name, kind or None, folder
+
+
 def main_index(args: argparse.Namespace) -> int:
     """Exit 0 when every file is valid; 1 when some are bad (manifest written only with --skip-bad).
 
-    With ``--mels``/``--tokens``, existing folders are adopted first (``_link_folder``).
+    With ``--mels``/``--tokens``/``--extra``, existing folders are adopted first (``_link_folder``);
+    every folder under ``extras/`` is indexed as an extra array, of the kind ``--extra NAME:KIND=DIR``
+    declares or else the kind its headers show.
     """
+    extras = [parse_extra_arg(v) for v in getattr(args, "extra", None) or []]
     _link_folder(Path(args.cache_dir), "mels", getattr(args, "mels", None))
     _link_folder(Path(args.cache_dir), "tokens", getattr(args, "tokens", None))
+    for name, _, folder in extras:
+        _link_folder(Path(args.cache_dir), f"{EXTRAS_DIR}/{name}", folder)
+    kinds = {name: kind for name, kind, _ in extras if kind is not None}
     progress = _progress("index")
     try:
-        manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+        manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels, progress=progress.callback(),
+                                            kinds=kinds)
     finally:
         progress.finish()  # ends the bar's line before any message
     for problem in problems:
@@ -76,6 +101,9 @@ def main_index(args: argparse.Namespace) -> int:
     frames = int(manifest.frames.sum())
     print(f"indexed {len(manifest.utterances)} utterances ({frames} frames, fingerprint {manifest.fingerprint})"
           f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else ""))
+    for column in manifest.extras:
+        spec = column.spec
+        print(f"extra {spec.name}: kind {spec.kind}, dtype {spec.dtype}, shape {list(spec.shape)}")
     return 0
 
 
@@ -100,7 +128,7 @@ def main_verify_cache(args: argparse.Namespace) -> int:
 
 
 def main_demo(args: argparse.Namespace) -> int:
-    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed)
+    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed, extras=True)
     print(f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
           f"(fingerprint {manifest.fingerprint})")
     return 0

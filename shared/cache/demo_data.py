@@ -7,6 +7,11 @@ across bins, low bins louder). The mels are a deterministic function of the toke
 noise: each token id owns a fixed spectral template, and frame ``t`` of an utterance with
 ``L`` tokens and ``T`` frames shows token ``t * L // T``, smoothed in time. A model can
 therefore learn text -> mel, so a falling loss means the pipeline delivers matching pairs.
+With ``extras=True`` (every ``--demo`` and ``demo-data``) it also writes two extra arrays, so the
+batch schema is exercised end to end: ``extras/speaker/<id>.npy`` (int32 scalar, kind
+``utterance``: a speaker id 0..7 by chapter) and ``extras/energy/<id>.npy`` (float32 [frames], kind
+``frame``: the mean log-mel of each frame). Neither draws from the random stream, so the mels and
+tokens are the same bytes with or without them.
 
 Invariants:
 - Same parameters -> byte-identical files. The token templates come from a fixed seed, so
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +37,7 @@ from shared.errors import CacheError
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, load_manifest, write_manifest
 
-__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "write_demo_cache", "demo_utterance_id", "default_demo_dir"]
+__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "DEMO_EXTRAS", "write_demo_cache", "demo_utterance_id", "default_demo_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,9 @@ _LOG_MEL_MIN, _LOG_MEL_MAX = -11.5, 2.0  # log(1e-5) floor, as in Tacotron-style
 _NOISE_STD = 0.25
 _SMOOTH_FRAMES = 5  # moving-average width in frames: token boundaries blur like real speech
 _UTTERANCES_PER_CHAPTER = 300
+_SPEAKERS = 8
+_UTTERANCES_PER_SPEAKER = 25
+DEMO_EXTRAS = {"speaker": "utterance", "energy": "frame"}  # name -> kind, declared at index time
 
 
 def default_demo_dir(n_utterances: int) -> Path:
@@ -105,8 +114,18 @@ def _utterance(
     return mel, ids
 
 
-def _params(n_utterances: int, seed: int, n_mels: int) -> dict[str, int]:
-    return {"format": _DEMO_FORMAT, "n_utterances": n_utterances, "seed": seed, "n_mels": n_mels}
+def _params(n_utterances: int, seed: int, n_mels: int, extras: bool) -> dict[str, int]:
+    params = {"format": _DEMO_FORMAT, "n_utterances": n_utterances, "seed": seed, "n_mels": n_mels}
+    if extras:   # only when set: a demo cache without extras keeps the marker it always had
+        params["extras"] = 1
+    return params
+
+
+def _write_extras(root: Path, index: int, uid: str, mel: npt.NDArray[np.float32]) -> None:
+    """The demo extras of one utterance: its speaker id and per-frame energy."""
+    speaker = np.int32(index // _UTTERANCES_PER_SPEAKER % _SPEAKERS)
+    np.save(root / "extras" / "speaker" / f"{uid}.npy", np.array(speaker, dtype=np.int32))
+    np.save(root / "extras" / "energy" / f"{uid}.npy", mel.mean(axis=1, dtype=np.float32))
 
 
 def _reuse(root: Path, params: dict[str, int]) -> Manifest | None:
@@ -120,10 +139,13 @@ def _reuse(root: Path, params: dict[str, int]) -> Manifest | None:
     return manifest if len(manifest) == params["n_utterances"] else None
 
 
-def _prepare(root: Path, keep: set[str]) -> None:
+def _prepare(root: Path, keep: set[str], extras: bool) -> None:
     """Make ``root`` ready for writing; delete stale ``.npy`` files of an older demo cache."""
     is_demo = (root / DEMO_MARKER).exists()
-    for sub in ("mels", "tokens"):
+    if is_demo and not extras:
+        for name in DEMO_EXTRAS:
+            shutil.rmtree(root / "extras" / name, ignore_errors=True)
+    for sub in ("mels", "tokens", *(f"extras/{name}" for name in DEMO_EXTRAS if extras)):
         d = root / sub
         d.mkdir(parents=True, exist_ok=True)
         stale = [p for p in d.glob("*.npy") if p.stem not in keep]
@@ -136,7 +158,8 @@ def _prepare(root: Path, keep: set[str]) -> None:
 
 
 def write_demo_cache(
-    out_dir: str | os.PathLike[str], n_utterances: int = 2000, seed: int = 1234, n_mels: int = 80
+    out_dir: str | os.PathLike[str], n_utterances: int = 2000, seed: int = 1234, n_mels: int = 80,
+    extras: bool = False,
 ) -> Manifest:
     """Write (or reuse) a deterministic demo cache and its manifest.
 
@@ -145,6 +168,7 @@ def write_demo_cache(
         n_utterances: Number of utterances (>= 1).
         seed: Seeds lengths, token ids and noise; the token -> spectrum mapping is fixed.
         n_mels: Mel bins per frame.
+        extras: Also write the extra arrays ``speaker`` and ``energy`` (module docstring).
 
     Returns:
         The manifest of the cache.
@@ -156,21 +180,23 @@ def write_demo_cache(
     if n_utterances < 1 or n_mels < 1:
         raise ValueError(f"n_utterances and n_mels must be >= 1, got {n_utterances}, {n_mels}")
     root = Path(out_dir)
-    params = _params(n_utterances, seed, n_mels)
+    params = _params(n_utterances, seed, n_mels, extras)
     existing = _reuse(root, params)
     if existing is not None:
         log.info("demo cache reused dir=%s utterances=%d", root, n_utterances)
         return existing
     ids = [demo_utterance_id(i) for i in range(n_utterances)]
-    _prepare(root, set(ids))
+    _prepare(root, set(ids), extras)
     rng = np.random.default_rng(seed)
     frames, tokens = _lengths(n_utterances, rng)
     templates = _templates(n_mels)
-    for uid, t, n in zip(ids, frames.tolist(), tokens.tolist()):
+    for index, (uid, t, n) in enumerate(zip(ids, frames.tolist(), tokens.tolist())):
         mel, tok = _utterance(t, n, templates, rng)
         np.save(root / "mels" / f"{uid}.npy", mel)
         np.save(root / "tokens" / f"{uid}.npy", tok)
-    manifest, problems = build_manifest(root, n_mels)
+        if extras:
+            _write_extras(root, index, uid, mel)
+    manifest, problems = build_manifest(root, n_mels, kinds=DEMO_EXTRAS if extras else None)
     if problems:  # we just wrote every file, so this is a bug, not a bad cache
         raise RuntimeError(f"demo cache has problems: {problems[0]}")
     write_manifest(manifest)

@@ -10,14 +10,19 @@ Shutdown: nothing to shut down; every file opened here is closed before returnin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from shared.errors import CacheError
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, CacheProblem, Manifest, Utterance, recorded_features
+from shared.cache.manifest import (FEATURES_NAME, MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
+                                   FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary, read_feature_record)
+from shared.cache.extras import ExtraColumn, extra_dirs, index_extra
+from shared.cache.filekind import read_regular
 from shared.cache.npyfile import NpyHeader, inspect_npy
+from shared.wire.schema import KINDS
 
 __all__ = ["build_manifest", "check_mel_header", "check_token_header"]
 
@@ -84,10 +89,24 @@ def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
                      mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
 
 
+def recorded_features(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
+    """The feature parameters and vocabulary ``features.json`` records, checked against ``n_mels``."""
+    record = read_feature_record(root)
+    if record is None:
+        return None, None
+    path = root / FEATURES_NAME
+    features = parse_features(record.get("features"), path)
+    recorded = dict(features or ()).get("n_mels", n_mels)
+    if recorded != n_mels:
+        raise CacheError(path, f"cache was prepared with n_mels={recorded}, indexing with n_mels={n_mels}")
+    return features, parse_vocabulary(record.get("vocabulary"), path)
+
+
 def build_manifest(
     cache_dir: str | os.PathLike[str],
     n_mels: int = 80,
     progress: Callable[[int, int], None] | None = None,
+    kinds: Mapping[str, str] | None = None,
 ) -> tuple[Manifest, list[CacheProblem]]:
     """Index a cache directory by reading every file's ``.npy`` header (never its data).
 
@@ -95,6 +114,9 @@ def build_manifest(
         cache_dir: Directory holding ``mels/`` and ``tokens/``.
         n_mels: Required last dimension of every mel file.
         progress: Called as ``progress(done, total)`` after each utterance id.
+        kinds: Declared kind of each extra in ``extras/`` (``index --extra NAME:KIND=DIR``); an
+            extra not named here keeps the kind the current manifest declares, else gets the kind its
+            headers show (``shared.cache.extras.infer_kind``).
 
     Returns:
         ``(manifest, problems)``: the usable utterances, and one ``CacheProblem`` per bad or
@@ -103,7 +125,8 @@ def build_manifest(
 
     Raises:
         CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file,
-            or ``features.json`` is malformed or names another ``n_mels``.
+            or ``features.json`` is malformed or names another ``n_mels``, or an extra cannot be
+            declared (bad folder name, files of mixed dtypes, a kind given for no folder).
     """
     root = Path(cache_dir)
     features, vocabulary = recorded_features(root, n_mels)
@@ -125,7 +148,40 @@ def build_manifest(
                 utterances.append(utt)
         if progress is not None:
             progress(done, len(ids))
-    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary)
+    utterances, extras = _index_extras(root, utterances, kinds or {}, problems)
+    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary, extras)
     log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
              root, len(utterances), len(problems), manifest.fingerprint)
     return manifest, problems
+
+
+def _declared_kinds(root: Path) -> dict[str, str]:
+    """The kinds the current manifest declares (best effort): a re-index keeps them without ``--extra``."""
+    try:
+        doc = json.loads(read_regular(root / MANIFEST_NAME))
+        return {e["name"]: e["kind"] for e in doc.get("extras") or []
+                if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
+    except (CacheError, OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _index_extras(root: Path, utterances: list[Utterance], kinds: Mapping[str, str],
+                  problems: list[CacheProblem]) -> tuple[list[Utterance], tuple[ExtraColumn, ...]]:
+    """Index ``extras/*``: an utterance whose file of any extra is bad or missing is left out."""
+    folders = extra_dirs(root)
+    unknown = sorted(set(kinds) - set(folders))
+    kinds = {**_declared_kinds(root), **kinds}
+    if unknown:
+        raise CacheError(root / "extras", f"no folder for the declared extra {unknown[0]!r}")
+    ids = [u.id for u in utterances]
+    frames, tokens = [u.frames for u in utterances], [u.tokens for u in utterances]
+    columns: list[ExtraColumn] = []
+    dropped: set[str] = set()
+    for name, folder in folders.items():
+        column, bad = index_extra(name, folder, ids, frames, tokens, kinds.get(name))
+        problems.extend(CacheProblem(path, reason) for path, reason in bad.values())
+        dropped |= bad.keys() if column is not None else set(ids)
+        if column is not None:
+            columns.append(column)
+    keep = [i for i, uid in enumerate(ids) if uid not in dropped]
+    return [utterances[i] for i in keep], tuple(ExtraColumn(c.spec, c.rows[keep]) for c in columns)

@@ -4,6 +4,7 @@ Cache layout::
 
     CACHE/mels/<id>.npy     float32 (float16 accepted), shape [frames, n_mels]
     CACHE/tokens/<id>.npy   int32, shape [tokens]
+    CACHE/extras/<name>/<id>.npy  optional extra arrays, declared in the manifest (shared/cache/extras.py)
     CACHE/manifest.json     written by ``write_manifest``
     CACHE/features.json     optional, written by ``prepare``: feature parameters + vocabulary
 
@@ -20,6 +21,7 @@ Invariants:
   cache records feature parameters and a vocabulary (``features.json``, copied into the
   manifest by ``cache_index.build_manifest``), the fingerprint covers them too; a cache without them (demo
   data, an adopted cache) hashes exactly as before: its features are unknown and not checked.
+  Declared extras (the batch schema) and their rows are covered the same way, only when present.
 - ``write_manifest`` is atomic (temp file, fsync, ``os.replace``): readers see old or new,
   never half a file.
 - ``load_manifest`` trusts nothing: exact JSON types, safe ids, sizes that fit, fingerprint.
@@ -43,7 +45,9 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError
+from shared.cache.extras import EXTRAS_DIR, ExtraColumn, check_extra_sizes, extras_digest, extras_json, parse_extras
 from shared.cache.filekind import read_regular
+from shared.wire.schema import ExtraSchema
 
 __all__ = [
     "MANIFEST_NAME",
@@ -54,10 +58,9 @@ __all__ = [
     "Utterance",
     "CacheProblem",
     "Manifest",
-    "recorded_features",
     "write_manifest",
     "load_manifest",
-    "read_feature_record",
+    "read_feature_record", "parse_features", "parse_vocabulary",
     "write_feature_record",
 ]
 
@@ -105,7 +108,7 @@ class CacheProblem:
 
 
 def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...],
-                 ints: npt.NDArray[np.int64], described: bytes | None) -> str:
+                 ints: npt.NDArray[np.int64], described: bytes | None, extras: bytes | None) -> str:
     """16 hex chars of sha256 over everything but ``cache_dir``.
 
     Hashes raw columns (ids and dtypes NUL-joined, NUL being the one character no file name
@@ -120,6 +123,8 @@ def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...],
     h.update(ints.astype("<i8", copy=False).tobytes())
     if described is not None:
         h.update(b"\2" + described)
+    if extras is not None:
+        h.update(b"\3" + extras)
     return h.hexdigest()[:16]
 
 
@@ -148,6 +153,7 @@ class Manifest:
     # (name, value) pairs sorted by name (a tuple, so the manifest stays hashable); None = unknown
     features: FeatureItems | None = None
     vocabulary: tuple[str, ...] | None = field(default=None, repr=False)  # index = token id; None = unknown
+    extras: tuple[ExtraColumn, ...] = field(default=(), repr=False, compare=False)  # the batch schema's extras
     fingerprint: str = field(init=False)  # 16 hex chars; computed, never passed in
     # [6, N] int64, read-only: frames, tokens, mel_offset, mel_file_bytes, tok_offset, tok_file_bytes
     _ints: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
@@ -167,8 +173,11 @@ class Manifest:
             object.__setattr__(self, "features", tuple(sorted(items)))
         if self.vocabulary is not None:
             object.__setattr__(self, "vocabulary", tuple(self.vocabulary))
+        object.__setattr__(self, "extras", tuple(self.extras))
+        if any(len(c.rows) != n for c in self.extras):
+            raise ValueError("every extra needs one row per utterance")
         object.__setattr__(self, "fingerprint", _fingerprint(
-            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary)))
+            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary), extras_digest(self.extras)))
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -193,8 +202,16 @@ class Manifest:
         """Path of utterance ``i``'s token file."""
         return self.cache_dir / "tokens" / f"{self.utterances[i].id}.npy"
 
+    def extra_path(self, name: str, i: int) -> Path:  # utterance i's file of the extra ``name``
+        return self.cache_dir / EXTRAS_DIR / name / f"{self.utterances[i].id}.npy"
 
-def _parse_features(value: Any, path: Path) -> FeatureItems | None:
+    @property
+    def schema(self) -> ExtraSchema:
+        """The declared extras and the lengths that size each sequence extra's buckets."""
+        return ExtraSchema(tuple(c.spec for c in self.extras), {c.spec.name: c.rows[:, 0] for c in self.extras})
+
+
+def parse_features(value: Any, path: Path) -> FeatureItems | None:
     if value is None:
         return None
     if (not isinstance(value, dict) or not value
@@ -203,7 +220,7 @@ def _parse_features(value: Any, path: Path) -> FeatureItems | None:
     return tuple(sorted(value.items()))
 
 
-def _parse_vocabulary(value: Any, path: Path) -> tuple[str, ...] | None:
+def parse_vocabulary(value: Any, path: Path) -> tuple[str, ...] | None:
     if value is None:
         return None
     if (not isinstance(value, list) or len(value) < 2 or set(map(type, value)) - {str}
@@ -230,8 +247,8 @@ def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | N
     if not isinstance(doc, dict) or doc.get("format") != _FEATURES_FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else None
         raise CacheError(path, f"unsupported feature record format {got!r}, expected {_FEATURES_FORMAT}")
-    _parse_features(doc.get("features"), path)
-    _parse_vocabulary(doc.get("vocabulary"), path)
+    parse_features(doc.get("features"), path)
+    parse_vocabulary(doc.get("vocabulary"), path)
     return doc
 
 
@@ -247,19 +264,6 @@ def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[st
     """
     doc = {"format": _FEATURES_FORMAT, "features": dict(features), "vocabulary": list(vocabulary), **extra}
     return _write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
-
-
-def recorded_features(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
-    """The feature parameters and vocabulary ``features.json`` records, checked against ``n_mels``."""
-    record = read_feature_record(root)
-    if record is None:
-        return None, None
-    path = root / FEATURES_NAME
-    features = _parse_features(record.get("features"), path)
-    recorded = dict(features or ()).get("n_mels", n_mels)
-    if recorded != n_mels:
-        raise CacheError(path, f"cache was prepared with n_mels={recorded}, indexing with n_mels={n_mels}")
-    return features, _parse_vocabulary(record.get("vocabulary"), path)
 
 
 def write_manifest(manifest: Manifest) -> Path:
@@ -279,6 +283,8 @@ def write_manifest(manifest: Manifest) -> Path:
         doc["features"] = dict(manifest.features)
     if manifest.vocabulary is not None:
         doc["vocabulary"] = list(manifest.vocabulary)
+    if manifest.extras:
+        doc["extras"] = extras_json(manifest.extras)
     return _write_atomic(manifest.cache_dir, MANIFEST_NAME,
                          json.dumps(doc, separators=(",", ":")).encode())
 
@@ -376,14 +382,16 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     file_n_mels, rows, stored = _parse_doc(doc, path)
     columns = _check_column_types(rows, path)
     _check_ids(columns[0], columns[3], path)
-    described = _parse_features(doc.get("features"), path), _parse_vocabulary(doc.get("vocabulary"), path)
+    described = parse_features(doc.get("features"), path), parse_vocabulary(doc.get("vocabulary"), path)
+    extras = parse_extras(doc.get("extras"), len(rows), path)
     try:
-        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)), *described)
+        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)), *described, extras)
     except OverflowError as err:
         raise CacheError(path, "malformed manifest: integer out of range") from err
     except ValueError as err:
         raise CacheError(path, f"malformed manifest: {err}") from err
     _check_sizes(manifest, rows, path)
+    check_extra_sizes(manifest.extras, manifest.frames, manifest.token_counts, path)
     if manifest.fingerprint != stored:
         raise CacheError(path, "fingerprint mismatch (manifest edited?)")
     if n_mels is not None and n_mels != file_n_mels:

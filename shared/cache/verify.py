@@ -10,7 +10,10 @@ longer matches the row, and non-finite mel values. ``.npy`` files in ``mels/``/`
 manifest does not list are reported as warnings (``fatal=False``): training never reads them, so
 they cannot hurt a run, but they usually mean a forgotten ``index`` or a file ``--skip-bad`` left
 out. Without a manifest (or with one that does not load) every file is checked by its header with
-the rules ``index`` applies, plus the same value scan.
+the rules ``index`` applies, plus the same value scan. Extra arrays (``extras/<name>/``) are checked
+against the manifest's declarations and rows (only with a manifest: it is what declares them): the
+file exists, its size and header are the indexed ones, its shape and dtype fit the declared kind
+and the utterance's frames or tokens, and a float extra holds no NaN/Inf.
 
 Invariants:
 - Problems come out sorted by path, at most one per file (the first check that fails).
@@ -30,8 +33,9 @@ import numpy as np
 
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
+from shared.cache.extras import ExtraColumn, check_extra_header
 from shared.cache.index import check_mel_header, check_token_header   # the same rules as index
-from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Utterance, load_manifest
+from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
@@ -168,15 +172,41 @@ def _check_utterance(uid: str, mel: Path | None, tok: Path | None, row: Utteranc
     return out
 
 
-def _load_rows(root: Path, n_mels: int, problems: list[VerifyProblem]) -> dict[str, Utterance] | None:
-    """The manifest's rows by id; ``None`` when there is no manifest or it does not load (reported)."""
+def _load(root: Path, n_mels: int, problems: list[VerifyProblem]) -> Manifest | None:
+    """The manifest; ``None`` when there is none or it does not load (reported)."""
     if not (root / MANIFEST_NAME).exists():
         return None
     try:
-        return {u.id: u for u in load_manifest(root, n_mels).utterances}
+        return load_manifest(root, n_mels)
     except CacheError as err:  # report it; the caller then checks every file by its header instead
         problems.append(VerifyProblem(err.path, err.reason))
         return None
+
+
+def _check_extra_file(manifest: Manifest, column: ExtraColumn, i: int, scanner: _Scanner) -> VerifyProblem | None:
+    """The first thing wrong with utterance ``i``'s file of one extra, or ``None``."""
+    path, spec = manifest.extra_path(column.spec.name, i), column.spec
+    utt = manifest.utterances[i]
+    try:
+        header, size = inspect_npy(path)
+    except CacheError as err:
+        return VerifyProblem(str(path), err.reason + (" (listed in the manifest)" if err.reason == "missing" else ""))
+    length, offset, file_bytes = (int(x) for x in column.rows[i])
+    bad = check_extra_header(spec, header, utt.frames, utt.tokens)
+    if bad is None and size != file_bytes:
+        bad = f"changed since index: {size} bytes, manifest says {file_bytes}; re-run index"
+    elif bad is None and (header.shape != spec.file_shape(length) or header.data_offset != offset):
+        bad = (f"changed since index: header says shape {header.shape} offset {header.data_offset}, manifest "
+               f"{spec.file_shape(length)} {offset}; re-run index")
+    elif bad is None and header.dtype.kind == "f":
+        bad = scanner.scan(path, header)
+    return VerifyProblem(str(path), f"extra {spec.name!r}: {bad}") if bad else None
+
+
+def _check_extras(manifest: Manifest, scanner: _Scanner) -> tuple[int, list[VerifyProblem]]:
+    """Every listed utterance's file of every declared extra: (files checked, problems)."""
+    out = [_check_extra_file(manifest, c, i, scanner) for c in manifest.extras for i in range(len(manifest))]
+    return len(out), [p for p in out if p is not None]
 
 
 def _check_unlisted(mels: dict[str, Path], toks: dict[str, Path], rows: dict[str, Utterance], n_mels: int,
@@ -213,7 +243,8 @@ def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
         raise CacheError(root, "no such cache directory")
     mels, toks = _list_npy(root / "mels"), _list_npy(root / "tokens")
     problems: list[VerifyProblem] = []
-    rows = _load_rows(root, n_mels, problems)
+    manifest = _load(root, n_mels, problems)
+    rows = {u.id: u for u in manifest.utterances} if manifest is not None else None
     if rows is None and not mels and not toks:
         raise CacheError(root, "empty cache: no manifest and no .npy files in mels/ or tokens/")
     ids = sorted(rows) if rows is not None else sorted(mels.keys() | toks.keys())
@@ -229,9 +260,10 @@ def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
         problems += _check_utterance(uid, mel, tok, row, n_mels, scanner)
         if progress is not None:
             progress(done, len(ids))
-    if rows is not None:
+    if manifest is not None and rows is not None:
         unlisted = _check_unlisted(mels, toks, rows, n_mels, scanner)
-        files += len(unlisted)
-        problems += unlisted
+        n_extra, extra_problems = _check_extras(manifest, scanner)
+        files += len(unlisted) + n_extra
+        problems += unlisted + extra_problems
     problems.sort(key=lambda p: p.path)
     return VerifyReport(root, rows is not None, len(ids), files, tuple(problems))

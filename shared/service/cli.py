@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
     idx.add_argument("--mels", help="adopt an existing folder of <id>.npy mels (linked as CACHE_DIR/mels)")
     idx.add_argument("--tokens", help="adopt an existing folder of <id>.npy token ids (linked as CACHE_DIR/tokens)")
+    idx.add_argument("--extra", action="append", metavar="NAME[:KIND]=DIR",
+                     help="adopt a folder of <id>.npy extra arrays (linked as CACHE_DIR/extras/NAME); KIND is "
+                          "frame, token, utterance or sequence (default: what the headers show); repeatable")
     prep = sub.add_parser("prepare", help="build a mel cache from an LJSpeech-format corpus (resumable)")
     prep.add_argument("--ljspeech", required=True, help="corpus dir with metadata.csv (id|text|normalized_text) and wavs/")
     prep.add_argument("--cache", required=True, help="output cache dir (created; an interrupted run resumes in it)")
@@ -179,5 +182,5 @@ def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineCo
     from shared.cache.demo_data import default_demo_dir, write_demo_cache
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     log.info("demo data in %s", cache)
-    write_demo_cache(cache, n_utterances=args.demo_utterances)
+    write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
     return with_overrides(cfg, {"cache_dir": str(cache)})

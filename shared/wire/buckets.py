@@ -28,6 +28,7 @@ import numpy.typing as npt
 from shared.config import BucketConfig
 from shared.errors import ConfigError
 from shared.wire.layout import ARRAY_DTYPES
+from shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
 
@@ -41,13 +42,19 @@ def _round_up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One fixed batch shape: B rows of up to T mel frames and L tokens."""
+    """One fixed batch shape: B rows of up to T mel frames and L tokens, plus the cache's extras.
+
+    ``extras`` is the batch schema beyond the base arrays (``shared/wire/schema.py``);
+    ``seq_lengths`` holds the padded length S of each ``sequence`` extra, in declaration order.
+    """
 
     index: int        # position in BucketSet.buckets
     batch_size: int   # rows B per batch
     max_frames: int   # T, a multiple of frame_multiple
     max_tokens: int   # L
     n_mels: int       # mel channels per frame
+    extras: tuple[ExtraSpec, ...] = ()
+    seq_lengths: tuple[int, ...] = ()   # S of each sequence extra (declaration order), >= 1
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -55,25 +62,41 @@ class Bucket:
         for name in ("batch_size", "max_frames", "max_tokens", "n_mels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bucket {name} must be >= 1, got {getattr(self, name)}")
+        n_seq = sum(e.kind == "sequence" for e in self.extras)
+        if len(self.seq_lengths) != n_seq or any(s < 1 for s in self.seq_lengths):
+            raise ValueError(f"bucket needs one length >= 1 per sequence extra ({n_seq}), got {self.seq_lengths}")
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Array shapes of one batch: mel [B, T, n_mels], mel_len [B], tokens [B, L], tok_len [B]."""
+        """Array shapes of one batch, in wire order: mel [B, T, n_mels], mel_len [B], tokens [B, L],
+        tok_len [B], then each extra ``[B, *row_shape]`` (a sequence followed by ``<name>_len`` [B])."""
         b = self.batch_size
-        return {"mel": (b, self.max_frames, self.n_mels), "mel_len": (b,),
-                "tokens": (b, self.max_tokens), "tok_len": (b,)}
+        out = {"mel": (b, self.max_frames, self.n_mels), "mel_len": (b,),
+               "tokens": (b, self.max_tokens), "tok_len": (b,)}
+        seq = iter(self.seq_lengths)
+        for spec in self.extras:
+            out[spec.name] = (b, *row_shape(spec, self.max_frames, self.max_tokens,
+                                            next(seq) if spec.length_key else 0))
+            if spec.length_key:
+                out[spec.length_key] = (b,)
+        return out
 
     def dtypes(self) -> dict[str, str]:
-        """NumPy dtype names of the arrays in ``shapes()``, by the same keys."""
-        return dict(ARRAY_DTYPES)
+        """NumPy dtype names of the arrays in ``shapes()``, by the same keys and order."""
+        out = dict(ARRAY_DTYPES)
+        for spec in self.extras:
+            out[spec.name] = spec.dtype
+            if spec.length_key:
+                out[spec.length_key] = LENGTH_DTYPE
+        return out
 
     def nbytes(self) -> int:
-        """Total bytes of one batch's four arrays."""
-        return sum(math.prod(shape) * np.dtype(ARRAY_DTYPES[name]).itemsize
-                   for name, shape in self.shapes().items())
+        """Total bytes of one batch's arrays."""
+        dtypes = self.dtypes()
+        return sum(math.prod(shape) * np.dtype(dtypes[name]).itemsize for name, shape in self.shapes().items())
 
     def as_wire(self) -> list[int]:
-        """``[index, B, T, L, n_mels]``: compared field by field in the handshake."""
-        return [self.index, self.batch_size, self.max_frames, self.max_tokens, self.n_mels]
+        """``[index, B, T, L, n_mels, *S]``: compared field by field in the handshake (no S without sequences)."""
+        return [self.index, self.batch_size, self.max_frames, self.max_tokens, self.n_mels, *self.seq_lengths]
 
 
 # eq=False: an ndarray field has no boolean ==; compare as_wire() and assignment explicitly.
@@ -237,7 +260,7 @@ def _assign(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], bounds
 
 
 def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.integer],
-                  n_mels: int, cfg: BucketConfig) -> BucketSet:
+                  n_mels: int, cfg: BucketConfig, schema: ExtraSchema | None = None) -> BucketSet:
     """Group utterances into a few fixed shapes and assign every utterance to one.
 
     Args:
@@ -247,6 +270,8 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
         cfg: bucket settings. Derived boundaries end at min(max_frames, longest utterance), so a
             generous cap never adds an empty-tailed shape; configured boundaries above
             ``max_frames`` are lowered to it. Both are rounded up to ``frame_multiple``.
+        schema: the manifest's extras (``Manifest.schema``); a sequence extra's S in a bucket is
+            its longest length among the bucket's members. None = no extras.
 
     Returns:
         The bucket set; identical inputs give an identical set on every host.
@@ -269,15 +294,33 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
     sizes_t = bounds[occupied]
     longest_tokens = np.zeros(occupied.size, dtype=np.int64)
     np.maximum.at(longest_tokens, assignment[kept], tokens[kept])
+    extras = schema.extras if schema is not None else ()
+    seq = _sequence_lengths(schema, assignment, kept, occupied.size)
     buckets = tuple(
         Bucket(index=k, batch_size=_batch_size(cfg, int(t)), max_frames=int(t),
                max_tokens=cfg.max_tokens if cfg.max_tokens is not None else max(1, int(longest_tokens[k])),
-               n_mels=n_mels)
+               n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq))
         for k, t in enumerate(sizes_t))
     real = int(np.minimum(lengths[kept], sizes_t[assignment[kept]]).sum())
     return BucketSet(buckets=buckets, assignment=assignment.astype(np.int16),
                      truncated=0 if cfg.overlong == "drop" else n_over,
                      dropped=n_over if cfg.overlong == "drop" else 0, real_frames=real)
+
+
+def _sequence_lengths(schema: ExtraSchema | None, assignment: npt.NDArray[np.int64], kept: npt.NDArray[np.bool_],
+                      n_buckets: int) -> list[npt.NDArray[np.int64]]:
+    """Per sequence extra (declaration order): its longest length in each bucket, at least 1."""
+    out = []
+    for spec in schema.extras if schema is not None else ():
+        if spec.kind != "sequence":
+            continue
+        lengths = np.asarray(schema.sequence_lengths[spec.name], dtype=np.int64)  # type: ignore[union-attr]
+        if lengths.shape != assignment.shape:
+            raise ValueError(f"sequence_lengths[{spec.name!r}] must have one entry per utterance")
+        longest = np.ones(n_buckets, dtype=np.int64)
+        np.maximum.at(longest, assignment[kept], lengths[kept])
+        out.append(longest)
+    return out
 
 
 def _batch_size(cfg: BucketConfig, max_frames: int) -> int:

@@ -1,9 +1,10 @@
 """Byte layout of one batch inside a buffer: every array 64-byte aligned (DLPack requirement).
 
-Role: the one definition of what a batch is in bytes -- its array keys in wire order, their
+Role: the one definition of what a batch is in bytes -- its base array keys in wire order, their
 dtypes, the alignment of each array -- shared so a producer fills exactly the layout a consumer
 slot uses (same-host paths) and both sides check the same dtypes on the wire.
-Invariants: arrays follow ``ARRAY_KEYS`` order; each starts at a multiple of ``ALIGN_BYTES``, so a
+Invariants: arrays follow ``Bucket.shapes()`` order: ``ARRAY_KEYS``, then the cache's extras in
+declaration order (``shared/wire/schema.py``); each starts at a multiple of ``ALIGN_BYTES``, so a
 slot's views can go to TensorFlow through DLPack without a copy.
 Shutdown: nothing to release; buffers go with their last view.
 """
@@ -22,7 +23,7 @@ __all__ = ["ALIGN_BYTES", "ARRAY_KEYS", "ARRAY_DTYPES", "PAYLOAD_COPIES", "batch
            "aligned_buffer", "layout_views", "round_up"]
 
 ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/ARCHITECTURE.md)
-ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # a batch's arrays in wire (payload frame) order
+ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # every batch's first arrays, in wire (payload frame) order
 ARRAY_DTYPES: dict[str, str] = {"mel": "float32", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
 PAYLOAD_COPIES = 4  # payload path: page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
 
@@ -36,9 +37,9 @@ def batch_layout(bucket: Bucket) -> list[tuple[str, int, tuple[int, ...], np.dty
     """(key, byte offset, shape, dtype) of each array of a ``bucket`` batch, in wire order."""
     out = []
     offset = 0
-    shapes = bucket.shapes()
-    for key in ARRAY_KEYS:
-        shape, dtype = shapes[key], np.dtype(ARRAY_DTYPES[key])
+    dtypes = bucket.dtypes()
+    for key, shape in bucket.shapes().items():   # ARRAY_KEYS first, then the extras
+        dtype = np.dtype(dtypes[key])
         out.append((key, offset, shape, dtype))
         offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
     return out

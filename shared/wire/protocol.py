@@ -2,7 +2,7 @@
 
 Every message is a multipart ``[header]`` or ``[header, *payload]``: the header is one msgpack
 map tagged by ``t`` (a ``MsgKind``); only BATCH carries payload frames, one raw frame per array in
-``ARRAY_KEYS`` order -- except on the same-host shared-memory path: a producer whose HELLO offers
+``Bucket.shapes()`` order (``ARRAY_KEYS``, then the cache's extras: ``shared/wire/schema.py``) -- except on the same-host shared-memory path: a producer whose HELLO offers
 ``CAP_SHM`` and whose WELCOME names an ``shm_dir`` gets leases naming a slot file, builds into it,
 and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (a ~100-byte header packs in
 microseconds; an 8 MB bin would be copied in and out again: docs/ARCHITECTURE.md).
@@ -38,6 +38,7 @@ _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids
 _MAX_STR = 4096
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
+_MAX_BATCH_ARRAYS = 64            # base arrays + extras (+ their lengths) of one batch
 
 
 class MsgKind(IntEnum):
@@ -123,7 +124,7 @@ class LeaseGrant:
 
 @dataclass(frozen=True, slots=True)
 class BatchHeader:
-    """P->C: header of a built batch; the four arrays follow as raw frames."""
+    """P->C: header of a built batch; its arrays follow as raw frames (base arrays, then extras)."""
 
     epoch: int
     batch_id: int
@@ -365,8 +366,9 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
     if kind is MsgKind.BATCH:
         shapes = _get(d, "shapes", list)
         dtypes = _get(d, "dtypes", list)
-        if len(shapes) != len(ARRAY_KEYS) or len(dtypes) != len(ARRAY_KEYS):
-            raise ProtocolError(RejectCode.SCHEMA, f"shapes and dtypes must list {len(ARRAY_KEYS)} arrays")
+        if len(shapes) != len(dtypes) or not len(ARRAY_KEYS) <= len(shapes) <= _MAX_BATCH_ARRAYS:
+            raise ProtocolError(RejectCode.SCHEMA, f"shapes and dtypes must list the same {len(ARRAY_KEYS)}.."
+                                                   f"{_MAX_BATCH_ARRAYS} arrays")
         if not all(isinstance(x, str) for x in dtypes):
             raise ProtocolError(RejectCode.SCHEMA, "dtypes must be strings")
         crc = d.get("crc")

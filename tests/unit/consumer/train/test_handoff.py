@@ -8,7 +8,8 @@ from consumer.flow.plan import PlannedBatch
 from consumer.handout import Batch
 from consumer.train.handoff import TfHandOff, model_device
 from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep, aligned_empty
+from consumer.train.step import CompiledStep
+from consumer.train.handoff import aligned_empty
 from tests.steps import tiny_step
 
 N_MELS = 8

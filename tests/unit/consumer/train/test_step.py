@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from consumer.train.model import StepSpec, TrainStep, build_reference_step
-from consumer.train.step import CompiledStep, aligned_empty, load_step_factory, to_tensors
+from consumer.train.step import CompiledStep, load_step_factory
+from consumer.train.handoff import aligned_empty, to_tensors
 from shared.errors import ConfigError
 
 N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning

@@ -1,0 +1,212 @@
+"""Extra per-utterance arrays in a cache: their files, their manifest rows and their checks.
+
+Cache layout: ``CACHE/extras/<name>/<id>.npy``, one folder per extra (``index --extra NAME=DIR``
+links an existing folder there). The manifest declares each extra and records, per utterance,
+where its data is::
+
+    "extras": [{"name": "energy", "kind": "frame", "dtype": "float32", "shape": [],
+                "rows": [[length, data_offset, file_bytes], ...]}, ...]     # one row per utterance
+
+``length`` is the file's first axis (``frames`` for a frame extra, ``tokens`` for a token extra,
+its own length for a sequence) and 0 for an utterance extra. Kinds, shapes and padding:
+``shared/wire/schema.py``.
+
+Role: parse and check the ``extras`` of a manifest (one-line errors naming the manifest and the
+key, e.g. ``extras[1].kind``), write it, hash it into the fingerprint, and the header rule that
+``index`` and ``verify-cache`` share (``check_extra_header``). Indexing an extras folder (with the
+kind inferred from the headers when not given) is here too.
+Invariants: every manifest utterance has a valid file for every declared extra (as of indexing);
+a cache without extras has no ``extras`` key, so its manifest and fingerprint are unchanged.
+Shutdown: nothing to shut down; every file opened here is closed before returning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.errors import CacheError
+from shared.cache.npyfile import NpyHeader, inspect_npy
+from shared.wire.schema import ExtraSpec, check_declaration, check_schema
+
+__all__ = ["EXTRAS_DIR", "ExtraColumn", "parse_extras", "extras_json", "extras_digest", "check_extra_sizes",
+           "check_extra_header", "infer_kind", "index_extra", "extra_dirs"]
+
+EXTRAS_DIR = "extras"
+_ROW_WIDTH = 3   # length, data offset, file bytes
+
+
+@dataclass(frozen=True, eq=False)
+class ExtraColumn:
+    """One declared extra and its per-utterance rows: int64 [N, 3] (length, data offset, file bytes), read-only."""
+
+    spec: ExtraSpec
+    rows: npt.NDArray[np.int64]
+
+    def __post_init__(self) -> None:
+        rows = np.array(self.rows, dtype=np.int64).reshape(-1, _ROW_WIDTH)
+        rows.setflags(write=False)
+        object.__setattr__(self, "rows", rows)
+
+
+def extra_dirs(root: Path) -> dict[str, Path]:
+    """``{name: folder}`` of ``CACHE/extras/*`` (sorted by name); empty when there is none."""
+    base = root / EXTRAS_DIR
+    if not base.is_dir():
+        return {}
+    return {p.name: p for p in sorted(base.iterdir()) if p.is_dir()}
+
+
+def _fail(path: Path, index: int, key: str, reason: str) -> CacheError:
+    return CacheError(path, f"malformed manifest: extras[{index}].{key}: {reason}")
+
+
+def parse_extras(value: Any, n_utterances: int, path: Path) -> tuple[ExtraColumn, ...]:
+    """The ``extras`` of a manifest document, checked (declarations, names, row types and count).
+
+    Raises:
+        CacheError: one line naming ``path`` and the key (``extras[i].kind`` ...).
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise CacheError(path, "malformed manifest: extras: must be a list of declarations")
+    specs: list[ExtraSpec] = []
+    columns: list[ExtraColumn] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"name", "kind", "dtype", "shape", "rows"}:
+            raise CacheError(path, f"malformed manifest: extras[{i}]: must be a map of exactly "
+                                   "name, kind, dtype, shape, rows")
+        bad = check_declaration(item["name"], item["kind"], item["dtype"], item["shape"])
+        if bad is not None:
+            raise _fail(path, i, *bad)
+        spec = ExtraSpec(item["name"], item["kind"], item["dtype"], tuple(item["shape"]))
+        rows = item["rows"]
+        if not isinstance(rows, list) or len(rows) != n_utterances:
+            raise _fail(path, i, "rows", f"must list one row per utterance ({n_utterances})")
+        if any(type(r) is not list or len(r) != _ROW_WIDTH or any(type(x) is not int for x in r) for r in rows):
+            raise _fail(path, i, "rows", "each row must be [length, data_offset, file_bytes] integers")
+        try:
+            columns.append(ExtraColumn(spec, np.array(rows, dtype=np.int64).reshape(-1, _ROW_WIDTH)))
+        except OverflowError as err:
+            raise _fail(path, i, "rows", "integer out of range") from err
+        specs.append(spec)
+    clash = check_schema(specs)
+    if clash is not None:
+        raise _fail(path, *clash)
+    return tuple(columns)
+
+
+def extras_json(columns: Sequence[ExtraColumn]) -> list[dict[str, Any]]:
+    """The manifest's ``extras`` value (see the module docstring)."""
+    return [{**c.spec.as_json(), "rows": c.rows.tolist()} for c in columns]
+
+
+def extras_digest(columns: Sequence[ExtraColumn]) -> bytes | None:
+    """Bytes the fingerprint covers for the extras (declarations + rows); None without extras."""
+    if not columns:
+        return None
+    head = json.dumps([c.spec.as_json() for c in columns], sort_keys=True, separators=(",", ":")).encode()
+    return head + b"".join(c.rows.astype("<i8").tobytes() for c in columns)
+
+
+def check_extra_sizes(columns: Sequence[ExtraColumn], frames: npt.NDArray[np.int64],
+                      tokens: npt.NDArray[np.int64], path: Path) -> None:
+    """Every row consistent with its kind and the utterance's lengths, and its file big enough."""
+    for i, c in enumerate(columns):
+        length, offset, nbytes = c.rows.T
+        spec = c.spec
+        per_row = int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+        want = {"frame": frames, "token": tokens, "utterance": np.zeros_like(length)}.get(spec.kind)
+        ok = (offset >= 0) & (nbytes >= offset + np.maximum(length, 1) * per_row)
+        ok &= (length >= 1) if want is None else (length == want)
+        if not ok.all():
+            row = int(np.argmin(ok))
+            raise _fail(path, i, "rows", f"row {row} {c.rows[row].tolist()} does not fit a {spec.kind} extra "
+                                         f"(utterance frames {int(frames[row])}, tokens {int(tokens[row])})")
+
+
+def check_extra_header(spec: ExtraSpec, header: NpyHeader, frames: int, tokens: int) -> str | None:
+    """Why an extra's ``.npy`` header does not fit its declaration and utterance (one line), or None."""
+    if header.dtype != np.dtype(spec.dtype).newbyteorder("<"):
+        return f"dtype {header.dtype.str}, declared {spec.dtype} (little-endian)"
+    shape = header.shape
+    if spec.has_length and (len(shape) != 1 + len(spec.shape) or shape[1:] != spec.shape):
+        return f"shape {shape}, declared [n, {', '.join(map(str, spec.shape))}]".replace(", ]", "]")
+    if not spec.has_length and shape != spec.shape:
+        return f"shape {shape}, declared {list(spec.shape)} (one value per utterance)"
+    want = {"frame": ("frames", frames), "token": ("tokens", tokens)}.get(spec.kind)
+    if want is not None and shape[0] != want[1]:
+        return f"{spec.kind} extra has {shape[0]} rows, the utterance has {want[1]} {want[0]}"
+    if spec.kind == "sequence" and shape[0] == 0:
+        return "empty sequence"
+    return None
+
+
+def infer_kind(headers: Sequence[NpyHeader], frames: Sequence[int], tokens: Sequence[int]) -> str:
+    """The kind a set of headers says: frame, token, utterance (one shape everywhere) or sequence."""
+    shapes = [h.shape for h in headers]
+    lead = [s[0] if s else -1 for s in shapes]
+    if all(s for s in shapes) and len({s[1:] for s in shapes}) == 1:
+        if lead == list(frames):
+            return "frame"
+        if lead == list(tokens):
+            return "token"
+    if len(set(shapes)) == 1:
+        return "utterance"
+    return "sequence"
+
+
+def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[int], tokens: Sequence[int],
+                kind: str | None) -> tuple[ExtraColumn | None, dict[str, tuple[str, str]]]:
+    """Index one extras folder for the utterances ``ids``.
+
+    Args:
+        kind: the declared kind; None = infer it from the headers (``infer_kind``).
+
+    Returns:
+        ``(column, problems)``: the column (None when no file is usable or the declaration is bad)
+        and ``{utterance id: (path, reason)}`` for each utterance whose file is bad or missing.
+
+    Raises:
+        CacheError: the folder's name or its files' common dtype/shape cannot be declared.
+    """
+    problems: dict[str, tuple[str, str]] = {}
+    found: dict[str, tuple[NpyHeader, int]] = {}
+    for uid in ids:
+        path = folder / f"{uid}.npy"
+        try:
+            found[uid] = inspect_npy(path)
+        except CacheError as err:
+            problems[uid] = (str(err.path), err.reason)
+    pos = {uid: i for i, uid in enumerate(ids)}
+    heads = [found[u][0] for u in ids if u in found]
+    if not heads:
+        return None, problems
+    dtypes = {h.dtype.str for h in heads}
+    first = heads[0]
+    if kind is None:
+        present = [pos[u] for u in ids if u in found]
+        kind = infer_kind(heads, [frames[i] for i in present], [tokens[i] for i in present])
+    trailing = first.shape if kind == "utterance" else first.shape[1:]
+    dtype = np.dtype(first.dtype).name if first.dtype.byteorder in "<|=" else first.dtype.str
+    bad = check_declaration(name, kind, dtype, list(trailing))
+    if bad is not None or len(dtypes) > 1:
+        why = f"{bad[0]} {bad[1]}" if bad is not None else f"files disagree on dtype: {sorted(dtypes)}"
+        raise CacheError(folder, f"extra {name!r} cannot be declared: {why}")
+    spec = ExtraSpec(name, kind, dtype, tuple(trailing))
+    rows = np.zeros((len(ids), _ROW_WIDTH), dtype=np.int64)
+    for uid, (header, nbytes) in found.items():
+        i = pos[uid]
+        reason = check_extra_header(spec, header, frames[i], tokens[i])
+        if reason is not None:
+            problems[uid] = (str(folder / f"{uid}.npy"), reason)
+            continue
+        rows[i] = (header.shape[0] if spec.has_length else 0, header.data_offset, nbytes)
+    return ExtraColumn(spec, rows), problems

@@ -1,0 +1,40 @@
+"""The Keras dataset's element spec carries the batch schema's extras by name (consumer/dataset.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import tensorflow as tf
+
+from consumer.dataset import _spec, feature_keys
+from shared.wire.buckets import Bucket
+from shared.wire.schema import ExtraSpec
+
+EXTRAS = (ExtraSpec("speaker", "utterance", "int32"), ExtraSpec("energy", "frame", "float32"),
+          ExtraSpec("ref", "sequence", "float16", (2,)))
+
+
+def _consumer(*buckets: Bucket) -> Any:
+    return SimpleNamespace(cfg=SimpleNamespace(n_mels=4), bucket_shapes=tuple(b.shapes() for b in buckets),
+                           bucket_set=SimpleNamespace(buckets=buckets))
+
+
+def test_extras_are_features_with_their_dtypes_and_bucket_varying_dims_unknown() -> None:
+    feed = _consumer(Bucket(0, 2, 8, 3, 4, extras=EXTRAS, seq_lengths=(5,)),
+                     Bucket(1, 2, 16, 6, 4, extras=EXTRAS, seq_lengths=(9,)))
+    assert feature_keys(feed)[7:] == ("speaker", "energy", "ref", "ref_len")
+    feats, mel = _spec(feed, ("tokens", "speaker", "energy", "ref", "ref_len"), None)
+    assert mel == tf.TensorSpec((None, None, 4), tf.float32, name="mel")
+    assert {k: (tuple(v.shape), v.dtype) for k, v in feats.items()} == {
+        "tokens": ((None, None), tf.int32), "speaker": ((None,), tf.int32), "energy": ((None, None), tf.float32),
+        "ref": ((None, None, 2), tf.float16), "ref_len": ((None,), tf.int32)}
+
+
+def test_a_cache_without_extras_offers_the_base_features_only() -> None:
+    assert feature_keys(_consumer(Bucket(0, 2, 8, 3, 4))) == ("tokens", "tok_len", "mel_len", "frames", "batch_id",
+                                                            "rows", "row_mask")
+    with pytest.raises(ValueError, match="subset"):
+        from consumer.dataset import make_dataset
+        make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, ("speaker",))

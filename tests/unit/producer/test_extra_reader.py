@@ -1,0 +1,72 @@
+"""Extras in a built batch: read into their rows, padded by kind, a bad extra file quarantines its row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from producer.batcher import BatchAssembler
+from producer.reader import CacheReader
+from shared.cache.demo_data import write_demo_cache
+from shared.cache.index import build_manifest
+from shared.cache.manifest import Manifest
+from shared.config import BucketConfig
+from shared.errors import CacheError
+from shared.wire.buckets import BucketSet, build_buckets
+from shared.wire.schema import pad_row
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> tuple[Manifest, BucketSet]:
+    root = tmp_path / "cache"
+    demo = write_demo_cache(root, n_utterances=6, n_mels=8, extras=True)
+    (root / "extras" / "ref").mkdir()
+    for i, u in enumerate(demo.utterances):
+        np.save(root / "extras" / "ref" / f"{u.id}.npy", np.arange(2 * (i + 1), dtype=np.float16).reshape(-1, 2) + 1)
+    manifest, problems = build_manifest(root, 8, kinds={"ref": "sequence"})
+    assert problems == []
+    return manifest, build_buckets(manifest.frames, manifest.token_counts, 8,
+                                   BucketConfig(num_buckets=1, batch_size=4), manifest.schema)
+
+
+def _want(manifest: Manifest, buckets: BucketSet, sid: int) -> dict[str, np.ndarray]:
+    shapes, dtypes = buckets.buckets[0].shapes(), buckets.buckets[0].dtypes()
+    out = {}
+    for spec in manifest.schema.extras:
+        row = np.zeros(shapes[spec.name][1:], dtypes[spec.name])
+        n = pad_row(spec, np.load(manifest.extra_path(spec.name, sid)), row)
+        out[spec.name] = row
+        if spec.length_key:
+            out[spec.length_key] = np.int32(n)
+    return out
+
+
+def test_extras_are_padded_by_kind_in_every_row_and_a_reused_buffer_keeps_no_stale_bytes(
+        cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
+    assembler.build(0, 0, [5, 4, 3, 2]).attach(None)      # long sequences first, then the same buffer again
+    batch = assembler.build(1, 0, [0, 1])
+    for row, sid in enumerate([0, 1]):
+        for key, value in _want(manifest, buckets, sid).items():
+            assert batch.arrays[key][row].tobytes() == np.asarray(value).tobytes(), (sid, key)
+    for key in ("energy", "speaker", "ref", "ref_len"):
+        assert not batch.arrays[key][2:].any(), key        # padding rows are zeros
+
+
+def test_a_bad_extra_file_quarantines_its_row_and_zeroes_every_extra(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    path = manifest.extra_path("energy", 2)
+    energy = np.load(path)
+    energy[0] = np.inf
+    np.save(path, energy)                                   # same size: only the value check finds it
+    batch = BatchAssembler(CacheReader(manifest), buckets).build(0, 0, [1, 2, 3])
+    assert batch.quarantined == [2]
+    assert batch.arrays["mel_len"][1] == 0 and batch.arrays["ref_len"][1] == 0
+    for key in ("energy", "speaker", "ref"):
+        assert not batch.arrays[key][1].any(), key
+    assert batch.arrays["ref_len"][2] == 4 and batch.arrays["ref"][2].any()
+    with pytest.raises(CacheError, match="non-finite"):
+        BatchAssembler(CacheReader(manifest), buckets, bad_sample_policy="fail").build(0, 0, [2])
