@@ -214,6 +214,8 @@ class ProducerConfig:
     restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"        # bad cache file: "quarantine" (empty row, counted) or "fail"
     exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
+    open_files: int = 4096                 # cache files each producer keeps open (LRU; held to half of
+                                           # RLIMIT_NOFILE); 0 = open and close every file on every read
 
     def __post_init__(self) -> None:
         p = ("producer",)
@@ -227,6 +229,7 @@ class ProducerConfig:
                p + ("bad_samples",), self.bad_samples)
         _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
                self.restart_backoff_s)
+        _check(0 <= self.open_files <= 1_000_000, "must be in 0..1000000", p + ("open_files",), self.open_files)
 
 
 JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged
