@@ -25,6 +25,7 @@ __all__ = [
     "BucketConfig",
     "TransportConfig",
     "check_transport_mode",
+    "resolve_checksum",
     "ConsumerConfig",
     "ProducerConfig",
     "ModelConfig",
@@ -84,6 +85,21 @@ class BucketConfig:
         _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
 
 
+def resolve_checksum(checksum: bool | None, endpoint: str, insecure: bool) -> bool:
+    """Whether producers must send a crc32 of each payload (``transport.checksum``; ``None`` = decide).
+
+    Default: only on tcp without CURVE (``transport.insecure``). Under CURVE every message carries a
+    Poly1305 tag that libzmq checks before delivery, so a corrupted payload never arrives and a crc32
+    (about 3 ms per 9 MB batch on each side) would only repeat that check. On ipc the bytes never
+    leave the host's memory (a Unix socket, or the producer's write into the shared slot), where a
+    checksum finds no corruption a memory error would not also cause elsewhere (docs/ARCHITECTURE.md,
+    "Wire protocol"). ``true`` turns it on everywhere, ``false`` off everywhere.
+    """
+    if checksum is not None:
+        return checksum
+    return endpoint.startswith("tcp://") and insecure
+
+
 def check_transport_mode(mode: str, endpoint: str | None) -> None:
     """``transport.mode: shm`` needs a same-host (ipc://) endpoint; tcp producers use payload frames.
 
@@ -104,7 +120,7 @@ class TransportConfig:
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
     lease_expiry_limit: int = 3            # a producer letting this many leases in a row expire is benched ...
     lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
-    checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
+    checksum: bool | None = None           # crc32 on payloads; None = only for tcp without CURVE (resolve_checksum)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
     # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
