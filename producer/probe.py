@@ -1,11 +1,13 @@
 """Stage 1 of ``run_pipeline.py doctor``: cache read + batch assembly in this one process.
 
-``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N]``
+``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N] [--warm]``
 builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
 ``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
 "cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
-part is the time inside ``read_mel_into``/``read_tokens_into``. Nothing is sent.
+part is the time inside ``read_mel_into``/``read_tokens_into``. Nothing is sent. ``--warm`` first builds
+every batch of the plan once, untimed, so the figures are a long-running producer's (cache files
+already open, values already checked) rather than its first epoch's.
 ``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
 producers would. Exit codes: 0 measured, 78 configuration/cache error (one line on stderr).
 Shutdown: nothing outlives the process; buffers are freed on exit.
@@ -57,7 +59,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
-            seed: int) -> dict[str, float]:
+            seed: int, warm: bool = False) -> dict[str, float]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
     from producer.reader import CacheReader
@@ -76,6 +78,9 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
                                bad_sample_policy=cfg.producer.bad_samples)
     plan = representative_batches(bucket_set, 256, seed)
+    if warm:
+        for i, (bucket, sample_ids) in enumerate(plan):
+            assembler.build(i, bucket, sample_ids)
     if start_at is not None:
         time.sleep(min(max(0.0, start_at - time.time()), _MAX_START_WAIT_S))
     build_ms: list[float] = []
@@ -104,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--debug-delay-ms", type=float, default=0.0)
     ap.add_argument("--start-at", type=float, help="time.time() at which to start building")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm", action="store_true", help="build every plan batch once, untimed, first")
     args = ap.parse_args(argv)
 
     import os
@@ -111,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.lifecycle import setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
-        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed)
+        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed,
+                         args.warm)
     except PipelineError as err:
         print(f"producer.probe: {err}", file=sys.stderr)
         return EXIT_CONFIG

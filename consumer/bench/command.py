@@ -6,7 +6,7 @@ rounds that alternate the systems (the order rotates every round, so drift hits 
 print medians, ratios against the best tuned tf.data and the goals as PASS/FAIL, and write every
 raw trial plus the medians with ``--json``. A transport section (or ``--transport-only``) measures
 producer -> consumer GB/s on each path against memcpy measured in the same trial. Each round also runs
-doctor's stage 1 (``python -m producer.probe``) once: a producer's CPU per batch built.
+doctor's stage 1 (``python -m producer.probe --warm``) once: a long-running producer's CPU per batch built.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
@@ -156,12 +156,12 @@ def _rounds(cfg: PipelineConfig, systems: list[dict[str, Any]], s: dict[str, Any
 
 def _build_probes(cfg: PipelineConfig, s: dict[str, Any], seconds: float, timeout_s: float,
                   workdir: Path) -> list[dict[str, Any]]:
-    """Doctor's stage 1 once per round: ``producer.probe`` builds batches alone; CPU per batch built."""
+    """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds."""
     results: list[dict[str, Any]] = []
     with handed_over_config(config_to_mapping(cfg), "build.yaml", workdir) as config:
         for rnd in range(s["rounds"]):
             proc = spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
-                                     "--seed", str(rnd)), env=child_env(), new_group=True, cwd=REPO_ROOT,
+                                     "--seed", str(rnd), "--warm"), env=child_env(), new_group=True, cwd=REPO_ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
             lines = [ln for ln in out.splitlines() if ln.startswith("{")]

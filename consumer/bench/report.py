@@ -103,7 +103,7 @@ def render(report: Mapping[str, Any]) -> str:
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
     if report.get("build_medians"):
         b = report["build_medians"]
-        parts += ["", "producer build (doctor stage 1: python -m producer.probe, one producer alone, medians):",
+        parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
                   bs.format_table(["CPU ms/batch", "build ms p50", "read ms p50", "batches/s"],
                                   [[b.get(k) for k in _BUILD_METRICS]])]
     parts += ["", "goals (medians of this run):"] + [g["line"] for g in report["goals"]]
