@@ -5,7 +5,8 @@ builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket pr
 ``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
 "cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
-part is the time inside ``read_mel_into``/``read_tokens_into``. Nothing is sent. ``--warm`` first builds
+part is the assembler's own read-loop clock (``BatchAssembler.read_s_total``), so the probe adds no
+per-row work of its own. Nothing is sent. ``--warm`` first builds
 every batch of the plan once, untimed, so the figures are a long-running producer's (cache files
 already open, values already checked) rather than its first epoch's.
 ``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
@@ -21,36 +22,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
 
-__all__ = ["main", "TimedReader"]
+__all__ = ["main"]
 
 _MIN_BATCHES = 3          # a p50 of fewer builds says nothing
 _MAX_BATCHES = 100_000    # bounds memory of the timing lists on very fast caches
 _MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; cap the sleep
-
-
-class TimedReader:
-    """Wraps a ``CacheReader`` and adds up the seconds spent reading (the read part of a build)."""
-
-    def __init__(self, reader: object) -> None:
-        self._reader = reader
-        self.read_s = 0.0
-
-    def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
-        t0 = time.perf_counter()
-        try:
-            return int(self._reader.read_mel_into(index, dst))  # type: ignore[attr-defined]
-        finally:
-            self.read_s += time.perf_counter() - t0
-
-    def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
-        t0 = time.perf_counter()
-        try:
-            return int(self._reader.read_tokens_into(index, dst))  # type: ignore[attr-defined]
-        finally:
-            self.read_s += time.perf_counter() - t0
 
 
 def _p(values: list[float], q: float) -> float:
@@ -74,9 +51,8 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
-    reader = TimedReader(CacheReader(manifest))
-    assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
-                               bad_sample_policy=cfg.producer.bad_samples)
+    assembler = BatchAssembler(CacheReader(manifest, open_files=cfg.producer.open_files), bucket_set,
+                               max_buffers=2, bad_sample_policy=cfg.producer.bad_samples)
     plan = representative_batches(bucket_set, 256, seed)
     if warm:
         for i, (bucket, sample_ids) in enumerate(plan):
@@ -89,12 +65,12 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     while len(build_ms) < _MAX_BATCHES and (
             len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
         bucket, sample_ids = plan[len(build_ms) % len(plan)]
-        read0, t0 = reader.read_s, time.perf_counter()
+        read0, t0 = assembler.read_s_total, time.perf_counter()
         assembler.build(len(build_ms), bucket, sample_ids)
         if debug_delay_s:
             time.sleep(debug_delay_s)
         build_ms.append(1000 * (time.perf_counter() - t0))
-        read_ms.append(1000 * (reader.read_s - read0))
+        read_ms.append(1000 * (assembler.read_s_total - read0))
     elapsed_s = time.perf_counter() - t_start
     n = len(build_ms)
     return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
