@@ -39,7 +39,7 @@ from consumer.flow.ring import BatchRing, slot_nbytes_for
 from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
 from shared.cache.features import load_manifest_for
 from shared.cache.manifest import Manifest
-from shared.config import PipelineConfig, check_transport_mode
+from shared.config import PipelineConfig, check_transport_mode, resolve_checksum
 from shared.config_checks import check_ring_bytes, physical_memory_bytes
 from shared.errors import ClosedError, ConfigError, PipelineError
 from shared.service.lifecycle import resolve_endpoint
@@ -89,7 +89,7 @@ class Consumer:
         self.next_apply = start_batch
         self.epoch = int.from_bytes(os.urandom(6), "big") | 1
         t = cfg.transport
-        checksum = t.checksum if t.checksum is not None else self.endpoint.startswith("tcp://")
+        checksum = resolve_checksum(t.checksum, self.endpoint, t.insecure)
         self._book = LeaseBook(self.plan, start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
         self.shm: ShmSlots | None = self._open_shm()
         self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
@@ -119,8 +119,8 @@ class Consumer:
                               self.epoch)
 
     def _wake_receiver(self) -> None:
-        """A slot was freed: let the receiver lease it at once."""
-        self._receiver.wake()
+        """A slot was freed: the receiver leases it at once if a lease waits for a slot (one wake per release)."""
+        self._receiver.slot_freed()
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,13 +236,18 @@ class Consumer:
 
     def release(self, batch: Batch) -> None:
         """The step that read ``batch`` has finished: count it applied and free its slot."""
-        self.mark_applied(batch)
+        self.mark_applied(batch, wake=False)     # the release wakes the receiver if that helps
         self.free_slot(batch)
 
-    def mark_applied(self, batch: Batch) -> None:
-        """Count ``batch`` applied (it must be the next id in plan order); its slot stays held."""
+    def mark_applied(self, batch: Batch, wake: bool = True) -> None:
+        """Count ``batch`` applied (it must be the next id in plan order); its slot stays held.
+
+        ``wake=False`` (``release``): no wake of its own, except for the plan's last batch, whose
+        ``done`` heartbeat should not wait for the receiver's next pass.
+        """
         self._handout.record_applied(batch)
-        self._receiver.mark_applied(batch.batch_id)
+        last = self.end_batch is not None and batch.batch_id + 1 >= self.end_batch
+        self._receiver.mark_applied(batch.batch_id, wake=wake or last)
 
     def free_slot(self, batch: Batch) -> None:
         """Give ``batch``'s slot back to the ring (its arrays are invalid from here on)."""

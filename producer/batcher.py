@@ -89,27 +89,29 @@ class BatchAssembler:
         mel, mel_len = arrays["mel"], arrays["mel_len"]
         tokens, tok_len = arrays["tokens"], arrays["tok_len"]
         quarantined: list[int] = []
-        for row, sid in enumerate(sample_ids):
-            t0 = time.perf_counter()
-            try:
-                mel_len[row] = self._reader.read_mel_into(sid, mel[row])
-                tok_len[row] = self._reader.read_tokens_into(sid, tokens[row])
-                if self._extras is not None:
-                    self._read_extras(sid, row, arrays)
-            except TransientReadError:
-                raise
-            except CacheError as err:
-                if self._policy == "fail":
+        read_mel, read_tokens = self._reader.read_mel_into, self._reader.read_tokens_into
+        t0 = time.perf_counter()            # one clock pair per batch: the loop is the reads
+        try:
+            for row, sid in enumerate(sample_ids):
+                try:
+                    mel_len[row] = read_mel(sid, mel[row])
+                    tok_len[row] = read_tokens(sid, tokens[row])
+                    if self._extras is not None:
+                        self._read_extras(sid, row, arrays)
+                except TransientReadError:
                     raise
-                self._log_quarantine(sid, batch_id, err)
-                mel[row] = 0
-                tokens[row] = 0
-                mel_len[row] = tok_len[row] = 0
-                for key in self._extra_keys():
-                    arrays[key][row] = 0
-                quarantined.append(sid)
-            finally:
-                self.read_s_total += time.perf_counter() - t0
+                except CacheError as err:
+                    if self._policy == "fail":
+                        raise
+                    self._log_quarantine(sid, batch_id, err)
+                    mel[row] = 0
+                    tokens[row] = 0
+                    mel_len[row] = tok_len[row] = 0
+                    for key in self._extra_keys():
+                        arrays[key][row] = 0
+                    quarantined.append(sid)
+        finally:
+            self.read_s_total += time.perf_counter() - t0
         n = len(sample_ids)
         if n < spec.batch_size:                        # padding rows of a bucket's last batch
             mel[n:] = 0
@@ -134,6 +136,12 @@ class BatchAssembler:
         if self._extras is None:
             return []
         return [k for s in self._extras.specs for k in (s.name, s.length_key) if k is not None]
+
+    def close(self) -> None:
+        """Close the reader's kept cache descriptors (``producer.open_files``). Idempotent."""
+        close = getattr(self._reader, "close", None)    # duck-typed readers (the probe's) may have none
+        if close is not None:
+            close()
 
     def _log_quarantine(self, sid: int, batch_id: int, err: CacheError) -> None:
         """WARNING the first time this process quarantines ``sid``; each epoch repeats it at DEBUG."""

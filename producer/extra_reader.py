@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.reader import TransientReadError, _open_error
+from producer.reader import _open_error
 from shared.cache.extras import EXTRAS_DIR
 from shared.cache.filekind import open_regular
 from shared.cache.manifest import Manifest

@@ -1,11 +1,14 @@
 """Stage 1 of ``run_pipeline.py doctor``: cache read + batch assembly in this one process.
 
-``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N]``
+``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N] [--warm]``
 builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
 ``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
 "cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
-part is the time inside ``read_mel_into``/``read_tokens_into``. Nothing is sent.
+part is the assembler's own read-loop clock (``BatchAssembler.read_s_total``), so the probe adds no
+per-row work of its own. Nothing is sent. ``--warm`` first builds
+every batch of the plan once, untimed, so the figures are a long-running producer's (cache files
+already open, values already checked) rather than its first epoch's.
 ``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
 producers would. Exit codes: 0 measured, 78 configuration/cache error (one line on stderr).
 Shutdown: nothing outlives the process; buffers are freed on exit.
@@ -19,38 +22,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
 
-__all__ = ["main", "TimedReader"]
+__all__ = ["main"]
 
 _MIN_BATCHES = 3          # a p50 of fewer builds says nothing
 _MAX_BATCHES = 100_000    # bounds memory of the timing lists on very fast caches
 _MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; cap the sleep
-
-
-class TimedReader:
-    """Wraps a ``CacheReader`` and adds up the seconds spent reading mels and tokens (the read part of a
-    build; the cache's extra arrays, read by the assembler's own ``ExtraReader``, count as assembly)."""
-
-    def __init__(self, reader: object) -> None:
-        self._reader = reader
-        self.manifest = reader.manifest  # type: ignore[attr-defined]  # the assembler reads the extras from it
-        self.read_s = 0.0
-
-    def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
-        t0 = time.perf_counter()
-        try:
-            return int(self._reader.read_mel_into(index, dst))  # type: ignore[attr-defined]
-        finally:
-            self.read_s += time.perf_counter() - t0
-
-    def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
-        t0 = time.perf_counter()
-        try:
-            return int(self._reader.read_tokens_into(index, dst))  # type: ignore[attr-defined]
-        finally:
-            self.read_s += time.perf_counter() - t0
 
 
 def _p(values: list[float], q: float) -> float:
@@ -59,7 +36,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
-            seed: int) -> dict[str, float]:
+            seed: int, warm: bool = False) -> dict[str, float]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
     from producer.reader import CacheReader
@@ -74,10 +51,12 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
-    reader = TimedReader(CacheReader(manifest))
-    assembler = BatchAssembler(reader, bucket_set, max_buffers=2,  # type: ignore[arg-type]  # duck-typed reader
-                               bad_sample_policy=cfg.producer.bad_samples)
+    assembler = BatchAssembler(CacheReader(manifest, open_files=cfg.producer.open_files), bucket_set,
+                               max_buffers=2, bad_sample_policy=cfg.producer.bad_samples)
     plan = representative_batches(bucket_set, 256, seed)
+    if warm:
+        for i, (bucket, sample_ids) in enumerate(plan):
+            assembler.build(i, bucket, sample_ids)
     if start_at is not None:
         time.sleep(min(max(0.0, start_at - time.time()), _MAX_START_WAIT_S))
     build_ms: list[float] = []
@@ -86,12 +65,12 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     while len(build_ms) < _MAX_BATCHES and (
             len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
         bucket, sample_ids = plan[len(build_ms) % len(plan)]
-        read0, t0 = reader.read_s, time.perf_counter()
+        read0, t0 = assembler.read_s_total, time.perf_counter()
         assembler.build(len(build_ms), bucket, sample_ids)
         if debug_delay_s:
             time.sleep(debug_delay_s)
         build_ms.append(1000 * (time.perf_counter() - t0))
-        read_ms.append(1000 * (reader.read_s - read0))
+        read_ms.append(1000 * (assembler.read_s_total - read0))
     elapsed_s = time.perf_counter() - t_start
     n = len(build_ms)
     return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
@@ -106,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--debug-delay-ms", type=float, default=0.0)
     ap.add_argument("--start-at", type=float, help="time.time() at which to start building")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm", action="store_true", help="build every plan batch once, untimed, first")
     args = ap.parse_args(argv)
 
     import os
@@ -113,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.lifecycle import setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
-        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed)
+        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed,
+                         args.warm)
     except PipelineError as err:
         print(f"producer.probe: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -80,6 +80,7 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
             return 1
         finally:
             notifier.stopping()
+            worker.close()          # the kept cache descriptors
     s = worker.stats()
     log.info("producer stopped batches=%d shm_batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
              s.shm_batches,
@@ -128,8 +129,8 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
         raise ConfigError("is required for producers", path=("cache_dir",))
     manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
-    assembler = BatchAssembler(CacheReader(manifest), bucket_set, max_buffers=cfg.transport.lease_window + 2,
-                               bad_sample_policy=cfg.producer.bad_samples)
+    assembler = BatchAssembler(CacheReader(manifest, open_files=cfg.producer.open_files), bucket_set,
+                               max_buffers=cfg.transport.lease_window + 2, bad_sample_policy=cfg.producer.bad_samples)
     t = cfg.transport
     endpoint = resolve_endpoint(cfg, os.environ)
     curve = client_keys_for(t, endpoint)

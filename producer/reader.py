@@ -12,15 +12,23 @@ Invariants:
 - Only regular files are read: the open cannot block (``O_NONBLOCK``) and a FIFO, device,
   directory, dangling symlink or symlink loop is refused like any other bad file
   (``shared.cache.filekind``; the type check is the ``fstat`` the size check needs anyway).
+- Descriptors are kept open across batches in a bounded LRU cache (``producer.open_files``,
+  ``producer/open_files.py``): a file is opened, typed and sized once, not once per read. A file
+  replaced or rewritten on disk is noticed within ``revalidate_s`` (its identity -- device, inode,
+  size, mtime -- is checked by path then) and opened and checked again; the rules are in that module.
 - A file whose size or header differs from the manifest's record is refused: it changed since
   indexing, so its recorded data offset and layout can no longer be trusted. The header comes in
-  the same ``preadv`` as the data and is parsed once per file per process (then compared).
-- A mel row holding NaN or Inf is refused. Every refusal depends only on the file (its presence,
-  size and bytes), so every producer refuses the same rows and quarantine stays deterministic;
-  reads that fail for reasons outside the file (out of fds or memory) raise ``TransientReadError``
-  instead, which is never a quarantine decision.
-- Not thread-safe: the scratch buffers are shared between calls. Use one reader per thread.
-Shutdown: no resource outlives a call; every fd is closed in ``finally``.
+  the same ``preadv`` as the data and is parsed once per file per process (then compared on
+  every read).
+- A mel row holding NaN or Inf is refused. The values are checked once per file identity per
+  process (again when a read needs more frames than were checked, or the file's identity changed),
+  not on every read. Every refusal depends only on the file (its presence, size and bytes), so
+  every producer refuses the same rows and quarantine stays deterministic; reads that fail for
+  reasons outside the file (out of fds or memory) raise ``TransientReadError`` instead, which is
+  never a quarantine decision.
+- Not thread-safe: the scratch buffers and the descriptor cache are shared between calls. Use one
+  reader per thread.
+Shutdown: ``close()`` closes every cached descriptor (idempotent); a failed read closes its own.
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ import os
 import numpy as np
 import numpy.typing as npt
 
+from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
-from shared.cache.filekind import open_regular
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from shared.cache.npyfile import parse_npy_header
 from shared.wire.layout import ARRAY_DTYPES
@@ -73,24 +81,17 @@ def _bytes_of(arr: np.ndarray) -> memoryview:
     return arr.data.cast("B") if arr.size else memoryview(bytearray())
 
 
-def _pread_exact(path: str, file_bytes: int, head: memoryview, buf: memoryview) -> None:
+def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
     """Fill ``head`` with the file's first bytes and ``buf`` with the data right after: one ``preadv``.
 
     Raises:
-        CacheError: Missing file, not a regular file (FIFO, device, directory, symlink loop),
-            size differs from ``file_bytes``, or the file ends early.
+        CacheError: the file ends early (``TransientReadError`` for a failure outside the file).
     """
     try:
-        fd, st = open_regular(path)    # a FIFO, device or directory is a bad file, never a blocked read
-    except OSError as err:
-        raise _open_error(path, err, "cannot open") from err
-    try:
-        size = st.st_size
-        if size != file_bytes:
-            raise CacheError(path, f"file changed since index (size {size}, "
-                                   f"manifest says {file_bytes}); re-run index")
         offset, need = head.nbytes, head.nbytes + buf.nbytes
         got = os.preadv(fd, [head, buf], 0)
+        if got == need:
+            return
         while 0 < got < need:  # regular files only return short at EOF, but be exact anyway
             rest = [head[got:], buf] if got < offset else [buf[got - offset:]]
             more = os.preadv(fd, rest, got)
@@ -101,15 +102,18 @@ def _pread_exact(path: str, file_bytes: int, head: memoryview, buf: memoryview) 
             raise CacheError(path, f"short read: {max(0, got - offset)} of {buf.nbytes} bytes at offset {offset}")
     except OSError as err:
         raise _open_error(path, err, "read failed") from err
-    finally:
-        os.close(fd)
 
 
 class CacheReader:
     """Reads one manifest's mel and token files into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        """Bind to ``manifest``; opens nothing until a read."""
+    def __init__(self, manifest: Manifest, *, open_files: int = 4096, revalidate_s: float = 5.0) -> None:
+        """Bind to ``manifest``; opens nothing until a read.
+
+        Args:
+            open_files: most cache descriptors kept open between reads (0 = open per read).
+            revalidate_s: how long a kept descriptor is trusted before its path is checked again.
+        """
         self.manifest = manifest
         self._n_mels = manifest.n_mels
         # Path strings built once: pathlib joins cost ~10 us per read, more than the syscalls.
@@ -118,11 +122,19 @@ class CacheReader:
         self._mel_paths = [os.path.join(mel_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._tok_paths = [os.path.join(tok_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._scratch = np.empty(0, dtype=np.float16)  # float16 staging, grown on demand
-        self._finite = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
+        self._flags = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
         self._head = bytearray(128)  # header bytes of the file being read, grown on demand
+        self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
         # Header bytes already checked against the manifest, per (index, is_mel): later reads cost
         # one compare instead of a ~7.5 us parse. Bounded by the manifest: 2 x N x ~128 bytes.
         self._checked_heads: dict[tuple[int, bool], bytes] = {}
+        self._files = OpenFiles(open_files, revalidate_s)
+        # Mel values found finite, per index: (file identity, frames checked). Bounded by the manifest.
+        self._finite: dict[int, tuple[Identity, int]] = {}
+
+    def close(self) -> None:
+        """Close every kept descriptor. Idempotent; a later read opens again."""
+        self._files.close()
 
     def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
         """Read utterance ``index``'s mel into a batch row.
@@ -146,32 +158,64 @@ class CacheReader:
         utt = self.manifest.utterances[index]
         n = min(utt.frames, int(dst.shape[0]))
         path = self._mel_paths[index]
+        rows = dst[:n]
         if utt.mel_dtype == "float32":
-            self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(dst[:n]))
+            identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(rows))
         else:  # float16: stage, then widen into the row
             count = n * self._n_mels
             if self._scratch.size < count:
                 self._scratch = np.empty(count, dtype=np.float16)
             staged = self._scratch[:count]
-            self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
-            np.copyto(dst[:n], staged.reshape(n, self._n_mels))
-        self._check_finite(path, dst[:n])
-        dst[n:] = 0.0
+            identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
+            np.copyto(rows, staged.reshape(n, self._n_mels))
+        known = self._finite.get(index)
+        if known is None or known[0] != identity or known[1] < n:
+            self._check_finite(path, rows)
+            self._finite[index] = (identity, n)
+        if n < dst.shape[0]:
+            dst[n:] = 0.0
         return n
 
-    def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int, buf: memoryview) -> None:
+    def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int,
+              buf: memoryview) -> Identity:
         """One ``preadv`` of header + data; then the header must still say what the manifest says.
 
         Same-size rewrites (Fortran order, another rank or a 4-byte dtype) keep the size the
         manifest recorded, so only the header shows the data can no longer be read as indexed.
+        Returns the identity of the file read (device, inode, size, mtime at its open).
         """
+        head = self._head_views.get(offset)
+        if head is None:
+            head = self._head_view(offset)
+        key = (index, is_mel)
+        try:
+            f = self._files.acquire(key, path)  # a FIFO, device or directory is a bad file, never a blocked read
+        except OSError as err:
+            raise _open_error(path, err, "cannot open") from err
+        try:
+            if f.size != file_bytes:
+                raise CacheError(path, f"file changed since index (size {f.size}, "
+                                       f"manifest says {file_bytes}); re-run index")
+            _pread_exact(path, f.fd, head, buf)
+            if self._checked_heads.get(key) != head:
+                self._check_head(index, is_mel, path, offset, head)
+        except BaseException:
+            self._files.release(key, f, ok=False)     # a failed read never keeps its descriptor
+            raise
+        if not f.cached:
+            self._files.release(key, f)
+        return f.identity
+
+    def _head_view(self, offset: int) -> memoryview:
+        """The first ``offset`` bytes of the header buffer (grown on demand), kept per offset."""
         if len(self._head) < offset:
             self._head = bytearray(offset)
-        head = memoryview(self._head)[:offset]
-        _pread_exact(path, file_bytes, head, buf)
-        key = (index, is_mel)
-        if self._checked_heads.get(key) == head:
-            return
+            self._head_views.clear()
+        view = self._head_views[offset] = memoryview(self._head)[:offset]
+        return view
+
+    def _check_head(self, index: int, is_mel: bool, path: str, offset: int, head: memoryview) -> None:
+        """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""
         try:
             header = parse_npy_header(bytes(head), path)
         except CacheError as err:   # e.g. Fortran order, or a header now longer than the indexed one
@@ -182,7 +226,7 @@ class CacheReader:
         if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
-        self._checked_heads[key] = bytes(head)
+        self._checked_heads[(index, is_mel)] = bytes(head)
 
     def _check_finite(self, path: str, rows: npt.NDArray[np.float32]) -> None:
         """Raise ``CacheError`` if ``rows`` [n, n_mels] holds NaN or Inf.
@@ -194,9 +238,9 @@ class CacheReader:
         may start BLAS threads.
         """
         count = rows.size
-        if self._finite.size < count:
-            self._finite = np.empty(count, dtype=bool)
-        finite = np.isfinite(rows.reshape(-1), out=self._finite[:count])
+        if self._flags.size < count:
+            self._flags = np.empty(count, dtype=bool)
+        finite = np.isfinite(rows.reshape(-1), out=self._flags[:count])
         if finite.all():
             return
         bad = count - int(np.count_nonzero(finite))
@@ -223,5 +267,6 @@ class CacheReader:
         n = min(utt.tokens, int(dst.shape[0]))
         path = self._tok_paths[index]
         self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n]))
-        dst[n:] = 0
+        if n < dst.shape[0]:
+            dst[n:] = 0
         return n

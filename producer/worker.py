@@ -112,6 +112,12 @@ class ProducerWorker:
         self._build_s = 0.0
         self._send_s = 0.0
 
+    def close(self) -> None:
+        """Release what the assembler keeps between batches (open cache files). Idempotent."""
+        close = getattr(self._assembler, "close", None)   # test fakes keep nothing
+        if close is not None:
+            close()
+
     @property
     def joined_epoch(self) -> int | None:
         """The consumer epoch we joined, or ``None`` while waiting for a consumer."""

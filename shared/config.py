@@ -25,6 +25,7 @@ __all__ = [
     "BucketConfig",
     "TransportConfig",
     "check_transport_mode",
+    "resolve_checksum",
     "ConsumerConfig",
     "ProducerConfig",
     "ModelConfig",
@@ -88,6 +89,21 @@ class BucketConfig:
         _check(self.partial in ("pad", "drop"), "must be 'pad' or 'drop'", p + ("partial",), self.partial)
 
 
+def resolve_checksum(checksum: bool | None, endpoint: str, insecure: bool) -> bool:
+    """Whether producers must send a crc32 of each payload (``transport.checksum``; ``None`` = decide).
+
+    Default: only on tcp without CURVE (``transport.insecure``). Under CURVE every message carries a
+    Poly1305 tag that libzmq checks before delivery, so a corrupted payload never arrives and a crc32
+    (about 3 ms per 9 MB batch on each side) would only repeat that check. On ipc the bytes never
+    leave the host's memory (a Unix socket, or the producer's write into the shared slot), where a
+    checksum finds no corruption a memory error would not also cause elsewhere (docs/ARCHITECTURE.md,
+    "Wire protocol"). ``true`` turns it on everywhere, ``false`` off everywhere.
+    """
+    if checksum is not None:
+        return checksum
+    return endpoint.startswith("tcp://") and insecure
+
+
 def check_transport_mode(mode: str, endpoint: str | None) -> None:
     """``transport.mode: shm`` needs a same-host (ipc://) endpoint; tcp producers use payload frames.
 
@@ -108,7 +124,7 @@ class TransportConfig:
     lease_timeout_s: float = 30.0          # a lease not delivered by then goes back to the queue
     lease_expiry_limit: int = 3            # a producer letting this many leases in a row expire is benched ...
     lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
-    checksum: bool | None = None           # crc32 on payloads; None = only for tcp (2.3 ms per 8 MB each side)
+    checksum: bool | None = None           # crc32 on payloads; None = only for tcp without CURVE (resolve_checksum)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
     # Descriptor bound of the consumer's endpoint (docs/ARCHITECTURE.md "Trust"): connections beyond
     # max_connections are cut as they are accepted; one that has not finished its ZeroMQ/CURVE
@@ -252,6 +268,8 @@ class ProducerConfig:
     restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"        # bad cache file: "quarantine" (empty row, counted) or "fail"
     exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
+    open_files: int = 4096                 # cache files each producer keeps open (LRU; held to half of
+                                           # RLIMIT_NOFILE); 0 = open and close every file on every read
 
     def __post_init__(self) -> None:
         p = ("producer",)
@@ -265,6 +283,7 @@ class ProducerConfig:
                p + ("bad_samples",), self.bad_samples)
         _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
                self.restart_backoff_s)
+        _check(0 <= self.open_files <= 1_000_000, "must be in 0..1000000", p + ("open_files",), self.open_files)
 
 
 JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged

@@ -9,6 +9,8 @@ producer -> consumer GB/s on each path against memcpy measured in the same trial
 section (``--efficiency-batches``, or ``--efficiency-only``) trains the configured model (the reference
 model by default) fed by melfeed and by tuned tf.data, each against its own resident-batch limit
 (``consumer/bench/efficiency.py``); its trials share one persistent XLA cache so only the first compiles.
+producer -> consumer GB/s on each path against memcpy measured in the same trial. Each round also runs
+doctor's stage 1 (``python -m producer.probe --warm``) once: a long-running producer's CPU per batch built.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
@@ -34,7 +36,7 @@ from consumer.placement import XLA_CACHE_FLAG
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
-from shared.service.children import REPO_ROOT, child_env, module_argv, spawn
+from shared.service.children import REPO_ROOT, child_env, handed_over_config, module_argv, spawn
 from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
@@ -42,6 +44,7 @@ __all__ = ["main_bench"]
 log = logging.getLogger(__name__)
 
 _ZERO_STEP = "consumer.bench.trial:zero_step"
+_BUILD_PROBE_S = 5.0      # doctor's stage 1 per round (1 s with --smoke)
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200}
 _EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
@@ -183,6 +186,28 @@ def _trial_line(result: dict[str, Any]) -> str:
     return f"{result['batches_per_s']:.1f} batches/s stall {result['stall_pct']:.2f} %"
 
 
+def _build_probes(cfg: PipelineConfig, s: dict[str, Any], seconds: float, timeout_s: float,
+                  workdir: Path) -> list[dict[str, Any]]:
+    """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds."""
+    results: list[dict[str, Any]] = []
+    with handed_over_config(config_to_mapping(cfg), "build.yaml", workdir) as config:
+        for rnd in range(s["rounds"]):
+            proc = spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
+                                     "--seed", str(rnd), "--warm"), env=child_env(), new_group=True, cwd=REPO_ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            head = {"system": "producer-build", "kind": "build", "round": rnd, "step_ms": 0}
+            if proc.returncode == 0 and lines and not timed_out:
+                results.append(head | json.loads(lines[-1]) | {"ok": True})
+            else:
+                reason = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+                results.append(head | {"ok": False, "error": f"killed after {timeout_s:.0f} s" if timed_out else reason})
+            log.info("producer build probe round=%d: %s", rnd, f"{results[-1]['cpu_ms_per_batch']:.2f} CPU ms/batch"
+                     if results[-1]["ok"] else results[-1]["error"])
+    return results
+
+
 def main_bench(args: argparse.Namespace) -> int:
     s = _settings(args)
     cfg = _cache_config(args, s)
@@ -197,8 +222,10 @@ def main_bench(args: argparse.Namespace) -> int:
         trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
         probes = ([] if args.no_transport or args.efficiency_only else
                   _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t"))
+        builds = ([] if args.transport_only or args.efficiency_only else
+                  _build_probes(cfg, s, 1.0 if args.smoke else _BUILD_PROBE_S, args.trial_timeout_s, Path(tmp)))
         fed = _rounds(cfg, efficiency, s, [0], args.trial_timeout_s, Path(tmp) / "e") if efficiency else []
-    report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s)
+    report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s, builds)
     if efficiency:
         report["feed_efficiency"] = build_efficiency(fed, efficiency)
         report["goals"] += report["feed_efficiency"]["goals"]
@@ -209,5 +236,5 @@ def main_bench(args: argparse.Namespace) -> int:
     print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    failed = [t for t in trials + probes + fed if not t["ok"]]
+    failed = [t for t in trials + probes + builds + fed if not t["ok"]]
     return 1 if failed else 0

@@ -26,23 +26,30 @@ COPIES_COUNTED = ("melfeed: the consumer summary's payload_copies_per_batch (pag
                   "prefetch and DLPack pass references")
 UNAVAILABLE = "not available in this build (TransportConfig has no 'mode')"
 _TRANSPORT_METRICS = ("gb_per_s", "memcpy_gb_per_s", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch")
+_BUILD_METRICS = ("cpu_ms_per_batch", "build_ms_p50", "read_ms_p50", "batches_per_s")
 
 
 def build_report(trials: Sequence[Mapping[str, Any]], probes: Sequence[Mapping[str, Any]],
-                 systems: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything ``render`` prints and ``--json`` writes."""
+                 systems: Sequence[Mapping[str, Any]], settings: Mapping[str, Any],
+                 builds: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Everything ``render`` prints and ``--json`` writes (``builds``: doctor's stage 1, one per round)."""
     meds = bs.medians_by_system(trials)
     baseline = bs.best_system(meds, [x["system"] for x in systems if x["kind"] == "tfdata"])
     melfeed = {x["system"]: x["transport"] for x in systems if x["kind"] == "melfeed" and x["available"]}
-    goals = bs.evaluate_goals(meds, melfeed, baseline)
+    transport_meds = bs.medians_by_system(probes, _TRANSPORT_METRICS)
+    build = bs.build_goal(builds)
+    goals = bs.evaluate_goals(meds, melfeed, baseline) + bs.transport_goals(transport_meds) + (
+        [build] if build is not None else [])
     return {"settings": dict(settings), "device_model": DEVICE_MODEL, "copies_counted": COPIES_COUNTED,
             "baseline": baseline, "medians": meds, "ratios": bs.ratios(meds, baseline),
-            "transport_medians": bs.medians_by_system(probes, _TRANSPORT_METRICS),
+            "transport_medians": transport_meds,
+            "build_medians": {k: bs.median(b.get(k) for b in builds if b.get("ok")) for k in _BUILD_METRICS}
+            if builds else {},
             "goals": [g.as_dict() | {"line": g.line()} for g in goals],
             "unavailable": {x["system"]: UNAVAILABLE for x in systems if not x["available"]},
             "failed": [f"{t['system']} round {t['round']} step {t['step_ms']} ms: {t.get('error')}"
-                       for t in list(trials) + list(probes) if not t.get("ok")],
-            "trials": list(trials), "transport_trials": list(probes)}
+                       for t in list(trials) + list(probes) + list(builds) if not t.get("ok")],
+            "trials": list(trials), "transport_trials": list(probes), "build_trials": list(builds)}
 
 
 def _main_table(report: Mapping[str, Any]) -> str:
@@ -95,6 +102,11 @@ def render(report: Mapping[str, Any]) -> str:
              "with a calibrated step cost:", _stall_table(report)]
     if report["transport_medians"] or any(x.startswith("transport-") for x in report["unavailable"]):
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
+    if report.get("build_medians"):
+        b = report["build_medians"]
+        parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
+                  bs.format_table(["CPU ms/batch", "build ms p50", "read ms p50", "batches/s"],
+                                  [[b.get(k) for k in _BUILD_METRICS]])]
     if "feed_efficiency" in report:
         parts += ["", f"feed efficiency ({s['efficiency_batches']} measured batches per trial; the configured model, "
                   "reference by default: fed steps/s / steps/s on resident batches of the same buckets):",

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["METRICS", "Goal", "median", "medians_by_system", "best_system", "ratios", "evaluate_goals",
-           "sleep_for_step_s", "demand_per_s", "gb_per_s", "format_table"]
+           "transport_goals", "build_goal", "sleep_for_step_s", "demand_per_s", "gb_per_s", "format_table"]
 
 # Figures each trial reports (None where a system cannot measure one).
 METRICS = ("batches_per_s", "stall_pct", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch",
@@ -27,6 +27,11 @@ _STALL_GOAL_PCT = 1.0
 _RATE_GOAL = 1.5            # melfeed max rate >= this x the best tuned tf.data
 _TRAINER_CPU_GOAL = 0.35    # melfeed trainer CPU per batch <= this x tuned tf.data's
 _COPY_GOALS = {"shm": 1.0, "zmq": 3.0}   # payload copies per batch, at most
+# Toward the memory-bandwidth limit, 1 producer (docs/BENCHMARKS.md "Goals"): transport -> (rate x, CPU x).
+# The payload path's pair equals the general goals above; shared memory's is stricter.
+_ONE_PRODUCER_GOALS = {"shm": (2.5, 0.1), "zmq": (_RATE_GOAL, _TRAINER_CPU_GOAL)}
+_MEMCPY_GOAL = 0.5          # shared-memory transport GB/s >= this x memcpy GB/s (same trial)
+_BUILD_CPU_GOAL_MS = 1.3    # producer CPU per batch built (doctor's stage 1), at most
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -135,7 +140,37 @@ def evaluate_goals(meds: Mapping[str, Mapping[int, Mapping[str, float | None]]],
         limit = _COPY_GOALS.get(transport)
         goals.append(Goal(f"payload copies <= {limit:g} on {transport}" if limit else "payload copies", system,
                           None if copies is None or limit is None else copies <= limit, f"{_fmt(copies, '.2f')}"))
+        strict = _ONE_PRODUCER_GOALS.get(transport)
+        if strict is not None and system.endswith("-p1") and strict != (_RATE_GOAL, _TRAINER_CPU_GOAL):
+            goals.append(Goal(f"1 producer: max rate >= {strict[0]} x {baseline}", system,
+                              None if r is None else r >= strict[0], f"{_fmt(r, '.2f')}x"))
+            goals.append(Goal(f"1 producer: trainer CPU/batch <= {strict[1]} x {baseline}", system,
+                              None if c is None else c <= strict[1], f"{_fmt(c, '.2f')}x"))
     return goals
+
+
+def transport_goals(meds: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> list[Goal]:
+    """Shared-memory transport GB/s against memcpy GB/s measured in the same trials (medians)."""
+    goals = []
+    for system, by_step in meds.items():
+        if not system.startswith("transport-shm"):
+            continue
+        figs = by_step.get(0, {})
+        ratio = _ratio(figs.get("gb_per_s"), figs.get("memcpy_gb_per_s"))
+        goals.append(Goal(f"GB/s >= {_MEMCPY_GOAL} x memcpy", system, None if ratio is None else ratio >= _MEMCPY_GOAL,
+                          f"{_fmt(figs.get('gb_per_s'), '.2f')} vs {_fmt(figs.get('memcpy_gb_per_s'), '.2f')} GB/s = "
+                          f"{_fmt(ratio, '.2f')}x"))
+    return goals
+
+
+def build_goal(builds: Sequence[Mapping[str, Any]]) -> Goal | None:
+    """A producer's CPU per batch built (doctor's stage 1, median over rounds); None when none ran."""
+    if not builds:
+        return None
+    cpu = median(b.get("cpu_ms_per_batch") for b in builds if b.get("ok"))
+    return Goal(f"producer build CPU/batch <= {_BUILD_CPU_GOAL_MS} ms", "producer-build",
+                None if cpu is None else cpu <= _BUILD_CPU_GOAL_MS,
+                f"{_fmt(cpu, '.2f')} ms (median of {sum(1 for b in builds if b.get('ok'))} probe(s))")
 
 
 def _stall_goal(system: str, step_ms: int, capacity: float | None, stall: float | None) -> Goal:

@@ -28,7 +28,7 @@ from typing import Any
 from shared.wire.bucket_mix import batch_mix, bucket_padding
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, resolve_runtime_dir
+from shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, with_overrides
 from consumer.doctor.arrangement import advise_data_gpu
 from consumer.doctor.env import check_environment, gather_facts
@@ -127,7 +127,7 @@ def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple
                        ring_slots=cfg.consumer.ring_slots, lease_window=t.lease_window,
                        largest_batch_bytes=bucket_set.max_batch_nbytes(), padding=bucket_set.padding_efficiency(),
                        num_buckets=cfg.buckets.num_buckets if cfg.buckets.boundaries is None else None,
-                       padding_alternatives=alternatives, checksum=t.checksum if t.checksum is not None else is_tcp,
+                       padding_alternatives=alternatives, checksum=resolve_checksum(t.checksum, t.endpoint or "", t.insecure),
                        is_tcp=is_tcp)
 
 

@@ -40,7 +40,8 @@ def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
 
 
 class SlotMemory(Protocol):
-    """Where slot bytes live. ``buffer(slot)`` is 64-byte aligned and ``slot_nbytes`` long."""
+    """Where slot bytes live. ``buffer(slot)`` is 64-byte aligned and ``slot_nbytes`` long, and the
+    same object on every call until the slot's memory is replaced (``ShmSlots.retire``)."""
 
     slot_nbytes: int
 
@@ -58,13 +59,15 @@ class PrivateSlots:
     def __init__(self, n_slots: int, slot_nbytes: int) -> None:
         self.slot_nbytes = slot_nbytes
         self._memory = aligned_buffer(n_slots * slot_nbytes)
+        # One view per slot, made once: the same object every call (BatchRing caches by identity).
+        self._slots = [self._memory[i * slot_nbytes:(i + 1) * slot_nbytes] for i in range(n_slots)]
 
     @property
     def total_nbytes(self) -> int:
         return int(self._memory.nbytes)
 
     def buffer(self, slot: int) -> npt.NDArray[np.uint8]:
-        return self._memory[slot * self.slot_nbytes:(slot + 1) * self.slot_nbytes]
+        return self._slots[slot]
 
     def close(self) -> None:
         """Nothing to release: the buffer goes with its last view."""
@@ -107,6 +110,8 @@ class BatchRing:
         if self.memory.slot_nbytes != self.slot_nbytes:
             raise ValueError(f"slot memory has {self.memory.slot_nbytes} bytes per slot, need {self.slot_nbytes}")
         self._layouts = {b.index: batch_layout(b) for b in buckets}
+        # (slot, bucket) -> (the slot buffer they view, the views): built once, not per batch and side.
+        self._views: dict[tuple[int, int], tuple[npt.NDArray[np.uint8], dict[str, npt.NDArray[np.generic]]]] = {}
         self._state = [SlotState.FREE] * n_slots
         self._ready: dict[int, ReadySlot] = {}  # batch id -> its READY slot
         self._cond = threading.Condition()
@@ -119,8 +124,24 @@ class BatchRing:
         return self.memory.total_nbytes
 
     def views(self, slot: int, bucket: int) -> dict[str, npt.NDArray[np.generic]]:
-        """Aligned array views of ``slot`` laid out for ``bucket``; valid while the slot is held."""
-        return layout_views(self.memory.buffer(slot), 0, self._layouts[bucket])
+        """Aligned array views of ``slot`` laid out for ``bucket``; valid while the slot is held.
+
+        Built once per (slot, bucket) and slot memory (a retired slot's new file gets new views; the
+        old ones are dropped at once, so the cache never keeps an orphaned mapping alive). Each call
+        returns a new dict of the cached arrays, so a caller that changes its dict changes no other.
+        Any thread may call it: a stale read of the cache at worst builds the views again.
+        """
+        buf = self.memory.buffer(slot)
+        key = (slot, bucket)
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is buf:
+            return dict(hit[1])
+        if hit is not None:                      # the slot's memory was replaced: forget all its views
+            for stale in [k for k in list(self._views) if k[0] == slot]:   # list(): atomic copy
+                self._views.pop(stale, None)
+        views = layout_views(buf, 0, self._layouts[bucket])
+        self._views[key] = (buf, views)
+        return dict(views)
 
     # --- receiver side -------------------------------------------------------------------
     def reserve(self) -> int | None:

@@ -68,6 +68,7 @@ class ReceiverSession:
         self._applied_seen = -1              # the last applied id handed to the lease book
         self.next_heartbeat_s: float | None = None    # None: due at the next tick
         self.plan_ended = False              # every planned batch applied: heartbeats say ``done``
+        self.slot_starved = False            # the last grant stopped for want of a free slot
 
     # --- queries (any thread) -------------------------------------------------------------------
     def stats(self) -> ReceiverStats:
@@ -185,10 +186,17 @@ class ReceiverSession:
                      len(self._peers))
 
     def grant(self, now_s: float) -> list[Outgoing]:
-        """Lease free ring slots to producers with room in their window, least loaded first."""
+        """Lease free ring slots to producers with room in their window, least loaded first.
+
+        Sets ``slot_starved``: a grantable producer still has room and work remains, so only a free
+        slot is missing (a freed slot must wake the shell; otherwise the next BATCH will).
+        """
         grants: dict[bytes, list[Lease]] = {}
         order = self._peers.grantable(self._book, now_s)
-        for lease in grant_round(self._book, order, self._ring.reserve, self._ring.cancel, now_s):
+        book = self._book
+        leases = grant_round(book, order, self._ring.reserve, self._ring.cancel, now_s)
+        self.slot_starved = book.has_work() and any(book.room(peer) > 0 for peer in order)
+        for lease in leases:
             info = self._peers.get(lease.peer)
             assert info is not None               # grant_round only leases to peers in ``order``
             info.last_grant_s = now_s             # ties go round-robin

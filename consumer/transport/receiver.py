@@ -88,6 +88,9 @@ class Receiver:
         self._session = ReceiverSession(cfg.session, ring, book, shm=shm)
         self._stop = threading.Event()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Set by the loop: its last grant ran out of free slots, so a freed slot must wake it. Read by
+        # the step thread in ``slot_freed``; raised before the loop's second look at the ring (see _grant).
+        self._slot_wake = False
         self._applied_through = -1            # written by the step thread, read here
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -178,10 +181,24 @@ class Receiver:
             except OSError:
                 pass
 
-    def mark_applied(self, batch_id: int) -> None:
-        """Called by the step loop after ``batch_id`` was applied (ids arrive in order)."""
+    def mark_applied(self, batch_id: int, wake: bool = True) -> None:
+        """Called by the step loop after ``batch_id`` was applied (ids arrive in order).
+
+        ``wake=False`` when a slot release follows at once (it wakes the loop if a lease waits for a
+        slot); the loop reads the applied id at its next pass either way.
+        """
         self._applied_through = batch_id
-        self.wake()
+        if wake:
+            self.wake()
+
+    def slot_freed(self) -> None:
+        """A ring slot became free (any thread): wake the loop only if its last grant ran short of slots.
+
+        Otherwise every producer's window is full and the next BATCH wakes the loop, which then
+        leases the slot: one wake and one pass of the loop per batch instead of two.
+        """
+        if self._slot_wake:
+            self.wake()
 
     @property
     def context(self) -> zmq.Context[zmq.Socket[bytes]] | None:
@@ -235,7 +252,7 @@ class Receiver:
                             break
                 now = self._clock()
                 self._send_all(session.tick(now, self._applied_through))
-                self._send_all(session.grant(now))
+                self._grant(now)
             linger_ms = self._send_closing()
         except BaseException as err:  # the step loop re-raises it; never die silently
             self.error = err
@@ -247,6 +264,19 @@ class Receiver:
             sock.close(linger_ms)
             if self._zap is not None:
                 self._zap.close(0)
+
+    def _grant(self, now: float) -> None:
+        """Lease free slots; if that ran out of slots, ask for a wake on the next release, then look once more.
+
+        The flag goes up before the second look, so a slot freed after the first look is either
+        leased by the second or wakes the loop (its releaser sees the flag up): never missed.
+        """
+        session = self._session
+        self._send_all(session.grant(now))
+        if session.slot_starved:
+            self._slot_wake = True
+            self._send_all(session.grant(now))
+        self._slot_wake = session.slot_starved
 
     def _send_closing(self) -> int:
         """A finished plan's last ``done`` heartbeats. Returns the linger (ms) that lets them leave."""

@@ -66,6 +66,8 @@ def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Pa
     probe = doc["transport_medians"]["transport-zmq-p1"]["0"]
     assert _positive(probe["gb_per_s"]) and _positive(probe["memcpy_gb_per_s"])
     assert "goals (medians of this run):" in proc.stdout and "transport-zmq-p1" in proc.stdout
+    assert _positive(doc["build_medians"]["cpu_ms_per_batch"])      # doctor's stage 1, once per round
+    assert "producer build CPU/batch <= 1.3 ms [producer-build]" in proc.stdout
 
 
 @pytest.mark.slow

@@ -88,3 +88,14 @@ def test_read_time_accumulates_over_builds(cache: tuple[Manifest, BucketSet]) ->
     first = assembler.read_s_total
     assembler.build(1, 0, [2, 3])
     assert 0.0 < first < assembler.read_s_total
+
+
+def test_close_gives_back_the_kept_cache_files(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    reader = CacheReader(manifest)
+    assembler = BatchAssembler(reader, buckets)
+    assembler.build(0, 0, [0, 1, 2, 3])
+    assert len(reader._files) == 8                      # mel + tokens of 4 rows, kept open between batches
+    assembler.close()
+    assembler.close()                                   # idempotent
+    assert len(reader._files) == 0

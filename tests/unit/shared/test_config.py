@@ -69,3 +69,16 @@ def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path:
     own = config_from_mapping({"consumer": {"control_endpoint": "tcp://127.0.0.1:5600"},
                                "transport": {"insecure": True}})
     assert resolve_control_endpoint(own, env, create_dir=True) == "tcp://127.0.0.1:5600"
+
+
+@pytest.mark.parametrize("checksum, endpoint, insecure, expected", [
+    (None, "ipc:///run/melfeed/melfeed.sock", False, False),   # same host: bytes never leave memory
+    (None, "tcp://10.0.0.5:5555", False, False),               # CURVE authenticates every message
+    (None, "tcp://127.0.0.1:5555", True, True),                # plaintext tcp: nothing else would notice
+    (True, "ipc:///run/melfeed/melfeed.sock", False, True),    # an explicit setting always wins
+    (False, "tcp://127.0.0.1:5555", True, False),
+])
+def test_checksum_defaults_to_on_only_for_tcp_without_curve(checksum: bool | None, endpoint: str, insecure: bool,
+                                                            expected: bool) -> None:
+    from shared.config import resolve_checksum
+    assert resolve_checksum(checksum, endpoint, insecure) is expected

@@ -116,3 +116,31 @@ def test_report_ratios_equal_median_quotients_and_render_names_everything() -> N
     for needle in ("melfeed-zmq-p1", "melfeed-shm-p1: not available in this build", "PASS  max rate",
                    "sleep after the compiled zero-cost step"):
         assert needle in text
+
+
+def test_bandwidth_goals_one_producer_shm_transport_and_producer_build() -> None:
+    """The stricter goals of the shared-memory path with 1 producer, shm vs memcpy, and the producer's build CPU."""
+    trials = ([_trial("tfdata-npc8", 0, 0, batches_per_s=100.0, trainer_cpu_ms_per_batch=10.0)]
+              + [_trial("melfeed-shm-p1", 0, 0, batches_per_s=260.0, trainer_cpu_ms_per_batch=1.2)]
+              + [_trial("melfeed-shm-p2", 0, 0, batches_per_s=200.0, trainer_cpu_ms_per_batch=0.9)]
+              + [_trial("melfeed-zmq-p1", 0, 0, batches_per_s=160.0, trainer_cpu_ms_per_batch=3.0)])
+    probes = [_trial("transport-shm-p2", 0, r, gb_per_s=g, memcpy_gb_per_s=8.0) for r, g in enumerate([3.0, 4.4, 5.0])]
+    builds = [{"system": "producer-build", "round": r, "step_ms": 0, "ok": True, "cpu_ms_per_batch": v,
+               "build_ms_p50": 1.5, "read_ms_p50": 1.4, "batches_per_s": 600.0} for r, v in enumerate([1.2, 1.5, 1.4])]
+    builds.append({"system": "producer-build", "round": 3, "step_ms": 0, "ok": False, "error": "exit 78"})
+    systems = [{"system": s, "kind": "melfeed", "transport": s.split("-")[1], "available": True}
+               for s in ("melfeed-shm-p1", "melfeed-shm-p2", "melfeed-zmq-p1")]
+    systems.append({"system": "tfdata-npc8", "kind": "tfdata", "available": True})
+    report = build_report(trials, probes, systems, {"rounds": 3, "batches": 10, "warmup": 2, "step_ms": []}, builds)
+    verdict = {(g["system"], g["name"]): g["passed"] for g in report["goals"]}
+    assert verdict[("melfeed-shm-p1", "1 producer: max rate >= 2.5 x tfdata-npc8")] is True        # 2.6x
+    assert verdict[("melfeed-shm-p1", "1 producer: trainer CPU/batch <= 0.1 x tfdata-npc8")] is False  # 0.12x
+    assert not any(name.startswith("1 producer") for system, name in verdict if system != "melfeed-shm-p1")
+    assert verdict[("transport-shm-p2", "GB/s >= 0.5 x memcpy")] is True                             # 4.4 / 8
+    assert verdict[("producer-build", "producer build CPU/batch <= 1.3 ms")] is False                 # median 1.4
+    assert report["build_medians"]["cpu_ms_per_batch"] == pytest.approx(1.4)
+    text = render(report)
+    for needle in ("FAIL  producer build CPU/batch <= 1.3 ms [producer-build]: 1.40 ms (median of 3 probe(s))",
+                   "PASS  GB/s >= 0.5 x memcpy [transport-shm-p2]: 4.40 vs 8.00 GB/s = 0.55x",
+                   "producer build (doctor stage 1", "producer-build round 3 step 0 ms: exit 78"):
+        assert needle in text

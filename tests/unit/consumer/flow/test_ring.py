@@ -61,3 +61,45 @@ def test_close_wakes_a_waiting_taker() -> None:
     ring.close()
     t.join(5.0)
     assert not t.is_alive() and len(errors) == 1
+
+
+def test_views_are_built_once_per_slot_and_bucket_and_each_caller_gets_its_own_dict() -> None:
+    ring = BatchRing(2, BUCKETS)
+    first, again = ring.views(1, 1), ring.views(1, 1)
+    assert first is not again and first.keys() == again.keys()
+    assert all(first[k] is again[k] for k in first)                 # the same cached arrays
+    for _ in range(2):
+        ring.views(1, 1).pop("mel")
+    assert "mel" in ring.views(1, 1)                                 # a caller's dict changes no other
+    assert ring.views(0, 1)["mel"].ctypes.data != again["mel"].ctypes.data
+
+
+def test_views_follow_a_slot_whose_memory_was_replaced_and_drop_the_old_ones() -> None:
+    import numpy as np
+
+    from shared.wire.layout import aligned_buffer
+
+    class Swappable:
+        def __init__(self, n: int, nbytes: int) -> None:
+            self.slot_nbytes = nbytes
+            self.bufs = [aligned_buffer(nbytes) for _ in range(n)]
+
+        @property
+        def total_nbytes(self) -> int:
+            return sum(int(b.nbytes) for b in self.bufs)
+
+        def buffer(self, slot: int) -> np.ndarray:
+            return self.bufs[slot]
+
+        def close(self) -> None:
+            pass
+
+    probe = BatchRing(1, BUCKETS)
+    memory = Swappable(2, probe.slot_nbytes)
+    ring = BatchRing(2, BUCKETS, memory=memory)
+    old0, old1 = ring.views(0, 0)["mel"], ring.views(0, 1)["mel"]
+    memory.bufs[0] = aligned_buffer(probe.slot_nbytes)               # what ShmSlots.retire does
+    new = ring.views(0, 0)["mel"]
+    assert new.ctypes.data == memory.bufs[0].ctypes.data != old0.ctypes.data
+    assert all(buf is memory.bufs[0] for (slot, _), (buf, _) in ring._views.items() if slot == 0)
+    assert ring.views(0, 1)["mel"].ctypes.data != old1.ctypes.data

@@ -247,3 +247,20 @@ def test_hello_offering_shm_is_welcomed_with_the_slot_directory_only_when_the_ri
     rig = Rig()
     assert rig.join(A, caps=(CAP_SHM,)).shm_dir is None          # payload path: no slot files
     assert all(x.shm is None for x in rig.grant()[A])
+
+
+def test_slot_starved_says_whether_only_a_free_slot_is_missing() -> None:
+    """A freed slot needs to wake the receiver only then; with every window full the next BATCH will."""
+    rig = Rig(n_slots=2, window=2)
+    rig.grant()
+    assert not rig.session.slot_starved                          # no producer: nothing to lease to
+    rig.join(A)
+    assert ids(rig.grant()[A]) == [0, 1]
+    assert not rig.session.slot_starved                          # A's window is full
+    rig.join(B)
+    assert rig.grant() == {} and rig.session.slot_starved        # B has room, the ring has no slot
+    rig.deliver(A, 0)
+    ready = rig.ring.take(0, 0.0)
+    assert ready is not None
+    rig.ring.release(ready.slot)
+    assert ids(rig.grant()[B]) == [2] and rig.session.slot_starved   # B still has room for one more
