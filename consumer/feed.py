@@ -32,11 +32,11 @@ from typing import Any
 from consumer.flow.credit import LeaseBook
 from consumer.handout import ArraySpec, Batch, Handout
 from consumer.flow.plan import EpochPlan
-from consumer.flow.shards import RankPlan, plan_for_rank
+from consumer.flow.shards import plan_for_rank
 from consumer.flow.decisions import HandshakeContract, SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from consumer.flow.ring import BatchRing, slot_nbytes_for
-from consumer.transport.shm_slots import ShmSlots, open_shm_slots, resolve_shm_dir
+from consumer.transport.shm_slots import ShmSlots, open_ring_files
 from shared.cache.features import load_manifest_for
 from shared.cache.manifest import Manifest
 from shared.config import PipelineConfig, check_transport_mode, resolve_checksum
@@ -79,10 +79,6 @@ class Consumer:
         self.rank, self.world = rank, world
         self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world,
                                                    cfg.buckets.partial)
-        if isinstance(self.plan, RankPlan):
-            log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
-                     "left out (bucket leftovers smaller than the world)", rank, world, self.plan.batches_per_epoch,
-                     world, self.plan.dropped_samples_per_epoch)
         self.endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
         steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
         self.end_batch = max(start_batch, steps) if steps is not None else None
@@ -91,7 +87,9 @@ class Consumer:
         t = cfg.transport
         checksum = resolve_checksum(t.checksum, self.endpoint, t.insecure)
         self._book = LeaseBook(self.plan, start_batch, self.end_batch, t.lease_window, t.lease_timeout_s)
-        self.shm: ShmSlots | None = self._open_shm()
+        check_transport_mode(cfg.transport.mode, self.endpoint)          # --endpoint may have made it tcp
+        self.shm: ShmSlots | None = open_ring_files(cfg.transport, self.endpoint, cfg.consumer.ring_slots,
+                                                    slot_nbytes_for(self.bucket_set.buckets), self.epoch)
         self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
                               memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
@@ -107,16 +105,6 @@ class Consumer:
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
-
-    def _open_shm(self) -> ShmSlots | None:
-        """Slot files for the shared-memory path, or ``None`` for payload frames (mode, tcp, no room)."""
-        mode = self.cfg.transport.mode
-        check_transport_mode(mode, self.endpoint)          # --endpoint may have made it tcp
-        if mode == "zmq" or not self.endpoint.startswith("ipc://"):
-            return None
-        directory = resolve_shm_dir(self.cfg.transport.shm_dir, self.endpoint)
-        return open_shm_slots(directory, self.cfg.consumer.ring_slots, slot_nbytes_for(self.bucket_set.buckets),
-                              self.epoch)
 
     def _wake_receiver(self) -> None:
         """A slot was freed: the receiver leases it at once if a lease waits for a slot (one wake per release)."""

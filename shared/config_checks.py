@@ -25,12 +25,18 @@ from typing import Any
 
 from shared.errors import ConfigError
 
-__all__ = ["INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed",
+__all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed",
            "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_IPC_PATH_BYTES = 107   # sizeof(sockaddr_un.sun_path) - 1 on Linux: longer paths cannot be bound
+
+
+def require(cond: bool, message: str, path: tuple[str, ...], got: Any) -> None:
+    """Raise ``ConfigError(message)`` naming ``path`` and ``got`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(message, path=path, got=got)
 
 
 def check_number(value: Any, path: tuple[str, ...]) -> None:

@@ -29,6 +29,8 @@ Shutdown: nothing to release.
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 from consumer.flow.plan import EpochPlan, PlannedBatch
@@ -36,6 +38,8 @@ from shared.errors import ConfigError
 from shared.wire.buckets import BucketSet
 
 __all__ = ["GlobalStep", "LEFTOVER_POLICIES", "RankPlan", "plan_for_rank", "shard_chunks"]
+
+log = logging.getLogger(__name__)
 
 LEFTOVER_POLICIES = ("deal", "drop")
 
@@ -165,7 +169,11 @@ def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0
         except ValueError as err:           # "drop" with no bucket holding one full batch
             raise ConfigError(str(err), path=("buckets", "partial"), got=partial) from None
     try:
-        return RankPlan(buckets, fingerprint, seed, rank=rank, world=world, partial=partial,
+        plan = RankPlan(buckets, fingerprint, seed, rank=rank, world=world, partial=partial,
                         leftovers="drop" if partial == "drop" else "deal")
+        log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
+                 "left out (bucket leftovers smaller than the world)", rank, world, plan.batches_per_epoch,
+                 world, plan.dropped_samples_per_epoch)
+        return plan
     except ValueError as err:
         raise ConfigError(f"rank {rank} of {world}: {err}", path=("TF_CONFIG",)) from None

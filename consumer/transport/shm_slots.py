@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ShmSlots", "clean_stale", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
+from shared.config import TransportConfig
+
+__all__ = ["ShmSlots", "clean_stale", "open_ring_files", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +212,11 @@ def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int) 
         log.warning("shared-memory dir %s: cannot reserve %d bytes (%s, %d free); using the ZeroMQ payload path "
                     "for this run", directory, need, why, free)
         return None
+
+
+def open_ring_files(transport: TransportConfig, endpoint: str, n_slots: int, slot_nbytes: int,
+                    epoch: int) -> ShmSlots | None:
+    """Slot files for the shared-memory path, or ``None`` for payload frames (mode zmq, tcp, no room)."""
+    if transport.mode == "zmq" or not endpoint.startswith("ipc://"):
+        return None
+    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, epoch)

@@ -24,7 +24,8 @@ Event = tuple[str, int]
 def _batch(batch_id: int) -> Batch:
     arrays = {"mel": np.zeros((2, 4, 3), np.float32), "mel_len": np.array([4, batch_id % 4], np.int32),
               "tokens": np.zeros((2, 5), np.int32), "tok_len": np.array([5, 1], np.int32)}
-    return Batch(PlannedBatch(batch_id, 0, 0, (batch_id,)), arrays, slot=batch_id % 4)
+    samples = (batch_id,) if batch_id % 4 == 0 else (batch_id, 100 + batch_id)   # the rows mel_len says are real
+    return Batch(PlannedBatch(batch_id, 0, 0, samples), arrays, slot=batch_id % 4)
 
 
 class _Feed:

@@ -72,7 +72,7 @@ def test_a_step_with_var_keywords_gets_every_extra_and_a_base_only_step_gets_non
     compiled = CompiledStep(everything, [BUCKET.shapes()], jit_compile=False, extras=EXTRAS)
     compiled.warm_up()
     assert float(compiled.run(0, _batch())["loss"]) == 2 * 8 * 4 + 2 * 5 * 2
-    assert everything.calls[-1] == {"speaker", "energy", "ref", "ref_len"}
+    assert everything.calls[-1] == {"speaker", "energy", "ref", "ref_len", "rows", "row_mask"}   # row inputs too
     base = CompiledStep(_BaseOnly(), [BUCKET.shapes()], jit_compile=False, extras=EXTRAS)
     base.warm_up()
     assert float(base.run(0, _batch())["loss"]) == 2 * 8 * 4

@@ -13,7 +13,7 @@ import pytest
 from consumer.flow.decisions import SessionConfig
 from consumer.transport.receiver import Receiver, ReceiverConfig
 from shared.wire.buckets import BucketSet
-from tests.unit.consumer.flow.session_rig import A, B, BUCKET, CONTRACT, EPOCH, Rig, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, BUCKET, CONTRACT, EPOCH, Rig, ids
 
 
 def _woken(receiver: Receiver) -> bool:

@@ -10,7 +10,7 @@ from consumer.flow.ring import SlotState
 from consumer.flow.session import BLOCK_S
 from shared.errors import ProtocolError
 from shared.wire.protocol import RejectCode
-from tests.unit.consumer.flow.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
 
 
 def test_a_second_copy_of_a_batch_is_dropped_and_counted_as_a_duplicate() -> None:

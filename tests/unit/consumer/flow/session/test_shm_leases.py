@@ -13,7 +13,7 @@ from consumer.flow.shm_leases import ShmLeases
 from shared.errors import ProtocolError
 from shared.wire.protocol import CAP_SHM, Bye, RejectCode, ShmSlot
 from tests.fakes import FakeSlotFiles
-from tests.unit.consumer.flow.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
 
 SHM = (CAP_SHM,)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from consumer.flow.decisions import Outgoing
 from shared.wire.protocol import Heartbeat
-from tests.unit.consumer.flow.session_rig import A, B, EPOCH, Rig, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, ids
 
 
 def _heartbeats(sends: list[Outgoing]) -> dict[bytes, Heartbeat]:

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from tests.unit.consumer.flow.session_rig import A, B, Rig, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, Rig, ids
 
 
 def _apply_ready(rig: Rig, next_id: int) -> int:

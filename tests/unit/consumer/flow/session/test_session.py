@@ -13,7 +13,7 @@ import pytest
 
 from consumer.flow.session import escape_line
 from shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
-from tests.unit.consumer.flow.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, ids
 
 
 # --- handshake --------------------------------------------------------------------------------
