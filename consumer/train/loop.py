@@ -88,6 +88,7 @@ class TrainSummary:
     resident_steps_per_s: float | None = None  # the limit for the measured batches' bucket mix
     resident_step_ms: list[float] = field(default_factory=list)  # per bucket, on a resident batch
     feed_efficiency_measure_s: float = 0.0     # start time spent measuring the limit, seconds
+    checkpoint_failures: int = 0        # periodic checkpoints that could not be written (each retried later)
     interrupted: bool = False
     next_batch: int | None = None       # resume position of the final checkpoint (with a state_dir)
 
@@ -169,7 +170,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             if state is not None:
                 state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
                 if state.due():
-                    state.checkpoint(items, consumer.epoch)
+                    state.checkpoint(items, consumer.epoch, final=False)   # a failure: WARNING, retried
             if out.time_to_first_step_s is None:
                 out.time_to_first_step_s = time.time() - process_start_s
                 out.first_loss = loss_v if math.isfinite(loss_v) else None
@@ -198,8 +199,9 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     out.interrupted = stop.is_set() and not consumer.finished
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:
-        state.checkpoint(items, consumer.epoch)
+        state.checkpoint(items, consumer.epoch, final=True)
         out.next_batch = state.next_batch
+        out.checkpoint_failures = state.checkpoint_failures
     _finish(out, meter, consumer, compiled.compiles_after_ready, outputs, copies + payload_copies)
     if telemetry is not None:
         telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE,
