@@ -35,8 +35,8 @@ from shared.config import PipelineConfig
 from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError
-from shared.service.children import Child, python_argv, spawn, write_private_config
-from shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, stop_on_signals
+from shared.service.children import Child, child_env, python_argv, spawn, write_private_config
+from shared.service.lifecycle import PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
@@ -166,7 +166,9 @@ def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> C
     path = write_private_config(config_to_mapping(cfg), f"run-{os.getpid()}.yaml")
     extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
     try:
-        proc = spawn(python_argv(entry, "producer", "--config", str(path), *extra))   # entry: run_pipeline.py
+        # entry: run_pipeline.py; the group stops itself if this process dies (no orphaned producers)
+        proc = spawn(python_argv(entry, "producer", "--config", str(path), *extra),
+                     env=child_env({PARENT_PID_ENV: str(os.getpid())}))
     except OSError:
         path.unlink(missing_ok=True)
         raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 from producer.supervisor import supervise_producers
@@ -19,7 +20,7 @@ from shared.service.cli import config_from_args, with_demo_cache
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError
 from shared.service.children import handed_over_config
-from shared.service.lifecycle import resolve_endpoint, stop_on_signals
+from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, resolve_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier
 
 __all__ = ["main_producer"]
@@ -41,6 +42,9 @@ def main_producer(args: argparse.Namespace) -> int:
         # STOPPING); children read one file holding the config with every CLI override applied.
         with stop_on_signals() as stop, \
                 handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path:
+            parent = os.environ.get(PARENT_PID_ENV, "")
+            if parent.isdigit():             # started by `run`: a clean stop (SIGTERM) when `run` dies
+                die_with_parent(signal.SIGTERM, parent_pid=int(parent))
             return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
                                        debug_delay_ms=args.debug_delay_ms, notifier=notifier,
                                        exit_at_plan_end=cfg.producer.exit_at_plan_end)

@@ -182,3 +182,40 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
     assert not (cache / "manifest.json").exists()
     ok = _run(["index", str(cache), "--skip-bad"], tmp_path, timeout_s=120)
     assert ok.returncode == 0 and "indexed 199 utterances" in ok.stdout
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_killed_run_takes_its_producer_group_with_it(demo_cache: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "run", "--cache-dir", str(demo_cache),
+                            "--producers", "2", "--steps", "100000"], cwd=REPO, env=env,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + procs.WAIT_S
+        while time.monotonic() < deadline and run.poll() is None:
+            groups = procs.child_pids(run.pid)
+            family = groups + [w for g in groups for w in procs.child_pids(g)]
+            if len(family) >= 3:             # the supervisor and its two producers
+                break
+            time.sleep(0.05)
+        assert len(family) >= 3, f"producer group not seen: {family}, run exit {run.poll()}"
+        run.kill()                           # no clean stop: the group must notice on its own
+        run.wait(procs.WAIT_S)
+        deadline = time.monotonic() + procs.WAIT_S
+        while time.monotonic() < deadline and any(_alive(pid) for pid in family):
+            time.sleep(0.05)
+        assert not [pid for pid in family if _alive(pid)], "producers outlived the run that started them"
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for pid in family:
+            if _alive(pid):
+                os.kill(pid, 9)
