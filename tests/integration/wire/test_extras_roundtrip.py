@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from consumer import Consumer
+from consumer.dataset import feature_keys
 from shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, write_manifest
@@ -110,3 +111,35 @@ def test_extras_of_every_kind_arrive_bit_exact_in_plan_order_through_a_producer_
         assert list(arrays) == list(want)
         for key, value in want.items():
             assert arrays[key].dtype == value.dtype and arrays[key].tobytes() == value.tobytes(), (bid, key)
+
+
+def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cache: Path, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    steps = 6
+    mapping = {"cache_dir": str(extras_cache), "n_mels": 16, "buckets": {"num_buckets": 2, "batch_size": 4},
+               "consumer": {"steps": steps, "wait_timeout_s": 0.5},
+               "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": "shm"}}
+    config = tmp_path / "d.yaml"
+    config.write_text(yaml.safe_dump(mapping))
+    cfg = config_from_mapping(mapping)
+    got: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+    with Consumer(cfg) as feed:
+        keys = feature_keys(feed)
+        assert {"duration", "energy", "ref", "ref_len", "speaker", "spk_emb", "rows", "row_mask"} <= set(keys)
+        group = procs.start("producer", config, tmp_path / "p.log", "--producers", "1")
+        try:
+            for features, mel in feed.as_dataset(features=keys, prefetch_device=None):
+                got.append(({k: v.numpy().copy() for k, v in features.items()}, mel.numpy().copy()))
+        finally:
+            procs.stop(group)
+        manifest, plan, buckets = feed.manifest, feed.plan, feed.bucket_set.buckets
+    assert [int(f["batch_id"][0]) for f, _ in got] == list(range(steps))
+    for features, mel in got:
+        planned = plan.batch(int(features["batch_id"][0]))
+        want = _expected(manifest, buckets[planned.bucket], planned.sample_ids)
+        assert mel.tobytes() == want["mel"].tobytes()
+        for key in want:
+            if key != "mel":
+                assert features[key].dtype == want[key].dtype and features[key].tobytes() == want[key].tobytes(), key
+        assert int(features["rows"]) == len(planned.sample_ids)
+        assert features["row_mask"].tolist() == [r < len(planned.sample_ids) for r in range(len(mel))]

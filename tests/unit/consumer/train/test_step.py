@@ -86,7 +86,7 @@ def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly()
 
 def test_new_shape_after_warm_up_is_compiled_counted_and_logged(
         caplog: pytest.LogCaptureFixture) -> None:
-    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)])
+    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)], jit_compile=False)   # counting is the same under XLA
     compiled.warm_up()
     with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
         compiled.run(0, _batch(2, 16, 4))
@@ -159,7 +159,7 @@ def test_compiled_step_runs_on_dlpack_tensors() -> None:
     for name, value in _batch(rows, frames, tokens).items():
         slot[name][...] = value.numpy()
     reference = float(_step()(*[tf.constant(slot[k]) for k in slot]))
-    compiled = CompiledStep(_step(), [_shapes(rows, frames, tokens)])
+    compiled = CompiledStep(_step(), [_shapes(rows, frames, tokens)], jit_compile=False)   # the hand-off is the subject
     compiled.warm_up()
     tensors, copies = to_tensors(slot)
     assert copies == 0
