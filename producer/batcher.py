@@ -60,7 +60,8 @@ class BatchAssembler:
     def __init__(self, reader: CacheReader, bucket_set: BucketSet, *, max_buffers: int = 4,
                  reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine") -> None:
         self._reader = reader
-        self._extras = ExtraReader(reader.manifest) if reader.manifest.extras else None
+        self._extras = (ExtraReader(reader.manifest, getattr(reader, "open_files", None))
+                        if reader.manifest.extras else None)
         self._buckets = bucket_set.buckets
         self._layouts = {b.index: batch_layout(b) for b in self._buckets}
         self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}

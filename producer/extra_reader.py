@@ -11,7 +11,8 @@ Invariants:
   extra); reasons outside the file raise ``TransientReadError``, never a quarantine decision.
 - The header is parsed once per file per process, then compared byte for byte (like the mel reader).
 - Not thread-safe (scratch header buffer): one reader per thread.
-Shutdown: no resource outlives a call; every fd is closed in ``finally``.
+Shutdown: descriptors are kept only in the ``OpenFiles`` cache given at construction (its owner, the
+``CacheReader``, closes them); without one every fd is closed after its read.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.reader import _open_error
+from producer.open_files import OpenFiles
+from producer.reader import _open_error, _pread_exact
 from shared.cache.extras import EXTRAS_DIR
-from shared.cache.filekind import open_regular
 from shared.cache.manifest import Manifest
 from shared.cache.npyfile import parse_npy_header
 from shared.errors import CacheError
@@ -36,9 +37,11 @@ __all__ = ["ExtraReader"]
 class ExtraReader:
     """Reads one manifest's extra arrays into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        """Bind to ``manifest``; opens nothing until a read."""
+    def __init__(self, manifest: Manifest, files: OpenFiles | None = None) -> None:
+        """Bind to ``manifest``; opens nothing until a read. ``files``: the producer's open-file cache
+        (``CacheReader.open_files``, shared with the mels and tokens); None = open and close per read."""
         self.manifest = manifest
+        self._files = files if files is not None else OpenFiles(0)
         self._columns = {c.spec.name: c for c in manifest.extras}
         # Plain Python per-row tuples and dtypes made once: numpy indexing per read costs more than the read.
         self._rows = {name: [tuple(r) for r in c.rows.tolist()] for name, c in self._columns.items()}
@@ -74,7 +77,7 @@ class ExtraReader:
         if len(self._head) < offset:
             self._head = bytearray(offset)
         head = memoryview(self._head)[:offset]
-        self._pread(path, file_bytes, head, rows)
+        self._pread((EXTRAS_DIR, name, index), path, file_bytes, head, rows)
         self._check_head(spec, index, path, head, length, offset)
         if rows.dtype.kind == "f" and not np.isfinite(rows).all():
             raise CacheError(path, f"non-finite values (NaN/Inf) in extra {name!r}; run verify-cache")
@@ -82,26 +85,23 @@ class ExtraReader:
             dst[n:] = 0
         return n
 
-    @staticmethod
-    def _pread(path: str, file_bytes: int, head: memoryview, rows: npt.NDArray[Any]) -> None:
+    def _pread(self, key: tuple[str, str, int], path: str, file_bytes: int, head: memoryview,
+               rows: npt.NDArray[Any]) -> None:
         """One ``preadv`` of the header and the first rows' data, straight into ``rows``."""
         data = rows.data.cast("B") if rows.size else memoryview(bytearray())
         try:
-            fd, st = open_regular(path)
+            f = self._files.acquire(key, path)   # a FIFO, device or directory is a bad file, never a blocked read
         except OSError as err:
             raise _open_error(path, err, "cannot open") from err
         try:
-            if st.st_size != file_bytes:
-                raise CacheError(path, f"file changed since index (size {st.st_size}, manifest says "
+            if f.size != file_bytes:
+                raise CacheError(path, f"file changed since index (size {f.size}, manifest says "
                                        f"{file_bytes}); re-run index")
-            need = head.nbytes + data.nbytes
-            got = os.preadv(fd, [head, data], 0)
-            if got < need:
-                raise CacheError(path, f"short read: {got} of {need} bytes")
-        except OSError as err:
-            raise _open_error(path, err, "read failed") from err
-        finally:
-            os.close(fd)
+            _pread_exact(path, f.fd, head, data)
+        except BaseException:
+            self._files.release(key, f, ok=False)     # a failed read never keeps its descriptor
+            raise
+        self._files.release(key, f)
 
     def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
         key = (spec.name, index)

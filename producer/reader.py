@@ -132,6 +132,11 @@ class CacheReader:
         # Mel values found finite, per index: (file identity, frames checked). Bounded by the manifest.
         self._finite: dict[int, tuple[Identity, int]] = {}
 
+    @property
+    def open_files(self) -> OpenFiles:
+        """The bounded cache of open cache files (``producer.open_files``); extras share it."""
+        return self._files
+
     def close(self) -> None:
         """Close every kept descriptor. Idempotent; a later read opens again."""
         self._files.close()

@@ -70,3 +70,20 @@ def test_a_bad_extra_file_quarantines_its_row_and_zeroes_every_extra(cache: tupl
     assert batch.arrays["ref_len"][2] == 4 and batch.arrays["ref"][2].any()
     with pytest.raises(CacheError, match="non-finite"):
         BatchAssembler(CacheReader(manifest), buckets, bad_sample_policy="fail").build(0, 0, [2])
+
+
+def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_nothing(
+        cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache
+    reader = CacheReader(manifest, open_files=64)
+    assembler = BatchAssembler(reader, buckets, max_buffers=2)
+    assembler.build(0, 0, [0, 1, 2, 3]).attach(None)
+    opens = reader.open_files.opens
+    assert opens == 4 * (2 + len(manifest.schema.extras))     # mel, tokens and every extra of 4 rows
+    batch = assembler.build(1, 0, [0, 1, 2, 3])                # the same files again: all kept open
+    assert reader.open_files.opens == opens
+    for row, sid in enumerate([0, 1, 2, 3]):
+        for key, value in _want(manifest, buckets, sid).items():
+            assert batch.arrays[key][row].tobytes() == np.asarray(value).tobytes(), (sid, key)
+    reader.close()
+    assert len(reader.open_files) == 0
