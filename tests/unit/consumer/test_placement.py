@@ -133,6 +133,14 @@ def test_step_devices_names_each_distinct_device() -> None:
     assert step_devices({"loss": dev, "acc": dev}) == ["/job:localhost/replica:0/task:0/device:CPU:0"]
 
 
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a new interpreter with only the repo on the path (TensorFlow not imported yet)."""
+    env = {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_runs_on_cpu(tmp_path: Path) -> None:
     """The real order: no TF at first, the env set, then TF imported (memory settings a no-op on CPU)."""
     code = ("import os, sys\n"
@@ -145,9 +153,7 @@ def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_runs_on_c
             "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and XLA_CACHE_FLAG in os.environ['TF_XLA_FLAGS']\n"
             "assert tf.config.list_physical_devices('GPU') == []\n"
             "print(tf.constant(1.0).device)\n")
-    env = {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = _fresh_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("device:CPU:0")
 
@@ -164,8 +170,6 @@ def test_a_real_tensorflow_imported_first_is_refused_when_model_gpu_would_change
             "    apply_placement(config_from_mapping({'consumer': {'model_gpu': '1'}}))\n"
             "except ConfigError as err:\n"
             "    print(err)\n")
-    env = {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = _fresh_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("consumer.model_gpu: TensorFlow was imported before it could be applied")
