@@ -5,13 +5,13 @@ step's device (no loader, no hand-off, no host wait between steps) and give the 
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
-Method, per bucket: one untimed step, then ``steps_per_bucket`` timed steps.
-    * Step on a GPU: dispatched back to back with one host read of the last step's outputs (the
-      steps chain through the variables, so that read waits for all of them): seconds per step =
-      elapsed / steps. A read per step would add the very host wait the figure exists to expose.
-    * Step on the CPU: the call returns when the step has finished, so a read per step costs
-      nothing; each step is timed alone and the median taken, which a burst of another process on
-      a shared machine does not move (the fed figure is a mean over wall time, so this errs low).
+Method, per bucket: one untimed step, then ``steps_per_bucket`` steps dispatched back to back with
+one host read of the last step's outputs (the steps chain through the variables, so that read waits
+for all of them): seconds per step = elapsed / steps. That is the statistic of the fed figure (steps
+over wall time), so the ratio compares like with like on either device. On a GPU a read per step would
+add the very host wait the figure exists to expose; on the CPU the call returns when the step is done,
+so the read changes nothing. (A median of steps timed alone would leave out the slow steps that the
+fed mean includes, and feed efficiency would err low.)
 The resident batch is deterministic: every row full
 length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1..vocab_size-1.
 Invariants: afterwards every variable of ``variables`` holds exactly its value from before (host
@@ -23,7 +23,6 @@ no program is traced. Shutdown: nothing to release; the resident batches are fre
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,23 +63,13 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
     return {**base, **extras}
 
 
-def _time_on_gpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
+def _time_back_to_back(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
     from consumer.train.outputs import read_outputs
     t0 = time.perf_counter()
     for _ in range(steps):
         outputs = compiled.run(bucket, batch)
     read_outputs(outputs)                  # the only host wait: every step before it has finished
     return (time.perf_counter() - t0) / steps
-
-
-def _time_on_cpu(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
-    from consumer.train.outputs import read_outputs
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        read_outputs(compiled.run(bucket, batch))
-        times.append(time.perf_counter() - t0)
-    return float(statistics.median(times))
 
 
 def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
@@ -101,7 +90,6 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
     """
     import tensorflow as tf
 
-    from consumer.placement import step_devices
     from consumer.train.outputs import read_outputs
 
     if steps_per_bucket < 1:
@@ -114,11 +102,8 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
             # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
             batch = {k: tf.identity(tf.constant(v)) for k, v in resident_arrays(
                 shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None).items()}
-            first = compiled.run(bucket, batch)                 # untimed: first call on this batch
-            read_outputs(first)
-            on_gpu = any("GPU" in d.upper() for d in step_devices(first))
-            step_s.append(_time_on_gpu(compiled, bucket, batch, steps_per_bucket) if on_gpu
-                          else _time_on_cpu(compiled, bucket, batch, steps_per_bucket))
+            read_outputs(compiled.run(bucket, batch))            # untimed: first call on this batch
+            step_s.append(_time_back_to_back(compiled, bucket, batch, steps_per_bucket))
     finally:
         for var, value in zip(variables, saved):
             var.assign(value)

@@ -41,3 +41,27 @@ def test_limit_is_timed_per_bucket_and_every_variable_is_restored_bit_for_bit() 
 def test_steps_per_bucket_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="steps_per_bucket must be >= 1"):
         measure_resident_limit(object(), [], _SHAPES, steps_per_bucket=0, vocab_size=32)
+
+
+class _ClockedStep:
+    """A stand-in for CompiledStep whose steps take the given seconds of a fake clock (pure timing logic)."""
+
+    def __init__(self, durations_s: list[float]) -> None:
+        self.now_s = 0.0
+        self._durations_s = list(durations_s)
+
+    def clock(self) -> float:
+        return self.now_s
+
+    def run(self, bucket: int, batch: object) -> dict[str, float]:
+        self.now_s += self._durations_s.pop(0)
+        return {"loss": 0.0}
+
+
+def test_limit_is_steps_over_wall_time_like_the_fed_figure_not_a_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    import consumer.train.efficiency as efficiency
+    # untimed first step, then 4 timed: one slow step in the window counts, as it does in the fed figure
+    fake = _ClockedStep([5.0, 0.010, 0.010, 0.010, 0.050])
+    monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
+    limit = measure_resident_limit(fake, [], _SHAPES[:1], steps_per_bucket=4, vocab_size=32)
+    assert limit.step_s == pytest.approx((0.020,))     # (0.01 * 3 + 0.05) / 4; a median would say 0.010
