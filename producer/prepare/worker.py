@@ -83,7 +83,7 @@ class WorkResult:
 
 @dataclass(frozen=True, slots=True)
 class WorkerEvent:
-    """A worker's lifecycle message: ``ready`` (detail = device) or ``failed`` (detail = error)."""
+    """A worker's lifecycle message: ``ready`` (detail = ``"<device> nice=<n>"``) or ``failed`` (detail = error)."""
 
     kind: str
     worker: int
@@ -156,14 +156,14 @@ def worker_main(spec: WorkerSpec, index: int, tasks: Any, results: Any, stop: An
     """Process entry point: serve ``tasks`` (``WorkItem`` or ``None``) until told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)  # outputs are atomic, so an abrupt end loses nothing
-    lower_cpu_priority(spec.nice)
+    nice = lower_cpu_priority(spec.nice)   # before TensorFlow starts its threads: they inherit it
     try:
         device = _open_device(spec)
         logmel = LogMel(spec.features, spec.n_mels, device)
     except Exception as err:  # top level of the process: report and exit
         results.put(WorkerEvent("failed", index, f"{type(err).__name__}: {err}".splitlines()[0]))
         return
-    results.put(WorkerEvent("ready", index, device))
+    results.put(WorkerEvent("ready", index, f"{device} nice={nice}"))
     if _serve(spec, index, logmel, tasks, results, stop, parent_pid):
         results.close()
         results.join_thread()  # every result is in the pipe
