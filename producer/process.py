@@ -1,7 +1,7 @@
 """Entry point of one producer process (spawned by ``producer.supervisor``).
 
-``python -m producer.process --config FILE --index N``: sets ``CUDA_VISIBLE_DEVICES`` to the data GPU
-before anything could import a framework, loads the manifest, derives the bucket shapes (the
+``python -m producer.process --config FILE --index N``: lowers its CPU priority to ``producer.nice``,
+sets ``CUDA_VISIBLE_DEVICES`` to the data GPU before anything could import a framework, loads the manifest, derives the bucket shapes (the
 consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).
 Exit codes: 0 clean stop or plan ended, 78 configuration/contract error (no restart), 1 unexpected error.
@@ -58,7 +58,10 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     """
     from shared.errors import EXIT_CONFIG, PipelineError
     from shared.service.lifecycle import stop_on_signals
+    from shared.service.priority import lower_cpu_priority
     from shared.service.sdnotify import Notifier
+    # First, in the main thread: the threads ZeroMQ starts later inherit it (shared/service/priority.py).
+    lower_cpu_priority(cfg.producer.nice)
     notifier = notifier if notifier is not None else Notifier({})
     # Handlers first: a SIGTERM while the worker is built (or right after READY) is a clean stop
     # that says STOPPING, not a death by the default action that says nothing.

@@ -8,6 +8,12 @@ reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of an
 ``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
 a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch, a WELCOME to a HELLO that still
 offered shm) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+Join nonce: every HELLO of one join carries the same random nonce, and leaving ACTIVE (dropping the
+leases) draws a new one. So a HELLO repeated before the consumer's WELCOME arrived (a loaded machine)
+is answered again with our leases kept, while a join after we dropped ours makes the consumer return
+them at once. A WELCOME echoing an older nonce answers an abandoned join and is ignored; one echoing
+ours for the epoch already joined is that repeat's answer and changes nothing (a consumer that echoes
+no nonce is older: every WELCOME starts the session over, as it did).
 The consumer's plan ended (its HB says ``done``): drop the leases, and either leave with BYE and exit 0
 (``exit_at_plan_end``, set by ``run``) or say BYE and wait for the next consumer (systemd, by hand);
 that consumer's epoch is never joined again (its WELCOME is answered with BYE, the back-off goes on).
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.errors import EXIT_CONFIG
@@ -30,7 +38,7 @@ from shared.printable import escape_line
 from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
                                   Message, RejectCode, StageCounters, Welcome)
 
-__all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason"]
+__all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,11 @@ class BuildOrder:
     shm_dir: str | None = None        # set: build in the consumer's slot file, send the header alone
 
 
+def random_nonce() -> int:
+    """A join nonce: 64 random bits (msgpack's largest unsigned integer)."""
+    return secrets.randbits(64)
+
+
 def failure_reason(err: BaseException) -> str:
     """``"<ExceptionType>: <message>"`` on one line: the BYE's reason (a CacheError names its file)."""
     text = " ".join(str(err).split())
@@ -95,9 +108,11 @@ class ProducerSession:
         cfg: name, contract and timing.
         now_s: the time the session starts (the first HELLO is due at once).
         offers_shm: HELLO offers ``CAP_SHM`` (the worker can map the consumer's slot files).
+        new_nonce: draws a join nonce (tests inject a counter).
     """
 
-    def __init__(self, cfg: SessionConfig, now_s: float, *, offers_shm: bool = False) -> None:
+    def __init__(self, cfg: SessionConfig, now_s: float, *, offers_shm: bool = False,
+                 new_nonce: Callable[[], int] = random_nonce) -> None:
         self.cfg = cfg
         self.exit_code = 0                # non-zero: leave the loop and exit with it
         self.reason = ""                  # one line, why ``exit_code`` is not 0 (for the BYE)
@@ -114,6 +129,8 @@ class ProducerSession:
         self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
         self._ended_epoch: int | None = None   # a consumer whose plan ended: never joined again
         self._outbox: list[Message] = []       # replies decided in ``on_message``, sent by the next ``on_turn``
+        self._new_nonce = new_nonce
+        self._nonce = new_nonce()              # this join's, in every HELLO until we drop our leases
 
     @property
     def joined_epoch(self) -> int | None:
@@ -132,7 +149,7 @@ class ProducerSession:
     def hello(self) -> Hello:
         caps = [CAP_SHM] if self._offers_shm else []
         c = self.cfg
-        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps)
+        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps, self._nonce)
 
     def on_turn(self, now_s: float) -> list[Message]:
         """Replies owed, then timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
@@ -198,10 +215,16 @@ class ProducerSession:
             return
         log.info("consumer epoch=%d finished its plan; waiting for the next consumer", epoch)
         self._outbox.append(Bye(epoch))
-        self._epoch = None
+        self._epoch, self._nonce = None, self._new_nonce()
         self._joining = _Joining(next_hello_s=now_s + _FIRST_BACKOFF_S, since_s=now_s)
 
     def _on_welcome(self, msg: Welcome, now_s: float) -> None:
+        if msg.nonce is not None and msg.nonce != self._nonce:
+            log.debug("WELCOME epoch=%d answers a join we gave up; ignored", msg.epoch)
+            return
+        if msg.nonce is not None and msg.epoch == self._epoch:
+            self._last_heard_s = now_s         # the answer to a HELLO we repeated: our leases stand
+            return
         if msg.epoch == self._ended_epoch:     # the finished consumer answered a HELLO: leave it at once
             self._outbox.append(Bye(msg.epoch))
             self._joining.since_s = now_s      # it answered: not a silent endpoint
@@ -236,7 +259,7 @@ class ProducerSession:
         """Back to DISCONNECTED: drop every lease; the next HELLO goes at once."""
         if self._epoch is not None:
             self.counts.rejoins += 1
-        self._epoch = None
+        self._epoch, self._nonce = None, self._new_nonce()   # the consumer returns the leases we dropped
         self._leases.clear()
         self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
 

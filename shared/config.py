@@ -266,6 +266,10 @@ class ProducerConfig:
     exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
     open_files: int = 4096                 # cache files each producer keeps open (LRU; held to half of
                                            # RLIMIT_NOFILE); 0 = open and close every file on every read
+    nice: int = 0                          # CPU niceness of producers and prepare workers (0..19), set
+                                           # at start (and Nice= in the unit): where they share cores with
+                                           # the step, a higher value lets the step win; the ring absorbs
+                                           # their delay. Never lowers a niceness set from outside.
 
     def __post_init__(self) -> None:
         p = ("producer",)
@@ -280,6 +284,8 @@ class ProducerConfig:
         _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
                self.restart_backoff_s)
         _check(0 <= self.open_files <= 1_000_000, "must be in 0..1000000", p + ("open_files",), self.open_files)
+        _check(0 <= self.nice <= 19, "must be in 0..19 (a niceness; below 0 needs privileges)", p + ("nice",),
+               self.nice)
 
 
 JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged

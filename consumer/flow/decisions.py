@@ -61,6 +61,7 @@ class ReceiverStats:
     producer_failures: int = 0   # BYEs with a non-zero exit code (the producer said why it fails)
     # Producers getting no leases because they let ``lease_expiry_limit`` leases in a row expire (escaped ids).
     producers_benched: tuple[str, ...] = ()
+    hello_repeats: int = 0       # HELLOs repeating a peer's join (same nonce): answered again, leases kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Table of connected producers, keyed by ZeroMQ routing id. Pure bookkeeping (times passed in).
 
 Invariant: a routing id is in the table only between a valid HELLO and its removal (liveness
-expiry, BYE, unreachable, flood, or a new HELLO). ``seen`` counts distinct producer ids ever joined.
+expiry, BYE, unreachable, flood, or a HELLO that is not a repeat of its join: ``PeerInfo.is_same_join``).
+``seen`` counts distinct producer ids ever joined.
 A peer that let ``limit`` leases in a row expire is benched (no leases) for a back-off period; a
 delivered batch resets its count (docs/ARCHITECTURE.md "Trust").
 """
@@ -33,6 +34,16 @@ class PeerInfo:
     stage_at_s: float = 0.0                # when they arrived
     expired_in_row: int = 0                # its leases that expired since its last delivered batch
     benched_until_s: float | None = None   # no leases for it until then (it let too many expire)
+    nonce: int | None = None               # its HELLO's join nonce (None: an older producer sends none)
+
+    def is_same_join(self, nonce: int | None, producer_id: str, uses_shm: bool) -> bool:
+        """A HELLO repeating the one this peer joined with (sent again before our answer reached it).
+
+        Only a HELLO carrying the same nonce, name and transport is a repeat; anything else (no nonce,
+        a new one after the producer dropped its leases) is a new join that returns the old leases.
+        """
+        return (nonce is not None and nonce == self.nonce and producer_id == self.producer_id
+                and uses_shm == self.uses_shm)
 
 
 @dataclass(frozen=True, slots=True)

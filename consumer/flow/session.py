@@ -4,7 +4,8 @@ The receiver thread (``consumer/transport/receiver.py``) owns the ROUTER socket;
 message and hands it here with the time, and sends what comes back. Nothing here touches a socket,
 a thread or a clock (trio's and httpx's transport seam), so every rule is unit-tested with fake
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
-CURVE user-id binding) and WELCOME; lease grants into free ring slots; liveness and lease deadlines
+CURVE user-id binding) and WELCOME (a HELLO repeating a peer's join nonce is answered again and keeps
+its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants into free ring slots; liveness and lease deadlines
 (leases back to pending); the shared-memory fencing (``consumer.flow.shm_leases``); duplicate and
 stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code); the end of
 a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a last one to send).
@@ -64,7 +65,7 @@ class ReceiverSession:
         self._rejects = rejects if rejects is not None else RejectLog()
         self._shm = ShmLeases(shm)
         self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0,
-                        "failures": 0}
+                        "failures": 0, "hello_repeats": 0}
         self._applied_seen = -1              # the last applied id handed to the lease book
         self.next_heartbeat_s: float | None = None    # None: due at the next tick
         self.plan_ended = False              # every planned batch applied: heartbeats say ``done``
@@ -78,7 +79,8 @@ class ReceiverSession:
                              c["quarantined"], self._rejects.peer_snapshot(), shm_retired=self._shm.retired,
                              lease_window=self._book.window, producers=self._peers.reports(),
                              producer_failures=c["failures"],
-                             producers_benched=tuple(escape_line(p) for p in self._peers.benched()))
+                             producers_benched=tuple(escape_line(p) for p in self._peers.benched()),
+                             hello_repeats=c["hello_repeats"])
 
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
@@ -225,20 +227,31 @@ class ReceiverSession:
                                                          f"consumer {_short(ours)}",
                                     reply=f"{name} differs from the consumer's (see its log): producer "
                                           f"{_short(theirs)}")
+        # Peer-chosen text: escaped once here, so no log line, status row or label shows it raw (invariant 7).
+        producer_id = escape_line(msg.producer_id)
+        uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
         old = self._peers.get(ident)
+        if old is not None and old.is_same_join(msg.nonce, producer_id, uses_shm):
+            # A retried HELLO that crossed our WELCOME: answer it again, keep the leases (no churn).
+            old.last_seen_s = now_s
+            self._counts["hello_repeats"] += 1
+            log.debug("repeated HELLO id=%s peer=%s; answered again, leases kept", producer_id, peer_label(ident))
+            return [self._welcome(ident, old)]
         if old is not None:
             self._drop_peer(ident, "re-handshake")
-        # Peer-chosen text: escaped once here, so no log line, status row or label shows it raw (invariant 7).
-        info = self._peers.add(ident, escape_line(msg.producer_id), now_s)
+        info = self._peers.add(ident, producer_id, now_s)
         if old is not None:       # a HELLO does not lift a bench nor reset its count
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
-        info.uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
+        info.uses_shm, info.nonce = uses_shm, msg.nonce
         log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
-        shm_dir = self._shm.directory if info.uses_shm else None
+        return [self._welcome(ident, info)]
+
+    def _welcome(self, ident: bytes, info: PeerInfo) -> Outgoing:
         cfg = self.cfg
-        return [Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
-                                        shm_dir))]
+        shm_dir = self._shm.directory if info.uses_shm else None
+        return Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
+                                       shm_dir, info.nonce))
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
         if msg.exit_code != 0:

@@ -238,7 +238,7 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
     log.info("prepare corpus=%s cache=%s utterances=%d done_before=%d to_do=%d workers=%d",
              corpus, cache, len(rows), summary.done, len(items), workers)
     spec = WorkerSpec(str(cache), cfg.features, cfg.n_mels, cfg.producer.data_gpu,
-                      cfg.producer.gpu_memory_limit_mb, debug_delay_s)
+                      cfg.producer.gpu_memory_limit_mb, debug_delay_s, nice=cfg.producer.nice)
     work_started_s = _run_items(items, spec, workers, stop, summary,
                                 Progress(len(items), report, progress_s, label="prepare", unit="utterances",
                                          count_skipped=True))

@@ -38,6 +38,7 @@ from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
 from shared.errors import CacheError
 from producer.prepare.dsp import LogMel, frame_count, resample
 from shared.service.lifecycle import die_with_parent
+from shared.service.priority import lower_cpu_priority
 from producer.prepare.wav import read_wav
 
 __all__ = ["WorkItem", "WorkResult", "WorkerEvent", "WorkerSpec", "worker_main", "prepare_one", "write_npy_atomic"]
@@ -57,6 +58,7 @@ class WorkerSpec:
     data_gpu: str                    # CUDA_VISIBLE_DEVICES for the worker; "" = CPU only
     gpu_memory_limit_mb: int | None  # per worker; None = grow on demand
     debug_delay_s: float = 0.0       # sleep per item (tests that interrupt a run)
+    nice: int = 0                    # producer.nice: CPU niceness, set before TensorFlow starts its threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class WorkResult:
 
 @dataclass(frozen=True, slots=True)
 class WorkerEvent:
-    """A worker's lifecycle message: ``ready`` (detail = device) or ``failed`` (detail = error)."""
+    """A worker's lifecycle message: ``ready`` (detail = ``"<device> nice=<n>"``) or ``failed`` (detail = error)."""
 
     kind: str
     worker: int
@@ -154,13 +156,14 @@ def worker_main(spec: WorkerSpec, index: int, tasks: Any, results: Any, stop: An
     """Process entry point: serve ``tasks`` (``WorkItem`` or ``None``) until told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)  # outputs are atomic, so an abrupt end loses nothing
+    nice = lower_cpu_priority(spec.nice)   # before TensorFlow starts its threads: they inherit it
     try:
         device = _open_device(spec)
         logmel = LogMel(spec.features, spec.n_mels, device)
     except Exception as err:  # top level of the process: report and exit
         results.put(WorkerEvent("failed", index, f"{type(err).__name__}: {err}".splitlines()[0]))
         return
-    results.put(WorkerEvent("ready", index, device))
+    results.put(WorkerEvent("ready", index, f"{device} nice={nice}"))
     if _serve(spec, index, logmel, tasks, results, stop, parent_pid):
         results.close()
         results.join_thread()  # every result is in the pipe

@@ -75,7 +75,7 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
     values = {"PYTHON": str(plan.python), "REPO": str(plan.repo), "CONFIG": str(plan.config), "USER": plan.user,
               "GROUP": plan.group, "STATE_DIR": plan.state_dir, "ENV_FILE": plan.env_file,
               "STATE_DIRECTIVE": state_directive, "MODEL_GPU": cfg.consumer.model_gpu or "",
-              "DATA_GPU": cfg.producer.data_gpu}
+              "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice)}
     out = {}
     for name in UNIT_NAMES:
         text = (TEMPLATES / name).read_text(encoding="utf-8")

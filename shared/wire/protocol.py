@@ -80,6 +80,10 @@ class Hello:
     n_mels: int
     seed: int
     caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
+    # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
+    # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
+    # (older producers send none) makes every HELLO a re-handshake (docs/ARCHITECTURE.md "Wire protocol").
+    nonce: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,7 @@ class Welcome:
     heartbeat_interval_s: float
     checksum: bool
     shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
+    nonce: int | None = None      # the answered HELLO's nonce (absent when it had none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,11 +206,15 @@ def encode(msg: Message) -> bytes:
                              "seed": msg.seed}
         if msg.caps:
             d["caps"] = msg.caps
+        if msg.nonce is not None:
+            d["nonce"] = msg.nonce
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
              "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
         if msg.shm_dir is not None:
             d["shm"] = msg.shm_dir
+        if msg.nonce is not None:
+            d["nonce"] = msg.nonce
     elif isinstance(msg, LeaseGrant):
         d = {"t": MsgKind.LEASE, "epoch": msg.epoch, "depth": msg.queue_depth,
              "leases": [_encode_lease(x) for x in msg.leases]}
@@ -356,10 +365,12 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         if not all(isinstance(c, str) for c in caps):
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps)
+                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps,
+                     _count(d, "nonce") if "nonce" in d else None)
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
-                       bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None)
+                       bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None,
+                       _count(d, "nonce") if "nonce" in d else None)
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]
         return LeaseGrant(_get(d, "epoch", int), leases, _get(d, "depth", int))

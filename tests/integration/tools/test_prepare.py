@@ -29,7 +29,7 @@ _FORMATS = ((22050, 2, 1), (16000, 2, 1), (44100, 3, 2), (24000, 4, 1), (8000, 1
 N_GOOD = 24  # written and expected in the cache
 SKIPS = {"bad_wav": 1, "missing_wav": 1, "empty_text": 1, "duration": 1, "metadata": 1}
 CONFIG = {"features": {"min_duration_s": 0.3, "max_duration_s": 2.0},
-          "model": {"vocab_size": 49}, "buckets": {"num_buckets": 1, "batch_size": 4}}
+          "model": {"vocab_size": 49}, "buckets": {"num_buckets": 1, "batch_size": 4}, "producer": {"nice": 3}}
 
 
 def _signal(kind: int, n: int, rate: int, rng: random.Random) -> np.ndarray:
@@ -154,6 +154,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
     assert f"skipped LJ002-0001: {corpus / 'metadata.csv'}:{N_GOOD + 4}: empty transcript" in err
     assert f"skipped {corpus / 'metadata.csv'}:{N_GOOD + 5}: expected id|text|normalized_text" in err
     assert "Traceback" not in err
+    assert "worker prepare-1 ready device=/CPU:0 nice=3" in err          # producer.nice, set before TensorFlow
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(SKIPS.items()))
     assert f"skipped {sum(SKIPS.values())}: {reasons}" in proc.stdout
     assert f"{N_GOOD} utterances done ({N_GOOD} new, 0 from earlier runs)" in proc.stdout

@@ -194,6 +194,7 @@ class BadPeer:
         self.leases: list[Lease] = []
         self.epoch: int | None = None
         self.shm_dir: str | None = None
+        self.welcomes: list[Welcome] = []
         self._next_hb_s = 0.0
 
     @property
@@ -214,6 +215,7 @@ class BadPeer:
                 self.errs.append(msg)
             elif isinstance(msg, Welcome):
                 self.epoch, self.shm_dir = msg.epoch, msg.shm_dir
+                self.welcomes.append(msg)
             elif isinstance(msg, LeaseGrant):
                 self.leases.extend(msg.leases)
 
@@ -229,9 +231,11 @@ class BadPeer:
         self.until(lambda: len(self.errs) >= n, f"{n} ERR replies")
         return self.codes[:n]
 
-    def join(self, caps: list[str] | None = None) -> None:
-        self.send(encode(self.wire.hello(producer_id=self.label, caps=caps or [])))
-        self.until(lambda: self.epoch is not None, "WELCOME")
+    def join(self, caps: list[str] | None = None, nonce: int | None = None) -> None:
+        """HELLO (with ``nonce`` when given), then wait for a WELCOME to it."""
+        answered = len(self.welcomes)
+        self.send(encode(self.wire.hello(producer_id=self.label, caps=caps or [], nonce=nonce)))
+        self.until(lambda: len(self.welcomes) > answered, "WELCOME")
 
     def lease(self) -> Lease:
         """Wait for a lease (the stream must be taking batches so that ring slots free up)."""

@@ -98,6 +98,32 @@ def test_b8_hello_with_another_data_contract_gets_err_contract(
     assert wire.stats().producers_alive == 1
 
 
+def test_a_repeated_hello_keeps_the_peers_leases_and_a_new_nonce_returns_them(
+        wire: Wire, attack: Callable[..., BadPeer]) -> None:
+    peer = attack("repeat")
+    peer.join(nonce=11)
+    before = wire.stats()
+    start = len(wire.stream.applied)
+    wire.stream.take(20)
+    lease = peer.lease()
+    reissued = wire.stats().leases_reissued
+    peer.join(nonce=11)                                  # a retry that crossed the WELCOME (a loaded machine)
+    assert peer.welcomes[-1] == peer.welcomes[0] and peer.welcomes[0].nonce == 11   # answered again, the same
+    after = wire.stats()
+    assert (after.hello_repeats, after.leases_reissued) == (before.hello_repeats + 1, reissued)   # none returned
+    header, payload = peer.batch(lease)
+    peer.send(encode(header), *payload)                  # the lease taken before the repeat is still its own
+    held = peer.lease()                                  # its window refills as the stream takes batches
+    reissued = wire.stats().leases_reissued
+    peer.join(nonce=12)                                  # a new join: its leases come back at once
+    assert wire.stats().leases_reissued >= reissued + 1 and wire.stats().hello_repeats == before.hello_repeats + 1
+    peer.bye()
+    assert wire.stream.wait()
+    assert peer.codes == [] and lease.batch_id in dict(wire.stream.applied)
+    assert held.batch_id in dict(wire.stream.applied)    # built again by the good producer
+    wire.check_stream(start)
+
+
 # --- B11, B12: batches that must never be applied --------------------------------------------------------
 
 def test_b11_batch_not_leased_to_the_sender_gets_err_lease_and_is_not_applied(

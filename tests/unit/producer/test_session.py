@@ -47,9 +47,9 @@ def _builds(s: ProducerSession, now_s: float) -> list[int]:
 
 def test_hello_then_welcome_then_lease_gives_one_build_order_per_leased_batch() -> None:
     clock = FakeClock(100.0)
-    s = ProducerSession(CFG, clock())
+    s = ProducerSession(CFG, clock(), new_nonce=lambda: 41)
     [hello] = s.on_turn(clock())
-    assert hello == Hello(1, "producer-1", "fp", [[8, 100, 30]], 80, 7, [])
+    assert hello == Hello(1, "producer-1", "fp", [[8, 100, 30]], 80, 7, [], 41)
     assert s.joined_epoch is None and s.next_build(clock()) is None
     s.on_message(Welcome(7, 2, HB_S, True), clock.advance(0.01))
     assert s.joined_epoch == 7

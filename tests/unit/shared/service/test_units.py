@@ -47,6 +47,15 @@ def test_units_are_rendered_with_this_venv_config_gpus_and_the_wanted_producers(
     assert "@" not in consumer.replace("producer@", "").replace("pipeline.target", "")  # no placeholder left
 
 
+def test_the_producer_unit_sets_nice_to_producer_nice_and_the_consumer_unit_none(tmp_path: Path) -> None:
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "producer": {"nice": 12}}))
+    assert _deploy(tmp_path, "--producers", "1").returncode == 0
+    units = tmp_path / "units"
+    assert [ln for ln in (units / "producer@.service").read_text().splitlines() if ln.startswith("Nice=")] == \
+        ["Nice=12"]
+    assert "Nice=" not in (units / "consumer.service").read_text()       # the step keeps its priority
+
+
 def test_rescaling_rewrites_only_the_drop_in_and_says_which_instances_to_stop(tmp_path: Path) -> None:
     assert _deploy(tmp_path, "--producers", "4").returncode == 0
     down = _deploy(tmp_path, "--producers", "2")

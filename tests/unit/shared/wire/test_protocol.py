@@ -24,6 +24,8 @@ MESSAGES = [
     Heartbeat(123, 0, 150, done=True),
     Err("LEASE", "batch 7 is not leased"),
     Bye(123),
+    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM], 2**64 - 1),
+    Welcome(123, 2, 0.5, False, None, 0),
 ]
 
 
@@ -113,4 +115,21 @@ def test_plan_end_flag_must_be_a_boolean(done: object) -> None:
     raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "done": done})
     with pytest.raises(ProtocolError) as info:
         decode_header(raw)
+    assert info.value.code == RejectCode.SCHEMA
+
+
+def test_the_join_nonce_is_on_the_wire_only_when_set() -> None:
+    for msg in (Hello(1, "p", "f", [], 80, 0), Welcome(7, 2, 0.5, False)):   # older peers see what they know
+        assert "nonce" not in msgpack.unpackb(encode(msg))
+        assert decode_header(encode(msg)).nonce is None  # type: ignore[union-attr]
+    assert msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, nonce=5)))["nonce"] == 5
+
+
+@pytest.mark.parametrize("nonce", [-1, "n", 1.5, True, None, [1]])
+@pytest.mark.parametrize("kind", [MsgKind.HELLO, MsgKind.WELCOME])
+def test_a_nonce_must_be_a_non_negative_integer(kind: MsgKind, nonce: object) -> None:
+    base = (msgpack.unpackb(encode(Hello(1, "p", "f", [], 80, 0))) if kind is MsgKind.HELLO
+            else msgpack.unpackb(encode(Welcome(7, 2, 0.5, False))))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**base, "nonce": nonce}))
     assert info.value.code == RejectCode.SCHEMA

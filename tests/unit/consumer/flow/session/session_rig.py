@@ -6,6 +6,7 @@ fails the test that produced it.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from consumer.flow.credit import LeaseBook
@@ -39,6 +40,7 @@ class Rig:
                             lease_expiry_limit=lease_expiry_limit, lease_backoff_s=lease_backoff_s)
         self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
                                        rejects=RejectLog(flood_limit=flood_limit))
+        self._nonces = itertools.count(1000)
 
     # --- inbound --------------------------------------------------------------------------------
     def send(self, ident: bytes, msg: Message, *, more: bool = False, user_id: str | None = None) -> Decision:
@@ -52,15 +54,17 @@ class Rig:
 
     def hello(self, ident: bytes, *, caps: tuple[str, ...] = (), user_id: str | None = None,
               **overrides: Any) -> Decision:
+        """A HELLO; each carries a new join nonce (a new join) unless ``nonce=`` is given."""
         fields: dict[str, Any] = {"proto": PROTOCOL_VERSION, "producer_id": ident.decode(),
                                   "fingerprint": CONTRACT.fingerprint, "buckets": CONTRACT.buckets,
-                                  "n_mels": CONTRACT.n_mels, "seed": CONTRACT.seed, "caps": list(caps)}
+                                  "n_mels": CONTRACT.n_mels, "seed": CONTRACT.seed, "caps": list(caps),
+                                  "nonce": next(self._nonces)}
         fields.update(overrides)
         return self.send(ident, Hello(**fields), user_id=user_id)
 
-    def join(self, ident: bytes, caps: tuple[str, ...] = ()) -> Welcome:
+    def join(self, ident: bytes, caps: tuple[str, ...] = (), **overrides: Any) -> Welcome:
         """A good HELLO; returns the WELCOME it was answered with."""
-        [out] = self.hello(ident, caps=caps).sends
+        [out] = self.hello(ident, caps=caps, **overrides).sends
         assert out.ident == ident and isinstance(out.msg, Welcome)
         return out.msg
 

@@ -13,14 +13,15 @@ import pytest
 
 from consumer.flow.session import escape_line
 from shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
+from tests.fakes import FakeSlotFiles
 from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, ids
 
 
 # --- handshake --------------------------------------------------------------------------------
 def test_good_hello_is_welcomed_then_leased_up_to_the_window() -> None:
     rig = Rig(n_slots=3, window=2, heartbeat_interval_s=0.5)
-    welcome = rig.join(A)
-    assert welcome == Welcome(EPOCH, 2, 0.5, False, None)
+    welcome = rig.join(A, nonce=77)
+    assert welcome == Welcome(EPOCH, 2, 0.5, False, None, 77)            # the nonce of the HELLO it answers
     assert rig.session.stats().producers_alive == 1
     grants = rig.grant()
     assert list(grants) == [A] and ids(grants[A]) == [0, 1]
@@ -86,9 +87,45 @@ def test_a_second_hello_returns_the_old_leases_first() -> None:
     rig = Rig(window=2)
     rig.join(A)
     assert ids(rig.grant()[A]) == [0, 1]
-    rig.join(A)                                      # the producer restarted under the same routing id
+    rig.join(A)                                      # a new nonce: the producer dropped its leases (or restarted)
     assert rig.session.stats().leases_reissued == 2
     assert ids(rig.grant()[A]) == [0, 1]             # reissued ids go out again, lowest first
+
+
+def test_a_repeated_hello_with_the_same_nonce_is_answered_again_and_keeps_the_leases() -> None:
+    rig = Rig(window=2, liveness_s=5.0)
+    first = rig.join(A, caps=(CAP_SHM,), nonce=5)
+    assert ids(rig.grant()[A]) == [0, 1]
+    rig.clock.advance(4.0)
+    again = rig.join(A, caps=(CAP_SHM,), nonce=5)    # a retry that crossed our WELCOME under load
+    assert again == first                            # the same answer, sent again
+    stats = rig.session.stats()
+    assert (stats.leases_reissued, stats.leases_outstanding, stats.hello_repeats) == (0, 2, 1)
+    assert stats.producers_alive == 1 and rig.grant() == {}     # nothing came back to lease again
+    rig.clock.advance(4.0)                           # the repeat counted as a sign of life
+    assert rig.loop() == {} and rig.session.stats().producers_alive == 1
+    assert rig.deliver(A, 0).intake is not None      # and the leases it held are still its own
+
+
+@pytest.mark.parametrize("second", [{"nonce": 6}, {"producer_id": "producer-z"}, {"caps": ()}],
+                         ids=["new-nonce", "other-name", "gave-up-shm"])
+def test_a_hello_that_does_not_repeat_the_join_returns_the_leases(second: dict[str, Any]) -> None:
+    rig = Rig(window=2, shm=FakeSlotFiles(3, directory="/run/melfeed"))
+    rig.join(A, caps=(CAP_SHM,), nonce=5)
+    assert ids(rig.grant()[A]) == [0, 1]
+    welcome = rig.join(A, **{"caps": (CAP_SHM,), "nonce": 5, **second})
+    assert welcome.nonce == second.get("nonce", 5)
+    stats = rig.session.stats()
+    assert (stats.leases_reissued, stats.leases_outstanding, stats.hello_repeats) == (2, 0, 0)
+    assert ids(rig.grant()[A]) == [0, 1]             # leased again, under the new join
+
+
+def test_hellos_without_a_nonce_from_an_older_producer_are_each_a_re_handshake() -> None:
+    rig = Rig(window=2)
+    assert rig.join(A, nonce=None).nonce is None     # nothing echoed to a producer that sent none
+    assert ids(rig.grant()[A]) == [0, 1]
+    rig.join(A, nonce=None)
+    assert rig.session.stats().leases_reissued == 2 and rig.session.stats().hello_repeats == 0
 
 
 # --- grants -----------------------------------------------------------------------------------
