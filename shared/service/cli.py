@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--tf-config", metavar="FILE", help="this host's TF_CONFIG (JSON file, read now and passed to "
                                                          "its units): render rank R's units (needs --rank)")
     dep.add_argument("--rank", type=int, help="this host's rank; must be the rank FILE's task names")
+    dep.add_argument("--producers-only", action="store_true",
+                     help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
     dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
     keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
     keys.add_argument("dir")

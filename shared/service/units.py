@@ -8,9 +8,11 @@ file is read now (a missing or unusable file, or a task that is not rank R: one 
 name gets the rank's suffix (``consumer-rankR.service``, ``producer-rankR@.service``,
 ``pipeline-rankR.target``, ``/run/melfeed-rankR``, ``/var/lib/melfeed-rankR``:
 ``shared/service/rank_defaults.py``), so two ranks' units on one host never collide, and both the
-consumer and the producers start with ``--tf-config FILE --rank R``. A world of 1 renders today's names. Re-running with another N rewrites only that drop-in (and any unit whose rendering
-changed) and prints the ``systemctl`` commands that apply the change live: start the new instances,
-stop the ones above N. Nothing here talks to systemd; the operator (or a test) runs those commands.
+consumer and the producers start with ``--tf-config FILE --rank R``. A world of 1 renders today's names.
+``--producers-only`` (a producer host feeding a consumer on another host over tcp + CURVE) writes no
+consumer unit, and the target wants only the producers. Re-running with another N rewrites only that
+drop-in (and any unit whose rendering changed) and prints the ``systemctl`` commands that apply the
+change live: start the new instances, stop the ones above N. Nothing here talks to systemd; the operator (or a test) runs those commands.
 Every file is written atomically (temp + rename); bad flags exit 78 naming the flag.
 """
 
@@ -52,6 +54,7 @@ class DeployPlan:
     repo: Path = REPO
     tf_config: Path | None = None           # absolute path the units pass to --tf-config; None = no rank
     place: WorkerPlace = SINGLE_WORKER      # the rank and world the file names (checked against --rank)
+    producers_only: bool = False            # a producer host feeding a consumer elsewhere over tcp: no consumer unit
 
     @property
     def suffix(self) -> str:
@@ -90,7 +93,7 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     tf_config, place = _place_from_args(args)
     state_dir = args.state_dir or DEFAULT_STATE_DIR + rank_suffix(place)
     return DeployPlan(python, config, args.user, group, args.producers, state_dir, args.env_file,
-                      tf_config=tf_config, place=place)
+                      tf_config=tf_config, place=place, producers_only=bool(getattr(args, "producers_only", False)))
 
 
 def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace]:
@@ -122,7 +125,11 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
               "RANK_TEXT": f", rank {place.rank} of {place.world}" if place.is_multi_worker else ""}
     out = {}
     for name in UNIT_NAMES:
+        if plan.producers_only and name == "consumer.service":
+            continue
         text = (TEMPLATES / name).read_text(encoding="utf-8")
+        if plan.producers_only and name == "pipeline.target":   # the consumer runs on another host
+            text = text.replace("Wants=consumer@SUFFIX@.service", "# deploy --producers-only: no consumer on this host")
         for key, value in values.items():
             text = text.replace(f"@{key}@", value)
         leftover = re.findall(r"@[A-Z_]+@", text)
@@ -164,7 +171,8 @@ def main_deploy(args: argparse.Namespace) -> int:
         print(f"wrote {target / rel}")
     if not changed:
         print(f"{target}: units already up to date")
-    if plan.state_dir != DEFAULT_STATE_DIR and not Path(plan.state_dir).is_dir():
+    custom_state_dir = plan.state_dir != DEFAULT_STATE_DIR + plan.suffix     # StateDirectory= makes the default
+    if not plan.producers_only and custom_state_dir and not Path(plan.state_dir).is_dir():
         print(f"note: {plan.state_dir} does not exist; the consumer may write only there (ProtectSystem=strict): "
               f"install -d -o {plan.user} -g {plan.group} -m 0750 {plan.state_dir}")
     now = set(range(1, plan.producers + 1))
@@ -175,7 +183,7 @@ def main_deploy(args: argparse.Namespace) -> int:
     extra = sorted(before - now)
     if extra:
         print("  systemctl stop " + " ".join(f"{producer}{i}.service" for i in extra) + "   # scaled down")
-    if plan.place.is_multi_worker:
+    if plan.place.is_multi_worker and not plan.producers_only:
         _print_rank_notes(plan)
     return 0
 

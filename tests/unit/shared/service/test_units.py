@@ -196,3 +196,18 @@ def test_systemd_analyze_verify_reports_nothing_on_two_ranks_units(tmp_path: Pat
     broken = tmp_path / "units" / "producer-rank1@.service"
     broken.write_text(broken.read_text().replace("RuntimeDirectory=", "RuntimeDirectorys="))
     assert "Unknown key 'RuntimeDirectorys'" in _verify(paths).stderr        # the check can fail
+
+
+@needs_systemd
+def test_a_producer_host_gets_a_rank_s_producers_and_no_consumer(tmp_path: Path) -> None:
+    tf_config = _tf_configs(tmp_path)[1]
+    run = _deploy(tmp_path, "--producers", "2", "--producers-only", "--rank", "1", "--tf-config", str(tf_config))
+    assert run.returncode == 0, run.stderr
+    units = tmp_path / "units"
+    assert sorted(p.name for p in units.iterdir()) == ["pipeline-rank1.target", "pipeline-rank1.target.d",
+                                                       "producer-rank1@.service"]
+    target = (units / "pipeline-rank1.target").read_text()
+    assert "Wants=consumer" not in target and "note:" not in run.stdout
+    assert f"--instance %i --tf-config {tf_config} --rank 1\n" in (units / "producer-rank1@.service").read_text()
+    run = _verify([units / "pipeline-rank1.target", units / "producer-rank1@1.service"])
+    assert run.returncode == 0 and run.stderr == "", run.stderr
