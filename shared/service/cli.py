@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
     dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
-    dep.add_argument("--producers", type=int, required=True, help="instances pipeline.target wants (1..N)")
+    dep.add_argument("--producers", type=int, required=True,
+                     help="instances pipeline.target wants (1..N); 0: none here (tcp endpoint, producers elsewhere)")
     dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
     dep.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
     dep.add_argument("--group", help="service group (default: the user's primary group)")

@@ -76,8 +76,8 @@ def _fail(flag: str, message: str, got: object) -> ConfigError:
 
 
 def plan_from_args(args: argparse.Namespace) -> DeployPlan:
-    if args.producers < 1:
-        raise _fail("--producers", "must be >= 1", args.producers)
+    if args.producers < 0:
+        raise _fail("--producers", "must be >= 0", args.producers)
     python = Path(args.prefix).resolve() / "bin" / "python"
     if not os.access(python, os.X_OK):
         raise _fail("--prefix", f"has no executable {python} (pass the venv the services run)", args.prefix)
@@ -90,10 +90,17 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     cfg = load_config(str(config))          # a broken config must fail now, not at the first start
     if cfg.cache_dir is None:
         raise _fail("--config", "must set cache_dir (the services have no other way to learn it)", str(config))
+    remote = (cfg.transport.endpoint or "").startswith("tcp://")
+    producers_only = bool(getattr(args, "producers_only", False))
+    if producers_only and not remote:
+        raise _fail("--producers-only", f"needs transport.endpoint tcp://CONSUMER_HOST:PORT in {config}", True)
+    if args.producers == 0 and (not remote or producers_only):
+        raise _fail("--producers", "0 needs a consumer whose transport.endpoint is tcp:// (producers on other "
+                    "hosts) and no --producers-only", 0)
     tf_config, place = _place_from_args(args)
     state_dir = args.state_dir or DEFAULT_STATE_DIR + rank_suffix(place)
     return DeployPlan(python, config, args.user, group, args.producers, state_dir, args.env_file,
-                      tf_config=tf_config, place=place, producers_only=bool(getattr(args, "producers_only", False)))
+                      tf_config=tf_config, place=place, producers_only=producers_only)
 
 
 def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace]:
@@ -139,7 +146,7 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
     producer = plan.unit_name("producer@")
     wants = " ".join(f"{producer}{i}.service" for i in range(1, plan.producers + 1))
     out[plan.dropin] = (f"# Written by run_pipeline.py deploy --producers {plan.producers}; re-run deploy to "
-                        f"rescale.\n[Unit]\nWants={wants}\n")
+                        f"rescale.\n[Unit]\n" + (f"Wants={wants}\n" if wants else "# producers on other hosts\n"))
     return out
 
 
@@ -179,7 +186,8 @@ def main_deploy(args: argparse.Namespace) -> int:
     target_unit, producer = plan.unit_name("pipeline.target"), plan.unit_name("producer@")
     print("apply with:")
     print("  systemctl daemon-reload")
-    print(f"  systemctl enable {target_unit} && systemctl start {target_unit}   # starts {producer}1..{plan.producers}")
+    starts = f"starts {producer}1..{plan.producers}" if plan.producers else "no producer on this host"
+    print(f"  systemctl enable {target_unit} && systemctl start {target_unit}   # {starts}")
     extra = sorted(before - now)
     if extra:
         print("  systemctl stop " + " ".join(f"{producer}{i}.service" for i in extra) + "   # scaled down")

@@ -60,7 +60,8 @@ def test_rescaling_rewrites_only_the_drop_in_and_says_which_instances_to_stop(tm
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
-    (("--producers", "0"), "--producers: must be >= 1, got 0"),
+    (("--producers", "-1"), "--producers: must be >= 0, got -1"),
+    (("--producers", "0"), "--producers: 0 needs a consumer whose transport.endpoint is tcp://"),
     (("--producers", "2", "--prefix", "/nonexistent"), "--prefix: has no executable /nonexistent/bin/python"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_exit_78(tmp_path: Path, flags: tuple[str, ...],
@@ -201,6 +202,11 @@ def test_systemd_analyze_verify_reports_nothing_on_two_ranks_units(tmp_path: Pat
 @needs_systemd
 def test_a_producer_host_gets_a_rank_s_producers_and_no_consumer(tmp_path: Path) -> None:
     tf_config = _tf_configs(tmp_path)[1]
+    assert "--producers-only: needs transport.endpoint tcp://" in _deploy(tmp_path, "--producers", "2",
+                                                                          "--producers-only").stderr
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "transport": {
+        "endpoint": "tcp://10.0.0.2:5555", "curve_secret_key": "/etc/melfeed/keys/feed1.key_secret",
+        "curve_server_key": "/etc/melfeed/keys/consumer.key"}}))
     run = _deploy(tmp_path, "--producers", "2", "--producers-only", "--rank", "1", "--tf-config", str(tf_config))
     assert run.returncode == 0, run.stderr
     units = tmp_path / "units"
@@ -211,3 +217,16 @@ def test_a_producer_host_gets_a_rank_s_producers_and_no_consumer(tmp_path: Path)
     assert f"--instance %i --tf-config {tf_config} --rank 1\n" in (units / "producer-rank1@.service").read_text()
     run = _verify([units / "pipeline-rank1.target", units / "producer-rank1@1.service"])
     assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
+def test_a_rank_whose_producers_are_elsewhere_gets_a_consumer_and_no_producer(tmp_path: Path) -> None:
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "transport": {
+        "endpoint": "tcp://10.0.0.2:5555", "curve_secret_key": "/etc/melfeed/keys/consumer.key_secret",
+        "curve_allowed_dir": "/etc/melfeed/keys/producers"}}))
+    run = _deploy(tmp_path, "--producers", "0", "--rank", "1", "--tf-config", str(_tf_configs(tmp_path)[1]))
+    assert run.returncode == 0, run.stderr
+    assert "# no producer on this host" in run.stdout
+    assert "note: " in run.stdout and "sets transport.endpoint (tcp://10.0.0.2:5555)" in run.stdout
+    units = tmp_path / "units"
+    assert "Wants=" not in (units / "pipeline-rank1.target.d" / "producers.conf").read_text()
+    assert "--rank 1\n" in (units / "consumer-rank1.service").read_text()
