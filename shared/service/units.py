@@ -12,7 +12,8 @@ consumer and the producers start with ``--tf-config FILE --rank R``. A world of 
 ``--producers-only`` (a producer host feeding a consumer on another host over tcp + CURVE) writes no
 consumer unit, and the target wants only the producers. Re-running with another N rewrites only that
 drop-in (and any unit whose rendering changed) and prints the ``systemctl`` commands that apply the
-change live: start the new instances, stop the ones above N. Nothing here talks to systemd; the operator (or a test) runs those commands.
+change live: start the new instances, stop the ones above N. Nothing here talks to systemd; the
+operator (or a test) runs those commands.
 Every file is written atomically (temp + rename); bad flags exit 78 naming the flag.
 """
 
