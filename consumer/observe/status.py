@@ -22,6 +22,8 @@ import zmq
 from shared.config_loader import load_config
 from shared.printable import escape_line
 from shared.service.lifecycle import resolve_control_endpoint
+from shared.service.rank_defaults import with_rank_defaults
+from shared.service.tf_config import resolve_worker_place
 
 __all__ = ["main_status", "ask_status", "format_status"]
 
@@ -53,8 +55,7 @@ def ask_status(endpoint: str, timeout_s: float) -> bytes | None:
 
 
 def main_status(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    endpoint = args.endpoint or resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    endpoint = args.endpoint or _control_endpoint(args)
     try:
         raw = ask_status(endpoint, args.timeout_s)
     except zmq.ZMQError as err:     # e.g. a malformed endpoint given with --endpoint
@@ -73,6 +74,14 @@ def main_status(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(snap, indent=2) if args.json else format_status(snap, endpoint))
     return 0
+
+
+def _control_endpoint(args: argparse.Namespace) -> str:
+    """The control socket the consumer of ``--config`` (and of this rank, in a job) binds."""
+    cfg = load_config(args.config)
+    place = resolve_worker_place(getattr(args, "tf_config", None), os.environ)
+    cfg = with_rank_defaults(cfg, place, os.environ, create_dir=False)
+    return resolve_control_endpoint(cfg, os.environ, create_dir=False)
 
 
 def _f(value: Any, fmt: str, unit: str = "") -> str:

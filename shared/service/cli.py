@@ -16,6 +16,8 @@ from typing import Any
 from shared.config import PipelineConfig
 from shared.config_loader import load_config, with_overrides
 from shared.service.children import REPO_ROOT
+from shared.service.rank_defaults import check_expected_rank, with_rank_defaults
+from shared.service.tf_config import resolve_worker_place
 
 __all__ = ["build_parser", "config_from_args", "with_demo_cache"]
 
@@ -38,6 +40,13 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
     p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)")
     p.add_argument("--seed", type=int, help="data order seed")
     p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+    if producers or consumer:
+        p.add_argument("--tf-config", metavar="FILE",
+                       help="TF_CONFIG as a JSON file (default: the TF_CONFIG environment variable): this "
+                            "rank and the world size of a multi-worker job (a rank's default endpoint "
+                            "ends -rankR)")
+        p.add_argument("--rank", type=int, help="refuse to start unless TF_CONFIG makes this process rank R "
+                                                "(deploy writes it into a rank's units)")
     if producers:
         p.add_argument("--producers", type=int, help="number of producer processes")
         p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
@@ -55,9 +64,6 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
         p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
         p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
-        p.add_argument("--tf-config", metavar="FILE",
-                       help="TF_CONFIG as a JSON file (default: the TF_CONFIG environment variable): this "
-                            "consumer's rank and the world size of a multi-worker job")
 
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -108,14 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
     dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
-    dep.add_argument("--producers", type=int, required=True, help="instances pipeline.target wants (1..N)")
+    dep.add_argument("--producers", type=int, required=True,
+                     help="instances pipeline.target wants (1..N); 0: none here (tcp endpoint, producers elsewhere)")
     dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
     dep.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
     dep.add_argument("--group", help="service group (default: the user's primary group)")
     dep.add_argument("--config", default=str(REPO_ROOT / "deploy" / "example.yaml"),
                      help="YAML config the services read (must set cache_dir)")
     dep.add_argument("--target-dir", default="/etc/systemd/system", help="where the unit files go")
-    dep.add_argument("--state-dir", default="/var/lib/melfeed", help="consumer checkpoints and audit log")
+    dep.add_argument("--state-dir", help="consumer checkpoints and audit log (default: /var/lib/melfeed, a "
+                                         "rank's /var/lib/melfeed-rankR)")
+    dep.add_argument("--tf-config", metavar="FILE", help="this host's TF_CONFIG (JSON file, read now and passed to "
+                                                         "its units): render rank R's units (needs --rank)")
+    dep.add_argument("--rank", type=int, help="this host's rank; must be the rank FILE's task names")
+    dep.add_argument("--producers-only", action="store_true",
+                     help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
     dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
     keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
     keys.add_argument("dir")
@@ -128,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
     st.add_argument("--config", help="YAML config the consumer runs with (to find its control endpoint)")
     st.add_argument("--endpoint", help="the consumer's control endpoint (default: derived from --config)")
+    st.add_argument("--tf-config", metavar="FILE", help="the rank's TF_CONFIG (default: the TF_CONFIG variable): "
+                                                        "ask that rank's default control socket")
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
     st.add_argument("--log-level", default="WARNING")
@@ -165,10 +180,20 @@ def _bench(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    """Load ``--config`` (or defaults) and apply the flags given on the command line."""
+    """Load ``--config`` (or defaults) and apply the flags given on the command line.
+
+    Commands of a rank (``run``, ``consumer``, ``producer``: they have ``--tf-config``) then check
+    ``--rank`` against the TF_CONFIG and take the rank's default endpoint where none is set
+    (``shared/service/rank_defaults.py``; a world of 1 changes nothing).
+    """
     cfg = load_config(getattr(args, "config", None))
     overrides: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in _OVERRIDES.items()}
-    return with_overrides(cfg, overrides)
+    cfg = with_overrides(cfg, overrides)
+    if not hasattr(args, "tf_config"):
+        return cfg
+    place = resolve_worker_place(args.tf_config, os.environ)
+    check_expected_rank(place, getattr(args, "rank", None))
+    return with_rank_defaults(cfg, place, os.environ)
 
 
 def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineConfig:

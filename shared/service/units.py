@@ -3,9 +3,17 @@
 Writes into ``--target-dir`` (default ``/etc/systemd/system``): ``pipeline.target``,
 ``consumer.service``, ``producer@.service`` (templates in ``deploy/units/`` with ``@KEY@``
 placeholders) and the drop-in ``pipeline.target.d/producers.conf`` whose ``Wants=`` lists
-``producer@1..N``. Re-running with another N rewrites only that drop-in (and any unit whose rendering
-changed) and prints the ``systemctl`` commands that apply the change live: start the new instances,
-stop the ones above N. Nothing here talks to systemd; the operator (or a test) runs those commands.
+``producer@1..N``. With ``--rank R --tf-config FILE`` (one host's share of a multi-worker job) the
+file is read now (a missing or unusable file, or a task that is not rank R: one line, exit 78), every
+name gets the rank's suffix (``consumer-rankR.service``, ``producer-rankR@.service``,
+``pipeline-rankR.target``, ``/run/melfeed-rankR``, ``/var/lib/melfeed-rankR``:
+``shared/service/rank_defaults.py``), so two ranks' units on one host never collide, and both the
+consumer and the producers start with ``--tf-config FILE --rank R``. A world of 1 renders today's names.
+``--producers-only`` (a producer host feeding a consumer on another host over tcp + CURVE) writes no
+consumer unit, and the target wants only the producers. Re-running with another N rewrites only that
+drop-in (and any unit whose rendering changed) and prints the ``systemctl`` commands that apply the
+change live: start the new instances, stop the ones above N. Nothing here talks to systemd; the
+operator (or a test) runs those commands.
 Every file is written atomically (temp + rename); bad flags exit 78 naming the flag.
 """
 
@@ -22,15 +30,17 @@ from pathlib import Path
 from shared.config_loader import load_config
 from shared.errors import ConfigError
 from shared.service.children import REPO_ROOT
+from shared.service.lifecycle import resolve_control_endpoint
+from shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
+from shared.service.tf_config import SINGLE_WORKER, WorkerPlace, resolve_worker_place
 
 __all__ = ["DeployPlan", "main_deploy", "render_units"]
 
 REPO = REPO_ROOT
 TEMPLATES = REPO / "deploy" / "units"
-UNIT_NAMES = ("pipeline.target", "consumer.service", "producer@.service")
+UNIT_NAMES = ("pipeline.target", "consumer.service", "producer@.service")   # the templates' names
 DROPIN = Path("pipeline.target.d") / "producers.conf"
-DEFAULT_STATE_DIR = "/var/lib/melfeed"
-_WANTS = re.compile(r"producer@(\d+)\.service")
+DEFAULT_STATE_DIR = "/var/lib/melfeed"      # a rank's: /var/lib/melfeed-rankR (StateDirectory=)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +53,23 @@ class DeployPlan:
     state_dir: str
     env_file: str
     repo: Path = REPO
+    tf_config: Path | None = None           # absolute path the units pass to --tf-config; None = no rank
+    place: WorkerPlace = SINGLE_WORKER      # the rank and world the file names (checked against --rank)
+    producers_only: bool = False            # a producer host feeding a consumer elsewhere over tcp: no consumer unit
+
+    @property
+    def suffix(self) -> str:
+        """``""`` (world of 1) or ``-rankR``: part of every unit, directory and drop-in name."""
+        return rank_suffix(self.place)
+
+    def unit_name(self, template: str) -> str:
+        """``consumer.service`` -> ``consumer-rank1.service``, ``producer@.service`` -> ``producer-rank1@.service``."""
+        stem, sep, rest = template.partition("@") if "@" in template else template.partition(".")
+        return f"{stem}{self.suffix}{sep}{rest}"
+
+    @property
+    def dropin(self) -> Path:
+        return Path(f"{self.unit_name('pipeline.target')}.d") / DROPIN.name
 
 
 def _fail(flag: str, message: str, got: object) -> ConfigError:
@@ -50,8 +77,8 @@ def _fail(flag: str, message: str, got: object) -> ConfigError:
 
 
 def plan_from_args(args: argparse.Namespace) -> DeployPlan:
-    if args.producers < 1:
-        raise _fail("--producers", "must be >= 1", args.producers)
+    if args.producers < 0:
+        raise _fail("--producers", "must be >= 0", args.producers)
     python = Path(args.prefix).resolve() / "bin" / "python"
     if not os.access(python, os.X_OK):
         raise _fail("--prefix", f"has no executable {python} (pass the venv the services run)", args.prefix)
@@ -64,30 +91,64 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     cfg = load_config(str(config))          # a broken config must fail now, not at the first start
     if cfg.cache_dir is None:
         raise _fail("--config", "must set cache_dir (the services have no other way to learn it)", str(config))
-    return DeployPlan(python, config, args.user, group, args.producers, args.state_dir, args.env_file)
+    remote = (cfg.transport.endpoint or "").startswith("tcp://")
+    producers_only = bool(getattr(args, "producers_only", False))
+    if producers_only and not remote:
+        raise _fail("--producers-only", f"needs transport.endpoint tcp://CONSUMER_HOST:PORT in {config}", True)
+    if args.producers == 0 and (not remote or producers_only):
+        raise _fail("--producers", "0 needs a consumer whose transport.endpoint is tcp:// (producers on other "
+                    "hosts) and no --producers-only", 0)
+    tf_config, place = _place_from_args(args)
+    state_dir = args.state_dir or DEFAULT_STATE_DIR + rank_suffix(place)
+    return DeployPlan(python, config, args.user, group, args.producers, state_dir, args.env_file,
+                      tf_config=tf_config, place=place, producers_only=producers_only)
+
+
+def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace]:
+    """``--tf-config FILE`` read now and checked against ``--rank`` (both or neither)."""
+    if args.tf_config is None:
+        if args.rank is not None:
+            raise _fail("--rank", "needs --tf-config FILE (the TF_CONFIG this host's consumer reads)", args.rank)
+        return None, SINGLE_WORKER
+    if args.rank is None:
+        raise _fail("--tf-config", "needs --rank R (this host's rank, checked against the file's task)",
+                    args.tf_config)
+    path = Path(args.tf_config).resolve()
+    place = resolve_worker_place(path, {})  # the file only: this shell's TF_CONFIG is not the units'
+    check_expected_rank(place, args.rank)
+    return path, place
 
 
 def render_units(plan: DeployPlan) -> dict[Path, str]:
     """Relative path -> text of every file ``deploy`` writes."""
     cfg = load_config(str(plan.config))
-    state_directive = ("StateDirectory=melfeed\nStateDirectoryMode=0750" if plan.state_dir == DEFAULT_STATE_DIR
-                       else f"ReadWritePaths={plan.state_dir}")
+    sfx, place = plan.suffix, plan.place
+    state_directive = (f"StateDirectory=melfeed{sfx}\nStateDirectoryMode=0750"
+                       if plan.state_dir == DEFAULT_STATE_DIR + sfx else f"ReadWritePaths={plan.state_dir}")
+    rank_args = "" if plan.tf_config is None else f" --tf-config {plan.tf_config} --rank {place.rank}"
     values = {"PYTHON": str(plan.python), "REPO": str(plan.repo), "CONFIG": str(plan.config), "USER": plan.user,
               "GROUP": plan.group, "STATE_DIR": plan.state_dir, "ENV_FILE": plan.env_file,
               "STATE_DIRECTIVE": state_directive, "MODEL_GPU": cfg.consumer.model_gpu or "",
-              "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice)}
+              "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice), "SUFFIX": sfx,
+              "RANK_ARGS": rank_args,
+              "RANK_TEXT": f", rank {place.rank} of {place.world}" if place.is_multi_worker else ""}
     out = {}
     for name in UNIT_NAMES:
+        if plan.producers_only and name == "consumer.service":
+            continue
         text = (TEMPLATES / name).read_text(encoding="utf-8")
+        if plan.producers_only and name == "pipeline.target":   # the consumer runs on another host
+            text = text.replace("Wants=consumer@SUFFIX@.service", "# deploy --producers-only: no consumer on this host")
         for key, value in values.items():
             text = text.replace(f"@{key}@", value)
         leftover = re.findall(r"@[A-Z_]+@", text)
         if leftover:
             raise RuntimeError(f"{name}: unrendered placeholders {leftover}")
-        out[Path(name)] = text
-    wants = " ".join(f"producer@{i}.service" for i in range(1, plan.producers + 1))
-    out[DROPIN] = (f"# Written by run_pipeline.py deploy --producers {plan.producers}; re-run deploy to rescale.\n"
-                   f"[Unit]\nWants={wants}\n")
+        out[Path(plan.unit_name(name))] = text
+    producer = plan.unit_name("producer@")
+    wants = " ".join(f"{producer}{i}.service" for i in range(1, plan.producers + 1))
+    out[plan.dropin] = (f"# Written by run_pipeline.py deploy --producers {plan.producers}; re-run deploy to "
+                        f"rescale.\n[Unit]\n" + (f"Wants={wants}\n" if wants else "# producers on other hosts\n"))
     return out
 
 
@@ -102,9 +163,10 @@ def _write_atomic(path: Path, text: str) -> bool:
     return True
 
 
-def _wanted_before(target_dir: Path) -> set[int]:
+def _wanted_before(target_dir: Path, plan: DeployPlan) -> set[int]:
+    wants = re.compile(re.escape(plan.unit_name("producer@")) + r"(\d+)\.service")
     try:
-        return {int(n) for n in _WANTS.findall((target_dir / DROPIN).read_text(encoding="utf-8"))}
+        return {int(n) for n in wants.findall((target_dir / plan.dropin).read_text(encoding="utf-8"))}
     except FileNotFoundError:
         return set()
 
@@ -112,21 +174,44 @@ def _wanted_before(target_dir: Path) -> set[int]:
 def main_deploy(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     target = Path(args.target_dir)
-    before = _wanted_before(target)
+    before = _wanted_before(target, plan)
     changed = [rel for rel, text in render_units(plan).items() if _write_atomic(target / rel, text)]
     for rel in changed:
         print(f"wrote {target / rel}")
     if not changed:
         print(f"{target}: units already up to date")
-    if plan.state_dir != DEFAULT_STATE_DIR and not Path(plan.state_dir).is_dir():
+    custom_state_dir = plan.state_dir != DEFAULT_STATE_DIR + plan.suffix     # StateDirectory= makes the default
+    if not plan.producers_only and custom_state_dir and not Path(plan.state_dir).is_dir():
         print(f"note: {plan.state_dir} does not exist; the consumer may write only there (ProtectSystem=strict): "
               f"install -d -o {plan.user} -g {plan.group} -m 0750 {plan.state_dir}")
     now = set(range(1, plan.producers + 1))
+    target_unit, producer = plan.unit_name("pipeline.target"), plan.unit_name("producer@")
     print("apply with:")
     print("  systemctl daemon-reload")
-    print("  systemctl enable pipeline.target && systemctl start pipeline.target   # starts producer@1..%d"
-          % plan.producers)
+    starts = f"starts {producer}1..{plan.producers}" if plan.producers else "no producer on this host"
+    print(f"  systemctl enable {target_unit} && systemctl start {target_unit}   # {starts}")
     extra = sorted(before - now)
     if extra:
-        print("  systemctl stop " + " ".join(f"producer@{i}.service" for i in extra) + "   # scaled down")
+        print("  systemctl stop " + " ".join(f"{producer}{i}.service" for i in extra) + "   # scaled down")
+    if plan.place.is_multi_worker and not plan.producers_only:
+        _print_rank_notes(plan)
     return 0
+
+
+def _print_rank_notes(plan: DeployPlan) -> None:
+    """Where this rank listens, how to ask it, and which config values a second rank here would share."""
+    place = plan.place
+    address = place.cluster[place.task_type][place.task_index]
+    print(f"rank {place.rank} of {place.world} ({plan.tf_config}: task {place.task_type}:{place.task_index}); "
+          f"its TensorFlow server listens on {address}: open that port to the other workers only")
+    cfg = load_config(str(plan.config))
+    environ = {"RUNTIME_DIRECTORY": f"/run/melfeed{plan.suffix}"}          # what systemd gives both units
+    control = resolve_control_endpoint(with_rank_defaults(cfg, place, environ, create_dir=False), environ,
+                                       create_dir=False)
+    print(f"status: {plan.python} {plan.repo}/run_pipeline.py status --endpoint {control}")
+    shared = {"transport.endpoint": cfg.transport.endpoint, "consumer.control_endpoint": cfg.consumer.control_endpoint,
+              "consumer.metrics_port": cfg.consumer.metrics_port, "consumer.metrics_file": cfg.consumer.metrics_file}
+    for key, value in shared.items():
+        if value is not None:
+            print(f"note: {plan.config} sets {key} ({value}): another rank on this host needs a config of its own "
+                  "(a value set in the config wins over the per-rank default)")

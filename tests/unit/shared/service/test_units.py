@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -67,7 +69,8 @@ def test_rescaling_rewrites_only_the_drop_in_and_says_which_instances_to_stop(tm
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
-    (("--producers", "0"), "--producers: must be >= 1, got 0"),
+    (("--producers", "-1"), "--producers: must be >= 0, got -1"),
+    (("--producers", "0"), "--producers: 0 needs a consumer whose transport.endpoint is tcp://"),
     (("--producers", "2", "--prefix", "/nonexistent"), "--prefix: has no executable /nonexistent/bin/python"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_exit_78(tmp_path: Path, flags: tuple[str, ...],
@@ -108,3 +111,131 @@ def test_hardening_exposure_stays_at_or_below_the_ratchet(tmp_path: Path, unit: 
     run = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD[unit]}",
                           str(tmp_path / "units" / unit)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout[-600:] + run.stderr
+
+
+def _tf_configs(tmp_path: Path) -> list[Path]:
+    """One job's TF_CONFIG files: the same cluster, task index 0 and 1."""
+    paths = []
+    for index in (0, 1):
+        path = tmp_path / f"tf_config-{index}.json"
+        path.write_text(json.dumps({"cluster": {"worker": ["127.0.0.1:20000", "127.0.0.1:20001"]},
+                                    "task": {"type": "worker", "index": index}}), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def _deploy_rank(tmp_path: Path, rank: int, producers: int = 2) -> subprocess.CompletedProcess[str]:
+    tf_config = _tf_configs(tmp_path)[rank]
+    return _deploy(tmp_path, "--producers", str(producers), "--rank", str(rank), "--tf-config", str(tf_config))
+
+
+def test_two_ranks_units_on_one_host_share_no_name_directory_or_socket(tmp_path: Path) -> None:
+    written: dict[int, set[str]] = {}
+    for rank in (0, 1):
+        run = _deploy_rank(tmp_path, rank)
+        assert run.returncode == 0, run.stderr
+        written[rank] = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("wrote ")}
+        assert f"systemctl enable pipeline-rank{rank}.target" in run.stdout
+        assert f"status --endpoint ipc:///run/melfeed-rank{rank}/melfeed-rank{rank}.control.sock" in run.stdout
+        assert f"TensorFlow server listens on 127.0.0.1:2000{rank}" in run.stdout
+    assert len(written[0]) == len(written[1]) == 4 and not written[0] & written[1]
+    units = tmp_path / "units"
+    assert not (units / "consumer.service").exists() and not (units / "pipeline.target").exists()
+    for rank, tf_config in enumerate(_tf_configs(tmp_path)):
+        sfx = f"-rank{rank}"
+        consumer = (units / f"consumer{sfx}.service").read_text()
+        producer = (units / f"producer{sfx}@.service").read_text()
+        target = (units / f"pipeline{sfx}.target").read_text()
+        assert f"consumer --config {tmp_path}/melfeed.yaml --state-dir /var/lib/melfeed{sfx} --tf-config " \
+               f"{tf_config} --rank {rank}\n" in consumer
+        assert f"producer --config {tmp_path}/melfeed.yaml --instance %i --tf-config {tf_config} --rank {rank}\n" \
+            in producer
+        for text in (consumer, producer):
+            assert f"RuntimeDirectory=melfeed{sfx}\n" in text and f"PartOf=pipeline{sfx}.target\n" in text
+            assert f", rank {rank} of 2 (" in text and re.search(r"@[A-Z_]+@", text) is None
+        assert f"StateDirectory=melfeed{sfx}\n" in consumer and f"WantedBy=pipeline{sfx}.target\n" in consumer
+        assert f"After=consumer{sfx}.service\n" in producer and f"Wants=consumer{sfx}.service\n" in target
+        assert (units / f"pipeline{sfx}.target.d" / "producers.conf").read_text().splitlines()[-1] == \
+            f"Wants=producer{sfx}@1.service producer{sfx}@2.service"
+
+
+def test_rescaling_one_rank_leaves_the_other_ranks_units_alone(tmp_path: Path) -> None:
+    assert _deploy_rank(tmp_path, 0, producers=3).returncode == 0
+    assert _deploy_rank(tmp_path, 1, producers=3).returncode == 0
+    down = _deploy_rank(tmp_path, 1, producers=1)
+    assert down.returncode == 0 and down.stdout.count("wrote ") == 1 and "pipeline-rank1.target.d" in down.stdout
+    assert "systemctl stop producer-rank1@2.service producer-rank1@3.service" in down.stdout
+    assert "producer-rank0@3.service" in (tmp_path / "units" / "pipeline-rank0.target.d" / "producers.conf").read_text()
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("missing", "--tf-config {tmp}/missing.json: cannot read"),
+    ("mismatch", "--rank: 1, but --tf-config {tmp}/tf_config-0.json names task worker:0, which is rank 0 of 2"),
+    ("out of range", "--rank: 2 is not a rank of the cluster in --tf-config {tmp}/tf_config-0.json: ranks are 0..1"),
+    ("not json", "--tf-config {tmp}/tf_config-0.json: invalid JSON"),
+    ("rank alone", "--rank: needs --tf-config FILE"),
+    ("file alone", "--tf-config: needs --rank R"),
+])
+def test_a_bad_rank_or_tf_config_is_one_line_exit_78_and_writes_nothing(tmp_path: Path, case: str,
+                                                                        needle: str) -> None:
+    tf0 = _tf_configs(tmp_path)[0]
+    flags = {"missing": ("--rank", "0", "--tf-config", str(tmp_path / "missing.json")),
+             "mismatch": ("--rank", "1", "--tf-config", str(tf0)),
+             "out of range": ("--rank", "2", "--tf-config", str(tf0)),
+             "not json": ("--rank", "0", "--tf-config", str(tf0)),
+             "rank alone": ("--rank", "0"),
+             "file alone": ("--tf-config", str(tf0))}[case]
+    if case == "not json":
+        tf0.write_text('{"cluster": ', encoding="utf-8")
+    run = _deploy(tmp_path, "--producers", "1", *flags)
+    assert run.returncode == 78, run.stdout + run.stderr
+    assert needle.format(tmp=tmp_path) in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "units").exists()
+
+
+@needs_systemd
+def test_systemd_analyze_verify_reports_nothing_on_two_ranks_units(tmp_path: Path) -> None:
+    paths = []
+    for rank in (0, 1):
+        assert _deploy_rank(tmp_path, rank).returncode == 0
+        units = tmp_path / "units"
+        paths += [units / f"pipeline-rank{rank}.target", units / f"consumer-rank{rank}.service",
+                  units / f"producer-rank{rank}@1.service"]
+    run = _verify(paths)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    broken = tmp_path / "units" / "producer-rank1@.service"
+    broken.write_text(broken.read_text().replace("RuntimeDirectory=", "RuntimeDirectorys="))
+    assert "Unknown key 'RuntimeDirectorys'" in _verify(paths).stderr        # the check can fail
+
+
+@needs_systemd
+def test_a_producer_host_gets_a_rank_s_producers_and_no_consumer(tmp_path: Path) -> None:
+    tf_config = _tf_configs(tmp_path)[1]
+    assert "--producers-only: needs transport.endpoint tcp://" in _deploy(tmp_path, "--producers", "2",
+                                                                          "--producers-only").stderr
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "transport": {
+        "endpoint": "tcp://10.0.0.2:5555", "curve_secret_key": "/etc/melfeed/keys/feed1.key_secret",
+        "curve_server_key": "/etc/melfeed/keys/consumer.key"}}))
+    run = _deploy(tmp_path, "--producers", "2", "--producers-only", "--rank", "1", "--tf-config", str(tf_config))
+    assert run.returncode == 0, run.stderr
+    units = tmp_path / "units"
+    assert sorted(p.name for p in units.iterdir()) == ["pipeline-rank1.target", "pipeline-rank1.target.d",
+                                                       "producer-rank1@.service"]
+    target = (units / "pipeline-rank1.target").read_text()
+    assert "Wants=consumer" not in target and "note:" not in run.stdout
+    assert f"--instance %i --tf-config {tf_config} --rank 1\n" in (units / "producer-rank1@.service").read_text()
+    run = _verify([units / "pipeline-rank1.target", units / "producer-rank1@1.service"])
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
+def test_a_rank_whose_producers_are_elsewhere_gets_a_consumer_and_no_producer(tmp_path: Path) -> None:
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "transport": {
+        "endpoint": "tcp://10.0.0.2:5555", "curve_secret_key": "/etc/melfeed/keys/consumer.key_secret",
+        "curve_allowed_dir": "/etc/melfeed/keys/producers"}}))
+    run = _deploy(tmp_path, "--producers", "0", "--rank", "1", "--tf-config", str(_tf_configs(tmp_path)[1]))
+    assert run.returncode == 0, run.stderr
+    assert "# no producer on this host" in run.stdout
+    assert "note: " in run.stdout and "sets transport.endpoint (tcp://10.0.0.2:5555)" in run.stdout
+    units = tmp_path / "units"
+    assert "Wants=" not in (units / "pipeline-rank1.target.d" / "producers.conf").read_text()
+    assert "--rank 1\n" in (units / "consumer-rank1.service").read_text()

@@ -1,0 +1,72 @@
+"""Two ranks on one host with no endpoint configured, each run as its units run it (``consumer`` and
+``producer`` processes with ``--tf-config FILE --rank R``) in one shared runtime directory: each rank's
+consumer and producers meet on the rank's default socket (``melfeed-rankR.sock``), ``status --tf-config``
+finds each rank, and ``audit A B`` is exact. Without the per-rank names the second consumer would find
+the first one's socket taken (shared/service/rank_defaults.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests import procs
+
+_STEPS = 30
+_DELAY_MS = "100"    # per batch: the run lasts >= 3 s, long enough to ask `status` while it trains
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(f"{p.name}:\n{procs.tail(p)}" for p in sorted(tmp_path.glob("*.log")))
+
+
+def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sockets(
+        demo_cache: Path, tmp_path: Path) -> None:
+    config = tmp_path / "melfeed.yaml"
+    config.write_text(yaml.safe_dump({
+        "cache_dir": str(demo_cache), "buckets": {"num_buckets": 2, "batch_size": 16},
+        "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
+        "consumer": {"steps": _STEPS, "wait_timeout_s": 0.5, "status_interval_s": 1.0},
+        "model": {"step": procs.TINY_STEP, "jit_compile": False}}), encoding="utf-8")
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    consumers, producers, tf_configs = [], [], []
+    for rank in (0, 1):
+        tf_config = tmp_path / f"tf_config-{rank}.json"
+        tf_config.write_text(json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}))
+        tf_configs.append(tf_config)
+        flags = ("--tf-config", str(tf_config), "--rank", str(rank))
+        consumers.append(procs.start("consumer", config, tmp_path / f"consumer{rank}.log", *flags,
+                                     "--state-dir", str(tmp_path / f"state{rank}")))
+        producers.append(procs.start("producer", config, tmp_path / f"producer{rank}.log", *flags,
+                                     "--producers", "1", "--debug-delay-ms", _DELAY_MS))
+    for rank in (0, 1):
+        assert procs.wait_for_records(tmp_path / f"state{rank}", 1, consumers[rank], procs.WAIT_S), _logs(tmp_path)
+        assert (tmp_path / "melfeed" / f"melfeed-rank{rank}.sock").exists()
+        status = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "status", "--config",
+                                 str(config), "--tf-config", str(tf_configs[rank]), "--timeout-s", "20"],
+                                cwd=procs.REPO, env=procs.env(tmp_path), capture_output=True, text=True,
+                                timeout=procs.WAIT_S)
+        assert status.returncode == 0, status.stderr
+        assert f"melfeed-rank{rank}.control.sock, rank {rank} of 2:" in status.stdout, status.stdout
+    codes = [proc.wait(procs.WAIT_S * 3) for proc in consumers]
+    assert codes == [0, 0], _logs(tmp_path)
+    assert [procs.stop(proc) for proc in producers] == [0, 0], _logs(tmp_path)
+    audit = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", str(tmp_path / "state0"),
+                            str(tmp_path / "state1")], cwd=procs.REPO, capture_output=True, text=True,
+                           timeout=procs.WAIT_S)
+    assert audit.returncode == 0 and f"{2 * _STEPS} batches applied" in audit.stdout, audit.stdout + audit.stderr
