@@ -24,10 +24,14 @@ Shutdown: nothing to shut down; writes are plain files, resumable by calling aga
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +161,10 @@ def _prepare(root: Path, keep: set[str], extras: bool) -> None:
     (root / DEMO_MARKER).unlink(missing_ok=True)
 
 
+_LOCK_WAIT_S = 600.0     # the longest another writer may hold the demo cache (2000 utterances: seconds)
+_LOCK_POLL_S = 0.1
+
+
 def write_demo_cache(
     out_dir: str | os.PathLike[str], n_utterances: int = 2000, seed: int = 1234, n_mels: int = 80,
     extras: bool = False,
@@ -180,6 +188,41 @@ def write_demo_cache(
     if n_utterances < 1 or n_mels < 1:
         raise ValueError(f"n_utterances and n_mels must be >= 1, got {n_utterances}, {n_mels}")
     root = Path(out_dir)
+    with _writer_lock(root):
+        return _write_or_reuse(root, n_utterances, seed, n_mels, extras)
+
+
+@contextmanager
+def _writer_lock(root: Path) -> Iterator[None]:
+    """One writer per demo cache: two processes started with ``--demo`` at once (two ranks on one host)
+    would otherwise write the same files, and one could read another's half-written ``.npy``. The lock
+    file sits beside the cache (``.<name>.lock``) so the cache directory itself stays empty or a cache.
+    Waits at most ``_LOCK_WAIT_S`` for the other writer; a parent that refuses the lock file means no lock."""
+    wait_s = _LOCK_WAIT_S
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        log.warning("demo cache %s: no writer lock (%s); do not start two --demo runs at once", root, err)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CacheError(root, f"another process has been writing this demo cache for over {wait_s:.0f} s; "
+                                     "let it finish, or remove the directory and retry") from None
+                time.sleep(_LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)          # releases the lock
+
+
+def _write_or_reuse(root: Path, n_utterances: int, seed: int, n_mels: int, extras: bool) -> Manifest:
     params = _params(n_utterances, seed, n_mels, extras)
     existing = _reuse(root, params)
     if existing is not None:

@@ -134,3 +134,21 @@ def test_refuses_to_write_over_a_real_cache(tmp_path: Path) -> None:
 def test_rejects_nonsense_sizes(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         write_demo_cache(tmp_path, 0)
+
+
+def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+    import os
+    root = tmp_path / "demo"
+    fd = os.open(tmp_path / ".demo.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)                    # another writer holds the cache
+    monkeypatch.setattr(demo_data, "_LOCK_WAIT_S", 0.3)
+    try:
+        with pytest.raises(CacheError, match="another process has been writing this demo cache"):
+            write_demo_cache(root, n_utterances=3)
+        assert not root.exists()                      # nothing written while the other writer held it
+    finally:
+        os.close(fd)
+    assert len(write_demo_cache(root, n_utterances=3).utterances) == 3    # the lock is free again
+
