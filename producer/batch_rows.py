@@ -17,6 +17,8 @@ Shutdown: nothing to release; the views go with the batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -43,7 +45,7 @@ class RowBytes:
 
     __slots__ = ("array", "dtype_name", "data", "row_nbytes", "item_nbytes", "capacity", "zeros")
 
-    def __init__(self, array: npt.NDArray[np.generic], zeros: memoryview, dtype_name: str = "") -> None:
+    def __init__(self, array: npt.NDArray[Any], zeros: memoryview, dtype_name: str = "") -> None:
         flags = array.flags
         if not flags.c_contiguous or not flags.writeable or array.ndim < 1:
             raise ValueError(f"batch array must be writable, C-contiguous and of rank >= 1, got shape {array.shape} "

@@ -129,7 +129,7 @@ class BatchAssembler:
         arrays["mel_len"][:n] = mel_lens
         arrays["tok_len"][:n] = tok_lens
         for (_, _, lens), key in zip(extras, self._length_keys):
-            if lens is not None:
+            if lens is not None and key is not None:
                 arrays[key][:n] = lens
         if n < spec.batch_size:                        # padding rows of a bucket's last batch
             for key in arrays:

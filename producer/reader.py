@@ -109,7 +109,7 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
 class CacheReader:
     """Reads one manifest's mel and token files into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest, *, open_files: int = 4096, revalidate_s: float = 5.0) -> None:
+    def __init__(self, manifest: Manifest, *, open_files: int = 8192, revalidate_s: float = 5.0) -> None:
         """Bind to ``manifest``; opens nothing until a read.
 
         Args:
@@ -183,7 +183,7 @@ class CacheReader:
             dst[n:] = 0.0
         return n
 
-    def mel_rows(self, mel: npt.NDArray[np.floating], zeros: memoryview) -> RowBytes:
+    def mel_rows(self, mel: npt.NDArray[np.generic], zeros: memoryview) -> RowBytes:
         """A batch's ``mel`` [B, T_max, n_mels] as ``RowBytes`` for ``read_mel_row`` (checked once per build).
 
         Raises:
@@ -195,7 +195,7 @@ class CacheReader:
                              f"got {mel.dtype} {mel.shape}")
         return RowBytes(mel, zeros, name)
 
-    def token_rows(self, tokens: npt.NDArray[np.int32], zeros: memoryview) -> RowBytes:
+    def token_rows(self, tokens: npt.NDArray[np.generic], zeros: memoryview) -> RowBytes:
         """A batch's ``tokens`` [B, L_max] as ``RowBytes`` for ``read_tokens_row``.
 
         Raises:
