@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from producer.batch_rows import RowBytes, zero_bytes
 from producer.extra_reader import ExtraReader
 from producer.reader import CacheReader, TransientReadError
 from shared.wire.buckets import BucketSet
@@ -64,6 +65,10 @@ class BatchAssembler:
                         if reader.manifest.extras else None)
         self._buckets = bucket_set.buckets
         self._layouts = {b.index: batch_layout(b) for b in self._buckets}
+        # One zero buffer as long as the longest row of any array: padding tails are copied from it.
+        self._zeros = zero_bytes(max(int(np.prod(shape[1:])) * dtype.itemsize
+                                     for layout in self._layouts.values() for _, _, shape, dtype in layout))
+        self._length_keys = tuple(s.length_key for s in self._extras.specs) if self._extras is not None else ()
         self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}
         self._max_buffers = max_buffers
         self._reuse_timeout_s = reuse_timeout_s
@@ -87,56 +92,57 @@ class BatchAssembler:
             raise ValueError(f"lease has {len(sample_ids)} samples, bucket holds {spec.batch_size}")
         buf = self._free_buffer(bucket) if target is None else None
         arrays = target if target is not None else buf.arrays  # type: ignore[union-attr]
-        mel, mel_len = arrays["mel"], arrays["mel_len"]
-        tokens, tok_len = arrays["tokens"], arrays["tok_len"]
+        n = len(sample_ids)
         quarantined: list[int] = []
-        read_mel, read_tokens = self._reader.read_mel_into, self._reader.read_tokens_into
+        reader, zeros = self._reader, self._zeros
+        read_mel, read_tokens = reader.read_mel_row, reader.read_tokens_row
+        mel_rows, tok_rows = reader.mel_rows(arrays["mel"], zeros), reader.token_rows(arrays["tokens"], zeros)
+        extras = self._extra_rows(arrays, n)
+        read_extra = self._extras.read_row if self._extras is not None else None
+        mel_lens, tok_lens = [0] * n, [0] * n        # written once per batch, not one numpy store per row
         t0 = time.perf_counter()            # one clock pair per batch: the loop is the reads
         try:
             for row, sid in enumerate(sample_ids):
                 try:
-                    mel_len[row] = read_mel(sid, mel[row])
-                    tok_len[row] = read_tokens(sid, tokens[row])
-                    if self._extras is not None:
-                        self._read_extras(sid, row, arrays)
+                    mel_lens[row] = read_mel(sid, mel_rows, row)
+                    tok_lens[row] = read_tokens(sid, tok_rows, row)
+                    for name, rows, lens in extras:
+                        kept = read_extra(name, sid, rows, row)  # type: ignore[misc]
+                        if lens is not None:
+                            lens[row] = kept
                 except TransientReadError:
                     raise
                 except CacheError as err:
                     if self._policy == "fail":
                         raise
                     self._log_quarantine(sid, batch_id, err)
-                    mel[row] = 0
-                    tokens[row] = 0
-                    mel_len[row] = tok_len[row] = 0
-                    for key in self._extra_keys():
-                        arrays[key][row] = 0
+                    mel_lens[row] = tok_lens[row] = 0
+                    for _, rows, lens in extras:
+                        rows.array[row] = 0
+                        if lens is not None:
+                            lens[row] = 0
+                    mel_rows.array[row] = 0
+                    tok_rows.array[row] = 0
                     quarantined.append(sid)
         finally:
             self.read_s_total += time.perf_counter() - t0
-        n = len(sample_ids)
+        arrays["mel_len"][:n] = mel_lens
+        arrays["tok_len"][:n] = tok_lens
+        for (_, _, lens), key in zip(extras, self._length_keys):
+            if lens is not None and key is not None:
+                arrays[key][:n] = lens
         if n < spec.batch_size:                        # padding rows of a bucket's last batch
-            mel[n:] = 0
-            tokens[n:] = 0
-            mel_len[n:] = 0
-            tok_len[n:] = 0
-            for key in self._extra_keys():
+            for key in arrays:
                 arrays[key][n:] = 0
         return BuiltBatch(batch_id, bucket, arrays, quarantined, buf)
 
-    def _read_extras(self, sid: int, row: int, arrays: dict[str, npt.NDArray[np.generic]]) -> None:
-        """Each extra of sample ``sid`` into its row (and a sequence's length into ``<name>_len``)."""
-        assert self._extras is not None
-        for spec in self._extras.specs:
-            whole = arrays[spec.name]
-            n = self._extras.read_into(spec.name, sid, whole[row:row + 1].reshape(whole.shape[1:]))
-            if spec.length_key is not None:
-                arrays[spec.length_key][row] = n
-
-    def _extra_keys(self) -> list[str]:
-        """Batch keys the extras own (a sequence's ``<name>_len`` included)."""
+    def _extra_rows(self, arrays: dict[str, npt.NDArray[np.generic]], n: int
+                    ) -> list[tuple[str, RowBytes, list[int] | None]]:
+        """Per extra: its name, its batch array as ``RowBytes`` and, for a sequence, its ``n`` row lengths."""
         if self._extras is None:
             return []
-        return [k for s in self._extras.specs for k in (s.name, s.length_key) if k is not None]
+        return [(s.name, self._extras.rows_of(s.name, arrays[s.name], self._zeros),
+                 [0] * n if s.length_key is not None else None) for s in self._extras.specs]
 
     def close(self) -> None:
         """Close the reader's kept cache descriptors (``producer.open_files``). Idempotent."""

@@ -1,15 +1,17 @@
 """Read a cache's extra arrays (``CACHE/extras/<name>/<id>.npy``) straight into batch rows.
 
-Role: the producer's only reader of ``extras/``; ``producer/batcher.py`` calls it once per extra
-per row, with ``dst`` a view of the row in the send buffer or the consumer's shared-memory slot,
-so an extra costs the same copies as the mel: one ``preadv`` from page cache into its place.
-What a row holds (cut and zero padding by kind) is ``shared.wire.schema.pad_row``'s rule.
+Role: the producer's only reader of ``extras/``; ``producer/batcher.py`` calls ``read_row`` once per
+extra per row, into the row of the send buffer or the consumer's shared-memory slot (seen as bytes:
+``producer/batch_rows.py``), so an extra costs the same copies as the mel: one ``preadv`` from page
+cache into its place. What a row holds (cut and zero padding by kind) is ``shared.wire.schema.pad_row``'s rule.
 
 Invariants:
-- A read either fills ``dst`` by that rule or raises ``CacheError`` naming the file (missing, not
+- A read either fills the row by that rule or raises ``CacheError`` naming the file (missing, not
   a regular file, size or header other than the manifest recorded, ends early, NaN/Inf in a float
   extra); reasons outside the file raise ``TransientReadError``, never a quarantine decision.
 - The header is parsed once per file per process, then compared byte for byte (like the mel reader).
+- A float extra's values are checked for NaN/Inf once per file identity per process (again when a
+  read keeps more elements than were checked, or the file's identity changed), like a mel's.
 - Not thread-safe (scratch header buffer): one reader per thread.
 Shutdown: descriptors are kept only in the ``OpenFiles`` cache given at construction (its owner, the
 ``CacheReader``, closes them); without one every fd is closed after its read.
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.open_files import OpenFiles
+from producer.batch_rows import RowBytes
+from producer.open_files import Identity, OpenFiles
 from producer.reader import _open_error, _pread_exact
 from shared.cache.extras import EXTRAS_DIR
 from shared.cache.manifest import Manifest
@@ -46,49 +49,78 @@ class ExtraReader:
         # Plain Python per-row tuples and dtypes made once: numpy indexing per read costs more than the read.
         self._rows = {name: [tuple(r) for r in c.rows.tolist()] for name, c in self._columns.items()}
         self._dtypes = {name: np.dtype(c.spec.dtype) for name, c in self._columns.items()}
+        self._specs = tuple(c.spec for c in self._columns.values())
         self._head = bytearray(128)   # header bytes of the file being read, grown on demand
+        self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
         ids = [u.id for u in manifest.utterances]
         self._paths = {name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
                        for name in self._columns}
         self._checked_heads: dict[tuple[str, int], bytes] = {}   # bounded: extras x N x ~128 bytes
+        # What one read needs, in one lookup: spec, has a length axis, is float (NaN/Inf check), rows, paths.
+        self._reads = {name: (c.spec, c.spec.has_length, self._dtypes[name].kind == "f", self._rows[name],
+                              self._paths[name]) for name, c in self._columns.items()}
+        # Float values found finite, per (name, index): (file identity, elements checked). Bounded like the heads.
+        self._finite: dict[tuple[str, int], tuple[Identity, int]] = {}
 
     @property
     def specs(self) -> tuple[ExtraSpec, ...]:
-        return tuple(c.spec for c in self._columns.values())
+        return self._specs
 
-    def read_into(self, name: str, index: int, dst: npt.NDArray[Any]) -> int:
-        """Read utterance ``index``'s ``name`` into its batch row ``dst`` (``row_shape`` of the bucket).
-
-        Returns:
-            Elements kept along the first axis (``min(length, dst.shape[0])``; 1 for an utterance extra).
+    def rows_of(self, name: str, array: npt.NDArray[Any], zeros: memoryview) -> RowBytes:
+        """A batch's extra ``name`` [B, ...] as ``RowBytes`` for ``read_row`` (checked once per build).
 
         Raises:
-            CacheError: see the module invariants. ValueError: ``dst`` has the wrong dtype or shape.
+            ValueError: ``array`` has the wrong dtype, trailing shape or layout.
         """
         spec = self._columns[name].spec
-        length, offset, file_bytes = self._rows[name][index]
-        trailing = dst.shape[1:] if spec.has_length else dst.shape
-        if dst.dtype != self._dtypes[name] or trailing != spec.shape or not dst.flags.c_contiguous:
-            raise ValueError(f"dst for extra {name!r} must be C-contiguous {spec.dtype} [..., {spec.shape}], "
-                             f"got {dst.dtype} {dst.shape}")
-        n = min(length, int(dst.shape[0])) if spec.has_length else 1
-        rows = dst[:n] if spec.has_length else dst
-        path = self._paths[name][index]
-        if len(self._head) < offset:
-            self._head = bytearray(offset)
-        head = memoryview(self._head)[:offset]
-        self._pread((EXTRAS_DIR, name, index), path, file_bytes, head, rows)
-        self._check_head(spec, index, path, head, length, offset)
-        if rows.dtype.kind == "f" and not np.isfinite(rows).all():
-            raise CacheError(path, f"non-finite values (NaN/Inf) in extra {name!r}; run verify-cache")
-        if spec.has_length:
-            dst[n:] = 0
+        trailing = array.shape[2:] if spec.has_length else array.shape[1:]
+        if array.dtype != self._dtypes[name] or trailing != spec.shape or array.ndim < 1:
+            raise ValueError(f"batch array for extra {name!r} must be C-contiguous {spec.dtype} [B, ..., {spec.shape}], "
+                             f"got {array.dtype} {array.shape}")
+        return RowBytes(array, zeros)
+
+    def read_row(self, name: str, index: int, rows: RowBytes, row: int) -> int:
+        """Read utterance ``index``'s ``name`` into row ``row`` of ``rows`` (``rows_of``), padded by kind.
+
+        Returns:
+            Elements kept along the first axis (``min(length, capacity)``; 1 for an utterance extra).
+
+        Raises:
+            CacheError: see the module invariants.
+        """
+        spec, has_length, is_float, column_rows, paths = self._reads[name]
+        length, offset, file_bytes = column_rows[index]
+        n = min(length, rows.capacity) if has_length else 1
+        path = paths[index]
+        head = self._head_views.get(offset)
+        if head is None:
+            head = self._head_view(offset)
+        key = (name, index)
+        identity = self._pread(key, path, file_bytes, head, rows.head(row, n if has_length else rows.capacity))
+        if self._checked_heads.get(key) != head:
+            self._check_head(spec, index, path, head, length, offset)
+        if is_float:
+            known = self._finite.get(key)
+            if known is None or known[0] != identity or known[1] < n:
+                values = rows.array[row, :n] if has_length else rows.array[row]
+                if not np.isfinite(values).all():
+                    raise CacheError(path, f"non-finite values (NaN/Inf) in extra {name!r}; run verify-cache")
+                self._finite[key] = (identity, n)
+        if has_length and n < rows.capacity:
+            rows.zero_tail(row, n)
         return n
 
-    def _pread(self, key: tuple[str, str, int], path: str, file_bytes: int, head: memoryview,
-               rows: npt.NDArray[Any]) -> None:
-        """One ``preadv`` of the header and the first rows' data, straight into ``rows``."""
-        data = rows.data.cast("B") if rows.size else memoryview(bytearray())
+    def _head_view(self, offset: int) -> memoryview:
+        """The first ``offset`` bytes of the header buffer (grown on demand), kept per offset."""
+        if len(self._head) < offset:
+            self._head = bytearray(offset)
+            self._head_views.clear()
+        view = self._head_views[offset] = memoryview(self._head)[:offset]
+        return view
+
+    def _pread(self, key: tuple[str, int], path: str, file_bytes: int, head: memoryview,
+               data: memoryview) -> Identity:
+        """One ``preadv`` of the header and the first rows' data, straight into ``data``; the file's identity."""
         try:
             f = self._files.acquire(key, path)   # a FIFO, device or directory is a bad file, never a blocked read
         except OSError as err:
@@ -102,11 +134,10 @@ class ExtraReader:
             self._files.release(key, f, ok=False)     # a failed read never keeps its descriptor
             raise
         self._files.release(key, f)
+        return f.identity
 
     def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
-        key = (spec.name, index)
-        if self._checked_heads.get(key) == head:
-            return
+        """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""
         try:
             header = parse_npy_header(bytes(head), path)
         except CacheError as err:
@@ -115,4 +146,4 @@ class ExtraReader:
         if (header.shape, header.dtype, header.data_offset) != want:
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {want[0]} {want[1].str}); re-run index")
-        self._checked_heads[key] = bytes(head)
+        self._checked_heads[(spec.name, index)] = bytes(head)

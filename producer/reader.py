@@ -40,6 +40,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
+from producer.batch_rows import RowBytes
 from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 # dtype objects: comparing dst.dtype to a scalar type converts per call
 _MEL_DST_DTYPE = np.dtype(ARRAY_DTYPES["mel"])
 _TOKEN_DST_DTYPE = np.dtype(ARRAY_DTYPES["tokens"])
+_MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # batch mel dtype -> manifest mel_dtype
 # Failures that say nothing about the file: another try (or a restarted process) may succeed.
 _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN})
 
@@ -107,7 +109,7 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
 class CacheReader:
     """Reads one manifest's mel and token files into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest, *, open_files: int = 4096, revalidate_s: float = 5.0) -> None:
+    def __init__(self, manifest: Manifest, *, open_files: int = 8192, revalidate_s: float = 5.0) -> None:
         """Bind to ``manifest``; opens nothing until a read.
 
         Args:
@@ -179,6 +181,57 @@ class CacheReader:
             self._finite[index] = (identity, n)
         if n < dst.shape[0]:
             dst[n:] = 0.0
+        return n
+
+    def mel_rows(self, mel: npt.NDArray[np.generic], zeros: memoryview) -> RowBytes:
+        """A batch's ``mel`` [B, T_max, n_mels] as ``RowBytes`` for ``read_mel_row`` (checked once per build).
+
+        Raises:
+            ValueError: wrong rank, width, dtype or layout.
+        """
+        name = _MEL_DTYPE_NAMES.get(mel.dtype)
+        if mel.ndim != 3 or mel.shape[2] != self._n_mels or name is None:
+            raise ValueError(f"mel must be [B, T, {self._n_mels}] of one of {sorted(MEL_DTYPES)}, "
+                             f"got {mel.dtype} {mel.shape}")
+        return RowBytes(mel, zeros, name)
+
+    def token_rows(self, tokens: npt.NDArray[np.generic], zeros: memoryview) -> RowBytes:
+        """A batch's ``tokens`` [B, L_max] as ``RowBytes`` for ``read_tokens_row``.
+
+        Raises:
+            ValueError: wrong rank, dtype or layout.
+        """
+        if tokens.ndim != 2 or tokens.dtype != _TOKEN_DST_DTYPE:
+            raise ValueError(f"tokens must be [B, L] {_TOKEN_DST_DTYPE}, got {tokens.dtype} {tokens.shape}")
+        return RowBytes(tokens, zeros)
+
+    def read_mel_row(self, index: int, rows: RowBytes, row: int) -> int:
+        """``read_mel_into(index, mel[row])`` without numpy work per row: the build's hot path.
+
+        A file whose dtype is the row's is read straight into the row's bytes; any other goes through
+        ``read_mel_into`` (the staged cast). Same result, checks and errors as ``read_mel_into``.
+        """
+        utt = self.manifest.utterances[index]
+        if utt.mel_dtype != rows.dtype_name:
+            return self.read_mel_into(index, rows.array[row])
+        n = min(utt.frames, rows.capacity)
+        path = self._mel_paths[index]
+        identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, rows.head(row, n))
+        known = self._finite.get(index)
+        if known is None or known[0] != identity or known[1] < n:
+            self._check_finite(path, rows.array[row, :n])
+            self._finite[index] = (identity, n)
+        if n < rows.capacity:
+            rows.zero_tail(row, n)
+        return n
+
+    def read_tokens_row(self, index: int, rows: RowBytes, row: int) -> int:
+        """``read_tokens_into(index, tokens[row])`` without numpy work per row; same result and errors."""
+        utt = self.manifest.utterances[index]
+        n = min(utt.tokens, rows.capacity)
+        self._read(index, False, self._tok_paths[index], utt.tok_file_bytes, utt.tok_offset, rows.head(row, n))
+        if n < rows.capacity:
+            rows.zero_tail(row, n)
         return n
 
     def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int,

@@ -264,8 +264,9 @@ class ProducerConfig:
     restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"        # bad cache file: "quarantine" (empty row, counted) or "fail"
     exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
-    open_files: int = 4096                 # cache files each producer keeps open (LRU; held to half of
-                                           # RLIMIT_NOFILE); 0 = open and close every file on every read
+    open_files: int = 8192                 # cache files each producer keeps open (LRU; held to half of
+                                           # RLIMIT_NOFILE); 0 = open and close every file on every read;
+                                           # 8192 = the 2,000-utterance demo cache with its 2 extras (4 per utterance)
     nice: int = 0                          # CPU niceness of producers and prepare workers (0..19), set
                                            # at start (and Nice= in the unit): where they share cores with
                                            # the step, a higher value lets the step win; the ring absorbs

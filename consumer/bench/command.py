@@ -9,7 +9,9 @@ producer -> consumer GB/s on each path against memcpy measured in the same trial
 section (``--efficiency-batches``, or ``--efficiency-only``) trains the configured model (the reference
 model by default) fed by melfeed and by tuned tf.data, each against its own resident-batch limit
 (``consumer/bench/efficiency.py``); its trials share one persistent XLA cache so only the first compiles.
-producer -> consumer GB/s on each path against memcpy measured in the same trial. Each round also runs
+producer -> consumer GB/s on each path against memcpy measured in the same trial. The ``tcp`` system
+(in ``--transports`` by default) is the payload path a remote producer takes: loopback tcp under CURVE,
+one producer count, max rate only, so it adds one trial per round. Each round also runs
 doctor's stage 1 (``python -m producer.probe --warm``) once: a long-running producer's CPU per batch built.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
@@ -65,8 +67,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     pick: dict[str, Any] = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
                                                          "batches", "warmup", "demo_utterances")}
     transports = [t for t in args.transports.split(",") if t]
-    if not transports or set(transports) - {"zmq", "shm"}:
-        raise ConfigError("must be a comma-separated subset of zmq,shm", path=("--transports",), got=args.transports)
+    if not transports or set(transports) - {"zmq", "shm", "tcp"}:
+        raise ConfigError("must be a comma-separated subset of zmq,shm,tcp", path=("--transports",),
+                          got=args.transports)
     parallel = [None if p == "autotune" else _ints(p, "--tfdata-parallel", 1)[0]
                 for p in pick["tfdata_parallel"].split(",") if p]
     if pick["rounds"] < 1 or pick["batches"] < 1 or pick["warmup"] < 1:
@@ -103,9 +106,19 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
 
 
 def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every system of the run: name, kind and its own knobs (``available`` False: reported, not run)."""
-    out = []
+    """Every system of the run: name, kind and its own knobs (``available`` False: reported, not run).
+
+    ``tcp`` is the payload path as a remote producer runs it (loopback tcp, CURVE, crc32 as
+    ``resolve_checksum`` decides): one system, the first producer count, the max-rate trial only
+    (``steps``), which is what its goals need; the step-cost columns stay the ipc paths'.
+    """
+    out: list[dict[str, Any]] = []
     for transport in s["transports"]:
+        if transport == "tcp":
+            count = s["producers"][0]
+            out.append({"system": f"melfeed-tcp-p{count}", "kind": "melfeed", "transport": "tcp", "producers": count,
+                        "available": True, "tcp": True, "steps": [0]})
+            continue
         for count in s["producers"]:
             out.append({"system": f"melfeed-{transport}-p{count}", "kind": "melfeed", "transport": transport,
                         "producers": count, "available": transport == "zmq" or s["has_mode"]})
@@ -130,9 +143,9 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
                             "model.jit_compile": True, "producer.count": system.get("producers", 1)}
     mapping = config_to_mapping(with_overrides(cfg, over))
     mapping["consumer"]["state_dir"] = None
-    mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir
+    mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir (tcp: set by the trial)
     if s["has_mode"] and "transport" in system:
-        mapping["transport"]["mode"] = system["transport"]
+        mapping["transport"]["mode"] = "zmq" if system.get("tcp") else system["transport"]
     return mapping
 
 
@@ -158,7 +171,7 @@ def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[st
 
 def _spec(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any], rnd: int, step_ms: int) -> dict[str, Any]:
     return {"system": system["system"], "kind": system["kind"], "round": rnd, "step_ms": step_ms,
-            "model": system.get("model"), "warmup": s["warmup"],
+            "model": system.get("model"), "warmup": s["warmup"], "tcp": bool(system.get("tcp")),
             "batches": s["efficiency_batches"] if system.get("model") else s["batches"],
             "parallel_calls": system.get("parallel_calls"),
             "workers": system.get("workers", 1), "config": _trial_config(cfg, system, s)}
@@ -172,6 +185,8 @@ def _rounds(cfg: PipelineConfig, systems: list[dict[str, Any]], s: dict[str, Any
         for step_ms in steps:
             k = rnd % max(1, len(runnable))
             for system in runnable[k:] + runnable[:k]:   # rotate: no system is always first
+                if step_ms not in system.get("steps", steps):
+                    continue
                 result = _run_trial(_spec(cfg, system, s, rnd, step_ms), timeout_s, workdir / str(len(trials)))
                 trials.append(result)
                 log.info("trial %s round=%d step_ms=%d: %s", system["system"], rnd, step_ms, _trial_line(result))
@@ -212,12 +227,13 @@ def main_bench(args: argparse.Namespace) -> int:
     s = _settings(args)
     cfg = _cache_config(args, s)
     systems = _systems(s)
-    efficiency = efficiency_systems(systems, s["producers"][0]) if s["efficiency_batches"] else []
+    ipc_systems = [x for x in systems if not x.get("tcp")]     # tcp: the max-rate table and its goals only
+    efficiency = efficiency_systems(ipc_systems, s["producers"][0]) if s["efficiency_batches"] else []
     if args.transport_only or args.efficiency_only:
         systems = []
     transport = [x | {"system": f"transport-{x['transport']}-p{max(s['producers'])}", "kind": "transport",
                       "producers": max(s["producers"])}
-                 for x in _systems(s) if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
+                 for x in ipc_systems if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
     with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp:
         trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
         probes = ([] if args.no_transport or args.efficiency_only else

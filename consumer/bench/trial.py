@@ -1,7 +1,7 @@
 """One ``bench`` trial in a fresh process: ``python -m consumer.bench.trial SPEC_JSON`` prints one JSON line.
 
-Role: run one system (melfeed, tuned tf.data, the naive loader, tf.data service, or the transport
-probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures; a spec with
+Role: run one system (melfeed on ipc, shared memory or loopback tcp under CURVE with keys made for the
+trial, tuned tf.data, the naive loader, tf.data service, or the transport probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures; a spec with
 ``"model": "reference"`` is a feed-efficiency trial instead (``consumer/bench/trial_reference.py``). Helpers
 (producer group, service servers) are children of this process and are reaped before the CPU of
 the children is read (``consumer.bench.usage``).
@@ -20,18 +20,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from consumer.bench.usage import UsageWindow
 from consumer.bench.stats import gb_per_s, sleep_for_step_s
-from shared.config import PipelineConfig
+from shared.config import PipelineConfig, resolve_checksum
 from shared.config_loader import config_from_mapping, with_overrides
 from shared.service.children import ENTRY_SCRIPT, child_env
 
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 _ENTRY = str(ENTRY_SCRIPT)
 _CALIBRATION_CALLS = 30
 _MEMCPY_REPEATS = 20
+_TCP_PRODUCER = "bench"   # the CURVE key name of the tcp trial's producers (they speak as bench-<index>)
 
 
 class _ZeroStep:
@@ -105,7 +109,41 @@ def _step_hook(window: UsageWindow, warmup: int, batches: int, sleep_s: float) -
     return on_step
 
 
+def _free_loopback_port() -> int:
+    """A tcp port free on 127.0.0.1 now (the consumer binds it a moment later; a clash fails the trial)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tcp_with_curve(cfg: PipelineConfig, keys_dir: Path) -> tuple[PipelineConfig, dict[str, Any]]:
+    """The consumer's config on loopback tcp under CURVE, and the producers' overrides (their own key).
+
+    crc32 stays as ``transport.checksum`` and ``resolve_checksum`` decide (off under CURVE by default).
+    """
+    from shared.wire.curve import generate_keys
+    generate_keys(keys_dir, [_TCP_PRODUCER])
+    consumer = with_overrides(cfg, {"transport.endpoint": f"tcp://127.0.0.1:{_free_loopback_port()}",
+                                    "transport.mode": "zmq" if "mode" in cfg.transport.__dataclass_fields__ else None,
+                                    "transport.curve_secret_key": str(keys_dir / "consumer.key_secret"),
+                                    "transport.curve_allowed_dir": str(keys_dir / "producers")})
+    return consumer, {"transport.curve_secret_key": str(keys_dir / "producers" / f"{_TCP_PRODUCER}.key_secret"),
+                      "transport.curve_server_key": str(keys_dir / "consumer.key")}
+
+
 def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="melfeed-bench-keys-") as keys:
+        producer_over: dict[str, Any] = {}
+        if spec.get("tcp"):
+            cfg, producer_over = _tcp_with_curve(cfg, Path(keys))
+        out = _run_melfeed_with(spec, cfg, producer_over)
+    if spec.get("tcp"):
+        t = cfg.transport
+        out.update(endpoint=t.endpoint, curve=True, checksum=resolve_checksum(t.checksum, str(t.endpoint), t.insecure))
+    return out
+
+
+def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: dict[str, Any]) -> dict[str, Any]:
     from consumer.app import start_producers, stop_producers
     from consumer.feed import Consumer
     from consumer.train.loop import train
@@ -115,7 +153,8 @@ def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
         shapes = [b.shapes() for b in consumer.bucket_set.buckets]
         zero_s = _calibrate_zero_step_s(shapes)
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint}), _ENTRY, 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint} | producer_over),
+                                _ENTRY, 0.0)
         try:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(),
                             on_step=_step_hook(window, warmup, batches, sleep_s))

@@ -160,7 +160,9 @@ def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
     p.add_argument("--demo-utterances", type=int, default=2000)
     p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
-    p.add_argument("--transports", default="zmq,shm", help="melfeed payload paths, comma-separated (zmq, shm)")
+    p.add_argument("--transports", default="zmq,shm,tcp",
+                   help="melfeed paths, comma-separated: zmq (payload frames over ipc), shm, tcp (payload frames over "
+                        "loopback tcp with CURVE; the first producer count, max rate only)")
     p.add_argument("--step-ms", default="5,20,50", help="modelled device time per step, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="rounds alternating the systems; medians over them")
     p.add_argument("--batches", type=int, default=300, help="measured batches per trial")

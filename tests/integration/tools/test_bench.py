@@ -28,11 +28,11 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _check_report(doc: dict[str, Any], systems: list[str]) -> None:
+def _check_report(doc: dict[str, Any], systems: list[str], max_rate_only: tuple[str, ...] = ()) -> None:
     meds, ratios, base = doc["medians"], doc["ratios"], doc["baseline"]
     assert base == "tfdata-npc8"
-    for system in systems:
-        for step in ("0", "5"):
+    for system in [*systems, *max_rate_only]:
+        for step in ("0",) if system in max_rate_only else ("0", "5"):
             figs = meds[system][step]
             for metric in ("batches_per_s", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch", "trainer_rss_mb",
                            "total_rss_mb", "payload_copies"):
@@ -44,8 +44,8 @@ def _check_report(doc: dict[str, Any], systems: list[str]) -> None:
                 expected = figs[metric] / meds[base][step][metric] if meds[base][step][metric] else None
                 assert value == pytest.approx(expected), (system, step, metric)
     trial_systems = {t["system"] for t in doc["trials"]}
-    assert trial_systems == set(systems)
-    assert len(doc["trials"]) == 2 * len(systems) and all(t["ok"] for t in doc["trials"])
+    assert trial_systems == set(systems) | set(max_rate_only)
+    assert len(doc["trials"]) == 2 * len(systems) + len(max_rate_only) and all(t["ok"] for t in doc["trials"])
     assert meds["melfeed-zmq-p1"]["0"]["payload_copies"] >= 1
     lines = [g["line"] for g in doc["goals"]]
     assert any(line.startswith(("PASS", "FAIL")) and "max rate" in line for line in lines)
@@ -59,7 +59,11 @@ def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive"] + (["melfeed-shm-p1"] if HAS_MODE else [])
-    _check_report(doc, systems)
+    _check_report(doc, systems, max_rate_only=("melfeed-tcp-p1",))   # the payload path on tcp under CURVE
+    tcp = next(t for t in doc["trials"] if t["system"] == "melfeed-tcp-p1")
+    assert tcp["endpoint"].startswith("tcp://127.0.0.1:") and tcp["curve"] is True and tcp["checksum"] is False
+    assert "max rate >= 1.5 x tfdata-npc8 [melfeed-tcp-p1]" in proc.stdout
+    assert "transport-tcp" not in proc.stdout                        # not in the transport section
     if not HAS_MODE:
         assert "not available in this build" in doc["unavailable"]["melfeed-shm-p1"]
         assert "melfeed-shm-p1: not available in this build" in proc.stdout
@@ -74,7 +78,8 @@ def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Pa
 @pytest.mark.timeout(600)
 def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--no-transport", "--json", str(out))
+    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--no-transport", "--transports", "zmq,shm",
+                  "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive", "tfdata-service-w1"] + (["melfeed-shm-p1"] if HAS_MODE else [])
@@ -84,7 +89,7 @@ def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
-    (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm"),
+    (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm,tcp"),
     (["--step-ms", "0"], "--step-ms: must be a comma-separated list of integers >= 1"),
 ])
 def test_bench_bad_flags_give_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, flags: list[str],

@@ -72,10 +72,10 @@ def test_transient_errors_are_never_quarantined(cache: tuple[Manifest, BucketSet
     manifest, buckets = cache
     reader = CacheReader(manifest)
 
-    def out_of_fds(index: int, dst: np.ndarray) -> int:
+    def out_of_fds(index: int, rows: object, row: int) -> int:
         raise TransientReadError("x.npy", "cannot open (Too many open files)")
 
-    monkeypatch.setattr(reader, "read_mel_into", out_of_fds)
+    monkeypatch.setattr(reader, "read_mel_row", out_of_fds)
     with pytest.raises(TransientReadError):
         BatchAssembler(reader, buckets).build(0, 0, [1])
 

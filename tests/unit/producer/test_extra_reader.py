@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,31 @@ def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_not
             assert batch.arrays[key][row].tobytes() == np.asarray(value).tobytes(), (sid, key)
     reader.close()
     assert len(reader.open_files) == 0
+
+
+def test_a_float_extra_is_checked_once_per_file_and_again_once_replaced(
+        cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, buckets = cache
+    import producer.extra_reader as extra_reader
+    checks: list[int] = []
+    real_isfinite = np.isfinite
+
+    def counted(values: np.ndarray, **kw: object) -> np.ndarray:
+        if "out" not in kw:                                # the mel reader's check passes out=; the extras' does not
+            checks.append(values.size)
+        return real_isfinite(values, **kw)                 # type: ignore[no-any-return, call-overload]
+
+    monkeypatch.setattr(extra_reader.np, "isfinite", counted)
+    assembler = BatchAssembler(CacheReader(manifest, revalidate_s=0.0), buckets, max_buffers=1)
+    assembler.build(0, 0, [2]).attach(None)
+    first = len(checks)
+    assert first == 2                                      # energy and ref (float); speaker is an integer
+    assembler.build(1, 0, [2]).attach(None)
+    assert len(checks) == first                            # same files, same identities: not checked again
+    path = manifest.extra_path("energy", 2)
+    energy = np.load(path)
+    energy[0] = np.nan
+    np.save(str(path) + ".new.npy", energy)
+    os.replace(str(path) + ".new.npy", path)               # replaced by a rename: another inode
+    batch = assembler.build(2, 0, [2])
+    assert batch.quarantined == [2] and len(checks) == first + 1

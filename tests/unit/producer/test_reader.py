@@ -237,3 +237,32 @@ def test_same_size_rewrites_are_caught_by_the_header(manifest: Manifest,
         reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))
     assert info.value.path == str(path) and says in info.value.reason
     assert info.value.reason.startswith("file changed since index (")
+
+
+@pytest.mark.parametrize("capacity", [16, 4])        # every file fits / long files cut
+def test_the_row_fast_path_writes_what_read_into_writes(manifest: Manifest, capacity: int) -> None:
+    from producer.batch_rows import zero_bytes
+    reader = CacheReader(manifest)
+    zeros = zero_bytes(capacity * N_MELS * 4)
+    fast_mel = np.full((6, capacity, N_MELS), np.nan, dtype=np.float32)   # stale bytes everywhere
+    fast_tok = np.full((6, capacity), -1, dtype=np.int32)
+    mel_rows, tok_rows = reader.mel_rows(fast_mel, zeros), reader.token_rows(fast_tok, zeros)
+    for row, index in enumerate([0, 1, 2, 3]):                           # float16 "b" goes through the cast
+        want_mel, want_tok = np.zeros((capacity, N_MELS), np.float32), np.zeros(capacity, np.int32)
+        assert reader.read_mel_row(index, mel_rows, row + 1) == reader.read_mel_into(index, want_mel)
+        assert reader.read_tokens_row(index, tok_rows, row + 1) == reader.read_tokens_into(index, want_tok)
+        assert fast_mel[row + 1].tobytes() == want_mel.tobytes() and fast_tok[row + 1].tobytes() == want_tok.tobytes()
+    assert np.isnan(fast_mel[[0, 5]]).all() and (fast_tok[[0, 5]] == -1).all()   # other rows untouched
+
+
+def test_row_views_refuse_arrays_the_reader_cannot_fill(manifest: Manifest) -> None:
+    from producer.batch_rows import zero_bytes
+    reader, zeros = CacheReader(manifest), zero_bytes(1024)
+    with pytest.raises(ValueError, match="mel must be"):
+        reader.mel_rows(np.zeros((2, 4, N_MELS + 1), np.float32), zeros)
+    with pytest.raises(ValueError, match="mel must be"):
+        reader.mel_rows(np.zeros((2, 4, N_MELS), np.float64), zeros)
+    with pytest.raises(ValueError, match="tokens must be"):
+        reader.token_rows(np.zeros((2, 4), np.int64), zeros)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        reader.token_rows(np.zeros((4, 2), np.int32).T, zeros)

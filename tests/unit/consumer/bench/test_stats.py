@@ -144,3 +144,21 @@ def test_bandwidth_goals_one_producer_shm_transport_and_producer_build() -> None
                    "PASS  GB/s >= 0.5 x memcpy [transport-shm-p2]: 4.40 vs 8.00 GB/s = 0.55x",
                    "producer build (doctor stage 1", "producer-build round 3 step 0 ms: exit 78"):
         assert needle in text
+
+
+def test_the_tcp_payload_path_is_judged_on_its_max_rate_trial_alone() -> None:
+    """Loopback tcp under CURVE (1 producer): the payload path's rate, CPU and copy goals; no stall goals,
+    since bench runs it at the zero-cost step only."""
+    meds = bs.medians_by_system([
+        _trial("tf", 0, 0, batches_per_s=100.0, trainer_cpu_ms_per_batch=10.0),
+        _trial("melfeed-tcp-p1", 0, 0, batches_per_s=170.0, trainer_cpu_ms_per_batch=4.0, payload_copies=4.0),
+        _trial("melfeed-tcp-p1", 0, 1, batches_per_s=150.0, trainer_cpu_ms_per_batch=3.0, payload_copies=4.0)])
+    goals = {g.name: g for g in bs.evaluate_goals(meds, {"melfeed-tcp-p1": "tcp"}, "tf")}
+    assert goals["max rate >= 1.5 x tf"].passed is True                    # median 160 / 100 = 1.6x
+    assert goals["trainer CPU/batch <= 0.35 x tf"].passed is True          # median 3.5 / 10 = 0.35x
+    assert goals["payload copies <= 3 on tcp"].passed is False             # 4 copies
+    assert not any(name.startswith(("stall", "1 producer")) for name in goals)
+    slower = bs.medians_by_system([_trial("tf", 0, 0, batches_per_s=100.0, trainer_cpu_ms_per_batch=10.0),
+                                   _trial("melfeed-tcp-p1", 0, 0, batches_per_s=140.0, trainer_cpu_ms_per_batch=3.6)])
+    verdict = {g.name: g.passed for g in bs.evaluate_goals(slower, {"melfeed-tcp-p1": "tcp"}, "tf")}
+    assert verdict["max rate >= 1.5 x tf"] is False and verdict["trainer CPU/batch <= 0.35 x tf"] is False
