@@ -80,6 +80,7 @@ class Hello:
     n_mels: int
     seed: int
     caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
+    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,8 @@ def encode(msg: Message) -> bytes:
                              "seed": msg.seed}
         if msg.caps:
             d["caps"] = msg.caps
+        if msg.mel_dtype != "float32":   # absent = float32, so a float32 HELLO is unchanged on the wire
+            d["mel"] = msg.mel_dtype
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
              "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
@@ -356,7 +359,8 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         if not all(isinstance(c, str) for c in caps):
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps)
+                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps,
+                     _get(d, "mel", str) if "mel" in d else "float32")
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
                        bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None)
