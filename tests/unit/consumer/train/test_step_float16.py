@@ -89,3 +89,20 @@ def test_step_spec_tells_the_step_the_wire_dtype() -> None:
     assert StepSpec.from_config(config_from_mapping({}), [SHAPES], None).mel_dtype == "float32"
     with pytest.raises(ValueError):
         _spec("bfloat16")
+
+
+def test_the_resident_limit_and_the_doctors_batch_use_the_wire_dtype() -> None:
+    from consumer.doctor.probe import _synthetic_batch
+    from consumer.train.efficiency import measure_resident_limit, resident_arrays
+    from shared.wire.buckets import Bucket
+
+    dtypes = {"mel": "float16", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
+    assert resident_arrays(SHAPES, 32, dtypes)["mel"].dtype == np.float16
+    assert resident_arrays(SHAPES, 32)["mel"].dtype == np.float32
+    step = _CastingTiny(_spec("float16"))
+    compiled = CompiledStep(step, [SHAPES], jit_compile=False, mel_dtype="float16")
+    compiled.warm_up()
+    limit = measure_resident_limit(compiled, step.variables(), [SHAPES], 2, 32, [dtypes])
+    assert len(limit.step_s) == 1 and limit.step_s[0] > 0
+    batch = _synthetic_batch(Bucket(0, ROWS, FRAMES, TOKENS, N_MELS, mel_dtype="float16"), 32, np.random.default_rng(0))
+    assert batch["mel"].dtype == np.float16 and np.isfinite(batch["mel"]).all() and batch["mel"].any()
