@@ -21,10 +21,10 @@ Invariants:
   the same ``preadv`` as the data and is parsed once per file per process (then compared on
   every read).
 - The batch's mel dtype is the row's (``transport.mel_dtype``): a file of that dtype is read straight
-  into the row; a float16 file is widened into a float32 row, a float32 file cast (rounded to nearest)
-  into a float16 row through a staging buffer. A float32 value beyond float16's range (one the cast
-  would make inf: |x| >= 65520; 65504 is float16's largest) is refused like a non-finite one, naming
-  the file: it is the user's data, never clipped.
+  into the row; a float16 file is widened into a float32 row, a float32 file rounded to nearest
+  (``shared/wire/half_cast.py``) into a float16 row, both through a staging buffer. A float32 value
+  beyond float16's range (one the cast would make inf: |x| >= 65520; 65504 is float16's largest) is
+  refused like a non-finite one, naming the file: it is the user's data, never clipped.
 - A mel row holding NaN or Inf is refused. The values are checked once per file identity per
   process (again when a read needs more frames than were checked, or the file's identity changed),
   not on every read. Every refusal depends only on the file (its presence, size and bytes), so
@@ -45,6 +45,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
+from shared.wire.half_cast import HalfCaster
 from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
@@ -146,6 +147,7 @@ class CacheReader:
         self._tok_paths = [os.path.join(tok_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._scratch = np.empty(0, dtype=np.uint8)  # staging of a mel cast into its row, grown on demand
         self._bits = np.empty(0, dtype=np.uint16)   # float16 finite check scratch, grown on demand
+        self._half = HalfCaster()                   # float32 file -> float16 row
         self._flags = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
         self._head = bytearray(128)  # header bytes of the file being read, grown on demand
         self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
@@ -196,7 +198,9 @@ class CacheReader:
         else:  # stage in the file's dtype, then widen (float16 file) or round (float32 file) into the row
             staged = self._staging(n, MEL_DTYPES[utt.mel_dtype])
             identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
-            with np.errstate(over="ignore"):    # a value float16 cannot hold becomes inf: refused just below
+            if rows.dtype == _MEL_F16:
+                self._half.cast(staged, rows)   # numpy's rounding, ~2x its speed; inf beyond range: refused below
+            else:
                 np.copyto(rows, staged)
         known = self._finite.get(index)
         if known is None or known[0] != identity or known[1] < n:
