@@ -1,6 +1,7 @@
 """``tf.data.Dataset`` view of a running ``Consumer`` for Keras ``fit`` and custom loops, without copies.
 
-Elements: ``(features, mel [B,T,M] float32)``; ``features`` is a dict of the keys asked for, from
+Elements: ``(features, mel [B,T,M] float32)`` (float16 with ``transport.mel_dtype: float16``: the bytes
+of the slot, cast by the model -- Keras layers and losses cast their inputs); ``features`` is a dict of the keys asked for, from
 ``tokens`` [B,L] int32, ``tok_len`` [B] int32, ``mel_len`` [B] int32, ``frames`` [B] int32 (every row
 holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``), ``batch_id``
 [B] int64, and the row inputs of the step contract (consumer/train/rows.py): ``rows`` [] int32 (real
@@ -189,7 +190,7 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
     shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
     dtypes = {**{k: tf.as_dtype(v) for k, v in consumer.bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
-    return feats, tf.TensorSpec(shapes["mel"], tf.float32, name="mel")
+    return feats, tf.TensorSpec(shapes["mel"], dtypes["mel"], name="mel")   # float16 on a float16 wire
 
 
 def _read_ahead(ds: tf.data.Dataset, device: str, handover: _Handover) -> tf.data.Dataset:

@@ -73,8 +73,8 @@ class Consumer:
             raise ConfigError("is required", path=("cache_dir",))
         self.cfg = cfg
         self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
-        self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts,
-                                                   cfg.n_mels, cfg.buckets, self.manifest.schema)
+        self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts, cfg.n_mels,
+                                                   cfg.buckets, self.manifest.schema, mel_dtype=cfg.transport.mel_dtype)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self.rank, self.world = rank, world
         self.plan: EpochPlan = plan_for_rank(self.bucket_set, self.manifest.fingerprint, cfg.seed, rank, world,
@@ -92,7 +92,7 @@ class Consumer:
                                                     slot_nbytes_for(self.bucket_set.buckets), self.epoch)
         self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
                               memory=self.shm)
-        contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed)
+        contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed, t.mel_dtype)
         session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
                                 liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
                                 lease_backoff_s=t.lease_backoff_s)

@@ -50,8 +50,10 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
-    assembler = BatchAssembler(CacheReader(manifest, open_files=cfg.producer.open_files), bucket_set,
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
+                               mel_dtype=cfg.transport.mel_dtype)
+    reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
+    assembler = BatchAssembler(reader, bucket_set,
                                max_buffers=2, bad_sample_policy=cfg.producer.bad_samples)
     plan = representative_batches(bucket_set, 256, seed)
     if warm:

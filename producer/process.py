@@ -131,8 +131,10 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
     manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
-    assembler = BatchAssembler(CacheReader(manifest, open_files=cfg.producer.open_files), bucket_set,
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
+                               mel_dtype=cfg.transport.mel_dtype)
+    reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
+    assembler = BatchAssembler(reader, bucket_set,
                                max_buffers=cfg.transport.lease_window + 2, bad_sample_policy=cfg.producer.bad_samples)
     t = cfg.transport
     endpoint = resolve_endpoint(cfg, os.environ)
@@ -144,7 +146,8 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
     session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
                             cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
-                            backoff_max_s=t.connect_backoff_max_s, exit_at_plan_end=cfg.producer.exit_at_plan_end)
+                            backoff_max_s=t.connect_backoff_max_s, exit_at_plan_end=cfg.producer.exit_at_plan_end,
+                            mel_dtype=t.mel_dtype)
     return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
                           on_tick=on_tick)
 

@@ -20,6 +20,11 @@ Invariants:
   indexing, so its recorded data offset and layout can no longer be trusted. The header comes in
   the same ``preadv`` as the data and is parsed once per file per process (then compared on
   every read).
+- The batch's mel dtype is the row's (``transport.mel_dtype``): a file of that dtype is read straight
+  into the row; a float16 file is widened into a float32 row, a float32 file rounded to nearest
+  (``shared/wire/half_cast.py``) into a float16 row, both through a staging buffer. A float32 value
+  beyond float16's range (one the cast would make inf: |x| >= 65520; 65504 is float16's largest) is
+  refused like a non-finite one, naming the file: it is the user's data, never clipped.
 - A mel row holding NaN or Inf is refused. The values are checked once per file identity per
   process (again when a read needs more frames than were checked, or the file's identity changed),
   not on every read. Every refusal depends only on the file (its presence, size and bytes), so
@@ -45,14 +50,16 @@ from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from shared.cache.npyfile import parse_npy_header
-from shared.wire.layout import ARRAY_DTYPES
+from shared.wire.half_cast import HalfCaster
+from shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
 
 __all__ = ["CacheReader", "TransientReadError"]
 
 log = logging.getLogger(__name__)
 
 # dtype objects: comparing dst.dtype to a scalar type converts per call
-_MEL_DST_DTYPE = np.dtype(ARRAY_DTYPES["mel"])
+_MEL_F16 = np.dtype(MEL_WIRE_DTYPES[1])
+_F16_NONFINITE_SHIFTED = 0xF800  # float16 bits << 1 (sign dropped) at or above this: exponent all ones, inf or NaN
 _TOKEN_DST_DTYPE = np.dtype(ARRAY_DTYPES["tokens"])
 _MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # batch mel dtype -> manifest mel_dtype
 # Failures that say nothing about the file: another try (or a restarted process) may succeed.
@@ -106,16 +113,33 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
         raise _open_error(path, err, "read failed") from err
 
 
+def _refuse_overflow(path: str, source: npt.NDArray[np.floating], rows: npt.NDArray[np.floating]) -> None:
+    """Raise ``CacheError`` if finite float32 ``source`` values became inf in the float16 ``rows`` (cast)."""
+    if not np.isfinite(source).all():
+        return                                          # NaN/Inf in the file: the caller's error says so
+    big = np.abs(source[~np.isfinite(rows)])
+    first = int(np.argmax(~np.isfinite(rows).all(axis=1)))
+    raise CacheError(path, f"{big.size} values beyond float16's range (largest |x| {float(big.max()):.7g} > 65504) "
+                           f"in the first {rows.shape[0]} frames, first at frame {first}: transport.mel_dtype float16 "
+                           "cannot carry them (use float32, or rescale the mels)")
+
+
 class CacheReader:
     """Reads one manifest's mel and token files into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest, *, open_files: int = 8192, revalidate_s: float = 5.0) -> None:
+    def __init__(self, manifest: Manifest, *, open_files: int = 8192, revalidate_s: float = 5.0,
+                 mel_dtype: str = ARRAY_DTYPES["mel"]) -> None:
         """Bind to ``manifest``; opens nothing until a read.
 
         Args:
             open_files: most cache descriptors kept open between reads (0 = open per read).
             revalidate_s: how long a kept descriptor is trusted before its path is checked again.
+            mel_dtype: the batch's mel dtype (``transport.mel_dtype``), one per reader: the values
+                checked once per file are the ones cast to it.
         """
+        if mel_dtype not in MEL_WIRE_DTYPES:
+            raise ValueError(f"mel_dtype must be one of {list(MEL_WIRE_DTYPES)}, got {mel_dtype!r}")
+        self._mel_dst = np.dtype(mel_dtype)
         self.manifest = manifest
         self._n_mels = manifest.n_mels
         # Path strings built once: pathlib joins cost ~10 us per read, more than the syscalls.
@@ -123,7 +147,9 @@ class CacheReader:
         mel_dir, tok_dir = (os.path.join(manifest.cache_dir, d) for d in ("mels", "tokens"))
         self._mel_paths = [os.path.join(mel_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._tok_paths = [os.path.join(tok_dir, f"{u.id}.npy") for u in manifest.utterances]
-        self._scratch = np.empty(0, dtype=np.float16)  # float16 staging, grown on demand
+        self._scratch = np.empty(0, dtype=np.uint8)  # staging of a mel cast into its row, grown on demand
+        self._bits = np.empty(0, dtype=np.uint16)   # float16 finite check scratch, grown on demand
+        self._half = HalfCaster()                   # float32 file -> float16 row
         self._flags = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
         self._head = bytearray(128)  # header bytes of the file being read, grown on demand
         self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
@@ -143,41 +169,49 @@ class CacheReader:
         """Close every kept descriptor. Idempotent; a later read opens again."""
         self._files.close()
 
-    def read_mel_into(self, index: int, dst: npt.NDArray[np.float32]) -> int:
+    def read_mel_into(self, index: int, dst: npt.NDArray[np.floating]) -> int:
         """Read utterance ``index``'s mel into a batch row.
 
         Args:
             index: Utterance index in the manifest.
-            dst: C-contiguous float32 row view [T_max, n_mels] of the batch buffer.
+            dst: C-contiguous row view [T_max, n_mels] of the batch buffer, of the reader's
+                ``mel_dtype`` (float32 or float16).
 
         Returns:
             Frames written, ``min(frames, T_max)``; rows after that are zeroed.
 
         Raises:
             CacheError: The file is missing, changed since indexing (size or header), ends
-                early, or its first ``n`` frames hold NaN or Inf (``TransientReadError`` if the
-                read failed for a reason outside the file).
+                early, or its first ``n`` frames hold NaN or Inf, or (float32 file, float16 row) a
+                value beyond float16's range (``TransientReadError`` if the read failed for a
+                reason outside the file).
             ValueError: ``dst`` has the wrong dtype, rank, width or layout.
         """
-        _check_dst(dst, _MEL_DST_DTYPE, 2)
+        _check_dst(dst, self._mel_dst, 2)
         if dst.shape[1] != self._n_mels:
             raise ValueError(f"dst has {dst.shape[1]} mel bins, manifest has {self._n_mels}")
         utt = self.manifest.utterances[index]
         n = min(utt.frames, int(dst.shape[0]))
         path = self._mel_paths[index]
         rows = dst[:n]
-        if utt.mel_dtype == "float32":
+        staged = None
+        if utt.mel_dtype == rows.dtype.name:    # the file's dtype is the batch's: straight into the row
             identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(rows))
-        else:  # float16: stage, then widen into the row
-            count = n * self._n_mels
-            if self._scratch.size < count:
-                self._scratch = np.empty(count, dtype=np.float16)
-            staged = self._scratch[:count]
+        else:  # stage in the file's dtype, then widen (float16 file) or round (float32 file) into the row
+            staged = self._staging(n, MEL_DTYPES[utt.mel_dtype])
             identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
-            np.copyto(rows, staged.reshape(n, self._n_mels))
+            if rows.dtype == _MEL_F16:
+                self._half.cast(staged, rows)   # numpy's rounding in less CPU; inf beyond range: refused below
+            else:
+                np.copyto(rows, staged)
         known = self._finite.get(index)
         if known is None or known[0] != identity or known[1] < n:
-            self._check_finite(path, rows)
+            try:
+                self._check_finite(path, rows)
+            except CacheError:
+                if staged is not None and staged.dtype != _MEL_F16:
+                    _refuse_overflow(path, staged, rows)    # finite values the cast made inf: say so
+                raise
             self._finite[index] = (identity, n)
         if n < dst.shape[0]:
             dst[n:] = 0.0
@@ -286,7 +320,14 @@ class CacheReader:
                                    f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
         self._checked_heads[(index, is_mel)] = bytes(head)
 
-    def _check_finite(self, path: str, rows: npt.NDArray[np.float32]) -> None:
+    def _staging(self, frames: int, dtype: np.dtype) -> npt.NDArray[np.floating]:
+        """A [frames, n_mels] array of ``dtype`` in the reused staging buffer (grown on demand)."""
+        nbytes = frames * self._n_mels * dtype.itemsize
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch[:nbytes].view(dtype).reshape(frames, self._n_mels)
+
+    def _check_finite(self, path: str, rows: npt.NDArray[np.floating]) -> None:
         """Raise ``CacheError`` if ``rows`` [n, n_mels] holds NaN or Inf.
 
         Cost (timeit, 2-core dev box): ~8 us per 575-frame row, ~0.5 ms per 64-row batch of 36k
@@ -296,6 +337,8 @@ class CacheReader:
         may start BLAS threads.
         """
         count = rows.size
+        if rows.dtype == _MEL_F16 and self._f16_is_finite(rows.reshape(-1)):
+            return              # numpy's float16 isfinite is not vectorised: 7x the bit test above
         if self._flags.size < count:
             self._flags = np.empty(count, dtype=bool)
         finite = np.isfinite(rows.reshape(-1), out=self._flags[:count])
@@ -305,6 +348,13 @@ class CacheReader:
         first = int(np.argmin(finite)) // self._n_mels
         raise CacheError(path, f"{bad} non-finite values (NaN/Inf) in the first {rows.shape[0]} frames, "
                                f"first at frame {first}; run verify-cache")
+
+    def _f16_is_finite(self, flat: npt.NDArray[np.floating]) -> bool:
+        """Whether every float16 of ``flat`` is finite: its bits shifted left (sign out) stay below 0xF800."""
+        if self._bits.size < flat.size:
+            self._bits = np.empty(flat.size, dtype=np.uint16)
+        shifted = np.left_shift(flat.view(np.uint16), 1, out=self._bits[:flat.size])
+        return bool(shifted.size == 0 or shifted.max() < _F16_NONFINITE_SHIFTED)
 
     def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
         """Read utterance ``index``'s token ids into a batch row.

@@ -62,6 +62,7 @@ class SessionConfig:
     liveness_s: float                 # consumer silent this long: it is gone, re-join
     backoff_max_s: float              # longest pause between two HELLOs
     exit_at_plan_end: bool = False    # the consumer's plan ended: exit 0 (``run``) instead of waiting for the next
+    mel_dtype: str = "float32"        # ``transport.mel_dtype``, announced in HELLO (the consumer's must match)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +150,8 @@ class ProducerSession:
     def hello(self) -> Hello:
         caps = [CAP_SHM] if self._offers_shm else []
         c = self.cfg
-        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps, self._nonce)
+        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps, self._nonce,
+                     mel_dtype=c.mel_dtype)
 
     def on_turn(self, now_s: float) -> list[Message]:
         """Replies owed, then timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""

@@ -21,6 +21,7 @@ from shared.config_checks import check_endpoint, check_int32, check_number, chec
 from shared.config_checks import require as _check
 from shared.config_features import FeatureConfig
 from shared.gpu_select import check_gpu_list
+from shared.wire.layout import MEL_WIRE_DTYPES
 
 __all__ = [
     "BucketConfig",
@@ -136,6 +137,10 @@ class TransportConfig:
     mode: str = "auto"                     # "auto" = shm for ipc://, zmq for tcp://; "shm"; "zmq" = payload frames
     shm_dir: str | None = None             # slot files' directory; None = the ipc socket's directory if it is
                                            # on tmpfs, else /dev/shm
+    # The mel's dtype on the wire and in the slots: "float16" halves the bytes of every path (a float32
+    # cache is cast by the producer; a value beyond float16's range is refused). Both sides must agree
+    # (HELLO); the step gets mel in this dtype and casts (StepSpec.mel_dtype; consumer/README.md).
+    mel_dtype: str = "float32"             # "float32" | "float16"
 
     def __post_init__(self) -> None:
         p = ("transport",)
@@ -159,6 +164,7 @@ class TransportConfig:
                self.handshake_timeout_s)
         _check(self.mode in ("auto", "shm", "zmq"), "must be 'auto', 'shm' or 'zmq'", p + ("mode",), self.mode)
         check_transport_mode(self.mode, self.endpoint)
+        _check(self.mel_dtype in MEL_WIRE_DTYPES, "must be 'float32' or 'float16'", p + ("mel_dtype",), self.mel_dtype)
         if self.shm_dir is not None:
             _check(os.path.isabs(self.shm_dir), "must be an absolute path or null", p + ("shm_dir",), self.shm_dir)
 

@@ -6,7 +6,9 @@ ran TensorFlow cannot do. Builds the reference step twice with the same seed: on
 strategy) and once under ``consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
 both through ``CompiledStep`` in graph mode, and runs the same batches through both. Then a checkpoint
 of the replicated step (``CheckpointStore``) restored into it and the last batches run again must end
-bit-identical to the uninterrupted run, with every replica's copy of every variable equal. Last,
+bit-identical to the uninterrupted run, with every replica's copy of every variable equal. Then a float16
+wire (``transport.mel_dtype: float16``): the replicas split float16 slots (DLPack, no copy) and the reference
+step casts inside each replica's program, bit-identical to float32 slots holding the same values. Last,
 ``jit_compile: true`` on these logical CPU replicas must fail with its one line.
 Writes the figures as JSON; the test (tests/integration/train/test_replicas.py) asserts on them.
 """
@@ -96,9 +98,38 @@ def main(out_path: str) -> int:
         all(np.array_equal(c.numpy(), v.values[0].numpy()) for c in v.values) for v in step_2.variables())
     result["mirrored"] = sum(len(getattr(v, "values", ())) == 2 for v in step_2.variables())
     result["variables"] = len(vars_2)
+    result["float16"] = _float16_replicas(shapes, replicas, batches[:2])
     result["jit_true_error"] = _xla_on_cpu_replicas(cfg, shapes, replicas)
     Path(out_path).write_text(json.dumps(result), encoding="utf-8")
     return 0
+
+
+def _float16_replicas(shapes: list[dict[str, tuple[int, ...]]], replicas: Any,
+                      batches: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Two replicas on float16 slots against two on float32 slots of the same (float16-rounded) values."""
+    from consumer.train.handoff import aligned_empty, to_tensors
+    from consumer.train.model import StepSpec, build_reference_step
+    from consumer.train.replicas import replica_scope
+    from consumer.train.step import CompiledStep
+
+    out: dict[str, Any] = {}
+    for mel_dtype in ("float32", "float16"):
+        cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
+                                   "model": {"learning_rate": 0.01}, "transport": {"mel_dtype": mel_dtype}})
+        with replica_scope(replicas):
+            step = build_reference_step(StepSpec.from_config(cfg, shapes, None))
+        compiled = CompiledStep(step, shapes, jit_compile=False, replicas=replicas, mel_dtype=mel_dtype)
+        compiled.warm_up()
+        losses, copies = [], 0
+        for batch in batches:
+            slot = dict(batch, mel=aligned_empty(batch["mel"].shape, mel_dtype))
+            slot["mel"][...] = batch["mel"].astype(np.float16)
+            tensors, n = to_tensors(slot)
+            copies += n
+            losses.append(float(compiled.run(0, tensors)["loss"]))
+        out[mel_dtype] = (losses, [v.numpy().tobytes() for v in step.variables()], copies)
+    (loss_32, vars_32, _), (loss_16, vars_16, copies_16) = out["float32"], out["float16"]
+    return {"losses": loss_16, "bit_identical": loss_16 == loss_32 and vars_16 == vars_32, "copies": copies_16}
 
 
 def _xla_on_cpu_replicas(cfg: Any, shapes: list[dict[str, tuple[int, ...]]], replicas: Any) -> str:

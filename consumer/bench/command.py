@@ -13,6 +13,8 @@ producer -> consumer GB/s on each path against memcpy measured in the same trial
 (in ``--transports`` by default) is the payload path a remote producer takes: loopback tcp under CURVE,
 one producer count, max rate only, so it adds one trial per round. Each round also runs
 doctor's stage 1 (``python -m producer.probe --warm``) once: a long-running producer's CPU per batch built.
+The transport section and the build probe also run with ``transport.mel_dtype: float16`` (``--mel-dtypes``):
+rows labelled ``-f16``, the cache's mels as they are (float16 files) or cast (float32 files), no goal.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 _ZERO_STEP = "consumer.bench.trial:zero_step"
 _BUILD_PROBE_S = 5.0      # doctor's stage 1 per round (1 s with --smoke)
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
-          "warmup": 3, "demo_utterances": 200}
+          "warmup": 3, "demo_utterances": 200, "mel_dtypes": "float32"}
+_F16_SUFFIX = {"float32": "", "float16": "-f16"}   # system-name label of a wire format (transport.mel_dtype)
 _EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
 
 
@@ -65,7 +68,11 @@ def _ints(text: str, flag: str, low: int = 0) -> list[int]:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     smoke = _SMOKE if args.smoke else {}
     pick: dict[str, Any] = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
-                                                         "batches", "warmup", "demo_utterances")}
+                                                         "batches", "warmup", "demo_utterances", "mel_dtypes")}
+    mel_dtypes = [t for t in pick["mel_dtypes"].split(",") if t]
+    if not mel_dtypes or set(mel_dtypes) - set(_F16_SUFFIX):
+        raise ConfigError("must be a comma-separated subset of float32,float16", path=("--mel-dtypes",),
+                          got=pick["mel_dtypes"])
     transports = [t for t in args.transports.split(",") if t]
     if not transports or set(transports) - {"zmq", "shm", "tcp"}:
         raise ConfigError("must be a comma-separated subset of zmq,shm,tcp", path=("--transports",),
@@ -78,6 +85,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "producers": _ints(pick["producers"], "--producers", 1), "transports": transports,
             "tfdata_parallel": parallel, "batches": pick["batches"], "warmup": pick["warmup"],
             "demo_utterances": pick["demo_utterances"], "service_workers": args.service_workers,
+            "mel_dtypes": mel_dtypes,
             "has_mode": "mode" in TransportConfig.__dataclass_fields__,
             "efficiency_batches": _efficiency_batches(args)}
 
@@ -146,6 +154,8 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
     mapping["transport"]["endpoint"] = None           # ipc in the trial's private runtime dir (tcp: set by the trial)
     if s["has_mode"] and "transport" in system:
         mapping["transport"]["mode"] = "zmq" if system.get("tcp") else system["transport"]
+    if "mel_dtype" in system:                          # the transport section's -f16 rows
+        mapping["transport"]["mel_dtype"] = system["mel_dtype"]
     return mapping
 
 
@@ -205,21 +215,31 @@ def _build_probes(cfg: PipelineConfig, s: dict[str, Any], seconds: float, timeou
                   workdir: Path) -> list[dict[str, Any]]:
     """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds."""
     results: list[dict[str, Any]] = []
-    with handed_over_config(config_to_mapping(cfg), "build.yaml", workdir) as config:
-        for rnd in range(s["rounds"]):
-            proc = spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
-                                     "--seed", str(rnd), "--warm"), env=child_env(), new_group=True, cwd=REPO_ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
-            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-            head = {"system": "producer-build", "kind": "build", "round": rnd, "step_ms": 0}
-            if proc.returncode == 0 and lines and not timed_out:
-                results.append(head | json.loads(lines[-1]) | {"ok": True})
-            else:
-                reason = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-                results.append(head | {"ok": False, "error": f"killed after {timeout_s:.0f} s" if timed_out else reason})
-            log.info("producer build probe round=%d: %s", rnd, f"{results[-1]['cpu_ms_per_batch']:.2f} CPU ms/batch"
-                     if results[-1]["ok"] else results[-1]["error"])
+    for mel_dtype in s["mel_dtypes"]:
+        with handed_over_config(config_to_mapping(with_overrides(cfg, {"transport.mel_dtype": mel_dtype})),
+                                f"build{_F16_SUFFIX[mel_dtype]}.yaml", workdir) as config:
+            results += _build_probe_rounds(config, s, seconds, timeout_s, f"producer-build{_F16_SUFFIX[mel_dtype]}")
+    return results
+
+
+def _build_probe_rounds(config: Path, s: dict[str, Any], seconds: float, timeout_s: float,
+                        system: str) -> list[dict[str, Any]]:
+    """``--rounds`` warm probes of one config, labelled ``system`` (``producer-build``, ``-f16``)."""
+    results: list[dict[str, Any]] = []
+    for rnd in range(s["rounds"]):
+        proc = spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
+                                 "--seed", str(rnd), "--warm"), env=child_env(), new_group=True, cwd=REPO_ROOT,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        head = {"system": system, "kind": "build", "round": rnd, "step_ms": 0}
+        if proc.returncode == 0 and lines and not timed_out:
+            results.append(head | json.loads(lines[-1]) | {"ok": True})
+        else:
+            reason = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            results.append(head | {"ok": False, "error": f"killed after {timeout_s:.0f} s" if timed_out else reason})
+        log.info("%s probe round=%d: %s", system, rnd, f"{results[-1]['cpu_ms_per_batch']:.2f} CPU ms/batch"
+                 if results[-1]["ok"] else results[-1]["error"])
     return results
 
 
@@ -231,8 +251,9 @@ def main_bench(args: argparse.Namespace) -> int:
     efficiency = efficiency_systems(ipc_systems, s["producers"][0]) if s["efficiency_batches"] else []
     if args.transport_only or args.efficiency_only:
         systems = []
-    transport = [x | {"system": f"transport-{x['transport']}-p{max(s['producers'])}", "kind": "transport",
-                      "producers": max(s["producers"])}
+    transport = [x | {"system": f"transport-{x['transport']}-p{max(s['producers'])}{_F16_SUFFIX[dtype]}",
+                      "kind": "transport", "producers": max(s["producers"]), "mel_dtype": dtype}
+                 for dtype in s["mel_dtypes"]
                  for x in ipc_systems if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
     with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp:
         trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))

@@ -15,7 +15,7 @@ from typing import Any
 from consumer.bench import stats as bs
 from consumer.bench.efficiency import render_efficiency
 
-__all__ = ["DEVICE_MODEL", "COPIES_COUNTED", "UNAVAILABLE", "build_report", "render"]
+__all__ = ["DEVICE_MODEL", "COPIES_COUNTED", "UNAVAILABLE", "F16_NOTE", "build_report", "render"]
 
 DEVICE_MODEL = ("device time is modelled by a sleep after the compiled zero-cost step, sized so one step takes "
                 "step_ms (a GPU step costs the host no CPU; real compute on this 2-core machine would steal the "
@@ -25,7 +25,11 @@ COPIES_COUNTED = ("melfeed: the consumer summary's payload_copies_per_batch (pag
                   "padded_batch = 3; service: the tuned 3 + serialise, gRPC send, receive, deserialise = 7); "
                   "prefetch and DLPack pass references")
 UNAVAILABLE = "not available in this build (TransportConfig has no 'mode')"
-_TRANSPORT_METRICS = ("gb_per_s", "memcpy_gb_per_s", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch")
+F16_NOTE = ("note: -f16 rows: transport.mel_dtype float16 (half the mel bytes; float32 cache files are cast by the "
+            "producer, float16 ones read as they are); GB/s counts the bytes moved, so compare batches/s; no goal "
+            "judges them")
+_TRANSPORT_METRICS = ("gb_per_s", "memcpy_gb_per_s", "trainer_cpu_ms_per_batch", "total_cpu_ms_per_batch",
+                      "batches_per_s")
 _BUILD_METRICS = ("cpu_ms_per_batch", "build_ms_p50", "read_ms_p50", "batches_per_s")
 
 
@@ -37,19 +41,25 @@ def build_report(trials: Sequence[Mapping[str, Any]], probes: Sequence[Mapping[s
     baseline = bs.best_system(meds, [x["system"] for x in systems if x["kind"] == "tfdata"])
     melfeed = {x["system"]: x["transport"] for x in systems if x["kind"] == "melfeed" and x["available"]}
     transport_meds = bs.medians_by_system(probes, _TRANSPORT_METRICS)
-    build = bs.build_goal(builds)
+    build = bs.build_goal([b for b in builds if b["system"] == "producer-build"])   # the -f16 probe: no goal
     goals = bs.evaluate_goals(meds, melfeed, baseline) + bs.transport_goals(transport_meds) + (
         [build] if build is not None else [])
     return {"settings": dict(settings), "device_model": DEVICE_MODEL, "copies_counted": COPIES_COUNTED,
             "baseline": baseline, "medians": meds, "ratios": bs.ratios(meds, baseline),
             "transport_medians": transport_meds,
-            "build_medians": {k: bs.median(b.get(k) for b in builds if b.get("ok")) for k in _BUILD_METRICS}
-            if builds else {},
+            "build_medians": _build_medians(builds, "producer-build"),
+            "build_medians_f16": _build_medians(builds, "producer-build-f16"),
             "goals": [g.as_dict() | {"line": g.line()} for g in goals],
             "unavailable": {x["system"]: UNAVAILABLE for x in systems if not x["available"]},
             "failed": [f"{t['system']} round {t['round']} step {t['step_ms']} ms: {t.get('error')}"
                        for t in list(trials) + list(probes) + list(builds) if not t.get("ok")],
             "trials": list(trials), "transport_trials": list(probes), "build_trials": list(builds)}
+
+
+def _build_medians(builds: Sequence[Mapping[str, Any]], system: str) -> dict[str, Any]:
+    """Medians of one build probe's rounds ({} when it did not run)."""
+    mine = [b for b in builds if b["system"] == system and b.get("ok")]
+    return {k: bs.median(b.get(k) for b in mine) for k in _BUILD_METRICS} if mine else {}
 
 
 def _main_table(report: Mapping[str, Any]) -> str:
@@ -82,10 +92,11 @@ def _transport_table(report: Mapping[str, Any]) -> str:
         figs = by_step.get(0, {})
         gbps, memcpy = figs.get("gb_per_s"), figs.get("memcpy_gb_per_s")
         rows.append([system, gbps, memcpy, None if not gbps or not memcpy else gbps / memcpy,
-                     figs.get("trainer_cpu_ms_per_batch"), figs.get("total_cpu_ms_per_batch")])
-    rows += [[system, "n/a", None, None, None, None] for system in report["unavailable"]
+                     figs.get("batches_per_s"), figs.get("trainer_cpu_ms_per_batch"), figs.get("total_cpu_ms_per_batch")])
+    rows += [[system, "n/a", None, None, None, None, None] for system in report["unavailable"]
              if system.startswith("transport-")]
-    return bs.format_table(["path", "GB/s", "memcpy GB/s", "x memcpy", "consumer CPU ms/b", "total CPU ms/b"], rows)
+    return bs.format_table(["path", "GB/s", "memcpy GB/s", "x memcpy", "batches/s", "consumer CPU ms/b",
+                            "total CPU ms/b"], rows)
 
 
 def render(report: Mapping[str, Any]) -> str:
@@ -102,11 +113,13 @@ def render(report: Mapping[str, Any]) -> str:
              "with a calibrated step cost:", _stall_table(report)]
     if report["transport_medians"] or any(x.startswith("transport-") for x in report["unavailable"]):
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
-    if report.get("build_medians"):
-        b = report["build_medians"]
+    if report.get("build_medians") or report.get("build_medians_f16"):
+        rows = [[label] + [report[key].get(k) for k in _BUILD_METRICS] for label, key in
+                (("float32 wire", "build_medians"), ("float16 wire (-f16)", "build_medians_f16")) if report.get(key)]
         parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
-                  bs.format_table(["CPU ms/batch", "build ms p50", "read ms p50", "batches/s"],
-                                  [[b.get(k) for k in _BUILD_METRICS]])]
+                  bs.format_table(["mel format", "CPU ms/batch", "build ms p50", "read ms p50", "batches/s"], rows)]
+    if any(x.endswith("-f16") for x in report["transport_medians"]) or report.get("build_medians_f16"):
+        parts += [F16_NOTE]
     if "feed_efficiency" in report:
         parts += ["", f"feed efficiency ({s['efficiency_batches']} measured batches per trial; the configured model, "
                   "reference by default: fed steps/s / steps/s on resident batches of the same buckets):",

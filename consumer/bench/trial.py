@@ -56,7 +56,8 @@ class _ZeroStep:
 
     def __call__(self, mel: Any, mel_len: Any, tokens: Any, tok_len: Any) -> Any:
         import tensorflow as tf
-        return mel[0, 0, 0] + tf.cast(mel_len[0] + tokens[0, 0] + tok_len[0], tf.float32)
+        # the cast: a float16 wire (transport.mel_dtype) hands over float16 mel, cast inside the program
+        return tf.cast(mel[0, 0, 0], tf.float32) + tf.cast(mel_len[0] + tokens[0, 0] + tok_len[0], tf.float32)
 
     def variables(self) -> list[Any]:
         return []

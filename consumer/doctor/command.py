@@ -172,7 +172,8 @@ def main_doctor(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     n = cfg.producer.count
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
+                               mel_dtype=cfg.transport.mel_dtype)
     mix = batch_mix(bucket_set)
     facts = _facts(cfg, bucket_set, _padding_alternatives(cfg, manifest.frames, manifest.token_counts))
     largest = bucket_set.max_batch_nbytes()

@@ -109,7 +109,8 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from shared.cache.features import load_manifest_for
 
     manifest = load_manifest_for(cfg)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
+    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
+                               mel_dtype=cfg.transport.mel_dtype)
     m = cfg.model
     shapes = [b.shapes() for b in bucket_set.buckets]
     replicas = Replicas.from_config(cfg)     # consumer.replicas: the arrangement `run` would use
@@ -118,7 +119,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
         step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None,
                                                                  extras=extras))
     compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas,
-                            extras=extras)
+                            extras=extras, mel_dtype=cfg.transport.mel_dtype)
     compile_s = compiled.warm_up()
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
@@ -144,7 +145,7 @@ def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
     from consumer.train.handoff import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
-    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype=arrays["mel"].dtype)
+    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype="float32")   # cast on a float16 wire
     arrays["mel_len"][...] = bucket.max_frames
     arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
     arrays["tok_len"][...] = bucket.max_tokens

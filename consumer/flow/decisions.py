@@ -26,6 +26,7 @@ class HandshakeContract:
     buckets: list[list[int]]
     n_mels: int
     seed: int
+    mel_dtype: str = "float32"    # transport.mel_dtype: a producer writing the other dtype is refused
 
 
 @dataclass(frozen=True, slots=True)

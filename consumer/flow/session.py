@@ -220,7 +220,8 @@ class ReceiverSession:
         c = self.cfg.contract
         for name, theirs, ours in (("manifest fingerprint", msg.fingerprint, c.fingerprint),
                                    ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
-                                   ("bucket shapes", msg.buckets, c.buckets)):
+                                   ("bucket shapes", msg.buckets, c.buckets),
+                                   ("transport.mel_dtype", msg.mel_dtype, c.mel_dtype)):
             if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
                 # The peer is not authenticated yet: the reply names only its own value (the log has ours).
                 raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "

@@ -50,12 +50,14 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
                     dtypes: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
     """One full batch of a bucket's shapes: every row at full length, mel ~ N(0, 1) from a fixed seed.
 
-    Extra arrays of the batch schema (keys beyond the four base ones, dtypes from ``dtypes``) are zeros.
+    Extra arrays of the batch schema (keys beyond the four base ones, dtypes from ``dtypes``) are zeros;
+    mel takes ``dtypes["mel"]`` when given (float16 on a float16 wire, ``transport.mel_dtype``).
     """
     batch, frames, n_mels = shapes["mel"]
     tokens = shapes["tokens"][1]
     rng = np.random.default_rng(_BATCH_SEED)
-    base = {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32),
+    base = {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32).astype(
+                (dtypes or {}).get("mel", "float32"), copy=False),
             "mel_len": np.full((batch,), frames, np.int32),
             "tokens": (1 + np.arange(batch * tokens, dtype=np.int32) % max(1, vocab_size - 1)).reshape(batch, tokens),
             "tok_len": np.full((batch,), tokens, np.int32)}

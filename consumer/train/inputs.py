@@ -3,7 +3,8 @@
 Role: the step gets the base arrays positionally (``mel, mel_len, tokens, tok_len``) and each extra
 array of the batch schema (``shared/wire/schema.py``) as a keyword argument, but only those its
 ``__call__`` names, or all of them with ``**extras``. Decided once per step from its signature, so a step
-written for the four base arrays runs unchanged on a cache with extras.
+written for the four base arrays runs unchanged on a cache with extras. ``mel`` comes in the wire's
+dtype (``transport.mel_dtype``, ``StepSpec.mel_dtype``): float16 is cast by the step, inside its program.
 Invariants: the base arrays are never passed by keyword; extras keep the batch's order.
 Shutdown: nothing to release; pure functions.
 """
@@ -34,9 +35,10 @@ def accepted_extras(step: object, extras: Sequence[ExtraSpec]) -> tuple[str, ...
     return tuple(k for k in keys if k in named and k not in ARRAY_KEYS)
 
 
-def input_dtypes(extras: Sequence[ExtraSpec]) -> dict[str, tf.DType]:
-    """TensorFlow dtype of every array a batch may hold: the base arrays, each extra and its length."""
-    out = {name: tf.as_dtype(dtype) for name, dtype in ARRAY_DTYPES.items()}
+def input_dtypes(extras: Sequence[ExtraSpec], mel_dtype: str = ARRAY_DTYPES["mel"]) -> dict[str, tf.DType]:
+    """TensorFlow dtype of every array a batch may hold: the base arrays (mel in ``transport.mel_dtype``),
+    each extra and its length."""
+    out = {name: tf.as_dtype(dtype) for name, dtype in {**ARRAY_DTYPES, "mel": mel_dtype}.items()}
     for spec in extras:
         out[spec.name] = tf.as_dtype(spec.dtype)
         if spec.length_key is not None:

@@ -229,7 +229,8 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None)
         step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered, replicas=replicas, extras=consumer.extras)
+                                 remembered=remembered, replicas=replicas, extras=consumer.extras,
+                                 mel_dtype=cfg.transport.mel_dtype)
 
 
 def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:

@@ -82,9 +82,13 @@ class StepSpec:
     # bucket in bucket_shapes). ``__call__`` receives each one it names as a keyword argument (or all
     # with ``**extras``); a sequence extra's length comes as ``<name>_len``.
     extras: tuple[ExtraSpec, ...] = ()
+    # The dtype "mel" arrives in (transport.mel_dtype): "float16" halves the bytes of every data path, and
+    # the step casts it inside its compiled program (``tf.cast(mel, tf.float32)``, as the reference step does).
+    mel_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0 or self.replicas < 1:
+        if (self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0 or self.replicas < 1
+                or self.mel_dtype not in ("float32", "float16")):
             raise ValueError(f"invalid StepSpec: {self}")
         # frozen + slots: object.__setattr__ is how __post_init__ may normalise; read-only views
         # so a factory cannot change what the next factory call (or the summary) sees.
@@ -101,7 +105,7 @@ class StepSpec:
                    bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,
                    batches_per_epoch=batches_per_epoch, params=dict(m.params or {}),
                    replicas=cfg.consumer.replica_count,
-                   extras=tuple(extras))
+                   extras=tuple(extras), mel_dtype=cfg.transport.mel_dtype)
 
 
 def global_sum(value: tf.Tensor) -> tf.Tensor:
@@ -129,7 +133,8 @@ class TrainStep(Protocol):
         Each is read as float32, averaged over the status interval and reported by name.
         Must be traceable by ``tf.function`` (with ``jit_compile=True`` when XLA is used) and
         create no variables.
-        Shapes: mel [B, T, M] float32, mel_len [B] int32, tokens [B, L] int32, tok_len [B] int32;
+        Shapes: mel [B, T, M] float32 (float16 when ``StepSpec.mel_dtype`` says so: cast it in the step),
+        mel_len [B] int32, tokens [B, L] int32, tok_len [B] int32;
         extras (``StepSpec.extras``) come as keyword arguments when ``__call__`` names them.
         """
         ...
@@ -255,6 +260,7 @@ class _ReferenceStep:
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
                  tok_len: tf.Tensor) -> tf.Tensor:
+        mel = tf.cast(mel, tf.float32)   # a float16 wire (StepSpec.mel_dtype): cast inside the program; else a no-op
         trainable = self.model.trainable_variables
         with tf.GradientTape() as tape:
             pred = self.model(tokens, tok_len, mel_len, n_frames=mel.shape[1])

@@ -117,11 +117,14 @@ class CompiledStep:
             each on its share of the batch's rows (consumer/train/replicas.py); None = one device.
         extras: the batch schema's extra arrays (``Consumer.extras``); those the step's ``__call__``
             names are passed by keyword (shapes from ``bucket_shapes``), the others are not passed.
+        mel_dtype: ``transport.mel_dtype``, the dtype of the ``mel`` the programs take (the slot's):
+            a float16 mel is cast by the step inside its program (``StepSpec.mel_dtype``).
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
                  jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
-                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = ()) -> None:
+                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (),
+                 mel_dtype: str = "float32") -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -130,7 +133,7 @@ class CompiledStep:
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
         self._passed = accepted_extras(step, extras)   # extra keys the step takes (consumer/train/inputs.py)
-        self._dtypes = input_dtypes(extras)
+        self._dtypes = input_dtypes(extras, mel_dtype)    # mel float16 on a float16 wire: the step casts
         if extras:
             log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
                      [e.name for e in extras if e.name not in self._passed] or "none")
@@ -250,6 +253,11 @@ class CompiledStep:
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
+        except StepError as err:
+            if self._dtypes["mel"] != tf.float16:
+                raise
+            raise StepError(self._factory, f"{err.reason} (mel is float16 here, transport.mel_dtype: float16: "
+                                           "cast it in the step, tf.cast(mel, tf.float32); consumer/README.md)") from err
         except Exception as err:
             if self._output_error is not None:   # whatever TensorFlow wrapped it in
                 raise ConfigError(str(self._output_error), path=("model", "step"), got=self._factory

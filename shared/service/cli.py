@@ -171,6 +171,9 @@ def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-workers", type=int, default=1, help="tf.data service workers (0 = skip the service)")
     p.add_argument("--transport-only", action="store_true", help="only the transport GB/s section")
     p.add_argument("--no-transport", action="store_true", help="skip the transport GB/s section")
+    p.add_argument("--mel-dtypes", default="float32,float16",
+                   help="wire formats (transport.mel_dtype) of the transport section and the producer build probe; "
+                        "float16 rows are labelled -f16 and judged by no goal (--smoke: float32 only)")
     p.add_argument("--efficiency-batches", type=int, default=None,
                    help="measured batches of each feed-efficiency trial (reference model; default 100, "
                         "0 with --smoke; 0 = skip the section)")

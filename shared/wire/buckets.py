@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from shared.config import BucketConfig
 from shared.errors import ConfigError
-from shared.wire.layout import ARRAY_DTYPES
+from shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
 from shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
@@ -45,7 +45,9 @@ class Bucket:
     """One fixed batch shape: B rows of up to T mel frames and L tokens, plus the cache's extras.
 
     ``extras`` is the batch schema beyond the base arrays (``shared/wire/schema.py``);
-    ``seq_lengths`` holds the padded length S of each ``sequence`` extra, in declaration order.
+    ``seq_lengths`` holds the padded length S of each ``sequence`` extra, in declaration order;
+    ``mel_dtype`` is the mel's dtype on the wire and in a slot (``transport.mel_dtype``), so every
+    layout, size and check that follows ``dtypes()`` follows it (float16: half the mel bytes).
     """
 
     index: int        # position in BucketSet.buckets
@@ -55,8 +57,11 @@ class Bucket:
     n_mels: int       # mel channels per frame
     extras: tuple[ExtraSpec, ...] = ()
     seq_lengths: tuple[int, ...] = ()   # S of each sequence extra (declaration order), >= 1
+    mel_dtype: str = ARRAY_DTYPES["mel"]   # one of MEL_WIRE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.mel_dtype not in MEL_WIRE_DTYPES:
+            raise ValueError(f"bucket mel_dtype must be one of {list(MEL_WIRE_DTYPES)}, got {self.mel_dtype!r}")
         if self.index < 0:
             raise ValueError(f"bucket index must be >= 0, got {self.index}")
         for name in ("batch_size", "max_frames", "max_tokens", "n_mels"):
@@ -83,6 +88,7 @@ class Bucket:
     def dtypes(self) -> dict[str, str]:
         """NumPy dtype names of the arrays in ``shapes()``, by the same keys and order."""
         out = dict(ARRAY_DTYPES)
+        out["mel"] = self.mel_dtype
         for spec in self.extras:
             out[spec.name] = spec.dtype
             if spec.length_key:
@@ -260,7 +266,8 @@ def _assign(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], bounds
 
 
 def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.integer],
-                  n_mels: int, cfg: BucketConfig, schema: ExtraSchema | None = None) -> BucketSet:
+                  n_mels: int, cfg: BucketConfig, schema: ExtraSchema | None = None, *,
+                  mel_dtype: str = ARRAY_DTYPES["mel"]) -> BucketSet:
     """Group utterances into a few fixed shapes and assign every utterance to one.
 
     Args:
@@ -272,6 +279,8 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
             ``max_frames`` are lowered to it. Both are rounded up to ``frame_multiple``.
         schema: the manifest's extras (``Manifest.schema``); a sequence extra's S in a bucket is
             its longest length among the bucket's members. None = no extras.
+        mel_dtype: the mel's dtype on the wire and in a slot (``transport.mel_dtype``); it changes
+            no shape and no assignment, only the bytes (``Bucket.mel_dtype``).
 
     Returns:
         The bucket set; identical inputs give an identical set on every host.
@@ -299,7 +308,7 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
     buckets = tuple(
         Bucket(index=k, batch_size=_batch_size(cfg, int(t)), max_frames=int(t),
                max_tokens=cfg.max_tokens if cfg.max_tokens is not None else max(1, int(longest_tokens[k])),
-               n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq))
+               n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq), mel_dtype=mel_dtype)
         for k, t in enumerate(sizes_t))
     real = int(np.minimum(lengths[kept], sizes_t[assignment[kept]]).sum())
     return BucketSet(buckets=buckets, assignment=assignment.astype(np.int16),

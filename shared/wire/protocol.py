@@ -84,6 +84,7 @@ class Hello:
     # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
     # (older producers send none) makes every HELLO a re-handshake (docs/ARCHITECTURE.md "Wire protocol").
     nonce: int | None = None
+    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +209,8 @@ def encode(msg: Message) -> bytes:
             d["caps"] = msg.caps
         if msg.nonce is not None:
             d["nonce"] = msg.nonce
+        if msg.mel_dtype != "float32":   # absent = float32, so a float32 HELLO is unchanged on the wire
+            d["mel"] = msg.mel_dtype
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
              "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
@@ -366,7 +369,8 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
                      [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps,
-                     _count(d, "nonce") if "nonce" in d else None)
+                     _count(d, "nonce") if "nonce" in d else None,
+                     _get(d, "mel", str) if "mel" in d else "float32")
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
                        bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None,

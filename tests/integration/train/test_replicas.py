@@ -35,6 +35,8 @@ def test_two_replicas_match_one_on_the_whole_batch_and_resume_bit_identically(tm
     assert r["max_abs_var_diff_1_vs_2"] <= 1e-5 * max(1.0, r["max_abs_var_1"]) * 10, r   # summed gradients
     assert r["resumed_bit_identical"] and r["replica_copies_equal"], r
     assert r["losses_resumed"] == r["losses_2"][2:]
+    f16 = r["float16"]                       # transport.mel_dtype: float16, split and cast on each replica
+    assert f16["bit_identical"] and f16["copies"] == 0 and f16["losses"][0] > 0, f16
     assert r["jit_true_error"] == ("model.step tiny: XLA cannot compile the step (jit_compile: true): XlaUnavailable: "
                                    "XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
                                    "MirroredStrategy updates every replica's variables from one program there")

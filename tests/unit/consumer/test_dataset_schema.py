@@ -38,3 +38,8 @@ def test_a_cache_without_extras_offers_the_base_features_only() -> None:
     with pytest.raises(ValueError, match="subset"):
         from consumer.dataset import make_dataset
         make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, ("speaker",))
+
+
+def test_a_float16_wire_gives_the_element_spec_a_float16_mel() -> None:
+    feats, mel = _spec(_consumer(Bucket(0, 2, 8, 3, 4, mel_dtype="float16")), ("tokens",), None)
+    assert mel == tf.TensorSpec((None, None, 4), tf.float16, name="mel") and feats["tokens"].dtype == tf.int32

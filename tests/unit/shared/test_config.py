@@ -32,6 +32,7 @@ from shared.errors import ConfigError
     ({"transport": {"mode": "tcp"}}, "transport.mode: must be 'auto', 'shm' or 'zmq', got 'tcp'"),
     ({"transport": {"mode": "shm", "endpoint": "tcp://127.0.0.1:5555"}}, "transport.mode: 'shm' needs an ipc://"),
     ({"transport": {"shm_dir": "rel/dir"}}, "transport.shm_dir: must be an absolute path"),
+    ({"transport": {"mel_dtype": "bfloat16"}}, "transport.mel_dtype: must be 'float32' or 'float16', got 'bfloat16'"),
     ({"consumer": {"metrics_port": 0}}, "consumer.metrics_port: must be in 1..65535 or null, got 0"),
     ({"consumer": {"gpu_sample_interval_s": -1}}, "consumer.gpu_sample_interval_s: must be >= 0"),
     ({"consumer": {"metrics_window_s": 0}}, "consumer.metrics_window_s: must be > 0"),

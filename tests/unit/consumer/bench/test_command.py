@@ -46,6 +46,6 @@ def test_the_tcp_trial_config_asks_for_payload_frames() -> None:
 def test_an_unknown_transport_is_refused_naming_the_flag() -> None:
     args = argparse.Namespace(smoke=False, rounds=1, step_ms="5", producers="1", tfdata_parallel="8", batches=5,
                               warmup=1, demo_utterances=200, transports="zmq,udp", service_workers=0,
-                              efficiency_batches=0, efficiency_only=False)
+                              efficiency_batches=0, efficiency_only=False, mel_dtypes="float32")
     with pytest.raises(ConfigError, match="--transports"):
         command._settings(args)

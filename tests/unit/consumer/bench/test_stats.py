@@ -7,7 +7,7 @@ import math
 import pytest
 
 from consumer.bench import stats as bs
-from consumer.bench.report import build_report, render
+from consumer.bench.report import F16_NOTE, build_report, render
 
 
 def _trial(system: str, step_ms: int, rnd: int, **figures: float | None) -> dict:
@@ -162,3 +162,18 @@ def test_the_tcp_payload_path_is_judged_on_its_max_rate_trial_alone() -> None:
                                    _trial("melfeed-tcp-p1", 0, 0, batches_per_s=140.0, trainer_cpu_ms_per_batch=3.6)])
     verdict = {g.name: g.passed for g in bs.evaluate_goals(slower, {"melfeed-tcp-p1": "tcp"}, "tf")}
     assert verdict["max rate >= 1.5 x tf"] is False and verdict["trainer CPU/batch <= 0.35 x tf"] is False
+
+
+def test_float16_rows_are_labelled_shown_beside_float32_and_judged_by_no_goal() -> None:
+    probes = [_trial(s, 0, r, gb_per_s=g, memcpy_gb_per_s=8.0, batches_per_s=b)
+              for r in range(3) for s, g, b in (("transport-shm-p1", 4.4, 300.0), ("transport-shm-p1-f16", 0.5, 400.0))]
+    builds = [{"system": s, "round": r, "step_ms": 0, "ok": True, "cpu_ms_per_batch": v, "build_ms_p50": v,
+               "read_ms_p50": 1.0, "batches_per_s": 100.0} for r in range(3)
+              for s, v in (("producer-build", 1.2), ("producer-build-f16", 17.0))]
+    report = build_report([], probes, [], {"rounds": 3, "batches": 10, "warmup": 2, "step_ms": []}, builds)
+    assert [(g["system"], g["passed"]) for g in report["goals"]] == [("transport-shm-p1", True),
+                                                                     ("producer-build", True)]
+    assert report["build_medians"]["cpu_ms_per_batch"] == 1.2 and report["build_medians_f16"]["cpu_ms_per_batch"] == 17
+    text = render(report)
+    assert F16_NOTE in text and "float16 wire (-f16)" in text and "transport-shm-p1-f16" in text
+    assert "batches/s" in text.split("transport (")[1]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
 from shared.config import BucketConfig
 from shared.errors import ConfigError
+from shared.wire.layout import ALIGN_BYTES, batch_layout, layout_nbytes
 
 
 def _padded_cost(frames: list[int], bounds: tuple[int, ...]) -> int:
@@ -179,3 +180,21 @@ def test_build_buckets_invariants(frames: list[int], data: st.DataObject, num_bu
     assert (bs.padding_efficiency() > 0) == (bs.real_frames > 0)
 
 
+
+
+def test_a_float16_mel_halves_the_mel_bytes_and_keeps_every_array_64_byte_aligned() -> None:
+    wide = Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3)
+    half = Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3, mel_dtype="float16")
+    assert half.dtypes() == {**wide.dtypes(), "mel": "float16"} and half.shapes() == wide.shapes()
+    assert wide.nbytes() - half.nbytes() == 3 * 7 * 3 * 2          # half the mel's bytes, nothing else
+    layout = batch_layout(half)                                     # 126 mel bytes: the next array is padded
+    assert [(k, str(d)) for k, _, _, d in layout][0] == ("mel", "float16")
+    assert all(offset % ALIGN_BYTES == 0 for _, offset, _, _ in layout)
+    assert layout_nbytes(half) < layout_nbytes(wide) and half.as_wire() == wide.as_wire()   # HELLO says the dtype
+    with pytest.raises(ValueError, match="mel_dtype"):
+        Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3, mel_dtype="float64")
+    cfg = BucketConfig(boundaries=(16, 32), batch_size=2)
+    plain = build_buckets(np.array([10, 30]), np.array([3, 4]), 80, cfg)
+    halves = build_buckets(np.array([10, 30]), np.array([3, 4]), 80, cfg, mel_dtype="float16")
+    assert [b.mel_dtype for b in halves.buckets] == ["float16"] * 2 and halves.as_wire() == plain.as_wire()
+    assert halves.max_batch_nbytes() == plain.max_batch_nbytes() - 2 * 32 * 80 * 2

@@ -16,6 +16,7 @@ MESSAGES = [
     BatchHeader(123, 5, 1, [[32, 440, 80], [32], [32, 106], [32]], ["float32", "int32", "int32", "int32"], 77, [3]),
     BatchHeader(123, 6, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, []),
     Hello(1, "producer-2", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM]),
+    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM], mel_dtype="float16"),
     Welcome(123, 2, 0.5, False, "/run/melfeed"),
     LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
@@ -32,6 +33,12 @@ MESSAGES = [
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: object) -> None:
     assert decode_header(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+def test_a_float32_hello_carries_no_mel_key_so_older_peers_see_the_same_bytes() -> None:
+    plain = Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7)
+    assert "mel" not in msgpack.unpackb(encode(plain))
+    assert msgpack.unpackb(encode(Hello(1, "p-1", "ab", [], 80, 7, mel_dtype="float16")))["mel"] == "float16"
 
 
 @pytest.mark.parametrize(("raw", "code"), [

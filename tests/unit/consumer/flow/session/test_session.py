@@ -40,7 +40,7 @@ def test_hello_with_an_unsupported_protocol_is_refused_with_proto() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("fingerprint", "cd" * 32), ("n_mels", 80), ("seed", 43),
-                                          ("buckets", [[0, 2, 16, 4, 3]])])
+                                          ("buckets", [[0, 2, 16, 4, 3]]), ("mel_dtype", "float16")])
 def test_hello_with_another_contract_is_refused_with_contract(field: str, value: object,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig()
@@ -57,7 +57,8 @@ def test_hello_with_another_contract_is_refused_with_contract(field: str, value:
     assert repr(value)[:20] in out.msg.why                      # its own value, to fix its config by
     [line] = [r.getMessage() for r in caplog.records if "code=CONTRACT" in r.getMessage()]
     ours = {"fingerprint": CONTRACT.fingerprint[:20], "n_mels": "consumer 3", "seed": "consumer 42",
-            "buckets": "consumer [[0"}[field]
+            "buckets": "consumer [[0", "mel_dtype": "transport.mel_dtype differs: producer 'float16', consumer "
+                                                    "'float32'"}[field]
     assert ours in line
 
 
