@@ -1,0 +1,162 @@
+"""This consumer as one worker of ``tf.distribute.MultiWorkerMirroredStrategy``: start, agree, lose a peer.
+
+Role: the TensorFlow side of a multi-worker job (docs/ARCHITECTURE.md, "Ranks"). ``start_job`` builds
+the strategy from the ``TF_CONFIG`` the consumer already resolved (``shared/service/tf_config.py``;
+``--tf-config FILE`` is exported as ``TF_CONFIG`` first), before any other TensorFlow op initialises
+the runtime; ``Job.agree`` is the collective that picks the checkpoint every rank resumes from
+(``consumer/job/agree.py`` is the rule); ``Job.guard`` turns a collective that failed because a peer is
+gone into one ``JobLostError`` line. No cluster manager or side channel of melfeed's own: the ranks
+meet only in TensorFlow's collectives and its coordination service.
+
+Bounds, TensorFlow's own mechanisms, set from the config:
+    * ``consumer.peer_timeout_s``: the coordination service's heartbeat timeout. A rank that died or
+      froze (SIGKILL, SIGSTOP, host down) stops heartbeating; after this long every other rank's
+      pending and next collective fails ("tasks are unhealthy"). A rank whose process is gone with
+      its sockets (the chief, which hosts the service, or a refused connection) is noticed sooner.
+    * ``consumer.collective_timeout_s``: ``CommunicationOptions(timeout_seconds=...)`` on every
+      collective, and how long the ranks wait for each other to join at start (the service's
+      registration timeout). A live rank that stops stepping (stopped alone, starved of data, a long
+      checkpoint write) holds the others at their next collective for at most this long.
+Invariants:
+    * ``start_job`` returns ``None`` for a world of 1: nothing here runs, today's single consumer.
+    * Every rank calls ``agree`` exactly once, before its consumer binds (same collective order on
+      every rank), and gets the same answer.
+    * A lost peer is never a traceback and never a hang: one line naming this rank and what TensorFlow
+      said, exit ``EXIT_JOB_LOST`` (non-zero, not 78: systemd's ``Restart=on-failure`` restarts it).
+Shutdown: nothing to release; TensorFlow tears the collective runtime down with the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from consumer.job.agree import OFFER_WIDTH, common_step, offer_row
+from shared.config import PipelineConfig
+from shared.errors import JobLostError
+from shared.service.tf_config import WorkerPlace
+
+__all__ = ["Job", "lost_contact_error", "start_job"]
+
+log = logging.getLogger(__name__)
+
+_MAX_WHY_CHARS = 300
+
+
+class Job:
+    """The strategy of a multi-worker job and this worker's place in it."""
+
+    def __init__(self, place: WorkerPlace, strategy: Any, cfg: PipelineConfig) -> None:
+        self.place = place
+        self.strategy = strategy
+        self.peer_timeout_s = cfg.consumer.peer_timeout_s
+        self.collective_timeout_s = cfg.consumer.collective_timeout_s
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world(self) -> int:
+        return self.place.world
+
+    def agree(self, committed: Sequence[int]) -> int | None:
+        """The step every rank resumes from: the newest that all committed (None: none has any).
+
+        A collective (``strategy.gather`` of each rank's ``offer_row``): every rank must call it.
+
+        Raises:
+            StateError-free: a rank without the common step raises ``LookupError`` (the caller words it);
+            JobLostError: a peer is gone.
+        """
+        import tensorflow as tf
+        row = offer_row(committed)
+        with self.guard("agreeing on the checkpoint to resume from"):
+            per_replica = self.strategy.run(lambda: tf.constant([row], tf.int64))
+            gathered = self.strategy.gather(per_replica, axis=0).numpy().reshape(-1, OFFER_WIDTH)
+        local = len(self.strategy.extended.worker_devices)   # each local replica offered the same row
+        rows = [list(map(int, r)) for r in gathered[::local]]
+        step = common_step(rows)
+        log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
+                 f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
+        return step
+
+    @contextmanager
+    def guard(self, doing: str) -> Iterator[None]:
+        """Inside: a collective failing because a peer is gone raises ``JobLostError`` (one line)."""
+        try:
+            yield
+        except Exception as err:
+            lost = lost_contact_error(err, self.rank, doing)
+            if lost is None:
+                raise
+            raise lost from err
+
+
+def lost_contact_error(err: BaseException, rank: int, doing: str) -> JobLostError | None:
+    """The one-line error for a collective that failed because the job lost a peer; None for other errors."""
+    import tensorflow as tf
+    lost_types = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                  tf.errors.CancelledError)
+    if not isinstance(err, lost_types):
+        return None
+    text = getattr(err, "message", str(err))
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.strip().startswith(("[[", "Detected at", "Graph execution error"))]
+    why = " ".join(lines[:2]) or type(err).__name__
+    if len(why) > _MAX_WHY_CHARS:
+        why = why[:_MAX_WHY_CHARS - 3] + "..."
+    return JobLostError(rank, f"{doing}: {why}")
+
+
+def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
+    """The strategy of ``place``'s job (None for a world of 1), created before any other TensorFlow op.
+
+    Imports TensorFlow, applies ``configure_memory`` (GPU memory growth or cap), configures the
+    coordination service (heartbeat and join bounds) and builds ``MultiWorkerMirroredStrategy`` with the
+    collective timeout; this waits until every rank has joined, at most ``consumer.collective_timeout_s``.
+
+    Raises:
+        ConfigError: ``consumer.replicas`` asks for more than one CPU replica per worker.
+        JobLostError: the ranks did not all join in time.
+    """
+    if not place.is_multi_worker:
+        return None
+    import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    from consumer.placement import configure_memory
+    configure_memory(cfg, tf)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    c = cfg.consumer
+    # What the strategy would configure itself (its default heartbeat is 10 s, its join wait an hour),
+    # with melfeed's bounds: set before the strategy initialises the runtime, which then keeps it.
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=int(c.peer_timeout_s * 1000),
+        cluster_register_timeout_in_ms=int(c.collective_timeout_s * 1000),
+        shutdown_barrier_timeout_in_ms=int(c.peer_timeout_s * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                          for job in ("chief", "worker") if job in spec.jobs])
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=c.collective_timeout_s)
+    log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s); waiting at most %.0f s for "
+             "every rank", place.rank, place.world, ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()),
+             c.collective_timeout_s)
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                             communication_options=options)
+    except Exception as err:     # the coordination service reports a join timeout in several types
+        lost = lost_contact_error(err, place.rank, "joining the job")
+        if lost is None:
+            raise
+        raise lost from err
+    log.info("rank %d of %d: the job is up: %d replicas in sync, local devices %s; a lost peer ends this rank "
+             "after at most %.0f s without heartbeats (consumer.peer_timeout_s), a stalled collective after "
+             "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
+             list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
+    return Job(place, strategy, cfg)
