@@ -103,9 +103,11 @@ def lost_contact_error(err: BaseException, rank: int, doing: str) -> JobLostErro
     if not isinstance(err, lost_types):
         return None
     text = getattr(err, "message", str(err))
-    lines = [line.strip() for line in text.splitlines()
-             if line.strip() and not line.strip().startswith(("[[", "Detected at", "Graph execution error"))]
-    why = " ".join(lines[:2]) or type(err).__name__
+    # TensorFlow's text: "Graph execution error:", "Detected at node ...", the Python frames that defined the
+    # op (indented), the reason (not indented, a few lines), then "\t [[{{node ...}}]]".
+    reason = [line for line in text.splitlines() if line.strip() and line == line.lstrip()
+              and not line.startswith(("Graph execution error", "Detected at"))]
+    why = " ".join(reason[:2]) or type(err).__name__
     if len(why) > _MAX_WHY_CHARS:
         why = why[:_MAX_WHY_CHARS - 3] + "..."
     return JobLostError(rank, f"{doing}: {why}")

@@ -31,8 +31,10 @@ def test_a_killed_rank_ends_the_other_in_bounded_time_and_both_resume_exactly(de
     text = job.log(0).read_text(errors="replace")
     assert code == EXIT_JOB_LOST, job.tails()
     assert gave_up_s < job_procs.PEER_TIMEOUT_S + _EXIT_SLACK_S, gave_up_s
-    assert ("run_pipeline.py run: rank 0: lost contact with the job (training: " in text
-            and "restart every rank to resume from the newest common checkpoint" in text), job.tails()
+    line = next((x for x in text.splitlines() if "lost contact" in x), "")
+    assert line.startswith("run_pipeline.py run: rank 0: lost contact with the job (training: ") and line.endswith(
+        "); restart every rank to resume from the newest common checkpoint"), job.tails()
+    assert "Traceback" not in text and 'File "' not in line, line      # TensorFlow's reason, not its frames
     first = [job.losses(rank) for rank in (0, 1)]
     assert len(first[1]) >= _KILL_AFTER
 

@@ -10,6 +10,8 @@ from shared.config_loader import config_from_mapping
 from shared.errors import ConfigError
 
 _HEARTBEATS = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call last):\n"
+               '  File "/srv/melfeed/run_pipeline.py", line 55, in <module>\n\n'
+               '  File "/srv/melfeed/consumer/train/replicas.py", line 173, in whole\n    per_replica = strategy.run(\n\n'
                "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are "
                "unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed.\n"
                "\t [[{{node CollectiveReduceV2}}]]")
