@@ -68,14 +68,19 @@ class Job:
         A collective (``strategy.gather`` of each rank's ``offer_row``): every rank must call it.
 
         Raises:
-            StateError-free: a rank without the common step raises ``LookupError`` (the caller words it);
+            LookupError: some rank has checkpoints but no step is on every rank (the caller words it).
             JobLostError: a peer is gone.
         """
         import tensorflow as tf
         row = offer_row(committed)
+        strategy = self.strategy
+
+        @tf.function   # eagerly, the strategy warns that its collectives are slow there
+        def gather(offer: tf.Tensor) -> tf.Tensor:
+            return strategy.gather(strategy.run(lambda: tf.identity(offer)), axis=0)
+
         with self.guard("agreeing on the checkpoint to resume from"):
-            per_replica = self.strategy.run(lambda: tf.constant([row], tf.int64))
-            gathered = self.strategy.gather(per_replica, axis=0).numpy().reshape(-1, OFFER_WIDTH)
+            gathered = gather(tf.constant([row], tf.int64)).numpy().reshape(-1, OFFER_WIDTH)
         local = len(self.strategy.extended.worker_devices)   # each local replica offered the same row
         rows = [list(map(int, r)) for r in gathered[::local]]
         step = common_step(rows)
