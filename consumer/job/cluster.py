@@ -15,7 +15,7 @@ Bounds, TensorFlow's own mechanisms, set from the config:
       its sockets (the chief, which hosts the service, or a refused connection) is noticed sooner.
     * ``consumer.collective_timeout_s``: ``CommunicationOptions(timeout_seconds=...)`` on every
       collective, and how long the ranks wait for each other to join at start (the service's
-      registration timeout). A live rank that stops stepping (stopped alone, starved of data, a long
+      registration timeout, backed by ``faulthandler``'s watchdog, which ends a process still waiting: exit 1). A live rank that stops stepping (stopped alone, starved of data, a long
       checkpoint write) holds the others at their next collective for at most this long.
 Invariants:
     * ``start_job`` returns ``None`` for a world of 1: nothing here runs, today's single consumer.
@@ -29,6 +29,8 @@ Shutdown: nothing to release; TensorFlow tears the collective runtime down with 
 from __future__ import annotations
 
 import logging
+import faulthandler
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -43,6 +45,7 @@ __all__ = ["Job", "lost_contact_error", "start_job"]
 log = logging.getLogger(__name__)
 
 _MAX_WHY_CHARS = 300
+_JOIN_GRACE_S = 10.0    # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
 
 
 class Job:
@@ -152,8 +155,13 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
                           for job in ("chief", "worker") if job in spec.jobs])
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=c.collective_timeout_s)
     log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s); waiting at most %.0f s for "
-             "every rank", place.rank, place.world, ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()),
-             c.collective_timeout_s)
+             "every rank (consumer.collective_timeout_s), then this process ends with exit 1", place.rank, place.world,
+             ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()), c.collective_timeout_s + _JOIN_GRACE_S)
+    # The join's bound: TensorFlow's registration timeout logs its error but leaves the constructor blocked
+    # (seen here: a rank started alone waited for good), holding the GIL, so neither a Python thread nor a
+    # signal handler can run. faulthandler's watchdog is a C thread: it ends the process (exit 1) if the
+    # join outlasts the bound. Nothing is open yet (no state directory, socket or producers).
+    faulthandler.dump_traceback_later(c.collective_timeout_s + _JOIN_GRACE_S, exit=True, file=_devnull())
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                              communication_options=options)
@@ -162,8 +170,22 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
         if lost is None:
             raise
         raise lost from err
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     log.info("rank %d of %d: the job is up: %d replicas in sync, local devices %s; a lost peer ends this rank "
              "after at most %.0f s without heartbeats (consumer.peer_timeout_s), a stalled collective after "
              "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
              list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
     return Job(place, strategy, cfg)
+
+
+
+def _devnull() -> Any:
+    """Where the join watchdog's traceback goes: nowhere (the log says what happened before it)."""
+    global _DEVNULL
+    if _DEVNULL is None:
+        _DEVNULL = open(os.devnull, "w", encoding="utf-8")   # noqa: SIM115 (kept open for the watchdog)
+    return _DEVNULL
+
+
+_DEVNULL: Any = None
