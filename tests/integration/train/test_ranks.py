@@ -73,3 +73,17 @@ def test_a_tf_config_that_is_no_usable_cluster_is_one_line_and_exit_78(demo_cach
                               env=_env(tmp_path, tf_config), capture_output=True, text=True, timeout=_TIMEOUT_S)
         assert proc.returncode == 78, proc.stderr[-2000:]
         assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+
+
+def test_a_rank_whose_peers_never_join_ends_after_the_bound(demo_cache: Path, tmp_path: Path) -> None:
+    """TensorFlow's own join timeout leaves the constructor blocked; the process must still end by itself."""
+    import yaml
+    job = job_procs.Job(tmp_path, demo_cache, _STEPS)
+    cfg = yaml.safe_load(job.config(0).read_text())
+    cfg["consumer"].update(peer_timeout_s=2.0, collective_timeout_s=2.0)
+    job.config(0).write_text(yaml.safe_dump(cfg))
+    alone = job.start(0)                                    # rank 1 never starts
+    assert alone.wait(_TIMEOUT_S) == 1, job.tails()
+    text = job.log(0).read_text(errors="replace")
+    assert "waiting at most 12 s for every rank (consumer.collective_timeout_s), then this process ends" in text
+    assert not (job.state(0) / "run.json").exists()        # it ended before opening the state directory
