@@ -11,6 +11,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,9 +94,9 @@ class Job:
 
     def audit(self) -> tuple[int, dict[str, object], str]:
         report = self.tmp / f"audit-{time.monotonic_ns()}.json"
-        proc = subprocess.run(procs.command("audit", self.config(0))[:2] + ["audit", *map(str, map(self.state, range(WORLD))),
-                                                                             "--json", str(report)],
-                              cwd=procs.REPO, capture_output=True, text=True, timeout=60)
+        states = [str(self.state(rank)) for rank in range(WORLD)]
+        proc = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", *states, "--json",
+                               str(report)], cwd=procs.REPO, capture_output=True, text=True, timeout=60)
         doc = json.loads(report.read_text()) if report.exists() else {}
         return proc.returncode, doc, proc.stdout + proc.stderr
 
