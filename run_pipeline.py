@@ -24,7 +24,7 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.cli import build_parser
-    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, StateError, StepError
+    from shared.errors import EXIT_CONFIG, EXIT_JOB_LOST, CacheError, ConfigError, JobLostError, StateError, StepError
     from shared.service.lifecycle import setup_logging
 
     args = build_parser().parse_args(argv)
@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StepError as err:    # the step cannot run (e.g. jit_compile: true and XLA fails)
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return 1
+    except JobLostError as err:  # a multi-worker job lost a rank: restart every rank (newest common checkpoint)
+        print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
+        return EXIT_JOB_LOST
 
 
 if __name__ == "__main__":

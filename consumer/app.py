@@ -9,7 +9,11 @@ signal, 78 configuration error, 1 unexpected failure.
 
 Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
 else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are
-then this rank's share (docs/ARCHITECTURE.md "Ranks").
+then this rank's share (docs/ARCHITECTURE.md "Ranks"). With a world above 1 the built-in loop trains
+under ``MultiWorkerMirroredStrategy``: the strategy is built (``consumer/job/cluster.py``) before the
+state directory is opened, and the ranks agree there, with one collective, on the checkpoint every
+rank resumes from; only then does the consumer bind and lease from that checkpoint's next batch.
+A rank that loses contact with the job exits ``EXIT_JOB_LOST`` with one line.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from consumer.feed import Consumer
+from consumer.job.cluster import Job, start_job
 from consumer.placement import apply_placement, configure_memory
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
@@ -34,7 +39,7 @@ from shared.service.cli import config_from_args, with_demo_cache
 from shared.config import PipelineConfig
 from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
-from shared.errors import ConfigError, PipelineError
+from shared.errors import ConfigError, PipelineError, StateError
 from shared.service.children import Child, child_env, python_argv, spawn, write_private_config
 from shared.service.lifecycle import PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
@@ -56,13 +61,15 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
-        with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
+        job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
+        with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
                 Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                          world=place.world) as consumer, \
                 _telemetry(cfg, consumer, started_s, state) as telemetry:
-            configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
+            if job is None:
+                configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  notifier=notifier, telemetry=telemetry)
+                  notifier=notifier, telemetry=telemetry, job=job)
     except PipelineError as err:
         notifier.notify(STATUS=f"failed: {err}")
         raise
@@ -114,23 +121,41 @@ def worker_place(args: argparse.Namespace) -> WorkerPlace:
     if place.is_multi_worker:
         log.info("rank %d of %d (%s, task %s:%d): this consumer leases and applies only its share of the plan",
                  place.rank, place.world, place.source, place.task_type, place.task_index)
-        log.warning("the built-in loop trains each rank's model on its own share; variables are not kept in step "
-                    "across ranks (no MultiWorkerMirroredStrategy here yet)")
     return place
 
 
 @contextmanager
-def _opened_state(cfg: PipelineConfig, place: WorkerPlace) -> Iterator[RunState | None]:
-    """The state directory's lock, audit log and resume cursor for the whole run."""
+def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = None) -> Iterator[RunState | None]:
+    """The state directory's lock, audit log and resume cursor for the whole run; in a multi-worker job the
+    checkpoint every rank agreed on (a collective: each rank calls ``job.agree`` once, with or without state)."""
     from shared.cache.features import load_manifest_for
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
+    if place.is_multi_worker and cfg.consumer.state_dir is not None and cfg.consumer.keep_checkpoints < 2:
+        raise ConfigError(f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
+                          "the ranks may be one commit apart, and the one before must still be on every rank",
+                          path=("consumer", "keep_checkpoints"), got=cfg.consumer.keep_checkpoints)
     state = RunState.open(cfg, load_manifest_for(cfg).fingerprint, rank=place.rank, world=place.world)
     try:
+        if job is not None:
+            _agree(job, state)
         yield state
     finally:
         if state is not None:
             state.close()
+
+
+def _agree(job: Job, state: RunState | None) -> None:
+    """Every rank offers its committed steps; all resume from the newest step that every rank committed."""
+    try:
+        step = job.agree(state.committed_steps() if state is not None else [])
+    except LookupError as err:
+        raise StateError(state.root if state is not None else "consumer.state_dir", f"rank {job.rank}: {err}") from None
+    if state is not None:
+        state.resume_at(step)
+    elif step is not None:
+        raise ConfigError(f"rank {job.rank} has no state directory, but the other ranks resume from step {step}: give "
+                          "every rank its consumer.state_dir", path=("consumer", "state_dir"))
 
 
 def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
@@ -141,19 +166,21 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     _check_paths(cfg, args)
     raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
-    with stop_on_signals() as stop, _opened_state(cfg, place) as state, \
+    job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
+    with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                      world=place.world) as consumer, \
             _telemetry(cfg, consumer, started_s, state) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, entry, args.debug_delay_ms)
-        configure_memory(cfg)        # imports TensorFlow (while the producers start): growth or the cap
+        if job is None:
+            configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap
         watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
         watcher.start()
         try:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  telemetry=telemetry)
+                  telemetry=telemetry, job=job)
         finally:
             _await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + _PRODUCERS_EXIT_S)
             stop_producers(group)

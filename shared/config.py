@@ -199,7 +199,9 @@ class ConsumerConfig:
     state_dir: str | None = None           # checkpoints and logs; None = no persistent state
     wait_timeout_s: float = 2.0            # one bounded wait of the step loop for its next batch
     checkpoint_every_steps: int = 200      # with state_dir: checkpoint period (also on stop and at the end)
-    keep_checkpoints: int = 2              # complete checkpoints kept in state_dir (>= 1)
+    keep_checkpoints: int = 2              # complete checkpoints kept in state_dir (>= 1; >= 2 in a multi-worker job)
+    peer_timeout_s: float = 30.0           # multi-worker job: a rank silent this long (dead, frozen) ends the others
+    collective_timeout_s: float = 600.0    # multi-worker job: longest wait for the other ranks, to join and per step
     metrics_window_s: float = 30.0         # sliding window of the live figures (snapshots, status, Prometheus)
     gpu_sample_interval_s: float = 1.0     # NVML sampling period of the model and data GPUs; 0 = off
     metrics_file: str | None = None        # JSON lines, one snapshot per status interval + a final one; None = off
@@ -237,6 +239,10 @@ class ConsumerConfig:
         _check(self.checkpoint_every_steps >= 1, "must be >= 1", p + ("checkpoint_every_steps",),
                self.checkpoint_every_steps)
         _check(self.keep_checkpoints >= 1, "must be >= 1", p + ("keep_checkpoints",), self.keep_checkpoints)
+        _check(1 <= self.peer_timeout_s <= 3600, "must be in 1..3600 seconds", p + ("peer_timeout_s",),
+               self.peer_timeout_s)
+        _check(self.peer_timeout_s <= self.collective_timeout_s <= 86400, "must be in consumer.peer_timeout_s..86400 "
+               "seconds", p + ("collective_timeout_s",), self.collective_timeout_s)
         _check(self.metrics_window_s > 0, "must be > 0", p + ("metrics_window_s",), self.metrics_window_s)
         _check(self.gpu_sample_interval_s >= 0, "must be >= 0 (0 = off)", p + ("gpu_sample_interval_s",),
                self.gpu_sample_interval_s)

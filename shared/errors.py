@@ -17,12 +17,15 @@ __all__ = [
     "ProtocolError",
     "ClosedError",
     "EXIT_CONFIG",
+    "EXIT_JOB_LOST",
+    "JobLostError",
     "MAX_REASON_CHARS",
     "StateError",
     "StepError",
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+EXIT_JOB_LOST = 75  # sysexits EX_TEMPFAIL: a multi-worker job lost a rank; restarting every rank resumes it
 _MAX_LINE_CHARS = 2000  # a ConfigError's whole text: a long path plus a value, never a screenful
 MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, never a traceback
 
@@ -111,3 +114,18 @@ class StepError(PipelineError):
         self.factory = factory
         self.reason = reason
         super().__init__(f"model.step {factory}: {reason}")
+
+
+class JobLostError(PipelineError):
+    """A rank of a multi-worker job lost contact with the others (a peer died, froze or stopped alone).
+
+    One line naming this rank and what TensorFlow's collectives reported; the process exits
+    ``EXIT_JOB_LOST`` so that systemd (``Restart=on-failure``) or the operator restarts it, and the job
+    resumes every rank from the newest checkpoint all ranks committed.
+    """
+
+    def __init__(self, rank: int, why: str) -> None:
+        self.rank = rank
+        self.why = why
+        super().__init__(_one_line(f"rank {rank}: lost contact with the job ({why}); restart every rank to "
+                                   "resume from the newest common checkpoint"))

@@ -29,7 +29,7 @@ from pathlib import Path
 from consumer.resume.filemode import STATE_DIR_MODE, restrict, write_private
 from shared.errors import StateError
 
-__all__ = ["Cursor", "CheckpointStore", "latest_checkpoint", "latest_cursor", "list_checkpoints"]
+__all__ = ["Cursor", "CheckpointStore", "latest_checkpoint", "latest_cursor", "list_checkpoints", "read_cursor"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(out, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def _read_cursor(path: Path) -> Cursor:
+def read_cursor(path: Path) -> Cursor:
+    """The cursor of checkpoint directory ``path`` (OSError, ValueError, TypeError when unreadable)."""
     doc = json.loads((path / _CURSOR).read_text(encoding="utf-8"))
     if doc.get("format") != _FORMAT:
         raise ValueError(f"cursor format {doc.get('format')!r}, this melfeed reads {_FORMAT}")
@@ -73,7 +74,7 @@ def latest_checkpoint(root: Path) -> tuple[Path, Cursor] | None:
     """The newest checkpoint whose cursor and variable index are readable, or ``None``."""
     for path in reversed(list_checkpoints(root)):
         try:
-            cursor = _read_cursor(path)
+            cursor = read_cursor(path)
             if not (path / f"{_VARS}.index").is_file():
                 raise ValueError(f"{_VARS}.index is missing")
             return path, cursor
@@ -112,7 +113,7 @@ class CheckpointStore:
             StateError: (not fatal) the write failed; the previous checkpoint is intact.
         """
         import tensorflow as tf
-        final = self.root / f"{_PREFIX}{cursor.next_batch:012d}"
+        final = self.path_of(cursor.next_batch)
         if final.exists():
             return final                            # same position: identical lineage state
         tmp = self.root / f"{final.name}{_TMP}{os.getpid()}"
@@ -136,6 +137,14 @@ class CheckpointStore:
         self._prune()
         log.info("checkpoint %s (next batch %d) in %.2f s", final.name, cursor.next_batch, time.perf_counter() - t0)
         return final
+
+    def path_of(self, step: int) -> Path:
+        """Where the checkpoint whose next batch is ``step`` lives (it may not exist)."""
+        return self.root / f"{_PREFIX}{step:012d}"
+
+    def remove(self, path: Path) -> None:
+        """Delete checkpoint ``path`` (one of this store's)."""
+        shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[:-self.keep]:

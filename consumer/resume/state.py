@@ -21,6 +21,11 @@ Invariants:
       existed means "pad" (what ran then).
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
+    * A rank of a multi-worker job resumes from the step the ranks agreed on (``committed_steps``, then
+      ``resume_at``; consumer/job/agree.py), which may be older than its own newest checkpoint: the
+      cursor, the audit log (truncated to that checkpoint's record count) and the variables all come
+      from that one checkpoint, and the newer checkpoints of this rank are removed (a lineage the job
+      abandoned: left on disk, a later agreement could pick one whose peers trained on).
     * Everything created here is 0640 / 0750 or stricter whatever the umask (``filemode``): only the
       service user and group can read the variables or the data order.
     * A periodic checkpoint that cannot be written (disk full, too many open files, EIO) is one
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
-from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint
+from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints, read_cursor
 from consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
 from shared.config import PipelineConfig
 from shared.config_loader import config_to_mapping
@@ -117,6 +122,42 @@ class RunState:
         except BaseException:
             os.close(lock_fd)
             raise
+
+    def committed_steps(self) -> list[int]:
+        """The steps (next batch ids) of this directory's complete checkpoints, oldest first."""
+        return [int(path.name.rsplit("-", 1)[1]) for path in list_checkpoints(self.root)]
+
+    def resume_at(self, step: int | None) -> None:
+        """Resume from the checkpoint of ``step`` (None: from the start), as the job's ranks agreed.
+
+        The cursor and the audit log follow that checkpoint; this rank's checkpoints newer than it are
+        removed (the job abandoned their lineage).
+
+        Raises:
+            StateError: this directory has no readable checkpoint of ``step`` (exit 78).
+        """
+        if step is None:
+            if self.committed_steps():
+                raise StateError(self.root, "the job starts from scratch but this rank has checkpoints: every rank "
+                                            "must start with an empty state directory, or all with theirs")
+            return
+        path = self._store.path_of(step)
+        try:
+            cursor = read_cursor(path)
+        except (OSError, ValueError, TypeError) as err:
+            raise StateError(path, f"the job resumes from step {step}, but this rank cannot read that checkpoint "
+                                   f"({err}); restore it or start every rank with new state directories") from None
+        if (cursor.fingerprint, cursor.seed) != (self._identity["fingerprint"], self._identity["seed"]):
+            raise StateError(path, "checkpoint belongs to another dataset or seed")
+        for newer in [p for p in list_checkpoints(self.root) if int(p.name.rsplit("-", 1)[1]) > step]:
+            log.warning("removing checkpoint %s: newer than the job's common step %d (a lineage the job abandoned)",
+                        newer.name, step)
+            self._store.remove(newer)
+        dropped = self._audit.truncate_to(cursor.audit_records)
+        self._resume_path, self.next_batch = path, cursor.next_batch
+        self._saved_records = self._audit.records
+        log.info("state %s: the job resumes at step %d (checkpoint %s); %d more audit records dropped", self.root,
+                 self.next_batch, path.name, dropped)
 
     @property
     def resumed(self) -> bool:

@@ -41,6 +41,7 @@ from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
 from shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
+    from consumer.job.cluster import Job
     from consumer.observe.telemetry import Telemetry
     from consumer.train.efficiency import ResidentLimit
     from consumer.train.step import CompiledStep
@@ -91,6 +92,8 @@ class TrainSummary:
     checkpoint_failures: int = 0        # periodic checkpoints that could not be written (each retried later)
     interrupted: bool = False
     next_batch: int | None = None       # resume position of the final checkpoint (with a state_dir)
+    rank: int = 0                       # this consumer's rank in a multi-worker job (TF_CONFIG)
+    world: int = 1                      # ranks in the job; > 1: MultiWorkerMirroredStrategy, outputs are the job's
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
@@ -99,7 +102,7 @@ class TrainSummary:
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
           notifier: Notifier | None = None, telemetry: Telemetry | None = None,
-          on_step: Callable[[int], None] | None = None) -> TrainSummary:
+          on_step: Callable[[int], None] | None = None, job: Job | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -112,15 +115,29 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     With ``telemetry``: a snapshot with every status line, during starved waits, and at the end.
     ``on_step(steps_done)`` runs right after each step was dispatched (on the CPU: completed), while
     its slot is still held and inside the timed step (``bench`` models device time there with a sleep).
+    With ``job`` (a multi-worker job, consumer/job/cluster.py) the step runs under its
+    ``MultiWorkerMirroredStrategy`` on this rank's batches; the named scalars are the job's (all-reduced),
+    checkpoints fall at the same steps on every rank (``state.due`` counts steps), and a peer lost
+    during a collective raises ``JobLostError`` (no final checkpoint: the job resumes from a common one).
     """
+    if job is None:
+        return _train(cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step, None)
+    with job.guard("training"):
+        return _train(cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step, job)
+
+
+def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, process_start_s: float,
+           summary_path: str | None, state: RunState | None, notifier: Notifier | None,
+           telemetry: Telemetry | None, on_step: Callable[[int], None] | None, job: Job | None) -> TrainSummary:
     from consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
-    step_fn, compiled = _build_step(cfg, consumer, state)
+    step_fn, compiled = _build_step(cfg, consumer, state, job)
     consumer.start()
     cache_dir = active_xla_cache_dir()
     out = TrainSummary(padding_efficiency=0.0, replicas=cfg.consumer.replica_count,
+                       rank=job.rank if job is not None else 0, world=job.world if job is not None else 1,
                        partial=cfg.buckets.partial,
                        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
@@ -167,6 +184,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
             copies += done.host_copies
             payload_copies += batch.copies
             out.steps += 1
+            log.debug("applied batch %d loss %r", batch.batch_id, loss_v)   # the job's loss on every rank
             if state is not None:
                 state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
                 if state.due():
@@ -211,9 +229,11 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     return out
 
 
-def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> tuple[Any, CompiledStep]:
+def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
+                job: Job | None = None) -> tuple[Any, CompiledStep]:
     """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
-    under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py).
+    under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
+    job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
 
     With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
     """
@@ -224,7 +244,7 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None)
     factory = load_step_factory(cfg.model.step)
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
-    replicas = Replicas.from_config(cfg)
+    replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):
         step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None

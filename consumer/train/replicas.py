@@ -1,4 +1,4 @@
-"""Several model devices on one host: the compiled step under ``tf.distribute.MirroredStrategy``.
+"""Several model devices: the compiled step under ``MirroredStrategy`` (one host) or a job's ``MultiWorkerMirroredStrategy``.
 
 Role: ``Replicas.from_config`` picks the devices (the first ``consumer.replicas`` visible GPUs, or as many
 logical CPU devices, which ``consumer.placement.configure_memory`` creates before TensorFlow initialises
@@ -13,6 +13,11 @@ host->device), hand them to the strategy (``experimental_distribute_values_from_
 step on each replica under ``strategy.run`` (its own ``tf.function``, XLA per ``model.jit_compile``) and
 sum each named scalar over the replicas.
 
+In a multi-worker job (``Replicas.for_job``, the strategy from consumer/job/cluster.py) the same program
+runs under ``MultiWorkerMirroredStrategy``: N is this worker's local devices (its GPUs, or its one CPU
+device), each worker splits its own rank's batch over them, and ``global_sum`` and the summed named
+scalars are all-reduced over every replica of every worker, so each rank reads the job's values.
+
 Invariants:
     * Every bucket's rows divide by N (``check_rows``; ``buckets.batch_size`` is checked when the config
       loads), so every replica gets the same shapes and one program serves them all.
@@ -25,7 +30,9 @@ Invariants:
     * XLA on logical CPU devices: TensorFlow's MirroredStrategy updates every replica's variables from
       one thread there (a merge_call), which XLA cannot compile across devices; ``jit_compile: auto``
       then falls back to graph mode with that reason, ``true`` fails (step.py). On GPUs every replica
-      updates its own copy inside its XLA program.
+      updates its own copy inside its XLA program. Under ``MultiWorkerMirroredStrategy`` on CPU devices
+      TensorFlow has no XLA collectives ("Collectives are not yet implemented for CPU devices when
+      compiling with XLA", after which the process aborted when tried here): the same fallback, before trying.
 Shutdown: nothing to release; the strategy lives as long as the step.
 """
 
@@ -71,12 +78,17 @@ class XlaUnavailable(RuntimeError):
 class Replicas:
     """A MirroredStrategy over ``devices`` and the programs that run the step on each of them."""
 
-    def __init__(self, devices: Sequence[str]) -> None:
-        if len(devices) < 2:
+    def __init__(self, devices: Sequence[str], strategy: Any = None) -> None:
+        """``strategy``: a job's ``MultiWorkerMirroredStrategy`` over this worker's ``devices``; None = a
+        ``MirroredStrategy`` over ``devices`` (at least 2)."""
+        if strategy is None and len(devices) < 2:
             raise ValueError(f"need at least 2 devices, got {list(devices)}")
         self.devices = list(devices)
-        self.strategy = tf.distribute.MirroredStrategy(self.devices)
-        log.info("replicas: %d on %s (MirroredStrategy)", len(self.devices), ", ".join(self.devices))
+        self.multi_worker = strategy is not None
+        self.strategy = strategy if strategy is not None else tf.distribute.MirroredStrategy(self.devices)
+        log.info("replicas: %d on %s (%s)", len(self.devices), ", ".join(self.devices),
+                 f"MultiWorkerMirroredStrategy, {self.strategy.num_replicas_in_sync} in the job" if self.multi_worker
+                 else "MirroredStrategy")
 
     @property
     def count(self) -> int:
@@ -110,6 +122,22 @@ class Replicas:
                               path=("consumer", "replicas"), got=n)
         return cls([c.name for c in cpus[:n]])
 
+    @classmethod
+    def for_job(cls, strategy: Any, cfg: PipelineConfig) -> Replicas:
+        """This worker's share of a job's ``MultiWorkerMirroredStrategy``: its local devices.
+
+        Raises:
+            ConfigError: ``consumer.replicas`` differs from the strategy's local devices (on the CPU the
+                strategy uses one device per worker).
+        """
+        devices = [str(d) for d in strategy.extended.worker_devices]
+        n = cfg.consumer.replica_count
+        if n != len(devices):
+            raise ConfigError(f"{n} replicas per worker, but MultiWorkerMirroredStrategy runs on {len(devices)} local "
+                              f"device(s) here ({', '.join(devices)}): every visible GPU, else one CPU device",
+                              path=("consumer", "replicas"), got=n)
+        return cls(devices, strategy)
+
     def scope(self) -> Any:
         """Build the step (every variable) in here: ``with replicas.scope(): step = factory(spec)``."""
         return self.strategy.scope()
@@ -122,6 +150,10 @@ class Replicas:
         ``jit_compile``); ``on_trace`` runs once per trace of the whole program (step.py counts them).
         """
         n = self.count
+        if jit_compile and not self.on_gpus and self.multi_worker:
+            raise XlaUnavailable("XLA cannot compile MultiWorkerMirroredStrategy's collectives on CPU devices "
+                                 "(TensorFlow: collectives are not yet implemented for CPU devices when compiling "
+                                 "with XLA)")
         if jit_compile and not self.on_gpus:
             raise XlaUnavailable("XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
                                  "MirroredStrategy updates every replica's variables from one program there")
@@ -137,7 +169,7 @@ class Replicas:
             on_trace()
             parts = [tf.split(arg, n, axis=0) for arg in args]   # row views; see the module docstring
             values = strategy.experimental_distribute_values_from_function(
-                lambda ctx: tuple(p[ctx.replica_id_in_sync_group] for p in parts))
+                lambda ctx: tuple(p[ctx.replica_id_in_sync_group % n] for p in parts))   # the local replica
             per_replica = strategy.run(per_replica_fn, args=values)
             return {name: strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
                     for name, value in per_replica.items()}

@@ -290,6 +290,8 @@ class CompiledStep:
             return choose_mode("auto", xla_error=reason)
         if self._setting is True or self._remembered == "xla":
             return choose_mode(self._setting, remembered=self._remembered)
+        if self._replicas is not None and self._replicas.multi_worker:   # timings differ per rank: no timing
+            return JitChoice("xla", "XLA compiled (not timed: every rank of a multi-worker job must pick the same)")
         key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
         xla_times = self._time_calls(key)
         self._compile_all("graph", only=key)

@@ -7,7 +7,6 @@ the first one's socket taken (shared/service/rank_defaults.py)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,20 +14,10 @@ from pathlib import Path
 import yaml
 
 from tests import procs
+from tests.job_procs import free_ports
 
 _STEPS = 30
 _DELAY_MS = "100"    # per batch: the run lasts >= 3 s, long enough to ask `status` while it trains
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _logs(tmp_path: Path) -> str:
@@ -43,7 +32,7 @@ def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sock
         "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
         "consumer": {"steps": _STEPS, "wait_timeout_s": 0.5, "status_interval_s": 1.0},
         "model": {"step": procs.TINY_STEP, "jit_compile": False}}), encoding="utf-8")
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     consumers, producers, tf_configs = [], [], []
     for rank in (0, 1):
         tf_config = tmp_path / f"tf_config-{rank}.json"

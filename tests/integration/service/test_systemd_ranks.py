@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,23 +15,13 @@ import pytest
 import yaml
 
 from tests import procs
+from tests.job_procs import free_ports
 from tests.systemd_ns import INSIDE, SystemdNS
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(SystemdNS.unavailable() is not None, reason=str(SystemdNS.unavailable()))]
 
 _STEPS = 30
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _deploy_rank(units: Path, work: Path, rank: int) -> None:
@@ -65,7 +54,7 @@ def test_two_ranks_units_run_side_by_side_under_real_systemd(demo_cache: Path, t
         "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
         "consumer": {"steps": _STEPS, "checkpoint_every_steps": 10, "wait_timeout_s": 0.5, "status_interval_s": 1.0},
         "model": {"step": procs.TINY_STEP, "jit_compile": False}}))
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     for rank in (0, 1):
         (work / f"state{rank}").mkdir()
         (work / f"tf_config-{rank}.json").write_text(json.dumps({"cluster": {"worker": workers},

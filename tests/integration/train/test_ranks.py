@@ -1,6 +1,7 @@
-"""Two consumers as ranks of one job on this machine (no strategy): each `run_pipeline.py run` with its own
-TF_CONFIG task index, state dir and producers applies its share of the plan, and `audit A B` is exact;
-a TF_CONFIG that is not a usable cluster is one line and exit 78."""
+"""Two consumers as the ranks of one MultiWorkerMirroredStrategy job on this machine (loopback, CPU): each
+`run_pipeline.py run` with its own TF_CONFIG task index, state dir and producers applies its share of the
+plan to one model kept in step by the strategy, and `audit A B` is exact; a TF_CONFIG that is not a usable
+cluster is one line and exit 78. A rank killed mid-run: tests/integration/train/test_ranks_restart.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
 
-from tests import procs
+from tests import job_procs
 from tests.conftest import REPO
 
-_STEPS = 24
+_STEPS = 100
 _TIMEOUT_S = 300.0   # two TensorFlow processes on a loaded 2-core machine; a real hang only
 
 
@@ -34,36 +34,31 @@ def _env(tmp_path: Path, tf_config: str | None) -> dict[str, str]:
     return env | ({"TF_CONFIG": tf_config} if tf_config is not None else {})
 
 
-def test_two_ranks_each_apply_their_share_and_the_audit_of_both_is_exact(demo_cache: Path, tmp_path: Path) -> None:
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
-                                   "model": {"step": procs.TINY_STEP, "jit_compile": False},
-                                   "transport": {"heartbeat_interval_s": 0.2}}))
-    runs = []
-    for rank in (0, 1):
-        args = _cli("run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "1",
-                    "--steps", str(_STEPS), "--endpoint", f"ipc://{tmp_path}/rank{rank}.sock",
-                    "--state-dir", str(tmp_path / f"state{rank}"), "--summary-json", str(tmp_path / f"s{rank}.json"),
-                    tmp_path=tmp_path)
-        with open(tmp_path / f"rank{rank}.log", "wb") as out:
-            runs.append(subprocess.Popen(args, cwd=REPO, env=_env(tmp_path, _tf_config(rank)),
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+def test_two_ranks_train_one_model_in_step_and_the_audit_of_both_is_exact(demo_cache: Path, tmp_path: Path) -> None:
+    """Two `run` processes as the two workers of one MultiWorkerMirroredStrategy job, each feeding its own
+    share: every rank logs the same job loss at every step, it falls, the final variables are the same bytes
+    on both ranks, and the union of the two audit logs is the whole plan exactly once."""
+    job = job_procs.Job(tmp_path, demo_cache, _STEPS)
+    runs = job.start_all()
     codes = [p.wait(_TIMEOUT_S) for p in runs]
-    logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in (0, 1)]
-    assert codes == [0, 0], [log[-3000:] for log in logs]
-    assert "rank 1 of 2 (TF_CONFIG, task worker:1)" in logs[1]
+    assert codes == [0, 0], job.tails()
+    losses = [job.losses(rank) for rank in (0, 1)]
+    assert sorted(losses[0]) == list(range(_STEPS)), job.tails()
+    assert losses[0] == losses[1]                                 # one job loss, step by step, bit for bit
+    first, last = (sum(float(losses[0][b]) for b in ids) / 10 for ids in (range(10), range(_STEPS - 10, _STEPS)))
+    assert last < 0.8 * first, (first, last)
+    assert job.variables_bytes(0) == job.variables_bytes(1)      # model + optimizer identical on both ranks
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"s{rank}.json").read_text())["batches_applied"] == _STEPS
-        assert json.loads((tmp_path / f"state{rank}" / "run.json").read_text())["world"] == 2
-    report = tmp_path / "audit.json"
-    audit = subprocess.run(_cli("audit", str(tmp_path / "state0"), str(tmp_path / "state1"), "--json", str(report),
-                                tmp_path=tmp_path), cwd=REPO, env=_env(tmp_path, None), capture_output=True,
-                           text=True, timeout=_TIMEOUT_S)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    doc = json.loads(report.read_text())
+        summary = json.loads(job.summary(rank).read_text())
+        assert (summary["rank"], summary["world"], summary["batches_applied"]) == (rank, 2, _STEPS)
+        assert summary["jit_compile"] == "graph" and summary["devices"] == [
+            f"/job:worker/replica:0/task:{rank}/device:CPU:0"]
+    assert "variables are not kept in step" not in job.log(0).read_text()
+    code, doc, text = job.audit()
+    assert code == 0, text
     assert doc["total"]["expected"] == doc["total"]["applied"] == 2 * _STEPS
     assert all(r["content_checked"] and r["applied"] == _STEPS for r in doc["ranks"])
-    alone = subprocess.run(_cli("audit", str(tmp_path / "state0"), str(tmp_path / "state0"), tmp_path=tmp_path),
+    alone = subprocess.run(_cli("audit", str(job.state(0)), str(job.state(0)), tmp_path=tmp_path),
                            cwd=REPO, env=_env(tmp_path, None), capture_output=True, text=True, timeout=_TIMEOUT_S)
     assert alone.returncode == 1 and f"duplicated {_STEPS}" in alone.stdout   # rank 0 twice, rank 1 missing
 
@@ -78,3 +73,17 @@ def test_a_tf_config_that_is_no_usable_cluster_is_one_line_and_exit_78(demo_cach
                               env=_env(tmp_path, tf_config), capture_output=True, text=True, timeout=_TIMEOUT_S)
         assert proc.returncode == 78, proc.stderr[-2000:]
         assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+
+
+def test_a_rank_whose_peers_never_join_ends_after_the_bound(demo_cache: Path, tmp_path: Path) -> None:
+    """TensorFlow's own join timeout leaves the constructor blocked; the process must still end by itself."""
+    import yaml
+    job = job_procs.Job(tmp_path, demo_cache, _STEPS)
+    cfg = yaml.safe_load(job.config(0).read_text())
+    cfg["consumer"].update(peer_timeout_s=2.0, collective_timeout_s=2.0)
+    job.config(0).write_text(yaml.safe_dump(cfg))
+    alone = job.start(0)                                    # rank 1 never starts
+    assert alone.wait(_TIMEOUT_S) == 1, job.tails()
+    text = job.log(0).read_text(errors="replace")
+    assert "waiting at most 12 s for every rank (consumer.collective_timeout_s), then this process ends" in text
+    assert not (job.state(0) / "run.json").exists()        # it ended before opening the state directory

@@ -216,3 +216,44 @@ def test_run_state_refuses_another_partial_policy_and_reads_an_older_run_json_as
     again.close()
     with pytest.raises(StateError, match="buckets="):
         RunState.open(_cfg(tmp_path, buckets={"partial": "drop"}), "f" * 16)
+
+
+def test_a_rank_resumes_at_the_jobs_common_step_with_its_cursor_and_audit_and_drops_newer_checkpoints(
+        tmp_path: Path) -> None:
+    v = tf.Variable(0.0)
+    cfg = _cfg(tmp_path, consumer={"state_dir": str(tmp_path / "s"), "checkpoint_every_steps": 2,
+                                   "keep_checkpoints": 3})
+    state = RunState.open(cfg, "f" * 16, rank=1, world=2)
+    assert state is not None
+    for b in range(7):
+        state.record(b, [b], 1)
+        if state.due():
+            v.assign(float(b))
+            state.checkpoint({"v": v}, 1)
+    state.close()                                     # checkpoints at 2, 4, 6; batch 6 applied after the last
+    state = RunState.open(cfg, "f" * 16, rank=1, world=2)
+    assert state is not None and state.committed_steps() == [2, 4, 6] and state.next_batch == 6
+    state.resume_at(4)                                # the other rank never committed 6
+    assert state.next_batch == 4 and state.committed_steps() == [2, 4]
+    state.restore_into({"v": v})
+    assert float(v.numpy()) == 3.0                    # the variables of checkpoint 4 (batch 3 was its last)
+    for b in (4, 5):                                  # training on: the next checkpoint is 2 steps on again
+        state.record(b, [b], 2)
+    assert state.due()
+    state.close()
+    records, _ = read_records(tmp_path / "s" / "audit.log")
+    assert [r.batch_id for r in records] == [0, 1, 2, 3, 4, 5]   # 4 and 5 of the abandoned lineage are gone once
+
+
+def test_a_rank_without_the_common_step_or_with_state_in_a_new_job_is_refused(tmp_path: Path) -> None:
+    v = tf.Variable(0.0)
+    state = RunState.open(_cfg(tmp_path), "f" * 16)
+    assert state is not None
+    for b in range(2):
+        state.record(b, [b], 1)
+    state.checkpoint({"v": v}, 1)
+    with pytest.raises(StateError, match="the job resumes from step 8, but this rank cannot read that checkpoint"):
+        state.resume_at(8)
+    with pytest.raises(StateError, match="the job starts from scratch but this rank has checkpoints"):
+        state.resume_at(None)
+    state.close()

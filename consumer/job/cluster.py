@@ -1,0 +1,191 @@
+"""This consumer as one worker of ``tf.distribute.MultiWorkerMirroredStrategy``: start, agree, lose a peer.
+
+Role: the TensorFlow side of a multi-worker job (docs/ARCHITECTURE.md, "Ranks"). ``start_job`` builds
+the strategy from the ``TF_CONFIG`` the consumer already resolved (``shared/service/tf_config.py``;
+``--tf-config FILE`` is exported as ``TF_CONFIG`` first), before any other TensorFlow op initialises
+the runtime; ``Job.agree`` is the collective that picks the checkpoint every rank resumes from
+(``consumer/job/agree.py`` is the rule); ``Job.guard`` turns a collective that failed because a peer is
+gone into one ``JobLostError`` line. No cluster manager or side channel of melfeed's own: the ranks
+meet only in TensorFlow's collectives and its coordination service.
+
+Bounds, TensorFlow's own mechanisms, set from the config:
+    * ``consumer.peer_timeout_s``: the coordination service's heartbeat timeout. A rank that died or
+      froze (SIGKILL, SIGSTOP, host down) stops heartbeating; after this long every other rank's
+      pending and next collective fails ("tasks are unhealthy"). A rank whose process is gone with
+      its sockets (the chief, which hosts the service, or a refused connection) is noticed sooner.
+    * ``consumer.collective_timeout_s``: ``CommunicationOptions(timeout_seconds=...)`` on every
+      collective, and how long the ranks wait for each other to join at start (the service's
+      registration timeout, backed by ``faulthandler``'s watchdog, which ends a process still waiting: exit 1). A live rank that stops stepping (stopped alone, starved of data, a long
+      checkpoint write) holds the others at their next collective for at most this long.
+Invariants:
+    * ``start_job`` returns ``None`` for a world of 1: nothing here runs, today's single consumer.
+    * Every rank calls ``agree`` exactly once, before its consumer binds (same collective order on
+      every rank), and gets the same answer.
+    * A lost peer is never a traceback and never a hang: one line naming this rank and what TensorFlow
+      said, exit ``EXIT_JOB_LOST`` (non-zero, not 78: systemd's ``Restart=on-failure`` restarts it).
+Shutdown: nothing to release; TensorFlow tears the collective runtime down with the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import faulthandler
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from consumer.job.agree import OFFER_WIDTH, common_step, offer_row
+from shared.config import PipelineConfig
+from shared.errors import JobLostError
+from shared.service.tf_config import WorkerPlace
+
+__all__ = ["Job", "lost_contact_error", "start_job"]
+
+log = logging.getLogger(__name__)
+
+_MAX_WHY_CHARS = 300
+_JOIN_GRACE_S = 10.0    # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
+
+
+class Job:
+    """The strategy of a multi-worker job and this worker's place in it."""
+
+    def __init__(self, place: WorkerPlace, strategy: Any, cfg: PipelineConfig) -> None:
+        self.place = place
+        self.strategy = strategy
+        self.peer_timeout_s = cfg.consumer.peer_timeout_s
+        self.collective_timeout_s = cfg.consumer.collective_timeout_s
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world(self) -> int:
+        return self.place.world
+
+    def agree(self, committed: Sequence[int]) -> int | None:
+        """The step every rank resumes from: the newest that all committed (None: none has any).
+
+        A collective (``strategy.gather`` of each rank's ``offer_row``): every rank must call it.
+
+        Raises:
+            LookupError: some rank has checkpoints but no step is on every rank (the caller words it).
+            JobLostError: a peer is gone.
+        """
+        import tensorflow as tf
+        row = offer_row(committed)
+        strategy = self.strategy
+
+        @tf.function   # eagerly, the strategy warns that its collectives are slow there
+        def gather(offer: tf.Tensor) -> tf.Tensor:
+            return strategy.gather(strategy.run(lambda: tf.identity(offer)), axis=0)
+
+        with self.guard("agreeing on the checkpoint to resume from"):
+            gathered = gather(tf.constant([row], tf.int64)).numpy().reshape(-1, OFFER_WIDTH)
+        local = len(self.strategy.extended.worker_devices)   # each local replica offered the same row
+        rows = [list(map(int, r)) for r in gathered[::local]]
+        step = common_step(rows)
+        log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
+                 f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
+        return step
+
+    @contextmanager
+    def guard(self, doing: str) -> Iterator[None]:
+        """Inside: a collective failing because a peer is gone raises ``JobLostError`` (one line)."""
+        try:
+            yield
+        except Exception as err:
+            lost = lost_contact_error(err, self.rank, doing)
+            if lost is None:
+                raise
+            raise lost from err
+
+
+def lost_contact_error(err: BaseException, rank: int, doing: str) -> JobLostError | None:
+    """The one-line error for a collective that failed because the job lost a peer; None for other errors."""
+    import tensorflow as tf
+    lost_types = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                  tf.errors.CancelledError)
+    if not isinstance(err, lost_types):
+        return None
+    text = getattr(err, "message", str(err))
+    # TensorFlow's text: "Graph execution error:", "Detected at node ...", the Python frames that defined the
+    # op (indented), the reason (not indented, a few lines), then "\t [[{{node ...}}]]".
+    reason = [line for line in text.splitlines() if line.strip() and line == line.lstrip()
+              and not line.startswith(("Graph execution error", "Detected at"))]
+    why = " ".join(reason[:2]) or type(err).__name__
+    if len(why) > _MAX_WHY_CHARS:
+        why = why[:_MAX_WHY_CHARS - 3] + "..."
+    return JobLostError(rank, f"{doing}: {why}")
+
+
+def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
+    """The strategy of ``place``'s job (None for a world of 1), created before any other TensorFlow op.
+
+    Imports TensorFlow, applies ``configure_memory`` (GPU memory growth or cap), configures the
+    coordination service (heartbeat and join bounds) and builds ``MultiWorkerMirroredStrategy`` with the
+    collective timeout; this waits until every rank has joined, at most ``consumer.collective_timeout_s``.
+
+    Raises:
+        ConfigError: ``consumer.replicas`` asks for more than one CPU replica per worker.
+        JobLostError: the ranks did not all join in time.
+    """
+    if not place.is_multi_worker:
+        return None
+    import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    from consumer.placement import configure_memory
+    configure_memory(cfg, tf)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    c = cfg.consumer
+    # What the strategy would configure itself (its default heartbeat is 10 s, its join wait an hour),
+    # with melfeed's bounds: set before the strategy initialises the runtime, which then keeps it.
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=int(c.peer_timeout_s * 1000),
+        cluster_register_timeout_in_ms=int(c.collective_timeout_s * 1000),
+        shutdown_barrier_timeout_in_ms=int(c.peer_timeout_s * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                          for job in ("chief", "worker") if job in spec.jobs])
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=c.collective_timeout_s)
+    log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s); waiting at most %.0f s for "
+             "every rank (consumer.collective_timeout_s), then this process ends with exit 1", place.rank, place.world,
+             ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()), c.collective_timeout_s + _JOIN_GRACE_S)
+    # The join's bound: TensorFlow's registration timeout logs its error but leaves the constructor blocked
+    # (seen here: a rank started alone waited for good), holding the GIL, so neither a Python thread nor a
+    # signal handler can run. faulthandler's watchdog is a C thread: it ends the process (exit 1) if the
+    # join outlasts the bound. Nothing is open yet (no state directory, socket or producers).
+    faulthandler.dump_traceback_later(c.collective_timeout_s + _JOIN_GRACE_S, exit=True, file=_devnull())
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                             communication_options=options)
+    except Exception as err:     # the coordination service reports a join timeout in several types
+        lost = lost_contact_error(err, place.rank, "joining the job")
+        if lost is None:
+            raise
+        raise lost from err
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    log.info("rank %d of %d: the job is up: %d replicas in sync, local devices %s; a lost peer ends this rank "
+             "after at most %.0f s without heartbeats (consumer.peer_timeout_s), a stalled collective after "
+             "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
+             list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
+    return Job(place, strategy, cfg)
+
+
+
+def _devnull() -> Any:
+    """Where the join watchdog's traceback goes: nowhere (the log says what happened before it)."""
+    global _DEVNULL
+    if _DEVNULL is None:
+        _DEVNULL = open(os.devnull, "w", encoding="utf-8")   # noqa: SIM115 (kept open for the watchdog)
+    return _DEVNULL
+
+
+_DEVNULL: Any = None
