@@ -36,3 +36,12 @@ def test_a_niceness_set_from_outside_that_is_higher_is_kept() -> None:
 def test_the_default_is_a_no_op() -> None:
     before = os.getpriority(os.PRIO_PROCESS, 0)
     assert lower_cpu_priority(0) == before and os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_threads_that_already_run_are_lowered_too() -> None:
+    # a thread started before the call (as numpy's BLAS pool is, at import) must not keep nice 0
+    code = ("import os, threading; ready = threading.Event(); done = threading.Event();"
+            "t = threading.Thread(target=lambda: (ready.set(), done.wait(30))); t.start(); ready.wait(30);"
+            "from shared.service.priority import lower_cpu_priority as f; f(7);"
+            "print(os.getpriority(os.PRIO_PROCESS, t.native_id)); done.set(); t.join()")
+    assert _in_child(code) == ["7"]
