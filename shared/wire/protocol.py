@@ -10,19 +10,21 @@ microseconds; an 8 MB bin would be copied in and out again: docs/ARCHITECTURE.md
 Invariant: ``decode_header`` either returns a fully validated message dataclass or raises
 ``ProtocolError`` with a reject code; it never allocates more than the limits below, whatever
 the peer declares (a 4 GB ``bin32`` is refused by the unpacker's ``max_bin_len``).
-This is the only module that knows msgpack and the header layout.
+This is the only module that knows msgpack and the header layout; the message dataclasses themselves
+are in ``shared/wire/messages.py`` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
 import msgpack
 
 from shared.errors import MAX_REASON_CHARS, ProtocolError
 from shared.wire.layout import ARRAY_KEYS
+from shared.wire.messages import (CAP_SHM, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat,
+                                  Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode, ShmSlot, StageCounters,
+                                  Welcome)
 
 __all__ = [
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
@@ -30,173 +32,11 @@ __all__ = [
     "decode_header", "max_producer_header_bytes",
 ]
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
-CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
-
 _MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 _MAX_BATCH_ARRAYS = 64            # base arrays + extras (+ their lengths) of one batch
-
-
-class MsgKind(IntEnum):
-    HELLO = 1
-    WELCOME = 2
-    LEASE = 3
-    BATCH = 4
-    HB = 5
-    ERR = 6
-    BYE = 7
-
-
-class RejectCode:
-    """Reject codes sent in ERR (docs/ARCHITECTURE.md "Wire protocol"; invariant 7)."""
-
-    DECODE = "DECODE"
-    FRAMES = "FRAMES"
-    SCHEMA = "SCHEMA"
-    TYPE = "TYPE"
-    PROTO = "PROTO"
-    CONTRACT = "CONTRACT"
-    UNKNOWN_PEER = "UNKNOWN_PEER"
-    LEASE = "LEASE"
-    SHAPE = "SHAPE"
-    DTYPE = "DTYPE"
-    CRC = "CRC"
-    FLOOD = "FLOOD"
-    FATAL = frozenset({PROTO, CONTRACT})  # the producer cannot fix these by retrying: it exits 78
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """P->C: who I am and what data contract I was configured with."""
-
-    proto: int
-    producer_id: str
-    fingerprint: str
-    buckets: list[list[int]]
-    n_mels: int
-    seed: int
-    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
-    # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
-    # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
-    # (older producers send none) makes every HELLO a re-handshake (docs/ARCHITECTURE.md "Wire protocol").
-    nonce: int | None = None
-    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
-
-
-@dataclass(frozen=True, slots=True)
-class Welcome:
-    """C->P: the consumer epoch (new on every consumer start) and the lease window."""
-
-    epoch: int
-    window: int
-    heartbeat_interval_s: float
-    checksum: bool
-    shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
-    nonce: int | None = None      # the answered HELLO's nonce (absent when it had none)
-
-
-@dataclass(frozen=True, slots=True)
-class ShmSlot:
-    """Where a shared-memory lease is built: a file in the WELCOME's ``shm_dir`` (a bare name)."""
-
-    name: str
-    slot: int
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """One batch a producer may build: id, bucket, manifest indices; deadline relative to receipt."""
-
-    batch_id: int
-    bucket: int
-    sample_ids: list[int]
-    deadline_s: float
-    shm: ShmSlot | None = None    # None = payload lease (build into your own buffer, send frames)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseGrant:
-    """C->P: new leases plus the consumer's queue depth (ready batches + leases outstanding)."""
-
-    epoch: int
-    leases: list[Lease]
-    queue_depth: int
-
-
-@dataclass(frozen=True, slots=True)
-class BatchHeader:
-    """P->C: header of a built batch; its arrays follow as raw frames (base arrays, then extras)."""
-
-    epoch: int
-    batch_id: int
-    bucket: int
-    shapes: list[list[int]]
-    dtypes: list[str]
-    crc32: int | None
-    quarantined: list[int]
-    shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
-
-
-@dataclass(frozen=True, slots=True)
-class StageCounters:
-    """A producer process's cumulative build counters since it started (P->C heartbeats).
-
-    Wire form: ``[batches, read_s, assemble_s, send_s]``; times are seconds, all >= 0.
-    """
-
-    batches: int            # batches built and handed to ZeroMQ
-    read_s: float           # preadv of the cache files into the batch rows
-    assemble_s: float       # the rest of building a batch: padding, checks, buffer reuse
-    send_s: float           # header encoding and send_multipart
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """Both ways. From the consumer it carries queue depth and the applied count; from a producer,
-    optionally its stage counters (older producers send none).
-
-    ``done`` (consumer only; on the wire only when true, so older peers never see it): this consumer's
-    plan is finished -- every batch id up to its end was applied -- and nothing more will be leased.
-    Every heartbeat after the end repeats it; a producer stops building and says BYE.
-    """
-
-    epoch: int
-    queue_depth: int = 0
-    applied: int = 0
-    stats: StageCounters | None = None
-    done: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Err:
-    """C->P: a rejected message and why."""
-
-    code: str
-    why: str
-
-
-@dataclass(frozen=True, slots=True)
-class Bye:
-    """P->C: leaving; the consumer returns this producer's leases at once.
-
-    A producer that is about to fail (a bad cache file under ``producer.bad_samples: fail``, a crash
-    while building) says why before it exits, so the consumer logs the reason with the producer's
-    id before any exit code reaches a supervisor: ``exit_code`` is what the producer exits with
-    (0 = a planned leave) and ``reason`` one line (``"CacheError: PATH: REASON"``), cut to
-    ``MAX_REASON_CHARS`` on the wire.
-    """
-
-    epoch: int
-    exit_code: int = 0
-    reason: str = ""
-
-
-Message = Hello | Welcome | LeaseGrant | BatchHeader | Heartbeat | Err | Bye
 
 
 def encode(msg: Message) -> bytes:
