@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from producer.batch_rows import RowBytes
 from producer.open_files import Identity, OpenFiles
-from producer.reader import _open_error, _pread_exact
+from producer.reader import read_file_exact
 from shared.cache.extras import EXTRAS_DIR
 from shared.cache.manifest import Manifest
 from shared.cache.npyfile import parse_npy_header
@@ -96,7 +96,8 @@ class ExtraReader:
         if head is None:
             head = self._head_view(offset)
         key = (name, index)
-        identity = self._pread(key, path, file_bytes, head, rows.head(row, n if has_length else rows.capacity))
+        identity = read_file_exact(self._files, key, path, file_bytes, head,
+                                   rows.head(row, n if has_length else rows.capacity))
         if self._checked_heads.get(key) != head:
             self._check_head(spec, index, path, head, length, offset)
         if is_float:
@@ -117,24 +118,6 @@ class ExtraReader:
             self._head_views.clear()
         view = self._head_views[offset] = memoryview(self._head)[:offset]
         return view
-
-    def _pread(self, key: tuple[str, int], path: str, file_bytes: int, head: memoryview,
-               data: memoryview) -> Identity:
-        """One ``preadv`` of the header and the first rows' data, straight into ``data``; the file's identity."""
-        try:
-            f = self._files.acquire(key, path)   # a FIFO, device or directory is a bad file, never a blocked read
-        except OSError as err:
-            raise _open_error(path, err, "cannot open") from err
-        try:
-            if f.size != file_bytes:
-                raise CacheError(path, f"file changed since index (size {f.size}, manifest says "
-                                       f"{file_bytes}); re-run index")
-            _pread_exact(path, f.fd, head, data)
-        except BaseException:
-            self._files.release(key, f, ok=False)     # a failed read never keeps its descriptor
-            raise
-        self._files.release(key, f)
-        return f.identity
 
     def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
         """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""

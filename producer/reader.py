@@ -41,6 +41,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +55,7 @@ from shared.cache.npyfile import parse_npy_header
 from shared.wire.half_cast import HalfCaster
 from shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
 
-__all__ = ["CacheReader", "TransientReadError"]
+__all__ = ["CacheReader", "TransientReadError", "read_file_exact"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,31 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
             raise CacheError(path, f"short read: {max(0, got - offset)} of {buf.nbytes} bytes at offset {offset}")
     except OSError as err:
         raise _open_error(path, err, "read failed") from err
+
+
+def read_file_exact(files: OpenFiles, key: Hashable, path: str, file_bytes: int, head: memoryview,
+                    data: memoryview, check: Callable[[Any, str, memoryview], None] | None = None) -> Identity:
+    """One ``preadv`` of a cache file's header and data through the open-file cache; its identity.
+
+    The file must still have the manifest's size; ``check(key, path, head)`` runs on the header just
+    read. A failed open is a ``CacheError`` naming the file, and a failed read or check never keeps the
+    descriptor. Shared by the mel/token reader and the extra reader (``extra_reader.py``).
+    """
+    try:
+        f = files.acquire(key, path)   # a FIFO, device or directory is a bad file, never a blocked read
+    except OSError as err:
+        raise _open_error(path, err, "cannot open") from err
+    try:
+        if f.size != file_bytes:
+            raise CacheError(path, f"file changed since index (size {f.size}, manifest says {file_bytes}); re-run index")
+        _pread_exact(path, f.fd, head, data)
+        if check is not None:
+            check(key, path, head)
+    except BaseException:
+        files.release(key, f, ok=False)     # a failed read never keeps its descriptor
+        raise
+    files.release(key, f)
+    return f.identity
 
 
 def _refuse_overflow(path: str, source: npt.NDArray[np.floating], rows: npt.NDArray[np.floating]) -> None:
@@ -279,24 +306,12 @@ class CacheReader:
         head = self._head_views.get(offset)
         if head is None:
             head = self._head_view(offset)
-        key = (index, is_mel)
-        try:
-            f = self._files.acquire(key, path)  # a FIFO, device or directory is a bad file, never a blocked read
-        except OSError as err:
-            raise _open_error(path, err, "cannot open") from err
-        try:
-            if f.size != file_bytes:
-                raise CacheError(path, f"file changed since index (size {f.size}, "
-                                       f"manifest says {file_bytes}); re-run index")
-            _pread_exact(path, f.fd, head, buf)
-            if self._checked_heads.get(key) != head:
-                self._check_head(index, is_mel, path, offset, head)
-        except BaseException:
-            self._files.release(key, f, ok=False)     # a failed read never keeps its descriptor
-            raise
-        if not f.cached:
-            self._files.release(key, f)
-        return f.identity
+        return read_file_exact(self._files, (index, is_mel), path, file_bytes, head, buf, self._check_new_head)
+
+    def _check_new_head(self, key: tuple[int, bool], path: str, head: memoryview) -> None:
+        """A header not seen before for this file is compared with the manifest (``len(head)`` = its offset)."""
+        if self._checked_heads.get(key) != head:
+            self._check_head(key[0], key[1], path, len(head), head)
 
     def _head_view(self, offset: int) -> memoryview:
         """The first ``offset`` bytes of the header buffer (grown on demand), kept per offset."""
