@@ -11,6 +11,7 @@ import itertools
 from producer.session import ProducerSession, SessionConfig, random_nonce
 from shared.wire.protocol import Err, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome
 from tests.fakes import FakeClock
+from tests.unit.producer.test_session import _builds
 
 HB_S = 0.2
 CFG = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
@@ -27,15 +28,6 @@ def _hellos(msgs: list[Message]) -> list[Hello]:
 
 def _lease(batch_id: int) -> Lease:
     return Lease(batch_id, 0, [batch_id], 5.0)
-
-
-def _pending(s: ProducerSession, now_s: float) -> list[int]:
-    ids = []
-    while s.pending_leases:
-        order = s.next_build(now_s)
-        if order is not None:
-            ids.append(order.lease.batch_id)
-    return ids
 
 
 def test_every_hello_of_one_join_carries_the_same_nonce() -> None:
@@ -56,7 +48,7 @@ def test_the_answer_to_a_repeated_hello_keeps_the_leases_the_first_answer_brough
     s.on_message(LeaseGrant(7, [_lease(3), _lease(4)], 2), clock())
     s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock.advance(0.5))   # the retry's answer
     assert s.joined_epoch == 7 and s.counts.rejoins == 0
-    assert _pending(s, clock()) == [3, 4]
+    assert _builds(s, clock()) == [3, 4]
     assert s.on_turn(clock.advance(0.9)) == []                   # it was a sign of life: not silent yet
 
 
