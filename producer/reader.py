@@ -129,7 +129,8 @@ def read_file_exact(files: OpenFiles, key: Hashable, path: str, file_bytes: int,
         raise _open_error(path, err, "cannot open") from err
     try:
         if f.size != file_bytes:
-            raise CacheError(path, f"file changed since index (size {f.size}, manifest says {file_bytes}); re-run index")
+            raise CacheError(path, f"file changed since index (size {f.size}, manifest says {file_bytes}); "
+                                   "re-run index")
         _pread_exact(path, f.fd, head, data)
         if check is not None:
             check(key, path, head)

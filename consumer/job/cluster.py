@@ -15,8 +15,9 @@ Bounds, TensorFlow's own mechanisms, set from the config:
       its sockets (the chief, which hosts the service, or a refused connection) is noticed sooner.
     * ``consumer.collective_timeout_s``: ``CommunicationOptions(timeout_seconds=...)`` on every
       collective, and how long the ranks wait for each other to join at start (the service's
-      registration timeout, backed by ``faulthandler``'s watchdog, which ends a process still waiting: exit 1). A live rank that stops stepping (stopped alone, starved of data, a long
-      checkpoint write) holds the others at their next collective for at most this long.
+      registration timeout, backed by ``faulthandler``'s watchdog, which ends a process still waiting:
+      exit 1). A live rank that stops stepping (stopped alone, starved of data, a long checkpoint
+      write) holds the others at their next collective for at most this long.
 Invariants:
     * ``start_job`` returns ``None`` for a world of 1: nothing here runs, today's single consumer.
     * Every rank calls ``agree`` exactly once, before its consumer binds (same collective order on
@@ -28,8 +29,8 @@ Shutdown: nothing to release; TensorFlow tears the collective runtime down with 
 
 from __future__ import annotations
 
-import logging
 import faulthandler
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -177,7 +178,6 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
              "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
              list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
     return Job(place, strategy, cfg)
-
 
 
 def _devnull() -> Any:
