@@ -57,6 +57,7 @@ _COUNTERS = (
     ("compiles_after_ready", "melfeed_compiles_after_ready", "Step compiles after READY"),
     ("checkpoint_failures", "melfeed_checkpoint_failures", "Periodic checkpoints that could not be written"),
     ("connections_cut", "melfeed_connections_cut", "Connections cut at transport.max_connections"),
+    ("hello_repeats", "melfeed_hello_repeats", "HELLOs repeating a producer's join, answered again (leases kept)"),
 )
 
 

@@ -114,7 +114,8 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"compiled with {snap.get('jit_compile') or '-'}",
         f"duplicates {snap['duplicates']}, quarantined {snap['quarantined']}, "
         f"compiles after ready {snap['compiles_after_ready']}, checkpoint failures "
-        f"{snap.get('checkpoint_failures', 0)}, connections cut {snap.get('connections_cut', 0)}",
+        f"{snap.get('checkpoint_failures', 0)}, connections cut {snap.get('connections_cut', 0)}, "
+        f"repeated HELLOs {snap.get('hello_repeats', 0)}",
         "",
         f"{'producer':<20} {'batches':>8} {'batches/s':>10} {'read ms':>8} {'assemble ms':>12} {'send ms':>8}",
     ]

@@ -24,7 +24,7 @@ def _stats(producers: tuple[ProducerReport, ...] = (), rejects: dict[str, int] |
            bytes_received: int = 0) -> ReceiverStats:
     return ReceiverStats(batches_received=10, bytes_received=bytes_received, duplicates_dropped=1, stale_dropped=0,
                          leases_outstanding=3, leases_reissued=0, producers_alive=len(producers), producers_seen=2,
-                         rejects=rejects or {}, quarantined=2, lease_window=2, producers=producers)
+                         rejects=rejects or {}, quarantined=2, lease_window=2, producers=producers, hello_repeats=4)
 
 
 def test_snapshot_has_every_schema_key_and_hand_computed_figures() -> None:
@@ -247,6 +247,7 @@ def test_a_rank_of_a_job_shows_in_status_and_labels_every_prometheus_sample() ->
                            window_s=30.0, figures=None, depth_hist=[], bytes_per_s=None, rs=_stats(), producers=[],
                            compiles_after_ready=0, gpus=[])
     assert (alone["rank"], alone["world"]) == (0, 1)
+    assert {s.name: s.value for s in samples(alone)}["melfeed_hello_repeats_total"] == 4   # a counter
     assert "rank" not in format_status(alone, "ipc:///x") and all("rank" not in s.labels for s in samples(alone))
     job = metrics_snapshot(1.0, rank=1, world=2)
     assert format_status(job, "ipc:///x").startswith("consumer ipc:///x, rank 1 of 2: training, step 120/300")
@@ -266,8 +267,8 @@ def test_snapshots_count_failed_checkpoints_and_cut_connections(tmp_path: Path) 
     with tel:
         failures[0] = 2
         snap = tel.publish(1, 0.5, 0)
-    assert (snap["checkpoint_failures"], snap["connections_cut"]) == (2, 7)
-    assert "checkpoint failures 2, connections cut 7" in format_status(snap, "ipc:///x")
+    assert (snap["checkpoint_failures"], snap["connections_cut"], snap["hello_repeats"]) == (2, 7, 4)
+    assert "checkpoint failures 2, connections cut 7, repeated HELLOs 4" in format_status(snap, "ipc:///x")
 
 
 def test_feed_efficiency_reaches_snapshot_status_and_prometheus(tmp_path: Path) -> None:
