@@ -5,7 +5,8 @@ a byte cast, a dtype check, a ``dst[n:] = 0`` -- costs about 2 us per file, more
 ``preadv`` of a small file (about 1.8 us on the 2-core development machine). ``RowBytes`` does the
 checks and the byte cast once per array per build; a row is then a slice of one flat memoryview,
 and its padding tail is zeroed by copying from a shared zero buffer (docs/BENCHMARKS.md
-"Producer build (session 6)").
+"Producer build (session 6)"). ``HeadViews`` is the header buffer both readers read a file's
+``.npy`` header into, ahead of its data.
 
 Invariants:
 - Built only over a C-contiguous, writable array whose first axis is the batch row; row ``r`` is
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["RowBytes", "zero_bytes"]
+__all__ = ["RowBytes", "zero_bytes", "HeadViews"]
 
 
 def zero_bytes(nbytes: int) -> memoryview:
@@ -72,3 +73,25 @@ class RowBytes:
         end = (row + 1) * self.row_nbytes
         if end > start:
             self.data[start:end] = self.zeros[:end - start]
+
+
+class HeadViews:
+    """The reused buffer a cache file's ``.npy`` header is read into, ahead of the row's data.
+
+    One view per data offset (a cache has a few header sizes); the buffer grows on demand, and then the
+    views are made again over the new one. Shared by the mel/token reader and the extra reader.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray(128)
+        self._views: dict[int, memoryview] = {}
+
+    def get(self, offset: int) -> memoryview:
+        """The first ``offset`` bytes of the buffer."""
+        view = self._views.get(offset)
+        if view is None:
+            if len(self._buf) < offset:
+                self._buf = bytearray(offset)
+                self._views.clear()
+            view = self._views[offset] = memoryview(self._buf)[:offset]
+        return view

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.batch_rows import RowBytes
+from producer.batch_rows import HeadViews, RowBytes
 from producer.open_files import Identity, OpenFiles
 from producer.reader import read_file_exact
 from shared.cache.extras import EXTRAS_DIR
@@ -50,8 +50,7 @@ class ExtraReader:
         self._rows = {name: [tuple(r) for r in c.rows.tolist()] for name, c in self._columns.items()}
         self._dtypes = {name: np.dtype(c.spec.dtype) for name, c in self._columns.items()}
         self._specs = tuple(c.spec for c in self._columns.values())
-        self._head = bytearray(128)   # header bytes of the file being read, grown on demand
-        self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
+        self._heads = HeadViews()     # header bytes of the file being read, one view per data offset
         ids = [u.id for u in manifest.utterances]
         self._paths = {name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
                        for name in self._columns}
@@ -92,9 +91,7 @@ class ExtraReader:
         length, offset, file_bytes = column_rows[index]
         n = min(length, rows.capacity) if has_length else 1
         path = paths[index]
-        head = self._head_views.get(offset)
-        if head is None:
-            head = self._head_view(offset)
+        head = self._heads.get(offset)
         key = (name, index)
         identity = read_file_exact(self._files, key, path, file_bytes, head,
                                    rows.head(row, n if has_length else rows.capacity))
@@ -110,14 +107,6 @@ class ExtraReader:
         if has_length and n < rows.capacity:
             rows.zero_tail(row, n)
         return n
-
-    def _head_view(self, offset: int) -> memoryview:
-        """The first ``offset`` bytes of the header buffer (grown on demand), kept per offset."""
-        if len(self._head) < offset:
-            self._head = bytearray(offset)
-            self._head_views.clear()
-        view = self._head_views[offset] = memoryview(self._head)[:offset]
-        return view
 
     def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
         """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.batch_rows import RowBytes
+from producer.batch_rows import HeadViews, RowBytes
 from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
@@ -179,8 +179,7 @@ class CacheReader:
         self._bits = np.empty(0, dtype=np.uint16)   # float16 finite check scratch, grown on demand
         self._half = HalfCaster()                   # float32 file -> float16 row
         self._flags = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
-        self._head = bytearray(128)  # header bytes of the file being read, grown on demand
-        self._head_views: dict[int, memoryview] = {}   # views of ``_head`` per data offset (a few)
+        self._heads = HeadViews()    # header bytes of the file being read, one view per data offset
         # Header bytes already checked against the manifest, per (index, is_mel): later reads cost
         # one compare instead of a ~7.5 us parse. Bounded by the manifest: 2 x N x ~128 bytes.
         self._checked_heads: dict[tuple[int, bool], bytes] = {}
@@ -304,23 +303,13 @@ class CacheReader:
         manifest recorded, so only the header shows the data can no longer be read as indexed.
         Returns the identity of the file read (device, inode, size, mtime at its open).
         """
-        head = self._head_views.get(offset)
-        if head is None:
-            head = self._head_view(offset)
+        head = self._heads.get(offset)
         return read_file_exact(self._files, (index, is_mel), path, file_bytes, head, buf, self._check_new_head)
 
     def _check_new_head(self, key: tuple[int, bool], path: str, head: memoryview) -> None:
         """A header not seen before for this file is compared with the manifest (``len(head)`` = its offset)."""
         if self._checked_heads.get(key) != head:
             self._check_head(key[0], key[1], path, len(head), head)
-
-    def _head_view(self, offset: int) -> memoryview:
-        """The first ``offset`` bytes of the header buffer (grown on demand), kept per offset."""
-        if len(self._head) < offset:
-            self._head = bytearray(offset)
-            self._head_views.clear()
-        view = self._head_views[offset] = memoryview(self._head)[:offset]
-        return view
 
     def _check_head(self, index: int, is_mel: bool, path: str, offset: int, head: memoryview) -> None:
         """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""
