@@ -13,7 +13,7 @@ _STARTED_S = time.time()
 # command -> "module:function(args)"; imported only when chosen (most commands never load TensorFlow)
 _COMMANDS = {
     "index": "shared.cache.commands:main_index", "verify-cache": "shared.cache.commands:main_verify_cache",
-    "demo-data": "shared.cache.commands:main_demo", "prepare": "producer.prepare.command:main_prepare",
+    "demo-data": "shared.cache.commands:main_demo", "pack": "shared.cache.pack_write:main_pack", "prepare": "producer.prepare.command:main_prepare",
     "audit": "consumer.resume.job_audit:main_audit", "deploy": "shared.service.units:main_deploy", "keys": "shared.wire.curve:main_keys",
     "producer": "producer.app:main_producer", "report": "consumer.observe.report_plot:main_report",
     "status": "consumer.observe.status:main_status",

@@ -6,7 +6,8 @@ Each row is read from the cache with one ``preadv`` into its place in the buffer
 On the same-host shared-memory path the caller passes ``target`` (views of the consumer's ring slot)
 and the batch is built there instead: no send buffer at all. The cache's extra arrays (the batch
 schema, ``shared/wire/schema.py``) are read the same way, row by row into their place
-(``producer/extra_reader.py``), a sequence extra's length into ``<name>_len``.
+(``producer/extra_reader.py``), a sequence extra's length into ``<name>_len``. Given a packed cache
+(``pack``, ``producer/pack/reader.py``), a row's arrays come in one read from it instead, same bytes.
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +33,9 @@ from producer.reader import CacheReader, TransientReadError
 from shared.wire.buckets import BucketSet
 from shared.errors import CacheError
 from shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
+
+if TYPE_CHECKING:
+    from producer.pack.reader import PackReader
 
 __all__ = ["BuiltBatch", "BatchAssembler"]
 
@@ -59,8 +64,10 @@ class BuiltBatch:
 
 class BatchAssembler:
     def __init__(self, reader: CacheReader, bucket_set: BucketSet, *, max_buffers: int = 4,
-                 reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine") -> None:
+                 reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine",
+                 pack: PackReader | None = None) -> None:
         self._reader = reader
+        self._pack = pack                         # a packed cache: one preadv per row (producer/pack/reader.py)
         self._extras = (ExtraReader(reader.manifest, getattr(reader, "open_files", None))
                         if reader.manifest.extras else None)
         self._buckets = bucket_set.buckets
@@ -99,11 +106,17 @@ class BatchAssembler:
         mel_rows, tok_rows = reader.mel_rows(arrays["mel"], zeros), reader.token_rows(arrays["tokens"], zeros)
         extras = self._extra_rows(arrays, n)
         read_extra = self._extras.read_row if self._extras is not None else None
+        pack = self._pack
+        if pack is not None and mel_rows.dtype_name != pack.mel_dtype:
+            raise ValueError(f"the pack holds {pack.mel_dtype} mels, the batch is {mel_rows.dtype_name}")
         mel_lens, tok_lens = [0] * n, [0] * n        # written once per batch, not one numpy store per row
         t0 = time.perf_counter()            # one clock pair per batch: the loop is the reads
         try:
             for row, sid in enumerate(sample_ids):
                 try:
+                    if pack is not None:        # the whole row in one read (sequence extras' lengths set)
+                        mel_lens[row], tok_lens[row] = pack.read_row(sid, mel_rows, tok_rows, extras, row)
+                        continue
                     mel_lens[row] = read_mel(sid, mel_rows, row)
                     tok_lens[row] = read_tokens(sid, tok_rows, row)
                     for name, rows, lens in extras:
@@ -145,10 +158,12 @@ class BatchAssembler:
                  [0] * n if s.length_key is not None else None) for s in self._extras.specs]
 
     def close(self) -> None:
-        """Close the reader's kept cache descriptors (``producer.open_files``). Idempotent."""
+        """Close the reader's kept cache descriptors (``producer.open_files``) and the pack's. Idempotent."""
         close = getattr(self._reader, "close", None)    # duck-typed readers (the probe's) may have none
         if close is not None:
             close()
+        if self._pack is not None:
+            self._pack.close()
 
     def _log_quarantine(self, sid: int, batch_id: int, err: CacheError) -> None:
         """WARNING the first time this process quarantines ``sid``; each epoch repeats it at DEBUG."""

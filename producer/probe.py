@@ -2,7 +2,8 @@
 
 ``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N] [--warm]``
 builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
-``BatchAssembler`` and ``CacheReader`` for S seconds and prints ONE JSON object on stdout:
+``BatchAssembler`` and ``CacheReader`` (and the packed cache, as ``producer.pack`` selects) for S seconds
+and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
 "cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
 part is the assembler's own read-loop clock (``BatchAssembler.read_s_total``), so the probe adds no
@@ -39,6 +40,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
             seed: int, warm: bool = False) -> dict[str, float]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
+    from producer.pack.reader import open_pack_reader
     from producer.reader import CacheReader
     from shared.wire.bucket_mix import representative_batches
     from shared.wire.buckets import build_buckets
@@ -53,8 +55,8 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
-    assembler = BatchAssembler(reader, bucket_set,
-                               max_buffers=2, bad_sample_policy=cfg.producer.bad_samples)
+    assembler = BatchAssembler(reader, bucket_set, max_buffers=2, bad_sample_policy=cfg.producer.bad_samples,
+                               pack=open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype))
     plan = representative_batches(bucket_set, 256, seed)
     if warm:
         for i, (bucket, sample_ids) in enumerate(plan):

@@ -117,6 +117,7 @@ class _Status:
 def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                   on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
     from producer.batcher import BatchAssembler
+    from producer.pack.reader import open_pack_reader
     from producer.reader import CacheReader
     from producer.session import SessionConfig
     from producer.slot_maps import SlotMappings
@@ -134,8 +135,9 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
-    assembler = BatchAssembler(reader, bucket_set,
-                               max_buffers=cfg.transport.lease_window + 2, bad_sample_policy=cfg.producer.bad_samples)
+    pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype)
+    assembler = BatchAssembler(reader, bucket_set, max_buffers=cfg.transport.lease_window + 2,
+                               bad_sample_policy=cfg.producer.bad_samples, pack=pack)
     t = cfg.transport
     endpoint = resolve_endpoint(cfg, os.environ)
     curve = client_keys_for(t, endpoint)

@@ -178,6 +178,9 @@ def write_demo_cache(
         n_mels: Mel bins per frame.
         extras: Also write the extra arrays ``speaker`` and ``energy`` (module docstring).
 
+    The cache is also packed (``melfeed-float32.pack``, ``shared/cache/pack_write.py``) unless a pack that
+    serves it is there already.
+
     Returns:
         The manifest of the cache.
 
@@ -189,7 +192,22 @@ def write_demo_cache(
         raise ValueError(f"n_utterances and n_mels must be >= 1, got {n_utterances}, {n_mels}")
     root = Path(out_dir)
     with _writer_lock(root):
-        return _write_or_reuse(root, n_utterances, seed, n_mels, extras)
+        manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
+        _ensure_pack(manifest)
+        return manifest
+
+
+def _ensure_pack(manifest: Manifest) -> None:
+    """The demo cache comes packed (float32 mels), as ``run_pipeline.py pack`` would write it."""
+    from shared.cache.pack_format import PackUnusable, open_pack
+    from shared.cache.pack_write import write_pack
+    try:
+        open_pack(manifest, "float32").close()
+        return
+    except PackUnusable:
+        pass
+    summary = write_pack(manifest, "float32")
+    log.info("demo cache packed into %s (%d bytes)", summary.path, summary.data_bytes)
 
 
 @contextmanager

@@ -1,0 +1,139 @@
+"""Read whole batch rows (mel, tokens, extras) from a packed cache with one ``preadv`` each.
+
+Role: the fast path of ``producer/batcher.py`` when the cache has a usable pack for the batch's mel
+dtype (``producer.pack: auto``; written by ``run_pipeline.py pack``). A row is one scatter read from
+one descriptor into its places in the send buffer or the consumer's slot: the mel's first ``n``
+frames, the tokens, each extra; the parts a bucket cuts off go to a scratch sink in the same call.
+No open, header compare, open-file lookup or value check per row: the pack was checked when it was
+written, and ``open_pack`` checked at start that it belongs to this manifest and that no source file
+changed since.
+
+Invariants:
+- A read fills each row by the same rule as the per-file readers (the first ``min(length, capacity)``
+  elements, the padding tail zeroed; an utterance extra whole) with the same bytes, or raises
+  ``CacheError``: a row the pack lists as bad names its source file and the reason found at pack
+  time, so quarantine decisions match the per-file path's; a short read (the pack was truncated
+  under us) names the pack. ``TransientReadError`` for reasons outside the file, never a quarantine.
+- Not thread-safe (the sink is shared): one reader per thread.
+Shutdown: ``close()`` closes the pack's descriptor; idempotent.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Sequence
+
+from producer.batch_rows import RowBytes
+from producer.reader import TransientReadError
+from shared.cache.manifest import Manifest
+from shared.cache.pack_format import PackFile, PackUnusable, open_pack, pack_path
+from shared.errors import CacheError
+
+__all__ = ["PackReader", "open_pack_reader"]
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR})
+ExtraRows = Sequence[tuple[str, RowBytes, "list[int] | None"]]   # the assembler's (name, rows, lengths) per extra
+
+
+class PackReader:
+    """Rows of one open pack (``open_pack``) into caller-owned batch rows."""
+
+    def __init__(self, manifest: Manifest, pack: PackFile) -> None:
+        self._pack = pack
+        self.mel_dtype = pack.header.mel_dtype
+        self.path = pack.path
+        # One plain tuple per utterance, made once: (offset, record bytes, frames, tokens, extra lengths)
+        offsets = pack.layout.offsets.tolist()
+        sizes = pack.layout.parts.sum(axis=1).tolist() if len(manifest) else []
+        lengths = [c.rows[:, 0].tolist() for c in manifest.extras]
+        has_length = [c.spec.has_length for c in manifest.extras]
+        self._rows = [(offsets[i], sizes[i], u.frames, u.tokens,
+                       tuple(lengths[k][i] if has_length[k] else -1 for k in range(len(lengths))))
+                      for i, u in enumerate(manifest.utterances)]
+        self._bad = dict(pack.header.bad)
+        self._sink = memoryview(bytearray(0))
+
+    def close(self) -> None:
+        self._pack.close()
+
+    def read_row(self, index: int, mel: RowBytes, tokens: RowBytes, extras: ExtraRows, row: int) -> tuple[int, int]:
+        """Fill row ``row`` of every array from utterance ``index``'s record; the mel and token lengths kept.
+
+        A sequence extra's kept length goes into its ``lengths[row]``.
+
+        Raises:
+            CacheError: the row is listed bad in the pack, or the pack ends early (see the module).
+        """
+        bad = self._bad.get(index)
+        if bad is not None:
+            raise CacheError(*bad)
+        offset, size, frames, n_tokens, extra_lengths = self._rows[index]
+        n_mel = frames if frames <= mel.capacity else mel.capacity
+        n_tok = n_tokens if n_tokens <= tokens.capacity else tokens.capacity
+        iov = [mel.head(row, n_mel)]        # cut parts all go to the one sink: read and dropped
+        if n_mel < frames:
+            iov.append(self._skip((frames - n_mel) * mel.item_nbytes))
+        iov.append(tokens.head(row, n_tok))
+        if n_tok < n_tokens:
+            iov.append(self._skip((n_tokens - n_tok) * tokens.item_nbytes))
+        kept = []
+        for (_, rows, _), length in zip(extras, extra_lengths):
+            if length < 0:                  # an utterance extra: the whole row
+                iov.append(rows.head(row, rows.capacity))
+                kept.append(1)
+                continue
+            n = length if length <= rows.capacity else rows.capacity
+            iov.append(rows.head(row, n))
+            if n < length:
+                iov.append(self._skip((length - n) * rows.item_nbytes))
+            kept.append(n)
+        try:
+            got = os.preadv(self._pack.fd, iov, offset)
+        except OSError as err:
+            cls = TransientReadError if err.errno in _TRANSIENT else CacheError
+            raise cls(str(self.path), f"read failed ({err.strerror})") from err
+        if got != size:
+            raise CacheError(str(self.path), f"short read at record {index}: {got} of {size} bytes (the pack was "
+                                             "truncated; re-run pack)")
+        if n_mel < mel.capacity:
+            mel.zero_tail(row, n_mel)
+        if n_tok < tokens.capacity:
+            tokens.zero_tail(row, n_tok)
+        for (_, rows, lens), length, n in zip(extras, extra_lengths, kept):
+            if length >= 0 and n < rows.capacity:
+                rows.zero_tail(row, n)
+            if lens is not None:
+                lens[row] = n
+        return n_mel, n_tok
+
+    def _skip(self, nbytes: int) -> memoryview:
+        """``nbytes`` of scratch the cut part of a row is read into (and dropped)."""
+        if self._sink.nbytes < nbytes:
+            self._sink = memoryview(bytearray(nbytes))
+        return self._sink[:nbytes]
+
+
+def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str) -> PackReader | None:
+    """The pack reader ``producer.pack`` asks for, or None (read the ``.npy`` files); says which in the log.
+
+    ``mode`` "off": None. "auto": the cache's pack of ``mel_dtype`` when there is one and it serves this
+    manifest; a missing pack is an INFO line, an unusable one a WARNING naming the reason.
+    """
+    if mode == "off":
+        return None
+    path = pack_path(manifest.cache_dir, mel_dtype)
+    if not os.path.lexists(path):
+        log.info("no packed cache at %s: reading the .npy files (run_pipeline.py pack %s makes one)",
+                 path, manifest.cache_dir)
+        return None
+    try:
+        pack = open_pack(manifest, mel_dtype, path)
+    except PackUnusable as err:
+        log.warning("packed cache %s not used: %s; reading the .npy files", path, err)
+        return None
+    log.info("reading the packed cache %s (%d rows listed bad)", path, len(pack.header.bad))
+    return PackReader(manifest, pack)
