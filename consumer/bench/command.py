@@ -37,6 +37,7 @@ from typing import Any
 from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
 from consumer.placement import XLA_CACHE_FLAG
+from shared.cache.pack_format import pack_path
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
@@ -103,8 +104,11 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
     if args.demo:
         from shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
         from shared.cache.demo_data import write_demo_cache
+        from shared.cache.pack_write import ensure_pack
         cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(s["demo_utterances"])
-        write_demo_cache(cache, n_utterances=s["demo_utterances"], extras=True)
+        manifest = write_demo_cache(cache, n_utterances=s["demo_utterances"], extras=True)   # packed: float32
+        if "float16" in s["mel_dtypes"]:
+            ensure_pack(manifest, "float16")     # the -f16 rows read a float16 pack, as a user would write one
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
@@ -213,12 +217,18 @@ def _trial_line(result: dict[str, Any]) -> str:
 
 def _build_probes(cfg: PipelineConfig, s: dict[str, Any], seconds: float, timeout_s: float,
                   workdir: Path) -> list[dict[str, Any]]:
-    """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds."""
+    """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds.
+
+    Per wire format as the config reads the cache (its pack when ``producer.pack`` finds one); with a pack
+    in use, once more from the ``.npy`` files (``producer-build-npy``, float32, no goal) to show what it saves.
+    """
+    variants = [(f"producer-build{_F16_SUFFIX[d]}", {"transport.mel_dtype": d}) for d in s["mel_dtypes"]]
+    if cfg.producer.pack != "off" and pack_path(str(cfg.cache_dir), "float32").exists():
+        variants.append(("producer-build-npy", {"transport.mel_dtype": "float32", "producer.pack": "off"}))
     results: list[dict[str, Any]] = []
-    for mel_dtype in s["mel_dtypes"]:
-        with handed_over_config(config_to_mapping(with_overrides(cfg, {"transport.mel_dtype": mel_dtype})),
-                                f"build{_F16_SUFFIX[mel_dtype]}.yaml", workdir) as config:
-            results += _build_probe_rounds(config, s, seconds, timeout_s, f"producer-build{_F16_SUFFIX[mel_dtype]}")
+    for system, over in variants:
+        with handed_over_config(config_to_mapping(with_overrides(cfg, over)), f"{system}.yaml", workdir) as config:
+            results += _build_probe_rounds(config, s, seconds, timeout_s, system)
     return results
 
 

@@ -49,6 +49,7 @@ def build_report(trials: Sequence[Mapping[str, Any]], probes: Sequence[Mapping[s
             "transport_medians": transport_meds,
             "build_medians": _build_medians(builds, "producer-build"),
             "build_medians_f16": _build_medians(builds, "producer-build-f16"),
+            "build_medians_npy": _build_medians(builds, "producer-build-npy"),
             "goals": [g.as_dict() | {"line": g.line()} for g in goals],
             "unavailable": {x["system"]: UNAVAILABLE for x in systems if not x["available"]},
             "failed": [f"{t['system']} round {t['round']} step {t['step_ms']} ms: {t.get('error')}"
@@ -115,7 +116,8 @@ def render(report: Mapping[str, Any]) -> str:
         parts += ["", "transport (real producers -> Consumer library, released at once):", _transport_table(report)]
     if report.get("build_medians") or report.get("build_medians_f16"):
         rows = [[label] + [report[key].get(k) for k in _BUILD_METRICS] for label, key in
-                (("float32 wire", "build_medians"), ("float16 wire (-f16)", "build_medians_f16")) if report.get(key)]
+                (("float32 wire", "build_medians"), ("float16 wire (-f16)", "build_medians_f16"),
+                 ("float32, .npy files (-npy)", "build_medians_npy")) if report.get(key)]
         parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
                   bs.format_table(["mel format", "CPU ms/batch", "build ms p50", "read ms p50", "batches/s"], rows)]
     if any(x.endswith("-f16") for x in report["transport_medians"]) or report.get("build_medians_f16"):

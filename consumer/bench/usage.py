@@ -1,13 +1,12 @@
 """CPU seconds and peak memory of one bench trial: this process and every process below it.
 
 Role: a trial process (``consumer.bench.trial``) opens a ``UsageWindow`` after its warm-up batches
-and closes it after the last measured batch; once every helper process (producers, tf.data service
-servers) has been reaped, ``children_cpu_s()`` gives the CPU they spent inside the window.
-How: the trainer's own CPU is ``getrusage(RUSAGE_SELF)`` at both ends. Children are counted as
-``getrusage(RUSAGE_CHILDREN)`` after reaping minus what was already charged at the start: the
-children reaped by then plus utime+stime+cutime+cstime of every live descendant (from /proc), so
-the start-up of helpers (imports, TensorFlow) is excluded. Their shutdown after the window is
-included (small: a stop ladder). Peak memory: the trainer's ``ru_maxrss`` plus the sum of every
+and closes it after the last measured batch; ``children_cpu_s()`` then gives the CPU the helper
+processes (producers, tf.data service servers) spent inside the window.
+How: the trainer's own CPU is ``getrusage(RUSAGE_SELF)`` at both ends. Children are counted the same
+way at both ends: ``getrusage(RUSAGE_CHILDREN)`` (children reaped by then) plus utime+stime+cutime+cstime
+of every live descendant (from /proc, in clock ticks), so the start-up of helpers (imports,
+TensorFlow) and their shutdown after the window are both excluded. Peak memory: the trainer's ``ru_maxrss`` plus the sum of every
 live descendant's ``VmHWM`` at the end of the window (an upper bound of the simultaneous total).
 Invariants: Linux only (/proc); a descendant that vanishes while being read is skipped.
 Shutdown: nothing to release.
@@ -78,7 +77,7 @@ class UsageWindow:
     def __init__(self) -> None:
         self._t0 = self._t1 = 0.0
         self._self0 = self._self1 = 0.0
-        self._children0 = 0.0
+        self._children0 = self._children1 = 0.0
         self.helpers_rss_mb = 0.0
 
     def open(self) -> None:
@@ -90,7 +89,9 @@ class UsageWindow:
         """End of the measured batches: wall time, trainer CPU and the helpers' peak memory."""
         self._t1 = time.perf_counter()
         self._self1 = _cpu_s(resource.RUSAGE_SELF)
-        self.helpers_rss_mb = sum(_hwm_mb(p) for p in descendants(os.getpid()))
+        live = descendants(os.getpid())
+        self._children1 = _cpu_s(resource.RUSAGE_CHILDREN) + _tree_cpu_s(live)
+        self.helpers_rss_mb = sum(_hwm_mb(p) for p in live)
 
     @property
     def wall_s(self) -> float:
@@ -101,8 +102,8 @@ class UsageWindow:
         return self._self1 - self._self0
 
     def children_cpu_s(self) -> float:
-        """Helpers' CPU in the window; call only after every helper was reaped."""
-        return max(0.0, _cpu_s(resource.RUSAGE_CHILDREN) - self._children0)
+        """Helpers' CPU in the window (after ``close``)."""
+        return max(0.0, self._children1 - self._children0)
 
     @staticmethod
     def trainer_rss_mb() -> float:

@@ -193,21 +193,9 @@ def write_demo_cache(
     root = Path(out_dir)
     with _writer_lock(root):
         manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
-        _ensure_pack(manifest)
+        from shared.cache.pack_write import ensure_pack
+        ensure_pack(manifest, "float32")     # packed, as run_pipeline.py pack would
         return manifest
-
-
-def _ensure_pack(manifest: Manifest) -> None:
-    """The demo cache comes packed (float32 mels), as ``run_pipeline.py pack`` would write it."""
-    from shared.cache.pack_format import PackUnusable, open_pack
-    from shared.cache.pack_write import write_pack
-    try:
-        open_pack(manifest, "float32").close()
-        return
-    except PackUnusable:
-        pass
-    summary = write_pack(manifest, "float32")
-    log.info("demo cache packed into %s (%d bytes)", summary.path, summary.data_bytes)
 
 
 @contextmanager

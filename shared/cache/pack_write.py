@@ -32,7 +32,7 @@ from shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_
                                       sources_digest)
 from shared.errors import CacheError
 
-__all__ = ["PackSummary", "write_pack", "main_pack"]
+__all__ = ["PackSummary", "write_pack", "ensure_pack", "main_pack"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,18 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
     finally:
         os.close(dir_fd)
     return PackSummary(final, len(manifest), layout.data_bytes, bad)
+
+
+def ensure_pack(manifest: Manifest, mel_dtype: str) -> None:
+    """Write the cache's ``mel_dtype`` pack unless one that serves this manifest is there already."""
+    from shared.cache.pack_format import PackUnusable, open_pack
+    try:
+        open_pack(manifest, mel_dtype).close()
+        return
+    except PackUnusable:
+        pass
+    summary = write_pack(manifest, mel_dtype)
+    log.info("packed %s (%d data bytes, %d bad rows)", summary.path, summary.data_bytes, len(summary.bad))
 
 
 def main_pack(args: argparse.Namespace) -> int:
