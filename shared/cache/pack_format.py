@@ -43,7 +43,7 @@ from shared.cache.filekind import open_regular
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 
 __all__ = ["MAGIC", "DATA_OFFSET", "FORMAT_VERSION", "PackLayout", "PackHeader", "PackFile", "PackUnusable",
-           "pack_path", "source_paths", "sources_digest", "open_pack"]
+           "pack_path", "source_paths", "stat_source", "sources_digest", "open_pack"]
 
 MAGIC = b"MELPACK\x01"
 FORMAT_VERSION = 1
@@ -96,13 +96,17 @@ def sources_digest(stats: list[tuple[int, int]]) -> str:
     return h.hexdigest()
 
 
+def stat_source(path: str) -> tuple[int, int]:
+    """A source file's (size, mtime_ns) for the digest; (-1, -1) when it cannot be stat'ed (missing)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)     # a bad row's missing file: its appearing later changes the digest
+    return st.st_size, st.st_mtime_ns
+
+
 def _stat_sources(manifest: Manifest) -> list[tuple[int, int]]:
-    out = []
-    for i in range(len(manifest)):
-        for path in source_paths(manifest, i):
-            st = os.stat(path)
-            out.append((st.st_size, st.st_mtime_ns))
-    return out
+    return [stat_source(path) for i in range(len(manifest)) for path in source_paths(manifest, i)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,11 +180,7 @@ def open_pack(manifest: Manifest, mel_dtype: str, path: Path | None = None) -> P
             raise PackUnusable(f"holds {header.mel_dtype} mels, transport.mel_dtype is {mel_dtype}")
         if header.data_bytes != layout.data_bytes:
             raise PackUnusable(f"holds {header.data_bytes} data bytes, the manifest needs {layout.data_bytes}")
-        try:
-            current = sources_digest(_stat_sources(manifest))
-        except OSError as err:
-            raise PackUnusable(f"a source file cannot be read ({err.filename}: {err.strerror}): re-run pack") from err
-        if current != header.sources:
+        if sources_digest(_stat_sources(manifest)) != header.sources:
             raise PackUnusable("a cache file changed since it was written (size or mtime): re-run pack")
         return PackFile(fd, path, header, layout)
     except BaseException:

@@ -6,8 +6,8 @@ says, no NaN/Inf in a mel or a float extra, and (float16 pack from float32 mels)
 beyond float16's range. A row that fails is written as zeros and listed in the header's ``bad``
 table with its file and reason, so a producer reading the pack quarantines (or, under
 ``producer.bad_samples: fail``, stops on) the same rows it would have refused reading the files.
-Invariants: the pack appears only complete (temp file in the cache dir, fsync, rename, fsync of the
-directory); memory stays bounded by one utterance's files; the sources digest is of the files as
+Invariants: the pack appears only complete (temp file ``.NAME-<pid>-*.tmp`` in the cache dir, fsync,
+rename, fsync of the directory; a temp file whose writer died is removed by the next ``pack``); memory stays bounded by one utterance's files; the sources digest is of the files as
 they were read (``fstat`` of each open descriptor).
 Shutdown: nothing outlives a call; a failed write removes its temp file.
 """
@@ -29,7 +29,7 @@ from shared.cache.filekind import open_regular
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest, load_manifest
 from shared.cache.npyfile import parse_npy_header
 from shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_path, preamble, source_paths,
-                                      sources_digest)
+                                      sources_digest, stat_source)
 from shared.errors import CacheError
 
 __all__ = ["PackSummary", "write_pack", "ensure_pack", "main_pack"]
@@ -110,12 +110,19 @@ def _record(manifest: Manifest, i: int, mel_dtype: str, stats: list[tuple[int, i
     return parts
 
 
-def _stat_or_zero(path: str) -> tuple[int, int]:
-    try:
-        st = os.stat(path)
-        return st.st_size, st.st_mtime_ns
-    except OSError:
-        return (-1, -1)       # missing: a later file of this name changes the digest
+def _remove_dead_temps(final: Path) -> None:
+    """Temp files a killed ``pack`` of this name left (``.NAME-<pid>-*.tmp`` of a pid no longer alive)."""
+    for tmp in final.parent.glob(f".{final.name}-*-*.tmp"):
+        try:
+            pid = int(tmp.name[len(final.name) + 2:].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue                    # not ours
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+            log.info("removed %s, left by an interrupted pack", tmp)
+        except PermissionError:
+            continue                    # alive, another user's
 
 
 def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = None) -> PackSummary:
@@ -129,7 +136,8 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
         raise ValueError(f"mel_dtype must be one of {sorted(MEL_DTYPES)}, got {mel_dtype!r}")
     layout = PackLayout.of(manifest, mel_dtype)
     final = pack_path(manifest.cache_dir, mel_dtype)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", suffix=".tmp", dir=manifest.cache_dir)
+    _remove_dead_temps(final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-{os.getpid()}-", suffix=".tmp", dir=manifest.cache_dir)
     bad: dict[int, tuple[str, str]] = {}
     stats: list[tuple[int, int]] = []
     try:
@@ -142,7 +150,7 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
                 except CacheError as err:
                     bad[i] = (str(err.path), err.reason)
                     del stats[done:]
-                    stats.extend(_stat_or_zero(p) for p in source_paths(manifest, i))
+                    stats.extend(stat_source(p) for p in source_paths(manifest, i))
                     parts = [bytes(int(layout.parts[i].sum()))]
                 for part in parts:
                     f.write(part)
