@@ -97,10 +97,15 @@ def sources_digest(stats: list[tuple[int, int]]) -> str:
 
 
 def _stat_sources(manifest: Manifest) -> list[tuple[int, int]]:
+    """Every source file's (size, mtime_ns); a missing one is (-1, -1), as ``write_pack`` recorded it."""
     out = []
     for i in range(len(manifest)):
         for path in source_paths(manifest, i):
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:   # a row listed bad for it: usable while it stays missing
+                out.append((-1, -1))
+                continue
             out.append((st.st_size, st.st_mtime_ns))
     return out
 
