@@ -107,7 +107,7 @@ def test_every_batch_from_the_pack_equals_the_files_in_a_whole_and_a_cutting_buc
     buckets = _buckets(cache)
     assert _compare_every_batch(cache, buckets) == [[]] * len(_BATCHES)
     _, packed = _assemblers(cache, buckets)                 # the cuts really happen (the sink path)
-    batch = packed.build(0, 1, [0, 1, 2, 3, 4, 5][:4])
+    batch = packed.build(0, 1, [0, 1, 2, 3])
     assert list(batch.arrays["mel_len"]) == [302, 400, 400, 400]
     assert list(batch.arrays["tok_len"]) == [76, 100, 100, 100] and list(batch.arrays["ref_len"]) == [1, 2, 3, 3]
     assert batch.arrays["mel"][0, :302].any() and batch.arrays["phon"][3, :100].any()
