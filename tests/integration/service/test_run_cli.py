@@ -187,6 +187,34 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
     assert ok.returncode == 0 and "indexed 199 utterances" in ok.stdout
 
 
+def test_pack_writes_the_packed_cache_lists_bad_rows_and_a_missing_cache_is_one_line_78(tmp_path: Path) -> None:
+    import numpy as np
+    from shared.cache.demo_data import write_demo_cache
+    from shared.cache.pack_format import PackLayout, open_pack, pack_path
+    cache = tmp_path / "c"
+    manifest = write_demo_cache(cache, n_utterances=12)
+    pack_path(cache, "float32").unlink()                              # the demo comes packed: start without
+    bad = manifest.mel_path(4)
+    mel = np.load(bad)
+    mel[0, 0] = np.inf
+    np.save(bad, mel)
+    for mel_dtype in ("float32", "float16"):
+        proc = _run(["pack", str(cache), "--mel-dtype", mel_dtype], tmp_path, timeout_s=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        mb = PackLayout.of(manifest, mel_dtype).data_bytes / 1e6
+        assert proc.stdout.splitlines() == [f"packed 12 utterances ({mb:.1f} MB, {mel_dtype} mels) -> "
+                                            f"{pack_path(cache, mel_dtype)}; 1 bad rows will be quarantined"]
+        assert [line for line in proc.stderr.splitlines() if line.startswith("bad: ")] == [
+            f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache"]
+        packed = open_pack(manifest, mel_dtype)                       # serves this cache, row 4 listed bad
+        assert packed.header.mel_dtype == mel_dtype and list(packed.header.bad) == [4]
+        packed.close()
+    gone = _run(["pack", str(tmp_path / "nocache")], tmp_path, timeout_s=120)
+    assert gone.returncode == 78 and "Traceback" not in gone.stderr
+    assert len(gone.stderr.strip().splitlines()) == 1 and gone.stderr.startswith(
+        f"run_pipeline.py pack: {tmp_path / 'nocache'}"), gone.stderr
+
+
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped."""
     try:
