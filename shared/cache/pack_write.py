@@ -5,10 +5,14 @@ applies at read time: a regular file of the indexed size, a header that still sa
 says, no NaN/Inf in a mel or a float extra, and (float16 pack from float32 mels) no finite value
 beyond float16's range. A row that fails is written as zeros and listed in the header's ``bad``
 table with its file and reason, so a producer reading the pack quarantines (or, under
-``producer.bad_samples: fail``, stops on) the same rows it would have refused reading the files.
+``producer.bad_samples: fail``, stops on) the rows it would have refused reading the files, with one
+difference: the pack checks a whole file's values, the file reader only the frames a bucket keeps, so a
+NaN/Inf beyond a bucket's cut makes the row bad here and not there. Every producer reading one pack
+decides alike, which is what keeps quarantine deterministic.
 Invariants: the pack appears only complete (temp file ``.NAME-<pid>-*.tmp`` in the cache dir, fsync,
-rename, fsync of the directory; a temp file whose writer died is removed by the next ``pack``); memory stays bounded by one utterance's files; the sources digest is of the files as
-they were read (``fstat`` of each open descriptor).
+rename, fsync of the directory; a temp file whose writer died is removed by the next ``pack``); memory
+stays bounded by one utterance's files; the sources digest is of the files as they were read (``fstat``
+of each open descriptor).
 Shutdown: nothing outlives a call; a failed write removes its temp file.
 """
 
