@@ -6,8 +6,9 @@ processes (producers, tf.data service servers) spent inside the window.
 How: the trainer's own CPU is ``getrusage(RUSAGE_SELF)`` at both ends. Children are counted the same
 way at both ends: ``getrusage(RUSAGE_CHILDREN)`` (children reaped by then) plus utime+stime+cutime+cstime
 of every live descendant (from /proc, in clock ticks), so the start-up of helpers (imports,
-TensorFlow) and their shutdown after the window are both excluded. Peak memory: the trainer's ``ru_maxrss`` plus the sum of every
-live descendant's ``VmHWM`` at the end of the window (an upper bound of the simultaneous total).
+TensorFlow) and their shutdown after the window are both excluded. Peak memory: the trainer's
+``ru_maxrss`` plus the sum of every live descendant's ``VmHWM`` at the end of the window (an upper bound
+of the simultaneous total).
 Invariants: Linux only (/proc); a descendant that vanishes while being read is skipped.
 Shutdown: nothing to release.
 """
