@@ -5,11 +5,11 @@ builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket pr
 ``BatchAssembler`` and ``CacheReader`` (and the packed cache, as ``producer.pack`` selects) for S seconds
 and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
-"cpu_ms_per_batch"}``. Build time includes the debug delay (as the producer worker's does); the read
-part is the assembler's own read-loop clock (``BatchAssembler.read_s_total``), so the probe adds no
-per-row work of its own. Nothing is sent. ``--warm`` first builds
-every batch of the plan once, untimed, so the figures are a long-running producer's (cache files
-already open, values already checked) rather than its first epoch's.
+"cpu_ms_per_batch", "reader"}`` (``reader``: the pack's path, or ``"files"``). Build time includes the
+debug delay (as the producer worker's does); the read part is the assembler's own read-loop clock
+(``BatchAssembler.read_s_total``), so the probe adds no per-row work of its own. Nothing is sent.
+``--warm`` first builds every batch of the plan once, untimed, so the figures are a long-running
+producer's (cache files already open, values already checked) rather than its first epoch's.
 ``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
 producers would. Exit codes: 0 measured, 78 configuration/cache error (one line on stderr).
 Shutdown: nothing outlives the process; buffers are freed on exit.
@@ -37,7 +37,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
-            seed: int, warm: bool = False) -> dict[str, float]:
+            seed: int, warm: bool = False) -> dict[str, float | str]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
     from producer.pack.reader import open_pack_reader
@@ -55,8 +55,9 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
+    pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype)
     assembler = BatchAssembler(reader, bucket_set, max_buffers=2, bad_sample_policy=cfg.producer.bad_samples,
-                               pack=open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype))
+                               pack=pack)
     plan = representative_batches(bucket_set, 256, seed)
     if warm:
         for i, (bucket, sample_ids) in enumerate(plan):
@@ -79,7 +80,8 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     n = len(build_ms)
     return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
             "build_ms_p50": _p(build_ms, 50), "build_ms_p99": _p(build_ms, 99), "read_ms_p50": _p(read_ms, 50),
-            "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n}
+            "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n,
+            "reader": str(pack.path) if pack is not None else "files"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

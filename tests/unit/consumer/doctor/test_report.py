@@ -57,3 +57,13 @@ def test_older_probe_output_without_the_step_devices_says_unknown() -> None:
     report["stages"] = {**report["stages"], "device": {k: v for k, v in _DEVICE.items() if k != "step_devices"}}  # type: ignore[dict-item]
     text = render(report, decide(_measurements(1), dataclasses.replace(_FACTS, producer_count=1)), [])
     assert "ran on unknown)" in text
+
+
+def test_stage_one_says_what_the_producer_read() -> None:
+    facts = dataclasses.replace(_FACTS, producer_count=1)
+    for reader, words in (("/c/melfeed-float32.pack", "reads the packed cache /c/melfeed-float32.pack)"),
+                          ("files", "reads the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy)")):
+        report = _report(1)
+        report["stages"] = {**report["stages"], "build_1": [{**_BUILD, "reader": reader}]}  # type: ignore[dict-item]
+        assert words in render(report, decide(_measurements(1), facts), [])
+    assert "reads the cache)" in render(_report(1), decide(_measurements(1), facts), [])   # an older probe's output
