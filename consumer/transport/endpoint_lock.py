@@ -13,7 +13,9 @@ holds a pid line (never another program's lock in a shared directory), only sock
 Invariants: the lock file is opened without following links and never truncated before the lock is
 ours; a lock file is unlinked only by a process that holds its ``flock``, and a taker checks after
 locking that the path still names the inode it locked (else it locks again), so two processes can
-never both believe they hold one endpoint.
+never both believe they hold one endpoint. A lock found held with no pid line yet is waited for (at
+most ``_NO_PID_WAIT_S``): two consumers starting in one directory (two ranks on one host) would
+otherwise see each other's sweep as a live consumer and stop.
 Shutdown: ``release()`` closes the descriptor (idempotent).
 """
 
@@ -23,6 +25,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 from shared.errors import ConfigError
@@ -36,6 +39,11 @@ _MAX_PID_BYTES = 32
 _LOCK_SUFFIX = ".lock"
 _STALE_SUFFIX = ".sock.lock"   # what the start-up sweep looks at (our endpoint names end in .sock)
 _MAX_LOCK_TRIES = 8      # each retry means another process removed the file between our open and flock
+# A lock held with no pid line yet is a start-up sweep of another consumer in the same directory
+# (``remove_stale_endpoints`` takes an empty lock for a moment), or a consumer between its flock and its
+# pid line: wait for it this long before calling the endpoint taken.
+_NO_PID_WAIT_S = 2.0
+_NO_PID_POLL_S = 0.02
 
 
 class EndpointLock:
@@ -77,13 +85,18 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
     if address == endpoint or address.startswith("@"):   # tcp, or an abstract socket (never unlinked)
         return None
     path = Path(address + _LOCK_SUFFIX)
-    for _ in range(_MAX_LOCK_TRIES):
+    no_pid_until_s = time.monotonic() + _NO_PID_WAIT_S
+    replaced = 0
+    while replaced < _MAX_LOCK_TRIES:
         fd = _open_lock(path, endpoint, key)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_pid(fd)
             os.close(fd)
+            if holder == "?" and time.monotonic() < no_pid_until_s:
+                time.sleep(_NO_PID_POLL_S)   # a sweeper, or a consumer between its flock and its pid line
+                continue
             raise ConfigError(f"another consumer (pid {holder}) is running on {endpoint} (lock {path}); "
                               "stop it or use another runtime directory", path=key) from None
         except OSError as err:
@@ -94,6 +107,7 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return EndpointLock(path, fd)
         os.close(fd)                 # removed by its last holder while we waited: lock the new file
+        replaced += 1
     raise ConfigError(f"cannot lock {path}: it keeps being replaced", path=key)
 
 

@@ -78,3 +78,44 @@ def test_stale_sockets_of_dead_consumers_are_removed_and_a_live_ones_never(tmp_p
     again = lock_endpoint(f"ipc://{tmp_path}/live.sock")        # a lock removed under a taker: it locks anew
     assert again is not None
     again.release(remove_files=True)
+
+
+def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another consumer's start-up sweep holds our fresh, empty lock for a moment and unlinks it: we lock anew."""
+    import fcntl
+
+    import consumer.transport.endpoint_lock as endpoint_lock
+    endpoint = f"ipc://{tmp_path}/rank0.control.sock"
+    lock_path = tmp_path / "rank0.control.sock.lock"
+    sweeper = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)       # empty: no pid line yet
+    fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    polls = []
+
+    def sweep_done(seconds: float) -> None:                          # the sweeper finishes during our first wait
+        polls.append(seconds)
+        if len(polls) == 1:
+            lock_path.unlink()
+            os.close(sweeper)
+
+    monkeypatch.setattr(endpoint_lock.time, "sleep", sweep_done)
+    taken = lock_endpoint(endpoint)
+    assert taken is not None and polls and taken.path.read_text() == f"{os.getpid()}\n"
+    taken.release()
+
+
+def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    import consumer.transport.endpoint_lock as endpoint_lock
+    endpoint = f"ipc://{tmp_path}/melfeed.sock"
+    holder = os.open(tmp_path / "melfeed.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    clock = [0.0]
+    monkeypatch.setattr(endpoint_lock.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(endpoint_lock.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    try:
+        with pytest.raises(ConfigError, match=r"another consumer \(pid \?\) is running"):
+            lock_endpoint(endpoint)
+        assert clock[0] >= endpoint_lock._NO_PID_WAIT_S                 # it waited the bound, then gave up
+    finally:
+        os.close(holder)
