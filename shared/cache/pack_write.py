@@ -199,8 +199,9 @@ def main_pack(args: argparse.Namespace) -> int:
     bar = Bar(0, sys.stderr, label="pack", unit="utterances", interval_s=progress_interval_s(5.0))
     try:
         summary = write_pack(manifest, args.mel_dtype, bar.callback())
-    except OSError as err:
-        raise CacheError(args.cache_dir, f"cannot write the pack ({err.strerror})") from err
+    except OSError as err:   # reading a source (EIO) or writing the pack (ENOSPC, EACCES): nothing left behind
+        where = f"{err.filename}: " if err.filename else ""
+        raise CacheError(args.cache_dir, f"pack not written ({where}{err.strerror})") from err
     finally:
         bar.finish()
     for path, reason in summary.bad.values():

@@ -272,3 +272,22 @@ def test_producer_pack_is_auto_by_default_accepts_off_and_refuses_anything_else(
     with pytest.raises(ConfigError) as info:
         config_from_mapping({"producer": {"pack": value}})
     assert str(info.value) == message
+
+
+def test_a_pack_that_cannot_be_written_is_one_line_naming_the_cache_and_leaves_nothing(
+        cache: Manifest, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import errno
+
+    import shared.cache.pack_write as pack_write
+
+    def full_disk(fd: int) -> None:                        # the pack's data cannot reach the disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pack_write.os, "fsync", full_disk)
+    before = sorted(os.listdir(cache.cache_dir))
+    args = argparse.Namespace(cache_dir=str(cache.cache_dir), n_mels=cache.n_mels, mel_dtype="float16")
+    with pytest.raises(CacheError) as info:
+        pack_write.main_pack(args)
+    assert str(info.value) == f"{cache.cache_dir}: pack not written (No space left on device)"
+    assert sorted(os.listdir(cache.cache_dir)) == before                     # no temp file, no float16 pack
