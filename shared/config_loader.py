@@ -66,6 +66,9 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
         except OverflowError:   # an integer past 1.8e308
             raise ConfigError("must be a finite number", path=path, got=value) from None
     elif base == "str":
+        if isinstance(value, bool):     # YAML 1.1 reads a bare off/on/yes/no as a boolean
+            raise ConfigError("must be a string (YAML read a bare off/on/yes/no as a boolean: quote it, "
+                              "e.g. \"off\")", path=path, got=value)
         if not isinstance(value, str):
             raise ConfigError("must be a string", path=path, got=value)
         check_text(value, path)

@@ -262,7 +262,8 @@ def test_a_pack_truncated_after_it_was_opened_fails_the_cut_row_naming_the_pack(
 @pytest.mark.parametrize(("value", "message"), [
     ("on", "producer.pack: must be 'auto' or 'off', got 'on'"),
     ("", "producer.pack: must be 'auto' or 'off', got ''"),
-    (False, "producer.pack: must be a string, got False"),     # YAML's unquoted off: quote it
+    (False, 'producer.pack: must be a string (YAML read a bare off/on/yes/no as a boolean: quote it, e.g. "off"), '
+            'got False'),                                     # YAML's unquoted off
 ])
 def test_producer_pack_is_auto_by_default_accepts_off_and_refuses_anything_else(value: object, message: str) -> None:
     from shared.config_loader import config_from_mapping
