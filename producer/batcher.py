@@ -7,7 +7,7 @@ On the same-host shared-memory path the caller passes ``target`` (views of the c
 and the batch is built there instead: no send buffer at all. The cache's extra arrays (the batch
 schema, ``shared/wire/schema.py``) are read the same way, row by row into their place
 (``producer/extra_reader.py``), a sequence extra's length into ``<name>_len``. Given a packed cache
-(``pack``, ``producer/pack/reader.py``), a row's arrays come in one read from it instead, same bytes.
+(``pack``, ``producer/pack/reader.py``), a row's arrays come from it instead (copied out of its mapping), same bytes.
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
@@ -67,7 +67,7 @@ class BatchAssembler:
                  reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine",
                  pack: PackReader | None = None) -> None:
         self._reader = reader
-        self._pack = pack                         # a packed cache: one preadv per row (producer/pack/reader.py)
+        self._pack = pack                         # a packed cache: rows copied from it (producer/pack/reader.py)
         self._extras = (ExtraReader(reader.manifest, getattr(reader, "open_files", None))
                         if reader.manifest.extras else None)
         self._buckets = bucket_set.buckets
@@ -107,8 +107,10 @@ class BatchAssembler:
         extras = self._extra_rows(arrays, n)
         read_extra = self._extras.read_row if self._extras is not None else None
         pack = self._pack
-        if pack is not None and mel_rows.dtype_name != pack.mel_dtype:
-            raise ValueError(f"the pack holds {pack.mel_dtype} mels, the batch is {mel_rows.dtype_name}")
+        if pack is not None:
+            if mel_rows.dtype_name != pack.mel_dtype:
+                raise ValueError(f"the pack holds {pack.mel_dtype} mels, the batch is {mel_rows.dtype_name}")
+            pack.check_intact()         # a pack cut in place: restart (TransientReadError), never a SIGBUS
         mel_lens, tok_lens = [0] * n, [0] * n        # written once per batch, not one numpy store per row
         t0 = time.perf_counter()            # one clock pair per batch: the loop is the reads
         try:

@@ -5,7 +5,8 @@ builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket pr
 ``BatchAssembler`` and ``CacheReader`` (and the packed cache, as ``producer.pack`` selects) for S seconds
 and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
-"cpu_ms_per_batch", "reader"}`` (``reader``: the pack's path, or ``"files"``). Build time includes the
+"cpu_ms_per_batch", "reader", "pack_read"}`` (``reader``: the pack's path, or ``"files"``; ``pack_read``: how
+the pack was read, ``"mapped"`` or ``"preadv"``, or null). Build time includes the
 debug delay (as the producer worker's does); the read part is the assembler's own read-loop clock
 (``BatchAssembler.read_s_total``), so the probe adds no per-row work of its own. Nothing is sent.
 ``--warm`` first builds every batch of the plan once, untimed, so the figures are a long-running
@@ -81,7 +82,8 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
             "build_ms_p50": _p(build_ms, 50), "build_ms_p99": _p(build_ms, 99), "read_ms_p50": _p(read_ms, 50),
             "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n,
-            "reader": str(pack.path) if pack is not None else "files"}
+            "reader": str(pack.path) if pack is not None else "files",
+            "pack_read": pack.mode if pack is not None else None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

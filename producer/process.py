@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -135,7 +136,9 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
-    pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype)
+    fault_dir = _fault_dir()
+    pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype, fault_dir=fault_dir,
+                            mapped=fault_dir is not None)
     assembler = BatchAssembler(reader, bucket_set, max_buffers=cfg.transport.lease_window + 2,
                                bad_sample_policy=cfg.producer.bad_samples, pack=pack)
     t = cfg.transport
@@ -152,6 +155,20 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                             mel_dtype=t.mel_dtype)
     return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
                           on_tick=on_tick)
+
+
+def _fault_dir() -> Path | None:
+    """Where a mapped pack's fault record goes (the private runtime dir, producer/pack/mapped.py), or None:
+    without one the pack is read with ``preadv`` (a bus error must not become a restart loop)."""
+    from shared.config import resolve_runtime_dir
+    from shared.errors import ConfigError
+    from shared.service.lifecycle import prepare_runtime_dir
+    try:
+        return prepare_runtime_dir(resolve_runtime_dir(os.environ))
+    except ConfigError as err:
+        log.warning("no private runtime directory for a mapped pack's fault record (%s): a pack is read with "
+                    "preadv", err)
+        return None
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
     step = weighted_ms(tuple(b["step_ms_p50"] for b in dev["buckets"]), mix)
     lines = [
         "stage 1  cache read + batch assembly (producer.probe, real BatchAssembler; reads "
-        f"{_reader_words(one.get('reader'))})",
+        f"{_reader_words(one.get('reader'), one.get('pack_read'))})",
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
@@ -92,10 +92,11 @@ def _path_words(path: str | None) -> str:
             "zmq": f"ZeroMQ payload frames, {PAYLOAD_COPIES} copies"}.get(path or "", "unknown")
 
 
-def _reader_words(reader: object) -> str:
-    """What stage 1 read: the packed cache (its path) or the .npy files (older probes said nothing)."""
+def _reader_words(reader: object, pack_read: object = None) -> str:
+    """What stage 1 read: the packed cache (its path, and mapped or preadv) or the .npy files (older probes
+    said nothing)."""
     if reader is None:
         return "the cache"
     if reader == "files":
         return "the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy"
-    return f"the packed cache {reader}"
+    return f"the packed cache {reader}" + (f", {pack_read}" if pack_read else "")

@@ -33,7 +33,7 @@ def test_slowed_producers_are_named_as_the_bottleneck_and_exit_3(demo_cache: Pat
                    "--json", str(out))
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
     assert "bound by producers (cache read / assembly)" in proc.stdout
-    assert f"reads the packed cache {demo_cache / 'melfeed-float32.pack'})" in proc.stdout   # the demo comes packed
+    assert f"reads the packed cache {demo_cache / 'melfeed-float32.pack'}, mapped)" in proc.stdout   # the demo comes packed
     report = json.loads(out.read_text())
     v = report["verdict"]
     assert v["supply_per_s"] < 1.2 * v["demand_per_s"]

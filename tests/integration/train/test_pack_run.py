@@ -58,7 +58,7 @@ def _train(demo_cache: Path, tmp_path: Path, name: str, pack: str) -> tuple[dict
 def test_a_run_reads_the_pack_and_ends_bit_identical_to_a_run_reading_the_files(demo_cache: Path,
                                                                                tmp_path: Path) -> None:
     packed, err = _train(demo_cache, tmp_path, "packed", "auto")
-    assert f"reading the packed cache {demo_cache / 'melfeed-float32.pack'} (0 rows listed bad)" in err, err[-3000:]
+    assert f"reading the packed cache {demo_cache / 'melfeed-float32.pack'} (mapped; 0 rows listed bad)" in err, err[-3000:]
     files, err = _train(demo_cache, tmp_path, "files", "off")
     assert "packed cache" not in err, err[-3000:]
     a, b = _final_variables(tmp_path / "packed"), _final_variables(tmp_path / "files")

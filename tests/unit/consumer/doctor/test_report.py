@@ -61,9 +61,13 @@ def test_older_probe_output_without_the_step_devices_says_unknown() -> None:
 
 def test_stage_one_says_what_the_producer_read() -> None:
     facts = dataclasses.replace(_FACTS, producer_count=1)
-    for reader, words in (("/c/melfeed-float32.pack", "reads the packed cache /c/melfeed-float32.pack)"),
-                          ("files", "reads the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy)")):
+    for reader, read, words in (
+            ("/c/melfeed-float32.pack", "mapped", "reads the packed cache /c/melfeed-float32.pack, mapped)"),
+            ("/c/melfeed-float32.pack", "preadv", "reads the packed cache /c/melfeed-float32.pack, preadv)"),
+            ("/c/melfeed-float32.pack", None, "reads the packed cache /c/melfeed-float32.pack)"),   # an older probe
+            ("files", None, "reads the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy)")):
         report = _report(1)
-        report["stages"] = {**report["stages"], "build_1": [{**_BUILD, "reader": reader}]}  # type: ignore[dict-item]
+        build = {**_BUILD, "reader": reader, "pack_read": read}
+        report["stages"] = {**report["stages"], "build_1": [build]}  # type: ignore[dict-item]
         assert words in render(report, decide(_measurements(1), facts), [])
     assert "reads the cache)" in render(_report(1), decide(_measurements(1), facts), [])   # an older probe's output

@@ -1,8 +1,8 @@
 """The packed cache gives the batches the ``.npy`` files give, bit for bit, and refuses rows the same way.
 
-``run_pipeline.py pack`` (``shared/cache/pack_write.py``) and the producer's ``PackReader`` (one ``preadv``
-per row, ``producer/pack/reader.py``) against the per-file readers as the reference: every array of every
-batch equal (tails of garbage-filled targets zeroed), in a bucket that holds every row whole and in one
+``run_pipeline.py pack`` (``shared/cache/pack_write.py``) and the producer's ``PackReader`` (rows copied
+out of the mapped pack, or one ``preadv`` per row: ``producer/pack/reader.py``), each way against the
+per-file readers as the reference: every array of every batch equal (tails of garbage-filled targets zeroed), in a bucket that holds every row whole and in one
 shorter than most rows (the cut parts go to the reader's sink); float16 packs; rows bad at pack time
 quarantined (or failed) like the files' path does; and every pack ``open_pack`` must refuse.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from producer.batcher import BatchAssembler
 from producer.pack.reader import PackReader, open_pack_reader
-from producer.reader import CacheReader
+from producer.reader import CacheReader, TransientReadError
 from shared.cache.demo_data import write_demo_cache
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest
@@ -35,6 +35,7 @@ _GARBAGE = 0x7F                 # every byte of a target before a build: an un-z
 _OLD_NS = 1_600_000_000 * 10**9  # an mtime no rewrite made now can have
 # (bucket, sample ids): whole batches, a partial one (padding rows) and another order.
 _BATCHES = [(b, ids) for b in (0, 1) for ids in ([0, 1, 2, 3], [4, 5], [5, 0, 3, 1])]
+_BOTH_WAYS = pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "preadv"])
 
 
 @pytest.fixture
@@ -75,18 +76,19 @@ def _garbage(bucket: Bucket) -> dict[str, npt.NDArray[np.generic]]:
     return out
 
 
-def _assemblers(manifest: Manifest, buckets: BucketSet, mel_dtype: str = "float32", policy: str = "quarantine"
-                ) -> tuple[BatchAssembler, BatchAssembler]:
-    """(per-file, packed) assemblers of the same cache."""
-    pack = open_pack_reader(manifest, "auto", mel_dtype)
-    assert isinstance(pack, PackReader)
+def _assemblers(manifest: Manifest, buckets: BucketSet, mel_dtype: str = "float32", policy: str = "quarantine",
+                mapped: bool = True) -> tuple[BatchAssembler, BatchAssembler]:
+    """(per-file, packed) assemblers of the same cache; the pack mapped or read with ``preadv``."""
+    pack = open_pack_reader(manifest, "auto", mel_dtype, mapped=mapped)
+    assert isinstance(pack, PackReader) and pack.mode == ("mapped" if mapped else "preadv")
     return (BatchAssembler(CacheReader(manifest, mel_dtype=mel_dtype), buckets, bad_sample_policy=policy),
             BatchAssembler(CacheReader(manifest, mel_dtype=mel_dtype), buckets, bad_sample_policy=policy, pack=pack))
 
 
-def _compare_every_batch(manifest: Manifest, buckets: BucketSet, mel_dtype: str = "float32") -> list[list[int]]:
+def _compare_every_batch(manifest: Manifest, buckets: BucketSet, mel_dtype: str = "float32", mapped: bool = True
+                         ) -> list[list[int]]:
     """Build ``_BATCHES`` both ways into garbage-filled targets; assert equal bytes; the quarantined ids."""
-    plain, packed = _assemblers(manifest, buckets, mel_dtype)
+    plain, packed = _assemblers(manifest, buckets, mel_dtype, mapped=mapped)
     quarantined = []
     try:
         for batch_id, (bucket, ids) in enumerate(_BATCHES):
@@ -103,10 +105,12 @@ def _compare_every_batch(manifest: Manifest, buckets: BucketSet, mel_dtype: str 
     return quarantined
 
 
-def test_every_batch_from_the_pack_equals_the_files_in_a_whole_and_a_cutting_bucket(cache: Manifest) -> None:
+@_BOTH_WAYS
+def test_every_batch_from_the_pack_equals_the_files_in_a_whole_and_a_cutting_bucket(cache: Manifest,
+                                                                                    mapped: bool) -> None:
     buckets = _buckets(cache)
-    assert _compare_every_batch(cache, buckets) == [[]] * len(_BATCHES)
-    _, packed = _assemblers(cache, buckets)                 # the cuts really happen (the sink path)
+    assert _compare_every_batch(cache, buckets, mapped=mapped) == [[]] * len(_BATCHES)
+    _, packed = _assemblers(cache, buckets, mapped=mapped)               # the cuts really happen (the sink path)
     batch = packed.build(0, 1, [0, 1, 2, 3])
     assert list(batch.arrays["mel_len"]) == [302, 400, 400, 400]
     assert list(batch.arrays["tok_len"]) == [76, 100, 100, 100] and list(batch.arrays["ref_len"]) == [1, 2, 3, 3]
@@ -114,10 +118,12 @@ def test_every_batch_from_the_pack_equals_the_files_in_a_whole_and_a_cutting_buc
     packed.close()
 
 
-def test_a_float16_pack_equals_the_float32_files_cast_and_an_overflow_is_quarantined_alike(cache: Manifest) -> None:
+@_BOTH_WAYS
+def test_a_float16_pack_equals_the_float32_files_cast_and_an_overflow_is_quarantined_alike(cache: Manifest,
+                                                                                            mapped: bool) -> None:
     assert write_pack(cache, "float16").bad == {}
     buckets = _buckets(cache, "float16")
-    assert _compare_every_batch(cache, buckets, "float16") == [[]] * len(_BATCHES)
+    assert _compare_every_batch(cache, buckets, "float16", mapped) == [[]] * len(_BATCHES)
     path = cache.mel_path(2)
     mel = np.load(path)
     mel[3, 4] = 1e6                                        # finite in float32, beyond float16's 65504
@@ -125,7 +131,7 @@ def test_a_float16_pack_equals_the_float32_files_cast_and_an_overflow_is_quarant
     bad = write_pack(cache, "float16").bad
     assert list(bad) == [2] and bad[2][0] == str(path) and "float16" in bad[2][1], bad
     assert write_pack(cache, "float32").bad == {}          # float32 carries it
-    quarantined = _compare_every_batch(cache, buckets, "float16")
+    quarantined = _compare_every_batch(cache, buckets, "float16", mapped)
     assert quarantined == [[2], [], [], [2], [], []]
 
 
@@ -142,15 +148,17 @@ def _damage_rows(manifest: Manifest) -> dict[int, tuple[Path, str]]:
     return {1: (mel_path, "non-finite"), 3: (tok_path, "size"), 4: (extra_path, "missing")}
 
 
-def test_rows_bad_at_pack_time_are_listed_and_quarantined_or_failed_like_the_files(cache: Manifest) -> None:
+@_BOTH_WAYS
+def test_rows_bad_at_pack_time_are_listed_and_quarantined_or_failed_like_the_files(cache: Manifest,
+                                                                                   mapped: bool) -> None:
     damaged = _damage_rows(cache)
     bad = write_pack(cache, "float32").bad
     assert {i: path for i, (path, _) in bad.items()} == {i: str(p) for i, (p, _) in damaged.items()}
     for i, (_, words) in damaged.items():
         assert words in bad[i][1], bad[i]
     buckets = _buckets(cache)
-    assert _compare_every_batch(cache, buckets) == [[1, 3], [4], [3, 1]] * 2
-    plain, packed = _assemblers(cache, buckets, policy="fail")
+    assert _compare_every_batch(cache, buckets, mapped=mapped) == [[1, 3], [4], [3, 1]] * 2
+    plain, packed = _assemblers(cache, buckets, policy="fail", mapped=mapped)
     for sid, (path, _) in damaged.items():
         for assembler in (plain, packed):
             with pytest.raises(CacheError) as info:
@@ -243,19 +251,38 @@ def test_no_pack_is_an_info_line_off_is_silent_and_a_good_pack_is_used(
         (logging.INFO, f"no packed cache at {pack_path(cache.cache_dir, 'float32')}")]
 
 
-def test_a_pack_truncated_after_it_was_opened_fails_the_cut_row_naming_the_pack(cache: Manifest) -> None:
+@_BOTH_WAYS
+def test_a_pack_cut_in_place_after_it_was_opened_restarts_the_producer_naming_the_pack_never_a_quarantine(
+        cache: Manifest, mapped: bool) -> None:
     buckets = _buckets(cache)
-    plain, packed = _assemblers(cache, buckets, policy="fail")
+    plain, packed = _assemblers(cache, buckets, policy="quarantine", mapped=mapped)
     path = pack_path(cache.cache_dir, "float32")
-    os.truncate(path, int(PackLayout.of(cache, "float32").offsets[5]) + 10)    # record 5 cut, 0..4 whole
     want = plain.build(0, 0, [0, 1, 2, 3], target=_garbage(buckets.buckets[0]))
     got = packed.build(0, 0, [0, 1, 2, 3], target=_garbage(buckets.buckets[0]))
     for key, value in want.arrays.items():
         assert got.arrays[key].tobytes() == value.tobytes(), key
-    with pytest.raises(CacheError) as info:
+    size = path.stat().st_size
+    os.truncate(path, int(PackLayout.of(cache, "float32").offsets[5]) + 10)    # record 5 cut, 0..4 whole
+    with pytest.raises(TransientReadError) as info:         # the worker's exit 1: restart, reopen, refuse
         packed.build(1, 0, [4, 5])
-    assert info.value.path == str(path) and "short read at record 5" in info.value.reason
+    assert info.value.path == str(path) and f"changed size while open ({size} -> " in info.value.reason
+    packed.close()
     plain.close()
+
+
+def test_a_pack_that_reads_short_under_preadv_is_the_packs_fault_not_the_rows(
+        cache: Manifest, monkeypatch: pytest.MonkeyPatch) -> None:
+    buckets = _buckets(cache)
+    _, packed = _assemblers(cache, buckets, policy="quarantine", mapped=False)
+    reader = packed._pack
+    assert reader is not None
+    packed.build(0, 0, [4, 5])
+    monkeypatch.setattr(reader, "check_intact", lambda: None)   # cut between the batch's check and the read
+    os.truncate(reader.path, int(PackLayout.of(cache, "float32").offsets[5]) + 10)
+    packed.build(1, 0, [4])                                 # record 4 is whole
+    with pytest.raises(TransientReadError) as info:
+        packed.build(2, 0, [4, 5])
+    assert info.value.path == str(reader.path) and "short read at record 5" in info.value.reason
     packed.close()
 
 
