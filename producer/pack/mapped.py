@@ -4,7 +4,9 @@ Role: copying a row out of a mapping of the pack costs less than half of reading
 on the 2-core development machine 0.41-0.44 ms against 0.92-1.07 ms for a 9 MB batch from the page
 cache (the kernel's copy to user memory is the difference; docs/BENCHMARKS.md "Mapped pack"). Pages
 are mapped lazily: a producer's first touch of a record faults it in (about the cost of a ``preadv``),
-later epochs copy at memory speed.
+later epochs copy at memory speed. A pack that fits in half the memory available is also populated by
+one background thread (``MADV_POPULATE_READ``, the GIL released; an error is only logged), so the first
+epoch is fast too (38 ms for the 713 MB demo pack from the page cache).
 
 The price of a mapping is SIGBUS: touching a page that the file no longer has (the pack truncated in
 place) or that the disk cannot read kills the process, where ``preadv`` returns an error. So:
@@ -33,6 +35,7 @@ import os
 import re
 import stat
 import sys
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 _RECORD = re.compile(r"^pack-fault-(\d{1,10})\.log$")
 _BUS_ERROR = b"Fatal Python error: Bus error"
 _RECORD_READ_BYTES = 1 << 16
+_MADV_POPULATE_READ = 22             # Linux 5.14+; EINVAL before: lazy faults only
 
 
 class MappedPack:
@@ -58,6 +62,16 @@ class MappedPack:
         self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
         self.view = memoryview(self._map)
         self.nbytes = nbytes
+        self.populating: threading.Thread | None = None
+
+    def populate_in_background(self) -> bool:
+        """Fault the whole pack in from a daemon thread when it fits in half of MemAvailable; True if started."""
+        available = _mem_available_bytes()
+        if self._map is None or available is None or 2 * self.nbytes > available:
+            return False
+        self.populating = threading.Thread(target=_populate, args=(self._map,), name="pack-populate", daemon=True)
+        self.populating.start()
+        return True
 
     def close(self) -> None:
         """Release the view and unmap; a slice still held elsewhere keeps the mapping until it goes."""
@@ -69,6 +83,24 @@ class MappedPack:
         except BufferError:
             pass                       # an exported slice: the mapping goes with its last reference
         self._map = None
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    try:
+        mapping.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError) as err:   # an old kernel, a read error (the copy will see it), or closed
+        log.debug("pack populate stopped: %s", err)
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def pack_identity(fd: int) -> str:

@@ -206,7 +206,9 @@ def _map(pack: PackFile, fault_dir: Path | None) -> tuple[MappedPack | None, Fau
                     fault_dir, err.strerror, pack.path)
         return None, None
     try:
-        return MappedPack(pack.fd, os.fstat(pack.fd).st_size), record
+        mapping = MappedPack(pack.fd, os.fstat(pack.fd).st_size)
+        mapping.populate_in_background()
+        return mapping, record
     except OSError as err:
         if record is not None:
             record.close()

@@ -153,3 +153,37 @@ def test_a_fault_record_that_cannot_be_written_means_preadv_not_an_unrecorded_ma
     assert isinstance(reader, PackReader) and reader.mode == "preadv"
     assert "cannot write the fault record" in caplog.text and str(missing) in caplog.text
     reader.close()
+
+
+def _resident_kb(address: int) -> int:
+    """Rss of the mapping that starts at ``address``, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+def test_a_pack_that_fits_in_memory_is_populated_in_the_background_and_a_large_one_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from producer.pack import mapped as mapped_module
+    path = tmp_path / "p.pack"
+    path.write_bytes(os.urandom(4 << 20))                   # in the page cache: just written
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lazy = mapped_module.MappedPack(fd, 4 << 20)
+        monkeypatch.setattr(mapped_module, "_mem_available_bytes", lambda: (8 << 20) - 1)   # under twice its size
+        assert not lazy.populate_in_background() and lazy.populating is None
+        assert _resident_kb(np.frombuffer(lazy.view, np.uint8).ctypes.data) == 0   # nothing touched yet
+        lazy.close()
+        full = mapped_module.MappedPack(fd, 4 << 20)
+        monkeypatch.setattr(mapped_module, "_mem_available_bytes", lambda: 8 << 20)
+        assert full.populate_in_background() and full.populating is not None
+        full.populating.join(_WAIT_S)
+        assert _resident_kb(np.frombuffer(full.view, np.uint8).ctypes.data) == 4 << 10
+        full.close()
+        full.close()
+    finally:
+        os.close(fd)
