@@ -279,8 +279,9 @@ class ProducerConfig:
     open_files: int = 8192                 # cache files each producer keeps open (LRU; held to half of
                                            # RLIMIT_NOFILE); 0 = open and close every file on every read;
                                            # 8192 = the 2,000-utterance demo cache with its 2 extras (4 per utterance)
-    pack: str = "auto"                     # "auto": read CACHE/melfeed-<mel_dtype>.pack (run_pipeline.py
-                                           # pack) when it serves this manifest, else the .npy files; "off"
+    pack: str = "auto"                     # "auto": CACHE/melfeed-<mel_dtype>.pack (run_pipeline.py pack), mapped,
+                                           # when it serves this manifest, else the .npy files; "preadv": the
+                                           # pack read, not mapped; "off": the .npy files
     nice: int = 0                          # CPU niceness of producers and prepare workers (0..19), set
                                            # at start (and Nice= in the unit): where they share cores with
                                            # the step, a higher value lets the step win; the ring absorbs
@@ -299,7 +300,7 @@ class ProducerConfig:
         _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
                self.restart_backoff_s)
         _check(0 <= self.open_files <= 1_000_000, "must be in 0..1000000", p + ("open_files",), self.open_files)
-        _check(self.pack in ("auto", "off"), "must be 'auto' or 'off'", p + ("pack",), self.pack)
+        _check(self.pack in ("auto", "preadv", "off"), "must be 'auto', 'preadv' or 'off'", p + ("pack",), self.pack)
         _check(0 <= self.nice <= 19, "must be in 0..19 (a niceness; below 0 needs privileges)", p + ("nice",),
                self.nice)
 

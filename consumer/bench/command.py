@@ -220,11 +220,13 @@ def _build_probes(cfg: PipelineConfig, s: dict[str, Any], seconds: float, timeou
     """Doctor's stage 1 once per round, warm (files open, values checked): CPU per batch a producer builds.
 
     Per wire format as the config reads the cache (its pack when ``producer.pack`` finds one); with a pack
-    in use, once more from the ``.npy`` files (``producer-build-npy``, float32, no goal) to show what it saves.
+    in use, once more from the ``.npy`` files (``producer-build-npy``, float32, no goal) to show what it saves,
+    and once with the pack read by ``preadv`` instead of mapped (``producer-build-preadv``, no goal).
     """
     variants = [(f"producer-build{_F16_SUFFIX[d]}", {"transport.mel_dtype": d}) for d in s["mel_dtypes"]]
     if cfg.producer.pack != "off" and pack_path(str(cfg.cache_dir), "float32").exists():
         variants.append(("producer-build-npy", {"transport.mel_dtype": "float32", "producer.pack": "off"}))
+        variants.append(("producer-build-preadv", {"transport.mel_dtype": "float32", "producer.pack": "preadv"}))
     results: list[dict[str, Any]] = []
     for system, over in variants:
         with handed_over_config(config_to_mapping(with_overrides(cfg, over)), f"{system}.yaml", workdir) as config:

@@ -50,6 +50,7 @@ def build_report(trials: Sequence[Mapping[str, Any]], probes: Sequence[Mapping[s
             "build_medians": _build_medians(builds, "producer-build"),
             "build_medians_f16": _build_medians(builds, "producer-build-f16"),
             "build_medians_npy": _build_medians(builds, "producer-build-npy"),
+            "build_medians_preadv": _build_medians(builds, "producer-build-preadv"),
             "goals": [g.as_dict() | {"line": g.line()} for g in goals],
             "unavailable": {x["system"]: UNAVAILABLE for x in systems if not x["available"]},
             "failed": [f"{t['system']} round {t['round']} step {t['step_ms']} ms: {t.get('error')}"
@@ -117,6 +118,7 @@ def render(report: Mapping[str, Any]) -> str:
     if report.get("build_medians") or report.get("build_medians_f16"):
         rows = [[label] + [report[key].get(k) for k in _BUILD_METRICS] for label, key in
                 (("float32 wire", "build_medians"), ("float16 wire (-f16)", "build_medians_f16"),
+                 ("float32, pack read with preadv (-preadv)", "build_medians_preadv"),
                  ("float32, .npy files (-npy)", "build_medians_npy")) if report.get(key)]
         parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
                   bs.format_table(["mel format", "CPU ms/batch", "build ms p50", "read ms p50", "batches/s"], rows)]

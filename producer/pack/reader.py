@@ -170,7 +170,7 @@ def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: P
     manifest; a missing pack is an INFO line, an unusable one a WARNING naming the reason. The pack is
     mapped (``mapped``) unless the mapping fails or, given ``fault_dir`` (a producer's private runtime
     directory), a producer died of a bus error reading this same pack before or this process's fault
-    record cannot be written: then ``preadv``, with a WARNING saying why.
+    record cannot be written: then ``preadv``, with a WARNING saying why. "preadv": as "auto", never mapped.
     """
     if mode == "off":
         return None
@@ -184,7 +184,7 @@ def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: P
     except PackUnusable as err:
         log.warning("packed cache %s not used: %s; reading the .npy files", path, err)
         return None
-    mapping, record = _map(pack, fault_dir) if mapped else (None, None)
+    mapping, record = _map(pack, fault_dir) if mapped and mode != "preadv" else (None, None)
     reader = PackReader(manifest, pack, mapping, record)
     log.info("reading the packed cache %s (%s; %d rows listed bad)", path, reader.mode, len(pack.header.bad))
     return reader

@@ -1,10 +1,10 @@
-"""The packed cache: every utterance's arrays back to back in one file, read with one ``preadv`` per row.
+"""The packed cache: every utterance's arrays back to back in one file, a row read in one piece.
 
 Role: the per-file cache costs a producer four ``preadv`` (mel, tokens, each extra), an open-file
 lookup and a header compare per file of every row, plus an ``open``/``fstat`` and a NaN/Inf scan the
 first time a process meets a file. ``run_pipeline.py pack`` (``shared/cache/pack_write.py``) copies a
 cache's data, checked once, into ``CACHE/melfeed-<mel_dtype>.pack``; a producer then reads a whole row
-(mel, tokens and extras) with one ``preadv`` from one descriptor (``producer/pack/reader.py``).
+(mel, tokens and extras) out of one mapping of it, or with one ``preadv`` (``producer/pack/reader.py``).
 
 File layout (all integers little-endian):
 - bytes 0..24: ``MAGIC`` (8 bytes), then the JSON header's offset and length (two uint64);

@@ -71,6 +71,12 @@ def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Pa
     assert _positive(probe["gb_per_s"]) and _positive(probe["memcpy_gb_per_s"])
     assert "goals (medians of this run):" in proc.stdout and "transport-zmq-p1" in proc.stdout
     assert _positive(doc["build_medians"]["cpu_ms_per_batch"])      # doctor's stage 1, once per round
+    for key in ("build_medians_preadv", "build_medians_npy"):      # the packed demo: the pack read, the files
+        assert _positive(doc[key]["cpu_ms_per_batch"]), key
+    read = {(b["system"], b.get("reader", "").endswith(".pack"), b.get("pack_read")) for b in doc["build_trials"]}
+    assert {("producer-build", True, "mapped"), ("producer-build-preadv", True, "preadv"),
+            ("producer-build-npy", False, None)} <= read, read
+    assert "float32, pack read with preadv (-preadv)" in proc.stdout
     assert "producer build CPU/batch <= 1.3 ms [producer-build]" in proc.stdout
 
 

@@ -243,7 +243,12 @@ def test_no_pack_is_an_info_line_off_is_silent_and_a_good_pack_is_used(
         assert isinstance(reader, PackReader) and reader.path == pack_path(cache.cache_dir, "float32")
         reader.close()
         reader.close()                                                    # idempotent
-        assert "reading the packed cache" in caplog.records[-1].getMessage()
+        path = pack_path(cache.cache_dir, "float32")
+        assert caplog.records[-1].getMessage() == f"reading the packed cache {path} (mapped; 0 rows listed bad)"
+        reader = open_pack_reader(cache, "preadv", "float32")            # the pack, never mapped
+        assert isinstance(reader, PackReader) and reader.mode == "preadv"
+        reader.close()
+        assert caplog.records[-1].getMessage() == f"reading the packed cache {path} (preadv; 0 rows listed bad)"
         caplog.clear()
         pack_path(cache.cache_dir, "float32").unlink()
         assert open_pack_reader(cache, "auto", "float32") is None
@@ -287,16 +292,18 @@ def test_a_pack_that_reads_short_under_preadv_is_the_packs_fault_not_the_rows(
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("on", "producer.pack: must be 'auto' or 'off', got 'on'"),
-    ("", "producer.pack: must be 'auto' or 'off', got ''"),
+    ("on", "producer.pack: must be 'auto', 'preadv' or 'off', got 'on'"),
+    ("", "producer.pack: must be 'auto', 'preadv' or 'off', got ''"),
     (False, 'producer.pack: must be a string (YAML read a bare off/on/yes/no as a boolean: quote it, e.g. "off"), '
             'got False'),                                     # YAML's unquoted off
 ])
-def test_producer_pack_is_auto_by_default_accepts_off_and_refuses_anything_else(value: object, message: str) -> None:
+def test_producer_pack_is_auto_by_default_accepts_preadv_and_off_and_refuses_anything_else(
+        value: object, message: str) -> None:
     from shared.config_loader import config_from_mapping
     from shared.errors import ConfigError
     assert config_from_mapping({}).producer.pack == "auto"
     assert config_from_mapping({"producer": {"pack": "off"}}).producer.pack == "off"
+    assert config_from_mapping({"producer": {"pack": "preadv"}}).producer.pack == "preadv"
     with pytest.raises(ConfigError) as info:
         config_from_mapping({"producer": {"pack": value}})
     assert str(info.value) == message
