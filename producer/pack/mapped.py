@@ -19,7 +19,8 @@ place) or that the disk cannot read kills the process, where ``preadv`` returns 
   the file. ``earlier_bus_error`` at the next producer start (systemd's restart or the supervisor's)
   finds a dead producer's record that says "Bus error" for the same pack, and that producer reads with
   ``preadv`` instead: a bad disk block costs one restart and then the row's quarantine, never a loop.
-  A record of another pack (re-packed: a new inode) or without a bus error (a SIGKILL) is removed.
+  A record of another pack (re-packed: a new inode) or without a bus error (a SIGKILL) is removed; one
+  that holds another fatal signal's report (a segfault) is first logged as a WARNING.
 
 Invariants: records are regular files of our uid in the private runtime directory, never followed
 through a link; a record whose pid is alive is never touched (a reused pid keeps it: the safe side).
@@ -46,7 +47,8 @@ __all__ = ["MappedPack", "FaultRecord", "pack_identity", "earlier_bus_error"]
 log = logging.getLogger(__name__)
 
 _RECORD = re.compile(r"^pack-fault-(\d{1,10})\.log$")
-_BUS_ERROR = b"Fatal Python error: Bus error"
+_FATAL = b"Fatal Python error: "
+_BUS_ERROR = _FATAL + b"Bus error"
 _RECORD_READ_BYTES = 1 << 16
 _MADV_POPULATE_READ = 22             # Linux 5.14+; EINVAL before: lazy faults only
 
@@ -163,6 +165,10 @@ def earlier_bus_error(directory: Path, identity: str) -> Path | None:
         if _BUS_ERROR in rest and first.split(b"\t", 1)[0].decode(errors="replace") == identity:
             found = found or path
             continue
+        fatal = rest.find(_FATAL)
+        if fatal >= 0:                 # another fatal signal (or a pack since replaced): say so once, then drop
+            log.warning("producer pid %s died: %s", match.group(1),
+                        rest[fatal:].split(b"\n", 1)[0].decode(errors="replace"))
         path.unlink(missing_ok=True)   # a SIGKILL's leftover, or a bus error of a pack since replaced
     return found
 

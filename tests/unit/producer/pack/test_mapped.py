@@ -114,18 +114,26 @@ def test_a_bus_error_on_an_intact_pack_makes_later_starts_read_it_with_preadv_an
     killed.kill()
     killed.communicate(timeout=_WAIT_S)
     assert "Bus error" not in _record_of(fault_dir, killed.pid)
-    bus = _child(cache, fault_dir, "wait")
+    bus = _child(cache, fault_dir, "wait")                  # its start swept the SIGKILL's record
+    assert not (fault_dir / f"pack-fault-{killed.pid}.log").exists()
+    segv = _child(cache, fault_dir, "wait")                 # another fatal signal: reported once, then swept
+    segv.send_signal(signal.SIGSEGV)
+    segv.communicate(timeout=_WAIT_S)
+    assert "Fatal Python error: Segmentation fault" in _record_of(fault_dir, segv.pid)
     bus.send_signal(signal.SIGBUS)                          # as a disk block that cannot be read would
     bus.communicate(timeout=_WAIT_S)
     assert bus.returncode == -signal.SIGBUS
-    for _ in range(2):                                      # every later start, not only the next
+    for start in range(2):                                  # every later start, not only the next
         with caplog.at_level(logging.INFO, logger="producer.pack.reader"):
             reader = open_pack_reader(cache, "auto", "float32", fault_dir=fault_dir)
         assert isinstance(reader, PackReader) and reader.mode == "preadv"
         warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        if start == 0:                                      # the SIGSEGV's report, once
+            assert warning[0] == f"producer pid {segv.pid} died: Fatal Python error: Segmentation fault", warning
+            warning = warning[1:]
         assert len(warning) == 1 and "died of a bus error" in warning[0], warning
         assert f"pack-fault-{bus.pid}.log" in warning[0]
-        assert sorted(os.listdir(fault_dir)) == [f"pack-fault-{bus.pid}.log"]   # the SIGKILL's record swept
+        assert sorted(os.listdir(fault_dir)) == [f"pack-fault-{bus.pid}.log"]   # the SIGSEGV's swept
         reader.close()
         caplog.clear()
     mapped = open_pack_reader(cache, "auto", "float32")     # no fault dir (a probe): mapped, no record
