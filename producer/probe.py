@@ -38,7 +38,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
-            seed: int, warm: bool = False) -> dict[str, float | str]:
+            seed: int, warm: bool = False) -> dict[str, float | str | None]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from producer.batcher import BatchAssembler
     from producer.pack.reader import open_pack_reader
