@@ -8,7 +8,9 @@ way at both ends: ``getrusage(RUSAGE_CHILDREN)`` (children reaped by then) plus 
 of every live descendant (from /proc, in clock ticks), so the start-up of helpers (imports,
 TensorFlow) and their shutdown after the window are both excluded. Peak memory: the trainer's
 ``ru_maxrss`` plus the sum of every live descendant's ``VmHWM`` at the end of the window (an upper bound
-of the simultaneous total).
+of the simultaneous total), less the pages of a packed cache a producer maps (``*.pack`` in
+/proc/PID/smaps): those are the kernel's page cache, as the files tf.data reads are, not the
+producer's memory, and ``VmHWM`` would otherwise count the whole mapped pack once per producer.
 Invariants: Linux only (/proc); a descendant that vanishes while being read is skipped.
 Shutdown: nothing to release.
 """
@@ -72,6 +74,21 @@ def _hwm_mb(pid: int) -> float:
     return 0.0
 
 
+def _mapped_pack_mb(pid: int) -> float:
+    """Resident pages of the packed caches (``*.pack``) that ``pid`` maps (producer/pack/mapped.py)."""
+    total_kb, in_pack = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:   # a mapping's header
+                    in_pack = line.rstrip().endswith(".pack")
+                elif in_pack and line.startswith("Rss:"):
+                    total_kb += int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return total_kb / 1024.0
+
+
 class UsageWindow:
     """Wall time, trainer CPU and helper CPU between ``open()`` and ``close()``."""
 
@@ -92,7 +109,7 @@ class UsageWindow:
         self._self1 = _cpu_s(resource.RUSAGE_SELF)
         live = descendants(os.getpid())
         self._children1 = _cpu_s(resource.RUSAGE_CHILDREN) + _tree_cpu_s(live)
-        self.helpers_rss_mb = sum(_hwm_mb(p) for p in live)
+        self.helpers_rss_mb = sum(max(0.0, _hwm_mb(p) - _mapped_pack_mb(p)) for p in live)
 
     @property
     def wall_s(self) -> float:
