@@ -1,0 +1,70 @@
+"""Child process of ``test_jax_client.py``: three JAX runs over one producer group, JAX kept out of pytest.
+
+``python -m tests.integration.library.jax_runs STEPS CLEAN.yaml POISONED.yaml EARLY.yaml`` trains
+``STEPS`` steps through ``Stager`` with ``JaxHandOff`` once per config: clean; with every released slot
+overwritten with garbage at once (``BatchRing.release`` wrapped); and the same with a hand-off that
+claims its copy is done at once. Prints one JSON line: whether the poisoned and the early run's final
+parameters equal the clean run's bit for bit, slots overwritten, slots held to their step's end.
+A separate process because JAX's threads must not share a pytest worker that forks later.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
+from consumer.feed import Consumer
+from consumer.handout import Batch
+from consumer.staging import Staged, Stager
+from shared.config_loader import load_config
+
+_GARBAGE = 0x7F
+
+
+def _train(config: str, steps: int, *, poison: bool) -> tuple[dict[str, np.ndarray], int, int]:
+    cfg = load_config(config)
+    handoff = JaxHandOff(mlp_step(layers=1, learning_rate=0.05), init_params(cfg.n_mels, 16, 1, seed=3),
+                         jax.devices()[0])
+    poisoned = done = 0
+    with Consumer(cfg) as consumer:
+        if poison:
+            ring, release = consumer.ring, consumer.ring.release
+
+            def release_then_scribble(slot: int) -> None:
+                nonlocal poisoned
+                ring.memory.buffer(slot)[:] = _GARBAGE      # still IN_STEP: no producer writes it yet
+                poisoned += 1
+                release(slot)
+
+            ring.release = release_then_scribble              # type: ignore[method-assign]
+        for _ in Stager(consumer, handoff, depth=2).run():
+            done += 1
+    if done != steps:
+        raise RuntimeError(f"{done} of {steps} steps")
+    return {k: np.asarray(v) for k, v in handoff.params.items()}, poisoned, handoff.aliased
+
+
+def main(argv: list[str]) -> int:
+    steps, clean_cfg, poisoned_cfg, early_cfg = int(argv[0]), argv[1], argv[2], argv[3]
+    clean, _, held = _train(clean_cfg, steps, poison=False)
+    poisoned, overwritten, _ = _train(poisoned_cfg, steps, poison=True)
+    put = JaxHandOff.put
+
+    def copied_at_once(self: JaxHandOff, batch: Batch) -> Staged[Any]:
+        return Staged(put(self, batch).value, copied=lambda: True)
+
+    JaxHandOff.put = copied_at_once                          # type: ignore[method-assign]
+    early, _, _ = _train(early_cfg, steps, poison=True)
+    print(json.dumps({"held": held, "overwritten": overwritten,
+                      "poisoned_equal": all(np.array_equal(clean[k], poisoned[k]) for k in clean),
+                      "early_equal": all(np.array_equal(clean[k], early[k]) for k in clean)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
