@@ -22,31 +22,21 @@ from consumer.feed import Consumer
 from consumer.handout import Batch
 from consumer.staging import Staged, Stager
 from shared.config_loader import load_config
-
-_GARBAGE = 0x7F
+from tests.slot_poison import scribble_on_release
 
 
 def _train(config: str, steps: int, *, poison: bool) -> tuple[dict[str, np.ndarray], int, int]:
     cfg = load_config(config)
     handoff = JaxHandOff(mlp_step(layers=1, learning_rate=0.05), init_params(cfg.n_mels, 16, 1, seed=3),
                          jax.devices()[0])
-    poisoned = done = 0
+    done = 0
     with Consumer(cfg) as consumer:
-        if poison:
-            ring, release = consumer.ring, consumer.ring.release
-
-            def release_then_scribble(slot: int) -> None:
-                nonlocal poisoned
-                ring.memory.buffer(slot)[:] = _GARBAGE      # still IN_STEP: no producer writes it yet
-                poisoned += 1
-                release(slot)
-
-            ring.release = release_then_scribble              # type: ignore[method-assign]
+        poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
         for _ in Stager(consumer, handoff, depth=2).run():
             done += 1
     if done != steps:
         raise RuntimeError(f"{done} of {steps} steps")
-    return {k: np.asarray(v) for k, v in handoff.params.items()}, poisoned, handoff.aliased
+    return {k: np.asarray(v) for k, v in handoff.params.items()}, poisoned(), handoff.aliased
 
 
 def main(argv: list[str]) -> int:

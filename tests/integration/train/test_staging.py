@@ -3,7 +3,7 @@ still ends bit-identical to a clean one.
 
 The built-in loop (``train``: the ``Stager`` with the TensorFlow hand-off) runs in this process, fed by
 real producer processes over shared-memory slots; the tiny step's variables depend on every byte of every
-batch and on their order (momentum). The hook writes ``0x7F`` over the whole slot inside
+batch and on their order (momentum). The hook (``tests/slot_poison.py``) writes ``0x7F`` over the whole slot inside
 ``BatchRing.release``, before the slot can be leased again, so a step that still read a released slot
 would train on huge values. The control run proves the hook bites: a hand-off that claims its copy
 is done at once (``Staged.copied``), so the stager frees the slot before the step that reads it (the
@@ -29,9 +29,9 @@ from consumer.train.handoff import TfHandOff
 from consumer.train.loop import train
 from shared.config_loader import load_config
 from tests import procs
+from tests.slot_poison import scribble_on_release
 
 _STEPS = 40
-_GARBAGE = 0x7F        # float32 3.4e38, int32 lengths of 2.1e9
 
 
 def _final_variables(state: Path) -> dict[str, np.ndarray]:
@@ -41,29 +41,19 @@ def _final_variables(state: Path) -> dict[str, np.ndarray]:
     return {name: reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE") for name in ("w", "momentum", "iterations")}
 
 
-def _train(config: Path, monkeypatch: pytest.MonkeyPatch, *, poison: bool) -> int:
+def _train(config: Path, *, poison: bool) -> int:
     """One in-process run of the built-in loop; returns how many released slots were overwritten."""
     cfg = load_config(config)
     state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
     assert state is not None
-    poisoned = 0
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            if poison:
-                ring, release = consumer.ring, consumer.ring.release
-
-                def release_then_scribble(slot: int) -> None:
-                    nonlocal poisoned
-                    ring.memory.buffer(slot)[:] = _GARBAGE   # still IN_STEP: no producer writes it yet
-                    poisoned += 1
-                    release(slot)
-
-                monkeypatch.setattr(ring, "release", release_then_scribble)
+            poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
         assert summary.steps == _STEPS and not summary.interrupted
     finally:
         state.close()
-    return poisoned
+    return poisoned()
 
 
 def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_step(
@@ -75,8 +65,8 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
                for name in ("clean", "poisoned", "released_early")}
     producers = procs.start("producer", configs["clean"], log)     # one group serves the three consumers
     try:
-        _train(configs["clean"], monkeypatch, poison=False)
-        assert _train(configs["poisoned"], monkeypatch, poison=True) >= _STEPS
+        _train(configs["clean"], poison=False)
+        assert _train(configs["poisoned"], poison=True) >= _STEPS
         put = TfHandOff.put
 
         def copied_at_once(self: TfHandOff, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
@@ -84,7 +74,7 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
             return Staged(staged.value, copied=lambda: True, host_copies=staged.host_copies)
 
         monkeypatch.setattr(TfHandOff, "put", copied_at_once)
-        _train(configs["released_early"], monkeypatch, poison=True)
+        _train(configs["released_early"], poison=True)
     finally:
         procs.stop(producers)
     clean, poisoned, early = (_final_variables(tmp_path / name) for name in ("clean", "poisoned", "released_early"))
