@@ -54,8 +54,8 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "jax.json"
-    proc = _bench(tmp_path, "--demo", "--cache-dir", str(demo_cache), "--steps", "40", "--warmup", "4",
-                  "--depths", "1,2", "--hidden", "32", "--layers", "1", "--producers", "1", "--resident-steps", "5",
+    proc = _bench(tmp_path, "--demo", "--cache-dir", str(demo_cache), "--steps", "24", "--warmup", "2",
+                  "--depths", "1,2", "--hidden", "32", "--layers", "1", "--producers", "1", "--resident-steps", "3",
                   "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -67,7 +67,7 @@ def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(demo_
         assert 0 < run["feed_efficiency"] < 3 and run["fed_steps_per_s"] > 0
         assert 0 <= run["copy_overlap"] <= 1 and run["gpu_util_pct"] is None       # no NVML on a CPU
         assert 1 <= run["max_in_flight"] <= run["depth"]
-        assert run["slots_held_to_step_end"] == 44                                # aliased on the CPU
+        assert run["slots_held_to_step_end"] == 26                                # aliased on the CPU
         assert np.isfinite(run["last_loss"])
     assert doc["runs"][0]["first_loss"] > doc["runs"][-1]["last_loss"]            # it trains
     assert "depth 2: feed efficiency" in proc.stdout and "copy overlap" in proc.stdout
