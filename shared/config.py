@@ -128,7 +128,7 @@ class TransportConfig:
     # handshake after handshake_timeout_s is dropped by libzmq (ZMQ_HANDSHAKE_IVL).
     max_connections: int = 64              # open connections to transport.endpoint (producers + spare)
     handshake_timeout_s: float = 10.0      # a loaded host finishes a CURVE handshake in milliseconds
-    # CURVE (required for tcp:// beyond loopback; files from `run_pipeline.py keys`, see shared/wire/curve.py)
+    # CURVE (required for every tcp://, loopback included, unless insecure; files from `run_pipeline.py keys`)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files

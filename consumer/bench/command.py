@@ -67,9 +67,13 @@ def _ints(text: str, flag: str, low: int = 0) -> list[int]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    smoke = _SMOKE if args.smoke else {}
-    pick: dict[str, Any] = {k: smoke.get(k, getattr(args, k)) for k in ("rounds", "step_ms", "producers", "tfdata_parallel",
-                                                         "batches", "warmup", "demo_utterances", "mel_dtypes")}
+    """The run's settings; ``--smoke`` replaces the flags it names (``_SMOKE``), which are checked all the same."""
+    own = {k: getattr(args, k) for k in _SMOKE}
+    checked = _checked(own, args)                 # a bad flag is refused, --smoke or not
+    return _checked({**own, **_SMOKE}, args) if args.smoke else checked
+
+
+def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     mel_dtypes = [t for t in pick["mel_dtypes"].split(",") if t]
     if not mel_dtypes or set(mel_dtypes) - set(_F16_SUFFIX):
         raise ConfigError("must be a comma-separated subset of float32,float16", path=("--mel-dtypes",),

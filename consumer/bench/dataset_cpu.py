@@ -30,6 +30,7 @@ from typing import Any
 from shared.config import PipelineConfig
 from shared.config_loader import config_from_mapping, with_overrides
 from shared.service.children import ENTRY_SCRIPT
+from shared.service.cli import OneLineParser
 
 __all__ = ["main"]
 
@@ -81,7 +82,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m consumer.bench.dataset_cpu", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m consumer.bench.dataset_cpu", description=__doc__.splitlines()[0])
     ap.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json (default: the demo cache)")
     ap.add_argument("--demo", action="store_true", help="generate (once) the built-in demo cache")
     ap.add_argument("--demo-utterances", type=int, default=2000)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shared.service.cli import OneLineParser
+
 __all__ = ["main", "measure"]
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ _NVML_EVERY_S = 0.1
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m consumer.clients.jax_bench", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m consumer.clients.jax_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="pipeline YAML (cache_dir, buckets, transport); default: built-in defaults")
     ap.add_argument("--demo", action="store_true", help="the built-in demo cache, written first if missing")
     ap.add_argument("--cache-dir", help="with --demo: where the demo cache lives")

@@ -48,6 +48,7 @@ class RenderedReport:
     panel_boxes_px: dict[str, tuple[int, int, int, int]]
     legend_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)   # panel -> its legend's labels
     x_max_s: float = 0.0                  # right end of the shared time axis (s since the earliest snapshot)
+    line_tops: dict[str, float] = field(default_factory=dict)  # panel -> highest finite y of its drawn lines
 
 
 def _import_pyplot() -> Any:
@@ -105,12 +106,13 @@ def _draw_stall(ax: Any, s: RunSeries, prefix: str = "", index: int = 0) -> None
 
 
 def _draw_queue(ax: Any, s: RunSeries, prefix: str = "", index: int = 0) -> None:
-    ready, leased = s.scalars["queue_depth_mean"], s.scalars["leases_outstanding"]
-    _line(ax, s.t_s, ready, f"{prefix}ready (mean)")
-    _line(ax, s.t_s, ready + leased, f"{prefix}ready + leased")
+    # queue_depth_mean already counts the leases: ready batches + leases outstanding, when a batch was taken
+    depth, leased = s.scalars["queue_depth_mean"], s.scalars["leases_outstanding"]
+    _line(ax, s.t_s, depth, f"{prefix}ready + leased (mean)")
+    _line(ax, s.t_s, leased, f"{prefix}leased (at snapshot)")
     ax.plot(s.t_s, s.scalars["lease_window"], "k--", linewidth=1.2, drawstyle="steps-post",
             label=None if index else "lease window\n(per producer)")
-    values = np.concatenate([ready + leased, s.scalars["lease_window"]])
+    values = np.concatenate([depth, s.scalars["lease_window"]])
     top = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
     high = ax.get_ylim()[1] if index else 0.0
     ax.set_ylim(0, max(high, top * 1.2 + 0.5))  # headroom: a steady queue at its limit must not hide on the frame
@@ -207,13 +209,16 @@ def _save(fig: Any, axes: Any, out: Path) -> RenderedReport:
     except OSError as err:
         raise ConfigError(f"cannot write the report: {err.strerror or err}", path=(str(out),)) from None
     width, height = fig.canvas.get_width_height()
-    boxes, labels = {}, {}
+    boxes, labels, tops = {}, {}, {}
     for name, ax in zip(PANELS, axes):
         x0, y0, x1, y1 = ax.get_window_extent().extents  # display pixels, origin bottom-left
         boxes[name] = (int(x0), int(height - y1), int(x1), int(height - y0))
         legend = ax.get_legend()
         labels[name] = tuple(t.get_text() for t in legend.get_texts()) if legend is not None else ()
-    return RenderedReport(out, width, height, boxes, labels, float(axes[-1].get_xlim()[1]))
+        ys = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+        finite = np.concatenate([y[np.isfinite(y)] for y in ys]) if ys else np.empty(0)
+        tops[name] = float(finite.max()) if finite.size else float("nan")
+    return RenderedReport(out, width, height, boxes, labels, float(axes[-1].get_xlim()[1]), tops)
 
 
 def main_report(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ the file; it must run before the consumer closes, whose ZeroMQ context the contr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -20,7 +21,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any
 
 from consumer.flow.peers import ProducerReport
@@ -32,6 +33,8 @@ from consumer.observe.gpu import GpuSampler
 __all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
 
 log = logging.getLogger(__name__)
+
+_BUSY_JOIN_S = 10.0   # a snapshot is built in milliseconds; the bound only matters if one hangs
 
 SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "window_s", "stall_pct",
                "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
@@ -253,6 +256,29 @@ class Telemetry:
         if self._cfg.consumer.gpu_sample_interval_s <= 0:
             return None
         return [{"role": role, **g} for role, sampler in self._samplers for g in sampler.snapshot()]
+
+    @contextlib.contextmanager
+    def live_while_busy(self, step: int = 0) -> Iterator[None]:
+        """Publish every status interval from a helper thread while the step loop cannot (compiling), so that
+        ``status`` shows the producers joining. The loop does not publish inside the block; the thread is
+        joined (bounded) before it returns, so the snapshot keeps one writer at a time."""
+        done = threading.Event()
+
+        def run() -> None:
+            while not done.wait(self._cfg.consumer.status_interval_s):
+                try:
+                    self.publish(step, None, 0)
+                except Exception:              # a reader-side figure must never end the start-up
+                    log.exception("publishing a snapshot while busy failed; the next comes after start-up")
+                    return
+
+        thread = threading.Thread(target=run, name="telemetry-busy", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(_BUSY_JOIN_S)
 
     def publish_if_due(self, step: int, loss: float | None, compiles_after_ready: int) -> None:
         """Publish when a status interval passed since the last snapshot (the loop is starved)."""

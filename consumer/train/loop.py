@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,6 +98,18 @@ class TrainSummary:
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
+    def line(self) -> str:
+        """The headline figures on one line for the log; the JSON logged before it holds every figure."""
+        def opt(value: float | None, spec: str) -> str:
+            return "n/a" if value is None else format(value, spec)
+        return (f"summary: steps {self.steps}, batches_applied {self.batches_applied}, loss "
+                f"{opt(self.first_loss, '.2f')} -> {opt(self.final_loss, '.2f')}, {self.batches_per_s:.1f} batches/s, "
+                f"{self.samples_per_s:.0f} samples/s, stall {self.stall_pct:.2f} %, padding_efficiency "
+                f"{self.padding_efficiency:.3f}, feed_efficiency {opt(self.feed_efficiency, '.3f')}, compile_s "
+                f"{self.compile_s:.1f}, time_to_first_step_s {opt(self.time_to_first_step_s, '.1f')}, duplicates "
+                f"{self.duplicates_dropped}, rejects {self.rejects}, compiles_after_ready {self.compiles_after_ready}, "
+                f"payload_copies_per_batch {self.payload_copies_per_batch:.1f}")
+
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
@@ -142,7 +154,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
-    with _extending_start_timeout(notifier):
+    busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
+    with _extending_start_timeout(notifier), busy:     # status stays live while compiling
         _warm_up(compiled, out, summary_path)
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
@@ -358,3 +371,4 @@ def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: i
     out.payload_copies_per_batch = copies / out.steps if out.steps else 0.0
     summary: dict[str, Any] = {k: v for k, v in asdict(out).items() if k != "rejects"}
     log.info("summary %s rejects=%s", json.dumps(summary), out.rejects)
+    log.info("%s", out.line())

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from shared.config import PipelineConfig
 from shared.config_loader import load_config, with_overrides
@@ -19,7 +19,7 @@ from shared.service.children import REPO_ROOT
 from shared.service.rank_defaults import check_expected_rank, with_rank_defaults
 from shared.service.tf_config import resolve_worker_place
 
-__all__ = ["build_parser", "config_from_args", "with_demo_cache"]
+__all__ = ["OneLineParser", "build_parser", "config_from_args", "with_demo_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,18 @@ def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--demo-utterances", type=int, default=2000)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag like any other configuration error: one line naming the flag, exit 78
+    (argparse's own way is the usage block and exit 2). Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        from shared.errors import EXIT_CONFIG
+
+        self.exit(EXIT_CONFIG, f"{self.prog}: {' '.join(message.split())} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
+    ap = OneLineParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="consumer and N producers on this host")
     _common(run, producers=True, consumer=True)
@@ -184,7 +194,9 @@ def _bench(p: argparse.ArgumentParser) -> None:
                    help="measured batches of each feed-efficiency trial (reference model; default 100, "
                         "0 with --smoke; 0 = skip the section)")
     p.add_argument("--efficiency-only", action="store_true", help="only the feed-efficiency section")
-    p.add_argument("--smoke", action="store_true", help="tiny run: 1 round, 5 ms step, 20 batches, 1 producer")
+    p.add_argument("--smoke", action="store_true", help="tiny structural run: 1 round, 5 ms step, 10 batches, 1 producer, tf.data at 8, float32 "
+                        "(replaces --rounds, --step-ms, --batches, --warmup, --producers, --tfdata-parallel, "
+                        "--mel-dtypes, --demo-utterances)")
     p.add_argument("--trial-timeout-s", type=float, default=300.0, help="kill a trial (and its helpers) after this")
     p.add_argument("--json", help="write every trial's raw numbers, the medians, ratios and goals to this file")
     p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))

@@ -55,6 +55,8 @@ def test_run_trains_on_demo_data_and_writes_a_consistent_summary(demo_cache: Pat
     ms = s["resident_step_ms"]                                           # a mix of the buckets' limits
     assert 1000 / max(ms) * 0.999 <= s["resident_steps_per_s"] <= 1000 / min(ms) * 1.001
     assert "feed efficiency" in proc.stderr                              # the status line shows it
+    assert (f"summary: steps 150, batches_applied 150, loss {s['first_loss']:.2f} -> {s['final_loss']:.2f}, "
+            f"{s['batches_per_s']:.1f} batches/s") in proc.stderr          # the headline line after the JSON
     assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
     assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
 

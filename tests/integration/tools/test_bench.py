@@ -97,6 +97,7 @@ def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> N
     (["--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
     (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm,tcp"),
     (["--step-ms", "0"], "--step-ms: must be a comma-separated list of integers >= 1"),
+    (["--smoke", "--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
 ])
 def test_bench_bad_flags_give_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, flags: list[str],
                                                    needle: str) -> None:

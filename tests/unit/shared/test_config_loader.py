@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shared.config import PipelineConfig
 from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
@@ -34,3 +35,21 @@ def test_yaml_file_and_overrides(tmp_path: Path) -> None:
     assert cfg2.producer.count == 5 and cfg2.seed == 3
     with pytest.raises(ConfigError, match="producer.count: must be in 1..64, got 0"):
         with_overrides(cfg, {"producer.count": 0})
+
+
+def _leaves(mapping: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in mapping.items():
+        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def test_the_deploy_example_holds_every_key_with_its_default() -> None:
+    example = Path(__file__).resolve().parents[3] / "deploy" / "example.yaml"
+    shown = _leaves(yaml.safe_load(example.read_text(encoding="utf-8")))
+    defaults = _leaves(config_to_mapping(PipelineConfig()))
+    assert sorted(set(defaults) - set(shown)) == [], "keys missing from deploy/example.yaml"
+    assert sorted(set(shown) - set(defaults)) == [], "keys in deploy/example.yaml that the config does not have"
+    differs = {key for key in defaults if shown[key] != defaults[key]}
+    assert differs == {"cache_dir"}, differs       # the one key without a default, shown with a typical value
+    assert load_config(example).cache_dir == "/var/lib/melfeed/cache"

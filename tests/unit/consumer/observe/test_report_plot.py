@@ -142,3 +142,14 @@ def test_several_ranks_share_the_panels_on_one_time_axis_labelled_by_rank(tmp_pa
     proc = _cli(str(paths[0]), str(paths[1]), "-o", str(tmp_path / "cli.png"))
     assert proc.returncode == 0, proc.stderr
     assert "snapshots from 2 files over 148 s" in proc.stdout     # 59 intervals of 2 s, + 30 s offset
+
+
+def test_the_queue_panel_draws_the_depth_as_recorded_and_never_adds_the_leases_twice(tmp_path: Path) -> None:
+    lines = realistic_run(n_lines=40, gpus=False)
+    for line in lines[8:]:                    # training: a full 3-slot ring, two of its slots leased
+        line.update(queue_depth_mean=3.0, leases_outstanding=2, lease_window=2)
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = render_report(read_metrics(path), tmp_path / "q.png", "queue")
+    assert report.legend_labels["queue"][:2] == ("ready + leased (mean)", "leased (at snapshot)")
+    assert report.line_tops["queue"] == 3.0   # queue_depth_mean already holds the leases: 3, never 3 + 2

@@ -288,3 +288,33 @@ def test_feed_efficiency_reaches_snapshot_status_and_prometheus(tmp_path: Path) 
     samples = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
                for s in fam.samples}
     assert samples["melfeed_feed_efficiency_ratio"] == pytest.approx(0.6)
+
+
+class _JoiningConsumer:
+    """Receiver stats of a consumer whose producers join while its step compiles."""
+
+    def __init__(self) -> None:
+        self.producers: tuple[ProducerReport, ...] = ()
+
+    def receiver_stats(self) -> ReceiverStats:
+        return _stats(self.producers)
+
+
+def test_snapshots_stay_live_while_the_step_compiles_and_stop_when_the_loop_takes_over(tmp_path: Path) -> None:
+    import threading
+    import time
+    consumer = _JoiningConsumer()
+    with Telemetry(_cfg(tmp_path, status_interval_s=0.05), consumer, 0.0, control_endpoint=None) as tel:
+        assert tel.latest()["producers_alive"] == 0                       # type: ignore[index]
+        with tel.live_while_busy(step=40):                                 # resumed at batch 40, compiling
+            consumer.producers = (_report("producer-1", 1.0, 0, 0.0, 0.0, 0.0),
+                                  _report("producer-2", 1.0, 0, 0.0, 0.0, 0.0))
+            deadline = time.monotonic() + 30.0
+            while (snap := tel.latest()) is not None and snap["producers_alive"] != 2:
+                assert time.monotonic() < deadline, "no snapshot published while busy"
+                time.sleep(0.01)
+            assert (snap["phase"], snap["step"]) == ("compiling", 40)
+        assert not [t for t in threading.enumerate() if t.name == "telemetry-busy"]   # joined on exit
+        consumer.producers = ()
+        time.sleep(0.2)                                                    # four intervals: nobody publishes now
+        assert tel.latest()["producers_alive"] == 2                       # type: ignore[index]
