@@ -92,7 +92,12 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
                         xla_cache_dir(cfg))
         return {}
     if cache := xla_cache_dir(cfg):
-        make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
+        try:
+            make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
+        except OSError as err:         # TensorFlow loads compiled code from it: nobody else may write there
+            key = "xla_cache_dir" if cfg.consumer.xla_cache_dir is not None else "state_dir"
+            raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}",
+                              path=("consumer", key)) from None
     environ.update(changed)
     return changed
 

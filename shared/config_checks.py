@@ -25,7 +25,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 
-__all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed",
+__all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
            "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes"]
 
 INT64_MAX = 2**63 - 1
@@ -86,6 +86,14 @@ def check_endpoint(endpoint: str, path: tuple[str, ...]) -> None:
             raise ConfigError("must be tcp://HOST:PORT", path=path, got=endpoint)
         if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             raise ConfigError("port must be in 1..65535", path=path, got=endpoint)
+
+
+def check_not_abstract(endpoint: str | None, insecure: bool, path: tuple[str, ...]) -> None:
+    """An abstract unix socket (``ipc://@NAME``) has no file, so no directory mode guards it: any local
+    user can connect to it, or bind the name first and pose as the consumer. Only with ``transport.insecure``."""
+    if endpoint is not None and endpoint.startswith("ipc://@") and not insecure:
+        raise ConfigError("is an abstract unix socket, which every local user can connect to or bind first; use a "
+                          "path (ipc:///DIR/NAME.sock) or set transport.insecure: true", path=path, got=endpoint)
 
 
 def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],

@@ -64,8 +64,8 @@ class AuditLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                                         STATE_FILE_MODE)   # whatever the umask
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                         STATE_FILE_MODE)   # whatever the umask; never through a link
         self.records = os.fstat(self._fd).st_size // RECORD_BYTES
 
     def truncate_to(self, n_records: int) -> int:

@@ -105,7 +105,8 @@ class RunState:
         root = Path(cfg.consumer.state_dir).resolve()
         try:
             make_private_dir(root)
-            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, STATE_FILE_MODE)
+            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                              STATE_FILE_MODE)
         except OSError as err:
             raise StateError(root, f"cannot use as state directory: {err.strerror}") from err
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV",
+__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV",
            "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
@@ -55,6 +55,21 @@ def prepare_runtime_dir(path: Path) -> Path:
     except OSError as err:
         raise ConfigError(f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",),
                           got=str(path)) from err
+    return check_runtime_dir(path)
+
+
+def check_runtime_dir(path: Path) -> Path:
+    """``path`` if it is fit to hold sockets: this user's, a link only if this user's or root's, writable by
+    no other user (group writes only for one of this user's groups).
+
+    Raises:
+        ConfigError: it is not (one line naming the directory and why).
+    """
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.getuid(), 0):
+        # Its owner could point it elsewhere at any time (a symlink in sticky /tmp is still the owner's).
+        raise ConfigError(f"runtime directory is a symbolic link owned by uid {link.st_uid}, not by this user",
+                          path=("runtime_dir",), got=str(path))
     st = path.stat()
     if st.st_uid != os.getuid():
         raise ConfigError("runtime directory belongs to another user", path=("runtime_dir",), got=str(path))

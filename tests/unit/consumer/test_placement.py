@@ -3,6 +3,7 @@ the refusal when TensorFlow was imported first, the memory settings, and the con
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,20 @@ def test_the_cache_made_inside_a_new_state_dir_keeps_the_state_dir_private(tmp_p
     apply_placement(_cfg(state_dir=str(state)), {}, modules={})
     assert (state / "xla-cache").is_dir()
     assert state.stat().st_mode & 0o027 == 0 and (tmp_path / "new").stat().st_mode & 0o027 == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user needs root to make")
+def test_an_xla_cache_another_user_could_write_is_refused_naming_the_key(tmp_path: Path) -> None:
+    cache = tmp_path / "team-cache"                 # TensorFlow would load compiled code from it
+    cache.mkdir()
+    os.chown(cache, 65534, 65534)
+    env: dict[str, str] = {}
+    with pytest.raises(ConfigError, match=f"consumer.xla_cache_dir: cannot use {cache} as the XLA compilation "
+                                          "cache: .* belongs to uid 65534"):
+        apply_placement(_cfg(xla_cache_dir=str(cache)), env, modules={})
+    assert env == {}
+    with pytest.raises(ConfigError, match="consumer.state_dir: cannot use .* belongs to uid 65534"):
+        apply_placement(_cfg(state_dir=str(cache)), env, modules={})
 
 
 def test_apply_refuses_once_tensorflow_is_imported_with_a_different_setting() -> None:

@@ -112,9 +112,17 @@ def test_unusable_endpoints_are_refused(endpoint: str, expected: str) -> None:
 
 
 def test_usable_endpoints_are_accepted() -> None:
-    for endpoint in ("ipc:///run/melfeed/melfeed.sock", "ipc://@abstract", "tcp://10.0.0.1:5555",
-                     "tcp://[::1]:65535"):
+    for endpoint in ("ipc:///run/melfeed/melfeed.sock", "tcp://10.0.0.1:5555", "tcp://[::1]:65535"):
         assert config_from_mapping({"transport": {"endpoint": endpoint}}).transport.endpoint == endpoint
+
+
+@pytest.mark.parametrize("section, key", [("transport", "endpoint"), ("consumer", "control_endpoint")])
+def test_an_abstract_socket_is_refused_unless_the_transport_is_declared_insecure(section: str, key: str) -> None:
+    text = _refusal({section: {key: "ipc://@alicefeed"}})
+    assert text.startswith(f"{section}.{key}: is an abstract unix socket, which every local user can connect")
+    insecure = config_from_mapping({section: {key: "ipc://@alicefeed"}, "transport": {"insecure": True}}
+                                   if section == "consumer" else {section: {key: "ipc://@alicefeed", "insecure": True}})
+    assert getattr(getattr(insecure, section), key) == "ipc://@alicefeed"
 
 
 def test_a_yaml_document_with_nan_inf_and_huge_ints_is_refused_line_by_line(tmp_path: Path) -> None:

@@ -257,3 +257,41 @@ def test_a_rank_without_the_common_step_or_with_state_in_a_new_job_is_refused(tm
     with pytest.raises(StateError, match="the job starts from scratch but this rank has checkpoints"):
         state.resume_at(None)
     state.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="directories of another user need root to make")
+def test_a_state_directory_another_user_could_change_is_refused_and_nothing_in_it_is_touched(tmp_path: Path) -> None:
+    foreign = tmp_path / "s"                               # e.g. /tmp/state pre-made by another user
+    foreign.mkdir()
+    foreign.chmod(0o777)
+    os.chown(foreign, 65534, 65534)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    (foreign / ".lock").symlink_to(victim)                 # the other user's trap for our lock file
+    with pytest.raises(StateError, match=f"{foreign} belongs to uid 65534, not to this user") as err:
+        RunState.open(_cfg(tmp_path), "f" * 16)
+    assert err.value.fatal and victim.read_text() == "keep me"
+    os.chown(foreign, os.geteuid(), os.getegid())          # ours, but writable by every user
+    with pytest.raises(StateError, match="is mode 0777: other users can write to it"):
+        RunState.open(_cfg(tmp_path), "f" * 16)
+    foreign.chmod(0o750)                                   # ours and private: a link left inside is never followed
+    with pytest.raises(StateError, match="cannot use as state directory"):
+        RunState.open(_cfg(tmp_path), "f" * 16)
+    assert victim.read_text() == "keep me"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="directories of another user need root to make")
+def test_a_state_directory_whose_parent_another_user_could_change_is_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o777)                                    # every user may rename entries: not sticky
+    cfg = config_from_mapping({"cache_dir": str(tmp_path), "consumer": {"state_dir": str(parent / "s")}})
+    with pytest.raises(StateError, match=f"its parent {parent} is mode 0777 without the sticky bit"):
+        RunState.open(cfg, "f" * 16)
+    parent.chmod(0o1777)                                   # sticky, as /tmp: only an entry's owner may move it
+    state = RunState.open(cfg, "f" * 16)
+    assert state is not None
+    state.close()
+    os.chown(parent, 65534, 65534)                         # another user's directory, even a sticky one
+    with pytest.raises(StateError, match=f"its parent {parent} belongs to uid 65534, who could move it"):
+        RunState.open(cfg, "f" * 16)

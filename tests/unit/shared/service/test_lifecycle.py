@@ -51,6 +51,18 @@ def test_a_directory_writable_by_a_group_that_is_not_ours_is_refused(tmp_path: P
         prepare_runtime_dir(path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link owned by another user needs root to make")
+def test_a_runtime_directory_linked_by_another_user_is_refused_even_when_it_points_at_ours(tmp_path: Path) -> None:
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    link = tmp_path / "melfeed-link"
+    link.symlink_to(ours)
+    assert prepare_runtime_dir(link) == link               # our own link: we alone can repoint it
+    os.lchown(link, 65534, 65534)                          # nobody's link: its owner could repoint it at will
+    with pytest.raises(ConfigError, match="runtime directory is a symbolic link owned by uid 65534, not by this"):
+        prepare_runtime_dir(link)
+
+
 def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_and_warns_when_it_is_small(
         caplog: pytest.LogCaptureFixture) -> None:
     import resource
