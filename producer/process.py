@@ -147,7 +147,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     name = curve.name if curve is not None else "producer"     # a CURVE key named N may only speak as N-<index>
     check_transport_mode(t.mode, endpoint)               # --endpoint may have made it tcp
     # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
-    slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots)
+    slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots, shm_dir=t.shm_dir, endpoint=endpoint)
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
     session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
                             cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,

@@ -172,6 +172,12 @@ class ProducerSession:
             j.warned = True
         return out
 
+    def on_connected(self, now_s: float) -> None:
+        """The worker just connected its socket (the socket file passed its checks): the HELLO sent with the
+        connect may find no pipe yet, so HELLO again soon, from the shortest back-off."""
+        self._joining.backoff_s = _FIRST_BACKOFF_S * 2
+        self._joining.next_hello_s = now_s + _FIRST_BACKOFF_S
+
     def poll_timeout_s(self, now_s: float) -> float:
         """How long the worker may wait for input before the next timer is due (0 with work pending)."""
         if self._epoch is not None:

@@ -9,6 +9,11 @@ failure to build exits 1 (the supervisor restarts it).
 Errors cross the process boundary as data: before exiting non-zero the worker sends
 ``Bye(epoch, exit_code, "<ExceptionType>: <message>")`` so the consumer logs why (best-effort: NOBLOCK,
 and the socket lingers at most ``_BYE_LINGER_MS`` for it; docs/ARCHITECTURE.md, invariant 6).
+Trust (docs/ARCHITECTURE.md "Trust"): for an ``ipc://PATH`` endpoint the DEALER connects only once the
+socket file is a socket owned by our effective uid or root, and a WELCOME (a new consumer epoch, or a
+repeat) is taken only if that still holds (the file may have been replaced since); otherwise that consumer is
+refused with one WARNING naming the path and the owner, and HELLO goes on with its back-off as if no
+consumer had answered. Slot files are checked in ``producer/slot_maps.py``.
 Single-threaded: building a batch takes a few ms, far below the heartbeat interval.
 Shutdown: the stop event is checked every loop turn; on stop it sends BYE (so its leases are reissued
 at once) and closes the socket with linger 0. The loop also ends, exit 0, when the consumer's plan ended
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import zlib
@@ -36,7 +42,8 @@ from producer.session import BuildOrder, ProducerSession, SessionConfig
 from producer.slot_maps import SlotMappings
 from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from shared.wire.curve import ClientKeys
-from shared.wire.protocol import BatchHeader, Message, StageCounters, decode_header, encode
+from shared.wire.protocol import BatchHeader, Message, StageCounters, Welcome, decode_header, encode
+from shared.wire.same_host import ipc_socket_path, socket_file_problem
 
 __all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig", "BatchBuilder", "Dealer"]
 
@@ -56,6 +63,8 @@ class BatchBuilder(Protocol):
 
 class Dealer(Protocol):
     """The few ``zmq.Socket`` calls the loop makes (tests pass ``tests.fakes.FakeDealer``)."""
+
+    def connect(self, addr: str) -> Any: ...
 
     def poll(self, timeout: int, flags: int) -> int: ...
 
@@ -111,6 +120,9 @@ class ProducerWorker:
         self._shm_sent = 0
         self._build_s = 0.0
         self._send_s = 0.0
+        self._socket_path = ipc_socket_path(cfg.endpoint)   # None: tcp (CURVE authenticates), nothing to check
+        self._connected = True            # False: the loop connects before its first HELLO (``serve(connect=True)``)
+        self._refusal_logged = ""         # the last refusal line logged at WARNING (repeats go to DEBUG)
 
     def close(self) -> None:
         """Release what the assembler keeps between batches (open cache files). Idempotent."""
@@ -152,8 +164,7 @@ class ProducerWorker:
         if self.cfg.curve is not None:
             self.cfg.curve.apply(sock)
         try:
-            sock.connect(self.endpoint)
-            self.serve(sock, stop)
+            self.serve(sock, stop, connect=True)
         finally:
             if self.exit_code != 0:         # let the BYE that says why leave, for a bounded moment
                 sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
@@ -161,8 +172,13 @@ class ProducerWorker:
             ctx.term()
         return self.exit_code
 
-    def serve(self, sock: Dealer, stop: threading.Event) -> None:
-        """The loop on a connected socket, then the BYE (with the exit code and reason when failing)."""
+    def serve(self, sock: Dealer, stop: threading.Event, *, connect: bool = False) -> None:
+        """The loop, then the BYE (with the exit code and reason when failing).
+
+        ``connect``: ``sock`` is not connected yet; the loop connects it to the endpoint before the first
+        HELLO that finds the socket file trusted. Otherwise ``sock`` is already connected.
+        """
+        self._connected = not connect
         try:
             self._loop(sock, stop)
         except Exception as err:   # reported to the consumer, then re-raised for the process's top level
@@ -178,7 +194,7 @@ class ProducerWorker:
         while not stop.is_set() and session.exit_code == 0 and not session.finished:
             if self._on_tick is not None:
                 self._on_tick(self)
-            self._send_all(sock, session.on_turn(self._clock()))
+            self._send_all(sock, self._connected_or_none(sock, session.on_turn(self._clock())))
             if sock.poll(math.ceil(session.poll_timeout_s(self._clock()) * 1000), zmq.POLLIN):   # never wake early
                 self._drain_inbox(sock)
             order = session.next_build(self._clock())
@@ -203,7 +219,36 @@ class ProducerWorker:
             except ProtocolError as err:
                 log.warning("undecodable message from consumer: %s", err)
                 continue
+            if isinstance(msg, Welcome) and not self._socket_trusted():   # every one: a repeat can name a new shm_dir
+                continue                     # a consumer we refuse: as if nobody had answered our HELLO
             self.session.on_message(msg, self._clock())
+
+    def _connected_or_none(self, sock: Dealer, msgs: list[Message]) -> list[Message]:
+        """``msgs`` to send once the DEALER is connected; before that, connect first if the socket file is trusted."""
+        if self._connected or not msgs:
+            return msgs
+        if self._socket_path is not None and not os.path.lexists(self._socket_path):
+            return []                        # no consumer yet: the session warns after 10 s of silence
+        if not self._socket_trusted():
+            return []
+        sock.connect(self.endpoint)
+        self._connected = True
+        self.session.on_connected(self._clock())
+        return msgs
+
+    def _socket_trusted(self) -> bool:
+        """True for tcp, or an ipc socket file of ours or root's; else one WARNING per distinct refusal."""
+        problem = None if self._socket_path is None else socket_file_problem(self._socket_path)
+        if problem is None:
+            self._refusal_logged = ""
+            return True
+        line = f"refusing the consumer at {self._socket_path}: {problem}; waiting for a consumer to trust"
+        if line != self._refusal_logged:
+            log.warning("%s", line)
+            self._refusal_logged = line
+        else:
+            log.debug("%s", line)
+        return False
 
     def _build_and_send(self, sock: Dealer, order: BuildOrder) -> None:
         lease = order.lease

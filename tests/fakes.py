@@ -57,6 +57,10 @@ class FakeDealer:
         self.inbox: deque[list[bytes]] = deque()
         self.sent: list[list[bytes]] = []     # every frame as bytes, in send order
         self.poll_timeouts_ms: list[int] = []
+        self.connected_to: list[str] = []     # every ``connect`` call's address
+
+    def connect(self, addr: str) -> None:
+        self.connected_to.append(addr)
 
     def push(self, *msgs: Message) -> None:
         self.inbox.extend([encode(m)] for m in msgs)

@@ -27,16 +27,9 @@ import numpy.typing as npt
 from consumer.flow.plan import PlannedBatch
 from shared.errors import ClosedError
 from shared.wire.buckets import Bucket
-from shared.wire.layout import PAYLOAD_COPIES, aligned_buffer, batch_layout, layout_nbytes, layout_views, round_up
+from shared.wire.layout import PAYLOAD_COPIES, aligned_buffer, batch_layout, layout_views, slot_nbytes_for
 
 __all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "ReadySlot", "slot_nbytes_for"]
-
-_PAGE_BYTES = 4096
-
-
-def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
-    """Bytes of one slot: the largest bucket's layout, rounded up to whole pages."""
-    return round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
 
 
 class SlotMemory(Protocol):

@@ -1,6 +1,7 @@
 """Ring slot memory in shared-memory files, so a same-host producer builds straight into a slot.
 
-Each slot is its own file ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>`` in ``shm_dir``,
+Each slot is its own file ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>`` in ``shm_dir`` (both
+rules in ``shared/wire/same_host.py``: a producer derives and checks them itself, docs/ARCHITECTURE.md "Trust"),
 sized to the slot, its pages reserved with ``posix_fallocate`` (a full tmpfs fails here, never with
 a SIGBUS later) and mapped ``MAP_SHARED`` (page-aligned, so 64-byte aligned for DLPack).
 Invariants: one owner -- this object creates every file and ``close()`` unlinks every file it
@@ -14,47 +15,23 @@ Shutdown: ``close()`` is idempotent.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from shared.config import TransportConfig
+from shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
 
 __all__ = ["ShmSlots", "clean_stale", "open_ring_files", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
 
 log = logging.getLogger(__name__)
 
-_TMPFS_MAGIC = 0x01021994
-_NAME_RE = re.compile(r"^melfeed-(\d+)-(\d+)-s(\d+)-g(\d+)$")
 _MARGIN_BYTES = 1 << 20        # statvfs rounding and the files' own metadata
-_DEFAULT_DIR = Path("/dev/shm")
-
-
-def is_tmpfs(path: Path) -> bool:
-    """True when ``path`` lives on tmpfs (statfs ``f_type``; Python's os has no statfs)."""
-    buf = ctypes.create_string_buffer(256)       # struct statfs is 120 bytes on 64-bit Linux
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.statfs(os.fsencode(str(path)), buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value == _TMPFS_MAGIC
-
-
-def resolve_shm_dir(shm_dir: str | None, endpoint: str) -> Path:
-    """``transport.shm_dir``, else the ipc socket's directory when it is on tmpfs, else /dev/shm."""
-    if shm_dir is not None:
-        return Path(shm_dir)
-    if endpoint.startswith("ipc://"):
-        socket_dir = Path(endpoint[len("ipc://"):]).parent
-        if is_tmpfs(socket_dir):
-            return socket_dir
-    return _DEFAULT_DIR
 
 
 def _is_live_python(pid: int) -> bool:
@@ -81,7 +58,7 @@ def clean_stale(directory: Path) -> tuple[int, int]:
     except OSError:
         return 0, 0
     for name in names:
-        m = _NAME_RE.match(name)
+        m = SLOT_NAME_RE.fullmatch(name)
         if m is None or _is_live_python(int(m.group(1))):
             continue
         path = directory / name

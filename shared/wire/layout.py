@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # buckets.py imports the dtypes below; a runtime import back 
     from shared.wire.buckets import Bucket
 
 __all__ = ["ALIGN_BYTES", "ARRAY_KEYS", "ARRAY_DTYPES", "MEL_WIRE_DTYPES", "PAYLOAD_COPIES", "batch_layout", "layout_nbytes",
-           "aligned_buffer", "layout_views", "round_up"]
+           "aligned_buffer", "layout_views", "round_up", "slot_nbytes_for"]
 
 ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/ARCHITECTURE.md)
 ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # every batch's first arrays, in wire (payload frame) order
@@ -29,6 +29,7 @@ ARRAY_DTYPES: dict[str, str] = {"mel": "float32", "mel_len": "int32", "tokens": 
 # bytes of every path and the step casts (docs/ARCHITECTURE.md "Batch schema"). The default is ARRAY_DTYPES'.
 MEL_WIRE_DTYPES = ("float32", "float16")
 PAYLOAD_COPIES = 4  # payload path: page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
+_PAGE_BYTES = 4096
 
 
 def round_up(n: int, k: int) -> int:
@@ -52,6 +53,11 @@ def layout_nbytes(bucket: Bucket) -> int:
     """Bytes one batch of ``bucket`` occupies, padding between arrays included."""
     _, offset, shape, dtype = batch_layout(bucket)[-1]
     return offset + int(np.prod(shape)) * dtype.itemsize
+
+
+def slot_nbytes_for(buckets: tuple[Bucket, ...]) -> int:
+    """Bytes of one ring slot (and of a shared-memory slot file): the largest bucket's layout, in whole pages."""
+    return round_up(max(layout_nbytes(b) for b in buckets), _PAGE_BYTES)
 
 
 def aligned_buffer(nbytes: int) -> npt.NDArray[np.uint8]:

@@ -85,11 +85,11 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
             welcome = _recv(zombie, Welcome)
             grant = _recv(zombie, LeaseGrant)
             assert isinstance(welcome, Welcome) and isinstance(grant, LeaseGrant) and welcome.shm_dir == str(shm_dir)
-            maps = SlotMappings(consumer.bucket_set, 4)
+            maps = SlotMappings(consumer.bucket_set, 4, shm_dir=str(shm_dir), endpoint=endpoint)
             views = [maps.views(welcome.shm_dir, x.shm, x.bucket) for x in grant.leases if x.shm is not None]
             assert views, "the zombie got no slot lease"
             # It never heartbeats: declared dead after 1 s, its leases reissued to the real producer.
-            producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})
+            producers.start(demo_cache, endpoint, 1, transport={"mode": "shm", "shm_dir": str(shm_dir)})
             deadline = time.monotonic() + procs.WAIT_S
             while consumer.receiver_stats().leases_reissued < len(views):
                 assert time.monotonic() < deadline, "the zombie's leases were never reissued"

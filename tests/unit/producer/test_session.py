@@ -124,6 +124,23 @@ def test_consumer_silent_past_liveness_drops_leases_and_hellos_with_growing_boun
     assert gaps == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0])   # doubling, capped at backoff_max_s
 
 
+def test_a_socket_connected_late_starts_the_hello_back_off_over() -> None:
+    clock = FakeClock()
+    s = ProducerSession(CFG, clock())
+    hellos = [clock()] if s.on_turn(clock()) else []
+    while clock() < 3.0:                                         # unanswered (unconnected) HELLOs: back-off at 1 s
+        if s.on_turn(clock.advance(s.poll_timeout_s(clock()))):
+            hellos.append(clock())
+    assert hellos[-1] - hellos[-2] == pytest.approx(BACKOFF_MAX_S, abs=1e-3)
+    connected_s = clock()
+    s.on_connected(connected_s)                                  # the HELLO sent with the connect may find no pipe
+    after: list[float] = []
+    while len(after) < 3:
+        if s.on_turn(clock.advance(s.poll_timeout_s(clock()))):
+            after.append(clock())
+    assert [b - a for a, b in zip([connected_s, *after], after)] == pytest.approx([0.1, 0.2, 0.4], abs=1e-3)
+
+
 def test_no_answer_for_ten_seconds_warns_once_naming_the_endpoint(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     s = ProducerSession(CFG, clock())

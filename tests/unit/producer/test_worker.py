@@ -1,22 +1,41 @@
-"""The producer's socket shell driven in-process: scripted consumer messages in, the exact frames out."""
+"""The producer's socket shell driven in-process: scripted consumer messages in, the exact frames out.
+
+Trust: a real socket file decides whether the worker connects and takes a WELCOME; a real slot file
+decides whether it builds in shared memory."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import pwd
+import socket
 import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+import zmq
+
+from producer.batcher import BuiltBatch
 
 from producer.reader import TransientReadError
 from producer.session import SessionConfig
+from producer.slot_maps import SlotMappings
 from producer.worker import ProducerWorker, WorkerConfig
+from shared.config import BucketConfig
 from shared.errors import CacheError
-from shared.wire.protocol import (BatchHeader, Bye, Heartbeat, Hello, Lease, LeaseGrant, Message,
-                                  Welcome, encode)
+from shared.wire.buckets import build_buckets
+from shared.wire.layout import slot_nbytes_for
+from shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Heartbeat, Hello, Lease, LeaseGrant, Message,
+                                  ShmSlot, Welcome, decode_header, encode)
 from tests.fakes import FakeAssembler, FakeClock, FakeDealer
 
 HB_S = 0.2
-SESSION = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[2, 4, 4]], 3, 7,
+SESSION = SessionConfig("producer-1", "tcp://127.0.0.1:5555", "fp", [[2, 4, 4]], 3, 7,
                         heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
 BAD_FILE = "/cache/mels/LJ001-0003.npy"
 
@@ -118,3 +137,136 @@ def test_the_plan_end_ends_the_loop_with_a_planned_bye_only_when_told_to_exit(ex
         assert later == []
     else:                                                         # HELLOs for the next consumer, nothing else
         assert later and set(later) == {"Hello"}
+
+
+# --- trust: which consumer the worker connects to, takes a WELCOME from, and writes slot files for ------------
+
+@pytest.fixture()
+def unix_socket(tmp_path: Path) -> Iterator[Path]:
+    """A real unix socket file, bound (as a consumer's is) by this process: owned by our euid."""
+    path = tmp_path / "c.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    try:
+        yield path
+    finally:
+        sock.close()
+
+
+def _ipc_worker(clock: Callable[[], float], path: Path, assembler: FakeAssembler,
+                slot_maps: SlotMappings | None = None, backoff_max_s: float = 1.0) -> ProducerWorker:
+    cfg = dataclasses.replace(SESSION, endpoint=f"ipc://{path}", backoff_max_s=backoff_max_s)
+    return ProducerWorker(WorkerConfig(cfg.endpoint, cfg), assembler, slot_maps, clock=clock)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _plant(kind: str, path: Path) -> str:
+    """Make ``path`` (our bound socket) what a squatter leaves there; returns the reason the worker must give."""
+    if kind == "other owner":
+        os.chown(path, 65534, 65534)
+        return f"socket owned by uid 65534 ({pwd.getpwuid(65534).pw_name}), not by this process's uid"
+    if kind == "symlink":
+        path.rename(path.with_name("real.sock"))
+        path.symlink_to(path.with_name("real.sock"))         # a socket of ours, behind a link
+        return "a symbolic link, not a socket"
+    if kind == "regular file":
+        path.unlink()
+        path.write_bytes(b"")
+        return "not a socket"
+    return ""
+
+
+@pytest.mark.parametrize("kind", ["other owner", "symlink", "regular file", "ours"])
+def test_a_welcome_is_taken_only_while_the_socket_file_is_a_socket_of_ours_or_roots(
+        unix_socket: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    if kind == "other owner" and os.geteuid() != 0:
+        pytest.skip("giving a socket file to uid 65534 needs root")
+    reason = _plant(kind, unix_socket)
+    clock, stop = FakeClock(), threading.Event()
+    assembler = FakeAssembler()
+    worker = _ipc_worker(clock, unix_socket, assembler)
+    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
+
+    def answer_again(d: FakeDealer) -> None:                    # the same consumer answers every HELLO
+        d.push(Welcome(7, 2, HB_S, False))
+        if clock() > 3.0:
+            stop.set()
+    dealer.on_idle = answer_again
+    worker.serve(dealer, stop)                                  # no hang, no crash
+    if kind == "ours":
+        assert worker.joined_epoch == 7 and assembler.built == [5] and _warnings(caplog) == []
+        return
+    assert worker.joined_epoch is None and assembler.built == []
+    assert set(_kinds(dealer)) == {"Hello"} and len(_kinds(dealer)) >= 3   # HELLO goes on with its back-off
+    refusals = _warnings(caplog)
+    assert len(refusals) == 1, refusals                         # once, however often it answers
+    assert refusals[0].startswith(f"refusing the consumer at {unix_socket}: {reason}"), refusals
+
+
+def test_run_connects_only_once_the_socket_file_is_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a socket file to uid 65534 needs root")
+    path = tmp_path / "c.sock"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{path}")
+    os.chown(path, 65534, 65534)                                # a squatter's consumer at our endpoint
+    worker = _ipc_worker(time.monotonic, path, FakeAssembler(), backoff_max_s=0.2)   # real time: a real socket
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), name="producer", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not _warnings(caplog):
+            assert time.monotonic() < deadline, "the worker never refused the squatted socket"
+            assert router.poll(50) == 0, "the worker connected to a socket file of uid 65534"
+        assert "socket owned by uid 65534" in _warnings(caplog)[0]
+        os.chown(path, 0, 0)                                    # now root's: trusted
+        assert router.poll(10_000), "no HELLO once the socket file was trusted"
+        _, frame = router.recv_multipart()
+        assert isinstance(decode_header(frame), Hello)
+    finally:
+        stop.set()
+        thread.join(10)
+        router.close()
+        ctx.term()
+    assert not thread.is_alive()
+
+
+class _Scribbler(FakeAssembler):
+    """Writes 0xFF over every byte of the slot it is given, as a real build overwrites it."""
+
+    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
+              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+        for arr in (target or {}).values():
+            arr.view(np.uint8)[...] = 0xFF
+        return super().build(batch_id, bucket, sample_ids, target)
+
+
+def test_a_lease_naming_a_hard_link_to_a_victims_file_is_refused_unwritten_and_payload_frames_follow(
+        unix_socket: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    buckets = build_buckets(np.array([4, 4]), np.array([4, 4]), 3, BucketConfig(num_buckets=1, batch_size=2))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    victim = tmp_path / "precious.bin"
+    victim.write_bytes(os.urandom(slot_nbytes_for(buckets.buckets)))
+    victim.chmod(0o600)
+    before = victim.read_bytes()
+    name = "melfeed-4242-7-s0-g0"
+    os.link(victim, shm / name)
+    clock, stop = FakeClock(), threading.Event()
+    assembler = _Scribbler()
+    maps = SlotMappings(buckets, 4, shm_dir=str(shm), endpoint=f"ipc://{unix_socket}")
+    worker = _ipc_worker(clock, unix_socket, assembler, maps)
+    dealer = FakeDealer(clock, on_idle=lambda _: stop.set() if clock() > 2.0 else None)
+    dealer.push(Welcome(7, 2, HB_S, False, str(shm)), LeaseGrant(7, [Lease(5, 0, [0, 1], 5.0, ShmSlot(name, 0, 0))], 1))
+    worker.serve(dealer, stop)
+    assert victim.read_bytes() == before and assembler.built == []
+    hellos = [m for m in dealer.messages() if isinstance(m, Hello)]
+    assert hellos[0].caps == [CAP_SHM] and hellos[-1].caps == []          # payload frames from now on
+    assert _warnings(caplog) == [f"cannot map slot file {shm}/{name} (errno 1: refused: has 2 hard links, a slot "
+                                 "file has 1); using ZeroMQ payload frames from now on"]
