@@ -10,6 +10,8 @@ value is trusted (docs/ARCHITECTURE.md, invariant 7):
   byte; a UTF-8 byte-order mark is accepted);
 - YAML aliases are refused at the first one, before the composer resolves it, so an alias bomb
   ("billion laughs") never expands; plain anchors without an alias are harmless and ignored;
+- a key repeated in one mapping is refused with both lines (PyYAML would keep the last one and drop the
+  first one's values, typos and bad values included, without a word);
 - nesting deeper than Python's recursion limit is refused, not a traceback, and so is a scalar its
   constructor cannot build (an integer past Python's 4300-digit limit, a date like 2001-13-45);
 - the document must be a mapping (or empty: all defaults).
@@ -42,14 +44,34 @@ class _AliasFound(Exception):
         self.name, self.line = name, line
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int, first_line: int) -> None:
+        super().__init__(key, line, first_line)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """``SafeLoader`` that stops at the first alias event, before the composer resolves it."""
+    """``SafeLoader`` that stops at the first alias event, before the composer resolves it, and at the
+    first key repeated in one mapping (PyYAML keeps the last silently, dropping the first one's values)."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise _AliasFound(str(event.anchor), event.start_mark.line + 1)
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in first_line:
+                        raise _DuplicateKey(str(key), key_node.start_mark.line + 1, first_line[key])
+                    first_line[key] = key_node.start_mark.line + 1
+                except TypeError:            # an unhashable key: the constructor refuses it below
+                    continue
+        return super().construct_mapping(node, deep)
 
 
 def _fail(path: str | os.PathLike[str], message: str) -> ConfigError:
@@ -97,6 +119,9 @@ def _decode(data: bytes, path: str | os.PathLike[str]) -> str:
 def _parse(text: str, path: str | os.PathLike[str]) -> Any:
     try:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506  # SafeLoader subclass
+    except _DuplicateKey as dup:
+        raise _fail(path, f"key {dup.key!r} at line {dup.line} repeats the one at line {dup.first_line} of the "
+                          "same mapping: write each key once") from None
     except _AliasFound as found:
         raise _fail(path, f"YAML alias *{found.name} at line {found.line}: anchors and aliases are not "
                           "allowed in config files (write the value out)") from None

@@ -73,6 +73,21 @@ def test_a_merge_key_alias_is_refused_too(tmp_path: Path) -> None:
     assert _refused(_write(tmp_path, text.encode())).startswith("YAML alias *b at line 5:")
 
 
+@pytest.mark.parametrize(("text", "where"), [
+    ("buckets: {batch_size: -1, bogus: 1}\nbuckets: {num_buckets: 2}\n", "key 'buckets' at line 2 repeats the one at line 1"),
+    ("consumer:\n  steps: 3\n  ring_slots: 4\n  steps: 4\n", "key 'steps' at line 4 repeats the one at line 2"),
+    ("consumer: {steps: 3, steps: 4}\n", "key 'steps' at line 1 repeats the one at line 1"),
+    ("seed: 5\nseed: 7\n", "key 'seed' at line 2 repeats the one at line 1"),
+])
+def test_a_key_written_twice_in_one_mapping_is_refused_with_both_lines(tmp_path: Path, text: str, where: str) -> None:
+    assert _refused(_write(tmp_path, text.encode())) == f"{where} of the same mapping: write each key once"
+
+
+def test_the_same_key_in_two_mappings_is_fine(tmp_path: Path) -> None:
+    path = _write(tmp_path, b"consumer: {steps: 3}\nproducer: {count: 2}\nmodel: {params: {steps: 1}}\n")
+    assert read_config_file(path) == {"consumer": {"steps": 3}, "producer": {"count": 2}, "model": {"params": {"steps": 1}}}
+
+
 @pytest.mark.parametrize(("text", "kind"), [("- seed\n- 3\n", "list"), ("just a string\n", "str"), ("42\n", "int")])
 def test_the_top_level_must_be_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
     why = _refused(_write(tmp_path, text.encode()))
