@@ -84,6 +84,7 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
     address = endpoint.removeprefix("ipc://")
     if address == endpoint or address.startswith("@"):   # tcp, or an abstract socket (never unlinked)
         return None
+    _refuse_non_socket(Path(address), endpoint, key)
     path = Path(address + _LOCK_SUFFIX)
     no_pid_until_s = time.monotonic() + _NO_PID_WAIT_S
     replaced = 0
@@ -109,6 +110,21 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
         os.close(fd)                 # removed by its last holder while we waited: lock the new file
         replaced += 1
     raise ConfigError(f"cannot lock {path}: it keeps being replaced", path=key)
+
+
+def _refuse_non_socket(path: Path, endpoint: str, key: tuple[str, ...]) -> None:
+    """libzmq's bind unlinks whatever is at the path: anything there but a socket (a user's file, a link) is
+    left alone and the endpoint refused."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ConfigError(f"cannot use {endpoint}: {err.strerror}", path=key) from err
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+        raise ConfigError(f"{path} is {kind}, not a socket: binding there would delete it; name a new socket path",
+                          path=key, got=endpoint)
 
 
 def remove_stale_endpoints(directory: Path) -> list[Path]:

@@ -119,3 +119,19 @@ def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monke
         assert clock[0] >= endpoint_lock._NO_PID_WAIT_S                 # it waited the bound, then gave up
     finally:
         os.close(holder)
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "link"])
+def test_an_endpoint_naming_something_that_is_not_a_socket_is_refused_and_left_alone(tmp_path: Path,
+                                                                                      kind: str) -> None:
+    victim = tmp_path / "notes.txt"
+    victim.write_text("keep me")
+    target = {"file": victim, "directory": tmp_path / "d", "link": tmp_path / "l"}[kind]
+    if kind == "directory":
+        target.mkdir()
+    elif kind == "link":
+        target.symlink_to(victim)
+    with pytest.raises(ConfigError, match=f"consumer.control_endpoint: {target} is a"):
+        lock_endpoint(f"ipc://{target}", ("consumer", "control_endpoint"))
+    assert victim.read_text() == "keep me" and os.path.lexists(target)
+    assert not (tmp_path / f"{target.name}.lock").exists()            # refused before any lock file is made
