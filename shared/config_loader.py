@@ -35,6 +35,10 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+MAX_DURATION_S = 7 * 24 * 3600   # every *_s key: beyond a week is a typo, and 1e16 s overflows a poll timeout
+_PATH_KEYS = ("_dir", "_file", "_key", "endpoint")   # optional paths and endpoints: null means the default
+
+
 def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
     """Type-check one scalar against the dataclass annotation string.
 
@@ -72,7 +76,13 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
         if not isinstance(value, str):
             raise ConfigError("must be a string", path=path, got=value)
         check_text(value, path)
+        if "None" in annotation and path[-1].endswith(_PATH_KEYS) and not value.strip():
+            raise ConfigError("must be a path or null (an empty one would mean the current directory)", path=path,
+                              got=value)
     check_number(value, path)   # also where the annotation is not a plain type (e.g. model.jit_compile)
+    if path[-1].endswith("_s") and isinstance(value, (int, float)) and value > MAX_DURATION_S:
+        raise ConfigError(f"must be at most {MAX_DURATION_S} s (a week): a timer this long never fires, and "
+                          "some overflow the C types they reach", path=path, got=value)
     return value
 
 

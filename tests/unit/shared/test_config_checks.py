@@ -171,3 +171,20 @@ def test_a_ring_larger_than_memory_is_refused_naming_the_buckets() -> None:
         check_ring_bytes(4, 1 << 30, 1 << 30)
     memory = physical_memory_bytes()
     assert memory is None or memory > 0
+
+
+@pytest.mark.parametrize("section, key", [("", "cache_dir"), ("consumer", "state_dir"), ("consumer", "xla_cache_dir"),
+                                          ("consumer", "metrics_file"), ("transport", "shm_dir"),
+                                          ("transport", "curve_allowed_dir"), ("transport", "endpoint")])
+def test_an_empty_path_is_refused_where_null_means_the_default(section: str, key: str) -> None:
+    mapping: dict[str, object] = {key: " "} if not section else {section: {key: ""}}
+    text = _refusal(mapping)
+    assert text.startswith(f"{section + '.' if section else ''}{key}: must be a path or null"), text
+    assert config_from_mapping({"consumer": {"model_gpu": ""}}).consumer.model_gpu == ""   # "" = no GPU: a value
+
+
+@pytest.mark.parametrize("section, key", [("transport", "heartbeat_interval_s"), ("transport", "lease_timeout_s"),
+                                          ("consumer", "status_interval_s"), ("consumer", "wait_timeout_s")])
+def test_a_duration_beyond_a_week_is_refused_by_class(section: str, key: str) -> None:
+    assert _refusal({section: {key: 1.0e16}}).startswith(f"{section}.{key}: must be at most 604800 s (a week)")
+    assert getattr(getattr(config_from_mapping({section: {key: 3600}}), section), key) == 3600
