@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from shared.errors import ConfigError
 from shared.config import TransportConfig
 from shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
 
@@ -167,28 +168,36 @@ class ShmSlots:
             log.warning("cannot remove %s: %s", self.directory / self.name(slot), err)
 
 
-def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int) -> ShmSlots | None:
-    """Clean stale files, check room, create the slot files; ``None`` (one WARNING) means use payload frames."""
+def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int, *,
+                   required: bool = False) -> ShmSlots | None:
+    """Clean stale files, check room, create the slot files; ``None`` (one WARNING) means use payload frames.
+
+    Raises:
+        ConfigError: ``required`` (``transport.mode: shm``) and the slot files cannot be made: the user
+            asked for shared memory, so nothing falls back behind their back.
+    """
     clean_stale(directory)
     need = n_slots * slot_nbytes + _MARGIN_BYTES
     try:
         st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize
     except OSError as err:
-        log.warning("shared-memory dir %s unusable (%s); using the ZeroMQ payload path for this run",
-                    directory, err.strerror)
-        return None
+        return _give_up(directory, f"unusable ({err.strerror})", required)
     if free < need:
-        log.warning("shared-memory dir %s too small: need %d bytes, %d free; using the ZeroMQ payload path "
-                    "for this run", directory, need, free)
-        return None
+        return _give_up(directory, f"too small: need {need} bytes, {free} free", required)
     try:
         return ShmSlots(directory, n_slots, slot_nbytes, epoch)
     except OSError as err:
         why = "no space" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-        log.warning("shared-memory dir %s: cannot reserve %d bytes (%s, %d free); using the ZeroMQ payload path "
-                    "for this run", directory, need, why, free)
-        return None
+        return _give_up(directory, f"cannot reserve {need} bytes ({why}, {free} free)", required)
+
+
+def _give_up(directory: Path, reason: str, required: bool) -> None:
+    if required:
+        raise ConfigError(f"shared-memory dir {directory} {reason}; transport.mode is shm (auto would use "
+                          "payload frames instead)", path=("transport", "shm_dir"))
+    log.warning("shared-memory dir %s %s; using the ZeroMQ payload path for this run", directory, reason)
+    return None
 
 
 def open_ring_files(transport: TransportConfig, endpoint: str, n_slots: int, slot_nbytes: int,
@@ -196,4 +205,5 @@ def open_ring_files(transport: TransportConfig, endpoint: str, n_slots: int, slo
     """Slot files for the shared-memory path, or ``None`` for payload frames (mode zmq, tcp, no room)."""
     if transport.mode == "zmq" or not endpoint.startswith("ipc://"):
         return None
-    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, epoch)
+    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, epoch,
+                          required=transport.mode == "shm")

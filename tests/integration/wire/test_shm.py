@@ -24,6 +24,7 @@ import zmq
 from consumer.feed import Consumer
 from producer.slot_maps import SlotMappings
 from shared.config_loader import config_from_mapping
+from shared.errors import ConfigError
 from shared.wire.layout import ARRAY_KEYS
 from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
@@ -33,10 +34,10 @@ from tests.conftest import ProducerGroup
 HB_S = 0.2
 
 
-def _cfg(cache: Path, endpoint: str, shm_dir: Path, steps: int) -> object:
+def _cfg(cache: Path, endpoint: str, shm_dir: Path, steps: int, mode: str = "shm") -> object:
     return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5},
                                 "transport": {"endpoint": endpoint, "heartbeat_interval_s": HB_S,
-                                              "liveness_intervals": 5, "mode": "shm", "shm_dir": str(shm_dir)}})
+                                              "liveness_intervals": 5, "mode": mode, "shm_dir": str(shm_dir)}})
 
 
 def _recv(sock: zmq.Socket[bytes], kind: type, timeout_s: float = procs.WAIT_S) -> object:
@@ -205,8 +206,10 @@ def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_
         pytest.skip(f"cannot mount tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
     endpoint = f"ipc://{tmp_path}/m.sock"
     try:
+        with pytest.raises(ConfigError, match="too small.*transport.mode is shm"):   # asked for: never replaced
+            Consumer(_cfg(demo_cache, endpoint, small, 12)).start()   # type: ignore[arg-type]
         with caplog.at_level(logging.WARNING, logger="consumer.transport.shm_slots"):
-            with Consumer(_cfg(demo_cache, endpoint, small, 12)) as consumer:   # type: ignore[arg-type]
+            with Consumer(_cfg(demo_cache, endpoint, small, 12, "auto")) as consumer:   # type: ignore[arg-type]
                 assert consumer.shm is None
                 producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})
                 copies = {b.copies for b in consumer.batches()}

@@ -115,3 +115,13 @@ def test_default_dir_is_the_socket_dir_on_tmpfs_else_dev_shm(tmp_path: Path) -> 
     if is_tmpfs(Path("/dev/shm")):
         assert resolve_shm_dir(None, "ipc:///dev/shm/m.sock") == Path("/dev/shm")
     assert not is_tmpfs(tmp_path / "missing")
+
+
+def test_when_shared_memory_was_asked_for_a_missing_dir_is_refused_not_replaced_by_payload_frames(
+        tmp_path: Path) -> None:
+    from shared.errors import ConfigError
+    missing = tmp_path / "no-such-dir"
+    assert open_shm_slots(missing, 3, slot_nbytes_for(BUCKETS), EPOCH) is None           # mode auto: falls back
+    with pytest.raises(ConfigError, match=f"transport.shm_dir: shared-memory dir {missing} unusable .*"
+                                          "transport.mode is shm"):
+        open_shm_slots(missing, 3, slot_nbytes_for(BUCKETS), EPOCH, required=True)
