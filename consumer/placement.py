@@ -19,6 +19,7 @@ from typing import Any
 from consumer.resume.filemode import make_private_dir
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
+from shared.filetrust import untrusted_reason
 
 __all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "configure_memory", "placement_env",
            "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
@@ -92,14 +93,33 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
                         xla_cache_dir(cfg))
         return {}
     if cache := xla_cache_dir(cfg):
-        try:
-            make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
-        except OSError as err:         # TensorFlow loads compiled code from it: nobody else may write there
-            key = "xla_cache_dir" if cfg.consumer.xla_cache_dir is not None else "state_dir"
-            raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}",
-                              path=("consumer", key)) from None
+        _prepare_xla_cache(cfg, cache)
     environ.update(changed)
     return changed
+
+
+def _prepare_xla_cache(cfg: PipelineConfig, cache: Path) -> None:
+    """Create the XLA cache directory 0750 (and the state dir, as RunState would) and refuse one others control.
+
+    TensorFlow writes the cache's files with the umask's modes (0666 under umask 000) and loads the
+    compiled programs it finds there; the directory is what keeps other users from reading them or
+    planting their own. ``cache`` is resolved already, so a symbolic link there now was put there since.
+
+    Raises:
+        ConfigError: naming ``consumer.xla_cache_dir`` (or ``consumer.state_dir`` when the cache is derived
+            from it): it cannot be created, is a symbolic link, belongs to another user (not root), or its
+            group or others can write to it.
+    """
+    key = ("consumer", "xla_cache_dir" if cfg.consumer.xla_cache_dir is not None else "state_dir")
+    try:
+        make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
+        reason = untrusted_reason(cache, directory=True, follow=False)
+    except OSError as err:
+        raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}",
+                          path=key) from None
+    if reason is not None:
+        raise ConfigError(f"XLA compilation cache {cache} {reason} (TensorFlow would load programs planted "
+                          "there); make it this user's, 0700 or 0750", path=key)
 
 
 def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:

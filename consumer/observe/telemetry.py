@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from consumer.flow.peers import ProducerReport
 from consumer.transport.receiver import ReceiverStats
 from shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
 from shared.errors import ConfigError
+from shared.filetrust import open_output
 from consumer.observe.gpu import GpuSampler
 
 __all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
@@ -341,9 +343,12 @@ class Telemetry:
 
 
 def open_metrics_file(path: str) -> IO[str]:
-    """Open the JSONL file for line-buffered appending; ``ConfigError`` naming the key if it cannot be."""
+    """Open the JSONL file for line-buffered appending; ``ConfigError`` naming the key if it cannot be.
+
+    A new file is 0640 whatever the umask (``shared.filetrust``); an existing one keeps its mode.
+    """
     try:
-        return open(path, "a", buffering=1, encoding="utf-8")
+        return os.fdopen(open_output(path, append=True), "a", buffering=1, encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot append to {path}: {err.strerror}", path=("consumer", "metrics_file")) from err
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from consumer.resume.filemode import write_private
+
 __all__ = ["JitChoice", "choose_mode", "describe_tf_error", "setting_name", "remembered_mode", "remember_mode",
            "MEMO_NAME"]
 
@@ -119,11 +121,14 @@ def remembered_mode(state_dir: Path) -> str | None:
 
 
 def remember_mode(state_dir: Path, choice: JitChoice) -> None:
-    """Store an "auto" decision for the next start of this run (atomically: temp file, rename)."""
+    """Store an "auto" decision for the next start of this run (atomically: temp file, rename).
+
+    The file is 0640 or stricter whatever the umask, like every other file in the state directory.
+    """
     path = state_dir / MEMO_NAME
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps({"mode": choice.mode, "reason": choice.reason}) + "\n", encoding="utf-8")
+        write_private(tmp, (json.dumps({"mode": choice.mode, "reason": choice.reason}) + "\n").encode())
         os.replace(tmp, path)
     except OSError as err:   # not fatal: the next start decides again (the checkpoint write will tell)
         log.warning("cannot write %s: %s; a restart decides jit_compile again", path, err.strerror)

@@ -1,13 +1,16 @@
 """CURVE keys, the producer allow-list and the ZAP decisions for tcp endpoints (loopback included).
 
 ``run_pipeline.py keys DIR --producer NAME ...`` writes, with pyzmq's certificate format
-(``zmq.auth.create_certificates``: ``NAME.key`` public, ``NAME.key_secret`` secret, mode 0600)::
+(``zmq.auth.create_certificates``: ``NAME.key`` public, mode 0644; ``NAME.key_secret`` secret, mode
+0600; ``DIR`` and ``DIR/producers`` 0700; each set explicitly, whatever the umask)::
 
     DIR/consumer.key, DIR/consumer.key_secret          the consumer's pair
     DIR/producers/NAME.key, DIR/producers/NAME.key_secret   one pair per producer host/name
 
 Copy ``consumer.key`` and ``producers/NAME.key_secret`` to producer host NAME; the consumer keeps
-``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list).
+``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list). The allow-list is read
+once, at start; the consumer refuses it (exit 78) when the directory or a key file in it is not its
+own user's or root's, or its group or others can write to it: whoever can add a file there is admitted.
 ZAP: the consumer answers ZAP requests itself (``zap_reply``, polled by the receiver thread). A
 CURVE client whose key is in the allow-list is admitted with User-Id = its NAME; any other key is
 refused (400), so no frame of it reaches the application; plaintext clients fail the CURVE
@@ -27,6 +30,7 @@ import zmq.auth
 import zmq.utils.z85
 
 from shared.errors import ConfigError
+from shared.filetrust import make_dirs, untrusted_reason
 
 __all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
            "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
@@ -47,6 +51,17 @@ def _load(path: Path, what: tuple[str, ...], secret: bool) -> tuple[bytes, bytes
     return public, secret_key
 
 
+def _trusted(path: Path, *, directory: bool) -> None:
+    """Refuse an allow-list entry (the directory or a key file) that someone else could change."""
+    try:
+        reason = untrusted_reason(path, directory=directory)
+    except OSError as err:
+        raise ConfigError(f"cannot examine {path}: {err.strerror}", path=("transport", "curve_allowed_dir")) from err
+    if reason is not None:
+        raise ConfigError(f"{path} {reason}; only this user or root may change the allow-list "
+                          "(chmod go-w, chown)", path=("transport", "curve_allowed_dir"))
+
+
 @dataclass(frozen=True, slots=True)
 class AllowList:
     """Public key (z85) -> producer name, from ``DIR/*.key``."""
@@ -55,11 +70,20 @@ class AllowList:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> AllowList:
+        """Read the allow-list once (the consumer never reloads it: a change takes a restart).
+
+        Raises:
+            ConfigError: naming ``transport.curve_allowed_dir``: not a directory, no key in it, a key
+                file that cannot be read, or the directory or a key file is not this user's or root's
+                or is writable by its group or others (whoever can write there can admit any key).
+        """
         root = Path(directory)
         if not root.is_dir():
             raise ConfigError(f"is not a directory: {root}", path=("transport", "curve_allowed_dir"))
+        _trusted(root, directory=True)
         names = {}
         for path in sorted(root.glob("*.key")):
+            _trusted(path, directory=False)
             public, _ = _load(path, ("transport", "curve_allowed_dir"), secret=False)
             names[public] = path.stem
         if not names:
@@ -136,8 +160,9 @@ def producer_id_matches(producer_id: str, user_id: str) -> bool:
 def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -> list[Path]:
     """Write the consumer's pair (if absent) and one pair per producer name; returns the files."""
     root = Path(directory)
-    (root / "producers").mkdir(parents=True, exist_ok=True)
+    make_dirs(root / "producers", 0o700)     # parents too: not the umask's default (0777 under umask 000)
     os.chmod(root, 0o700)
+    os.chmod(root / "producers", 0o700)      # the consumer refuses an allow-list others can write to
     written = []
     targets = [(root, "consumer")] + [(root / "producers", n) for n in producers]
     for where, name in targets:
@@ -147,6 +172,7 @@ def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -
             continue                                   # never overwrite a key in use
         public, secret = zmq.auth.create_certificates(str(where), name)
         os.chmod(secret, 0o600)
+        os.chmod(public, 0o644)                        # pyzmq leaves both to the umask
         written += [Path(public), Path(secret)]
     return written
 

@@ -12,7 +12,7 @@ import pytest
 from consumer.flow.peers import ProducerReport
 from consumer.observe.prom import SnapshotCollector
 from consumer.transport.receiver import ReceiverStats
-from consumer.observe.status import format_status
+from consumer.observe.status import format_status, snapshot_problem
 from consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
 from shared.config_loader import config_from_mapping
 from shared.errors import ConfigError
@@ -50,6 +50,7 @@ def test_snapshot_has_every_schema_key_and_hand_computed_figures() -> None:
     assert (snap["lease_window"], snap["leases_outstanding"], snap["duplicates"], snap["quarantined"]) == (2, 3, 1, 2)
     assert snap["rejects"] == {"CRC": 2, "SHAPE": 1}
     assert snap["producers"][0]["send_ms"] is None and snap["gpus"] == gpus
+    assert snapshot_problem(snap) is None                               # `status` shows what the consumer sends
     json.dumps(snap, allow_nan=False)
 
 
@@ -59,6 +60,7 @@ def test_snapshot_before_any_step_is_all_nulls_where_unknown() -> None:
                           compiles_after_ready=0, gpus=[])
     assert tuple(snap) == SCHEMA_KEYS
     assert all(snap[k] is None for k in ("stall_pct", "batches_per_s", "step_p50_ms", "step_cv", "bytes_per_s"))
+    assert snapshot_problem(snap) is None
 
 
 def _report(pid: str, at_s: float, batches: int, read_s: float, asm_s: float, send_s: float) -> ProducerReport:
@@ -206,6 +208,7 @@ def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tm
         starved = tel.publish(3, 0.7, 0)          # a starved loop publishes no new means: the same ones
     assert first["outputs"] == {"loss": 0.75, "mel_l1": 0.5, "stop_bce": None} and first["jit_compile"] == "graph"
     assert starved["outputs"] == first["outputs"]
+    assert snapshot_problem(first) is None
     json.dumps(first, allow_nan=False)
     table = format_status(first, "ipc:///x.control.sock")
     assert "step outputs (mean over the status interval): loss 0.7500, mel_l1 0.5000, stop_bce -; " \

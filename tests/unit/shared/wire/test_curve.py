@@ -88,3 +88,57 @@ def test_tcp_requires_keys_on_both_sides_with_one_line_naming_the_key(tmp_path: 
                                                 "curve_server_key": str(tmp_path / "consumer.key")}}).transport
     keys = client_keys_for(client, "tcp://10.0.0.7:5555")
     assert keys is not None and keys.name == "hostA"
+
+
+def test_keys_get_their_modes_explicitly_even_under_umask_000(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        generate_keys(tmp_path / "new" / "k", ["hostA"])
+    finally:
+        os.umask(old)
+    k = tmp_path / "new" / "k"
+    modes = {str(p.relative_to(tmp_path)): os.stat(p).st_mode & 0o777
+             for p in (tmp_path / "new", k, k / "producers", *k.iterdir(), *(k / "producers").iterdir())}
+    assert modes == {"new": 0o700, "new/k": 0o700, "new/k/producers": 0o700,
+                     "new/k/consumer.key": 0o644, "new/k/consumer.key_secret": 0o600,
+                     "new/k/producers/hostA.key": 0o644, "new/k/producers/hostA.key_secret": 0o600}
+    assert AllowList.load(k / "producers").names                      # what it wrote, the consumer accepts
+    os.chmod(k / "producers", 0o777)                                  # left so by an older version
+    generate_keys(k, ["hostB"])
+    assert os.stat(k / "producers").st_mode & 0o777 == 0o700
+
+
+def _refused(keys: Path) -> str:
+    cfg = config_from_mapping({"transport": {"curve_secret_key": str(keys / "consumer.key_secret"),
+                                             "curve_allowed_dir": str(keys / "producers")}}).transport
+    with pytest.raises(ConfigError) as info:
+        server_keys_for(cfg, "tcp://10.0.0.7:5555")
+    text = str(info.value)
+    assert text.startswith("transport.curve_allowed_dir: ") and "\n" not in text
+    return text
+
+
+def test_the_consumer_refuses_an_allow_list_others_can_write_to(tmp_path: Path) -> None:
+    generate_keys(tmp_path, ["hostA"])
+    allowed = tmp_path / "producers"
+    os.chmod(allowed, 0o770)
+    assert f"{allowed} is mode 0770: its group can write to it" in _refused(tmp_path)
+    os.chmod(allowed, 0o755)
+    os.chmod(allowed / "hostA.key", 0o646)
+    assert f"{allowed / 'hostA.key'} is mode 0646: every user can write to it" in _refused(tmp_path)
+    os.chmod(allowed / "hostA.key", 0o444)
+    assert server_keys_for(config_from_mapping({"transport": {
+        "curve_secret_key": str(tmp_path / "consumer.key_secret"),
+        "curve_allowed_dir": str(allowed)}}).transport, "tcp://10.0.0.7:5555") is not None
+
+
+def test_the_consumer_refuses_a_key_file_of_another_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generate_keys(tmp_path, ["hostA", "hostB"])
+    planted = tmp_path / "producers" / "hostB.key"
+    if os.geteuid() == 0:
+        os.chown(planted, 4242, -1)
+    else:       # every file is this user's: pretend to be another one, so all but root's are foreign
+        me = os.geteuid() + 1
+        monkeypatch.setattr(os, "geteuid", lambda: me)
+    text = _refused(tmp_path)
+    assert str(tmp_path / "producers") in text and "belongs to uid" in text
