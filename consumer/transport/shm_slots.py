@@ -192,7 +192,7 @@ def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int, 
         return _give_up(directory, f"cannot reserve {need} bytes ({why}, {free} free)", required)
 
 
-def _give_up(directory: Path, reason: str, required: bool) -> None:
+def _give_up(directory: Path, reason: str, required: bool) -> ShmSlots | None:
     if required:
         raise ConfigError(f"shared-memory dir {directory} {reason}; transport.mode is shm (auto would use "
                           "payload frames instead)", path=("transport", "shm_dir"))

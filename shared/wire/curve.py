@@ -203,7 +203,7 @@ def server_keys_for(transport: object, endpoint: str) -> ServerKeys | None:
     """
     secret = _own_secret(transport, endpoint)
     if secret is None:
-        if endpoint.startswith("tcp://"):
+        if endpoint.startswith(("tcp://", "ipc://@")):   # an abstract socket: every local user reaches it
             log.warning("transport.insecure: true: %s takes unauthenticated peers; any user who can reach it "
                         "may join as a producer", endpoint)
         return None

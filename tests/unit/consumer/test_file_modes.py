@@ -95,4 +95,5 @@ def test_a_cache_planted_in_the_state_dir_is_refused_naming_the_state_dir(tmp_pa
         me = os.geteuid() + 1
         monkeypatch.setattr(os, "geteuid", lambda: me)
     text = _refusal(_cfg(state_dir=str(state)))
-    assert text.startswith(f"consumer.state_dir: XLA compilation cache {theirs} belongs to uid ")
+    assert text.startswith(f"consumer.state_dir: cannot use {theirs} as the XLA compilation cache: {theirs} "
+                           "belongs to uid ")
