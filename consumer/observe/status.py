@@ -26,9 +26,12 @@ from typing import Any
 
 import zmq
 
+from shared.config import resolve_runtime_dir
+from shared.config_checks import check_endpoint
 from shared.config_loader import load_config
+from shared.errors import ConfigError
 from shared.printable import escape_line
-from shared.service.lifecycle import resolve_control_endpoint
+from shared.service.lifecycle import check_runtime_dir, resolve_control_endpoint
 from shared.service.rank_defaults import with_rank_defaults
 from shared.service.tf_config import resolve_worker_place
 
@@ -61,7 +64,23 @@ def ask_status(endpoint: str, timeout_s: float) -> bytes | None:
         ctx.term()
 
 
+_MAX_TIMEOUT_S = 3600.0
+
+
 def main_status(args: argparse.Namespace) -> int:
+    """Print the snapshot; 0 on success, 1 when no consumer (or no snapshot) answered.
+
+    Raises:
+        ConfigError: a bad ``--timeout-s`` or ``--endpoint``, or a runtime directory another user could
+            have put a socket in (the default endpoint): nobody else's answer is ever printed as ours.
+    """
+    if not (isinstance(args.timeout_s, float) and 0 < args.timeout_s <= _MAX_TIMEOUT_S):
+        raise ConfigError(f"must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]", path=("--timeout-s",),
+                          got=args.timeout_s)
+    if args.endpoint:
+        check_endpoint(args.endpoint, ("--endpoint",))
+        if not args.endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError("must be ipc://PATH or tcp://HOST:PORT", path=("--endpoint",), got=args.endpoint)
     endpoint = args.endpoint or _control_endpoint(args)
     try:
         raw = ask_status(endpoint, args.timeout_s)
@@ -95,7 +114,11 @@ def _control_endpoint(args: argparse.Namespace) -> str:
     cfg = load_config(args.config)
     place = resolve_worker_place(getattr(args, "tf_config", None), os.environ)
     cfg = with_rank_defaults(cfg, place, os.environ, create_dir=False)
-    return resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    runtime = resolve_runtime_dir(os.environ)
+    if endpoint.startswith(f"ipc://{runtime}/") and os.path.lexists(runtime):
+        check_runtime_dir(runtime)   # another user's /tmp/melfeed-UID could serve any answer
+    return endpoint
 
 
 def _is_int(value: Any) -> bool:

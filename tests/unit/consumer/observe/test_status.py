@@ -162,3 +162,40 @@ def test_whatever_passes_the_check_formats_without_an_exception_or_raw_control_c
             if snapshot_problem(snap) is None:
                 table = format_status(snap, "ipc:///x")
                 assert all(line.isprintable() for line in table.split("\n")), (key, value)
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    ({"timeout_s": float("nan")}, "--timeout-s: must be a number of seconds in (0, 3600]"),
+    ({"timeout_s": -1.0}, "--timeout-s: must be a number of seconds"),
+    ({"timeout_s": 1e20}, "--timeout-s: must be a number of seconds"),
+    ({"endpoint": "foo"}, "--endpoint: must be ipc://PATH or tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1"}, "--endpoint: must be tcp://HOST:PORT"),
+])
+def test_bad_flags_are_refused_before_asking_anyone(flags: dict[str, Any], needle: str) -> None:
+    from shared.errors import ConfigError
+    args = argparse.Namespace(**{"endpoint": None, "timeout_s": 2.0, "json": False, "config": None,
+                                 "tf_config": None, **flags})
+    with pytest.raises(ConfigError) as info:
+        main_status(args)
+    assert str(info.value).startswith(needle), str(info.value)
+
+
+def test_the_default_socket_in_a_runtime_directory_of_another_user_is_never_asked(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    from shared.errors import ConfigError
+    runtime = tmp_path / "melfeed"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    args = argparse.Namespace(endpoint=None, timeout_s=20.0, json=False, config=None, tf_config=None)
+    with _answering(f"ipc://{runtime}/melfeed-control.sock", json.dumps(metrics_snapshot(0.0)).encode()):
+        assert main_status(args) == 0                                   # our own directory: answered
+        if os.geteuid() == 0:
+            os.chown(runtime, 65534, -1)
+        else:
+            me = os.geteuid() + 1
+            monkeypatch.setattr(os, "getuid", lambda: me)
+        with pytest.raises(ConfigError, match="runtime directory belongs to another user"):
+            main_status(args)                                           # someone else's: never asked
+    assert "consumer ipc://" in capsys.readouterr().out
