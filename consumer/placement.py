@@ -144,6 +144,10 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
     except RuntimeError as err:    # the devices were initialized already (an op ran before this call)
         log.warning("device settings not applied (TensorFlow already initialized its devices): %s", err)
+    named = [g for g in (cfg.consumer.model_gpu or "").split(",") if g.strip()]
+    if len(gpus) < len(named):    # e.g. "7" on a 2-GPU host, or a GPU config on a CPU-only box
+        log.warning("consumer.model_gpu %r names %d GPU(s), TensorFlow sees %d: the step runs on %s",
+                    cfg.consumer.model_gpu, len(named), len(gpus), "the CPU" if not gpus else "fewer GPUs than asked for")
     log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
              os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
              "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off",

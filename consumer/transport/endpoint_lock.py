@@ -122,7 +122,8 @@ def _refuse_non_socket(path: Path, endpoint: str, key: tuple[str, ...]) -> None:
     except OSError as err:
         raise ConfigError(f"cannot use {endpoint}: {err.strerror}", path=key) from err
     if not stat.S_ISSOCK(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+        kind = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a file")
         raise ConfigError(f"{path} is {kind}, not a socket: binding there would delete it; name a new socket path",
                           path=key, got=endpoint)
 

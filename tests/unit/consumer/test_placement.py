@@ -143,6 +143,16 @@ def test_memory_growth_by_default_and_the_cap_when_set() -> None:
     assert tf.config.calls == [("limit", ("/physical_device:GPU:0", [4096])), ("limit", ("/physical_device:GPU:1", [4096]))]
 
 
+def test_a_model_gpu_tensorflow_cannot_see_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    tf: Any = type("TF", (), {})()
+    tf.config = _FakeConfig([])                               # "7" on a host without it: no GPU visible
+    with caplog.at_level("WARNING", logger="consumer.placement"):
+        assert configure_memory(_cfg(model_gpu="7"), tf) == []
+        configure_memory(_cfg(model_gpu=""), tf)              # "" = the CPU on purpose: no warning
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "consumer.model_gpu '7' names 1 GPU(s), TensorFlow sees 0: the step runs on the CPU"]
+
+
 def test_step_devices_names_each_distinct_device() -> None:
     dev = type("T", (), {"device": "/job:localhost/replica:0/task:0/device:CPU:0"})()
     assert step_devices({"loss": dev, "acc": dev}) == ["/job:localhost/replica:0/task:0/device:CPU:0"]
