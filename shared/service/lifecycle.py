@@ -20,8 +20,8 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint", "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV",
-           "setup_logging"]
+__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
+           "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV", "setup_logging"]
 
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "MELFEED_PARENT_PID"   # a supervisor's pid, for its children's ``die_with_parent``
