@@ -15,6 +15,7 @@ Shutdown: nothing to shut down; every descriptor opened here is closed or handed
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -61,8 +62,8 @@ def make_dirs(path: Path, mode: int) -> None:
         try:
             directory.mkdir(mode=mode)
         except FileExistsError:
-            if not directory.is_dir():
-                raise
+            if not directory.is_dir():       # a file in the way: say so, not "File exists"
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory)) from None
 
 
 def untrusted_reason(path: str | os.PathLike[str], *, directory: bool, follow: bool = True) -> str | None:

@@ -24,6 +24,8 @@ import os
 import stat
 from pathlib import Path
 
+from shared.filetrust import make_dirs
+
 __all__ = ["STATE_DIR_MODE", "STATE_FILE_MODE", "check_private_dir", "make_private_dir", "write_private", "restrict"]
 
 STATE_FILE_MODE = 0o640   # the group may read (an auditor in the service group); nobody else
@@ -39,17 +41,7 @@ def make_private_dir(path: Path) -> None:
         OSError: a component cannot be created, or exists and is not a directory; ``PermissionError``
             when another user could change the directory (its ``strerror`` says who and how).
     """
-    missing: list[Path] = []
-    here = path
-    while not here.is_dir() and here != here.parent:
-        missing.append(here)
-        here = here.parent
-    for directory in reversed(missing):
-        try:
-            directory.mkdir(mode=STATE_DIR_MODE)
-        except FileExistsError:
-            if not directory.is_dir():
-                raise
+    make_dirs(path, STATE_DIR_MODE)
     check_private_dir(path)
 
 

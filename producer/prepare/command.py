@@ -37,6 +37,7 @@ import numpy as np
 from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
 from shared.cache.features import RESAMPLER_VERSION, feature_params
+from shared.cache.filekind import make_dirs
 from shared.cache.index import build_manifest
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, read_feature_record, write_feature_record, write_manifest
 from shared.cache.npyfile import inspect_npy
@@ -45,12 +46,14 @@ from shared.service.progress import Progress, progress_interval_s
 from producer.prepare.worker import WorkerSpec, WorkItem, WorkResult
 from shared.cache.text import VOCAB_SIZE, VOCABULARY, encode_text
 
-__all__ = ["MetadataRow", "PrepareSummary", "read_metadata", "run_prepare", "main_prepare"]
+__all__ = ["MetadataRow", "PrepareSummary", "read_metadata", "run_prepare", "main_prepare", "worker_count",
+           "debug_delay_s"]
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 10.0  # a plain progress line this often off a terminal (logs stay short)
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # ids become file names
+_DEBUG_DELAY_MAX_MS = 60_000.0   # --debug-delay-ms (testing): a minute per utterance at most, never a hang
 
 
 class MetadataRow(NamedTuple):
@@ -175,7 +178,7 @@ def _done_frames(cache: Path, uid: str, tokens: np.ndarray, n_mels: int) -> int:
 
 def _remove_temp_files(cache: Path) -> None:
     for sub in ("mels", "tokens"):
-        (cache / sub).mkdir(parents=True, exist_ok=True)
+        make_dirs(cache / sub)
         for p in (cache / sub).glob(".*.tmp"):
             p.unlink(missing_ok=True)
 
@@ -220,16 +223,19 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
         progress_s: Seconds between plain progress lines when ``report`` is not a terminal.
 
     Raises:
-        CacheError: Missing metadata, a cache made by something else, or a worker that failed.
+        CacheError: Missing metadata, a cache made by something else, a cache directory that cannot be
+            created or written (named, with the OS reason), or a worker that failed.
         ConfigError: The config does not fit (vocabulary, n_mels) or differs from the cache's.
     """
     started = time.monotonic()
     _check_config(cfg)
+    if cache.exists() and not cache.is_dir():
+        raise CacheError(cache, "not a directory")
     has_record = _check_record(cache, cfg)  # before any output: a mismatch is the only message
     rows, bad_lines = read_metadata(corpus, report)
     summary = PrepareSummary()
     summary.skipped["metadata"] += bad_lines
-    cache.mkdir(parents=True, exist_ok=True)
+    make_dirs(cache)          # a read-only parent or /proc: one line naming the directory
     if not has_record:
         write_feature_record(cache, feature_params(cfg.features, cfg.n_mels), VOCABULARY,
                              {"selection": _selection(cfg)})
@@ -289,17 +295,43 @@ def _print_summary(s: PrepareSummary, cache: Path, cfg: PipelineConfig) -> None:
     print(f"skipped {sum(s.skipped.values())}" + (f": {reasons}" if reasons else ""))
 
 
+def worker_count(requested: int | None) -> int:
+    """``--workers``: absent = one per CPU this process may run on; below 1 is refused; above that
+    count it is lowered to it, with one INFO line (more workers add memory, never speed: every worker is
+    CPU-bound, and the cache is the same bytes with any count).
+
+    Raises:
+        ConfigError: ``requested`` < 1, naming ``--workers``.
+    """
+    cpus = len(os.sched_getaffinity(0))
+    if requested is None:
+        return cpus
+    if requested < 1:
+        raise ConfigError(f"must be >= 1 (leave it out for one per available CPU: {cpus})",
+                          path=("--workers",), got=requested)
+    if requested > cpus:
+        log.info("--workers %d is above the %d available CPUs: using %d", requested, cpus, cpus)
+    return min(requested, cpus)
+
+
+def debug_delay_s(delay_ms: float) -> float:
+    """``--debug-delay-ms`` in seconds; negative, NaN or above ``_DEBUG_DELAY_MAX_MS`` is refused (ConfigError)."""
+    if not 0.0 <= delay_ms <= _DEBUG_DELAY_MAX_MS:      # NaN fails every comparison
+        raise ConfigError(f"must be in 0..{_DEBUG_DELAY_MAX_MS:.0f}", path=("--debug-delay-ms",), got=delay_ms)
+    return delay_ms / 1000.0
+
+
 def main_prepare(args: argparse.Namespace) -> int:
     """``run_pipeline.py prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
     from shared.config_loader import load_config
     from shared.service.lifecycle import stop_on_signals
 
+    workers, delay_s = worker_count(args.workers), debug_delay_s(args.debug_delay_ms)
     cfg = load_config(args.config)
     cache = Path(args.cache)
-    workers = args.workers or len(os.sched_getaffinity(0))
     with stop_on_signals() as stop:
         summary = run_prepare(Path(args.ljspeech), cache, cfg, workers, stop, sys.stderr,
-                              args.debug_delay_ms / 1000.0, progress_interval_s(_PROGRESS_EVERY_S))
+                              delay_s, progress_interval_s(_PROGRESS_EVERY_S))
     _print_summary(summary, cache, cfg)
     if summary.interrupted:
         print("interrupted: run the same command again to resume", file=sys.stderr)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from shared.cache.demo_data import write_demo_cache
 from shared.cache.extras import EXTRAS_DIR
+from shared.cache.features import check_n_mels_flag
+from shared.cache.filekind import make_dirs
 from shared.errors import CacheError, ConfigError
 from shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration
 from shared.cache.index import build_manifest
@@ -43,9 +45,12 @@ def _link_folder(root: Path, name: str, target: str | None) -> None:
         if link.resolve() == src:
             return
         raise CacheError(link, f"exists and is not {src}; refusing to replace it")
-    link.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(link.parent)
     inside = src.is_relative_to(root.resolve())
-    link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
+    try:
+        link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
+    except OSError as err:   # a read-only cache directory
+        raise CacheError(link, f"cannot link it to {src} ({err.strerror})") from err
 
 
 def _progress(label: str) -> Progress:
@@ -77,6 +82,7 @@ def main_index(args: argparse.Namespace) -> int:
     every folder under ``extras/`` is indexed as an extra array, of the kind ``--extra NAME:KIND=DIR``
     declares or else the kind its headers show.
     """
+    check_n_mels_flag(args.n_mels)
     extras = [parse_extra_arg(v) for v in getattr(args, "extra", None) or []]
     _link_folder(Path(args.cache_dir), "mels", getattr(args, "mels", None))
     _link_folder(Path(args.cache_dir), "tokens", getattr(args, "tokens", None))
@@ -113,6 +119,7 @@ def main_verify_cache(args: argparse.Namespace) -> int:
     Prints ``bad: PATH: REASON`` per bad file and ``warning: PATH: REASON`` per unlisted file
     (stdout, sorted by path), then the summary line. A missing cache dir raises ``CacheError`` (78).
     """
+    check_n_mels_flag(args.n_mels)
     progress = _progress("verify-cache")
     try:
         report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
@@ -128,7 +135,8 @@ def main_verify_cache(args: argparse.Namespace) -> int:
 
 
 def main_demo(args: argparse.Namespace) -> int:
-    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed, extras=True)
+    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed, extras=True,
+                                utterances_flag="--utterances")
     print(f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
           f"(fingerprint {manifest.fingerprint})")
     return 0

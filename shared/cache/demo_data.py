@@ -37,11 +37,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import CacheError
+from shared.errors import CacheError, ConfigError
+from shared.cache.filekind import make_dirs
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, load_manifest, write_manifest
 
-__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "DEMO_EXTRAS", "write_demo_cache", "demo_utterance_id", "default_demo_dir"]
+__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "DEMO_EXTRAS", "DEMO_UTTERANCES_MAX", "DEMO_SEED_MAX", "write_demo_cache",
+           "demo_utterance_id", "default_demo_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ _UTTERANCES_PER_CHAPTER = 300
 _SPEAKERS = 8
 _UTTERANCES_PER_SPEAKER = 25
 DEMO_EXTRAS = {"speaker": "utterance", "energy": "frame"}  # name -> kind, declared at index time
+DEMO_UTTERANCES_MAX = 1_000_000   # ~75 times LJSpeech, ~180 GB of float32 mels: more is a typo, not a demo
+DEMO_SEED_MAX = 2**63 - 1         # seeds are 0..2^63-1 (numpy refuses negative ones)
 
 
 def default_demo_dir(n_utterances: int) -> Path:
@@ -138,7 +142,7 @@ def _reuse(root: Path, params: dict[str, int]) -> Manifest | None:
         if json.loads((root / DEMO_MARKER).read_text()) != params:
             return None
         manifest = load_manifest(root, params["n_mels"])
-    except (OSError, ValueError, CacheError):
+    except (OSError, ValueError, RecursionError, CacheError):   # a demo.json nested too deeply: regenerate
         return None
     return manifest if len(manifest) == params["n_utterances"] else None
 
@@ -167,16 +171,17 @@ _LOCK_POLL_S = 0.1
 
 def write_demo_cache(
     out_dir: str | os.PathLike[str], n_utterances: int = 2000, seed: int = 1234, n_mels: int = 80,
-    extras: bool = False,
+    extras: bool = False, utterances_flag: str = "--demo-utterances",
 ) -> Manifest:
     """Write (or reuse) a deterministic demo cache and its manifest.
 
     Args:
         out_dir: Cache directory; created if missing. Must be empty or a demo cache.
-        n_utterances: Number of utterances (>= 1).
-        seed: Seeds lengths, token ids and noise; the token -> spectrum mapping is fixed.
+        n_utterances: Number of utterances, 1..DEMO_UTTERANCES_MAX.
+        seed: Seeds lengths, token ids and noise (0..DEMO_SEED_MAX); the token -> spectrum mapping is fixed.
         n_mels: Mel bins per frame.
         extras: Also write the extra arrays ``speaker`` and ``energy`` (module docstring).
+        utterances_flag: The flag ``n_utterances`` came from, named when it is refused.
 
     The cache is also packed (``melfeed-float32.pack``, ``shared/cache/pack_write.py``) unless a pack that
     serves it is there already.
@@ -185,16 +190,29 @@ def write_demo_cache(
         The manifest of the cache.
 
     Raises:
-        ValueError: ``n_utterances`` or ``n_mels`` < 1.
-        CacheError: ``out_dir`` holds ``.npy`` files that are not from a demo cache.
+        ConfigError: ``n_utterances`` (named as ``utterances_flag``) or ``seed`` (``--seed``) out of range.
+        ValueError: ``n_mels`` < 1.
+        CacheError: ``out_dir`` holds ``.npy`` files that are not from a demo cache, is not a directory,
+            or cannot be created or written (read-only parent, disk full): one line with the OS reason.
     """
-    if n_utterances < 1 or n_mels < 1:
-        raise ValueError(f"n_utterances and n_mels must be >= 1, got {n_utterances}, {n_mels}")
+    if not 1 <= n_utterances <= DEMO_UTTERANCES_MAX:
+        raise ConfigError(f"must be in 1..{DEMO_UTTERANCES_MAX}", path=(utterances_flag,), got=n_utterances)
+    if not 0 <= seed <= DEMO_SEED_MAX:
+        raise ConfigError(f"must be in 0..{DEMO_SEED_MAX} (2^63-1)", path=("--seed",), got=seed)
+    if n_mels < 1:
+        raise ValueError(f"n_mels must be >= 1, got {n_mels}")
     root = Path(out_dir)
+    make_dirs(root.parent)     # the lock sits beside the cache: a file or /proc path is refused, never locked
+    if root.exists() and not root.is_dir():
+        raise CacheError(root, "not a directory")
     with _writer_lock(root):
-        manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
-        from shared.cache.pack_write import ensure_pack
-        ensure_pack(manifest, "float32")     # packed, as run_pipeline.py pack would
+        make_dirs(root)
+        try:
+            manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
+            from shared.cache.pack_write import ensure_pack
+            ensure_pack(manifest, "float32")     # packed, as run_pipeline.py pack would
+        except OSError as err:    # a read-only demo cache, disk full: one line, not a traceback
+            raise CacheError(err.filename or root, f"cannot write the demo cache ({err.strerror})") from err
         return manifest
 
 
@@ -206,7 +224,6 @@ def _writer_lock(root: Path) -> Iterator[None]:
     Waits at most ``_LOCK_WAIT_S`` for the other writer; a parent that refuses the lock file means no lock."""
     wait_s = _LOCK_WAIT_S
     try:
-        root.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as err:
         log.warning("demo cache %s: no writer lock (%s); do not start two --demo runs at once", root, err)

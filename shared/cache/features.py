@@ -19,10 +19,24 @@ from shared.errors import ConfigError
 from shared.cache.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shared.cache.text import TEXT_VERSION
 
-__all__ = ["FEATURE_VERSION", "RESAMPLER_VERSION", "feature_params", "check_features", "load_manifest_for"]
+__all__ = ["FEATURE_VERSION", "RESAMPLER_VERSION", "N_MELS_MAX", "feature_params", "check_features", "check_n_mels_flag",
+           "load_manifest_for"]
 
 FEATURE_VERSION = "melfeed-logmel/1"  # bump when the definition in producer/prepare/dsp.py changes
 RESAMPLER_VERSION = "kaiser-sinc/32/9.0/0.95"
+N_MELS_MAX = 1024   # the range the config allows for n_mels (shared/config.py); tests hold the two equal
+
+
+def check_n_mels_flag(n_mels: int, flag: str = "--n-mels") -> int:
+    """``n_mels`` if it is in 1..N_MELS_MAX (``index``, ``verify-cache``, ``pack``), else one line naming ``flag``.
+
+    Raises:
+        ConfigError: out of range: no cache can hold it, so every file would be reported bad instead.
+    """
+    if not 1 <= n_mels <= N_MELS_MAX:
+        raise ConfigError(f"must be in 1..{N_MELS_MAX} (mel bins per frame, as the config's n_mels)",
+                          path=(flag,), got=n_mels)
+    return n_mels
 
 
 def feature_params(features: FeatureConfig, n_mels: int) -> dict[str, Any]:

@@ -1,4 +1,6 @@
 """Opening cache files that may not be files: FIFOs, devices, directories, symlink loops.
+Also the cache's small JSON files and directories: ``read_json``, ``write_atomic``, ``make_dirs``
+turn what the OS or the parser refuses into a one-line ``CacheError`` naming the path.
 
 Role: every reader of ``.npy`` cache files (``index``, ``verify-cache``, the producers' reader)
 opens them through ``open_regular``. A cache directory is written by people and scripts, and on a
@@ -20,12 +22,17 @@ Shutdown: nothing to shut down; a refused descriptor is closed before raising.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+import tempfile
+from pathlib import Path
+from typing import Any
 
 from shared.errors import CacheError
 
-__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "entry_kind", "mode_kind", "not_regular_reason"]
+__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "read_json", "write_atomic", "make_dirs", "entry_kind",
+           "mode_kind", "not_regular_reason"]
 
 OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
@@ -112,3 +119,65 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
             return f.read()
     finally:
         os.close(fd)
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """``read_regular`` parsed as JSON (``manifest.json``, ``features.json``).
+
+    Raises:
+        CacheError: as ``read_regular``.
+        OSError: the read failed.
+        ValueError: not JSON, not UTF-8, or nested deeper than the parser's recursion limit
+            (``nested too deeply``: a RecursionError would otherwise escape as a traceback).
+    """
+    raw = read_regular(path)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def write_atomic(directory: Path, name: str, data: bytes) -> Path:
+    """Temp file in ``directory``, fsync, rename over ``name``, fsync the directory; returns the path.
+
+    Raises:
+        CacheError: naming ``directory/name`` and the OS reason: a read-only or missing directory, a
+            directory in the way, disk full. No temp file is left behind.
+    """
+    target = directory / name
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise CacheError(target, f"cannot write ({err.strerror})") from err
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p path``, refusing with one line instead of a traceback.
+
+    Raises:
+        CacheError: naming ``path``: it is not a directory, or it (or the part named) cannot be created,
+            with the OS reason (read-only parent, a file in the way, ``/proc``).
+    """
+    try:
+        if path.exists() and not path.is_dir():
+            raise CacheError(path, "not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        part = f" at {err.filename}" if err.filename and os.fspath(err.filename) != os.fspath(path) else ""
+        raise CacheError(path, f"cannot create the directory{part} ({err.strerror})") from err

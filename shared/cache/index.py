@@ -10,7 +10,6 @@ Shutdown: nothing to shut down; every file opened here is closed before returnin
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -20,11 +19,11 @@ from shared.errors import CacheError
 from shared.cache.manifest import (FEATURES_NAME, MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
                                    FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary, read_feature_record)
 from shared.cache.extras import ExtraColumn, extra_dirs, index_extra
-from shared.cache.filekind import read_regular
+from shared.cache.filekind import read_json
 from shared.cache.npyfile import NpyHeader, inspect_npy
 from shared.wire.schema import KINDS
 
-__all__ = ["build_manifest", "check_mel_header", "check_token_header"]
+__all__ = ["build_manifest", "check_mel_header", "check_token_header", "list_npy"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +33,22 @@ _MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # .npy d
 def _list_npy(directory: Path) -> dict[str, Path]:
     if not directory.is_dir():
         raise CacheError(directory, "missing directory")
-    with os.scandir(directory) as entries:
-        # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
-        # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
-        return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
+    return list_npy(directory)
+
+
+def list_npy(directory: Path) -> dict[str, Path]:
+    """``{stem: path}`` of the ``.npy`` entries of an existing ``directory`` (``index``, ``verify-cache``).
+
+    Raises:
+        CacheError: the directory cannot be listed (mode 000, EIO), naming it and the OS reason.
+    """
+    try:
+        with os.scandir(directory) as entries:
+            # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
+            # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
+            return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
+    except OSError as err:
+        raise CacheError(directory, f"cannot read the directory ({err.strerror})") from err
 
 
 def check_mel_header(header: NpyHeader, n_mels: int) -> str | None:
@@ -158,7 +169,7 @@ def build_manifest(
 def _declared_kinds(root: Path) -> dict[str, str]:
     """The kinds the current manifest declares (best effort): a re-index keeps them without ``--extra``."""
     try:
-        doc = json.loads(read_regular(root / MANIFEST_NAME))
+        doc = read_json(root / MANIFEST_NAME)   # too deep is a ValueError here, not a RecursionError
         return {e["name"]: e["kind"] for e in doc.get("extras") or []
                 if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
     except (CacheError, OSError, ValueError, AttributeError, TypeError):

@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ import numpy.typing as npt
 
 from shared.errors import CacheError
 from shared.cache.extras import EXTRAS_DIR, ExtraColumn, check_extra_sizes, extras_digest, extras_json, parse_extras
-from shared.cache.filekind import read_regular
+from shared.cache.filekind import read_json, write_atomic
 from shared.wire.schema import ExtraSchema
 
 __all__ = [
@@ -237,12 +236,14 @@ def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | N
     """
     path = Path(cache_dir) / FEATURES_NAME
     try:
-        doc = json.loads(read_regular(path))
+        doc = read_json(path)
     except CacheError as err:
         if err.reason == "missing":
             return None
         raise
-    except (OSError, ValueError) as err:
+    except OSError as err:   # EACCES, ENOTDIR (a file where the cache directory should be), EIO
+        raise CacheError(path, f"cannot read ({err.strerror})") from err
+    except ValueError as err:
         raise CacheError(path, f"malformed feature record: {err}".replace("\n", " ")) from err
     if not isinstance(doc, dict) or doc.get("format") != _FEATURES_FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else None
@@ -263,7 +264,7 @@ def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[st
         extra: Further settings kept for ``prepare``'s resume check (not in the manifest).
     """
     doc = {"format": _FEATURES_FORMAT, "features": dict(features), "vocabulary": list(vocabulary), **extra}
-    return _write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
+    return write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
 def write_manifest(manifest: Manifest) -> Path:
@@ -271,6 +272,9 @@ def write_manifest(manifest: Manifest) -> Path:
 
     Returns:
         The manifest's path.
+
+    Raises:
+        CacheError: it cannot be written (read-only cache, a directory named manifest.json, disk full).
     """
     doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
@@ -285,28 +289,8 @@ def write_manifest(manifest: Manifest) -> Path:
         doc["vocabulary"] = list(manifest.vocabulary)
     if manifest.extras:
         doc["extras"] = extras_json(manifest.extras)
-    return _write_atomic(manifest.cache_dir, MANIFEST_NAME,
+    return write_atomic(manifest.cache_dir, MANIFEST_NAME,
                          json.dumps(doc, separators=(",", ":")).encode())
-
-
-def _write_atomic(directory: Path, name: str, data: bytes) -> Path:
-    """Temp file in ``directory``, fsync, rename over ``name``, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-    return directory / name
 
 
 def _check_column_types(rows: list[Any], path: Path) -> list[tuple[Any, ...]]:
@@ -373,11 +357,13 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     root = Path(cache_dir)
     path = root / MANIFEST_NAME
     try:
-        doc = json.loads(read_regular(path))  # a FIFO or device named manifest.json is refused, never read
+        doc = read_json(path)  # a FIFO or device named manifest.json is refused, never read
     except CacheError as err:
         raise CacheError(path, "no manifest; run `python run_pipeline.py index DIR` first"
                          if err.reason == "missing" else err.reason) from err
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except OSError as err:
+        raise CacheError(path, f"cannot read ({err.strerror})") from err
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, "nested too deeply"
         raise CacheError(path, f"malformed manifest: {err}".replace("\n", " ")) from err
     file_n_mels, rows, stored = _parse_doc(doc, path)
     columns = _check_column_types(rows, path)

@@ -133,7 +133,7 @@ class PackHeader:
             bad = {int(i): (str(v[0]), str(v[1])) for i, v in doc["bad"].items()}
             return PackHeader(str(doc["fingerprint"]), str(doc["mel_dtype"]), int(doc["data_bytes"]),
                               str(doc["sources"]), bad)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as err:
             raise PackUnusable(f"malformed header ({type(err).__name__})") from err
 
 

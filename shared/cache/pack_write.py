@@ -195,7 +195,8 @@ def ensure_pack(manifest: Manifest, mel_dtype: str) -> None:
 def main_pack(args: argparse.Namespace) -> int:
     """Exit 0 when the pack is written (bad rows are listed and will be quarantined); 78 on a bad cache."""
     from shared.service.progress import Progress as Bar, progress_interval_s
-    manifest = load_manifest(args.cache_dir, args.n_mels)
+    from shared.cache.features import check_n_mels_flag
+    manifest = load_manifest(args.cache_dir, check_n_mels_flag(args.n_mels))
     bar = Bar(0, sys.stderr, label="pack", unit="utterances", interval_s=progress_interval_s(5.0))
     try:
         summary = write_pack(manifest, args.mel_dtype, bar.callback())

@@ -34,7 +34,7 @@ import numpy as np
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
 from shared.cache.extras import ExtraColumn, check_extra_header
-from shared.cache.index import check_mel_header, check_token_header   # the same rules as index
+from shared.cache.index import check_mel_header, check_token_header, list_npy   # the same rules as index
 from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
@@ -77,12 +77,7 @@ class VerifyReport:
 
 def _list_npy(directory: Path) -> dict[str, Path]:
     """``{stem: path}`` of the ``.npy`` files in ``directory``; empty when it does not exist."""
-    if not directory.is_dir():
-        return {}
-    with os.scandir(directory) as entries:
-        # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
-        # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
-        return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
+    return list_npy(directory) if directory.is_dir() else {}   # unreadable: CacheError (exit 78)
 
 
 class _Scanner:
@@ -236,7 +231,8 @@ def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
         The report; ``report.bad`` is empty for a cache a training run reads without a problem.
 
     Raises:
-        CacheError: ``cache_dir`` is not a directory, or it has no manifest and no ``.npy`` files.
+        CacheError: ``cache_dir`` is not a directory, ``mels/`` or ``tokens/`` cannot be listed (mode 000),
+            or it has no manifest and no ``.npy`` files.
     """
     root = Path(cache_dir)
     if not root.is_dir():

@@ -68,7 +68,7 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--demo", action="store_true", help=help_text)
-    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--demo-utterances", type=int, default=2000, help="demo utterances, 1..1000000")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--ljspeech", required=True, help="corpus dir with metadata.csv (id|text|normalized_text) and wavs/")
     prep.add_argument("--cache", required=True, help="output cache dir (created; an interrupted run resumes in it)")
     prep.add_argument("--config", help="YAML config: its features section, n_mels and producer.data_gpu apply")
-    prep.add_argument("--workers", type=int, help="worker processes (default: one per available CPU)")
-    prep.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every utterance (testing)")
+    prep.add_argument("--workers", type=int, help="worker processes, >= 1 (default and most: one per available "
+                                                  "CPU; more is lowered to that, with one INFO line)")
+    prep.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every utterance, 0..60000 (testing)")
     prep.add_argument("--log-level", default="INFO")
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
@@ -165,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service"))
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
-    demo.add_argument("--utterances", type=int, default=2000)
-    demo.add_argument("--seed", type=int, default=1234)
+    demo.add_argument("--utterances", type=int, default=2000, help="utterances to write, 1..1000000 (default 2000)")
+    demo.add_argument("--seed", type=int, default=1234, help="seed of lengths, tokens and noise, 0..2^63-1")
     return ap
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,23 +158,37 @@ def producer_id_matches(producer_id: str, user_id: str) -> bool:
     return head == user_id and tail.isdigit()
 
 
+_KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")   # a producer name becomes file names and a User-Id
+
+
 def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -> list[Path]:
-    """Write the consumer's pair (if absent) and one pair per producer name; returns the files."""
+    """Write the consumer's pair (if absent) and one pair per producer name; returns the files.
+
+    Raises:
+        ConfigError: a name that is not 1..64 of ``[A-Za-z0-9._-]`` starting with a letter, digit or ``_``
+            (``--producer``; checked before anything is written), or ``directory`` cannot be created or
+            written (a file in the way, read-only, ``/proc``): one line with the OS reason.
+    """
+    for name in producers:
+        if not _KEY_NAME.fullmatch(name):
+            raise ConfigError("must be 1..64 letters, digits, '.', '_' or '-', not starting with '.' or '-'",
+                              path=("--producer",), got=name)
     root = Path(directory)
-    make_dirs(root / "producers", 0o700)     # parents too: not the umask's default (0777 under umask 000)
-    os.chmod(root, 0o700)
-    os.chmod(root / "producers", 0o700)      # the consumer refuses an allow-list others can write to
-    written = []
-    targets = [(root, "consumer")] + [(root / "producers", n) for n in producers]
-    for where, name in targets:
-        if not name or "/" in name or name.startswith("."):
-            raise ConfigError("must be a plain name", path=("--producer",), got=name)
-        if (where / f"{name}.key_secret").exists():
-            continue                                   # never overwrite a key in use
-        public, secret = zmq.auth.create_certificates(str(where), name)
-        os.chmod(secret, 0o600)
-        os.chmod(public, 0o644)                        # pyzmq leaves both to the umask
-        written += [Path(public), Path(secret)]
+    written: list[Path] = []
+    try:
+        make_dirs(root / "producers", 0o700)     # parents too: not the umask's default (0777 under umask 000)
+        os.chmod(root, 0o700)
+        os.chmod(root / "producers", 0o700)      # the consumer refuses an allow-list others can write to
+        for where, name in [(root, "consumer")] + [(root / "producers", n) for n in producers]:
+            if (where / f"{name}.key_secret").exists():
+                continue                                   # never overwrite a key in use
+            public, secret = zmq.auth.create_certificates(str(where), name)
+            os.chmod(secret, 0o600)
+            os.chmod(public, 0o644)                        # pyzmq leaves both to the umask
+            written += [Path(public), Path(secret)]
+    except OSError as err:
+        at = f" at {err.filename}" if err.filename and os.fspath(err.filename) != os.fspath(root) else ""
+        raise ConfigError(f"{root}: cannot write the keys{at} ({err.strerror})") from err
     return written
 
 

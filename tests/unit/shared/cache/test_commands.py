@@ -1,8 +1,10 @@
-"""Tests for ``run_pipeline.py index`` progress: plain lines on stderr when not a terminal, results on stdout."""
+"""Tests for the cache commands (index, verify-cache, pack) as run: progress on stderr, results on stdout, and a
+bad flag or unusable directory refused with one line and exit 78."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from shared.cache.demo_data import write_demo_cache
+from shared.cache.features import N_MELS_MAX, check_n_mels_flag
+from shared.config import PipelineConfig
+from shared.errors import ConfigError
+from tests.cli_run import refusal, run_cli
 
 REPO = Path(__file__).resolve().parents[4]
 N = 12
@@ -56,3 +62,62 @@ def test_a_bad_progress_interval_is_one_line_naming_the_variable(cache: Path) ->
     assert proc.returncode == 78
     assert proc.stderr.splitlines() == [
         "run_pipeline.py index: MELFEED_PROGRESS_S: must be a number of seconds >= 0, got 'soon'"]
+
+
+def _copy(cache: Path, to: Path) -> Path:
+    shutil.copytree(cache, to, symlinks=True)
+    return to
+
+
+@pytest.mark.parametrize("command", ["index", "verify-cache", "pack"])
+@pytest.mark.parametrize("n_mels", ["0", "-5", "1025", "99999999999999999999"])
+def test_an_n_mels_no_cache_can_have_is_refused_as_the_flag_not_as_every_file(cache: Path, command: str,
+                                                                              n_mels: str) -> None:
+    line = refusal(run_cli(command, str(cache), "--n-mels", n_mels), command)
+    assert line == f"--n-mels: must be in 1..1024 (mel bins per frame, as the config's n_mels), got {n_mels}"
+
+
+def test_the_n_mels_bound_is_the_configs() -> None:
+    PipelineConfig(n_mels=N_MELS_MAX)
+    with pytest.raises(ConfigError, match="n_mels"):
+        PipelineConfig(n_mels=N_MELS_MAX + 1)
+    assert check_n_mels_flag(1) == 1 and check_n_mels_flag(N_MELS_MAX) == N_MELS_MAX
+
+
+def test_index_into_a_directory_it_cannot_create_or_write_is_one_line(cache: Path, tmp_path: Path) -> None:
+    line = refusal(run_cli("index", "/proc/melfeed-c", "--mels", str(cache / "mels"), "--tokens",
+                           str(cache / "tokens")), "index")
+    assert line == "/proc/melfeed-c: cannot create the directory (No such file or directory)"
+    in_the_way = _copy(cache, tmp_path / "dir")
+    (in_the_way / "manifest.json").unlink(missing_ok=True)
+    (in_the_way / "manifest.json").mkdir()
+    assert refusal(run_cli("index", str(in_the_way)), "index") == \
+        f"{in_the_way}/manifest.json: cannot write (Is a directory)"
+    read_only = _copy(cache, tmp_path / "ro")
+    (read_only / "manifest.json").unlink(missing_ok=True)
+    read_only.chmod(0o555)
+    assert refusal(run_cli("index", str(read_only), unprivileged=True), "index") == \
+        f"{read_only}/manifest.json: cannot write (Permission denied)"
+    assert sorted(p.name for p in read_only.iterdir()) == sorted(p.name for p in cache.iterdir()
+                                                                  if p.name != "manifest.json")
+
+
+@pytest.mark.parametrize("command", ["index", "verify-cache"])
+def test_a_mels_directory_that_cannot_be_read_is_one_line_and_exit_78(cache: Path, tmp_path: Path,
+                                                                      command: str) -> None:
+    copy = _copy(cache, tmp_path / "c")
+    (copy / "mels").chmod(0o000)
+    try:
+        line = refusal(run_cli(command, str(copy), unprivileged=True), command)
+    finally:
+        (copy / "mels").chmod(0o755)
+    assert line == f"{copy}/mels: cannot read the directory (Permission denied)"
+
+
+def test_a_manifest_nested_too_deeply_is_a_malformed_manifest(cache: Path, tmp_path: Path) -> None:
+    copy = _copy(cache, tmp_path / "c")
+    (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    verify = run_cli("verify-cache", str(copy))
+    assert verify.returncode == 1 and "Traceback" not in verify.stderr, verify.stderr
+    assert f"bad: {copy}/manifest.json: malformed manifest: nested too deeply" in verify.stdout.splitlines()
+    assert refusal(run_cli("pack", str(copy)), "pack") == f"{copy}/manifest.json: malformed manifest: nested too deeply"

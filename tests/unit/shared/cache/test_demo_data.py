@@ -10,7 +10,8 @@ import pytest
 
 from shared.cache import demo_data
 from shared.cache.demo_data import DEMO_MARKER, DEMO_VOCAB_SIZE, demo_utterance_id, write_demo_cache
-from shared.errors import CacheError
+from shared.errors import CacheError, ConfigError
+from tests.cli_run import refusal, run_cli
 from shared.cache.manifest import Manifest, load_manifest
 
 
@@ -131,9 +132,66 @@ def test_refuses_to_write_over_a_real_cache(tmp_path: Path) -> None:
     assert (tmp_path / "mels" / "real-0001.npy").exists()
 
 
-def test_rejects_nonsense_sizes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [0, -5, demo_data.DEMO_UTTERANCES_MAX + 1, 10**20])
+def test_a_count_out_of_range_is_refused_naming_the_flag_before_anything_is_written(tmp_path: Path, n: int) -> None:
+    with pytest.raises(ConfigError, match=f"^--demo-utterances: must be in 1..1000000, got {n}$"):
+        write_demo_cache(tmp_path / "d", n)              # 10**20 would otherwise loop over 10**20 ids
+    with pytest.raises(ConfigError, match="^--utterances: "):
+        write_demo_cache(tmp_path / "d", n, utterances_flag="--utterances")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_out_of_range_is_refused_naming_the_flag(tmp_path: Path, seed: int) -> None:
+    with pytest.raises(ConfigError, match=f"^--seed: must be in 0..{2**63 - 1} "):
+        write_demo_cache(tmp_path / "d", 3, seed=seed)   # numpy's traceback for -1 before
+    assert write_demo_cache(tmp_path / "d", 3, seed=2**63 - 1, n_mels=8).n_mels == 8   # the bound itself is fine
+
+
+def test_rejects_nonsense_mel_sizes(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
-        write_demo_cache(tmp_path, 0)
+        write_demo_cache(tmp_path, 3, n_mels=0)
+
+
+def test_a_file_or_an_impossible_directory_is_one_cache_error_and_no_lock_file_beside_it(tmp_path: Path) -> None:
+    a_file = tmp_path / "passwd"
+    a_file.write_text("root:x:0:0\n")
+    with pytest.raises(CacheError, match=f"^{a_file}: not a directory$"):
+        write_demo_cache(a_file, 3)
+    with pytest.raises(CacheError, match=f"^{a_file}: not a directory$"):
+        write_demo_cache(a_file / "demo", 3)            # the file in the way is named
+    with pytest.raises(CacheError, match=f"^{a_file}/melfeed: cannot create the directory.*Not a directory"):
+        write_demo_cache(a_file / "melfeed" / "demo", 3)   # XDG_CACHE_HOME naming a file
+    with pytest.raises(CacheError, match="^/proc/melfeed-demo: cannot create the directory"):
+        write_demo_cache("/proc/melfeed-demo", 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"] and a_file.read_text() == "root:x:0:0\n"
+
+
+def test_a_demo_json_nested_too_deeply_is_rewritten(tmp_path: Path) -> None:
+    first = write_demo_cache(tmp_path, 3, n_mels=8)
+    (tmp_path / DEMO_MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    assert write_demo_cache(tmp_path, 3, n_mels=8) == first
+
+
+@pytest.mark.parametrize("args, flag", [(["demo-data", "{d}", "--utterances", "0"], "--utterances"),
+                                        (["demo-data", "{d}", "--seed", "-1"], "--seed"),
+                                        (["run", "--demo", "--demo-utterances", "0"], "--demo-utterances"),
+                                        (["doctor", "--demo", "--demo-utterances", "-5"], "--demo-utterances")])
+def test_the_cli_refuses_a_bad_count_or_seed_with_one_line(tmp_path: Path, args: list[str], flag: str) -> None:
+    proc = run_cli(*(a.format(d=tmp_path / "d") for a in args), env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert refusal(proc, args[0]).startswith(f"{flag}: must be in ")
+    assert not (tmp_path / "d").exists() and not (tmp_path / "melfeed").exists()
+
+
+def test_the_cli_names_a_read_only_parent_with_the_os_reason(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir(mode=0o555)
+    assert refusal(run_cli("demo-data", str(parent / "d"), "--utterances", "3", unprivileged=True),
+                   "demo-data") == f"{parent / 'd'}: cannot create the directory (Permission denied)"
+    home = tmp_path / "home-file"
+    home.write_text("")
+    line = refusal(run_cli("run", "--demo", "--demo-utterances", "3", env={"XDG_CACHE_HOME": str(home)}), "run")
+    assert line == f"{home}/melfeed/demo: cannot create the directory (Not a directory)"
 
 
 def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(tmp_path: Path,

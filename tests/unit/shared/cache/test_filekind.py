@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared.cache.demo_data import demo_utterance_id, write_demo_cache
-from shared.cache.filekind import open_regular, read_regular
+from shared.cache.filekind import make_dirs, open_regular, read_json, read_regular, write_atomic
 from shared.cache.index import build_manifest
 from shared.cache.manifest import MANIFEST_NAME, load_manifest
 from shared.cache.npyfile import inspect_npy
@@ -150,3 +150,34 @@ def test_cli_index_and_verify_print_one_line_per_entry_and_exit_1(cache: Path) -
     bad = [line for line in index.stderr.splitlines() if line.startswith("bad: ")]
     assert [line[:len(w)] for line, w in zip(bad, want)] == want and len(bad) == len(KINDS)
     assert not (cache / MANIFEST_NAME).exists()
+
+
+def test_read_json_turns_nesting_past_the_recursion_limit_into_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "deep.json").write_text("{\"a\": " * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ValueError, match="^nested too deeply$"):
+        read_json(tmp_path / "deep.json")
+    (tmp_path / "ok.json").write_text("[[[1]]]")
+    assert read_json(tmp_path / "ok.json") == [[[1]]]
+
+
+def test_write_atomic_names_the_file_and_the_os_reason_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    (tmp_path / "x.json").mkdir()
+    with pytest.raises(CacheError, match=f"^{tmp_path}/x.json: cannot write \\(Is a directory\\)$"):
+        write_atomic(tmp_path, "x.json", b"{}")
+    with pytest.raises(CacheError, match="^/proc/melfeed/x.json: cannot write \\(No such file or directory\\)$"):
+        write_atomic(Path("/proc/melfeed"), "x.json", b"{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+    assert write_atomic(tmp_path, "y.json", b"{}").read_bytes() == b"{}"
+
+
+def test_make_dirs_refuses_a_file_in_the_way_and_an_impossible_path_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    with pytest.raises(CacheError, match=f"^{tmp_path}/f: not a directory$"):
+        make_dirs(tmp_path / "f")
+    with pytest.raises(CacheError, match=f"^{tmp_path}/f/a/b: cannot create the directory .*Not a directory"):
+        make_dirs(tmp_path / "f" / "a" / "b")
+    with pytest.raises(CacheError, match="^/proc/melfeed: cannot create the directory \\(No such file or directory\\)$"):
+        make_dirs(Path("/proc/melfeed"))
+    make_dirs(tmp_path / "a" / "b")
+    make_dirs(tmp_path / "a" / "b")                    # exists: fine
+    assert (tmp_path / "a" / "b").is_dir()

@@ -232,6 +232,34 @@ def test_load_malformed_json(cache: Path, content: bytes) -> None:
     assert "\n" not in str(info.value)
 
 
+_DEEP = "[" * 100_000 + "]" * 100_000    # past the parser's recursion limit: a RecursionError traceback before
+
+
+def test_a_manifest_or_feature_record_nested_too_deeply_is_malformed_not_a_recursion_error(cache: Path) -> None:
+    (cache / MANIFEST_NAME).write_text(_DEEP)
+    with pytest.raises(CacheError, match=r"manifest\.json: malformed manifest: nested too deeply$"):
+        load_manifest(cache)
+    (cache / MANIFEST_NAME).write_text('{"format": 1, "extras": ' + _DEEP + "}")
+    manifest, _ = build_manifest(cache, N_MELS)   # index only peeks at the old manifest: it is rewritten
+    assert load_manifest(write_manifest(manifest).parent) == manifest
+    (cache / "features.json").write_text(_DEEP)
+    with pytest.raises(CacheError, match=r"features\.json: malformed feature record: nested too deeply$"):
+        build_manifest(cache, N_MELS)
+
+
+def test_a_directory_named_manifest_json_is_one_cache_error_and_leaves_no_temp_file(cache: Path) -> None:
+    (cache / MANIFEST_NAME).mkdir()
+    with pytest.raises(CacheError, match=r"manifest\.json: cannot write \(Is a directory\)$"):
+        write_manifest(build_manifest(cache, N_MELS)[0])
+    assert sorted(p.name for p in cache.iterdir()) == ["manifest.json", "mels", "tokens"]
+
+
+def test_a_cache_dir_that_is_not_a_directory_cannot_be_read(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CacheError, match=r"file/manifest\.json: cannot read \(Not a directory\)$"):
+        load_manifest(tmp_path / "file")
+
+
 def test_load_checks_n_mels(cache: Path) -> None:
     write_manifest(build_manifest(cache, N_MELS)[0])
     with pytest.raises(CacheError, match="manifest has n_mels=8, config says 80"):

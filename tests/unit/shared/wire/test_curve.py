@@ -14,6 +14,7 @@ from shared.config_loader import config_from_mapping
 from shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
                                zap_reply)
 from shared.errors import ConfigError
+from tests.cli_run import refusal, run_cli
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555",
@@ -48,6 +49,38 @@ def test_keys_are_written_once_with_private_secrets_and_load_as_an_allow_list(tm
     assert generate_keys(tmp_path / "k", ["hostA"]) == []            # never overwrites a key in use
     allowed = AllowList.load(tmp_path / "k" / "producers")
     assert sorted(allowed.names.values()) == ["hostA", "hostB"]
+
+
+@pytest.mark.parametrize("name", ["a\nb", "", ".hidden", "-flag", "a/b", "..", "a b", "x" * 65, "caf\u00e9", "a\x00"])
+def test_a_producer_name_that_is_not_a_safe_token_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                        name: str) -> None:
+    with pytest.raises(ConfigError, match="^--producer: must be 1..64 letters, digits") as info:
+        generate_keys(tmp_path / "k", ["good", name])
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "k").exists()          # no key named with a newline, no half-written directory
+
+
+def test_the_longest_and_oddest_safe_names_are_accepted(tmp_path: Path) -> None:
+    names = ["x" * 64, "_a", "9.b-c_d"]
+    generate_keys(tmp_path, names)
+    assert sorted(p.name for p in (tmp_path / "producers").glob("*.key")) == sorted(f"{n}.key" for n in names)
+
+
+def test_a_key_directory_that_cannot_be_made_is_one_config_error_with_the_os_reason(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/afile: cannot write the keys \\(Not a directory\\)$"):
+        generate_keys(tmp_path / "afile", ["a"])
+    with pytest.raises(ConfigError, match=r"^/proc/melfeed-k: cannot write the keys \(No such file or directory\)$"):
+        generate_keys("/proc/melfeed-k", ["a"])
+
+
+def test_the_keys_command_names_a_read_only_parent_in_one_line(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir(mode=0o555)
+    proc = run_cli("keys", str(parent / "k"), "--producer", "a", unprivileged=True)
+    assert refusal(proc, "keys") == f"{parent / 'k'}: cannot write the keys (Permission denied)"
+    proc = run_cli("keys", str(tmp_path / "k"), "--producer", "a\nb")
+    assert refusal(proc, "keys").startswith("--producer: must be ") and not (tmp_path / "k").exists()
 
 
 def test_zap_admits_an_allowed_curve_key_with_its_name_and_refuses_everything_else(tmp_path: Path) -> None:
