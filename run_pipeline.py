@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,11 +26,10 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.cli import build_parser
     from shared.errors import EXIT_CONFIG, EXIT_JOB_LOST, CacheError, ConfigError, JobLostError, StateError, StepError
-    from shared.service.lifecycle import setup_logging
 
     args = build_parser().parse_args(argv)
-    setup_logging(getattr(args, "log_level", "INFO"))
     try:
+        _setup_logging(getattr(args, "log_level", None))
         if args.command in _COMMANDS:
             module, function = _COMMANDS[args.command].split(":")
             return int(getattr(importlib.import_module(module), function)(args))
@@ -49,6 +49,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobLostError as err:  # a multi-worker job lost a rank: restart every rank (newest common checkpoint)
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return EXIT_JOB_LOST
+
+
+def _setup_logging(flag: str | None) -> None:
+    """``--log-level``, else ``MELFEED_LOG_LEVEL``, else INFO; a bad name is a ConfigError naming its source.
+
+    The variable is checked whenever it is set (children read it) and exported in canonical case.
+    """
+    from shared.service.lifecycle import LOG_LEVEL_ENV, log_level, setup_logging
+    env = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    if env:
+        log_level(env, LOG_LEVEL_ENV)
+        os.environ[LOG_LEVEL_ENV] = env.upper()
+    if flag is not None:
+        setup_logging(flag)
+    else:
+        setup_logging(env or "INFO", LOG_LEVEL_ENV)
 
 
 if __name__ == "__main__":

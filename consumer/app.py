@@ -40,6 +40,7 @@ from shared.config import PipelineConfig
 from shared.config_checks import check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError, StateError
+from shared.flag_checks import check_output_file
 from shared.service.children import Child, child_env, python_argv, spawn, write_private_config
 from shared.service.lifecycle import PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, stop_on_signals
 from shared.service.stop_ladder import GROUP_LADDER
@@ -79,14 +80,16 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
 
 
 def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    """Before anything starts: the files the run writes and the sockets it binds have a usable directory
-    (a missing one found at the end of training would lose the summary)."""
+    """Before anything starts: the files the run writes and the sockets it binds have a usable directory,
+    and no output file is a directory (found at the end of training, either would lose the summary)."""
     c = cfg.consumer
     named: dict[tuple[str, ...], str | None] = {("transport", "endpoint"): cfg.transport.endpoint,
                                                 ("consumer", "control_endpoint"): c.control_endpoint}
     endpoints = {key: endpoint for key, endpoint in named.items() if endpoint is not None}
     check_output_paths({("consumer", "metrics_file"): c.metrics_file, ("--summary-json",): args.summary_json},
                        endpoints)
+    check_output_file(c.metrics_file, "consumer.metrics_file")   # not a directory, an existing file writable
+    check_output_file(args.summary_json, "--summary-json")
     control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
     if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from producer.supervisor import supervise_producers
 from shared.service.cli import config_from_args, with_demo_cache
 from shared.config_loader import config_to_mapping, with_overrides
+from shared.config import PipelineConfig
 from shared.errors import ConfigError
 from shared.service.children import handed_over_config
 from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, resolve_endpoint, stop_on_signals
@@ -27,7 +28,10 @@ __all__ = ["main_producer"]
 
 
 def main_producer(args: argparse.Namespace) -> int:
-    cfg = with_demo_cache(args, config_from_args(args))
+    cfg = config_from_args(args)
+    if args.instance is not None:
+        _check_instance(cfg, args.instance)
+    cfg = with_demo_cache(args, cfg)
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
@@ -50,3 +54,18 @@ def main_producer(args: argparse.Namespace) -> int:
                                        exit_at_plan_end=cfg.producer.exit_at_plan_end)
     finally:
         notifier.close()
+
+
+def _check_instance(cfg: PipelineConfig, instance: int) -> None:
+    """``--instance N``: N in 1..the cap on ``producer.count`` (the same bound ``deploy --producers`` has).
+
+    Not 1..``producer.count`` itself: under systemd the target wants ``producer@1..N`` for ``deploy
+    --producers N`` whatever the config's count, and ``systemctl start producer@7`` adds one by hand.
+    """
+    if instance < 1:
+        raise ConfigError("must be >= 1 (systemd's producer@N numbers instances from 1)", path=("--instance",),
+                          got=instance)
+    try:
+        with_overrides(cfg, {"producer.count": instance})
+    except ConfigError as err:   # the config's own cap, e.g. "must be in 1..64"
+        raise ConfigError(f"{err.reason} (the bound on producer.count)", path=("--instance",), got=instance) from None

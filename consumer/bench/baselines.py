@@ -26,6 +26,7 @@ idempotent.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -150,9 +151,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_DISPATCHER = ("import sys, tensorflow as tf; s = tf.data.experimental.service; "
+# Each server first asks for SIGTERM when the trial that started it dies (argv[2]: the trial's pid), even by
+# SIGKILL: a server never outlives its trial (consumer/bench/children.py).
+_ORPHAN_GUARD = ("import signal, sys; from shared.service.lifecycle import die_with_parent; "
+                 "die_with_parent(signal.SIGTERM, parent_pid=int(sys.argv[2])); ")
+_DISPATCHER = (_ORPHAN_GUARD + "import tensorflow as tf; s = tf.data.experimental.service; "
                "s.DispatchServer(s.DispatcherConfig(port=int(sys.argv[1]))).join()")
-_WORKER = ("import sys, tensorflow as tf; s = tf.data.experimental.service; "
+_WORKER = (_ORPHAN_GUARD + "import tensorflow as tf; s = tf.data.experimental.service; "
            "s.WorkerServer(s.WorkerConfig(dispatcher_address='localhost:' + sys.argv[1], port=0, "
            "heartbeat_interval_ms=200)).join()")   # default 30 s: a new job would wait for the next heartbeat
 
@@ -164,7 +169,8 @@ class ServiceProcesses:
         self.port = _free_port()
         self._procs: list[subprocess.Popen[bytes]] = []
         for code in [_DISPATCHER] + [_WORKER] * workers:
-            self._procs.append(spawn(python_argv("-c", code, str(self.port)), env=env, stdout=subprocess.DEVNULL))
+            self._procs.append(spawn(python_argv("-c", code, str(self.port), str(os.getpid())), env=env,
+                                     stdout=subprocess.DEVNULL))
         self._closed = False
 
     @property

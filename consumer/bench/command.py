@@ -18,7 +18,9 @@ rows labelled ``-f16``, the cache's mels as they are (float16 files) or cast (fl
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
 as not available. Exit codes: 0 when every trial ran (goal FAILs are results, not errors), 1 when a
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
-Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group.
+Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group. SIGTERM or SIGINT
+stops the running trial or probe (its group, with the stop ladder) and exits ``128 + signal`` without a
+report (``consumer/bench/children.py``); no child outlives bench.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from consumer.bench.children import BenchChildren, Interrupted
 from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
 from consumer.placement import XLA_CACHE_FLAG
@@ -41,7 +44,8 @@ from shared.cache.pack_format import pack_path
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
-from shared.service.children import REPO_ROOT, child_env, handed_over_config, module_argv, spawn
+from shared.flag_checks import check_number, check_output_file
+from shared.service.children import REPO_ROOT, child_env, handed_over_config, module_argv
 from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
@@ -54,6 +58,9 @@ _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8",
           "warmup": 3, "demo_utterances": 200, "mel_dtypes": "float32"}
 _F16_SUFFIX = {"float32": "", "float16": "-f16"}   # system-name label of a wire format (transport.mel_dtype)
 _EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
+_MAX_TRIAL_TIMEOUT_S = 86400.0   # a day per trial; far larger values overflow the waits
+_MAX_SERVICE_WORKERS = 64        # tf.data service workers: one TensorFlow process each
+_CHILDREN = BenchChildren()      # every trial and probe; SIGTERM/SIGINT stop them (consumer/bench/children.py)
 
 
 def _ints(text: str, flag: str, low: int = 0) -> list[int]:
@@ -67,10 +74,26 @@ def _ints(text: str, flag: str, low: int = 0) -> list[int]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's settings; ``--smoke`` replaces the flags it names (``_SMOKE``), which are checked all the same."""
+    """The run's settings; ``--smoke`` replaces the flags it names (``_SMOKE``), which are checked all the same.
+
+    Flags that hold for the whole run are checked first, before any trial: a bad ``--json`` path found
+    after the last trial would lose every result.
+    """
+    _check_run_flags(args)
     own = {k: getattr(args, k) for k in _SMOKE}
     checked = _checked(own, args)                 # a bad flag is refused, --smoke or not
     return _checked({**own, **_SMOKE}, args) if args.smoke else checked
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    check_number(args.trial_timeout_s, "--trial-timeout-s", above=True, ceiling=_MAX_TRIAL_TIMEOUT_S)
+    if not 0 <= args.service_workers <= _MAX_SERVICE_WORKERS:
+        raise ConfigError(f"must be in 0..{_MAX_SERVICE_WORKERS} (0 = skip the service)", path=("--service-workers",),
+                          got=args.service_workers)
+    for other in ("no_transport", "efficiency_only"):
+        if args.transport_only and getattr(args, other):
+            raise ConfigError(f"contradicts --{other.replace('_', '-')}: pick one", path=("--transport-only",))
+    check_output_file(args.json, "--json")
 
 
 def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -174,9 +197,10 @@ def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[st
         cache.mkdir(parents=True, exist_ok=True)
         extra["TF_XLA_FLAGS"] = f"{XLA_CACHE_FLAG}={cache}"
     env = child_env(extra, drop=("RUNTIME_DIRECTORY",))
-    proc = spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, new_group=True, cwd=REPO_ROOT,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _CHILDREN.spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+    _CHILDREN.check()        # SIGTERM/SIGINT stopped this trial: not a result
     if timed_out:
         err = f"killed after {timeout_s:.0f} s\n{err}"
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
@@ -243,10 +267,11 @@ def _build_probe_rounds(config: Path, s: dict[str, Any], seconds: float, timeout
     """``--rounds`` warm probes of one config, labelled ``system`` (``producer-build``, ``-f16``)."""
     results: list[dict[str, Any]] = []
     for rnd in range(s["rounds"]):
-        proc = spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
-                                 "--seed", str(rnd), "--warm"), env=child_env(), new_group=True, cwd=REPO_ROOT,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = _CHILDREN.spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
+                                           "--seed", str(rnd), "--warm"), env=child_env(), cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
+        _CHILDREN.check()
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         head = {"system": system, "kind": "build", "round": rnd, "step_ms": 0}
         if proc.returncode == 0 and lines and not timed_out:
@@ -271,13 +296,17 @@ def main_bench(args: argparse.Namespace) -> int:
                       "kind": "transport", "producers": max(s["producers"]), "mel_dtype": dtype}
                  for dtype in s["mel_dtypes"]
                  for x in ipc_systems if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
-    with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp:
-        trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
-        probes = ([] if args.no_transport or args.efficiency_only else
-                  _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t"))
-        builds = ([] if args.transport_only or args.efficiency_only else
-                  _build_probes(cfg, s, 1.0 if args.smoke else _BUILD_PROBE_S, args.trial_timeout_s, Path(tmp)))
-        fed = _rounds(cfg, efficiency, s, [0], args.trial_timeout_s, Path(tmp) / "e") if efficiency else []
+    try:    # children stop before their directory goes
+        with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp, _CHILDREN:
+            trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
+            probes = ([] if args.no_transport or args.efficiency_only else
+                      _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t"))
+            builds = ([] if args.transport_only or args.efficiency_only else
+                      _build_probes(cfg, s, 1.0 if args.smoke else _BUILD_PROBE_S, args.trial_timeout_s, Path(tmp)))
+            fed = _rounds(cfg, efficiency, s, [0], args.trial_timeout_s, Path(tmp) / "e") if efficiency else []
+    except Interrupted as stop:
+        print(f"run_pipeline.py bench: {stop}: its trials were stopped, no report written", file=sys.stderr)
+        return 128 + stop.signum
     report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s, builds)
     if efficiency:
         report["feed_efficiency"] = build_efficiency(fed, efficiency)
@@ -288,6 +317,10 @@ def main_bench(args: argparse.Namespace) -> int:
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     print(render(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        except OSError as err:      # checked before the trials; a full disk is still one line
+            print(f"run_pipeline.py bench: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            return 1
     failed = [t for t in trials + probes + builds + fed if not t["ok"]]
     return 1 if failed else 0

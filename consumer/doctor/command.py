@@ -35,6 +35,7 @@ from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
 from shared.errors import EXIT_CONFIG, ConfigError
+from shared.flag_checks import check_number, check_output_file
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
 from shared.service.children import child_env, handed_over_config, module_argv, spawn
@@ -44,6 +45,7 @@ __all__ = ["main_doctor", "ProbeFailed"]
 
 _PROBE_START_S = 120.0    # importing TensorFlow and compiling tiny steps on a loaded 2-core machine
 _START_TOGETHER_S = 1.5   # N stage-1 probes wait for a common start (interpreter start-up is ~0.3 s)
+_MAX_SECONDS_PER_STAGE = 3600.0   # an hour per stage; far larger values overflow the probes' timeouts
 _STAGES = 5               # build x1, build xN, transport x1, transport xN, device
 
 
@@ -97,6 +99,8 @@ def _transport_stage(config: Path, n: int, seconds: float, delay_ms: float) -> d
 
 
 def _resolve(args: argparse.Namespace) -> PipelineConfig:
+    check_number(args.seconds_per_stage, "--seconds-per-stage", above=True, ceiling=_MAX_SECONDS_PER_STAGE)
+    check_output_file(args.json, "--json")     # before the stages (and the demo cache), not after them
     cfg = config_from_args(args)
     if args.demo:
         from shared.cache.demo_data import default_demo_dir, write_demo_cache
@@ -105,8 +109,6 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    if args.seconds_per_stage <= 0:
-        raise ConfigError("must be > 0", path=("--seconds-per-stage",), got=args.seconds_per_stage)
     return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
 
 
@@ -202,5 +204,9 @@ def main_doctor(args: argparse.Namespace) -> int:
               "environment": [dataclasses.asdict(c) for c in checks], "exit_code": verdict.exit_code}
     print(render(report, verdict, checks))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        except OSError as err:      # checked before the stages; a full disk is still one line
+            print(f"run_pipeline.py doctor: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            return 1
     return verdict.exit_code

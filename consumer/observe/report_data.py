@@ -7,9 +7,12 @@ Invariants:
 - Every array has one entry per snapshot; ``null`` becomes ``nan`` so a plot shows a gap, never a
   made-up zero. A producer absent from a snapshot (joined late, left early) is ``nan`` there too.
 - GPU series are keyed ``"role:index"`` (``model:0``, ``data:1``) in first-seen order.
-- Bad input raises ``ConfigError`` naming ``FILE:LINE`` (one line; the CLI exits 78). The one
-  exception is an unparseable LAST line, which a run killed mid-write leaves behind: it is skipped
-  with a warning.
+- Bad input raises ``ConfigError`` naming ``FILE:LINE`` (one line; the CLI exits 78): a line that is
+  not JSON (nesting too deep included), not a snapshot, or whose ``t_unix_s`` is not a finite number.
+  The one exception is an unparseable LAST line, which a run killed mid-write leaves behind: it is
+  skipped with a warning.
+- The file is read like a config file (``shared/flag_checks.py``): a regular file (a FIFO or
+  ``/dev/zero`` is refused, never waited on) of at most ``MAX_METRICS_BYTES``.
 Shutdown: nothing to shut down; the file is closed before returning.
 """
 
@@ -27,13 +30,18 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import ConfigError
+from shared.flag_checks import read_regular_file
 from shared.metrics import PHASE_TRAINING
 
-__all__ = ["RunSeries", "RunTotals", "read_metrics", "parse_lines", "SCALAR_KEYS"]
+__all__ = ["RunSeries", "RunTotals", "read_metrics", "parse_lines", "SCALAR_KEYS", "MAX_METRICS_BYTES"]
 
 log = logging.getLogger(__name__)
 
 Floats = npt.NDArray[np.float64]
+
+# ~1.1 KB a snapshot with two producers: about two weeks at the default 5 s status interval. Parsing
+# takes several times the file's size in memory; thin a longer run's file first (README "Picture of a run").
+MAX_METRICS_BYTES = 256 << 20
 
 # Keys the report draws; the snapshot has more (all present on every line), which are ignored here.
 SCALAR_KEYS = ("uptime_s", "step", "stall_pct", "batches_per_s", "samples_per_s", "step_p50_ms",
@@ -83,9 +91,21 @@ def _nanmean(values: Floats) -> float:
 def _number(value: Any, key: str, where: str) -> float:
     if value is None:
         return math.nan
+    number = _finite(value)
+    if number is None:   # the consumer writes with allow_nan=False: NaN or Infinity never come from it
+        raise ConfigError(f"{key} must be a finite number or null", path=(where,), got=value)
+    return number
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or ``None`` (not a number, NaN, Infinity, an int past a float's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number or null", path=(where,), got=value)
-    return float(value)
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _check_snapshot(obj: Any, where: str) -> dict[str, Any]:
@@ -95,8 +115,8 @@ def _check_snapshot(obj: Any, where: str) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                           "(not a melfeed metrics snapshot?)", path=(where,))
-    if obj["t_unix_s"] is None:
-        raise ConfigError("t_unix_s must be a number", path=(where,), got=None)
+    if _finite(obj["t_unix_s"]) is None:
+        raise ConfigError("t_unix_s must be a finite number", path=(where,), got=obj["t_unix_s"])
     for key in _LIST_KEYS:
         if not isinstance(obj[key], list) or not all(isinstance(e, dict) for e in obj[key]):
             raise ConfigError(f"{key} must be a list of objects", path=(where,), got=obj[key])
@@ -111,6 +131,8 @@ def _decode(lines: list[str], name: str) -> list[tuple[str, dict[str, Any]]]:
         where = f"{name}:{number}"
         try:
             obj = json.loads(text)
+        except RecursionError:
+            raise ConfigError("not JSON (nested too deeply)", path=(where,)) from None
         except ValueError as err:
             if pos == len(numbered) - 1 and pos > 0:
                 log.warning("%s: skipping a truncated last line (a run stopped mid-write?): %s", where, err)
@@ -162,7 +184,12 @@ def parse_lines(lines: list[str], name: str) -> RunSeries:
     last = rows[-1]
     world, rank = last.get("world"), last.get("rank")
     is_rank = type(world) is int and world > 1 and type(rank) is int
-    return RunSeries(t_s=t_unix - t_unix[0], phase=[str(r["phase"]) for r in rows], scalars=scalars,
+    with np.errstate(over="ignore"):
+        t_s = t_unix - t_unix[0]
+    far = np.flatnonzero(~np.isfinite(t_s))
+    if far.size:      # e.g. 1e308 after -1e308: no time axis can hold both
+        raise ConfigError("t_unix_s is too far from the first snapshot's", path=(where[far[0]],))
+    return RunSeries(t_s=t_s, phase=[str(r["phase"]) for r in rows], scalars=scalars,
                      producers=_entity_series(rows, n, "producers", "batches_per_s", _producer_id, where),
                      gpus=_entity_series(rows, n, "gpus", "util_pct", _gpu_label, where),
                      t0_unix_s=float(t_unix[0]), rank=rank if is_rank else None)
@@ -172,11 +199,13 @@ def read_metrics(path: str | Path) -> RunSeries:
     """Read a metrics JSONL file.
 
     Raises:
-        ConfigError: The file is missing or unreadable, empty, or has a bad line (``FILE:LINE``).
+        ConfigError: The file is missing, unreadable, not a regular file, larger than ``MAX_METRICS_BYTES``,
+            empty, or has a bad line (``FILE:LINE``).
     """
+    data = read_regular_file(path, MAX_METRICS_BYTES, "metrics file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ConfigError(f"cannot read metrics file: {reason}", path=(str(path),)) from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cannot read metrics file: not UTF-8 at byte offset {err.start}",
+                          path=(str(path),)) from None
     return parse_lines(text.splitlines(), str(path))

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.flag_checks import check_not_an_input
 from shared.metrics import PHASE_COMPILING, PHASE_WAITING
 from consumer.observe.report_data import RunSeries, read_metrics
 
@@ -226,6 +227,7 @@ def main_report(args: argparse.Namespace) -> int:
     bad input. Several files (the ranks of one job) share the panels on one time axis."""
     _import_pyplot()  # before reading: a missing extra is the only message
     paths = [args.metrics] if isinstance(args.metrics, str) else list(args.metrics)
+    check_not_an_input(args.output, paths, "--output")   # `report m.jsonl -o m.jsonl` would overwrite the data
     runs = [read_metrics(path) for path in paths]
     title = args.title or ", ".join(Path(path).name for path in paths)
     rendered = render_report(runs, args.output, title)

@@ -35,13 +35,15 @@ from typing import Any
 import numpy as np
 
 from consumer.resume.filemode import STATE_FILE_MODE
-from shared.errors import StateError
+from shared.errors import ConfigError, StateError
+from shared.flag_checks import check_output_file, read_regular_file
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
-           "main_audit", "print_result", "read_records", "read_run_identity", "sample_digest"]
+           "main_audit", "print_result", "read_records", "read_run_identity", "sample_digest", "write_json"]
 
 AUDIT_NAME = "audit.log"
 RUN_NAME = "run.json"
+_MAX_RUN_JSON_BYTES = 1 << 20   # run.json is a few hundred bytes: the plan's identity
 _FMT = "{:012d} {:012d} {:016x} {:08x}\n"
 RECORD_BYTES = len(_FMT.format(0, 0, 0, 0))
 
@@ -101,8 +103,17 @@ class AuditLog:
 
 
 def read_records(path: Path) -> tuple[list[AuditRecord], int]:
-    """All complete records, plus the number of trailing bytes of a torn last record."""
-    data = path.read_bytes() if path.exists() else b""
+    """All complete records, plus the number of trailing bytes of a torn last record (no log: none).
+
+    Raises:
+        StateError: the log is not a regular file (a directory, a FIFO) or cannot be read (exit 78).
+    """
+    if not os.path.lexists(path):
+        return [], 0
+    try:
+        data = read_regular_file(path, None, "audit log")
+    except ConfigError as err:
+        raise StateError(path, err.reason) from None
     out = []
     for i in range(len(data) // RECORD_BYTES):
         line = data[i * RECORD_BYTES:(i + 1) * RECORD_BYTES].decode("ascii", errors="replace").split()
@@ -202,9 +213,13 @@ def read_run_identity(root: Path) -> dict[str, Any]:
     if not path.is_file():
         raise StateError(root, f"no {RUN_NAME}: not a melfeed state directory (consumer.state_dir)")
     try:
-        run = json.loads(path.read_text(encoding="utf-8"))
+        run = json.loads(read_regular_file(path, _MAX_RUN_JSON_BYTES, RUN_NAME))
+    except ConfigError as err:
+        raise StateError(path, err.reason) from None
+    except RecursionError:
+        raise StateError(path, "unreadable: JSON nested too deeply") from None
     except (OSError, ValueError) as err:
-        raise StateError(path, f"unreadable: {err}") from err
+        raise StateError(path, f"unreadable: {err}") from None
     if not isinstance(run, dict):
         raise StateError(path, "not a JSON object")
     run.setdefault("rank", 0)
@@ -240,9 +255,10 @@ def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[in
 def main_audit(args: argparse.Namespace) -> int:
     """Print the audit; exit 0 when nothing is lost, duplicated, out of order or different."""
     state_dir = args.state_dir if isinstance(args.state_dir, str) else args.state_dir[0]
+    check_output_file(getattr(args, "json", None), "--json")
     res = audit_state_dir(state_dir)
     if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(asdict(res) | {"ok": res.ok}, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, asdict(res) | {"ok": res.ok})
     print_result(state_dir, res)
     print("OK: the applied sequence equals the plan" if res.ok else "FAILED: the applied sequence differs from the plan")
     return 0 if res.ok else 1
@@ -261,3 +277,14 @@ def print_result(state_dir: str, res: AuditResult) -> None:
               " are replaced when the consumer resumes")
     for line in res.first_bad:
         print(f"  {line}")
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """``--json``: the document, indented; a failed write (disk full) is one line naming the file (exit 1).
+
+    The path itself was checked before the audit (``check_output_file``).
+    """
+    try:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise StateError(path, f"cannot write: {err.strerror or err}", fatal=False) from None

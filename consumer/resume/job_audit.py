@@ -18,7 +18,6 @@ Shutdown: nothing to release.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from consumer.resume.audit import (AUDIT_NAME, AuditResult, audit_state_dir, main_audit as main_audit_one,
-                                   print_result, read_records, read_run_identity)
+                                   print_result, read_records, read_run_identity, write_json)
 from shared.errors import StateError
+from shared.flag_checks import check_output_file
 
 __all__ = ["JobAudit", "audit_job", "main_audit", "union_counts"]
 
@@ -116,12 +116,13 @@ def main_audit(args: argparse.Namespace) -> int:
     dirs = [args.state_dir] if isinstance(args.state_dir, str) else list(args.state_dir)
     if len(dirs) == 1:
         return main_audit_one(args)
+    check_output_file(getattr(args, "json", None), "--json")     # before the audit, not after it
     job = audit_job(dirs)
     if getattr(args, "json", None):
         doc = {"world": job.world, "ranks": [{"state_dir": d, **asdict(r), "ok": r.ok} for d, r in job.ranks],
                "total": {k: v for k, v in asdict(job).items() if k not in ("ranks",)} | {"ok": job.ok},
                "ok": job.ok}
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, doc)
     for state_dir, res in job.ranks:
         print_result(state_dir, res)
         print(f"rank {res.rank}: " + ("exact" if res.ok else "NOT exact"))

@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 
 from shared.config import PipelineConfig
 from shared.config_loader import load_config, with_overrides
+from shared.errors import ConfigError
+from shared.flag_checks import check_number
 from shared.service.children import REPO_ROOT
 from shared.service.rank_defaults import check_expected_rank, with_rank_defaults
 from shared.service.tf_config import resolve_worker_place
@@ -34,12 +36,16 @@ _OVERRIDES = {  # flag dest -> config key
 }
 
 
+_MAX_DEBUG_DELAY_MS = 3_600_000.0   # an hour per batch: far past any test; a larger sleep can overflow
+_LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $MELFEED_LOG_LEVEL, else INFO)"
+
+
 def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bool = False) -> None:
     p.add_argument("--config", help="YAML config file (see deploy/example.yaml)")
     p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
     p.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)")
     p.add_argument("--seed", type=int, help="data order seed")
-    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", help=_LOG_LEVEL_HELP)
     if producers or consumer:
         p.add_argument("--tf-config", metavar="FILE",
                        help="TF_CONFIG as a JSON file (default: the TF_CONFIG environment variable): this "
@@ -49,7 +55,7 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
                                                 "(deploy writes it into a rank's units)")
     if producers:
         p.add_argument("--producers", type=int, help="number of producer processes")
-        p.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+        p.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
         if not consumer:
             p.add_argument("--instance", type=int, help="run only producer N in this process (systemd producer@N)")
     if consumer:
@@ -64,6 +70,17 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--summary-json", help="write the final summary as JSON to this file")
         p.add_argument("--metrics-file", help="append one JSON snapshot per status interval (and a final one) here")
         p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1 by default)")
+
+
+def _delay_ms(text: str) -> float:
+    """``--debug-delay-ms`` (run, producer, doctor, prepare): a sleep per batch or utterance, so finite, >= 0 and
+    at most an hour; a NaN or negative sleep would crash every producer, restarted by its supervisor for ever."""
+    try:
+        return check_number(float(text), "--debug-delay-ms", ceiling=_MAX_DEBUG_DELAY_MS)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
 
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -94,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up")
     _common(doc)
     doc.add_argument("--producers", type=int, help="producer processes to measure (default: producer.count)")
-    doc.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every batch build (testing)")
+    doc.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
     doc.add_argument("--model-step", help="training step factory, module:function")
     doc.add_argument("--demo", action="store_true", help="run on the built-in demo cache (generated once)")
     doc.add_argument("--demo-utterances", type=int, default=2000)
@@ -115,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--config", help="YAML config: its features section, n_mels and producer.data_gpu apply")
     prep.add_argument("--workers", type=int, help="worker processes, >= 1 (default and most: one per available "
                                                   "CPU; more is lowered to that, with one INFO line)")
-    prep.add_argument("--debug-delay-ms", type=float, default=0.0, help="slow every utterance, 0..60000 (testing)")
-    prep.add_argument("--log-level", default="INFO")
+    prep.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every utterance (testing)")
+    prep.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80)
@@ -162,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "ask that rank's default control socket")
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
-    st.add_argument("--log-level", default="WARNING")
+    st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service"))
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
@@ -200,7 +217,7 @@ def _bench(p: argparse.ArgumentParser) -> None:
                         "--mel-dtypes, --demo-utterances)")
     p.add_argument("--trial-timeout-s", type=float, default=300.0, help="kill a trial (and its helpers) after this")
     p.add_argument("--json", help="write every trial's raw numbers, the medians, ratios and goals to this file")
-    p.add_argument("--log-level", default=os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", help=_LOG_LEVEL_HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:

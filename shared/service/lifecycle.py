@@ -21,9 +21,12 @@ from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
 __all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
-           "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV", "setup_logging"]
+           "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
+           "LOG_LEVEL_ENV"]
 
 _PR_SET_PDEATHSIG = 1
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_ENV = "MELFEED_LOG_LEVEL"    # the default of --log-level; children are started with it
 PARENT_PID_ENV = "MELFEED_PARENT_PID"   # a supervisor's pid, for its children's ``die_with_parent``
 _FD_RESERVE = 256   # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
 
@@ -140,9 +143,26 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
         os.kill(os.getpid(), sig)
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """Log to stderr (journald under systemd) with the process name on every line."""
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+def log_level(text: str, source: str = "--log-level") -> int:
+    """``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or ``CRITICAL`` (any case) as logging's number.
+
+    Raises:
+        ConfigError: anything else, naming ``source`` (``--log-level`` or ``MELFEED_LOG_LEVEL``): never
+            a silent fall-back to INFO, never ``logging``'s other attributes (``basic_format``).
+    """
+    name = text.strip().upper() if isinstance(text, str) else ""
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"must be one of {', '.join(LOG_LEVELS)} (any case)", path=(source,), got=text)
+    return int(getattr(logging, name))
+
+
+def setup_logging(level: str = "INFO", source: str = "--log-level") -> None:
+    """Log to stderr (journald under systemd) with the process name on every line.
+
+    Raises:
+        ConfigError: ``level`` is not a level name (``log_level``); nothing is configured then.
+    """
+    logging.basicConfig(level=log_level(level, source), stream=sys.stderr,
                         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)   # TensorFlow's checkpoint writer chatters at INFO

@@ -14,7 +14,12 @@ consumer unit, and the target wants only the producers. Re-running with another 
 drop-in (and any unit whose rendering changed) and prints the ``systemctl`` commands that apply the
 change live: start the new instances, stop the ones above N. Nothing here talks to systemd; the
 operator (or a test) runs those commands.
-Every file is written atomically (temp + rename); bad flags exit 78 naming the flag.
+Every file is written atomically (temp + rename) into an existing ``--target-dir`` (only the drop-in
+directory is created); bad flags exit 78 naming the flag. No value reaches a unit unchecked: every one
+is a single line (a newline would add directives), and paths (``--state-dir``, ``--env-file``,
+``--config``, ``--prefix``, ``--tf-config``) are absolute with nothing systemd splits or expands
+(whitespace, ``%``, ``$``, quotes, backslash, ``;``). ``--producers`` and ``--group`` are checked like
+``--user``: the config's cap on ``producer.count``, a group of this host.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config_loader import load_config
+from shared.config_checks import check_text
+from shared.config_loader import load_config, with_overrides
 from shared.errors import ConfigError
 from shared.service.children import REPO_ROOT
 from shared.service.lifecycle import resolve_control_endpoint
@@ -41,6 +47,10 @@ TEMPLATES = REPO / "deploy" / "units"
 UNIT_NAMES = ("pipeline.target", "consumer.service", "producer@.service")   # the templates' names
 DROPIN = Path("pipeline.target.d") / "producers.conf"
 DEFAULT_STATE_DIR = "/var/lib/melfeed"      # a rank's: /var/lib/melfeed-rankR (StateDirectory=)
+_UNIT_SPECIAL = "%$\\\"';"                    # systemd's specifiers, variables, quoting and command separator
+_SOURCES = {"PYTHON": "--prefix", "REPO": "repository path", "CONFIG": "--config", "USER": "--user",
+            "GROUP": "--group", "STATE_DIR": "--state-dir", "ENV_FILE": "--env-file", "RANK_ARGS": "--tf-config",
+            "MODEL_GPU": "consumer.model_gpu", "DATA_GPU": "producer.data_gpu"}   # where each outside @KEY@ comes from
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +86,28 @@ def _fail(flag: str, message: str, got: object) -> ConfigError:
     return ConfigError(message, path=(flag,), got=got)
 
 
+def _unit_path(flag: str, value: str) -> str:
+    """A path written into a unit: absolute, and nothing systemd would split, expand or end a line at.
+
+    A newline would add directives (``ExecStartPre=``), a space another argument or path, ``%`` and ``$``
+    a specifier or variable, quotes and backslashes systemd's own quoting.
+    """
+    check_text(value, (flag,))   # control characters: one line, as every config string (shared/config_checks.py)
+    bad = sorted({ch for ch in value if ch.isspace() or ch in _UNIT_SPECIAL})
+    if bad:
+        raise _fail(flag, f"must not contain {' '.join(repr(ch) for ch in bad)} (systemd would split, expand or "
+                          "quote it in the unit)", value)
+    if not os.path.isabs(value):
+        raise _fail(flag, "must be an absolute path (systemd takes no relative one)", value)
+    return value
+
+
 def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     if args.producers < 0:
         raise _fail("--producers", "must be >= 0", args.producers)
+    for flag in ("user", "group"):
+        if getattr(args, flag) is not None:
+            check_text(getattr(args, flag), (f"--{flag}",))
     python = Path(args.prefix).resolve() / "bin" / "python"
     if not os.access(python, os.X_OK):
         raise _fail("--prefix", f"has no executable {python} (pass the venv the services run)", args.prefix)
@@ -86,9 +115,19 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
         user = pwd.getpwnam(args.user)
     except KeyError:
         raise _fail("--user", "is not a user on this host", args.user) from None
+    if args.group is not None:
+        try:
+            grp.getgrnam(args.group)
+        except KeyError:
+            raise _fail("--group", "is not a group on this host", args.group) from None
     group = args.group or grp.getgrgid(user.pw_gid).gr_name
     config = Path(args.config).resolve()
     cfg = load_config(str(config))          # a broken config must fail now, not at the first start
+    if args.producers > 0:
+        try:                                # the instances share the config's cap on producer.count
+            with_overrides(cfg, {"producer.count": args.producers})
+        except ConfigError as err:
+            raise _fail("--producers", f"{err.reason} (the bound on producer.count)", args.producers) from None
     if cfg.cache_dir is None:
         raise _fail("--config", "must set cache_dir (the services have no other way to learn it)", str(config))
     remote = (cfg.transport.endpoint or "").startswith("tcp://")
@@ -99,9 +138,13 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
         raise _fail("--producers", "0 needs a consumer whose transport.endpoint is tcp:// (producers on other "
                     "hosts) and no --producers-only", 0)
     tf_config, place = _place_from_args(args)
-    state_dir = args.state_dir or DEFAULT_STATE_DIR + rank_suffix(place)
-    return DeployPlan(python, config, args.user, group, args.producers, state_dir, args.env_file,
-                      tf_config=tf_config, place=place, producers_only=producers_only)
+    state_dir = _unit_path("--state-dir", args.state_dir or DEFAULT_STATE_DIR + rank_suffix(place))
+    for flag, path in (("--prefix", str(python)), ("--config", str(config)), ("--tf-config", tf_config)):
+        if path is not None:
+            _unit_path(flag, str(path))
+    return DeployPlan(python, config, args.user, group, args.producers, state_dir,
+                      _unit_path("--env-file", args.env_file), tf_config=tf_config, place=place,
+                      producers_only=producers_only)
 
 
 def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace]:
@@ -132,6 +175,8 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
               "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice), "SUFFIX": sfx,
               "RANK_ARGS": rank_args,
               "RANK_TEXT": f", rank {place.rank} of {place.world}" if place.is_multi_worker else ""}
+    for key, source in _SOURCES.items():   # whatever the source, no value may add a line to a unit
+        check_text(values[key], (source,))
     out = {}
     for name in UNIT_NAMES:
         if plan.producers_only and name == "consumer.service":
@@ -152,14 +197,35 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
     return out
 
 
+def _check_target_dir(target: Path) -> None:
+    """``--target-dir`` must be an existing, writable directory: a mistyped one is never created (systemd
+    would not read units there); only the drop-in directory below it is."""
+    check_text(str(target), ("--target-dir",))
+    if not target.is_dir():
+        why = "is not a directory" if target.exists() else "does not exist (deploy creates no unit directory)"
+        raise _fail("--target-dir", why, str(target))
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise _fail("--target-dir", "is not writable (run deploy as root for /etc/systemd/system)", str(target))
+
+
 def _write_atomic(path: Path, text: str) -> bool:
-    if path.exists() and path.read_text(encoding="utf-8") == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    """Write ``path`` by temp file + rename unless it already holds ``text``; False when unchanged.
+
+    Raises:
+        ConfigError: naming ``--target-dir`` and the file, with the reason (read-only, a directory in the
+            way, disk full): one line, never a traceback.
+    """
+    try:
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            return False
+        path.parent.mkdir(exist_ok=True)        # the drop-in directory; the target itself exists
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise _fail("--target-dir", f"cannot write {path}: {reason}", str(path.parent)) from None
     return True
 
 
@@ -167,13 +233,14 @@ def _wanted_before(target_dir: Path, plan: DeployPlan) -> set[int]:
     wants = re.compile(re.escape(plan.unit_name("producer@")) + r"(\d+)\.service")
     try:
         return {int(n) for n in wants.findall((target_dir / plan.dropin).read_text(encoding="utf-8"))}
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):   # none yet (or unreadable: rewritten below, or refused there)
         return set()
 
 
 def main_deploy(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     target = Path(args.target_dir)
+    _check_target_dir(target)
     before = _wanted_before(target, plan)
     changed = [rel for rel, text in render_units(plan).items() if _write_atomic(target / rel, text)]
     for rel in changed:

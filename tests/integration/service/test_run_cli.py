@@ -144,13 +144,19 @@ def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_
     assert last.startswith("run_pipeline.py consumer: " + expected.replace("{tmp}", str(tmp_path))), last
 
 
-def test_summary_json_in_a_missing_directory_is_refused_before_training(demo_cache: Path, tmp_path: Path) -> None:
-    summary = tmp_path / "missing" / "summary.json"
-    proc = _run(["run", "--cache-dir", str(demo_cache), "--steps", "5", "--summary-json", str(summary)], tmp_path,
+@pytest.mark.parametrize(("command", "flag", "path", "reason"), [
+    ("run", "--summary-json", "{tmp}/missing/summary.json", "--summary-json: directory {tmp}/missing does not exist"),
+    ("run", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
+    ("consumer", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
+    ("run", "--metrics-file", "{tmp}", "consumer.metrics_file: is a directory; name a file to write, got '{tmp}'"),
+])
+def test_an_output_file_that_cannot_be_written_is_refused_before_training(demo_cache: Path, tmp_path: Path,
+                                                                          command: str, flag: str, path: str,
+                                                                          reason: str) -> None:
+    proc = _run([command, "--cache-dir", str(demo_cache), "--steps", "5", flag, path.format(tmp=tmp_path)], tmp_path,
                 timeout_s=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"run_pipeline.py run: --summary-json: directory {summary.parent} does not exist")
+    assert proc.stderr.strip().splitlines()[-1] == f"run_pipeline.py {command}: {reason.format(tmp=tmp_path)}"
     assert "Traceback" not in proc.stderr and "started" not in proc.stderr     # no producers were started
 
 

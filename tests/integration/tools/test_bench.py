@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shared.config import TransportConfig
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[3]
 HAS_MODE = "mode" in TransportConfig.__dataclass_fields__
@@ -133,3 +136,58 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     lines = [g["line"] for g in section["goals"]]
     assert len(lines) == 2 and all(line.startswith(("PASS", "FAIL")) for line in lines)
     assert "feed efficiency >= 0.95 (step on the CPU)" in proc.stdout and "resident steps/s" in proc.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = procs.child_pids(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_path: Path, sig: int) -> None:
+    """SIGTERM: bench stops its trial's group and exits 143 in one line; SIGKILL: the trial and its producers
+    notice on their own (die_with_parent). Either way no trial, producer or helper lives on with parent 1."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # A trial of a million batches: it cannot end by itself within the waits below, only be stopped.
+    bench = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "bench", "--cache-dir", str(demo_cache),
+                              "--rounds", "1", "--step-ms", "5", "--producers", "1", "--tfdata-parallel", "8",
+                              "--batches", "1000000", "--warmup", "3", "--mel-dtypes", "float32", "--transports", "zmq",
+                              "--no-transport", "--service-workers", "0", "--efficiency-batches", "0",
+                              "--json", str(tmp_path / "bench.json")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + 300        # the first trial (melfeed-zmq-p1) imports TensorFlow, compiles
+        while time.monotonic() < deadline and bench.poll() is None and len(family) < 3:
+            family = _descendants(bench.pid)     # the trial, its producer group and a producer: mid-trial
+            time.sleep(0.1)
+        assert len(family) >= 3, f"no trial with producers seen: {family}, bench exit {bench.poll()}"
+        bench.send_signal(sig)
+        _, err = bench.communicate(timeout=120)
+        deadline = time.monotonic() + 90         # > the stop ladder's SIGTERM wait; << the trial's own length
+        while time.monotonic() < deadline and any(_alive(pid) for pid in family):
+            time.sleep(0.1)
+        assert not [pid for pid in family if _alive(pid)], "bench's children outlived it"
+        if sig == signal.SIGTERM:
+            assert bench.returncode == 128 + signal.SIGTERM, err[-2000:]
+            assert err.strip().splitlines()[-1] == ("run_pipeline.py bench: stopped by SIGTERM: its trials were "
+                                                    "stopped, no report written")
+            assert "Traceback" not in err and not (tmp_path / "bench.json").exists()
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in family:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

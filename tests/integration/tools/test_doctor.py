@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import REPO
@@ -72,3 +73,21 @@ def test_config_errors_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path
     assert proc.stderr.strip().splitlines()[-1] == "run_pipeline.py doctor: consumer.ring_slots: must be in 3..256, got 1"
     proc = _doctor(tmp_path, tmp_path / "nocache", "tests.steps:tiny_step", timeout_s=60)
     assert proc.returncode == 78 and "nocache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (("--seconds-per-stage", "nan"), "--seconds-per-stage: must be a finite number > 0, got nan"),
+    (("--seconds-per-stage", "-1"), "--seconds-per-stage: must be a finite number > 0, got -1.0"),
+    (("--seconds-per-stage", "1e300"), "--seconds-per-stage: must be <= 3600, got 1e+300"),
+    (("--debug-delay-ms", "nan"), "argument --debug-delay-ms: must be a finite number >= 0, got 'nan' (see --help)"),
+    (("--json", "{tmp}"), "--json: is a directory; name a file to write, got '{tmp}'"),
+    (("--json", "{tmp}/missing/doctor.json"), "--json: directory {tmp}/missing does not exist, got "
+                                              "'{tmp}/missing/doctor.json'"),
+])
+def test_bad_flags_are_refused_before_any_stage(demo_cache: Path, tmp_path: Path, extra: tuple[str, ...],
+                                                needle: str) -> None:
+    extra = tuple(e.format(tmp=tmp_path) for e in extra)
+    proc = _doctor(tmp_path, demo_cache, "tests.steps:tiny_step", *extra, timeout_s=60)   # last flag wins
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [f"run_pipeline.py doctor: {needle.format(tmp=tmp_path)}"]
+    assert "stage" not in proc.stdout

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shared.errors import ConfigError
+from consumer.observe import report_data
 from consumer.observe.report_data import SCALAR_KEYS, parse_lines, read_metrics
 from tests.fakes import metrics_snapshot, realistic_run
 
@@ -71,7 +74,14 @@ def test_a_truncated_last_line_is_skipped_with_a_warning(tmp_path: Path, caplog:
     ("\n\n[1, 2]\n", "m.jsonl:3: not a JSON object"),                       # line numbers count blank lines
     ("{GOOD}\n{}\n{GOOD}\n", "m.jsonl:2: missing keys t_unix_s, phase, uptime_s"),
     ('{GOOD}\n{"t_unix_s": 1, "phase": "training"}\n', "m.jsonl:2: missing keys uptime_s, step"),
-    ("{GOOD}\n{STALL}\n", "m.jsonl:2: stall_pct must be a number or null, got 'high'"),
+    ("{GOOD}\n{STALL}\n", "m.jsonl:2: stall_pct must be a finite number or null, got 'high'"),
+    ("{GOOD}\n<t_unix_s=NaN>\n{GOOD}\n", "m.jsonl:2: t_unix_s must be a finite number, got nan"),
+    ("{GOOD}\n<t_unix_s=-Infinity>\n{GOOD}\n", "m.jsonl:2: t_unix_s must be a finite number, got -inf"),
+    ('{GOOD}\n<t_unix_s="1">\n{GOOD}\n', "m.jsonl:2: t_unix_s must be a finite number, got '1'"),
+    ("{GOOD}\n<stall_pct=Infinity>\n{GOOD}\n", "m.jsonl:2: stall_pct must be a finite number or null, got inf"),
+    ("{GOOD}\n<step=1" + "0" * 400 + ">\n{GOOD}\n", "m.jsonl:2: step must be a finite number or null"),
+    ("<t_unix_s=-1e308>\n<t_unix_s=1e308>\n{GOOD}\n", "m.jsonl:2: t_unix_s is too far from the first"),
+    ("[" * 100_000 + "]" * 100_000 + "\n{GOOD}\n", "m.jsonl:1: not JSON (nested too deeply)"),
     ("{GOOD}\n{GPU}\n", "m.jsonl:2: gpus[] needs a string role and an integer index"),
     ("{GOOD}\n{PRODUCERS}\n", "m.jsonl:2: producers must be a list of objects"),
     ("", "m.jsonl: empty: no metrics snapshots"),
@@ -79,6 +89,9 @@ def test_a_truncated_last_line_is_skipped_with_a_warning(tmp_path: Path, caplog:
 ])
 def test_bad_lines_name_the_file_and_line(tmp_path: Path, text: str, message: str) -> None:
     good = json.dumps(metrics_snapshot(0.0))
+    for override in re.findall(r"<\w+=[^>]+>", text):     # <KEY=VALUE>: a good snapshot with KEY's value set
+        key, value = override[1:-1].split("=", 1)        # (written as JSON text: NaN, Infinity are Python's)
+        text = text.replace(override, good.replace(f'"{key}": ', f'"{key}": {value}, "_was": ', 1))
     text = (text.replace("{GOOD}", good)
             .replace("{STALL}", json.dumps(metrics_snapshot(1.0, stall_pct="high")))
             .replace("{GPU}", json.dumps(metrics_snapshot(1.0, gpus=[{"role": "model", "util_pct": 3.0}])))
@@ -100,3 +113,24 @@ def test_totals_are_nan_when_no_snapshot_has_the_figure() -> None:
     series = parse_lines([json.dumps(metrics_snapshot(0.0, phase="compiling", step=None, batches_per_s=None))], "m")
     totals = series.totals()
     assert totals.steps == 0 and math.isnan(totals.batches_per_s_mean) and totals.duration_s == 0.0
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device"])
+def test_a_metrics_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    path = {"directory": tmp_path, "fifo": tmp_path / "m.jsonl", "device": Path("/dev/zero")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)                          # an open for reading would wait for a writer for ever
+    with pytest.raises(ConfigError) as info:
+        read_metrics(path)
+    kind_text = {"directory": "directory", "fifo": "fifo", "device": "character device"}[kind]
+    assert str(info.value) == f"{path}: cannot read metrics file: not a regular file ({kind_text})"
+
+
+def test_a_metrics_file_over_the_bound_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "m.jsonl", realistic_run(n_lines=12))
+    monkeypatch.setattr(report_data, "MAX_METRICS_BYTES", path.stat().st_size - 1)
+    with pytest.raises(ConfigError, match=f"^{path}: cannot read metrics file: {path.stat().st_size} bytes, more "
+                                          f"than the {path.stat().st_size - 1} allowed$"):
+        read_metrics(path)
+    monkeypatch.setattr(report_data, "MAX_METRICS_BYTES", path.stat().st_size)
+    assert len(read_metrics(path)) == 12         # at the bound: read

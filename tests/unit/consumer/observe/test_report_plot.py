@@ -113,6 +113,24 @@ def test_an_unwritable_output_is_one_line_naming_it(tmp_path: Path) -> None:
                                         "No such file or directory"]
 
 
+@pytest.mark.parametrize("alias", ["same", "relative", "symlink", "hardlink"])
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path: Path, alias: str) -> None:
+    metrics = _jsonl(tmp_path / "m.jsonl")
+    before = metrics.read_bytes()
+    out = {"same": metrics, "relative": tmp_path / "sub" / ".." / "m.jsonl", "symlink": tmp_path / "link.png",
+           "hardlink": tmp_path / "hard.png"}[alias]
+    (tmp_path / "sub").mkdir()
+    if alias == "symlink":
+        out.symlink_to(metrics)
+    elif alias == "hardlink":
+        os.link(metrics, out)
+    proc = _cli(str(_jsonl(tmp_path / "other.jsonl")), str(metrics), "-o", str(out))
+    assert proc.returncode == 78, proc.stderr
+    assert proc.stderr.splitlines() == [f"run_pipeline.py report: --output: is the input file {metrics}; writing it "
+                                        f"would destroy the input, got {str(out)!r}"]
+    assert metrics.read_bytes() == before
+
+
 def test_without_matplotlib_the_command_says_how_to_install_it(tmp_path: Path) -> None:
     blocker = tmp_path / "blocker" / "matplotlib"
     blocker.mkdir(parents=True)

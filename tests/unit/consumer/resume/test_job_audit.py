@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +17,11 @@ from consumer.resume.job_audit import audit_job, main_audit, union_counts
 from consumer.resume.state import RunState
 from shared.cache.manifest import load_manifest
 from shared.config_loader import config_from_mapping
-from shared.errors import StateError
+from shared.errors import ConfigError, StateError
 from shared.wire.buckets import build_buckets
 
 _STEPS = 9
+REPO = Path(__file__).resolve().parents[4]
 
 
 def _cfg(cache: Path, state_dir: Path, seed: int = 3):  # type: ignore[no-untyped-def]
@@ -107,3 +112,53 @@ def test_a_state_dir_refuses_another_rank_or_world_and_an_old_run_json_is_rank_0
     assert json.loads(run_json.read_text())["world"] == 1
     with pytest.raises(StateError, match="this state belongs to rank 0 of 1"):
         RunState.open(cfg, fingerprint, rank=0, world=2)
+
+
+def _bare_state_dir(root: Path, name: str = "S") -> Path:
+    """The least a state directory holds: a run.json (rank 0 of 1) and an empty audit log."""
+    state_dir = root / name
+    state_dir.mkdir()
+    (state_dir / "run.json").write_text("{}")
+    (state_dir / "audit.log").write_bytes(b"")
+    return state_dir
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_an_audit_log_that_is_not_a_file_is_one_line_naming_it(tmp_path: Path, kind: str) -> None:
+    state_dir = _bare_state_dir(tmp_path)
+    log = state_dir / "audit.log"
+    log.unlink()
+    log.mkdir() if kind == "directory" else os.mkfifo(log)     # a FIFO would block a plain open for ever
+    for dirs in ([str(state_dir)], [str(state_dir), str(state_dir)]):
+        with pytest.raises(StateError) as info:
+            main_audit(argparse.Namespace(state_dir=dirs, json=None))
+        assert str(info.value) == f"{log}: cannot read audit log: not a regular file ({kind})" and info.value.fatal
+
+
+def test_a_run_json_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
+    state_dir = _bare_state_dir(tmp_path)
+    (state_dir / "run.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StateError, match=f"^{state_dir / 'run.json'}: unreadable: JSON nested too deeply$"):
+        main_audit(argparse.Namespace(state_dir=[str(state_dir)], json=None))
+
+
+@pytest.mark.parametrize(("where", "reason"), [("dir", "is a directory; name a file to write"),
+                                               ("missing", "directory {tmp}/missing does not exist")])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_audit(tmp_path: Path, where: str,
+                                                                        reason: str) -> None:
+    state_dir = _bare_state_dir(tmp_path)
+    out = {"dir": tmp_path, "missing": tmp_path / "missing" / "a.json"}[where]
+    for dirs in ([str(state_dir)], [str(state_dir), str(state_dir)]):
+        with pytest.raises(ConfigError, match="^--json: " + re.escape(reason.format(tmp=tmp_path))):
+            main_audit(argparse.Namespace(state_dir=dirs, json=str(out)))
+
+
+def test_the_cli_gives_one_line_and_exit_78_for_an_unreadable_state_dir(tmp_path: Path) -> None:
+    state_dir = _bare_state_dir(tmp_path)
+    (state_dir / "audit.log").unlink()
+    (state_dir / "audit.log").mkdir()
+    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "audit", str(state_dir), "--json",
+                           str(tmp_path / "a.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78 and not (tmp_path / "a.json").exists()
+    assert proc.stderr.splitlines() == [f"run_pipeline.py audit: {state_dir}/audit.log: cannot read audit log: "
+                                        "not a regular file (directory)"]

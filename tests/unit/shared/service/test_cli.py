@@ -1,8 +1,11 @@
 """``--demo`` on ``producer`` and ``run``: the demo cache's directory becomes ``cache_dir``, written if missing;
-a bad flag is a configuration error like any other (one line, exit 78)."""
+a bad flag is a configuration error like any other (one line, exit 78): also ``--log-level`` or
+``MELFEED_LOG_LEVEL`` that is no level, ``--debug-delay-ms`` no sleep can take, ``producer --instance`` out of range."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from shared.cache.demo_data import DEMO_MARKER
+from shared.errors import ConfigError
 from shared.service.cli import build_parser, config_from_args, with_demo_cache
+from shared.service.lifecycle import LOG_LEVEL_ENV, log_level
 
 
 @pytest.mark.parametrize("command", ["producer", "run"])
@@ -59,3 +64,72 @@ def test_the_jax_client_refuses_a_bad_flag_the_same_way() -> None:
                           text=True, timeout=60, cwd=Path(__file__).resolve().parents[4])
     assert proc.returncode == 78
     assert proc.stderr == "python -m consumer.clients.jax_bench: argument --depths: expected one argument (see --help)\n"
+
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def _main(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != LOG_LEVEL_ENV} | env
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *argv], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=environ)
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["status", "--log-level", "basic_format"], {}, "run_pipeline.py status: --log-level: must be one of DEBUG, INFO, "
+                                                    "WARNING, ERROR, CRITICAL (any case), got 'basic_format'"),
+    (["audit", "/nonexistent"], {LOG_LEVEL_ENV: "BOGUS"}, "run_pipeline.py audit: MELFEED_LOG_LEVEL: must be one of "
+                                                         "DEBUG, INFO, WARNING, ERROR, CRITICAL (any case), got 'BOGUS'"),
+    (["bench", "--log-level", "BOGUS"], {}, "run_pipeline.py bench: --log-level: must be one of"),
+    (["bench", "--log-level", "INFO"], {LOG_LEVEL_ENV: "root"}, "run_pipeline.py bench: MELFEED_LOG_LEVEL: must be"),
+])
+def test_a_log_level_that_is_no_level_is_one_line_naming_its_source(argv: list[str], env: dict[str, str],
+                                                                    needle: str) -> None:
+    proc = _main(argv, **env)
+    assert proc.returncode == 78 and proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("env", [{LOG_LEVEL_ENV: "debug"}, {LOG_LEVEL_ENV: " Warning "}, {LOG_LEVEL_ENV: ""}, {}])
+def test_a_level_name_in_any_case_or_none_is_accepted(env: dict[str, str]) -> None:
+    proc = _main(["audit", "/nonexistent"], **env)       # gets past logging to the command's own refusal
+    assert proc.returncode == 78 and proc.stderr == ("run_pipeline.py audit: /nonexistent: no run.json: not a melfeed "
+                                                     "state directory (consumer.state_dir)\n"), proc.stderr
+    assert [log_level(name) for name in ("debug", "Info", "WARNING", "error", "critical")] == [10, 20, 30, 40, 50]
+    with pytest.raises(ConfigError, match="^MELFEED_LOG_LEVEL: must be one of"):
+        log_level("NOTSET", LOG_LEVEL_ENV)               # logging has it, but it would log nothing useful
+
+
+@pytest.mark.parametrize("command", ["run", "producer", "doctor", "prepare"])
+@pytest.mark.parametrize(("delay", "reason"), [("-100", "must be a finite number >= 0"),
+                                               ("nan", "must be a finite number >= 0"),
+                                               ("inf", "must be a finite number >= 0"),
+                                               ("1e300", "must be <= 3600000")])
+def test_a_debug_delay_that_no_sleep_can_take_is_refused_before_anything_starts(
+        command: str, delay: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    extra = ["--ljspeech", "/x", "--cache", "/y"] if command == "prepare" else []
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([command, *extra, "--debug-delay-ms", delay])
+    assert stop.value.code == 78
+    assert capsys.readouterr().err == (f"run_pipeline.py {command}: argument --debug-delay-ms: {reason}, got "
+                                       f"{delay!r} (see --help)\n")
+    assert build_parser().parse_args([command, *extra, "--debug-delay-ms", "2.5"]).debug_delay_ms == 2.5
+
+
+@pytest.mark.parametrize(("instance", "needle"), [(-1, "must be >= 1 (systemd's producer@N numbers instances from 1)"),
+                                                  (0, "must be >= 1 (systemd's producer@N numbers instances from 1)"),
+                                                  (65, "must be in 1..64 (the bound on producer.count)")])
+def test_a_producer_instance_outside_1_to_the_count_cap_is_refused(instance: int, needle: str,
+                                                                   tmp_path: Path) -> None:
+    from producer.app import main_producer
+    args = build_parser().parse_args(["producer", "--instance", str(instance), "--cache-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=f"^--instance: {re.escape(needle)}, got {instance}$"):
+        main_producer(args)
+    assert not list(tmp_path.iterdir())                   # refused before anything was read or written
+
+
+def test_an_instance_above_the_configs_count_is_accepted_as_systemd_rescaling_needs() -> None:
+    from producer.app import _check_instance
+    from shared.config import PipelineConfig
+    cfg = PipelineConfig()
+    for instance in (1, cfg.producer.count + 2, 64):     # deploy --producers 4 with count 2; producer@7 by hand
+        _check_instance(cfg, instance)
