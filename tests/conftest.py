@@ -75,3 +75,13 @@ def producers(tmp_path: Path) -> Iterator[ProducerGroup]:
     group = ProducerGroup(tmp_path)
     yield group
     group.stop_all()
+
+
+@pytest.fixture()
+def umask_000() -> Iterator[None]:
+    """The umask a careless shell or test runner may have; restored whatever the test does."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,6 @@ from consumer.train.loop import TrainSummary
 from shared.config_loader import config_from_mapping
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
-
-
-@pytest.fixture()
-def umask_000() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _mode(path: Path) -> int:

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from shared.filetrust import make_dirs, open_output, untrusted_reason, write_output
-
-
-@pytest.fixture()
-def umask_000() -> Iterator[None]:
-    """The umask a careless shell or test runner may have; restored whatever the test does."""
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _mode(path: Path) -> int:
