@@ -172,9 +172,10 @@ class ProducerSession:
             j.warned = True
         return out
 
-    def on_connected(self, now_s: float) -> None:
-        """The worker just connected its socket (the socket file passed its checks): the HELLO sent with the
-        connect may find no pipe yet, so HELLO again soon, from the shortest back-off."""
+    def hello_soon(self, now_s: float) -> None:
+        """HELLO again soon, from the shortest back-off: the worker just connected its socket (the HELLO sent
+        with the connect may find no pipe yet), or is still waiting for a socket file it can trust (so that a
+        consumer binding later is joined within ``_FIRST_BACKOFF_S``, not after a grown back-off)."""
         self._joining.backoff_s = _FIRST_BACKOFF_S * 2
         self._joining.next_hello_s = now_s + _FIRST_BACKOFF_S
 

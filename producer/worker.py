@@ -227,13 +227,15 @@ class ProducerWorker:
         """``msgs`` to send once the DEALER is connected; before that, connect first if the socket file is trusted."""
         if self._connected or not msgs:
             return msgs
-        if self._socket_path is not None and not os.path.lexists(self._socket_path):
-            return []                        # no consumer yet: the session warns after 10 s of silence
-        if not self._socket_trusted():
+        if (self._socket_path is not None and not os.path.lexists(self._socket_path)) or not self._socket_trusted():
+            # No consumer (to trust) yet: look again soon instead of letting the HELLO back-off grow to
+            # transport.connect_backoff_max_s, so a consumer that binds later is joined at once. The session
+            # still warns after 10 s of silence.
+            self.session.hello_soon(self._clock())
             return []
         sock.connect(self.endpoint)
         self._connected = True
-        self.session.on_connected(self._clock())
+        self.session.hello_soon(self._clock())
         return msgs
 
     def _socket_trusted(self) -> bool:

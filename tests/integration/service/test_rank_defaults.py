@@ -17,7 +17,7 @@ from tests import procs
 from tests.job_procs import free_ports
 
 _STEPS = 30
-_DELAY_MS = "100"    # per batch: the run lasts >= 3 s, long enough to ask `status` while it trains
+_DELAY_MS = "250"    # per batch: the run lasts >= 7.5 s, long enough to ask both ranks' `status` while they train
 
 
 def _logs(tmp_path: Path) -> str:
@@ -46,12 +46,14 @@ def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sock
     for rank in (0, 1):
         assert procs.wait_for_records(tmp_path / f"state{rank}", 1, consumers[rank], procs.WAIT_S), _logs(tmp_path)
         assert (tmp_path / "melfeed" / f"melfeed-rank{rank}.sock").exists()
-        status = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "status", "--config",
-                                 str(config), "--tf-config", str(tf_configs[rank]), "--timeout-s", "20"],
-                                cwd=procs.REPO, env=procs.env(tmp_path), capture_output=True, text=True,
-                                timeout=procs.WAIT_S)
-        assert status.returncode == 0, status.stderr
-        assert f"melfeed-rank{rank}.control.sock, rank {rank} of 2:" in status.stdout, status.stdout
+    asks = [subprocess.Popen([sys.executable, str(procs.REPO / "run_pipeline.py"), "status", "--config", str(config),
+                              "--tf-config", str(tf_configs[rank]), "--timeout-s", "20"], cwd=procs.REPO,
+                             env=procs.env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in (0, 1)]                       # both at once: each rank is asked while it trains
+    for rank, ask in enumerate(asks):
+        out, err = ask.communicate(timeout=procs.WAIT_S)
+        assert ask.returncode == 0, err
+        assert f"melfeed-rank{rank}.control.sock, rank {rank} of 2:" in out, out
     codes = [proc.wait(procs.WAIT_S * 3) for proc in consumers]
     assert codes == [0, 0], _logs(tmp_path)
     assert [procs.stop(proc) for proc in producers] == [0, 0], _logs(tmp_path)

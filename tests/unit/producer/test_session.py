@@ -133,7 +133,7 @@ def test_a_socket_connected_late_starts_the_hello_back_off_over() -> None:
             hellos.append(clock())
     assert hellos[-1] - hellos[-2] == pytest.approx(BACKOFF_MAX_S, abs=1e-3)
     connected_s = clock()
-    s.on_connected(connected_s)                                  # the HELLO sent with the connect may find no pipe
+    s.hello_soon(connected_s)                                  # the HELLO sent with the connect may find no pipe
     after: list[float] = []
     while len(after) < 3:
         if s.on_turn(clock.advance(s.poll_timeout_s(clock()))):

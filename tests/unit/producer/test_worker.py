@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -270,3 +271,30 @@ def test_a_lease_naming_a_hard_link_to_a_victims_file_is_refused_unwritten_and_p
     assert hellos[0].caps == [CAP_SHM] and hellos[-1].caps == []          # payload frames from now on
     assert _warnings(caplog) == [f"cannot map slot file {shm}/{name} (errno 1: refused: has 2 hard links, a slot "
                                  "file has 1); using ZeroMQ payload frames from now on"]
+
+
+def test_while_no_socket_file_exists_the_worker_looks_again_within_the_first_back_off(tmp_path: Path) -> None:
+    """A producer started before its consumer joins it at once when the consumer binds: waiting for the socket
+    file never grows the HELLO back-off (it grew to connect_backoff_max_s, 5 s, before the first connect)."""
+    clock, path, stop = FakeClock(100.0), tmp_path / "later.sock", threading.Event()
+    seen: dict[str, Any] = {}
+
+    def on_idle(dealer: FakeDealer) -> None:
+        if clock() >= 104.0 and "bound_s" not in seen:          # the consumer binds 4 s after the producer began
+            seen["sock"] = socket.socket(socket.AF_UNIX)
+            seen["sock"].bind(str(path))
+            seen["bound_s"] = clock()
+        if dealer.connected_to and "connected_s" not in seen:
+            seen["connected_s"] = clock()
+        if "connected_s" in seen or clock() > 130.0:
+            stop.set()
+    dealer = FakeDealer(clock, on_idle=on_idle)
+    worker = _ipc_worker(clock, path, FakeAssembler(), backoff_max_s=5.0)
+    try:
+        worker.serve(dealer, stop, connect=True)
+    finally:
+        if "sock" in seen:
+            seen["sock"].close()
+    assert dealer.connected_to == [f"ipc://{path}"]
+    assert seen["connected_s"] - seen["bound_s"] <= 0.25, seen          # within about one first back-off
+    assert max(dealer.poll_timeouts_ms) <= 101                          # never a grown back-off while waiting

@@ -70,7 +70,9 @@ def test_the_cli_refuses_bad_flags_and_a_read_only_parent_in_one_line(corpus: Pa
     base = ("prepare", "--ljspeech", str(corpus), "--cache")
     assert refusal(run_cli(*base, str(tmp_path / "c"), "--workers", "0"), "prepare").startswith("--workers: must be >= 1")
     assert refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "-5"), "prepare") == \
-        "--debug-delay-ms: must be in 0..60000, got -5.0"
+        "argument --debug-delay-ms: must be a finite number >= 0, got '-5' (see --help)"      # the parser's check
+    assert refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "70000"), "prepare") == \
+        "--debug-delay-ms: must be in 0..60000, got 70000.0"                                 # prepare's own bound
     parent = tmp_path / "ro"
     parent.mkdir(mode=0o555)
     assert refusal(run_cli(*base, str(parent / "c"), unprivileged=True), "prepare") == \

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[4]
 @pytest.fixture(autouse=True)
 def _keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     """``run_pipeline.main`` in-process must not replace the test session's log handlers."""
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda level="INFO": None)
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(scope="module")
