@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from shared.errors import EXIT_JOB_LOST
 from tests import job_procs, procs
 
@@ -18,6 +20,7 @@ _TIMEOUT_S = 300.0       # two TensorFlow processes on a loaded 2-core machine; 
 _EXIT_SLACK_S = 30.0     # beyond peer_timeout_s: noticing, then stopping producers and exiting on a loaded machine
 
 
+@pytest.mark.slow    # a chaos run (SIGKILL of a rank, two TensorFlow processes, two restarts): 45 s of the CI budget
 def test_a_killed_rank_ends_the_other_in_bounded_time_and_both_resume_exactly(demo_cache: Path,
                                                                               tmp_path: Path) -> None:
     job = job_procs.Job(tmp_path, demo_cache, _STEPS)
