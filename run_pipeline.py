@@ -25,7 +25,8 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.service.cli import build_parser
-    from shared.errors import EXIT_CONFIG, EXIT_JOB_LOST, CacheError, ConfigError, JobLostError, StateError, StepError
+    from shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ConfigError, DataError, JobLostError,
+                               StateError, StepError)
 
     args = build_parser().parse_args(argv)
     try:
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StepError as err:    # the step cannot run (e.g. jit_compile: true and XLA fails)
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return 1
+    except DataError as err:    # the data went bad mid-run (producer.max_quarantined_fraction): stopped in order
+        print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
+        return EXIT_DATA
     except JobLostError as err:  # a multi-worker job lost a rank: restart every rank (newest common checkpoint)
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return EXIT_JOB_LOST

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.config_checks import check_endpoint, check_int32, check_not_abstract, check_number, check_seed
+from shared.config_checks import check_endpoint, check_int32, check_not_abstract, check_seed, plain_params
 from shared.config_checks import require as _check
 from shared.config_features import FeatureConfig
 from shared.gpu_select import check_gpu_list
@@ -275,6 +275,8 @@ class ProducerConfig:
     gpu_memory_limit_mb: int | None = None # cap when TensorFlow is imported on the data GPU
     restart_backoff_s: float = 1.0         # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"        # bad cache file: "quarantine" (empty row, counted) or "fail"
+    max_quarantined_fraction: float = 0.01 # the consumer stops the run (exit 65) once more of the rows it trained
+                                           # were quarantined (consumer/train/quarantine.py); 1.0 = no ceiling
     exit_at_plan_end: bool = False         # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
     open_files: int = 8192                 # cache files each producer keeps open (LRU; held to half of
                                            # RLIMIT_NOFILE); 0 = open and close every file on every read;
@@ -297,6 +299,8 @@ class ProducerConfig:
                    self.gpu_memory_limit_mb)
         _check(self.bad_samples in ("quarantine", "fail"), "must be 'quarantine' or 'fail'",
                p + ("bad_samples",), self.bad_samples)
+        _check(0.0 <= self.max_quarantined_fraction <= 1.0, "must be in 0..1 (1 = no ceiling)",
+               p + ("max_quarantined_fraction",), self.max_quarantined_fraction)
         _check(self.restart_backoff_s >= 0, "must be >= 0", p + ("restart_backoff_s",),
                self.restart_backoff_s)
         _check(0 <= self.open_files <= 1_000_000, "must be in 0..1000000", p + ("open_files",), self.open_files)
@@ -306,25 +310,6 @@ class ProducerConfig:
 
 
 JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader passes it through unchanged
-
-_PARAM_SCALARS = (str, int, float, bool, type(None))
-
-
-def _plain_params(value: Any, path: tuple[str, ...]) -> Any:
-    """A deep copy of ``model.params`` made of YAML values only (producers get the config as YAML)."""
-    if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            _check(isinstance(key, str) and bool(key), "keys must be non-empty strings", path, key)
-            out[key] = _plain_params(item, path + (key,))
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_plain_params(item, path) for item in value]
-    _check(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
-           "mappings", path, type(value).__name__)
-    check_number(value, path)
-    return value
-
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -354,7 +339,7 @@ class ModelConfig:
         params = {} if self.params is None else self.params
         _check(isinstance(params, Mapping), "must be a mapping (name: value)", p + ("params",), params)
         # slots + frozen: object.__setattr__ is the documented way to normalise in __post_init__
-        object.__setattr__(self, "params", _plain_params(params, p + ("params",)))
+        object.__setattr__(self, "params", plain_params(params, p + ("params",)))
 
 
 @dataclass(frozen=True, slots=True)

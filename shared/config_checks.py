@@ -7,7 +7,8 @@ Role: the refusals that are the same for many keys, so that no key can forget on
   frame, token and row counts fit in int32 (the wire's ``mel_len``, ``tok_len`` and token arrays);
 - every string is one printable line (a NUL or newline in a path or endpoint fails far from here);
 - endpoints are usable: ``ipc://PATH`` at most ``MAX_IPC_PATH_BYTES`` (the AF_UNIX limit) and
-  ``tcp://HOST:PORT`` with a port in 1..65535.
+  ``tcp://HOST:PORT`` with a port in 1..65535;
+- free-form settings (``model.params``) are YAML values only (``plain_params``).
 
 Checks that need the machine run where the consumer starts, not at load (``deploy`` and ``status``
 read configs written for other hosts): ``check_output_paths`` (``consumer`` and ``run``, before
@@ -26,7 +27,8 @@ from typing import Any
 from shared.errors import ConfigError
 
 __all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
-           "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes"]
+           "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes",
+           "plain_params"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -48,6 +50,25 @@ def check_number(value: Any, path: tuple[str, ...]) -> None:
                           path=path)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError("must be a finite number", path=path, got=value)
+
+
+_PARAM_SCALARS = (str, int, float, bool, type(None))
+
+
+def plain_params(value: Any, path: tuple[str, ...]) -> Any:
+    """A deep copy of ``model.params`` made of YAML values only (producers get the config as YAML)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            require(isinstance(key, str) and bool(key), "keys must be non-empty strings", path, key)
+            out[key] = plain_params(item, path + (key,))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [plain_params(item, path) for item in value]
+    require(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
+            "mappings", path, type(value).__name__)
+    check_number(value, path)
+    return value
 
 
 def check_int32(value: int | None, path: tuple[str, ...]) -> None:

@@ -14,9 +14,11 @@ __all__ = [
     "PipelineError",
     "ConfigError",
     "CacheError",
+    "DataError",
     "ProtocolError",
     "ClosedError",
     "EXIT_CONFIG",
+    "EXIT_DATA",
     "EXIT_JOB_LOST",
     "JobLostError",
     "MAX_REASON_CHARS",
@@ -25,6 +27,7 @@ __all__ = [
 ]
 
 EXIT_CONFIG = 78  # sysexits EX_CONFIG; systemd units list it in RestartPreventExitStatus
+EXIT_DATA = 65  # sysexits EX_DATAERR: the training data cannot be used (consumer.service: RestartPreventExitStatus)
 EXIT_JOB_LOST = 75  # sysexits EX_TEMPFAIL: a multi-worker job lost a rank; restarting every rank resumes it
 _MAX_LINE_CHARS = 2000  # a ConfigError's whole text: a long path plus a value, never a screenful
 MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, never a traceback
@@ -69,6 +72,20 @@ class CacheError(PipelineError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
+
+
+class DataError(PipelineError):
+    """The training data went bad while a run used it, beyond what the config tolerates.
+
+    Today: more rows quarantined than ``producer.max_quarantined_fraction`` allows
+    (``consumer/train/quarantine.py``). One line naming the key and what was seen; the run stops in
+    order (final checkpoint, summary) and the process exits ``EXIT_DATA`` (65): neither a configuration
+    error (78) nor something a restart fixes, so the consumer unit does not restart on it.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.reason = message
+        super().__init__(_one_line(message))
 
 
 class StateError(PipelineError):
