@@ -218,7 +218,7 @@ class Consumer:
         planned = ready.planned
         utterances = self.manifest.utterances
         batch = Batch(planned, self.ring.views(ready.slot, planned.bucket), ready.slot, ready.copies,
-                      tuple(utterances[i].id for i in planned.sample_ids))
+                      tuple(utterances[i].id for i in planned.sample_ids), ready.quarantined, ready.quarantine_note)
         self.next_apply += 1
         return batch
 

@@ -66,6 +66,8 @@ class Batch:
     slot: int
     copies: int = PAYLOAD_COPIES          # copies from page cache into the slot: 1 shared memory, 4 payload
     utterance_ids: tuple[str, ...] = ()   # manifest ids of the real rows, in row order
+    quarantined: tuple[int, ...] = ()     # sample ids of the rows a producer left empty (bad cache file)
+    quarantine_note: str = ""             # the producer's "PATH: REASON" for the first of them (escaped)
 
     @property
     def batch_id(self) -> int:

@@ -11,8 +11,9 @@ schema, ``shared/wire/schema.py``) are read the same way, row by row into their 
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
-and reported in the header, the same decision on every producer because it depends only on the
-file; ``"fail"`` raises ``CacheError`` naming the file. ``TransientReadError`` (out of fds or
+and reported in the header (its sample id; the first such row's ``PATH: REASON`` too, so the consumer
+can name it when quarantined rows stop the run), the same decision on every producer because it depends
+only on the file; ``"fail"`` raises ``CacheError`` naming the file. ``TransientReadError`` (out of fds or
 memory) says nothing about the file, so it is raised under either policy, never quarantined.
 """
 
@@ -55,6 +56,7 @@ class BuiltBatch:
     arrays: dict[str, npt.NDArray[np.generic]]     # views into a send buffer, wire order
     quarantined: list[int] = field(default_factory=list)   # sample ids left empty
     buffer: _Buffer | None = None
+    quarantine_note: str = ""       # the first quarantined row's "PATH: REASON" (BatchHeader.quarantine_note)
 
     def attach(self, tracker: zmq.MessageTracker | None) -> None:
         """Record the send's tracker so the buffer is not reused before ZeroMQ is done with it."""
@@ -101,6 +103,7 @@ class BatchAssembler:
         arrays = target if target is not None else buf.arrays  # type: ignore[union-attr]
         n = len(sample_ids)
         quarantined: list[int] = []
+        note = ""
         reader, zeros = self._reader, self._zeros
         read_mel, read_tokens = reader.read_mel_row, reader.read_tokens_row
         mel_rows, tok_rows = reader.mel_rows(arrays["mel"], zeros), reader.token_rows(arrays["tokens"], zeros)
@@ -131,6 +134,7 @@ class BatchAssembler:
                     if self._policy == "fail":
                         raise
                     self._log_quarantine(sid, batch_id, err)
+                    note = note or str(err)
                     mel_lens[row] = tok_lens[row] = 0
                     for _, rows, lens in extras:
                         rows.array[row] = 0
@@ -149,7 +153,7 @@ class BatchAssembler:
         if n < spec.batch_size:                        # padding rows of a bucket's last batch
             for key in arrays:
                 arrays[key][n:] = 0
-        return BuiltBatch(batch_id, bucket, arrays, quarantined, buf)
+        return BuiltBatch(batch_id, bucket, arrays, quarantined, buf, note)
 
     def _extra_rows(self, arrays: dict[str, npt.NDArray[np.generic]], n: int
                     ) -> list[tuple[str, RowBytes, list[int] | None]]:

@@ -302,7 +302,7 @@ class ProducerWorker:
                 crc = zlib.crc32(a.data.cast("B"), crc)
         shm = None if order.lease.shm is None else (order.lease.shm.slot, order.lease.shm.generation)
         header = BatchHeader(order.epoch, batch.batch_id, batch.bucket, [list(a.shape) for a in arrays],
-                             [a.dtype.name for a in arrays], crc, batch.quarantined, shm)
+                             [a.dtype.name for a in arrays], crc, batch.quarantined, shm, batch.quarantine_note)
         if shm is not None:                 # built in the consumer's slot: the header is the message
             if _try_send(sock, [encode(header)]):
                 self._sent += 1

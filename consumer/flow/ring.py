@@ -73,6 +73,8 @@ class ReadySlot:
     slot: int
     planned: PlannedBatch
     copies: int          # copies from page cache into the slot: 1 shared memory, PAYLOAD_COPIES payload
+    quarantined: tuple[int, ...] = ()   # its sample ids the producer left empty (bad cache file)
+    quarantine_note: str = ""           # the producer's "PATH: REASON" of the first of them (escaped)
 
 
 class SlotState(IntEnum):
@@ -152,12 +154,14 @@ class BatchRing:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.FREE
 
-    def mark_ready(self, slot: int, planned: PlannedBatch, copies: int = PAYLOAD_COPIES) -> None:
-        """LEASED -> READY: the slot now holds ``planned``, filled with ``copies`` copies."""
+    def mark_ready(self, slot: int, planned: PlannedBatch, copies: int = PAYLOAD_COPIES,
+                   quarantined: tuple[int, ...] = (), quarantine_note: str = "") -> None:
+        """LEASED -> READY: the slot now holds ``planned``, filled with ``copies`` copies; ``quarantined``:
+        its rows left empty (``ReadySlot``)."""
         with self._cond:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.READY
-            self._ready[planned.batch_id] = ReadySlot(slot, planned, copies)
+            self._ready[planned.batch_id] = ReadySlot(slot, planned, copies, quarantined, quarantine_note)
             self._cond.notify_all()
 
     # --- step side -------------------------------------------------------------------------

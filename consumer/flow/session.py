@@ -137,13 +137,16 @@ class ReceiverSession:
         lease, hdr = intake.lease, intake.hdr
         self._counts["bytes"] += n_bytes
         self._shm.settle(lease.slot)
-        self._ring.mark_ready(lease.slot, lease.planned, 1 if intake.in_place else PAYLOAD_COPIES)
+        listed = set(hdr.quarantined)           # only the batch's own rows count, each once (peer-supplied)
+        quarantined = tuple(sid for sid in lease.planned.sample_ids if sid in listed) if listed else ()
+        note = escape_line(hdr.quarantine_note[:MAX_REASON_CHARS]) if quarantined else ""
+        self._ring.mark_ready(lease.slot, lease.planned, 1 if intake.in_place else PAYLOAD_COPIES, quarantined, note)
         peer = self._peers.get(intake.ident)
         if peer is not None:
             peer.batches += 1
             peer.expired_in_row = 0
         self._counts["batches"] += 1
-        self._counts["quarantined"] += len(hdr.quarantined)
+        self._counts["quarantined"] += len(quarantined)
 
     def on_batch_refused(self, intake: BatchIntake, err: ProtocolError, now_s: float) -> Decision:
         """The payload failed its checks: the lease stays open (rebuild it, never drop it)."""

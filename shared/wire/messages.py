@@ -122,6 +122,9 @@ class BatchHeader:
     crc32: int | None
     quarantined: list[int]
     shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
+    # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none or
+    # an older producer): the consumer names it when quarantined rows stop a run.
+    quarantine_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,8 @@ def encode(msg: Message) -> bytes:
              "shapes": msg.shapes, "dtypes": msg.dtypes, "crc": msg.crc32, "q": msg.quarantined}
         if msg.shm is not None:
             d["slot"], d["gen"] = msg.shm
+        if msg.quarantine_note:
+            d["qr"] = msg.quarantine_note[:MAX_REASON_CHARS]
     elif isinstance(msg, Heartbeat):
         d = {"t": MsgKind.HB, "epoch": msg.epoch, "depth": msg.queue_depth, "applied": msg.applied}
         if msg.stats is not None:
@@ -232,7 +234,8 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         shm = (_count(d, "slot"), _count(d, "gen")) if "slot" in d or "gen" in d else None
         return BatchHeader(_count(d, "epoch"), _count(d, "id"), _count(d, "bucket"),
                            [_int_list(s, "shapes") for s in shapes], dtypes, crc,
-                           _int_list(d.get("q", []), "q"), shm)
+                           _int_list(d.get("q", []), "q"), shm,
+                           _get(d, "qr", str)[:MAX_REASON_CHARS] if "qr" in d else "")
     if kind is MsgKind.HB:
         return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
                          _decode_stats(d.get("st")), _get(d, "done", bool) if "done" in d else False)

@@ -20,6 +20,8 @@ MESSAGES = [
     Welcome(123, 2, 0.5, False, "/run/melfeed"),
     LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
+    BatchHeader(123, 7, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, [4, 9], None,
+                "/cache/mels/LJ001-0004.npy: missing"),
     Heartbeat(123, 4, 99),
     Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
     Heartbeat(123, 0, 150, done=True),
@@ -140,3 +142,17 @@ def test_a_nonce_must_be_a_non_negative_integer(kind: MsgKind, nonce: object) ->
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**base, "nonce": nonce}))
     assert info.value.code == RejectCode.SCHEMA
+
+
+def test_the_quarantine_note_is_on_the_wire_only_with_quarantined_rows_and_cut_to_one_reason() -> None:
+    shapes, dtypes = [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"]
+    plain = BatchHeader(1, 2, 0, shapes, dtypes, None, [])
+    assert "qr" not in msgpack.unpackb(encode(plain))                      # older consumers see what they know
+    assert decode_header(encode(plain)).quarantine_note == ""  # type: ignore[union-attr]
+    long = BatchHeader(1, 2, 0, shapes, dtypes, None, [5], None, "x" * 500)
+    assert decode_header(encode(long)).quarantine_note == "x" * 200  # type: ignore[union-attr]
+    raw = msgpack.unpackb(encode(plain))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "qr": 7}))
+    assert info.value.code == RejectCode.SCHEMA
+    assert decode_header(msgpack.packb({**raw, "qr": "y" * 300})).quarantine_note == "y" * 200  # type: ignore[union-attr]

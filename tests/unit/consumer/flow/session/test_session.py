@@ -6,6 +6,7 @@ Rejects, duplicates and floods: ``test_session_rejects.py``; shared-memory fenci
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from consumer.flow.session import escape_line
 from shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
 from tests.fakes import FakeSlotFiles
-from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, ids
+from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, header, ids
 
 
 # --- handshake --------------------------------------------------------------------------------
@@ -154,6 +155,24 @@ def test_queue_depth_counts_ready_batches_and_leases_outstanding() -> None:
     assert rig.session.queue_depth() == 3 and rig.ring.ready_ids() == [1]
     [hb] = rig.tick()
     assert hb.msg == Heartbeat(EPOCH, 3, 0)
+
+
+def test_quarantined_rows_reach_the_ready_slot_only_when_they_are_the_batchs_own_with_the_note_escaped() -> None:
+    rig = Rig(n_slots=3, window=2)
+    rig.join(A)
+    rig.grant()                                                       # batch 1 holds samples 2 and 3
+    hdr = header(1)
+    decision = rig.send(A, dataclasses.replace(hdr, quarantined=[3, 99, 3], quarantine_note="/c/x.npy: bad\nline"),
+                        more=True)
+    assert decision.intake is not None
+    rig.session.on_batch_taken(decision.intake, 0)
+    ready = rig.ring.take(1, 0.0)
+    assert ready is not None and ready.quarantined == (3,)            # 99 is not its row; 3 counts once
+    assert ready.quarantine_note == "/c/x.npy: bad\\nline"           # peer text, one escaped line
+    assert rig.session.stats().quarantined == 1
+    rig.deliver(A, 0)                                                 # a clean batch carries nothing
+    clean = rig.ring.take(0, 0.0)
+    assert clean is not None and (clean.quarantined, clean.quarantine_note) == ((), "")
 
 
 # --- deadlines and liveness -------------------------------------------------------------------
