@@ -13,7 +13,9 @@ Feed efficiency = fed steps/s / steps/s of the same step on resident batches of 
 limit is measured after warm-up (``consumer.feed_efficiency_steps``; consumer/train/efficiency.py, which
 leaves every variable as it found it) and each applied batch carries its bucket's resident step time.
 A step that cannot be compiled (``StepError``) or breaks the output contract (``ConfigError``)
-ends the run before READY; the summary is still written, with ``error`` set.
+ends the run before READY; the summary is still written, with ``error`` set. Too many quarantined rows
+among those trained (``producer.max_quarantined_fraction``, consumer/train/quarantine.py) stop the run as
+SIGTERM does (the steps in flight complete, final checkpoint, summary with ``error``), then ``DataError``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from consumer.resume.state import RunState
 from consumer.staging import Stager
 from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
+from consumer.train.quarantine import ceiling_for
 from shared.config import PipelineConfig
-from shared.errors import PipelineError
+from shared.errors import DataError, PipelineError
 from shared.filetrust import write_output
 from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
 from shared.service.sdnotify import Notifier
@@ -64,7 +67,7 @@ class TrainSummary:
     partial: str = "pad"                # buckets.partial: a bucket's last, partial batch padded or dropped
     samples_dropped_per_epoch: int = 0  # kept samples left out of every epoch by partial: drop
     duplicates_dropped: int = 0
-    quarantined_samples: int = 0        # bad cache rows left empty (names in the producers' logs)
+    quarantined_samples: int = 0        # rows trained that a producer left empty (bad file; named in its log)
     step_p50_ms: float | None = None    # compiled step time after warm-up (nearest-rank percentiles)
     step_p99_ms: float | None = None
     step_cv: float | None = None        # std / mean of the step time: jitter (recompiles, contention)
@@ -76,7 +79,8 @@ class TrainSummary:
     final_outputs: dict[str, float | None] = field(default_factory=dict)  # last step's named scalars
     jit_compile: str | None = None      # "xla" or "graph": how the step was compiled (None: it was not)
     jit_reason: str | None = None       # one line: what decided it (setting, XLA error, warm-up timings)
-    error: str | None = None            # one line when the run failed before training (e.g. XLA, jit: true)
+    error: str | None = None            # one line when the run failed: before training (e.g. XLA, jit: true), or
+                                        # stopped by producer.max_quarantined_fraction (then exit 65)
     compile_s: float = 0.0              # compiling every bucket shape (warm-up), seconds
     time_to_first_step_s: float | None = None  # process start -> first applied step, seconds
     devices: list[str] = field(default_factory=list)  # the replicas' devices, else where the first step's outputs live
@@ -133,6 +137,7 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     ``MultiWorkerMirroredStrategy`` on this rank's batches; the named scalars are the job's (all-reduced),
     checkpoints fall at the same steps on every rank (``state.due`` counts steps), and a peer lost
     during a collective raises ``JobLostError`` (no final checkpoint: the job resumes from a common one).
+    Raises ``DataError`` after the final checkpoint and summary when ``producer.max_quarantined_fraction`` stopped it.
     """
     if job is None:
         return _train(cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step, None)
@@ -190,6 +195,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     stager = Stager(consumer, TfHandOff(compiled, model_device(), on_step), cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
+    ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
     with closing(stager.run(stop, on_wait, drain)) as completed:   # a failing body: in-flight steps settle here
         for done in completed:
             step_t1 = time.perf_counter()
@@ -204,6 +210,10 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                 state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
                 if state.due():
                     state.checkpoint(items, consumer.epoch, final=False)   # a failure: WARNING, retried
+            if ceiling.add(batch.sample_ids, batch.quarantined, utterance_ids=batch.utterance_ids,
+                           note=batch.quarantine_note):   # the orderly stop: steps in flight complete, checkpoint
+                log.error("%s; stopping after batch %d", ceiling.message(), batch.batch_id)
+                stop.set()
             if out.time_to_first_step_s is None:
                 out.time_to_first_step_s = time.time() - process_start_s
                 out.first_loss = loss_v if math.isfinite(loss_v) else None
@@ -229,18 +239,23 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                     telemetry.set_phase(PHASE_TRAINING)
                     telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
-    out.interrupted = stop.is_set() and not consumer.finished
+    out.interrupted = stop.is_set() and not consumer.finished and not ceiling.tripped
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:
         state.checkpoint(items, consumer.epoch, final=True)
         out.next_batch = state.next_batch
         out.checkpoint_failures = state.checkpoint_failures
+    out.quarantined_samples = ceiling.quarantined
+    if ceiling.tripped:
+        out.error = ceiling.message(state.next_batch if state is not None else None, resumable=state is not None)
     _finish(out, meter, consumer, compiled.compiles_after_ready, outputs, copies + payload_copies)
     if telemetry is not None:
         telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE,
                           outputs=meter.outputs.take())
     if summary_path:
         out.write(summary_path)
+    if ceiling.tripped and out.error is not None:   # after the checkpoint and the summary: exit 65, one line
+        raise DataError(out.error)
     return out
 
 
@@ -356,7 +371,6 @@ def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: i
         out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
     out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
     out.duplicates_dropped = rs.duplicates_dropped
-    out.quarantined_samples = rs.quarantined
     figures = meter.steps.figures(time.perf_counter())
     if figures is not None:
         out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s
