@@ -9,10 +9,8 @@ a symlink to /dev/zero), which must be refused without blocking the producer.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -210,48 +208,3 @@ def test_fail_policy_producer_tells_the_consumer_its_exit_code_and_the_file_befo
     assert len(failures.lines) == 1, failures.lines                # one BYE, one line
     assert failures.lines[0].startswith(f"producer failed id=producer-1 exit=78: CacheError: {path}{CASES['missing'][3]}")
 
-
-def test_a_cache_gone_after_indexing_stops_the_run_with_65_in_order_and_it_resumes_once_fixed(
-        pristine: Path, tmp_path: Path, endpoint: str, producers: ProducerGroup,
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # The `consumer` command itself, in this process (run_pipeline.main: the exit code and the one line),
-    # fed by a real producer group over shared memory, on a cache whose mels/ was emptied after indexing.
-    import tensorflow  # noqa: F401  before apply_placement: it must not set TF_XLA_FLAGS for later tests here
-
-    import run_pipeline
-    from consumer.resume.checkpoint import latest_checkpoint
-
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
-    cache = Path(shutil.copytree(pristine, tmp_path / "cache", symlinks=True))
-    for path in [*cache.glob("mels/*.npy"), *cache.glob("*.pack")]:   # the pack too: the .npy files are read
-        path.unlink()
-    state, summary = tmp_path / "state", tmp_path / "summary.json"
-    config = procs.write_config(tmp_path / "run.yaml", cache, endpoint, state, STEPS, buckets=BUCKETS,
-                                consumer={"checkpoint_every_steps": 1000, "feed_efficiency_steps": 0})
-    producers.start(cache, endpoint, 1, buckets=BUCKETS, producer={"restart_backoff_s": 0.2})
-    args = ["consumer", "--config", str(config), "--summary-json", str(summary)]
-
-    assert run_pipeline.main(args) == 65
-    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("run_pipeline.py consumer: ")]
-    found = latest_checkpoint(state)
-    assert found is not None
-    resume_at = found[1].next_batch
-    s = json.loads(summary.read_text())
-    assert s["error"] == line.removeprefix("run_pipeline.py consumer: ") and not s["interrupted"]
-    # Judged from one epoch of this 48-utterance cache (48 rows < 1000), every one of them quarantined.
-    assert line.startswith(f"run_pipeline.py consumer: producer.max_quarantined_fraction: {s['samples']} of the "
-                           f"{s['samples']} rows trained were quarantined (100.00 %, above 1 %), so cache files are "
-                           f"missing or bad; e.g. sample "), line
-    assert N_UTTERANCES <= s["samples"] < N_UTTERANCES + 3 * BUCKETS["batch_size"]   # + the steps in flight
-    assert s["quarantined_samples"] == s["samples"] and s["steps"] == resume_at < STEPS
-    assert re.search(r"e\.g\. sample \d+ \(LJ\d{3}-\d{4}\): .*/mels/LJ\d{3}-\d{4}\.npy: missing; ", line), line
-    assert line.endswith(f"run the same command again: it resumes at batch {resume_at}")
-    # Stopped in order: every applied batch is in the audit log and in the final checkpoint.
-    assert procs.audit_records(state) == resume_at
-
-    shutil.copytree(pristine / "mels", cache / "mels", dirs_exist_ok=True)         # the user fixes the cache
-    assert run_pipeline.main(args) == 0                                               # and runs it again
-    s = json.loads(summary.read_text())
-    found = latest_checkpoint(state)
-    assert found is not None and found[1].next_batch == procs.audit_records(state) == STEPS
-    assert s["error"] is None and s["steps"] == STEPS - resume_at and s["quarantined_samples"] == 0

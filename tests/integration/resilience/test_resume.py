@@ -1,18 +1,24 @@
 """SIGTERM on the consumer: exit 0, a checkpoint at exactly the next batch, and a restart that
 ends with the same variables as a run that was never interrupted (nothing lost or repeated).
-Producers keep running across the consumer restart."""
+Producers keep running across the consumer restart. A cache gone bad mid-run stops the run the same
+orderly way (exit 65) and it resumes once fixed. (TensorFlow is imported here first, also so that the
+in-process run's placement sets no TF_XLA_FLAGS for later tests.)"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from consumer.resume.checkpoint import latest_checkpoint
+from shared.cache.demo_data import write_demo_cache
 from tests import procs
+from tests.conftest import ProducerGroup
 
 _STEPS = 90
 
@@ -90,3 +96,49 @@ def test_a_state_dir_in_use_or_from_another_plan_is_refused_with_one_line(demo_c
                            capture_output=True, text=True, timeout=60)
     assert third.returncode == 78
     assert "seed=0, the config has 9" in third.stderr and len(third.stderr.strip().splitlines()) == 1, third.stderr
+
+
+def test_a_cache_gone_after_indexing_stops_the_run_with_65_in_order_and_it_resumes_once_fixed(
+        tmp_path: Path, endpoint: str, producers: ProducerGroup, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # producer.max_quarantined_fraction: the `consumer` command itself, in this process (run_pipeline.main: the
+    # exit code and the one line), fed by a real producer group, on a cache whose mels went after indexing.
+    import run_pipeline
+
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    cache, steps, buckets = tmp_path / "cache", 20, {"batch_size": 8, "num_buckets": 2}
+    write_demo_cache(cache, n_utterances=48)                       # indexed and packed
+    (cache / "mels").rename(tmp_path / "mels-saved")               # every mel gone; the pack too, else it serves
+    (cache / "mels").mkdir()
+    for pack in cache.glob("*.pack"):
+        pack.unlink()
+    state, summary = tmp_path / "state", tmp_path / "summary.json"
+    config = procs.write_config(tmp_path / "run.yaml", cache, endpoint, state, steps, buckets=buckets,
+                                consumer={"checkpoint_every_steps": 1000, "feed_efficiency_steps": 0})
+    producers.start(cache, endpoint, 1, buckets=buckets)
+    args = ["consumer", "--config", str(config), "--summary-json", str(summary)]
+
+    assert run_pipeline.main(args) == 65
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("run_pipeline.py consumer: ")]
+    found = latest_checkpoint(state)
+    assert found is not None
+    resume_at = found[1].next_batch
+    s = json.loads(summary.read_text())
+    assert s["error"] == line.removeprefix("run_pipeline.py consumer: ") and not s["interrupted"]
+    # Judged from one epoch of this 48-utterance cache (48 rows < 1000), every one of them quarantined.
+    assert line.startswith(f"run_pipeline.py consumer: producer.max_quarantined_fraction: {s['samples']} of the "
+                           f"{s['samples']} rows trained were quarantined (100.00 %, above 1 %), so cache files are "
+                           "missing or bad; e.g. sample "), line
+    assert 48 <= s["samples"] < 48 + 3 * buckets["batch_size"]    # + the steps in flight when it tripped
+    assert s["quarantined_samples"] == s["samples"] and s["steps"] == resume_at < steps
+    assert re.search(r"e\.g\. sample \d+ \(LJ\d{3}-\d{4}\): \S+/mels/LJ\d{3}-\d{4}\.npy: missing; ", line), line
+    assert line.endswith(f"run the same command again: it resumes at batch {resume_at}")
+    assert procs.audit_records(state) == resume_at                # stopped in order: every applied batch recorded
+
+    (cache / "mels").rmdir()
+    (tmp_path / "mels-saved").rename(cache / "mels")              # the user puts the files back ...
+    assert run_pipeline.main(args) == 0                           # ... and runs the same command again
+    s = json.loads(summary.read_text())
+    found = latest_checkpoint(state)
+    assert found is not None and found[1].next_batch == procs.audit_records(state) == steps
+    assert s["error"] is None and s["steps"] == steps - resume_at and s["quarantined_samples"] == 0

@@ -1,7 +1,7 @@
 """The ceiling on quarantined rows (consumer/train/quarantine.py): when it is judged, when it trips, its line.
 
 The rule is pure, so it is driven with batches of sample ids and the ids quarantined in them; the
-stop it causes in a real run is tests/integration/resilience/test_bad_cache.py. (Here, not in
+stop it causes in a real run is in tests/integration/resilience/test_resume.py. (Here, not in
 tests/unit/consumer/train/: that folder holds its 12 modules.)
 """
 
