@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80)
+    ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
+                                                    "(the config's model.vocab_size)")
     about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers read "
              "a row with one preadv); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
     pack = sub.add_parser("pack", help=about, description=about)
