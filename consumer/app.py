@@ -138,7 +138,8 @@ def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = Non
         raise ConfigError(f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
                           "the ranks may be one commit apart, and the one before must still be on every rank",
                           path=("consumer", "keep_checkpoints"), got=cfg.consumer.keep_checkpoints)
-    state = RunState.open(cfg, load_manifest_for(cfg).fingerprint, rank=place.rank, world=place.world)
+    manifest = load_manifest_for(cfg)   # the built-in loop trains cfg.model: token ids checked against its vocab_size
+    state = RunState.open(cfg, manifest.fingerprint, rank=place.rank, world=place.world)
     try:
         if job is not None:
             _agree(job, state)

@@ -72,7 +72,7 @@ class Consumer:
         if cfg.cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
         self.cfg = cfg
-        self.manifest: Manifest = load_manifest_for(cfg)   # also checks the feature parameters
+        self.manifest: Manifest = load_manifest_for(cfg, feeds_model=False)  # token ids unchecked: the model is yours
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts, cfg.n_mels,
                                                    cfg.buckets, self.manifest.schema, mel_dtype=cfg.transport.mel_dtype)
         check_ring_bytes(cfg.consumer.ring_slots, self.bucket_set.max_batch_nbytes(), physical_memory_bytes())

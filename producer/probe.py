@@ -52,7 +52,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     cfg = load_config(config_path)
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
-    manifest = load_manifest_for(cfg)
+    manifest = load_manifest_for(cfg, feeds_model=False)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)

@@ -132,7 +132,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
-    manifest = load_manifest_for(cfg)          # refuses a config whose features differ from the cache
+    manifest = load_manifest_for(cfg, feeds_model=False)          # refuses a config whose features differ from the cache
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
                                mel_dtype=cfg.transport.mel_dtype)
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)

@@ -36,10 +36,10 @@ import numpy as np
 
 from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
-from shared.cache.features import RESAMPLER_VERSION, feature_params
+from shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
 from shared.cache.filekind import make_dirs
 from shared.cache.index import build_manifest
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, read_feature_record, write_feature_record, write_manifest
+from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
 from shared.cache.npyfile import inspect_npy
 from producer.prepare.pool import WorkerPool
 from shared.service.progress import Progress, progress_interval_s

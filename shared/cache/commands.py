@@ -1,4 +1,4 @@
-"""Offline commands: ``index`` (manifest from .npy headers), ``verify-cache`` and ``demo-data``.
+"""Offline commands: ``index`` (manifest from .npy headers and token ids), ``verify-cache`` and ``demo-data``.
 
 ``index`` and ``verify-cache`` show a ``shared.service.progress.Progress`` on stderr (a bar on a terminal,
 else a line every ``_PROGRESS_EVERY_S`` or ``$MELFEED_PROGRESS_S``); results go to stdout.
@@ -28,6 +28,7 @@ __all__ = ["main_index", "main_verify_cache", "main_demo", "parse_extra_arg"]
 log = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 5.0  # a large cache takes minutes to read; say it is alive this often
+_INT32_MAX = (1 << 31) - 1  # --vocab-size bound: model.vocab_size's (token ids are int32)
 
 
 def _link_folder(root: Path, name: str, target: str | None) -> None:
@@ -120,9 +121,13 @@ def main_verify_cache(args: argparse.Namespace) -> int:
     (stdout, sorted by path), then the summary line. A missing cache dir raises ``CacheError`` (78).
     """
     check_n_mels_flag(args.n_mels)
+    vocab_size = getattr(args, "vocab_size", None)
+    if vocab_size is not None and not 2 <= vocab_size <= _INT32_MAX:
+        raise ConfigError(f"must be in 2..{_INT32_MAX} (token ids below it, as the config's model.vocab_size)",
+                          path=("--vocab-size",), got=vocab_size)
     progress = _progress("verify-cache")
     try:
-        report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback())
+        report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback(), vocab_size=vocab_size)
     finally:
         progress.finish()
     for problem in report.problems:

@@ -144,7 +144,8 @@ def _reuse(root: Path, params: dict[str, int]) -> Manifest | None:
         manifest = load_manifest(root, params["n_mels"])
     except (OSError, ValueError, RecursionError, CacheError):   # a demo.json nested too deeply: regenerate
         return None
-    return manifest if len(manifest) == params["n_utterances"] else None
+    # A demo cache indexed before manifests recorded token_range is rebuilt: its runs would warn that ids are unchecked.
+    return manifest if len(manifest) == params["n_utterances"] and manifest.token_range is not None else None
 
 
 def _prepare(root: Path, keep: set[str], extras: bool) -> None:

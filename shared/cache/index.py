@@ -1,10 +1,13 @@
 """Indexing a cache: a ``Manifest`` built from the ``.npy`` headers of ``mels/`` and ``tokens/``.
 
-Role: ``build_manifest`` (``run_pipeline.py index``, ``prepare``, the demo data) reads only each
-file's header, never its data, pairs mels and tokens by file stem, and records every file's data
-offset and size. The header rules (``check_mel_header``, ``check_token_header``) are the same ones
-``verify-cache`` applies. Bad or unpaired files become ``CacheProblem``s naming the file and are
-left out of the manifest; the caller decides whether that is fatal.
+Role: ``build_manifest`` (``run_pipeline.py index``, ``prepare``, the demo data) reads each mel's and
+extra's header, never its data, pairs mels and tokens by file stem, and records every file's data
+offset and size. Token files are small (a few hundred bytes of int32), so their data is read too: a
+negative id makes the file bad, and the smallest and largest id over the usable utterances become the
+manifest's ``token_range``, which consumer starts compare with ``model.vocab_size``. The rules
+(``check_mel_header``, ``check_token_header``, ``token_range``) are the same ones ``verify-cache``
+applies. Bad or unpaired files become ``CacheProblem``s naming the file and are left out of the
+manifest; the caller decides whether that is fatal.
 Shutdown: nothing to shut down; every file opened here is closed before returning.
 """
 
@@ -15,19 +18,23 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
+
 from shared.errors import CacheError
-from shared.cache.manifest import (FEATURES_NAME, MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
-                                   FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary, read_feature_record)
+from shared.cache.features import FEATURES_NAME, read_feature_record
+from shared.cache.manifest import (MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
+                                   FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary)
 from shared.cache.extras import ExtraColumn, extra_dirs, index_extra
-from shared.cache.filekind import read_json
+from shared.cache.filekind import open_regular, read_json
 from shared.cache.npyfile import NpyHeader, inspect_npy
 from shared.wire.schema import KINDS
 
-__all__ = ["build_manifest", "check_mel_header", "check_token_header", "list_npy"]
+__all__ = ["build_manifest", "check_mel_header", "check_token_header", "list_npy", "token_range"]
 
 log = logging.getLogger(__name__)
 
 _MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # .npy dtype -> manifest mel_dtype
+_TOKEN_CHUNK_ITEMS = 1 << 18   # ids per read (1 MiB): one read for any real token file, bounded memory for any file
 
 
 def _list_npy(directory: Path) -> dict[str, Path]:
@@ -76,6 +83,41 @@ def check_token_header(header: NpyHeader) -> str | None:
     return None
 
 
+def token_range(path: Path, header: NpyHeader) -> tuple[int, int]:
+    """The smallest and largest id of a token file whose header passed ``check_token_header``.
+
+    Reads the data at ``header.data_offset`` (a second open: the header was read by ``inspect_npy``).
+
+    Raises:
+        CacheError: a negative id (naming it and its position: no vocabulary has one), or the file cannot
+            be read (missing now, short, EIO), naming the file.
+    """
+    try:
+        fd, _ = open_regular(path)
+    except OSError as err:
+        raise CacheError(path, f"cannot open ({err.strerror})") from err
+    total, item = header.shape[0], TOKEN_DTYPE.itemsize
+    lo, hi, done = 0, 0, 0
+    try:
+        while done < total:
+            k = min(_TOKEN_CHUNK_ITEMS, total - done)
+            raw = os.pread(fd, k * item, header.data_offset + done * item)
+            if len(raw) != k * item:
+                raise CacheError(path, f"short read at token {done + len(raw) // item} of {total}")
+            ids = np.frombuffer(raw, dtype=TOKEN_DTYPE)
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0:
+                at = int(np.argmax(ids < 0))
+                raise CacheError(path, f"token id {int(ids[at])} at position {done + at}: ids must be >= 0")
+            lo, hi = (low, high) if done == 0 else (min(lo, low), max(hi, high))
+            done += k
+    except OSError as err:
+        raise CacheError(path, f"cannot read ({err.strerror})") from err
+    finally:
+        os.close(fd)
+    return lo, hi
+
+
 def _inspect(path: Path, problems: list[CacheProblem]) -> tuple[NpyHeader, int] | None:
     try:
         return inspect_npy(path)
@@ -85,7 +127,8 @@ def _inspect(path: Path, problems: list[CacheProblem]) -> tuple[NpyHeader, int] 
 
 
 def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
-               problems: list[CacheProblem]) -> Utterance | None:
+               problems: list[CacheProblem]) -> tuple[Utterance, tuple[int, int]] | None:
+    """The utterance's row and its token ids' (smallest, largest), or ``None`` with its problems appended."""
     mel_info, tok_info = _inspect(mel, problems), _inspect(tok, problems)
     mel_bad = check_mel_header(mel_info[0], n_mels) if mel_info else None
     tok_bad = check_token_header(tok_info[0]) if tok_info else None
@@ -96,8 +139,13 @@ def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
     if mel_info is None or tok_info is None or mel_bad or tok_bad:
         return None
     (mh, mel_bytes), (th, tok_bytes) = mel_info, tok_info
+    try:
+        ids = token_range(tok, th)
+    except CacheError as err:
+        problems.append(CacheProblem(err.path, err.reason))
+        return None
     return Utterance(uid, mh.shape[0], th.shape[0], _MEL_DTYPE_NAMES[mh.dtype],
-                     mh.data_offset, mel_bytes, th.data_offset, tok_bytes)
+                     mh.data_offset, mel_bytes, th.data_offset, tok_bytes), ids
 
 
 def recorded_features(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
@@ -119,7 +167,7 @@ def build_manifest(
     progress: Callable[[int, int], None] | None = None,
     kinds: Mapping[str, str] | None = None,
 ) -> tuple[Manifest, list[CacheProblem]]:
-    """Index a cache directory by reading every file's ``.npy`` header (never its data).
+    """Index a cache directory by reading every file's ``.npy`` header, and the token files' ids.
 
     Args:
         cache_dir: Directory holding ``mels/`` and ``tokens/``.
@@ -130,9 +178,9 @@ def build_manifest(
             headers show (``shared.cache.extras.infer_kind``).
 
     Returns:
-        ``(manifest, problems)``: the usable utterances, and one ``CacheProblem`` per bad or
-        unpaired file (its utterance is left out). An all-bad cache gives an empty manifest;
-        the caller decides whether that is fatal.
+        ``(manifest, problems)``: the usable utterances (with their ``token_range``), and one
+        ``CacheProblem`` per bad or unpaired file (its utterance is left out). An all-bad cache gives
+        an empty manifest; the caller decides whether that is fatal.
 
     Raises:
         CacheError: ``mels/`` or ``tokens/`` is missing, or neither holds any ``.npy`` file,
@@ -147,6 +195,8 @@ def build_manifest(
     ids = sorted(mels.keys() | toks.keys())
     problems: list[CacheProblem] = []
     utterances: list[Utterance] = []
+    lows: list[int] = []
+    highs: list[int] = []    # each utterance's smallest and largest token id, in utterance order
     for done, uid in enumerate(ids, 1):
         mel, tok = mels.get(uid), toks.get(uid)
         if tok is None and mel is not None:
@@ -154,15 +204,20 @@ def build_manifest(
         elif mel is None and tok is not None:
             problems.append(CacheProblem(str(tok), f"no matching mels/{uid}.npy"))
         elif mel is not None and tok is not None:
-            utt = _index_one(uid, mel, tok, n_mels, problems)
-            if utt is not None:
-                utterances.append(utt)
+            indexed = _index_one(uid, mel, tok, n_mels, problems)
+            if indexed is not None:
+                utterances.append(indexed[0])
+                lows.append(indexed[1][0])
+                highs.append(indexed[1][1])
         if progress is not None:
             progress(done, len(ids))
-    utterances, extras = _index_extras(root, utterances, kinds or {}, problems)
-    manifest = Manifest(root, n_mels, tuple(utterances), features, vocabulary, extras)
+    keep, extras = _index_extras(root, utterances, kinds or {}, problems)
+    ranges = [(lows[i], highs[i]) for i in keep]
+    span = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
+    manifest = Manifest(root, n_mels, tuple(utterances[i] for i in keep), features, vocabulary, extras,
+                        token_range=span)
     log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
-             root, len(utterances), len(problems), manifest.fingerprint)
+             root, len(manifest), len(problems), manifest.fingerprint)
     return manifest, problems
 
 
@@ -177,8 +232,9 @@ def _declared_kinds(root: Path) -> dict[str, str]:
 
 
 def _index_extras(root: Path, utterances: list[Utterance], kinds: Mapping[str, str],
-                  problems: list[CacheProblem]) -> tuple[list[Utterance], tuple[ExtraColumn, ...]]:
-    """Index ``extras/*``: an utterance whose file of any extra is bad or missing is left out."""
+                  problems: list[CacheProblem]) -> tuple[list[int], tuple[ExtraColumn, ...]]:
+    """Index ``extras/*``: the indices of the utterances kept (one whose file of any extra is bad or missing
+    is left out) and the columns, with a row per kept utterance."""
     folders = extra_dirs(root)
     unknown = sorted(set(kinds) - set(folders))
     kinds = {**_declared_kinds(root), **kinds}
@@ -195,4 +251,4 @@ def _index_extras(root: Path, utterances: list[Utterance], kinds: Mapping[str, s
         if column is not None:
             columns.append(column)
     keep = [i for i, uid in enumerate(ids) if uid not in dropped]
-    return [utterances[i] for i in keep], tuple(ExtraColumn(c.spec, c.rows[keep]) for c in columns)
+    return keep, tuple(ExtraColumn(c.spec, c.rows[keep]) for c in columns)

@@ -7,11 +7,12 @@ Cache layout::
     CACHE/extras/<name>/<id>.npy  optional extra arrays, declared in the manifest (shared/cache/extras.py)
     CACHE/manifest.json     written by ``write_manifest``
     CACHE/features.json     optional, written by ``prepare``: feature parameters + vocabulary
+                            (shared/cache/features.py)
 
-Role: the manifest type, its fingerprint, atomic write and distrustful load, and the feature
-record. ``shared/cache/index.py`` builds a manifest from the ``.npy`` headers (never the data),
-recording each file's data offset and size, so producers can ``preadv`` data straight into batch
-rows and detect a file changed since indexing.
+Role: the manifest type, its fingerprint, atomic write and distrustful load, and the parsers of the
+recorded features and vocabulary. ``shared/cache/index.py`` builds a manifest from the ``.npy`` headers
+(never a mel's data) and the token ids, recording each file's data offset and size, so producers can
+``preadv`` data straight into batch rows and detect a file changed since indexing.
 
 Invariants:
 - ``Manifest.utterances`` is sorted by id, ids are unique, and every listed utterance has a
@@ -21,10 +22,12 @@ Invariants:
   cache records feature parameters and a vocabulary (``features.json``, copied into the
   manifest by ``cache_index.build_manifest``), the fingerprint covers them too; a cache without them (demo
   data, an adopted cache) hashes exactly as before: its features are unknown and not checked.
-  Declared extras (the batch schema) and their rows are covered the same way, only when present.
+  Declared extras (the batch schema) and their rows are covered the same way, only when present, and so
+  is ``token_range`` (the smallest and largest token id, which ``index`` records since it reads the
+  token files' data): a manifest written before it keeps its fingerprint, and its ids are unchecked.
 - ``write_manifest`` is atomic (temp file, fsync, ``os.replace``): readers see old or new,
   never half a file.
-- ``load_manifest`` trusts nothing: exact JSON types, safe ids, sizes that fit, fingerprint.
+- ``load_manifest`` trusts nothing: exact JSON types, safe ids, sizes that fit, int32 token ids, fingerprint.
 Shutdown: nothing to shut down; every file opened here is closed before returning.
 """
 
@@ -51,7 +54,6 @@ from shared.wire.schema import ExtraSchema
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
-    "FEATURES_NAME",
     "MEL_DTYPES",
     "TOKEN_DTYPE",
     "Utterance",
@@ -59,16 +61,13 @@ __all__ = [
     "Manifest",
     "write_manifest",
     "load_manifest",
-    "read_feature_record", "parse_features", "parse_vocabulary",
-    "write_feature_record",
+    "parse_features", "parse_vocabulary",
 ]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1  # bump when the columns or their meaning change
-FEATURES_NAME = "features.json"
-_FEATURES_FORMAT = 1
 _COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes",
             "tok_offset", "tok_file_bytes")
 _ROW_TYPES = (str, int, int, str, int, int, int, int)  # exact types, so JSON true/1.0 are rejected
@@ -76,6 +75,7 @@ _BAD_ID = re.compile(r"\A(?:\.|\Z)|[/\\\x00]")  # empty, hidden/"..", or a path 
 # The cache's .npy dtypes: a mel file is one of these (by the manifest's mel_dtype), a token file int32.
 MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 TOKEN_DTYPE: np.dtype = np.dtype("<i4")
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1   # what a TOKEN_DTYPE id can hold
 
 
 class Utterance(NamedTuple):
@@ -106,8 +106,8 @@ class CacheProblem:
         return f"{self.path}: {self.reason}"
 
 
-def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...],
-                 ints: npt.NDArray[np.int64], described: bytes | None, extras: bytes | None) -> str:
+def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...], ints: npt.NDArray[np.int64],
+                 described: bytes | None, extras: bytes | None, token_range: tuple[int, int] | None) -> str:
     """16 hex chars of sha256 over everything but ``cache_dir``.
 
     Hashes raw columns (ids and dtypes NUL-joined, NUL being the one character no file name
@@ -124,6 +124,8 @@ def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...],
         h.update(b"\2" + described)
     if extras is not None:
         h.update(b"\3" + extras)
+    if token_range is not None:
+        h.update(b"\4" + np.array(token_range, dtype="<i8").tobytes())
     return h.hexdigest()[:16]
 
 
@@ -153,6 +155,8 @@ class Manifest:
     features: FeatureItems | None = None
     vocabulary: tuple[str, ...] | None = field(default=None, repr=False)  # index = token id; None = unknown
     extras: tuple[ExtraColumn, ...] = field(default=(), repr=False, compare=False)  # the batch schema's extras
+    # (smallest, largest) token id over every utterance, recorded by ``index``; None = not recorded (older manifest)
+    token_range: tuple[int, int] | None = None
     fingerprint: str = field(init=False)  # 16 hex chars; computed, never passed in
     # [6, N] int64, read-only: frames, tokens, mel_offset, mel_file_bytes, tok_offset, tok_file_bytes
     _ints: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
@@ -173,10 +177,13 @@ class Manifest:
         if self.vocabulary is not None:
             object.__setattr__(self, "vocabulary", tuple(self.vocabulary))
         object.__setattr__(self, "extras", tuple(self.extras))
+        if self.token_range is not None:
+            object.__setattr__(self, "token_range", tuple(self.token_range))
         if any(len(c.rows) != n for c in self.extras):
             raise ValueError("every extra needs one row per utterance")
         object.__setattr__(self, "fingerprint", _fingerprint(
-            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary), extras_digest(self.extras)))
+            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary), extras_digest(self.extras),
+            self.token_range))
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -228,45 +235,6 @@ def parse_vocabulary(value: Any, path: Path) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``CACHE/features.json`` as written by ``prepare`` (checked), or None when there is none.
-
-    Raises:
-        CacheError: The record exists but is unreadable or malformed.
-    """
-    path = Path(cache_dir) / FEATURES_NAME
-    try:
-        doc = read_json(path)
-    except CacheError as err:
-        if err.reason == "missing":
-            return None
-        raise
-    except OSError as err:   # EACCES, ENOTDIR (a file where the cache directory should be), EIO
-        raise CacheError(path, f"cannot read ({err.strerror})") from err
-    except ValueError as err:
-        raise CacheError(path, f"malformed feature record: {err}".replace("\n", " ")) from err
-    if not isinstance(doc, dict) or doc.get("format") != _FEATURES_FORMAT:
-        got = doc.get("format") if isinstance(doc, dict) else None
-        raise CacheError(path, f"unsupported feature record format {got!r}, expected {_FEATURES_FORMAT}")
-    parse_features(doc.get("features"), path)
-    parse_vocabulary(doc.get("vocabulary"), path)
-    return doc
-
-
-def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[str, Any],
-                         vocabulary: tuple[str, ...], extra: Mapping[str, Any]) -> Path:
-    """Write ``CACHE/features.json`` atomically: what every file of the cache was computed with.
-
-    Args:
-        features: Feature parameters (names to numbers or strings), e.g. from
-            ``shared.cache.features.feature_params``.
-        vocabulary: Symbol of each token id; index 0 is padding.
-        extra: Further settings kept for ``prepare``'s resume check (not in the manifest).
-    """
-    doc = {"format": _FEATURES_FORMAT, "features": dict(features), "vocabulary": list(vocabulary), **extra}
-    return write_atomic(Path(cache_dir), FEATURES_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
-
-
 def write_manifest(manifest: Manifest) -> Path:
     """Write ``CACHE/manifest.json`` atomically (temp file in the same dir, fsync, rename).
 
@@ -289,6 +257,8 @@ def write_manifest(manifest: Manifest) -> Path:
         doc["vocabulary"] = list(manifest.vocabulary)
     if manifest.extras:
         doc["extras"] = extras_json(manifest.extras)
+    if manifest.token_range is not None:
+        doc["token_range"] = list(manifest.token_range)
     return write_atomic(manifest.cache_dir, MANIFEST_NAME,
                          json.dumps(doc, separators=(",", ":")).encode())
 
@@ -323,6 +293,16 @@ def _check_sizes(manifest: Manifest, rows: list[Any], path: Path) -> None:
           & (tok_bytes >= tok_off + tokens * TOKEN_DTYPE.itemsize))
     if not ok.all():
         raise CacheError(path, f"malformed manifest row {str(rows[int(np.argmin(ok))])[:80]}")
+
+
+def _parse_token_range(value: Any, path: Path) -> tuple[int, int] | None:
+    """``token_range`` as ``(smallest, largest)``: absent (an older manifest) is None; else two int32s, in order."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2 or set(map(type, value)) - {int}
+            or not _INT32_MIN <= value[0] <= value[1] <= _INT32_MAX):
+        raise CacheError(path, "malformed manifest: token_range must be [smallest, largest], two int32 token ids")
+    return value[0], value[1]
 
 
 def _parse_doc(doc: Any, path: Path) -> tuple[int, list[Any], str]:
@@ -370,8 +350,9 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     _check_ids(columns[0], columns[3], path)
     described = parse_features(doc.get("features"), path), parse_vocabulary(doc.get("vocabulary"), path)
     extras = parse_extras(doc.get("extras"), len(rows), path)
+    token_range = _parse_token_range(doc.get("token_range"), path)
     try:
-        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)), *described, extras)
+        manifest = Manifest(root, file_n_mels, tuple(map(Utterance._make, rows)), *described, extras, token_range)
     except OverflowError as err:
         raise CacheError(path, "malformed manifest: integer out of range") from err
     except ValueError as err:

@@ -8,7 +8,9 @@ table with its file and reason, so a producer reading the pack quarantines (or, 
 ``producer.bad_samples: fail``, stops on) the rows it would have refused reading the files, with one
 difference: the pack checks a whole file's values, the file reader only the frames a bucket keeps, so a
 NaN/Inf beyond a bucket's cut makes the row bad here and not there. Every producer reading one pack
-decides alike, which is what keeps quarantine deterministic.
+decides alike, which is what keeps quarantine deterministic. The command publishes a pack with bad rows
+only when asked (``--skip-bad``, as ``index`` writes a manifest without its bad files): otherwise it lists
+them, writes nothing and exits 1.
 Invariants: the pack appears only complete (temp file ``.NAME-<pid>-*.tmp`` in the cache dir, fsync,
 rename, fsync of the directory; a temp file whose writer died is removed by the next ``pack``); memory
 stays bounded by one utterance's files; the sources digest is of the files as they were read (``fstat``
@@ -26,6 +28,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -48,7 +51,8 @@ class PackSummary:
     path: Path
     utterances: int
     data_bytes: int
-    bad: dict[int, tuple[str, str]]
+    bad: dict[int, tuple[str, str]]      # row -> (file, reason) of every row stored as zeros and listed bad
+    written: bool = True                 # False: rows were bad without keep_bad, and nothing was published
 
 
 def _read_whole(path: str, file_bytes: int) -> tuple[bytes, tuple[int, int]]:
@@ -129,8 +133,39 @@ def _remove_dead_temps(final: Path) -> None:
             continue                    # alive, another user's
 
 
-def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = None) -> PackSummary:
+def _write_records(f: BinaryIO, manifest: Manifest, mel_dtype: str, layout: PackLayout, progress: Progress | None,
+                   keep_bad: bool) -> tuple[dict[int, tuple[str, str]], list[tuple[int, int]]]:
+    """Every utterance's record, in manifest order: the bad rows and each source file's (size, mtime_ns).
+
+    Without ``keep_bad`` the records after the first bad row are checked but not written: the pack will not
+    be published, and the list of bad rows must still be complete.
+    """
+    bad: dict[int, tuple[str, str]] = {}
+    stats: list[tuple[int, int]] = []
+    for i in range(len(manifest)):
+        done = len(stats)
+        try:
+            parts = _record(manifest, i, mel_dtype, stats)
+        except CacheError as err:
+            bad[i] = (str(err.path), err.reason)
+            del stats[done:]
+            stats.extend(stat_source(p) for p in source_paths(manifest, i))
+            parts = [bytes(int(layout.parts[i].sum()))]
+        if keep_bad or not bad:
+            for part in parts:
+                f.write(part)
+        if progress is not None:
+            progress(i + 1, len(manifest))
+    return bad, stats
+
+
+def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = None, *,
+               keep_bad: bool = True) -> PackSummary:
     """Write ``pack_path(manifest.cache_dir, mel_dtype)`` from the manifest's files.
+
+    Args:
+        keep_bad: Publish the pack even when some rows are bad (zeros, listed in its header). False: a bad row
+            means nothing is published (``PackSummary.written`` is False; an older pack stays as it was).
 
     Raises:
         ValueError: ``mel_dtype`` is not a cache mel dtype.
@@ -142,31 +177,22 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
     final = pack_path(manifest.cache_dir, mel_dtype)
     _remove_dead_temps(final)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-{os.getpid()}-", suffix=".tmp", dir=manifest.cache_dir)
-    bad: dict[int, tuple[str, str]] = {}
-    stats: list[tuple[int, int]] = []
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(DATA_OFFSET))
-            for i in range(len(manifest)):
-                done = len(stats)
-                try:
-                    parts = _record(manifest, i, mel_dtype, stats)
-                except CacheError as err:
-                    bad[i] = (str(err.path), err.reason)
-                    del stats[done:]
-                    stats.extend(stat_source(p) for p in source_paths(manifest, i))
-                    parts = [bytes(int(layout.parts[i].sum()))]
-                for part in parts:
-                    f.write(part)
-                if progress is not None:
-                    progress(i + 1, len(manifest))
-            header = PackHeader(manifest.fingerprint, mel_dtype, layout.data_bytes, sources_digest(stats), bad)
-            raw = header.to_json()
-            f.write(raw)
-            f.seek(0)
-            f.write(preamble(len(raw), layout.data_bytes))
-            f.flush()
-            os.fsync(f.fileno())
+            bad, stats = _write_records(f, manifest, mel_dtype, layout, progress, keep_bad)
+            publish = keep_bad or not bad
+            if publish:
+                raw = PackHeader(manifest.fingerprint, mel_dtype, layout.data_bytes, sources_digest(stats),
+                                 bad).to_json()
+                f.write(raw)
+                f.seek(0)
+                f.write(preamble(len(raw), layout.data_bytes))
+                f.flush()
+                os.fsync(f.fileno())
+        if not publish:
+            Path(tmp).unlink()
+            return PackSummary(final, len(manifest), layout.data_bytes, bad, written=False)
         os.chmod(tmp, 0o644)
         os.replace(tmp, final)
     except BaseException:
@@ -193,13 +219,16 @@ def ensure_pack(manifest: Manifest, mel_dtype: str) -> None:
 
 
 def main_pack(args: argparse.Namespace) -> int:
-    """Exit 0 when the pack is written (bad rows are listed and will be quarantined); 78 on a bad cache."""
+    """Exit 0 when the pack is written, 1 when files are bad (written only with ``--skip-bad``), 78 on a bad cache.
+
+    Every bad file is one ``bad: PATH: REASON`` line on stderr, as ``index`` prints them.
+    """
     from shared.service.progress import Progress as Bar, progress_interval_s
     from shared.cache.features import check_n_mels_flag
     manifest = load_manifest(args.cache_dir, check_n_mels_flag(args.n_mels))
     bar = Bar(0, sys.stderr, label="pack", unit="utterances", interval_s=progress_interval_s(5.0))
     try:
-        summary = write_pack(manifest, args.mel_dtype, bar.callback())
+        summary = write_pack(manifest, args.mel_dtype, bar.callback(), keep_bad=getattr(args, "skip_bad", False))
     except OSError as err:   # reading a source (EIO) or writing the pack (ENOSPC, EACCES): nothing left behind
         where = f"{err.filename}: " if err.filename else ""
         raise CacheError(args.cache_dir, f"pack not written ({where}{err.strerror})") from err
@@ -207,6 +236,10 @@ def main_pack(args: argparse.Namespace) -> int:
         bar.finish()
     for path, reason in summary.bad.values():
         print(f"bad: {path}: {reason}", file=sys.stderr)
+    if not summary.written:
+        print(f"{len(summary.bad)} bad files; pack not written (fix them, or pass --skip-bad to write it with "
+              "their rows quarantined)", file=sys.stderr)
+        return 1
     print(f"packed {summary.utterances} utterances ({summary.data_bytes / 1e6:.1f} MB, {args.mel_dtype} mels)"
           f" -> {summary.path}" + (f"; {len(summary.bad)} bad rows will be quarantined" if summary.bad else ""))
     return 0

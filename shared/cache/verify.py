@@ -1,12 +1,15 @@
 """``verify-cache``: check every cache file's header, size and values, and say what is wrong.
 
-Role: the offline counterpart of the producer's read-time checks. ``index`` reads only headers;
-this also reads every mel's data, so NaN/Inf values and files changed since indexing are found
+Role: the offline counterpart of the producer's read-time checks. ``index`` reads only the mels'
+headers; this also reads every mel's data, so NaN/Inf values and files changed since indexing are found
 before a training run quarantines (or, under ``producer.bad_samples: fail``, stops on) them.
 
 With ``manifest.json`` the listed utterances are checked against their rows (the files a training
 run reads): missing, a size other than the recorded one (truncated or rewritten), a header that no
-longer matches the row, and non-finite mel values. ``.npy`` files in ``mels/``/``tokens/`` that the
+longer matches the row, non-finite mel values, and token ids: negative (as ``index`` refuses them),
+outside the ``token_range`` the manifest records (the file changed since indexing), or, with
+``vocab_size`` (``--vocab-size``), one the model cannot embed (the files behind a consumer's
+``model.vocab_size`` refusal). ``.npy`` files in ``mels/``/``tokens/`` that the
 manifest does not list are reported as warnings (``fatal=False``): training never reads them, so
 they cannot hurt a run, but they usually mean a forgotten ``index`` or a file ``--skip-bad`` left
 out. Without a manifest (or with one that does not load) every file is checked by its header with
@@ -34,7 +37,7 @@ import numpy as np
 from shared.errors import CacheError
 from shared.cache.filekind import open_regular
 from shared.cache.extras import ExtraColumn, check_extra_header
-from shared.cache.index import check_mel_header, check_token_header, list_npy   # the same rules as index
+from shared.cache.index import check_mel_header, check_token_header, list_npy, token_range   # index's rules
 from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
 from shared.cache.npyfile import NpyHeader, inspect_npy
 
@@ -81,11 +84,27 @@ def _list_npy(directory: Path) -> dict[str, Path]:
 
 
 class _Scanner:
-    """Counts non-finite mel values chunk by chunk, reusing one buffer for every file."""
+    """Counts non-finite mel values chunk by chunk, reusing one buffer for every file; checks token ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorded: tuple[int, int] | None = None, vocab_size: int | None = None) -> None:
         self._buf = bytearray(_CHUNK_BYTES)
         self._finite = np.empty(_CHUNK_BYTES // 2, dtype=bool)  # one flag per float16, the smallest item
+        self._recorded, self._vocab_size = recorded, vocab_size   # the manifest's token_range; --vocab-size
+
+    def tokens(self, path: Path, header: NpyHeader, listed: bool) -> str | None:
+        """Why a token file's ids are wrong (negative, beyond the manifest's range if ``listed``, or
+        ``>= vocab_size``), else ``None``."""
+        try:
+            smallest, largest = token_range(path, header)
+        except CacheError as err:
+            return err.reason
+        lo, hi = self._recorded or (smallest, largest)
+        if listed and not lo <= smallest <= largest <= hi:
+            return (f"changed since index: token ids {smallest}..{largest}, outside the {lo}..{hi} the manifest "
+                    "records; re-run index")
+        if self._vocab_size is not None and largest >= self._vocab_size:
+            return f"token id {largest} >= --vocab-size {self._vocab_size}"
+        return None
 
     def scan(self, path: Path, header: NpyHeader) -> str | None:
         """Return a reason if the data holds NaN or Inf (or cannot be read), else ``None``."""
@@ -141,7 +160,7 @@ def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
         got = (header.shape, header.dtype.name, header.data_offset)
         if got != want:
             return f"changed since index: header says shape/dtype/offset {got}, manifest {want}; re-run index"
-    return scanner.scan(path, header) if is_mel else None
+    return scanner.scan(path, header) if is_mel else scanner.tokens(path, header, row is not None)
 
 
 def _paired(uid: str, mel: Path | None, tok: Path | None) -> VerifyProblem | None:
@@ -219,13 +238,14 @@ def _check_unlisted(mels: dict[str, Path], toks: dict[str, Path], rows: dict[str
 
 
 def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
-                 progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+                 progress: Callable[[int, int], None] | None = None, vocab_size: int | None = None) -> VerifyReport:
     """Check every file of a cache; see the module docstring for what is checked.
 
     Args:
         cache_dir: Directory holding ``mels/``, ``tokens/`` and usually ``manifest.json``.
         n_mels: Required mel bins (the manifest's must match).
         progress: Called as ``progress(done, total)`` after each utterance id.
+        vocab_size: If given, a token file holding an id ``>= vocab_size`` is bad too.
 
     Returns:
         The report; ``report.bad`` is empty for a cache a training run reads without a problem.
@@ -244,7 +264,7 @@ def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
     if rows is None and not mels and not toks:
         raise CacheError(root, "empty cache: no manifest and no .npy files in mels/ or tokens/")
     ids = sorted(rows) if rows is not None else sorted(mels.keys() | toks.keys())
-    scanner, files = _Scanner(), 0
+    scanner, files = _Scanner(manifest.token_range if manifest is not None else None, vocab_size), 0
     for done, uid in enumerate(ids, 1):
         if rows is not None:  # listed: both files must be there and match the row
             row: Utterance | None = rows[uid]

@@ -137,12 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80)
-    pack = sub.add_parser("pack", help="write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, "
-                                       "checked once (producers read a row with one preadv)")
+    ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
+                                                    "(the config's model.vocab_size)")
+    about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers read "
+             "a row with one preadv); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
+    pack = sub.add_parser("pack", help=about, description=about)
     pack.add_argument("cache_dir")
     pack.add_argument("--n-mels", type=int, default=80)
     pack.add_argument("--mel-dtype", choices=("float32", "float16"), default="float32",
                       help="the mels' dtype in the pack: the transport.mel_dtype it serves (default float32)")
+    pack.add_argument("--skip-bad", action="store_true", help="write the pack even with bad files: their rows are "
+                                                              "zeros, listed bad, quarantined by producers")
     aud = sub.add_parser("audit", help="compare the applied-batch logs of STATE_DIR (one per rank of a job) with "
                                        "the plan; exit 1 if not exact")
     aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")

@@ -195,7 +195,8 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
     assert ok.returncode == 0 and "indexed 199 utterances" in ok.stdout
 
 
-def test_pack_writes_the_packed_cache_lists_bad_rows_and_a_missing_cache_is_one_line_78(tmp_path: Path) -> None:
+def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_missing_cache_is_one_line_78(
+        tmp_path: Path) -> None:
     import numpy as np
     from shared.cache.demo_data import write_demo_cache
     from shared.cache.pack_format import PackLayout, open_pack, pack_path
@@ -206,8 +207,15 @@ def test_pack_writes_the_packed_cache_lists_bad_rows_and_a_missing_cache_is_one_
     mel = np.load(bad)
     mel[0, 0] = np.inf
     np.save(bad, mel)
+    before = sorted(os.listdir(cache))
+    refused = _run(["pack", str(cache)], tmp_path, timeout_s=120)   # as index: bad files are an error by default
+    assert refused.returncode == 1 and refused.stdout == "", refused.stderr[-2000:]
+    assert [line for line in refused.stderr.splitlines() if not line.startswith("pack: ")] == [
+        f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache",
+        "1 bad files; pack not written (fix them, or pass --skip-bad to write it with their rows quarantined)"]
+    assert sorted(os.listdir(cache)) == before                        # no pack, no temp file
     for mel_dtype in ("float32", "float16"):
-        proc = _run(["pack", str(cache), "--mel-dtype", mel_dtype], tmp_path, timeout_s=120)
+        proc = _run(["pack", str(cache), "--mel-dtype", mel_dtype, "--skip-bad"], tmp_path, timeout_s=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         mb = PackLayout.of(manifest, mel_dtype).data_bytes / 1e6
         assert proc.stdout.splitlines() == [f"packed 12 utterances ({mb:.1f} MB, {mel_dtype} mels) -> "

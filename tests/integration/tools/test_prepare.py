@@ -146,6 +146,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
     assert len(list((cache / "mels").glob("*.npy"))) == N_GOOD
     doc = json.loads((cache / "manifest.json").read_text())
     assert len(doc["utterances"]) == N_GOOD and len(doc["vocabulary"]) == 49
+    assert 1 <= doc["token_range"][0] <= doc["token_range"][1] < 49      # ids of the vocabulary; 0 is padding
     assert doc["features"]["hop_samples"] == 256 and doc["features"]["definition"] == "melfeed-logmel/1"
     err = proc.stderr
     assert f"skipped LJ001-{N_GOOD + 1:04d}: {corpus / 'wavs' / f'LJ001-{N_GOOD + 1:04d}.wav'}: truncated" in err

@@ -124,6 +124,14 @@ def test_broken_manifest_triggers_rewrite(tmp_path: Path) -> None:
     assert write_demo_cache(tmp_path, 5, n_mels=16) == first
 
 
+def test_a_demo_cache_indexed_before_token_range_is_rewritten_so_its_runs_check_the_ids(tmp_path: Path) -> None:
+    from shared.cache.manifest import write_manifest
+    first = write_demo_cache(tmp_path, 5, n_mels=16)
+    assert first.token_range is not None and 1 <= first.token_range[0] <= first.token_range[1] < DEMO_VOCAB_SIZE
+    write_manifest(Manifest(tmp_path, 16, first.utterances))      # as an older version left it
+    assert write_demo_cache(tmp_path, 5, n_mels=16) == first
+
+
 def test_refuses_to_write_over_a_real_cache(tmp_path: Path) -> None:
     (tmp_path / "mels").mkdir()
     np.save(tmp_path / "mels" / "real-0001.npy", np.zeros((3, 16), np.float32))

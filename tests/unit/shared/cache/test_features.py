@@ -20,9 +20,9 @@ from shared.config import FeatureConfig, PipelineConfig
 from shared.config_loader import config_from_mapping
 from shared.errors import CacheError, ConfigError
 from producer.prepare.dsp import LogMel, frame_count, resample
-from shared.cache.features import feature_params, load_manifest_for
+from shared.cache.features import feature_params, load_manifest_for, write_feature_record
 from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest, Utterance, load_manifest, write_feature_record, write_manifest
+from shared.cache.manifest import Manifest, Utterance, load_manifest, write_manifest
 from shared.cache.text import VOCABULARY
 
 _LINEAR_TOL = 2e-5   # x the clip's largest mel value
@@ -178,7 +178,7 @@ def test_cache_without_recorded_features_is_not_checked_and_keeps_its_fingerprin
     np.save(tmp_path / "mels" / "a.npy", np.zeros((5, 80), np.float32))
     np.save(tmp_path / "tokens" / "a.npy", np.arange(1, 4, dtype=np.int32))
     write_manifest(build_manifest(tmp_path, 80)[0])
-    odd = config_from_mapping({"cache_dir": str(tmp_path), "features": {"hop_samples": 1}, "model": {"vocab_size": 2}})
+    odd = config_from_mapping({"cache_dir": str(tmp_path), "features": {"hop_samples": 1}, "model": {"vocab_size": 4}})
     assert load_manifest_for(odd).features is None
 
 
@@ -200,3 +200,66 @@ def test_index_refuses_a_feature_record_with_other_n_mels(tmp_path: Path) -> Non
     cache = _prepared_cache(tmp_path / "c")
     with pytest.raises(CacheError, match="prepared with n_mels=80, indexing with n_mels=40"):
         build_manifest(cache, 40)
+
+
+# ---- token ids against the running model's vocabulary (index's token_range) ----------------------
+
+def _adopted_cache(root: Path, tokens: dict[str, list[int]]) -> Path:
+    """A user's own cache, as ``index`` adopts it: no features.json, so no vocabulary either."""
+    (root / "mels").mkdir(parents=True)
+    (root / "tokens").mkdir()
+    for uid, ids in tokens.items():
+        np.save(root / "mels" / f"{uid}.npy", np.zeros((5, 80), np.float32))
+        np.save(root / "tokens" / f"{uid}.npy", np.array(ids, np.int32))
+    manifest, problems = build_manifest(root, 80)
+    assert problems == []
+    write_manifest(manifest)
+    return root
+
+
+def test_a_token_id_beyond_model_vocab_size_is_refused_at_consumer_start_naming_the_cache(tmp_path: Path) -> None:
+    from consumer.app import _opened_state
+    from consumer.feed import Consumer
+    from shared.service.tf_config import SINGLE_WORKER
+    cache = _adopted_cache(tmp_path / "c", {"a": [1, 2, 3], "b": [4, 312, 0]})
+    cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
+    with pytest.raises(ConfigError) as info, _opened_state(cfg, SINGLE_WORKER):   # run/consumer: before the feed
+        pass
+    assert str(info.value) == (f"model.vocab_size: must be > 312, the largest token id in {cache} (run_pipeline.py "
+                               f"verify-cache {cache} --vocab-size 256 names the files with ids >= 256), got 256")
+    assert load_manifest_for(cfg, feeds_model=False).token_range == (0, 312)  # a producer runs no model: not refused
+    feed = Consumer(cfg)                                    # nor the library: the model is the caller's own
+    feed.close()
+    assert feed.manifest.token_range == (0, 312)
+    fits = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 313}})
+    assert load_manifest_for(fits).token_range == (0, 312)
+
+
+def test_a_negative_token_id_in_a_manifest_is_refused_naming_it(tmp_path: Path) -> None:
+    cache = _adopted_cache(tmp_path / "c", {"a": [1, 2]})
+    manifest = load_manifest(cache)
+    write_manifest(Manifest(cache, 80, manifest.utterances, token_range=(-1, 2)))  # index never writes this
+    with pytest.raises(CacheError) as info:
+        load_manifest_for(config_from_mapping({"cache_dir": str(cache)}))
+    assert str(info.value) == f"{cache / 'manifest.json'}: token id -1 is negative; re-run index, which names the files" \
+                              " that hold one"
+
+
+def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = _adopted_cache(tmp_path / "c", {"a": [1, 300]})
+    manifest = load_manifest(cache)
+    write_manifest(Manifest(cache, 80, manifest.utterances))    # as an older index wrote it: no token_range
+    cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
+    with caplog.at_level("WARNING", logger="shared.cache.features"):
+        for _ in range(2):                                      # state directory, then the feed: one warning
+            assert load_manifest_for(cfg).token_range is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"token ids of cache {cache} not checked against model.vocab_size: its manifest was written before index "
+        f"recorded them; re-run `run_pipeline.py index {cache}` to check them (this changes the fingerprint: re-run "
+        "pack too, and an interrupted run cannot resume across it)"]
+    caplog.clear()
+    write_manifest(build_manifest(cache, 80)[0])                # re-indexed: checked, and refused
+    with caplog.at_level("WARNING", logger="shared.cache.features"), pytest.raises(ConfigError, match="must be > 300"):
+        load_manifest_for(cfg)
+    assert caplog.records == []

@@ -92,6 +92,7 @@ _I4 = np.arange(1, 4, dtype="<i4")
     (_F4, _I4.reshape(1, 3), "tokens/x.npy", r"expected rank 1 \[tokens\], got shape \(1, 3\)"),
     (_F4, _I4.astype("<i8"), "tokens/x.npy", "token dtype <i8 not allowed"),
     (_F4, np.zeros(0, "<i4"), "tokens/x.npy", "zero tokens"),
+    (_F4, np.array([3, 0, -7, 5], "<i4"), "tokens/x.npy", r"^token id -7 at position 2: ids must be >= 0$"),
 ])
 def test_bad_files_become_problems_and_are_left_out(
     cache: Path, mel: np.ndarray | None, tokens: np.ndarray | None, bad_file: str, match: str
@@ -170,6 +171,32 @@ def test_write_then_load_round_trips(cache: Path) -> None:
     assert load_manifest(cache, N_MELS) == manifest
 
 
+def test_index_records_the_smallest_and_largest_token_id_of_the_kept_utterances(cache: Path) -> None:
+    manifest, _ = build_manifest(cache, N_MELS)
+    assert manifest.token_range == (1, 4)            # a: 1..2, b: 1..3, c: 1..4
+    _put(cache, "d", _F4, np.array([0, 700, 2], "<i4"))
+    _put(cache, "e", np.zeros(3, "<f4"), np.array([9000], "<i4"))   # a bad mel: its ids are left out too
+    manifest, problems = build_manifest(cache, N_MELS)
+    assert manifest.token_range == (0, 700) and [p.path for p in problems] == [str(cache / "mels" / "e.npy")]
+    write_manifest(manifest)
+    assert json.loads((cache / MANIFEST_NAME).read_text())["token_range"] == [0, 700]
+    assert load_manifest(cache).token_range == (0, 700)
+
+
+def test_a_manifest_without_token_range_keeps_the_fingerprint_it_had_and_loads_unchecked(cache: Path) -> None:
+    rows = (Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
+            Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136))
+    assert Manifest(cache, 80, rows).fingerprint == "7bfabcf7e5f8adf0"   # the value before token_range existed
+    ranged = {Manifest(cache, 80, rows, token_range=r).fingerprint for r in ((1, 40), (0, 40), (1, 41))}
+    assert len(ranged) == 3 and "7bfabcf7e5f8adf0" not in ranged
+    old = build_manifest(cache, N_MELS)[0]
+    old = Manifest(old.cache_dir, old.n_mels, old.utterances)    # as an index of an older version wrote it
+    write_manifest(old)
+    assert "token_range" not in json.loads((cache / MANIFEST_NAME).read_text())
+    loaded = load_manifest(cache, N_MELS)
+    assert loaded.token_range is None and loaded.fingerprint == old.fingerprint
+
+
 def test_load_from_copied_cache_resolves_paths_there(cache: Path, tmp_path: Path) -> None:
     write_manifest(build_manifest(cache, N_MELS)[0])
     copy = tmp_path / "copy"
@@ -206,6 +233,10 @@ def _set_row(doc: dict[str, Any], col: int, value: object) -> None:
     (lambda d: d.__setitem__("columns", ["id"]), "unexpected columns"),
     (lambda d: d.__setitem__("format", 99), "unsupported manifest format 99"),
     (lambda d: d.__setitem__("n_mels", "8"), "malformed manifest: n_mels='8'"),
+    (lambda d: d.__setitem__("token_range", [1, 9]), r"fingerprint mismatch \(manifest edited\?\)"),
+    (lambda d: d.pop("token_range"), r"fingerprint mismatch \(manifest edited\?\)"),
+    *((lambda d, v=v: d.__setitem__("token_range", v), r"token_range must be \[smallest, largest\], two int32")
+      for v in ([1, True], [1.0, 4], [4, 1], [0, 2**31], [-2**31 - 1, 4], [1], [1, 2, 3], "1,4", {"min": 1})),
 ])
 def test_load_rejects_edited_manifest(
     cache: Path, change: Callable[[dict[str, Any]], object], match: str

@@ -218,3 +218,33 @@ def test_a_same_size_rewrite_that_index_would_accept_is_still_a_changed_file(cac
     assert problem == VerifyProblem(str(_mel(cache, 5)), (
         f"changed since index: header says shape/dtype/offset (({2 * frames}, 80), 'float16', 128), "
         f"manifest (({frames}, 80), 'float32', 128); re-run index"))
+
+
+def test_token_ids_negative_outside_the_indexed_range_or_beyond_vocab_size_are_bad(cache: Path) -> None:
+    from shared.cache.manifest import load_manifest
+    lo, hi = load_manifest(cache).token_range or (0, 0)
+    _edit(_tok(cache, 3), lambda t: np.where(np.arange(t.size) == 2, -5, t).astype(np.int32))
+    _edit(_tok(cache, 4), lambda t: np.where(np.arange(t.size) == 0, hi + 1, t).astype(np.int32))  # same size
+    assert [(p.path, p.reason) for p in verify_cache(cache, 80).problems] == [
+        (str(_tok(cache, 3)), "token id -5 at position 2: ids must be >= 0"),
+        (str(_tok(cache, 4)), f"changed since index: token ids {lo}..{hi + 1}, outside the {lo}..{hi} the manifest "
+                              "records; re-run index")]
+    (cache / MANIFEST_NAME).unlink()                  # by header: a negative id is still bad, the range unknown
+    assert [p.path for p in verify_cache(cache, 80).problems] == [str(_tok(cache, 3))]
+    holding = sorted(str(_tok(cache, i)) for i in range(N) if i != 3 and np.load(_tok(cache, i)).max() >= hi)
+    flagged = [(p.path, p.reason) for p in verify_cache(cache, 80, vocab_size=hi).problems]
+    assert holding and [f for f in flagged if f[0] != str(_tok(cache, 3))] == [
+        (path, f"token id {int(np.load(path).max())} >= --vocab-size {hi}") for path in holding]
+
+
+def test_the_vocab_size_flag_is_parsed_and_bounded_as_the_configs() -> None:
+    import argparse
+
+    from shared.cache.commands import main_verify_cache
+    from shared.errors import ConfigError
+    from shared.service.cli import build_parser
+    assert build_parser().parse_args(["verify-cache", "c", "--vocab-size", "64"]).vocab_size == 64
+    with pytest.raises(ConfigError) as info:
+        main_verify_cache(argparse.Namespace(cache_dir="c", n_mels=80, vocab_size=1))
+    assert str(info.value) == ("--vocab-size: must be in 2..2147483647 (token ids below it, as the config's "
+                               "model.vocab_size), got 1")
