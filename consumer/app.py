@@ -37,12 +37,13 @@ from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args, with_demo_cache
 from shared.config import PipelineConfig
-from shared.config_checks import check_endpoint, check_output_paths
+from shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
 from shared.errors import ConfigError, PipelineError, StateError
 from shared.flag_checks import check_output_file
 from shared.service.children import Child, child_env, python_argv, spawn, write_private_config
-from shared.service.lifecycle import PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, stop_on_signals
+from shared.service.lifecycle import (PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, resolve_endpoint,
+                                      stop_on_signals)
 from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
@@ -83,6 +84,12 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
     """Before anything starts: the files the run writes and the sockets it binds have a usable directory,
     and no output file is a directory (found at the end of training, either would lose the summary)."""
     c = cfg.consumer
+    control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
+    # The config refuses two equal values; here the defaults are filled in (the runtime directory's
+    # melfeed.sock, the rank's names) and may meet a value that is set.
+    check_distinct_binds({("transport", "endpoint"): resolve_endpoint(cfg, os.environ, create_dir=False),
+                          ("consumer", "control_endpoint"): control},
+                         (("consumer", "metrics_port"), c.metrics_host, c.metrics_port))
     named: dict[tuple[str, ...], str | None] = {("transport", "endpoint"): cfg.transport.endpoint,
                                                 ("consumer", "control_endpoint"): c.control_endpoint}
     endpoints = {key: endpoint for key, endpoint in named.items() if endpoint is not None}
@@ -90,7 +97,6 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                        endpoints)
     check_output_file(c.metrics_file, "consumer.metrics_file")   # not a directory, an existing file writable
     check_output_file(args.summary_json, "--summary-json")
-    control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
     if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
         try:
             check_endpoint(control, ("consumer", "control_endpoint"))

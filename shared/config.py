@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.config_checks import check_endpoint, check_int32, check_not_abstract, check_seed, plain_params
+from shared.config_checks import (check_distinct_binds, check_endpoint, check_int32, check_not_abstract, check_number,
+                                  check_seed, plain_params)
 from shared.config_checks import require as _check
 from shared.config_features import FeatureConfig
 from shared.gpu_select import check_gpu_list
@@ -365,6 +366,9 @@ class PipelineConfig:
                ("consumer", "control_endpoint"), control)
         for key, end in ((("transport", "endpoint"), self.transport.endpoint), (("consumer", "control_endpoint"), control)):
             check_not_abstract(end, self.transport.insecure, key)
+        check_distinct_binds({("transport", "endpoint"): self.transport.endpoint,
+                              ("consumer", "control_endpoint"): control},
+                             (("consumer", "metrics_port"), self.consumer.metrics_host, self.consumer.metrics_port))
         n, rows = self.consumer.replica_count, self.buckets.batch_size
         _check(rows is None or rows % n == 0, f"must divide by the {n} model replicas (consumer.replicas, "
                "consumer.model_gpu): each replica takes an equal share of every batch's rows",

@@ -8,11 +8,15 @@ Role: the refusals that are the same for many keys, so that no key can forget on
 - every string is one printable line (a NUL or newline in a path or endpoint fails far from here);
 - endpoints are usable: ``ipc://PATH`` at most ``MAX_IPC_PATH_BYTES`` (the AF_UNIX limit) and
   ``tcp://HOST:PORT`` with a port in 1..65535;
-- free-form settings (``model.params``) are YAML values only (``plain_params``).
+- free-form settings (``model.params``) are YAML values only (``plain_params``);
+- the addresses one consumer binds are distinct (``check_distinct_binds``): the data endpoint, the status
+  socket and the metrics port. The second bind of one address would otherwise fail at start with a
+  message about "another consumer" that is this very process.
 
 Checks that need the machine run where the consumer starts, not at load (``deploy`` and ``status``
 read configs written for other hosts): ``check_output_paths`` (``consumer`` and ``run``, before
-training) and ``check_ring_bytes`` (once the manifest gives the largest batch). The rest is pure.
+training) and ``check_ring_bytes`` (once the manifest gives the largest batch). The rest is pure
+(``endpoints_collide`` only reads where links in an ipc path lead, where they exist).
 Invariant: each refusal is one ``ConfigError`` naming the key path.
 Shutdown: nothing to release.
 """
@@ -27,8 +31,8 @@ from typing import Any
 from shared.errors import ConfigError
 
 __all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
-           "check_text", "check_endpoint", "check_output_paths", "check_ring_bytes", "physical_memory_bytes",
-           "plain_params"]
+           "check_text", "check_endpoint", "check_distinct_binds", "check_output_paths", "check_ring_bytes",
+           "endpoints_collide", "physical_memory_bytes", "plain_params"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -115,6 +119,65 @@ def check_not_abstract(endpoint: str | None, insecure: bool, path: tuple[str, ..
     if endpoint is not None and endpoint.startswith("ipc://@") and not insecure:
         raise ConfigError("is an abstract unix socket, which every local user can connect to or bind first; use a "
                           "path (ipc:///DIR/NAME.sock) or set transport.insecure: true", path=path, got=endpoint)
+
+
+_ANY_HOST = frozenset({"*", "0.0.0.0", "[::]", "::", ""})     # every interface: overlaps every address
+_SAME_HOST = {"localhost": "127.0.0.1", "[::ffff:127.0.0.1]": "127.0.0.1"}
+
+
+def _tcp_address(endpoint: str) -> tuple[str, str] | None:
+    """``(host, port)`` of ``tcp://HOST:PORT``, else ``None``."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.lower()
+    return _SAME_HOST.get(host, host), port
+
+
+def _tcp_overlap(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    return a[1] == b[1] and (a[0] == b[0] or a[0] in _ANY_HOST or b[0] in _ANY_HOST)
+
+
+def endpoints_collide(a: str, b: str) -> bool:
+    """Whether binding both ``a`` and ``b`` takes one address twice: the same ipc path (resolved: links
+    and ``..`` followed where they exist) or abstract name, or tcp on one port with the same host or a
+    wildcard (``*``, ``0.0.0.0``, ``[::]``) on either side."""
+    if a.startswith("ipc://") and b.startswith("ipc://"):
+        pa, pb = a.removeprefix("ipc://"), b.removeprefix("ipc://")
+        if pa.startswith("@") or pb.startswith("@"):
+            return pa == pb
+        return os.path.realpath(pa) == os.path.realpath(pb)
+    ta, tb = _tcp_address(a), _tcp_address(b)
+    return ta is not None and tb is not None and _tcp_overlap(ta, tb)
+
+
+def check_distinct_binds(endpoints: Mapping[tuple[str, ...], str | None],
+                         http: tuple[tuple[str, ...], str, int | None] | None = None) -> None:
+    """Refuse two of the addresses one consumer binds that are the same address.
+
+    Args:
+        endpoints: key path -> endpoint the consumer binds (``None``: not bound), in the order the keys
+            are named: the later key of a colliding pair is the one refused.
+        http: ``(key path, host, port)`` of an HTTP listener (the metrics port; port ``None``: off).
+
+    Raises:
+        ConfigError: naming the later key and the one it collides with, e.g.
+            ``consumer.control_endpoint: must differ from transport.endpoint (ipc:///run/x.sock)``.
+    """
+    named = [(key, value) for key, value in endpoints.items() if value is not None]
+    for i, (key, value) in enumerate(named):
+        for other_key, other in named[:i]:
+            if endpoints_collide(other, value):
+                raise ConfigError(f"must differ from {'.'.join(other_key)} ({other}): the consumer binds both",
+                                  path=key, got=value)
+    if http is not None and http[2] is not None:
+        key, host, port = http
+        here = (_SAME_HOST.get(host.lower(), host.lower()), str(port))
+        for other_key, other in named:
+            there = _tcp_address(other)
+            if there is not None and _tcp_overlap(here, there):
+                raise ConfigError(f"{host}:{port} is also where {'.'.join(other_key)} ({other}) listens; "
+                                  "choose another port", path=key)
 
 
 def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],

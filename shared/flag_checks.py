@@ -6,7 +6,10 @@ Role: the refusals several commands share, so that none can forget one (README "
   comparison, so a check written as ``if value <= 0`` lets it through;
 - ``check_output_file``: a file a command writes at its END (``bench --json``, ``audit --json``,
   ``run --summary-json``) is checked BEFORE any work: not a directory, its directory exists and is
-  writable, an existing file is writable; a mistake found after an hour of trials loses the results;
+  writable, an existing file is writable, and no other user could make the write land elsewhere (a
+  symbolic link in its place, a file planted in /tmp: ``shared.output_files.output_reason``); a mistake
+  found after an hour of trials loses the results. The write itself (``shared.output_files.write_output``)
+  checks again on its descriptor;
 - ``check_not_an_input``: an output file is none of the command's input files (same path after
   resolving links, or the same inode), so ``report m.jsonl -o m.jsonl`` cannot overwrite its data;
 - ``read_regular_file``: a whole input file read under the config file's rules (regular file, opened
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 
 from shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
 from shared.errors import ConfigError
+from shared.output_files import check_output
 
 __all__ = ["check_number", "check_output_file", "check_not_an_input", "read_regular_file"]
 
@@ -48,7 +52,8 @@ def check_output_file(path: str | None, flag: str) -> None:
 
     Raises:
         ConfigError: naming ``flag``: the path is a directory, its directory is missing or not writable,
-            or the file exists and is not writable.
+            the file exists and is not writable, or another user could redirect the write
+            (``shared.output_files.check_output``).
     """
     if path is None:
         return
@@ -59,6 +64,10 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise ConfigError(f"directory {directory} does not exist", path=(flag,), got=path)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError(f"directory {directory} is not writable", path=(flag,), got=path)
+    try:
+        check_output(path, flag)
+    except OSError as err:
+        raise ConfigError(f"cannot examine its directory: {err.strerror or err}", path=(flag,), got=path) from None
     if os.path.lexists(path) and not os.access(path, os.W_OK):
         raise ConfigError("exists and is not writable", path=(flag,), got=path)
 

@@ -44,6 +44,7 @@ from shared.cache.pack_format import pack_path
 from shared.config import PipelineConfig, TransportConfig
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
+from shared.output_files import write_output
 from shared.flag_checks import check_number, check_output_file
 from shared.service.children import REPO_ROOT, child_env, handed_over_config, module_argv
 from shared.service.stop_ladder import communicate_or_kill
@@ -318,7 +319,7 @@ def main_bench(args: argparse.Namespace) -> int:
     print(render(report))
     if args.json:
         try:
-            Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+            write_output(args.json, json.dumps(report, indent=1, default=str) + "\n", what="--json")
         except OSError as err:      # checked before the trials; a full disk is still one line
             print(f"run_pipeline.py bench: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1

@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from shared.service.cli import OneLineParser
@@ -60,6 +59,8 @@ def _config(args: argparse.Namespace) -> Any:
     from shared.config_loader import load_config, with_overrides
     from shared.service.cli import with_demo_cache
     from shared.errors import ConfigError
+    from shared.flag_checks import check_output_file
+    check_output_file(args.json, "--json")          # before the measurement, not after it
     cfg = with_demo_cache(args, load_config(args.config))
     depths = [int(d) for d in args.depths.split(",") if d.strip()] if args.depths.replace(",", "").isdigit() else []
     if not depths or min(depths) < 1:
@@ -217,7 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     _print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        from shared.output_files import write_output
+        try:
+            write_output(args.json, json.dumps(report, indent=1), what="--json")
+        except PipelineError as err:            # another user's link or file put there since the check
+            print(f"jax_bench: {err}", file=sys.stderr)
+            return EXIT_CONFIG
     return 0
 
 

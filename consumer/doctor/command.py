@@ -35,6 +35,7 @@ from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
 from shared.errors import EXIT_CONFIG, ConfigError
+from shared.output_files import write_output
 from shared.flag_checks import check_number, check_output_file
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
@@ -205,7 +206,7 @@ def main_doctor(args: argparse.Namespace) -> int:
     print(render(report, verdict, checks))
     if args.json:
         try:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+            write_output(args.json, json.dumps(report, indent=2) + "\n", what="--json")   # refusals: exit 78
         except OSError as err:      # checked before the stages; a full disk is still one line
             print(f"run_pipeline.py doctor: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1

@@ -16,6 +16,7 @@ Shutdown: the figure is closed after saving, also on error (no pyplot state surv
 from __future__ import annotations
 
 import argparse
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.output_files import write_output
 from shared.flag_checks import check_not_an_input
 from shared.metrics import PHASE_COMPILING, PHASE_WAITING
 from consumer.observe.report_data import RunSeries, read_metrics
@@ -171,7 +173,8 @@ def render_report(series: RunSeries | Sequence[RunSeries], out: str | Path, titl
     """Draw ``series`` (one run, or several ranks on one time axis) into the PNG ``out``.
 
     Raises:
-        ConfigError: matplotlib is missing, or ``out`` cannot be written (names it).
+        ConfigError: matplotlib is missing, or ``out`` cannot be written (names it), or another user could
+            redirect the write (a symbolic link in its place: ``shared.output_files.open_output``).
     """
     plt = _import_pyplot()
     runs = _aligned([series] if isinstance(series, RunSeries) else list(series))
@@ -205,8 +208,10 @@ def _ranks_title(named: Sequence[tuple[str, RunSeries]], name: str) -> str:
 
 
 def _save(fig: Any, axes: Any, out: Path) -> RenderedReport:
+    png = io.BytesIO()
+    fig.savefig(png, dpi=_DPI, format="png")      # drawn whole first: the file is replaced only by a complete image
     try:
-        fig.savefig(out, dpi=_DPI, format="png")
+        write_output(out, png.getvalue(), what="--output")    # never through another user's link (exit 78)
     except OSError as err:
         raise ConfigError(f"cannot write the report: {err.strerror or err}", path=(str(out),)) from None
     width, height = fig.canvas.get_width_height()

@@ -29,7 +29,7 @@ from consumer.flow.peers import ProducerReport
 from consumer.transport.receiver import ReceiverStats
 from shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
 from shared.errors import ConfigError
-from shared.filetrust import open_output
+from shared.output_files import open_output
 from consumer.observe.gpu import GpuSampler
 
 __all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
@@ -345,10 +345,12 @@ class Telemetry:
 def open_metrics_file(path: str) -> IO[str]:
     """Open the JSONL file for line-buffered appending; ``ConfigError`` naming the key if it cannot be.
 
-    A new file is 0640 whatever the umask (``shared.filetrust``); an existing one keeps its mode.
+    A new file is 0640 whatever the umask (``shared.output_files``); an existing one keeps its mode. A
+    symbolic link in its place, or another user's file in /tmp, is refused (``open_output``).
     """
     try:
-        return os.fdopen(open_output(path, append=True), "a", buffering=1, encoding="utf-8")
+        return os.fdopen(open_output(path, append=True, what="consumer.metrics_file"), "a", buffering=1,
+                         encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot append to {path}: {err.strerror}", path=("consumer", "metrics_file")) from err
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from consumer.resume.filemode import STATE_FILE_MODE
 from shared.errors import ConfigError, StateError
+from shared.output_files import write_output
 from shared.flag_checks import check_output_file, read_regular_file
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
@@ -285,6 +286,6 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     The path itself was checked before the audit (``check_output_file``).
     """
     try:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        write_output(path, json.dumps(doc, indent=2) + "\n", what="--json")   # a refusal: ConfigError, exit 78
     except OSError as err:
         raise StateError(path, f"cannot write: {err.strerror or err}", fatal=False) from None

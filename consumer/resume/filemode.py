@@ -11,20 +11,20 @@ Invariants:
   files written by others (TensorFlow's checkpoint writer) are narrowed with ``restrict``.
 - A directory or file that already exists keeps its mode: the operator may have chosen it. It is used
   only if no other user can change it (``check_private_dir``): owned by this user, writable by no one
-  else, and every parent owned by this user or root and, where others can write to it, sticky (the
-  rule of OpenSSH's StrictModes). Whoever could change it could swap a checkpoint the run restores or
+  else, and every parent owned by this user or root and, where others can write to it, sticky, every
+  symbolic link on the way this user's or root's (the rule of OpenSSH's StrictModes,
+  ``shared.filetrust.place_reason``). Whoever could change it could swap a checkpoint the run restores or
   compiled code the XLA cache loads.
 Shutdown: nothing to shut down; every descriptor is closed before returning.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from pathlib import Path
 
-from shared.filetrust import make_dirs
+from shared.filetrust import check_private_dir, make_dirs
 
 __all__ = ["STATE_DIR_MODE", "STATE_FILE_MODE", "check_private_dir", "make_private_dir", "write_private", "restrict"]
 
@@ -43,37 +43,6 @@ def make_private_dir(path: Path) -> None:
     """
     make_dirs(path, STATE_DIR_MODE)
     check_private_dir(path)
-
-
-def _others_can_write(st: os.stat_result) -> bool:
-    mode = stat.S_IMODE(st.st_mode)
-    foreign_group = st.st_gid != os.getegid() and st.st_gid not in os.getgroups()
-    return bool(mode & stat.S_IWOTH or (mode & stat.S_IWGRP and foreign_group))
-
-
-def check_private_dir(path: Path) -> None:
-    """Refuse a directory another user could change, or whose place another user could change.
-
-    Raises:
-        PermissionError: ``path`` (resolved) is not this user's, others can write to it, or a parent is
-            neither this user's nor root's, or is writable by others without the sticky bit.
-    """
-    real, uid = Path(os.path.realpath(path)), os.geteuid()
-    st = os.stat(real)
-    if st.st_uid != uid:
-        raise PermissionError(errno.EPERM, f"{real} belongs to uid {st.st_uid}, not to this user (uid {uid}), "
-                              "who could replace what it holds")
-    if _others_can_write(st):
-        raise PermissionError(errno.EPERM, f"{real} is mode {stat.S_IMODE(st.st_mode):04o}: other users can "
-                              "write to it; make it 0750 or stricter")
-    for parent in real.parents:
-        pst = os.stat(parent)
-        if pst.st_uid not in (uid, 0):
-            raise PermissionError(errno.EPERM, f"its parent {parent} belongs to uid {pst.st_uid}, who could move "
-                                  "it; use a directory under one of this user's or root's")
-        if _others_can_write(pst) and not pst.st_mode & stat.S_ISVTX:
-            raise PermissionError(errno.EPERM, f"its parent {parent} is mode {stat.S_IMODE(pst.st_mode):04o} "
-                                  "without the sticky bit: other users could move it")
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -40,7 +40,7 @@ from consumer.train.meter import LoopMeter, format_status_line
 from consumer.train.quarantine import ceiling_for
 from shared.config import PipelineConfig
 from shared.errors import DataError, PipelineError
-from shared.filetrust import write_output
+from shared.output_files import write_output
 from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
 from shared.service.sdnotify import Notifier
 
@@ -101,8 +101,12 @@ class TrainSummary:
     world: int = 1                      # ranks in the job; > 1: MultiWorkerMirroredStrategy, outputs are the job's
 
     def write(self, path: str | Path) -> None:
-        """Replace ``path`` (``--summary-json``); a new file is 0640 whatever the umask, an old one keeps its mode."""
-        write_output(path, json.dumps(asdict(self), indent=2) + "\n")
+        """Replace ``path`` (``--summary-json``); a new file is 0640 whatever the umask, an old one keeps its mode.
+
+        Raises:
+            ConfigError: another user could redirect the write (``shared.output_files.open_output``).
+        """
+        write_output(path, json.dumps(asdict(self), indent=2) + "\n", what="--summary-json")
 
     def line(self) -> str:
         """The headline figures on one line for the log; the JSON logged before it holds every figure."""

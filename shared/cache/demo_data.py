@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from shared.errors import CacheError, ConfigError
 from shared.cache.filekind import make_dirs
+from shared.output_files import output_dir_reason
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, load_manifest, write_manifest
 
@@ -194,7 +195,8 @@ def write_demo_cache(
         ConfigError: ``n_utterances`` (named as ``utterances_flag``) or ``seed`` (``--seed``) out of range.
         ValueError: ``n_mels`` < 1.
         CacheError: ``out_dir`` holds ``.npy`` files that are not from a demo cache, is not a directory,
-            or cannot be created or written (read-only parent, disk full): one line with the OS reason.
+            or cannot be created or written (read-only parent, disk full): one line with the OS reason;
+            or another user could write to it or swap it (``shared.output_files.output_dir_reason``).
     """
     if not 1 <= n_utterances <= DEMO_UTTERANCES_MAX:
         raise ConfigError(f"must be in 1..{DEMO_UTTERANCES_MAX}", path=(utterances_flag,), got=n_utterances)
@@ -208,6 +210,7 @@ def write_demo_cache(
         raise CacheError(root, "not a directory")
     with _writer_lock(root):
         make_dirs(root)
+        _check_own(root)
         try:
             manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
             from shared.cache.pack_write import ensure_pack
@@ -225,7 +228,8 @@ def _writer_lock(root: Path) -> Iterator[None]:
     Waits at most ``_LOCK_WAIT_S`` for the other writer; a parent that refuses the lock file means no lock."""
     wait_s = _LOCK_WAIT_S
     try:
-        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
     except OSError as err:
         log.warning("demo cache %s: no writer lock (%s); do not start two --demo runs at once", root, err)
         yield
@@ -244,6 +248,17 @@ def _writer_lock(root: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)          # releases the lock
+
+
+def _check_own(root: Path) -> None:
+    """Refuse a cache directory another user could write to (or swap): ``np.save`` follows a link that user
+    could plant at a file's name, and a file planted there would be served as data."""
+    try:
+        reason = output_dir_reason(root)
+    except OSError as err:
+        raise CacheError(root, f"cannot examine the demo cache directory ({err.strerror})") from err
+    if reason is not None:
+        raise CacheError(root, f"refusing to write the demo cache: {reason}")
 
 
 def _write_or_reuse(root: Path, n_utterances: int, seed: int, n_mels: int, extras: bool) -> Manifest:

@@ -97,7 +97,7 @@ def write_private_config(mapping: Mapping[str, Any], name: str, directory: Path 
     remove_dead_configs(folder)          # left by a writer that was killed (shared/service/leftovers.py)
     path = folder / name
     tmp = folder / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _CONFIG_MODE)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, _CONFIG_MODE)
     try:
         os.fchmod(fd, _CONFIG_MODE)          # a leftover temporary file keeps its old mode otherwise
         with os.fdopen(fd, "w", encoding="utf-8") as out:

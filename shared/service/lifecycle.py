@@ -106,11 +106,13 @@ def raise_fd_limit(max_connections: int) -> int:
     return soft
 
 
-def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str]) -> str:
-    """The configured endpoint, or ``ipc://<private runtime dir>/melfeed.sock``."""
+def resolve_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *, create_dir: bool = True) -> str:
+    """The configured endpoint, or ``ipc://<private runtime dir>/melfeed.sock`` (the directory is made,
+    and refused if others control it, only with ``create_dir``)."""
     if cfg.transport.endpoint is not None:
         return cfg.transport.endpoint
-    return f"ipc://{prepare_runtime_dir(resolve_runtime_dir(environ)) / 'melfeed.sock'}"
+    runtime = resolve_runtime_dir(environ)
+    return f"ipc://{prepare_runtime_dir(runtime) if create_dir else runtime}/melfeed.sock"
 
 
 def resolve_control_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *, create_dir: bool) -> str:

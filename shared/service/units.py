@@ -35,6 +35,7 @@ from pathlib import Path
 from shared.config_checks import check_text
 from shared.config_loader import load_config, with_overrides
 from shared.errors import ConfigError
+from shared.output_files import check_output_dir, replace_output
 from shared.service.children import REPO_ROOT
 from shared.service.lifecycle import resolve_control_endpoint
 from shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
@@ -206,23 +207,26 @@ def _check_target_dir(target: Path) -> None:
         raise _fail("--target-dir", why, str(target))
     if not os.access(target, os.W_OK | os.X_OK):
         raise _fail("--target-dir", "is not writable (run deploy as root for /etc/systemd/system)", str(target))
+    check_output_dir(target, "--target-dir")     # units are run by systemd: nobody else may change them
 
 
 def _write_atomic(path: Path, text: str) -> bool:
     """Write ``path`` by temp file + rename unless it already holds ``text``; False when unchanged.
 
+    The temporary file has a random name and is created exclusively, and the rename replaces a link
+    rather than writing through it; a target or drop-in directory another user could change (or reached
+    through another user's link) is refused (``shared.output_files.replace_output``): root would otherwise
+    write units, which systemd runs, where that user chose.
+
     Raises:
         ConfigError: naming ``--target-dir`` and the file, with the reason (read-only, a directory in the
-            way, disk full): one line, never a traceback.
+            way, disk full, another user's place): one line, never a traceback.
     """
     try:
-        if path.is_file() and path.read_text(encoding="utf-8") == text:
+        if path.is_file() and not path.is_symlink() and path.read_text(encoding="utf-8") == text:
             return False
-        path.parent.mkdir(exist_ok=True)        # the drop-in directory; the target itself exists
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        path.parent.mkdir(mode=0o755, exist_ok=True)     # the drop-in directory; the target itself exists
+        replace_output(path, text.encode("utf-8"), 0o644, what="--target-dir")
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise _fail("--target-dir", f"cannot write {path}: {reason}", str(path.parent)) from None

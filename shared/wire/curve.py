@@ -8,9 +8,17 @@
     DIR/producers/NAME.key, DIR/producers/NAME.key_secret   one pair per producer host/name
 
 Copy ``consumer.key`` and ``producers/NAME.key_secret`` to producer host NAME; the consumer keeps
-``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list). The allow-list is read
-once, at start; the consumer refuses it (exit 78) when the directory or a key file in it is not its
-own user's or root's, or its group or others can write to it: whoever can add a file there is admitted.
+``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list). ``keys`` refuses a ``DIR``
+another user could change (``check_private_dir``) and creates each secret key 0600 before writing it.
+Trust, all exit 78 naming the key (``shared/filetrust.py``, ``shared/output_files.py``,
+docs/ARCHITECTURE.md "Trust"):
+- The allow-list is read once, at start; the consumer refuses it when the directory or a key file in
+  it is not its own user's or root's, or its group or others can write to it, or another user could
+  swap it (a parent directory or a symbolic link on the way: ``place_reason``): whoever can add a file
+  there is admitted. A producer's ``transport.curve_server_key`` (whom it trusts) likewise.
+- A secret key (``transport.curve_secret_key``, both sides) is refused when its group or others have
+  any permission on it, it belongs to neither this user nor root, or another user could swap it
+  (OpenSSH's "UNPROTECTED PRIVATE KEY FILE").
 ZAP: the consumer answers ZAP requests itself (``zap_reply``, polled by the receiver thread). A
 CURVE client whose key is in the allow-list is admitted with User-Id = its NAME; any other key is
 refused (400), so no frame of it reaches the application; plaintext clients fail the CURVE
@@ -19,9 +27,12 @@ handshake before ZAP. The receiver then requires HELLO's producer id to be NAME 
 
 from __future__ import annotations
 
+import datetime
+import errno
 import logging
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +42,8 @@ import zmq.auth
 import zmq.utils.z85
 
 from shared.errors import ConfigError
-from shared.filetrust import make_dirs, untrusted_reason
+from shared.filetrust import check_private_dir, make_dirs, place_reason, private_file_reason, untrusted_reason
+from shared.output_files import create_new, replace_output
 
 __all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
            "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
@@ -49,18 +61,35 @@ def _load(path: Path, what: tuple[str, ...], secret: bool) -> tuple[bytes, bytes
         raise ConfigError(f"cannot read CURVE key file {path}: {err}", path=what) from err
     if secret and not secret_key:
         raise ConfigError(f"{path} holds no secret key (pass the .key_secret file)", path=what)
+    if secret:
+        _private(path, what)        # after reading: a public key passed by mistake is named as such
     return public, secret_key
 
 
-def _trusted(path: Path, *, directory: bool) -> None:
-    """Refuse an allow-list entry (the directory or a key file) that someone else could change."""
+def _private(path: Path, what: tuple[str, ...]) -> None:
+    """Refuse a secret key file that others could read, or swap for a key of their own."""
+    try:
+        reason = private_file_reason(path)
+    except OSError as err:
+        raise ConfigError(f"cannot read CURVE key file {path}: {err.strerror or err}", path=what) from err
+    if reason is not None:
+        raise ConfigError(f"UNPROTECTED PRIVATE KEY FILE {path}: {reason}", path=what)
+
+
+def _trusted(path: Path, *, directory: bool, what: tuple[str, ...] = ("transport", "curve_allowed_dir")) -> None:
+    """Refuse an allow-list entry (the directory or a key file), or a trusted server key, that someone
+    else could change or swap."""
     try:
         reason = untrusted_reason(path, directory=directory)
+        if reason is None:
+            place = place_reason(path)
+            reason = None if place is None else f"is not safe: {place}"
     except OSError as err:
-        raise ConfigError(f"cannot examine {path}: {err.strerror}", path=("transport", "curve_allowed_dir")) from err
+        raise ConfigError(f"cannot examine {path}: {err.strerror}", path=what) from err
     if reason is not None:
-        raise ConfigError(f"{path} {reason}; only this user or root may change the allow-list "
-                          "(chmod go-w, chown)", path=("transport", "curve_allowed_dir"))
+        whose = "the allow-list" if what[-1] == "curve_allowed_dir" else "a key this side trusts"
+        raise ConfigError(f"{path} {reason}; only this user or root may change {whose} (chmod go-w, chown)",
+                          path=what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +143,14 @@ class ClientKeys:
 
     @classmethod
     def load(cls, secret_file: str, server_key_file: str) -> ClientKeys:
+        """This producer's pair and the consumer's public key.
+
+        Raises:
+            ConfigError: naming the key: a file that cannot be read, a secret key others could read or
+                swap (``_private``), a server key others could change or swap (``_trusted``).
+        """
         public, secret = _load(Path(secret_file), ("transport", "curve_secret_key"), secret=True)
+        _trusted(Path(server_key_file), directory=False, what=("transport", "curve_server_key"))
         server, _ = _load(Path(server_key_file), ("transport", "curve_server_key"), secret=False)
         assert secret is not None
         return cls(Path(secret_file).name.removesuffix(".key_secret"), public, secret, server)
@@ -176,20 +212,55 @@ def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -
     root = Path(directory)
     written: list[Path] = []
     try:
-        make_dirs(root / "producers", 0o700)     # parents too: not the umask's default (0777 under umask 000)
+        make_dirs(root, 0o700)                   # parents too: not the umask's default (0777 under umask 000)
+        _own_directory(root)                     # before anything is changed or written in it
         os.chmod(root, 0o700)
-        os.chmod(root / "producers", 0o700)      # the consumer refuses an allow-list others can write to
-        for where, name in [(root, "consumer")] + [(root / "producers", n) for n in producers]:
-            if (where / f"{name}.key_secret").exists():
+        allowed = root / "producers"
+        make_dirs(allowed, 0o700)
+        if _is_own_directory(allowed):
+            os.chmod(allowed, 0o700)             # the consumer refuses an allow-list others can write to
+        _own_directory(allowed)
+        for where, name in [(root, "consumer")] + [(allowed, n) for n in producers]:
+            secret, public = where / f"{name}.key_secret", where / f"{name}.key"
+            if os.path.lexists(secret):
                 continue                                   # never overwrite a key in use
-            public, secret = zmq.auth.create_certificates(str(where), name)
-            os.chmod(secret, 0o600)
-            os.chmod(public, 0o644)                        # pyzmq leaves both to the umask
-            written += [Path(public), Path(secret)]
+            public_z85, secret_z85 = zmq.curve_keypair()
+            # 0600 from its creation on: never readable by others, whatever the umask (pyzmq's
+            # create_certificates leaves the mode to the umask until a chmod afterwards)
+            create_new(secret, _certificate(public_z85, secret_z85), 0o600)
+            replace_output(public, _certificate(public_z85, None), 0o644)
+            written += [public, secret]
     except OSError as err:
+        if isinstance(err, PermissionError) and err.filename is None:   # check_private_dir: another user's
+            raise ConfigError(f"{root}: refusing to write the keys: {err.strerror}") from err
         at = f" at {err.filename}" if err.filename and os.fspath(err.filename) != os.fspath(root) else ""
         raise ConfigError(f"{root}: cannot write the keys{at} ({err.strerror})") from err
     return written
+
+
+def _is_own_directory(path: Path) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _own_directory(path: Path) -> None:
+    """``check_private_dir``, with the directory named when it is not one (a file in the way)."""
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    check_private_dir(path)
+
+
+def _certificate(public: bytes, secret: bytes | None) -> bytes:
+    """pyzmq's (czmq's ZPL) certificate text, which ``zmq.auth.load_certificate`` reads."""
+    kind = "Secret" if secret else "Public"
+    lines = [f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by run_pipeline.py keys  ****",
+             f"#   ZeroMQ CURVE **{kind}** Certificate",
+             "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions." if secret else
+             "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
+             "", "metadata", "curve", f'    public-key = "{public.decode("ascii")}"']
+    if secret:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    return ("\n".join(lines) + "\n").encode("ascii")
 
 
 def _need(value: str | None, key: str, why: str) -> str:

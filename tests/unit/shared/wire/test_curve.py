@@ -6,6 +6,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq.utils.z85
@@ -15,6 +16,7 @@ from shared.wire.curve import (AllowList, client_keys_for, generate_keys, produc
                                zap_reply)
 from shared.errors import ConfigError
 from tests.cli_run import refusal, run_cli
+from tests.planted import MALLORY, needs_root, plant_dir, plant_link, sticky_dir
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555",
@@ -175,3 +177,129 @@ def test_the_consumer_refuses_a_key_file_of_another_user(tmp_path: Path, monkeyp
         monkeypatch.setattr(os, "geteuid", lambda: me)
     text = _refused(tmp_path)
     assert str(tmp_path / "producers") in text and "belongs to uid" in text
+
+
+# --- the allow-list's place, secret keys, and what `keys` writes (shared/filetrust.py) ----------------------
+
+def _server_cfg(secret: Path, allowed: Path) -> object:
+    return config_from_mapping({"transport": {"curve_secret_key": str(secret),
+                                              "curve_allowed_dir": str(allowed)}}).transport
+
+
+def _refusal(cfg: object, key: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        server_keys_for(cfg, "tcp://10.0.0.7:5555") if key != "client" else \
+            client_keys_for(cfg, "tcp://10.0.0.7:5555")
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+@needs_root
+def test_an_allow_list_whose_parent_another_user_could_change_is_refused(tmp_path: Path) -> None:
+    generate_keys(tmp_path / "keys", ["hostA"])
+    secret, parent = tmp_path / "keys" / "consumer.key_secret", tmp_path / "team"
+    parent.mkdir(mode=0o755)
+    allowed = (tmp_path / "keys" / "producers").rename(parent / "producers")   # ours, 0700, in their directory:
+    os.chown(parent, MALLORY, MALLORY)                                         # they could swap it whole
+    assert _refusal(_server_cfg(secret, allowed), "server") == (
+        f"transport.curve_allowed_dir: {allowed} is not safe: its parent {parent} belongs to uid {MALLORY}, who "
+        "could move it; only this user or root may change the allow-list (chmod go-w, chown)")
+    os.chown(parent, 0, 0)
+    os.chmod(parent, 0o777)                            # anyone may rename producers/ and put theirs there
+    assert f"its parent {parent} is mode 0777 without the sticky bit" in _refusal(_server_cfg(secret, allowed),
+                                                                                 "server")
+    os.chmod(parent, 0o1777)                           # sticky: only its owner (we) may move it
+    assert server_keys_for(_server_cfg(secret, allowed), "tcp://10.0.0.7:5555") is not None
+
+
+@needs_root
+def test_an_allow_list_reached_through_another_users_link_is_refused(tmp_path: Path) -> None:
+    generate_keys(tmp_path / "keys", ["hostA"])
+    link = plant_link(sticky_dir(tmp_path) / "allowed", tmp_path / "keys" / "producers")
+    text = _refusal(_server_cfg(tmp_path / "keys" / "consumer.key_secret", link), "server")
+    assert text.startswith(f"transport.curve_allowed_dir: {link} is not safe: it is reached through {link}, a "
+                           f"symbolic link of uid {MALLORY}, who could point it elsewhere")
+
+
+@pytest.mark.parametrize(("mode", "why"), [(0o640, "its group can read it"), (0o604, "other users can read it"),
+                                           (0o644, "its group and other users can read it"),
+                                           (0o620, "its group can write it")])
+def test_a_secret_key_others_can_read_is_refused_on_both_sides(tmp_path: Path, mode: int, why: str) -> None:
+    generate_keys(tmp_path, ["hostA"])
+    secret = tmp_path / "consumer.key_secret"
+    os.chmod(secret, mode)
+    assert _refusal(_server_cfg(secret, tmp_path / "producers"), "server") == (
+        f"transport.curve_secret_key: UNPROTECTED PRIVATE KEY FILE {secret}: is mode {mode:04o}: {why}; chmod 600 it")
+    client_secret = tmp_path / "producers" / "hostA.key_secret"
+    os.chmod(client_secret, mode)
+    client = config_from_mapping({"transport": {"curve_secret_key": str(client_secret),
+                                                "curve_server_key": str(tmp_path / "consumer.key")}}).transport
+    assert _refusal(client, "client").startswith(f"transport.curve_secret_key: UNPROTECTED PRIVATE KEY FILE "
+                                                 f"{client_secret}: is mode {mode:04o}")
+    os.chmod(client_secret, 0o400)                                    # read-only for its owner: fine
+    assert client_keys_for(client, "tcp://10.0.0.7:5555") is not None
+
+
+@needs_root
+def test_a_secret_key_of_another_user_or_through_their_link_is_refused(tmp_path: Path) -> None:
+    generate_keys(tmp_path / "keys", ["hostA"])
+    secret, allowed = tmp_path / "keys" / "consumer.key_secret", tmp_path / "keys" / "producers"
+    os.chown(secret, MALLORY, MALLORY)                                # they know (or chose) the key
+    assert _refusal(_server_cfg(secret, allowed), "server") == (
+        f"transport.curve_secret_key: UNPROTECTED PRIVATE KEY FILE {secret}: belongs to uid {MALLORY}, neither "
+        "this user (0) nor root")
+    os.chown(secret, 0, 0)
+    link = plant_link(sticky_dir(tmp_path) / "consumer.key_secret", secret)
+    assert _refusal(_server_cfg(link, allowed), "server").startswith(
+        f"transport.curve_secret_key: UNPROTECTED PRIVATE KEY FILE {link}: it is reached through {link}, a symbolic "
+        f"link of uid {MALLORY}")
+
+
+@needs_root
+def test_a_producer_refuses_a_server_key_another_user_could_change(tmp_path: Path) -> None:
+    generate_keys(tmp_path / "keys", ["hostA"])
+    server = tmp_path / "keys" / "consumer.key"
+    os.chown(server, MALLORY, MALLORY)                                # they could make us trust their consumer
+    client = config_from_mapping({"transport": {"curve_secret_key": str(tmp_path / "keys/producers/hostA.key_secret"),
+                                                "curve_server_key": str(server)}}).transport
+    assert _refusal(client, "client").startswith(
+        f"transport.curve_server_key: {server} belongs to uid {MALLORY}, neither this user (0) nor root; only this "
+        "user or root may change a key this side trusts")
+
+
+def test_keys_creates_each_secret_0600_from_its_first_byte_under_umask_000(tmp_path: Path, umask_000: None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[tuple[str, int, int]] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        opened.append((os.fspath(path), flags, mode))
+        return real_open(path, flags, mode, **kw)
+    monkeypatch.setattr(os, "open", recording_open)
+    written = generate_keys(tmp_path / "k", ["hostA"])
+    secrets = [p for p in written if p.name.endswith(".key_secret")]
+    assert len(secrets) == 2
+    for secret in secrets:
+        [(_, flags, mode)] = [o for o in opened if o[0] == str(secret)]
+        assert flags & os.O_CREAT and flags & os.O_EXCL and flags & os.O_NOFOLLOW and mode & 0o077 == 0
+        assert os.stat(secret).st_mode & 0o777 == 0o600
+    assert server_keys_for(_server_cfg(tmp_path / "k" / "consumer.key_secret", tmp_path / "k" / "producers"),
+                           "tcp://10.0.0.7:5555") is not None        # what it wrote, the consumer accepts
+
+
+@needs_root
+def test_keys_refuses_a_directory_another_user_made_or_links_and_changes_nothing_there(tmp_path: Path) -> None:
+    shared = sticky_dir(tmp_path)
+    theirs = plant_dir(shared / "k", 0o777)                           # pre-made in /tmp by another user
+    proc = run_cli("keys", str(theirs), "--producer", "a")
+    assert refusal(proc, "keys") == (f"{theirs}: refusing to write the keys: {theirs} belongs to uid {MALLORY}, not "
+                                     "to this user (uid 0), who could replace what it holds")
+    assert list(theirs.iterdir()) == [] and os.stat(theirs).st_mode & 0o7777 == 0o777
+    precious = tmp_path / "etc"                                       # their link to a directory of ours:
+    precious.mkdir(mode=0o755)                                        # keys used to chmod it 0700 and write there
+    link = plant_link(shared / "k2", precious)
+    proc = run_cli("keys", str(link), "--producer", "a")
+    assert refusal(proc, "keys").startswith(f"{link}: refusing to write the keys: it is reached through {link}, a "
+                                            f"symbolic link of uid {MALLORY}")
+    assert list(precious.iterdir()) == [] and os.stat(precious).st_mode & 0o777 == 0o755
