@@ -21,7 +21,7 @@ from shared.config_loader import config_to_mapping, with_overrides
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
 from shared.service.children import handed_over_config
-from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, resolve_endpoint, stop_on_signals
+from shared.service.lifecycle import die_with_named_parent, resolve_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier
 
 __all__ = ["main_producer"]
@@ -46,9 +46,7 @@ def main_producer(args: argparse.Namespace) -> int:
         # STOPPING); children read one file holding the config with every CLI override applied.
         with stop_on_signals() as stop, \
                 handed_over_config(config_to_mapping(cfg), f"producers-{os.getpid()}.yaml") as path:
-            parent = os.environ.get(PARENT_PID_ENV, "")
-            if parent.isdigit():             # started by `run`: a clean stop (SIGTERM) when `run` dies
-                die_with_parent(signal.SIGTERM, parent_pid=int(parent))
+            die_with_named_parent(signal.SIGTERM)   # started by `run`, a trial, a probe: a clean stop when it dies
             return supervise_producers(path, cfg.producer.count, stop, backoff_s=cfg.producer.restart_backoff_s,
                                        debug_delay_ms=args.debug_delay_ms, notifier=notifier,
                                        exit_at_plan_end=cfg.producer.exit_at_plan_end)

@@ -13,7 +13,8 @@ debug delay (as the producer worker's does); the read part is the assembler's ow
 producer's (cache files already open, values already checked) rather than its first epoch's.
 ``--start-at`` (a ``time.time()`` value) lines up N probes started together, so they contend as N
 producers would. Exit codes: 0 measured, 78 configuration/cache error (one line on stderr).
-Shutdown: nothing outlives the process; buffers are freed on exit.
+Shutdown: nothing outlives the process; buffers are freed on exit. Started by ``doctor`` or ``bench``
+(``MELFEED_PARENT_PID``), it gets SIGTERM when that parent dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import os
     from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.service.lifecycle import setup_logging
+    from shared.service.lifecycle import die_with_named_parent, setup_logging
+    die_with_named_parent()          # started by doctor or bench: ends with it, even when it is SIGKILLed
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
         result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed,

@@ -8,8 +8,9 @@ the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies. U
 ended): it is not restarted, and once every child has finished the supervisor exits 0 by itself.
 Shutdown ladder on stop (``shared.service.stop_ladder``: the same rungs, timeouts and ``escalate``
 as every other parent, run here on the event loop): set stop -> SIGTERM every child -> wait
-``PRODUCER_LADDER.term_wait_s`` -> SIGKILL -> wait; each escalation is logged. Children die with
-the parent (PR_SET_PDEATHSIG) if the parent is killed.
+``PRODUCER_LADDER.term_wait_s`` -> SIGKILL -> wait; each escalation is logged. A child whose start was
+still under way when the stop came (not yet in the ladder's list) gets the same ladder once started. Children
+die with the parent (PR_SET_PDEATHSIG) if the parent is killed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class _Group:
         while not stopping.is_set():
             started = time.monotonic()
             proc = await self.spawn(index)
+            if stopping.is_set():     # the stop came while it started: the ladder may have run without it
+                await self.terminate([proc])
+                return
             code = await proc.wait()
             if stopping.is_set():
                 return
@@ -87,7 +91,10 @@ class _Group:
 
     async def terminate_all(self) -> None:
         """The stop ladder on every live child at once; ``stopping`` (the first rung) is already set."""
-        live = [p for p in self.procs.values() if p.returncode is None]
+        await self.terminate([p for p in self.procs.values() if p.returncode is None])
+
+    async def terminate(self, live: list[asyncio.subprocess.Process]) -> None:
+        """The stop ladder on ``live``: SIGTERM, ``PRODUCER_LADDER``'s wait, SIGKILL, its wait."""
         rung: Rung | None = next_rung(None, alive=bool(live))
         while rung is not None:
             for p in live:
@@ -114,7 +121,8 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
     notifier.stopping()
     stopping.set()
     await group.terminate_all()
-    await asyncio.wait(tasks, timeout=PRODUCER_LADDER.kill_wait_s)   # they end once their child is reaped
+    # They end once their child is reaped; one whose child was still starting runs the ladder on it itself.
+    await asyncio.wait(tasks, timeout=PRODUCER_LADDER.term_wait_s + PRODUCER_LADDER.kill_wait_s)
     return group.exit_code
 
 

@@ -1,11 +1,15 @@
 """Real consumer and producer processes for restart, chaos and resume tests (no fakes).
 
 The consumer runs ``run_pipeline.py consumer`` and the producers ``run_pipeline.py producer``, as
-the systemd units do, so killing one side leaves the other running.
+the systemd units do, so killing one side leaves the other running. For tests that a command leaves no
+child behind: ``descendants`` of a process, each ``Tracked`` by pid and start time (a pid reused by a later
+process is not taken for a survivor), ``wait_gone`` (polled, bounded) and ``describe`` (a survivor's state and
+signal masks, for the failure message).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -113,6 +117,68 @@ def child_pids(parent: int) -> list[int]:
         if int(fields[1]) == parent and fields[0] != "Z":
             out.append(int(entry))
     return sorted(out)
+
+
+class Tracked(NamedTuple):
+    """One process, told apart from a later one that reuses its pid by its start time."""
+
+    pid: int
+    start_ticks: int     # /proc/PID/stat field 22: clock ticks after boot
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (the state) on; None once the pid is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> list[Tracked]:
+    """Every live descendant of ``pid`` (children before grandchildren), each with its start time."""
+    found: list[Tracked] = []
+    todo = [pid]
+    while todo:
+        for kid in child_pids(todo.pop(0)):
+            fields = _stat_fields(kid)
+            if fields is not None:
+                found.append(Tracked(kid, int(fields[19])))
+                todo.append(kid)
+    return found
+
+
+def is_running(proc: Tracked) -> bool:
+    """The same process (pid and start time) still runs: not gone, not a zombie, not a newcomer with its pid."""
+    fields = _stat_fields(proc.pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == proc.start_ticks
+
+
+def wait_gone(family: list[Tracked], timeout_s: float = WAIT_S) -> list[Tracked]:
+    """Those of ``family`` still running after at most ``timeout_s`` (polled, returns as soon as none is)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(is_running(p) for p in family):
+        time.sleep(0.05)
+    return [p for p in family if is_running(p)]
+
+
+def describe(proc: Tracked) -> str:
+    """One line for a failure message: command line, state, parent, threads and signal masks of ``proc``."""
+    try:
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+    except OSError as err:
+        return f"{proc.pid}: gone ({err.strerror})"
+    keys = ("State", "PPid", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return f"{proc.pid} [{argv}] " + " ".join(f"{k}={status.get(k, '?').strip()}" for k in keys)
+
+
+def kill_running(family: list[Tracked]) -> None:
+    """SIGKILL whatever of ``family`` still runs (a failed test's leftovers)."""
+    for proc in family:
+        if is_running(proc):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
 
 
 def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:

@@ -152,7 +152,7 @@ def _free_port() -> int:
 
 
 # Each server first asks for SIGTERM when the trial that started it dies (argv[2]: the trial's pid), even by
-# SIGKILL: a server never outlives its trial (consumer/bench/children.py).
+# SIGKILL: a server never outlives its trial (shared.service.children.CommandChildren).
 _ORPHAN_GUARD = ("import signal, sys; from shared.service.lifecycle import die_with_parent; "
                  "die_with_parent(signal.SIGTERM, parent_pid=int(sys.argv[2])); ")
 _DISPATCHER = (_ORPHAN_GUARD + "import tensorflow as tf; s = tf.data.experimental.service; "

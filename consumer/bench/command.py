@@ -20,7 +20,7 @@ as not available. Exit codes: 0 when every trial ran (goal FAILs are results, no
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
 Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group. SIGTERM or SIGINT
 stops the running trial or probe (its group, with the stop ladder) and exits ``128 + signal`` without a
-report (``consumer/bench/children.py``); no child outlives bench.
+report (``shared.service.children.CommandChildren``); no child outlives bench.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from consumer.bench.children import BenchChildren, Interrupted
 from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
 from consumer.placement import XLA_CACHE_FLAG
@@ -46,7 +45,8 @@ from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
 from shared.output_files import write_output
 from shared.flag_checks import check_number, check_output_file
-from shared.service.children import REPO_ROOT, child_env, handed_over_config, module_argv
+from shared.service.children import (REPO_ROOT, CommandChildren, Interrupted, child_env, handed_over_config,
+                                     module_argv)
 from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
@@ -61,7 +61,7 @@ _F16_SUFFIX = {"float32": "", "float16": "-f16"}   # system-name label of a wire
 _EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
 _MAX_TRIAL_TIMEOUT_S = 86400.0   # a day per trial; far larger values overflow the waits
 _MAX_SERVICE_WORKERS = 64        # tf.data service workers: one TensorFlow process each
-_CHILDREN = BenchChildren()      # every trial and probe; SIGTERM/SIGINT stop them (consumer/bench/children.py)
+_CHILDREN = CommandChildren("bench children")   # every trial and probe; SIGTERM/SIGINT stop them, none outlives bench
 
 
 def _ints(text: str, flag: str, low: int = 0) -> list[int]:

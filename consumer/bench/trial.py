@@ -12,7 +12,7 @@ this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
 Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``shared.service.stop_ladder``
 (producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``). Started by bench
-(``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_parent``);
+(``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
 its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
 """
 
@@ -39,7 +39,7 @@ from consumer.bench.stats import gb_per_s, sleep_for_step_s
 from shared.config import PipelineConfig, resolve_checksum
 from shared.config_loader import config_from_mapping, with_overrides
 from shared.service.children import ENTRY_SCRIPT, child_env
-from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent
+from shared.service.lifecycle import die_with_named_parent
 
 __all__ = ["zero_step", "main"]
 
@@ -258,9 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
-    parent = os.environ.get(PARENT_PID_ENV, "")
-    if parent.isdigit():     # started by bench: a bench killed even with SIGKILL takes this trial down
-        die_with_parent(signal.SIGTERM, parent_pid=int(parent))
+    die_with_named_parent(signal.SIGTERM)   # started by bench: a bench killed even with SIGKILL takes this trial down
     spec = json.loads(args[0])
     try:
         from consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference

@@ -6,10 +6,15 @@ assembly), ``python -m consumer.doctor.probe transport`` with 1 and with N produ
 ``python -m consumer.doctor.probe device`` (stages 3 and 4: host->device hand-off and the compiled step).
 Each probe prints one JSON object; ``consumer.doctor.verdict.decide`` turns them into the verdict and
 ``consumer.doctor.report`` prints it. Exit codes: 0 supply >= 1.2 x demand, 3 the data side is the
-bottleneck (a verdict), 78 configuration error, 1 a probe failed (one line naming it).
+bottleneck (a verdict), 78 configuration error, 1 a probe failed (one line naming it), ``128 + signal``
+after SIGTERM or SIGINT (one line, no report).
 Invariants: every probe runs under a timeout; the effective config lives in a private temp
 directory removed on exit; stages run one after another so they never compete with each other.
 Shutdown: a probe past its timeout is killed (its process group: the transport probe's producers).
+No probe outlives doctor (``shared.service.children.CommandChildren``): SIGTERM or SIGINT stops the
+running probes with their groups (then the stop ladder) and exits without a report; killed with SIGKILL,
+doctor takes them down all the same, since each probe, and the producer group a transport probe
+starts, gets SIGTERM when its parent dies (``die_with_named_parent``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from shared.output_files import write_output
 from shared.flag_checks import check_number, check_output_file
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
-from shared.service.children import child_env, handed_over_config, module_argv, spawn
+from shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
 from shared.service.stop_ladder import GROUP_LADDER, Rung, communicate_or_kill, stop_all
 
 __all__ = ["main_doctor", "ProbeFailed"]
@@ -64,8 +69,9 @@ def _probe_env() -> dict[str, str]:
     return env
 
 
-def _finish(name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+def _finish(children: CommandChildren, name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
     out, err, timed_out = communicate_or_kill(proc, f"{name} probe", timeout_s)
+    children.check()         # SIGTERM/SIGINT stopped this probe: not a result
     if timed_out:
         raise ProbeFailed(name, 1, f"no result within {timeout_s:.0f} s")
     if proc.returncode != 0:
@@ -77,26 +83,28 @@ def _finish(name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[st
         raise ProbeFailed(name, 1, f"printed no JSON result: {out[-200:]!r}") from exc
 
 
-def _spawn(module: str, *args: str) -> subprocess.Popen[str]:
-    """A probe in its own process group (a timeout kills it with its producers)."""
-    return spawn(module_argv(module, *args), env=_probe_env(), new_group=True, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True)
+def _spawn(children: CommandChildren, module: str, *args: str) -> subprocess.Popen[str]:
+    """A probe in its own process group (a timeout kills it with its producers), one of doctor's ``children``."""
+    return children.spawn(module_argv(module, *args), env=_probe_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
 
 
-def _build_stage(config: Path, n: int, seconds: float, delay_ms: float) -> list[dict[str, Any]]:
-    start_at = time.time() + _START_TOGETHER_S
-    procs = [_spawn("producer.probe", "--config", str(config), "--seconds", str(seconds), "--debug-delay-ms",
-                    str(delay_ms), "--start-at", str(start_at), "--seed", str(i)) for i in range(n)]
+def _build_stage(children: CommandChildren, config: Path, n: int, seconds: float,
+                 delay_ms: float) -> list[dict[str, Any]]:
+    together = ["--start-at", str(time.time() + _START_TOGETHER_S)] if n > 1 else []   # one probe waits for none
+    procs = [_spawn(children, "producer.probe", "--config", str(config), "--seconds", str(seconds),
+                    "--debug-delay-ms", str(delay_ms), "--seed", str(i), *together) for i in range(n)]
     try:
-        return [_finish(f"producer (stage 1, {n} at once)", p, seconds + _PROBE_START_S) for p in procs]
+        return [_finish(children, f"producer (stage 1, {n} at once)", p, seconds + _PROBE_START_S) for p in procs]
     finally:   # after a failure: the others are no longer needed
         stop_all(procs, f"producer probes (stage 1, {n} at once)", GROUP_LADDER, group=True, first=Rung.KILL)
 
 
-def _transport_stage(config: Path, n: int, seconds: float, delay_ms: float) -> dict[str, Any]:
-    proc = _spawn("consumer.doctor.probe", "transport", "--config", str(config), "--producers", str(n),
+def _transport_stage(children: CommandChildren, config: Path, n: int, seconds: float,
+                     delay_ms: float) -> dict[str, Any]:
+    proc = _spawn(children, "consumer.doctor.probe", "transport", "--config", str(config), "--producers", str(n),
                   "--seconds", str(seconds), "--debug-delay-ms", str(delay_ms))
-    return _finish(f"transport (stage 2, {n} producer(s))", proc, seconds + 2 * _PROBE_START_S)
+    return _finish(children, f"transport (stage 2, {n} producer(s))", proc, seconds + 2 * _PROBE_START_S)
 
 
 def _resolve(args: argparse.Namespace) -> PipelineConfig:
@@ -134,20 +142,22 @@ def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple
                        is_tcp=is_tcp)
 
 
-def _measure(config: Path, n: int, seconds: float, delay_ms: float, progress: Progress) -> dict[str, Any]:
+def _measure(children: CommandChildren, config: Path, n: int, seconds: float, delay_ms: float,
+             progress: Progress) -> dict[str, Any]:
     """Run the five probe rounds in order, one progress step each."""
     stages: dict[str, Any] = {}
     steps = [("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
-              lambda: _build_stage(config, 1, seconds, delay_ms)),
+              lambda: _build_stage(children, config, 1, seconds, delay_ms)),
              ("build_n", f"stage 1/4: cache read + assembly, {n} producer processes at once ({seconds:g} s)",
-              lambda: _build_stage(config, n, seconds, delay_ms)),
+              lambda: _build_stage(children, config, n, seconds, delay_ms)),
              ("transport_1", f"stage 2/4: transport, 1 producer -> consumer ({seconds:g} s after the first batch)",
-              lambda: _transport_stage(config, 1, seconds, delay_ms)),
+              lambda: _transport_stage(children, config, 1, seconds, delay_ms)),
              ("transport_n", f"stage 2/4: transport, {n} producers -> consumer ({seconds:g} s)",
-              lambda: _transport_stage(config, n, seconds, delay_ms)),
+              lambda: _transport_stage(children, config, n, seconds, delay_ms)),
              ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
-              lambda: _finish("device (stages 3-4)", _spawn("consumer.doctor.probe", "device", "--config", str(config),
-                                                            "--seconds", str(seconds)), seconds + 3 * _PROBE_START_S))]
+              lambda: _finish(children, "device (stages 3-4)",
+                              _spawn(children, "consumer.doctor.probe", "device", "--config", str(config), "--seconds",
+                                     str(seconds)), seconds + 3 * _PROBE_START_S))]
     for done, (key, text, fn) in enumerate(steps):
         if n == 1 and key.endswith("_n"):       # N = 1: the same measurement again would say nothing new
             stages[key] = stages[key[:-2] + "_1"]
@@ -185,13 +195,17 @@ def main_doctor(args: argparse.Namespace) -> int:
                              memory_bound_bytes(cfg.consumer.ring_slots, n, cfg.transport.lease_window, largest),
                              os.environ)
     progress = Progress(_STAGES, sys.stderr, interval_s=10.0, label="doctor", unit="stages", count_skipped=False)
-    try:
+    try:    # the probes stop before their directory goes
         with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp, \
-                handed_over_config(config_to_mapping(cfg), "doctor.yaml", Path(tmp)) as config:
-            stages = _measure(config, n, args.seconds_per_stage, args.debug_delay_ms, progress)
+                handed_over_config(config_to_mapping(cfg), "doctor.yaml", Path(tmp)) as config, \
+                CommandChildren("doctor probes") as children:
+            stages = _measure(children, config, n, args.seconds_per_stage, args.debug_delay_ms, progress)
     except ProbeFailed as err:
         print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
         return err.exit_code
+    except Interrupted as stop:
+        progress.note(f"run_pipeline.py doctor: {stop}: its probes were stopped, no report written")   # ends a bar
+        return 128 + stop.signum
     verdict = decide(_measurements(stages, n, mix), facts)
     advice = advise_data_gpu(cfg.consumer.model_gpu, cfg.producer.data_gpu, env_facts.consumer_gpus,
                              env_facts.producer_gpus, verdict.supply_per_s, verdict.demand_per_s, verdict.bound)

@@ -15,7 +15,9 @@ else the CPU) and the compiled step (``CompiledStep`` with the configured ``mode
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
 configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
 Shutdown: the producer group gets the stop ladder (``shared.service.children.Child``: SIGTERM, a
-bounded wait, then SIGKILL); the consumer is closed.
+bounded wait, then SIGKILL); the consumer is closed. Started by doctor (``MELFEED_PARENT_PID``), the
+probe gets SIGTERM when doctor dies, even by SIGKILL, and names itself to its producer group, which then
+stops itself when the probe dies.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.service.children import Child, child_env, entry_argv, handed_over_config, spawn
+from shared.service.lifecycle import PARENT_PID_ENV
 from shared.service.stop_ladder import GROUP_LADDER
 
 __all__ = ["main", "measure_transport", "measure_device"]
@@ -55,8 +58,9 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
         extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
         with handed_over_config(config_to_mapping(cfg), "producers.yaml", Path(tmp)) as producer_cfg, \
                 Consumer(cfg) as feed:
+            # PARENT_PID_ENV: the group stops itself when this probe dies, even by SIGKILL (doctor killed)
             proc = spawn(entry_argv("producer", "--config", str(producer_cfg), *extra), stdout=sys.stderr,
-                         env=child_env({"XDG_RUNTIME_DIR": tmp}))
+                         env=child_env({"XDG_RUNTIME_DIR": tmp, PARENT_PID_ENV: str(os.getpid())}))
             with Child(proc, "producer group", GROUP_LADDER) as group:
                 n, elapsed_s = _count_batches(feed, group.proc, seconds)
                 alive = feed.receiver_stats().producers_alive
@@ -189,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
-    from shared.service.lifecycle import setup_logging
+    from shared.service.lifecycle import die_with_named_parent, setup_logging
+    die_with_named_parent()          # started by doctor: ends with it, even when doctor is SIGKILLed
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
         if args.mode == "transport":

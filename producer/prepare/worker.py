@@ -155,7 +155,9 @@ def _open_device(spec: WorkerSpec) -> str:
 def worker_main(spec: WorkerSpec, index: int, tasks: Any, results: Any, stop: Any, parent_pid: int) -> None:
     """Process entry point: serve ``tasks`` (``WorkItem`` or ``None``) until told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)  # outputs are atomic, so an abrupt end loses nothing
+    # Outputs are atomic, so an abrupt end loses nothing. parent_pid: a prepare killed before this line (while
+    # this interpreter started) sends no signal; the worker then ends here instead of serving the whole queue.
+    die_with_parent(signal.SIGKILL, parent_pid=parent_pid)
     nice = lower_cpu_priority(spec.nice)   # before TensorFlow starts its threads: they inherit it
     try:
         device = _open_device(spec)

@@ -6,10 +6,24 @@ how a child finds these packages (``child_env``), how it is started (``spawn``: 
 running ``python -m MODULE ...`` or ``run_pipeline.py COMMAND ...``, never a fork, since TensorFlow
 and ZeroMQ are not fork-safe), how it gets the effective config (``handed_over_config``: one YAML
 file, mode 0600, in the private runtime directory) and how it is stopped (``Child.stop``: the
-ladder of ``shared.service.stop_ladder``).
+ladder of ``shared.service.stop_ladder``). ``CommandChildren`` is what a command that runs children
+for a result (``bench``'s trials, ``doctor``'s probes) needs so that none outlives it, however it ends:
+
+- each child leads its own process group (``spawn(new_group=True)``: a terminal's Ctrl-C reaches the
+  command alone, a timeout kills a child with its helpers) and gets ``MELFEED_PARENT_PID``
+  (``PARENT_PID_ENV``) naming the command: a child that calls ``die_with_named_parent`` gets SIGTERM when
+  the command dies, even by SIGKILL (no handler runs then), and passes its own pid to its helpers;
+- SIGTERM and SIGINT only record the signal and send SIGTERM to every live child's process group
+  (nothing that blocks runs in the handler); the child then ends, the wait on it returns, and
+  ``check`` (or the next ``spawn``) raises ``Interrupted``, which the command turns into exit ``128 + signum``;
+- on leaving the block, the stop ladder (``GROUP_LADDER``: SIGTERM, bounded wait, SIGKILL, bounded wait,
+  whole groups) runs on every child still alive, and the old handlers come back.
+
 Invariants: nothing here starts a process at import; paths are resolved once, at import; a
-handed-over config file is written once (atomically) and removed when its owner is done with it.
-Shutdown: ``Child.stop``/``close`` are idempotent; ``Child`` is a context manager.
+handed-over config file is written once (atomically) and removed when its owner is done with it; once
+``CommandChildren.__exit__`` returns, every child it spawned has exited (or the ladder gave up on it after
+SIGKILL, logged as an error).
+Shutdown: ``Child.stop``/``close`` are idempotent; ``Child`` and ``CommandChildren`` are context managers.
 """
 
 from __future__ import annotations
@@ -17,25 +31,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import yaml
 
 from shared.config import resolve_runtime_dir
 from shared.service.leftovers import remove_dead_configs
-from shared.service.lifecycle import prepare_runtime_dir
-from shared.service.stop_ladder import Ladder, stop_process
+from shared.service.lifecycle import PARENT_PID_ENV, prepare_runtime_dir
+from shared.service.stop_ladder import GROUP_LADDER, Ladder, Rung, signal_child, stop_all, stop_process
 
 __all__ = ["REPO_ROOT", "ENTRY_SCRIPT", "child_env", "module_argv", "entry_argv", "python_argv", "spawn",
-           "write_private_config", "handed_over_config", "Child"]
+           "write_private_config", "handed_over_config", "Child", "CommandChildren", "Interrupted"]
 
 log = logging.getLogger(__name__)
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)   # what stops a command's children (CommandChildren)
 REPO_ROOT = Path(__file__).resolve().parents[2]  # shared/service/children.py -> the root
 ENTRY_SCRIPT = REPO_ROOT / "run_pipeline.py"
 _CONFIG_MODE = 0o600    # the config may name key files and paths: the owner's eyes only
@@ -52,10 +68,14 @@ class _PlainDumper(yaml.SafeDumper):
 def child_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
     """This process's environment plus ``extra``, less ``drop``, with ``REPO_ROOT`` first on ``PYTHONPATH``.
 
+    ``MELFEED_PARENT_PID`` is never inherited (it names this process's parent, which the child must not
+    follow): a parent that wants its child to die with it sets it in ``extra``.
+
     A child started as ``python -m producer.process`` from any working directory then imports
     the same code as its parent, installed or not.
     """
-    env = {k: v for k, v in {**os.environ, **(extra or {})}.items() if k not in drop}
+    inherited = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}   # names *our* parent, not the child's
+    env = {k: v for k, v in {**inherited, **(extra or {})}.items() if k not in drop}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
@@ -152,3 +172,58 @@ class Child:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class Interrupted(Exception):
+    """The command got SIGTERM or SIGINT; ``signum`` says which (exit ``128 + signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class CommandChildren:
+    """The children of one command run and the signal handlers that stop them (see the module docstring).
+
+    ``what`` names them in the ladder's log lines (``"bench children"``).
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.signum: int | None = None
+        self._live: list[subprocess.Popen[Any]] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> CommandChildren:
+        self._old = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            stop_all(self._live, self.what, GROUP_LADDER, group=True)
+        finally:
+            for s, handler in self._old.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        for proc in self._live:
+            if proc.returncode is None:     # not reaped: its group may still run
+                signal_child(proc, Rung.TERM, group=True)
+
+    def check(self) -> None:
+        """Raise ``Interrupted`` once a signal came."""
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+        """``spawn`` in a new process group, naming this process as its parent, registered; none after a signal."""
+        self.check()
+        proc = spawn(argv, env={**(env if env is not None else child_env()), PARENT_PID_ENV: str(os.getpid())},
+                     new_group=True, **popen)
+        self._live = [p for p in self._live if p.returncode is None] + [proc]
+        if self.signum is not None:         # the signal came between the check and the start
+            signal_child(proc, Rung.TERM, group=True)
+        return proc

@@ -21,7 +21,7 @@ from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
 __all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
-           "resolve_control_endpoint", "die_with_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
+           "resolve_control_endpoint", "die_with_parent", "die_with_named_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
            "LOG_LEVEL_ENV"]
 
 _PR_SET_PDEATHSIG = 1
@@ -134,15 +134,33 @@ def resolve_control_endpoint(cfg: PipelineConfig, environ: Mapping[str, str], *,
 def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
     """Ask Linux to send ``sig`` to this process when its parent dies (no orphaned producers).
 
+    Call it from the main thread: the setting belongs to the calling thread (it ends with that thread),
+    and it is cleared in every child this process forks, so each generation arms its own.
     ``parent_pid``: the pid of the parent that started us. A parent killed before this call sends no
     signal, so when our parent is no longer that process, ``sig`` is raised here at once.
     """
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            log.warning("cannot ask for %s when the parent dies: %s", signal.Signals(sig).name,
+                        os.strerror(ctypes.get_errno()))
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def die_with_named_parent(sig: int = signal.SIGTERM, environ: Mapping[str, str] | None = None) -> bool:
+    """``die_with_parent`` with the parent pid that ``MELFEED_PARENT_PID`` (``PARENT_PID_ENV``) names.
+
+    A supervisor that wants its children to die with it names itself there (``child_env`` never passes
+    the variable on by itself: a grandchild must not follow its grandparent). Returns False, and arms
+    nothing, when no parent is named: a process started by hand or by systemd follows nobody.
+    """
+    parent = (os.environ if environ is None else environ).get(PARENT_PID_ENV, "")
+    if not parent.isdigit():
+        return False
+    die_with_parent(sig, parent_pid=int(parent))
+    return True
 
 
 def log_level(text: str, source: str = "--log-level") -> int:

@@ -1,31 +1,42 @@
 """``run_pipeline.py doctor`` end to end: real probes, real producers, real consumer ring, real TensorFlow.
 
 Slowed producers (``--debug-delay-ms``) must give the data-bound verdict (exit 3) naming the producers;
-a slow step (``tests.steps:slow_step``) with fast producers must give exit 0 naming the step.
+a slow step (``tests.steps:slow_step``) with fast producers must give exit 0 naming the step. A doctor
+stopped (SIGTERM) or killed (SIGKILL) while its transport probe runs leaves no probe or producer behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import procs
 from tests.conftest import REPO
 
 
-def _doctor(tmp_path: Path, cache: Path, step: str, *extra: str, timeout_s: float = 110) -> subprocess.CompletedProcess[str]:
+def _doctor_argv(tmp_path: Path, cache: Path, step: str, *extra: str) -> list[str]:
     cfg = tmp_path / "doctor.yaml"
     cfg.write_text(yaml.safe_dump({"cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 8},
                                    "model": {"step": step}}))
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(cfg),
-                           "--seconds-per-stage", "1", *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return [sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(cfg), "--seconds-per-stage", "1",
+            *extra]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _doctor(tmp_path: Path, cache: Path, step: str, *extra: str, timeout_s: float = 110) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_doctor_argv(tmp_path, cache, step, *extra), cwd=REPO, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def test_slowed_producers_are_named_as_the_bottleneck_and_exit_3(demo_cache: Path, tmp_path: Path) -> None:
@@ -91,3 +102,57 @@ def test_bad_flags_are_refused_before_any_stage(demo_cache: Path, tmp_path: Path
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [f"run_pipeline.py doctor: {needle.format(tmp=tmp_path)}"]
     assert "stage" not in proc.stdout
+
+
+def _stop_doctor_and_check(tmp_path: Path, doctor: subprocess.Popen[str], levels: int, sig: int,
+                           bound_s: float) -> None:
+    """Signal ``doctor`` once ``levels`` generations of descendants run; all must be gone within ``bound_s``."""
+    family: list[procs.Tracked] = []
+    try:
+        deadline = time.monotonic() + procs.WAIT_S
+        while time.monotonic() < deadline and doctor.poll() is None and len(family) < levels:
+            family = procs.descendants(doctor.pid)
+            time.sleep(0.05)
+        assert len(family) >= levels, f"probes not seen: {family}, doctor exit {doctor.poll()}"
+        doctor.send_signal(sig)
+        out, err = doctor.communicate(timeout=procs.WAIT_S)
+        left = procs.wait_gone(family, bound_s)
+        assert not left, "doctor's probes outlived it:\n" + "\n".join(procs.describe(p) for p in left)
+        if sig == signal.SIGTERM:
+            assert doctor.returncode == 128 + signal.SIGTERM, err[-2000:]
+            assert err.strip().splitlines()[-1] == ("run_pipeline.py doctor: stopped by SIGTERM: its probes were "
+                                                    "stopped, no report written")
+            assert "Traceback" not in err and not (tmp_path / "doctor.json").exists() and "verdict" not in out
+    finally:
+        if doctor.poll() is None:
+            doctor.kill()
+        procs.kill_running(family)
+
+
+def _start_doctor(tmp_path: Path, cache: Path, seconds_per_stage: str) -> subprocess.Popen[str]:
+    # --debug-delay-ms: every batch takes >= 10 ms, so a probe runs its whole --seconds-per-stage (not
+    # producer.probe's cap of 100000 batches, which a fast cache reaches in seconds).
+    return subprocess.Popen(_doctor_argv(tmp_path, cache, "tests.steps:tiny_step", "--producers", "1",
+                                         "--seconds-per-stage", seconds_per_stage, "--debug-delay-ms", "10",
+                                         "--json", str(tmp_path / "doctor.json")),
+                            cwd=REPO, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_doctor_stopped_while_its_probe_runs_leaves_no_probe_behind(demo_cache: Path, tmp_path: Path,
+                                                                      sig: int) -> None:
+    """SIGTERM: doctor stops its probe's group and exits 143 in one line, no report; SIGKILL: the probe notices on
+    its own (die_with_named_parent). Stage 1's probe builds for 600 s: it cannot end by itself within the bound."""
+    _stop_doctor_and_check(tmp_path, _start_doctor(tmp_path, demo_cache, "600"), 1, sig, procs.WAIT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_doctor_stopped_mid_transport_stage_leaves_no_probe_or_producer_behind(demo_cache: Path, tmp_path: Path,
+                                                                                 sig: int) -> None:
+    """Stage 2's family, signalled once its producer is forked: the transport probe, the producer group it started,
+    and a producer. SIGKILL: the probe dies with doctor and the group with the probe (it names itself as their
+    parent). Slow: stage 1 takes the 30 s first; the probe would measure 30 s after its first batch, longer than
+    the 20 s bound (> the group's own ladder)."""
+    _stop_doctor_and_check(tmp_path, _start_doctor(tmp_path, demo_cache, "30"), 3, sig, 20.0)

@@ -1,19 +1,24 @@
 """The producer supervisor's restart decisions, with children that are tiny interpreters exiting with a given code.
 
 Under ``exit_at_plan_end`` a child's exit 0 is the plan's end (no restart; all finished: the supervisor
-returns 0 by itself); without it (systemd, by hand) an exit 0 is restarted as today.
+returns 0 by itself); without it (systemd, by hand) an exit 0 is restarted as today. A stop that comes while a
+child is still being started stops that child too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import uvloop
 
 from producer.supervisor import _Group, _main
+from shared.service.stop_ladder import PRODUCER_LADDER
 from shared.service.sdnotify import Notifier
 
 
@@ -61,3 +66,39 @@ def test_without_it_a_child_exiting_0_is_restarted_until_the_supervisor_is_stopp
     group = _ScriptedGroup({1: [0]}, stop, exit_at_plan_end=False, stop_after_spawns=3)
     assert _supervise(group, stop) == 0
     assert stop.is_set() and len(group.spawned) >= 3 and group.finished == 0
+
+
+class _StopWhileStartingGroup(_Group):
+    """Its one child is still being started when the stop comes, and only joins ``procs`` after the ladder ran."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__(Path("unused.yaml"), 1, 0.0, 0.0)
+        self._stop = stop
+        self.ladder_ran: asyncio.Event | None = None
+        self.child: asyncio.subprocess.Process | None = None
+
+    async def spawn(self, index: int) -> asyncio.subprocess.Process:
+        self.ladder_ran = asyncio.Event()
+        self.child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(300)")
+        self._stop.set()                       # SIGTERM to the supervisor, as its parent's death sends it
+        await self.ladder_ran.wait()           # the ladder ran over the children it knew: not this one
+        self.procs[index] = self.child
+        return self.child
+
+    async def terminate_all(self) -> None:
+        await super().terminate_all()
+        assert self.ladder_ran is not None
+        self.ladder_ran.set()
+
+
+def test_a_child_still_starting_when_the_stop_comes_gets_the_ladder_too() -> None:
+    stop = threading.Event()
+    group = _StopWhileStartingGroup(stop)
+    started = time.monotonic()
+    try:
+        assert _supervise(group, stop) == 0
+        assert group.child is not None and group.child.returncode == -signal.SIGTERM   # stopped, not left running
+        assert time.monotonic() - started < PRODUCER_LADDER.term_wait_s   # by SIGTERM, not after the tasks' wait
+    finally:
+        if group.child is not None and group.child.returncode is None:
+            os.kill(group.child.pid, signal.SIGKILL)

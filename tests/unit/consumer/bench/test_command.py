@@ -1,5 +1,5 @@
 """bench's plan of trials (pure parts of ``consumer/bench/command.py``): which systems run at which step costs;
-flags refused before any trial; SIGTERM stopping real child processes (``consumer/bench/children.py``)."""
+flags refused before any trial; SIGTERM stopping real child processes (``shared.service.children.CommandChildren``, as bench uses it)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from consumer.bench import command
-from consumer.bench.children import BenchChildren, Interrupted
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
+from shared.service.children import CommandChildren, Interrupted
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -105,7 +105,7 @@ _TRIAL = ("import subprocess, sys, time; h = subprocess.Popen([sys.executable, '
 
 
 def test_sigterm_stops_the_running_trial_with_its_group_and_no_other_starts(tmp_path: Path) -> None:
-    children = BenchChildren()
+    children = CommandChildren("bench children")
     pids: list[int] = []
     try:
         with pytest.raises(Interrupted) as info, children:

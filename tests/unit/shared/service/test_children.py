@@ -1,11 +1,13 @@
-"""Child interpreters: their environment, argv, and the config file they are handed."""
+"""Child interpreters: their environment, argv, the config file they are handed, and dying with their parent."""
 
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import yaml
 
 from shared.service.children import (ENTRY_SCRIPT, REPO_ROOT, Child, child_env, entry_argv, handed_over_config,
                                      module_argv, spawn, write_private_config)
+from shared.service.lifecycle import PARENT_PID_ENV
 from shared.service.stop_ladder import Ladder
 
 _GENEROUS_S = 60.0
@@ -80,3 +83,51 @@ def test_child_stop_sets_stopping_reaps_and_removes_its_config(tmp_path: Path) -
         assert proc.wait(_GENEROUS_S) == 0                  # found the repo's packages through child_env
     assert child.stopping and proc.returncode == 0 and not config.exists()
     assert child.stop() == 0                                # idempotent
+
+
+def test_child_env_never_passes_on_the_parent_it_was_told_to_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PARENT_PID_ENV, "12345")          # names *our* parent: a child must not follow it
+    assert PARENT_PID_ENV not in child_env()
+    assert child_env({PARENT_PID_ENV: str(os.getpid())})[PARENT_PID_ENV] == str(os.getpid())
+
+
+# A command (CommandChildren) -> a child -> a grandchild, each following its parent as bench's trials and doctor's
+# probes do; each prints its pid once armed, then waits.
+_FOLLOWER = ("import os, subprocess, sys, time; from shared.service.lifecycle import PARENT_PID_ENV, "
+             "die_with_named_parent; from shared.service.children import child_env; die_with_named_parent(); "
+             "kids = [subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[1], ''], env=child_env({PARENT_PID_ENV: "
+             "str(os.getpid())}), stdout=subprocess.PIPE, text=True)] if sys.argv[2] else []; "
+             "print(' '.join([str(os.getpid())] + [k.stdout.readline().strip() for k in kids]), flush=True); "
+             "time.sleep(300)")
+_COMMAND = ("import subprocess, sys, time; from shared.service.children import CommandChildren; "
+            "c = CommandChildren('test children').__enter__(); "
+            "p = c.spawn([sys.executable, '-c', sys.argv[1], sys.argv[1], 'with a grandchild'], stdout=subprocess.PIPE, "
+            "text=True); print(p.stdout.readline().strip(), flush=True); time.sleep(300)")
+
+
+def test_the_children_of_a_sigkilled_command_and_their_own_children_die_with_it() -> None:
+    command = spawn([sys.executable, "-c", _COMMAND, _FOLLOWER], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        assert command.stdout is not None
+        pids = [int(pid) for pid in command.stdout.readline().split()]   # child and grandchild, both armed
+        assert len(pids) == 2
+        command.kill()                                                   # no handler runs: only PDEATHSIG
+        command.wait(_GENEROUS_S)
+        deadline = time.monotonic() + _GENEROUS_S
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.02)
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        if command.poll() is None:
+            command.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

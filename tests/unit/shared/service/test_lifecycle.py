@@ -92,3 +92,20 @@ def test_a_child_whose_parent_is_already_gone_stops_itself_at_once() -> None:
     assert gone.returncode == -signal.SIGTERM and "still here" not in gone.stdout
     code = "import os; from shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_only_a_parent_named_in_the_environment_is_followed() -> None:
+    import signal
+    import subprocess
+    import sys
+    from shared.service.lifecycle import PARENT_PID_ENV, die_with_named_parent
+    assert die_with_named_parent(environ={}) is False                 # by hand, under systemd: follows nobody
+    assert die_with_named_parent(environ={PARENT_PID_ENV: "x"}) is False
+    code = ("from shared.service.lifecycle import die_with_named_parent; "
+            "print(die_with_named_parent(), flush=True)")
+    named = {**os.environ, PARENT_PID_ENV: str(os.getpid())}          # this test's process: the real parent
+    done = subprocess.run([sys.executable, "-c", code], env=named, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "True"
+    stale = {**os.environ, PARENT_PID_ENV: str(os.getppid())}         # a grandparent's pid: not its parent
+    gone = subprocess.run([sys.executable, "-c", code], env=stale, capture_output=True, text=True, timeout=60)
+    assert gone.returncode == -signal.SIGTERM and gone.stdout == ""
