@@ -52,9 +52,11 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
                           env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
 
 
-def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(demo_cache: Path, tmp_path: Path) -> None:
+def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(tmp_path: Path) -> None:
     out = tmp_path / "jax.json"
-    proc = _bench(tmp_path, "--demo", "--cache-dir", str(demo_cache), "--steps", "24", "--warmup", "2",
+    # its own demo cache: --demo writes the extras into the cache it is given (the shared demo_cache has none)
+    proc = _bench(tmp_path, "--demo", "--cache-dir", str(tmp_path / "demo"), "--demo-utterances", "200",
+                  "--steps", "24", "--warmup", "2",
                   "--depths", "1,2", "--hidden", "32", "--layers", "1", "--producers", "1", "--resident-steps", "3",
                   "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
