@@ -37,7 +37,6 @@ __all__ = ["OUTPUT_FILE_MODE", "check_output", "check_output_dir", "create_new",
 OUTPUT_FILE_MODE = 0o640   # the owner writes, the group (an operator in the service group) reads
 
 
-
 def output_reason(path: str | os.PathLike[str]) -> str | None:
     """Why writing ``path`` could land on a file another user chose; ``None`` if it cannot (today).
 
