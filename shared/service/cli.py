@@ -38,6 +38,9 @@ _OVERRIDES = {  # flag dest -> config key
 
 _MAX_DEBUG_DELAY_MS = 3_600_000.0   # an hour per batch: far past any test; a larger sleep can overflow
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $MELFEED_LOG_LEVEL, else INFO)"
+_TRAIN_EXITS = ("exit 0 plan finished or stopped (SIGTERM/SIGINT: checkpoint first), 1 failure, 65 too many "
+                "quarantined rows trained (producer.max_quarantined_fraction), 75 a rank lost contact with its job, "
+                "78 configuration error")
 
 
 def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bool = False) -> None:
@@ -101,14 +104,20 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
     sub = ap.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="consumer and N producers on this host")
+    run = sub.add_parser("run", help="consumer and N producers on this host",
+                         description="consumer and N producers on this host; " + _TRAIN_EXITS)
     _common(run, producers=True, consumer=True)
     _demo(run, "generate (once) and train on the built-in demo data")
-    _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)"), consumer=True)
+    _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)",
+                           description="the training side alone (systemd: consumer.service); " + _TRAIN_EXITS),
+            consumer=True)
     producer = sub.add_parser("producer", help="N producer processes under one parent")
     _common(producer, producers=True)
     _demo(producer, "generate (once) and serve the built-in demo data")
-    doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up")
+    doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up",
+                         description="measure every stage, name the bottleneck; exit 0 supply >= 1.2 x demand, 3 the "
+                                     "data side is the bottleneck, 1 a probe failed, 78 configuration error, 128 + "
+                                     "signal when SIGTERM/SIGINT stopped it (its probes stopped, no report)")
     _common(doc)
     doc.add_argument("--producers", type=int, help="producer processes to measure (default: producer.count)")
     doc.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
@@ -117,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--demo-utterances", type=int, default=2000)
     doc.add_argument("--seconds-per-stage", type=float, default=3.0, help="measuring time of each stage")
     doc.add_argument("--json", help="also write every figure and the verdict as JSON to this file")
-    idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers")
+    idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers and token ids",
+                         description="build CACHE_DIR/manifest.json from the .npy headers and token ids (their "
+                                     "range recorded); exit 0 written, 1 bad files (not written without --skip-bad), "
+                                     "78 cache directory unusable")
     idx.add_argument("cache_dir")
     idx.add_argument("--n-mels", type=int, default=80)
     idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
@@ -139,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--n-mels", type=int, default=80)
     ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
                                                     "(the config's model.vocab_size)")
-    about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers read "
-             "a row with one preadv); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
+    about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers copy "
+             "rows out of it); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
     pack = sub.add_parser("pack", help=about, description=about)
     pack.add_argument("cache_dir")
     pack.add_argument("--n-mels", type=int, default=80)
@@ -185,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
     st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service"))
+    _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service",
+                          description="melfeed vs tuned tf.data, the naive loader and tf.data service; exit 0 every "
+                                      "trial ran (a FAILed goal is a result), 1 a trial failed, 78 bad flag or cache, "
+                                      "128 + signal when SIGTERM/SIGINT stopped it (its trials stopped, no report)"))
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
     demo.add_argument("dir")
     demo.add_argument("--utterances", type=int, default=2000, help="utterances to write, 1..1000000 (default 2000)")
