@@ -24,11 +24,14 @@ _COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from shared.service.cli import build_parser
-    from shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ConfigError, DataError, JobLostError,
-                               StateError, StepError)
-
-    args = build_parser().parse_args(argv)
+    try:
+        from shared.service.cli import build_parser
+        from shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ConfigError, DataError,
+                                   JobLostError, StateError, StepError)
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:   # Ctrl-C while the modules load
+        print("run_pipeline.py: stopped by SIGINT", file=sys.stderr)
+        return 130
     try:
         _setup_logging(getattr(args, "log_level", None))
         if args.command in _COMMANDS:
@@ -53,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobLostError as err:  # a multi-worker job lost a rank: restart every rank (newest common checkpoint)
         print(f"run_pipeline.py {args.command}: {err}", file=sys.stderr)
         return EXIT_JOB_LOST
+    except KeyboardInterrupt:   # Ctrl-C where no command's own handler runs yet (imports, index, doctor's set-up)
+        print(f"run_pipeline.py {args.command}: stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 def _setup_logging(flag: str | None) -> None:

@@ -25,10 +25,11 @@ Invariants:
   (``shared/wire/half_cast.py``) into a float16 row, both through a staging buffer. A float32 value
   beyond float16's range (one the cast would make inf: |x| >= 65520; 65504 is float16's largest) is
   refused like a non-finite one, naming the file: it is the user's data, never clipped.
-- A mel row holding NaN or Inf is refused. The values are checked once per file identity per
-  process (again when a read needs more frames than were checked, or the file's identity changed),
-  not on every read. Every refusal depends only on the file (its presence, size and bytes), so
-  every producer refuses the same rows and quarantine stays deterministic; reads that fail for
+- A mel row holding NaN or Inf is refused, and a token id outside the manifest's ``token_range`` (the file was
+  rewritten since index; the consumer's start checked that range against ``model.vocab_size``). The values are
+  checked once per file identity per process (again when a read needs more frames than were checked, or the
+  file's identity changed), not on every read. Every refusal depends only on the file (its presence, size and
+  bytes), so every producer refuses the same rows and quarantine stays deterministic; reads that fail for
   reasons outside the file (out of fds or memory) raise ``TransientReadError`` instead, which is
   never a quarantine decision.
 - Not thread-safe: the scratch buffers and the descriptor cache are shared between calls. Use one
@@ -50,6 +51,7 @@ import numpy.typing as npt
 from producer.batch_rows import HeadViews, RowBytes
 from producer.open_files import Identity, OpenFiles
 from shared.errors import CacheError
+from shared.cache.index import ids_outside
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from shared.cache.npyfile import parse_npy_header
 from shared.wire.half_cast import HalfCaster
@@ -186,6 +188,7 @@ class CacheReader:
         self._files = OpenFiles(open_files, revalidate_s)
         # Mel values found finite, per index: (file identity, frames checked). Bounded by the manifest.
         self._finite: dict[int, tuple[Identity, int]] = {}
+        self._ids_seen: dict[int, tuple[Identity, int]] = {}  # the same for token ids within the manifest's range
 
     @property
     def open_files(self) -> OpenFiles:
@@ -290,10 +293,20 @@ class CacheReader:
         """``read_tokens_into(index, tokens[row])`` without numpy work per row; same result and errors."""
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, rows.capacity)
-        self._read(index, False, self._tok_paths[index], utt.tok_file_bytes, utt.tok_offset, rows.head(row, n))
+        identity = self._read(index, False, self._tok_paths[index], utt.tok_file_bytes, utt.tok_offset, rows.head(row, n))
+        self._check_ids(index, identity, rows.array[row, :n])
         if n < rows.capacity:
             rows.zero_tail(row, n)
         return n
+
+    def _check_ids(self, index: int, identity: Identity, ids: npt.NDArray[np.int32]) -> None:
+        """Token ids outside the manifest's ``token_range`` (rewritten since index) are refused; once per identity."""
+        known = self._ids_seen.get(index)
+        if known is None or known[0] != identity or known[1] < ids.size:
+            changed = ids_outside(ids, self.manifest.token_range)
+            if changed is not None:
+                raise CacheError(self._tok_paths[index], changed)
+            self._ids_seen[index] = (identity, ids.size)
 
     def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int,
               buf: memoryview) -> Identity:
@@ -379,7 +392,8 @@ class CacheReader:
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, int(dst.shape[0]))
         path = self._tok_paths[index]
-        self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n]))
+        self._check_ids(index, self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n])),
+                        dst[:n])
         if n < dst.shape[0]:
             dst[n:] = 0
         return n

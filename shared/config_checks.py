@@ -122,19 +122,24 @@ def check_not_abstract(endpoint: str | None, insecure: bool, path: tuple[str, ..
 
 
 _ANY_HOST = frozenset({"*", "0.0.0.0", "[::]", "::", ""})     # every interface: overlaps every address
-_SAME_HOST = {"localhost": "127.0.0.1", "[::ffff:127.0.0.1]": "127.0.0.1"}
+_SAME_HOST = {"localhost": "127.0.0.1", "::ffff:127.0.0.1": "127.0.0.1"}
 
 
-def _tcp_address(endpoint: str) -> tuple[str, str] | None:
-    """``(host, port)`` of ``tcp://HOST:PORT``, else ``None``."""
+def _host(host: str) -> str:
+    """One spelling per address: ZeroMQ brackets an IPv6 host (``[::1]``), ``metrics_host`` does not (``::1``)."""
+    host = host.lower().removeprefix("[").removesuffix("]")
+    return _SAME_HOST.get(host, host)
+
+
+def _tcp_address(endpoint: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``tcp://HOST:PORT``, else ``None`` (the port as a number: ``05555`` is 5555)."""
     if not endpoint.startswith("tcp://"):
         return None
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    host = host.lower()
-    return _SAME_HOST.get(host, host), port
+    return (_host(host), int(port)) if port.isascii() and port.isdigit() else None
 
 
-def _tcp_overlap(a: tuple[str, str], b: tuple[str, str]) -> bool:
+def _tcp_overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
     return a[1] == b[1] and (a[0] == b[0] or a[0] in _ANY_HOST or b[0] in _ANY_HOST)
 
 
@@ -170,9 +175,9 @@ def check_distinct_binds(endpoints: Mapping[tuple[str, ...], str | None],
             if endpoints_collide(other, value):
                 raise ConfigError(f"must differ from {'.'.join(other_key)} ({other}): the consumer binds both",
                                   path=key, got=value)
-    if http is not None and http[2] is not None:
-        key, host, port = http
-        here = (_SAME_HOST.get(host.lower(), host.lower()), str(port))
+    key, host, port = http if http is not None else ((), "", None)
+    if port is not None:
+        here = (_host(host), port)
         for other_key, other in named:
             there = _tcp_address(other)
             if there is not None and _tcp_overlap(here, there):

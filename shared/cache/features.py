@@ -138,12 +138,15 @@ def load_manifest_for(cfg: PipelineConfig, *, feeds_model: bool = True) -> Manif
             ``Consumer`` (the caller's own model, whose vocabulary melfeed does not know).
 
     Raises:
-        CacheError: See ``load_manifest``, and a negative token id (``check_token_ids``).
+        CacheError: See ``load_manifest``; a manifest with no utterance; a negative token id (``check_token_ids``).
         ConfigError: See ``check_features`` and ``check_token_ids``; also when ``cache_dir`` is not set.
     """
     if cfg.cache_dir is None:
         raise ConfigError("must be set (a directory with mels/, tokens/ and manifest.json)", path=("cache_dir",))
     manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
+    if not len(manifest):   # `index --skip-bad` with every file bad writes one; buckets and plans need a row
+        raise CacheError(manifest.cache_dir / MANIFEST_NAME, "lists no utterances: index skipped every file as bad "
+                         f"(run_pipeline.py index {manifest.cache_dir} names each one); nothing to train on")
     check_features(manifest, cfg)
     if feeds_model:
         check_token_ids(manifest, cfg.model.vocab_size)

@@ -31,7 +31,7 @@ from typing import Any
 
 from shared.errors import CacheError
 
-__all__ = ["OPEN_FLAGS", "open_regular", "read_regular", "read_json", "write_atomic", "make_dirs", "entry_kind",
+__all__ = ["CACHE_FILE_MODE", "OPEN_FLAGS", "open_regular", "read_regular", "read_json", "write_atomic", "make_dirs", "entry_kind",
            "mode_kind", "not_regular_reason"]
 
 OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -137,8 +137,14 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise ValueError("nested too deeply") from None
 
 
+CACHE_FILE_MODE = 0o644   # manifest.json, features.json: read by producers and consumers that may run as another
+                          # user (deploy's melfeed) than the one who indexed; mkstemp alone gives 0600
+
+
 def write_atomic(directory: Path, name: str, data: bytes) -> Path:
     """Temp file in ``directory``, fsync, rename over ``name``, fsync the directory; returns the path.
+
+    The file is ``CACHE_FILE_MODE`` whatever the umask (a cache's data is for every user who trains on it).
 
     Raises:
         CacheError: naming ``directory/name`` and the OS reason: a read-only or missing directory, a
@@ -149,6 +155,7 @@ def write_atomic(directory: Path, name: str, data: bytes) -> Path:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), CACHE_FILE_MODE)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from shared.errors import CacheError
 from shared.cache.features import FEATURES_NAME, read_feature_record
@@ -29,7 +30,7 @@ from shared.cache.filekind import open_regular, read_json
 from shared.cache.npyfile import NpyHeader, inspect_npy
 from shared.wire.schema import KINDS
 
-__all__ = ["build_manifest", "check_mel_header", "check_token_header", "list_npy", "token_range"]
+__all__ = ["build_manifest", "check_mel_header", "check_token_header", "ids_outside", "list_npy", "token_range"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,19 @@ def check_token_header(header: NpyHeader) -> str | None:
     if header.shape[0] == 0:
         return "zero tokens"
     return None
+
+
+def ids_outside(ids: npt.NDArray[np.int32], recorded: tuple[int, int] | None) -> str | None:
+    """Why token ``ids`` read now are not the ones ``index`` saw (outside the manifest's ``token_range``), or
+    ``None``. ``pack`` and producers ask it: the consumer's start checked ``model.vocab_size`` against that
+    range, so an id beyond it (a token file rewritten since) would reach the model unchecked."""
+    if recorded is None or ids.size == 0:
+        return None                     # an older manifest records no range (its start warned)
+    low, high = int(ids.min()), int(ids.max())
+    if recorded[0] <= low and high <= recorded[1]:
+        return None
+    return (f"file changed since index: token ids {low}..{high}, outside the {recorded[0]}..{recorded[1]} the "
+            "manifest records; re-run index")
 
 
 def token_range(path: Path, header: NpyHeader) -> tuple[int, int]:

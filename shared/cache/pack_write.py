@@ -33,6 +33,7 @@ from typing import BinaryIO
 import numpy as np
 
 from shared.cache.filekind import open_regular
+from shared.cache.index import ids_outside
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest, load_manifest
 from shared.cache.npyfile import parse_npy_header
 from shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_path, preamble, source_paths,
@@ -106,7 +107,11 @@ def _record(manifest: Manifest, i: int, mel_dtype: str, stats: list[tuple[int, i
     parts = [mel.tobytes()]
     data, stat = _read_whole(paths[1], utt.tok_file_bytes)
     stats.append(stat)
-    parts.append(_payload(paths[1], data, (utt.tokens,), TOKEN_DTYPE, utt.tok_offset).tobytes())
+    tokens = _payload(paths[1], data, (utt.tokens,), TOKEN_DTYPE, utt.tok_offset)
+    changed = ids_outside(tokens, manifest.token_range)   # the range the consumer's start checked
+    if changed is not None:
+        raise CacheError(paths[1], changed)
+    parts.append(tokens.tobytes())
     for column, path in zip(manifest.extras, paths[2:]):
         spec = column.spec
         length, offset, file_bytes = (int(x) for x in column.rows[i])

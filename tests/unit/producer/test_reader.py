@@ -266,3 +266,14 @@ def test_row_views_refuse_arrays_the_reader_cannot_fill(manifest: Manifest) -> N
         reader.token_rows(np.zeros((2, 4), np.int64), zeros)
     with pytest.raises(ValueError, match="C-contiguous"):
         reader.token_rows(np.zeros((4, 2), np.int32).T, zeros)
+
+
+def test_token_ids_rewritten_beyond_the_recorded_range_are_refused_naming_the_file(manifest: Manifest) -> None:
+    """Same size and header: only the ids tell; the consumer's start checked model.vocab_size against the range."""
+    assert manifest.token_range is not None
+    path = manifest.tokens_path(0)
+    np.save(path, np.load(path) * 0 + manifest.token_range[1] + 1)
+    with pytest.raises(CacheError, match="outside the .* the manifest records") as info:
+        CacheReader(manifest).read_tokens_into(0, np.empty(16, np.int32))
+    assert info.value.path == str(path)
+    assert CacheReader(manifest).read_tokens_into(2, np.empty(16, np.int32)) == 3   # an unchanged file reads

@@ -41,6 +41,9 @@ def test_a_status_socket_equal_to_the_data_endpoint_is_refused_naming_both_keys(
     ("tcp://10.0.0.7:5555", "tcp://127.0.0.1:5555", False),
     ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", False),
     ("tcp://127.0.0.1:5555", "ipc:///tmp/127.0.0.1:5555", False),
+    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:05555", True),        # one port, however written
+    ("tcp://[::ffff:127.0.0.1]:5555", "tcp://127.0.0.1:5555", True),
+    ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", False),            # two loopback addresses: both bind
 ])
 def test_which_endpoints_are_one_address(a: str, b: str, same: bool) -> None:
     assert endpoints_collide(a, b) is same and endpoints_collide(b, a) is same
@@ -59,6 +62,14 @@ def test_a_tcp_status_socket_on_the_data_port_and_a_metrics_port_on_either_are_r
         "consumer.metrics_port: 127.0.0.1:9100 is also where consumer.control_endpoint")
     config_from_mapping({"transport": {"endpoint": "tcp://10.0.0.7:9100", "insecure": True},
                          "consumer": {"metrics_port": 9100}})              # another address: both bind
+
+
+def test_a_metrics_host_spelled_without_brackets_or_a_port_with_a_zero_still_meets_the_data_endpoint() -> None:
+    """metrics_host is an HTTP host (``::1``), ZeroMQ brackets it (``[::1]``); ZeroMQ reads ``09100`` as 9100."""
+    for endpoint, host in (("tcp://[::1]:9100", "::1"), ("tcp://127.0.0.1:09100", "127.0.0.1")):
+        assert _refused({"transport": {"endpoint": endpoint, "insecure": True},
+                         "consumer": {"metrics_host": host, "metrics_port": 9100}}).startswith(
+            f"consumer.metrics_port: {host}:9100 is also where transport.endpoint ({endpoint}) listens")
 
 
 def test_the_consumer_refuses_a_status_socket_equal_to_its_default_endpoint_before_starting(tmp_path: Path) -> None:

@@ -263,3 +263,17 @@ def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
     with caplog.at_level("WARNING", logger="shared.cache.features"), pytest.raises(ConfigError, match="must be > 300"):
         load_manifest_for(cfg)
     assert caplog.records == []
+
+
+def test_a_manifest_that_lists_no_utterance_is_one_line_naming_it_not_a_traceback(tmp_path: Path) -> None:
+    """``index --skip-bad`` with every file bad writes one; every start built buckets from it (ValueError)."""
+    for sub in ("mels", "tokens"):
+        (tmp_path / sub).mkdir()
+    np.save(tmp_path / "mels" / "a.npy", np.zeros((3, 80), np.float32))
+    np.save(tmp_path / "tokens" / "a.npy", np.array([-1], np.int32))
+    manifest, problems = build_manifest(tmp_path, 80)
+    assert len(manifest) == 0 and problems
+    write_manifest(manifest)
+    with pytest.raises(CacheError, match=f"^{tmp_path}/manifest.json: lists no utterances: index skipped every file "
+                                         "as bad"):
+        load_manifest_for(config_from_mapping({"cache_dir": str(tmp_path)}))

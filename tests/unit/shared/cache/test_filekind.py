@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -181,3 +182,14 @@ def test_make_dirs_refuses_a_file_in_the_way_and_an_impossible_path_with_one_lin
     make_dirs(tmp_path / "a" / "b")
     make_dirs(tmp_path / "a" / "b")                    # exists: fine
     assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_write_atomic_files_are_readable_by_the_users_who_train_whatever_the_umask(tmp_path: Path) -> None:
+    """manifest.json indexed by root or alice is read by the units' melfeed user: mkstemp's 0600 refused it."""
+    old = os.umask(0o077)
+    try:
+        written = write_atomic(tmp_path, "manifest.json", b"{}")
+        again = write_atomic(tmp_path, "manifest.json", b"[]")
+    finally:
+        os.umask(old)
+    assert written == again and stat.S_IMODE(os.stat(written).st_mode) == 0o644

@@ -136,7 +136,8 @@ def test_a_float16_pack_equals_the_float32_files_cast_and_an_overflow_is_quarant
 
 
 def _damage_rows(manifest: Manifest) -> dict[int, tuple[Path, str]]:
-    """A NaN mel, a truncated token file, a missing extra; sample id -> (file, words of its pack reason)."""
+    """A NaN mel, a truncated token file, a missing extra, a token file rewritten (same size and header) with an id
+    beyond the manifest's token_range; sample id -> (file, words of its pack reason)."""
     mel_path = manifest.mel_path(1)
     mel = np.load(mel_path)
     mel[1, 1] = np.nan                                     # frame 1: inside every bucket's kept frames
@@ -145,7 +146,11 @@ def _damage_rows(manifest: Manifest) -> dict[int, tuple[Path, str]]:
     tok_path.write_bytes(tok_path.read_bytes()[:-4])
     extra_path = manifest.extra_path("energy", 4)
     extra_path.unlink()
-    return {1: (mel_path, "non-finite"), 3: (tok_path, "size"), 4: (extra_path, "missing")}
+    assert manifest.token_range is not None
+    ids_path = manifest.tokens_path(5)
+    np.save(ids_path, np.load(ids_path) * 0 + manifest.token_range[1] + 1)   # past model.vocab_size, unchecked
+    return {1: (mel_path, "non-finite"), 3: (tok_path, "size"), 4: (extra_path, "missing"),
+            5: (ids_path, "outside the")}
 
 
 @_BOTH_WAYS
@@ -157,7 +162,7 @@ def test_rows_bad_at_pack_time_are_listed_and_quarantined_or_failed_like_the_fil
     for i, (_, words) in damaged.items():
         assert words in bad[i][1], bad[i]
     buckets = _buckets(cache)
-    assert _compare_every_batch(cache, buckets, mapped=mapped) == [[1, 3], [4], [3, 1]] * 2
+    assert _compare_every_batch(cache, buckets, mapped=mapped) == [[1, 3], [4, 5], [5, 3, 1]] * 2
     plain, packed = _assemblers(cache, buckets, policy="fail", mapped=mapped)
     for sid, (path, _) in damaged.items():
         for assembler in (plain, packed):
