@@ -26,8 +26,8 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["check_private_dir", "make_dirs", "others_can_write", "place_reason", "private_file_reason",
-           "untrusted_reason"]
+__all__ = ["check_private_dir", "creation_reason", "make_dirs", "others_can_write", "place_reason",
+           "private_file_reason", "untrusted_reason"]
 
 _MAX_LINKS = 40            # symbolic links followed in one lookup, as Linux's ELOOP limit
 
@@ -89,6 +89,20 @@ def place_reason(path: str | os.PathLike[str], *, follow: bool = True) -> str | 
             here = "/"
         todo.extend(reversed(target.split("/")))
     return None
+
+
+def creation_reason(path: str | os.PathLike[str]) -> str | None:
+    """``place_reason`` for a directory about to be made with its missing parents (``keys DIR``, ``demo-data
+    DIR``, ``prepare --cache``): judged at the first missing component, so that nothing is created (not even
+    an empty directory) in a place another user controls. An existing ``path`` is judged as it is.
+
+    Raises:
+        OSError: an existing directory on the way cannot be examined.
+    """
+    first_missing = Path(os.path.abspath(path))
+    while first_missing.parent != first_missing and not os.path.lexists(first_missing.parent):
+        first_missing = first_missing.parent
+    return place_reason(first_missing)
 
 
 def _directory_reason(directory: str, uid: int) -> str | None:

@@ -38,6 +38,7 @@ from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
 from shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
 from shared.cache.filekind import make_dirs
+from shared.filetrust import creation_reason
 from shared.output_files import output_dir_reason
 from shared.cache.index import build_manifest
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
@@ -213,6 +214,15 @@ def _check_config(cfg: PipelineConfig) -> None:
                           path=("n_mels",), got=cfg.n_mels)
 
 
+def _check_place(cache: Path) -> None:
+    try:
+        reason = creation_reason(cache)
+    except OSError:            # a file in the way, a parent we cannot search: making it names the OS reason
+        return
+    if reason is not None:
+        raise CacheError(cache, f"refusing to write the cache: {reason}")
+
+
 def _check_own(cache: Path) -> None:
     """Thousands of files are written in the cache: refuse one another user could write to or swap (a link
     planted at a file's name would be written through; a file planted there would be served as data)."""
@@ -246,6 +256,8 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
         raise CacheError(cache, "not a directory")
     if cache.exists():
         _check_own(cache)     # before reading its record: it may be another user's
+    else:
+        _check_place(cache)   # before anything is made there
     has_record = _check_record(cache, cfg)  # before any output: a mismatch is the only message
     rows, bad_lines = read_metadata(corpus, report)
     summary = PrepareSummary()

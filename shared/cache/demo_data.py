@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from shared.errors import CacheError, ConfigError
 from shared.cache.filekind import make_dirs
+from shared.filetrust import creation_reason
 from shared.output_files import output_dir_reason
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, load_manifest, write_manifest
@@ -205,6 +206,7 @@ def write_demo_cache(
     if n_mels < 1:
         raise ValueError(f"n_mels must be >= 1, got {n_mels}")
     root = Path(out_dir)
+    _check_place(root)         # before the lock file or any directory is made
     make_dirs(root.parent)     # the lock sits beside the cache: a file or /proc path is refused, never locked
     if root.exists() and not root.is_dir():
         raise CacheError(root, "not a directory")
@@ -248,6 +250,16 @@ def _writer_lock(root: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)          # releases the lock
+
+
+def _check_place(root: Path) -> None:
+    """Refuse to make anything (the lock, a directory) in a place another user controls."""
+    try:
+        reason = creation_reason(root)
+    except OSError:            # a file in the way, a parent we cannot search: making it names the OS reason
+        return
+    if reason is not None:
+        raise CacheError(root, f"refusing to write the demo cache: {reason}")
 
 
 def _check_own(root: Path) -> None:

@@ -42,7 +42,8 @@ import zmq.auth
 import zmq.utils.z85
 
 from shared.errors import ConfigError
-from shared.filetrust import check_private_dir, make_dirs, place_reason, private_file_reason, untrusted_reason
+from shared.filetrust import (check_private_dir, creation_reason, make_dirs, place_reason, private_file_reason,
+                              untrusted_reason)
 from shared.output_files import create_new, replace_output
 
 __all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
@@ -212,6 +213,9 @@ def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -
     root = Path(directory)
     written: list[Path] = []
     try:
+        reason = creation_reason(root)           # before anything is made: not even an empty directory
+        if reason is not None:
+            raise ConfigError(f"{root}: refusing to write the keys: {reason}")
         make_dirs(root, 0o700)                   # parents too: not the umask's default (0777 under umask 000)
         _own_directory(root)                     # before anything is changed or written in it
         os.chmod(root, 0o700)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,21 @@ def test_a_cache_directory_another_user_made_is_refused_before_anything_is_writt
         f"{theirs}: refusing to write the {'demo cache' if command == 'demo-data' else 'cache'}: belongs to uid "
         f"{MALLORY}, neither this user (0) nor root")
     assert bashrc.read_text() == _BASHRC and sorted(p.name for p in theirs.iterdir()) == ["mels"]
+
+
+def test_keys_demo_data_and_prepare_make_nothing_inside_another_users_directory(tmp_path: Path) -> None:
+    """The directory to make is new, its parent is theirs: refused before even an empty directory or a lock."""
+    from producer.prepare.command import run_prepare
+    from shared.cache.demo_data import write_demo_cache
+    from shared.config import PipelineConfig
+    from shared.errors import CacheError, ConfigError
+    from shared.wire.curve import generate_keys
+    theirs = plant_dir(tmp_path / "alice", 0o755)                    # another user's home, readable by all
+    why = f"its parent {theirs} belongs to uid {MALLORY}, who could move it"
+    with pytest.raises(ConfigError, match=re.escape(f"{theirs / 'k'}: refusing to write the keys: {why}")):
+        generate_keys(theirs / "k", ["a"])
+    with pytest.raises(CacheError, match=re.escape(f"refusing to write the demo cache: {why}")):
+        write_demo_cache(theirs / "d" / "cache", n_utterances=2)
+    with pytest.raises(CacheError, match=re.escape(f"refusing to write the cache: {why}")):
+        run_prepare(tmp_path / "no-corpus", theirs / "c", PipelineConfig(), 1, threading.Event(), sys.stderr)
+    assert list(theirs.iterdir()) == []
