@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,7 +65,10 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
             raise ConfigError("must be an integer", path=path, got=value)
     elif base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError("must be a number", path=path, got=value)
+            hint = ""
+            if isinstance(value, str) and _looks_numeric(value):   # YAML 1.1 reads 1e-2 as a string
+                hint = " (YAML 1.1 reads it as a string: write it with a dot and a signed exponent, 1.0e-2, or plainly)"
+            raise ConfigError("must be a number" + hint, path=path, got=value)
         try:
             value = float(value)
         except OverflowError:   # an integer past 1.8e308
@@ -148,3 +152,8 @@ def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> Pipelin
             node = node[part]
         node[leaf] = value
     return config_from_mapping(data)
+
+
+def _looks_numeric(text: str) -> bool:
+    """``1e-2``, ``5E3``, ``1.0e2``: a number YAML 1.1 reads as a string (its floats need a dot and a signed exponent)."""
+    return re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", text.strip()) is not None

@@ -53,3 +53,13 @@ def test_the_deploy_example_holds_every_key_with_its_default() -> None:
     differs = {key for key in defaults if shown[key] != defaults[key]}
     assert differs == {"cache_dir"}, differs       # the one key without a default, shown with a typical value
     assert load_config(example).cache_dir == "/var/lib/melfeed/cache"
+
+
+@pytest.mark.parametrize(("text", "hinted"), [("1e-2", True), ("1.0e2", True), ("5E3", True), ("nan", False),
+                                              ("fast", False)])
+def test_a_number_yaml_reads_as_a_string_gets_a_hint(tmp_path: Path, text: str, hinted: bool) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"producer:\n  max_quarantined_fraction: {text}\n")
+    with pytest.raises(ConfigError, match="producer.max_quarantined_fraction: must be a number") as info:
+        load_config(path)
+    assert ("write it with a dot and a signed exponent, 1.0e-2" in str(info.value)) == hinted
