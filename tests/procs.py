@@ -4,7 +4,9 @@ The consumer runs ``run_pipeline.py consumer`` and the producers ``run_pipeline.
 the systemd units do, so killing one side leaves the other running. For tests that a command leaves no
 child behind: ``descendants`` of a process, each ``Tracked`` by pid and start time (a pid reused by a later
 process is not taken for a survivor), ``wait_gone`` (polled, bounded) and ``describe`` (a survivor's state and
-signal masks, for the failure message).
+signal masks, for the failure message). For tests that it leaves no file behind either: ``slot_files`` of given
+consumer pids and ``temp_dirs`` of a bench or doctor run (only names that carry those pids: tests running beside
+this one make their own).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -206,3 +209,18 @@ def tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def slot_files(pids: list[int], directory: Path = Path("/dev/shm")) -> list[str]:
+    """Shared-memory slot files (``melfeed-<pid>-...``) of the consumers ``pids`` in ``directory``."""
+    prefixes = tuple(f"melfeed-{pid}-" for pid in pids)
+    try:
+        return sorted(name for name in os.listdir(directory) if name.startswith(prefixes))
+    except OSError:
+        return []
+
+
+def temp_dirs(command: str, pid: int) -> list[str]:
+    """The temporary directories of ``run_pipeline.py COMMAND`` (bench, doctor) run as process ``pid``."""
+    prefix = f"melfeed-{command}-{pid}-"
+    return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefix))

@@ -19,7 +19,9 @@ as not available. Exit codes: 0 when every trial ran (goal FAILs are results, no
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
 Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group. SIGTERM or SIGINT
 stops the running trial or probe (its group, with the stop ladder) and exits ``128 + signal`` without a
-report (``shared.service.children.CommandChildren``); no child outlives bench.
+report (``shared.service.children.CommandChildren``); no child outlives bench. A trial stopped by SIGTERM
+unwinds (its consumer, producers, keys); bench removes each trial's runtime dir (socket, CURVE keys) once
+the trial's group is gone, and the slot files of a trial killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -29,23 +31,27 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
 from consumer.placement import XLA_CACHE_FLAG
+from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
 from shared.cache.pack_format import pack_path
-from shared.config import PipelineConfig, TransportConfig
+from shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
 from shared.output_files import write_output
 from shared.flag_checks import check_number, check_output_file
 from shared.service.children import (REPO_ROOT, CommandChildren, Interrupted, child_env, handed_over_config,
                                      module_argv)
+from shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
 from shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
@@ -190,16 +196,33 @@ def _trial_config(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any]
     return mapping
 
 
+def _trial_cleanup(runtime: Path, shm_dir: str | None) -> Callable[[int], None]:
+    """What a trial leaves once its group is gone: its runtime dir (socket, keys, configs) and, if it was killed,
+    its consumer's slot files (named by its pid) in the directory its endpoint in ``runtime`` resolves to."""
+    shm = resolve_shm_dir(shm_dir, f"ipc://{resolve_runtime_dir({'XDG_RUNTIME_DIR': str(runtime)})}/melfeed.sock")
+
+    def cleanup(pid: int) -> None:
+        shutil.rmtree(runtime, ignore_errors=True)
+        clean_stale(shm, pid)
+    return cleanup
+
+
 def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
+    """One trial with ``runtime`` (bench's, made here, removed after it) as its runtime and work directory."""
     extra = {"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     if spec.get("model"):     # one compile of the model for all feed-efficiency trials (runtime: <tmp>/e/<n>)
         cache = runtime.parent / "xla-cache"
         cache.mkdir(parents=True, exist_ok=True)
         extra["TF_XLA_FLAGS"] = f"{XLA_CACHE_FLAG}={cache}"
     env = child_env(extra, drop=("RUNTIME_DIRECTORY",))
-    proc = _CHILDREN.spawn(module_argv("consumer.bench.trial", json.dumps(spec)), env=env, cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+    proc = _CHILDREN.spawn(module_argv("consumer.bench.trial", json.dumps(spec | {"work_dir": str(runtime)})),
+                           env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cleanup=_trial_cleanup(runtime, spec["config"]["transport"].get("shm_dir")))
+    try:
+        out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+    finally:
+        _CHILDREN.finish(proc)
     _CHILDREN.check()        # SIGTERM/SIGINT stopped this trial: not a result
     if timed_out:
         err = f"killed after {timeout_s:.0f} s\n{err}"
@@ -270,7 +293,10 @@ def _build_probe_rounds(config: Path, s: dict[str, Any], seconds: float, timeout
         proc = _CHILDREN.spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
                                            "--seed", str(rnd), "--warm"), env=child_env(), cwd=REPO_ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
+        try:
+            out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
+        finally:
+            _CHILDREN.finish(proc)
         _CHILDREN.check()
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         head = {"system": system, "kind": "build", "round": rnd, "step_ms": 0}
@@ -297,7 +323,8 @@ def main_bench(args: argparse.Namespace) -> int:
                  for dtype in s["mel_dtypes"]
                  for x in ipc_systems if x["kind"] == "melfeed" and x["producers"] == s["producers"][0]]
     try:    # children stop before their directory goes
-        with tempfile.TemporaryDirectory(prefix="melfeed-bench-") as tmp, _CHILDREN:
+        remove_dead_temp_dirs("bench")     # a bench killed with SIGKILL left its directory
+        with tempfile.TemporaryDirectory(prefix=temp_dir_prefix("bench")) as tmp, _CHILDREN:
             trials = _rounds(cfg, systems, s, [0] + s["step_ms"], args.trial_timeout_s, Path(tmp))
             probes = ([] if args.no_transport or args.efficiency_only else
                       _rounds(cfg, transport, s, [0], args.trial_timeout_s, Path(tmp) / "t"))

@@ -11,7 +11,8 @@ zero step's own median time measured here first). A GPU step costs the host no C
 this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
 Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``shared.service.stop_ladder``
-(producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``). Started by bench
+(producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
+(``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's). Started by bench
 (``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
 its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
 """
@@ -39,7 +40,7 @@ from consumer.bench.stats import gb_per_s, sleep_for_step_s
 from shared.config import PipelineConfig, resolve_checksum
 from shared.config_loader import config_from_mapping, with_overrides
 from shared.service.children import ENTRY_SCRIPT, child_env
-from shared.service.lifecycle import die_with_named_parent
+from shared.service.lifecycle import die_with_named_parent, exit_on_sigterm
 
 __all__ = ["zero_step", "main"]
 
@@ -136,7 +137,8 @@ def _tcp_with_curve(cfg: PipelineConfig, keys_dir: Path) -> tuple[PipelineConfig
 
 
 def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="melfeed-bench-keys-") as keys:
+    # in bench's work dir for this trial (``work_dir``), which bench removes even if this process is SIGKILLed
+    with tempfile.TemporaryDirectory(prefix="melfeed-bench-keys-", dir=spec.get("work_dir")) as keys:
         producer_over: dict[str, Any] = {}
         if spec.get("tcp"):
             cfg, producer_over = _tcp_with_curve(cfg, Path(keys))
@@ -258,13 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
-    die_with_named_parent(signal.SIGTERM)   # started by bench: a bench killed even with SIGKILL takes this trial down
     spec = json.loads(args[0])
     try:
-        from consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
-        runners = ({"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
-                   if spec.get("model") == "reference" else _RUNNERS)
-        result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
+        with exit_on_sigterm():      # stopped by bench: stop the helpers, close the consumer, remove the keys first
+            die_with_named_parent(signal.SIGTERM)   # a bench killed even with SIGKILL takes this trial down
+            from consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
+            runners = ({"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
+                       if spec.get("model") == "reference" else _RUNNERS)
+            result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
     except Exception as err:  # top level of the trial process: one line for the orchestrator
         log.debug("trial failed", exc_info=True)
         print(f"bench trial {spec.get('system')}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -36,6 +37,8 @@ from shared.service.cli import config_from_args
 from shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, with_overrides
 from consumer.doctor.arrangement import advise_data_gpu
+from consumer.doctor.probe import transport_endpoint
+from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
 from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
@@ -45,6 +48,7 @@ from shared.flag_checks import check_number, check_output_file
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
 from shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
+from shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
 from shared.service.stop_ladder import GROUP_LADDER, Rung, communicate_or_kill, stop_all
 
 __all__ = ["main_doctor", "ProbeFailed"]
@@ -70,7 +74,10 @@ def _probe_env() -> dict[str, str]:
 
 
 def _finish(children: CommandChildren, name: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-    out, err, timed_out = communicate_or_kill(proc, f"{name} probe", timeout_s)
+    try:
+        out, err, timed_out = communicate_or_kill(proc, f"{name} probe", timeout_s)
+    finally:
+        children.finish(proc)    # its group gone, its cleanup run
     children.check()         # SIGTERM/SIGINT stopped this probe: not a result
     if timed_out:
         raise ProbeFailed(name, 1, f"no result within {timeout_s:.0f} s")
@@ -100,10 +107,22 @@ def _build_stage(children: CommandChildren, config: Path, n: int, seconds: float
         stop_all(procs, f"producer probes (stage 1, {n} at once)", GROUP_LADDER, group=True, first=Rung.KILL)
 
 
-def _transport_stage(children: CommandChildren, config: Path, n: int, seconds: float,
-                     delay_ms: float) -> dict[str, Any]:
-    proc = _spawn(children, "consumer.doctor.probe", "transport", "--config", str(config), "--producers", str(n),
-                  "--seconds", str(seconds), "--debug-delay-ms", str(delay_ms))
+def _transport_stage(children: CommandChildren, config: Path, n: int, seconds: float, delay_ms: float,
+                     shm_dir: str | None) -> dict[str, Any]:
+    """The probe's socket and producer config live in a directory of doctor's (``config``'s), removed with the
+    slot files of the probe's consumer once its group is gone: after a SIGKILL too."""
+    work = config.parent / f"transport-{n}"
+    work.mkdir(mode=0o700)
+    shm = resolve_shm_dir(shm_dir, transport_endpoint(work))
+
+    def cleanup(pid: int) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        clean_stale(shm, pid)
+
+    proc = children.spawn(module_argv("consumer.doctor.probe", "transport", "--config", str(config), "--producers",
+                                      str(n), "--seconds", str(seconds), "--debug-delay-ms", str(delay_ms),
+                                      "--work-dir", str(work)),
+                          env=_probe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cleanup=cleanup)
     return _finish(children, f"transport (stage 2, {n} producer(s))", proc, seconds + 2 * _PROBE_START_S)
 
 
@@ -143,7 +162,7 @@ def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple
 
 
 def _measure(children: CommandChildren, config: Path, n: int, seconds: float, delay_ms: float,
-             progress: Progress) -> dict[str, Any]:
+             progress: Progress, shm_dir: str | None) -> dict[str, Any]:
     """Run the five probe rounds in order, one progress step each."""
     stages: dict[str, Any] = {}
     steps = [("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
@@ -151,9 +170,9 @@ def _measure(children: CommandChildren, config: Path, n: int, seconds: float, de
              ("build_n", f"stage 1/4: cache read + assembly, {n} producer processes at once ({seconds:g} s)",
               lambda: _build_stage(children, config, n, seconds, delay_ms)),
              ("transport_1", f"stage 2/4: transport, 1 producer -> consumer ({seconds:g} s after the first batch)",
-              lambda: _transport_stage(children, config, 1, seconds, delay_ms)),
+              lambda: _transport_stage(children, config, 1, seconds, delay_ms, shm_dir)),
              ("transport_n", f"stage 2/4: transport, {n} producers -> consumer ({seconds:g} s)",
-              lambda: _transport_stage(children, config, n, seconds, delay_ms)),
+              lambda: _transport_stage(children, config, n, seconds, delay_ms, shm_dir)),
              ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
               lambda: _finish(children, "device (stages 3-4)",
                               _spawn(children, "consumer.doctor.probe", "device", "--config", str(config), "--seconds",
@@ -194,12 +213,14 @@ def main_doctor(args: argparse.Namespace) -> int:
                              cfg.consumer.ring_slots * largest,
                              memory_bound_bytes(cfg.consumer.ring_slots, n, cfg.transport.lease_window, largest),
                              os.environ)
+    remove_dead_temp_dirs("doctor")    # a doctor killed with SIGKILL left its directory
     progress = Progress(_STAGES, sys.stderr, interval_s=10.0, label="doctor", unit="stages", count_skipped=False)
     try:    # the probes stop before their directory goes
-        with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp, \
+        with tempfile.TemporaryDirectory(prefix=temp_dir_prefix("doctor")) as tmp, \
                 handed_over_config(config_to_mapping(cfg), "doctor.yaml", Path(tmp)) as config, \
                 CommandChildren("doctor probes") as children:
-            stages = _measure(children, config, n, args.seconds_per_stage, args.debug_delay_ms, progress)
+            stages = _measure(children, config, n, args.seconds_per_stage, args.debug_delay_ms, progress,
+                              cfg.transport.shm_dir)
     except ProbeFailed as err:
         print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
         return err.exit_code

@@ -1,8 +1,9 @@
 """Stages 2-4 of ``run_pipeline.py doctor``, measured with the consumer's real code.
 
-``python -m consumer.doctor.probe transport --config FILE --producers N --seconds S [--debug-delay-ms D]``:
-a real ``Consumer`` (library mode, every batch released at once, no step) on a private ipc
-endpoint and a real producer group (``run_pipeline.py producer``, a child process). The clock
+``python -m consumer.doctor.probe transport --config FILE --producers N --seconds S [--debug-delay-ms D]
+[--work-dir DIR]``: a real ``Consumer`` (library mode, every batch released at once, no step) on a private ipc
+endpoint in DIR (doctor's, which doctor removes; a temporary directory of its own without it) and a real
+producer group (``run_pipeline.py producer``, a child process). The clock
 starts at the first delivered batch (producer start-up excluded) and runs S seconds:
 ``{"producers", "batches", "elapsed_s", "batches_per_s", "producers_alive"}``.
 
@@ -15,7 +16,8 @@ else the CPU) and the compiled step (``CompiledStep`` with the configured ``mode
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
 configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
 Shutdown: the producer group gets the stop ladder (``shared.service.children.Child``: SIGTERM, a
-bounded wait, then SIGKILL); the consumer is closed. Started by doctor (``MELFEED_PARENT_PID``), the
+bounded wait, then SIGKILL); the consumer is closed (its slot files unlinked), on SIGTERM too
+(``exit_on_sigterm``: the exception unwinds them, exit 143). Started by doctor (``MELFEED_PARENT_PID``), the
 probe gets SIGTERM when doctor dies, even by SIGKILL, and names itself to its producer group, which then
 stops itself when the probe dies.
 """
@@ -23,6 +25,7 @@ stops itself when the probe dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -37,22 +40,29 @@ from shared.service.children import Child, child_env, entry_argv, handed_over_co
 from shared.service.lifecycle import PARENT_PID_ENV
 from shared.service.stop_ladder import GROUP_LADDER
 
-__all__ = ["main", "measure_transport", "measure_device"]
+__all__ = ["main", "measure_transport", "measure_device", "transport_endpoint"]
 
 _FIRST_BATCH_TIMEOUT_S = 60.0   # producer start-up on a loaded 2-core machine stays well below
 _MIN_RUNS = 3                   # timed step runs per bucket, whatever the time budget
 _MAX_RUNS = 200
 
 
-def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float) -> dict[str, Any]:
+def transport_endpoint(work_dir: Path) -> str:
+    """The transport probe's consumer endpoint in ``work_dir`` (doctor derives its slot files' directory from it)."""
+    return f"ipc://{work_dir}/doctor.sock"
+
+
+def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float,
+                      work_dir: Path | None = None) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
     from consumer.feed import Consumer
     from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
     from shared.errors import PipelineError
 
-    with tempfile.TemporaryDirectory(prefix="melfeed-doctor-") as tmp:
+    with (contextlib.nullcontext(str(work_dir)) if work_dir is not None
+          else tempfile.TemporaryDirectory(prefix="melfeed-doctor-")) as tmp:
         data = config_to_mapping(with_overrides(load_config(config_path), {
-            "transport.endpoint": f"ipc://{tmp}/doctor.sock", "producer.count": producers}))
+            "transport.endpoint": transport_endpoint(Path(tmp)), "producer.count": producers}))
         data["consumer"]["steps"] = None     # no end: with_overrides skips None values
         cfg = config_from_mapping(data)
         extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
@@ -190,17 +200,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--debug-delay-ms", type=float, default=0.0)
+    ap.add_argument("--work-dir", type=Path, help="transport: the caller's directory for the socket and config")
     args = ap.parse_args(argv)
 
     from shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
-    from shared.service.lifecycle import die_with_named_parent, setup_logging
-    die_with_named_parent()          # started by doctor: ends with it, even when doctor is SIGKILLed
+    from shared.service.lifecycle import die_with_named_parent, exit_on_sigterm, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
-        if args.mode == "transport":
-            result = measure_transport(args.config, args.producers, args.seconds, args.debug_delay_ms)
-        else:
-            result = measure_device(args.config, args.seconds)
+        with exit_on_sigterm():          # stopped by doctor: close the consumer, stop the producers first
+            die_with_named_parent()      # started by doctor: ends with it, even when doctor is SIGKILLed
+            if args.mode == "transport":
+                result = measure_transport(args.config, args.producers, args.seconds, args.debug_delay_ms,
+                                           args.work_dir)
+            else:
+                result = measure_device(args.config, args.seconds)
     except (ConfigError, CacheError) as err:
         print(f"consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -9,7 +9,8 @@ still owns; ``retire(slot)`` (receiver thread only, on a LEASED slot whose batch
 unlinks the slot's file and maps a fresh one with generation + 1, so a zombie producer that wakes
 up writes into orphaned memory. Mappings are never ``close()``d: numpy views (a step's DLPack
 tensor, a user's ``Batch``) may still point into them; dropping our reference lets them go.
-Crash safety: ``clean_stale`` removes files of consumers that are no longer alive.
+Crash safety: ``clean_stale`` removes files of consumers that are no longer alive (every consumer at start;
+bench and doctor for a trial or probe they ran, once it is gone).
 Shutdown: ``close()`` is idempotent.
 """
 
@@ -51,8 +52,11 @@ def _is_live_python(pid: int) -> bool:
     return b"python" in cmdline.split(b"\0")[0].rsplit(b"/", 1)[-1]
 
 
-def clean_stale(directory: Path) -> tuple[int, int]:
-    """Unlink slot files whose consumer is dead (or a recycled pid); returns (files, bytes)."""
+def clean_stale(directory: Path, pid: int | None = None) -> tuple[int, int]:
+    """Unlink slot files whose consumer is dead (or a recycled pid); returns (files, bytes).
+
+    ``pid``: only that consumer's (a parent cleaning up after its child, which it has reaped).
+    """
     files = n_bytes = 0
     try:
         names = os.listdir(directory)
@@ -60,7 +64,7 @@ def clean_stale(directory: Path) -> tuple[int, int]:
         return 0, 0
     for name in names:
         m = SLOT_NAME_RE.fullmatch(name)
-        if m is None or _is_live_python(int(m.group(1))):
+        if m is None or (pid is not None and int(m.group(1)) != pid) or _is_live_python(int(m.group(1))):
             continue
         path = directory / name
         try:

@@ -16,13 +16,19 @@ for a result (``bench``'s trials, ``doctor``'s probes) needs so that none outliv
 - SIGTERM and SIGINT only record the signal and send SIGTERM to every live child's process group
   (nothing that blocks runs in the handler); the child then ends, the wait on it returns, and
   ``check`` (or the next ``spawn``) raises ``Interrupted``, which the command turns into exit ``128 + signum``;
+- a group is tracked until no member of it runs, not only while its lead does: a helper whose parent (the
+  lead) died keeps the group, and the signals and the ladder still reach it (``os.killpg``);
+- ``finish`` (after the child's result is read) and the end of the block run a child's ``cleanup`` once its
+  whole group is gone: the command owns what it handed the child (a work directory) and removes what a
+  child killed by SIGKILL could not (its shared-memory slot files);
 - on leaving the block, the stop ladder (``GROUP_LADDER``: SIGTERM, bounded wait, SIGKILL, bounded wait,
-  whole groups) runs on every child still alive, and the old handlers come back.
+  whole groups) runs on every group with a member still running, then every cleanup not run yet, and the old
+  handlers come back.
 
 Invariants: nothing here starts a process at import; paths are resolved once, at import; a
 handed-over config file is written once (atomically) and removed when its owner is done with it; once
-``CommandChildren.__exit__`` returns, every child it spawned has exited (or the ladder gave up on it after
-SIGKILL, logged as an error).
+``CommandChildren.__exit__`` returns, every process of every group it spawned has exited (or the ladder gave
+up on it after SIGKILL, logged as an error) and every cleanup has run.
 Shutdown: ``Child.stop``/``close`` are idempotent; ``Child`` and ``CommandChildren`` are context managers.
 """
 
@@ -34,7 +40,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -44,7 +50,8 @@ import yaml
 from shared.config import resolve_runtime_dir
 from shared.service.leftovers import remove_dead_configs
 from shared.service.lifecycle import PARENT_PID_ENV, prepare_runtime_dir
-from shared.service.stop_ladder import GROUP_LADDER, Ladder, Rung, signal_child, stop_all, stop_process
+from shared.service.stop_ladder import (GROUP_LADDER, Ladder, Rung, is_group_alive, signal_child, stop_all,
+                                        stop_process)
 
 __all__ = ["REPO_ROOT", "ENTRY_SCRIPT", "child_env", "module_argv", "entry_argv", "python_argv", "spawn",
            "write_private_config", "handed_over_config", "Child", "CommandChildren", "Interrupted"]
@@ -191,7 +198,8 @@ class CommandChildren:
     def __init__(self, what: str) -> None:
         self.what = what
         self.signum: int | None = None
-        self._live: list[subprocess.Popen[Any]] = []
+        self._live: list[subprocess.Popen[Any]] = []     # groups that may still have a running member
+        self._cleanups: dict[int, Callable[[int], None]] = {}   # by pid, until run
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> CommandChildren:
@@ -202,6 +210,8 @@ class CommandChildren:
                  tb: TracebackType | None) -> None:
         try:
             stop_all(self._live, self.what, GROUP_LADDER, group=True)
+            for pid in list(self._cleanups):
+                self._clean(pid)
         finally:
             for s, handler in self._old.items():
                 signal.signal(s, handler)
@@ -209,21 +219,41 @@ class CommandChildren:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-        for proc in self._live:
-            if proc.returncode is None:     # not reaped: its group may still run
-                signal_child(proc, Rung.TERM, group=True)
+        for proc in self._live:             # lead reaped or not: its group may still run
+            signal_child(proc, Rung.TERM, group=True)
 
     def check(self) -> None:
         """Raise ``Interrupted`` once a signal came."""
         if self.signum is not None:
             raise Interrupted(self.signum)
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
-        """``spawn`` in a new process group, naming this process as its parent, registered; none after a signal."""
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+              cleanup: Callable[[int], None] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+        """``spawn`` in a new process group, naming this process as its parent, registered; none after a signal.
+
+        ``cleanup(pid)`` runs once the child's whole group is gone (``finish``, else on leaving the block).
+        """
         self.check()
         proc = spawn(argv, env={**(env if env is not None else child_env()), PARENT_PID_ENV: str(os.getpid())},
                      new_group=True, **popen)
-        self._live = [p for p in self._live if p.returncode is None] + [proc]
+        self._live = [p for p in self._live if p.poll() is None or is_group_alive(p.pid)] + [proc]
+        if cleanup is not None:
+            self._cleanups[proc.pid] = cleanup
         if self.signum is not None:         # the signal came between the check and the start
             signal_child(proc, Rung.TERM, group=True)
         return proc
+
+    def finish(self, proc: subprocess.Popen[Any]) -> None:
+        """Once ``proc``'s result is read: the ladder on what is left of its group (nothing, usually), then its
+        cleanup. Idempotent."""
+        stop_process(proc, f"{self.what} (what is left of pid {proc.pid}'s group)", GROUP_LADDER, group=True)
+        self._clean(proc.pid)
+
+    def _clean(self, pid: int) -> None:
+        cleanup = self._cleanups.pop(pid, None)
+        if cleanup is None:
+            return
+        try:
+            cleanup(pid)
+        except OSError as err:              # a leftover is worth a line, never the command's result
+            log.warning("%s: cannot clean up after pid %d: %s", self.what, pid, err)

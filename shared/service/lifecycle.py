@@ -20,7 +20,7 @@ from pathlib import Path
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
 
-__all__ = ["stop_on_signals", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
+__all__ = ["stop_on_signals", "exit_on_sigterm", "Terminated", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
            "resolve_control_endpoint", "die_with_parent", "die_with_named_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
            "LOG_LEVEL_ENV"]
 
@@ -44,6 +44,38 @@ def stop_on_signals(*signums: int) -> Iterator[threading.Event]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached a one-shot child under ``exit_on_sigterm``: exit ``128 + SIGTERM`` once unwound."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` in the main thread (once; a second one during the unwinding is ignored).
+
+    For one-shot children (a bench trial, a doctor probe) whose work runs deep in library code with no stop
+    event to look at: the default action would end them with their temporary directories, slot files and
+    producer groups left behind; the exception runs every ``with``/``finally`` on the way out instead. Their
+    parent's stop ladder still follows with SIGKILL if the unwinding outlasts its wait.
+    """
+    raised = False
+
+    def _raise(signum: int, frame: object) -> None:
+        # Deviates from "handlers only set an Event": these processes have no loop of their own to check one.
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def prepare_runtime_dir(path: Path) -> Path:

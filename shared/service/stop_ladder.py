@@ -3,7 +3,8 @@
 Role: the one definition of how a parent stops the interpreters it spawned. ``next_rung`` is the
 pure decision (what comes after a rung, given whether a child is still running); ``escalate``
 applies it and logs; ``stop_all`` / ``stop_process`` run the ladder for ``subprocess.Popen``
-children; the asyncio supervisor (``producer/supervisor.py``) runs the same rungs with the same
+children (with ``group``: on each child's whole process group, until no member of it runs, even once
+its lead has exited: a helper orphaned by a dead lead keeps the group, ``is_group_alive``); the asyncio supervisor (``producer/supervisor.py``) runs the same rungs with the same
 ``escalate`` on its own loop. ``communicate_or_kill`` bounds a child whose output is awaited (a
 probe, a bench trial): past its timeout the child's process group is killed.
 Invariants: nothing blocks forever (docs/ARCHITECTURE.md, invariant 6): every wait takes a named
@@ -24,10 +25,11 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["Rung", "Ladder", "PRODUCER_LADDER", "GROUP_LADDER", "SERVER_LADDER", "KILL_WAIT_S", "next_rung",
-           "escalate", "signal_child", "stop_all", "stop_process", "communicate_or_kill"]
+           "escalate", "signal_child", "is_group_alive", "stop_all", "stop_process", "communicate_or_kill"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ _PRODUCER_TERM_S = 10.0   # > one batch build + BYE; below systemd's TimeoutStop
 _GROUP_TERM_S = 20.0      # > a producer group's own ladder (_PRODUCER_TERM_S) + BYE
 _SERVER_TERM_S = 10.0     # > a tf.data service server's shutdown (it keeps no state worth saving)
 KILL_WAIT_S = 10.0        # > the kernel reaping a SIGKILLed process, even on a loaded 2-core machine
+_GROUP_POLL_S = 0.02      # a group whose lead is reaped has nothing to wait on: looked at again this often
 
 
 class Rung(enum.Enum):
@@ -97,10 +100,41 @@ def signal_child(proc: _Signalable, rung: Rung, *, group: bool = False) -> None:
             proc.send_signal(rung.value)
 
 
+def is_group_alive(pgid: int) -> bool:
+    """A process of group ``pgid`` still runs. Zombies do not count: an orphan's may wait on a parent (PID 1 in
+    a container) that never reaps it, and it can neither run nor hold anything."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False                        # the cheap answer, and the usual one
+    except PermissionError:
+        return True
+    try:
+        pids = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return True                         # no /proc: killpg found a member
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _is_running(proc: subprocess.Popen[Any], group: bool) -> bool:
+    return proc.poll() is None or (group and is_group_alive(proc.pid))
+
+
 def stop_all(procs: Sequence[subprocess.Popen[Any]], what: str, ladder: Ladder, *, group: bool = False,
              first: Rung = Rung.TERM) -> list[int | None]:
-    """Run the ladder from ``first`` on every live child at once; returns their exit codes (None: gave up)."""
-    live = [p for p in procs if p.poll() is None]
+    """Run the ladder from ``first`` on every live child at once; returns their exit codes (None: gave up).
+
+    ``group``: each child leads its own process group (pgid = its pid); a child counts as live while any
+    member of its group runs, so the ladder reaches helpers its lead left behind when it died.
+    """
+    live = [p for p in procs if _is_running(p, group)]
     rung: Rung | None = first if live else None
     while rung is not None:
         for p in live:
@@ -109,7 +143,9 @@ def stop_all(procs: Sequence[subprocess.Popen[Any]], what: str, ladder: Ladder, 
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline_s - time.monotonic()))
-        live = [p for p in live if p.poll() is None]
+        while group and time.monotonic() < deadline_s and any(is_group_alive(p.pid) for p in live):
+            time.sleep(_GROUP_POLL_S)       # members that are not our children: nothing to wait() on
+        live = [p for p in live if _is_running(p, group)]
         rung = escalate(what, rung, ladder, len(live))
     return [p.returncode for p in procs]
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from shared.config import TransportConfig
+from shared.service.leftovers import remove_dead_temp_dirs
 from tests import procs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -146,12 +147,14 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
                                  pytest.param(signal.SIGKILL, marks=pytest.mark.slow, id="SIGKILL")])
 def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_path: Path, sig: int) -> None:
     """SIGTERM: bench stops its trial's group and exits 143 in one line; SIGKILL: the trial and its producers
-    notice on their own (die_with_parent). Either way no trial, producer or helper lives on with parent 1."""
+    notice on their own (die_with_parent). Either way no trial, producer or helper lives on with parent 1, and
+    the trial's slot files are gone (its consumer closed as SIGTERM unwound it, or bench removed them). SIGTERM:
+    bench's directory (the trial's runtime dir) is gone too; SIGKILL leaves it to the next bench's sweep."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     # A trial of a million batches: it cannot end by itself within the waits below, only be stopped.
     bench = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "bench", "--cache-dir", str(demo_cache),
                               "--rounds", "1", "--step-ms", "5", "--producers", "1", "--tfdata-parallel", "8",
-                              "--batches", "1000000", "--warmup", "3", "--mel-dtypes", "float32", "--transports", "zmq",
+                              "--batches", "1000000", "--warmup", "3", "--mel-dtypes", "float32", "--transports", "shm",
                               "--no-transport", "--service-workers", "0", "--efficiency-batches", "0",
                               "--json", str(tmp_path / "bench.json")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -162,10 +165,17 @@ def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_
             family = procs.descendants(bench.pid)    # the trial, its producer group and a producer: mid-trial
             time.sleep(0.05)
         assert len(family) >= 3, f"no trial with producers seen: {family}, bench exit {bench.poll()}"
+        pids = [p.pid for p in family]
+        assert procs.slot_files(pids) and procs.temp_dirs("bench", bench.pid)   # made before its producers start
         bench.send_signal(sig)
         _, err = bench.communicate(timeout=120)
         left = procs.wait_gone(family, 90)      # > the stop ladder's SIGTERM wait; << the trial's own length
         assert not left, "bench's children outlived it:\n" + "\n".join(procs.describe(p) for p in left)
+        assert procs.slot_files(pids) == []
+        assert (procs.temp_dirs("bench", bench.pid) == []) == (sig == signal.SIGTERM)
+        if sig == signal.SIGKILL:                 # what the next bench does first
+            left_dirs = procs.temp_dirs("bench", bench.pid)
+            assert set(left_dirs) <= {p.name for p in remove_dead_temp_dirs("bench")}
         if sig == signal.SIGTERM:
             assert bench.returncode == 128 + signal.SIGTERM, err[-2000:]
             assert err.strip().splitlines()[-1] == ("run_pipeline.py bench: stopped by SIGTERM: its trials were "

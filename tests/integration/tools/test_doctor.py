@@ -2,7 +2,8 @@
 
 Slowed producers (``--debug-delay-ms``) must give the data-bound verdict (exit 3) naming the producers;
 a slow step (``tests.steps:slow_step``) with fast producers must give exit 0 naming the step. A doctor
-stopped (SIGTERM) or killed (SIGKILL) while its transport probe runs leaves no probe or producer behind.
+stopped (SIGTERM) or killed (SIGKILL) while its transport probe runs leaves no probe or producer behind, and no
+slot file; SIGTERM leaves no temporary directory either (SIGKILL: the next doctor's sweep removes it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.service.leftovers import remove_dead_temp_dirs
 from tests import procs
 from tests.conftest import REPO
 
@@ -114,10 +116,17 @@ def _stop_doctor_and_check(tmp_path: Path, doctor: subprocess.Popen[str], levels
             family = procs.descendants(doctor.pid)
             time.sleep(0.05)
         assert len(family) >= levels, f"probes not seen: {family}, doctor exit {doctor.poll()}"
+        pids = [p.pid for p in family]
+        assert procs.temp_dirs("doctor", doctor.pid)
         doctor.send_signal(sig)
         out, err = doctor.communicate(timeout=procs.WAIT_S)
         left = procs.wait_gone(family, bound_s)
         assert not left, "doctor's probes outlived it:\n" + "\n".join(procs.describe(p) for p in left)
+        assert procs.slot_files(pids) == []      # a transport probe's consumer: unlinked as SIGTERM unwound it
+        left_dirs = procs.temp_dirs("doctor", doctor.pid)   # its config, a transport probe's socket dir
+        assert (left_dirs == []) == (sig == signal.SIGTERM)
+        if sig == signal.SIGKILL:                 # what the next doctor does first
+            assert set(left_dirs) <= {p.name for p in remove_dead_temp_dirs("doctor")}
         if sig == signal.SIGTERM:
             assert doctor.returncode == 128 + signal.SIGTERM, err[-2000:]
             assert err.strip().splitlines()[-1] == ("run_pipeline.py doctor: stopped by SIGTERM: its probes were "

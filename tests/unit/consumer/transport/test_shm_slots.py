@@ -125,3 +125,17 @@ def test_when_shared_memory_was_asked_for_a_missing_dir_is_refused_not_replaced_
     with pytest.raises(ConfigError, match=f"transport.shm_dir: shared-memory dir {missing} unusable .*"
                                           "transport.mode is shm"):
         open_shm_slots(missing, 3, slot_nbytes_for(BUCKETS), EPOCH, required=True)
+
+
+def test_clean_stale_for_one_pid_removes_only_that_dead_consumers_files(tmp_path: Path) -> None:
+    pids = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+        pids.append(int(proc.stdout))
+    for pid in pids:
+        (tmp_path / f"melfeed-{pid}-5-s0-g0").write_bytes(b"x" * 10)
+    assert clean_stale(tmp_path, pids[0]) == (1, 10)               # a parent cleaning up after its child
+    assert _files(tmp_path) == [f"melfeed-{pids[1]}-5-s0-g0"]     # another dead consumer's: the sweep's job
+    (tmp_path / f"melfeed-{os.getpid()}-5-s0-g0").write_bytes(b"x")
+    assert clean_stale(tmp_path, os.getpid()) == (0, 0)           # never a live consumer's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import stat
 import subprocess
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.service.children import (ENTRY_SCRIPT, REPO_ROOT, Child, child_env, entry_argv, handed_over_config,
-                                     module_argv, spawn, write_private_config)
+from shared.service.children import (ENTRY_SCRIPT, REPO_ROOT, Child, CommandChildren, Interrupted, child_env,
+                                     entry_argv, handed_over_config, module_argv, python_argv, spawn,
+                                     write_private_config)
 from shared.service.lifecycle import PARENT_PID_ENV
 from shared.service.stop_ladder import Ladder
 
@@ -131,3 +133,100 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# A child that starts a helper in its own process group (as a transport probe starts its producer group), prints
+# the helper's pid and exits at once: the helper is orphaned, the group lives on without its lead.
+_ORPHANING = ("import subprocess, sys; h = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              "print(h.pid, flush=True)")
+
+
+def _orphaned_helper(children: CommandChildren, **spawn_kwargs: object) -> tuple[subprocess.Popen[str], int]:
+    """A child of ``children`` that exited, and the pid of the helper it left running in its group."""
+    proc = children.spawn([sys.executable, "-c", _ORPHANING], stdout=subprocess.PIPE, text=True, **spawn_kwargs)
+    assert proc.stdout is not None
+    helper = int(proc.stdout.readline())
+    assert proc.wait(_GENEROUS_S) == 0 and _running(helper)
+    return proc, helper
+
+
+def test_leaving_the_block_stops_a_group_whose_lead_already_exited_then_runs_its_cleanup(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    seen: list[tuple[int, bool]] = []
+
+    def cleanup(pid: int) -> None:
+        seen.append((pid, _running(helper)))
+        work.rmdir()
+
+    helper = 0
+    try:
+        with CommandChildren("test children") as children:
+            proc, helper = _orphaned_helper(children, cleanup=cleanup)
+        assert not _running(helper), "the helper its lead left behind outlived the command"
+        assert seen == [(proc.pid, False)] and not work.exists()   # once, after the whole group was gone
+    finally:
+        if helper and _running(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+def test_sigterm_reaches_a_group_whose_lead_already_exited() -> None:
+    helper = 0
+    try:
+        with pytest.raises(Interrupted), CommandChildren("test children") as children:
+            _, helper = _orphaned_helper(children)
+            os.kill(os.getpid(), signal.SIGTERM)          # only the handler runs: it signals every group
+            deadline = time.monotonic() + _GENEROUS_S
+            while time.monotonic() < deadline and _running(helper):
+                time.sleep(0.01)
+            assert not _running(helper)
+            children.check()
+    finally:
+        if helper and _running(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+def test_finish_runs_the_cleanup_of_a_child_killed_with_sigkill_once(tmp_path: Path) -> None:
+    calls: list[int] = []
+    with CommandChildren("test children") as children:
+        proc = children.spawn([sys.executable, "-c", "print(flush=True); import time; time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True, cleanup=calls.append)
+        assert proc.stdout is not None and proc.stdout.readline() == "\n"
+        proc.kill()                                       # no handler runs in the child: only its parent cleans
+        children.finish(proc)
+        assert proc.returncode == -signal.SIGKILL and calls == [proc.pid]
+        children.finish(proc)
+    assert calls == [proc.pid]                            # neither finish nor the block's end run it twice
+
+
+# A one-shot child under exit_on_sigterm: a temporary dir removed in `finally`; the unwinding announces itself and
+# waits for a line on stdin, so the test can send the second SIGTERM in the middle of it.
+_UNWINDS = ("import sys, shutil, tempfile; from shared.service.lifecycle import exit_on_sigterm\n"
+            "with exit_on_sigterm():\n"
+            "    d = tempfile.mkdtemp(prefix='melfeed-test-')\n"
+            "    try:\n"
+            "        print(d, flush=True); sys.stdin.readline(); print('not stopped', flush=True)\n"
+            "    finally:\n"
+            "        print('unwinding', flush=True); sys.stdin.readline(); shutil.rmtree(d)\n")
+
+
+def test_sigterm_under_exit_on_sigterm_runs_finally_once_and_exits_143() -> None:
+    proc = spawn(python_argv("-c", _UNWINDS), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        work = Path(proc.stdout.readline().strip())
+        assert work.is_dir()
+        proc.send_signal(signal.SIGTERM)
+        with selectors.DefaultSelector() as sel:              # bounded: a SIGTERM that did nothing prints nothing
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(_GENEROUS_S), "SIGTERM did not unwind the child"
+        assert proc.stdout.readline() == "unwinding\n"
+        proc.send_signal(signal.SIGTERM)                  # the ladder's second SIGTERM: ignored while unwinding
+        proc.stdin.write("go on\n")
+        proc.stdin.flush()
+        assert proc.wait(_GENEROUS_S) == 128 + signal.SIGTERM
+        assert proc.stdout.read() == "" and not work.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(_GENEROUS_S)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.service.leftovers import is_pid_alive, remove_dead_configs
+from shared.service.leftovers import is_pid_alive, remove_dead_configs, remove_dead_temp_dirs, temp_dir_prefix
 
 
 def _dead_pid() -> int:
@@ -46,3 +46,18 @@ def test_a_zombie_is_dead_and_this_process_is_alive() -> None:
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_temporary_dirs_of_dead_bench_or_doctor_runs_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    dead, live = _dead_pid(), os.getpid()
+    stale = tmp_path / f"melfeed-doctor-{dead}-abc_1234"
+    kept = [tmp_path / f"melfeed-doctor-{live}-abc_1234", tmp_path / f"melfeed-bench-{dead}-abc_1234",
+            tmp_path / "melfeed-doctor-abc_1234", tmp_path / f"melfeed-doctor-{dead}-abc_1234x"]
+    for d in [stale, *kept]:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "doctor.yaml").write_text("x: 1\n")
+    (tmp_path / "target").mkdir()
+    (tmp_path / f"melfeed-doctor-{dead + 1_000_000}-abc_1234").symlink_to(tmp_path / "target")   # never followed
+    assert temp_dir_prefix("doctor") == f"melfeed-doctor-{live}-"
+    assert remove_dead_temp_dirs("doctor", tmp_path) == [stale]
+    assert not stale.exists() and all(d.is_dir() for d in kept) and (tmp_path / "target").is_dir()
