@@ -16,6 +16,9 @@ for a result (``bench``'s trials, ``doctor``'s probes) needs so that none outliv
 - SIGTERM and SIGINT only record the signal and send SIGTERM to every live child's process group
   (nothing that blocks runs in the handler); the child then ends, the wait on it returns, and
   ``check`` (or the next ``spawn``) raises ``Interrupted``, which the command turns into exit ``128 + signum``;
+  the first signal also arms a timer: a group still running ``GROUP_LADDER.term_wait_s`` later (a child that
+  ignores SIGTERM, or sits in a long C call, while the command waits on it with the child's own long
+  timeout) gets SIGKILL;
 - a group is tracked until no member of it runs, not only while its lead does: a helper whose parent (the
   lead) died keeps the group, and the signals and the ladder still reach it (``os.killpg``);
 - ``finish`` (after the child's result is read) and the end of the block run a child's ``cleanup`` once its
@@ -40,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -201,6 +205,7 @@ class CommandChildren:
         self._live: list[subprocess.Popen[Any]] = []     # groups that may still have a running member
         self._cleanups: dict[int, Callable[[int], None]] = {}   # by pid, until run
         self._old: dict[int, Any] = {}
+        self._kill_timer: threading.Timer | None = None   # after a signal: SIGKILL what ignored the SIGTERM
 
     def __enter__(self) -> CommandChildren:
         self._old = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
@@ -213,14 +218,28 @@ class CommandChildren:
             for pid in list(self._cleanups):
                 self._clean(pid)
         finally:
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
             for s, handler in self._old.items():
                 signal.signal(s, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+            # The command may be waiting on a child's output with that child's own (long) timeout: a child
+            # that ignores the SIGTERM, or sits in a long C call, is killed after the ladder's TERM wait.
+            self._kill_timer = threading.Timer(GROUP_LADDER.term_wait_s, self._kill_live)
+            self._kill_timer.daemon = True
+            self._kill_timer.start()
         for proc in self._live:             # lead reaped or not: its group may still run
             signal_child(proc, Rung.TERM, group=True)
+
+    def _kill_live(self) -> None:
+        for proc in list(self._live):
+            if is_group_alive(proc.pid):
+                log.warning("%s: pid %d's group still runs %.0f s after SIGTERM; killing it", self.what, proc.pid,
+                            GROUP_LADDER.term_wait_s)
+                signal_child(proc, Rung.KILL, group=True)
 
     def check(self) -> None:
         """Raise ``Interrupted`` once a signal came."""

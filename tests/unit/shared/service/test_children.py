@@ -186,6 +186,23 @@ def test_sigterm_reaches_a_group_whose_lead_already_exited() -> None:
             os.kill(helper, signal.SIGKILL)
 
 
+_IGNORES_SIGTERM = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                    "print('ready', flush=True)\ntime.sleep(600)\n")
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_ladders_term_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command waits on the child's output with the child's own long timeout: the signal must bound it."""
+    import shared.service.children as children_module
+    monkeypatch.setattr(children_module, "GROUP_LADDER", Ladder(0.3, 5.0))
+    with pytest.raises(Interrupted), CommandChildren("test children") as children:
+        proc = children.spawn([sys.executable, "-c", _IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        os.kill(os.getpid(), signal.SIGTERM)
+        proc.communicate(timeout=_GENEROUS_S)         # the child's own timeout would be far longer
+        assert proc.returncode == -signal.SIGKILL
+        children.check()
+
+
 def test_finish_runs_the_cleanup_of_a_child_killed_with_sigkill_once(tmp_path: Path) -> None:
     calls: list[int] = []
     with CommandChildren("test children") as children:
