@@ -37,9 +37,7 @@ import numpy as np
 from shared.config import PipelineConfig
 from shared.errors import CacheError, ConfigError
 from shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
-from shared.cache.filekind import make_dirs
-from shared.filetrust import creation_reason
-from shared.output_files import output_dir_reason
+from shared.cache.filekind import check_cache_dir, make_dirs
 from shared.cache.index import build_manifest
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
 from shared.cache.npyfile import inspect_npy
@@ -214,26 +212,6 @@ def _check_config(cfg: PipelineConfig) -> None:
                           path=("n_mels",), got=cfg.n_mels)
 
 
-def _check_place(cache: Path) -> None:
-    try:
-        reason = creation_reason(cache)
-    except OSError:            # a file in the way, a parent we cannot search: making it names the OS reason
-        return
-    if reason is not None:
-        raise CacheError(cache, f"refusing to write the cache: {reason}")
-
-
-def _check_own(cache: Path) -> None:
-    """Thousands of files are written in the cache: refuse one another user could write to or swap (a link
-    planted at a file's name would be written through; a file planted there would be served as data)."""
-    try:
-        reason = output_dir_reason(cache)
-    except OSError as err:
-        raise CacheError(cache, f"cannot examine the directory ({err.strerror})") from err
-    if reason is not None:
-        raise CacheError(cache, f"refusing to write the cache: {reason}")
-
-
 def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, stop: threading.Event,
                 report: TextIO, debug_delay_s: float = 0.0, progress_s: float = _PROGRESS_EVERY_S) -> PrepareSummary:
     """Prepare every utterance of ``corpus`` into ``cache`` that is not there yet.
@@ -254,16 +232,13 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
     _check_config(cfg)
     if cache.exists() and not cache.is_dir():
         raise CacheError(cache, "not a directory")
-    if cache.exists():
-        _check_own(cache)     # before reading its record: it may be another user's
-    else:
-        _check_place(cache)   # before anything is made there
+    check_cache_dir(cache)    # before reading its record (it may be another user's) or making anything there
     has_record = _check_record(cache, cfg)  # before any output: a mismatch is the only message
     rows, bad_lines = read_metadata(corpus, report)
     summary = PrepareSummary()
     summary.skipped["metadata"] += bad_lines
     make_dirs(cache)          # a read-only parent or /proc: one line naming the directory
-    _check_own(cache)
+    check_cache_dir(cache)
     if not has_record:
         write_feature_record(cache, feature_params(cfg.features, cfg.n_mels), VOCABULARY,
                              {"selection": _selection(cfg)})

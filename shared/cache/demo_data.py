@@ -38,9 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.errors import CacheError, ConfigError
-from shared.cache.filekind import make_dirs
-from shared.filetrust import creation_reason
-from shared.output_files import output_dir_reason
+from shared.cache.filekind import check_cache_dir, make_dirs
 from shared.cache.index import build_manifest
 from shared.cache.manifest import Manifest, load_manifest, write_manifest
 
@@ -206,13 +204,13 @@ def write_demo_cache(
     if n_mels < 1:
         raise ValueError(f"n_mels must be >= 1, got {n_mels}")
     root = Path(out_dir)
-    _check_place(root)         # before the lock file or any directory is made
+    check_cache_dir(root, "demo cache")   # before the lock file or any directory is made
     make_dirs(root.parent)     # the lock sits beside the cache: a file or /proc path is refused, never locked
     if root.exists() and not root.is_dir():
         raise CacheError(root, "not a directory")
     with _writer_lock(root):
         make_dirs(root)
-        _check_own(root)
+        check_cache_dir(root, "demo cache")
         try:
             manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
             from shared.cache.pack_write import ensure_pack
@@ -250,27 +248,6 @@ def _writer_lock(root: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)          # releases the lock
-
-
-def _check_place(root: Path) -> None:
-    """Refuse to make anything (the lock, a directory) in a place another user controls."""
-    try:
-        reason = creation_reason(root)
-    except OSError:            # a file in the way, a parent we cannot search: making it names the OS reason
-        return
-    if reason is not None:
-        raise CacheError(root, f"refusing to write the demo cache: {reason}")
-
-
-def _check_own(root: Path) -> None:
-    """Refuse a cache directory another user could write to (or swap): ``np.save`` follows a link that user
-    could plant at a file's name, and a file planted there would be served as data."""
-    try:
-        reason = output_dir_reason(root)
-    except OSError as err:
-        raise CacheError(root, f"cannot examine the demo cache directory ({err.strerror})") from err
-    if reason is not None:
-        raise CacheError(root, f"refusing to write the demo cache: {reason}")
 
 
 def _write_or_reuse(root: Path, n_utterances: int, seed: int, n_mels: int, extras: bool) -> Manifest:

@@ -1,6 +1,7 @@
 """Opening cache files that may not be files: FIFOs, devices, directories, symlink loops.
 Also the cache's small JSON files and directories: ``read_json``, ``write_atomic``, ``make_dirs``
-turn what the OS or the parser refuses into a one-line ``CacheError`` naming the path.
+turn what the OS or the parser refuses into a one-line ``CacheError`` naming the path; ``check_cache_dir``
+refuses a cache directory to be written (``prepare --cache``, ``demo-data``) that another user controls.
 
 Role: every reader of ``.npy`` cache files (``index``, ``verify-cache``, the producers' reader)
 opens them through ``open_regular``. A cache directory is written by people and scripts, and on a
@@ -188,3 +189,27 @@ def make_dirs(path: Path) -> None:
     except OSError as err:
         part = f" at {err.filename}" if err.filename and os.fspath(err.filename) != os.fspath(path) else ""
         raise CacheError(path, f"cannot create the directory{part} ({err.strerror})") from err
+
+
+def check_cache_dir(root: Path, what: str = "cache") -> None:
+    """Refuse a cache directory (``what``: "cache", "demo cache") another user could write to or swap: thousands
+    of files are written there, and ``np.save`` follows a link planted at a file's name, and a file planted
+    there would be served as data (``output_dir_reason``). One not made yet: refuse a place another user
+    controls before anything (a directory, a lock) is made there (``creation_reason``).
+
+    Raises:
+        CacheError: one of the refusals, or an existing directory that cannot be examined.
+    """
+    from shared.filetrust import creation_reason
+    from shared.output_files import output_dir_reason
+    exists = os.path.lexists(root)
+    if exists and not os.path.isdir(root):
+        raise CacheError(root, "not a directory")
+    try:
+        reason = output_dir_reason(root) if exists else creation_reason(root)
+    except OSError as err:
+        if not exists:     # a file in the way, a parent we cannot search: making it names the OS reason
+            return
+        raise CacheError(root, f"cannot examine the {what} directory ({err.strerror})") from err
+    if reason is not None:
+        raise CacheError(root, f"refusing to write the {what}: {reason}")
