@@ -174,6 +174,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     _check_paths(cfg, args)
+    _check_one_key_pair(cfg)
     raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
@@ -196,6 +197,16 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
             stop_producers(group)
     code = group.proc.returncode or 0
     return code if code not in (-signal.SIGTERM, 0) else 0
+
+
+def _check_one_key_pair(cfg: PipelineConfig) -> None:
+    """``run`` starts its producers from its own config: with CURVE they would present the consumer's secret key,
+    which the allow-list does not hold, and wait refused for ever. One line instead."""
+    if cfg.transport.curve_secret_key:
+        raise ConfigError("run starts its producers with this same config, so they would present the consumer's "
+                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (README "
+                          "\"Running the two sides separately\"), or use run's default ipc endpoint on one host",
+                          path=("transport", "curve_secret_key"))
 
 
 def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> Child:

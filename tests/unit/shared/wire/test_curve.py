@@ -303,3 +303,14 @@ def test_keys_refuses_a_directory_another_user_made_or_links_and_changes_nothing
     assert refusal(proc, "keys").startswith(f"{link}: refusing to write the keys: it is reached through {link}, a "
                                             f"symbolic link of uid {MALLORY}")
     assert list(precious.iterdir()) == [] and os.stat(precious).st_mode & 0o777 == 0o755
+
+
+def test_run_refuses_curve_keys_its_producers_could_not_use(tmp_path: Path) -> None:
+    """``run`` gives its producers its own config: they would present the consumer's key and wait refused."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"transport:\n  endpoint: tcp://127.0.0.1:5611\n"
+                      f"  curve_secret_key: {tmp_path}/consumer.key_secret\n"
+                      f"  curve_allowed_dir: {tmp_path}/producers\n")
+    proc = run_cli("run", "--config", str(config), "--cache-dir", str(tmp_path))
+    assert refusal(proc, "run").startswith("transport.curve_secret_key: run starts its producers with this same "
+                                           "config, so they would present the consumer's key and be refused")
