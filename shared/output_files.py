@@ -17,15 +17,23 @@ Invariants:
   and ``replace_output`` give exactly the mode asked for, set on the descriptor before the first byte.
 - ``open_output`` checks the descriptor it opened (``fstat``) before truncating, so a trap set after
   the up-front ``check_output`` is still refused.
+- ``write_output`` leaves the old contents or the whole new text, never an empty or half file: a
+  SIGTERM/SIGINT/SIGHUP that arrives between the truncation and the last byte is held and delivered
+  right after (``_signals_held``; a report written after its command's own handlers were removed would
+  otherwise die empty).
 - Every refusal is one ``ConfigError`` line naming the flag or key (``what``) and the path.
 Shutdown: nothing to shut down; every descriptor opened here is closed or handed to the caller.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import stat
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.errors import ConfigError
@@ -178,8 +186,34 @@ def write_output(path: str | os.PathLike[str], text: str | bytes, *, what: str |
         OSError: the file cannot be opened or written.
     """
     data = text.encode("utf-8") if isinstance(text, str) else text
-    with os.fdopen(open_output(path, append=False, what=what), "wb") as out:
+    with _signals_held(), os.fdopen(open_output(path, append=False, what=what), "wb") as out:
         out.write(data)
+
+
+_HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGTERM/SIGINT/SIGHUP for the duration, then deliver each one that came, to the handler that
+    was in place (the default action included: the process still ends, with its signal's status).
+
+    The file is truncated before it is written; the default action in between would end the process with
+    an empty file (a path the user kept the old report at). Only the main thread can set handlers; from
+    another thread the write goes unguarded (nothing melfeed runs writes a report from one).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in _HELD_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)
 
 
 def create_new(path: str | os.PathLike[str], data: bytes, mode: int, *, what: str | None = None) -> None:

@@ -4,6 +4,9 @@ melfeed trusts, and writes another user cannot redirect."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +250,26 @@ def test_a_directory_melfeed_fills_must_be_writable_by_nobody_else(tmp_path: Pat
     assert output_dir_reason(shared) == "is mode 1777: other users can write to it"   # sticky is not enough
     theirs = plant_dir(shared / "cache", 0o755)
     assert output_dir_reason(theirs) == f"belongs to uid {MALLORY}, neither this user (0) nor root"
+
+
+_WRITE_SIGNALLED = """
+import os, signal, sys
+import shared.output_files as of
+truncating_open = of.open_output
+def open_then_signalled(*args, **kwargs):
+    fd = truncating_open(*args, **kwargs)            # the file is empty from here
+    os.kill(os.getpid(), signal.SIGTERM)
+    return fd
+of.open_output = open_then_signalled
+of.write_output(sys.argv[1], "new report\\n" * 1000)
+print("not reached: the held SIGTERM ends the process once the file is whole")
+"""
+
+
+def test_a_sigterm_during_a_report_write_ends_the_process_after_the_whole_file_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    out.write_text("old report\n")
+    done = subprocess.run([sys.executable, "-c", _WRITE_SIGNALLED, str(out)], cwd=Path(__file__).parents[3],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr     # the default action, still
+    assert out.read_text() == "new report\n" * 1000
