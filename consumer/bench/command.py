@@ -43,6 +43,7 @@ from consumer.bench.efficiency import build_efficiency, efficiency_systems
 from consumer.bench.report import build_report, render
 from consumer.placement import XLA_CACHE_FLAG
 from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
+from shared.cache.manifest import Manifest
 from shared.cache.pack_format import pack_path
 from shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, load_config, with_overrides
@@ -146,8 +147,27 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     from shared.cache.features import load_manifest_for
-    load_manifest_for(cfg)   # a missing or bad cache fails here, once, with its path
+    _check_full_batch(cfg, load_manifest_for(cfg))   # a missing or bad cache fails here, once, with its path
     return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+
+
+def _check_full_batch(cfg: PipelineConfig, manifest: Manifest) -> None:
+    """The tf.data baselines compare full batches only (``consumer.bench.baselines``): a cache whose plan has
+    none is refused before any trial, not reported as a failed baseline in every round after the rest ran.
+
+    Raises:
+        ConfigError: naming ``cache_dir``, its utterance count and the batch sizes.
+    """
+    from consumer.flow.plan import EpochPlan
+    from shared.wire.buckets import build_buckets
+    buckets = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
+    plan = EpochPlan(buckets, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
+    if not any(len(b.sample_ids) == buckets.buckets[b.bucket].batch_size for b in plan.epoch(0)):
+        sizes = sorted({b.batch_size for b in buckets.buckets})
+        raise ConfigError(f"{manifest.cache_dir} has {len(manifest)} utterances, not one full batch in any bucket "
+                          f"(rows per batch: {', '.join(map(str, sizes))}); bench compares full batches: use a "
+                          "larger cache (or bench --demo) or a smaller buckets.batch_size",
+                          path=("cache_dir",))
 
 
 def _systems(s: dict[str, Any]) -> list[dict[str, Any]]:

@@ -97,6 +97,16 @@ def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> N
     assert doc["medians"]["tfdata-service-w1"]["0"]["payload_copies"] == 7
 
 
+def test_a_cache_without_one_full_batch_is_refused_before_any_trial(tmp_path: Path) -> None:
+    from shared.cache.demo_data import write_demo_cache
+    write_demo_cache(tmp_path / "tiny", n_utterances=20)             # batch_size 32: no full batch in any bucket
+    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(tmp_path / "tiny"), timeout_s=60)
+    assert proc.returncode == 78, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip() == (f"run_pipeline.py bench: cache_dir: {tmp_path / 'tiny'} has 20 utterances, not one "
+                                   "full batch in any bucket (rows per batch: 32); bench compares full batches: use "
+                                   "a larger cache (or bench --demo) or a smaller buckets.batch_size")
+
+
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
     (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm,tcp"),
