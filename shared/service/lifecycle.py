@@ -19,6 +19,7 @@ from pathlib import Path
 
 from shared.config import PipelineConfig, resolve_runtime_dir
 from shared.errors import ConfigError
+from shared.filetrust import make_dirs
 
 __all__ = ["stop_on_signals", "exit_on_sigterm", "Terminated", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
            "resolve_control_endpoint", "die_with_parent", "die_with_named_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
@@ -79,14 +80,14 @@ def exit_on_sigterm() -> Iterator[None]:
 
 
 def prepare_runtime_dir(path: Path) -> Path:
-    """Create the socket directory with mode 0700 (0770 is kept if systemd made it so).
+    """Create the socket directory, and its missing parents, with mode 0700 (0770 is kept if systemd made it so).
 
     Raises:
         ConfigError: it cannot be made, belongs to another user, or others can write to it: anyone
             who can write there can replace the socket or the lock file (docs/ARCHITECTURE.md "Trust").
     """
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(path, 0o700)          # missing parents too: mkdir(parents=True) left them to the umask
     except OSError as err:
         raise ConfigError(f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",),
                           got=str(path)) from err

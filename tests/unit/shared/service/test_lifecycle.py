@@ -11,9 +11,10 @@ from shared.errors import ConfigError
 from shared.service.lifecycle import prepare_runtime_dir
 
 
-def test_a_new_runtime_directory_is_private(tmp_path: Path) -> None:
-    made = prepare_runtime_dir(tmp_path / "run" / "melfeed")
-    assert made.stat().st_mode & 0o777 == 0o700
+def test_a_new_runtime_directory_and_its_missing_parents_are_private_under_umask_000(tmp_path: Path,
+                                                                                     umask_000: None) -> None:
+    made = prepare_runtime_dir(tmp_path / "xdg" / "run" / "melfeed")      # an XDG_RUNTIME_DIR not made yet
+    assert [p.stat().st_mode & 0o777 for p in (made.parent.parent, made.parent, made)] == [0o700] * 3
 
 
 @pytest.mark.parametrize("mode", [0o700, 0o770, 0o750, 0o1770])
