@@ -32,6 +32,7 @@ Frame count T and n_mels must be static (they are, under the consumer's fixed in
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class StepSpec:
         # so a factory cannot change what the next factory call (or the summary) sees.
         object.__setattr__(self, "bucket_shapes", tuple(
             MappingProxyType({k: tuple(int(d) for d in v) for k, v in b.items()}) for b in self.bucket_shapes))
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "params", MappingProxyType(copy.deepcopy(dict(self.params))))   # nested: a copy
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
