@@ -73,7 +73,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from consumer.train.efficiency import measure_resident_limit
     from consumer.train.model import StepSpec
     from consumer.train.outputs import read_outputs
-    from consumer.train.step import CompiledStep, load_step_factory
+    from consumer.train.step import CompiledStep, build_step
     from shared.cache.features import load_manifest_for
     from shared.metrics import StepRecord, StepWindow
     from shared.wire.buckets import build_buckets
@@ -83,7 +83,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
     files = baselines.plan_files(manifest, plan, bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
-    step = load_step_factory(cfg.model.step)(StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
+    step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
     compiled.warm_up()
     limit = measure_resident_limit(compiled, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
