@@ -70,7 +70,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from consumer.bench import baselines
     from consumer.flow.plan import EpochPlan
     from consumer.placement import step_devices
-    from consumer.train.efficiency import measure_resident_limit
+    from consumer.train.efficiency import measure_resident_limit, resident_vocab
     from consumer.train.model import StepSpec
     from consumer.train.outputs import read_outputs
     from consumer.train.step import CompiledStep, build_step
@@ -87,7 +87,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
     compiled.warm_up()
     limit = measure_resident_limit(compiled, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
-                                   cfg.model.vocab_size)
+                                   resident_vocab(manifest.token_range, cfg.model.vocab_size))
     it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
     window = StepWindow(window_s=math.inf)
     devices: list[str] = []

@@ -310,13 +310,12 @@ def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator
 def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, consumer: Consumer,
                     out: TrainSummary) -> ResidentLimit | None:
     """The resident-batch limit (``consumer.feed_efficiency_steps`` per bucket; None when 0)."""
-    from consumer.train.efficiency import measure_resident_limit
+    from consumer.train.efficiency import measure_resident_limit, resident_vocab
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    buckets = consumer.bucket_set.buckets
+    buckets, vocab = consumer.bucket_set.buckets, resident_vocab(consumer.manifest.token_range, cfg.model.vocab_size)
     limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in buckets],
-                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size,
-                                   [b.dtypes() for b in buckets])
+                                   cfg.consumer.feed_efficiency_steps, vocab, [b.dtypes() for b in buckets])
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
     return limit
