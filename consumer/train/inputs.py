@@ -81,7 +81,8 @@ def check_step(step: object, factory: str) -> list[object]:
 
     what = type(step).__name__
     if not callable(step) or not callable(getattr(step, "variables", None)):
-        raise fail(f"the factory returned {'None' if step is None else 'a ' + what}, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
+        returned = "None" if step is None else f"a {what}"
+        raise fail(f"the factory returned {returned}, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
                    "and variables()")
     try:
         variables = step.variables()   # type: ignore[attr-defined]

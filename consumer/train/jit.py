@@ -3,9 +3,10 @@
 Role: ``choose_mode`` turns the setting, an XLA failure (if any) and warm-up timings into the
 mode the run uses; ``remembered_mode``/``remember_mode`` keep an "auto" decision in the state
 directory (``STATE_DIR/jit_compile.json``), so a resumed run continues with the arithmetic it
-started with instead of re-timing (timings on a busy machine can tip the other way); ``describe_tf_error`` turns a TensorFlow error into the one line an operator
-reads (the failing op or layer as TensorFlow names it, the user's line that made it, then the first line of its
-message), ``describe_exception`` a Python exception of user code (a step factory) into one line with that line.
+started with instead of re-timing (timings on a busy machine can tip the other way); ``describe_tf_error``
+turns a TensorFlow error into the one line an operator reads (the failing op or layer as TensorFlow names it,
+the user's line that made it, then the first line of its message), ``describe_exception`` a Python exception
+of user code (a step factory) into one line with that line.
 ``CompiledStep.warm_up`` (consumer/train/step.py) is the shell that compiles, times and calls these.
 Invariants: the result is always "xla" or "graph"; ``jit_compile: true`` never yields "graph"
 (its failure is an error, not a fallback); "auto" picks XLA only when it compiled and its median

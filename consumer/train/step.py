@@ -19,8 +19,8 @@ Invariants:
       ``variables()`` leaves out (so warm-up changed it) is named in one WARNING.
     * A trace after ``warm_up()`` (a batch whose shapes match no compiled program) still runs, but
       is counted in ``compiles_after_ready`` and logged as a WARNING each time.
-    * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and C-contiguous
-      (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
+    * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and
+      C-contiguous (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
 
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
 when the program is first needed; ``run`` calls it directly, which skips the per-call signature
