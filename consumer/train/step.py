@@ -342,8 +342,9 @@ class CompiledStep:
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise
-                raise StepError(self._factory, f"the step fails in graph mode: {describe_tf_error(err)}"
-                                ) from err
+                on = (" on the warm-up batch (all padding: every length 0, as in a padded partial batch)"
+                      if isinstance(err, tf.errors.OpError) else "")   # it ran: the data is what it failed on
+                raise StepError(self._factory, f"the step fails in graph mode{on}: {describe_tf_error(err)}") from err
 
     def _time_calls(self, key: _Shapes) -> list[float]:
         """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""

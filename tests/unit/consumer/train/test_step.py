@@ -13,7 +13,7 @@ import tensorflow as tf
 from consumer.train.model import StepSpec, TrainStep, build_reference_step
 from consumer.train.step import CompiledStep, build_step, load_step_factory
 from consumer.train.handoff import aligned_empty, to_tensors
-from shared.errors import ConfigError
+from shared.errors import ConfigError, StepError
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning
@@ -117,6 +117,20 @@ def test_a_call_that_cannot_take_the_batch_is_refused_before_any_compile() -> No
     assert str(info.value).startswith("model.step: _TwoArrays.__call__(mel, tokens) cannot take the batch: too many "
                                       "positional arguments; it is called as step(mel, mel_len, tokens, tok_len)")
 
+
+
+class _ChecksLengths(_TinyStep):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        tf.debugging.assert_positive(mel_len, message="empty utterance")
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def test_a_step_that_fails_on_the_all_padding_warm_up_batch_is_told_so() -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    with pytest.raises(StepError) as info:
+        CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
+    assert str(info.value).startswith("model.step m:f: the step fails in graph mode on the warm-up batch (all "
+                                      "padding: every length 0, as in a padded partial batch): op assert_positive/")
 
 class _ForgetsMomentum(_TinyStep):
     def variables(self) -> list[tf.Variable]:
