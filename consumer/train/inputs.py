@@ -132,12 +132,29 @@ def check_call(step: object, factory: str, passed: Sequence[str], row_names: Seq
                       "(consumer/README.md \"What the step receives\")", path=("model", "step"), got=factory)
 
 
-def unlisted_variables(used: Iterable[object], listed: Iterable[object]) -> list[str]:
-    """Names of the variables in ``used`` (what the compiled programs capture) that ``listed`` (the step's
-    ``variables()``) leaves out; a Keras variable counts as its ``tf.Variable``, a mirrored one as its parts."""
+def unlisted_variables(used: Iterable[object], before: Iterable[object], after: Iterable[object]) -> str | None:
+    """What is wrong with the variables the compiled programs capture (``used``), in one phrase, or None.
+
+    ``before`` and ``after`` are the step's ``variables()`` before and after warm-up: a used variable in neither
+    is left out of ``variables()``; one only in ``after`` was created while tracing (an optimizer built on its
+    first ``apply``). Either way warm-up changed it without putting it back. A Keras variable counts as its
+    ``tf.Variable``, a mirrored one as its parts.
+    """
     def handles(v: object) -> list[int]:
         inner = getattr(v, "value", None)
         base = inner if inner is not None and not callable(inner) else v     # keras.Variable -> tf.Variable
         return [id(v), id(base), *map(id, getattr(base, "values", ()))]
-    known = {h for v in listed for h in handles(v)}
-    return sorted({str(getattr(v, "name", "?")) for v in used if id(v) not in known})
+
+    def names(vs: Iterable[object]) -> str:
+        found = sorted({str(getattr(v, "name", "?")) for v in vs})
+        return f"{len(found)} variable(s) ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
+    known_before = {h for v in before for h in handles(v)}
+    known_after = {h for v in after for h in handles(v)}
+    created = [v for v in used if id(v) not in known_before and id(v) in known_after]
+    left_out = [v for v in used if id(v) not in known_before and id(v) not in known_after]
+    parts = ([f"{names(created)} were created while the step was traced, after the factory returned (build them "
+              "in the factory: optimizer.build(model.trainable_variables))"] if created else []) + \
+            ([f"variables() leaves out {names(left_out)} its step uses (return every model and optimizer variable; "
+              "without checkpoint_items() checkpoints do not hold them, so a resumed run is not exact)"]
+             if left_out else [])
+    return "; ".join(parts) or None

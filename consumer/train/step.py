@@ -290,16 +290,12 @@ class CompiledStep:
                  len(set(self._bucket_keys)), self._traces, compile_s, self._mode, choice.reason)
         return compile_s
 
-    def _warn_unlisted(self, variables: Sequence[object]) -> None:
-        """One WARNING for variables the programs use that ``variables()`` leaves out (optimizer slots, BatchNorm
-        statistics, a global RNG's state): warm-up cannot put them back and checkpoints may miss them."""
+    def _warn_unlisted(self, before: Sequence[object]) -> None:
+        """One WARNING for variables the programs use that warm-up could not put back (``unlisted_variables``)."""
         used = [v for p in self._programs.values() for v in getattr(p, "variables", ())]   # concrete functions
-        missing = unlisted_variables(used, variables)
-        if missing:
-            log.warning("model.step %s: variables() leaves out %d variable(s) its step uses (%s): warm-up changed "
-                        "them, and without checkpoint_items() checkpoints do not hold them, so a resumed run is not "
-                        "exact; return every model and optimizer variable", self._factory, len(missing),
-                        ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
+        wrong = unlisted_variables(used, before, self._step.variables())
+        if wrong:
+            log.warning("model.step %s: warm-up changed variables it could not put back: %s", self._factory, wrong)
 
     def _settle_mode(self) -> JitChoice:
         if self._setting is False or self._remembered == "graph":
