@@ -70,10 +70,10 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from consumer.bench import baselines
     from consumer.flow.plan import EpochPlan
     from consumer.placement import step_devices
-    from consumer.train.efficiency import measure_resident_limit
+    from consumer.train.efficiency import measure_resident_limit, resident_vocab
     from consumer.train.model import StepSpec
     from consumer.train.outputs import read_outputs
-    from consumer.train.step import CompiledStep, load_step_factory
+    from consumer.train.step import CompiledStep, build_step
     from shared.cache.features import load_manifest_for
     from shared.metrics import StepRecord, StepWindow
     from shared.wire.buckets import build_buckets
@@ -83,11 +83,11 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
     files = baselines.plan_files(manifest, plan, bucket_set, 1)
     shapes = [b.shapes() for b in bucket_set.buckets]
-    step = load_step_factory(cfg.model.step)(StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
+    step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
     compiled.warm_up()
     limit = measure_resident_limit(compiled, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
-                                   cfg.model.vocab_size)
+                                   resident_vocab(manifest.token_range, cfg.model.vocab_size))
     it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
     window = StepWindow(window_s=math.inf)
     devices: list[str] = []

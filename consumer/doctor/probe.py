@@ -117,7 +117,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
     from consumer.train.model import StepSpec
     from consumer.train.replicas import Replicas, replica_scope
-    from consumer.train.step import CompiledStep, load_step_factory
+    from consumer.train.step import CompiledStep, build_step
     from consumer.train.handoff import to_tensors
     from shared.wire.buckets import build_buckets
     from shared.cache.features import load_manifest_for
@@ -130,8 +130,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     replicas = Replicas.from_config(cfg)     # consumer.replicas: the arrangement `run` would use
     extras = manifest.schema.extras
     with replica_scope(replicas):
-        step_fn = load_step_factory(m.step)(StepSpec.from_config(cfg, shapes, batches_per_epoch=None,
-                                                                 extras=extras))
+        step_fn = build_step(m.step, StepSpec.from_config(cfg, shapes, batches_per_epoch=None, extras=extras))
     compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas,
                             extras=extras, mel_dtype=cfg.transport.mel_dtype)
     compile_s = compiled.warm_up()

@@ -38,7 +38,7 @@ from typing import Any
 
 from consumer.job.agree import OFFER_WIDTH, common_step, offer_row
 from shared.config import PipelineConfig
-from shared.errors import JobLostError
+from shared.errors import JobLostError, StepError
 from shared.service.tf_config import WorkerPlace
 
 __all__ = ["Job", "lost_contact_error", "start_job"]
@@ -98,7 +98,9 @@ class Job:
         try:
             yield
         except Exception as err:
-            lost = lost_contact_error(err, self.rank, doing)
+            # a failed step is a StepError around TensorFlow's error (consumer/train/handoff.py): judge that one
+            cause = err.__cause__ if isinstance(err, StepError) and err.__cause__ is not None else err
+            lost = lost_contact_error(cause, self.rank, doing)
             if lost is None:
                 raise
             raise lost from err

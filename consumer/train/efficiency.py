@@ -16,7 +16,9 @@ of steps timed alone would leave those out too, and feed efficiency would err lo
 step would add the very host wait the figure exists to expose; on the CPU the call returns when the step
 is done, so the reads change nothing.
 The resident batch is deterministic: every row full
-length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1..vocab_size-1.
+length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1 up to the cache's largest
+(``resident_vocab``: a step is never fed an id its data does not hold). A step that fails on it (a TensorFlow
+op error) is one ``StepError`` line naming ``model.step``.
 Invariants: afterwards every variable of ``variables`` holds exactly its value from before (host
 snapshot, assigned back in ``finally`` as ``CompiledStep.warm_up`` does), so a run's final variables
 never depend on whether the figure was measured; the batches have the buckets' shapes and dtypes, so
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays"]
+__all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays", "resident_vocab"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,12 @@ class ResidentLimit:
     step_s: tuple[float, ...]
     steps_per_bucket: int
     measure_s: float          # the whole measurement: snapshot, untimed and timed steps, restore
+
+
+def resident_vocab(token_range: tuple[int, int] | None, vocab_size: int) -> int:
+    """The ``vocab_size`` of the resident batches: the cache's largest token id + 1 (``manifest.token_range``), so
+    the measure feeds only ids the step will see in training, else (a manifest without the range) ``vocab_size``."""
+    return min(vocab_size, max(2, token_range[1] + 1)) if token_range is not None else vocab_size
 
 
 def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
@@ -94,15 +102,18 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
         variables: everything the step may change (``step.variables()``); restored exactly afterwards.
         bucket_shapes: one dict of shapes per bucket, in bucket order.
         steps_per_bucket: timed steps per bucket (>= 1).
-        vocab_size: token ids of the resident batch stay below it.
+        vocab_size: token ids of the resident batch stay below it (the loop passes the cache's largest id + 1).
         bucket_dtypes: dtypes of each bucket's arrays (``Bucket.dtypes()``), for the schema's extras.
 
     Raises:
-        ValueError: ``steps_per_bucket`` < 1. Whatever the step raises (variables are restored first).
+        ValueError: ``steps_per_bucket`` < 1. StepError: the step fails on a resident batch (a TensorFlow op
+            error, one line naming ``compiled.factory``); anything else it raises as is (variables restored first).
     """
     import tensorflow as tf
 
+    from consumer.train.jit import describe_tf_error
     from consumer.train.outputs import read_outputs
+    from shared.errors import StepError
 
     if steps_per_bucket < 1:
         raise ValueError(f"steps_per_bucket must be >= 1, got {steps_per_bucket}")
@@ -116,6 +127,10 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
                 shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None).items()}
             read_outputs(compiled.run(bucket, batch))            # untimed: first call on this batch
             step_s.append(_time_back_to_back(compiled, bucket, batch, steps_per_bucket))
+    except tf.errors.OpError as err:     # the user's step on a batch it never saw in warm-up: one line
+        raise StepError(compiled.factory, "the step fails on the resident batch of the feed-efficiency measure (full-"
+                        f"length rows, token ids 1..{max(1, vocab_size - 1)}; consumer.feed_efficiency_steps: 0 skips "
+                        f"it): {describe_tf_error(err)}") from err
     finally:
         for var, value in zip(variables, saved):
             var.assign(value)

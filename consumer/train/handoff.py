@@ -10,6 +10,8 @@ Invariants:
       on the CPU the tensors alias the slot; on a GPU TensorFlow offers no event for the end of the
       staging copy, so the slot is held until that step's outputs were read, which is safe whatever
       the copy does (the ring keeps ``consumer.ring_slots - stage_depth`` slots for producers).
+    * A step that fails while training (a TensorFlow op error: an assertion, an id outside an embedding)
+      raises ``StepError``, one line naming ``model.step``, the op and the user's line (exit 1).
     * On the CPU (no GPU visible) eager execution is synchronous: a step has completed when ``run``
       returns (``is_done`` True), so its slot is freed at once and the loop holds one slot.
     * ``on_step(n)`` runs right after the n-th step was dispatched, its slot still held (``bench``
@@ -31,8 +33,10 @@ import tensorflow as tf
 
 from consumer.handout import Batch
 from consumer.staging import Staged
+from consumer.train.jit import describe_tf_error
 from consumer.train.outputs import read_outputs
 from consumer.train.step import CompiledStep
+from shared.errors import StepError
 from shared.wire.layout import ALIGN_BYTES
 
 __all__ = ["StepResult", "TfHandOff", "aligned_empty", "model_device", "to_tensors"]
@@ -80,7 +84,10 @@ class TfHandOff:
         return Staged(tensors, copied=None, host_copies=copies)
 
     def step(self, batch: Batch, value: _Tensors) -> _Tensors:
-        raw = self._compiled.run(batch.bucket, value, rows=batch.rows)
+        try:
+            raw = self._compiled.run(batch.bucket, value, rows=batch.rows)
+        except tf.errors.OpError as err:     # on the CPU the step runs here: its failure, in one line
+            raise self._failed(err, f" on batch {batch.batch_id}") from err
         self.dispatched += 1
         if self._on_step is not None:
             self._on_step(self.dispatched)
@@ -90,7 +97,16 @@ class TfHandOff:
         return self._device is None
 
     def wait(self, outputs: _Tensors) -> StepResult:
-        return StepResult(outputs, read_outputs(outputs))   # the first read is the host sync
+        try:
+            return StepResult(outputs, read_outputs(outputs))   # the first read is the host sync
+        except tf.errors.OpError as err:     # on a GPU a failing step is seen here
+            raise self._failed(err, "") from err
+
+    def _failed(self, err: tf.errors.OpError, where: str) -> StepError:
+        """The step's TensorFlow error as one line (the op, the user's line, the reason); the TensorFlow error is
+        its ``__cause__`` (a multi-worker job's guard reads a lost peer there, consumer/job/cluster.py)."""
+        return StepError(self._compiled.factory, f"the step failed{where}: {describe_tf_error(err)}")
+
 
 def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
                   alignment: int = ALIGN_BYTES) -> npt.NDArray[np.generic]:

@@ -12,10 +12,13 @@ Stall % = time the loop waited for its next batch / wall time, after ``warmup_st
 Feed efficiency = fed steps/s / steps/s of the same step on resident batches of the same buckets: the
 limit is measured after warm-up (``consumer.feed_efficiency_steps``; consumer/train/efficiency.py, which
 leaves every variable as it found it) and each applied batch carries its bucket's resident step time.
-A step that cannot be compiled (``StepError``) or breaks the output contract (``ConfigError``)
-ends the run before READY; the summary is still written, with ``error`` set. Too many quarantined rows
-among those trained (``producer.max_quarantined_fraction``, consumer/train/quarantine.py) stop the run as
-SIGTERM does (the steps in flight complete, final checkpoint, summary with ``error``), then ``DataError``.
+A factory that raises or returns no step, a step that cannot be compiled (``StepError``) or breaks the
+output contract (``ConfigError``) ends the run before READY; a step that fails while training (``StepError``:
+the op and the user's line) ends it without a final checkpoint (a restart resumes from the newest). Either
+way the summary is still written, with ``error`` set. A loss that turns NaN/inf is one WARNING per turn.
+Too many quarantined rows among those trained (``producer.max_quarantined_fraction``,
+consumer/train/quarantine.py) stop the run as SIGTERM does (the steps in flight complete, final
+checkpoint, summary with ``error``), then ``DataError``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from consumer.train.jit import remember_mode, remembered_mode
 from consumer.train.meter import LoopMeter, format_status_line
 from consumer.train.quarantine import ceiling_for
 from shared.config import PipelineConfig
-from shared.errors import DataError, PipelineError
+from shared.errors import ConfigError, DataError, StepError
 from shared.output_files import write_output
 from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
 from shared.service.sdnotify import Notifier
@@ -156,8 +159,6 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     from consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
-    step_fn, compiled = _build_step(cfg, consumer, state, job)
-    consumer.start()
     cache_dir = active_xla_cache_dir()
     out = TrainSummary(padding_efficiency=0.0, replicas=cfg.consumer.replica_count,
                        rank=job.rank if job is not None else 0, world=job.world if job is not None else 1,
@@ -165,9 +166,13 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
+    with _summary_on_failure(out, summary_path):
+        step_fn, compiled = _build_step(cfg, consumer, state, job)
+    consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
-    with _extending_start_timeout(notifier), busy:     # status stays live while compiling
-        _warm_up(compiled, out, summary_path)
+    with _summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live
+        out.compile_s = compiled.warm_up()
+        out.jit_compile, out.jit_reason = compiled.mode, compiled.choice.reason if compiled.choice else None
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
         limit = _resident_limit(cfg, compiled, step_fn, consumer, out)
@@ -200,12 +205,14 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     stager = Stager(consumer, TfHandOff(compiled, model_device(), on_step), cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
-    with closing(stager.run(stop, on_wait, drain)) as completed:   # a failing body: in-flight steps settle here
-        for done in completed:
+    with _summary_on_failure(out, summary_path), closing(stager.run(stop, on_wait, drain)) as completed:
+        for done in completed:                  # a failing body: in-flight steps settle in closing()
             step_t1 = time.perf_counter()
             batch, outputs = done.batch, done.result.outputs
             loss_v = outputs["loss"]
-            meter.outputs.add(outputs)
+            if meter.outputs.add(outputs):      # the loss turned NaN/inf: one line per turn, not per step
+                log.warning("loss %s at batch %d (step %d): the model of %s may have diverged; training goes on",
+                            loss_v, batch.batch_id, out.steps + 1, cfg.model.step)
             copies += done.host_copies
             payload_copies += batch.copies
             out.steps += 1
@@ -273,44 +280,42 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
     """
     from consumer.train.model import StepSpec
     from consumer.train.replicas import Replicas, check_rows, replica_scope
-    from consumer.train.step import CompiledStep, load_step_factory
+    from consumer.train.step import CompiledStep, build_step
 
-    factory = load_step_factory(cfg.model.step)
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
     replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):
-        step_fn = factory(StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras))
+        step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
+                                                                  consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
                                  remembered=remembered, replicas=replicas, extras=consumer.extras,
                                  mel_dtype=cfg.transport.mel_dtype)
 
 
-def _warm_up(compiled: CompiledStep, out: TrainSummary, summary_path: str | None) -> None:
-    """Compile every bucket; on failure write the summary with ``error`` before re-raising."""
+@contextmanager
+def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator[None]:
+    """A step that cannot be built or compiled, breaks the output contract, or fails while training (StepError,
+    exit 1; ConfigError, exit 78) still leaves its summary, with ``error`` set, before the error goes on."""
     try:
-        out.compile_s = compiled.warm_up()
-    except PipelineError as err:     # StepError (exit 1) or a broken output contract (ConfigError, 78)
+        yield
+    except (StepError, ConfigError) as err:
         out.error = str(err)
         if summary_path:
             out.write(summary_path)
         raise
-    choice = compiled.choice
-    out.jit_compile = compiled.mode
-    out.jit_reason = choice.reason if choice is not None else None
 
 
 def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, consumer: Consumer,
                     out: TrainSummary) -> ResidentLimit | None:
     """The resident-batch limit (``consumer.feed_efficiency_steps`` per bucket; None when 0)."""
-    from consumer.train.efficiency import measure_resident_limit
+    from consumer.train.efficiency import measure_resident_limit, resident_vocab
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    buckets = consumer.bucket_set.buckets
+    buckets, vocab = consumer.bucket_set.buckets, resident_vocab(consumer.manifest.token_range, cfg.model.vocab_size)
     limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in buckets],
-                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size,
-                                   [b.dtypes() for b in buckets])
+                                   cfg.consumer.feed_efficiency_steps, vocab, [b.dtypes() for b in buckets])
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
     return limit
@@ -320,27 +325,6 @@ def _checkpoint_items(step_fn: Any) -> dict[str, object]:
     """Named trackables when the step offers them (restorable by Keras users), else its variables."""
     items = getattr(step_fn, "checkpoint_items", None)
     return dict(items()) if callable(items) else {"variables": list(step_fn.variables())}
-
-
-@contextmanager
-def _extending_start_timeout(notifier: Notifier, every_s: float = 10.0) -> Iterator[None]:
-    """Compiling can outlast TimeoutStartSec: ask systemd for more time until READY."""
-    done = threading.Event()
-
-    def extend() -> None:
-        while not done.is_set():
-            notifier.extend_timeout(every_s * 3)
-            done.wait(every_s)
-
-    thread = threading.Thread(target=extend, name="sd-extend", daemon=True) if notifier.enabled else None
-    if thread is not None:
-        thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        if thread is not None:
-            thread.join(every_s)
 
 
 def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer: Consumer,

@@ -36,12 +36,17 @@ class OutputMeans:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._last: dict[str, float] = {}
+        self._loss_was_finite = True
 
-    def add(self, values: Mapping[str, float]) -> None:
-        """One step's named scalars."""
+    def add(self, values: Mapping[str, float]) -> bool:
+        """One step's named scalars; True when its ``loss`` is not finite and the step before's was (or this is
+        the first step): the loop warns once per turn (the model may have diverged), not on every step after."""
         for name, value in values.items():
             self._sums[name] = self._sums.get(name, 0.0) + float(value)
             self._counts[name] = self._counts.get(name, 0) + 1
+        is_finite = math.isfinite(values.get("loss", 0.0))
+        turned, self._loss_was_finite = self._loss_was_finite and not is_finite, is_finite
+        return turned
 
     def take(self) -> dict[str, float]:
         """Means of the interval that ends now (``loss`` first); the previous means if no step came."""

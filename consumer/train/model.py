@@ -32,6 +32,7 @@ Frame count T and n_mels must be static (they are, under the consumer's fixed in
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,9 +67,10 @@ class StepSpec:
 
     n_mels: int             # M, last axis of "mel"
     vocab_size: int         # token ids are in 0..vocab_size-1; 0 is padding
-    learning_rate: float    # Adam step size
-    mixed_precision: bool   # float16 (GPU) / bfloat16 (CPU) compute, float32 variables and loss
-    seed: int               # weight initialisation
+    learning_rate: float    # model.learning_rate (the reference model's Adam step size)
+    mixed_precision: bool   # model.mixed_precision (the reference model: float16 on a GPU / bfloat16 on the CPU
+                            # compute, float32 variables and loss, loss scaling); a factory applies it itself
+    seed: int               # model.seed: weight initialisation
     # One read-only {"mel": (B, T, M), "mel_len": (B,), "tokens": (B, L), "tok_len": (B,), <extras>...} per
     # bucket, in bucket order: the only shapes the step is ever called with (e.g. to size a decoder).
     bucket_shapes: tuple[Mapping[str, tuple[int, ...]], ...] = field(default=(), hash=False)
@@ -94,7 +96,7 @@ class StepSpec:
         # so a factory cannot change what the next factory call (or the summary) sees.
         object.__setattr__(self, "bucket_shapes", tuple(
             MappingProxyType({k: tuple(int(d) for d in v) for k, v in b.items()}) for b in self.bucket_shapes))
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "params", MappingProxyType(copy.deepcopy(dict(self.params))))   # nested: a copy
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],

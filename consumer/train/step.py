@@ -1,23 +1,26 @@
 """Compile the training step once per bucket shape and hand batches to it without copies.
 
-Role: load the user's step factory (``ModelConfig.step``), build one program per bucket shape
+Role: load and call the user's step factory (``ModelConfig.step``, ``build_step``: a factory that raises
+or returns no step is one ``ConfigError`` line naming ``model.step``), build one program per bucket shape
 before training (``CompiledStep.warm_up``; XLA or graph mode as ``ModelConfig.jit_compile`` and
-consumer/train/jit.py decide), run batches through them, and turn aligned numpy slots into
-TensorFlow tensors with DLPack (``to_tensors``).
+consumer/train/jit.py decide), and run batches through them (the hand-off, consumer/train/handoff.py,
+turns aligned numpy slots into TensorFlow tensors with DLPack).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
     * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
       the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
       ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
-      written for the four base arrays runs unchanged on a cache with extras.
+      written for the four base arrays runs unchanged on a cache with extras. A ``__call__`` that cannot
+      take what it will be given (a wrong signature, an array the batch lacks) is refused before any compile.
     * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
       ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
-      exactly its pre-warm-up value: warm-up never changes training.
+      exactly its pre-warm-up value: warm-up never changes training. A variable the programs use that
+      ``variables()`` leaves out (so warm-up changed it) is named in one WARNING.
     * A trace after ``warm_up()`` (a batch whose shapes match no compiled program) still runs, but
       is counted in ``compiles_after_ready`` and logged as a WARNING each time.
-    * ``to_tensors`` never hands DLPack a buffer that is not 64-byte aligned and C-contiguous
-      (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
+    * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and
+      C-contiguous (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
 
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
 when the program is first needed; ``run`` calls it directly, which skips the per-call signature
@@ -38,24 +41,25 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from consumer.train.inputs import accepted_extras, input_dtypes
-from consumer.train.jit import JitChoice, choose_mode, describe_tf_error
+from consumer.train.inputs import (Shapes, accepted_extras, bucket_key, check_call, check_step, input_dtypes,
+                                   unlisted_variables)
+from consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error
 from consumer.train.model import StepSpec, TrainStep
 from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from consumer.train.replicas import Replicas
-from consumer.train.rows import row_inputs, row_inputs_taken
-from shared.errors import ConfigError, StepError
+from consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
+from shared.errors import ConfigError, PipelineError, StepError
 from shared.wire.layout import ARRAY_KEYS
 from shared.wire.schema import ExtraSpec
 
-__all__ = ["load_step_factory", "CompiledStep"]
+__all__ = ["build_step", "load_step_factory", "CompiledStep"]
 
 log = logging.getLogger(__name__)
 
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
-_Shapes = tuple[tuple[int, ...], ...]  # shapes in argument order (base, then passed extras): one program's key
+_Shapes = Shapes   # one program's key (consumer/train/inputs.py)
 
 
 
@@ -87,18 +91,23 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     return factory  # type: ignore[no-any-return]
 
 
-def _shapes_of(shapes: Mapping[str, Sequence[int]], passed: Sequence[str] = ()) -> _Shapes:
-    """Validate one bucket's shapes and return them in argument order (base keys, then ``passed`` extras)."""
-    if not set(_ARG_ORDER) <= set(shapes) or not set(passed) <= set(shapes):
-        raise ValueError(f"bucket shapes need keys {sorted({*_ARG_ORDER, *passed})}, got {sorted(shapes)}")
-    out = tuple(tuple(int(d) for d in shapes[k]) for k in (*_ARG_ORDER, *passed))
-    mel, mel_len, tokens, tok_len = out[:4]
-    batch = mel[0] if len(mel) == 3 else -1
-    if not (len(mel) == 3 and mel_len == (batch,) and len(tokens) == 2 and tokens[0] == batch
-            and tok_len == (batch,) and min(mel + tokens) >= 1):
-        raise ValueError(f"inconsistent bucket shapes {dict(zip(_ARG_ORDER, out))}: "
-                         "want mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B], all >= 1")
-    return out
+def build_step(dotted: str, spec: StepSpec) -> TrainStep:
+    """The step of the factory ``dotted`` (``model.step``) for ``spec``, checked to be a step.
+
+    Raises:
+        ConfigError: ``model.step``: the factory cannot be loaded, raises (one line: the exception and the
+            line of user code that raised it), or returns something that is not a ``TrainStep``.
+    """
+    factory = load_step_factory(dotted)
+    try:
+        step = factory(spec)
+    except PipelineError:
+        raise
+    except Exception as err:   # user code: any exception is the factory's failure, told in one line
+        raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
+                          ) from err
+    check_step(step, dotted)
+    return step
 
 
 class CompiledStep:
@@ -137,8 +146,10 @@ class CompiledStep:
         if extras:
             log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
                      [e.name for e in extras if e.name not in self._passed] or "none")
-        self._bucket_keys = [_shapes_of(s, self._passed) for s in bucket_shapes]
+        self._bucket_keys = [bucket_key(s, self._passed) for s in bucket_shapes]
         self._row_inputs = row_inputs_taken(step)   # "rows" / "row_mask" keywords (consumer/train/rows.py)
+        check_call(step, factory, self._passed, self._row_inputs,
+                   [*(k for e in extras for k in (e.name, e.length_key) if k is not None), *ROW_INPUTS])
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
@@ -148,9 +159,15 @@ class CompiledStep:
         self._is_ready = False
         self._replicas = replicas
         if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
-            raise ConfigError(f"a step that takes {'rows / row_mask' if self._row_inputs else 'extra arrays'} "
-                              "cannot run on several replicas yet (use mel_len > 0 as the row mask), or set "
+            takes, instead = (("rows / row_mask", "use mel_len > 0 as the row mask") if self._row_inputs else
+                              (f"extra arrays ({', '.join(self._passed)})", "leave them out of __call__"))
+            raise ConfigError(f"a step that takes {takes} cannot run on several replicas yet ({instead}), or set "
                               "consumer.replicas: 1", path=("consumer", "replicas"))
+
+    @property
+    def factory(self) -> str:
+        """The step factory's name (``model.step``), for error messages."""
+        return self._factory
 
     @property
     def devices(self) -> list[str]:
@@ -253,6 +270,7 @@ class CompiledStep:
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
+            self._warn_unlisted(variables)
         except StepError as err:
             if self._dtypes["mel"] != tf.float16:
                 raise
@@ -271,6 +289,13 @@ class CompiledStep:
         log.info("step compiled buckets=%d traces=%d compile_s=%.2f jit_compile=%s (%s)",
                  len(set(self._bucket_keys)), self._traces, compile_s, self._mode, choice.reason)
         return compile_s
+
+    def _warn_unlisted(self, before: Sequence[object]) -> None:
+        """One WARNING for variables the programs use that warm-up could not put back (``unlisted_variables``)."""
+        used = [v for p in self._programs.values() for v in getattr(p, "variables", ())]   # concrete functions
+        wrong = unlisted_variables(used, before, self._step.variables())
+        if wrong:
+            log.warning("model.step %s: warm-up changed variables it could not put back: %s", self._factory, wrong)
 
     def _settle_mode(self) -> JitChoice:
         if self._setting is False or self._remembered == "graph":
@@ -313,8 +338,9 @@ class CompiledStep:
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise
-                raise StepError(self._factory, f"the step fails in graph mode: {describe_tf_error(err)}"
-                                ) from err
+                on = (" on the warm-up batch (all padding: every length 0, as in a padded partial batch)"
+                      if isinstance(err, tf.errors.OpError) else "")   # it ran: the data is what it failed on
+                raise StepError(self._factory, f"the step fails in graph mode{on}: {describe_tf_error(err)}") from err
 
     def _time_calls(self, key: _Shapes) -> list[float]:
         """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""

@@ -25,8 +25,10 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 __all__ = ["Notifier"]
 
@@ -91,6 +93,27 @@ class Notifier:
     def extend_timeout(self, seconds: float) -> None:
         """Ask systemd for ``seconds`` more before a start (or stop) timeout fires."""
         self.notify(EXTEND_TIMEOUT_USEC=int(seconds * 1e6))
+
+    @contextmanager
+    def extending_start_timeout(self, every_s: float = 10.0) -> Iterator[None]:
+        """Inside: ``extend_timeout(3 x every_s)`` every ``every_s`` from a thread of its own (compiling can outlast
+        ``TimeoutStartSec``; READY comes after). Without systemd no thread is started."""
+        done = threading.Event()
+
+        def extend() -> None:
+            while not done.is_set():
+                self.extend_timeout(every_s * 3)
+                done.wait(every_s)
+
+        thread = threading.Thread(target=extend, name="sd-extend", daemon=True) if self.enabled else None
+        if thread is not None:
+            thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            if thread is not None:
+                thread.join(every_s)
 
     def stopping(self, status: str | None = None) -> None:
         self.notify(STOPPING=1, **({"STATUS": status} if status else {}))

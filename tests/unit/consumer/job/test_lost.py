@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from consumer.job.cluster import lost_contact_error
+from consumer.job.cluster import Job, lost_contact_error
 from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
+from shared.errors import ConfigError, JobLostError, StepError
+from shared.service.tf_config import WorkerPlace
 
 _HEARTBEATS = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call last):\n"
                '  File "/srv/melfeed/run_pipeline.py", line 55, in <module>\n\n'
@@ -32,6 +33,16 @@ def test_other_errors_are_not_a_lost_peer() -> None:
     assert lost_contact_error(tf.errors.InvalidArgumentError(None, None, "bad shape"), 0, "training") is None
     assert lost_contact_error(ValueError("no"), 0, "training") is None
 
+
+
+def test_a_failed_step_whose_cause_is_a_lost_peer_is_a_lost_job() -> None:
+    job = Job(WorkerPlace(rank=1, world=2), None, config_from_mapping({}))
+    with pytest.raises(JobLostError, match="rank 1: lost contact with the job"):
+        with job.guard("training"):   # the hand-off wraps the step's TensorFlow error (consumer/train/handoff.py)
+            raise StepError("m:f", "the step failed") from tf.errors.UnavailableError(None, None, _HEARTBEATS)
+    with pytest.raises(StepError):
+        with job.guard("training"):
+            raise StepError("m:f", "the step failed") from tf.errors.InvalidArgumentError(None, None, "bad id")
 
 @pytest.mark.parametrize("key, value, says", [
     ("peer_timeout_s", 0, "consumer.peer_timeout_s: must be in 1..3600 seconds"),

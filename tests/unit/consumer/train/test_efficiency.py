@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from consumer.train.efficiency import measure_resident_limit, resident_arrays
+from consumer.train.efficiency import measure_resident_limit, resident_arrays, resident_vocab
 from consumer.train.model import StepSpec
 from consumer.train.step import CompiledStep
-from tests.steps import tiny_step
+from shared.errors import StepError
+from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8
 _SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 5), "tok_len": (4,)},
@@ -37,6 +39,29 @@ def test_limit_is_timed_per_bucket_and_every_variable_is_restored_bit_for_bit() 
         assert var.numpy().tobytes() == old.tobytes(), var.name     # training never sees the measurement
     assert compiled.compiles_after_ready == 0                        # the buckets' own programs ran
 
+
+
+class _SmallEmbedding(_TinyStep):
+    """A user's step with its own embedding of 16 rows: right for a cache whose ids are below 16."""
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        rows = tf.gather(tf.ones([16, N_MELS]), tokens)     # on the CPU an id >= 16 fails the step
+        return super().__call__(mel, mel_len, tokens, tok_len) + 0.0 * tf.reduce_sum(rows)
+
+
+def test_the_resident_batch_holds_only_the_ids_the_cache_holds_and_a_failure_is_one_line() -> None:
+    assert (resident_vocab((1, 15), 256), resident_vocab(None, 256), resident_vocab((0, 0), 256)) == (16, 256, 2)
+    step = _SmallEmbedding(StepSpec(n_mels=N_MELS, vocab_size=256, learning_rate=0.1, mixed_precision=False, seed=0))
+    compiled = CompiledStep(step, _SHAPES, jit_compile=False, factory="mine:small")
+    compiled.warm_up()
+    cache_ids = resident_vocab((1, 15), 256)
+    measure_resident_limit(compiled, step.variables(), _SHAPES, steps_per_bucket=1, vocab_size=cache_ids)
+    with pytest.raises(StepError) as info:         # ids up to model.vocab_size: ones the data never holds
+        measure_resident_limit(compiled, step.variables(), _SHAPES, steps_per_bucket=1, vocab_size=256)
+    line = _SmallEmbedding.__call__.__code__.co_firstlineno + 1
+    assert str(info.value) == ("model.step mine:small: the step fails on the resident batch of the feed-efficiency "
+                               "measure (full-length rows, token ids 1..255; consumer.feed_efficiency_steps: 0 skips "
+                               f"it): op GatherV2 ({__file__}:{line}): indices[3,0] = 16 is not in [0, 16)")
 
 def test_steps_per_bucket_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="steps_per_bucket must be >= 1"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import tensorflow as tf
 
 from consumer.flow.plan import PlannedBatch
 from consumer.handout import Batch
@@ -10,7 +12,8 @@ from consumer.train.handoff import TfHandOff, model_device
 from consumer.train.model import StepSpec
 from consumer.train.step import CompiledStep
 from consumer.train.handoff import aligned_empty
-from tests.steps import tiny_step
+from shared.errors import StepError
+from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8
 SHAPES = {"mel": (2, 8, N_MELS), "mel_len": (2,), "tokens": (2, 4), "tok_len": (2,)}
@@ -41,3 +44,25 @@ def test_the_cpu_hand_off_aliases_the_slot_until_the_step_completed_and_reads_th
     assert handoff.is_done(raw) and steps_seen == [1]
     result = handoff.wait(raw)
     assert list(result.outputs) == ["loss"] and result.outputs["loss"] > 0 and result.raw is raw
+
+
+class _LoudStep(_TinyStep):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        tf.debugging.assert_less(tf.reduce_max(mel), 2.0, message="mel too loud")   # the line the error names
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def test_a_step_that_fails_while_training_is_one_line_naming_the_batch_op_and_the_users_line() -> None:
+    spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=[SHAPES])
+    compiled = CompiledStep(_LoudStep(spec), [SHAPES], jit_compile=False, factory="mine:loud")
+    compiled.warm_up()                                  # zeros pass the assertion
+    handoff = TfHandOff(compiled, None)
+    batch = _slot_batch()
+    batch.arrays["mel"][:] = 5.0
+    with pytest.raises(StepError) as info:
+        handoff.step(batch, handoff.put(batch).value)
+    text = str(info.value)
+    line = _LoudStep.__call__.__code__.co_firstlineno + 1
+    assert text.startswith(f"model.step mine:loud: the step failed on batch 0: op assert_less/Assert/AssertGuard/Assert "
+                           f"({__file__}:{line}): assertion failed: [mel too loud]"), text
+    assert "\n" not in text and isinstance(info.value.__cause__, tf.errors.InvalidArgumentError)

@@ -24,6 +24,13 @@ def test_means_are_per_interval_and_per_name_and_survive_an_empty_interval() -> 
     assert means.latest() is not means.latest() and math.isnan(means.latest()["loss"])
 
 
+
+def test_add_says_when_the_loss_turns_non_finite_once_per_turn() -> None:
+    means = OutputMeans()
+    turns = [means.add({"loss": v}) for v in (1.0, math.nan, math.nan, math.inf, 2.0, math.nan)]
+    assert turns == [False, True, False, False, False, True]     # diverged, stays so, recovers, diverges again
+    assert OutputMeans().add({"loss": math.nan})                  # a first step that is already NaN
+
 def test_format_outputs_shows_every_name() -> None:
     assert format_outputs({"loss": 0.91234, "mel_l1": 0.5, "stop_bce": float("nan")}) == \
         "loss 0.9123 mel_l1 0.5000 stop_bce nan"

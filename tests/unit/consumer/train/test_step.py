@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 from consumer.train.model import StepSpec, TrainStep, build_reference_step
-from consumer.train.step import CompiledStep, load_step_factory
+from consumer.train.step import CompiledStep, build_step, load_step_factory
 from consumer.train.handoff import aligned_empty, to_tensors
-from shared.errors import ConfigError
+from shared.errors import ConfigError, StepError
+from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning
 
@@ -64,6 +65,108 @@ def test_load_step_factory_reports_a_module_that_fails_on_import(
     with pytest.raises(ConfigError, match="RuntimeError: boom, got"):
         load_step_factory("melfeed_broken_step:build")
 
+
+
+_HERE = "tests.unit.consumer.train.test_step"
+
+
+def raising_factory(spec: StepSpec) -> TrainStep:
+    raise KeyError("hidden")    # a user's bug: the line build_step names
+
+
+class _NoVariables:
+    def __call__(self, *arrays: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_mean(arrays[0])
+
+
+def no_variables(spec: StepSpec) -> _NoVariables:
+    return _NoVariables()
+
+
+class _ListsNumbers(_TinyStep):
+    def variables(self) -> list[tf.Variable]:
+        return [1.0]   # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("factory", "says"), [
+    (f"{_HERE}:raising_factory", f"the factory raised KeyError: 'hidden' ({__file__}:"
+                                 f"{raising_factory.__code__.co_firstlineno + 1})"),
+    ("builtins:print", "the factory returned None, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
+                       "and variables()"),
+    (f"{_HERE}:no_variables", "the factory returned a _NoVariables, not a step"),
+    (f"{_HERE}:_NoVariables", "the factory raised TypeError: _NoVariables() takes no arguments, got"),   # no line
+    (f"{_HERE}:_ListsNumbers", "_ListsNumbers.variables() holds float, not a variable"),
+])
+def test_build_step_refuses_a_factory_that_raises_or_returns_no_step_in_one_line(factory: str, says: str) -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    with pytest.raises(ConfigError) as info:
+        build_step(factory, spec)
+    assert info.value.path == ("model", "step") and info.value.got == factory
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+class _TwoArrays(_TinyStep):
+    def __call__(self, mel: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:   # type: ignore[override]
+        return tf.reduce_mean(mel)
+
+
+def test_a_call_that_cannot_take_the_batch_is_refused_before_any_compile() -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    with pytest.raises(ConfigError) as info:
+        CompiledStep(_TwoArrays(spec), [_shapes(2, 16, 4)], factory="m:f")
+    assert str(info.value).startswith("model.step: _TwoArrays.__call__(mel, tokens) cannot take the batch: too many "
+                                      "positional arguments; it is called as step(mel, mel_len, tokens, tok_len)")
+
+
+
+class _ChecksLengths(_TinyStep):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        tf.debugging.assert_positive(mel_len, message="empty utterance")
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def test_a_step_that_fails_on_the_all_padding_warm_up_batch_is_told_so() -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    with pytest.raises(StepError) as info:
+        CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
+    assert str(info.value).startswith("model.step m:f: the step fails in graph mode on the warm-up batch (all "
+                                      "padding: every length 0, as in a padded partial batch): op assert_positive/")
+
+class _ForgetsMomentum(_TinyStep):
+    def variables(self) -> list[tf.Variable]:
+        return [self.w, self.iterations]
+
+
+class _LazyMomentum(_TinyStep):
+    """Creates its momentum on the first call, as a Keras optimizer not built in the factory does."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__(spec)
+        self.lazy: list[tf.Variable] = []
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        if not self.lazy:
+            self.lazy.append(tf.Variable(tf.zeros([N_MELS]), name="lazy_momentum"))
+        self.lazy[0].assign_add(tf.reduce_mean(mel, axis=[0, 1]) + 1.0)
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+    def variables(self) -> list[tf.Variable]:
+        return [*super().variables(), *self.lazy]
+
+
+@pytest.mark.parametrize(("step", "says"), [
+    (tiny_step, None),
+    (_ForgetsMomentum, "variables() leaves out 1 variable(s) (momentum:0) its step uses"),
+    (_LazyMomentum, "1 variable(s) (lazy_momentum:0) were created while the step was traced, after the factory "
+                    "returned (build them in the factory"),
+])
+def test_variables_warm_up_cannot_put_back_get_one_warning_naming_them(
+        step: type, says: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+        CompiledStep(step(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == (0 if says is None else 1) and all(str(says) in line for line in lines)
 
 # --- CompiledStep -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from consumer.train.model import StepSpec
 from consumer.train.step import CompiledStep
+from shared.errors import ConfigError
 from shared.wire.buckets import Bucket
 from shared.wire.schema import ExtraSpec
 
@@ -83,6 +84,27 @@ def test_an_extra_of_the_wrong_dtype_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="speaker"):
         compiled.run(0, {**_batch(), "speaker": tf.zeros((2,), tf.int64)})
 
+
+
+class _WantsPitch(_Recorder):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,  # type: ignore[override]
+                 speaker: tf.Tensor, pitch: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(mel)
+
+
+def test_a_step_that_needs_an_array_the_cache_lacks_is_refused_by_name_before_compiling() -> None:
+    with pytest.raises(ConfigError) as info:
+        CompiledStep(_WantsPitch(), [BUCKET.shapes()], extras=EXTRAS, factory="tts:make")
+    assert info.value.path == ("model", "step") and info.value.got == "tts:make"
+    assert "cannot take the batch: needs 'pitch', which the batch does not hold (it holds mel, mel_len, tokens, " \
+           "tok_len, speaker, energy, ref, ref_len, rows, row_mask)" in str(info.value)
+
+
+def test_extras_on_several_replicas_are_refused_naming_them() -> None:
+    with pytest.raises(ConfigError) as info:   # any replicas object: the refusal comes before it is used
+        CompiledStep(_Recorder(), [BUCKET.shapes()], extras=EXTRAS, replicas=object())  # type: ignore[arg-type]
+    assert str(info.value) == ("consumer.replicas: a step that takes extra arrays (speaker, energy, ref_len) cannot "
+                               "run on several replicas yet (leave them out of __call__), or set consumer.replicas: 1")
 
 def test_the_step_spec_describes_the_schema() -> None:
     spec = StepSpec(4, 16, 0.01, False, 0, bucket_shapes=(BUCKET.shapes(),), extras=EXTRAS)

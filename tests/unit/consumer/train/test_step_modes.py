@@ -107,6 +107,8 @@ def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
     assert dict(spec.params) == {"hidden": 8, "heads": [1, 2]}
     with pytest.raises(TypeError):
         spec.params["hidden"] = 9  # type: ignore[index]
+    spec.params["heads"].append(3)          # a nested value is the spec's own copy: the config keeps its own
+    assert cfg.model.params == {"hidden": 8, "heads": [1, 2]}
     assert build_foreign_step(spec).hidden == 8
 
 
