@@ -40,7 +40,7 @@ _BACKOFF_MAX_S = 30.0
 
 class _Group:
     def __init__(self, config_path: Path, count: int, backoff_s: float, debug_delay_ms: float,
-                 exit_at_plan_end: bool = False) -> None:
+                 exit_at_plan_end: bool = False, stop: threading.Event | None = None) -> None:
         self.config_path = config_path
         self.exit_at_plan_end = exit_at_plan_end   # a child's exit 0 is the end of the plan: no restart
         self.count = count
@@ -50,6 +50,7 @@ class _Group:
         self.exit_code = 0
         self.restarts = 0
         self.finished = 0                          # children that exited 0 at the plan's end
+        self.stop = stop if stop is not None else threading.Event()   # set by the supervisor's signal handlers
 
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
@@ -68,7 +69,7 @@ class _Group:
                 await self.terminate([proc])
                 return
             code = await proc.wait()
-            if stopping.is_set():
+            if stopping.is_set() or self.stop.is_set():   # a group SIGTERM (Ctrl-C, systemd) reached it first
                 return
             if code == EXIT_CONFIG:
                 log.error("producer-%d exited %d (configuration error); stopping all producers", index, code)
@@ -135,5 +136,5 @@ def supervise_producers(config_path: Path, count: int, stop: threading.Event, *,
     Returns:
         0 after a clean stop or the plan's end, 78 when a producer exited with a configuration error.
     """
-    group = _Group(config_path, count, backoff_s, debug_delay_ms, exit_at_plan_end)
+    group = _Group(config_path, count, backoff_s, debug_delay_ms, exit_at_plan_end, stop)
     return uvloop.run(_main(group, stop, notifier if notifier is not None else Notifier({})))

@@ -8,6 +8,7 @@ child is still being started stops that child too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import uvloop
 
 from producer.supervisor import _Group, _main
@@ -27,7 +29,7 @@ class _ScriptedGroup(_Group):
 
     def __init__(self, codes: dict[int, list[int]], stop: threading.Event, *, exit_at_plan_end: bool,
                  stop_after_spawns: int = 1000) -> None:
-        super().__init__(Path("unused.yaml"), len(codes), 0.0, 0.0, exit_at_plan_end)
+        super().__init__(Path("unused.yaml"), len(codes), 0.0, 0.0, exit_at_plan_end, stop)
         self.codes = codes
         self.spawned: list[int] = []
         self._stop, self._stop_after_spawns = stop, stop_after_spawns
@@ -66,6 +68,16 @@ def test_without_it_a_child_exiting_0_is_restarted_until_the_supervisor_is_stopp
     group = _ScriptedGroup({1: [0]}, stop, exit_at_plan_end=False, stop_after_spawns=3)
     assert _supervise(group, stop) == 0
     assert stop.is_set() and len(group.spawned) >= 3 and group.finished == 0
+
+
+def test_a_child_that_exits_0_on_the_supervisors_own_stop_is_not_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM to the whole group (Ctrl-C, systemd) may end a child before the supervisor's loop sees its stop."""
+    stop = threading.Event()
+    group = _ScriptedGroup({1: [0]}, stop, exit_at_plan_end=False, stop_after_spawns=1)
+    with caplog.at_level(logging.INFO, logger="producer.supervisor"):
+        assert _supervise(group, stop) == 0
+    assert group.spawned == [1] and group.restarts == 0
+    assert not [r for r in caplog.records if "restarting" in r.getMessage()]
 
 
 class _StopWhileStartingGroup(_Group):
