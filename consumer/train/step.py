@@ -310,8 +310,8 @@ class CompiledStep:
             if self._setting is True:
                 raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): "
                                                f"{reason}") from err
+            self._compile_all("graph")      # fails too: the step's own error, one line, no word about XLA
             log.warning("XLA cannot compile the step of %s, using graph mode: %s", self._factory, reason)
-            self._compile_all("graph")
             return choose_mode("auto", xla_error=reason)
         if self._setting is True or self._remembered == "xla":
             return choose_mode(self._setting, remembered=self._remembered)
@@ -319,7 +319,13 @@ class CompiledStep:
             return JitChoice("xla", "XLA compiled (not timed: every rank of a multi-worker job must pick the same)")
         key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
         xla_times = self._time_calls(key)
-        self._compile_all("graph", only=key)
+        try:
+            self._compile_all("graph", only=key)
+        except StepError as err:    # XLA ran this batch: a check of the step's own (XLA drops tf.debugging asserts)
+            log.warning("jit_compile auto: %s; using XLA, which compiled and ran it (XLA does not run "
+                        "tf.debugging assertions)", err.reason)
+            self._mode, self._programs = "xla", {k: v for k, v in self._programs.items() if k[0] == "xla"}
+            return JitChoice("xla", "graph mode fails on the warm-up batch, XLA compiled and ran it")
         choice = choose_mode("auto", xla_times_s=xla_times, graph_times_s=self._time_calls(key))
         log.info("jit_compile auto: %s; using %s", choice.reason, choice.mode)
         if choice.mode == "graph":

@@ -132,6 +132,20 @@ def test_a_step_that_fails_on_the_all_padding_warm_up_batch_is_told_so() -> None
     assert str(info.value).startswith("model.step m:f: the step fails in graph mode on the warm-up batch (all "
                                       "padding: every length 0, as in a padded partial batch): op assert_positive/")
 
+
+def test_under_auto_a_step_whose_check_fails_only_in_graph_mode_trains_with_xla_and_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    compiled = CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile="auto", factory="m:f")
+    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+        compiled.warm_up()                           # XLA compiled it (and drops the assertion), graph mode failed
+    assert compiled.mode == "xla" and compiled.choice is not None and compiled.choice.mode == "xla"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("jit_compile auto: the step fails in graph mode on the "
+                                                         "warm-up batch"), warnings
+    assert "using XLA, which compiled and ran it" in warnings[0]
+
+
 class _ForgetsMomentum(_TinyStep):
     def variables(self) -> list[tf.Variable]:
         return [self.w, self.iterations]
