@@ -118,6 +118,7 @@ def test_pipeline_target_lifecycle_under_real_systemd(demo_cache: Path, tmp_path
                               "ActiveExitTimestampMonotonic") for u in names}
     finally:
         ns.close()
+    assert ns.exit_refused is None, ns.exit_refused          # an orderly exit, not the 30 s wait and a kill
     for unit, props in stopped.items():
         assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == ("inactive", "success", "0"), \
             (unit, props)
