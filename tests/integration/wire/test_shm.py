@@ -169,6 +169,24 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
     assert list(shm_dir.iterdir()) == []
 
 
+# The killed consumer: the library (``Consumer``, whose transport makes the slot files) taking BATCHES batches,
+# then holding them until SIGKILLed; it imports no TensorFlow. The consumer CLI killed mid-run and resuming from
+# its checkpoint in shm mode: tests/integration/resilience/test_chaos.py ([11-shm]); its own sockets left behind:
+# tests/integration/service/test_leftovers.py.
+_VICTIM = """\
+import sys, threading
+from pathlib import Path
+from consumer.feed import Consumer
+from shared.config_loader import load_config
+with Consumer(load_config(sys.argv[1])) as feed:
+    for n, _batch in enumerate(feed.batches(), start=1):
+        if n == int(sys.argv[2]):
+            Path(sys.argv[3]).touch()
+            threading.Event().wait(60)    # SIGKILLed long before; else its files go as it exits (the test fails)
+            sys.exit(1)
+"""
+
+
 def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(demo_cache: Path,
                                                                                tmp_path: Path) -> None:
     state = tmp_path / "state"
@@ -178,18 +196,21 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
                                 transport={"mode": "shm", "shm_dir": str(shm_dir)}, producer={"count": 1})
     log = tmp_path / "run.log"
     producers = procs.start("producer", config, log)
-    consumer = procs.start("consumer", config, log)
+    holding = tmp_path / "holding"
+    victim = procs.start_python(_VICTIM, config, log, "10", str(holding))
+    consumer = None
     try:
-        assert procs.wait_for_records(state, 10, consumer, 60), procs.tail(log)
-        consumer.kill()
-        consumer.wait(procs.WAIT_S)
+        assert procs.wait_for_file(holding, victim, 60), procs.tail(log)
+        victim.kill()
+        victim.wait(procs.WAIT_S)
         stale = sorted(p.name for p in shm_dir.iterdir())
-        assert stale and all(n.startswith(f"melfeed-{consumer.pid}-") for n in stale)
+        assert stale and all(n.startswith(f"melfeed-{victim.pid}-") for n in stale)
         consumer = procs.start("consumer", config, log)
         assert consumer.wait(90) == 0, procs.tail(log)
     finally:
-        procs.stop(consumer)
-        procs.stop(producers)
+        for proc in (victim, consumer, producers):
+            if proc is not None:
+                procs.stop(proc)
     assert list(shm_dir.iterdir()) == []                 # the stale files went at start, the new ones at exit
     assert "removed %d stale shared-memory slot files" % len(stale) in log.read_text()
     assert procs.audit_records(state) == 40
