@@ -131,11 +131,16 @@ def _stopped_in_sleep(pid: int) -> bool:
     return False
 
 
+# Steps: about 10 are applied by the SIGCONT (5, then 2 s with one producer); the rest (>= 20 x 150 ms) is the
+# time the thawed producer has to deliver its late BATCH (sent as its delay ends, <= 300 ms) to a running consumer.
+_FENCED_STEPS = 40
+
+
 def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/c.sock", state, 60,
+    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/c.sock", state, _FENCED_STEPS,
                                 transport={"mode": "shm", "shm_dir": str(shm_dir)}, producer={"count": 2})
     log = tmp_path / "run.log"
     summary = tmp_path / "summary.json"
@@ -162,7 +167,7 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
         procs.stop(producers)
     rc, doc, text = procs.run_audit(state, tmp_path)
     assert rc == 0 and (doc["lost"], doc["duplicated"], doc["out_of_order"], doc["wrong_content"]) == (0, 0, 0, 0), text
-    assert doc["content_checked"] and doc["applied"] == 60 == doc["expected"], text
+    assert doc["content_checked"] and doc["applied"] == _FENCED_STEPS == doc["expected"], text
     out = json.loads(summary.read_text())
     assert out["rejects"].get(RejectCode.UNKNOWN_PEER, 0) >= 1, out["rejects"]   # the late BATCH, fenced
     assert out["payload_copies_per_batch"] == 1.0
