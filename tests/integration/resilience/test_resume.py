@@ -75,11 +75,25 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
         assert np.array_equal(a[name], b[name]), name
 
 
+# The consumer holding the state directory: its lock and run.json as the consumer CLI takes them (RunState.open,
+# before it imports TensorFlow), held until SIGTERM, in a process that never imports TensorFlow (the CLI's would
+# go on importing it for seconds after the refusals were checked).
+_HOLDER = """\
+import sys, threading
+from consumer.resume.state import RunState
+from shared.cache.features import load_manifest_for
+from shared.config_loader import load_config
+cfg = load_config(sys.argv[1])
+state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
+threading.Event().wait(60)     # stopped long before
+"""
+
+
 def test_a_state_dir_in_use_or_from_another_plan_is_refused_with_one_line(demo_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "refuse.log"
     endpoint = f"ipc://{tmp_path}/x.sock"
     config = procs.write_config(tmp_path / "c.yaml", demo_cache, endpoint, tmp_path / "s", 10_000)
-    holder = _consumer_run(config, log)
+    holder = procs.start_python(_HOLDER, config, log)
     try:
         assert procs.wait_for_file(tmp_path / "s" / "run.json", holder, 60), procs.tail(log)
         other = procs.write_config(tmp_path / "o.yaml", demo_cache, f"ipc://{tmp_path}/y.sock", tmp_path / "s", 5)
