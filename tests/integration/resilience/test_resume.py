@@ -2,7 +2,7 @@
 ends with the same variables as a run that was never interrupted (nothing lost or repeated).
 Producers keep running across the consumer restart. A cache gone bad mid-run stops the run the same
 orderly way (exit 65) and it resumes once fixed. (TensorFlow is imported here first, also so that the
-in-process run's placement sets no TF_XLA_FLAGS for later tests.)"""
+in-process runs' placement sets no TF_XLA_FLAGS for later tests.)"""
 
 from __future__ import annotations
 
@@ -35,7 +35,10 @@ def _consumer_run(config: Path, log: Path, *extra: str) -> subprocess.Popen[byte
 
 
 def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrupted_run(
-        demo_cache: Path, tmp_path: Path) -> None:
+        demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import run_pipeline
+
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
     log = tmp_path / "resume.log"
     endpoint = f"ipc://{tmp_path}/r.sock"
     straight = procs.write_config(tmp_path / "straight.yaml", demo_cache, endpoint, tmp_path / "a", _STEPS,
@@ -50,7 +53,8 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
         return consumers[-1]
 
     try:
-        assert consumer(straight).wait(180) == 0, procs.tail(log)
+        # The uninterrupted reference: the `consumer` command in this process, which imported TensorFlow already.
+        assert run_pipeline.main(["consumer", "--config", str(straight)]) == 0, procs.tail(log)
 
         first = consumer(broken, "--summary-json", str(tmp_path / "first.json"))
         assert procs.wait_for_records(tmp_path / "b", 30, first, 180), procs.tail(log)
