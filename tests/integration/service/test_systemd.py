@@ -45,7 +45,10 @@ def _test_dropins(units: Path) -> None:
     """
     under_tmp = any(str(p).startswith("/tmp/") for p in (procs.REPO, Path(sys.prefix)))
     private_tmp = "PrivateTmp=no\nReadWritePaths=/tmp\n" if under_tmp else ""   # TF wants a writable tempdir
-    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=8\nTimeoutAbortSec=2\n" + private_tmp),
+    # WatchdogSec: armed once start-up completed (READY), so it bounds only the running loop, which pings every half
+    # period as long as a step or a consumer.wait_timeout_s (0.5 s here) passes. TimeoutAbortSec: the watchdog's
+    # SIGABRT cannot end a SIGSTOPped process; SIGKILL follows it.
+    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=5\nTimeoutAbortSec=1\n" + private_tmp),
                              ("producer@.service", "producers.log", private_tmp)):
         d = units / f"{unit}.d"
         d.mkdir(exist_ok=True)
