@@ -23,6 +23,9 @@ __all__ = ["SystemdNS", "INSIDE"]
 INSIDE = Path("/srv/melfeed")       # where the test's directory appears inside the namespaces
 _STUBS = ("sysinit.target", "basic.target", "shutdown.target", "umount.target", "final.target",
           "local-fs.target", "network.target", "multi-user.target", "system.slice")
+# The targets systemd-exit.service requires: with the default dependencies a stub would conflict with
+# shutdown.target, `systemctl exit` would fail its transaction and close() would wait out its bound.
+_EXIT_STUBS = ("shutdown.target", "umount.target", "final.target")
 _SYSTEMD = "/lib/systemd/systemd"
 
 
@@ -36,6 +39,7 @@ class SystemdNS:
         self.name = f"melfeed-test-{os.getpid()}-{time.monotonic_ns()}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None        # systemd's pid as seen from outside
+        self.exit_refused: str | None = None   # set by close(): why systemd did not exit when asked
 
     @staticmethod
     def unavailable() -> str | None:
@@ -54,7 +58,8 @@ class SystemdNS:
 
     def add_stub_units(self) -> None:
         for name in _STUBS:
-            (self.units / name).write_text("[Unit]\nDescription=stub\n")
+            no_defaults = "DefaultDependencies=no\n" if name in _EXIT_STUBS else ""
+            (self.units / name).write_text(f"[Unit]\nDescription=stub\n{no_defaults}")
         for name in ("exit.target", "systemd-exit.service"):
             shutil.copy(f"/lib/systemd/system/{name}", self.units / name)
 
@@ -135,14 +140,21 @@ class SystemdNS:
                          for p in sorted(self.workdir.glob("*.log")))
 
     def close(self) -> None:
-        """``systemctl exit``, bounded wait, then kill and remove our cgroups. Idempotent."""
+        """``systemctl exit``, bounded wait, then kill and remove our cgroups. Idempotent.
+
+        ``exit_refused`` keeps why systemd did not exit when asked (None: it did), so that a test can
+        assert the orderly exit: a refused one costs the whole 30 s wait before the kill.
+        """
         if self.proc is not None and self.proc.poll() is None:
             if self.pid:
-                subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", "exit", "0"],
-                               capture_output=True, timeout=30)
+                run = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", "exit", "0"],
+                                     capture_output=True, text=True, timeout=30)
+                if run.returncode != 0:
+                    self.exit_refused = f"systemctl exit: {run.returncode} {run.stderr.strip()}"
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
+                self.exit_refused = self.exit_refused or "systemd still running 30 s after systemctl exit"
                 if self.pid:
                     os.kill(self.pid, 9)
                 self.proc.wait(10)

@@ -2,7 +2,7 @@
 ends with the same variables as a run that was never interrupted (nothing lost or repeated).
 Producers keep running across the consumer restart. A cache gone bad mid-run stops the run the same
 orderly way (exit 65) and it resumes once fixed. (TensorFlow is imported here first, also so that the
-in-process run's placement sets no TF_XLA_FLAGS for later tests.)"""
+in-process runs' placement sets no TF_XLA_FLAGS for later tests.)"""
 
 from __future__ import annotations
 
@@ -35,7 +35,10 @@ def _consumer_run(config: Path, log: Path, *extra: str) -> subprocess.Popen[byte
 
 
 def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrupted_run(
-        demo_cache: Path, tmp_path: Path) -> None:
+        demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import run_pipeline
+
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
     log = tmp_path / "resume.log"
     endpoint = f"ipc://{tmp_path}/r.sock"
     straight = procs.write_config(tmp_path / "straight.yaml", demo_cache, endpoint, tmp_path / "a", _STEPS,
@@ -50,7 +53,8 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
         return consumers[-1]
 
     try:
-        assert consumer(straight).wait(180) == 0, procs.tail(log)
+        # The uninterrupted reference: the `consumer` command in this process, which imported TensorFlow already.
+        assert run_pipeline.main(["consumer", "--config", str(straight)]) == 0, procs.tail(log)
 
         first = consumer(broken, "--summary-json", str(tmp_path / "first.json"))
         assert procs.wait_for_records(tmp_path / "b", 30, first, 180), procs.tail(log)
@@ -75,11 +79,25 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
         assert np.array_equal(a[name], b[name]), name
 
 
+# The consumer holding the state directory: its lock and run.json as the consumer CLI takes them (RunState.open,
+# before it imports TensorFlow), held until SIGTERM, in a process that never imports TensorFlow (the CLI's would
+# go on importing it for seconds after the refusals were checked).
+_HOLDER = """\
+import sys, threading
+from consumer.resume.state import RunState
+from shared.cache.features import load_manifest_for
+from shared.config_loader import load_config
+cfg = load_config(sys.argv[1])
+state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
+threading.Event().wait(60)     # stopped long before
+"""
+
+
 def test_a_state_dir_in_use_or_from_another_plan_is_refused_with_one_line(demo_cache: Path, tmp_path: Path) -> None:
     log = tmp_path / "refuse.log"
     endpoint = f"ipc://{tmp_path}/x.sock"
     config = procs.write_config(tmp_path / "c.yaml", demo_cache, endpoint, tmp_path / "s", 10_000)
-    holder = _consumer_run(config, log)
+    holder = procs.start_python(_HOLDER, config, log)
     try:
         assert procs.wait_for_file(tmp_path / "s" / "run.json", holder, 60), procs.tail(log)
         other = procs.write_config(tmp_path / "o.yaml", demo_cache, f"ipc://{tmp_path}/y.sock", tmp_path / "s", 5)

@@ -16,8 +16,8 @@ import yaml
 from tests import procs
 from tests.job_procs import free_ports
 
-_STEPS = 30
-_DELAY_MS = "250"    # per batch: the run lasts >= 7.5 s, long enough to ask both ranks' `status` while they train
+_STEPS = 20
+_DELAY_MS = "250"    # per batch: the run lasts >= 5 s, long enough to ask both ranks' `status` (~0.5 s) while they train
 
 
 def _logs(tmp_path: Path) -> str:

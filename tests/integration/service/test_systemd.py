@@ -45,7 +45,10 @@ def _test_dropins(units: Path) -> None:
     """
     under_tmp = any(str(p).startswith("/tmp/") for p in (procs.REPO, Path(sys.prefix)))
     private_tmp = "PrivateTmp=no\nReadWritePaths=/tmp\n" if under_tmp else ""   # TF wants a writable tempdir
-    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=8\nTimeoutAbortSec=2\n" + private_tmp),
+    # WatchdogSec: armed once start-up completed (READY), so it bounds only the running loop, which pings every half
+    # period as long as a step or a consumer.wait_timeout_s (0.5 s here) passes. TimeoutAbortSec: the watchdog's
+    # SIGABRT cannot end a SIGSTOPped process; SIGKILL follows it.
+    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=5\nTimeoutAbortSec=1\n" + private_tmp),
                              ("producer@.service", "producers.log", private_tmp)):
         d = units / f"{unit}.d"
         d.mkdir(exist_ok=True)
@@ -118,6 +121,7 @@ def test_pipeline_target_lifecycle_under_real_systemd(demo_cache: Path, tmp_path
                               "ActiveExitTimestampMonotonic") for u in names}
     finally:
         ns.close()
+    assert ns.exit_refused is None, ns.exit_refused          # an orderly exit, not the 30 s wait and a kill
     for unit, props in stopped.items():
         assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == ("inactive", "success", "0"), \
             (unit, props)

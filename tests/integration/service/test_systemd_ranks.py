@@ -75,6 +75,7 @@ def test_two_ranks_units_run_side_by_side_under_real_systemd(demo_cache: Path, t
         ns.systemctl("stop", "pipeline-rank0.target", "pipeline-rank1.target", timeout_s=120)
     finally:
         ns.close()
+    assert ns.exit_refused is None, ns.exit_refused          # an orderly exit, not the 30 s wait and a kill
     assert "/run/melfeed-rank0:" in sockets and "/run/melfeed-rank1:" in sockets, sockets
     audit = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", str(work / "state0"),
                             str(work / "state1")], capture_output=True, text=True, timeout=60)

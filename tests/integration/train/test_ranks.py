@@ -15,7 +15,7 @@ from pathlib import Path
 from tests import job_procs
 from tests.conftest import REPO
 
-_STEPS = 100
+_STEPS = 50          # the loss of the last 10 is ~0.43 of the first 10's (a fixed plan): far below the 0.8 bound
 _TIMEOUT_S = 300.0   # two TensorFlow processes on a loaded 2-core machine; a real hang only
 
 
@@ -80,10 +80,10 @@ def test_a_rank_whose_peers_never_join_ends_after_the_bound(demo_cache: Path, tm
     import yaml
     job = job_procs.Job(tmp_path, demo_cache, _STEPS)
     cfg = yaml.safe_load(job.config(0).read_text())
-    cfg["consumer"].update(peer_timeout_s=2.0, collective_timeout_s=2.0)
+    cfg["consumer"].update(peer_timeout_s=1.0, collective_timeout_s=1.0)     # the least; then a 10 s grace
     job.config(0).write_text(yaml.safe_dump(cfg))
     alone = job.start(0)                                    # rank 1 never starts
     assert alone.wait(_TIMEOUT_S) == 1, job.tails()
     text = job.log(0).read_text(errors="replace")
-    assert "waiting at most 12 s for every rank (consumer.collective_timeout_s), then this process ends" in text
+    assert "waiting at most 11 s for every rank (consumer.collective_timeout_s), then this process ends" in text
     assert not (job.state(0) / "run.json").exists()        # it ended before opening the state directory

@@ -166,30 +166,22 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_runs_on_cpu(tmp_path: Path) -> None:
-    """The real order: no TF at first, the env set, then TF imported (memory settings a no-op on CPU)."""
+def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_the_real_import_then_refuses_a_change(
+        tmp_path: Path) -> None:
+    """The real order: no TF at first, the env set, then TF imported (memory settings a no-op on CPU). Then, the real
+    TensorFlow being imported, the same model_gpu is fine and one that would change the visible GPUs is refused
+    (one fresh process for both: its TensorFlow import is most of the cost)."""
     code = ("import os, sys\n"
             "from shared.config_loader import config_from_mapping\n"
-            "from consumer.placement import prepare_tensorflow, XLA_CACHE_FLAG\n"
+            "from shared.errors import ConfigError\n"
+            "from consumer.placement import apply_placement, prepare_tensorflow, XLA_CACHE_FLAG\n"
             "assert 'tensorflow' not in sys.modules\n"
             f"cfg = config_from_mapping({{'consumer': {{'model_gpu': '', 'xla_cache_dir': {str(tmp_path)!r}}}}})\n"
             "prepare_tensorflow(cfg)\n"
             "import tensorflow as tf\n"
             "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and XLA_CACHE_FLAG in os.environ['TF_XLA_FLAGS']\n"
             "assert tf.config.list_physical_devices('GPU') == []\n"
-            "print(tf.constant(1.0).device)\n")
-    proc = _fresh_python(code)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().endswith("device:CPU:0")
-
-
-def test_a_real_tensorflow_imported_first_is_refused_when_model_gpu_would_change_it() -> None:
-    code = ("import os\n"
-            "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n"
-            "import tensorflow\n"
-            "from shared.config_loader import config_from_mapping\n"
-            "from consumer.placement import apply_placement\n"
-            "from shared.errors import ConfigError\n"
+            "print(tf.constant(1.0).device)\n"
             "apply_placement(config_from_mapping({'consumer': {'model_gpu': ''}}))\n"   # same: fine
             "try:\n"
             "    apply_placement(config_from_mapping({'consumer': {'model_gpu': '1'}}))\n"
@@ -197,4 +189,7 @@ def test_a_real_tensorflow_imported_first_is_refused_when_model_gpu_would_change
             "    print(err)\n")
     proc = _fresh_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("consumer.model_gpu: TensorFlow was imported before it could be applied")
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[0].endswith("device:CPU:0"), proc.stdout                      # TensorFlow on the CPU
+    assert lines[1:] == [lines[-1]] and lines[-1].startswith(                            # the refusal, alone
+        "consumer.model_gpu: TensorFlow was imported before it could be applied"), proc.stdout

@@ -4,6 +4,9 @@ consumer, by ``SessionConfig.exit_at_plan_end``. Decoded messages and a fake clo
 from __future__ import annotations
 
 import dataclasses
+import logging
+
+import pytest
 
 from producer.session import ProducerSession, SessionConfig
 from shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters, Welcome
@@ -58,6 +61,25 @@ def test_without_it_the_session_says_bye_and_waits_for_the_next_consumer() -> No
     s.on_message(LeaseGrant(8, [Lease(0, 0, [5], 5.0)], 1), clock())
     order = s.next_build(clock())
     assert order is not None and (order.epoch, order.lease.batch_id) == (8, 0)
+
+
+def test_waiting_for_the_next_consumer_warns_once_after_ten_silent_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    """What a producer started by hand logs while it waits: the finished consumer still answers a HELLO, then it
+    is gone; ten seconds of silence after its last answer, one warning naming the endpoint, and no more."""
+    clock = FakeClock(100.0)
+    s = _joined_with_leases(WAIT_CFG, clock)
+    s.on_message(DONE, clock())
+    _next_hello(s, clock)
+    s.on_message(Welcome(7, 2, HB_S, False), clock())          # still up (checkpointing): its last answer
+    answered_s = clock()
+    with caplog.at_level(logging.WARNING, logger="producer.session"):
+        while clock() < answered_s + 9.9:                         # then nobody answers
+            s.on_turn(clock.advance(0.1))
+        assert caplog.records == []
+        for _ in range(300):
+            s.on_turn(clock.advance(0.1))
+    assert [r.getMessage() for r in caplog.records] == [
+        "no consumer answered at ipc:///run/melfeed/sock for 10 s; still waiting"]
 
 
 def test_the_finished_consumer_is_never_joined_again_and_the_back_off_goes_on() -> None:
