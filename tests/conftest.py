@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,19 @@ def _reap_started_processes() -> Iterator[None]:
     yield
     from tests import procs
     procs.reap_started()
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short private directory per test (``/tmp/mf-XXXXXXXX``) in place of pytest's own, whose path grows
+    with its run counter: tests use it as XDG_RUNTIME_DIR (tests/procs.py), and the unix socket paths under
+    it (``melfeed/melfeed-rank1.control.sock``) must stay below the 107 bytes a socket path may have
+    however many runs the machine has seen. Removed after the test's processes are reaped."""
+    path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
+    yield path
+    from tests import procs
+    procs.reap_started()
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
