@@ -25,17 +25,19 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from consumer.feed import Consumer
+from consumer.job.agree import job_settings
 from consumer.job.cluster import Job, start_job
 from consumer.placement import apply_placement, configure_memory
 from consumer.resume.state import RunState
 from consumer.observe.telemetry import Telemetry
 from consumer.train.loop import train
 from shared.service.cli import config_from_args, with_demo_cache
+from shared.cache.manifest import Manifest
 from shared.config import PipelineConfig
 from shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
 from shared.config_loader import config_to_mapping, with_overrides
@@ -135,17 +137,15 @@ def worker_place(args: argparse.Namespace) -> WorkerPlace:
 
 @contextmanager
 def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = None) -> Iterator[RunState | None]:
-    """The state directory's lock, audit log and resume cursor for the whole run; in a multi-worker job the
-    checkpoint every rank agreed on (a collective: each rank calls ``job.agree`` once, with or without state)."""
-    from shared.cache.features import load_manifest_for
-    if cfg.cache_dir is None:
-        raise ConfigError("is required", path=("cache_dir",))
-    if place.is_multi_worker and cfg.consumer.state_dir is not None and cfg.consumer.keep_checkpoints < 2:
-        raise ConfigError(f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
-                          "the ranks may be one commit apart, and the one before must still be on every rank",
-                          path=("consumer", "keep_checkpoints"), got=cfg.consumer.keep_checkpoints)
-    manifest = load_manifest_for(cfg)   # the built-in loop trains cfg.model: token ids checked against its vocab_size
-    state = RunState.open(cfg, manifest.fingerprint, rank=place.rank, world=place.world)
+    """The state directory's lock, audit log and resume cursor for the whole run. In a multi-worker job two
+    collectives first (every rank calls each once, also a rank that cannot start, so the others stop with it):
+    the ranks' settings must be the same, then the checkpoint every rank resumes from (``consumer/job/agree.py``)."""
+    with _stopping_the_job(job.check_settings if job is not None else None):
+        manifest = _manifest_for_rank(cfg, place)
+    if job is not None:
+        job.check_settings(job_settings(cfg, manifest.fingerprint))
+    with _stopping_the_job(job.agree if job is not None else None):
+        state = RunState.open(cfg, manifest.fingerprint, rank=place.rank, world=place.world)
     try:
         if job is not None:
             _agree(job, state)
@@ -153,6 +153,30 @@ def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = Non
     finally:
         if state is not None:
             state.close()
+
+
+def _manifest_for_rank(cfg: PipelineConfig, place: WorkerPlace) -> Manifest:
+    from shared.cache.features import load_manifest_for
+    if cfg.cache_dir is None:
+        raise ConfigError("is required", path=("cache_dir",))
+    if place.is_multi_worker and cfg.consumer.state_dir is not None and cfg.consumer.keep_checkpoints < 2:
+        raise ConfigError(f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
+                          "the ranks may be one commit apart, and the one before must still be on every rank",
+                          path=("consumer", "keep_checkpoints"), got=cfg.consumer.keep_checkpoints)
+    return load_manifest_for(cfg)   # the built-in loop trains cfg.model: token ids checked against its vocab_size
+
+
+@contextmanager
+def _stopping_the_job(collective: Callable[[None], object] | None) -> Iterator[None]:
+    """A rank of a job that cannot start still joins the job's next ``collective`` with ``None`` (it refuses), so
+    the other ranks stop with it (exit 78 everywhere) instead of waiting for it until they give up (75)."""
+    try:
+        yield
+    except PipelineError:
+        if collective is not None:
+            with suppress(PipelineError):    # this rank's own error is the one to report
+                collective(None)
+        raise
 
 
 def _agree(job: Job, state: RunState | None) -> None:

@@ -119,6 +119,9 @@ class RankPlan(EpochPlan):
         self.world = world
         self.leftovers = leftovers
         steps, self.dropped_samples_per_epoch = self._sharded(0)
+        if not steps and leftovers == "drop":
+            raise ValueError(f"no global step can be filled: one takes {world} full batches of one bucket (one per "
+                             "rank, none made smaller), and no bucket fills that many")
         if not steps:
             raise ValueError(f"no global step can be filled: every bucket holds fewer utterances than the "
                              f"{world} ranks")
@@ -175,5 +178,6 @@ def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0
                  "left out (bucket leftovers smaller than the world)", rank, world, plan.batches_per_epoch,
                  world, plan.dropped_samples_per_epoch)
         return plan
-    except ValueError as err:
-        raise ConfigError(f"rank {rank} of {world}: {err}", path=("TF_CONFIG",)) from None
+    except ValueError as err:   # "drop": the bucket sizes decide as much as the world does
+        raise ConfigError(f"rank {rank} of {world}: {err}", path=("buckets", "partial") if partial == "drop" else
+                          ("TF_CONFIG",), got=partial if partial == "drop" else None) from None

@@ -32,21 +32,26 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import re
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from consumer.job.agree import OFFER_WIDTH, common_step, offer_row
+from consumer.job.agree import common_step, offer_row, refused_ranks, settings_mismatch, settings_row
 from shared.config import PipelineConfig
-from shared.errors import JobLostError, StepError
+from shared.errors import ConfigError, JobLostError, StepError
 from shared.service.tf_config import WorkerPlace
 
-__all__ = ["Job", "lost_contact_error", "start_job"]
+__all__ = ["Job", "lost_contact_error", "server_error", "start_job"]
 
 log = logging.getLogger(__name__)
 
 _MAX_WHY_CHARS = 300
 _JOIN_GRACE_S = 10.0    # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
+_NO_SERVER = "Could not start gRPC server"   # TensorFlow's UnknownError when its port cannot be bound
+_FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")   # an eager op's name before its reason
 
 
 class Job:
@@ -57,6 +62,8 @@ class Job:
         self.strategy = strategy
         self.peer_timeout_s = cfg.consumer.peer_timeout_s
         self.collective_timeout_s = cfg.consumer.collective_timeout_s
+        self._waiting_for: int | None = None      # the batch this rank's loop is starved of (check_waiting)
+        self._waiting_since_s = 0.0
 
     @property
     def rank(self) -> int:
@@ -66,31 +73,79 @@ class Job:
     def world(self) -> int:
         return self.place.world
 
-    def agree(self, committed: Sequence[int]) -> int | None:
+    def check_settings(self, settings: Mapping[str, object] | None) -> None:
+        """Stop every rank unless every rank offers the same ``settings`` (``consumer/job/agree.py``).
+
+        A collective (every rank calls it once, before ``agree``); ``None``: this rank cannot start (it raises
+        its own error after this call) and the others stop with it.
+
+        Raises:
+            ConfigError: some rank's settings differ, or some rank cannot start (the same line on every rank).
+            JobLostError: a peer is gone.
+        """
+        rows = self._gather_rows(settings_row(settings), "comparing the ranks' settings")
+        self._refuse_with(refused_ranks(rows), "its cache or config")
+        problem = settings_mismatch(rows, settings) if settings is not None else None
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def agree(self, committed: Sequence[int] | None) -> int | None:
         """The step every rank resumes from: the newest that all committed (None: none has any).
 
-        A collective (``strategy.gather`` of each rank's ``offer_row``): every rank must call it.
+        A collective (``strategy.gather`` of each rank's ``offer_row``): every rank must call it. ``committed``
+        ``None``: this rank cannot use its state directory (it raises its own error after this call).
 
         Raises:
             LookupError: some rank has checkpoints but no step is on every rank (the caller words it).
+            ConfigError: some rank cannot use its state directory (the same line on every rank).
             JobLostError: a peer is gone.
         """
+        rows = self._gather_rows(offer_row(committed), "agreeing on the checkpoint to resume from")
+        self._refuse_with(refused_ranks(rows), "its state directory")
+        step = common_step(rows)
+        log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
+                 f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
+        return step
+
+    def _refuse_with(self, refused: list[int], what: str) -> None:
+        others = [rank for rank in refused if rank != self.rank]
+        if others:
+            who = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
+            raise ConfigError(f"{who} of the job refused to start ({what}; the log of {who} says why): "
+                              f"rank {self.rank} stops too; fix {who}, then start every rank again")
+
+    def _gather_rows(self, row: list[int], doing: str) -> list[list[int]]:
+        """Every rank's ``row`` (index = rank), gathered over the job: one collective."""
         import tensorflow as tf
-        row = offer_row(committed)
         strategy = self.strategy
 
         @tf.function   # eagerly, the strategy warns that its collectives are slow there
         def gather(offer: tf.Tensor) -> tf.Tensor:
             return strategy.gather(strategy.run(lambda: tf.identity(offer)), axis=0)
 
-        with self.guard("agreeing on the checkpoint to resume from"):
-            gathered = gather(tf.constant([row], tf.int64)).numpy().reshape(-1, OFFER_WIDTH)
+        with self.guard(doing):
+            gathered = gather(tf.constant([row], tf.int64)).numpy().reshape(-1, len(row))
         local = len(self.strategy.extended.worker_devices)   # each local replica offered the same row
-        rows = [list(map(int, r)) for r in gathered[::local]]
-        step = common_step(rows)
-        log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
-                 f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
-        return step
+        return [list(map(int, r)) for r in gathered[::local]]
+
+    def check_waiting(self, batch_id: int, producers_alive: int, now_s: float | None = None) -> None:
+        """Called by the loop after every bounded wait in which batch ``batch_id`` did not come.
+
+        The other ranks cannot step without this one: once this rank has waited for one batch longer than
+        ``consumer.collective_timeout_s``, they have given up waiting for it in their collective. Waiting on
+        would hold a process of a job that is gone, and the restarted ranks could not form a new job.
+
+        Raises:
+            JobLostError: this rank has waited for ``batch_id`` longer than ``consumer.collective_timeout_s``.
+        """
+        now_s = time.monotonic() if now_s is None else now_s
+        if batch_id != self._waiting_for:
+            self._waiting_for, self._waiting_since_s = batch_id, now_s
+        elif now_s - self._waiting_since_s > self.collective_timeout_s:
+            raise JobLostError(self.rank, f"training: no batch {batch_id} from this rank's producers (alive: "
+                                          f"{producers_alive}) for {now_s - self._waiting_since_s:.0f} s "
+                                          "(consumer.collective_timeout_s), so the other ranks, which cannot step "
+                                          "without this one, have given up")
 
     @contextmanager
     def guard(self, doing: str) -> Iterator[None]:
@@ -98,8 +153,10 @@ class Job:
         try:
             yield
         except Exception as err:
-            # a failed step is a StepError around TensorFlow's error (consumer/train/handoff.py): judge that one
-            cause = err.__cause__ if isinstance(err, StepError) and err.__cause__ is not None else err
+            # a failed step is a StepError around TensorFlow's error (consumer/train/handoff.py), a factory whose
+            # variables could not be broadcast a ConfigError naming model.step (consumer/train/step.py): judge that one
+            wrapped = isinstance(err, (StepError, ConfigError))
+            cause = err.__cause__ if wrapped and err.__cause__ is not None else err
             lost = lost_contact_error(cause, self.rank, doing)
             if lost is None:
                 raise
@@ -113,15 +170,38 @@ def lost_contact_error(err: BaseException, rank: int, doing: str) -> JobLostErro
                   tf.errors.CancelledError)
     if not isinstance(err, lost_types):
         return None
-    text = getattr(err, "message", str(err))
+    text = _FUNCTION_NODE.sub("", getattr(err, "message", str(err)))
     # TensorFlow's text: "Graph execution error:", "Detected at node ...", the Python frames that defined the
-    # op (indented), the reason (not indented, a few lines), then "\t [[{{node ...}}]]".
+    # op (indented), the reason (not indented, a few lines), then "\t [[{{node ...}}]]"; an eager op's reason
+    # starts with "{{function_node NAME}}".
     reason = [line for line in text.splitlines() if line.strip() and line == line.lstrip()
               and not line.startswith(("Graph execution error", "Detected at"))]
     why = " ".join(reason[:2]) or type(err).__name__
     if len(why) > _MAX_WHY_CHARS:
         why = why[:_MAX_WHY_CHARS - 3] + "..."
     return JobLostError(rank, f"{doing}: {why}")
+
+
+def server_error(err: BaseException, place: WorkerPlace) -> ConfigError | None:
+    """One line for TensorFlow's "Could not start gRPC server": nothing can listen on this rank's own address
+    (a port in use: the same task started twice on one host, a process left from an earlier run, another
+    program); None for other errors."""
+    if _NO_SERVER not in getattr(err, "message", str(err)):
+        return None
+    address = place.cluster[place.task_type][place.task_index]
+    port = int(address.rpartition(":")[2])
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC binds its port
+        probe.bind(("", port))
+        why = f"TensorFlow could not start its server on port {port} (free now: was it taken for a moment?)"
+    except OSError as bind_err:
+        why = (f"port {port}: {bind_err.strerror} (is this task started twice on this host, a process of an earlier "
+               "run still alive, or another program on that port?)")
+    finally:
+        probe.close()
+    return ConfigError(f"cluster.{place.task_type}[{place.task_index}] {address} is this rank's address, where its "
+                       f"TensorFlow server listens, but {why}", path=(place.source,))
 
 
 def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
@@ -132,7 +212,8 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     collective timeout; this waits until every rank has joined, at most ``consumer.collective_timeout_s``.
 
     Raises:
-        ConfigError: ``consumer.replicas`` asks for more than one CPU replica per worker.
+        ConfigError: ``consumer.replicas`` asks for more than one CPU replica per worker, or this rank's
+            TF_CONFIG address cannot be listened on (its port in use).
         JobLostError: the ranks did not all join in time.
     """
     if not place.is_multi_worker:
@@ -169,7 +250,7 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                              communication_options=options)
     except Exception as err:     # the coordination service reports a join timeout in several types
-        lost = lost_contact_error(err, place.rank, "joining the job")
+        lost = lost_contact_error(err, place.rank, "joining the job") or server_error(err, place)
         if lost is None:
             raise
         raise lost from err

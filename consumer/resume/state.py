@@ -253,8 +253,9 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int
                                        f"{identity[key]!r}; use a new consumer.state_dir or the original config")
         old_place = (old.get("rank", _RANK_DEFAULTS["rank"]), old.get("world", _RANK_DEFAULTS["world"]))
         if old_place != (rank, world):
+            given = "from TF_CONFIG or --tf-config" if world > 1 else "no TF_CONFIG cluster: a single consumer"
             raise StateError(path, f"this state belongs to rank {old_place[0]} of {old_place[1]}, this consumer is "
-                                   f"rank {rank} of {world} (TF_CONFIG); give each rank its own consumer.state_dir "
+                                   f"rank {rank} of {world} ({given}); give each rank its own consumer.state_dir "
                                    "and keep the world size of the job")
         if old.get("cache_dir") != identity["cache_dir"]:
             log.info("cache moved from %s to %s (same fingerprint)", old.get("cache_dir"), identity["cache_dir"])

@@ -189,6 +189,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                    f"starting at batch {consumer.next_apply}")
 
     def on_wait(producers_alive: int) -> None:
+        if job is not None:
+            job.check_waiting(consumer.next_apply, producers_alive)   # starved past the others' bound: 75
         notifier.watchdog()
         notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
                         f"producers alive {producers_alive}")

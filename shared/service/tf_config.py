@@ -136,6 +136,8 @@ def _check_address(address: object, kind: str, fail: _Fail) -> None:
     if not isinstance(address, str):
         raise fail(f"cluster.{kind}: every address must be a host:port string", got=address)
     host, _, port = address.rpartition(":")
+    if address != "".join(address.split()):     # " host:2222": TensorFlow would dial a host that is no host
+        raise fail(f"cluster.{kind}: an address must not hold spaces", got=address)
     if not host or not port.isdigit() or not 1 <= int(port) <= _MAX_PORT:
         raise fail(f"cluster.{kind}: address must be host:port with a port 1..{_MAX_PORT}", got=address)
 

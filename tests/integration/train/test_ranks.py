@@ -87,3 +87,24 @@ def test_a_rank_whose_peers_never_join_ends_after_the_bound(demo_cache: Path, tm
     text = job.log(0).read_text(errors="replace")
     assert "waiting at most 11 s for every rank (consumer.collective_timeout_s), then this process ends" in text
     assert not (job.state(0) / "run.json").exists()        # it ended before opening the state directory
+
+
+def test_ranks_whose_plans_differ_all_stop_before_touching_their_state_naming_the_key(
+        demo_cache: Path, tmp_path: Path) -> None:
+    """Ranks with different seeds would apply overlapping shares of different plans (samples lost and repeated,
+    every rank exiting 0): the ranks compare their settings in one collective and all stop with the same verdict."""
+    import yaml
+    job = job_procs.Job(tmp_path, demo_cache, _STEPS)
+    cfg = yaml.safe_load(job.config(1).read_text())
+    cfg["seed"] = 7
+    job.config(1).write_text(yaml.safe_dump(cfg))
+    ranks = job.start_all()
+    for rank, proc in enumerate(ranks):
+        assert proc.wait(_TIMEOUT_S) == 78, job.tails()
+        line = [x for x in job.log(rank).read_text(errors="replace").splitlines() if "differ in" in x]
+        here = 7 if rank else 0
+        assert line == [f"run_pipeline.py run: the ranks of this job differ in seed (rank 1 differs from rank 0; "
+                        f"here: {here}): every rank must train the same plan and model with the same cache, seed, "
+                        "n_mels, buckets, model, consumer.steps, checkpoint_every_steps and feed_efficiency_steps"], \
+            job.tails()
+        assert not (job.state(rank) / "run.json").exists()      # stopped before opening its state directory

@@ -126,3 +126,7 @@ def test_bad_rank_or_a_world_larger_than_every_bucket_is_refused() -> None:
         RankPlan(bs, _FINGERPRINT, 0, rank=2, world=2)
     with pytest.raises(ConfigError, match="^TF_CONFIG: rank 0 of 64: no global step can be filled"):
         plan_for_rank(bs, _FINGERPRINT, 0, 0, 64)
+    # "drop" makes no batch smaller than its bucket: the bucket sizes are as much to blame as the world
+    with pytest.raises(ConfigError, match="^buckets.partial: rank 1 of 8: no global step can be filled: one takes 8 "
+                                          "full batches of one bucket"):
+        plan_for_rank(bs, _FINGERPRINT, 0, 1, 8, partial="drop")

@@ -60,6 +60,8 @@ def test_the_file_wins_over_the_environment(tmp_path: Path) -> None:
     (_tf_config(worker=["h:1", "h:1"]), "cluster.worker: h:1 is listed twice"),
     (_tf_config(worker=["h"]), "cluster.worker: address must be host:port"),
     (_tf_config(worker=["h:0"]), "address must be host:port with a port 1..65535"),
+    (_tf_config(worker=[" h:1"]), "cluster.worker: an address must not hold spaces"),
+    (_tf_config(worker=["h :1"]), "cluster.worker: an address must not hold spaces"),
     (_tf_config(worker=[7]), "every address must be a host:port string"),
     (_tf_config(worker=[]), "cluster.worker must be a non-empty list"),
     (_tf_config(worker=["h:1"], chief=["a:1", "b:1"]), "cluster.chief: at most one chief"),
