@@ -131,6 +131,8 @@ class _Handover:
             try:
                 batch = consumer.wait_next(token)
             except RuntimeError:                 # superseded while waiting: the newer iterator goes on
+                if consumer.is_current(token):   # anything else (not started) is the caller's to see
+                    raise
                 batch = None
         if batch is None:
             raise StopIteration
