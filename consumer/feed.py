@@ -72,7 +72,7 @@ class Consumer:
                  environ: Mapping[str, str] | None = None, rank: int = 0, world: int = 1) -> None:
         if check_config(cfg).cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
-        check_start_batch(start_batch)
+        start_batch = check_start_batch(start_batch)
         self.cfg = cfg
         self.manifest: Manifest = load_manifest_for(cfg, feeds_model=False)  # token ids unchecked: the model is yours
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts, cfg.n_mels,

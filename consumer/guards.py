@@ -8,6 +8,8 @@ built-ins (``TypeError``, ``ValueError``, ``RuntimeError``); nothing here has st
 
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Any
 
 from shared.config import PipelineConfig
@@ -24,16 +26,20 @@ def check_config(cfg: Any) -> PipelineConfig:
     return cfg
 
 
-def check_start_batch(start_batch: int) -> int:
-    """A plan position: an int >= 0 (the receiver would fail on its first lease otherwise)."""
-    if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
+def check_start_batch(start_batch: Any) -> int:
+    """A plan position: an integer >= 0, numpy's included (the receiver would fail on its first lease otherwise)."""
+    try:
+        position = operator.index(start_batch)
+    except TypeError:
+        position = -1
+    if isinstance(start_batch, bool) or position < 0:
         raise ValueError(f"Consumer(start_batch=...): a batch id >= 0, got {start_batch!r}")
-    return start_batch
+    return position
 
 
 def check_timeout(timeout_s: Any) -> float:
     """Seconds to wait as a float (0 or less: do not wait); ``None`` is refused: every wait is bounded."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
         raise TypeError(f"next_batch(timeout_s): seconds to wait (0 = do not wait), got {timeout_s!r}; "
                         "melfeed never waits without a bound: call it again, or loop over batches()")
     return float(timeout_s)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from consumer import Consumer
@@ -132,9 +133,13 @@ def test_arguments_a_user_gets_wrong_are_one_clear_error(feed: Consumer, demo_ca
         Consumer({"cache_dir": str(demo_cache)})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_batch"):
         Consumer(_cfg(demo_cache, endpoint), start_batch=-1)
+    resumed = Consumer(_cfg(demo_cache, endpoint), start_batch=np.int64(2))    # a position read with numpy
+    resumed.close()
+    assert resumed.next_apply == 2 and type(resumed.next_apply) is int
     with pytest.raises(TypeError, match="never waits without a bound"):
         feed.next_batch(None)  # type: ignore[arg-type]
     assert feed.next_batch(-1.0) is None           # a negative wait is no wait
+    assert feed.next_batch(np.float32(0.01)) is None
 
 
 def test_a_receiver_that_fails_while_the_loop_waits_ends_the_loop_with_its_error(
