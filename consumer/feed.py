@@ -104,8 +104,7 @@ class Consumer:
         self.wait_s_total = 0.0
         self._handout = Handout(start_batch, owner=self.epoch)
         self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
         self._lock = threading.Lock()
 
     def _wake_receiver(self) -> None:
@@ -128,14 +127,15 @@ class Consumer:
         log_bound(log, self)
 
     def close(self) -> None:
-        """Stop receiving and wake waiters. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.ring.close()
-        self._receiver.stop()
-        if self.shm is not None:
-            self.shm.close()
+        """Stop receiving and wake waiters. Idempotent, any thread: a second caller returns once it is closed."""
+        with self._lock:                # else a loop woken by another thread's close() could leave its
+            if self._closed:            # ``with`` while the endpoint is still bound
+                return
+            self._closed = True
+            self.ring.close()
+            self._receiver.stop()
+            if self.shm is not None:
+                self.shm.close()
 
     def __enter__(self) -> Consumer:
         self.start()

@@ -128,6 +128,34 @@ def test_calls_before_start_and_after_close_say_so(demo_cache: Path, endpoint: s
         assert again.next_batch(0) is None
 
 
+def test_a_loop_ended_by_another_threads_close_leaves_its_with_only_once_the_consumer_is_closed(
+        demo_cache: Path, endpoint: str) -> None:
+    feed = Consumer(_cfg(demo_cache, endpoint))
+    stopping, may_stop = threading.Event(), threading.Event()
+    stop = feed._receiver.stop
+
+    def slow_stop() -> None:
+        stopping.set()
+        may_stop.wait(10.0)
+        stop()
+
+    feed._receiver.stop = slow_stop  # type: ignore[method-assign]
+    with feed:
+        loop = feed.batches()
+        closer = threading.Thread(target=feed.close)
+        closer.start()
+        assert list(loop) == []                    # woken at once by the closing ring
+        assert stopping.wait(10.0)
+        second = threading.Thread(target=feed.close)   # what leaving ``with`` does
+        second.start()
+        second.join(0.2)
+        assert second.is_alive()                   # still bound: it waits for the first close to finish
+        may_stop.set()
+        second.join(10.0)
+        closer.join(10.0)
+    assert not second.is_alive() and feed._receiver.context is None
+
+
 def test_arguments_a_user_gets_wrong_are_one_clear_error(feed: Consumer, demo_cache: Path, endpoint: str) -> None:
     with pytest.raises(TypeError, match="config_from_mapping"):
         Consumer({"cache_dir": str(demo_cache)})  # type: ignore[arg-type]
