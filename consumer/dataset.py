@@ -131,6 +131,8 @@ class _Handover:
             try:
                 batch = consumer.wait_next(token)
             except RuntimeError:                 # superseded while waiting: the newer iterator goes on
+                if consumer.is_current(token):   # anything else (not started) is the caller's to see
+                    raise
                 batch = None
         if batch is None:
             raise StopIteration
@@ -241,9 +243,12 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
         ValueError: ``features`` is empty or names a key outside ``feature_keys(consumer)``.
     """
     allowed = feature_keys(consumer)
+    if isinstance(features, str):                # features="tokens": one key, not its letters
+        features = (features,)
     unknown = [k for k in features if k not in allowed]
     if unknown or not features:
-        raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}")
+        raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}"
+                         + (f"; unknown: {unknown}" if unknown else ""))
     keys = tuple(features)
     arrays = consumer.bucket_shapes[0]                   # the slot's arrays: base, then extras
     tables = _Tables(consumer, ["mel", *(k for k in keys if k in arrays and k != "mel")])

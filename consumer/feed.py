@@ -10,14 +10,13 @@ Owns the ring, the lease book and the receiver thread. Batches are applied stric
 (docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was applied, or again
 (first) when the iterator it was handed to was dropped before consuming it; ``consumer/handout.py``
 keeps that book and consumer/README.md ("Exactly once on the library path") states the rules. Shapes,
-schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
-ids), so nothing downstream asks the plan again. Memory bound (invariant 4): ring slots * slot bytes
-here, plus Σ lease windows * largest batch in producers (none on the shared-memory path: they build
-in the ring's slot files); logged at start.
-Transport (``transport.mode``): on an ipc:// endpoint the slots are shared-memory files
-(``consumer/transport/shm_slots.py``) unless mode is ``zmq`` or the directory is too small (one WARNING, then
-the payload path for the whole run). Shutdown: ``close()`` stops the receiver and wakes any waiter;
-idempotent; every wait is bounded by ``consumer.wait_timeout_s``.
+schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the
+``PlannedBatch`` its lease was issued for, so nothing downstream asks the plan again. Memory bound
+(invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in payload producers
+(logged at start, ``consumer/observe/startup.py``). On an ipc:// endpoint the slots are shared-memory
+files (``consumer/transport/shm_slots.py``) unless ``transport.mode`` is ``zmq`` or the directory is too small.
+Shutdown: ``close()`` stops the receiver and wakes any waiter; idempotent, and final (``start()`` after
+it raises ``ClosedError``); every wait is bounded. Misuse (``consumer/guards.py``) is one clear error.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from consumer.flow.credit import LeaseBook
+from consumer.guards import check_config, check_receiver, check_start_batch, check_started, check_timeout
+from consumer.observe.startup import log_bound
 from consumer.handout import ArraySpec, Batch, Handout
 from consumer.flow.plan import EpochPlan
 from consumer.flow.shards import plan_for_rank
@@ -41,7 +42,7 @@ from shared.cache.features import load_manifest_for
 from shared.cache.manifest import Manifest
 from shared.config import PipelineConfig, check_transport_mode, resolve_checksum
 from shared.config_checks import check_ring_bytes, physical_memory_bytes
-from shared.errors import ClosedError, ConfigError, PipelineError
+from shared.errors import ClosedError, ConfigError
 from shared.service.lifecycle import resolve_endpoint
 from shared.wire.buckets import BucketSet, build_buckets
 from shared.wire.curve import server_keys_for
@@ -69,8 +70,9 @@ class Consumer:
 
     def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0,
                  environ: Mapping[str, str] | None = None, rank: int = 0, world: int = 1) -> None:
-        if cfg.cache_dir is None:
+        if check_config(cfg).cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
+        start_batch = check_start_batch(start_batch)
         self.cfg = cfg
         self.manifest: Manifest = load_manifest_for(cfg, feeds_model=False)  # token ids unchecked: the model is yours
         self.bucket_set: BucketSet = build_buckets(self.manifest.frames, self.manifest.token_counts, cfg.n_mels,
@@ -100,10 +102,9 @@ class Consumer:
                                    max_connections=t.max_connections, handshake_timeout_s=t.handshake_timeout_s)
         self._receiver = Receiver(receiving, self.ring, self._book, self.bucket_set, shm=self.shm)
         self.wait_s_total = 0.0
-        self._handout = Handout(start_batch)
+        self._handout = Handout(start_batch, owner=self.epoch)
         self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
         self._lock = threading.Lock()
 
     def _wake_receiver(self) -> None:
@@ -112,7 +113,9 @@ class Consumer:
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Bind the endpoint and start receiving. Idempotent."""
+        """Bind the endpoint and start receiving. Idempotent; ``ClosedError`` after ``close()``."""
+        if self._closed:                # binding again would leave the endpoint locked until the process exits
+            raise ClosedError("this Consumer was closed")
         if self._started:
             return
         try:
@@ -121,30 +124,18 @@ class Consumer:
             self.close()
             raise
         self._started = True
-        largest = self.bucket_set.max_batch_nbytes()
-        log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self.endpoint, self.epoch,
-                 [b.as_wire() for b in self.bucket_set.buckets], self.bucket_set.padding_efficiency())
-        if self.plan.samples_dropped_per_epoch:
-            log.info("buckets.partial drop: %d samples of each epoch left out (partial batches); %d batches per epoch",
-                     self.plan.samples_dropped_per_epoch, self.plan.batches_per_epoch)
-        if self.shm is not None:
-            log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
-                     "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
-                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.shm.directory,
-                     self.cfg.transport.lease_window, largest / 1e6)
-        else:
-            log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
-                     self.ring.n_slots, self.ring.slot_nbytes / 1e6, self.cfg.transport.lease_window, largest / 1e6)
+        log_bound(log, self)
 
     def close(self) -> None:
-        """Stop receiving and wake waiters. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.ring.close()
-        self._receiver.stop()
-        if self.shm is not None:
-            self.shm.close()
+        """Stop receiving and wake waiters. Idempotent, any thread: a second caller returns once it is closed."""
+        with self._lock:                # else a loop woken by another thread's close() could leave its
+            if self._closed:            # ``with`` while the endpoint is still bound
+                return
+            self._closed = True
+            self.ring.close()
+            self._receiver.stop()
+            if self.shm is not None:
+                self.shm.close()
 
     def __enter__(self) -> Consumer:
         self.start()
@@ -196,29 +187,36 @@ class Consumer:
     def next_batch(self, timeout_s: float) -> Batch | None:
         """The next batch in plan order, or ``None`` if it did not arrive within ``timeout_s``.
 
-        A batch handed out before and given back (its iterator was dropped) comes first.
-        Low level: the caller must ``release()`` it once its step has finished.
+        A batch given back (its iterator was dropped) comes first. The caller must ``release()`` it
+        once its step has finished. ``timeout_s``: seconds, <= 0 = do not wait (``None``: TypeError).
 
         Raises:
             ClosedError: the consumer was closed, or the plan is finished.
-            PipelineError: the receiver thread failed.
+            PipelineError: the receiver thread failed. RuntimeError: ``start()`` was not called.
         """
-        if self._receiver.error is not None:
-            raise PipelineError(f"receiver failed: {self._receiver.error}") from self._receiver.error
+        timeout_s = check_timeout(timeout_s)
+        check_receiver(self._receiver.error)
+        if self._closed:                # even a given-back batch: its slot file is gone
+            raise ClosedError("this Consumer was closed")
+        check_started(self._started)
         again = self._handout.pop_returned()
         if again is not None:
             return again
         if self.finished:
             raise ClosedError("all planned batches were applied")
         t0 = time.perf_counter()
-        ready = self.ring.take(self.next_apply, timeout_s)
+        try:
+            ready = self.ring.take(self.next_apply, timeout_s)
+        except ClosedError:
+            check_receiver(self._receiver.error)     # the receiver closed the ring as it failed: say why
+            raise
         self.wait_s_total += time.perf_counter() - t0
         if ready is None:
             return None
-        planned = ready.planned
-        utterances = self.manifest.utterances
+        planned, utterances = ready.planned, self.manifest.utterances
         batch = Batch(planned, self.ring.views(ready.slot, planned.bucket), ready.slot, ready.copies,
-                      tuple(utterances[i].id for i in planned.sample_ids), ready.quarantined, ready.quarantine_note)
+                      tuple(utterances[i].id for i in planned.sample_ids), ready.quarantined, ready.quarantine_note,
+                      owner=self.epoch)
         self.next_apply += 1
         return batch
 
@@ -239,14 +237,18 @@ class Consumer:
 
     def free_slot(self, batch: Batch) -> None:
         """Give ``batch``'s slot back to the ring (its arrays are invalid from here on)."""
+        self._handout.record_freed(batch)       # never twice: the slot may hold another batch by now
         self.ring.release(batch.slot)
 
     def apply_and_hold(self, batch: Batch) -> None:
         """Count ``batch`` applied and keep its slot until ``free_held_slot`` or a newer iterator starts."""
         with self._lock:
-            self._free_held()
-            self.mark_applied(batch)
-            self._held = batch
+            self._apply_and_hold(batch)
+
+    def _apply_and_hold(self, batch: Batch) -> None:
+        self._free_held()
+        self.mark_applied(batch)
+        self._held = batch
 
     def free_held_slot(self, batch: Batch) -> None:
         """Free the slot ``apply_and_hold`` kept for ``batch``, unless a newer iterator already did."""
@@ -276,9 +278,7 @@ class Consumer:
             if batch is None or batch.batch_id != batch_id:
                 return
             if keep_slot:
-                self._free_held()
-                self.mark_applied(batch)
-                self._held = batch
+                self._apply_and_hold(batch)
             else:
                 self.mark_applied(batch)
                 self.free_slot(batch)
@@ -362,20 +362,20 @@ class Consumer:
                 raise
             if not self.is_current(token):  # a newer iterator took this batch over: it is not applied
                 raise RuntimeError("this iterator was superseded by a newer batches() / as_dataset() iterator")
-            self.release(batch)
+            if not self._handout.is_applied(batch):      # the loop body may have called release(batch)
+                self.mark_applied(batch, wake=False)
+            if not batch.slot_freed:
+                self.free_slot(batch)
 
     def as_dataset(self, single_shape: bool = False,
                    features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
                    prefetch_device: str | None = "auto") -> Any:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
-        Zero copy from the ring slot unless ``single_shape`` pads; a batch is applied when the dataset
-        hands it out, its slot freed at the next element. ``features``: any of tokens, tok_len,
-        mel_len, frames ([B] int32 = the bucket's T), batch_id ([B] int64), rows ([] int32: real rows),
-        row_mask ([B] bool), and the cache's extras by name (``extras``; a sequence's ``<name>_len`` too).
-        ``prefetch_device``: "auto" = read one batch ahead onto the model GPU when TensorFlow sees one
-        (none on CPU), None = never, or a device name; a batch read ahead is applied only when the caller
-        takes it (consumer/README.md, "Exactly once on the library path").
+        Zero copy unless ``single_shape`` pads; a batch is applied when the caller takes it, its slot
+        freed at the next element. ``features``: any of ``consumer.dataset.feature_keys(self)``;
+        ``prefetch_device``: "auto" = one batch read ahead onto the model GPU when TensorFlow sees one,
+        None = never, or a device name (consumer/README.md, "Exactly once on the library path").
         """
         from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features, prefetch_device)

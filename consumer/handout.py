@@ -8,6 +8,9 @@ the library path") and docs/ARCHITECTURE.md, invariant 3.
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).
+    * Only this ``Handout``'s consumer applies or frees a batch (``Batch.owner``), and each batch's
+      slot is freed once (``Batch.slot_freed``): a batch released twice, or released to another
+      ``Consumer``, raises ``RuntimeError`` instead of freeing a slot that holds another batch.
     * A batch taken from the ring is exactly one of: held by the current iterator (handed out, not yet
       consumed: one for ``batches()``, up to ``consumer.stage_depth`` under a ``Stager``, up to the
       read-ahead depth for a dataset with a device prefetch stage), waiting in ``returned`` (lowest id
@@ -58,7 +61,7 @@ class ArraySpec:
 
 @dataclass(slots=True)
 class Batch:
-    """One batch in a ring slot. ``arrays`` are views valid until the batch is released."""
+    """One batch in a ring slot. ``arrays`` are views valid until its slot is freed (``release``)."""
 
     planned: PlannedBatch                 # its identity in the plan: id, data epoch, bucket, sample ids
     # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32, then the cache's extras by name
@@ -68,6 +71,8 @@ class Batch:
     utterance_ids: tuple[str, ...] = ()   # manifest ids of the real rows, in row order
     quarantined: tuple[int, ...] = ()     # sample ids of the rows a producer left empty (bad cache file)
     quarantine_note: str = ""             # the producer's "PATH: REASON" for the first of them (escaped)
+    owner: int = 0                        # the epoch of the Consumer that handed it out (no other may release it)
+    slot_freed: bool = False              # its slot went back to the ring: ``arrays`` may hold another batch
 
     @property
     def batch_id(self) -> int:
@@ -109,8 +114,9 @@ class Batch:
 class Handout:
     """Applied ids, the current iterator and its unapplied batch, and the batches to hand out again."""
 
-    def __init__(self, start_batch: int) -> None:
+    def __init__(self, start_batch: int, owner: int = 0) -> None:
         self._next_applied = start_batch
+        self._owner = owner                  # Batch.owner of the batches this book may apply
         self._applied_ids = array("q")     # 8 bytes per applied batch
         self._returned: list[Batch] = []     # sorted by batch id, lowest first
         self._in_hand: list[Batch] = []      # held by the current iterator, unapplied, in id order
@@ -163,10 +169,29 @@ class Handout:
         self._returned.append(batch)
         self._returned.sort(key=lambda b: b.batch_id)   # a few entries at most
 
+    def is_applied(self, batch: Batch) -> bool:
+        return batch.batch_id < self._next_applied
+
+    def check_own(self, batch: Batch) -> None:
+        """``RuntimeError`` unless ``batch`` was handed out by this book's consumer."""
+        if batch.owner != self._owner:
+            raise RuntimeError(f"batch {batch.batch_id} was handed out by another Consumer: release it there")
+
     def record_applied(self, batch: Batch) -> None:
-        """``batch`` was applied; it must be the next id in plan order."""
+        """``batch`` was applied; it must be this consumer's and the next id in plan order."""
+        self.check_own(batch)
+        if self.is_applied(batch):
+            raise RuntimeError(f"batch {batch.batch_id} was already applied (released twice?)")
         if batch.batch_id != self._next_applied:
             raise RuntimeError(f"batch {batch.batch_id} applied out of order: {self._next_applied} is next")
         self._applied_ids.append(batch.batch_id)
         self._next_applied += 1
         self._in_hand = [b for b in self._in_hand if b is not batch]
+        self._returned = [b for b in self._returned if b is not batch]   # released after its loop broke out
+
+    def record_freed(self, batch: Batch) -> None:
+        """``batch``'s slot goes back to the ring now; refused for another consumer's batch or a second time."""
+        self.check_own(batch)
+        if batch.slot_freed:
+            raise RuntimeError(f"the slot of batch {batch.batch_id} was already freed (released twice?)")
+        batch.slot_freed = True

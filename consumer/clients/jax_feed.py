@@ -26,7 +26,7 @@ import numpy as np
 
 from consumer.staging import Staged
 
-__all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch"]
+__all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch", "STEP_ARRAYS"]
 
 Params = dict[str, Any]
 StepFn = Callable[[Params, Mapping[str, Any]], tuple[Params, Any]]
@@ -59,9 +59,20 @@ def mlp_step(layers: int, learning_rate: float = 1e-3) -> StepFn:
     return jax.jit(step, donate_argnums=0)
 
 
-def device_batch(arrays: Mapping[str, np.ndarray], device: Any) -> dict[str, jax.Array]:
-    """The arrays the step reads (``mel``, ``mel_len``) put on ``device``; starts the copy, does not wait."""
-    return {key: jax.device_put(arrays[key], device) for key in ("mel", "mel_len")}
+STEP_ARRAYS = ("mel", "mel_len")   # what mlp_step reads; a step of your own names its own
+
+
+def device_batch(arrays: Mapping[str, np.ndarray], device: Any,
+                 names: tuple[str, ...] = STEP_ARRAYS) -> dict[str, jax.Array]:
+    """The arrays the step reads (``names``) put on ``device``; starts the copy, does not wait.
+
+    Raises:
+        KeyError: a name the batch does not hold (one line listing the batch's arrays).
+    """
+    missing = [key for key in names if key not in arrays]
+    if missing:
+        raise KeyError(f"JaxHandOff(array_names=...): the batch has no {missing}; it holds {sorted(arrays)}")
+    return {key: jax.device_put(arrays[key], device) for key in names}
 
 
 def aliases_host(on_device: Mapping[str, jax.Array], host: Mapping[str, np.ndarray]) -> bool:
@@ -82,16 +93,20 @@ class JaxHandOff:
         step: ``(params, arrays) -> (params, loss)``, e.g. ``mlp_step``.
         params: the initial parameters (on ``device``).
         device: the model device (``jax.devices()[i]``).
+        array_names: the batch arrays the step reads, copied to ``device`` (default ``mel`` and
+            ``mel_len``, ``mlp_step``'s); e.g. add ``tokens`` and ``tok_len`` for a text-to-mel step.
     """
 
-    def __init__(self, step: StepFn, params: Params, device: Any) -> None:
+    def __init__(self, step: StepFn, params: Params, device: Any,
+                 array_names: tuple[str, ...] = STEP_ARRAYS) -> None:
         self.step_fn = step
+        self.array_names = tuple(array_names)
         self.params = params
         self.device = device
         self.aliased = 0                # batches whose slot was held to the step's end (aliased memory)
 
     def put(self, batch: Any) -> Staged[dict[str, jax.Array]]:
-        value = device_batch(batch.arrays, self.device)
+        value = device_batch(batch.arrays, self.device, self.array_names)
         if aliases_host(value, batch.arrays):
             self.aliased += 1
             return Staged(value, copied=None)

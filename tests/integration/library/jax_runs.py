@@ -4,7 +4,8 @@
 ``STEPS`` steps through ``Stager`` with ``JaxHandOff`` once per config: clean; with every released slot
 overwritten with garbage at once (``BatchRing.release`` wrapped); and the same with a hand-off that
 claims its copy is done at once. Prints one JSON line: whether the poisoned and the early run's final
-parameters equal the clean run's bit for bit, slots overwritten, slots held to their step's end.
+parameters equal the clean run's bit for bit, slots overwritten, slots held to their step's end, and
+which arrays a hand-off naming ``tokens`` copies (a step of the user's own reads more than mel).
 A separate process because JAX's threads must not share a pytest worker that forks later.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
+from consumer.clients.jax_feed import JaxHandOff, device_batch, init_params, mlp_step
 from consumer.feed import Consumer
 from consumer.handout import Batch
 from consumer.staging import Staged, Stager
@@ -54,7 +55,14 @@ def main(argv: list[str]) -> int:
 
     JaxHandOff.put = copied_at_once                          # type: ignore[method-assign]
     early, _, _ = _train(early_cfg, steps, poison=True)
-    print(json.dumps({"held": held, "overwritten": overwritten,
+    host = {"mel": np.zeros((2, 3, 4), np.float32), "mel_len": np.ones(2, np.int32), "tokens": np.ones((2, 5), np.int32)}
+    named = sorted(device_batch(host, jax.devices()[0], ("mel", "mel_len", "tokens")))
+    try:
+        device_batch(host, jax.devices()[0], ("mel", "pitch"))
+        missing = ""
+    except KeyError as err:
+        missing = str(err)
+    print(json.dumps({"held": held, "overwritten": overwritten, "named": named, "missing": missing,
                       "poisoned_equal": all(np.array_equal(clean[k], poisoned[k]) for k in clean),
                       "early_equal": all(np.array_equal(clean[k], early[k]) for k in clean)}))
     return 0

@@ -45,6 +45,8 @@ def test_no_jax_step_reads_a_released_slot_and_the_guard_bites_when_a_copy_is_cl
     assert doc["overwritten"] >= _STEPS
     assert doc["poisoned_equal"] is True
     assert doc["early_equal"] is False                          # the guard bites when the order is wrong
+    assert doc["named"] == ["mel", "mel_len", "tokens"]         # JaxHandOff(array_names=...): a step's own arrays
+    assert "no ['pitch']" in doc["missing"] and "'tokens'" in doc["missing"]
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:

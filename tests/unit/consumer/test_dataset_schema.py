@@ -40,6 +40,12 @@ def test_a_cache_without_extras_offers_the_base_features_only() -> None:
         make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, ("speaker",))
 
 
+def test_features_given_as_one_string_is_one_key_and_the_error_names_the_unknown_ones() -> None:
+    from consumer.dataset import make_dataset
+    with pytest.raises(ValueError, match=r"got \('speaker',\); unknown: \['speaker'\]"):
+        make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, "speaker")     # not ('s', 'p', 'e', ...)
+
+
 def test_a_float16_wire_gives_the_element_spec_a_float16_mel() -> None:
     feats, mel = _spec(_consumer(Bucket(0, 2, 8, 3, 4, mel_dtype="float16")), ("tokens",), None)
     assert mel == tf.TensorSpec((None, None, 4), tf.float16, name="mel") and feats["tokens"].dtype == tf.int32
