@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)",
                            description="the training side alone (systemd: consumer.service); " + _TRAIN_EXITS),
             consumer=True)
-    producer = sub.add_parser("producer", help="N producer processes under one parent")
+    producer = sub.add_parser("producer", help="N producer processes under one parent",
+                              description="N producer processes under one parent (a failed one is restarted), or "
+                                          "one with --instance; exit 0 stopped (SIGTERM/SIGINT) or, under run, the "
+                                          "plan finished; 1 failure (--instance: systemd restarts it); 78 "
+                                          "configuration error (a bad flag, key or cache, or the consumer refused its "
+                                          "contract: one producer's 78 stops the group)")
     _common(producer, producers=True)
     _demo(producer, "generate (once) and serve the built-in demo data")
     doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up",
@@ -145,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, help="worker processes, >= 1 (default and most: one per available "
                                                   "CPU; more is lowered to that, with one INFO line)")
     prep.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every utterance (testing)")
-    prep.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    prep.add_argument("--log-level", help=_LOG_LEVEL_HELP)
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80)
@@ -196,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "ask that rank's default control socket")
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
-    st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: WARNING, "
+                                                           "so only the figures print; $MELFEED_LOG_LEVEL is not used)")
     _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service",
                           description="melfeed vs tuned tf.data, the naive loader and tf.data service; exit 0 every "
                                       "trial ran (a FAILed goal is a result), 1 a trial failed, 78 bad flag or cache, "
