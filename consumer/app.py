@@ -4,8 +4,9 @@
 group (its own uvloop supervisor) with ``producer.exit_at_plan_end`` set: when the plan is finished the
 consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop ladder is the fallback
 (``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
-78 on a contract error) the run stops with its exit code. Exit codes: 0 finished or stopped by a
-signal, 78 configuration error, 1 unexpected failure.
+78 on a contract error) the run stops with its exit code. Exit codes (run_pipeline.py maps the errors): 0
+finished or stopped by a signal, 1 unexpected failure, 65 too many quarantined rows trained (``DataError``),
+75 a rank lost contact with its job (``JobLostError``), 78 configuration error.
 
 Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
 else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are

@@ -6,11 +6,11 @@ with Consumer(cfg) as feed:
     for batch in feed.batches():          # Batch.arrays: views into a ring slot
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
-Owns the ring, the lease book and the receiver thread. Batches are applied strictly in plan order
-(docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was applied, or again
-(first) when the iterator it was handed to was dropped before consuming it; ``consumer/handout.py``
-keeps that book and consumer/README.md ("Exactly once on the library path") states the rules. Shapes,
-schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
+Owns the ring, the lease book and the receiver thread. Batches are handed out and applied strictly in plan
+order (docs/ARCHITECTURE.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
+read-ahead may hold a few handed out, not yet applied); one whose iterator was dropped before consuming it is
+handed out again, first. ``consumer/handout.py`` keeps that book, consumer/README.md ("Exactly once on the
+library path") states the rules. Shapes, schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for (id, bucket, sample
 ids), so nothing downstream asks the plan again. Memory bound (invariant 4): ring slots * slot bytes
 here, plus Σ lease windows * largest batch in producers (none on the shared-memory path: they build
 in the ring's slot files); logged at start.
