@@ -57,13 +57,14 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--rank", type=int, help="refuse to start unless TF_CONFIG makes this process rank R "
                                                 "(deploy writes it into a rank's units)")
     if producers:
-        p.add_argument("--producers", type=int, help="number of producer processes")
+        p.add_argument("--producers", type=int, help="number of producer processes (producer.count, default 2)")
         p.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
         if not consumer:
             p.add_argument("--instance", type=int, help="run only producer N in this process (systemd producer@N)")
     if consumer:
-        p.add_argument("--steps", type=int, help="stop after this many applied batches")
-        p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")
+        p.add_argument("--steps", type=int, help="stop once this many batches were applied in total: a resumed run "
+                                                         "keeps its end (consumer.steps, default 300)")
+        p.add_argument("--ring-slots", type=int, help="preallocated batch slots, 3..256 (consumer.ring_slots)")
         p.add_argument("--batch-size", type=int, help="rows per batch")
         p.add_argument("--status-interval-s", type=float, help="seconds between status lines")
         p.add_argument("--state-dir", help="directory for checkpoints and the audit log (resume from it)")
