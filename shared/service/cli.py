@@ -38,6 +38,8 @@ _OVERRIDES = {  # flag dest -> config key
 
 _MAX_DEBUG_DELAY_MS = 3_600_000.0   # an hour per batch: far past any test; a larger sleep can overflow
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $MELFEED_LOG_LEVEL, else INFO)"
+_N_MELS_HELP = "mel bins per frame, 1..1024 (the config's n_mels; default 80)"
+_DEMO_UTTERANCES_HELP = "demo utterances, 1..1000000 (default 2000)"
 _TRAIN_EXITS = ("exit 0 plan finished or stopped (SIGTERM/SIGINT: checkpoint first), 1 failure, 65 too many "
                 "quarantined rows trained (producer.max_quarantined_fraction), 75 a rank lost contact with its job, "
                 "78 configuration error")
@@ -89,7 +91,7 @@ def _delay_ms(text: str) -> float:
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--demo", action="store_true", help=help_text)
-    p.add_argument("--demo-utterances", type=int, default=2000, help="demo utterances, 1..1000000")
+    p.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
     doc.add_argument("--model-step", help="training step factory, module:function")
     doc.add_argument("--demo", action="store_true", help="run on the built-in demo cache (generated once)")
-    doc.add_argument("--demo-utterances", type=int, default=2000)
+    doc.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
     doc.add_argument("--seconds-per-stage", type=float, default=3.0, help="measuring time of each stage")
     doc.add_argument("--json", help="also write every figure and the verdict as JSON to this file")
     idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers and token ids",
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "range recorded); exit 0 written, 1 bad files (not written without --skip-bad), "
                                      "78 cache directory unusable")
     idx.add_argument("cache_dir")
-    idx.add_argument("--n-mels", type=int, default=80)
+    idx.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
     idx.add_argument("--mels", help="adopt an existing folder of <id>.npy mels (linked as CACHE_DIR/mels)")
     idx.add_argument("--tokens", help="adopt an existing folder of <id>.npy token ids (linked as CACHE_DIR/tokens)")
@@ -154,14 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--log-level", help=_LOG_LEVEL_HELP)
     ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
     ver.add_argument("cache_dir")
-    ver.add_argument("--n-mels", type=int, default=80)
+    ver.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
                                                     "(the config's model.vocab_size)")
     about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers copy "
              "rows out of it); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
     pack = sub.add_parser("pack", help=about, description=about)
     pack.add_argument("cache_dir")
-    pack.add_argument("--n-mels", type=int, default=80)
+    pack.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     pack.add_argument("--mel-dtype", choices=("float32", "float16"), default="float32",
                       help="the mels' dtype in the pack: the transport.mel_dtype it serves (default float32)")
     pack.add_argument("--skip-bad", action="store_true", help="write the pack even with bad files: their rows are "
@@ -188,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
     dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
     keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
-    keys.add_argument("dir")
+    keys.add_argument("dir", help="where the keys go (created 0700; existing keys are never overwritten)")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
     rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
     rep.add_argument("metrics", nargs="+", help="metrics JSONL written by the consumer's --metrics-file (several: "
@@ -209,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "trial ran (a FAILed goal is a result), 1 a trial failed, 78 bad flag or cache, "
                                       "128 + signal when SIGTERM/SIGINT stopped it (its trials stopped, no report)"))
     demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
-    demo.add_argument("dir")
+    demo.add_argument("dir", help="the cache directory to write (created)")
     demo.add_argument("--utterances", type=int, default=2000, help="utterances to write, 1..1000000 (default 2000)")
     demo.add_argument("--seed", type=int, default=1234, help="seed of lengths, tokens and noise, 0..2^63-1")
     return ap
@@ -219,7 +221,7 @@ def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (buckets, seed, n_mels, transport settings apply)")
     p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
     p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
-    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
     p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
     p.add_argument("--transports", default="zmq,shm,tcp",
                    help="melfeed paths, comma-separated: zmq (payload frames over ipc), shm, tcp (payload frames over "
