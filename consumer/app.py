@@ -51,7 +51,7 @@ from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run", "start_producers", "stop_producers", "worker_place"]
+__all__ = ["main_consumer", "main_run", "run_exit_code", "start_producers", "stop_producers", "worker_place"]
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,16 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
         finally:
             _await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + _PRODUCERS_EXIT_S)
             stop_producers(group)
-    code = group.proc.returncode or 0
-    return code if code not in (-signal.SIGTERM, 0) else 0
+    return run_exit_code(group.proc.returncode)
+
+
+def run_exit_code(group_code: int | None) -> int:
+    """``run``'s exit code once training ended without an error: its producer group's own code (78: a contract
+    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, README "Exit codes") for a group another
+    signal ended (SIGKILL: the OOM killer, or the ladder's last rung), never the negative code Popen reports."""
+    if group_code is None or group_code in (0, -signal.SIGTERM):
+        return 0
+    return 1 if group_code < 0 else group_code
 
 
 def _check_one_key_pair(cfg: PipelineConfig) -> None:
