@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("--extra", action="append", metavar="NAME[:KIND]=DIR",
                      help="adopt a folder of <id>.npy extra arrays (linked as CACHE_DIR/extras/NAME); KIND is "
                           "frame, token, utterance or sequence (default: what the headers show); repeatable")
-    prep = sub.add_parser("prepare", help="build a mel cache from an LJSpeech-format corpus (resumable)")
+    prep = _command(sub, "prepare", "build a mel cache from an LJSpeech-format corpus (resumable)",
+                    "exit 0 complete (skips reported), 1 bad output files (manifest not written), 2 interrupted "
+                    "(run it again to resume), 78 configuration error")
     prep.add_argument("--ljspeech", required=True, help="corpus dir with metadata.csv (id|text|normalized_text) and wavs/")
     prep.add_argument("--cache", required=True, help="output cache dir (created; an interrupted run resumes in it)")
     prep.add_argument("--config", help="YAML config: its features section, n_mels and producer.data_gpu apply")
@@ -154,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "CPU; more is lowered to that, with one INFO line)")
     prep.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every utterance (testing)")
     prep.add_argument("--log-level", help=_LOG_LEVEL_HELP)
-    ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
+    ver = _command(sub, "verify-cache", "check every cache file (header, size, values)",
+                   "exit 0 nothing bad, 1 a bad file, 78 the directory or a flag unusable", "; exit 1 if any is bad")
     ver.add_argument("cache_dir")
     ver.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
@@ -168,11 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the mels' dtype in the pack: the transport.mel_dtype it serves (default float32)")
     pack.add_argument("--skip-bad", action="store_true", help="write the pack even with bad files: their rows are "
                                                               "zeros, listed bad, quarantined by producers")
-    aud = sub.add_parser("audit", help="compare the applied-batch logs of STATE_DIR (one per rank of a job) with "
-                                       "the plan; exit 1 if not exact")
+    aud = _command(sub, "audit", "compare the applied-batch logs of STATE_DIR (one per rank of a job) with the plan",
+                   "exit 0 exact, 1 not exact, 78 a state directory or flag unusable", "; exit 1 if not exact")
     aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
-    dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
+    dep = _command(sub, "deploy", "render the systemd units (consumer, producer@N, pipeline.target)",
+                   "exit 0 written, 78 a bad flag, config or target directory (nothing written)")
     dep.add_argument("--producers", type=int, required=True,
                      help="instances pipeline.target wants (1..N); 0: none here (tcp endpoint, producers elsewhere)")
     dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
@@ -189,15 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--producers-only", action="store_true",
                      help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
     dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
-    keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
+    keys = _command(sub, "keys", "generate CURVE key pairs (consumer + one per producer name) into DIR",
+                    "exit 0 written, 78 a bad name or DIR")
     keys.add_argument("dir", help="where the keys go (created 0700; existing keys are never overwritten)")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
-    rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
+    rep = _command(sub, "report", "draw a run's metrics JSONL (--metrics-file) as a PNG timeline",
+                   "exit 0 written, 78 a bad metrics file or output, or no matplotlib (the report extra)")
     rep.add_argument("metrics", nargs="+", help="metrics JSONL written by the consumer's --metrics-file (several: "
                                                 "the ranks of one job, drawn on one time axis)")
     rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
     rep.add_argument("--title", help="first title line (default: the metrics file name)")
-    st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
+    st = _command(sub, "status", "print a running consumer's live figures",
+                  "exit 0 printed, 1 no consumer answered or the answer is no snapshot, 78 a bad flag or config",
+                  " (exit 1 if none answers)")
     st.add_argument("--config", help="YAML config the consumer runs with (to find its control endpoint)")
     st.add_argument("--endpoint", help="the consumer's control endpoint (default: derived from --config)")
     st.add_argument("--tf-config", metavar="FILE", help="the rank's TF_CONFIG (default: the TF_CONFIG variable): "
@@ -210,11 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
                           description="melfeed vs tuned tf.data, the naive loader and tf.data service; exit 0 every "
                                       "trial ran (a FAILed goal is a result), 1 a trial failed, 78 bad flag or cache, "
                                       "128 + signal when SIGTERM/SIGINT stopped it (its trials stopped, no report)"))
-    demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
+    demo = _command(sub, "demo-data", "write the deterministic demo cache into DIR", "exit 0 written, 78 a bad flag or DIR")
     demo.add_argument("dir", help="the cache directory to write (created)")
     demo.add_argument("--utterances", type=int, default=2000, help="utterances to write, 1..1000000 (default 2000)")
     demo.add_argument("--seed", type=int, default=1234, help="seed of lengths, tokens and noise, 0..2^63-1")
     return ap
+
+
+def _command(sub: Any, name: str, about: str, exits: str, listed: str = "") -> argparse.ArgumentParser:
+    """A command whose ``--help`` opens with what it does and its exit codes; the command list shows ``about``
+    (and ``listed``, the exit worth knowing there)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=about + listed, description=f"{about}; {exits}")
+    return parser
 
 
 def _bench(p: argparse.ArgumentParser) -> None:
