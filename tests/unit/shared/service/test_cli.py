@@ -155,3 +155,12 @@ def test_every_log_level_flag_defaults_as_its_help_says() -> None:
         else:
             assert default is None and "$MELFEED_LOG_LEVEL" in (flag.help or ""), name
     assert {"run", "consumer", "producer", "doctor", "prepare", "bench", "status"} <= set(seen)
+
+
+def test_every_commands_help_states_its_exit_codes() -> None:
+    """README's exit table is per command too: each command's own --help opens with its codes (0 and 78 at least)."""
+    import argparse
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [name for name, sub in subparsers.choices.items()
+              if not (sub.description and "exit 0" in sub.description and "78" in sub.description)]
+    assert silent == []
