@@ -4,8 +4,9 @@
 group (its own uvloop supervisor) with ``producer.exit_at_plan_end`` set: when the plan is finished the
 consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop ladder is the fallback
 (``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
-78 on a contract error) the run stops with its exit code. Exit codes: 0 finished or stopped by a
-signal, 78 configuration error, 1 unexpected failure.
+78 on a contract error) the run stops with its exit code. Exit codes (run_pipeline.py maps the errors): 0
+finished or stopped by a signal, 1 unexpected failure, 65 too many quarantined rows trained (``DataError``),
+75 a rank lost contact with its job (``JobLostError``), 78 configuration error.
 
 Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
 else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are
@@ -50,7 +51,7 @@ from shared.service.stop_ladder import GROUP_LADDER
 from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from shared.service.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run", "start_producers", "stop_producers", "worker_place"]
+__all__ = ["main_consumer", "main_run", "run_exit_code", "start_producers", "stop_producers", "worker_place"]
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,16 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
         finally:
             _await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + _PRODUCERS_EXIT_S)
             stop_producers(group)
-    code = group.proc.returncode or 0
-    return code if code not in (-signal.SIGTERM, 0) else 0
+    return run_exit_code(group.proc.returncode)
+
+
+def run_exit_code(group_code: int | None) -> int:
+    """``run``'s exit code once training ended without an error: its producer group's own code (78: a contract
+    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, README "Exit codes") for a group another
+    signal ended (SIGKILL: the OOM killer, or the ladder's last rung), never the negative code Popen reports."""
+    if group_code is None or group_code in (0, -signal.SIGTERM):
+        return 0
+    return 1 if group_code < 0 else group_code
 
 
 def _check_one_key_pair(cfg: PipelineConfig) -> None:

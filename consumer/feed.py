@@ -6,17 +6,17 @@ with Consumer(cfg) as feed:
     for batch in feed.batches():          # Batch.arrays: views into a ring slot
         my_step(batch.arrays)             # valid until the loop asks for the next batch
 ```
-Owns the ring, the lease book and the receiver thread. Batches are applied strictly in plan order
-(docs/ARCHITECTURE.md, invariant 3): batch ``b`` is handed out only after ``b - 1`` was applied, or again
-(first) when the iterator it was handed to was dropped before consuming it; ``consumer/handout.py``
-keeps that book and consumer/README.md ("Exactly once on the library path") states the rules. Shapes,
-schema and epoch length are properties available before ``start()``. Each ``Batch`` carries the
-``PlannedBatch`` its lease was issued for, so nothing downstream asks the plan again. Memory bound
-(invariant 4): ring slots * slot bytes here, plus Σ lease windows * largest batch in payload producers
-(logged at start, ``consumer/observe/startup.py``). On an ipc:// endpoint the slots are shared-memory
-files (``consumer/transport/shm_slots.py``) unless ``transport.mode`` is ``zmq`` or the directory is too small.
-Shutdown: ``close()`` stops the receiver and wakes any waiter; idempotent, and final (``start()`` after
-it raises ``ClosedError``); every wait is bounded. Misuse (``consumer/guards.py``) is one clear error.
+Owns the ring, the lease book and the receiver thread. Batches are handed out and applied strictly in plan
+order (docs/ARCHITECTURE.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
+read-ahead may hold a few handed out, not yet applied); one whose iterator was dropped before consuming it is
+handed out again, first. ``consumer/handout.py`` keeps that book, consumer/README.md ("Exactly once on the
+library path") states the rules. Shapes, schema and epoch length are properties available before
+``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for, so nothing downstream
+asks the plan again. Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows *
+largest batch in payload producers (logged at start, ``consumer/observe/startup.py``). On an ipc://
+endpoint the slots are shared-memory files (``consumer/transport/shm_slots.py``) unless ``transport.mode``
+is ``zmq`` or the directory is too small. Shutdown: ``close()`` stops the receiver and wakes any waiter;
+idempotent, final (then ``start()`` raises ``ClosedError``); every wait bounded; misuse: ``consumer/guards.py``.
 """
 
 from __future__ import annotations

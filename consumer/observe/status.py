@@ -6,7 +6,7 @@ from ``transport.endpoint``, or the private runtime directory; ``shared.service.
 Every try uses a fresh REQ socket (a REQ that timed out cannot be reused) with RCVTIMEO,
 SNDTIMEO and LINGER 0, so the command never outlives ``--timeout-s`` by more than a moment.
 Exit codes: 0 printed; 1 nobody answered or the answer was not a snapshot (one line on stderr);
-78 a bad ``--config``. Imports neither TensorFlow nor the consumer's data path.
+78 a bad ``--config``, ``--endpoint`` (also one libzmq cannot connect to) or ``--timeout-s``. Imports neither TensorFlow nor the consumer's data path.
 Trust: whoever answers at the endpoint chose the reply (a stale socket path may now belong to someone
 else). The table is printed only from a JSON object whose every key it reads has the schema's type
 (``snapshot_problem``; else ``malformed snapshot: KEY: REASON`` and exit 1), and every string in it
@@ -84,9 +84,9 @@ def main_status(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or _control_endpoint(args)
     try:
         raw = ask_status(endpoint, args.timeout_s)
-    except zmq.ZMQError as err:     # e.g. a malformed endpoint given with --endpoint
-        print(f"run_pipeline.py status: cannot ask {endpoint}: {err.strerror}", file=sys.stderr)
-        return 1
+    except zmq.ZMQError as err:     # an address libzmq refuses to connect to (tcp://*:5555, a space in the host)
+        raise ConfigError(f"cannot ask {endpoint}: {err.strerror}",
+                          path=("--endpoint",) if args.endpoint else ("consumer", "control_endpoint")) from None
     if raw is None:
         print(f"run_pipeline.py status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s",
               file=sys.stderr)

@@ -38,6 +38,8 @@ _OVERRIDES = {  # flag dest -> config key
 
 _MAX_DEBUG_DELAY_MS = 3_600_000.0   # an hour per batch: far past any test; a larger sleep can overflow
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $MELFEED_LOG_LEVEL, else INFO)"
+_N_MELS_HELP = "mel bins per frame, 1..1024 (the config's n_mels; default 80)"
+_DEMO_UTTERANCES_HELP = "demo utterances, 1..1000000 (default 2000)"
 _TRAIN_EXITS = ("exit 0 plan finished or stopped (SIGTERM/SIGINT: checkpoint first), 1 failure, 65 too many "
                 "quarantined rows trained (producer.max_quarantined_fraction), 75 a rank lost contact with its job, "
                 "78 configuration error")
@@ -57,13 +59,14 @@ def _common(p: argparse.ArgumentParser, *, producers: bool = False, consumer: bo
         p.add_argument("--rank", type=int, help="refuse to start unless TF_CONFIG makes this process rank R "
                                                 "(deploy writes it into a rank's units)")
     if producers:
-        p.add_argument("--producers", type=int, help="number of producer processes")
+        p.add_argument("--producers", type=int, help="number of producer processes (producer.count, default 2)")
         p.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
         if not consumer:
             p.add_argument("--instance", type=int, help="run only producer N in this process (systemd producer@N)")
     if consumer:
-        p.add_argument("--steps", type=int, help="stop after this many applied batches")
-        p.add_argument("--ring-slots", type=int, help="preallocated batch slots (>= 3)")
+        p.add_argument("--steps", type=int, help="stop once this many batches were applied in total: a resumed run "
+                                                         "keeps its end (consumer.steps, default 300)")
+        p.add_argument("--ring-slots", type=int, help="preallocated batch slots, 3..256 (consumer.ring_slots)")
         p.add_argument("--batch-size", type=int, help="rows per batch")
         p.add_argument("--status-interval-s", type=float, help="seconds between status lines")
         p.add_argument("--state-dir", help="directory for checkpoints and the audit log (resume from it)")
@@ -88,7 +91,7 @@ def _delay_ms(text: str) -> float:
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--demo", action="store_true", help=help_text)
-    p.add_argument("--demo-utterances", type=int, default=2000, help="demo utterances, 1..1000000")
+    p.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -111,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)",
                            description="the training side alone (systemd: consumer.service); " + _TRAIN_EXITS),
             consumer=True)
-    producer = sub.add_parser("producer", help="N producer processes under one parent")
+    producer = sub.add_parser("producer", help="N producer processes under one parent",
+                              description="N producer processes under one parent (a failed one is restarted), or "
+                                          "one with --instance; exit 0 stopped (SIGTERM/SIGINT) or, under run, the "
+                                          "plan finished; 1 failure (--instance: systemd restarts it); 78 "
+                                          "configuration error (a bad flag, key or cache, or the consumer refused its "
+                                          "contract: one producer's 78 stops the group)")
     _common(producer, producers=True)
     _demo(producer, "generate (once) and serve the built-in demo data")
     doc = sub.add_parser("doctor", help="measure every stage, name the bottleneck; exit 0 only if supply keeps up",
@@ -123,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
     doc.add_argument("--model-step", help="training step factory, module:function")
     doc.add_argument("--demo", action="store_true", help="run on the built-in demo cache (generated once)")
-    doc.add_argument("--demo-utterances", type=int, default=2000)
+    doc.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
     doc.add_argument("--seconds-per-stage", type=float, default=3.0, help="measuring time of each stage")
     doc.add_argument("--json", help="also write every figure and the verdict as JSON to this file")
     idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers and token ids",
@@ -131,40 +139,44 @@ def build_parser() -> argparse.ArgumentParser:
                                      "range recorded); exit 0 written, 1 bad files (not written without --skip-bad), "
                                      "78 cache directory unusable")
     idx.add_argument("cache_dir")
-    idx.add_argument("--n-mels", type=int, default=80)
+    idx.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     idx.add_argument("--skip-bad", action="store_true", help="write the manifest without the bad files")
     idx.add_argument("--mels", help="adopt an existing folder of <id>.npy mels (linked as CACHE_DIR/mels)")
     idx.add_argument("--tokens", help="adopt an existing folder of <id>.npy token ids (linked as CACHE_DIR/tokens)")
     idx.add_argument("--extra", action="append", metavar="NAME[:KIND]=DIR",
                      help="adopt a folder of <id>.npy extra arrays (linked as CACHE_DIR/extras/NAME); KIND is "
                           "frame, token, utterance or sequence (default: what the headers show); repeatable")
-    prep = sub.add_parser("prepare", help="build a mel cache from an LJSpeech-format corpus (resumable)")
+    prep = _command(sub, "prepare", "build a mel cache from an LJSpeech-format corpus (resumable)",
+                    "exit 0 complete (skips reported), 1 bad output files (manifest not written), 2 interrupted "
+                    "(run it again to resume), 78 configuration error")
     prep.add_argument("--ljspeech", required=True, help="corpus dir with metadata.csv (id|text|normalized_text) and wavs/")
     prep.add_argument("--cache", required=True, help="output cache dir (created; an interrupted run resumes in it)")
     prep.add_argument("--config", help="YAML config: its features section, n_mels and producer.data_gpu apply")
     prep.add_argument("--workers", type=int, help="worker processes, >= 1 (default and most: one per available "
                                                   "CPU; more is lowered to that, with one INFO line)")
     prep.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every utterance (testing)")
-    prep.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    ver = sub.add_parser("verify-cache", help="check every cache file (header, size, values); exit 1 if any is bad")
+    prep.add_argument("--log-level", help=_LOG_LEVEL_HELP)
+    ver = _command(sub, "verify-cache", "check every cache file (header, size, values)",
+                   "exit 0 nothing bad, 1 a bad file, 78 the directory or a flag unusable", "; exit 1 if any is bad")
     ver.add_argument("cache_dir")
-    ver.add_argument("--n-mels", type=int, default=80)
+    ver.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     ver.add_argument("--vocab-size", type=int, help="also report token files holding an id >= this "
                                                     "(the config's model.vocab_size)")
     about = ("write CACHE_DIR/melfeed-<mel_dtype>.pack: the cache's data in one file, checked once (producers copy "
              "rows out of it); exit 0 written, 1 bad files (not written without --skip-bad), 78 cache unreadable")
     pack = sub.add_parser("pack", help=about, description=about)
     pack.add_argument("cache_dir")
-    pack.add_argument("--n-mels", type=int, default=80)
+    pack.add_argument("--n-mels", type=int, default=80, help=_N_MELS_HELP)
     pack.add_argument("--mel-dtype", choices=("float32", "float16"), default="float32",
                       help="the mels' dtype in the pack: the transport.mel_dtype it serves (default float32)")
     pack.add_argument("--skip-bad", action="store_true", help="write the pack even with bad files: their rows are "
                                                               "zeros, listed bad, quarantined by producers")
-    aud = sub.add_parser("audit", help="compare the applied-batch logs of STATE_DIR (one per rank of a job) with "
-                                       "the plan; exit 1 if not exact")
+    aud = _command(sub, "audit", "compare the applied-batch logs of STATE_DIR (one per rank of a job) with the plan",
+                   "exit 0 exact, 1 not exact, 78 a state directory or flag unusable", "; exit 1 if not exact")
     aud.add_argument("state_dir", nargs="+", help="state directories: one consumer's, or one per rank of a job")
     aud.add_argument("--json", help="also write the counts as JSON to this file")
-    dep = sub.add_parser("deploy", help="render the systemd units (consumer, producer@N, pipeline.target)")
+    dep = _command(sub, "deploy", "render the systemd units (consumer, producer@N, pipeline.target)",
+                   "exit 0 written, 78 a bad flag, config or target directory (nothing written)")
     dep.add_argument("--producers", type=int, required=True,
                      help="instances pipeline.target wants (1..N); 0: none here (tcp endpoint, producers elsewhere)")
     dep.add_argument("--prefix", default=sys.prefix, help="the venv the services run (default: this one)")
@@ -181,38 +193,50 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--producers-only", action="store_true",
                      help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
     dep.add_argument("--env-file", default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
-    keys = sub.add_parser("keys", help="generate CURVE key pairs (consumer + one per producer name) into DIR")
-    keys.add_argument("dir")
+    keys = _command(sub, "keys", "generate CURVE key pairs (consumer + one per producer name) into DIR",
+                    "exit 0 written, 78 a bad name or DIR")
+    keys.add_argument("dir", help="where the keys go (created 0700; existing keys are never overwritten)")
     keys.add_argument("--producer", action="append", help="producer name (repeat); its ids are NAME-<n>")
-    rep = sub.add_parser("report", help="draw a run's metrics JSONL (--metrics-file) as a PNG timeline")
+    rep = _command(sub, "report", "draw a run's metrics JSONL (--metrics-file) as a PNG timeline",
+                   "exit 0 written, 78 a bad metrics file or output, or no matplotlib (the report extra)")
     rep.add_argument("metrics", nargs="+", help="metrics JSONL written by the consumer's --metrics-file (several: "
                                                 "the ranks of one job, drawn on one time axis)")
     rep.add_argument("-o", "--output", required=True, help="PNG file to write (1600x1400 px)")
     rep.add_argument("--title", help="first title line (default: the metrics file name)")
-    st = sub.add_parser("status", help="print a running consumer's live figures (exit 1 if none answers)")
+    st = _command(sub, "status", "print a running consumer's live figures",
+                  "exit 0 printed, 1 no consumer answered or the answer is no snapshot, 78 a bad flag or config",
+                  " (exit 1 if none answers)")
     st.add_argument("--config", help="YAML config the consumer runs with (to find its control endpoint)")
     st.add_argument("--endpoint", help="the consumer's control endpoint (default: derived from --config)")
     st.add_argument("--tf-config", metavar="FILE", help="the rank's TF_CONFIG (default: the TF_CONFIG variable): "
                                                         "ask that rank's default control socket")
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout-s", type=float, default=2.0, help="give up after this many seconds")
-    st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    st.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: WARNING, "
+                                                           "so only the figures print; $MELFEED_LOG_LEVEL is not used)")
     _bench(sub.add_parser("bench", help="melfeed vs tuned tf.data, the naive loader and tf.data service",
                           description="melfeed vs tuned tf.data, the naive loader and tf.data service; exit 0 every "
                                       "trial ran (a FAILed goal is a result), 1 a trial failed, 78 bad flag or cache, "
                                       "128 + signal when SIGTERM/SIGINT stopped it (its trials stopped, no report)"))
-    demo = sub.add_parser("demo-data", help="write the deterministic demo cache into DIR")
-    demo.add_argument("dir")
+    demo = _command(sub, "demo-data", "write the deterministic demo cache into DIR", "exit 0 written, 78 a bad flag or DIR")
+    demo.add_argument("dir", help="the cache directory to write (created)")
     demo.add_argument("--utterances", type=int, default=2000, help="utterances to write, 1..1000000 (default 2000)")
     demo.add_argument("--seed", type=int, default=1234, help="seed of lengths, tokens and noise, 0..2^63-1")
     return ap
+
+
+def _command(sub: Any, name: str, about: str, exits: str, listed: str = "") -> argparse.ArgumentParser:
+    """A command whose ``--help`` opens with what it does and its exit codes; the command list shows ``about``
+    (and ``listed``, the exit worth knowing there)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=about + listed, description=f"{about}; {exits}")
+    return parser
 
 
 def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (buckets, seed, n_mels, transport settings apply)")
     p.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json")
     p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
-    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--demo-utterances", type=int, default=2000, help=_DEMO_UTTERANCES_HELP)
     p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
     p.add_argument("--transports", default="zmq,shm,tcp",
                    help="melfeed paths, comma-separated: zmq (payload frames over ipc), shm, tcp (payload frames over "

@@ -170,6 +170,8 @@ def test_whatever_passes_the_check_formats_without_an_exception_or_raw_control_c
     ({"timeout_s": 1e20}, "--timeout-s: must be a number of seconds"),
     ({"endpoint": "foo"}, "--endpoint: must be ipc://PATH or tcp://HOST:PORT"),
     ({"endpoint": "tcp://127.0.0.1"}, "--endpoint: must be tcp://HOST:PORT"),
+    ({"endpoint": "tcp://*:5555"}, "--endpoint: cannot ask tcp://*:5555: Invalid argument"),      # libzmq's refusal
+    ({"endpoint": "tcp://bad host:5555"}, "--endpoint: cannot ask tcp://bad host:5555: Invalid argument"),
 ])
 def test_bad_flags_are_refused_before_asking_anyone(flags: dict[str, Any], needle: str) -> None:
     from shared.errors import ConfigError

@@ -133,3 +133,34 @@ def test_an_instance_above_the_configs_count_is_accepted_as_systemd_rescaling_ne
     cfg = PipelineConfig()
     for instance in (1, cfg.producer.count + 2, 64):     # deploy --producers 4 with count 2; producer@7 by hand
         _check_instance(cfg, instance)
+
+
+def test_every_log_level_flag_defaults_as_its_help_says() -> None:
+    """``--log-level`` left out means ``$MELFEED_LOG_LEVEL``, else INFO (README "Commands"), for every command but
+    ``status``, whose help says it stays at WARNING; a default the help does not state would ignore the variable."""
+    import argparse
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    required = {"prepare": ["--ljspeech", "/x", "--cache", "/y"], "deploy": ["--producers", "1", "--user", "u"],
+                "report": ["m.jsonl", "-o", "m.png"]}
+    seen = []
+    for name, sub in subparsers.choices.items():
+        flag = next((a for a in sub._actions if "--log-level" in a.option_strings), None)
+        if flag is None:
+            continue
+        seen.append(name)
+        default = parser.parse_args([name, *required.get(name, [])]).log_level
+        if name == "status":
+            assert default == "WARNING" and "default: WARNING" in (flag.help or "")
+        else:
+            assert default is None and "$MELFEED_LOG_LEVEL" in (flag.help or ""), name
+    assert {"run", "consumer", "producer", "doctor", "prepare", "bench", "status"} <= set(seen)
+
+
+def test_every_commands_help_states_its_exit_codes() -> None:
+    """README's exit table is per command too: each command's own --help opens with its codes (0 and 78 at least)."""
+    import argparse
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [name for name, sub in subparsers.choices.items()
+              if not (sub.description and "exit 0" in sub.description and "78" in sub.description)]
+    assert silent == []
