@@ -88,6 +88,9 @@ class Receiver:
         self._session = ReceiverSession(cfg.session, ring, book, shm=shm)
         self._stop = threading.Event()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Held across each write and the close: a step thread's wake() whose write was still in flight when
+        # stop() closed the fd would otherwise write 8 bytes into whatever file took that fd number next.
+        self._wake_fd_lock = threading.Lock()
         # Set by the loop: its last grant ran out of free slots, so a freed slot must wake it. Read by
         # the step thread in ``slot_freed``; raised before the loop's second look at the ring (see _grant).
         self._slot_wake = False
@@ -164,8 +167,9 @@ class Receiver:
             self._ctx.term()
             self._ctx = None
         if self._wake_fd >= 0 and (self._thread is None or not self._thread.is_alive()):
-            os.close(self._wake_fd)
-            self._wake_fd = -1
+            with self._wake_fd_lock:
+                os.close(self._wake_fd)
+                self._wake_fd = -1
             self._release_lock(remove_files=self._sock is not None)   # the socket is closed: leave no file
 
     def _release_lock(self, *, remove_files: bool = False) -> None:
@@ -175,11 +179,12 @@ class Receiver:
 
     def wake(self) -> None:
         """Make the loop run now (a slot was freed or a batch applied). Any thread may call it."""
-        if self._wake_fd >= 0:
-            try:
-                os.eventfd_write(self._wake_fd, 1)
-            except OSError:
-                pass
+        with self._wake_fd_lock:                # never a write to an fd number stop() has given back
+            if self._wake_fd >= 0:
+                try:
+                    os.eventfd_write(self._wake_fd, 1)    # non-blocking: the lock is held for one syscall
+                except OSError:
+                    pass
 
     def mark_applied(self, batch_id: int, wake: bool = True) -> None:
         """Called by the step loop after ``batch_id`` was applied (ids arrive in order).

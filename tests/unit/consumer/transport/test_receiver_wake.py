@@ -59,3 +59,38 @@ def test_release_wakes_once_and_mark_applied_alone_still_wakes(rig_receiver: tup
     assert os.eventfd_read(receiver._wake_fd) == 1      # one wake for apply + release, not two
     receiver.mark_applied(1)
     assert _woken(receiver)
+
+
+def test_stop_never_closes_the_wake_fd_while_another_threads_write_to_it_is_in_flight(
+        rig_receiver: tuple[Rig, Receiver], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step thread's wake() inside its write when stop() closed the fd would write into whatever file took the
+    fd number next (a checkpoint, a socket): the close waits for the write in flight."""
+    import threading
+    _, receiver = rig_receiver
+    inside, go_on, closed = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_close = os.eventfd_write, os.close
+
+    def slow_write(fd: int, value: int) -> None:
+        if threading.current_thread() is waker:   # the step thread's write stalls in the syscall
+            inside.set()
+            assert go_on.wait(30)
+        real_write(fd, value)
+
+    def watched_close(fd: int) -> None:
+        if fd == wake_fd:
+            closed.set()
+        real_close(fd)
+
+    wake_fd = receiver._wake_fd
+    monkeypatch.setattr(os, "eventfd_write", slow_write)
+    monkeypatch.setattr(os, "close", watched_close)
+    waker = threading.Thread(target=receiver.wake)
+    waker.start()
+    assert inside.wait(30)
+    stopper = threading.Thread(target=receiver.stop)
+    stopper.start()
+    assert not closed.wait(0.5), "stop() closed the eventfd while a write to it was in flight"
+    go_on.set()
+    waker.join(30)
+    stopper.join(30)
+    assert closed.is_set() and receiver._wake_fd == -1
