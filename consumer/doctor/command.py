@@ -44,7 +44,7 @@ from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
 from shared.errors import EXIT_CONFIG, ConfigError
 from shared.output_files import write_output
-from shared.flag_checks import check_number, check_output_file
+from shared.flag_checks import check_number, check_output_file, resolve_path
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
 from shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
@@ -137,7 +137,7 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+    return with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
 
 
 def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tuple[tuple[int, float], ...]:
