@@ -98,12 +98,30 @@ def _path(text: str) -> str:
 
 def _demo(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--demo", action="store_true", help=help_text)
-    p.add_argument("--demo-utterances", type=int, default=2000, help="demo utterances, 1..1000000")
+    p.add_argument("--demo-utterances", type=int, default=2000, action=_DemoCount, help="demo utterances, 1..1000000")
+
+
+class _DemoCount(argparse.Action):
+    """``--demo-utterances``, remembered as given: without ``--demo`` it would be ignored without a word."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.demo_utterances_given = True
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag like any other configuration error: one line naming the flag, exit 78
-    (argparse's own way is the usage block and exit 2). Subparsers inherit the class."""
+    (argparse's own way is the usage block and exit 2). Subparsers inherit the class. Flags that contradict each
+    other are refused here too."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        if getattr(parsed, "demo_utterances_given", False) and not getattr(parsed, "demo", False):
+            self.error("argument --demo-utterances: needs --demo (without it the cache is --cache-dir or cache_dir)")
+        if getattr(parsed, "instance", None) is not None and getattr(parsed, "producers", None) is not None:
+            self.error("argument --instance: runs one producer, --producers N starts N under one parent: pick one")
+        return parsed, rest
 
     def error(self, message: str) -> NoReturn:
         from shared.errors import EXIT_CONFIG
@@ -133,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--debug-delay-ms", type=_delay_ms, default=0.0, help="slow every batch build (testing)")
     doc.add_argument("--model-step", help="training step factory, module:function")
     doc.add_argument("--demo", action="store_true", help="run on the built-in demo cache (generated once)")
-    doc.add_argument("--demo-utterances", type=int, default=2000)
+    doc.add_argument("--demo-utterances", type=int, default=2000, action=_DemoCount)
     doc.add_argument("--seconds-per-stage", type=float, default=3.0, help="measuring time of each stage")
     doc.add_argument("--json", type=_path, help="also write every figure and the verdict as JSON to this file")
     idx = sub.add_parser("index", help="build CACHE_DIR/manifest.json from the .npy headers and token ids",
@@ -231,7 +249,7 @@ def _bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=_path, help="YAML config (buckets, seed, n_mels, transport settings apply)")
     p.add_argument("--cache-dir", type=_path, help="cache with mels/, tokens/ and manifest.json")
     p.add_argument("--demo", action="store_true", help="generate (once) and use the built-in demo data")
-    p.add_argument("--demo-utterances", type=int, default=2000)
+    p.add_argument("--demo-utterances", type=int, default=2000, action=_DemoCount)
     p.add_argument("--producers", default="1,2", help="melfeed producer counts, comma-separated")
     p.add_argument("--transports", default="zmq,shm,tcp",
                    help="melfeed paths, comma-separated: zmq (payload frames over ipc), shm, tcp (payload frames over "

@@ -50,6 +50,10 @@ def test_without_demo_the_config_is_left_as_it_is(tmp_path: Path) -> None:
     (["bench", "--no-such-flag"], "run_pipeline.py: unrecognized arguments: --no-such-flag"),
     (["launch"], "run_pipeline.py: argument command: invalid choice: 'launch'"),
     ([], "run_pipeline.py: the following arguments are required: command"),
+    (["run", "--demo-utterances", "300"], "run_pipeline.py run: argument --demo-utterances: needs --demo"),
+    (["bench", "--smoke", "--demo-utterances", "5"], "run_pipeline.py bench: argument --demo-utterances: needs --demo"),
+    (["producer", "--instance", "1", "--producers", "3"], "run_pipeline.py producer: argument --instance: runs one "
+                                                          "producer, --producers N starts N under one parent"),
 ])
 def test_a_bad_flag_is_one_line_naming_it_and_exit_78(argv: list[str], needle: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
