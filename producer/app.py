@@ -36,6 +36,9 @@ def main_producer(args: argparse.Namespace) -> int:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
                                "cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
+    if args.instance is None:   # else each of the N children prints the same refusal of a bad manifest: one line here
+        from shared.cache.features import load_manifest_for
+        load_manifest_for(cfg, feeds_model=False)
     notifier = Notifier()
     try:
         if args.instance is not None:        # systemd producer@N.service: systemd is the supervisor

@@ -64,3 +64,22 @@ def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
     os.symlink(loop, loop + "-b")
     with pytest.raises(ConfigError, match=r"^consumer\.state_dir: cannot resolve .*: a loop of symbolic links"):
         xla_cache_dir(config_from_mapping({"consumer": {"state_dir": loop}}))
+
+
+def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tmp_path: object,
+                                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    """``producer --producers 3`` on a cache whose manifest is not JSON: the parent refuses it before any child
+    starts (each child used to print the same line, then the supervisor a fourth)."""
+    import os
+
+    import run_pipeline
+
+    cache = os.path.join(str(tmp_path), "cache")
+    os.makedirs(cache)
+    with open(os.path.join(cache, "manifest.json"), "w", encoding="utf-8") as out:
+        out.write("garbage{")
+    code = run_pipeline.main(["producer", "--cache-dir", cache, "--producers", "3", "--log-level", "ERROR"])
+    err = capfd.readouterr().err
+    assert code == 78
+    assert err == f"run_pipeline.py producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 " \
+                  "column 1 (char 0)\n"
