@@ -20,6 +20,7 @@ from consumer.resume.filemode import make_private_dir
 from shared.config import PipelineConfig
 from shared.errors import ConfigError
 from shared.filetrust import untrusted_reason
+from shared.flag_checks import resolve_path
 
 __all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "configure_memory", "placement_env",
            "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
@@ -33,9 +34,9 @@ _XLA_CACHE_SUBDIR = "xla-cache"
 def xla_cache_dir(cfg: PipelineConfig) -> Path | None:
     """``consumer.xla_cache_dir``, else ``<state_dir>/xla-cache``; None without either (no cache)."""
     if cfg.consumer.xla_cache_dir is not None:
-        return Path(cfg.consumer.xla_cache_dir).resolve()
+        return resolve_path(cfg.consumer.xla_cache_dir, ("consumer", "xla_cache_dir"))
     if cfg.consumer.state_dir is not None:
-        return (Path(cfg.consumer.state_dir) / _XLA_CACHE_SUBDIR).resolve()
+        return resolve_path(Path(cfg.consumer.state_dir) / _XLA_CACHE_SUBDIR, ("consumer", "state_dir"))
     return None
 
 

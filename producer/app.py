@@ -13,7 +13,6 @@ import argparse
 import multiprocessing
 import os
 import signal
-from pathlib import Path
 
 from producer.supervisor import supervise_producers
 from shared.service.cli import config_from_args, with_demo_cache
@@ -23,6 +22,7 @@ from shared.errors import ConfigError
 from shared.service.children import handed_over_config
 from shared.service.lifecycle import die_with_named_parent, resolve_endpoint, stop_on_signals
 from shared.service.sdnotify import Notifier
+from shared.flag_checks import resolve_path
 
 __all__ = ["main_producer"]
 
@@ -35,7 +35,10 @@ def main_producer(args: argparse.Namespace) -> int:
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
-                               "cache_dir": str(Path(cfg.cache_dir).resolve())})
+                               "cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
+    if args.instance is None:   # else each of the N children prints the same refusal of a bad manifest: one line here
+        from shared.cache.features import load_manifest_for
+        load_manifest_for(cfg, feeds_model=False)
     notifier = Notifier()
     try:
         if args.instance is not None:        # systemd producer@N.service: systemd is the supervisor

@@ -61,9 +61,20 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     assembler = BatchAssembler(reader, bucket_set, max_buffers=2, bad_sample_policy=cfg.producer.bad_samples,
                                pack=pack)
     plan = representative_batches(bucket_set, 256, seed)
+    read_ids: set[int] = set()
+    bad_ids: set[int] = set()     # quarantined rows: a bad file is not read, so it would flatter the rate
+    bad_note = ""
+
+    def build(batch_id: int, bucket: int, sample_ids: list[int]) -> None:
+        nonlocal bad_note
+        built = assembler.build(batch_id, bucket, sample_ids)
+        read_ids.update(sample_ids)
+        bad_ids.update(built.quarantined)
+        bad_note = bad_note or built.quarantine_note
+
     if warm:
         for i, (bucket, sample_ids) in enumerate(plan):
-            assembler.build(i, bucket, sample_ids)
+            build(i, bucket, sample_ids)
     if start_at is not None:
         time.sleep(min(max(0.0, start_at - time.time()), _MAX_START_WAIT_S))
     build_ms: list[float] = []
@@ -73,7 +84,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
             len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
         bucket, sample_ids = plan[len(build_ms) % len(plan)]
         read0, t0 = assembler.read_s_total, time.perf_counter()
-        assembler.build(len(build_ms), bucket, sample_ids)
+        build(len(build_ms), bucket, sample_ids)
         if debug_delay_s:
             time.sleep(debug_delay_s)
         build_ms.append(1000 * (time.perf_counter() - t0))
@@ -84,7 +95,8 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
             "build_ms_p50": _p(build_ms, 50), "build_ms_p99": _p(build_ms, 99), "read_ms_p50": _p(read_ms, 50),
             "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n,
             "reader": str(pack.path) if pack is not None else "files",
-            "pack_read": pack.mode if pack is not None else None}
+            "pack_read": pack.mode if pack is not None else None,
+            "rows_read": len(read_ids), "rows_quarantined": len(bad_ids), "quarantine_note": bad_note}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

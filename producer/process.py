@@ -13,6 +13,7 @@ import argparse
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A terminal's Ctrl-C reaches the whole group, this child too, while it still imports (a KeyboardInterrupt
+    # traceback): the supervisor stops it with SIGTERM; ``run_one``'s handlers take over from here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ap = argparse.ArgumentParser(prog="producer.process")
     ap.add_argument("--config", required=True)
     ap.add_argument("--index", type=int, required=True)

@@ -376,9 +376,11 @@ class PipelineConfig:
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:
-    """Private directory for sockets: systemd's RUNTIME_DIRECTORY, else XDG, else /tmp/melfeed-UID."""
-    if environ.get("RUNTIME_DIRECTORY"):
-        return Path(environ["RUNTIME_DIRECTORY"].split(":")[0])
-    if environ.get("XDG_RUNTIME_DIR"):
-        return Path(environ["XDG_RUNTIME_DIR"]) / "melfeed"
+    """Private directory for sockets: systemd's RUNTIME_DIRECTORY, else XDG, else /tmp/melfeed-UID. A relative
+    value is ignored, as the XDG spec asks: it would name another directory in each process's working directory."""
+    systemd, xdg = environ.get("RUNTIME_DIRECTORY", "").split(":")[0], environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(systemd):
+        return Path(systemd)
+    if os.path.isabs(xdg):
+        return Path(xdg) / "melfeed"
     return Path(f"/tmp/melfeed-{os.getuid()}")

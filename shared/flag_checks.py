@@ -13,7 +13,9 @@ Role: the refusals several commands share, so that none can forget one (README "
 - ``check_not_an_input``: an output file is none of the command's input files (same path after
   resolving links, or the same inode), so ``report m.jsonl -o m.jsonl`` cannot overwrite its data;
 - ``read_regular_file``: a whole input file read under the config file's rules (regular file, opened
-  without blocking, at most a documented number of bytes), so ``/dev/zero`` or a FIFO never hangs.
+  without blocking, at most a documented number of bytes), so ``/dev/zero`` or a FIFO never hangs;
+- ``resolve_path``: ``Path.resolve()`` of a path a user gave, where a loop of symbolic links is one line
+  naming the flag or key (Python before 3.13 raises ``RuntimeError`` there, a traceback at the top level).
 
 Invariant: every refusal is one ``ConfigError`` naming the flag or the file. Pure of globals.
 Shutdown: nothing to shut down; a descriptor is closed before returning.
@@ -25,12 +27,13 @@ import math
 import os
 import stat
 from collections.abc import Sequence
+from pathlib import Path
 
 from shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
 from shared.errors import ConfigError
 from shared.output_files import check_output
 
-__all__ = ["check_number", "check_output_file", "check_not_an_input", "read_regular_file"]
+__all__ = ["check_number", "check_output_file", "check_not_an_input", "read_regular_file", "resolve_path"]
 
 _CHUNK = 1 << 24   # bytes per read of a large file
 
@@ -126,3 +129,18 @@ def read_regular_file(path: str | os.PathLike[str], max_bytes: int | None, what:
     if max_bytes is not None and have > max_bytes:
         raise fail(f"grew past the {max_bytes} bytes allowed while being read")
     return b"".join(chunks)
+
+
+def resolve_path(path: str | os.PathLike[str], key: tuple[str, ...]) -> Path:
+    """``Path(path).resolve()``: absolute, with every symbolic link followed (a missing tail is kept as is).
+
+    Raises:
+        ConfigError: naming ``key`` (a flag or a config key path) and the path: a loop of symbolic links
+            (``RuntimeError`` before Python 3.13) or any other OS error while following the links.
+    """
+    try:
+        return Path(path).resolve()
+    except RuntimeError:   # "Symlink loop from ...": Python < 3.13 raises this, not OSError
+        raise ConfigError(f"cannot resolve {os.fspath(path)}: a loop of symbolic links", path=key) from None
+    except OSError as err:
+        raise ConfigError(f"cannot resolve {os.fspath(path)}: {err.strerror or err}", path=key) from None

@@ -49,7 +49,7 @@ from shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
 from shared.config_loader import config_to_mapping, load_config, with_overrides
 from shared.errors import ConfigError
 from shared.output_files import write_output
-from shared.flag_checks import check_number, check_output_file
+from shared.flag_checks import check_number, check_output_file, resolve_path
 from shared.service.children import (REPO_ROOT, CommandChildren, Interrupted, child_env, handed_over_config,
                                      module_argv)
 from shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
@@ -148,7 +148,7 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
     from shared.cache.features import load_manifest_for
     _check_full_batch(cfg, load_manifest_for(cfg))   # a missing or bad cache fails here, once, with its path
-    return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+    return with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
 
 
 def _check_full_batch(cfg: PipelineConfig, manifest: Manifest) -> None:

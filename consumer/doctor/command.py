@@ -42,9 +42,9 @@ from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
 from consumer.doctor.env import check_environment, gather_facts
 from consumer.doctor.report import render
 from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
-from shared.errors import EXIT_CONFIG, ConfigError
+from shared.errors import EXIT_CONFIG, CacheError, ConfigError
 from shared.output_files import write_output
-from shared.flag_checks import check_number, check_output_file
+from shared.flag_checks import check_number, check_output_file, resolve_path
 from shared.cache.features import load_manifest_for
 from shared.service.progress import Progress
 from shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
@@ -137,7 +137,7 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    return with_overrides(cfg, {"cache_dir": str(Path(cfg.cache_dir).resolve())})
+    return with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
 
 
 def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tuple[tuple[int, float], ...]:
@@ -161,9 +161,29 @@ def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple
                        is_tcp=is_tcp)
 
 
+def _bad_rows(cfg: PipelineConfig, build_1: dict[str, Any]) -> str | None:
+    """A note on the rows stage 1 found in bad files (quarantined, so never read: the rate overstates the cache's).
+
+    Raises:
+        CacheError: more of them than ``producer.max_quarantined_fraction`` allows: a run would stop on them
+            (exit 65), and the figures would measure a cache that is not there.
+    """
+    read, bad = int(build_1.get("rows_read", 0)), int(build_1.get("rows_quarantined", 0))
+    if not bad:
+        return None
+    cap = cfg.producer.max_quarantined_fraction
+    what = (f"{bad} of the {read} rows stage 1 read are in bad cache files (e.g. {build_1.get('quarantine_note')}); "
+            f"`run_pipeline.py verify-cache {cfg.cache_dir}` lists them")
+    if cap < 1.0 and bad > cap * read:
+        raise CacheError(cfg.cache_dir, f"{what}: more than producer.max_quarantined_fraction ({cap:.0%}) allows, so "
+                                        "a run would stop on them (exit 65) and no figure here would be the cache's")
+    return f"{what}; they were quarantined, not read, so the build rate is that much too high"
+
+
 def _measure(children: CommandChildren, config: Path, n: int, seconds: float, delay_ms: float,
-             progress: Progress, shm_dir: str | None) -> dict[str, Any]:
-    """Run the five probe rounds in order, one progress step each."""
+             progress: Progress, shm_dir: str | None, cfg: PipelineConfig) -> dict[str, Any]:
+    """Run the five probe rounds in order, one progress step each; a cache too bad to measure stops it after
+    stage 1 (``_bad_rows``)."""
     stages: dict[str, Any] = {}
     steps = [("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
               lambda: _build_stage(children, config, 1, seconds, delay_ms)),
@@ -183,6 +203,8 @@ def _measure(children: CommandChildren, config: Path, n: int, seconds: float, de
         else:
             progress.note(f"doctor: {text}")
             stages[key] = fn()
+        if key == "build_1":
+            stages["bad_rows_note"] = _bad_rows(cfg, stages[key][0])
         progress.update(done + 1, 0)
     progress.finish()
     return stages
@@ -220,7 +242,7 @@ def main_doctor(args: argparse.Namespace) -> int:
                 handed_over_config(config_to_mapping(cfg), "doctor.yaml", Path(tmp)) as config, \
                 CommandChildren("doctor probes") as children:
             stages = _measure(children, config, n, args.seconds_per_stage, args.debug_delay_ms, progress,
-                              cfg.transport.shm_dir)
+                              cfg.transport.shm_dir, cfg)
     except ProbeFailed as err:
         print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
         return err.exit_code
@@ -230,8 +252,9 @@ def main_doctor(args: argparse.Namespace) -> int:
     verdict = decide(_measurements(stages, n, mix), facts)
     advice = advise_data_gpu(cfg.consumer.model_gpu, cfg.producer.data_gpu, env_facts.consumer_gpus,
                              env_facts.producer_gpus, verdict.supply_per_s, verdict.demand_per_s, verdict.bound)
+    bad_rows = [note] if (note := stages.pop("bad_rows_note", None)) else []
     verdict = dataclasses.replace(verdict, changes=[*verdict.changes, *advice.changes],
-                                  notes=[*verdict.notes, *advice.notes])
+                                  notes=[*bad_rows, *verdict.notes, *advice.notes])
     checks = check_environment(env_facts)
     report = {"cache_dir": cfg.cache_dir, "memory_bound_now_bytes": env_facts.in_flight_bytes, "utterances": len(manifest.frames), "producers": n, "cores": facts.cores,
               "buckets": [b.as_wire() for b in bucket_set.buckets], "mix": mix,

@@ -24,7 +24,9 @@ Invariants:
       every rank), and gets the same answer.
     * A lost peer is never a traceback and never a hang: one line naming this rank and what TensorFlow
       said, exit ``EXIT_JOB_LOST`` (non-zero, not 78: systemd's ``Restart=on-failure`` restarts it).
-Shutdown: nothing to release; TensorFlow tears the collective runtime down with the process.
+Shutdown: nothing to release; TensorFlow tears the collective runtime down with the process. While ``start_job``
+waits for the other ranks, SIGINT and SIGTERM end the process at once (their default action: nothing is open
+yet), since the join holds the GIL and no Python handler could run before it returns.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import faulthandler
 import logging
 import os
 import re
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -44,7 +48,7 @@ from shared.config import PipelineConfig
 from shared.errors import ConfigError, JobLostError, StepError
 from shared.service.tf_config import WorkerPlace
 
-__all__ = ["Job", "lost_contact_error", "server_error", "start_job"]
+__all__ = ["Job", "ended_by_signals", "lost_contact_error", "server_error", "start_job"]
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +243,8 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
                           for job in ("chief", "worker") if job in spec.jobs])
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=c.collective_timeout_s)
     log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s); waiting at most %.0f s for "
-             "every rank (consumer.collective_timeout_s), then this process ends with exit 1", place.rank, place.world,
+             "every rank (consumer.collective_timeout_s), then this process ends with exit 1; Ctrl-C or SIGTERM "
+             "ends it at once", place.rank, place.world,
              ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()), c.collective_timeout_s + _JOIN_GRACE_S)
     # The join's bound: TensorFlow's registration timeout logs its error but leaves the constructor blocked
     # (seen here: a rank started alone waited for good), holding the GIL, so neither a Python thread nor a
@@ -247,8 +252,9 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     # join outlasts the bound. Nothing is open yet (no state directory, socket or producers).
     faulthandler.dump_traceback_later(c.collective_timeout_s + _JOIN_GRACE_S, exit=True, file=_devnull())
     try:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
-                                                             communication_options=options)
+        with ended_by_signals():
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                                 communication_options=options)
     except Exception as err:     # the coordination service reports a join timeout in several types
         lost = lost_contact_error(err, place.rank, "joining the job") or server_error(err, place)
         if lost is None:
@@ -261,6 +267,27 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
              "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
              list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
     return Job(place, strategy, cfg)
+
+
+@contextmanager
+def ended_by_signals() -> Iterator[None]:
+    """Inside the block SIGINT and SIGTERM take their default action (the process ends at once: 130, 143 in a
+    shell); the previous handlers come back after it.
+
+    For a wait in C that holds the GIL (the strategy's join): a Python handler, Ctrl-C's KeyboardInterrupt
+    included, runs only when the wait returns, up to ``consumer.collective_timeout_s`` later. Only for a
+    stretch where nothing is open that an orderly stop would have to close. Off the main thread (where
+    handlers cannot be set) it changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)   # None: set outside Python
 
 
 def _devnull() -> Any:

@@ -56,6 +56,7 @@ from consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_pr
 from shared.config import PipelineConfig
 from shared.config_loader import config_to_mapping
 from shared.errors import StateError
+from shared.flag_checks import resolve_path
 
 __all__ = ["RunState"]
 
@@ -102,7 +103,7 @@ class RunState:
         if cfg.consumer.state_dir is None:
             log.warning("no consumer.state_dir: no checkpoints or audit log; a restart starts at batch 0")
             return None
-        root = Path(cfg.consumer.state_dir).resolve()
+        root = resolve_path(cfg.consumer.state_dir, ("consumer", "state_dir"))
         try:
             make_private_dir(root)
             lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,

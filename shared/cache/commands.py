@@ -22,6 +22,7 @@ from shared.cache.index import build_manifest
 from shared.cache.manifest import write_manifest
 from shared.service.progress import Progress, progress_interval_s
 from shared.cache.verify import verify_cache
+from shared.flag_checks import resolve_path
 
 __all__ = ["main_index", "main_verify_cache", "main_demo", "parse_extra_arg"]
 
@@ -38,18 +39,19 @@ def _link_folder(root: Path, name: str, target: str | None) -> None:
     """
     if target is None:
         return
-    src = Path(target).resolve()
+    src = resolve_path(target, ("--extra" if name.startswith(EXTRAS_DIR) else f"--{name}",))
+    root = resolve_path(root, ("CACHE_DIR",))
     if not src.is_dir():
         raise CacheError(target, "not a directory")
     link = root / name
     if link.exists() or link.is_symlink():
-        if link.resolve() == src:
+        if resolve_path(link, ("CACHE_DIR",)) == src:
             return
         raise CacheError(link, f"exists and is not {src}; refusing to replace it")
     make_dirs(link.parent)
-    inside = src.is_relative_to(root.resolve())
+    inside = src.is_relative_to(root)
     try:
-        link.symlink_to(os.path.relpath(src, root.resolve()) if inside else src, target_is_directory=True)
+        link.symlink_to(os.path.relpath(src, root) if inside else src, target_is_directory=True)
     except OSError as err:   # a read-only cache directory
         raise CacheError(link, f"cannot link it to {src} ({err.strerror})") from err
 

@@ -67,8 +67,10 @@ DEMO_SEED_MAX = 2**63 - 1         # seeds are 0..2^63-1 (numpy refuses negative 
 
 
 def default_demo_dir(n_utterances: int) -> Path:
-    """Where ``--demo`` keeps its cache: ``$XDG_CACHE_HOME`` (or ~/.cache)/melfeed/demo/N."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    """Where ``--demo`` keeps its cache: ``$XDG_CACHE_HOME`` (or ~/.cache; a relative value is ignored, as the
+    XDG spec asks)/melfeed/demo/N."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    base = base if os.path.isabs(base) else str(Path.home() / ".cache")
     return Path(base) / "melfeed" / "demo" / str(n_utterances)
 
 

@@ -40,6 +40,7 @@ from shared.service.children import REPO_ROOT
 from shared.service.lifecycle import resolve_control_endpoint
 from shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
 from shared.service.tf_config import SINGLE_WORKER, WorkerPlace, resolve_worker_place
+from shared.flag_checks import resolve_path
 
 __all__ = ["DeployPlan", "main_deploy", "render_units"]
 
@@ -109,7 +110,7 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     for flag in ("user", "group"):
         if getattr(args, flag) is not None:
             check_text(getattr(args, flag), (f"--{flag}",))
-    python = Path(args.prefix).resolve() / "bin" / "python"
+    python = resolve_path(args.prefix, ("--prefix",)) / "bin" / "python"
     if not os.access(python, os.X_OK):
         raise _fail("--prefix", f"has no executable {python} (pass the venv the services run)", args.prefix)
     try:
@@ -122,7 +123,7 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
         except KeyError:
             raise _fail("--group", "is not a group on this host", args.group) from None
     group = args.group or grp.getgrgid(user.pw_gid).gr_name
-    config = Path(args.config).resolve()
+    config = resolve_path(args.config, ("--config",))
     cfg = load_config(str(config))          # a broken config must fail now, not at the first start
     if args.producers > 0:
         try:                                # the instances share the config's cap on producer.count
@@ -157,7 +158,7 @@ def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace
     if args.rank is None:
         raise _fail("--tf-config", "needs --rank R (this host's rank, checked against the file's task)",
                     args.tf_config)
-    path = Path(args.tf_config).resolve()
+    path = resolve_path(args.tf_config, ("--tf-config",))
     place = resolve_worker_place(path, {})  # the file only: this shell's TF_CONFIG is not the units'
     check_expected_rank(place, args.rank)
     return path, place

@@ -23,3 +23,63 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
         pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
     assert code == 130
     assert capsys.readouterr().err == "run_pipeline.py index: stopped by SIGINT\n"
+
+
+@pytest.mark.parametrize("argv", [
+    ["deploy", "--producers", "1", "--user", "root", "--prefix", "{loop}"],
+    ["deploy", "--producers", "1", "--user", "root", "--config", "{loop}"],
+    ["deploy", "--producers", "1", "--user", "root", "--tf-config", "{loop}", "--rank", "0"],
+    ["index", "{tmp}/new", "--mels", "{loop}"],
+    ["index", "{loop}", "--tokens", "{tmp}"],
+    ["producer", "--cache-dir", "{loop}"],
+    ["doctor", "--cache-dir", "{loop}"],
+], ids=["deploy-prefix", "deploy-config", "deploy-tf-config", "index-mels", "index-cache-dir", "producer-cache-dir",
+        "doctor-cache-dir"])
+def test_a_symlink_loop_in_a_path_flag_is_one_line_and_exit_78(argv: list[str], tmp_path: object,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Path.resolve() raises RuntimeError on a loop (Python < 3.13): it must be named, not a traceback."""
+    import os
+
+    import run_pipeline
+
+    loop = os.path.join(str(tmp_path), "loop")
+    os.symlink(loop + "-b", loop)
+    os.symlink(loop, loop + "-b")
+    code = run_pipeline.main([a.format(loop=loop, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 78, err
+    assert err.count("\n") == 1 and f"cannot resolve {loop}: a loop of symbolic links" in err
+
+
+def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
+    """consumer --state-dir LOOP: the XLA cache under it is resolved before TensorFlow loads."""
+    import os
+
+    from consumer.placement import xla_cache_dir
+    from shared.config_loader import config_from_mapping
+    from shared.errors import ConfigError
+
+    loop = os.path.join(str(tmp_path), "loop")
+    os.symlink(loop + "-b", loop)
+    os.symlink(loop, loop + "-b")
+    with pytest.raises(ConfigError, match=r"^consumer\.state_dir: cannot resolve .*: a loop of symbolic links"):
+        xla_cache_dir(config_from_mapping({"consumer": {"state_dir": loop}}))
+
+
+def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tmp_path: object,
+                                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    """``producer --producers 3`` on a cache whose manifest is not JSON: the parent refuses it before any child
+    starts (each child used to print the same line, then the supervisor a fourth)."""
+    import os
+
+    import run_pipeline
+
+    cache = os.path.join(str(tmp_path), "cache")
+    os.makedirs(cache)
+    with open(os.path.join(cache, "manifest.json"), "w", encoding="utf-8") as out:
+        out.write("garbage{")
+    code = run_pipeline.main(["producer", "--cache-dir", cache, "--producers", "3", "--log-level", "ERROR"])
+    err = capfd.readouterr().err
+    assert code == 78
+    assert err == f"run_pipeline.py producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 " \
+                  "column 1 (char 0)\n"

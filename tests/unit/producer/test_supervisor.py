@@ -114,3 +114,26 @@ def test_a_child_still_starting_when_the_stop_comes_gets_the_ladder_too() -> Non
     finally:
         if group.child is not None and group.child.returncode is None:
             os.kill(group.child.pid, signal.SIGKILL)
+
+
+def test_a_producer_child_ignores_sigint_from_its_first_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in a terminal reaches the supervisor's children too; one still importing printed a KeyboardInterrupt
+    traceback. The child ignores SIGINT before it loads anything (its supervisor stops it with SIGTERM)."""
+    from producer import process
+    from shared.errors import ConfigError
+
+    seen: list[object] = []
+
+    def load_config(path: str) -> None:
+        seen.append(signal.getsignal(signal.SIGINT))
+        raise ConfigError("stop here", path=("cache_dir",))
+
+    monkeypatch.setattr("shared.config_loader.load_config", load_config)
+    monkeypatch.setattr("shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None)   # not pytest's
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda level: None)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert process.main(["--config", "/nonexistent.yaml", "--index", "1"]) == 78
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIG_IGN]

@@ -58,6 +58,15 @@ def test_runtime_dir_prefers_systemd_then_xdg() -> None:
     assert str(resolve_runtime_dir({})).startswith("/tmp/melfeed-")
 
 
+def test_a_relative_runtime_dir_in_the_environment_is_ignored() -> None:
+    """XDG_RUNTIME_DIR=rel bound ipc://rel/melfeed/melfeed.sock under the consumer's working directory, where a
+    producer started elsewhere never looks (the XDG spec: a relative path is invalid, ignore it)."""
+    assert str(resolve_runtime_dir({"XDG_RUNTIME_DIR": "rel"})).startswith("/tmp/melfeed-")
+    assert str(resolve_runtime_dir({"RUNTIME_DIRECTORY": "rel", "XDG_RUNTIME_DIR": ""})).startswith("/tmp/melfeed-")
+    assert resolve_runtime_dir({"RUNTIME_DIRECTORY": "rel", "XDG_RUNTIME_DIR": "/run/user/5"}) == Path(
+        "/run/user/5/melfeed")
+
+
 def test_shm_mode_is_checked_again_once_the_endpoint_is_overridden() -> None:
     cfg = config_from_mapping({"transport": {"mode": "shm"}})
     with pytest.raises(ConfigError, match="transport.mode: 'shm' needs an ipc:// endpoint"):

@@ -218,3 +218,14 @@ def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(tmp_pa
         os.close(fd)
     assert len(write_demo_cache(root, n_utterances=3).utterances) == 3    # the lock is free again
 
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """XDG spec: a relative path is invalid; it would put the demo cache under each working directory."""
+    from shared.cache.demo_data import default_demo_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "rel")
+    assert default_demo_dir(40) == tmp_path / ".cache" / "melfeed" / "demo" / "40"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_demo_dir(40) == tmp_path / "x" / "melfeed" / "demo" / "40"

@@ -50,6 +50,10 @@ def test_without_demo_the_config_is_left_as_it_is(tmp_path: Path) -> None:
     (["bench", "--no-such-flag"], "run_pipeline.py: unrecognized arguments: --no-such-flag"),
     (["launch"], "run_pipeline.py: argument command: invalid choice: 'launch'"),
     ([], "run_pipeline.py: the following arguments are required: command"),
+    (["run", "--demo-utterances", "300"], "run_pipeline.py run: argument --demo-utterances: needs --demo"),
+    (["bench", "--smoke", "--demo-utterances", "5"], "run_pipeline.py bench: argument --demo-utterances: needs --demo"),
+    (["producer", "--instance", "1", "--producers", "3"], "run_pipeline.py producer: argument --instance: runs one "
+                                                          "producer, --producers N starts N under one parent"),
 ])
 def test_a_bad_flag_is_one_line_naming_it_and_exit_78(argv: list[str], needle: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,6 +61,24 @@ def test_a_bad_flag_is_one_line_naming_it_and_exit_78(argv: list[str], needle: s
         build_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 78 and err.startswith(needle) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["keys", ""], ["demo-data", " "], ["index", ""], ["verify-cache", ""], ["pack", ""], ["audit", "/s", ""],
+    ["index", "/c", "--mels", ""], ["prepare", "--ljspeech", "/l", "--cache", ""], ["report", "m.jsonl", "-o", ""],
+    ["deploy", "--producers", "1", "--user", "u", "--target-dir", ""], ["deploy", "--producers", "1", "--user", "u",
+                                                                      "--prefix", ""],
+    ["run", "--cache-dir", ""], ["consumer", "--config", ""], ["producer", "--tf-config", ""],
+    ["doctor", "--json", ""], ["bench", "--cache-dir", ""], ["status", "--config", ""],
+])
+def test_an_empty_path_argument_is_refused_before_it_can_mean_the_current_directory(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``keys ""`` wrote the key pairs into the current directory and ``demo-data ""`` a whole cache, exit 0."""
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 78 and err.count("\n") == 1, err
+    assert "must be a path (an empty one would mean the current directory)" in err
 
 
 def test_the_jax_client_refuses_a_bad_flag_the_same_way() -> None:
