@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,18 @@ def _reap_started_processes() -> Iterator[None]:
     yield
     from tests import procs
     procs.reap_started()
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging() -> Iterator[None]:
+    """A test that runs a command's main in this process (``setup_logging``) replaces the root logger's level and
+    handlers: a later test in the same worker would then miss WARNING records (a root left at ERROR) or log to a
+    stream pytest has closed. Each test starts from the root logger the one before found."""
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
 
 @pytest.fixture
