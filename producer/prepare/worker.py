@@ -37,6 +37,7 @@ from shared.config import FeatureConfig
 from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
 from shared.errors import CacheError
 from producer.prepare.dsp import LogMel, frame_count, resample
+from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
 from shared.service.lifecycle import die_with_parent
 from shared.service.priority import lower_cpu_priority
 from producer.prepare.wav import read_wav
@@ -136,6 +137,7 @@ def prepare_one(item: WorkItem, spec: WorkerSpec, logmel: LogMel) -> WorkResult:
 def _open_device(spec: WorkerSpec) -> str:
     """Import TensorFlow on the data GPU if one is configured and visible, else one CPU thread."""
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.data_gpu  # before the import; "" hides every GPU
+    skip_optional_imports_of_tensorflow()               # a spawned worker: its own import, without JAX/matplotlib
     import tensorflow as tf
 
     tf.config.experimental.enable_op_determinism()
