@@ -8,8 +8,9 @@ start-up without JAX and matplotlib"). Both modules guard the import and fall ba
 from melfeed).
 
 ``skip_optional_imports_of_tensorflow()`` installs an import finder that refuses ``jax`` and ``matplotlib``
-(and their submodules) to code inside the ``tensorflow`` and ``keras`` packages only; any other importer,
-a user's model step included, imports them as usual, before or after TensorFlow. melfeed's own process
+(and their submodules) to code inside the ``tensorflow`` and ``keras`` packages, and only while
+``import tensorflow`` itself runs. Any other importer, a user's model step included, imports them as
+usual, and so does Keras afterwards (a ``keras.layers.JaxLayer`` in a user's model still finds JAX). melfeed's own process
 entry points call it (``run_pipeline.py``, bench trials, doctor probes, prepare workers); the library never
 does, so a user's process keeps TensorFlow's ordinary import.
 """
@@ -35,10 +36,18 @@ class _RefuseToTensorFlow(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname.partition(".")[0] not in SKIPPED_PACKAGES or not _imported_from_tensorflow(sys._getframe(1)):
+        if (fullname.partition(".")[0] not in SKIPPED_PACKAGES or not _tensorflow_importing()
+                or not _imported_from_tensorflow(sys._getframe(1))):
             return None                           # the usual finders decide
         raise ModuleNotFoundError(f"{fullname} is not imported by TensorFlow in a melfeed process "
                                   "(shared/service/lean_tensorflow.py)", name=fullname)
+
+
+def _tensorflow_importing() -> bool:
+    """``import tensorflow`` is running: its module exists and its spec is still marked initialising (CPython
+    sets ``_initializing`` while a module's code runs; without the mark nothing is refused)."""
+    module = sys.modules.get("tensorflow")
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _imported_from_tensorflow(frame: FrameType | None) -> bool:
