@@ -96,11 +96,14 @@ def check_text(value: str, path: tuple[str, ...]) -> None:
 
 
 def check_endpoint(endpoint: str, path: tuple[str, ...]) -> None:
-    """``ipc://PATH`` (or ``ipc://@NAME``) that fits in a unix socket address, or ``tcp://HOST:PORT``."""
+    """``ipc:///ABSOLUTE/PATH`` (or ``ipc://@NAME``) that fits in a unix socket address, or ``tcp://HOST:PORT``."""
     if endpoint.startswith("ipc://"):
         address = endpoint.removeprefix("ipc://")
         if not address:
             raise ConfigError("ipc:// needs a socket path", path=path, got=endpoint)
+        if not address.startswith(("/", "@")):     # relative to each process's own working directory
+            raise ConfigError("needs an absolute socket path (ipc:///DIR/NAME.sock): a relative one names a "
+                              "different file in each process's working directory", path=path, got=endpoint)
         size = len(address.encode("utf-8"))
         if size > MAX_IPC_PATH_BYTES:
             raise ConfigError(f"socket path is {size} bytes, longer than the {MAX_IPC_PATH_BYTES} a unix socket "

@@ -99,6 +99,8 @@ def test_strings_with_control_characters_are_refused(value: str) -> None:
 
 @pytest.mark.parametrize("endpoint, expected", [
     ("ipc://", "ipc:// needs a socket path"),
+    ("ipc://melfeed.sock", "needs an absolute socket path (ipc:///DIR/NAME.sock)"),
+    ("ipc://./run/melfeed.sock", "needs an absolute socket path (ipc:///DIR/NAME.sock)"),
     ("ipc:///" + "d" * MAX_IPC_PATH_BYTES, f"socket path is {MAX_IPC_PATH_BYTES + 1} bytes, longer than the 107"),
     ("tcp://127.0.0.1", "must be tcp://HOST:PORT"),
     ("tcp://:5555", "must be tcp://HOST:PORT"),
