@@ -57,7 +57,7 @@ def _shown(got: Any) -> str:
     try:
         return escape_line(repr(got))
     except ValueError:   # int too large to convert to str
-        return f"a {type(got).__name__} that cannot be shown"
+        return f"a value of type {type(got).__name__} that cannot be shown"
 
 
 def _one_line(text: str) -> str:

@@ -162,5 +162,5 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """
     doc = _parse(_decode(_read_bounded(path), path), path)
     if doc is not None and not isinstance(doc, dict):
-        raise _fail(path, f"the top level must be a mapping (key: value lines), got a {type(doc).__name__}")
+        raise _fail(path, f"the top level must be a mapping (key: value lines), got a value of type {type(doc).__name__}")
     return doc

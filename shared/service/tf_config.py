@@ -95,7 +95,7 @@ def parse_tf_config(text: str, source: str) -> WorkerPlace:
     except RecursionError:
         raise fail("invalid JSON: nested too deeply") from None
     if not isinstance(doc, dict):
-        raise fail(f"must be a JSON object with 'cluster' and 'task', got a {type(doc).__name__}")
+        raise fail(f"must be a JSON object with 'cluster' and 'task', got a value of type {type(doc).__name__}")
     if not doc.get("cluster") and "task" not in doc:
         return SINGLE_WORKER             # TensorFlow's own reading of "{}": no cluster, one worker
     cluster = _read_cluster(doc.get("cluster"), fail)

@@ -91,7 +91,7 @@ def test_the_same_key_in_two_mappings_is_fine(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "kind"), [("- seed\n- 3\n", "list"), ("just a string\n", "str"), ("42\n", "int")])
 def test_the_top_level_must_be_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
     why = _refused(_write(tmp_path, text.encode()))
-    assert why == f"the top level must be a mapping (key: value lines), got a {kind}"
+    assert why == f"the top level must be a mapping (key: value lines), got a value of type {kind}"
 
 
 def test_an_empty_file_still_means_all_defaults(tmp_path: Path) -> None:
