@@ -4,15 +4,15 @@
 (Keras's ``keras.src.visualization``) whenever they are installed, which melfeed's ``jax`` and ``report``
 extras do. Neither is used by a process that trains, measures or prepares with TensorFlow, and the two cost
 1.1-1.5 s of CPU at every start on the 2-core development machine (docs/BENCHMARKS.md, "TensorFlow's
-start-up without JAX and matplotlib"). Both modules guard the import and fall back (TFLite's JAX conversion and Keras's image-gallery plot become unavailable: neither is reachable
-from melfeed).
+start-up without JAX and matplotlib"). Both modules guard the import and fall back: TFLite's JAX conversion
+and Keras's image-gallery plot become unavailable, and neither is reachable from melfeed.
 
 ``skip_optional_imports_of_tensorflow()`` installs an import finder that refuses ``jax`` and ``matplotlib``
 (and their submodules) to code inside the ``tensorflow`` and ``keras`` packages, and only while
 ``import tensorflow`` itself runs. Any other importer, a user's model step included, imports them as
-usual, and so does Keras afterwards (a ``keras.layers.JaxLayer`` in a user's model still finds JAX). melfeed's own process
-entry points call it (``run_pipeline.py``, bench trials, doctor probes, prepare workers); the library never
-does, so a user's process keeps TensorFlow's ordinary import.
+usual, and so does Keras afterwards (a ``keras.layers.JaxLayer`` in a user's model still finds JAX).
+melfeed's own process entry points call it (``run_pipeline.py``, bench trials, doctor probes, prepare
+workers); the library never does, so a user's process keeps TensorFlow's ordinary import.
 """
 
 from __future__ import annotations
