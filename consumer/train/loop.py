@@ -252,6 +252,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                     telemetry.set_phase(PHASE_TRAINING)
                     telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+    if consumer.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
+        log.error("%s", ceiling.message())
     out.interrupted = stop.is_set() and not consumer.finished and not ceiling.tripped
     notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
     if state is not None:

@@ -15,9 +15,12 @@ real rows only (a partial batch's padding rows are not rows):
     * from then on, after every applied batch, it trips when ``q > f * n`` (the fraction since this
       process started), or when the last ``min_rows`` rows trained were all quarantined (a cache lost in
       the middle of a long run stops it within ``min_rows`` rows, whatever the fraction before);
-    * ``f = 1.0`` turns both off; ``f = 0`` tolerates no quarantined row (judged from ``min_rows`` on).
+    * ``f = 1.0`` turns both off; ``f = 0`` tolerates no quarantined row (judged from ``min_rows`` on);
+    * a run that reaches the end of its plan before ``min_rows`` rows is judged once at the end
+      (``judge_at_end``): it trips when every row it trained was quarantined (a cache that is not there;
+      fewer bad rows in so short a run are still no trend).
 A resumed run counts afresh (the counts are this process's).
-Invariant: ``add`` returns True exactly once, on the batch that trips the rule.
+Invariant: ``add`` or ``judge_at_end`` returns True at most once, when the rule trips.
 Shutdown: nothing to release.
 """
 
@@ -52,6 +55,7 @@ class QuarantineCeiling:
     streak: int = 0               # quarantined rows in a row, up to the last row trained
     example: str = ""             # the first quarantined row seen: "sample N (utterance ID): PATH: REASON"
     tripped: bool = False
+    at_end: bool = False          # tripped by ``judge_at_end`` (the plan had ended: nothing to resume)
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +87,14 @@ class QuarantineCeiling:
         self.tripped = self._above() or self.streak >= self.min_rows
         return self.tripped
 
+    def judge_at_end(self) -> bool:
+        """Once, when the plan ended before ``min_rows`` rows: True (tripped) when every row trained was
+        quarantined. A longer run, an untripped rule already judged, or ``f = 1.0``: False."""
+        if self.tripped or not self.enabled or not 0 < self.rows < self.min_rows:
+            return False
+        self.tripped = self.at_end = self.quarantined == self.rows
+        return self.tripped
+
     def _above(self) -> bool:
         # q / n, not q > f * n: a ratio equal to the key's decimal rounds to the same double (0.29 * 100 does not)
         return self.rows > 0 and self.quarantined / self.rows > self.max_fraction
@@ -100,7 +112,9 @@ class QuarantineCeiling:
             seen = (f"the last {self.streak} rows trained were all quarantined ({self.quarantined} of {self.rows} "
                     f"in all, {pct:.2f} %)")
         example = f"; e.g. {self.example}" if self.example else ""
-        if not resumable:
+        if self.at_end:
+            then = "; the run reached the end of its plan on empty rows: fix the cache and train again"
+        elif not resumable:
             then = "; fix the cache and start again (no consumer.state_dir: nothing to resume)"
         elif resume_at is not None:
             then = f"; fix the cache and run the same command again: it resumes at batch {resume_at}"

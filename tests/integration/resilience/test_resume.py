@@ -160,3 +160,30 @@ def test_a_cache_gone_after_indexing_stops_the_run_with_65_in_order_and_it_resum
     found = latest_checkpoint(state)
     assert found is not None and found[1].next_batch == procs.audit_records(state) == steps
     assert s["error"] is None and s["steps"] == steps - resume_at and s["quarantined_samples"] == 0
+
+
+def test_a_plan_shorter_than_the_judging_window_on_a_cache_that_is_gone_ends_with_65_not_0(
+        tmp_path: Path, endpoint: str, producers: ProducerGroup, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 batches of 8 rows end the plan before one epoch (48 rows) is trained, so the rule is never judged
+    # batch by batch; every row being empty is judged once at the end (it exited 0 before).
+    import run_pipeline
+
+    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    cache, steps, buckets = tmp_path / "cache", 3, {"batch_size": 8, "num_buckets": 2}
+    write_demo_cache(cache, n_utterances=48)
+    for gone in [*cache.glob("*.pack"), *(cache / "mels").glob("*.npy")]:
+        gone.unlink()
+    summary = tmp_path / "summary.json"
+    config = procs.write_config(tmp_path / "run.yaml", cache, endpoint, tmp_path / "state", steps,
+                                buckets=buckets, consumer={"feed_efficiency_steps": 0})
+    producers.start(cache, endpoint, 1, buckets=buckets)
+
+    assert run_pipeline.main(["consumer", "--config", str(config), "--summary-json", str(summary)]) == 65
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("run_pipeline.py consumer: ")]
+    s = json.loads(summary.read_text())
+    assert s["steps"] == steps and 0 < s["quarantined_samples"] == s["samples"] <= steps * buckets["batch_size"]
+    assert line == "run_pipeline.py consumer: " + s["error"] and not s["interrupted"]
+    assert line.startswith(f"run_pipeline.py consumer: producer.max_quarantined_fraction: {s['samples']} of the "
+                           f"{s['samples']} rows trained were quarantined (100.00 %, above 1 %)"), line
+    assert line.endswith("the run reached the end of its plan on empty rows: fix the cache and train again"), line

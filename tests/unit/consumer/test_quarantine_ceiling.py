@@ -106,6 +106,26 @@ def test_min_rows_is_1000_or_one_epoch_of_the_plan_whichever_is_smaller() -> Non
     assert not ceiling_for(1.0, _Plan([])).enabled  # type: ignore[arg-type]  # off: the plan is not even asked
 
 
+def test_a_plan_that_ends_before_min_rows_is_judged_once_at_the_end_on_every_row_quarantined() -> None:
+    bad = QuarantineCeiling(0.01, min_rows=100)
+    assert _feed(bad, 2, 8, 8) == [] and not bad.tripped       # 16 rows, all empty: no verdict yet
+    assert bad.judge_at_end() and bad.tripped and bad.at_end
+    assert not bad.judge_at_end()                                # once
+    line = bad.message(resume_at=2)
+    assert line.startswith("producer.max_quarantined_fraction: 16 of the 16 rows trained were quarantined "
+                           "(100.00 %, above 1 %)")
+    assert line.endswith("the run reached the end of its plan on empty rows: fix the cache and train again")
+    some = QuarantineCeiling(0.01, min_rows=100)
+    _feed(some, 2, 8, 7)                                         # one good row in 16: still no trend
+    assert not some.judge_at_end() and not some.tripped
+    long = QuarantineCeiling(0.01, min_rows=16)
+    _feed(long, 2, 8, 0)
+    assert not long.judge_at_end()                               # judged batch by batch already
+    off, empty = QuarantineCeiling(1.0, min_rows=100), QuarantineCeiling(0.01, min_rows=100)
+    _feed(off, 1, 8, 8)
+    assert not off.judge_at_end() and not empty.judge_at_end()   # turned off; nothing trained
+
+
 def test_the_line_names_the_key_the_counts_the_first_bad_row_and_what_to_do() -> None:
     ceiling = QuarantineCeiling(0.01, min_rows=8)
     ceiling.add([4, 5, 6, 7], [], utterance_ids=["a", "b", "c", "d"])
