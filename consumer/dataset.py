@@ -74,11 +74,32 @@ def feature_keys(consumer: Consumer) -> tuple[str, ...]:
 
 
 def resolve_prefetch_device(setting: str | None) -> str | None:
-    """``prefetch_device`` of ``as_dataset``: "auto" = the first GPU TensorFlow sees, else None (no stage)."""
-    if setting != "auto":
-        return setting
-    gpus = tf.config.list_logical_devices("GPU")
-    return gpus[0].name if gpus else None
+    """``prefetch_device`` of ``as_dataset``: "auto" = the first GPU TensorFlow sees, else None (no stage).
+
+    Raises:
+        ValueError: a device name TensorFlow cannot parse or does not see (checked here, when the dataset is
+            made, not at its first batch).
+    """
+    if setting is None:
+        return None
+    if setting == "auto":
+        gpus = tf.config.list_logical_devices("GPU")
+        return gpus[0].name if gpus else None
+    seen = [d.name for d in tf.config.list_logical_devices()]
+    try:
+        spec = tf.DeviceSpec.from_string(setting) if isinstance(setting, str) else None
+    except ValueError:
+        spec = None
+    if spec is None or spec.device_type is None or not any(
+            _same_device(spec, tf.DeviceSpec.from_string(name)) for name in seen):
+        raise ValueError(f"prefetch_device must be 'auto', None or a device TensorFlow sees ({', '.join(seen)}), "
+                         f"got {setting!r}")
+    return setting
+
+
+def _same_device(wanted: tf.DeviceSpec, seen: tf.DeviceSpec) -> bool:
+    return (str(wanted.device_type).upper() == str(seen.device_type).upper()
+            and (wanted.device_index or 0) == (seen.device_index or 0))
 
 
 class _Tables:

@@ -168,6 +168,11 @@ def test_arguments_a_user_gets_wrong_are_one_clear_error(feed: Consumer, demo_ca
         feed.next_batch(None)  # type: ignore[arg-type]
     assert feed.next_batch(-1.0) is None           # a negative wait is no wait
     assert feed.next_batch(np.float32(0.01)) is None
+    for device in ("/GPU:7", "/CPU:3", "gpu zero", 0):  # named when the dataset is made, not at its first batch
+        with pytest.raises(ValueError, match=r"prefetch_device must be 'auto', None or a device TensorFlow sees "
+                                             r"\([^)]*CPU:0[^)]*\), got "):
+            feed.as_dataset(prefetch_device=device)  # type: ignore[arg-type]
+    assert feed.as_dataset(prefetch_device="/cpu:0") is not None      # any spelling of a device it sees
 
 
 def test_a_receiver_that_fails_while_the_loop_waits_ends_the_loop_with_its_error(
