@@ -1,20 +1,20 @@
 """melfeed's consumer: the training side, and the library a training loop takes batches from.
 
 ```python
-from consumer import Consumer
-with Consumer(cfg) as feed:            # cfg: shared.config_loader.load_config(path)
+from melfeed.consumer import Consumer
+with Consumer(cfg) as feed:            # cfg: melfeed.shared.config_loader.load_config(path)
     for batch in feed.batches():       # Batch: planned (id, bucket, sample ids), arrays, slot
         my_step(batch.arrays)          # views into a ring slot, valid until the next batch
 ```
 ``Consumer.as_dataset()`` gives the same batches as a ``tf.data.Dataset`` for Keras ``fit``.
 Invariants: importing this package never imports TensorFlow (``as_dataset`` imports it when
-called); ``consumer.feed`` and the modules under it never import this package back (no cycle).
+called); ``melfeed.consumer.feed`` and the modules under it never import this package back (no cycle).
 Shutdown: ``Consumer.close()`` (or leaving its ``with`` block); see ``consumer/feed.py``.
 Rooms: ``feed`` (the library), ``dataset``, ``app`` (the CLI), ``flow/``, ``transport/``, ``train/``,
 ``resume/``, ``observe/``, ``doctor/``, ``bench/``.
 """
 
-from consumer.feed import Batch, Consumer
-from consumer.flow.plan import PlannedBatch
+from melfeed.consumer.feed import Batch, Consumer
+from melfeed.consumer.flow.plan import PlannedBatch
 
 __all__ = ["Consumer", "Batch", "PlannedBatch"]

@@ -1,10 +1,10 @@
-"""``run_pipeline.py consumer`` and ``run_pipeline.py run`` (consumer here + producers as a child group).
+"""``melfeed consumer`` and ``melfeed run`` (consumer here + producers as a child group).
 
-``run`` starts the consumer in this process and ``run_pipeline.py producer`` as one child process
+``run`` starts the consumer in this process and ``melfeed producer`` as one child process
 group (its own uvloop supervisor) with ``producer.exit_at_plan_end`` set: when the plan is finished the
 consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop ladder is the fallback
 (``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
-78 on a contract error) the run stops with its exit code. Exit codes (run_pipeline.py maps the errors): 0
+78 on a contract error) the run stops with its exit code. Exit codes (melfeed maps the errors): 0
 finished or stopped by a signal, 1 unexpected failure, 65 too many quarantined rows trained (``DataError``),
 75 a rank lost contact with its job (``JobLostError``), 78 configuration error.
 
@@ -30,26 +30,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from consumer.feed import Consumer
-from consumer.job.agree import job_settings
-from consumer.job.cluster import Job, start_job
-from consumer.placement import apply_placement, configure_memory
-from consumer.resume.state import RunState
-from consumer.observe.telemetry import Telemetry
-from consumer.train.loop import train
-from shared.service.cli import config_from_args, with_demo_cache
-from shared.cache.manifest import Manifest
-from shared.config import PipelineConfig
-from shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
-from shared.config_loader import config_to_mapping, with_overrides
-from shared.errors import ConfigError, PipelineError, StateError
-from shared.flag_checks import check_output_file
-from shared.service.children import Child, child_env, python_argv, spawn, write_private_config
-from shared.service.lifecycle import (PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, resolve_endpoint,
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.job.agree import job_settings
+from melfeed.consumer.job.cluster import Job, start_job
+from melfeed.consumer.placement import apply_placement, configure_memory
+from melfeed.consumer.resume.state import RunState
+from melfeed.consumer.observe.telemetry import Telemetry
+from melfeed.consumer.train.loop import train
+from melfeed.shared.service.cli import config_from_args, with_demo_cache
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
+from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.errors import ConfigError, PipelineError, StateError
+from melfeed.shared.flag_checks import check_output_file
+from melfeed.shared.service.children import Child, child_env, entry_argv, spawn, write_private_config
+from melfeed.shared.service.lifecycle import (PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, resolve_endpoint,
                                       stop_on_signals)
-from shared.service.stop_ladder import GROUP_LADDER
-from shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
-from shared.service.sdnotify import Notifier
+from melfeed.shared.service.stop_ladder import GROUP_LADDER
+from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
+from melfeed.shared.service.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run", "run_exit_code", "start_producers", "stop_producers", "worker_place"]
 
@@ -157,7 +157,7 @@ def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = Non
 
 
 def _manifest_for_rank(cfg: PipelineConfig, place: WorkerPlace) -> Manifest:
-    from shared.cache.features import load_manifest_for
+    from melfeed.shared.cache.features import load_manifest_for
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     if place.is_multi_worker and cfg.consumer.state_dir is not None and cfg.consumer.keep_checkpoints < 2:
@@ -193,7 +193,7 @@ def _agree(job: Job, state: RunState | None) -> None:
                           "every rank its consumer.state_dir", path=("consumer", "state_dir"))
 
 
-def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
+def main_run(args: argparse.Namespace, started_s: float) -> int:
     place = worker_place(args)
     cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
@@ -209,7 +209,7 @@ def main_run(args: argparse.Namespace, started_s: float, entry: str) -> int:
             _telemetry(cfg, consumer, started_s, state) as telemetry:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
-        group = start_producers(child_cfg, entry, args.debug_delay_ms)
+        group = start_producers(child_cfg, args.debug_delay_ms)
         if job is None:
             configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap
         watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
@@ -242,13 +242,13 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
                           path=("transport", "curve_secret_key"))
 
 
-def start_producers(cfg: PipelineConfig, entry: str, debug_delay_ms: float) -> Child:
-    """``run_pipeline.py producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
+def start_producers(cfg: PipelineConfig, debug_delay_ms: float = 0.0) -> Child:
+    """``melfeed producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
     path = write_private_config(config_to_mapping(cfg), f"run-{os.getpid()}.yaml")
     extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
     try:
-        # entry: run_pipeline.py; the group stops itself if this process dies (no orphaned producers)
-        proc = spawn(python_argv(entry, "producer", "--config", str(path), *extra),
+        # the group stops itself if this process dies (no orphaned producers)
+        proc = spawn(entry_argv("producer", "--config", str(path), *extra),
                      env=child_env({PARENT_PID_ENV: str(os.getpid())}))
     except OSError:
         path.unlink(missing_ok=True)

@@ -56,8 +56,8 @@ from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
 
 if TYPE_CHECKING:
-    from consumer.feed import Consumer
-    from consumer.handout import Batch
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.handout import Batch
 
 __all__ = ["make_dataset", "FEATURE_KEYS", "feature_keys"]
 

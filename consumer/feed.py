@@ -1,7 +1,7 @@
 """The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset``.
 
 ```python
-from consumer import Consumer
+from melfeed.consumer import Consumer
 with Consumer(cfg) as feed:
     for batch in feed.batches():          # Batch.arrays: views into a ring slot
         my_step(batch.arrays)             # valid until the loop asks for the next batch
@@ -28,25 +28,25 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from consumer.flow.credit import LeaseBook
-from consumer.guards import check_config, check_receiver, check_start_batch, check_started, check_timeout
-from consumer.observe.startup import log_bound
-from consumer.handout import ArraySpec, Batch, Handout
-from consumer.flow.plan import EpochPlan
-from consumer.flow.shards import plan_for_rank
-from consumer.flow.decisions import HandshakeContract, SessionConfig
-from consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
-from consumer.flow.ring import BatchRing, slot_nbytes_for
-from consumer.transport.shm_slots import ShmSlots, open_ring_files
-from shared.cache.features import load_manifest_for
-from shared.cache.manifest import Manifest
-from shared.config import PipelineConfig, check_transport_mode, resolve_checksum
-from shared.config_checks import check_ring_bytes, physical_memory_bytes
-from shared.errors import ClosedError, ConfigError
-from shared.service.lifecycle import resolve_endpoint
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.wire.curve import server_keys_for
-from shared.wire.schema import ExtraSpec
+from melfeed.consumer.flow.credit import LeaseBook
+from melfeed.consumer.guards import check_config, check_receiver, check_start_batch, check_started, check_timeout
+from melfeed.consumer.observe.startup import log_bound
+from melfeed.consumer.handout import ArraySpec, Batch, Handout
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.flow.shards import plan_for_rank
+from melfeed.consumer.flow.decisions import HandshakeContract, SessionConfig
+from melfeed.consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
+from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
+from melfeed.consumer.transport.shm_slots import ShmSlots, open_ring_files
+from melfeed.shared.cache.features import load_manifest_for
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.config import PipelineConfig, check_transport_mode, resolve_checksum
+from melfeed.shared.config_checks import check_ring_bytes, physical_memory_bytes
+from melfeed.shared.errors import ClosedError, ConfigError
+from melfeed.shared.service.lifecycle import resolve_endpoint
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.wire.curve import server_keys_for
+from melfeed.shared.wire.schema import ExtraSpec
 
 __all__ = ["Batch", "Consumer", "ArraySpec"]
 
@@ -373,11 +373,11 @@ class Consumer:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
         Zero copy unless ``single_shape`` pads; a batch is applied when the caller takes it, its slot
-        freed at the next element. ``features``: any of ``consumer.dataset.feature_keys(self)``;
+        freed at the next element. ``features``: any of ``melfeed.consumer.dataset.feature_keys(self)``;
         ``prefetch_device``: "auto" = one batch read ahead onto the model GPU when TensorFlow sees one,
         None = never, or a device name (consumer/README.md, "Exactly once on the library path").
         """
-        from consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
+        from melfeed.consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features, prefetch_device)
 
     def zmq_context(self) -> Any:

@@ -12,8 +12,8 @@ import numbers
 import operator
 from typing import Any
 
-from shared.config import PipelineConfig
-from shared.errors import PipelineError
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import PipelineError
 
 __all__ = ["check_config", "check_start_batch", "check_timeout", "check_started", "check_receiver"]
 
@@ -21,7 +21,7 @@ __all__ = ["check_config", "check_start_batch", "check_timeout", "check_started"
 def check_config(cfg: Any) -> PipelineConfig:
     """``cfg`` itself, or ``TypeError`` saying how to make one (a dict or a path is a common slip)."""
     if not isinstance(cfg, PipelineConfig):
-        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (shared.config_loader.load_config(path) "
+        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.shared.config_loader.load_config(path) "
                         f"or config_from_mapping(dict)), got {type(cfg).__name__}")
     return cfg
 

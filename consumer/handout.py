@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from consumer.flow.plan import PlannedBatch
-from shared.wire.layout import PAYLOAD_COPIES
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.shared.wire.layout import PAYLOAD_COPIES
 
 __all__ = ["Batch", "ArraySpec", "Handout", "row_mask"]
 

@@ -16,11 +16,11 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from consumer.resume.filemode import make_private_dir
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
-from shared.filetrust import untrusted_reason
-from shared.flag_checks import resolve_path
+from melfeed.consumer.resume.filemode import make_private_dir
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.filetrust import untrusted_reason
+from melfeed.shared.flag_checks import resolve_path
 
 __all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "configure_memory", "placement_env",
            "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
@@ -87,7 +87,7 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
         if "CUDA_VISIBLE_DEVICES" in changed:
             raise ConfigError(f"TensorFlow was imported before it could be applied (CUDA_VISIBLE_DEVICES is "
                               f"{environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}); set it before importing "
-                              f"TensorFlow or call consumer.placement.apply_placement first",
+                              f"TensorFlow or call melfeed.consumer.placement.apply_placement first",
                               path=("consumer", "model_gpu"), got=cfg.consumer.model_gpu)
         if "TF_XLA_FLAGS" in changed:
             log.warning("XLA compilation cache off: TensorFlow was imported before TF_XLA_FLAGS could name %s",

@@ -38,11 +38,11 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from shared.errors import PipelineError
+from melfeed.shared.errors import PipelineError
 
 if TYPE_CHECKING:
-    from consumer.feed import Consumer
-    from consumer.handout import Batch
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.handout import Batch
 
 __all__ = ["Completed", "HandOff", "Staged", "Stager"]
 

@@ -1,6 +1,6 @@
-"""``run_pipeline.py producer``: supervise N producers, or run one (``--instance N``, for systemd).
+"""``melfeed producer``: supervise N producers, or run one (``--instance N``, for systemd).
 
-``--producers N`` writes the effective config once (``shared.service.children.handed_over_config``:
+``--producers N`` writes the effective config once (``melfeed.shared.service.children.handed_over_config``:
 mode 0600 in the runtime directory, removed on exit) and supervises N child processes (restart with
 back-off). ``--instance N`` runs producer N in this process, for ``producer@N.service``, where
 systemd restarts it; ``--demo`` serves the built-in demo cache (written first if missing, as for
@@ -14,15 +14,15 @@ import multiprocessing
 import os
 import signal
 
-from producer.supervisor import supervise_producers
-from shared.service.cli import config_from_args, with_demo_cache
-from shared.config_loader import config_to_mapping, with_overrides
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
-from shared.service.children import handed_over_config
-from shared.service.lifecycle import die_with_named_parent, resolve_endpoint, stop_on_signals
-from shared.service.sdnotify import Notifier
-from shared.flag_checks import resolve_path
+from melfeed.producer.supervisor import supervise_producers
+from melfeed.shared.service.cli import config_from_args, with_demo_cache
+from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.children import handed_over_config
+from melfeed.shared.service.lifecycle import die_with_named_parent, resolve_endpoint, stop_on_signals
+from melfeed.shared.service.sdnotify import Notifier
+from melfeed.shared.flag_checks import resolve_path
 
 __all__ = ["main_producer"]
 
@@ -37,12 +37,12 @@ def main_producer(args: argparse.Namespace) -> int:
     cfg = with_overrides(cfg, {"transport.endpoint": resolve_endpoint(cfg, os.environ),
                                "cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
     if args.instance is None:   # else each of the N children prints the same refusal of a bad manifest: one line here
-        from shared.cache.features import load_manifest_for
+        from melfeed.shared.cache.features import load_manifest_for
         load_manifest_for(cfg, feeds_model=False)
     notifier = Notifier()
     try:
         if args.instance is not None:        # systemd producer@N.service: systemd is the supervisor
-            from producer.process import run_one
+            from melfeed.producer.process import run_one
             multiprocessing.current_process().name = f"producer-{args.instance}"
             return run_one(cfg, args.instance, args.debug_delay_ms / 1000.0, notifier)
         # Handlers first (a SIGTERM from here on is a clean stop that removes the file and says

@@ -28,15 +28,15 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from producer.batch_rows import RowBytes, zero_bytes
-from producer.extra_reader import ExtraReader
-from producer.reader import CacheReader, TransientReadError
-from shared.wire.buckets import BucketSet
-from shared.errors import CacheError
-from shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
+from melfeed.producer.batch_rows import RowBytes, zero_bytes
+from melfeed.producer.extra_reader import ExtraReader
+from melfeed.producer.reader import CacheReader, TransientReadError
+from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
 if TYPE_CHECKING:
-    from producer.pack.reader import PackReader
+    from melfeed.producer.pack.reader import PackReader
 
 __all__ = ["BuiltBatch", "BatchAssembler"]
 

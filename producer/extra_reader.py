@@ -3,7 +3,7 @@
 Role: the producer's only reader of ``extras/``; ``producer/batcher.py`` calls ``read_row`` once per
 extra per row, into the row of the send buffer or the consumer's shared-memory slot (seen as bytes:
 ``producer/batch_rows.py``), so an extra costs the same copies as the mel: one ``preadv`` from page
-cache into its place. What a row holds (cut and zero padding by kind) is ``shared.wire.schema.pad_row``'s rule.
+cache into its place. What a row holds (cut and zero padding by kind) is ``melfeed.shared.wire.schema.pad_row``'s rule.
 
 Invariants:
 - A read either fills the row by that rule or raises ``CacheError`` naming the file (missing, not
@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.batch_rows import HeadViews, RowBytes
-from producer.open_files import Identity, OpenFiles
-from producer.reader import read_file_exact
-from shared.cache.extras import EXTRAS_DIR
-from shared.cache.manifest import Manifest
-from shared.cache.npyfile import parse_npy_header
-from shared.errors import CacheError
-from shared.wire.schema import ExtraSpec
+from melfeed.producer.batch_rows import HeadViews, RowBytes
+from melfeed.producer.open_files import Identity, OpenFiles
+from melfeed.producer.reader import read_file_exact
+from melfeed.shared.cache.extras import EXTRAS_DIR
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.cache.npyfile import parse_npy_header
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.schema import ExtraSpec
 
 __all__ = ["ExtraReader"]
 

@@ -9,7 +9,7 @@ Invariants:
   keeps nothing open between reads (every ``release`` closes). The capacity is also held below half
   of this process's soft ``RLIMIT_NOFILE``, so the cache never starves sockets of descriptors; if an
   open still fails for lack of descriptors, half the cache is closed and the open tried once more.
-- Every descriptor was opened by ``shared.cache.filekind.open_regular``: a regular file, opened
+- Every descriptor was opened by ``melfeed.shared.cache.filekind.open_regular``: a regular file, opened
   without blocking. Its identity (device, inode, size, mtime) is the ``fstat`` of that open.
 - Staleness is bounded in time: an entry last checked more than ``revalidate_s`` ago is checked by
   path (``os.stat``) before use; a file replaced on disk (a rename over it: another inode) or rewritten
@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from shared.cache.filekind import open_regular
+from melfeed.shared.cache.filekind import open_regular
 
 __all__ = ["OpenFile", "OpenFiles", "descriptor_budget"]
 

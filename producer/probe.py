@@ -1,7 +1,7 @@
-"""Stage 1 of ``run_pipeline.py doctor``: cache read + batch assembly in this one process.
+"""Stage 1 of ``melfeed doctor``: cache read + batch assembly in this one process.
 
-``python -m producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N] [--warm]``
-builds representative batches (``shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
+``python -m melfeed.producer.probe --config FILE --seconds S [--debug-delay-ms D] [--start-at T] [--seed N] [--warm]``
+builds representative batches (``melfeed.shared.wire.bucket_mix``: the epoch's bucket proportions) with the real
 ``BatchAssembler`` and ``CacheReader`` (and the packed cache, as ``producer.pack`` selects) for S seconds
 and prints ONE JSON object on stdout:
 ``{"batches", "elapsed_s", "batches_per_s", "build_ms_p50", "build_ms_p99", "read_ms_p50",
@@ -34,21 +34,21 @@ _MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; c
 
 
 def _p(values: list[float], q: float) -> float:
-    from shared.metrics import percentile
+    from melfeed.shared.metrics import percentile
     return percentile(sorted(values), q)
 
 
 def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
             seed: int, warm: bool = False) -> dict[str, float | str | None]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
-    from producer.batcher import BatchAssembler
-    from producer.pack.reader import open_pack_reader
-    from producer.reader import CacheReader
-    from shared.wire.bucket_mix import representative_batches
-    from shared.wire.buckets import build_buckets
-    from shared.config_loader import load_config
-    from shared.errors import ConfigError
-    from shared.cache.features import load_manifest_for
+    from melfeed.producer.batcher import BatchAssembler
+    from melfeed.producer.pack.reader import open_pack_reader
+    from melfeed.producer.reader import CacheReader
+    from melfeed.shared.wire.bucket_mix import representative_batches
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.cache.features import load_manifest_for
 
     cfg = load_config(config_path)
     if cfg.cache_dir is None:
@@ -100,7 +100,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="producer.probe")
+    ap = argparse.ArgumentParser(prog="melfeed.producer.probe")
     ap.add_argument("--config", required=True)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--debug-delay-ms", type=float, default=0.0)
@@ -110,15 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import os
-    from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.service.lifecycle import die_with_named_parent, setup_logging
+    from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.service.lifecycle import die_with_named_parent, setup_logging
     die_with_named_parent()          # started by doctor or bench: ends with it, even when it is SIGKILLed
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
         result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed,
                          args.warm)
     except PipelineError as err:
-        print(f"producer.probe: {err}", file=sys.stderr)
+        print(f"melfeed.producer.probe: {err}", file=sys.stderr)
         return EXIT_CONFIG
     print(json.dumps(result))
     return 0

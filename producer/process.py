@@ -1,6 +1,6 @@
-"""Entry point of one producer process (spawned by ``producer.supervisor``).
+"""Entry point of one producer process (spawned by ``melfeed.producer.supervisor``).
 
-``python -m producer.process --config FILE --index N``: lowers its CPU priority to ``producer.nice``,
+``python -m melfeed.producer.process --config FILE --index N``: lowers its CPU priority to ``producer.nice``,
 sets ``CUDA_VISIBLE_DEVICES`` to the data GPU before anything could import a framework, loads the manifest, derives the bucket shapes (the
 consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from producer.worker import ProducerWorker
-    from shared.config import PipelineConfig
-    from shared.service.sdnotify import Notifier
+    from melfeed.producer.worker import ProducerWorker
+    from melfeed.shared.config import PipelineConfig
+    from melfeed.shared.service.sdnotify import Notifier
 
 __all__ = ["main", "run_one"]
 
@@ -34,16 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A terminal's Ctrl-C reaches the whole group, this child too, while it still imports (a KeyboardInterrupt
     # traceback): the supervisor stops it with SIGTERM; ``run_one``'s handlers take over from here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ap = argparse.ArgumentParser(prog="producer.process")
+    ap = argparse.ArgumentParser(prog="melfeed.producer.process")
     ap.add_argument("--config", required=True)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--debug-delay-ms", type=float, default=0.0)
     args = ap.parse_args(argv)
     multiprocessing.current_process().name = f"producer-{args.index}"
 
-    from shared.config_loader import load_config
-    from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
+    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     parent = os.environ.get(PARENT_PID_ENV, "")
     die_with_parent(parent_pid=int(parent) if parent.isdigit() else None)   # the supervisor may already be gone
@@ -58,13 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Notifier | None = None) -> int:
     """One producer in this process until SIGTERM: the launcher's child, or a systemd instance.
 
-    With a ``shared.service.sdnotify.Notifier``: READY once built and connecting, STATUS on join/leave and
+    With a ``melfeed.shared.service.sdnotify.Notifier``: READY once built and connecting, STATUS on join/leave and
     every few seconds, WATCHDOG from the worker loop (which turns at least every heartbeat).
     """
-    from shared.errors import EXIT_CONFIG, PipelineError
-    from shared.service.lifecycle import stop_on_signals
-    from shared.service.priority import lower_cpu_priority
-    from shared.service.sdnotify import Notifier
+    from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.service.lifecycle import stop_on_signals
+    from melfeed.shared.service.priority import lower_cpu_priority
+    from melfeed.shared.service.sdnotify import Notifier
     # First, in the main thread: the threads ZeroMQ starts later inherit it (shared/service/priority.py).
     lower_cpu_priority(cfg.producer.nice)
     notifier = notifier if notifier is not None else Notifier({})
@@ -121,18 +121,18 @@ class _Status:
 
 def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
                   on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
-    from producer.batcher import BatchAssembler
-    from producer.pack.reader import open_pack_reader
-    from producer.reader import CacheReader
-    from producer.session import SessionConfig
-    from producer.slot_maps import SlotMappings
-    from producer.worker import ProducerWorker, WorkerConfig
-    from shared.cache.features import load_manifest_for
-    from shared.config import check_transport_mode
-    from shared.errors import ConfigError
-    from shared.service.lifecycle import resolve_endpoint
-    from shared.wire.buckets import build_buckets
-    from shared.wire.curve import client_keys_for
+    from melfeed.producer.batcher import BatchAssembler
+    from melfeed.producer.pack.reader import open_pack_reader
+    from melfeed.producer.reader import CacheReader
+    from melfeed.producer.session import SessionConfig
+    from melfeed.producer.slot_maps import SlotMappings
+    from melfeed.producer.worker import ProducerWorker, WorkerConfig
+    from melfeed.shared.cache.features import load_manifest_for
+    from melfeed.shared.config import check_transport_mode
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.service.lifecycle import resolve_endpoint
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.wire.curve import client_keys_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
@@ -164,9 +164,9 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
 def _fault_dir() -> Path | None:
     """Where a mapped pack's fault record goes (the private runtime dir, producer/pack/mapped.py), or None:
     without one the pack is read with ``preadv`` (a bus error must not become a restart loop)."""
-    from shared.config import resolve_runtime_dir
-    from shared.errors import ConfigError
-    from shared.service.lifecycle import prepare_runtime_dir
+    from melfeed.shared.config import resolve_runtime_dir
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.service.lifecycle import prepare_runtime_dir
     try:
         return prepare_runtime_dir(resolve_runtime_dir(os.environ))
     except ConfigError as err:

@@ -11,7 +11,7 @@ Invariants:
   (only that padding tail), or raises ``CacheError`` naming the file.
 - Only regular files are read: the open cannot block (``O_NONBLOCK``) and a FIFO, device,
   directory, dangling symlink or symlink loop is refused like any other bad file
-  (``shared.cache.filekind``; the type check is the ``fstat`` the size check needs anyway).
+  (``melfeed.shared.cache.filekind``; the type check is the ``fstat`` the size check needs anyway).
 - Descriptors are kept open across batches in a bounded LRU cache (``producer.open_files``,
   ``producer/open_files.py``): a file is opened, typed and sized once, not once per read. A file
   replaced or rewritten on disk is noticed within ``revalidate_s`` (its identity -- device, inode,
@@ -48,14 +48,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producer.batch_rows import HeadViews, RowBytes
-from producer.open_files import Identity, OpenFiles
-from shared.errors import CacheError
-from shared.cache.index import ids_outside
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
-from shared.cache.npyfile import parse_npy_header
-from shared.wire.half_cast import HalfCaster
-from shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
+from melfeed.producer.batch_rows import HeadViews, RowBytes
+from melfeed.producer.open_files import Identity, OpenFiles
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.index import ids_outside
+from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
+from melfeed.shared.cache.npyfile import parse_npy_header
+from melfeed.shared.wire.half_cast import HalfCaster
+from melfeed.shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
 
 __all__ = ["CacheReader", "TransientReadError", "read_file_exact"]
 

@@ -33,9 +33,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.errors import EXIT_CONFIG
-from shared.printable import escape_line
-from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
+from melfeed.shared.errors import EXIT_CONFIG
+from melfeed.shared.printable import escape_line
+from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
                                   Message, RejectCode, StageCounters, Welcome)
 
 __all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]

@@ -5,7 +5,7 @@ it once (``MAP_SHARED``, read-write) and the assembler builds the batch straight
 that mapping, laid out exactly as the consumer's slot (``shared/wire/layout.py``).
 Trust (docs/ARCHITECTURE.md "Trust"): whoever answers at the endpoint names the directory and the
 file, so nothing is opened on its word. A file is mapped only when the WELCOME's directory is, resolved,
-the one this producer derives from its own config (``shared.wire.same_host.resolve_shm_dir``), the name
+the one this producer derives from its own config (``melfeed.shared.wire.same_host.resolve_shm_dir``), the name
 is a slot name of the lease's slot and generation, and the file, opened with ``O_NOFOLLOW``, is (``fstat``
 on that descriptor, so nothing can change between check and use) a regular file of our effective uid
 with one link, no group or other permission bits and exactly one slot's size. Anything else raises
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.wire.buckets import BucketSet
-from shared.wire.layout import batch_layout, layout_nbytes, layout_views, slot_nbytes_for
-from shared.wire.protocol import ShmSlot
-from shared.wire.same_host import SLOT_NAME_RE, resolve_shm_dir, user_name
+from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.wire.layout import batch_layout, layout_nbytes, layout_views, slot_nbytes_for
+from melfeed.shared.wire.protocol import ShmSlot
+from melfeed.shared.wire.same_host import SLOT_NAME_RE, resolve_shm_dir, user_name
 
 __all__ = ["SlotMappings"]
 

@@ -1,12 +1,12 @@
-"""Parent of N producer processes (``run_pipeline.py producer --producers N``), supervised on uvloop.
+"""Parent of N producer processes (``melfeed producer --producers N``), supervised on uvloop.
 
-Each child is a fresh interpreter (``python -m producer.process``; never fork a process that may hold a
+Each child is a fresh interpreter (``python -m melfeed.producer.process``; never fork a process that may hold a
 ZeroMQ context or TensorFlow). A child that crashes is restarted with exponential back-off (reset
 after it stayed up ``_HEALTHY_S``); a child that exits 78 (configuration or contract error) stops
 the whole group with 78, so systemd's ``RestartPreventExitStatus=78`` applies. Under
 ``producer.exit_at_plan_end`` (set by ``run``) a child that exits 0 has finished (the consumer's plan
 ended): it is not restarted, and once every child has finished the supervisor exits 0 by itself.
-Shutdown ladder on stop (``shared.service.stop_ladder``: the same rungs, timeouts and ``escalate``
+Shutdown ladder on stop (``melfeed.shared.service.stop_ladder``: the same rungs, timeouts and ``escalate``
 as every other parent, run here on the event loop): set stop -> SIGTERM every child -> wait
 ``PRODUCER_LADDER.term_wait_s`` -> SIGKILL -> wait; each escalation is logged. A child whose start was
 still under way when the stop came (not yet in the ladder's list) gets the same ladder once started. Children
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import uvloop
 
-from shared.errors import EXIT_CONFIG
-from shared.service.children import child_env, module_argv
-from shared.service.lifecycle import PARENT_PID_ENV
-from shared.service.sdnotify import Notifier
-from shared.service.stop_ladder import PRODUCER_LADDER, Rung, escalate, next_rung, signal_child
+from melfeed.shared.errors import EXIT_CONFIG
+from melfeed.shared.service.children import child_env, module_argv
+from melfeed.shared.service.lifecycle import PARENT_PID_ENV
+from melfeed.shared.service.sdnotify import Notifier
+from melfeed.shared.service.stop_ladder import PRODUCER_LADDER, Rung, escalate, next_rung, signal_child
 
 __all__ = ["supervise_producers"]
 
@@ -54,7 +54,7 @@ class _Group:
 
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
-        argv = module_argv("producer.process", "--config", str(self.config_path), "--index", str(index), *extra)
+        argv = module_argv("melfeed.producer.process", "--config", str(self.config_path), "--index", str(index), *extra)
         proc = await asyncio.create_subprocess_exec(*argv, env=child_env({PARENT_PID_ENV: str(os.getpid())}))
         self.procs[index] = proc
         log.info("started producer-%d pid=%d", index, proc.pid)

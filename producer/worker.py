@@ -36,14 +36,14 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from producer.batcher import BuiltBatch
-from producer.reader import TransientReadError
-from producer.session import BuildOrder, ProducerSession, SessionConfig
-from producer.slot_maps import SlotMappings
-from shared.errors import EXIT_CONFIG, CacheError, ProtocolError
-from shared.wire.curve import ClientKeys
-from shared.wire.protocol import BatchHeader, Message, StageCounters, Welcome, decode_header, encode
-from shared.wire.same_host import ipc_socket_path, socket_file_problem
+from melfeed.producer.batcher import BuiltBatch
+from melfeed.producer.reader import TransientReadError
+from melfeed.producer.session import BuildOrder, ProducerSession, SessionConfig
+from melfeed.producer.slot_maps import SlotMappings
+from melfeed.shared.errors import EXIT_CONFIG, CacheError, ProtocolError
+from melfeed.shared.wire.curve import ClientKeys
+from melfeed.shared.wire.protocol import BatchHeader, Message, StageCounters, Welcome, decode_header, encode
+from melfeed.shared.wire.same_host import ipc_socket_path, socket_file_problem
 
 __all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig", "BatchBuilder", "Dealer"]
 
@@ -53,7 +53,7 @@ _BYE_LINGER_MS = 500     # a failing producer's BYE may take this long to leave;
 
 
 class BatchBuilder(Protocol):
-    """What the worker needs of ``producer.batcher.BatchAssembler`` (tests pass a fake)."""
+    """What the worker needs of ``melfeed.producer.batcher.BatchAssembler`` (tests pass a fake)."""
 
     read_s_total: float
 
@@ -153,7 +153,7 @@ class ProducerWorker:
 
         Raises:
             Exception: whatever escaped the loop (a bug, an unexpected build error), after the BYE
-                carrying exit code 1 and its one-line reason went out; ``producer.process`` logs it
+                carrying exit code 1 and its one-line reason went out; ``melfeed.producer.process`` logs it
                 and exits 1.
         """
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -2,7 +2,7 @@
 (the contract both sides speak), ``cache/`` (what is on disk) and ``service/`` (process lifecycle).
 
 Imports flow producer -> shared <- consumer; nothing here imports either side. Nothing is
-re-exported: import the module you need (``from shared.config_loader import load_config``).
+re-exported: import the module you need (``from melfeed.shared.config_loader import load_config``).
 """
 
 __all__: list[str] = []

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.config_checks import (check_distinct_binds, check_endpoint, check_int32, check_not_abstract, check_number,
+from melfeed.shared.config_checks import (check_distinct_binds, check_endpoint, check_int32, check_not_abstract, check_number,
                                   check_seed, plain_params)
-from shared.config_checks import require as _check
-from shared.config_features import FeatureConfig
-from shared.gpu_select import check_gpu_list
-from shared.wire.layout import MEL_WIRE_DTYPES
+from melfeed.shared.config_checks import require as _check
+from melfeed.shared.config_features import FeatureConfig
+from melfeed.shared.gpu_select import check_gpu_list
+from melfeed.shared.wire.layout import MEL_WIRE_DTYPES
 
 __all__ = [
     "BucketConfig",
@@ -129,7 +129,7 @@ class TransportConfig:
     # handshake after handshake_timeout_s is dropped by libzmq (ZMQ_HANDSHAKE_IVL).
     max_connections: int = 64              # open connections to transport.endpoint (producers + spare)
     handshake_timeout_s: float = 10.0      # a loaded host finishes a CURVE handshake in milliseconds
-    # CURVE (required for every tcp://, loopback included, unless insecure; files from `run_pipeline.py keys`)
+    # CURVE (required for every tcp://, loopback included, unless insecure; files from `melfeed keys`)
     curve_secret_key: str | None = None    # this side's NAME.key_secret (consumer: consumer.key_secret)
     curve_server_key: str | None = None    # producers: the consumer's public consumer.key
     curve_allowed_dir: str | None = None   # consumer: directory of allowed producers' public NAME.key files
@@ -282,7 +282,7 @@ class ProducerConfig:
     open_files: int = 8192                 # cache files each producer keeps open (LRU; held to half of
                                            # RLIMIT_NOFILE); 0 = open and close every file on every read;
                                            # 8192 = the 2,000-utterance demo cache with its 2 extras (4 per utterance)
-    pack: str = "auto"                     # "auto": CACHE/melfeed-<mel_dtype>.pack (run_pipeline.py pack), mapped,
+    pack: str = "auto"                     # "auto": CACHE/melfeed-<mel_dtype>.pack (melfeed pack), mapped,
                                            # when it serves this manifest, else the .npy files; "preadv": the
                                            # pack read, not mapped; "off": the .npy files
     nice: int = 0                          # CPU niceness of producers and prepare workers (0..19), set
@@ -316,7 +316,7 @@ JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader pass
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
 
-    step: str = "consumer.train.model:build_reference_step"
+    step: str = "melfeed.consumer.train.model:build_reference_step"
     vocab_size: int = 256                  # token ids must be < vocab_size
     learning_rate: float = 1e-3
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)

@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shared.errors import ConfigError
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
            "check_text", "check_endpoint", "check_distinct_binds", "check_output_paths", "check_ring_bytes",

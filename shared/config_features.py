@@ -1,4 +1,4 @@
-"""The ``features`` section: how ``run_pipeline.py prepare`` turns audio into log-mels.
+"""The ``features`` section: how ``melfeed prepare`` turns audio into log-mels.
 
 Role: the analysis settings a prepared cache records in its manifest (``shared/cache/features.py``
 compares them at start). Invariant: every ``FeatureConfig`` that exists is valid; a bad value raises
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config_checks import require as _check
+from melfeed.shared.config_checks import require as _check
 
 __all__ = ["FeatureConfig"]
 
 
 @dataclass(frozen=True, slots=True)
 class FeatureConfig:
-    """How ``run_pipeline.py prepare`` turns audio into log-mels (the bin count is root ``n_mels``).
+    """How ``melfeed prepare`` turns audio into log-mels (the bin count is root ``n_mels``).
 
     A prepared cache records every field but the duration limits in its manifest; a producer or
     consumer whose config differs refuses to start, naming the key (see ``shared/cache/features.py``).

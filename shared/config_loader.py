@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from shared.config import (BucketConfig, ConsumerConfig, FeatureConfig, ModelConfig, PipelineConfig,
+from melfeed.shared.config import (BucketConfig, ConsumerConfig, FeatureConfig, ModelConfig, PipelineConfig,
                            ProducerConfig, TransportConfig)
-from shared.config_checks import check_number, check_text
-from shared.errors import ConfigError
-from shared.yaml_safe import read_config_file
+from melfeed.shared.config_checks import check_number, check_text
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.yaml_safe import read_config_file
 
 __all__ = ["load_config", "config_from_mapping", "config_to_mapping", "with_overrides"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.printable import escape_line
+from melfeed.shared.printable import escape_line
 
 __all__ = [
     "PipelineError",

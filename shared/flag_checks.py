@@ -7,8 +7,8 @@ Role: the refusals several commands share, so that none can forget one (README "
 - ``check_output_file``: a file a command writes at its END (``bench --json``, ``audit --json``,
   ``run --summary-json``) is checked BEFORE any work: not a directory, its directory exists and is
   writable, an existing file is writable, and no other user could make the write land elsewhere (a
-  symbolic link in its place, a file planted in /tmp: ``shared.output_files.output_reason``); a mistake
-  found after an hour of trials loses the results. The write itself (``shared.output_files.write_output``)
+  symbolic link in its place, a file planted in /tmp: ``melfeed.shared.output_files.output_reason``); a mistake
+  found after an hour of trials loses the results. The write itself (``melfeed.shared.output_files.write_output``)
   checks again on its descriptor;
 - ``check_not_an_input``: an output file is none of the command's input files (same path after
   resolving links, or the same inode), so ``report m.jsonl -o m.jsonl`` cannot overwrite its data;
@@ -29,9 +29,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
-from shared.errors import ConfigError
-from shared.output_files import check_output
+from melfeed.shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.output_files import check_output
 
 __all__ = ["check_number", "check_output_file", "check_not_an_input", "read_regular_file", "resolve_path"]
 
@@ -56,7 +56,7 @@ def check_output_file(path: str | None, flag: str) -> None:
     Raises:
         ConfigError: naming ``flag``: the path is a directory, its directory is missing or not writable,
             the file exists and is not writable, or another user could redirect the write
-            (``shared.output_files.check_output``).
+            (``melfeed.shared.output_files.check_output``).
     """
     if path is None:
         return

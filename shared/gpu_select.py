@@ -1,7 +1,7 @@
 """A ``CUDA_VISIBLE_DEVICES`` value from the config: a comma-separated list of GPU indices or UUIDs.
 
 No TensorFlow here: the consumer applies the value before TensorFlow is first imported
-(``consumer.placement``); the config validates it with ``check_gpu_list``.
+(``melfeed.consumer.placement``); the config validates it with ``check_gpu_list``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Role: ``--metrics-file``, ``--summary-json``, ``--json`` (bench, doctor, audit, 
 ``deploy``'s units and ``keys`` write here; ``deploy --target-dir``, ``demo-data DIR`` and ``prepare
 --cache`` are checked here. The attack: alice writes /tmp/m.jsonl, mallory made it a link to
 ~alice/.bashrc first, or a file of hers (to read what alice appends). The rule, in one place:
-- the place passes ``shared.filetrust.place_reason`` (the file's own name is not followed);
+- the place passes ``melfeed.shared.filetrust.place_reason`` (the file's own name is not followed);
 - a symbolic link in the file's place is refused, whoever owns it (never followed: ``O_NOFOLLOW``, or a
   rename over it); a FIFO or device is refused (opened without blocking, then ``fstat``);
 - in a directory other users can create files in (sticky, as /tmp) an existing file must be this
@@ -36,8 +36,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from shared.errors import ConfigError
-from shared.filetrust import others_can_write, place_reason
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.filetrust import others_can_write, place_reason
 
 __all__ = ["OUTPUT_FILE_MODE", "check_output", "check_output_dir", "create_new", "open_output", "output_dir_reason",
            "output_reason", "replace_output", "write_output"]

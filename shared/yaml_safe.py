@@ -1,7 +1,7 @@
 """Reading a YAML config file that may be hostile: bounded, UTF-8 only, no anchors or aliases.
 
 Role: ``read_config_file`` is the only code that turns a config file's bytes into the mapping
-``shared.config.load_config`` validates. On a shared box the file can be anything, so before any
+``melfeed.shared.config.load_config`` validates. On a shared box the file can be anything, so before any
 value is trusted (docs/ARCHITECTURE.md, invariant 7):
 
 - it must be a regular file (a FIFO would block the open, ``/dev/zero`` would never end), read
@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
-from shared.errors import ConfigError
+from melfeed.shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["MAX_CONFIG_BYTES", "read_config_file", "read_text_file"]
 

@@ -1,4 +1,4 @@
-"""Running ``run_pipeline.py`` as a user would, to check that a mistake gets one line and exit 78.
+"""Running ``melfeed`` as a user would, to check that a mistake gets one line and exit 78.
 
 ``unprivileged=True`` runs it without root's file-permission bypass (``setpriv`` dropping
 CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH), so a read-only or mode-000 directory refuses it as it
@@ -26,16 +26,16 @@ def run_cli(*args: str, unprivileged: bool = False, env: dict[str, str] | None =
         if shutil.which("setpriv") is None:
             pytest.skip("root without setpriv cannot give up its file-permission bypass")
         prefix = _DROP_DAC
-    return subprocess.run([*prefix, sys.executable, str(REPO / "run_pipeline.py"), *args], capture_output=True,
+    return subprocess.run([*prefix, sys.executable, "-m", "melfeed", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=_TIMEOUT_S,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
 
 
 def refusal(proc: subprocess.CompletedProcess[str], command: str) -> str:
-    """The one line a refused command printed (exit 78, no traceback), without the ``run_pipeline.py CMD: `` head."""
+    """The one line a refused command printed (exit 78, no traceback), without the ``melfeed CMD: `` head."""
     assert proc.returncode == 78, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
-    head = f"run_pipeline.py {command}: "
+    head = f"melfeed {command}: "
     lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     assert len(lines) == 1, proc.stderr
     return lines[0][len(head):]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.service.stop_ladder import Ladder, stop_process
+from melfeed.shared.service.stop_ladder import Ladder, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 _GROUP_LADDER = Ladder(60.0, 60.0)   # only a real hang gets near it (tests/procs.py: WAIT_S)
@@ -57,7 +57,7 @@ def tmp_path() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shared.cache.demo_data import write_demo_cache
+    from melfeed.shared.cache.demo_data import write_demo_cache
     path = tmp_path_factory.mktemp("demo") / "cache"
     write_demo_cache(path, n_utterances=200)
     return path
@@ -75,7 +75,7 @@ def endpoint(tmp_path: Path) -> str:
 
 
 class ProducerGroup:
-    """``run_pipeline.py producer`` as a real child process; always reaped by the fixture."""
+    """``melfeed producer`` as a real child process; always reaped by the fixture."""
 
     def __init__(self, tmp_path: Path) -> None:
         self._tmp = tmp_path
@@ -87,7 +87,7 @@ class ProducerGroup:
         cfg.update(extra)
         path = self._tmp / f"producers-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "producer", "--config", str(path),
+        proc = subprocess.Popen([sys.executable, "-m", "melfeed", "producer", "--config", str(path),
                                  "--producers", str(count)], cwd=REPO, env={**os.environ, "XDG_RUNTIME_DIR": str(self._tmp)})
         self.procs.append(proc)
         return proc

@@ -10,10 +10,10 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from consumer.flow.plan import PlannedBatch
-from producer.batcher import BuiltBatch
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.protocol import Message, decode_header, encode
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.producer.batcher import BuiltBatch
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.protocol import Message, decode_header, encode
 
 
 def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:

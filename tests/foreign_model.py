@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from consumer.train.model import StepSpec
+from melfeed.consumer.train.model import StepSpec
 
 _N_POS = 8   # position features per frame: r, 1, sin/cos of 3 octaves
 

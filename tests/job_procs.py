@@ -1,4 +1,4 @@
-"""A two-rank MultiWorkerMirroredStrategy job on loopback: each rank a real `run_pipeline.py run` process.
+"""A two-rank MultiWorkerMirroredStrategy job on loopback: each rank a real `melfeed run` process.
 
 Each rank has its own TF_CONFIG file (free loopback ports for the cluster), config, state directory,
 ipc endpoint and producer group, as two hosts would. The reference model on small buckets in graph
@@ -95,7 +95,7 @@ class Job:
     def audit(self) -> tuple[int, dict[str, object], str]:
         report = self.tmp / f"audit-{time.monotonic_ns()}.json"
         states = [str(self.state(rank)) for rank in range(WORLD)]
-        proc = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", *states, "--json",
+        proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", *states, "--json",
                                str(report)], cwd=procs.REPO, capture_output=True, text=True, timeout=60)
         doc = json.loads(report.read_text()) if report.exists() else {}
         return proc.returncode, doc, proc.stdout + proc.stderr

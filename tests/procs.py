@@ -1,6 +1,6 @@
 """Real consumer and producer processes for restart, chaos and resume tests (no fakes).
 
-The consumer runs ``run_pipeline.py consumer`` and the producers ``run_pipeline.py producer``, as
+The consumer runs ``melfeed consumer`` and the producers ``melfeed producer``, as
 the systemd units do, so killing one side leaves the other running. For tests that a command leaves no
 child behind: ``descendants`` of a process, each ``Tracked`` by pid and start time (a pid reused by a later
 process is not taken for a survivor), ``wait_gone`` (polled, bounded) and ``describe`` (a survivor's state and
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from consumer.resume.audit import RECORD_BYTES
+from melfeed.consumer.resume.audit import RECORD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_STEP = "tests.steps:tiny_step"
@@ -57,7 +57,7 @@ def env(tmp: Path) -> dict[str, str]:
 
 
 def command(name: str, config: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(REPO / "run_pipeline.py"), name, "--config", str(config), *extra]
+    return [sys.executable, "-m", "melfeed", name, "--config", str(config), *extra]
 
 
 _started: list[subprocess.Popen[bytes]] = []   # every process start() made in this test, reaped after it
@@ -65,7 +65,7 @@ _started: list[subprocess.Popen[bytes]] = []   # every process start() made in t
 
 def start(name: str, config: Path, log_path: Path, *extra: str,
           extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``run_pipeline.py NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
+    """``melfeed NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent) | (extra_env or {}),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
@@ -198,9 +198,9 @@ def kill_running(family: list[Tracked]) -> None:
 
 
 def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:
-    """``run_pipeline.py audit`` as a user runs it: exit code, its JSON, its printed text."""
+    """``melfeed audit`` as a user runs it: exit code, its JSON, its printed text."""
     out_json = tmp / f"audit-{time.monotonic_ns()}.json"
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "audit", str(state_dir), "--json",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "--json",
                            str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=60)
     doc = json.loads(out_json.read_text()) if out_json.exists() else {}
     return proc.returncode, doc, proc.stdout + proc.stderr
@@ -234,6 +234,6 @@ def slot_files(pids: list[int], directory: Path = Path("/dev/shm")) -> list[str]
 
 
 def temp_dirs(command: str, pid: int) -> list[str]:
-    """The temporary directories of ``run_pipeline.py COMMAND`` (bench, doctor) run as process ``pid``."""
+    """The temporary directories of ``melfeed COMMAND`` (bench, doctor) run as process ``pid``."""
     prefix = f"melfeed-{command}-{pid}-"
     return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefix))

@@ -1,9 +1,9 @@
 """``python -m tests.replica_check OUT.json``: one replica against two on the same global batches.
 
 Runs in a fresh interpreter because the CPU must be split into 2 logical devices before TensorFlow
-initialises its devices (``consumer.placement.configure_memory``), which a pytest process that already
+initialises its devices (``melfeed.consumer.placement.configure_memory``), which a pytest process that already
 ran TensorFlow cannot do. Builds the reference step twice with the same seed: once on one device (no
-strategy) and once under ``consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
+strategy) and once under ``melfeed.consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
 both through ``CompiledStep`` in graph mode, and runs the same batches through both. Then a checkpoint
 of the replicated step (``CheckpointStore``) restored into it and the last batches run again must end
 bit-identical to the uninterrupted run, with every replica's copy of every variable equal. Then a float16
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from consumer.placement import configure_memory
-from shared.config_loader import config_from_mapping
+from melfeed.consumer.placement import configure_memory
+from melfeed.shared.config_loader import config_from_mapping
 
 _ROWS, _FRAMES, _TOKENS, _MELS = 8, 48, 16, 80
 _BATCHES = 4
@@ -32,7 +32,7 @@ _CUT = 2   # the checkpoint is taken after this many batches
 
 
 def _batches() -> list[dict[str, np.ndarray]]:
-    from consumer.train.handoff import aligned_empty
+    from melfeed.consumer.train.handoff import aligned_empty
     rng = np.random.default_rng(7)
     out = []
     for _ in range(_BATCHES):
@@ -53,11 +53,11 @@ def main(out_path: str) -> int:
     cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
                                "model": {"learning_rate": 0.01, "jit_compile": False}})
     configure_memory(cfg)          # before any TensorFlow op: 2 logical CPU devices
-    from consumer.resume.checkpoint import CheckpointStore, Cursor
-    from consumer.train.model import StepSpec, build_reference_step
-    from consumer.train.replicas import Replicas, replica_scope
-    from consumer.train.step import CompiledStep
-    from consumer.train.handoff import to_tensors
+    from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor
+    from melfeed.consumer.train.model import StepSpec, build_reference_step
+    from melfeed.consumer.train.replicas import Replicas, replica_scope
+    from melfeed.consumer.train.step import CompiledStep
+    from melfeed.consumer.train.handoff import to_tensors
 
     shapes = [{"mel": (_ROWS, _FRAMES, _MELS), "mel_len": (_ROWS,), "tokens": (_ROWS, _TOKENS), "tok_len": (_ROWS,)}]
     batches = _batches()
@@ -107,10 +107,10 @@ def main(out_path: str) -> int:
 def _float16_replicas(shapes: list[dict[str, tuple[int, ...]]], replicas: Any,
                       batches: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     """Two replicas on float16 slots against two on float32 slots of the same (float16-rounded) values."""
-    from consumer.train.handoff import aligned_empty, to_tensors
-    from consumer.train.model import StepSpec, build_reference_step
-    from consumer.train.replicas import replica_scope
-    from consumer.train.step import CompiledStep
+    from melfeed.consumer.train.handoff import aligned_empty, to_tensors
+    from melfeed.consumer.train.model import StepSpec, build_reference_step
+    from melfeed.consumer.train.replicas import replica_scope
+    from melfeed.consumer.train.step import CompiledStep
 
     out: dict[str, Any] = {}
     for mel_dtype in ("float32", "float16"):
@@ -134,10 +134,10 @@ def _float16_replicas(shapes: list[dict[str, tuple[int, ...]]], replicas: Any,
 
 def _xla_on_cpu_replicas(cfg: Any, shapes: list[dict[str, tuple[int, ...]]], replicas: Any) -> str:
     """``jit_compile: true`` on logical CPU replicas: the one-line StepError (empty if none was raised)."""
-    from consumer.train.model import StepSpec
-    from consumer.train.replicas import replica_scope
-    from consumer.train.step import CompiledStep
-    from shared.errors import StepError
+    from melfeed.consumer.train.model import StepSpec
+    from melfeed.consumer.train.replicas import replica_scope
+    from melfeed.consumer.train.step import CompiledStep
+    from melfeed.shared.errors import StepError
     from tests.steps import replica_tiny_step
 
     with replica_scope(replicas):

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep
+from melfeed.consumer.train.model import StepSpec
+from melfeed.consumer.train.step import CompiledStep
 from tests.steps import tiny_step
 
 _SHAPES = {"mel": (4, 16, 8), "mel_len": (4,), "tokens": (4, 6), "tok_len": (4,)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from consumer.train.model import StepSpec, global_sum
+from melfeed.consumer.train.model import StepSpec, global_sum
 
 
 class _TinyStep:

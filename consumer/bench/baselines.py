@@ -19,7 +19,7 @@ TensorFlow is imported inside the functions that build datasets, so the service 
 started (and import it themselves) before the trainer pays for its own import.
 Invariants: datasets repeat forever (the caller takes what it measures); element order is the
 plan's full batches in plan order. Shutdown: ``ServiceProcesses.close()`` runs the stop ladder
-(``shared.service.stop_ladder``: SIGTERM, bounded wait, SIGKILL) on its servers and reaps them;
+(``melfeed.shared.service.stop_ladder``: SIGTERM, bounded wait, SIGKILL) on its servers and reaps them;
 idempotent.
 """
 
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from consumer.flow.plan import EpochPlan
-from shared.wire.buckets import BucketSet
-from shared.cache.manifest import Manifest
-from shared.service.children import python_argv, spawn
-from shared.service.stop_ladder import SERVER_LADDER, stop_all
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.service.children import python_argv, spawn
+from melfeed.shared.service.stop_ladder import SERVER_LADDER, stop_all
 
 if TYPE_CHECKING:   # annotations only: the import itself happens inside the builders
     import tensorflow as tf
@@ -152,8 +152,8 @@ def _free_port() -> int:
 
 
 # Each server first asks for SIGTERM when the trial that started it dies (argv[2]: the trial's pid), even by
-# SIGKILL: a server never outlives its trial (shared.service.children.CommandChildren).
-_ORPHAN_GUARD = ("import signal, sys; from shared.service.lifecycle import die_with_parent; "
+# SIGKILL: a server never outlives its trial (melfeed.shared.service.children.CommandChildren).
+_ORPHAN_GUARD = ("import signal, sys; from melfeed.shared.service.lifecycle import die_with_parent; "
                  "die_with_parent(signal.SIGTERM, parent_pid=int(sys.argv[2])); ")
 _DISPATCHER = (_ORPHAN_GUARD + "import tensorflow as tf; s = tf.data.experimental.service; "
                "s.DispatchServer(s.DispatcherConfig(port=int(sys.argv[1]))).join()")

@@ -1,7 +1,7 @@
-"""``run_pipeline.py bench``: melfeed against tuned tf.data, the naive loader and tf.data service.
+"""``melfeed bench``: melfeed against tuned tf.data, the naive loader and tf.data service.
 
 Role: run every system on the same cache, bucket shapes and compiled zero-cost step, each trial a
-fresh ``python -m consumer.bench.trial`` process (helpers are its children), in ``--rounds``
+fresh ``python -m melfeed.consumer.bench.trial`` process (helpers are its children), in ``--rounds``
 rounds that alternate the systems (the order rotates every round, so drift hits all of them), then
 print medians, ratios against the best tuned tf.data and the goals as PASS/FAIL, and write every
 raw trial plus the medians with ``--json``. A transport section (or ``--transport-only``) measures
@@ -11,7 +11,7 @@ model by default) fed by melfeed and by tuned tf.data, each against its own resi
 (``consumer/bench/efficiency.py``); its trials share one persistent XLA cache so only the first compiles.
 The ``tcp`` system (in ``--transports`` by default) is the payload path a remote producer takes:
 loopback tcp under CURVE, one producer count, max rate only, so it adds one trial per round. Each round
-also runs doctor's stage 1 (``python -m producer.probe --warm``) once: a long-running producer's CPU per batch built.
+also runs doctor's stage 1 (``python -m melfeed.producer.probe --warm``) once: a long-running producer's CPU per batch built.
 The transport section and the build probe also run with ``transport.mel_dtype: float16`` (``--mel-dtypes``):
 rows labelled ``-f16``, the cache's mels as they are (float16 files) or cast (float32 files), no goal.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported
@@ -19,7 +19,7 @@ as not available. Exit codes: 0 when every trial ran (goal FAILs are results, no
 trial failed (its one-line error is printed and kept in the JSON), 78 for a bad flag or cache.
 Shutdown: a trial past ``--trial-timeout-s`` is killed with its whole process group. SIGTERM or SIGINT
 stops the running trial or probe (its group, with the stop ladder) and exits ``128 + signal`` without a
-report (``shared.service.children.CommandChildren``); no child outlives bench. A trial stopped by SIGTERM
+report (``melfeed.shared.service.children.CommandChildren``); no child outlives bench. A trial stopped by SIGTERM
 unwinds (its consumer, producers, keys); bench removes each trial's runtime dir (socket, CURVE keys) once
 the trial's group is gone, and the slot files of a trial killed with SIGKILL.
 """
@@ -39,27 +39,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from consumer.bench.efficiency import build_efficiency, efficiency_systems
-from consumer.bench.report import build_report, render
-from consumer.placement import XLA_CACHE_FLAG
-from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
-from shared.cache.manifest import Manifest
-from shared.cache.pack_format import pack_path
-from shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
-from shared.config_loader import config_to_mapping, load_config, with_overrides
-from shared.errors import ConfigError
-from shared.output_files import write_output
-from shared.flag_checks import check_number, check_output_file, resolve_path
-from shared.service.children import (REPO_ROOT, CommandChildren, Interrupted, child_env, handed_over_config,
+from melfeed.consumer.bench.efficiency import build_efficiency, efficiency_systems
+from melfeed.consumer.bench.report import build_report, render
+from melfeed.consumer.placement import XLA_CACHE_FLAG
+from melfeed.consumer.transport.shm_slots import clean_stale, resolve_shm_dir
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.cache.pack_format import pack_path
+from melfeed.shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
+from melfeed.shared.config_loader import config_to_mapping, load_config, with_overrides
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.output_files import write_output
+from melfeed.shared.flag_checks import check_number, check_output_file, resolve_path
+from melfeed.shared.service.children import (CommandChildren, Interrupted, child_env, handed_over_config,
                                      module_argv)
-from shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
-from shared.service.stop_ladder import communicate_or_kill
+from melfeed.shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
+from melfeed.shared.service.stop_ladder import communicate_or_kill
 
 __all__ = ["main_bench"]
 
 log = logging.getLogger(__name__)
 
-_ZERO_STEP = "consumer.bench.trial:zero_step"
+_ZERO_STEP = "melfeed.consumer.bench.trial:zero_step"
 _BUILD_PROBE_S = 5.0      # doctor's stage 1 per round (1 s with --smoke)
 _SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200, "mel_dtypes": "float32"}
@@ -136,9 +136,9 @@ def _efficiency_batches(args: argparse.Namespace) -> int:
 def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig:
     cfg = with_overrides(load_config(args.config), {"cache_dir": args.cache_dir})
     if args.demo:
-        from shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
-        from shared.cache.demo_data import write_demo_cache
-        from shared.cache.pack_write import ensure_pack
+        from melfeed.shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
+        from melfeed.shared.cache.demo_data import write_demo_cache
+        from melfeed.shared.cache.pack_write import ensure_pack
         cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(s["demo_utterances"])
         manifest = write_demo_cache(cache, n_utterances=s["demo_utterances"], extras=True)   # packed: float32
         if "float16" in s["mel_dtypes"]:
@@ -146,20 +146,20 @@ def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    from shared.cache.features import load_manifest_for
+    from melfeed.shared.cache.features import load_manifest_for
     _check_full_batch(cfg, load_manifest_for(cfg))   # a missing or bad cache fails here, once, with its path
     return with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
 
 
 def _check_full_batch(cfg: PipelineConfig, manifest: Manifest) -> None:
-    """The tf.data baselines compare full batches only (``consumer.bench.baselines``): a cache whose plan has
+    """The tf.data baselines compare full batches only (``melfeed.consumer.bench.baselines``): a cache whose plan has
     none is refused before any trial, not reported as a failed baseline in every round after the rest ran.
 
     Raises:
         ConfigError: naming ``cache_dir``, its utterance count and the batch sizes.
     """
-    from consumer.flow.plan import EpochPlan
-    from shared.wire.buckets import build_buckets
+    from melfeed.consumer.flow.plan import EpochPlan
+    from melfeed.shared.wire.buckets import build_buckets
     buckets = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     plan = EpochPlan(buckets, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
     if not any(len(b.sample_ids) == buckets.buckets[b.bucket].batch_size for b in plan.epoch(0)):
@@ -236,8 +236,8 @@ def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[st
         cache.mkdir(parents=True, exist_ok=True)
         extra["TF_XLA_FLAGS"] = f"{XLA_CACHE_FLAG}={cache}"
     env = child_env(extra, drop=("RUNTIME_DIRECTORY",))
-    proc = _CHILDREN.spawn(module_argv("consumer.bench.trial", json.dumps(spec | {"work_dir": str(runtime)})),
-                           env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = _CHILDREN.spawn(module_argv("melfeed.consumer.bench.trial", json.dumps(spec | {"work_dir": str(runtime)})),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            cleanup=_trial_cleanup(runtime, spec["config"]["transport"].get("shm_dir")))
     try:
         out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
@@ -310,8 +310,8 @@ def _build_probe_rounds(config: Path, s: dict[str, Any], seconds: float, timeout
     """``--rounds`` warm probes of one config, labelled ``system`` (``producer-build``, ``-f16``)."""
     results: list[dict[str, Any]] = []
     for rnd in range(s["rounds"]):
-        proc = _CHILDREN.spawn(module_argv("producer.probe", "--config", str(config), "--seconds", str(seconds),
-                                           "--seed", str(rnd), "--warm"), env=child_env(), cwd=REPO_ROOT,
+        proc = _CHILDREN.spawn(module_argv("melfeed.producer.probe", "--config", str(config), "--seconds", str(seconds),
+                                           "--seed", str(rnd), "--warm"), env=child_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err, timed_out = communicate_or_kill(proc, "bench producer build probe", timeout_s)
@@ -352,7 +352,7 @@ def main_bench(args: argparse.Namespace) -> int:
                       _build_probes(cfg, s, 1.0 if args.smoke else _BUILD_PROBE_S, args.trial_timeout_s, Path(tmp)))
             fed = _rounds(cfg, efficiency, s, [0], args.trial_timeout_s, Path(tmp) / "e") if efficiency else []
     except Interrupted as stop:
-        print(f"run_pipeline.py bench: {stop}: its trials were stopped, no report written", file=sys.stderr)
+        print(f"melfeed bench: {stop}: its trials were stopped, no report written", file=sys.stderr)
         return 128 + stop.signum
     report = build_report(trials, probes, systems + ([] if args.no_transport else transport), s, builds)
     if efficiency:
@@ -367,7 +367,7 @@ def main_bench(args: argparse.Namespace) -> int:
         try:
             write_output(args.json, json.dumps(report, indent=1, default=str) + "\n", what="--json")
         except OSError as err:      # checked before the trials; a full disk is still one line
-            print(f"run_pipeline.py bench: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            print(f"melfeed bench: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1
     failed = [t for t in trials + probes + builds + fed if not t["ok"]]
     return 1 if failed else 0

@@ -1,7 +1,7 @@
 """Trainer CPU per batch of ``Consumer.as_dataset()`` against the plain ``batches()`` loop.
 
-Role: ``python -m consumer.bench.dataset_cpu --demo`` runs a real ``Consumer`` fed by a real
-producer group (``run_pipeline.py producer``, child processes) twice on the same plan: once
+Role: ``python -m melfeed.consumer.bench.dataset_cpu --demo`` runs a real ``Consumer`` fed by a real
+producer group (``melfeed producer``, child processes) twice on the same plan: once
 iterating ``batches()`` (the receiver thread plus the loop: the floor), once iterating
 ``as_dataset()`` from Python (what a Keras ``fit`` pays per element before its step). Neither loop
 reads the arrays (a step reads them inside its own program), so the difference is the hand-over
@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.config import PipelineConfig
-from shared.config_loader import config_from_mapping, with_overrides
-from shared.service.children import ENTRY_SCRIPT
-from shared.service.cli import OneLineParser
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.service.cli import OneLineParser
 
 __all__ = ["main"]
 
@@ -53,10 +52,10 @@ def _dataset_loop(feed: Any) -> Iterator[None]:
 
 
 def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup: int, batches: int) -> dict[str, float]:
-    from consumer.app import start_producers, stop_producers
-    from consumer.feed import Consumer
+    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.feed import Consumer
     with Consumer(cfg) as feed:
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}), str(ENTRY_SCRIPT), 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
         try:
             cpu0 = wall0 = 0.0
             done = 0
@@ -73,7 +72,7 @@ def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup:
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    from shared.cache.demo_data import default_demo_dir, write_demo_cache
+    from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     if args.demo:
         write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
@@ -82,7 +81,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m consumer.bench.dataset_cpu", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m melfeed.consumer.bench.dataset_cpu", description=__doc__.splitlines()[0])
     ap.add_argument("--cache-dir", help="cache with mels/, tokens/ and manifest.json (default: the demo cache)")
     ap.add_argument("--demo", action="store_true", help="generate (once) the built-in demo cache")
     ap.add_argument("--demo-utterances", type=int, default=2000)
@@ -103,6 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
     sys.exit(main())

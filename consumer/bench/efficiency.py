@@ -3,7 +3,7 @@
 Role: pure functions over the trials of ``consumer/bench/trial_reference.py`` (no I/O, no clock): which
 systems run (each melfeed transport with the first producer count, every tuned tf.data variant), their
 medians, the goals as ``stats.Goal`` and the table. Feed efficiency = fed steps/s / steps/s of the same
-compiled step on resident batches of the same buckets (``shared.metrics``); each trial measures its own
+compiled step on resident batches of the same buckets (``melfeed.shared.metrics``); each trial measures its own
 limit after warm-up, so a system is compared with the step it actually fed.
 Goals, for each melfeed system: feed efficiency >= ``feed_efficiency_goal`` (0.95 when the step ran on
 the CPU, 0.98 on a GPU) and above the best tuned tf.data system's. Invariants: as in
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from consumer.bench import stats as bs
-from shared.metrics import feed_efficiency_goal
+from melfeed.consumer.bench import stats as bs
+from melfeed.shared.metrics import feed_efficiency_goal
 
 __all__ = ["EFFICIENCY_METRICS", "efficiency_systems", "build_efficiency", "efficiency_goals", "render_efficiency"]
 

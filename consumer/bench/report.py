@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from consumer.bench import stats as bs
-from consumer.bench.efficiency import render_efficiency
+from melfeed.consumer.bench import stats as bs
+from melfeed.consumer.bench.efficiency import render_efficiency
 
 __all__ = ["DEVICE_MODEL", "COPIES_COUNTED", "UNAVAILABLE", "F16_NOTE", "build_report", "render"]
 
@@ -120,7 +120,7 @@ def render(report: Mapping[str, Any]) -> str:
                 (("float32 wire", "build_medians"), ("float16 wire (-f16)", "build_medians_f16"),
                  ("float32, pack read with preadv (-preadv)", "build_medians_preadv"),
                  ("float32, .npy files (-npy)", "build_medians_npy")) if report.get(key)]
-        parts += ["", "producer build (doctor stage 1: python -m producer.probe --warm, one producer alone, medians):",
+        parts += ["", "producer build (doctor stage 1: python -m melfeed.producer.probe --warm, one producer alone, medians):",
                   bs.format_table(["mel format", "CPU ms/batch", "build ms p50", "read ms p50", "batches/s"], rows)]
     if any(x.endswith("-f16") for x in report["transport_medians"]) or report.get("build_medians_f16"):
         parts += [F16_NOTE]

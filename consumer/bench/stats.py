@@ -1,4 +1,4 @@
-"""Pure arithmetic of ``run_pipeline.py bench``: medians per system, ratios, goals, calibration, tables.
+"""Pure arithmetic of ``melfeed bench``: medians per system, ratios, goals, calibration, tables.
 
 Role: everything the benchmark concludes from its raw trial numbers, with no clock, process or
 TensorFlow, so tests can check it with hand-made numbers. A trial is a flat JSON-able dict

@@ -1,17 +1,17 @@
-"""One ``bench`` trial in a fresh process: ``python -m consumer.bench.trial SPEC_JSON`` prints one JSON line.
+"""One ``bench`` trial in a fresh process: ``python -m melfeed.consumer.bench.trial SPEC_JSON`` prints one JSON line.
 
 Role: run one system (melfeed on ipc, shared memory or loopback tcp under CURVE with keys made for the
 trial, tuned tf.data, the naive loader, tf.data service, or the transport probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures; a spec with
 ``"model": "reference"`` is a feed-efficiency trial instead (``consumer/bench/trial_reference.py``). Helpers
 (producer group, service servers) are children of this process and are reaped before the CPU of
-the children is read (``consumer.bench.usage``).
+the children is read (``melfeed.consumer.bench.usage``).
 Device-time model: the compiled zero-cost step (``zero_step``: reads one element of each array) runs
 for real, then the loop sleeps so a step takes ``step_ms`` in total (``sleep_for_step_s``, with the
 zero step's own median time measured here first). A GPU step costs the host no CPU; real compute on
 this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
-Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``shared.service.stop_ladder``
-(producers: ``consumer.app.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
+Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``melfeed.shared.service.stop_ladder``
+(producers: ``melfeed.consumer.app.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
 (``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's). Started by bench
 (``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
 its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
@@ -35,18 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from consumer.bench.usage import UsageWindow
-from consumer.bench.stats import gb_per_s, sleep_for_step_s
-from shared.config import PipelineConfig, resolve_checksum
-from shared.config_loader import config_from_mapping, with_overrides
-from shared.service.children import ENTRY_SCRIPT, child_env
-from shared.service.lifecycle import die_with_named_parent, exit_on_sigterm
+from melfeed.consumer.bench.usage import UsageWindow
+from melfeed.consumer.bench.stats import gb_per_s, sleep_for_step_s
+from melfeed.shared.config import PipelineConfig, resolve_checksum
+from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.service.children import child_env
+from melfeed.shared.service.lifecycle import die_with_named_parent, exit_on_sigterm
 
 __all__ = ["zero_step", "main"]
 
 log = logging.getLogger(__name__)
 
-_ENTRY = str(ENTRY_SCRIPT)
 _CALIBRATION_CALLS = 30
 _MEMCPY_REPEATS = 20
 _TCP_PRODUCER = "bench"   # the CURVE key name of the tcp trial's producers (they speak as bench-<index>)
@@ -71,14 +70,14 @@ class _ZeroStep:
 
 
 def zero_step(spec: object) -> _ZeroStep:
-    """Step factory for ``model.step: consumer.bench.trial:zero_step``."""
+    """Step factory for ``model.step: melfeed.consumer.bench.trial:zero_step``."""
     return _ZeroStep(spec)
 
 
 def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> float:
     """Median seconds of one compiled zero-cost step on the largest bucket (compile excluded)."""
     import tensorflow as tf
-    from consumer.train.step import CompiledStep
+    from melfeed.consumer.train.step import CompiledStep
     largest = bucket_shapes[-1]   # buckets grow with their index
     compiled = CompiledStep(_ZeroStep(None), [largest])
     compiled.warm_up()
@@ -126,7 +125,7 @@ def _tcp_with_curve(cfg: PipelineConfig, keys_dir: Path) -> tuple[PipelineConfig
 
     crc32 stays as ``transport.checksum`` and ``resolve_checksum`` decide (off under CURVE by default).
     """
-    from shared.wire.curve import generate_keys
+    from melfeed.shared.wire.curve import generate_keys
     generate_keys(keys_dir, [_TCP_PRODUCER])
     consumer = with_overrides(cfg, {"transport.endpoint": f"tcp://127.0.0.1:{_free_loopback_port()}",
                                     "transport.mode": "zmq" if "mode" in cfg.transport.__dataclass_fields__ else None,
@@ -150,17 +149,16 @@ def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: dict[str, Any]) -> dict[str, Any]:
-    from consumer.app import start_producers, stop_producers
-    from consumer.feed import Consumer
-    from consumer.train.loop import train
+    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.train.loop import train
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
     with Consumer(cfg) as consumer:
         shapes = [b.shapes() for b in consumer.bucket_set.buckets]
         zero_s = _calibrate_zero_step_s(shapes)
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint} | producer_over),
-                                _ENTRY, 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint} | producer_over))
         try:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(),
                             on_step=_step_hook(window, warmup, batches, sleep_s))
@@ -172,10 +170,10 @@ def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: 
 
 
 def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
-    from consumer.bench import baselines
-    from consumer.flow.plan import EpochPlan
-    from shared.wire.buckets import build_buckets
-    from shared.cache.features import load_manifest_for
+    from melfeed.consumer.bench import baselines
+    from melfeed.consumer.flow.plan import EpochPlan
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.cache.features import load_manifest_for
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
     files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial), bucket_set, 1)
@@ -183,7 +181,7 @@ def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     window = UsageWindow()
     service = baselines.ServiceProcesses(spec["workers"], child_env()) if spec["kind"] == "service" else None
     try:
-        from consumer.train.step import CompiledStep   # TensorFlow: after the servers started their own import
+        from melfeed.consumer.train.step import CompiledStep   # TensorFlow: after the servers started their own import
         zero_s = _calibrate_zero_step_s(shapes)
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
         compiled = CompiledStep(_ZeroStep(None), shapes)
@@ -230,14 +228,14 @@ def _memcpy_gb_per_s(nbytes: int) -> float | None:
 
 def _run_transport(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Real producers -> real Consumer in library mode, each batch released at once."""
-    from consumer.app import start_producers, stop_producers
-    from consumer.feed import Consumer
+    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.feed import Consumer
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
     nbytes = 0
     with Consumer(cfg) as feed:
         memcpy = _memcpy_gb_per_s(feed.bucket_set.max_batch_nbytes())
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}), _ENTRY, 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
         try:
             for done, batch in enumerate(feed.batches(), start=1):
                 if done == warmup:
@@ -264,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with exit_on_sigterm():      # stopped by bench: stop the helpers, close the consumer, remove the keys first
             die_with_named_parent(signal.SIGTERM)   # a bench killed even with SIGKILL takes this trial down
-            from consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
+            from melfeed.consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
             runners = ({"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
                        if spec.get("model") == "reference" else _RUNNERS)
             result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
@@ -277,6 +275,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
     sys.exit(main())

@@ -2,16 +2,16 @@
 
 Role: the runners that ``consumer/bench/trial.py`` calls for a spec with ``"model": "reference"``. Both
 build the configured step (``model.step``, the reference model by default), compile every bucket, measure
-the resident-batch limit with ``consumer.train.efficiency`` (``consumer.feed_efficiency_steps`` per
+the resident-batch limit with ``melfeed.consumer.train.efficiency`` (``consumer.feed_efficiency_steps`` per
 bucket, at least 30 in bench) and then train ``warmup`` + ``batches`` batches for real: no modelled device time, no sleep.
-    * melfeed: the built-in loop (``consumer.train.loop.train``) with real producers; its summary
+    * melfeed: the built-in loop (``melfeed.consumer.train.loop.train``) with real producers; its summary
       carries the figure.
     * tuned tf.data: the same loop shape over ``baselines.tuned_dataset`` (take the next element, run
       the step, read its outputs), each measured batch stamped with its bucket's resident step time;
-      ``shared.metrics.StepWindow`` computes the figure exactly as the consumer's meter does.
+      ``melfeed.shared.metrics.StepWindow`` computes the figure exactly as the consumer's meter does.
 Invariants: a trial reports only what it measured; fed steps/s = feed efficiency x resident steps/s of
 the same window (the summary's own batches_per_s starts one step late). Shutdown: producers are stopped
-in ``finally`` (``consumer.app.stop_producers``); the tf.data iterator is dropped with the process.
+in ``finally`` (``melfeed.consumer.app.stop_producers``); the tf.data iterator is dropped with the process.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import threading
 import time
 from typing import Any
 
-from shared.config import PipelineConfig
-from shared.config_loader import with_overrides
-from shared.service.children import ENTRY_SCRIPT
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import with_overrides
 
 __all__ = ["run_melfeed_reference", "run_tfdata_reference"]
 
@@ -49,12 +48,12 @@ def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
 
 def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """melfeed's own loop, real producers, the reference model; the summary's feed efficiency."""
-    from consumer.app import start_producers, stop_producers
-    from consumer.feed import Consumer
-    from consumer.train.loop import train
+    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.train.loop import train
     cfg = _with_limit(cfg)
     with Consumer(cfg) as consumer:
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint}), str(ENTRY_SCRIPT), 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint}))
         try:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time())
         finally:
@@ -67,16 +66,16 @@ def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str
 
 def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Tuned tf.data over the same plan's full batches into the same compiled step."""
-    from consumer.bench import baselines
-    from consumer.flow.plan import EpochPlan
-    from consumer.placement import step_devices
-    from consumer.train.efficiency import measure_resident_limit, resident_vocab
-    from consumer.train.model import StepSpec
-    from consumer.train.outputs import read_outputs
-    from consumer.train.step import CompiledStep, build_step
-    from shared.cache.features import load_manifest_for
-    from shared.metrics import StepRecord, StepWindow
-    from shared.wire.buckets import build_buckets
+    from melfeed.consumer.bench import baselines
+    from melfeed.consumer.flow.plan import EpochPlan
+    from melfeed.consumer.placement import step_devices
+    from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
+    from melfeed.consumer.train.model import StepSpec
+    from melfeed.consumer.train.outputs import read_outputs
+    from melfeed.consumer.train.step import CompiledStep, build_step
+    from melfeed.shared.cache.features import load_manifest_for
+    from melfeed.shared.metrics import StepRecord, StepWindow
+    from melfeed.shared.wire.buckets import build_buckets
     cfg = _with_limit(cfg)
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)

@@ -1,6 +1,6 @@
 """CPU seconds and peak memory of one bench trial: this process and every process below it.
 
-Role: a trial process (``consumer.bench.trial``) opens a ``UsageWindow`` after its warm-up batches
+Role: a trial process (``melfeed.consumer.bench.trial``) opens a ``UsageWindow`` after its warm-up batches
 and closes it after the last measured batch; ``children_cpu_s()`` then gives the CPU the helper
 processes (producers, tf.data service servers) spent inside the window.
 How: the trainer's own CPU is ``getrusage(RUSAGE_SELF)`` at both ends. Children are counted the same

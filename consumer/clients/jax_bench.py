@@ -1,4 +1,4 @@
-"""``python -m consumer.clients.jax_bench``: a JAX step fed by melfeed; feed efficiency, copy overlap, NVML.
+"""``python -m melfeed.consumer.clients.jax_bench``: a JAX step fed by melfeed; feed efficiency, copy overlap, NVML.
 
 Role: the data path measured on a machine that has JAX but no TensorFlow (a GPU machine), through the
 library API only: real producer processes, the ``Consumer`` ring, ``Stager`` with ``JaxHandOff``
@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shared.service.cli import OneLineParser
+from melfeed.shared.service.cli import OneLineParser
 
 __all__ = ["main", "measure"]
 
@@ -38,7 +38,7 @@ _NVML_EVERY_S = 0.1
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m consumer.clients.jax_bench", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m melfeed.consumer.clients.jax_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="pipeline YAML (cache_dir, buckets, transport); default: built-in defaults")
     ap.add_argument("--demo", action="store_true", help="the built-in demo cache, written first if missing")
     ap.add_argument("--cache-dir", help="with --demo: where the demo cache lives")
@@ -56,10 +56,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from shared.config_loader import load_config, with_overrides
-    from shared.service.cli import with_demo_cache
-    from shared.errors import ConfigError
-    from shared.flag_checks import check_output_file
+    from melfeed.shared.config_loader import load_config, with_overrides
+    from melfeed.shared.service.cli import with_demo_cache
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.flag_checks import check_output_file
     check_output_file(args.json, "--json")          # before the measurement, not after it
     cfg = with_demo_cache(args, load_config(args.config))
     depths = [int(d) for d in args.depths.split(",") if d.strip()] if args.depths.replace(",", "").isdigit() else []
@@ -94,7 +94,7 @@ def _host_zeros(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]) -> d
 def _limits(handoff: Any, buckets: Sequence[Any], resident_steps: int) -> tuple[list[float], list[float], float]:
     """Per bucket: resident step seconds and copy seconds; and the compile seconds of every bucket."""
     import jax
-    from consumer.clients.jax_feed import device_batch
+    from melfeed.consumer.clients.jax_feed import device_batch
     t0 = time.perf_counter()
     hosts = [_host_zeros(b.shapes(), b.dtypes()) for b in buckets]
     for host in hosts:                                  # compile every shape before anything is timed
@@ -120,7 +120,7 @@ def _limits(handoff: Any, buckets: Sequence[Any], resident_steps: int) -> tuple[
 def _fed(feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: list[float],
          copy_s: list[float], sampler: Any) -> dict[str, Any]:
     """``warmup`` + ``steps`` steps through the stager at ``depth``; the measured steps' figures."""
-    from consumer.staging import Stager
+    from melfeed.consumer.staging import Stager
     stager = Stager(feed, handoff, depth)
     resident = copy = 0.0
     losses: list[float] = []
@@ -158,19 +158,18 @@ def _fed(feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: l
 def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """The whole measurement (see the module); producers started and stopped here."""
     import jax
-    from consumer.app import start_producers, stop_producers
-    from consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
-    from consumer.feed import Consumer
-    from consumer.observe.gpu import GpuSampler
-    from shared.config_loader import with_overrides
-    from shared.service.children import ENTRY_SCRIPT
+    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.observe.gpu import GpuSampler
+    from melfeed.shared.config_loader import with_overrides
     device = jax.devices()[args.device]
     params = jax.device_put(init_params(cfg.n_mels, args.hidden, args.layers), device)
     handoff = JaxHandOff(mlp_step(args.layers), params, device)
     sampler = GpuSampler(interval_s=_NVML_EVERY_S) if device.platform == "gpu" else None
     with Consumer(cfg) as feed:
         step_s, copy_s, compile_s = _limits(handoff, feed.bucket_set.buckets, args.resident_steps)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}), str(ENTRY_SCRIPT), 0.0)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
         if sampler is not None:
             sampler.start()
         try:
@@ -183,7 +182,7 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
             "hidden": args.hidden, "layers": args.layers, "producers": cfg.producer.count,
             "transport": "shm" if feed.shm is not None else "zmq", "compile_s": compile_s,
             "resident_step_ms": [1000 * s for s in step_s], "copy_ms": [1000 * s for s in copy_s],
-            "runs": runs, "command": ["python", "-m", "consumer.clients.jax_bench", *sys.argv[1:]]}
+            "runs": runs, "command": ["python", "-m", "melfeed.consumer.clients.jax_bench", *sys.argv[1:]]}
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -202,7 +201,7 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.errors import EXIT_CONFIG, PipelineError
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
@@ -218,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     _print(report)
     if args.json:
-        from shared.output_files import write_output
+        from melfeed.shared.output_files import write_output
         try:
             write_output(args.json, json.dumps(report, indent=1), what="--json")
         except PipelineError as err:            # another user's link or file put there since the check

@@ -1,6 +1,6 @@
 """A JAX client of the consumer: the stager's hand-off and a small training step.
 
-Role: what a JAX trainer needs to train on ``Consumer`` batches through ``consumer.staging.Stager``,
+Role: what a JAX trainer needs to train on ``Consumer`` batches through ``melfeed.consumer.staging.Stager``,
 and the step ``jax_bench.py`` measures the data path with on a GPU that has no TensorFlow.
     * ``JaxHandOff.put`` starts ``jax.device_put`` of the batch's arrays to the model device (the copy
       runs while the step before it does). Where the device array aliases the slot's memory (JAX on the
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from consumer.staging import Staged
+from melfeed.consumer.staging import Staged
 
 __all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch", "STEP_ARRAYS"]
 
@@ -87,7 +87,7 @@ def aliases_host(on_device: Mapping[str, jax.Array], host: Mapping[str, np.ndarr
 
 
 class JaxHandOff:
-    """``consumer.staging.HandOff`` for a JAX step on one device.
+    """``melfeed.consumer.staging.HandOff`` for a JAX step on one device.
 
     Args:
         step: ``(params, arrays) -> (params, loss)``, e.g. ``mlp_step``.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from consumer.doctor.verdict import BOUND_STEP, HEADROOM, Change
+from melfeed.consumer.doctor.verdict import BOUND_STEP, HEADROOM, Change
 
 __all__ = ["Arrangement", "advise_data_gpu"]
 

@@ -1,17 +1,17 @@
-"""``run_pipeline.py doctor``: measure every stage with the real code, name the bottleneck.
+"""``melfeed doctor``: measure every stage with the real code, name the bottleneck.
 
 Role: the orchestrator. It runs the probes as real subprocesses (producer/ and consumer/ may not be
-imported from shared/): ``python -m producer.probe`` alone and N at once (stage 1: cache read +
-assembly), ``python -m consumer.doctor.probe transport`` with 1 and with N producers (stage 2), and
-``python -m consumer.doctor.probe device`` (stages 3 and 4: host->device hand-off and the compiled step).
-Each probe prints one JSON object; ``consumer.doctor.verdict.decide`` turns them into the verdict and
-``consumer.doctor.report`` prints it. Exit codes: 0 supply >= 1.2 x demand, 3 the data side is the
+imported from shared/): ``python -m melfeed.producer.probe`` alone and N at once (stage 1: cache read +
+assembly), ``python -m melfeed.consumer.doctor.probe transport`` with 1 and with N producers (stage 2), and
+``python -m melfeed.consumer.doctor.probe device`` (stages 3 and 4: host->device hand-off and the compiled step).
+Each probe prints one JSON object; ``melfeed.consumer.doctor.verdict.decide`` turns them into the verdict and
+``melfeed.consumer.doctor.report`` prints it. Exit codes: 0 supply >= 1.2 x demand, 3 the data side is the
 bottleneck (a verdict), 78 configuration error, 1 a probe failed (one line naming it), ``128 + signal``
 after SIGTERM or SIGINT (one line, no report).
 Invariants: every probe runs under a timeout; the effective config lives in a private temp
 directory removed on exit; stages run one after another so they never compete with each other.
 Shutdown: a probe past its timeout is killed (its process group: the transport probe's producers).
-No probe outlives doctor (``shared.service.children.CommandChildren``): SIGTERM or SIGINT stops the
+No probe outlives doctor (``melfeed.shared.service.children.CommandChildren``): SIGTERM or SIGINT stops the
 running probes with their groups (then the stop ladder) and exits without a report; killed with SIGKILL,
 doctor takes them down all the same, since each probe, and the producer group a transport probe
 starts, gets SIGTERM when its parent dies (``die_with_named_parent``).
@@ -31,25 +31,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.wire.bucket_mix import batch_mix, bucket_padding
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.service.cli import config_from_args
-from shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
-from shared.config_loader import config_to_mapping, with_overrides
-from consumer.doctor.arrangement import advise_data_gpu
-from consumer.doctor.probe import transport_endpoint
-from consumer.transport.shm_slots import clean_stale, resolve_shm_dir
-from consumer.doctor.env import check_environment, gather_facts
-from consumer.doctor.report import render
-from consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
-from shared.errors import EXIT_CONFIG, CacheError, ConfigError
-from shared.output_files import write_output
-from shared.flag_checks import check_number, check_output_file, resolve_path
-from shared.cache.features import load_manifest_for
-from shared.service.progress import Progress
-from shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
-from shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
-from shared.service.stop_ladder import GROUP_LADDER, Rung, communicate_or_kill, stop_all
+from melfeed.shared.wire.bucket_mix import batch_mix, bucket_padding
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.service.cli import config_from_args
+from melfeed.shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
+from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.consumer.doctor.arrangement import advise_data_gpu
+from melfeed.consumer.doctor.probe import transport_endpoint
+from melfeed.consumer.transport.shm_slots import clean_stale, resolve_shm_dir
+from melfeed.consumer.doctor.env import check_environment, gather_facts
+from melfeed.consumer.doctor.report import render
+from melfeed.consumer.doctor.verdict import ConfigFacts, Measurements, decide, memory_bound_bytes
+from melfeed.shared.errors import EXIT_CONFIG, CacheError, ConfigError
+from melfeed.shared.output_files import write_output
+from melfeed.shared.flag_checks import check_number, check_output_file, resolve_path
+from melfeed.shared.cache.features import load_manifest_for
+from melfeed.shared.service.progress import Progress
+from melfeed.shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
+from melfeed.shared.service.leftovers import remove_dead_temp_dirs, temp_dir_prefix
+from melfeed.shared.service.stop_ladder import GROUP_LADDER, Rung, communicate_or_kill, stop_all
 
 __all__ = ["main_doctor", "ProbeFailed"]
 
@@ -99,7 +99,7 @@ def _spawn(children: CommandChildren, module: str, *args: str) -> subprocess.Pop
 def _build_stage(children: CommandChildren, config: Path, n: int, seconds: float,
                  delay_ms: float) -> list[dict[str, Any]]:
     together = ["--start-at", str(time.time() + _START_TOGETHER_S)] if n > 1 else []   # one probe waits for none
-    procs = [_spawn(children, "producer.probe", "--config", str(config), "--seconds", str(seconds),
+    procs = [_spawn(children, "melfeed.producer.probe", "--config", str(config), "--seconds", str(seconds),
                     "--debug-delay-ms", str(delay_ms), "--seed", str(i), *together) for i in range(n)]
     try:
         return [_finish(children, f"producer (stage 1, {n} at once)", p, seconds + _PROBE_START_S) for p in procs]
@@ -119,7 +119,7 @@ def _transport_stage(children: CommandChildren, config: Path, n: int, seconds: f
         shutil.rmtree(work, ignore_errors=True)
         clean_stale(shm, pid)
 
-    proc = children.spawn(module_argv("consumer.doctor.probe", "transport", "--config", str(config), "--producers",
+    proc = children.spawn(module_argv("melfeed.consumer.doctor.probe", "transport", "--config", str(config), "--producers",
                                       str(n), "--seconds", str(seconds), "--debug-delay-ms", str(delay_ms),
                                       "--work-dir", str(work)),
                           env=_probe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cleanup=cleanup)
@@ -131,7 +131,7 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
     check_output_file(args.json, "--json")     # before the stages (and the demo cache), not after them
     cfg = config_from_args(args)
     if args.demo:
-        from shared.cache.demo_data import default_demo_dir, write_demo_cache
+        from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
         cache = Path(cfg.cache_dir) if cfg.cache_dir and args.cache_dir else default_demo_dir(args.demo_utterances)
         write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
@@ -173,7 +173,7 @@ def _bad_rows(cfg: PipelineConfig, build_1: dict[str, Any]) -> str | None:
         return None
     cap = cfg.producer.max_quarantined_fraction
     what = (f"{bad} of the {read} rows stage 1 read are in bad cache files (e.g. {build_1.get('quarantine_note')}); "
-            f"`run_pipeline.py verify-cache {cfg.cache_dir}` lists them")
+            f"`melfeed verify-cache {cfg.cache_dir}` lists them")
     if cap < 1.0 and bad > cap * read:
         raise CacheError(cfg.cache_dir, f"{what}: more than producer.max_quarantined_fraction ({cap:.0%}) allows, so "
                                         "a run would stop on them (exit 65) and no figure here would be the cache's")
@@ -195,7 +195,7 @@ def _measure(children: CommandChildren, config: Path, n: int, seconds: float, de
               lambda: _transport_stage(children, config, n, seconds, delay_ms, shm_dir)),
              ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
               lambda: _finish(children, "device (stages 3-4)",
-                              _spawn(children, "consumer.doctor.probe", "device", "--config", str(config), "--seconds",
+                              _spawn(children, "melfeed.consumer.doctor.probe", "device", "--config", str(config), "--seconds",
                                      str(seconds)), seconds + 3 * _PROBE_START_S))]
     for done, (key, text, fn) in enumerate(steps):
         if n == 1 and key.endswith("_n"):       # N = 1: the same measurement again would say nothing new
@@ -244,10 +244,10 @@ def main_doctor(args: argparse.Namespace) -> int:
             stages = _measure(children, config, n, args.seconds_per_stage, args.debug_delay_ms, progress,
                               cfg.transport.shm_dir, cfg)
     except ProbeFailed as err:
-        print(f"run_pipeline.py doctor: {err}", file=sys.stderr)
+        print(f"melfeed doctor: {err}", file=sys.stderr)
         return err.exit_code
     except Interrupted as stop:
-        progress.note(f"run_pipeline.py doctor: {stop}: its probes were stopped, no report written")   # ends a bar
+        progress.note(f"melfeed doctor: {stop}: its probes were stopped, no report written")   # ends a bar
         return 128 + stop.signum
     verdict = decide(_measurements(stages, n, mix), facts)
     advice = advise_data_gpu(cfg.consumer.model_gpu, cfg.producer.data_gpu, env_facts.consumer_gpus,
@@ -266,6 +266,6 @@ def main_doctor(args: argparse.Namespace) -> int:
         try:
             write_output(args.json, json.dumps(report, indent=2) + "\n", what="--json")   # refusals: exit 78
         except OSError as err:      # checked before the stages; a full disk is still one line
-            print(f"run_pipeline.py doctor: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            print(f"melfeed doctor: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1
     return verdict.exit_code

@@ -1,6 +1,6 @@
-"""Environment checks of ``run_pipeline.py doctor``: GPUs, memory, /dev/shm, the socket directory.
+"""Environment checks of ``melfeed doctor``: GPUs, memory, /dev/shm, the socket directory.
 
-Role: ``gather_facts`` reads the machine once (NVML through ``consumer.observe.gpu``, ``/proc/meminfo``,
+Role: ``gather_facts`` reads the machine once (NVML through ``melfeed.consumer.observe.gpu``, ``/proc/meminfo``,
 ``statvfs``, the runtime directory's mode); ``check_environment`` is a pure function of those
 ``EnvFacts``, so tests inject facts (same GPU on both sides, a runtime dir with mode 0755) without
 touching the machine. Each check is one line: ok / warn / fail / n/a with its reason.
@@ -135,13 +135,13 @@ def _nvml_available() -> bool:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True
-    except Exception:  # noqa: BLE001 - any NVML failure means "n/a", as in consumer.observe.gpu
+    except Exception:  # noqa: BLE001 - any NVML failure means "n/a", as in melfeed.consumer.observe.gpu
         return False
 
 
 def _visible_gpus(selector: str | None) -> list[str]:
     """NVML indices visible under CUDA_VISIBLE_DEVICES=selector (None = every GPU)."""
-    from consumer.observe.gpu import GpuSampler
+    from melfeed.consumer.observe.gpu import GpuSampler
     sampler = GpuSampler(interval_s=60.0, visible=selector, use_env=False)
     try:
         sampler.start()

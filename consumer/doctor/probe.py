@@ -1,13 +1,13 @@
-"""Stages 2-4 of ``run_pipeline.py doctor``, measured with the consumer's real code.
+"""Stages 2-4 of ``melfeed doctor``, measured with the consumer's real code.
 
-``python -m consumer.doctor.probe transport --config FILE --producers N --seconds S [--debug-delay-ms D]
+``python -m melfeed.consumer.doctor.probe transport --config FILE --producers N --seconds S [--debug-delay-ms D]
 [--work-dir DIR]``: a real ``Consumer`` (library mode, every batch released at once, no step) on a private ipc
 endpoint in DIR (doctor's, which doctor removes; a temporary directory of its own without it) and a real
-producer group (``run_pipeline.py producer``, a child process). The clock
+producer group (``melfeed producer``, a child process). The clock
 starts at the first delivered batch (producer start-up excluded) and runs S seconds:
 ``{"producers", "batches", "elapsed_s", "batches_per_s", "producers_alive"}``.
 
-``python -m consumer.doctor.probe device --config FILE --seconds S``: per bucket, the host->device
+``python -m melfeed.consumer.doctor.probe device --config FILE --seconds S``: per bucket, the host->device
 hand-off (``to_tensors`` + ``tf.identity`` under ``tf.device`` of the first GPU TensorFlow sees,
 else the CPU) and the compiled step (``CompiledStep`` with the configured ``model.step``, on the replicas
 ``consumer.replicas`` asks for, warmed up, then timed runs on a synthetic batch of the bucket's shape):
@@ -15,7 +15,7 @@ else the CPU) and the compiled step (``CompiledStep`` with the configured ``mode
 
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
 configuration error (one line), 1 runtime failure (one line: e.g. no batch arrived).
-Shutdown: the producer group gets the stop ladder (``shared.service.children.Child``: SIGTERM, a
+Shutdown: the producer group gets the stop ladder (``melfeed.shared.service.children.Child``: SIGTERM, a
 bounded wait, then SIGKILL); the consumer is closed (its slot files unlinked), on SIGTERM too
 (``exit_on_sigterm``: the exception unwinds them, exit 143). Started by doctor (``MELFEED_PARENT_PID``), the
 probe gets SIGTERM when doctor dies, even by SIGKILL, and names itself to its producer group, which then
@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.service.children import Child, child_env, entry_argv, handed_over_config, spawn
-from shared.service.lifecycle import PARENT_PID_ENV
-from shared.service.stop_ladder import GROUP_LADDER
+from melfeed.shared.service.children import Child, child_env, entry_argv, handed_over_config, spawn
+from melfeed.shared.service.lifecycle import PARENT_PID_ENV
+from melfeed.shared.service.stop_ladder import GROUP_LADDER
 
 __all__ = ["main", "measure_transport", "measure_device", "transport_endpoint"]
 
@@ -55,9 +55,9 @@ def transport_endpoint(work_dir: Path) -> str:
 def measure_transport(config_path: str, producers: int, seconds: float, debug_delay_ms: float,
                       work_dir: Path | None = None) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
-    from consumer.feed import Consumer
-    from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
-    from shared.errors import PipelineError
+    from melfeed.consumer.feed import Consumer
+    from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from melfeed.shared.errors import PipelineError
 
     with (contextlib.nullcontext(str(work_dir)) if work_dir is not None
           else tempfile.TemporaryDirectory(prefix="melfeed-doctor-")) as tmp:
@@ -107,20 +107,20 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
     import numpy as np
 
-    from consumer.placement import prepare_tensorflow, step_devices
-    from shared.config_loader import load_config
+    from melfeed.consumer.placement import prepare_tensorflow, step_devices
+    from melfeed.shared.config_loader import load_config
 
     cfg = load_config(config_path)
     # the model GPU as `run` would use it; no cache made inside a state dir the doctor must not create
     prepare_tensorflow(replace(cfg, consumer=replace(cfg.consumer, state_dir=None)))
     import tensorflow as tf
 
-    from consumer.train.model import StepSpec
-    from consumer.train.replicas import Replicas, replica_scope
-    from consumer.train.step import CompiledStep, build_step
-    from consumer.train.handoff import to_tensors
-    from shared.wire.buckets import build_buckets
-    from shared.cache.features import load_manifest_for
+    from melfeed.consumer.train.model import StepSpec
+    from melfeed.consumer.train.replicas import Replicas, replica_scope
+    from melfeed.consumer.train.step import CompiledStep, build_step
+    from melfeed.consumer.train.handoff import to_tensors
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.cache.features import load_manifest_for
 
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
@@ -156,7 +156,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
 
 def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
     """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    from consumer.train.handoff import aligned_empty
+    from melfeed.consumer.train.handoff import aligned_empty
     arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
     arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype="float32")   # cast on a float16 wire
     arrays["mel_len"][...] = bucket.max_frames
@@ -188,12 +188,12 @@ def _time_runs(fn: Any, budget_s: float) -> list[float]:
 
 
 def _pct(values: list[float], q: float) -> float:
-    from shared.metrics import percentile
+    from melfeed.shared.metrics import percentile
     return percentile(sorted(values), q)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="consumer.doctor.probe")
+    ap = argparse.ArgumentParser(prog="melfeed.consumer.doctor.probe")
     ap.add_argument("mode", choices=("transport", "device"))
     ap.add_argument("--config", required=True)
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -202,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, help="transport: the caller's directory for the socket and config")
     args = ap.parse_args(argv)
 
-    from shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
-    from shared.service.lifecycle import die_with_named_parent, exit_on_sigterm, setup_logging
+    from melfeed.shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
+    from melfeed.shared.service.lifecycle import die_with_named_parent, exit_on_sigterm, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
         with exit_on_sigterm():          # stopped by doctor: close the consumer, stop the producers first
@@ -214,16 +214,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 result = measure_device(args.config, args.seconds)
     except (ConfigError, CacheError) as err:
-        print(f"consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
+        print(f"melfeed.consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except PipelineError as err:
-        print(f"consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
+        print(f"melfeed.consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
         return 1
     print(json.dumps(result))
     return 0
 
 
 if __name__ == "__main__":
-    from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
     sys.exit(main())

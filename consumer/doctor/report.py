@@ -1,4 +1,4 @@
-"""The text ``run_pipeline.py doctor`` prints: one block per stage, the checks, the verdict.
+"""The text ``melfeed doctor`` prints: one block per stage, the checks, the verdict.
 
 Role: formatting only (pure: a report dict, the ``Verdict`` and the ``Check`` lines in, a string
 out). The report dict is the one ``--json`` writes, so the text and the file always agree.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from consumer.doctor.env import Check
-from consumer.doctor.verdict import HEADROOM, Verdict, weighted_ms
-from shared.wire.layout import PAYLOAD_COPIES
+from melfeed.consumer.doctor.env import Check
+from melfeed.consumer.doctor.verdict import HEADROOM, Verdict, weighted_ms
+from melfeed.shared.wire.layout import PAYLOAD_COPIES
 
 __all__ = ["render"]
 
@@ -31,7 +31,7 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
     h2d = weighted_ms(tuple(b["h2d_ms_p50"] for b in dev["buckets"]), mix)
     step = weighted_ms(tuple(b["step_ms_p50"] for b in dev["buckets"]), mix)
     lines = [
-        "stage 1  cache read + batch assembly (producer.probe, real BatchAssembler; reads "
+        "stage 1  cache read + batch assembly (melfeed.producer.probe, real BatchAssembler; reads "
         f"{_reader_words(one.get('reader'), one.get('pack_read'))})",
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
@@ -98,5 +98,5 @@ def _reader_words(reader: object, pack_read: object = None) -> str:
     if reader is None:
         return "the cache"
     if reader == "files":
-        return "the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy"
+        return "the .npy files; `melfeed pack CACHE_DIR` makes a faster packed copy"
     return f"the packed cache {reader}" + (f", {pack_read}" if pack_read else "")

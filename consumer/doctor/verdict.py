@@ -1,4 +1,4 @@
-"""The verdict of ``run_pipeline.py doctor``: which stage bounds throughput, and what to change.
+"""The verdict of ``melfeed doctor``: which stage bounds throughput, and what to change.
 
 Role: pure arithmetic over the stage measurements (``Measurements``) and the config's shape
 (``ConfigFacts``), so hand-made numbers test every branch. No I/O, no clock.

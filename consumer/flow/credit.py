@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from consumer.flow.plan import EpochPlan, PlannedBatch
+from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
 
 __all__ = ["ActiveLease", "LeaseBook", "Verdict", "grant_round"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from consumer.flow.credit import ActiveLease
-from consumer.flow.peers import ProducerReport
-from shared.wire.protocol import BatchHeader, Message
+from melfeed.consumer.flow.credit import ActiveLease
+from melfeed.consumer.flow.peers import ProducerReport
+from melfeed.shared.wire.protocol import BatchHeader, Message
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "SessionConfig"]
 

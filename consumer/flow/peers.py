@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from consumer.flow.rejects import peer_label as _label
-from shared.wire.protocol import StageCounters
+from melfeed.consumer.flow.rejects import peer_label as _label
+from melfeed.shared.wire.protocol import StageCounters
 
 __all__ = ["PeerInfo", "PeerTable", "ProducerReport"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from shared.wire.buckets import BucketSet
+from melfeed.shared.wire.buckets import BucketSet
 
 __all__ = ["PlannedBatch", "EpochPlan", "PARTIAL_POLICIES"]
 

@@ -17,8 +17,8 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
-from shared.printable import escape_line
-from shared.wire.protocol import RejectCode
+from melfeed.shared.printable import escape_line
+from melfeed.shared.wire.protocol import RejectCode
 
 __all__ = ["RejectLog", "peer_label"]
 

@@ -8,7 +8,7 @@ outstanding <= slots not ready or in the step, and memory never exceeds n_slots 
 The receiver thread only touches FREE/LEASED slots' bytes; the step thread only READY/IN_STEP
 ones, so slot memory needs no lock; state changes go through one lock.
 Slot bytes come from a ``SlotMemory``: ``PrivateSlots`` (one aligned buffer, the ZeroMQ payload
-path) or ``consumer.transport.shm_slots.ShmSlots`` (one shared file per slot that producers build into).
+path) or ``melfeed.consumer.transport.shm_slots.ShmSlots`` (one shared file per slot that producers build into).
 Shutdown: ``close()`` wakes every waiter with ``ClosedError``; no wait lasts longer than its timeout.
 """
 
@@ -24,10 +24,10 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from consumer.flow.plan import PlannedBatch
-from shared.errors import ClosedError
-from shared.wire.buckets import Bucket
-from shared.wire.layout import PAYLOAD_COPIES, aligned_buffer, batch_layout, layout_views, slot_nbytes_for
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.shared.errors import ClosedError
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.wire.layout import PAYLOAD_COPIES, aligned_buffer, batch_layout, layout_views, slot_nbytes_for
 
 __all__ = ["SlotState", "BatchRing", "SlotMemory", "PrivateSlots", "ReadySlot", "slot_nbytes_for"]
 

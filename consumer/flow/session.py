@@ -6,7 +6,7 @@ a thread or a clock (trio's and httpx's transport seam), so every rule is unit-t
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
 CURVE user-id binding) and WELCOME (a HELLO repeating a peer's join nonce is answered again and keeps
 its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants into free ring slots; liveness and lease deadlines
-(leases back to pending); the shared-memory fencing (``consumer.flow.shm_leases``); duplicate and
+(leases back to pending); the shared-memory fencing (``melfeed.consumer.flow.shm_leases``); duplicate and
 stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code); the end of
 a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a last one to send).
 A BATCH is taken in two steps because its payload is received straight into a ring slot:
@@ -24,18 +24,18 @@ from __future__ import annotations
 import logging
 import reprlib
 
-from consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
-from consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
+from melfeed.consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
+from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
                                      SessionConfig)
-from consumer.flow.peers import PeerInfo, PeerTable
-from consumer.flow.rejects import RejectLog, peer_label
-from consumer.flow.ring import BatchRing
-from consumer.flow.shm_leases import ShmLeases, SlotFiles
-from shared.errors import ProtocolError
-from shared.printable import escape_line
-from shared.wire.curve import producer_id_matches
-from shared.wire.layout import PAYLOAD_COPIES
-from shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
+from melfeed.consumer.flow.peers import PeerInfo, PeerTable
+from melfeed.consumer.flow.rejects import RejectLog, peer_label
+from melfeed.consumer.flow.ring import BatchRing
+from melfeed.consumer.flow.shm_leases import ShmLeases, SlotFiles
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.printable import escape_line
+from melfeed.shared.wire.curve import producer_id_matches
+from melfeed.shared.wire.layout import PAYLOAD_COPIES
+from melfeed.shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",

@@ -33,9 +33,9 @@ import logging
 
 from dataclasses import dataclass
 
-from consumer.flow.plan import EpochPlan, PlannedBatch
-from shared.errors import ConfigError
-from shared.wire.buckets import BucketSet
+from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import BucketSet
 
 __all__ = ["GlobalStep", "LEFTOVER_POLICIES", "RankPlan", "plan_for_rank", "shard_chunks"]
 

@@ -1,6 +1,6 @@
 """Which leased ring slots a producer builds in place (shared-memory path), and their fencing.
 
-Pure bookkeeping over a ``SlotFiles`` (the ring's slot files, ``consumer.transport.shm_slots.ShmSlots``
+Pure bookkeeping over a ``SlotFiles`` (the ring's slot files, ``melfeed.consumer.transport.shm_slots.ShmSlots``
 in production, a fake in tests): no sockets, no clocks. The receiver session owns one instance.
 Invariants (docs/ARCHITECTURE.md, invariants 2 and 3):
   * a slot is in the table exactly while it is LEASED to a producer that builds in it, mapped to the
@@ -19,9 +19,9 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from consumer.flow.credit import ActiveLease
-from shared.errors import ProtocolError
-from shared.wire.protocol import BatchHeader, RejectCode, ShmSlot
+from melfeed.consumer.flow.credit import ActiveLease
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import BatchHeader, RejectCode, ShmSlot
 
 __all__ = ["ShmLeases", "SlotFiles"]
 

@@ -38,9 +38,9 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 
-from shared.config import PipelineConfig
-from shared.config_loader import config_to_mapping
-from shared.printable import escape_line
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_to_mapping
+from melfeed.shared.printable import escape_line
 
 __all__ = ["NO_STEP", "OFFER_WIDTH", "REFUSED", "SETTINGS", "common_step", "job_settings", "no_common_step",
            "offer_row", "refused_ranks", "settings_mismatch", "settings_row"]

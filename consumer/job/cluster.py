@@ -43,10 +43,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from consumer.job.agree import common_step, offer_row, refused_ranks, settings_mismatch, settings_row
-from shared.config import PipelineConfig
-from shared.errors import ConfigError, JobLostError, StepError
-from shared.service.tf_config import WorkerPlace
+from melfeed.consumer.job.agree import common_step, offer_row, refused_ranks, settings_mismatch, settings_row
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError, JobLostError, StepError
+from melfeed.shared.service.tf_config import WorkerPlace
 
 __all__ = ["Job", "ended_by_signals", "lost_contact_error", "server_error", "start_job"]
 
@@ -227,7 +227,7 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
-    from consumer.placement import configure_memory
+    from melfeed.consumer.placement import configure_memory
     configure_memory(cfg, tf)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()

@@ -1,6 +1,6 @@
 """Live figures of a running consumer: snapshots, control socket, status, Prometheus, NVML, report.
 
-Nothing is re-exported: import the module you need (``consumer.observe.<module>``).
+Nothing is re-exported: import the module you need (``melfeed.consumer.observe.<module>``).
 """
 
 __all__: list[str] = []

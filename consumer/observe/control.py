@@ -1,6 +1,6 @@
 """The consumer's control socket: a REP socket that answers every request with the latest snapshot.
 
-Role: lets ``run_pipeline.py status`` (consumer/observe/status.py) read the live figures of a running
+Role: lets ``melfeed status`` (consumer/observe/status.py) read the live figures of a running
 consumer without touching the data path. The request body is ignored (any single frame up to
 4 kB); the reply is the snapshot as JSON (``null`` before the first one).
 Invariants: one thread owns the socket; it uses the consumer's ZeroMQ context (one per process);
@@ -23,8 +23,8 @@ from typing import Any
 
 import zmq
 
-from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
-from shared.errors import ConfigError
+from melfeed.consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["ControlServer"]
 

@@ -19,10 +19,10 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from consumer.observe.http_metrics import MetricsHttpServer
-from shared.errors import ConfigError
-from shared.printable import escape_line
-from shared.metrics import PHASES
+from melfeed.consumer.observe.http_metrics import MetricsHttpServer
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.printable import escape_line
+from melfeed.shared.metrics import PHASES
 
 __all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
 

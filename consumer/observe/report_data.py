@@ -1,4 +1,4 @@
-"""Metrics JSONL (the consumer's ``--metrics-file``) -> columns for ``run_pipeline.py report``.
+"""Metrics JSONL (the consumer's ``--metrics-file``) -> columns for ``melfeed report``.
 
 Role: pure parsing, no drawing and no matplotlib. ``read_metrics`` reads one snapshot object per
 line (format: the fixed metrics snapshot, see README "Picture of a run") and turns it into
@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import ConfigError
-from shared.flag_checks import read_regular_file
-from shared.metrics import PHASE_TRAINING
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.flag_checks import read_regular_file
+from melfeed.shared.metrics import PHASE_TRAINING
 
 __all__ = ["RunSeries", "RunTotals", "read_metrics", "parse_lines", "SCALAR_KEYS", "MAX_METRICS_BYTES"]
 

@@ -1,6 +1,6 @@
-"""``run_pipeline.py report``: one PNG timeline of a run from its metrics JSONL.
+"""``melfeed report``: one PNG timeline of a run from its metrics JSONL.
 
-Role: draws ``consumer.observe.report_data.RunSeries`` with matplotlib (Agg, never a display) as stacked
+Role: draws ``melfeed.consumer.observe.report_data.RunSeries`` with matplotlib (Agg, never a display) as stacked
 panels on one shared time axis: step time p50/p99, data stall, queue depth against the lease
 window, per-producer batches/s, GPU utilisation per device. Phases other than "training"
 (compiling, waiting) are shaded in every panel. The title carries the run's totals.
@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import ConfigError
-from shared.output_files import write_output
-from shared.flag_checks import check_not_an_input
-from shared.metrics import PHASE_COMPILING, PHASE_WAITING
-from consumer.observe.report_data import RunSeries, read_metrics
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.output_files import write_output
+from melfeed.shared.flag_checks import check_not_an_input
+from melfeed.shared.metrics import PHASE_COMPILING, PHASE_WAITING
+from melfeed.consumer.observe.report_data import RunSeries, read_metrics
 
 __all__ = ["render_report", "main_report", "RenderedReport", "PANELS", "GPU_NA_TEXT", "run_labels"]
 
@@ -174,7 +174,7 @@ def render_report(series: RunSeries | Sequence[RunSeries], out: str | Path, titl
 
     Raises:
         ConfigError: matplotlib is missing, or ``out`` cannot be written (names it), or another user could
-            redirect the write (a symbolic link in its place: ``shared.output_files.open_output``).
+            redirect the write (a symbolic link in its place: ``melfeed.shared.output_files.open_output``).
     """
     plt = _import_pyplot()
     runs = _aligned([series] if isinstance(series, RunSeries) else list(series))
@@ -228,7 +228,7 @@ def _save(fig: Any, axes: Any, out: Path) -> RenderedReport:
 
 
 def main_report(args: argparse.Namespace) -> int:
-    """``run_pipeline.py report METRICS.jsonl [METRICS.jsonl ...] -o PNG [--title T]``; 0 on success, 78 on
+    """``melfeed report METRICS.jsonl [METRICS.jsonl ...] -o PNG [--title T]``; 0 on success, 78 on
     bad input. Several files (the ranks of one job) share the panels on one time axis."""
     _import_pyplot()  # before reading: a missing extra is the only message
     paths = [args.metrics] if isinstance(args.metrics, str) else list(args.metrics)

@@ -1,7 +1,7 @@
 """What a consumer says once it is bound: endpoint, buckets, the partial-batch drop, the in-flight memory bound.
 
 Role: the INFO lines ``Consumer.start()`` logs (docs/ARCHITECTURE.md, invariant 4: the consumer computes
-and logs its memory bound at start). They go to the caller's logger, ``consumer.feed``, the name the
+and logs its memory bound at start). They go to the caller's logger, ``melfeed.consumer.feed``, the name the
 README quotes them under. Pure formatting over the consumer's properties; no state, no threads.
 """
 
@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from consumer.feed import Consumer
+    from melfeed.consumer.feed import Consumer
 
 __all__ = ["log_bound"]
 

@@ -1,8 +1,8 @@
-"""``run_pipeline.py status``: ask a running consumer for its latest snapshot and print it.
+"""``melfeed status``: ask a running consumer for its latest snapshot and print it.
 
 Role: the client side of consumer/observe/control.py. The endpoint is ``--endpoint`` (the control
 endpoint itself), else the one ``--config`` implies (``consumer.control_endpoint``, or derived
-from ``transport.endpoint``, or the private runtime directory; ``shared.service.lifecycle``).
+from ``transport.endpoint``, or the private runtime directory; ``melfeed.shared.service.lifecycle``).
 Every try uses a fresh REQ socket (a REQ that timed out cannot be reused) with RCVTIMEO,
 SNDTIMEO and LINGER 0, so the command never outlives ``--timeout-s`` by more than a moment.
 Exit codes: 0 printed; 1 nobody answered or the answer was not a snapshot (one line on stderr);
@@ -26,14 +26,14 @@ from typing import Any
 
 import zmq
 
-from shared.config import resolve_runtime_dir
-from shared.config_checks import check_endpoint
-from shared.config_loader import load_config
-from shared.errors import ConfigError
-from shared.printable import escape_line
-from shared.service.lifecycle import check_runtime_dir, resolve_control_endpoint
-from shared.service.rank_defaults import with_rank_defaults
-from shared.service.tf_config import resolve_worker_place
+from melfeed.shared.config import resolve_runtime_dir
+from melfeed.shared.config_checks import check_endpoint
+from melfeed.shared.config_loader import load_config
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.printable import escape_line
+from melfeed.shared.service.lifecycle import check_runtime_dir, resolve_control_endpoint
+from melfeed.shared.service.rank_defaults import with_rank_defaults
+from melfeed.shared.service.tf_config import resolve_worker_place
 
 __all__ = ["main_status", "ask_status", "format_status", "snapshot_problem"]
 
@@ -88,7 +88,7 @@ def main_status(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot ask {endpoint}: {err.strerror}",
                           path=("--endpoint",) if args.endpoint else ("consumer", "control_endpoint")) from None
     if raw is None:
-        print(f"run_pipeline.py status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s",
+        print(f"melfeed status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s",
               file=sys.stderr)
         return 1
     try:
@@ -96,14 +96,14 @@ def main_status(args: argparse.Namespace) -> int:
         if not isinstance(snap, dict):
             raise ValueError("not an object")
     except (ValueError, RecursionError):     # RecursionError: nested too deep to parse
-        print(f"run_pipeline.py status: the answer from {endpoint} is not a snapshot", file=sys.stderr)
+        print(f"melfeed status: the answer from {endpoint} is not a snapshot", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0
     problem = snapshot_problem(snap)
     if problem is not None:
-        print(f"run_pipeline.py status: {endpoint}: malformed snapshot: {problem}", file=sys.stderr)
+        print(f"melfeed status: {endpoint}: malformed snapshot: {problem}", file=sys.stderr)
         return 1
     print(format_status(snap, endpoint))
     return 0

@@ -25,12 +25,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any
 
-from consumer.flow.peers import ProducerReport
-from consumer.transport.receiver import ReceiverStats
-from shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
-from shared.errors import ConfigError
-from shared.output_files import open_output
-from consumer.observe.gpu import GpuSampler
+from melfeed.consumer.flow.peers import ProducerReport
+from melfeed.consumer.transport.receiver import ReceiverStats
+from melfeed.shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.output_files import open_output
+from melfeed.consumer.observe.gpu import GpuSampler
 
 __all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
 
@@ -201,8 +201,8 @@ class Telemetry:
             ConfigError: the metrics file cannot be appended to, an endpoint or port cannot be bound,
                 or prometheus_client is missing (each names its key).
         """
-        from consumer.observe.control import ControlServer
-        from consumer.observe.prom import start_prometheus
+        from melfeed.consumer.observe.control import ControlServer
+        from melfeed.consumer.observe.prom import start_prometheus
         c = self._cfg.consumer
         try:
             if c.metrics_file is not None:
@@ -345,7 +345,7 @@ class Telemetry:
 def open_metrics_file(path: str) -> IO[str]:
     """Open the JSONL file for line-buffered appending; ``ConfigError`` naming the key if it cannot be.
 
-    A new file is 0640 whatever the umask (``shared.output_files``); an existing one keeps its mode. A
+    A new file is 0640 whatever the umask (``melfeed.shared.output_files``); an existing one keeps its mode. A
     symbolic link in its place, or another user's file in /tmp, is refused (``open_output``).
     """
     try:

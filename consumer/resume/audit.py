@@ -1,4 +1,4 @@
-"""The applied-batch audit log and ``run_pipeline.py audit STATE_DIR``.
+"""The applied-batch audit log and ``melfeed audit STATE_DIR``.
 
 Role: after the fact, anyone can check docs/ARCHITECTURE.md invariant 3 (every planned batch applied exactly
 once, in plan order) from the state directory alone. The consumer appends one fixed-width record
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from consumer.resume.filemode import STATE_FILE_MODE
-from shared.errors import ConfigError, StateError
-from shared.output_files import write_output
-from shared.flag_checks import check_output_file, read_regular_file
+from melfeed.consumer.resume.filemode import STATE_FILE_MODE
+from melfeed.shared.errors import ConfigError, StateError
+from melfeed.shared.output_files import write_output
+from melfeed.shared.flag_checks import check_output_file, read_regular_file
 
 __all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
            "main_audit", "print_result", "read_records", "read_run_identity", "sample_digest", "write_json"]
@@ -186,7 +186,7 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
     The plan's content is checked when the cache named in run.json is readable and unchanged
     (same fingerprint); otherwise only ids and order are checked, and ``content_note`` says why.
     """
-    from consumer.resume.checkpoint import latest_cursor  # no TensorFlow: only reads cursor.json
+    from melfeed.consumer.resume.checkpoint import latest_cursor  # no TensorFlow: only reads cursor.json
     root = Path(state_dir)
     run = read_run_identity(root)
     records, torn = read_records(root / AUDIT_NAME)
@@ -231,11 +231,11 @@ def read_run_identity(root: Path) -> dict[str, Any]:
 
 
 def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[int, int] | None, str]:
-    from consumer.flow.shards import plan_for_rank
-    from shared.wire.buckets import build_buckets
-    from shared.config_loader import config_from_mapping
-    from shared.errors import PipelineError
-    from shared.cache.manifest import load_manifest
+    from melfeed.consumer.flow.shards import plan_for_rank
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.errors import PipelineError
+    from melfeed.shared.cache.manifest import load_manifest
     try:
         cfg = config_from_mapping({"cache_dir": run["cache_dir"], "seed": run["seed"], "n_mels": run["n_mels"],
                                    "buckets": run["buckets"]})

@@ -26,8 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from consumer.resume.filemode import STATE_DIR_MODE, restrict, write_private
-from shared.errors import StateError
+from melfeed.consumer.resume.filemode import STATE_DIR_MODE, restrict, write_private
+from melfeed.shared.errors import StateError
 
 __all__ = ["Cursor", "CheckpointStore", "latest_checkpoint", "latest_cursor", "list_checkpoints", "read_cursor"]
 

@@ -13,7 +13,7 @@ Invariants:
   only if no other user can change it (``check_private_dir``): owned by this user, writable by no one
   else, and every parent owned by this user or root and, where others can write to it, sticky, every
   symbolic link on the way this user's or root's (the rule of OpenSSH's StrictModes,
-  ``shared.filetrust.place_reason``). Whoever could change it could swap a checkpoint the run restores or
+  ``melfeed.shared.filetrust.place_reason``). Whoever could change it could swap a checkpoint the run restores or
   compiled code the XLA cache loads.
 Shutdown: nothing to shut down; every descriptor is closed before returning.
 """
@@ -24,7 +24,7 @@ import os
 import stat
 from pathlib import Path
 
-from shared.filetrust import check_private_dir, make_dirs
+from melfeed.shared.filetrust import check_private_dir, make_dirs
 
 __all__ = ["STATE_DIR_MODE", "STATE_FILE_MODE", "check_private_dir", "make_private_dir", "write_private", "restrict"]
 

@@ -1,4 +1,4 @@
-"""``run_pipeline.py audit STATE_DIR [STATE_DIR ...]``: exactly once over the union of a job's ranks.
+"""``melfeed audit STATE_DIR [STATE_DIR ...]``: exactly once over the union of a job's ranks.
 
 Role: each rank of a multi-worker job keeps its own state directory, whose audit log records its
 steps (local ids, ``consumer/flow/shards.py``). Given the state directories of a job, this checks
@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consumer.resume.audit import (AUDIT_NAME, AuditResult, audit_state_dir, main_audit as main_audit_one,
+from melfeed.consumer.resume.audit import (AUDIT_NAME, AuditResult, audit_state_dir, main_audit as main_audit_one,
                                    print_result, read_records, read_run_identity, write_json)
-from shared.errors import StateError
-from shared.flag_checks import check_output_file
+from melfeed.shared.errors import StateError
+from melfeed.shared.flag_checks import check_output_file
 
 __all__ = ["JobAudit", "audit_job", "main_audit", "union_counts"]
 

@@ -50,13 +50,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
-from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints, read_cursor
-from consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
-from shared.config import PipelineConfig
-from shared.config_loader import config_to_mapping
-from shared.errors import StateError
-from shared.flag_checks import resolve_path
+from melfeed.consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample_digest
+from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints, read_cursor
+from melfeed.consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_to_mapping
+from melfeed.shared.errors import StateError
+from melfeed.shared.flag_checks import resolve_path
 
 __all__ = ["RunState"]
 

@@ -3,7 +3,7 @@
 Role: after warm-up, time the compiled step on one batch per bucket that is already resident on the
 step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
-and ``shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
+and ``melfeed.shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
 Method, per bucket: one untimed step, then ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks of
 consecutive steps. Each block is dispatched back to back with one host read of its last step's outputs
@@ -79,7 +79,7 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
 
 
 def _time_back_to_back(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
-    from consumer.train.outputs import read_outputs
+    from melfeed.consumer.train.outputs import read_outputs
     blocks = min(_BLOCKS, steps)
     means = []
     for block in range(blocks):
@@ -111,9 +111,9 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
     """
     import tensorflow as tf
 
-    from consumer.train.jit import describe_tf_error
-    from consumer.train.outputs import read_outputs
-    from shared.errors import StepError
+    from melfeed.consumer.train.jit import describe_tf_error
+    from melfeed.consumer.train.outputs import read_outputs
+    from melfeed.shared.errors import StepError
 
     if steps_per_bucket < 1:
         raise ValueError(f"steps_per_bucket must be >= 1, got {steps_per_bucket}")

@@ -31,13 +31,13 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from consumer.handout import Batch
-from consumer.staging import Staged
-from consumer.train.jit import describe_tf_error
-from consumer.train.outputs import read_outputs
-from consumer.train.step import CompiledStep
-from shared.errors import StepError
-from shared.wire.layout import ALIGN_BYTES
+from melfeed.consumer.handout import Batch
+from melfeed.consumer.staging import Staged
+from melfeed.consumer.train.jit import describe_tf_error
+from melfeed.consumer.train.outputs import read_outputs
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.shared.errors import StepError
+from melfeed.shared.wire.layout import ALIGN_BYTES
 
 __all__ = ["StepResult", "TfHandOff", "aligned_empty", "model_device", "to_tensors"]
 

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import tensorflow as tf
 
-from shared.errors import ConfigError
-from shared.wire.layout import ARRAY_DTYPES, ARRAY_KEYS
-from shared.wire.schema import LENGTH_DTYPE, ExtraSpec
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.layout import ARRAY_DTYPES, ARRAY_KEYS
+from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSpec
 
 __all__ = ["Shapes", "accepted_extras", "bucket_key", "check_call", "check_step", "input_dtypes",
            "unlisted_variables"]

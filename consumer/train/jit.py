@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from consumer.resume.filemode import write_private
+from melfeed.consumer.resume.filemode import write_private
 
 __all__ = ["JitChoice", "choose_mode", "describe_exception", "describe_tf_error", "setting_name", "remembered_mode",
            "remember_mode", "MEMO_NAME"]

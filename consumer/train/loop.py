@@ -34,24 +34,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from consumer.feed import Consumer
-from consumer.observe.gpu import format_gpus
-from consumer.resume.state import RunState
-from consumer.staging import Stager
-from consumer.train.jit import remember_mode, remembered_mode
-from consumer.train.meter import LoopMeter, format_status_line
-from consumer.train.quarantine import ceiling_for
-from shared.config import PipelineConfig
-from shared.errors import ConfigError, DataError, StepError
-from shared.output_files import write_output
-from shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
-from shared.service.sdnotify import Notifier
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.observe.gpu import format_gpus
+from melfeed.consumer.resume.state import RunState
+from melfeed.consumer.staging import Stager
+from melfeed.consumer.train.jit import remember_mode, remembered_mode
+from melfeed.consumer.train.meter import LoopMeter, format_status_line
+from melfeed.consumer.train.quarantine import ceiling_for
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError, DataError, StepError
+from melfeed.shared.output_files import write_output
+from melfeed.shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
+from melfeed.shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
-    from consumer.job.cluster import Job
-    from consumer.observe.telemetry import Telemetry
-    from consumer.train.efficiency import ResidentLimit
-    from consumer.train.step import CompiledStep
+    from melfeed.consumer.job.cluster import Job
+    from melfeed.consumer.observe.telemetry import Telemetry
+    from melfeed.consumer.train.efficiency import ResidentLimit
+    from melfeed.consumer.train.step import CompiledStep
 
 __all__ = ["TrainSummary", "train"]
 
@@ -107,7 +107,7 @@ class TrainSummary:
         """Replace ``path`` (``--summary-json``); a new file is 0640 whatever the umask, an old one keeps its mode.
 
         Raises:
-            ConfigError: another user could redirect the write (``shared.output_files.open_output``).
+            ConfigError: another user could redirect the write (``melfeed.shared.output_files.open_output``).
         """
         write_output(path, json.dumps(asdict(self), indent=2) + "\n", what="--summary-json")
 
@@ -155,8 +155,8 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
 def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, process_start_s: float,
            summary_path: str | None, state: RunState | None, notifier: Notifier | None,
            telemetry: Telemetry | None, on_step: Callable[[int], None] | None, job: Job | None) -> TrainSummary:
-    from consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
-    from consumer.train.handoff import TfHandOff, model_device
+    from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
+    from melfeed.consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
     cache_dir = active_xla_cache_dir()
@@ -282,9 +282,9 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
 
     With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
     """
-    from consumer.train.model import StepSpec
-    from consumer.train.replicas import Replicas, check_rows, replica_scope
-    from consumer.train.step import CompiledStep, build_step
+    from melfeed.consumer.train.model import StepSpec
+    from melfeed.consumer.train.replicas import Replicas, check_rows, replica_scope
+    from melfeed.consumer.train.step import CompiledStep, build_step
 
     shapes = [b.shapes() for b in consumer.bucket_set.buckets]
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
@@ -314,7 +314,7 @@ def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator
 def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, consumer: Consumer,
                     out: TrainSummary) -> ResidentLimit | None:
     """The resident-batch limit (``consumer.feed_efficiency_steps`` per bucket; None when 0)."""
-    from consumer.train.efficiency import measure_resident_limit, resident_vocab
+    from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
     buckets, vocab = consumer.bucket_set.buckets, resident_vocab(consumer.manifest.token_range, cfg.model.vocab_size)

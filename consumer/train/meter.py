@@ -1,11 +1,11 @@
 """The step loop's meter and its periodic status line.
 
 Role: counts what the summary needs since warm-up (batches, samples, frames, every step's time)
-and keeps the live window of the status line: the same ``shared.metrics.StepWindow`` arithmetic,
+and keeps the live window of the status line: the same ``melfeed.shared.metrics.StepWindow`` arithmetic,
 over the same ``consumer.metrics_window_s``, as the metrics snapshot (consumer/observe/telemetry.py),
-so the status line and ``run_pipeline.py status`` agree on batches/s, samples/s and stall %.
+so the status line and ``melfeed status`` agree on batches/s, samples/s and stall %.
 ``OutputMeans`` averages the steps' named scalars (``consumer/train/outputs.py``) per status
-interval; the status line, the snapshot, Prometheus and ``run_pipeline.py status`` show those means.
+interval; the status line, the snapshot, Prometheus and ``melfeed status`` show those means.
 Invariants: rates come only from ``StepWindow.figures`` (the span the records cover, their wait and
 step time included), never from counters divided by time since the last line: with slow steps that
 divided a batch by the microseconds since it ended (it printed 3930 batches/s for 0.5).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from shared.metrics import StepRecord, StepWindow, WindowFigures
+from melfeed.shared.metrics import StepRecord, StepWindow, WindowFigures
 
 __all__ = ["LoopMeter", "OutputMeans", "format_outputs", "format_status_line"]
 

@@ -43,10 +43,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from shared.wire.schema import ExtraSpec
+from melfeed.shared.wire.schema import ExtraSpec
 
 if TYPE_CHECKING:
-    from shared.config import PipelineConfig
+    from melfeed.shared.config import PipelineConfig
 
 __all__ = ["StepSpec", "TrainStep", "build_reference_step", "global_sum"]
 

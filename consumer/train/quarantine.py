@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from consumer.flow.plan import EpochPlan
+    from melfeed.consumer.flow.plan import EpochPlan
 
 __all__ = ["MIN_ROWS", "QuarantineCeiling", "ceiling_for", "judged_from"]
 
@@ -121,7 +121,7 @@ class QuarantineCeiling:
         else:
             then = ""
         return (f"{_KEY}: {seen}, so cache files are missing or bad{example}; the producers' log names each one "
-                f"('quarantined sample=N'), `run_pipeline.py verify-cache CACHE_DIR` lists them all{then}")
+                f"('quarantined sample=N'), `melfeed verify-cache CACHE_DIR` lists them all{then}")
 
 
 def ceiling_for(max_fraction: float, plan: EpochPlan) -> QuarantineCeiling:

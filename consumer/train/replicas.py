@@ -1,7 +1,7 @@
 """Several model devices: the compiled step under ``MirroredStrategy`` (one host) or a job's ``MultiWorkerMirroredStrategy``.
 
 Role: ``Replicas.from_config`` picks the devices (the first ``consumer.replicas`` visible GPUs, or as many
-logical CPU devices, which ``consumer.placement.configure_memory`` creates before TensorFlow initialises
+logical CPU devices, which ``melfeed.consumer.placement.configure_memory`` creates before TensorFlow initialises
 its devices); ``scope()`` is where the step factory must run so every variable is mirrored;
 ``program`` builds the one program per bucket that ``CompiledStep`` (consumer/train/step.py) calls with
 the full global batch, so the loop and its ``CompiledStep.run(bucket, batch)`` interface stay unchanged.
@@ -45,8 +45,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["Replicas", "XlaUnavailable", "check_rows", "replica_scope"]
 
@@ -118,7 +118,7 @@ class Replicas:
         cpus = tf.config.list_logical_devices("CPU")
         if len(cpus) < n:
             raise ConfigError(f"{n} replicas on the CPU need {n} logical CPU devices, TensorFlow has {len(cpus)}: "
-                              "call consumer.placement.configure_memory(cfg) right after importing TensorFlow",
+                              "call melfeed.consumer.placement.configure_memory(cfg) right after importing TensorFlow",
                               path=("consumer", "replicas"), got=n)
         return cls([c.name for c in cpus[:n]])
 

@@ -35,22 +35,24 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from consumer.train.inputs import (Shapes, accepted_extras, bucket_key, check_call, check_step, input_dtypes,
+from melfeed.consumer.train.inputs import (Shapes, accepted_extras, bucket_key, check_call, check_step, input_dtypes,
                                    unlisted_variables)
-from consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error
-from consumer.train.model import StepSpec, TrainStep
-from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
-from consumer.train.replicas import Replicas
-from consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
-from shared.errors import ConfigError, PipelineError, StepError
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.schema import ExtraSpec
+from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error
+from melfeed.consumer.train.model import StepSpec, TrainStep
+from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
+from melfeed.consumer.train.replicas import Replicas
+from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
+from melfeed.shared.errors import ConfigError, PipelineError, StepError
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.schema import ExtraSpec
 
 __all__ = ["build_step", "load_step_factory", "CompiledStep"]
 
@@ -60,8 +62,6 @@ _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
 _Shapes = Shapes   # one program's key (consumer/train/inputs.py)
-
-
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     """Import the step factory named ``"module:function"``.
@@ -76,6 +76,8 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     module_name, sep, attr = dotted.partition(":")
     if not sep or not module_name or not attr:
         raise fail("must look like 'module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as python -m: the working directory first (the
+        sys.path.insert(0, os.getcwd())                      # melfeed script puts its bin/ there instead)
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # any import-time failure of user code is a config problem here

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from shared.printable import escape_line
+from melfeed.shared.printable import escape_line
 
 __all__ = ["ConnectionCount", "ConnectionGuard"]
 

@@ -28,7 +28,7 @@ import stat
 import time
 from pathlib import Path
 
-from shared.errors import ConfigError
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["EndpointLock", "lock_endpoint", "remove_stale_endpoints"]
 

@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from shared.wire.buckets import Bucket, BucketSet
-from shared.errors import ProtocolError
-from shared.wire.protocol import BatchHeader, RejectCode
+from melfeed.shared.wire.buckets import Bucket, BucketSet
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import BatchHeader, RejectCode
 
 __all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths", "check_extra_lengths"]
 

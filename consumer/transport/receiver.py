@@ -9,7 +9,7 @@ This module holds only what needs the socket: its options, the ZAP handler (CURV
 decoding headers (under the bound of a producer header, so no message costs the loop more than a few
 ms), taking a payload into its ring slot (``consumer/transport/intake.py``) and sending replies. Every
 protocol decision -- handshake, leases, liveness, shared-memory fencing, duplicates, rejects, floods,
-BYE -- is made by ``consumer.flow.session.ReceiverSession``, which is socket-free and unit-tested.
+BYE -- is made by ``melfeed.consumer.flow.session.ReceiverSession``, which is socket-free and unit-tested.
 Invariants: every ROUTER send is non-blocking and survives a vanished peer (E5); a payload is
 written only into the slot its lease reserved, after the header and the frame sizes were checked;
 every message the session does not take has the rest of its frames drained unread.
@@ -29,19 +29,19 @@ from pathlib import Path
 
 import zmq
 
-from consumer.flow.credit import LeaseBook
-from consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
-from consumer.flow.ring import BatchRing
-from consumer.flow.session import ReceiverSession
-from consumer.transport.conn_guard import ConnectionGuard
-from consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
-from consumer.transport.intake import check_header, check_in_place, fill_from_frames
-from consumer.transport.shm_slots import ShmSlots
-from shared.errors import ConfigError, ProtocolError
-from shared.printable import escape_line
-from shared.wire.buckets import BucketSet
-from shared.wire.curve import ZAP_ENDPOINT, ServerKeys, zap_reply
-from shared.wire.protocol import BatchHeader, decode_header, encode, max_producer_header_bytes
+from melfeed.consumer.flow.credit import LeaseBook
+from melfeed.consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
+from melfeed.consumer.flow.ring import BatchRing
+from melfeed.consumer.flow.session import ReceiverSession
+from melfeed.consumer.transport.conn_guard import ConnectionGuard
+from melfeed.consumer.transport.endpoint_lock import EndpointLock, lock_endpoint, remove_stale_endpoints
+from melfeed.consumer.transport.intake import check_header, check_in_place, fill_from_frames
+from melfeed.consumer.transport.shm_slots import ShmSlots
+from melfeed.shared.errors import ConfigError, ProtocolError
+from melfeed.shared.printable import escape_line
+from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.wire.curve import ZAP_ENDPOINT, ServerKeys, zap_reply
+from melfeed.shared.wire.protocol import BatchHeader, decode_header, encode, max_producer_header_bytes
 
 __all__ = ["Receiver", "ReceiverConfig", "ReceiverStats", "HandshakeContract"]
 

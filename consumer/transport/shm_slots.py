@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import ConfigError
-from shared.config import TransportConfig
-from shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.config import TransportConfig
+from melfeed.shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
 
 __all__ = ["ShmSlots", "clean_stale", "open_ring_files", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
 

@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from shared.service.leftovers import is_pid_alive
+from melfeed.shared.service.leftovers import is_pid_alive
 
 __all__ = ["MappedPack", "FaultRecord", "pack_identity", "earlier_bus_error"]
 

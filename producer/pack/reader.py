@@ -1,7 +1,7 @@
 """Read whole batch rows (mel, tokens, extras) from a packed cache: copied from a mapping, or one ``preadv``.
 
 Role: the fast path of ``producer/batcher.py`` when the cache has a usable pack for the batch's mel
-dtype (``producer.pack: auto``; written by ``run_pipeline.py pack``). A row goes into its places in
+dtype (``producer.pack: auto``; written by ``melfeed pack``). A row goes into its places in
 the send buffer or the consumer's slot: the mel's first ``n`` frames, the tokens, each extra. Mapped
 (the default, ``producer/pack/mapped.py``), each place is one copy out of the mapping and the parts a
 bucket cuts off are skipped; with ``preadv`` (the mapping failed, or a producer died of a bus error on
@@ -30,12 +30,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from producer.batch_rows import RowBytes
-from producer.pack.mapped import FaultRecord, MappedPack, earlier_bus_error, pack_identity
-from producer.reader import TransientReadError
-from shared.cache.manifest import Manifest
-from shared.cache.pack_format import PackFile, PackUnusable, open_pack, pack_path
-from shared.errors import CacheError
+from melfeed.producer.batch_rows import RowBytes
+from melfeed.producer.pack.mapped import FaultRecord, MappedPack, earlier_bus_error, pack_identity
+from melfeed.producer.reader import TransientReadError
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.cache.pack_format import PackFile, PackUnusable, open_pack, pack_path
+from melfeed.shared.errors import CacheError
 
 __all__ = ["PackReader", "open_pack_reader"]
 
@@ -176,7 +176,7 @@ def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: P
         return None
     path = pack_path(manifest.cache_dir, mel_dtype)
     if not os.path.lexists(path):
-        log.info("no packed cache at %s: reading the .npy files (run_pipeline.py pack %s makes one)",
+        log.info("no packed cache at %s: reading the .npy files (melfeed pack %s makes one)",
                  path, manifest.cache_dir)
         return None
     try:

@@ -1,6 +1,6 @@
-"""Offline ``run_pipeline.py prepare``: LJSpeech-format wav corpus -> log-mel cache.
+"""Offline ``melfeed prepare``: LJSpeech-format wav corpus -> log-mel cache.
 
-Nothing is re-exported: import the module you need (``producer.prepare.<module>``).
+Nothing is re-exported: import the module you need (``melfeed.producer.prepare.<module>``).
 """
 
 __all__: list[str] = []

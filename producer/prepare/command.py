@@ -1,4 +1,4 @@
-"""Build a mel cache from an LJSpeech-format corpus: ``run_pipeline.py prepare``.
+"""Build a mel cache from an LJSpeech-format corpus: ``melfeed prepare``.
 
 Corpus: ``DIR/metadata.csv`` (UTF-8, one ``id|text|normalized_text`` line per utterance, no
 quoting; the normalised column is used when present and non-empty, else the text column) and
@@ -6,7 +6,7 @@ quoting; the normalised column is used when present and non-empty, else the text
 ``CACHE/features.json`` and, when the run completes, ``CACHE/manifest.json``.
 
 Invariants:
-- Resumable: outputs are atomic (``producer.prepare.worker``); an utterance whose two files are
+- Resumable: outputs are atomic (``melfeed.producer.prepare.worker``); an utterance whose two files are
   present and valid, with the tokens of its current transcript, is not computed again; temp
   files of an interrupted run are removed at start. Interrupted + resumed = uninterrupted, byte
   for byte (tests/integration/tools/test_prepare.py).
@@ -15,7 +15,7 @@ Invariants:
 - Every skipped utterance gets one line naming its id and file; the summary counts them by
   reason (metadata, empty_text, missing_wav, bad_wav, duration, error).
 Shutdown: SIGTERM/SIGINT set ``stop``; workers finish the item in hand, then the stop ladder
-(``producer.prepare.pool``) runs; the run exits 2 and says how to resume. No manifest is written.
+(``melfeed.producer.prepare.pool``) runs; the run exits 2 and says how to resume. No manifest is written.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from shared.config import PipelineConfig
-from shared.errors import CacheError, ConfigError
-from shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
-from shared.cache.filekind import check_cache_dir, make_dirs
-from shared.cache.index import build_manifest
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
-from shared.cache.npyfile import inspect_npy
-from producer.prepare.pool import WorkerPool
-from shared.service.progress import Progress, progress_interval_s
-from producer.prepare.worker import WorkerSpec, WorkItem, WorkResult
-from shared.cache.text import VOCAB_SIZE, VOCABULARY, encode_text
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
+from melfeed.shared.cache.filekind import check_cache_dir, make_dirs
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
+from melfeed.shared.cache.npyfile import inspect_npy
+from melfeed.producer.prepare.pool import WorkerPool
+from melfeed.shared.service.progress import Progress, progress_interval_s
+from melfeed.producer.prepare.worker import WorkerSpec, WorkItem, WorkResult
+from melfeed.shared.cache.text import VOCAB_SIZE, VOCABULARY, encode_text
 
 __all__ = ["MetadataRow", "PrepareSummary", "read_metadata", "run_prepare", "main_prepare", "worker_count",
            "debug_delay_s"]
@@ -225,7 +225,7 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
     Raises:
         CacheError: Missing metadata, a cache made by something else, a cache directory that cannot be
             created or written (named, with the OS reason) or that another user could write to or swap
-            (``shared.output_files.output_dir_reason``), or a worker that failed.
+            (``melfeed.shared.output_files.output_dir_reason``), or a worker that failed.
         ConfigError: The config does not fit (vocabulary, n_mels) or differs from the cache's.
     """
     started = time.monotonic()
@@ -325,9 +325,9 @@ def debug_delay_s(delay_ms: float) -> float:
 
 
 def main_prepare(args: argparse.Namespace) -> int:
-    """``run_pipeline.py prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
-    from shared.config_loader import load_config
-    from shared.service.lifecycle import stop_on_signals
+    """``melfeed prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
+    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.service.lifecycle import stop_on_signals
 
     workers, delay_s = worker_count(args.workers), debug_delay_s(args.debug_delay_ms)
     cfg = load_config(args.config)

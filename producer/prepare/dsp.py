@@ -1,4 +1,4 @@
-"""The log-mel definition ``prepare`` computes and the resampler before it (version: ``shared.cache.features``).
+"""The log-mel definition ``prepare`` computes and the resampler before it (version: ``melfeed.shared.cache.features``).
 
 Definition ``melfeed-logmel/1`` for mono audio ``x`` at ``sample_rate_hz`` (``FeatureConfig``):
 
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.config import FeatureConfig
+from melfeed.shared.config import FeatureConfig
 
 __all__ = ["frame_count", "resample", "LogMel"]
 

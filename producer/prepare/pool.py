@@ -1,6 +1,6 @@
 """Process plumbing of ``prepare``: the worker pool.
 
-Role: ``WorkerPool`` runs N ``producer.prepare.worker`` processes (spawn: TensorFlow is not
+Role: ``WorkerPool`` runs N ``melfeed.producer.prepare.worker`` processes (spawn: TensorFlow is not
 fork-safe) fed from one task queue and yields their results as they come.
 
 Invariants:
@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from shared.errors import CacheError
-from producer.prepare.worker import WorkerEvent, WorkerSpec, WorkItem, WorkResult, worker_main
+from melfeed.shared.errors import CacheError
+from melfeed.producer.prepare.worker import WorkerEvent, WorkerSpec, WorkItem, WorkResult, worker_main
 
 __all__ = ["WorkerPool"]
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from shared.cache.filekind import open_regular
-from shared.errors import CacheError
+from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.errors import CacheError
 
 __all__ = ["WavInfo", "read_wav", "parse_wav"]
 

@@ -1,6 +1,6 @@
 """One ``prepare`` worker process: wav -> resampled audio -> log-mel -> two ``.npy`` files.
 
-Role: ``producer.prepare.command`` starts N of these (spawn context) and feeds them ``WorkItem``s through
+Role: ``melfeed.producer.prepare.command`` starts N of these (spawn context) and feeds them ``WorkItem``s through
 a queue; each answers with one ``WorkResult`` per item. TensorFlow is imported here, after
 ``CUDA_VISIBLE_DEVICES`` is set to the data GPU ("" = CPU only), never in the parent.
 
@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.config import FeatureConfig
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
-from shared.errors import CacheError
-from producer.prepare.dsp import LogMel, frame_count, resample
-from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
-from shared.service.lifecycle import die_with_parent
-from shared.service.priority import lower_cpu_priority
-from producer.prepare.wav import read_wav
+from melfeed.shared.config import FeatureConfig
+from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
+from melfeed.shared.errors import CacheError
+from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
+from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+from melfeed.shared.service.lifecycle import die_with_parent
+from melfeed.shared.service.priority import lower_cpu_priority
+from melfeed.producer.prepare.wav import read_wav
 
 __all__ = ["WorkItem", "WorkResult", "WorkerEvent", "WorkerSpec", "worker_main", "prepare_one", "write_npy_atomic"]
 

@@ -1,6 +1,6 @@
 """Offline commands: ``index`` (manifest from .npy headers and token ids), ``verify-cache`` and ``demo-data``.
 
-``index`` and ``verify-cache`` show a ``shared.service.progress.Progress`` on stderr (a bar on a terminal,
+``index`` and ``verify-cache`` show a ``melfeed.shared.service.progress.Progress`` on stderr (a bar on a terminal,
 else a line every ``_PROGRESS_EVERY_S`` or ``$MELFEED_PROGRESS_S``); results go to stdout.
 """
 
@@ -12,17 +12,17 @@ import os
 import sys
 from pathlib import Path
 
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.extras import EXTRAS_DIR
-from shared.cache.features import check_n_mels_flag
-from shared.cache.filekind import make_dirs
-from shared.errors import CacheError, ConfigError
-from shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration
-from shared.cache.index import build_manifest
-from shared.cache.manifest import write_manifest
-from shared.service.progress import Progress, progress_interval_s
-from shared.cache.verify import verify_cache
-from shared.flag_checks import resolve_path
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.extras import EXTRAS_DIR
+from melfeed.shared.cache.features import check_n_mels_flag
+from melfeed.shared.cache.filekind import make_dirs
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import write_manifest
+from melfeed.shared.service.progress import Progress, progress_interval_s
+from melfeed.shared.cache.verify import verify_cache
+from melfeed.shared.flag_checks import resolve_path
 
 __all__ = ["main_index", "main_verify_cache", "main_demo", "parse_extra_arg"]
 

@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import CacheError, ConfigError
-from shared.cache.filekind import check_cache_dir, make_dirs
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest, load_manifest, write_manifest
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.shared.cache.filekind import check_cache_dir, make_dirs
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest, load_manifest, write_manifest
 
 __all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "DEMO_EXTRAS", "DEMO_UTTERANCES_MAX", "DEMO_SEED_MAX", "write_demo_cache",
            "demo_utterance_id", "default_demo_dir"]
@@ -197,7 +197,7 @@ def write_demo_cache(
         ValueError: ``n_mels`` < 1.
         CacheError: ``out_dir`` holds ``.npy`` files that are not from a demo cache, is not a directory,
             or cannot be created or written (read-only parent, disk full): one line with the OS reason;
-            or another user could write to it or swap it (``shared.output_files.output_dir_reason``).
+            or another user could write to it or swap it (``melfeed.shared.output_files.output_dir_reason``).
     """
     if not 1 <= n_utterances <= DEMO_UTTERANCES_MAX:
         raise ConfigError(f"must be in 1..{DEMO_UTTERANCES_MAX}", path=(utterances_flag,), got=n_utterances)
@@ -215,8 +215,8 @@ def write_demo_cache(
         check_cache_dir(root, "demo cache")
         try:
             manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
-            from shared.cache.pack_write import ensure_pack
-            ensure_pack(manifest, "float32")     # packed, as run_pipeline.py pack would
+            from melfeed.shared.cache.pack_write import ensure_pack
+            ensure_pack(manifest, "float32")     # packed, as melfeed pack would
         except OSError as err:    # a read-only demo cache, disk full: one line, not a traceback
             raise CacheError(err.filename or root, f"cannot write the demo cache ({err.strerror})") from err
         return manifest

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import CacheError
-from shared.cache.npyfile import NpyHeader, inspect_npy
-from shared.wire.schema import ExtraSpec, check_declaration, check_schema
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.wire.schema import ExtraSpec, check_declaration, check_schema
 
 __all__ = ["EXTRAS_DIR", "ExtraColumn", "parse_extras", "extras_json", "extras_digest", "check_extra_sizes",
            "check_extra_header", "infer_kind", "index_extra", "extra_dirs"]

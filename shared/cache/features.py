@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.config import FeatureConfig, PipelineConfig
-from shared.errors import CacheError, ConfigError
-from shared.cache.filekind import read_json, write_atomic
-from shared.cache.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_features, parse_vocabulary
-from shared.cache.text import TEXT_VERSION
+from melfeed.shared.config import FeatureConfig, PipelineConfig
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.shared.cache.filekind import read_json, write_atomic
+from melfeed.shared.cache.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_features, parse_vocabulary
+from melfeed.shared.cache.text import TEXT_VERSION
 
 __all__ = ["FEATURE_VERSION", "RESAMPLER_VERSION", "N_MELS_MAX", "FEATURES_NAME", "feature_params", "check_features",
            "check_token_ids", "check_n_mels_flag", "load_manifest_for", "read_feature_record", "write_feature_record"]
@@ -107,7 +107,7 @@ def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
         if len(manifest) and key not in _WARNED_UNCHECKED:
             _WARNED_UNCHECKED.add(key)
             log.warning("token ids of cache %s not checked against model.vocab_size: its manifest was written "
-                        "before index recorded them; re-run `run_pipeline.py index %s` to check them (this changes "
+                        "before index recorded them; re-run `melfeed index %s` to check them (this changes "
                         "the fingerprint: re-run pack too, and an interrupted run cannot resume across it)",
                         manifest.cache_dir, manifest.cache_dir)
         return
@@ -117,7 +117,7 @@ def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
                          "names the files that hold one")
     if largest >= vocab_size:
         cache = manifest.cache_dir
-        raise ConfigError(f"must be > {largest}, the largest token id in {cache} (run_pipeline.py verify-cache {cache} "
+        raise ConfigError(f"must be > {largest}, the largest token id in {cache} (melfeed verify-cache {cache} "
                           f"--vocab-size {vocab_size} names the files with ids >= {vocab_size})",
                           path=("model", "vocab_size"), got=vocab_size)
 
@@ -146,7 +146,7 @@ def load_manifest_for(cfg: PipelineConfig, *, feeds_model: bool = True) -> Manif
     manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
     if not len(manifest):   # `index --skip-bad` with every file bad writes one; buckets and plans need a row
         raise CacheError(manifest.cache_dir / MANIFEST_NAME, "lists no utterances: index skipped every file as bad "
-                         f"(run_pipeline.py index {manifest.cache_dir} names each one); nothing to train on")
+                         f"(melfeed index {manifest.cache_dir} names each one); nothing to train on")
     check_features(manifest, cfg)
     if feeds_model:
         check_token_ids(manifest, cfg.model.vocab_size)

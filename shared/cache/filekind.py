@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shared.errors import CacheError
+from melfeed.shared.errors import CacheError
 
 __all__ = ["CACHE_FILE_MODE", "OPEN_FLAGS", "open_regular", "read_regular", "read_json", "write_atomic", "make_dirs", "entry_kind",
            "mode_kind", "not_regular_reason"]
@@ -200,8 +200,8 @@ def check_cache_dir(root: Path, what: str = "cache") -> None:
     Raises:
         CacheError: one of the refusals, or an existing directory that cannot be examined.
     """
-    from shared.filetrust import creation_reason
-    from shared.output_files import output_dir_reason
+    from melfeed.shared.filetrust import creation_reason
+    from melfeed.shared.output_files import output_dir_reason
     exists = os.path.lexists(root)
     if exists and not os.path.isdir(root):
         raise CacheError(root, "not a directory")

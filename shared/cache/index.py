@@ -1,6 +1,6 @@
 """Indexing a cache: a ``Manifest`` built from the ``.npy`` headers of ``mels/`` and ``tokens/``.
 
-Role: ``build_manifest`` (``run_pipeline.py index``, ``prepare``, the demo data) reads each mel's and
+Role: ``build_manifest`` (``melfeed index``, ``prepare``, the demo data) reads each mel's and
 extra's header, never its data, pairs mels and tokens by file stem, and records every file's data
 offset and size. Token files are small (a few hundred bytes of int32), so their data is read too: a
 negative id makes the file bad, and the smallest and largest id over the usable utterances become the
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import CacheError
-from shared.cache.features import FEATURES_NAME, read_feature_record
-from shared.cache.manifest import (MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.features import FEATURES_NAME, read_feature_record
+from melfeed.shared.cache.manifest import (MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
                                    FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary)
-from shared.cache.extras import ExtraColumn, extra_dirs, index_extra
-from shared.cache.filekind import open_regular, read_json
-from shared.cache.npyfile import NpyHeader, inspect_npy
-from shared.wire.schema import KINDS
+from melfeed.shared.cache.extras import ExtraColumn, extra_dirs, index_extra
+from melfeed.shared.cache.filekind import open_regular, read_json
+from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.wire.schema import KINDS
 
 __all__ = ["build_manifest", "check_mel_header", "check_token_header", "ids_outside", "list_npy", "token_range"]
 
@@ -53,7 +53,7 @@ def list_npy(directory: Path) -> dict[str, Path]:
     try:
         with os.scandir(directory) as entries:
             # Every entry, not only regular files: a FIFO, device, directory or broken symlink named
-            # x.npy is reported by the check that opens it (shared.cache.filekind), never skipped silently.
+            # x.npy is reported by the check that opens it (melfeed.shared.cache.filekind), never skipped silently.
             return {e.name[:-4]: Path(e.path) for e in entries if e.name.endswith(".npy") and len(e.name) > 4}
     except OSError as err:
         raise CacheError(directory, f"cannot read the directory ({err.strerror})") from err
@@ -189,7 +189,7 @@ def build_manifest(
         progress: Called as ``progress(done, total)`` after each utterance id.
         kinds: Declared kind of each extra in ``extras/`` (``index --extra NAME:KIND=DIR``); an
             extra not named here keeps the kind the current manifest declares, else gets the kind its
-            headers show (``shared.cache.extras.infer_kind``).
+            headers show (``melfeed.shared.cache.extras.infer_kind``).
 
     Returns:
         ``(manifest, problems)``: the usable utterances (with their ``token_range``), and one

@@ -46,10 +46,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from shared.errors import CacheError
-from shared.cache.extras import EXTRAS_DIR, ExtraColumn, check_extra_sizes, extras_digest, extras_json, parse_extras
-from shared.cache.filekind import read_json, write_atomic
-from shared.wire.schema import ExtraSchema
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.extras import EXTRAS_DIR, ExtraColumn, check_extra_sizes, extras_digest, extras_json, parse_extras
+from melfeed.shared.cache.filekind import read_json, write_atomic
+from melfeed.shared.wire.schema import ExtraSchema
 
 __all__ = [
     "MANIFEST_NAME",
@@ -328,7 +328,7 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
         n_mels: If given, the manifest must have been built with this ``n_mels``.
 
     Feature parameters and vocabulary, when recorded, are loaded (and fingerprinted) but not
-    compared with any config here: ``shared.cache.features.load_manifest_for`` does that.
+    compared with any config here: ``melfeed.shared.cache.features.load_manifest_for`` does that.
 
     Raises:
         CacheError: No manifest, malformed JSON or rows, a fingerprint that does not match the
@@ -339,7 +339,7 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     try:
         doc = read_json(path)  # a FIFO or device named manifest.json is refused, never read
     except CacheError as err:
-        raise CacheError(path, "no manifest; run `python run_pipeline.py index DIR` first"
+        raise CacheError(path, "no manifest; run `melfeed index DIR` first"
                          if err.reason == "missing" else err.reason) from err
     except OSError as err:
         raise CacheError(path, f"cannot read ({err.strerror})") from err

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.errors import CacheError
-from shared.cache.filekind import open_regular
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.filekind import open_regular
 
 __all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "inspect_npy"]
 
@@ -187,7 +187,7 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
     Raises:
         CacheError: The header is bad, or the file is shorter than ``data_offset + nbytes``.
             Also raised (chained) when the file is missing or cannot be read, and for an entry
-            that is not a regular file (``not a regular file (fifo)``; see ``shared.cache.filekind``).
+            that is not a regular file (``not a regular file (fifo)``; see ``melfeed.shared.cache.filekind``).
     """
     try:
         fd, st = open_regular(path)   # never blocks on a FIFO; refuses devices and directories

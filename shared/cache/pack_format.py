@@ -2,7 +2,7 @@
 
 Role: the per-file cache costs a producer four ``preadv`` (mel, tokens, each extra), an open-file
 lookup and a header compare per file of every row, plus an ``open``/``fstat`` and a NaN/Inf scan the
-first time a process meets a file. ``run_pipeline.py pack`` (``shared/cache/pack_write.py``) copies a
+first time a process meets a file. ``melfeed pack`` (``shared/cache/pack_write.py``) copies a
 cache's data, checked once, into ``CACHE/melfeed-<mel_dtype>.pack``; a producer then reads a whole row
 (mel, tokens and extras) out of one mapping of it, or with one ``preadv`` (``producer/pack/reader.py``).
 
@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.cache.filekind import open_regular
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
+from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 
 __all__ = ["MAGIC", "DATA_OFFSET", "FORMAT_VERSION", "PackLayout", "PackHeader", "PackFile", "PackUnusable",
            "pack_path", "source_paths", "stat_source", "sources_digest", "open_pack"]
@@ -164,7 +164,7 @@ def open_pack(manifest: Manifest, mel_dtype: str, path: Path | None = None) -> P
         PackUnusable: missing, not a regular file, not a pack, damaged, of another manifest or mel
             dtype, or a source file changed since it was written (the reason says which).
     """
-    from shared.errors import CacheError
+    from melfeed.shared.errors import CacheError
     path = path if path is not None else pack_path(manifest.cache_dir, mel_dtype)
     try:
         fd, st = open_regular(path)

@@ -1,4 +1,4 @@
-"""``run_pipeline.py pack``: write a cache's packed copy (``shared/cache/pack_format.py``), checked once.
+"""``melfeed pack``: write a cache's packed copy (``shared/cache/pack_format.py``), checked once.
 
 Every source file of every manifest utterance is read whole, and checked by the rules a producer
 applies at read time: a regular file of the indexed size, a header that still says what the manifest
@@ -32,13 +32,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from shared.cache.filekind import open_regular
-from shared.cache.index import ids_outside
-from shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest, load_manifest
-from shared.cache.npyfile import parse_npy_header
-from shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_path, preamble, source_paths,
+from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.cache.index import ids_outside
+from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest, load_manifest
+from melfeed.shared.cache.npyfile import parse_npy_header
+from melfeed.shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_path, preamble, source_paths,
                                       sources_digest, stat_source)
-from shared.errors import CacheError
+from melfeed.shared.errors import CacheError
 
 __all__ = ["PackSummary", "write_pack", "ensure_pack", "main_pack"]
 
@@ -213,7 +213,7 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
 
 def ensure_pack(manifest: Manifest, mel_dtype: str) -> None:
     """Write the cache's ``mel_dtype`` pack unless one that serves this manifest is there already."""
-    from shared.cache.pack_format import PackUnusable, open_pack
+    from melfeed.shared.cache.pack_format import PackUnusable, open_pack
     try:
         open_pack(manifest, mel_dtype).close()
         return
@@ -228,8 +228,8 @@ def main_pack(args: argparse.Namespace) -> int:
 
     Every bad file is one ``bad: PATH: REASON`` line on stderr, as ``index`` prints them.
     """
-    from shared.service.progress import Progress as Bar, progress_interval_s
-    from shared.cache.features import check_n_mels_flag
+    from melfeed.shared.service.progress import Progress as Bar, progress_interval_s
+    from melfeed.shared.cache.features import check_n_mels_flag
     manifest = load_manifest(args.cache_dir, check_n_mels_flag(args.n_mels))
     bar = Bar(0, sys.stderr, label="pack", unit="utterances", interval_s=progress_interval_s(5.0))
     try:

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import CacheError
-from shared.cache.filekind import open_regular
-from shared.cache.extras import ExtraColumn, check_extra_header
-from shared.cache.index import check_mel_header, check_token_header, list_npy, token_range   # index's rules
-from shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
-from shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.cache.extras import ExtraColumn, check_extra_header
+from melfeed.shared.cache.index import check_mel_header, check_token_header, list_npy, token_range   # index's rules
+from melfeed.shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
+from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
 

@@ -1,12 +1,10 @@
 """Child processes: where the code lives, how a child interpreter starts, and what it is handed.
 
-Role: the one place that knows the repository root (``REPO_ROOT``: the folder holding ``shared/``,
-``producer/``, ``consumer/`` and ``run_pipeline.py``, in a checkout and in an installed tree alike),
-how a child finds these packages (``child_env``), how it is started (``spawn``: a fresh interpreter
-running ``python -m MODULE ...`` or ``run_pipeline.py COMMAND ...``, never a fork, since TensorFlow
+Role: the one place that knows how a child interpreter starts (``spawn``: a fresh interpreter running
+``python -m MODULE ...`` or ``python -m melfeed COMMAND ...``, never a fork, since TensorFlow
 and ZeroMQ are not fork-safe), how it gets the effective config (``handed_over_config``: one YAML
 file, mode 0600, in the private runtime directory) and how it is stopped (``Child.stop``: the
-ladder of ``shared.service.stop_ladder``). ``CommandChildren`` is what a command that runs children
+ladder of ``melfeed.shared.service.stop_ladder``). ``CommandChildren`` is what a command that runs children
 for a result (``bench``'s trials, ``doctor``'s probes) needs so that none outlives it, however it ends:
 
 - each child leads its own process group (``spawn(new_group=True)``: a terminal's Ctrl-C reaches the
@@ -51,20 +49,18 @@ from typing import Any
 
 import yaml
 
-from shared.config import resolve_runtime_dir
-from shared.service.leftovers import remove_dead_configs
-from shared.service.lifecycle import PARENT_PID_ENV, prepare_runtime_dir
-from shared.service.stop_ladder import (GROUP_LADDER, Ladder, Rung, is_group_alive, signal_child, stop_all,
+from melfeed.shared.config import resolve_runtime_dir
+from melfeed.shared.service.leftovers import remove_dead_configs
+from melfeed.shared.service.lifecycle import PARENT_PID_ENV, prepare_runtime_dir
+from melfeed.shared.service.stop_ladder import (GROUP_LADDER, Ladder, Rung, is_group_alive, signal_child, stop_all,
                                         stop_process)
 
-__all__ = ["REPO_ROOT", "ENTRY_SCRIPT", "child_env", "module_argv", "entry_argv", "python_argv", "spawn",
+__all__ = ["child_env", "module_argv", "entry_argv", "python_argv", "spawn",
            "write_private_config", "handed_over_config", "Child", "CommandChildren", "Interrupted"]
 
 log = logging.getLogger(__name__)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)   # what stops a command's children (CommandChildren)
-REPO_ROOT = Path(__file__).resolve().parents[2]  # shared/service/children.py -> the root
-ENTRY_SCRIPT = REPO_ROOT / "run_pipeline.py"
 _CONFIG_MODE = 0o600    # the config may name key files and paths: the owner's eyes only
 
 
@@ -77,18 +73,16 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def child_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
-    """This process's environment plus ``extra``, less ``drop``, with ``REPO_ROOT`` first on ``PYTHONPATH``.
+    """This process's environment plus ``extra``, less ``drop``.
 
     ``MELFEED_PARENT_PID`` is never inherited (it names this process's parent, which the child must not
     follow): a parent that wants its child to die with it sets it in ``extra``.
 
-    A child started as ``python -m producer.process`` from any working directory then imports
-    the same code as its parent, installed or not.
+    A child imports ``melfeed`` from where its parent did: the same interpreter, site-packages and
+    ``PYTHONPATH``; it starts in its parent's working directory (a step factory's module resolves alike).
     """
     inherited = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}   # names *our* parent, not the child's
-    env = {k: v for k, v in {**inherited, **(extra or {})}.items() if k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
+    return {k: v for k, v in {**inherited, **(extra or {})}.items() if k not in drop}
 
 
 def python_argv(*args: str) -> list[str]:
@@ -102,8 +96,8 @@ def module_argv(module: str, *args: str) -> list[str]:
 
 
 def entry_argv(command: str, *args: str) -> list[str]:
-    """``python run_pipeline.py COMMAND ARGS...``: a child run exactly as a user (or systemd) runs it."""
-    return python_argv(str(ENTRY_SCRIPT), command, *args)
+    """``python -m melfeed COMMAND ARGS...``: a child run exactly as a user (or systemd) runs it."""
+    return module_argv("melfeed", command, *args)
 
 
 def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, new_group: bool = False,

@@ -1,4 +1,4 @@
-"""Command-line parser for ``run_pipeline.py`` and the mapping from flags to config keys.
+"""Command-line parser of the ``melfeed`` command and the mapping from flags to config keys.
 
 Only argparse lives here; the commands are in ``consumer/app.py``, ``producer/app.py`` and
 ``shared/cache/commands.py``, ``consumer/observe/report_plot.py``. A flag overrides the YAML value of the key it names.
@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shared.config import PipelineConfig
-from shared.config_loader import load_config, with_overrides
-from shared.errors import ConfigError
-from shared.flag_checks import check_number
-from shared.service.children import REPO_ROOT
-from shared.service.rank_defaults import check_expected_rank, with_rank_defaults
-from shared.service.tf_config import resolve_worker_place
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import load_config, with_overrides
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.flag_checks import check_number
+from melfeed.shared.service.rank_defaults import check_expected_rank, with_rank_defaults
+from melfeed.shared.service.tf_config import resolve_worker_place
+from melfeed.shared.service.units import DEPLOY_DIR
 
 __all__ = ["OneLineParser", "build_parser", "config_from_args", "with_demo_cache"]
 
@@ -127,13 +127,13 @@ class OneLineParser(argparse.ArgumentParser):
         return parsed, rest
 
     def error(self, message: str) -> NoReturn:
-        from shared.errors import EXIT_CONFIG
+        from melfeed.shared.errors import EXIT_CONFIG
 
         self.exit(EXIT_CONFIG, f"{self.prog}: {' '.join(message.split())} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="run_pipeline.py", description="melfeed: keep the training GPU busy")
+    ap = OneLineParser(prog="melfeed", description="melfeed: keep the training GPU busy")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="consumer and N producers on this host",
                          description="consumer and N producers on this host; " + _TRAIN_EXITS)
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--prefix", type=_path, default=sys.prefix, help="the venv the services run (default: this one)")
     dep.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
     dep.add_argument("--group", help="service group (default: the user's primary group)")
-    dep.add_argument("--config", type=_path, default=str(REPO_ROOT / "deploy" / "example.yaml"),
+    dep.add_argument("--config", type=_path, default=str(DEPLOY_DIR / "example.yaml"),
                      help="YAML config the services read (must set cache_dir)")
     dep.add_argument("--target-dir", type=_path, default="/etc/systemd/system", help="where the unit files go")
     dep.add_argument("--state-dir", type=_path, help="consumer checkpoints and audit log (default: /var/lib/melfeed, a "
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--rank", type=int, help="this host's rank; must be the rank FILE's task names")
     dep.add_argument("--producers-only", action="store_true",
                      help="a producer host: no consumer unit (its consumer is on another host, over tcp + CURVE)")
+    dep.add_argument("--work-dir", type=_path, help="the services' working directory, where model.step's module "
+                     "is found first (default: this directory)")
     dep.add_argument("--env-file", type=_path, default="/etc/melfeed/melfeed.env", help="optional EnvironmentFile")
     keys = _command(sub, "keys", "generate CURVE key pairs (consumer + one per producer name) into DIR",
                     "exit 0 written, 78 a bad name or DIR")
@@ -319,7 +321,7 @@ def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineCo
     """
     if not getattr(args, "demo", False):
         return cfg
-    from shared.cache.demo_data import default_demo_dir, write_demo_cache
+    from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     log.info("demo data in %s", cache)
     write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)

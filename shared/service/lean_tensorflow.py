@@ -11,7 +11,7 @@ and Keras's image-gallery plot become unavailable, and neither is reachable from
 (and their submodules) to code inside the ``tensorflow`` and ``keras`` packages, and only while
 ``import tensorflow`` itself runs. Any other importer, a user's model step included, imports them as
 usual, and so does Keras afterwards (a ``keras.layers.JaxLayer`` in a user's model still finds JAX).
-melfeed's own process entry points call it (``run_pipeline.py``, bench trials, doctor probes, prepare
+melfeed's own process entry points call it (the ``melfeed`` command, bench trials, doctor probes, prepare
 workers); the library never does, so a user's process keeps TensorFlow's ordinary import.
 """
 

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from shared.config import PipelineConfig, resolve_runtime_dir
-from shared.errors import ConfigError
-from shared.filetrust import make_dirs
+from melfeed.shared.config import PipelineConfig, resolve_runtime_dir
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.filetrust import make_dirs
 
 __all__ = ["stop_on_signals", "exit_on_sigterm", "Terminated", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
            "resolve_control_endpoint", "die_with_parent", "die_with_named_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",

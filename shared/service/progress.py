@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from shared.errors import ConfigError
+from melfeed.shared.errors import ConfigError
 
 __all__ = ["Progress", "progress_interval_s", "PROGRESS_ENV"]
 

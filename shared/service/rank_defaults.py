@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shared.config import PipelineConfig, resolve_runtime_dir
-from shared.config_loader import with_overrides
-from shared.errors import ConfigError
-from shared.service.lifecycle import prepare_runtime_dir
-from shared.service.tf_config import WorkerPlace
+from melfeed.shared.config import PipelineConfig, resolve_runtime_dir
+from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.lifecycle import prepare_runtime_dir
+from melfeed.shared.service.tf_config import WorkerPlace
 
 __all__ = ["check_expected_rank", "rank_suffix", "with_rank_defaults"]
 

@@ -59,7 +59,7 @@ class Ladder:
 
 
 PRODUCER_LADDER = Ladder(_PRODUCER_TERM_S, _PRODUCER_TERM_S)   # the uvloop supervisor's children
-GROUP_LADDER = Ladder(_GROUP_TERM_S, _GROUP_TERM_S)            # ``run_pipeline.py producer`` as one child
+GROUP_LADDER = Ladder(_GROUP_TERM_S, _GROUP_TERM_S)            # ``melfeed producer`` as one child
 SERVER_LADDER = Ladder(_SERVER_TERM_S, _SERVER_TERM_S)         # bench's tf.data service servers
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import ConfigError
-from shared.yaml_safe import read_text_file
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.yaml_safe import read_text_file
 
 __all__ = ["ENV_NAME", "SINGLE_WORKER", "WorkerPlace", "parse_tf_config", "resolve_worker_place"]
 

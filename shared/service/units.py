@@ -1,4 +1,4 @@
-"""``run_pipeline.py deploy``: render the systemd units for one venv and config, and set the scale.
+"""``melfeed deploy``: render the systemd units for one venv and config, and set the scale.
 
 Writes into ``--target-dir`` (default ``/etc/systemd/system``): ``pipeline.target``,
 ``consumer.service``, ``producer@.service`` (templates in ``deploy/units/`` with ``@KEY@``
@@ -32,27 +32,27 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config_checks import check_text
-from shared.config_loader import load_config, with_overrides
-from shared.errors import ConfigError
-from shared.output_files import check_output_dir, replace_output
-from shared.service.children import REPO_ROOT
-from shared.service.lifecycle import resolve_control_endpoint
-from shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
-from shared.service.tf_config import SINGLE_WORKER, WorkerPlace, resolve_worker_place
-from shared.flag_checks import resolve_path
+from melfeed.shared.config_checks import check_text
+from melfeed.shared.config_loader import load_config, with_overrides
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.output_files import check_output_dir, replace_output
+from melfeed.shared.service.lifecycle import resolve_control_endpoint
+from melfeed.shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
+from melfeed.shared.service.tf_config import SINGLE_WORKER, WorkerPlace, resolve_worker_place
+from melfeed.shared.flag_checks import resolve_path
 
 __all__ = ["DeployPlan", "main_deploy", "render_units"]
 
-REPO = REPO_ROOT
-TEMPLATES = REPO / "deploy" / "units"
+# deploy/ of the repository; a wheel ships it as melfeed/deploy: three levels above this file either way
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
+TEMPLATES = DEPLOY_DIR / "units"
 UNIT_NAMES = ("pipeline.target", "consumer.service", "producer@.service")   # the templates' names
 DROPIN = Path("pipeline.target.d") / "producers.conf"
 DEFAULT_STATE_DIR = "/var/lib/melfeed"      # a rank's: /var/lib/melfeed-rankR (StateDirectory=)
 _UNIT_SPECIAL = "%$\\\"';"                    # systemd's specifiers, variables, quoting and command separator
-_SOURCES = {"PYTHON": "--prefix", "REPO": "repository path", "CONFIG": "--config", "USER": "--user",
+_SOURCES = {"PYTHON": "--prefix", "WORK_DIR": "--work-dir", "CONFIG": "--config", "USER": "--user",
             "GROUP": "--group", "STATE_DIR": "--state-dir", "ENV_FILE": "--env-file", "RANK_ARGS": "--tf-config",
-            "MODEL_GPU": "consumer.model_gpu", "DATA_GPU": "producer.data_gpu"}   # where each outside @KEY@ comes from
+            "MODEL_GPU_ENV": "consumer.model_gpu", "DATA_GPU": "producer.data_gpu"}   # where each outside @KEY@ comes from
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class DeployPlan:
     producers: int
     state_dir: str
     env_file: str
-    repo: Path = REPO
+    work_dir: str = "/"      # the units' WorkingDirectory: where model.step's module is found first
     tf_config: Path | None = None           # absolute path the units pass to --tf-config; None = no rank
     place: WorkerPlace = SINGLE_WORKER      # the rank and world the file names (checked against --rank)
     producers_only: bool = False            # a producer host feeding a consumer elsewhere over tcp: no consumer unit
@@ -145,7 +145,9 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
         if path is not None:
             _unit_path(flag, str(path))
     return DeployPlan(python, config, args.user, group, args.producers, state_dir,
-                      _unit_path("--env-file", args.env_file), tf_config=tf_config, place=place,
+                      _unit_path("--env-file", args.env_file),
+                      work_dir=_unit_path("--work-dir", str(resolve_path(args.work_dir or os.getcwd(), ("--work-dir",)))),
+                      tf_config=tf_config, place=place,
                       producers_only=producers_only)
 
 
@@ -171,9 +173,11 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
     state_directive = (f"StateDirectory=melfeed{sfx}\nStateDirectoryMode=0750"
                        if plan.state_dir == DEFAULT_STATE_DIR + sfx else f"ReadWritePaths={plan.state_dir}")
     rank_args = "" if plan.tf_config is None else f" --tf-config {plan.tf_config} --rank {place.rank}"
-    values = {"PYTHON": str(plan.python), "REPO": str(plan.repo), "CONFIG": str(plan.config), "USER": plan.user,
+    values = {"PYTHON": str(plan.python), "WORK_DIR": plan.work_dir, "CONFIG": str(plan.config), "USER": plan.user,
               "GROUP": plan.group, "STATE_DIR": plan.state_dir, "ENV_FILE": plan.env_file,
-              "STATE_DIRECTIVE": state_directive, "MODEL_GPU": cfg.consumer.model_gpu or "",
+              "STATE_DIRECTIVE": state_directive,
+              # null model_gpu: the environment's GPUs (no CUDA_VISIBLE_DEVICES; an empty one would hide them all)
+              "MODEL_GPU_ENV": "" if cfg.consumer.model_gpu is None else f" CUDA_VISIBLE_DEVICES={cfg.consumer.model_gpu}",
               "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice), "SUFFIX": sfx,
               "RANK_ARGS": rank_args,
               "RANK_TEXT": f", rank {place.rank} of {place.world}" if place.is_multi_worker else ""}
@@ -194,7 +198,7 @@ def render_units(plan: DeployPlan) -> dict[Path, str]:
         out[Path(plan.unit_name(name))] = text
     producer = plan.unit_name("producer@")
     wants = " ".join(f"{producer}{i}.service" for i in range(1, plan.producers + 1))
-    out[plan.dropin] = (f"# Written by run_pipeline.py deploy --producers {plan.producers}; re-run deploy to "
+    out[plan.dropin] = (f"# Written by melfeed deploy --producers {plan.producers}; re-run deploy to "
                         f"rescale.\n[Unit]\n" + (f"Wants={wants}\n" if wants else "# producers on other hosts\n"))
     return out
 
@@ -216,7 +220,7 @@ def _write_atomic(path: Path, text: str) -> bool:
 
     The temporary file has a random name and is created exclusively, and the rename replaces a link
     rather than writing through it; a target or drop-in directory another user could change (or reached
-    through another user's link) is refused (``shared.output_files.replace_output``): root would otherwise
+    through another user's link) is refused (``melfeed.shared.output_files.replace_output``): root would otherwise
     write units, which systemd runs, where that user chose.
 
     Raises:
@@ -280,7 +284,7 @@ def _print_rank_notes(plan: DeployPlan) -> None:
     environ = {"RUNTIME_DIRECTORY": f"/run/melfeed{plan.suffix}"}          # what systemd gives both units
     control = resolve_control_endpoint(with_rank_defaults(cfg, place, environ, create_dir=False), environ,
                                        create_dir=False)
-    print(f"status: {plan.python} {plan.repo}/run_pipeline.py status --endpoint {control}")
+    print(f"status: {plan.python} -m melfeed status --endpoint {control}")
     shared = {"transport.endpoint": cfg.transport.endpoint, "consumer.control_endpoint": cfg.consumer.control_endpoint,
               "consumer.metrics_port": cfg.consumer.metrics_port, "consumer.metrics_file": cfg.consumer.metrics_file}
     for key, value in shared.items():

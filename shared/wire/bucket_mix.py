@@ -1,8 +1,8 @@
 """How an epoch divides into buckets: batch mix, per-bucket padding, representative batches.
 
-Role: the figures ``run_pipeline.py doctor`` needs about the plan without the plan itself (the
+Role: the figures ``melfeed doctor`` needs about the plan without the plan itself (the
 plan belongs to the consumer, and producers may not import it). Everything derives from a
-``BucketSet`` and the manifest's frame counts, with the same rules as ``consumer.flow.plan``: each
+``BucketSet`` and the manifest's frame counts, with the same rules as ``melfeed.consumer.flow.plan``: each
 bucket's members are chunked into batches of its B rows, the last one partial.
 
 Invariants:
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from shared.wire.buckets import BucketSet
+from melfeed.shared.wire.buckets import BucketSet
 
 __all__ = ["batches_per_bucket", "batch_mix", "bucket_padding", "representative_batches"]
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from shared.config import BucketConfig
-from shared.errors import ConfigError
-from shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
-from shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
+from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
 

@@ -1,6 +1,6 @@
 """CURVE keys, the producer allow-list and the ZAP decisions for tcp endpoints (loopback included).
 
-``run_pipeline.py keys DIR --producer NAME ...`` writes, with pyzmq's certificate format
+``melfeed keys DIR --producer NAME ...`` writes, with pyzmq's certificate format
 (``zmq.auth.create_certificates``: ``NAME.key`` public, mode 0644; ``NAME.key_secret`` secret, mode
 0600; ``DIR`` and ``DIR/producers`` 0700; each set explicitly, whatever the umask)::
 
@@ -41,10 +41,10 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
-from shared.errors import ConfigError
-from shared.filetrust import (check_private_dir, creation_reason, make_dirs, place_reason, private_file_reason,
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.filetrust import (check_private_dir, creation_reason, make_dirs, place_reason, private_file_reason,
                               untrusted_reason)
-from shared.output_files import create_new, replace_output
+from melfeed.shared.output_files import create_new, replace_output
 
 __all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
            "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
@@ -257,7 +257,7 @@ def _own_directory(path: Path) -> None:
 def _certificate(public: bytes, secret: bytes | None) -> bytes:
     """pyzmq's (czmq's ZPL) certificate text, which ``zmq.auth.load_certificate`` reads."""
     kind = "Secret" if secret else "Public"
-    lines = [f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by run_pipeline.py keys  ****",
+    lines = [f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by melfeed keys  ****",
              f"#   ZeroMQ CURVE **{kind}** Certificate",
              "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions." if secret else
              "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
@@ -280,7 +280,7 @@ def _own_secret(transport: object, endpoint: str) -> str | None:
     """
     secret = getattr(transport, "curve_secret_key", None)
     if not secret and endpoint.startswith("tcp://") and not getattr(transport, "insecure", False):
-        _need(None, "curve_secret_key", f"for {endpoint}: tcp needs CURVE, loopback included (run_pipeline.py "
+        _need(None, "curve_secret_key", f"for {endpoint}: tcp needs CURVE, loopback included (melfeed "
                                         "keys), or transport.insecure: true")
     return secret or None
 
@@ -311,7 +311,7 @@ def client_keys_for(transport: object, endpoint: str) -> ClientKeys | None:
 
 
 def main_keys(args: object) -> int:
-    """``run_pipeline.py keys DIR --producer NAME ...``: print what was written and where it goes."""
+    """``melfeed keys DIR --producer NAME ...``: print what was written and where it goes."""
     root = Path(getattr(args, "dir"))
     names = list(getattr(args, "producer") or [])
     written = generate_keys(root, names)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:  # buckets.py imports the dtypes below; a runtime import back would be a cycle
-    from shared.wire.buckets import Bucket
+    from melfeed.shared.wire.buckets import Bucket
 
 __all__ = ["ALIGN_BYTES", "ARRAY_KEYS", "ARRAY_DTYPES", "MEL_WIRE_DTYPES", "PAYLOAD_COPIES", "batch_layout", "layout_nbytes",
            "aligned_buffer", "layout_views", "round_up", "slot_nbytes_for"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import msgpack
 
-from shared.errors import MAX_REASON_CHARS, ProtocolError
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.messages import (CAP_SHM, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat,
+from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.messages import (CAP_SHM, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat,
                                   Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode, ShmSlot, StageCounters,
                                   Welcome)
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.layout import ARRAY_KEYS
 
 __all__ = ["KINDS", "EXTRA_DTYPES", "RESERVED_NAMES", "LENGTH_DTYPE", "ExtraSpec", "ExtraSchema",
            "check_declaration", "check_schema", "row_shape", "pad_row"]

@@ -10,8 +10,8 @@ import pytest
 def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """e.g. doctor interrupted while it loads the manifest or writes its demo cache: no traceback."""
-    import run_pipeline
-    import shared.cache.commands as commands
+    from melfeed import cli as run_pipeline
+    import melfeed.shared.cache.commands as commands
 
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
@@ -22,7 +22,7 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
     except KeyboardInterrupt:        # escaping, it would end the whole pytest session
         pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
     assert code == 130
-    assert capsys.readouterr().err == "run_pipeline.py index: stopped by SIGINT\n"
+    assert capsys.readouterr().err == "melfeed index: stopped by SIGINT\n"
 
 
 @pytest.mark.parametrize("argv", [
@@ -40,7 +40,7 @@ def test_a_symlink_loop_in_a_path_flag_is_one_line_and_exit_78(argv: list[str], 
     """Path.resolve() raises RuntimeError on a loop (Python < 3.13): it must be named, not a traceback."""
     import os
 
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
     loop = os.path.join(str(tmp_path), "loop")
     os.symlink(loop + "-b", loop)
@@ -55,9 +55,9 @@ def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
     """consumer --state-dir LOOP: the XLA cache under it is resolved before TensorFlow loads."""
     import os
 
-    from consumer.placement import xla_cache_dir
-    from shared.config_loader import config_from_mapping
-    from shared.errors import ConfigError
+    from melfeed.consumer.placement import xla_cache_dir
+    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.errors import ConfigError
 
     loop = os.path.join(str(tmp_path), "loop")
     os.symlink(loop + "-b", loop)
@@ -72,7 +72,7 @@ def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tm
     starts (each child used to print the same line, then the supervisor a fourth)."""
     import os
 
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
     cache = os.path.join(str(tmp_path), "cache")
     os.makedirs(cache)
@@ -81,5 +81,5 @@ def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tm
     code = run_pipeline.main(["producer", "--cache-dir", cache, "--producers", "3", "--log-level", "ERROR"])
     err = capfd.readouterr().err
     assert code == 78
-    assert err == f"run_pipeline.py producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 " \
+    assert err == f"melfeed producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 " \
                   "column 1 (char 0)\n"

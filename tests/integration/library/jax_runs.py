@@ -18,11 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from consumer.clients.jax_feed import JaxHandOff, device_batch, init_params, mlp_step
-from consumer.feed import Consumer
-from consumer.handout import Batch
-from consumer.staging import Staged, Stager
-from shared.config_loader import load_config
+from melfeed.consumer.clients.jax_feed import JaxHandOff, device_batch, init_params, mlp_step
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.handout import Batch
+from melfeed.consumer.staging import Staged, Stager
+from melfeed.shared.config_loader import load_config
 from tests.slot_poison import scribble_on_release
 
 

@@ -50,7 +50,7 @@ def test_no_jax_step_reads_a_released_slot_and_the_guard_bites_when_a_copy_is_cl
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "consumer.clients.jax_bench", *flags], cwd=_REPO,
+    return subprocess.run([sys.executable, "-m", "melfeed.consumer.clients.jax_bench", *flags], cwd=_REPO,
                           env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumer import Consumer
-from consumer.flow.ring import SlotState
-from shared.config_loader import config_from_mapping
+from melfeed.consumer import Consumer
+from melfeed.consumer.flow.ring import SlotState
+from melfeed.shared.config_loader import config_from_mapping
 from tests.conftest import ProducerGroup
 
 _ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")

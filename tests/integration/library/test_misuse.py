@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumer import Consumer
-from consumer.flow.ring import SlotState
-from shared.config_loader import config_from_mapping
-from shared.errors import ClosedError, PipelineError
+from melfeed.consumer import Consumer
+from melfeed.consumer.flow.ring import SlotState
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ClosedError, PipelineError
 
 
 def _cfg(cache: Path, endpoint: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from consumer import Consumer
+from melfeed.consumer import Consumer
 from tests.conftest import ProducerGroup
 from tests.integration.library.test_library import _ALL_FEATURES, _cfg, _tiny_model
 

@@ -44,13 +44,13 @@ def test_both_readmes_carry_the_same_library_snippet() -> None:
 def test_the_readme_library_snippet_runs_as_written_on_the_demo_cache(tmp_path: Path) -> None:
     blocks = _blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)
     command = shlex.split(blocks["bash"].strip().splitlines()[0].split("#")[0])
-    assert command[:3] == ["python", "run_pipeline.py", "producer"]
+    assert command[:2] == ["melfeed", "producer"]
     script = tmp_path / "snippet.py"
     script.write_text(blocks["python"], encoding="utf-8")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_RUNTIME_DIR": str(tmp_path),
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
     log = (tmp_path / "producers.log").open("wb")
-    producers = subprocess.Popen([sys.executable, *command[1:]], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    producers = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         marker = tmp_path / "cache" / "melfeed" / "demo" / "2000" / "demo.json"   # written last: the cache is complete
         deadline = time.monotonic() + _DEMO_READY_S

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.feed import Consumer
-from consumer.flow.plan import EpochPlan
-from shared.wire.buckets import build_buckets
-from shared.config import PipelineConfig
-from shared.config_loader import config_from_mapping
-from shared.cache.demo_data import demo_utterance_id, write_demo_cache
-from shared.cache.manifest import load_manifest
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.shared.wire.buckets import build_buckets
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.cache.demo_data import demo_utterance_id, write_demo_cache
+from melfeed.shared.cache.manifest import load_manifest
 from tests import procs
 from tests.conftest import ProducerGroup
 
@@ -189,12 +189,12 @@ def test_fail_policy_stops_the_producers_with_78_naming_the_file(
 
 def test_fail_policy_producer_tells_the_consumer_its_exit_code_and_the_file_before_exiting(
         pristine: Path, tmp_path: Path, endpoint: str, producers: ProducerGroup) -> None:
-    # The BYE's exit code and reason reach the consumer's log (consumer.flow.session) as data.
+    # The BYE's exit code and reason reach the consumer's log (melfeed.consumer.flow.session) as data.
     cache, bad = _damaged(pristine, tmp_path / "cache", ["missing"])
     [(sample, path)] = bad.items()
     first_bad = _plan_position(cache, endpoint, sample)
     failures = _FailureLines()
-    logging.getLogger("consumer").addHandler(failures)
+    logging.getLogger("melfeed.consumer").addHandler(failures)
     try:
         with Consumer(_cfg(cache, endpoint, first_bad + 3), start_batch=max(0, first_bad - 2)) as consumer:
             group = producers.start(cache, endpoint, 1, buckets=BUCKETS, producer={"bad_samples": "fail"})
@@ -204,7 +204,7 @@ def test_fail_policy_producer_tells_the_consumer_its_exit_code_and_the_file_befo
                     consumer.release(batch)
             assert group.wait(procs.WAIT_S) == 78
     finally:
-        logging.getLogger("consumer").removeHandler(failures)
+        logging.getLogger("melfeed.consumer").removeHandler(failures)
     assert len(failures.lines) == 1, failures.lines                # one BYE, one line
     assert failures.lines[0].startswith(f"producer failed id=producer-1 exit=78: CacheError: {path}{CASES['missing'][3]}")
 

@@ -1,6 +1,6 @@
 """Chaos: producers SIGKILLed at random, the consumer SIGKILLed and restarted, a producer frozen.
 
-Oracle: ``run_pipeline.py audit`` over the state directory
+Oracle: ``melfeed audit`` over the state directory
 shows the applied sequence equals the plan: 0 lost, 0 duplicated, in order, same content. Every
 injected event is recorded with the seed, so a failure replays with ``CHAOS_SEEDS=<seed>``.
 CI runs a few short seeds; the ``slow`` variant runs more seeds and a longer plan.

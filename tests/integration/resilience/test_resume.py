@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.resume.checkpoint import latest_checkpoint
-from shared.cache.demo_data import write_demo_cache
+from melfeed.consumer.resume.checkpoint import latest_checkpoint
+from melfeed.shared.cache.demo_data import write_demo_cache
 from tests import procs
 from tests.conftest import ProducerGroup
 
@@ -36,9 +36,9 @@ def _consumer_run(config: Path, log: Path, *extra: str) -> subprocess.Popen[byte
 
 def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrupted_run(
         demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
     log = tmp_path / "resume.log"
     endpoint = f"ipc://{tmp_path}/r.sock"
     straight = procs.write_config(tmp_path / "straight.yaml", demo_cache, endpoint, tmp_path / "a", _STEPS,
@@ -84,9 +84,9 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
 # go on importing it for seconds after the refusals were checked).
 _HOLDER = """\
 import sys, threading
-from consumer.resume.state import RunState
-from shared.cache.features import load_manifest_for
-from shared.config_loader import load_config
+from melfeed.consumer.resume.state import RunState
+from melfeed.shared.cache.features import load_manifest_for
+from melfeed.shared.config_loader import load_config
 cfg = load_config(sys.argv[1])
 state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
 threading.Event().wait(60)     # stopped long before
@@ -119,11 +119,11 @@ def test_a_state_dir_in_use_or_from_another_plan_is_refused_with_one_line(demo_c
 def test_a_cache_gone_after_indexing_stops_the_run_with_65_in_order_and_it_resumes_once_fixed(
         tmp_path: Path, endpoint: str, producers: ProducerGroup, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # producer.max_quarantined_fraction: the `consumer` command itself, in this process (run_pipeline.main: the
+    # producer.max_quarantined_fraction: the `consumer` command itself, in this process (melfeed.cli.main: the
     # exit code and the one line), fed by a real producer group, on a cache whose mels went after indexing.
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
     cache, steps, buckets = tmp_path / "cache", 20, {"batch_size": 8, "num_buckets": 2}
     write_demo_cache(cache, n_utterances=48)                       # indexed and packed
     (cache / "mels").rename(tmp_path / "mels-saved")               # every mel gone; the pack too, else it serves
@@ -137,14 +137,14 @@ def test_a_cache_gone_after_indexing_stops_the_run_with_65_in_order_and_it_resum
     args = ["consumer", "--config", str(config), "--summary-json", str(summary)]
 
     assert run_pipeline.main(args) == 65
-    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("run_pipeline.py consumer: ")]
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("melfeed consumer: ")]
     found = latest_checkpoint(state)
     assert found is not None
     resume_at = found[1].next_batch
     s = json.loads(summary.read_text())
-    assert s["error"] == line.removeprefix("run_pipeline.py consumer: ") and not s["interrupted"]
+    assert s["error"] == line.removeprefix("melfeed consumer: ") and not s["interrupted"]
     # Judged from one epoch of this 48-utterance cache (48 rows < 1000), every one of them quarantined.
-    assert line.startswith(f"run_pipeline.py consumer: producer.max_quarantined_fraction: {s['samples']} of the "
+    assert line.startswith(f"melfeed consumer: producer.max_quarantined_fraction: {s['samples']} of the "
                            f"{s['samples']} rows trained were quarantined (100.00 %, above 1 %), so cache files are "
                            "missing or bad; e.g. sample "), line
     assert 48 <= s["samples"] < 48 + 3 * buckets["batch_size"]    # + the steps in flight when it tripped
@@ -167,9 +167,9 @@ def test_a_plan_shorter_than_the_judging_window_on_a_cache_that_is_gone_ends_wit
         monkeypatch: pytest.MonkeyPatch) -> None:
     # 3 batches of 8 rows end the plan before one epoch (48 rows) is trained, so the rule is never judged
     # batch by batch; every row being empty is judged once at the end (it exited 0 before).
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
     cache, steps, buckets = tmp_path / "cache", 3, {"batch_size": 8, "num_buckets": 2}
     write_demo_cache(cache, n_utterances=48)
     for gone in [*cache.glob("*.pack"), *(cache / "mels").glob("*.npy")]:
@@ -180,10 +180,10 @@ def test_a_plan_shorter_than_the_judging_window_on_a_cache_that_is_gone_ends_wit
     producers.start(cache, endpoint, 1, buckets=buckets)
 
     assert run_pipeline.main(["consumer", "--config", str(config), "--summary-json", str(summary)]) == 65
-    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("run_pipeline.py consumer: ")]
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("melfeed consumer: ")]
     s = json.loads(summary.read_text())
     assert s["steps"] == steps and 0 < s["quarantined_samples"] == s["samples"] <= steps * buckets["batch_size"]
-    assert line == "run_pipeline.py consumer: " + s["error"] and not s["interrupted"]
-    assert line.startswith(f"run_pipeline.py consumer: producer.max_quarantined_fraction: {s['samples']} of the "
+    assert line == "melfeed consumer: " + s["error"] and not s["interrupted"]
+    assert line.startswith(f"melfeed consumer: producer.max_quarantined_fraction: {s['samples']} of the "
                            f"{s['samples']} rows trained were quarantined (100.00 %, above 1 %)"), line
     assert line.endswith("the run reached the end of its plan on empty rows: fix the cache and train again"), line

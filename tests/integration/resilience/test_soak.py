@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from consumer.feed import Consumer
-from shared.config_loader import config_from_mapping
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.config_loader import config_from_mapping
 from tests import procs
 from tests.conftest import ProducerGroup
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import zmq
 
-from consumer.feed import Consumer
-from consumer.observe.control import ControlServer
-from consumer.transport.endpoint_lock import lock_endpoint
-from shared.config_loader import config_from_mapping
-from shared.service.leftovers import is_pid_alive
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.observe.control import ControlServer
+from melfeed.consumer.transport.endpoint_lock import lock_endpoint
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.service.leftovers import is_pid_alive
 from tests import procs
 
 _WAIT_S = 90.0          # a consumer start on a loaded machine imports TensorFlow; only a hang gets near it

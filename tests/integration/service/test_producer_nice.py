@@ -1,6 +1,6 @@
 """``producer.nice``: a started producer process runs every thread at that niceness; its unit says ``Nice=``.
 
-A real producer group (``run_pipeline.py producer``) with no consumer behind the endpoint: its child
+A real producer group (``melfeed producer``) with no consumer behind the endpoint: its child
 says HELLO forever, which is enough to read the niceness of each of its threads from /proc. The unit
 file is checked in tests/unit/shared/service/test_units.py, the setting's bounds in test_config.py.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from shared.service.priority import current_nice
+from melfeed.shared.service.priority import current_nice
 from tests.conftest import ProducerGroup
 from tests.procs import child_pids
 

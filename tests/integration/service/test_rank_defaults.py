@@ -46,7 +46,7 @@ def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sock
     for rank in (0, 1):
         assert procs.wait_for_records(tmp_path / f"state{rank}", 1, consumers[rank], procs.WAIT_S), _logs(tmp_path)
         assert (tmp_path / "melfeed" / f"melfeed-rank{rank}.sock").exists()
-    asks = [subprocess.Popen([sys.executable, str(procs.REPO / "run_pipeline.py"), "status", "--config", str(config),
+    asks = [subprocess.Popen([sys.executable, "-m", "melfeed", "status", "--config", str(config),
                               "--tf-config", str(tf_configs[rank]), "--timeout-s", "20"], cwd=procs.REPO,
                              env=procs.env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank in (0, 1)]                       # both at once: each rank is asked while it trains
@@ -57,7 +57,7 @@ def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sock
     codes = [proc.wait(procs.WAIT_S * 3) for proc in consumers]
     assert codes == [0, 0], _logs(tmp_path)
     assert [procs.stop(proc) for proc in producers] == [0, 0], _logs(tmp_path)
-    audit = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", str(tmp_path / "state0"),
+    audit = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(tmp_path / "state0"),
                             str(tmp_path / "state1")], cwd=procs.REPO, capture_output=True, text=True,
                            timeout=procs.WAIT_S)
     assert audit.returncode == 0 and f"{2 * _STEPS} batches applied" in audit.stdout, audit.stdout + audit.stderr

@@ -1,4 +1,4 @@
-"""End to end through the CLI: `run_pipeline.py run` with 2 producer processes, a real compiled
+"""End to end through the CLI: `melfeed run` with 2 producer processes, a real compiled
 TensorFlow step and the summary JSON; the end of the plan (producers under `run` exit 0 on their own,
 producers started by hand wait for the next consumer); plus the one-line config errors (exit 78)."""
 
@@ -22,7 +22,7 @@ from tests.conftest import REPO
 
 def _run(args: list[str], tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "melfeed", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -76,8 +76,8 @@ def test_run_trains_on_demo_data_writes_a_consistent_summary_and_its_producers_e
 # open until both heard the end (their BYE): a done heartbeat sent just as the socket closes may not be read.
 _PLAN_PEER = """\
 import logging, sys, time
-from consumer.feed import Consumer
-from shared.config_loader import load_config
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.config_loader import load_config
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 cfg = load_config(sys.argv[1])
 
@@ -117,7 +117,7 @@ def test_producers_started_by_hand_wait_for_the_next_consumer_after_the_plan_end
         epochs = re.findall(r"consumer bound \S+ epoch=(\d+)", served)
         text = producer_log.read_text()
         for worker in ("producer-1", "producer-2"):
-            assert f"{worker} INFO producer.session: joined consumer epoch={epochs[-1]}" in text, text[-3000:]
+            assert f"{worker} INFO melfeed.producer.session: joined consumer epoch={epochs[-1]}" in text, text[-3000:]
         assert text.count("finished its plan; waiting for the next consumer") == 4, text[-3000:]
         assert "exit_at_plan_end" not in text and "restarting" not in text
         assert producers.poll() is None and len(procs.child_pids(producers.pid)) == 2
@@ -132,7 +132,7 @@ def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Pa
     proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
-        "run_pipeline.py consumer: consumer.ring_slots: must be in 3..256, got 1")
+        "melfeed consumer: consumer.ring_slots: must be in 3..256, got 1")
 
 
 @pytest.mark.parametrize("doc, expected", [
@@ -157,7 +157,7 @@ def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("run_pipeline.py consumer: " + expected.replace("{tmp}", str(tmp_path))), last
+    assert last.startswith("melfeed consumer: " + expected.replace("{tmp}", str(tmp_path))), last
 
 
 @pytest.mark.parametrize(("command", "flag", "path", "reason"), [
@@ -172,7 +172,7 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_training(demo_c
     proc = _run([command, "--cache-dir", str(demo_cache), "--steps", "5", flag, path.format(tmp=tmp_path)], tmp_path,
                 timeout_s=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"run_pipeline.py {command}: {reason.format(tmp=tmp_path)}"
+    assert proc.stderr.strip().splitlines()[-1] == f"melfeed {command}: {reason.format(tmp=tmp_path)}"
     assert "Traceback" not in proc.stderr and "started" not in proc.stderr     # no producers were started
 
 
@@ -187,7 +187,7 @@ def test_a_port_in_use_is_one_line_naming_the_endpoint_and_exits_78(demo_cache: 
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"run_pipeline.py consumer: transport.endpoint: cannot bind {endpoint}: Address already in use")
+        f"melfeed consumer: transport.endpoint: cannot bind {endpoint}: Address already in use")
 
 
 def test_missing_manifest_names_the_path_and_exits_78(tmp_path: Path) -> None:
@@ -214,8 +214,8 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
 def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_missing_cache_is_one_line_78(
         tmp_path: Path) -> None:
     import numpy as np
-    from shared.cache.demo_data import write_demo_cache
-    from shared.cache.pack_format import PackLayout, open_pack, pack_path
+    from melfeed.shared.cache.demo_data import write_demo_cache
+    from melfeed.shared.cache.pack_format import PackLayout, open_pack, pack_path
     cache = tmp_path / "c"
     manifest = write_demo_cache(cache, n_utterances=12)
     pack_path(cache, "float32").unlink()                              # the demo comes packed: start without
@@ -244,7 +244,7 @@ def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_mis
     gone = _run(["pack", str(tmp_path / "nocache")], tmp_path, timeout_s=120)
     assert gone.returncode == 78 and "Traceback" not in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1 and gone.stderr.startswith(
-        f"run_pipeline.py pack: {tmp_path / 'nocache'}"), gone.stderr
+        f"melfeed pack: {tmp_path / 'nocache'}"), gone.stderr
 
 
 def _alive(pid: int) -> bool:
@@ -257,7 +257,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_killed_run_takes_its_producer_group_with_it(demo_cache: Path, tmp_path: Path) -> None:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "run", "--cache-dir", str(demo_cache),
+    run = subprocess.Popen([sys.executable, "-m", "melfeed", "run", "--cache-dir", str(demo_cache),
                             "--producers", "2", "--steps", "100000"], cwd=REPO, env=env,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     family: list[int] = []

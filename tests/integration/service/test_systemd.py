@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(SystemdNS.unavailable() is not None, reason=str(
 
 
 def _deploy(units: Path, config: Path, producers: int) -> None:
-    run = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "deploy", "--producers",
+    run = subprocess.run([sys.executable, "-m", "melfeed", "deploy", "--producers",
                           str(producers), "--user", "root", "--config", str(config), "--target-dir", str(units),
                           "--state-dir", str(INSIDE / "state")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

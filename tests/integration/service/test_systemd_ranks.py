@@ -25,7 +25,7 @@ _STEPS = 30
 
 
 def _deploy_rank(units: Path, work: Path, rank: int) -> None:
-    run = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "deploy", "--producers", "1",
+    run = subprocess.run([sys.executable, "-m", "melfeed", "deploy", "--producers", "1",
                           "--user", "root", "--config", str(work / "melfeed.yaml"), "--target-dir", str(units),
                           "--state-dir", str(INSIDE / f"state{rank}"), "--rank", str(rank),
                           "--tf-config", str(work / f"tf_config-{rank}.json")], capture_output=True, text=True,
@@ -77,6 +77,6 @@ def test_two_ranks_units_run_side_by_side_under_real_systemd(demo_cache: Path, t
         ns.close()
     assert ns.exit_refused is None, ns.exit_refused          # an orderly exit, not the 30 s wait and a kill
     assert "/run/melfeed-rank0:" in sockets and "/run/melfeed-rank1:" in sockets, sockets
-    audit = subprocess.run([sys.executable, str(procs.REPO / "run_pipeline.py"), "audit", str(work / "state0"),
+    audit = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(work / "state0"),
                             str(work / "state1")], capture_output=True, text=True, timeout=60)
     assert audit.returncode == 0 and f"{2 * _STEPS} batches applied" in audit.stdout, audit.stdout + audit.stderr

@@ -1,4 +1,4 @@
-"""``run_pipeline.py bench --smoke`` end to end: real trials, checked for structure, never for speed."""
+"""``melfeed bench --smoke`` end to end: real trials, checked for structure, never for speed."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from shared.config import TransportConfig
-from shared.service.leftovers import remove_dead_temp_dirs
+from melfeed.shared.config import TransportConfig
+from melfeed.shared.service.leftovers import remove_dead_temp_dirs
 from tests import procs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -24,7 +24,7 @@ HAS_MODE = "mode" in TransportConfig.__dataclass_fields__
 
 def _bench(tmp_path: Path, *flags: str, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "bench", *flags], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "melfeed", "bench", *flags], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -98,11 +98,11 @@ def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> N
 
 
 def test_a_cache_without_one_full_batch_is_refused_before_any_trial(tmp_path: Path) -> None:
-    from shared.cache.demo_data import write_demo_cache
+    from melfeed.shared.cache.demo_data import write_demo_cache
     write_demo_cache(tmp_path / "tiny", n_utterances=20)             # batch_size 32: no full batch in any bucket
     proc = _bench(tmp_path, "--smoke", "--cache-dir", str(tmp_path / "tiny"), timeout_s=60)
     assert proc.returncode == 78, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip() == (f"run_pipeline.py bench: cache_dir: {tmp_path / 'tiny'} has 20 utterances, not one "
+    assert proc.stderr.strip() == (f"melfeed bench: cache_dir: {tmp_path / 'tiny'} has 20 utterances, not one "
                                    "full batch in any bucket (rows per batch: 32); bench compares full batches: use "
                                    "a larger cache (or bench --demo) or a smaller buckets.batch_size")
 
@@ -162,7 +162,7 @@ def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_
     bench's directory (the trial's runtime dir) is gone too; SIGKILL leaves it to the next bench's sweep."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     # A trial of a million batches: it cannot end by itself within the waits below, only be stopped.
-    bench = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "bench", "--cache-dir", str(demo_cache),
+    bench = subprocess.Popen([sys.executable, "-m", "melfeed", "bench", "--cache-dir", str(demo_cache),
                               "--rounds", "1", "--step-ms", "5", "--producers", "1", "--tfdata-parallel", "8",
                               "--batches", "1000000", "--warmup", "3", "--mel-dtypes", "float32", "--transports", "shm",
                               "--no-transport", "--service-workers", "0", "--efficiency-batches", "0",
@@ -188,7 +188,7 @@ def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_
             assert set(left_dirs) <= {p.name for p in remove_dead_temp_dirs("bench")}
         if sig == signal.SIGTERM:
             assert bench.returncode == 128 + signal.SIGTERM, err[-2000:]
-            assert err.strip().splitlines()[-1] == ("run_pipeline.py bench: stopped by SIGTERM: its trials were "
+            assert err.strip().splitlines()[-1] == ("melfeed bench: stopped by SIGTERM: its trials were "
                                                     "stopped, no report written")
             assert "Traceback" not in err and not (tmp_path / "bench.json").exists()
     finally:

@@ -1,4 +1,4 @@
-"""``run_pipeline.py doctor`` end to end: real probes, real producers, real consumer ring, real TensorFlow.
+"""``melfeed doctor`` end to end: real probes, real producers, real consumer ring, real TensorFlow.
 
 Slowed producers (``--debug-delay-ms``) must give the data-bound verdict (exit 3) naming the producers;
 a slow step (``tests.steps:slow_step``) with fast producers must give exit 0 naming the step. A doctor
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.service.leftovers import remove_dead_temp_dirs
+from melfeed.shared.service.leftovers import remove_dead_temp_dirs
 from tests import procs
 from tests.conftest import REPO
 
@@ -28,7 +28,7 @@ def _doctor_argv(tmp_path: Path, cache: Path, step: str, *extra: str) -> list[st
     cfg = tmp_path / "doctor.yaml"
     cfg.write_text(yaml.safe_dump({"cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 8},
                                    "model": {"step": step}}))
-    return [sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(cfg), "--seconds-per-stage", "1",
+    return [sys.executable, "-m", "melfeed", "doctor", "--config", str(cfg), "--seconds-per-stage", "1",
             *extra]
 
 
@@ -80,10 +80,10 @@ def test_config_errors_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path
     bad = tmp_path / "bad.yaml"
     bad.write_text("consumer:\n  ring_slots: 1\n")
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "doctor", "--config", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "doctor", "--config", str(bad),
                            "--cache-dir", str(demo_cache)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 78
-    assert proc.stderr.strip().splitlines()[-1] == "run_pipeline.py doctor: consumer.ring_slots: must be in 3..256, got 1"
+    assert proc.stderr.strip().splitlines()[-1] == "melfeed doctor: consumer.ring_slots: must be in 3..256, got 1"
     proc = _doctor(tmp_path, tmp_path / "nocache", "tests.steps:tiny_step", timeout_s=60)
     assert proc.returncode == 78 and "nocache" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -102,7 +102,7 @@ def test_bad_flags_are_refused_before_any_stage(demo_cache: Path, tmp_path: Path
     extra = tuple(e.format(tmp=tmp_path) for e in extra)
     proc = _doctor(tmp_path, demo_cache, "tests.steps:tiny_step", *extra, timeout_s=60)   # last flag wins
     assert proc.returncode == 78, proc.stderr[-2000:]
-    assert proc.stderr.splitlines() == [f"run_pipeline.py doctor: {needle.format(tmp=tmp_path)}"]
+    assert proc.stderr.splitlines() == [f"melfeed doctor: {needle.format(tmp=tmp_path)}"]
     assert "stage" not in proc.stdout
 
 
@@ -129,7 +129,7 @@ def _stop_doctor_and_check(tmp_path: Path, doctor: subprocess.Popen[str], levels
             assert set(left_dirs) <= {p.name for p in remove_dead_temp_dirs("doctor")}
         if sig == signal.SIGTERM:
             assert doctor.returncode == 128 + signal.SIGTERM, err[-2000:]
-            assert err.strip().splitlines()[-1] == ("run_pipeline.py doctor: stopped by SIGTERM: its probes were "
+            assert err.strip().splitlines()[-1] == ("melfeed doctor: stopped by SIGTERM: its probes were "
                                                     "stopped, no report written")
             assert "Traceback" not in err and not (tmp_path / "doctor.json").exists() and "verdict" not in out
     finally:
@@ -140,7 +140,7 @@ def _stop_doctor_and_check(tmp_path: Path, doctor: subprocess.Popen[str], levels
 
 def _start_doctor(tmp_path: Path, cache: Path, seconds_per_stage: str) -> subprocess.Popen[str]:
     # --debug-delay-ms: every batch takes >= 10 ms, so a probe runs its whole --seconds-per-stage (not
-    # producer.probe's cap of 100000 batches, which a fast cache reaches in seconds).
+    # melfeed.producer.probe's cap of 100000 batches, which a fast cache reaches in seconds).
     return subprocess.Popen(_doctor_argv(tmp_path, cache, "tests.steps:tiny_step", "--producers", "1",
                                          "--seconds-per-stage", seconds_per_stage, "--debug-delay-ms", "10",
                                          "--json", str(tmp_path / "doctor.json")),

@@ -1,6 +1,6 @@
 """Live figures of a real run: `status` over the control socket, the Prometheus endpoint, the JSONL file.
 
-One `run_pipeline.py run` (consumer + 2 producer processes, the tiny TensorFlow step, the small demo
+One `melfeed run` (consumer + 2 producer processes, the tiny TensorFlow step, the small demo
 cache, status every 0.3 s) runs until every check has seen what it needs, then gets SIGTERM.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer.observe.telemetry import SCHEMA_KEYS
+from melfeed.consumer.observe.telemetry import SCHEMA_KEYS
 from tests.conftest import REPO
 from tests.procs import TINY_STEP, stop, tail
 
@@ -28,7 +28,7 @@ _DEADLINE_S = 90.0
 
 def _cli(args: list[str], tmp: Path, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "melfeed", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -67,7 +67,7 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
     port, jsonl, log = _free_port(), tmp_path / "metrics.jsonl", tmp_path / "run.log"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg_path),
+        proc = subprocess.Popen([sys.executable, "-m", "melfeed", "run", "--config", str(cfg_path),
                                  "--metrics-file", str(jsonl), "--metrics-port", str(port)],
                                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -142,7 +142,7 @@ def test_status_with_nothing_listening_is_one_line_and_exit_1(tmp_path: Path) ->
     r = _cli(["status", "--endpoint", endpoint, "--timeout-s", "0.5"], tmp_path)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        f"run_pipeline.py status: no consumer answered at {endpoint} within 0.5 s"]
+        f"melfeed status: no consumer answered at {endpoint} within 0.5 s"]
 
 
 def test_unwritable_metrics_file_exits_78_naming_the_key(demo_cache: Path, tmp_path: Path) -> None:
@@ -151,4 +151,4 @@ def test_unwritable_metrics_file_exits_78_naming_the_key(demo_cache: Path, tmp_p
               "--metrics-file", str(bad)], tmp_path, timeout_s=120)
     assert r.returncode == 78
     assert r.stderr.strip().splitlines()[-1] == (
-        f"run_pipeline.py consumer: consumer.metrics_file: directory {bad.parent} does not exist")   # before training
+        f"melfeed consumer: consumer.metrics_file: directory {bad.parent} does not exist")   # before training

@@ -1,4 +1,4 @@
-"""`run_pipeline.py prepare` on a small LJSpeech-format corpus generated here: skips reported by
+"""`melfeed prepare` on a small LJSpeech-format corpus generated here: skips reported by
 reason and file, interrupt (SIGTERM, then SIGKILL of the whole process group) and resume giving
 the same bytes as an uninterrupted run, and prepare -> index -> run end to end."""
 
@@ -97,7 +97,7 @@ def write_corpus(root: Path, n_good: int = N_GOOD, seed: int = 7) -> Path:
 
 
 def _argv(corpus: Path, cache: Path, cfg: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(REPO / "run_pipeline.py"), "prepare", "--ljspeech", str(corpus),
+    return [sys.executable, "-m", "melfeed", "prepare", "--ljspeech", str(corpus),
             "--cache", str(cache), "--config", str(cfg), *extra]
 
 
@@ -163,7 +163,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
 
 def test_mel_frames_follow_the_audio_length(corpus: Path, prepared: tuple[Path, object]) -> None:
     cache = prepared[0]
-    from producer.prepare.wav import read_wav
+    from melfeed.producer.prepare.wav import read_wav
     for mel_path in sorted((cache / "mels").glob("*.npy")):
         _, info = read_wav(corpus / "wavs" / f"{mel_path.stem}.wav")
         n = math.ceil(info.frames * 22050 / info.sample_rate_hz)  # samples after resampling
@@ -212,7 +212,7 @@ def test_prepare_refuses_to_mix_features_into_a_cache(corpus: Path, prepared: tu
     proc = _prepare(corpus, prepared[0], other)
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"run_pipeline.py prepare: features.hop_samples: cache {prepared[0]} was prepared with 256, "
+        f"melfeed prepare: features.hop_samples: cache {prepared[0]} was prepared with 256, "
         "this config has 275; use another --cache or the same settings")
 
 
@@ -220,14 +220,14 @@ def test_prepare_index_run_end_to_end(prepared: tuple[Path, object], tmp_path: P
     cache = prepared[0]
     before = (cache / "manifest.json").read_bytes()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    index = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "index", str(cache)], cwd=REPO,
+    index = subprocess.run([sys.executable, "-m", "melfeed", "index", str(cache)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=120)
     assert index.returncode == 0 and f"indexed {N_GOOD} utterances" in index.stdout, index.stderr
     assert (cache / "manifest.json").read_bytes() == before  # index keeps features and vocabulary
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({**CONFIG, "consumer": {"warmup_steps": 1, "status_interval_s": 1.0}}))
     summary = tmp_path / "summary.json"
-    run = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg),
+    run = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
                           "--cache-dir", str(cache), "--steps", "3", "--producers", "1",
                           "--model-step", "tests.steps:tiny_step", "--summary-json", str(summary)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
@@ -247,7 +247,7 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     np.save(user / "text_ids" / "utt2.npy", np.arange(1, 6, dtype=np.int64))  # int64 ids
     np.save(user / "mel_spec" / "lonely.npy", np.zeros((9, 80), np.float32))  # no tokens
     cache = tmp_path / "cache"
-    argv = [sys.executable, str(REPO / "run_pipeline.py"), "index", str(cache),
+    argv = [sys.executable, "-m", "melfeed", "index", str(cache),
             "--mels", str(user / "mel_spec"), "--tokens", str(user / "text_ids")]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     refused = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -260,7 +260,7 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     adopted = subprocess.run([*argv, "--skip-bad"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert adopted.returncode == 0 and "indexed 2 utterances" in adopted.stdout, adopted.stderr
     assert (cache / "mels").resolve() == user / "mel_spec"
-    from shared.cache.manifest import load_manifest
+    from melfeed.shared.cache.manifest import load_manifest
     manifest = load_manifest(cache, 80)
     assert [u.id for u in manifest.utterances] == ["utt0", "utt3"] and manifest.features is None
 
@@ -272,7 +272,7 @@ def test_a_side_configured_with_other_features_refuses_the_prepared_cache(
     cfg.write_text(yaml.safe_dump({**CONFIG, "cache_dir": str(prepared[0]),
                                    "features": {**CONFIG.get("features", {}), "hop_samples": 275}}))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), command, "--config", str(cfg)],
+    run = subprocess.run([sys.executable, "-m", "melfeed", command, "--config", str(cfg)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 78, run.stderr[-2000:]
     assert "features.hop_samples" in run.stderr and "prepared with 256, this config has 275" in run.stderr

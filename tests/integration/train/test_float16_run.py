@@ -1,6 +1,6 @@
 """The reference model trains on a float16 wire (``transport.mel_dtype: float16``) in a real run.
 
-`run_pipeline.py run` with a producer casting the demo cache's float32 mels to float16 into the
+`melfeed run` with a producer casting the demo cache's float32 mels to float16 into the
 shared-memory slots; the reference step casts back inside its program (graph mode here, to save CPU;
 XLA is covered by tests/unit/consumer/train/test_step_float16.py). The loss falls, nothing is rejected
 or recompiled, and the audit of the state directory is exact.
@@ -32,7 +32,7 @@ def test_the_reference_model_trains_on_a_float16_wire_with_an_exact_audit(demo_c
         "model": {"jit_compile": False}}))
     summary = tmp_path / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
                            "--producers", "1", "--steps", str(_STEPS), "--summary-json", str(summary)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""A foreign-style model (tests/foreign_model.py) through `run_pipeline.py run` under each `model.jit_compile`.
+"""A foreign-style model (tests/foreign_model.py) through `melfeed run` under each `model.jit_compile`.
 
 auto: XLA cannot build the gradient of its `tf.cond`, so the run falls back to graph mode with one
 WARNING line, trains in the built-in loop and its loss falls; every named scalar reaches the status
@@ -31,7 +31,7 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
                   "params": {"hidden": 16, "stop_weight": 0.5}}}))
     summary = tmp / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
                            "--producers", "2", "--steps", str(steps), "--summary-json", str(summary),
                            "--metrics-file", str(tmp / "metrics.jsonl")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
@@ -42,7 +42,7 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     proc, summary = _run(tmp_path, demo_cache, "auto", steps=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr.splitlines()
-    warnings = [line for line in err if " WARNING consumer.train" in line]
+    warnings = [line for line in err if " WARNING melfeed.consumer.train" in line]
     assert len(warnings) == 1, warnings         # the fallback is one line, not a traceback
     assert f"XLA cannot compile the step of {FACTORY}, using graph mode: op " in warnings[0]
     assert "StridedSliceGrad" in warnings[0] and "Traceback" not in proc.stderr
@@ -65,9 +65,9 @@ def test_true_exits_1_with_one_line_and_writes_the_summary(demo_cache: Path, tmp
     proc, summary = _run(tmp_path, demo_cache, True, steps=20)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"run_pipeline.py run: model.step {FACTORY}: XLA cannot compile the step "
+    assert last.startswith(f"melfeed run: model.step {FACTORY}: XLA cannot compile the step "
                            "(jit_compile: true): op "), last
     assert "StridedSliceGrad" in last and "Traceback" not in proc.stderr
     s = json.loads(summary.read_text())
-    assert s["error"] == last.removeprefix("run_pipeline.py run: ")
+    assert s["error"] == last.removeprefix("melfeed run: ")
     assert s["steps"] == 0 and s["jit_compile"] is None

@@ -1,6 +1,6 @@
 """A real run reads the packed cache end to end, and ends bit-identical to the same run reading the files.
 
-`run_pipeline.py run` on the demo cache (which comes packed, ``shared/cache/demo_data.py``) with one
+`melfeed run` on the demo cache (which comes packed, ``shared/cache/demo_data.py``) with one
 producer process: under the default ``producer.pack: auto`` the producer says it reads the pack, the
 audit of the state directory is exact; the same run with ``producer.pack: "off"`` reads the ``.npy``
 files and ends with the same final variables (the tiny step's depend on every byte of every batch and
@@ -27,7 +27,7 @@ _STEPS = 24
 def _final_variables(state: Path) -> dict[str, np.ndarray]:
     import tensorflow as tf
 
-    from consumer.resume.checkpoint import latest_checkpoint
+    from melfeed.consumer.resume.checkpoint import latest_checkpoint
     found = latest_checkpoint(state)
     assert found is not None, state
     reader = tf.train.load_checkpoint(str(found[0] / "vars"))
@@ -44,7 +44,7 @@ def _train(demo_cache: Path, tmp_path: Path, name: str, pack: str) -> tuple[dict
                      "feed_efficiency_steps": 0, "checkpoint_every_steps": _STEPS},
         "model": {"step": procs.TINY_STEP, "jit_compile": False}}))
     summary = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg), "--producers",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg), "--producers",
                            "1", "--steps", str(_STEPS), "--summary-json", str(summary)],
                           cwd=REPO, env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""``buckets.partial: drop`` in a real run (`run_pipeline.py run`, real producers): no partial batch reaches the
+"""``buckets.partial: drop`` in a real run (`melfeed run`, real producers): no partial batch reaches the
 step (its ``row_mask`` is all real rows), the summary counts the samples dropped per epoch, and the audit of the
 applied batches is exact against the drop plan across an epoch boundary."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from consumer.flow.plan import EpochPlan
-from shared.cache.manifest import load_manifest
-from shared.config_loader import config_from_mapping
-from shared.wire.buckets import build_buckets
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.shared.cache.manifest import load_manifest
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.wire.buckets import build_buckets
 from tests import procs
 from tests.conftest import REPO
 
@@ -38,7 +38,7 @@ def test_drop_run_applies_only_full_batches_counts_the_dropped_samples_and_audit
         "model": {"step": "tests.steps:rows_step", "jit_compile": False}}))
     summary = tmp_path / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
                            "--producers", "2", "--steps", str(steps), "--summary-json", str(summary),
                            "--metrics-file", str(tmp_path / "metrics.jsonl")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""`run_pipeline.py run` applies consumer.model_gpu before TensorFlow loads, names the device the step ran on,
+"""`melfeed run` applies consumer.model_gpu before TensorFlow loads, names the device the step ran on,
 and fills the persistent XLA compilation cache that a second run (another state dir, same cache) finds warm."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _run(cfg: dict[str, object], tmp_path: Path, name: str, demo_cache: Path) ->
     path.write_text(yaml.safe_dump(cfg))
     summary = tmp_path / f"{name}.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(path),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(path),
                            "--cache-dir", str(demo_cache), "--producers", "1", "--steps", "6",
                            "--state-dir", str(tmp_path / name), "--summary-json", str(summary)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -48,8 +48,8 @@ def test_a_bad_model_gpu_is_one_line_and_exit_78(demo_cache: Path, tmp_path: Pat
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"consumer": {"model_gpu": "gpu1"}}))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(path),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(path),
                            "--cache-dir", str(demo_cache)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 78
-    assert proc.stderr.strip().splitlines()[-1].startswith("run_pipeline.py run: consumer.model_gpu: entry 'gpu1'")
+    assert proc.stderr.strip().splitlines()[-1].startswith("melfeed run: consumer.model_gpu: entry 'gpu1'")

@@ -1,5 +1,5 @@
 """Two consumers as the ranks of one MultiWorkerMirroredStrategy job on this machine (loopback, CPU): each
-`run_pipeline.py run` with its own TF_CONFIG task index, state dir and producers applies its share of the
+`melfeed run` with its own TF_CONFIG task index, state dir and producers applies its share of the
 plan to one model kept in step by the strategy, and `audit A B` is exact; a TF_CONFIG that is not a usable
 cluster is one line and exit 78. A rank killed mid-run: tests/integration/train/test_ranks_restart.py."""
 
@@ -25,7 +25,7 @@ def _tf_config(index: int) -> str:
 
 
 def _cli(*args: str, tmp_path: Path, tf_config: str | None = None) -> list[str]:
-    return [sys.executable, str(REPO / "run_pipeline.py"), *args]
+    return [sys.executable, "-m", "melfeed", *args]
 
 
 def _env(tmp_path: Path, tf_config: str | None) -> dict[str, str]:
@@ -103,7 +103,7 @@ def test_ranks_whose_plans_differ_all_stop_before_touching_their_state_naming_th
         assert proc.wait(_TIMEOUT_S) == 78, job.tails()
         line = [x for x in job.log(rank).read_text(errors="replace").splitlines() if "differ in" in x]
         here = 7 if rank else 0
-        assert line == [f"run_pipeline.py run: the ranks of this job differ in seed (rank 1 differs from rank 0; "
+        assert line == [f"melfeed run: the ranks of this job differ in seed (rank 1 differs from rank 0; "
                         f"here: {here}): every rank must train the same plan and model with the same cache, seed, "
                         "n_mels, buckets, model, consumer.steps, checkpoint_every_steps and feed_efficiency_steps"], \
             job.tails()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import EXIT_JOB_LOST
+from melfeed.shared.errors import EXIT_JOB_LOST
 from tests import job_procs, procs
 
 _STEPS = 100
@@ -35,7 +35,7 @@ def test_a_killed_rank_ends_the_other_in_bounded_time_and_both_resume_exactly(de
     assert code == EXIT_JOB_LOST, job.tails()
     assert gave_up_s < job_procs.PEER_TIMEOUT_S + _EXIT_SLACK_S, gave_up_s
     line = next((x for x in text.splitlines() if "lost contact" in x), "")
-    assert line.startswith("run_pipeline.py run: rank 0: lost contact with the job (training: ") and line.endswith(
+    assert line.startswith("melfeed run: rank 0: lost contact with the job (training: ") and line.endswith(
         "); restart every rank to resume from the newest common checkpoint"), job.tails()
     assert "Traceback" not in text and 'File "' not in line, line      # TensorFlow's reason, not its frames
     first = [job.losses(rank) for rank in (0, 1)]

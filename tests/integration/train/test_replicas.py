@@ -50,7 +50,7 @@ def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo
                                              "learning_rate": 0.05},
                                    "consumer": {"warmup_steps": 2}, "transport": {"heartbeat_interval_s": 0.2}}))
     state, summary = tmp_path / "state", tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(cfg), "--cache-dir",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg), "--cache-dir",
                            str(demo_cache), "--producers", "1", "--steps", "24", "--replicas", "2", "--state-dir",
                            str(state), "--summary-json", str(summary)], cwd=REPO, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=400)
@@ -66,10 +66,10 @@ def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo
 
 
 def test_rows_that_do_not_divide_by_the_replicas_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--cache-dir", str(demo_cache),
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--cache-dir", str(demo_cache),
                            "--batch-size", "16", "--replicas", "3"], cwd=REPO, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        "run_pipeline.py run: buckets.batch_size: must divide by the 3 model replicas (consumer.replicas, "
+        "melfeed run: buckets.batch_size: must divide by the 3 model replicas (consumer.replicas, "
         "consumer.model_gpu): each replica takes an equal share of every batch's rows, got 16")

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.feed import Consumer
-from consumer.handout import Batch
-from consumer.resume.checkpoint import latest_checkpoint
-from consumer.resume.state import RunState
-from consumer.staging import Staged
-from consumer.train.handoff import TfHandOff
-from consumer.train.loop import train
-from shared.config_loader import load_config
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.handout import Batch
+from melfeed.consumer.resume.checkpoint import latest_checkpoint
+from melfeed.consumer.resume.state import RunState
+from melfeed.consumer.staging import Staged
+from melfeed.consumer.train.handoff import TfHandOff
+from melfeed.consumer.train.loop import train
+from melfeed.shared.config_loader import load_config
 from tests import procs
 from tests.slot_poison import scribble_on_release
 

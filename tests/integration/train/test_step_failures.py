@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from consumer.feed import Consumer
-from consumer.staging import Stager
-from consumer.train.loop import train
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError, StepError
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.staging import Stager
+from melfeed.consumer.train.loop import train
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError, StepError
 
 
 def broken_factory(spec: Any) -> Any:

@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import zmq
 
-from consumer.feed import Consumer
-from consumer.flow.plan import EpochPlan
-from consumer.transport.receiver import ReceiverStats
-from producer.batcher import BatchAssembler
-from producer.reader import CacheReader
-from shared.config_loader import config_from_mapping
-from shared.errors import ClosedError
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.transport.receiver import ReceiverStats
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ClosedError
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
                              LeaseGrant, RejectCode, Welcome, decode_header, encode)
 from tests.conftest import ProducerGroup
 

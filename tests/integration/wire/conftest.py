@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from consumer.feed import Consumer
+from melfeed.consumer.feed import Consumer
 from tests.conftest import ProducerGroup
 from tests.integration.wire.bad_peer import BadPeer, Reference, Stream, Wire, start_producer, wire_config
 

@@ -22,8 +22,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from consumer.feed import Consumer
-from shared.wire.protocol import (Bye, Err, Heartbeat, LeaseGrant, MsgKind, RejectCode, Welcome,
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.wire.protocol import (Bye, Err, Heartbeat, LeaseGrant, MsgKind, RejectCode, Welcome,
                              encode)
 from tests.conftest import ProducerGroup
 from tests.integration.wire.bad_peer import (WAIT_S, BadPeer, Stream, Wire, delta, expect_rejected, start_producer,

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer.slot_maps import SlotMappings
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease, RejectCode, encode)
+from melfeed.producer.slot_maps import SlotMappings
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease, RejectCode, encode)
 from tests.integration.wire.bad_peer import (BATCH_CASES, BATCH_SIZE, WAIT_S, BadPeer, Mutation, Wire, delta,
                                             expect_rejected, grow_frames)
 

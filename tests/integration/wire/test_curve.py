@@ -10,10 +10,10 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from consumer.feed import Consumer
-from shared.config_loader import config_from_mapping
-from shared.wire.curve import generate_keys
-from shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.wire.curve import generate_keys
+from melfeed.shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
 from tests import procs
 from tests.conftest import ProducerGroup
 

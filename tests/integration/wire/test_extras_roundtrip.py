@@ -3,7 +3,7 @@
 A cache with the demo extras (speaker: utterance scalar, energy: frame) plus a token extra, an
 utterance vector and a variable-length sequence; real producer processes (one SIGKILLed mid-run, its
 launcher starts another) feed a library ``Consumer`` over the ZeroMQ payload path and the shared-memory
-slots. Oracle: every batch, in plan order, equals what ``shared.wire.schema.pad_row`` makes of the
+slots. Oracle: every batch, in plan order, equals what ``melfeed.shared.wire.schema.pad_row`` makes of the
 files of the batch's planned samples -- every array, base and extra, byte for byte.
 """
 
@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import yaml
 
-from consumer import Consumer
-from consumer.dataset import feature_keys
-from shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest, write_manifest
-from shared.config_loader import config_from_mapping
-from shared.wire.schema import ExtraSpec, pad_row
+from melfeed.consumer import Consumer
+from melfeed.consumer.dataset import feature_keys
+from melfeed.shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest, write_manifest
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.wire.schema import ExtraSpec, pad_row
 from tests import procs
 
 _N = 48

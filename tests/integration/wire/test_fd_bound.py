@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from consumer.feed import Consumer
-from consumer.resume.checkpoint import latest_checkpoint
-from shared.config_loader import config_from_mapping
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.resume.checkpoint import latest_checkpoint
+from melfeed.shared.config_loader import config_from_mapping
 from tests import procs
 
 _FD_LIMIT = 320          # the consumer's soft and hard limit: ~100 used by TensorFlow, libzmq and the state

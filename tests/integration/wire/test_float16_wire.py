@@ -18,12 +18,12 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from consumer import Consumer
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest, write_manifest
-from shared.config_loader import config_from_mapping
-from shared.errors import EXIT_CONFIG
+from melfeed.consumer import Consumer
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest, write_manifest
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import EXIT_CONFIG
 from tests import procs
 
 _N = 24

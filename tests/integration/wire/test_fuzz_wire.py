@@ -25,9 +25,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from consumer.feed import Consumer
-from shared.errors import ProtocolError
-from shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests.conftest import ProducerGroup
 from tests.integration.wire.bad_peer import (BATCH_CASES, BadPeer, Reference, Stream, Wire, delta, start_producer,

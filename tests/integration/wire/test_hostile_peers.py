@@ -19,11 +19,11 @@ import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from consumer.feed import Consumer
-from consumer.flow.peers import ProducerReport
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
-from shared.wire.protocol import PROTOCOL_VERSION, Bye, Hello, Welcome, decode_header, encode
+from melfeed.consumer.feed import Consumer
+from melfeed.consumer.flow.peers import ProducerReport
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.protocol import PROTOCOL_VERSION, Bye, Hello, Welcome, decode_header, encode
 from tests.conftest import REPO, ProducerGroup
 
 HB_S = 0.2
@@ -106,7 +106,7 @@ def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_lea
         config = tmp_path / "second.yaml"
         config.write_text(yaml.safe_dump({"cache_dir": str(demo_cache), "buckets": {"batch_size": 4},
                                           "transport": {"mode": "zmq"}}))
-        second = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "consumer", "--config", str(config)],
+        second = subprocess.run([sys.executable, "-m", "melfeed", "consumer", "--config", str(config)],
                                 cwd=REPO, env={**os.environ, **environ}, capture_output=True, text=True,
                                 timeout=120)
         assert sock_path.stat().st_ino == inode                    # the live socket was never unlinked
@@ -114,7 +114,7 @@ def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_lea
         assert [b.batch_id for b in first.batches()] == list(range(30))    # ... and still serves
     assert second.returncode == 78, second.stderr
     [line] = [x for x in second.stderr.splitlines() if "another consumer" in x]
-    assert line.startswith("run_pipeline.py consumer: transport.endpoint: ") and f"pid {os.getpid()}" in line
+    assert line.startswith("melfeed consumer: transport.endpoint: ") and f"pid {os.getpid()}" in line
     assert "Traceback" not in second.stderr
 
 
@@ -154,11 +154,11 @@ def test_a_consumer_refuses_a_runtime_directory_others_can_write_with_78(demo_ca
     runtime.chmod(0o777)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"cache_dir": str(demo_cache)}))
-    run = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "consumer", "--config", str(config)],
+    run = subprocess.run([sys.executable, "-m", "melfeed", "consumer", "--config", str(config)],
                          cwd=REPO, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 78, run.stderr
     [line] = [x for x in run.stderr.splitlines() if "runtime directory" in x]
-    assert line == (f"run_pipeline.py consumer: runtime_dir: runtime directory {runtime} is mode 0777: every user "
+    assert line == (f"melfeed consumer: runtime_dir: runtime directory {runtime} is mode 0777: every user "
                     "can write to it (and replace its socket); make it 0700 or 0770 for the service group")
     assert "Traceback" not in run.stderr and not list(runtime.iterdir())

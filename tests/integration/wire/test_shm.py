@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import zmq
 
-from consumer.feed import Consumer
-from producer.slot_maps import SlotMappings
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
-from shared.wire.layout import ARRAY_KEYS
-from shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
+from melfeed.consumer.feed import Consumer
+from melfeed.producer.slot_maps import SlotMappings
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.layout import ARRAY_KEYS
+from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
                              decode_header, encode)
 from tests import procs
 from tests.conftest import ProducerGroup
@@ -181,8 +181,8 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
 _VICTIM = """\
 import sys, threading
 from pathlib import Path
-from consumer.feed import Consumer
-from shared.config_loader import load_config
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.config_loader import load_config
 with Consumer(load_config(sys.argv[1])) as feed:
     for n, _batch in enumerate(feed.batches(), start=1):
         if n == int(sys.argv[2]):
@@ -234,7 +234,7 @@ def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_
     try:
         with pytest.raises(ConfigError, match="too small.*transport.mode is shm"):   # asked for: never replaced
             Consumer(_cfg(demo_cache, endpoint, small, 12)).start()   # type: ignore[arg-type]
-        with caplog.at_level(logging.WARNING, logger="consumer.transport.shm_slots"):
+        with caplog.at_level(logging.WARNING, logger="melfeed.consumer.transport.shm_slots"):
             with Consumer(_cfg(demo_cache, endpoint, small, 12, "auto")) as consumer:   # type: ignore[arg-type]
                 assert consumer.shm is None
                 producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})

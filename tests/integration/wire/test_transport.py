@@ -14,10 +14,10 @@ import msgpack
 import numpy as np
 import zmq
 
-from consumer.feed import Consumer
-from shared.config_loader import config_from_mapping
-from shared.cache.demo_data import write_demo_cache
-from shared.wire.protocol import MsgKind, RejectCode, encode, Hello
+from melfeed.consumer.feed import Consumer
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.wire.protocol import MsgKind, RejectCode, encode, Hello
 from tests import procs
 from tests.conftest import ProducerGroup
 

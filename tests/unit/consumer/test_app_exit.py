@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from consumer.app import run_exit_code
+from melfeed.consumer.app import run_exit_code
 
 
 @pytest.mark.parametrize(("group_code", "expected"), [

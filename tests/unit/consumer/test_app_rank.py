@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from consumer.app import worker_place
-from shared.errors import ConfigError
+from melfeed.consumer.app import worker_place
+from melfeed.shared.errors import ConfigError
 
 
 def test_a_tf_config_file_gives_the_rank_and_is_exported_for_tensorflow(tmp_path: Path,

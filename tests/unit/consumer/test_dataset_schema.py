@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
-from consumer.dataset import _spec, feature_keys
-from shared.wire.buckets import Bucket
-from shared.wire.schema import ExtraSpec
+from melfeed.consumer.dataset import _spec, feature_keys
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.wire.schema import ExtraSpec
 
 EXTRAS = (ExtraSpec("speaker", "utterance", "int32"), ExtraSpec("energy", "frame", "float32"),
           ExtraSpec("ref", "sequence", "float16", (2,)))
@@ -36,12 +36,12 @@ def test_a_cache_without_extras_offers_the_base_features_only() -> None:
     assert feature_keys(_consumer(Bucket(0, 2, 8, 3, 4))) == ("tokens", "tok_len", "mel_len", "frames", "batch_id",
                                                             "rows", "row_mask")
     with pytest.raises(ValueError, match="subset"):
-        from consumer.dataset import make_dataset
+        from melfeed.consumer.dataset import make_dataset
         make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, ("speaker",))
 
 
 def test_features_given_as_one_string_is_one_key_and_the_error_names_the_unknown_ones() -> None:
-    from consumer.dataset import make_dataset
+    from melfeed.consumer.dataset import make_dataset
     with pytest.raises(ValueError, match=r"got \('speaker',\); unknown: \['speaker'\]"):
         make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, "speaker")     # not ('s', 'p', 'e', ...)
 

@@ -1,4 +1,4 @@
-"""The library facade: ``from consumer import Consumer, Batch`` works, without TensorFlow or a cycle."""
+"""The library facade: ``from melfeed.consumer import Consumer, Batch`` works, without TensorFlow or a cycle."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import consumer
-from consumer.feed import Batch, Consumer
-from consumer.flow.plan import PlannedBatch
+from melfeed import consumer
+from melfeed.consumer.feed import Batch, Consumer
+from melfeed.consumer.flow.plan import PlannedBatch
 
 _ROOT = Path(__file__).resolve().parents[3]
 
@@ -21,7 +21,7 @@ def test_the_facade_exports_the_library_classes_themselves() -> None:
 
 def test_import_consumer_loads_no_tensorflow() -> None:
     # A fresh interpreter: this test session may have imported TensorFlow already.
-    code = ("import sys; from consumer import Batch, Consumer; "
+    code = ("import sys; from melfeed.consumer import Batch, Consumer; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from consumer.observe.telemetry import open_metrics_file
-from consumer.placement import apply_placement
-from consumer.train.jit import MEMO_NAME, choose_mode, remember_mode
-from consumer.train.loop import TrainSummary
-from shared.config_loader import config_from_mapping
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
+from melfeed.consumer.observe.telemetry import open_metrics_file
+from melfeed.consumer.placement import apply_placement
+from melfeed.consumer.train.jit import MEMO_NAME, choose_mode, remember_mode
+from melfeed.consumer.train.loop import TrainSummary
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
 
 
 def _mode(path: Path) -> int:

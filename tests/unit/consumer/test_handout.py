@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumer.flow.plan import PlannedBatch
-from consumer.handout import Batch, Handout
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.handout import Batch, Handout
 
 
 def _batch(batch_id: int) -> Batch:

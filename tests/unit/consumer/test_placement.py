@@ -1,4 +1,4 @@
-"""consumer.placement: which env the consumer sets before TensorFlow is imported (model GPU, XLA cache),
+"""melfeed.consumer.placement: which env the consumer sets before TensorFlow is imported (model GPU, XLA cache),
 the refusal when TensorFlow was imported first, the memory settings, and the config validation."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from consumer.placement import (XLA_CACHE_FLAG, active_xla_cache_dir, apply_placement, configure_memory,
+from melfeed.consumer.placement import (XLA_CACHE_FLAG, active_xla_cache_dir, apply_placement, configure_memory,
                                 placement_env, step_devices, xla_cache_dir, xla_cache_warm)
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
-from shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.config import PipelineConfig
 from tests.conftest import REPO
 
 
@@ -146,7 +146,7 @@ def test_memory_growth_by_default_and_the_cap_when_set() -> None:
 def test_a_model_gpu_tensorflow_cannot_see_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     tf: Any = type("TF", (), {})()
     tf.config = _FakeConfig([])                               # "7" on a host without it: no GPU visible
-    with caplog.at_level("WARNING", logger="consumer.placement"):
+    with caplog.at_level("WARNING", logger="melfeed.consumer.placement"):
         assert configure_memory(_cfg(model_gpu="7"), tf) == []
         configure_memory(_cfg(model_gpu=""), tf)              # "" = the CPU on purpose: no warning
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
@@ -172,9 +172,9 @@ def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_the_real_
     TensorFlow being imported, the same model_gpu is fine and one that would change the visible GPUs is refused
     (one fresh process for both: its TensorFlow import is most of the cost)."""
     code = ("import os, sys\n"
-            "from shared.config_loader import config_from_mapping\n"
-            "from shared.errors import ConfigError\n"
-            "from consumer.placement import apply_placement, prepare_tensorflow, XLA_CACHE_FLAG\n"
+            "from melfeed.shared.config_loader import config_from_mapping\n"
+            "from melfeed.shared.errors import ConfigError\n"
+            "from melfeed.consumer.placement import apply_placement, prepare_tensorflow, XLA_CACHE_FLAG\n"
             "assert 'tensorflow' not in sys.modules\n"
             f"cfg = config_from_mapping({{'consumer': {{'model_gpu': '', 'xla_cache_dir': {str(tmp_path)!r}}}}})\n"
             "prepare_tensorflow(cfg)\n"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.flow.plan import PlannedBatch
-from consumer.train.quarantine import MIN_ROWS, QuarantineCeiling, ceiling_for, judged_from
-from shared.errors import EXIT_DATA, DataError
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.train.quarantine import MIN_ROWS, QuarantineCeiling, ceiling_for, judged_from
+from melfeed.shared.errors import EXIT_DATA, DataError
 
 
 def _feed(ceiling: QuarantineCeiling, batches: int, rows: int, bad: int, first: int = 0) -> list[int]:
@@ -143,13 +143,13 @@ def test_the_line_names_the_key_the_counts_the_first_bad_row_and_what_to_do() ->
 
 def test_the_cli_turns_a_data_error_into_one_line_and_exit_65(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    import run_pipeline
+    from melfeed import cli as run_pipeline
 
     def stopped(*args: object) -> int:
         raise DataError("producer.max_quarantined_fraction: 1000 of the 1000 rows trained were quarantined")
 
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
-    monkeypatch.setattr("consumer.app.main_consumer", stopped)
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("melfeed.consumer.app.main_consumer", stopped)
     assert run_pipeline.main(["consumer", "--cache-dir", "/nonexistent"]) == 65
-    assert capsys.readouterr().err == ("run_pipeline.py consumer: producer.max_quarantined_fraction: 1000 of the "
+    assert capsys.readouterr().err == ("melfeed consumer: producer.max_quarantined_fraction: 1000 of the "
                                        "1000 rows trained were quarantined\n")

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from consumer.flow.plan import PlannedBatch
-from consumer.handout import Batch, Handout
-from consumer.staging import Staged, Stager
-from shared.errors import PipelineError
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.handout import Batch, Handout
+from melfeed.consumer.staging import Staged, Stager
+from melfeed.shared.errors import PipelineError
 
 Event = tuple[str, int]
 

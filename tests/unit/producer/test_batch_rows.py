@@ -1,11 +1,11 @@
-"""Tests for producer.batch_rows.RowBytes: where a row's bytes are, and its padding tail zeroed."""
+"""Tests for melfeed.producer.batch_rows.RowBytes: where a row's bytes are, and its padding tail zeroed."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from producer.batch_rows import RowBytes, zero_bytes
+from melfeed.producer.batch_rows import RowBytes, zero_bytes
 
 
 def test_head_is_the_rows_first_elements_and_zero_tail_clears_only_the_rest_of_that_row() -> None:

@@ -1,4 +1,4 @@
-"""Tests for producer.batcher.BatchAssembler: rows in place, quarantine and fail policies."""
+"""Tests for melfeed.producer.batcher.BatchAssembler: rows in place, quarantine and fail policies."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.batcher import BatchAssembler
-from producer.reader import CacheReader, TransientReadError
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.config import BucketConfig
-from shared.cache.demo_data import write_demo_cache
-from shared.errors import CacheError
-from shared.cache.manifest import Manifest
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.reader import CacheReader, TransientReadError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.manifest import Manifest
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_quarantine_leaves_the_bad_row_empty_and_names_the_file_once(
     manifest, buckets = cache
     path = _break(manifest, 2)
     assembler = BatchAssembler(CacheReader(manifest), buckets)
-    with caplog.at_level(logging.WARNING, logger="producer.batcher"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.batcher"):
         batch = assembler.build(0, 0, [1, 2, 3])
         assert batch.quarantined == [2]
         mel_len = batch.arrays["mel_len"].copy()

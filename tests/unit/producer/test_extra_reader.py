@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.batcher import BatchAssembler
-from producer.reader import CacheReader
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest
-from shared.config import BucketConfig
-from shared.errors import CacheError
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.wire.schema import pad_row
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.wire.schema import pad_row
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_not
 def test_a_float_extra_is_checked_once_per_file_and_again_once_replaced(
         cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, buckets = cache
-    import producer.extra_reader as extra_reader
+    import melfeed.producer.extra_reader as extra_reader
     checks: list[int] = []
     real_isfinite = np.isfinite
 

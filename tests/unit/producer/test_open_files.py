@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import producer.open_files as open_files_mod
-from producer.open_files import OpenFiles, descriptor_budget
-from producer.reader import CacheReader
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest
-from shared.errors import CacheError
+import melfeed.producer.open_files as open_files_mod
+from melfeed.producer.open_files import OpenFiles, descriptor_budget
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.errors import CacheError
 
 N_MELS = 4
 

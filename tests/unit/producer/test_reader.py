@@ -1,4 +1,4 @@
-"""Tests for producer.reader.CacheReader: exact rows, truncation, zeroed tail, changed files."""
+"""Tests for melfeed.producer.reader.CacheReader: exact rows, truncation, zeroed tail, changed files."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.reader import CacheReader
-from shared.errors import CacheError
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest
 
 N_MELS = 6
 
@@ -208,7 +208,7 @@ def test_running_out_of_fds_is_transient_not_a_bad_file(manifest: Manifest,
     import errno
     import os
 
-    from producer.reader import TransientReadError
+    from melfeed.producer.reader import TransientReadError
 
     def no_fds(*args: object) -> int:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
@@ -241,7 +241,7 @@ def test_same_size_rewrites_are_caught_by_the_header(manifest: Manifest,
 
 @pytest.mark.parametrize("capacity", [16, 4])        # every file fits / long files cut
 def test_the_row_fast_path_writes_what_read_into_writes(manifest: Manifest, capacity: int) -> None:
-    from producer.batch_rows import zero_bytes
+    from melfeed.producer.batch_rows import zero_bytes
     reader = CacheReader(manifest)
     zeros = zero_bytes(capacity * N_MELS * 4)
     fast_mel = np.full((6, capacity, N_MELS), np.nan, dtype=np.float32)   # stale bytes everywhere
@@ -256,7 +256,7 @@ def test_the_row_fast_path_writes_what_read_into_writes(manifest: Manifest, capa
 
 
 def test_row_views_refuse_arrays_the_reader_cannot_fill(manifest: Manifest) -> None:
-    from producer.batch_rows import zero_bytes
+    from melfeed.producer.batch_rows import zero_bytes
     reader, zeros = CacheReader(manifest), zero_bytes(1024)
     with pytest.raises(ValueError, match="mel must be"):
         reader.mel_rows(np.zeros((2, 4, N_MELS + 1), np.float32), zeros)

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.reader import CacheReader
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest
-from shared.errors import CacheError
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.errors import CacheError
 
 N_MELS = 6
 # float32 values at float16's edges: its largest (65504), the largest that still rounds to it, a tie that

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from producer.session import BuildOrder, ProducerSession, SessionConfig, failure_reason
-from shared.errors import CacheError
-from shared.wire.protocol import (CAP_SHM, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, ShmSlot,
+from melfeed.producer.session import BuildOrder, ProducerSession, SessionConfig, failure_reason
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.protocol import (CAP_SHM, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, ShmSlot,
                                   StageCounters, Welcome)
 from tests.fakes import FakeClock
 
@@ -144,7 +144,7 @@ def test_a_socket_connected_late_starts_the_hello_back_off_over() -> None:
 def test_no_answer_for_ten_seconds_warns_once_naming_the_endpoint(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     s = ProducerSession(CFG, clock())
-    with caplog.at_level(logging.WARNING, logger="producer.session"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.session"):
         for _ in range(120):
             s.on_turn(clock.advance(0.1))
     assert [r.getMessage() for r in caplog.records] == [
@@ -261,7 +261,7 @@ def test_farewell_carries_the_exit_code_and_a_one_line_reason_naming_the_file() 
 def test_a_consumers_err_text_is_logged_on_one_escaped_line(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     s = _joined(clock, 7, _lease(1))
-    with caplog.at_level(logging.WARNING, logger="producer.session"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.session"):
         s.on_message(Err(RejectCode.LEASE, "no\nINFO forged line\x1b[31m"), clock())
     [line] = [r.getMessage() for r in caplog.records]
     assert "\n" not in line and "\x1b" not in line and "forged line" in line

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 
-from producer.session import ProducerSession, SessionConfig, random_nonce
-from shared.wire.protocol import Err, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome
+from melfeed.producer.session import ProducerSession, SessionConfig, random_nonce
+from melfeed.shared.wire.protocol import Err, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome
 from tests.fakes import FakeClock
 from tests.unit.producer.test_session import _builds
 

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from producer.session import ProducerSession, SessionConfig
-from shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters, Welcome
+from melfeed.producer.session import ProducerSession, SessionConfig
+from melfeed.shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters, Welcome
 from tests.fakes import FakeClock
 
 HB_S = 0.2
@@ -72,7 +72,7 @@ def test_waiting_for_the_next_consumer_warns_once_after_ten_silent_seconds(caplo
     _next_hello(s, clock)
     s.on_message(Welcome(7, 2, HB_S, False), clock())          # still up (checkpointing): its last answer
     answered_s = clock()
-    with caplog.at_level(logging.WARNING, logger="producer.session"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.session"):
         while clock() < answered_s + 9.9:                         # then nobody answers
             s.on_turn(clock.advance(0.1))
         assert caplog.records == []

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.flow.ring import BatchRing, slot_nbytes_for
-from consumer.transport.shm_slots import ShmSlots
-from producer.batcher import BatchAssembler
-from producer.slot_maps import SlotMappings
-from producer.reader import CacheReader
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.config import BucketConfig
-from shared.cache.demo_data import write_demo_cache
-from shared.wire.layout import slot_nbytes_for as slot_file_nbytes
-from shared.wire.protocol import ShmSlot
+from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
+from melfeed.consumer.transport.shm_slots import ShmSlots
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.slot_maps import SlotMappings
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.wire.layout import slot_nbytes_for as slot_file_nbytes
+from melfeed.shared.wire.protocol import ShmSlot
 
 
 def test_a_batch_built_into_a_mapped_slot_is_what_the_consumer_sees_and_equals_a_payload_build(

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from producer.supervisor import _Group, _main
-from shared.service.stop_ladder import PRODUCER_LADDER
-from shared.service.sdnotify import Notifier
+from melfeed.producer.supervisor import _Group, _main
+from melfeed.shared.service.stop_ladder import PRODUCER_LADDER
+from melfeed.shared.service.sdnotify import Notifier
 
 
 class _ScriptedGroup(_Group):
@@ -74,7 +74,7 @@ def test_a_child_that_exits_0_on_the_supervisors_own_stop_is_not_restarted(caplo
     """A SIGTERM to the whole group (Ctrl-C, systemd) may end a child before the supervisor's loop sees its stop."""
     stop = threading.Event()
     group = _ScriptedGroup({1: [0]}, stop, exit_at_plan_end=False, stop_after_spawns=1)
-    with caplog.at_level(logging.INFO, logger="producer.supervisor"):
+    with caplog.at_level(logging.INFO, logger="melfeed.producer.supervisor"):
         assert _supervise(group, stop) == 0
     assert group.spawned == [1] and group.restarts == 0
     assert not [r for r in caplog.records if "restarting" in r.getMessage()]
@@ -119,8 +119,8 @@ def test_a_child_still_starting_when_the_stop_comes_gets_the_ladder_too() -> Non
 def test_a_producer_child_ignores_sigint_from_its_first_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C in a terminal reaches the supervisor's children too; one still importing printed a KeyboardInterrupt
     traceback. The child ignores SIGINT before it loads anything (its supervisor stops it with SIGTERM)."""
-    from producer import process
-    from shared.errors import ConfigError
+    from melfeed.producer import process
+    from melfeed.shared.errors import ConfigError
 
     seen: list[object] = []
 
@@ -128,9 +128,9 @@ def test_a_producer_child_ignores_sigint_from_its_first_line(monkeypatch: pytest
         seen.append(signal.getsignal(signal.SIGINT))
         raise ConfigError("stop here", path=("cache_dir",))
 
-    monkeypatch.setattr("shared.config_loader.load_config", load_config)
-    monkeypatch.setattr("shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None)   # not pytest's
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda level: None)
+    monkeypatch.setattr("melfeed.shared.config_loader.load_config", load_config)
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None)   # not pytest's
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda level: None)
     previous = signal.getsignal(signal.SIGINT)
     try:
         assert process.main(["--config", "/nonexistent.yaml", "--index", "1"]) == 78

@@ -21,17 +21,17 @@ import numpy.typing as npt
 import pytest
 import zmq
 
-from producer.batcher import BuiltBatch
+from melfeed.producer.batcher import BuiltBatch
 
-from producer.reader import TransientReadError
-from producer.session import SessionConfig
-from producer.slot_maps import SlotMappings
-from producer.worker import ProducerWorker, WorkerConfig
-from shared.config import BucketConfig
-from shared.errors import CacheError
-from shared.wire.buckets import build_buckets
-from shared.wire.layout import slot_nbytes_for
-from shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Heartbeat, Hello, Lease, LeaseGrant, Message,
+from melfeed.producer.reader import TransientReadError
+from melfeed.producer.session import SessionConfig
+from melfeed.producer.slot_maps import SlotMappings
+from melfeed.producer.worker import ProducerWorker, WorkerConfig
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.buckets import build_buckets
+from melfeed.shared.wire.layout import slot_nbytes_for
+from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Heartbeat, Hello, Lease, LeaseGrant, Message,
                                   ShmSlot, Welcome, decode_header, encode)
 from tests.fakes import FakeAssembler, FakeClock, FakeDealer
 

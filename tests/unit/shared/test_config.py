@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import resolve_runtime_dir
-from shared.config_loader import config_from_mapping, with_overrides
-from shared.errors import ConfigError
+from melfeed.shared.config import resolve_runtime_dir
+from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.errors import ConfigError
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -76,7 +76,7 @@ def test_shm_mode_is_checked_again_once_the_endpoint_is_overridden() -> None:
 
 
 def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path: Path) -> None:
-    from shared.service.lifecycle import resolve_control_endpoint
+    from melfeed.shared.service.lifecycle import resolve_control_endpoint
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     ipc = config_from_mapping({"transport": {"endpoint": "ipc:///run/x/feed.sock"}})
     assert resolve_control_endpoint(ipc, env, create_dir=False) == "ipc:///run/x/feed.control.sock"
@@ -97,5 +97,5 @@ def test_control_endpoint_follows_the_data_endpoint_or_the_runtime_dir(tmp_path:
 ])
 def test_checksum_defaults_to_on_only_for_tcp_without_curve(checksum: bool | None, endpoint: str, insecure: bool,
                                                             expected: bool) -> None:
-    from shared.config import resolve_checksum
+    from melfeed.shared.config import resolve_checksum
     assert resolve_checksum(checksum, endpoint, insecure) is expected

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from shared.config import PipelineConfig
-from shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths, check_ring_bytes, physical_memory_bytes
-from shared.config_loader import _SECTIONS, config_from_mapping, load_config
-from shared.errors import ConfigError
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths, check_ring_bytes, physical_memory_bytes
+from melfeed.shared.config_loader import _SECTIONS, config_from_mapping, load_config
+from melfeed.shared.errors import ConfigError
 
 _HUGE = 2**63
 

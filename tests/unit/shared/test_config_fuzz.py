@@ -12,9 +12,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.config import PipelineConfig
-from shared.config_loader import _SECTIONS, config_from_mapping, config_to_mapping, load_config
-from shared.errors import ConfigError
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import _SECTIONS, config_from_mapping, config_to_mapping, load_config
+from melfeed.shared.errors import ConfigError
 
 _ROOT_KEYS = [f.name for f in dataclasses.fields(PipelineConfig)]
 _SECTION_KEYS = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in _SECTIONS.items()}

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import PipelineConfig
-from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
-from shared.errors import ConfigError
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+from melfeed.shared.errors import ConfigError
 
 
 def test_defaults_are_valid_and_round_trip() -> None:

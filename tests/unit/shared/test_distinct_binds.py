@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config_checks import endpoints_collide
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
+from melfeed.shared.config_checks import endpoints_collide
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
 from tests.cli_run import refusal, run_cli
 
 

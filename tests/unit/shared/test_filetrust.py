@@ -1,4 +1,4 @@
-"""shared.filetrust and shared.output_files: modes that do not depend on the umask, who may change a file
+"""melfeed.shared.filetrust and melfeed.shared.output_files: modes that do not depend on the umask, who may change a file
 melfeed trusts, and writes another user cannot redirect."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.filetrust import check_private_dir, make_dirs, place_reason, untrusted_reason
-from shared.output_files import (check_output, create_new, open_output, output_dir_reason, replace_output,
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.filetrust import check_private_dir, make_dirs, place_reason, untrusted_reason
+from melfeed.shared.output_files import (check_output, create_new, open_output, output_dir_reason, replace_output,
                                  write_output)
 from tests.planted import MALLORY, needs_root, plant_dir, plant_file, plant_link, sticky_dir, victim
 
@@ -188,7 +188,7 @@ def test_an_output_in_a_directory_another_user_controls_is_refused(tmp_path: Pat
 def test_the_descriptor_is_checked_again_so_a_trap_set_after_the_check_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A link or file planted between ``check_output`` and the open: ``O_NOFOLLOW`` and ``fstat`` catch it."""
-    import shared.output_files as output_files
+    import melfeed.shared.output_files as output_files
     monkeypatch.setattr(output_files, "check_output", lambda path, what=None: None)   # as if planted just after it
     bashrc = victim(tmp_path)
     shared = sticky_dir(tmp_path)
@@ -254,7 +254,7 @@ def test_a_directory_melfeed_fills_must_be_writable_by_nobody_else(tmp_path: Pat
 
 _WRITE_SIGNALLED = """
 import os, signal, sys
-import shared.output_files as of
+import melfeed.shared.output_files as of
 truncating_open = of.open_output
 def open_then_signalled(*args, **kwargs):
     fd = truncating_open(*args, **kwargs)            # the file is empty from here

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shared.metrics import StepRecord, StepWindow, feed_efficiency_goal, percentile
+from melfeed.shared.metrics import StepRecord, StepWindow, feed_efficiency_goal, percentile
 
 
 def _rec(end_s: float, wait_s: float, step_s: float, rows: int = 4, real: int = 30, padded: int = 40,

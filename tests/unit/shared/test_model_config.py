@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import ModelConfig
-from shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
-from shared.errors import ConfigError
+from melfeed.shared.config import ModelConfig
+from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+from melfeed.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -61,8 +61,8 @@ def test_bad_jit_compile_in_a_file_exits_78_with_one_line(tmp_path: Path) -> Non
     path.write_text("model:\n  jit_compile: sometimes\n")
     with pytest.raises(ConfigError):
         load_config(path)
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "status", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "status", "--config", str(path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines() == [
-        "run_pipeline.py status: model.jit_compile: must be auto, true or false, got 'sometimes'"]
+        "melfeed status: model.jit_compile: must be auto, true or false, got 'sometimes'"]

@@ -65,9 +65,9 @@ def test_a_file_another_user_planted_in_a_sticky_directory_is_refused(tmp_path: 
 
 def test_the_metrics_file_and_summary_writers_refuse_a_link_themselves(tmp_path: Path) -> None:
     """Not only the check before the run: the writers (at the first snapshot, at the end) refuse too."""
-    from consumer.observe.telemetry import open_metrics_file
-    from consumer.train.loop import TrainSummary
-    from shared.errors import ConfigError
+    from melfeed.consumer.observe.telemetry import open_metrics_file
+    from melfeed.consumer.train.loop import TrainSummary
+    from melfeed.shared.errors import ConfigError
     bashrc = victim(tmp_path)
     shared = sticky_dir(tmp_path)
     with pytest.raises(ConfigError, match=f"^consumer.metrics_file: refusing to write .*: {re.escape(_LINK_WHY)}"):
@@ -81,7 +81,7 @@ def test_jax_bench_json_refuses_a_planted_link_before_measuring(tmp_path: Path) 
     pytest.importorskip("jax")
     bashrc = victim(tmp_path)
     out = plant_link(sticky_dir(tmp_path) / "jax.json", bashrc)
-    proc = subprocess.run([sys.executable, "-m", "consumer.clients.jax_bench", "--demo", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "melfeed.consumer.clients.jax_bench", "--demo", "--json", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert proc.returncode == 78, proc.stderr
@@ -147,11 +147,11 @@ def test_a_cache_directory_another_user_made_is_refused_before_anything_is_writt
 
 def test_keys_demo_data_and_prepare_make_nothing_inside_another_users_directory(tmp_path: Path) -> None:
     """The directory to make is new, its parent is theirs: refused before even an empty directory or a lock."""
-    from producer.prepare.command import run_prepare
-    from shared.cache.demo_data import write_demo_cache
-    from shared.config import PipelineConfig
-    from shared.errors import CacheError, ConfigError
-    from shared.wire.curve import generate_keys
+    from melfeed.producer.prepare.command import run_prepare
+    from melfeed.shared.cache.demo_data import write_demo_cache
+    from melfeed.shared.config import PipelineConfig
+    from melfeed.shared.errors import CacheError, ConfigError
+    from melfeed.shared.wire.curve import generate_keys
     theirs = plant_dir(tmp_path / "alice", 0o755)                    # another user's home, readable by all
     why = f"its parent {theirs} belongs to uid {MALLORY}, who could move it"
     with pytest.raises(ConfigError, match=re.escape(f"{theirs / 'k'}: refusing to write the keys: {why}")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.printable import MAX_SHOWN_CHARS, escape_line
+from melfeed.shared.printable import MAX_SHOWN_CHARS, escape_line
 
 
 def test_printable_text_is_kept_and_control_characters_are_escaped() -> None:

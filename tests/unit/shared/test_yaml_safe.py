@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config_loader import load_config
-from shared.errors import ConfigError
-from shared.yaml_safe import MAX_CONFIG_BYTES, read_config_file
+from melfeed.shared.config_loader import load_config
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.yaml_safe import MAX_CONFIG_BYTES, read_config_file
 
 REPO = Path(__file__).resolve().parents[3]
 _BOUND_S = 20
@@ -128,12 +128,12 @@ def test_cli_exits_78_with_one_line_naming_the_file(tmp_path: Path, case: str) -
     data = {"latin1": "cache_dir: /caf\xe9\n".encode("latin-1"), "alias_bomb": BILLION_LAUGHS.encode(),
             "list": b"- 1\n"}[case]
     path = _write(tmp_path, data)
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "consumer", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "consumer", "--config", str(path)],
                           capture_output=True, text=True, cwd=REPO, timeout=2 * _BOUND_S,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 78, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"run_pipeline.py consumer: {path}: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"melfeed consumer: {path}: "), proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -141,7 +141,7 @@ def test_the_configs_melfeed_writes_for_its_children_load_back(tmp_path: Path) -
     """Guard: the effective config handed to producers (safe_dump of config_to_mapping) has no aliases."""
     import yaml
 
-    from shared.config_loader import config_from_mapping, config_to_mapping
+    from melfeed.shared.config_loader import config_from_mapping, config_to_mapping
     cfg = config_from_mapping({"cache_dir": "/data/caché", "buckets": {"boundaries": [400, 800]},
                                "producer": {"count": 2}})
     path = _write(tmp_path, yaml.safe_dump(config_to_mapping(cfg), sort_keys=False).encode())

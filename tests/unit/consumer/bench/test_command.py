@@ -1,5 +1,5 @@
 """bench's plan of trials (pure parts of ``consumer/bench/command.py``): which systems run at which step costs;
-flags refused before any trial; SIGTERM stopping real child processes (``shared.service.children.CommandChildren``, as bench uses it)."""
+flags refused before any trial; SIGTERM stopping real child processes (``melfeed.shared.service.children.CommandChildren``, as bench uses it)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from consumer.bench import command
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
-from shared.service.children import CommandChildren, Interrupted
+from melfeed.consumer.bench import command
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.children import CommandChildren, Interrupted
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -126,7 +126,7 @@ def test_sigterm_stops_the_running_trial_with_its_group_and_no_other_starts(tmp_
 
 
 def test_a_server_started_by_a_trial_dies_with_it_even_after_sigkill(tmp_path: Path) -> None:
-    from consumer.bench.baselines import _ORPHAN_GUARD
+    from melfeed.consumer.bench.baselines import _ORPHAN_GUARD
     server = _ORPHAN_GUARD + "import time; print(flush=True); time.sleep(300)"   # the servers' first statement
     trial = ("import os, subprocess, sys; s = subprocess.Popen([sys.executable, '-c', sys.argv[1], '0', "
              "str(os.getpid())], stdout=subprocess.PIPE); s.stdout.readline(); print(s.pid, flush=True); "

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from consumer.bench.efficiency import build_efficiency, efficiency_goals, efficiency_systems, render_efficiency
-from consumer.bench.stats import medians_by_system
+from melfeed.consumer.bench.efficiency import build_efficiency, efficiency_goals, efficiency_systems, render_efficiency
+from melfeed.consumer.bench.stats import medians_by_system
 
 _SYSTEMS = [
     {"system": "melfeed-zmq-p1", "kind": "melfeed", "transport": "zmq", "producers": 1, "available": True},

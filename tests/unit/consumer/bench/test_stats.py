@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from consumer.bench import stats as bs
-from consumer.bench.report import F16_NOTE, build_report, render
+from melfeed.consumer.bench import stats as bs
+from melfeed.consumer.bench.report import F16_NOTE, build_report, render
 
 
 def _trial(system: str, step_ms: int, rnd: int, **figures: float | None) -> dict:

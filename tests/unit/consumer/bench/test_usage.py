@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from consumer.bench.usage import UsageWindow
+from melfeed.consumer.bench.usage import UsageWindow
 
 # A helper that burns the CPU seconds it is told on stdin, then says "done" (no wall-clock sleeps).
 _SPINNER = """

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from consumer.doctor.arrangement import advise_data_gpu
-from consumer.doctor.verdict import BOUND_PRODUCERS, BOUND_STEP
+from melfeed.consumer.doctor.arrangement import advise_data_gpu
+from melfeed.consumer.doctor.verdict import BOUND_PRODUCERS, BOUND_STEP
 
 
 def test_an_idle_data_gpu_becomes_a_replica_when_supply_covers_twice_the_demand_with_headroom() -> None:

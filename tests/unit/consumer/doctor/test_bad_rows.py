@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from consumer.doctor.command import _bad_rows
-from producer.probe import measure
-from shared.cache.demo_data import write_demo_cache
-from shared.config_loader import config_from_mapping
-from shared.errors import CacheError
+from melfeed.consumer.doctor.command import _bad_rows
+from melfeed.producer.probe import measure
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import CacheError
 
 
 def test_the_build_probe_counts_the_rows_it_quarantined(tmp_path: Path) -> None:

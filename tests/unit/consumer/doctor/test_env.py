@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from consumer.doctor.env import EnvFacts, check_environment, gather_facts, mem_available_bytes
+from melfeed.consumer.doctor.env import EnvFacts, check_environment, gather_facts, mem_available_bytes
 
 GOOD = EnvFacts(consumer_gpus=["0"], producer_gpus=["1"], model_gpu="0", data_gpu="1",
                 mem_available_bytes=16_000_000_000, shm_free_bytes=8_000_000_000, ring_bytes=27_000_000,

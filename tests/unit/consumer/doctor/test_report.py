@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from consumer.doctor.env import Check
-from consumer.doctor.report import render
-from consumer.doctor.verdict import ConfigFacts, Measurements, decide
+from melfeed.consumer.doctor.env import Check
+from melfeed.consumer.doctor.report import render
+from melfeed.consumer.doctor.verdict import ConfigFacts, Measurements, decide
 
 _BUILD = {"batches": 30, "elapsed_s": 1.0, "batches_per_s": 30.0, "build_ms_p50": 30.0, "build_ms_p99": 40.0,
           "read_ms_p50": 20.0, "cpu_ms_per_batch": 25.0}
@@ -65,7 +65,7 @@ def test_stage_one_says_what_the_producer_read() -> None:
             ("/c/melfeed-float32.pack", "mapped", "reads the packed cache /c/melfeed-float32.pack, mapped)"),
             ("/c/melfeed-float32.pack", "preadv", "reads the packed cache /c/melfeed-float32.pack, preadv)"),
             ("/c/melfeed-float32.pack", None, "reads the packed cache /c/melfeed-float32.pack)"),   # an older probe
-            ("files", None, "reads the .npy files; `run_pipeline.py pack CACHE_DIR` makes a faster packed copy)")):
+            ("files", None, "reads the .npy files; `melfeed pack CACHE_DIR` makes a faster packed copy)")):
         report = _report(1)
         build = {**_BUILD, "reader": reader, "pack_read": read}
         report["stages"] = {**report["stages"], "build_1": [build]}  # type: ignore[dict-item]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from consumer.doctor.verdict import (BOUND_H2D, BOUND_PRODUCERS, BOUND_STEP, BOUND_TRANSPORT, ConfigFacts,
+from melfeed.consumer.doctor.verdict import (BOUND_H2D, BOUND_PRODUCERS, BOUND_STEP, BOUND_TRANSPORT, ConfigFacts,
                                    Measurements, decide, memory_bound_bytes, weighted_ms)
 
 # Two buckets, 3/4 of the batches in bucket 0: step 8 ms and 16 ms -> 10 ms weighted -> demand 100/s.

@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.flow.credit import LeaseBook, Verdict, grant_round
-from consumer.flow.plan import EpochPlan
-from consumer.flow.ring import BatchRing, SlotState
-from shared.config import BucketConfig
-from shared.wire.buckets import build_buckets
+from melfeed.consumer.flow.credit import LeaseBook, Verdict, grant_round
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.flow.ring import BatchRing, SlotState
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.wire.buckets import build_buckets
 from tests.fakes import ljspeech_like
 
 BUCKET_SET = build_buckets(*ljspeech_like(60), 3, BucketConfig(batch_size=4))

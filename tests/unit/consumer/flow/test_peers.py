@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumer.flow.peers import PeerTable
+from melfeed.consumer.flow.peers import PeerTable
 
 
 class _Held:

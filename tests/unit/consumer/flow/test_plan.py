@@ -9,10 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from consumer.flow.plan import EpochPlan, PlannedBatch
-from shared.wire.buckets import BucketSet, build_buckets
-from shared.config import BucketConfig
-from shared.errors import ConfigError
+from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import ConfigError
 from tests.fakes import ljspeech_like
 
 _FINGERPRINT = "3f9a0c47d12e88b5" + "0" * 48  # sha256-sized hex, as the manifest writes it

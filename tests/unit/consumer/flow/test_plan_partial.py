@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from consumer.flow.plan import EpochPlan
-from consumer.handout import row_mask
-from shared.config import BucketConfig
-from shared.errors import ConfigError
-from shared.wire.buckets import BucketSet, build_buckets
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.handout import row_mask
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from tests.fakes import ljspeech_like
 
 _FINGERPRINT = "3f9a0c47d12e88b5" + "0" * 48

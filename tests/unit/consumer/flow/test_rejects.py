@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from consumer.flow.rejects import RejectLog, peer_label
-from shared.wire.protocol import RejectCode
+from melfeed.consumer.flow.rejects import RejectLog, peer_label
+from melfeed.shared.wire.protocol import RejectCode
 
 
 def test_rejects_are_counted_per_code_and_per_peer_and_snapshots_are_copies() -> None:
@@ -66,7 +66,7 @@ def test_an_evicted_peer_starts_a_fresh_flood_window() -> None:
 def test_logs_at_most_one_warning_per_code_per_interval_and_says_how_many_were_suppressed(
         caplog: pytest.LogCaptureFixture) -> None:
     rl = RejectLog(log_interval_s=5.0)
-    with caplog.at_level(logging.WARNING, logger="consumer.flow.rejects"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.flow.rejects"):
         for i in range(100):
             rl.record("a", RejectCode.DECODE, "bad", i * 0.01)         # 1 s of rejects
         rl.record("a", RejectCode.SCHEMA, "bad", 1.0)                  # another code logs at once

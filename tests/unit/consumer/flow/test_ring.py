@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from consumer.flow.plan import PlannedBatch
-from consumer.flow.ring import BatchRing, SlotState
-from shared.wire.buckets import Bucket
-from shared.errors import ClosedError
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.flow.ring import BatchRing, SlotState
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.errors import ClosedError
 
 BUCKETS = (Bucket(0, 4, 16, 5, 80), Bucket(1, 2, 40, 9, 80))
 
@@ -77,7 +77,7 @@ def test_views_are_built_once_per_slot_and_bucket_and_each_caller_gets_its_own_d
 def test_views_follow_a_slot_whose_memory_was_replaced_and_drop_the_old_ones() -> None:
     import numpy as np
 
-    from shared.wire.layout import aligned_buffer
+    from melfeed.shared.wire.layout import aligned_buffer
 
     class Swappable:
         def __init__(self, n: int, nbytes: int) -> None:

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from consumer.flow.plan import EpochPlan
-from consumer.flow.shards import GlobalStep, RankPlan, plan_for_rank, shard_chunks
-from shared.config import BucketConfig
-from shared.errors import ConfigError
-from shared.wire.buckets import BucketSet, build_buckets
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.flow.shards import GlobalStep, RankPlan, plan_for_rank, shard_chunks
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from tests.fakes import ljspeech_like
 
 _FINGERPRINT = "3f9a0c47d12e88b5" + "0" * 48

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import tensorflow as tf
 
-from consumer.train.replicas import Replicas, XlaUnavailable
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
+from melfeed.consumer.train.replicas import Replicas, XlaUnavailable
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
 
 _CPU = "/job:worker/replica:0/task:1/device:CPU:0"
 

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import time
 
-from consumer.job.cluster import ended_by_signals
+from melfeed.consumer.job.cluster import ended_by_signals
 
 # A wait in C that holds the GIL, as TensorFlow's join does: the sum never returns to the eval loop.
 _WAIT_HOLDING_THE_GIL = """
 import sys
-from consumer.job.cluster import ended_by_signals
+from melfeed.consumer.job.cluster import ended_by_signals
 with ended_by_signals():
     print("waiting", flush=True)
     sum(range(10 ** 13))

@@ -8,11 +8,11 @@ import socket
 import pytest
 import tensorflow as tf
 
-from consumer.job.agree import job_settings, offer_row, settings_row
-from consumer.job.cluster import Job, lost_contact_error, server_error
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError, JobLostError, StepError
-from shared.service.tf_config import WorkerPlace
+from melfeed.consumer.job.agree import job_settings, offer_row, settings_row
+from melfeed.consumer.job.cluster import Job, lost_contact_error, server_error
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError, JobLostError, StepError
+from melfeed.shared.service.tf_config import WorkerPlace
 
 _HEARTBEATS = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call last):\n"
                '  File "/srv/melfeed/run_pipeline.py", line 55, in <module>\n\n'

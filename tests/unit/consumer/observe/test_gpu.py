@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pynvml  # type: ignore[import-untyped]  # no stubs shipped
 import pytest
 
-from consumer.observe.gpu import GpuSampler, format_gpus
+from melfeed.consumer.observe.gpu import GpuSampler, format_gpus
 
 
 def test_absent_nvml_gives_empty_snapshot_and_no_crash() -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from consumer.observe.http_metrics import MetricsHttpServer
-from consumer.observe.prom import start_prometheus
+from melfeed.consumer.observe.http_metrics import MetricsHttpServer
+from melfeed.consumer.observe.prom import start_prometheus
 
 _HALF_OPEN = 200
 _WAIT_S = 30.0
@@ -20,7 +20,7 @@ _WAIT_S = 30.0
 
 def _snapshot() -> dict[str, Any]:
     from tests.unit.consumer.observe.test_telemetry import _FakeConsumer, _cfg  # a real snapshot
-    from consumer.observe.telemetry import Telemetry
+    from melfeed.consumer.observe.telemetry import Telemetry
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         from pathlib import Path

@@ -1,4 +1,4 @@
-"""Tests for consumer.observe.report_data: metrics JSONL -> columns, nulls as gaps, and one-line errors with FILE:LINE."""
+"""Tests for melfeed.consumer.observe.report_data: metrics JSONL -> columns, nulls as gaps, and one-line errors with FILE:LINE."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.errors import ConfigError
-from consumer.observe import report_data
-from consumer.observe.report_data import SCALAR_KEYS, parse_lines, read_metrics
+from melfeed.shared.errors import ConfigError
+from melfeed.consumer.observe import report_data
+from melfeed.consumer.observe.report_data import SCALAR_KEYS, parse_lines, read_metrics
 from tests.fakes import metrics_snapshot, realistic_run
 
 
@@ -63,7 +63,7 @@ def test_gpus_are_keyed_role_colon_index_and_absent_gpus_are_empty() -> None:
 def test_a_truncated_last_line_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     lines = realistic_run(n_lines=12)
     path = _write(tmp_path / "m.jsonl", lines, tail=json.dumps(metrics_snapshot(99.0))[:37])
-    with caplog.at_level(logging.WARNING, logger="consumer.observe.report_data"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.observe.report_data"):
         series = read_metrics(path)
     assert len(series) == 12
     assert [r.getMessage().split(": ")[0] for r in caplog.records] == [f"{path}:13"]

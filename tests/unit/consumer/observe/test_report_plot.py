@@ -1,4 +1,4 @@
-"""Tests for ``run_pipeline.py report``: a real PNG from a schema-conforming JSONL, checked by its pixels."""
+"""Tests for ``melfeed report``: a real PNG from a schema-conforming JSONL, checked by its pixels."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.observe.report_data import read_metrics
-from consumer.observe.report_plot import PANELS, RenderedReport, render_report
+from melfeed.consumer.observe.report_data import read_metrics
+from melfeed.consumer.observe.report_plot import PANELS, RenderedReport, render_report
 from tests.fakes import realistic_run
 
 REPO = Path(__file__).resolve().parents[4]
@@ -26,7 +26,7 @@ def _jsonl(path: Path, gpus: bool = True) -> Path:
 
 
 def _cli(*args: str, pythonpath: str = str(REPO)) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "report", *args],
+    return subprocess.run([sys.executable, "-m", "melfeed", "report", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "PYTHONPATH": pythonpath, "MPLBACKEND": "TkAgg"})
 
@@ -101,7 +101,7 @@ def test_bad_input_is_one_line_and_exit_78(tmp_path: Path, content: str | None, 
     proc = _cli(str(path), "-o", str(tmp_path / "r.png"))
     where = f"{path}:1" if content and content.startswith("{") else str(path)
     assert proc.returncode == 78
-    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"run_pipeline.py report: {where}: {reason}")
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"melfeed report: {where}: {reason}")
     assert not (tmp_path / "r.png").exists()
 
 
@@ -109,7 +109,7 @@ def test_an_unwritable_output_is_one_line_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "no-such-dir" / "r.png"
     proc = _cli(str(_jsonl(tmp_path / "m.jsonl")), "-o", str(out))
     assert proc.returncode == 78
-    assert proc.stderr.splitlines() == [f"run_pipeline.py report: {out}: cannot write the report: "
+    assert proc.stderr.splitlines() == [f"melfeed report: {out}: cannot write the report: "
                                         "No such file or directory"]
 
 
@@ -126,7 +126,7 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path: Path
         os.link(metrics, out)
     proc = _cli(str(_jsonl(tmp_path / "other.jsonl")), str(metrics), "-o", str(out))
     assert proc.returncode == 78, proc.stderr
-    assert proc.stderr.splitlines() == [f"run_pipeline.py report: --output: is the input file {metrics}; writing it "
+    assert proc.stderr.splitlines() == [f"melfeed report: --output: is the input file {metrics}; writing it "
                                         f"would destroy the input, got {str(out)!r}"]
     assert metrics.read_bytes() == before
 
@@ -138,7 +138,7 @@ def test_without_matplotlib_the_command_says_how_to_install_it(tmp_path: Path) -
     proc = _cli(str(_jsonl(tmp_path / "m.jsonl")), "-o", str(tmp_path / "r.png"),
                 pythonpath=f"{blocker.parent}{os.pathsep}{REPO}")
     assert proc.returncode == 78
-    assert proc.stderr == "run_pipeline.py report: needs matplotlib: pip install 'melfeed[report]'\n"
+    assert proc.stderr == "melfeed report: needs matplotlib: pip install 'melfeed[report]'\n"
 
 
 def test_several_ranks_share_the_panels_on_one_time_axis_labelled_by_rank(tmp_path: Path) -> None:

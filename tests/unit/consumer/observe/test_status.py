@@ -1,4 +1,4 @@
-"""``run_pipeline.py status`` against a hostile answer: a real REP socket in a thread answers what the test says.
+"""``melfeed status`` against a hostile answer: a real REP socket in a thread answers what the test says.
 
 Whoever answers at the control endpoint chose the reply: a partial snapshot is one line and exit 1, never
 a traceback; strings with ESC or newlines reach the table escaped; ``--json`` stays JSON.
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from consumer.observe.status import format_status, main_status, snapshot_problem
+from melfeed.consumer.observe.status import format_status, main_status, snapshot_problem
 from tests.fakes import metrics_snapshot
 
 _EVIL = "evil\nINFO forged\x1b[2J\x1b]0;title\x07"
@@ -70,7 +70,7 @@ def _evil_snapshot() -> dict[str, Any]:
 def test_a_partial_snapshot_is_one_line_and_exit_1(endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _status(endpoint, json.dumps({"phase": "training"}).encode(), capsys)
     assert (rc, out) == (1, "")
-    assert err == f"run_pipeline.py status: {endpoint}: malformed snapshot: step: missing\n"
+    assert err == f"melfeed status: {endpoint}: malformed snapshot: step: missing\n"
 
 
 def test_a_wrongly_typed_entry_names_its_place_escaped(endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,7 +84,7 @@ def test_a_wrongly_typed_entry_names_its_place_escaped(endpoint: str, capsys: py
 def test_an_answer_that_is_no_json_object_is_one_line_and_exit_1(
         endpoint: str, reply: bytes, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _status(endpoint, reply, capsys)
-    assert (rc, out) == (1, "") and err == f"run_pipeline.py status: the answer from {endpoint} is not a snapshot\n"
+    assert (rc, out) == (1, "") and err == f"melfeed status: the answer from {endpoint} is not a snapshot\n"
 
 
 def test_peer_strings_reach_the_table_escaped(endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,7 +174,7 @@ def test_whatever_passes_the_check_formats_without_an_exception_or_raw_control_c
     ({"endpoint": "tcp://bad host:5555"}, "--endpoint: cannot ask tcp://bad host:5555: Invalid argument"),
 ])
 def test_bad_flags_are_refused_before_asking_anyone(flags: dict[str, Any], needle: str) -> None:
-    from shared.errors import ConfigError
+    from melfeed.shared.errors import ConfigError
     args = argparse.Namespace(**{"endpoint": None, "timeout_s": 2.0, "json": False, "config": None,
                                  "tf_config": None, **flags})
     with pytest.raises(ConfigError) as info:
@@ -185,7 +185,7 @@ def test_bad_flags_are_refused_before_asking_anyone(flags: dict[str, Any], needl
 def test_the_default_socket_in_a_runtime_directory_of_another_user_is_never_asked(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import os
-    from shared.errors import ConfigError
+    from melfeed.shared.errors import ConfigError
     runtime = tmp_path / "melfeed"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from consumer.flow.peers import ProducerReport
-from consumer.observe.prom import SnapshotCollector
-from consumer.transport.receiver import ReceiverStats
-from consumer.observe.status import format_status, snapshot_problem
-from consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
-from shared.metrics import StepRecord, StepWindow
-from shared.wire.protocol import StageCounters
+from melfeed.consumer.flow.peers import ProducerReport
+from melfeed.consumer.observe.prom import SnapshotCollector
+from melfeed.consumer.transport.receiver import ReceiverStats
+from melfeed.consumer.observe.status import format_status, snapshot_problem
+from melfeed.consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.metrics import StepRecord, StepWindow
+from melfeed.shared.wire.protocol import StageCounters
 
 
 def _stats(producers: tuple[ProducerReport, ...] = (), rejects: dict[str, int] | None = None,
@@ -182,7 +182,7 @@ def test_status_table_and_prometheus_families_from_one_snapshot(tmp_path: Path) 
 def test_prometheus_without_the_package_or_with_a_taken_port_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
     import sys
-    from consumer.observe.prom import start_prometheus
+    from melfeed.consumer.observe.prom import start_prometheus
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -262,7 +262,7 @@ def test_a_rank_of_a_job_shows_in_status_and_labels_every_prometheus_sample() ->
 
 
 def test_snapshots_count_failed_checkpoints_and_cut_connections(tmp_path: Path) -> None:
-    from consumer.observe.status import format_status
+    from melfeed.consumer.observe.status import format_status
     consumer = _FakeConsumer()
     consumer.connections_cut = 7          # type: ignore[attr-defined]
     failures = [0]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from consumer.resume.filemode import make_private_dir, restrict, write_private
-from consumer.resume.state import RunState
-from consumer.transport.shm_slots import ShmSlots
-from shared.config_loader import config_from_mapping
+from melfeed.consumer.resume.filemode import make_private_dir, restrict, write_private
+from melfeed.consumer.resume.state import RunState
+from melfeed.consumer.transport.shm_slots import ShmSlots
+from melfeed.shared.config_loader import config_from_mapping
 
 
 @pytest.fixture(autouse=True)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from consumer.flow.shards import plan_for_rank
-from consumer.resume.job_audit import audit_job, main_audit, union_counts
-from consumer.resume.state import RunState
-from shared.cache.manifest import load_manifest
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError, StateError
-from shared.wire.buckets import build_buckets
+from melfeed.consumer.flow.shards import plan_for_rank
+from melfeed.consumer.resume.job_audit import audit_job, main_audit, union_counts
+from melfeed.consumer.resume.state import RunState
+from melfeed.shared.cache.manifest import load_manifest
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError, StateError
+from melfeed.shared.wire.buckets import build_buckets
 
 _STEPS = 9
 REPO = Path(__file__).resolve().parents[4]
@@ -157,8 +157,8 @@ def test_the_cli_gives_one_line_and_exit_78_for_an_unreadable_state_dir(tmp_path
     state_dir = _bare_state_dir(tmp_path)
     (state_dir / "audit.log").unlink()
     (state_dir / "audit.log").mkdir()
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "audit", str(state_dir), "--json",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "--json",
                            str(tmp_path / "a.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 78 and not (tmp_path / "a.json").exists()
-    assert proc.stderr.splitlines() == [f"run_pipeline.py audit: {state_dir}/audit.log: cannot read audit log: "
+    assert proc.stderr.splitlines() == [f"melfeed audit: {state_dir}/audit.log: cannot read audit log: "
                                         "not a regular file (directory)"]

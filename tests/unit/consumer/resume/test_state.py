@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from consumer.resume.audit import RECORD_BYTES, AuditLog, AuditRecord, analyse, read_records, sample_digest
-from consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints
-from consumer.resume.state import RunState
-from shared.config_loader import config_from_mapping
-from shared.errors import StateError
+from melfeed.consumer.resume.audit import RECORD_BYTES, AuditLog, AuditRecord, analyse, read_records, sample_digest
+from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints
+from melfeed.consumer.resume.state import RunState
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import StateError
 
 
 def _recs(*ids: int) -> list[AuditRecord]:
@@ -130,7 +130,7 @@ def test_audit_command_prints_the_counts_and_fails_on_a_repeated_batch(tmp_path:
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from consumer.resume.audit import main_audit
+    from melfeed.consumer.resume.audit import main_audit
     state = RunState.open(_cfg(tmp_path), "f" * 16)
     assert state is not None
     for b in (0, 1, 2, 2, 3):
@@ -146,7 +146,7 @@ def test_audit_command_prints_the_counts_and_fails_on_a_repeated_batch(tmp_path:
 def test_a_failed_periodic_checkpoint_is_counted_and_retried_while_a_failed_final_one_raises(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import errno
-    import consumer.resume.checkpoint as checkpoint_module
+    import melfeed.consumer.resume.checkpoint as checkpoint_module
     real_write = checkpoint_module.write_private
     failing = {"left": 1}
 
@@ -161,7 +161,7 @@ def test_a_failed_periodic_checkpoint_is_counted_and_retried_while_a_failed_fina
     state = RunState.open(_cfg(tmp_path), "f" * 16)          # checkpoint every 2 steps
     assert state is not None
     tried_at = []
-    with caplog.at_level("WARNING", logger="consumer.resume.state"):
+    with caplog.at_level("WARNING", logger="melfeed.consumer.resume.state"):
         for b in range(7):
             v.assign(float(b + 1))                           # the variables after applying batch b
             state.record(b, [b], 1)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.efficiency import measure_resident_limit, resident_arrays, resident_vocab
-from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep
-from shared.errors import StepError
+from melfeed.consumer.train.efficiency import measure_resident_limit, resident_arrays, resident_vocab
+from melfeed.consumer.train.model import StepSpec
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8
@@ -84,7 +84,7 @@ class _ClockedStep:
 
 
 def test_limit_is_steps_over_wall_time_like_the_fed_figure_not_a_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    import consumer.train.efficiency as efficiency
+    import melfeed.consumer.train.efficiency as efficiency
     # untimed first step, then 9 timed in 3 blocks: a slow step recurring in every block counts, as it
     # does in the fed figure (a median of single steps would say 0.010)
     fake = _ClockedStep([5.0] + [0.010, 0.010, 0.040] * 3)
@@ -94,7 +94,7 @@ def test_limit_is_steps_over_wall_time_like_the_fed_figure_not_a_median(monkeypa
 
 
 def test_a_burst_of_another_process_in_one_block_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    import consumer.train.efficiency as efficiency
+    import melfeed.consumer.train.efficiency as efficiency
     fake = _ClockedStep([5.0] + [0.010, 0.010, 0.040] + [1.0, 1.0, 1.0] + [0.010, 0.010, 0.040])
     monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
     limit = measure_resident_limit(fake, [], _SHAPES[:1], steps_per_bucket=9, vocab_size=32)

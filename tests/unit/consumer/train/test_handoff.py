@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.flow.plan import PlannedBatch
-from consumer.handout import Batch
-from consumer.train.handoff import TfHandOff, model_device
-from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep
-from consumer.train.handoff import aligned_empty
-from shared.errors import StepError
+from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.handout import Batch
+from melfeed.consumer.train.handoff import TfHandOff, model_device
+from melfeed.consumer.train.model import StepSpec
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.consumer.train.handoff import aligned_empty
+from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8

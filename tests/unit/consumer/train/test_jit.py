@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from consumer.train.jit import (MEMO_NAME, choose_mode, describe_exception, describe_tf_error, remember_mode,
+from melfeed.consumer.train.jit import (MEMO_NAME, choose_mode, describe_exception, describe_tf_error, remember_mode,
                                 remembered_mode, setting_name)
 
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from consumer.train.meter import LoopMeter, OutputMeans, format_outputs, format_status_line
-from shared.metrics import StepRecord
+from melfeed.consumer.train.meter import LoopMeter, OutputMeans, format_outputs, format_status_line
+from melfeed.shared.metrics import StepRecord
 
 
 def test_means_are_per_interval_and_per_name_and_survive_an_empty_interval() -> None:

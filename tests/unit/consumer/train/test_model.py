@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pytest
 import tensorflow as tf
 
-from consumer.train.model import StepSpec, build_reference_step
+from melfeed.consumer.train.model import StepSpec, build_reference_step
 
 N_MELS = 80
 VOCAB = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
+from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 
 
 def test_a_bare_scalar_means_loss_and_a_mapping_is_ordered_loss_first() -> None:

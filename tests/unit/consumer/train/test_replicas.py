@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from consumer.placement import configure_memory
-from consumer.train.replicas import check_rows
-from shared.config_loader import config_from_mapping
-from shared.errors import ConfigError
+from melfeed.consumer.placement import configure_memory
+from melfeed.consumer.train.replicas import check_rows
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import ConfigError
 
 
 @pytest.mark.parametrize(("consumer", "count"), [({}, 1), ({"model_gpu": "1,2"}, 2), ({"model_gpu": ""}, 1),

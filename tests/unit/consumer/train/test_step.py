@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.model import StepSpec, TrainStep, build_reference_step
-from consumer.train.step import CompiledStep, build_step, load_step_factory
-from consumer.train.handoff import aligned_empty, to_tensors
-from shared.errors import ConfigError, StepError
+from melfeed.consumer.train.model import StepSpec, TrainStep, build_reference_step
+from melfeed.consumer.train.step import CompiledStep, build_step, load_step_factory
+from melfeed.consumer.train.handoff import aligned_empty, to_tensors
+from melfeed.shared.errors import ConfigError, StepError
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning
@@ -41,14 +41,14 @@ def _batch(rows: int, frames: int, tokens: int, seed: int = 0) -> dict[str, tf.T
 # --- load_step_factory ------------------------------------------------------------------------
 
 def test_load_step_factory_returns_the_named_function() -> None:
-    assert load_step_factory("consumer.train.model:build_reference_step") is build_reference_step
+    assert load_step_factory("melfeed.consumer.train.model:build_reference_step") is build_reference_step
 
 
 @pytest.mark.parametrize(("dotted", "reason"), [
     ("melfeed_no_such_module:build", "cannot import module 'melfeed_no_such_module'"),
-    ("consumer.train.model:no_such_factory", "has no attribute 'no_such_factory'"),
-    ("consumer.train.model:__all__", "is a list, not callable"),
-    ("consumer.train.model", "must look like 'module:function'"),
+    ("melfeed.consumer.train.model:no_such_factory", "has no attribute 'no_such_factory'"),
+    ("melfeed.consumer.train.model:__all__", "is a list, not callable"),
+    ("melfeed.consumer.train.model", "must look like 'module:function'"),
 ])
 def test_load_step_factory_reports_bad_names_as_config_errors(dotted: str, reason: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -137,7 +137,7 @@ def test_under_auto_a_step_whose_check_fails_only_in_graph_mode_trains_with_xla_
         caplog: pytest.LogCaptureFixture) -> None:
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     compiled = CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile="auto", factory="m:f")
-    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         compiled.warm_up()                           # XLA compiled it (and drops the assertion), graph mode failed
     assert compiled.mode == "xla" and compiled.choice is not None and compiled.choice.mode == "xla"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -177,7 +177,7 @@ class _LazyMomentum(_TinyStep):
 def test_variables_warm_up_cannot_put_back_get_one_warning_naming_them(
         step: type, says: str | None, caplog: pytest.LogCaptureFixture) -> None:
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
-    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         CompiledStep(step(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == (0 if says is None else 1) and all(str(says) in line for line in lines)
@@ -205,7 +205,7 @@ def test_new_shape_after_warm_up_is_compiled_counted_and_logged(
         caplog: pytest.LogCaptureFixture) -> None:
     compiled = CompiledStep(_step(), [_shapes(2, 16, 4)], jit_compile=False)   # counting is the same under XLA
     compiled.warm_up()
-    with caplog.at_level(logging.WARNING, logger="consumer.train.step"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         compiled.run(0, _batch(2, 16, 4))
         assert compiled.compiles_after_ready == 0
         compiled.run(0, _batch(2, 24, 4))

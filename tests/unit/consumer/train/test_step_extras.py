@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep
-from shared.errors import ConfigError
-from shared.wire.buckets import Bucket
-from shared.wire.schema import ExtraSpec
+from melfeed.consumer.train.model import StepSpec
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.wire.schema import ExtraSpec
 
 SPEAKER = ExtraSpec("speaker", "utterance", "int32")
 ENERGY = ExtraSpec("energy", "frame", "float32")

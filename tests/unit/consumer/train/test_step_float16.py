@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.handoff import aligned_empty, to_tensors
-from consumer.train.model import StepSpec, build_reference_step
-from consumer.train.step import CompiledStep
-from shared.config_loader import config_from_mapping
-from shared.errors import StepError
+from melfeed.consumer.train.handoff import aligned_empty, to_tensors
+from melfeed.consumer.train.model import StepSpec, build_reference_step
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8
@@ -92,9 +92,9 @@ def test_step_spec_tells_the_step_the_wire_dtype() -> None:
 
 
 def test_the_resident_limit_and_the_doctors_batch_use_the_wire_dtype() -> None:
-    from consumer.doctor.probe import _synthetic_batch
-    from consumer.train.efficiency import measure_resident_limit, resident_arrays
-    from shared.wire.buckets import Bucket
+    from melfeed.consumer.doctor.probe import _synthetic_batch
+    from melfeed.consumer.train.efficiency import measure_resident_limit, resident_arrays
+    from melfeed.shared.wire.buckets import Bucket
 
     dtypes = {"mel": "float16", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
     assert resident_arrays(SHAPES, 32, dtypes)["mel"].dtype == np.float16

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.model import StepSpec
-from consumer.train.step import CompiledStep
-from shared.errors import ConfigError, StepError
+from melfeed.consumer.train.model import StepSpec
+from melfeed.consumer.train.step import CompiledStep
+from melfeed.shared.errors import ConfigError, StepError
 from tests.foreign_model import build_foreign_step, build_lossless_step
 from tests.steps import tiny_step
 
@@ -33,7 +33,7 @@ def _batch(bucket: int) -> dict[str, tf.Tensor]:
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("consumer")]
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("melfeed.consumer")]
 
 
 def test_auto_falls_back_to_graph_with_one_warning_naming_the_op(caplog: pytest.LogCaptureFixture) -> None:
@@ -74,7 +74,7 @@ def test_false_is_graph_mode_without_trying_xla(caplog: pytest.LogCaptureFixture
 
 def test_auto_times_both_modes_when_xla_compiles_and_logs_both(caplog: pytest.LogCaptureFixture) -> None:
     compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step")
-    with caplog.at_level(logging.INFO, logger="consumer.train.step"):
+    with caplog.at_level(logging.INFO, logger="melfeed.consumer.train.step"):
         compiled.warm_up()
     choice = compiled.choice
     assert choice is not None and choice.xla_step_ms is not None and choice.graph_step_ms is not None
@@ -98,7 +98,7 @@ def test_a_step_without_loss_is_a_one_line_config_error() -> None:
 
 
 def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
-    from shared.config_loader import config_from_mapping
+    from melfeed.shared.config_loader import config_from_mapping
     cfg = config_from_mapping({"n_mels": N_MELS, "consumer": {"steps": 120},
                                "model": {"params": {"hidden": 8, "heads": [1, 2]}}})
     spec = StepSpec.from_config(cfg, SHAPES, batches_per_epoch=37)
@@ -115,7 +115,7 @@ def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
 def test_auto_with_a_remembered_mode_compiles_only_that_mode(caplog: pytest.LogCaptureFixture) -> None:
     compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step",
                             remembered="graph")
-    with caplog.at_level(logging.INFO, logger="consumer.train.step"):
+    with caplog.at_level(logging.INFO, logger="melfeed.consumer.train.step"):
         compiled.warm_up()
     assert compiled.mode == "graph" and compiled.traces == 2          # no XLA compile, no timing
     assert not any(r.getMessage().startswith("jit_compile auto:") for r in caplog.records)

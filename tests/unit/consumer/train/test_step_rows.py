@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from consumer.train.model import StepSpec, build_reference_step
-from consumer.train.rows import row_inputs_taken
-from consumer.train.step import CompiledStep
+from melfeed.consumer.train.model import StepSpec, build_reference_step
+from melfeed.consumer.train.rows import row_inputs_taken
+from melfeed.consumer.train.step import CompiledStep
 
 N_MELS = 8
 _REAL, _PADDED = 3, 8            # rows of the partial batch, rows of its bucket

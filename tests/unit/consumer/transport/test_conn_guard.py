@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from consumer.transport.conn_guard import ConnectionCount, ConnectionGuard
+from melfeed.consumer.transport.conn_guard import ConnectionCount, ConnectionGuard
 
 
 def test_connections_past_the_bound_are_cut_and_a_closed_one_frees_its_place() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from consumer.transport.endpoint_lock import lock_endpoint
-from shared.errors import ConfigError
+from melfeed.consumer.transport.endpoint_lock import lock_endpoint
+from melfeed.shared.errors import ConfigError
 
 
 def test_a_second_lock_on_the_same_socket_is_refused_naming_the_holder_until_it_is_released(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_release_with_remove_files_unlinks_the_socket_and_its_lock(tmp_path: Pat
 
 
 def test_stale_sockets_of_dead_consumers_are_removed_and_a_live_ones_never(tmp_path: Path) -> None:
-    from consumer.transport.endpoint_lock import remove_stale_endpoints
+    from melfeed.consumer.transport.endpoint_lock import remove_stale_endpoints
     live = lock_endpoint(f"ipc://{tmp_path}/live.sock")
     assert live is not None
     _socket_file(tmp_path / "live.sock")
@@ -84,7 +84,7 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
     """Another consumer's start-up sweep holds our fresh, empty lock for a moment and unlinks it: we lock anew."""
     import fcntl
 
-    import consumer.transport.endpoint_lock as endpoint_lock
+    import melfeed.consumer.transport.endpoint_lock as endpoint_lock
     endpoint = f"ipc://{tmp_path}/rank0.control.sock"
     lock_path = tmp_path / "rank0.control.sock.lock"
     sweeper = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)       # empty: no pid line yet
@@ -106,7 +106,7 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
 def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fcntl
 
-    import consumer.transport.endpoint_lock as endpoint_lock
+    import melfeed.consumer.transport.endpoint_lock as endpoint_lock
     endpoint = f"ipc://{tmp_path}/melfeed.sock"
     holder = os.open(tmp_path / "melfeed.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)

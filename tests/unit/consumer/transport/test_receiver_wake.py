@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from consumer.flow.decisions import SessionConfig
-from consumer.transport.receiver import Receiver, ReceiverConfig
-from shared.wire.buckets import BucketSet
+from melfeed.consumer.flow.decisions import SessionConfig
+from melfeed.consumer.transport.receiver import Receiver, ReceiverConfig
+from melfeed.shared.wire.buckets import BucketSet
 from tests.unit.consumer.flow.session.session_rig import A, B, BUCKET, CONTRACT, EPOCH, Rig, ids
 
 

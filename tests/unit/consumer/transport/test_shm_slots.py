@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer.flow.ring import BatchRing, slot_nbytes_for
-from consumer.transport.shm_slots import ShmSlots, clean_stale, is_tmpfs, open_shm_slots, resolve_shm_dir
-from shared.wire.buckets import Bucket
+from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
+from melfeed.consumer.transport.shm_slots import ShmSlots, clean_stale, is_tmpfs, open_shm_slots, resolve_shm_dir
+from melfeed.shared.wire.buckets import Bucket
 
 BUCKETS = (Bucket(0, 4, 16, 5, 80), Bucket(1, 2, 40, 9, 80))
 EPOCH = 77
@@ -84,7 +84,7 @@ def test_too_little_free_space_falls_back_with_one_warning(tmp_path: Path, monke
     real = os.statvfs(tmp_path)
     small = os.statvfs_result((real.f_bsize, 4096, 100, 10, 10, *real[5:]))        # 40 kB free
     monkeypatch.setattr(os, "statvfs", lambda path: small)
-    with caplog.at_level(logging.WARNING, logger="consumer.transport.shm_slots"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.transport.shm_slots"):
         assert open_shm_slots(tmp_path, 3, slot_nbytes_for(BUCKETS), EPOCH) is None
     [record] = caplog.records
     need = 3 * slot_nbytes_for(BUCKETS) + (1 << 20)
@@ -103,7 +103,7 @@ def test_enospc_while_reserving_falls_back_and_leaves_no_file(tmp_path: Path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, offset, length)
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
-    with caplog.at_level(logging.WARNING, logger="consumer.transport.shm_slots"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.transport.shm_slots"):
         assert open_shm_slots(tmp_path, 3, slot_nbytes_for(BUCKETS), EPOCH) is None
     assert "no space" in caplog.records[-1].message and str(tmp_path) in caplog.records[-1].message
     assert _files(tmp_path) == []
@@ -119,7 +119,7 @@ def test_default_dir_is_the_socket_dir_on_tmpfs_else_dev_shm(tmp_path: Path) -> 
 
 def test_when_shared_memory_was_asked_for_a_missing_dir_is_refused_not_replaced_by_payload_frames(
         tmp_path: Path) -> None:
-    from shared.errors import ConfigError
+    from melfeed.shared.errors import ConfigError
     missing = tmp_path / "no-such-dir"
     assert open_shm_slots(missing, 3, slot_nbytes_for(BUCKETS), EPOCH) is None           # mode auto: falls back
     with pytest.raises(ConfigError, match=f"transport.shm_dir: shared-memory dir {missing} unusable .*"

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from producer.pack.reader import PackReader, open_pack_reader
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.manifest import Manifest
-from shared.cache.pack_format import DATA_OFFSET, pack_path
-from shared.cache.pack_write import write_pack
+from melfeed.producer.pack.reader import PackReader, open_pack_reader
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.cache.pack_format import DATA_OFFSET, pack_path
+from melfeed.shared.cache.pack_write import write_pack
 
 N_MELS = 8
 _WAIT_S = 120.0
@@ -35,12 +35,12 @@ _REPO = Path(__file__).resolve().parents[4]
 # signalled) or cut the pack in place and build a batch through the mapping ("cut").
 _CHILD = """
 import sys
-from producer.batcher import BatchAssembler
-from producer.pack.reader import open_pack_reader
-from producer.reader import CacheReader
-from shared.cache.manifest import load_manifest
-from shared.wire.buckets import build_buckets
-from shared.config import BucketConfig
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.pack.reader import open_pack_reader
+from melfeed.producer.reader import CacheReader
+from melfeed.shared.cache.manifest import load_manifest
+from melfeed.shared.wire.buckets import build_buckets
+from melfeed.shared.config import BucketConfig
 from pathlib import Path
 manifest = load_manifest(sys.argv[1])
 pack = open_pack_reader(manifest, "auto", "float32", fault_dir=Path(sys.argv[2]))
@@ -95,7 +95,7 @@ def test_a_pack_cut_under_a_mapped_read_is_a_real_sigbus_recorded_and_a_new_pack
     record = _record_of(fault_dir, proc.pid)
     assert "Fatal Python error: Bus error" in record and "reader.py" in record, record
     assert str(pack_path(cache.cache_dir, "float32")) in record.splitlines()[0]
-    with caplog.at_level(logging.WARNING, logger="producer.pack.reader"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.pack.reader"):
         assert open_pack_reader(cache, "auto", "float32", fault_dir=fault_dir) is None   # cut: refused
     assert "damaged" in caplog.text
     write_pack(cache, "float32")                            # a new pack: another inode
@@ -124,7 +124,7 @@ def test_a_bus_error_on_an_intact_pack_makes_later_starts_read_it_with_preadv_an
     bus.communicate(timeout=_WAIT_S)
     assert bus.returncode == -signal.SIGBUS
     for start in range(2):                                  # every later start, not only the next
-        with caplog.at_level(logging.INFO, logger="producer.pack.reader"):
+        with caplog.at_level(logging.INFO, logger="melfeed.producer.pack.reader"):
             reader = open_pack_reader(cache, "auto", "float32", fault_dir=fault_dir)
         assert isinstance(reader, PackReader) and reader.mode == "preadv"
         warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -156,7 +156,7 @@ def test_a_clean_close_removes_the_record_and_gives_faulthandler_back(cache: Man
 def test_a_fault_record_that_cannot_be_written_means_preadv_not_an_unrecorded_mapping(
         cache: Manifest, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     missing = tmp_path / "no-such-dir"
-    with caplog.at_level(logging.WARNING, logger="producer.pack.reader"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.producer.pack.reader"):
         reader = open_pack_reader(cache, "auto", "float32", fault_dir=missing)
     assert isinstance(reader, PackReader) and reader.mode == "preadv"
     assert "cannot write the fault record" in caplog.text and str(missing) in caplog.text
@@ -176,7 +176,7 @@ def test_a_pack_that_fits_in_memory_is_populated_in_the_background_and_a_large_o
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
 
-    from producer.pack import mapped as mapped_module
+    from melfeed.producer.pack import mapped as mapped_module
     path = tmp_path / "p.pack"
     path.write_bytes(os.urandom(4 << 20))                   # in the page cache: just written
     fd = os.open(path, os.O_RDONLY)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.prepare.command import debug_delay_s, run_prepare, worker_count
-from shared.config_loader import config_from_mapping
-from shared.errors import CacheError, ConfigError
+from melfeed.producer.prepare.command import debug_delay_s, run_prepare, worker_count
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import CacheError, ConfigError
 from tests.cli_run import refusal, run_cli
 
 CPUS = len(os.sched_getaffinity(0))
@@ -33,7 +33,7 @@ def test_a_worker_count_below_one_is_refused_naming_the_flag(workers: int) -> No
 @pytest.mark.parametrize("workers", [CPUS + 1, 100_000])
 def test_more_workers_than_cpus_are_lowered_to_the_cpus_with_one_info_line(
         workers: int, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="producer.prepare.command"):
+    with caplog.at_level(logging.INFO, logger="melfeed.producer.prepare.command"):
         assert worker_count(workers) == CPUS        # 100000 would have started 100000 processes
     [line] = [r.getMessage() for r in caplog.records]
     assert line == f"--workers {workers} is above the {CPUS} available CPUs: using {CPUS}"

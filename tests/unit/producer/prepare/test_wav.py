@@ -1,4 +1,4 @@
-"""Tests for producer.prepare.wav: every supported encoding decodes exactly, every malformed file is one line naming it."""
+"""Tests for melfeed.producer.prepare.wav: every supported encoding decodes exactly, every malformed file is one line naming it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.errors import CacheError
-from producer.prepare.wav import parse_wav, read_wav
+from melfeed.shared.errors import CacheError
+from melfeed.producer.prepare.wav import parse_wav, read_wav
 
 _INTS = np.array([0, 1, -1, 1000, -1000, 32767, -32768, 12345], dtype=np.int64)
 _KS_TAIL = b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"

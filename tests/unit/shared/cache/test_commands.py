@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.features import N_MELS_MAX, check_n_mels_flag
-from shared.config import PipelineConfig
-from shared.errors import ConfigError
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.features import N_MELS_MAX, check_n_mels_flag
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import ConfigError
 from tests.cli_run import refusal, run_cli
 
 REPO = Path(__file__).resolve().parents[4]
@@ -30,7 +30,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _index(cache: Path, progress_s: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "index", str(cache)],
+    return subprocess.run([sys.executable, "-m", "melfeed", "index", str(cache)],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
 
@@ -61,7 +61,7 @@ def test_a_bad_progress_interval_is_one_line_naming_the_variable(cache: Path) ->
     proc = _index(cache, "soon")
     assert proc.returncode == 78
     assert proc.stderr.splitlines() == [
-        "run_pipeline.py index: MELFEED_PROGRESS_S: must be a number of seconds >= 0, got 'soon'"]
+        "melfeed index: MELFEED_PROGRESS_S: must be a number of seconds >= 0, got 'soon'"]
 
 
 def _copy(cache: Path, to: Path) -> Path:

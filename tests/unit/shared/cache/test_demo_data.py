@@ -1,4 +1,4 @@
-"""Tests for shared.cache.demo_data: determinism, LJSpeech-like shape, learnable text -> mel, reuse."""
+"""Tests for melfeed.shared.cache.demo_data: determinism, LJSpeech-like shape, learnable text -> mel, reuse."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.cache import demo_data
-from shared.cache.demo_data import DEMO_MARKER, DEMO_VOCAB_SIZE, demo_utterance_id, write_demo_cache
-from shared.errors import CacheError, ConfigError
+from melfeed.shared.cache import demo_data
+from melfeed.shared.cache.demo_data import DEMO_MARKER, DEMO_VOCAB_SIZE, demo_utterance_id, write_demo_cache
+from melfeed.shared.errors import CacheError, ConfigError
 from tests.cli_run import refusal, run_cli
-from shared.cache.manifest import Manifest, load_manifest
+from melfeed.shared.cache.manifest import Manifest, load_manifest
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_broken_manifest_triggers_rewrite(tmp_path: Path) -> None:
 
 
 def test_a_demo_cache_indexed_before_token_range_is_rewritten_so_its_runs_check_the_ids(tmp_path: Path) -> None:
-    from shared.cache.manifest import write_manifest
+    from melfeed.shared.cache.manifest import write_manifest
     first = write_demo_cache(tmp_path, 5, n_mels=16)
     assert first.token_range is not None and 1 <= first.token_range[0] <= first.token_range[1] < DEMO_VOCAB_SIZE
     write_manifest(Manifest(tmp_path, 16, first.utterances))      # as an older version left it
@@ -222,7 +222,7 @@ def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(tmp_pa
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """XDG spec: a relative path is invalid; it would put the demo cache under each working directory."""
-    from shared.cache.demo_data import default_demo_dir
+    from melfeed.shared.cache.demo_data import default_demo_dir
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", "rel")

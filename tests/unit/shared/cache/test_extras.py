@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import run_pipeline
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.manifest import load_manifest
-from shared.cache.verify import verify_cache
-from shared.errors import CacheError
+from melfeed import cli as run_pipeline
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.manifest import load_manifest
+from melfeed.shared.cache.verify import verify_cache
+from melfeed.shared.errors import CacheError
 
 N = 6
 REPO = Path(__file__).resolve().parents[4]
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[4]
 
 @pytest.fixture(autouse=True)
 def _keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``run_pipeline.main`` in-process must not replace the test session's log handlers."""
-    monkeypatch.setattr("shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
+    """``melfeed.cli.main`` in-process must not replace the test session's log handlers."""
+    monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +94,12 @@ def test_a_run_on_a_badly_declared_cache_exits_78_with_one_line(cache: Path, tmp
     _write(cache, doc)
     config = tmp_path / "melfeed.yaml"
     config.write_text(f"cache_dir: {cache}\nn_mels: 8\n")
-    proc = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "run", "--config", str(config)],
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(config)],
                           capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_RUNTIME_DIR": str(tmp_path)})
     assert proc.returncode == 78, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"run_pipeline.py run: {cache / 'manifest.json'}: malformed manifest: extras[0].kind: "
+    assert last == (f"melfeed run: {cache / 'manifest.json'}: malformed manifest: extras[0].kind: "
                     "must be one of ['frame', 'token', 'utterance', 'sequence'], got 'per_frame'")
 
 

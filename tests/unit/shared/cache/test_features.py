@@ -1,4 +1,4 @@
-"""Tests for shared.cache.features: the log-mel against an independent NumPy implementation of its written
+"""Tests for melfeed.shared.cache.features: the log-mel against an independent NumPy implementation of its written
 definition, frame counts, the resampler's accuracy, and the feature checks a cache imposes on a config.
 
 Tolerance of the mel comparison (TensorFlow computes in float32, the reference in float64):
@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.config import FeatureConfig, PipelineConfig
-from shared.config_loader import config_from_mapping
-from shared.errors import CacheError, ConfigError
-from producer.prepare.dsp import LogMel, frame_count, resample
-from shared.cache.features import feature_params, load_manifest_for, write_feature_record
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest, Utterance, load_manifest, write_manifest
-from shared.cache.text import VOCABULARY
+from melfeed.shared.config import FeatureConfig, PipelineConfig
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
+from melfeed.shared.cache.features import feature_params, load_manifest_for, write_feature_record
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest, Utterance, load_manifest, write_manifest
+from melfeed.shared.cache.text import VOCABULARY
 
 _LINEAR_TOL = 2e-5   # x the clip's largest mel value
 _LOG_TOL = 1e-3      # where the mel is within 30 dB of the largest
@@ -218,14 +218,14 @@ def _adopted_cache(root: Path, tokens: dict[str, list[int]]) -> Path:
 
 
 def test_a_token_id_beyond_model_vocab_size_is_refused_at_consumer_start_naming_the_cache(tmp_path: Path) -> None:
-    from consumer.app import _opened_state
-    from consumer.feed import Consumer
-    from shared.service.tf_config import SINGLE_WORKER
+    from melfeed.consumer.app import _opened_state
+    from melfeed.consumer.feed import Consumer
+    from melfeed.shared.service.tf_config import SINGLE_WORKER
     cache = _adopted_cache(tmp_path / "c", {"a": [1, 2, 3], "b": [4, 312, 0]})
     cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
     with pytest.raises(ConfigError) as info, _opened_state(cfg, SINGLE_WORKER):   # run/consumer: before the feed
         pass
-    assert str(info.value) == (f"model.vocab_size: must be > 312, the largest token id in {cache} (run_pipeline.py "
+    assert str(info.value) == (f"model.vocab_size: must be > 312, the largest token id in {cache} (melfeed "
                                f"verify-cache {cache} --vocab-size 256 names the files with ids >= 256), got 256")
     assert load_manifest_for(cfg, feeds_model=False).token_range == (0, 312)  # a producer runs no model: not refused
     feed = Consumer(cfg)                                    # nor the library: the model is the caller's own
@@ -251,16 +251,16 @@ def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
     manifest = load_manifest(cache)
     write_manifest(Manifest(cache, 80, manifest.utterances))    # as an older index wrote it: no token_range
     cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
-    with caplog.at_level("WARNING", logger="shared.cache.features"):
+    with caplog.at_level("WARNING", logger="melfeed.shared.cache.features"):
         for _ in range(2):                                      # state directory, then the feed: one warning
             assert load_manifest_for(cfg).token_range is None
     assert [r.getMessage() for r in caplog.records] == [
         f"token ids of cache {cache} not checked against model.vocab_size: its manifest was written before index "
-        f"recorded them; re-run `run_pipeline.py index {cache}` to check them (this changes the fingerprint: re-run "
+        f"recorded them; re-run `melfeed index {cache}` to check them (this changes the fingerprint: re-run "
         "pack too, and an interrupted run cannot resume across it)"]
     caplog.clear()
     write_manifest(build_manifest(cache, 80)[0])                # re-indexed: checked, and refused
-    with caplog.at_level("WARNING", logger="shared.cache.features"), pytest.raises(ConfigError, match="must be > 300"):
+    with caplog.at_level("WARNING", logger="melfeed.shared.cache.features"), pytest.raises(ConfigError, match="must be > 300"):
         load_manifest_for(cfg)
     assert caplog.records == []
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.cache.demo_data import demo_utterance_id, write_demo_cache
-from shared.cache.filekind import make_dirs, open_regular, read_json, read_regular, write_atomic
-from shared.cache.index import build_manifest
-from shared.cache.manifest import MANIFEST_NAME, load_manifest
-from shared.cache.npyfile import inspect_npy
-from shared.cache.verify import verify_cache
-from shared.errors import CacheError
+from melfeed.shared.cache.demo_data import demo_utterance_id, write_demo_cache
+from melfeed.shared.cache.filekind import make_dirs, open_regular, read_json, read_regular, write_atomic
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import MANIFEST_NAME, load_manifest
+from melfeed.shared.cache.npyfile import inspect_npy
+from melfeed.shared.cache.verify import verify_cache
+from melfeed.shared.errors import CacheError
 
 REPO = Path(__file__).resolve().parents[4]
 N = 8
@@ -131,7 +131,7 @@ def test_a_fifo_named_manifest_json_is_refused_not_read(cache: Path) -> None:
 
 
 def _cli(command: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), command, str(cache)],
+    return subprocess.run([sys.executable, "-m", "melfeed", command, str(cache)],
                           capture_output=True, text=True, cwd=REPO, timeout=_BOUND_S,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": ""})
 

@@ -1,4 +1,4 @@
-"""Tests for shared.cache.manifest: building from headers, problems, fingerprint, atomic write, load."""
+"""Tests for melfeed.shared.cache.manifest: building from headers, problems, fingerprint, atomic write, load."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared.cache.index import build_manifest
-from shared.errors import CacheError
-from shared.cache.manifest import (
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.manifest import (
     MANIFEST_NAME,
     CacheProblem,
     Manifest,
@@ -252,7 +252,7 @@ def test_load_missing_manifest_says_how_to_fix(cache: Path) -> None:
     with pytest.raises(CacheError) as info:
         load_manifest(cache)
     assert str(info.value) == (
-        f"{cache / MANIFEST_NAME}: no manifest; run `python run_pipeline.py index DIR` first")
+        f"{cache / MANIFEST_NAME}: no manifest; run `melfeed index DIR` first")
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])

@@ -1,4 +1,4 @@
-"""Tests for shared.cache.npyfile: header parsing across versions and every rejection reason."""
+"""Tests for melfeed.shared.cache.npyfile: header parsing across versions and every rejection reason."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.cache import npyfile
-from shared.errors import CacheError
-from shared.cache.npyfile import NpyHeader, inspect_npy, parse_npy_header
+from melfeed.shared.cache import npyfile
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy, parse_npy_header
 
 
 def _write_array(path: Path, arr: np.ndarray, version: tuple[int, int] | None) -> None:

@@ -1,6 +1,6 @@
 """The packed cache gives the batches the ``.npy`` files give, bit for bit, and refuses rows the same way.
 
-``run_pipeline.py pack`` (``shared/cache/pack_write.py``) and the producer's ``PackReader`` (rows copied
+``melfeed pack`` (``shared/cache/pack_write.py``) and the producer's ``PackReader`` (rows copied
 out of the mapped pack, or one ``preadv`` per row: ``producer/pack/reader.py``), each way against the
 per-file readers as the reference: every array of every batch equal (tails of garbage-filled targets zeroed), in a bucket that holds every row whole and in one
 shorter than most rows (the cut parts go to the reader's sink); float16 packs; rows bad at pack time
@@ -18,17 +18,17 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from producer.batcher import BatchAssembler
-from producer.pack.reader import PackReader, open_pack_reader
-from producer.reader import CacheReader, TransientReadError
-from shared.cache.demo_data import write_demo_cache
-from shared.cache.index import build_manifest
-from shared.cache.manifest import Manifest
-from shared.cache.pack_format import PackLayout, PackUnusable, open_pack, pack_path
-from shared.cache.pack_write import write_pack
-from shared.config import BucketConfig
-from shared.errors import CacheError
-from shared.wire.buckets import Bucket, BucketSet, build_buckets
+from melfeed.producer.batcher import BatchAssembler
+from melfeed.producer.pack.reader import PackReader, open_pack_reader
+from melfeed.producer.reader import CacheReader, TransientReadError
+from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.cache.pack_format import PackLayout, PackUnusable, open_pack, pack_path
+from melfeed.shared.cache.pack_write import write_pack
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets
 
 N_MELS = 8
 _GARBAGE = 0x7F                 # every byte of a target before a build: an un-zeroed tail shows
@@ -232,7 +232,7 @@ def test_a_pack_that_cannot_serve_the_manifest_is_refused_with_its_reason_and_no
     with pytest.raises(PackUnusable) as info:
         open_pack(cache, mel_dtype)
     assert str(info.value).startswith(reason), info.value
-    with caplog.at_level(logging.INFO, logger="producer.pack.reader"):
+    with caplog.at_level(logging.INFO, logger="melfeed.producer.pack.reader"):
         assert open_pack_reader(cache, "auto", mel_dtype) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and reason in warnings[0] and str(pack_path(cache.cache_dir, mel_dtype)) in warnings[0]
@@ -241,7 +241,7 @@ def test_a_pack_that_cannot_serve_the_manifest_is_refused_with_its_reason_and_no
 
 def test_no_pack_is_an_info_line_off_is_silent_and_a_good_pack_is_used(
         cache: Manifest, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="producer.pack.reader"):
+    with caplog.at_level(logging.INFO, logger="melfeed.producer.pack.reader"):
         assert open_pack_reader(cache, "off", "float32") is None          # a good pack, not wanted
         assert caplog.records == []
         reader = open_pack_reader(cache, "auto", "float32")
@@ -304,8 +304,8 @@ def test_a_pack_that_reads_short_under_preadv_is_the_packs_fault_not_the_rows(
 ])
 def test_producer_pack_is_auto_by_default_accepts_preadv_and_off_and_refuses_anything_else(
         value: object, message: str) -> None:
-    from shared.config_loader import config_from_mapping
-    from shared.errors import ConfigError
+    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.errors import ConfigError
     assert config_from_mapping({}).producer.pack == "auto"
     assert config_from_mapping({"producer": {"pack": "off"}}).producer.pack == "off"
     assert config_from_mapping({"producer": {"pack": "preadv"}}).producer.pack == "preadv"
@@ -319,7 +319,7 @@ def test_a_pack_that_cannot_be_written_is_one_line_naming_the_cache_and_leaves_n
     import argparse
     import errno
 
-    import shared.cache.pack_write as pack_write
+    import melfeed.shared.cache.pack_write as pack_write
 
     def full_disk(fd: int) -> None:                        # the pack's data cannot reach the disk
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

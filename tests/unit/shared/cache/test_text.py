@@ -1,12 +1,12 @@
-"""Tests for shared.cache.text: the documented vocabulary, the normaliser's rules, ids and what is dropped."""
+"""Tests for melfeed.shared.cache.text: the documented vocabulary, the normaliser's rules, ids and what is dropped."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from shared.config import ModelConfig
-from shared.cache.text import PAD_SYMBOL, VOCAB_SIZE, VOCABULARY, decode_tokens, encode_text, normalize_text
+from melfeed.shared.config import ModelConfig
+from melfeed.shared.cache.text import PAD_SYMBOL, VOCAB_SIZE, VOCABULARY, decode_tokens, encode_text, normalize_text
 
 
 def test_vocabulary_is_the_documented_table() -> None:

@@ -1,4 +1,4 @@
-"""Tests for shared.cache.verify and ``run_pipeline.py verify-cache``: every bad-cache case, both modes."""
+"""Tests for melfeed.shared.cache.verify and ``melfeed verify-cache``: every bad-cache case, both modes."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shared.cache.verify
-from shared.cache.demo_data import demo_utterance_id, write_demo_cache
-from shared.errors import CacheError
-from shared.cache.manifest import MANIFEST_NAME
-from shared.cache.verify import VerifyProblem, verify_cache
+import melfeed.shared.cache.verify
+from melfeed.shared.cache.demo_data import demo_utterance_id, write_demo_cache
+from melfeed.shared.errors import CacheError
+from melfeed.shared.cache.manifest import MANIFEST_NAME
+from melfeed.shared.cache.verify import VerifyProblem, verify_cache
 
 REPO = Path(__file__).resolve().parents[4]
 N = 20
@@ -127,7 +127,7 @@ def test_every_bad_file_is_reported_once_with_its_reason_sorted_by_path(cache: P
 
 
 def test_non_finite_values_are_found_across_chunk_boundaries(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shared.cache.verify, "_CHUNK_BYTES", 4000)   # 12.5 frames a chunk: the value is in chunk 8
+    monkeypatch.setattr(melfeed.shared.cache.verify, "_CHUNK_BYTES", 4000)   # 12.5 frames a chunk: the value is in chunk 8
     frames = np.load(_mel(cache, 6)).shape[0]
     _edit(_mel(cache, 6), _with_values({(99, 5): np.inf, (frames - 1, 79): np.nan}))
     [problem] = verify_cache(cache, 80).problems
@@ -162,7 +162,7 @@ def test_missing_or_empty_cache_dir_is_a_cache_error(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, progress_s: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "verify-cache", *args],
+    return subprocess.run([sys.executable, "-m", "melfeed", "verify-cache", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
 
@@ -191,7 +191,7 @@ def test_cli_exit_codes_and_output(cache: Path, tmp_path: Path) -> None:
     assert bad.stdout.splitlines() == lines + [summary]
     missing = _cli(str(tmp_path / "nope"))
     assert missing.returncode == 78
-    assert missing.stderr.strip().splitlines() == [f"run_pipeline.py verify-cache: {tmp_path / 'nope'}: "
+    assert missing.stderr.strip().splitlines() == [f"melfeed verify-cache: {tmp_path / 'nope'}: "
                                                    "no such cache directory"]
 
 
@@ -221,7 +221,7 @@ def test_a_same_size_rewrite_that_index_would_accept_is_still_a_changed_file(cac
 
 
 def test_token_ids_negative_outside_the_indexed_range_or_beyond_vocab_size_are_bad(cache: Path) -> None:
-    from shared.cache.manifest import load_manifest
+    from melfeed.shared.cache.manifest import load_manifest
     lo, hi = load_manifest(cache).token_range or (0, 0)
     _edit(_tok(cache, 3), lambda t: np.where(np.arange(t.size) == 2, -5, t).astype(np.int32))
     _edit(_tok(cache, 4), lambda t: np.where(np.arange(t.size) == 0, hi + 1, t).astype(np.int32))  # same size
@@ -240,9 +240,9 @@ def test_token_ids_negative_outside_the_indexed_range_or_beyond_vocab_size_are_b
 def test_the_vocab_size_flag_is_parsed_and_bounded_as_the_configs() -> None:
     import argparse
 
-    from shared.cache.commands import main_verify_cache
-    from shared.errors import ConfigError
-    from shared.service.cli import build_parser
+    from melfeed.shared.cache.commands import main_verify_cache
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.service.cli import build_parser
     assert build_parser().parse_args(["verify-cache", "c", "--vocab-size", "64"]).vocab_size == 64
     with pytest.raises(ConfigError) as info:
         main_verify_cache(argparse.Namespace(cache_dir="c", n_mels=80, vocab_size=1))

@@ -14,29 +14,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.service.children import (ENTRY_SCRIPT, REPO_ROOT, Child, CommandChildren, Interrupted, child_env,
+from melfeed.shared.service.children import (Child, CommandChildren, Interrupted, child_env,
                                      entry_argv, handed_over_config, module_argv, python_argv, spawn,
                                      write_private_config)
-from shared.service.lifecycle import PARENT_PID_ENV
-from shared.service.stop_ladder import Ladder
+from melfeed.shared.service.lifecycle import PARENT_PID_ENV
+from melfeed.shared.service.stop_ladder import Ladder
 
 _GENEROUS_S = 60.0
 
 
-def test_child_env_puts_the_repo_first_and_drops_what_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_child_env_keeps_the_path_as_it_is_and_drops_what_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/melfeed")
     env = child_env({"XDG_RUNTIME_DIR": "/tmp/x"}, drop=("RUNTIME_DIRECTORY",))
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+    assert env["PYTHONPATH"] == "/elsewhere"   # a child imports melfeed from where its parent did
     assert env["XDG_RUNTIME_DIR"] == "/tmp/x" and "RUNTIME_DIRECTORY" not in env
 
 
 def test_argv_is_a_fresh_interpreter_never_a_fork() -> None:
-    assert module_argv("producer.process", "--index", "1") == [sys.executable, "-m", "producer.process", "--index",
+    assert module_argv("melfeed.producer.process", "--index", "1") == [sys.executable, "-m", "melfeed.producer.process", "--index",
                                                                 "1"]
-    assert entry_argv("producer", "--config", "c.yaml") == [sys.executable, str(ENTRY_SCRIPT), "producer", "--config",
+    assert entry_argv("producer", "--config", "c.yaml") == [sys.executable, "-m", "melfeed", "producer", "--config",
                                                             "c.yaml"]
-    assert ENTRY_SCRIPT.is_file()
 
 
 def test_handed_over_config_is_private_complete_and_removed_after(tmp_path: Path) -> None:
@@ -80,7 +79,7 @@ def test_the_default_directory_is_the_private_runtime_dir(tmp_path: Path, monkey
 
 def test_child_stop_sets_stopping_reaps_and_removes_its_config(tmp_path: Path) -> None:
     config = write_private_config({"a": 1}, "c.yaml", tmp_path)
-    proc = spawn(module_argv("shared.service.children"), stdout=subprocess.DEVNULL)   # imports, then exits 0
+    proc = spawn(module_argv("melfeed.shared.service.children"), stdout=subprocess.DEVNULL)   # imports, then exits 0
     with Child(proc, "child", Ladder(_GENEROUS_S), config_path=config) as child:
         assert proc.wait(_GENEROUS_S) == 0                  # found the repo's packages through child_env
     assert child.stopping and proc.returncode == 0 and not config.exists()
@@ -95,13 +94,13 @@ def test_child_env_never_passes_on_the_parent_it_was_told_to_follow(monkeypatch:
 
 # A command (CommandChildren) -> a child -> a grandchild, each following its parent as bench's trials and doctor's
 # probes do; each prints its pid once armed, then waits.
-_FOLLOWER = ("import os, subprocess, sys, time; from shared.service.lifecycle import PARENT_PID_ENV, "
-             "die_with_named_parent; from shared.service.children import child_env; die_with_named_parent(); "
+_FOLLOWER = ("import os, subprocess, sys, time; from melfeed.shared.service.lifecycle import PARENT_PID_ENV, "
+             "die_with_named_parent; from melfeed.shared.service.children import child_env; die_with_named_parent(); "
              "kids = [subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[1], ''], env=child_env({PARENT_PID_ENV: "
              "str(os.getpid())}), stdout=subprocess.PIPE, text=True)] if sys.argv[2] else []; "
              "print(' '.join([str(os.getpid())] + [k.stdout.readline().strip() for k in kids]), flush=True); "
              "time.sleep(300)")
-_COMMAND = ("import subprocess, sys, time; from shared.service.children import CommandChildren; "
+_COMMAND = ("import subprocess, sys, time; from melfeed.shared.service.children import CommandChildren; "
             "c = CommandChildren('test children').__enter__(); "
             "p = c.spawn([sys.executable, '-c', sys.argv[1], sys.argv[1], 'with a grandchild'], stdout=subprocess.PIPE, "
             "text=True); print(p.stdout.readline().strip(), flush=True); time.sleep(300)")
@@ -192,7 +191,7 @@ _IGNORES_SIGTERM = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, sig
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_ladders_term_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """The command waits on the child's output with the child's own long timeout: the signal must bound it."""
-    import shared.service.children as children_module
+    import melfeed.shared.service.children as children_module
     monkeypatch.setattr(children_module, "GROUP_LADDER", Ladder(0.3, 5.0))
     with pytest.raises(Interrupted), CommandChildren("test children") as children:
         proc = children.spawn([sys.executable, "-c", _IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True)
@@ -218,7 +217,7 @@ def test_finish_runs_the_cleanup_of_a_child_killed_with_sigkill_once(tmp_path: P
 
 # A one-shot child under exit_on_sigterm: a temporary dir removed in `finally`; the unwinding announces itself and
 # waits for a line on stdin, so the test can send the second SIGTERM in the middle of it.
-_UNWINDS = ("import sys, shutil, tempfile; from shared.service.lifecycle import exit_on_sigterm\n"
+_UNWINDS = ("import sys, shutil, tempfile; from melfeed.shared.service.lifecycle import exit_on_sigterm\n"
             "with exit_on_sigterm():\n"
             "    d = tempfile.mkdtemp(prefix='melfeed-test-')\n"
             "    try:\n"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.cache.demo_data import DEMO_MARKER
-from shared.errors import ConfigError
-from shared.service.cli import build_parser, config_from_args, with_demo_cache
-from shared.service.lifecycle import LOG_LEVEL_ENV, log_level
+from melfeed.shared.cache.demo_data import DEMO_MARKER
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.cli import build_parser, config_from_args, with_demo_cache
+from melfeed.shared.service.lifecycle import LOG_LEVEL_ENV, log_level
 
 
 @pytest.mark.parametrize("command", ["producer", "run"])
@@ -45,14 +45,14 @@ def test_without_demo_the_config_is_left_as_it_is(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["run", "--steps", "x"], "run_pipeline.py run: argument --steps: invalid int value: 'x'"),
-    (["deploy", "--producers", "two"], "run_pipeline.py deploy: argument --producers: invalid int value: 'two'"),
-    (["bench", "--no-such-flag"], "run_pipeline.py: unrecognized arguments: --no-such-flag"),
-    (["launch"], "run_pipeline.py: argument command: invalid choice: 'launch'"),
-    ([], "run_pipeline.py: the following arguments are required: command"),
-    (["run", "--demo-utterances", "300"], "run_pipeline.py run: argument --demo-utterances: needs --demo"),
-    (["bench", "--smoke", "--demo-utterances", "5"], "run_pipeline.py bench: argument --demo-utterances: needs --demo"),
-    (["producer", "--instance", "1", "--producers", "3"], "run_pipeline.py producer: argument --instance: runs one "
+    (["run", "--steps", "x"], "melfeed run: argument --steps: invalid int value: 'x'"),
+    (["deploy", "--producers", "two"], "melfeed deploy: argument --producers: invalid int value: 'two'"),
+    (["bench", "--no-such-flag"], "melfeed: unrecognized arguments: --no-such-flag"),
+    (["launch"], "melfeed: argument command: invalid choice: 'launch'"),
+    ([], "melfeed: the following arguments are required: command"),
+    (["run", "--demo-utterances", "300"], "melfeed run: argument --demo-utterances: needs --demo"),
+    (["bench", "--smoke", "--demo-utterances", "5"], "melfeed bench: argument --demo-utterances: needs --demo"),
+    (["producer", "--instance", "1", "--producers", "3"], "melfeed producer: argument --instance: runs one "
                                                           "producer, --producers N starts N under one parent"),
 ])
 def test_a_bad_flag_is_one_line_naming_it_and_exit_78(argv: list[str], needle: str,
@@ -82,10 +82,10 @@ def test_an_empty_path_argument_is_refused_before_it_can_mean_the_current_direct
 
 
 def test_the_jax_client_refuses_a_bad_flag_the_same_way() -> None:
-    proc = subprocess.run([sys.executable, "-m", "consumer.clients.jax_bench", "--depths"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "melfeed.consumer.clients.jax_bench", "--depths"], capture_output=True,
                           text=True, timeout=60, cwd=Path(__file__).resolve().parents[4])
     assert proc.returncode == 78
-    assert proc.stderr == "python -m consumer.clients.jax_bench: argument --depths: expected one argument (see --help)\n"
+    assert proc.stderr == "python -m melfeed.consumer.clients.jax_bench: argument --depths: expected one argument (see --help)\n"
 
 
 REPO = Path(__file__).resolve().parents[4]
@@ -93,17 +93,17 @@ REPO = Path(__file__).resolve().parents[4]
 
 def _main(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != LOG_LEVEL_ENV} | env
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "melfeed", *argv], capture_output=True, text=True,
                           timeout=60, cwd=REPO, env=environ)
 
 
 @pytest.mark.parametrize(("argv", "env", "needle"), [
-    (["status", "--log-level", "basic_format"], {}, "run_pipeline.py status: --log-level: must be one of DEBUG, INFO, "
+    (["status", "--log-level", "basic_format"], {}, "melfeed status: --log-level: must be one of DEBUG, INFO, "
                                                     "WARNING, ERROR, CRITICAL (any case), got 'basic_format'"),
-    (["audit", "/nonexistent"], {LOG_LEVEL_ENV: "BOGUS"}, "run_pipeline.py audit: MELFEED_LOG_LEVEL: must be one of "
+    (["audit", "/nonexistent"], {LOG_LEVEL_ENV: "BOGUS"}, "melfeed audit: MELFEED_LOG_LEVEL: must be one of "
                                                          "DEBUG, INFO, WARNING, ERROR, CRITICAL (any case), got 'BOGUS'"),
-    (["bench", "--log-level", "BOGUS"], {}, "run_pipeline.py bench: --log-level: must be one of"),
-    (["bench", "--log-level", "INFO"], {LOG_LEVEL_ENV: "root"}, "run_pipeline.py bench: MELFEED_LOG_LEVEL: must be"),
+    (["bench", "--log-level", "BOGUS"], {}, "melfeed bench: --log-level: must be one of"),
+    (["bench", "--log-level", "INFO"], {LOG_LEVEL_ENV: "root"}, "melfeed bench: MELFEED_LOG_LEVEL: must be"),
 ])
 def test_a_log_level_that_is_no_level_is_one_line_naming_its_source(argv: list[str], env: dict[str, str],
                                                                     needle: str) -> None:
@@ -114,7 +114,7 @@ def test_a_log_level_that_is_no_level_is_one_line_naming_its_source(argv: list[s
 @pytest.mark.parametrize("env", [{LOG_LEVEL_ENV: "debug"}, {LOG_LEVEL_ENV: " Warning "}, {LOG_LEVEL_ENV: ""}, {}])
 def test_a_level_name_in_any_case_or_none_is_accepted(env: dict[str, str]) -> None:
     proc = _main(["audit", "/nonexistent"], **env)       # gets past logging to the command's own refusal
-    assert proc.returncode == 78 and proc.stderr == ("run_pipeline.py audit: /nonexistent: no run.json: not a melfeed "
+    assert proc.returncode == 78 and proc.stderr == ("melfeed audit: /nonexistent: no run.json: not a melfeed "
                                                      "state directory (consumer.state_dir)\n"), proc.stderr
     assert [log_level(name) for name in ("debug", "Info", "WARNING", "error", "critical")] == [10, 20, 30, 40, 50]
     with pytest.raises(ConfigError, match="^MELFEED_LOG_LEVEL: must be one of"):
@@ -132,7 +132,7 @@ def test_a_debug_delay_that_no_sleep_can_take_is_refused_before_anything_starts(
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args([command, *extra, "--debug-delay-ms", delay])
     assert stop.value.code == 78
-    assert capsys.readouterr().err == (f"run_pipeline.py {command}: argument --debug-delay-ms: {reason}, got "
+    assert capsys.readouterr().err == (f"melfeed {command}: argument --debug-delay-ms: {reason}, got "
                                        f"{delay!r} (see --help)\n")
     assert build_parser().parse_args([command, *extra, "--debug-delay-ms", "2.5"]).debug_delay_ms == 2.5
 
@@ -142,7 +142,7 @@ def test_a_debug_delay_that_no_sleep_can_take_is_refused_before_anything_starts(
                                                   (65, "must be in 1..64 (the bound on producer.count)")])
 def test_a_producer_instance_outside_1_to_the_count_cap_is_refused(instance: int, needle: str,
                                                                    tmp_path: Path) -> None:
-    from producer.app import main_producer
+    from melfeed.producer.app import main_producer
     args = build_parser().parse_args(["producer", "--instance", str(instance), "--cache-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match=f"^--instance: {re.escape(needle)}, got {instance}$"):
         main_producer(args)
@@ -150,8 +150,8 @@ def test_a_producer_instance_outside_1_to_the_count_cap_is_refused(instance: int
 
 
 def test_an_instance_above_the_configs_count_is_accepted_as_systemd_rescaling_needs() -> None:
-    from producer.app import _check_instance
-    from shared.config import PipelineConfig
+    from melfeed.producer.app import _check_instance
+    from melfeed.shared.config import PipelineConfig
     cfg = PipelineConfig()
     for instance in (1, cfg.producer.count + 2, 64):     # deploy --producers 4 with count 2; producer@7 by hand
         _check_instance(cfg, instance)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[4]
 _PROBE = """
 import json, sys
 sys.path.insert(0, {repo!r})
-from shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
 skip_optional_imports_of_tensorflow()
 skip_optional_imports_of_tensorflow()               # twice: still one finder
 import tensorflow as tf
@@ -30,7 +30,7 @@ total = float(tf.reduce_sum(tf.constant([1.0, 2.0])))
 from keras.src.utils.module_utils import LazyModule  # Keras's own imports, once TensorFlow's has ended
 keras_jax = LazyModule("jax").available and LazyModule("matplotlib.pyplot").available
 import jax, matplotlib.pyplot                      # and the user's own
-from shared.service.lean_tensorflow import _RefuseToTensorFlow
+from melfeed.shared.service.lean_tensorflow import _RefuseToTensorFlow
 print(json.dumps({{"after_tf": after_tf, "total": total, "jax": hasattr(jax, "jit"),
                   "pyplot": hasattr(matplotlib.pyplot, "figure"), "keras_jax": keras_jax,
                   "finders": sum(isinstance(f, _RefuseToTensorFlow) for f in sys.meta_path)}}))

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.service.leftovers import is_pid_alive, remove_dead_configs, remove_dead_temp_dirs, temp_dir_prefix
+from melfeed.shared.service.leftovers import is_pid_alive, remove_dead_configs, remove_dead_temp_dirs, temp_dir_prefix
 
 
 def _dead_pid() -> int:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.service.lifecycle import prepare_runtime_dir
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.lifecycle import prepare_runtime_dir
 
 
 def test_a_new_runtime_directory_and_its_missing_parents_are_private_under_umask_000(tmp_path: Path,
@@ -67,16 +67,16 @@ def test_a_runtime_directory_linked_by_another_user_is_refused_even_when_it_poin
 def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_and_warns_when_it_is_small(
         caplog: pytest.LogCaptureFixture) -> None:
     import resource
-    from shared.service.lifecycle import raise_fd_limit
+    from melfeed.shared.service.lifecycle import raise_fd_limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 64), hard))
-        with caplog.at_level("WARNING", logger="shared.service.lifecycle"):
+        with caplog.at_level("WARNING", logger="melfeed.shared.service.lifecycle"):
             assert raise_fd_limit(max_connections=64) == hard
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
         assert ("transport.max_connections" in caplog.text) == (hard != resource.RLIM_INFINITY and hard < 64 + 256)
         caplog.clear()
-        with caplog.at_level("WARNING", logger="shared.service.lifecycle"):
+        with caplog.at_level("WARNING", logger="melfeed.shared.service.lifecycle"):
             raise_fd_limit(max_connections=hard)            # a bound the limit cannot hold
         assert hard == resource.RLIM_INFINITY or "transport.max_connections=" in caplog.text
     finally:
@@ -87,11 +87,11 @@ def test_a_child_whose_parent_is_already_gone_stops_itself_at_once() -> None:
     import signal
     import subprocess
     import sys
-    code = ("import os; from shared.service.lifecycle import die_with_parent; "
+    code = ("import os; from melfeed.shared.service.lifecycle import die_with_parent; "
             "die_with_parent(parent_pid=os.getppid() + 1_000_000); print('still here')")
     gone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert gone.returncode == -signal.SIGTERM and "still here" not in gone.stdout
-    code = "import os; from shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
+    code = "import os; from melfeed.shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -99,10 +99,10 @@ def test_only_a_parent_named_in_the_environment_is_followed() -> None:
     import signal
     import subprocess
     import sys
-    from shared.service.lifecycle import PARENT_PID_ENV, die_with_named_parent
+    from melfeed.shared.service.lifecycle import PARENT_PID_ENV, die_with_named_parent
     assert die_with_named_parent(environ={}) is False                 # by hand, under systemd: follows nobody
     assert die_with_named_parent(environ={PARENT_PID_ENV: "x"}) is False
-    code = ("from shared.service.lifecycle import die_with_named_parent; "
+    code = ("from melfeed.shared.service.lifecycle import die_with_named_parent; "
             "print(die_with_named_parent(), flush=True)")
     named = {**os.environ, PARENT_PID_ENV: str(os.getpid())}          # this test's process: the real parent
     done = subprocess.run([sys.executable, "-c", code], env=named, capture_output=True, text=True, timeout=60)

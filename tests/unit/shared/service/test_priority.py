@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.service.priority import lower_cpu_priority
+from melfeed.shared.service.priority import lower_cpu_priority
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -23,13 +23,13 @@ def _in_child(code: str) -> list[str]:
 
 
 def test_lowering_sets_the_value_once_and_never_raises_the_priority_back() -> None:
-    code = ("from shared.service.priority import lower_cpu_priority as f, current_nice as c;"
+    code = ("from melfeed.shared.service.priority import lower_cpu_priority as f, current_nice as c;"
             "print(c(), f(5), f(5), f(3), c())")
     assert _in_child(code) == ["0", "5", "5", "5", "5"]
 
 
 def test_a_niceness_set_from_outside_that_is_higher_is_kept() -> None:
-    code = "import os; os.nice(12); from shared.service.priority import lower_cpu_priority as f; print(f(4))"
+    code = "import os; os.nice(12); from melfeed.shared.service.priority import lower_cpu_priority as f; print(f(4))"
     assert _in_child(code) == ["12"]
 
 
@@ -42,6 +42,6 @@ def test_threads_that_already_run_are_lowered_too() -> None:
     # a thread started before the call (as numpy's BLAS pool is, at import) must not keep nice 0
     code = ("import os, threading; ready = threading.Event(); done = threading.Event();"
             "t = threading.Thread(target=lambda: (ready.set(), done.wait(30))); t.start(); ready.wait(30);"
-            "from shared.service.priority import lower_cpu_priority as f; f(7);"
+            "from melfeed.shared.service.priority import lower_cpu_priority as f; f(7);"
             "print(os.getpriority(os.PRIO_PROCESS, t.native_id)); done.set(); t.join()")
     assert _in_child(code) == ["7"]

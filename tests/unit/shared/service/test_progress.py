@@ -1,4 +1,4 @@
-"""Tests for shared.service.progress.Progress: a bar on a terminal, plain periodic lines otherwise (time injected)."""
+"""Tests for melfeed.shared.service.progress.Progress: a bar on a terminal, plain periodic lines otherwise (time injected)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.service.progress import PROGRESS_ENV, Progress, progress_interval_s
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.progress import PROGRESS_ENV, Progress, progress_interval_s
 
 
 class _Stream(io.StringIO):

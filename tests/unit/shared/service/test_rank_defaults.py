@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from consumer.observe.status import _control_endpoint
-from shared.config import PipelineConfig, TransportConfig
-from shared.config_loader import with_overrides
-from shared.errors import ConfigError
-from shared.service.cli import build_parser, config_from_args
-from shared.service.lifecycle import resolve_control_endpoint, resolve_endpoint
-from shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
-from shared.service.tf_config import SINGLE_WORKER, WorkerPlace, parse_tf_config
+from melfeed.consumer.observe.status import _control_endpoint
+from melfeed.shared.config import PipelineConfig, TransportConfig
+from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.cli import build_parser, config_from_args
+from melfeed.shared.service.lifecycle import resolve_control_endpoint, resolve_endpoint
+from melfeed.shared.service.rank_defaults import check_expected_rank, rank_suffix, with_rank_defaults
+from melfeed.shared.service.tf_config import SINGLE_WORKER, WorkerPlace, parse_tf_config
 
 _CLUSTER = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.service.sdnotify import Notifier
+from melfeed.shared.service.sdnotify import Notifier
 
 
 @pytest.fixture()

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from shared.service.children import python_argv, spawn
-from shared.service.stop_ladder import (Ladder, Rung, communicate_or_kill, escalate, next_rung, signal_child,
+from melfeed.shared.service.children import python_argv, spawn
+from melfeed.shared.service.stop_ladder import (Ladder, Rung, communicate_or_kill, escalate, next_rung, signal_child,
                                         stop_all, stop_process)
 
 _READY_S = 60.0       # a child interpreter starting on a loaded 2-core machine stays far below
@@ -38,7 +38,7 @@ def test_each_rung_waits_its_own_named_time() -> None:
 
 def test_escalate_logs_each_escalation_and_a_give_up(caplog: pytest.LogCaptureFixture) -> None:
     ladder = Ladder(5.0, 2.0)
-    with caplog.at_level(logging.WARNING, logger="shared.service.stop_ladder"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.shared.service.stop_ladder"):
         assert escalate("producers", Rung.TERM, ladder, alive=0) is None
         assert not caplog.records                            # nothing to escalate, nothing logged
         assert escalate("producers", Rung.TERM, ladder, alive=2) is Rung.KILL
@@ -61,7 +61,7 @@ def _started(code: str, new_group: bool = False) -> subprocess.Popen[str]:
 
 def test_a_child_that_exits_on_sigterm_is_not_escalated(caplog: pytest.LogCaptureFixture) -> None:
     proc = _started(_OBEYS)
-    with caplog.at_level(logging.WARNING, logger="shared.service.stop_ladder"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.shared.service.stop_ladder"):
         code = stop_process(proc, "obedient child", Ladder(_GENEROUS_S, _GENEROUS_S))
     assert code == -signal.SIGTERM
     assert not caplog.records                                # no SIGKILL, no warning
@@ -72,7 +72,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_term_wait(caplog: pyte
     proc = _started(_IGNORES)
     term_wait_s = 1.0
     started_s = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="shared.service.stop_ladder"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.shared.service.stop_ladder"):
         code = stop_process(proc, "stubborn child", Ladder(term_wait_s, _GENEROUS_S))
     assert code == -signal.SIGKILL
     assert time.monotonic() - started_s >= term_wait_s      # SIGTERM got its full wait first
@@ -99,7 +99,7 @@ def test_communicate_or_kill_kills_the_whole_group_past_its_timeout() -> None:
 
 
 def test_the_asyncio_supervisor_runs_the_same_rungs() -> None:
-    """``signal_child`` and ``escalate`` drive an asyncio child the way ``producer.supervisor`` does."""
+    """``signal_child`` and ``escalate`` drive an asyncio child the way ``melfeed.producer.supervisor`` does."""
     async def ladder_on_loop() -> tuple[int | None, list[Rung]]:
         proc = await asyncio.create_subprocess_exec(*python_argv("-c", _IGNORES), stdout=asyncio.subprocess.PIPE)
         assert proc.stdout is not None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.service.tf_config import SINGLE_WORKER, parse_tf_config, resolve_worker_place
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.service.tf_config import SINGLE_WORKER, parse_tf_config, resolve_worker_place
 
 
 def _tf_config(task_type: str = "worker", index: object = 0, **cluster: object) -> str:

@@ -1,4 +1,4 @@
-"""``run_pipeline.py deploy``: rendered units, rescaling, bad flags, ``systemd-analyze`` verify/security."""
+"""``melfeed deploy``: rendered units, rescaling, bad flags, ``systemd-analyze`` verify/security."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _deploy(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     if not config.exists():
         config.write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "producer": {"data_gpu": "1"},
                                           "consumer": {"model_gpu": "0"}}))
-    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "deploy", "--user", "root",
+    return subprocess.run([sys.executable, "-m", "melfeed", "deploy", "--user", "root",
                            "--config", str(config), "--target-dir", str(tmp_path / "units"), *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
 
@@ -39,8 +39,8 @@ def test_units_are_rendered_with_this_venv_config_gpus_and_the_wanted_producers(
     units = tmp_path / "units"
     consumer = (units / "consumer.service").read_text()
     producer = (units / "producer@.service").read_text()
-    assert f"ExecStart={sys.prefix}/bin/python {REPO}/run_pipeline.py consumer --config {tmp_path}/melfeed.yaml" \
-        in consumer
+    assert f"ExecStart={sys.prefix}/bin/python -m melfeed consumer --config {tmp_path}/melfeed.yaml" in consumer
+    assert f"WorkingDirectory={REPO}\n" in consumer and f"WorkingDirectory={REPO}\n" in producer   # deploy's cwd
     assert "CUDA_VISIBLE_DEVICES=0" in consumer and "CUDA_VISIBLE_DEVICES=1" in producer
     assert "--instance %i" in producer and "StateDirectory=melfeed" in consumer
     # 78 (configuration) and, on the consumer, 65 (too many quarantined rows): a restart cannot fix either
@@ -105,8 +105,8 @@ def test_a_value_that_would_break_or_inject_into_a_unit_is_one_line_and_nothing_
 
 
 def test_a_config_value_with_a_newline_never_reaches_a_unit(tmp_path: Path) -> None:
-    from shared.errors import ConfigError
-    from shared.service.units import DeployPlan, render_units
+    from melfeed.shared.errors import ConfigError
+    from melfeed.shared.service.units import DeployPlan, render_units
     config = tmp_path / "melfeed.yaml"
     config.write_text(yaml.safe_dump({"cache_dir": "/srv/cache"}))
     good = DeployPlan(Path(sys.executable), config, "root", "root", 1, "/var/lib/melfeed", "/etc/melfeed.env")
@@ -122,12 +122,12 @@ def test_a_file_in_the_way_of_a_unit_is_one_line_naming_it(tmp_path: Path) -> No
     run = _deploy(tmp_path, "--producers", "1")
     assert run.returncode == 78 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines() == [
-        f"run_pipeline.py deploy: --target-dir: cannot write {tmp_path}/units/pipeline.target.d/producers.conf: "
+        f"melfeed deploy: --target-dir: cannot write {tmp_path}/units/pipeline.target.d/producers.conf: "
         f"Is a directory, got '{tmp_path}/units/pipeline.target.d'"]
 
 
 def test_an_unknown_user_is_refused(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "deploy", "--producers", "1", "--user",
+    run = subprocess.run([sys.executable, "-m", "melfeed", "deploy", "--producers", "1", "--user",
                           "no-such-user-melfeed", "--target-dir", str(tmp_path)], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 78 and "--user: is not a user on this host" in run.stderr
@@ -285,3 +285,16 @@ def test_a_rank_whose_producers_are_elsewhere_gets_a_consumer_and_no_producer(tm
     units = tmp_path / "units"
     assert "Wants=" not in (units / "pipeline-rank1.target.d" / "producers.conf").read_text()
     assert "--rank 1\n" in (units / "consumer-rank1.service").read_text()
+
+
+def test_a_null_model_gpu_renders_no_cuda_visible_devices_so_the_consumer_sees_the_environments_gpus(
+        tmp_path: Path) -> None:
+    (tmp_path / "melfeed.yaml").write_text(yaml.safe_dump({"cache_dir": "/srv/cache", "producer": {"data_gpu": "1"},
+                                                           "consumer": {"model_gpu": None}}))
+    run = _deploy(tmp_path, "--producers", "1", "--work-dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    consumer = (tmp_path / "units" / "consumer.service").read_text()
+    assert "CUDA_VISIBLE_DEVICES" not in consumer      # an empty value would hide every GPU
+    assert "Environment=PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2\n" in consumer
+    assert f"WorkingDirectory={tmp_path}\n" in consumer
+    assert "CUDA_VISIBLE_DEVICES=1" in (tmp_path / "units" / "producer@.service").read_text()

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
-from shared.config import BucketConfig
-from shared.errors import ConfigError
-from shared.wire.layout import ALIGN_BYTES, batch_layout, layout_nbytes
+from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.layout import ALIGN_BYTES, batch_layout, layout_nbytes
 
 
 def _padded_cost(frames: list[int], bounds: tuple[int, ...]) -> int:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import zmq.utils.z85
 
-from shared.config_loader import config_from_mapping
-from shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
+from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
                                zap_reply)
-from shared.errors import ConfigError
+from melfeed.shared.errors import ConfigError
 from tests.cli_run import refusal, run_cli
 from tests.planted import MALLORY, needs_root, plant_dir, plant_link, sticky_dir
 
@@ -30,7 +30,7 @@ def test_every_tcp_endpoint_loopback_included_needs_curve_unless_marked_insecure
     with pytest.raises(ConfigError, match="transport.insecure: true"):
         client_keys_for(plain, endpoint)
     insecure = config_from_mapping({"transport": {"insecure": True}}).transport
-    with caplog.at_level(logging.WARNING, logger="shared.wire.curve"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.shared.wire.curve"):
         assert server_keys_for(insecure, endpoint) is None and client_keys_for(insecure, endpoint) is None
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]     # the consumer's, once
     assert "transport.insecure" in warning.getMessage() and endpoint in warning.getMessage()

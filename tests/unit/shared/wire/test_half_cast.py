@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.wire.half_cast import HalfCaster
+from melfeed.shared.wire.half_cast import HalfCaster
 
 # float32 bit patterns where the result changes kind: 2**-25 (rounds to 0 or the least subnormal), 2**-14
 # (least normal), 65520 (rounds to inf), 65536, inf; and 2**-24 (the least subnormal).

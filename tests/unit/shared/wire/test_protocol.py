@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from shared.errors import ProtocolError
-from shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
                              RejectCode, ShmSlot, StageCounters, Welcome, decode_header, encode)
 
 MESSAGES = [

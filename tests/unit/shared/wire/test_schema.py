@@ -1,14 +1,14 @@
-"""Tests for shared.wire.schema and the bucket shapes it adds: declarations, padding by kind, layout."""
+"""Tests for melfeed.shared.wire.schema and the bucket shapes it adds: declarations, padding by kind, layout."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from shared.config import BucketConfig
-from shared.wire.buckets import Bucket, build_buckets
-from shared.wire.layout import batch_layout
-from shared.wire.schema import ExtraSchema, ExtraSpec, check_declaration, check_schema, pad_row, row_shape
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.wire.buckets import Bucket, build_buckets
+from melfeed.shared.wire.layout import batch_layout
+from melfeed.shared.wire.schema import ExtraSchema, ExtraSpec, check_declaration, check_schema, pad_row, row_shape
 
 ENERGY = ExtraSpec("energy", "frame", "float32")
 PITCH2 = ExtraSpec("pitch", "frame", "float16", (2,))

@@ -9,14 +9,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from consumer.flow.credit import LeaseBook
-from consumer.flow.decisions import Decision, HandshakeContract, Outgoing, SessionConfig
-from consumer.flow.rejects import RejectLog
-from consumer.flow.ring import BatchRing
-from consumer.flow.session import ReceiverSession
-from consumer.flow.shm_leases import SlotFiles
-from shared.wire.buckets import Bucket
-from shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Err, Heartbeat, Hello, Lease, LeaseGrant,
+from melfeed.consumer.flow.credit import LeaseBook
+from melfeed.consumer.flow.decisions import Decision, HandshakeContract, Outgoing, SessionConfig
+from melfeed.consumer.flow.rejects import RejectLog
+from melfeed.consumer.flow.ring import BatchRing
+from melfeed.consumer.flow.session import ReceiverSession
+from melfeed.consumer.flow.shm_leases import SlotFiles
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Err, Heartbeat, Hello, Lease, LeaseGrant,
                                   Message, Welcome, decode_header, encode)
 from tests.fakes import FakeClock, FakePlan
 

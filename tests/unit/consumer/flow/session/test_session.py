@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from consumer.flow.session import escape_line
-from shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
+from melfeed.consumer.flow.session import escape_line
+from melfeed.shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
 from tests.fakes import FakeSlotFiles
 from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, header, ids
 
@@ -267,7 +267,7 @@ def test_bye_returns_the_leases_at_once_and_is_quiet(caplog: pytest.LogCaptureFi
     rig = Rig(window=2)
     rig.join(A)
     rig.grant()
-    caplog.set_level(logging.INFO, logger="consumer.flow.session")
+    caplog.set_level(logging.INFO, logger="melfeed.consumer.flow.session")
     caplog.clear()
     assert rig.send(A, Bye(EPOCH)).sends == []
     stats = rig.session.stats()
@@ -283,7 +283,7 @@ def test_bye_with_an_exit_code_is_logged_as_a_failure_and_counted(caplog: pytest
     rig.join(A)
     rig.grant()
     reason = "CacheError: /c/mels/7.npy: truncated\nERROR forged line\x1b[2J"
-    caplog.set_level(logging.INFO, logger="consumer.flow.session")
+    caplog.set_level(logging.INFO, logger="melfeed.consumer.flow.session")
     caplog.clear()
     assert rig.send(A, Bye(EPOCH, exit_code=3, reason=reason)).sends == []
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

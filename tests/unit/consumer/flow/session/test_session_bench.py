@@ -47,7 +47,7 @@ def test_a_peer_that_heartbeats_but_never_delivers_gets_no_leases_for_the_backof
     rig.join(A)
     rig.join(B)
     granted: dict[bytes, list[int]] = {A: [], B: []}
-    with caplog.at_level(logging.WARNING, logger="consumer.flow.session"):
+    with caplog.at_level(logging.WARNING, logger="melfeed.consumer.flow.session"):
         next_id = _rounds(rig, 20, 0, granted)
     assert len(granted[A]) == 3                       # three leases expired in a row, then none
     assert next_id >= 15 and len(granted[B]) >= 15    # the good peer got all the rest, the stream moved on

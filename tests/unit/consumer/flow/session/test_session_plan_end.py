@@ -5,8 +5,8 @@ Driven with decoded messages and a fake clock (``session_rig.Rig``); nothing sle
 
 from __future__ import annotations
 
-from consumer.flow.decisions import Outgoing
-from shared.wire.protocol import Heartbeat
+from melfeed.consumer.flow.decisions import Outgoing
+from melfeed.shared.wire.protocol import Heartbeat
 from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, ids
 
 

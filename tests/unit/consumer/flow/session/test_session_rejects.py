@@ -6,10 +6,10 @@ a duplicate (dropped quietly), or a message of a blocked flooder (FLOOD, dropped
 
 from __future__ import annotations
 
-from consumer.flow.ring import SlotState
-from consumer.flow.session import BLOCK_S
-from shared.errors import ProtocolError
-from shared.wire.protocol import RejectCode
+from melfeed.consumer.flow.ring import SlotState
+from melfeed.consumer.flow.session import BLOCK_S
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import RejectCode
 from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
 
 

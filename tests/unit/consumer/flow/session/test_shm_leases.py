@@ -7,11 +7,11 @@ is refused and never read.
 
 from __future__ import annotations
 
-from consumer.flow.credit import ActiveLease
-from consumer.flow.ring import SlotState
-from consumer.flow.shm_leases import ShmLeases
-from shared.errors import ProtocolError
-from shared.wire.protocol import CAP_SHM, Bye, RejectCode, ShmSlot
+from melfeed.consumer.flow.credit import ActiveLease
+from melfeed.consumer.flow.ring import SlotState
+from melfeed.consumer.flow.shm_leases import ShmLeases
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import CAP_SHM, Bye, RejectCode, ShmSlot
 from tests.fakes import FakeSlotFiles
 from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
 

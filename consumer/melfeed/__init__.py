@@ -1,0 +1,2 @@
+"""melfeed placeholder."""
+__all__: list[str] = []
