@@ -1,0 +1,60 @@
+"""Keras ``fit`` that resumes exactly: SIGKILLed after a checkpoint, started again, it ends where an uninterrupted
+run ends (bit-identical weights) and ``melfeed audit`` finds every batch applied once, in plan order."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cli_run import REPO
+
+_SCRIPT = REPO / "tests" / "fit_resume_run.py"
+_STEPS = 20
+_TIMEOUT_S = 240.0   # a Keras start and 20 tiny steps take ~15 s; only a hang gets near it
+
+
+def _fit(demo_cache: Path, state: Path, weights: Path, delay_ms: float = 0.0) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(_SCRIPT), str(demo_cache), str(state), str(weights), str(_STEPS),
+                             str(delay_ms)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    out, _ = proc.communicate(timeout=_TIMEOUT_S)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _first_checkpoint(state: Path, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + _TIMEOUT_S
+    while not any(p.name.startswith("ckpt-") and "." not in p.name for p in state.glob("ckpt-*")):
+        assert proc.poll() is None, "the fit ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+def test_a_fit_killed_mid_run_and_started_again_ends_with_the_uninterrupted_weights_and_an_exact_audit(
+        demo_cache: Path, tmp_path: Path) -> None:
+    _finish(_fit(demo_cache, tmp_path / "straight", tmp_path / "straight.npz"))
+    killed = _fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz", delay_ms=300.0)   # ~6 s of batches
+    _first_checkpoint(tmp_path / "state", killed)
+    os.killpg(killed.pid, signal.SIGKILL)          # the fit and its producers: no handler runs
+    killed.communicate(timeout=_TIMEOUT_S)
+    out = _finish(_fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz"))
+    start = int(out.split("starts at batch ")[1].split()[0])
+    assert 0 < start < _STEPS, out[-2000:]                                  # it resumed mid-run, not from 0
+    straight, resumed = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
+    assert straight.files == resumed.files
+    assert all(np.array_equal(straight[k], resumed[k]) for k in straight.files)
+    audit = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(tmp_path / "state")], capture_output=True,
+                           text=True, timeout=_TIMEOUT_S)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert f"{_STEPS} batches applied by 2 consumer start(s); plan 0..{_STEPS - 1}" in audit.stdout
