@@ -173,7 +173,7 @@ def _bad_rows(cfg: PipelineConfig, build_1: dict[str, Any]) -> str | None:
         return None
     cap = cfg.producer.max_quarantined_fraction
     what = (f"{bad} of the {read} rows stage 1 read are in bad cache files (e.g. {build_1.get('quarantine_note')}); "
-            f"`melfeed verify-cache {cfg.cache_dir}` lists them")
+            f"`melfeed verify-cache --cache-dir {cfg.cache_dir}` lists them")
     if cap < 1.0 and bad > cap * read:
         raise CacheError(cfg.cache_dir, f"{what}: more than producer.max_quarantined_fraction ({cap:.0%}) allows, so "
                                         "a run would stop on them (exit 65) and no figure here would be the cache's")

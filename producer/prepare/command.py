@@ -154,7 +154,7 @@ def _check_record(cache: Path, cfg: PipelineConfig) -> bool:
             if old.get(key) != value:
                 path = ("n_mels",) if key == "n_mels" else ("features", key)
                 raise ConfigError(f"cache {cache} was prepared with {old.get(key)!r}, this config has "
-                                  f"{value!r}; use another --cache or the same settings", path=path)
+                                  f"{value!r}; use another --cache-dir or the same settings", path=path)
     if record.get("vocabulary") != list(VOCABULARY):
         raise ConfigError(f"cache {cache} was prepared with another vocabulary", path=("vocabulary",))
     return True

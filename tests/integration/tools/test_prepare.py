@@ -213,7 +213,7 @@ def test_prepare_refuses_to_mix_features_into_a_cache(corpus: Path, prepared: tu
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
         f"melfeed prepare: features.hop_samples: cache {prepared[0]} was prepared with 256, "
-        "this config has 275; use another --cache or the same settings")
+        "this config has 275; use another --cache-dir or the same settings")
 
 
 def test_prepare_index_run_end_to_end(prepared: tuple[Path, object], tmp_path: Path) -> None:
