@@ -1,8 +1,8 @@
 """Files written at a path a user chose, safe from another local user's traps, with modes not the umask's.
 
 Role: ``--metrics-file``, ``--summary-json``, ``--json`` (bench, doctor, audit, jax_bench), ``report -o``,
-``deploy``'s units and ``keys`` write here; ``deploy --target-dir``, ``demo-data DIR`` and ``prepare
---cache`` are checked here. The attack: alice writes /tmp/m.jsonl, mallory made it a link to
+``deploy``'s units and ``keys`` write here; ``deploy --target-dir``, ``demo-data --cache-dir DIR`` and ``prepare
+--cache-dir`` are checked here. The attack: alice writes /tmp/m.jsonl, mallory made it a link to
 ~alice/.bashrc first, or a file of hers (to read what alice appends). The rule, in one place:
 - the place passes ``melfeed.shared.filetrust.place_reason`` (the file's own name is not followed);
 - a symbolic link in the file's place is refused, whoever owns it (never followed: ``O_NOFOLLOW``, or a

@@ -32,7 +32,7 @@ import yaml
 from melfeed.shared.cache.filekind import OPEN_FLAGS, mode_kind, not_regular_reason
 from melfeed.shared.errors import ConfigError
 
-__all__ = ["MAX_CONFIG_BYTES", "read_config_file", "read_text_file"]
+__all__ = ["MAX_CONFIG_BYTES", "read_config_file", "read_text_file", "read_value"]
 
 MAX_CONFIG_BYTES = 1 << 20  # example.yaml with every key is ~6 KiB; anything near 1 MiB is not a config
 _BOMS = {b"\xff\xfe": "UTF-16 little-endian", b"\xfe\xff": "UTF-16 big-endian"}
@@ -164,3 +164,13 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     if doc is not None and not isinstance(doc, dict):
         raise _fail(path, f"the top level must be a mapping (key: value lines), got a value of type {type(doc).__name__}")
     return doc
+
+
+def read_value(text: str, key: str) -> Any:
+    """One value as a config file would hold it (a YAML scalar or flow: ``null``, ``16``, ``"0"``, ``[1, 2]``),
+    under the same rules (no aliases, no repeated keys).
+
+    Raises:
+        ConfigError: ``text`` is no valid YAML value; one line starting with ``key``.
+    """
+    return _parse(text, key)

@@ -95,7 +95,7 @@ class Job:
     def audit(self) -> tuple[int, dict[str, object], str]:
         report = self.tmp / f"audit-{time.monotonic_ns()}.json"
         states = [str(self.state(rank)) for rank in range(WORLD)]
-        proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", *states, "--json",
+        proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", *states, "-o",
                                str(report)], cwd=procs.REPO, capture_output=True, text=True, timeout=60)
         doc = json.loads(report.read_text()) if report.exists() else {}
         return proc.returncode, doc, proc.stdout + proc.stderr

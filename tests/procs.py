@@ -200,7 +200,7 @@ def kill_running(family: list[Tracked]) -> None:
 def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:
     """``melfeed audit`` as a user runs it: exit code, its JSON, its printed text."""
     out_json = tmp / f"audit-{time.monotonic_ns()}.json"
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "--json",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "-o",
                            str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=60)
     doc = json.loads(out_json.read_text()) if out_json.exists() else {}
     return proc.returncode, doc, proc.stdout + proc.stderr

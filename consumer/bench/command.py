@@ -46,7 +46,8 @@ from melfeed.consumer.transport.shm_slots import clean_stale, resolve_shm_dir
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.cache.pack_format import pack_path
 from melfeed.shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
-from melfeed.shared.config_loader import config_to_mapping, load_config, with_overrides
+from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.output_files import write_output
 from melfeed.shared.flag_checks import check_number, check_output_file, resolve_path
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 _ZERO_STEP = "melfeed.consumer.bench.trial:zero_step"
 _BUILD_PROBE_S = 5.0      # doctor's stage 1 per round (1 s with --smoke)
-_SMOKE = {"rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8", "batches": 10,
+_SMOKE = {"rounds": 1, "step_ms": "5", "producer_counts": "1", "tfdata_parallel": "8", "batches": 10,
           "warmup": 3, "demo_utterances": 200, "mel_dtypes": "float32"}
 _F16_SUFFIX = {"float32": "", "float16": "-f16"}   # system-name label of a wire format (transport.mel_dtype)
 _EFFICIENCY_BATCHES = {False: 100, True: 0}   # --efficiency-batches when not given: full run / --smoke
@@ -100,7 +101,7 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     for other in ("no_transport", "efficiency_only"):
         if args.transport_only and getattr(args, other):
             raise ConfigError(f"contradicts --{other.replace('_', '-')}: pick one", path=("--transport-only",))
-    check_output_file(args.json, "--json")
+    check_output_file(args.output, "--output")
 
 
 def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -117,7 +118,7 @@ def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if pick["rounds"] < 1 or pick["batches"] < 1 or pick["warmup"] < 1:
         raise ConfigError("must be >= 1", path=("--rounds/--batches/--warmup",))
     return {"rounds": pick["rounds"], "step_ms": _ints(pick["step_ms"], "--step-ms", 1),
-            "producers": _ints(pick["producers"], "--producers", 1), "transports": transports,
+            "producers": _ints(pick["producer_counts"], "--producer-counts", 1), "transports": transports,
             "tfdata_parallel": parallel, "batches": pick["batches"], "warmup": pick["warmup"],
             "demo_utterances": pick["demo_utterances"], "service_workers": args.service_workers,
             "mel_dtypes": mel_dtypes,
@@ -134,7 +135,7 @@ def _efficiency_batches(args: argparse.Namespace) -> int:
 
 
 def _cache_config(args: argparse.Namespace, s: dict[str, Any]) -> PipelineConfig:
-    cfg = with_overrides(load_config(args.config), {"cache_dir": args.cache_dir})
+    cfg = with_overrides(loaded_config(args), {"cache_dir": args.cache_dir})
     if args.demo:
         from melfeed.shared.cache.demo_data import default_demo_dir  # the same cache `run --demo` uses
         from melfeed.shared.cache.demo_data import write_demo_cache
@@ -362,12 +363,12 @@ def main_bench(args: argparse.Namespace) -> int:
                              for t in fed if not t["ok"]]
     report["command"] = list(sys.argv)
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    print(render(report))
-    if args.json:
+    print(json.dumps(report, indent=1, default=str) if args.json else render(report))
+    if args.output:
         try:
-            write_output(args.json, json.dumps(report, indent=1, default=str) + "\n", what="--json")
+            write_output(args.output, json.dumps(report, indent=1, default=str) + "\n", what="--output")
         except OSError as err:      # checked before the trials; a full disk is still one line
-            print(f"melfeed bench: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            print(f"melfeed bench: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1
     failed = [t for t in trials + probes + builds + fed if not t["ok"]]
     return 1 if failed else 0

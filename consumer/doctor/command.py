@@ -128,7 +128,7 @@ def _transport_stage(children: CommandChildren, config: Path, n: int, seconds: f
 
 def _resolve(args: argparse.Namespace) -> PipelineConfig:
     check_number(args.seconds_per_stage, "--seconds-per-stage", above=True, ceiling=_MAX_SECONDS_PER_STAGE)
-    check_output_file(args.json, "--json")     # before the stages (and the demo cache), not after them
+    check_output_file(args.output, "--output")     # before the stages (and the demo cache), not after them
     cfg = config_from_args(args)
     if args.demo:
         from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
@@ -173,7 +173,7 @@ def _bad_rows(cfg: PipelineConfig, build_1: dict[str, Any]) -> str | None:
         return None
     cap = cfg.producer.max_quarantined_fraction
     what = (f"{bad} of the {read} rows stage 1 read are in bad cache files (e.g. {build_1.get('quarantine_note')}); "
-            f"`melfeed verify-cache {cfg.cache_dir}` lists them")
+            f"`melfeed verify-cache --cache-dir {cfg.cache_dir}` lists them")
     if cap < 1.0 and bad > cap * read:
         raise CacheError(cfg.cache_dir, f"{what}: more than producer.max_quarantined_fraction ({cap:.0%}) allows, so "
                                         "a run would stop on them (exit 65) and no figure here would be the cache's")
@@ -261,11 +261,11 @@ def main_doctor(args: argparse.Namespace) -> int:
               "padding": bucket_padding(bucket_set, manifest.frames), "stages": stages,
               "config_facts": dataclasses.asdict(facts), "verdict": dataclasses.asdict(verdict),
               "environment": [dataclasses.asdict(c) for c in checks], "exit_code": verdict.exit_code}
-    print(render(report, verdict, checks))
-    if args.json:
+    print(json.dumps(report, indent=2) if args.json else render(report, verdict, checks))
+    if args.output:
         try:
-            write_output(args.json, json.dumps(report, indent=2) + "\n", what="--json")   # refusals: exit 78
+            write_output(args.output, json.dumps(report, indent=2) + "\n", what="--output")   # refusals: exit 78
         except OSError as err:      # checked before the stages; a full disk is still one line
-            print(f"melfeed doctor: {args.json}: cannot write: {err.strerror or err}", file=sys.stderr)
+            print(f"melfeed doctor: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1
     return verdict.exit_code

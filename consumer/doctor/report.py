@@ -98,5 +98,5 @@ def _reader_words(reader: object, pack_read: object = None) -> str:
     if reader is None:
         return "the cache"
     if reader == "files":
-        return "the .npy files; `melfeed pack CACHE_DIR` makes a faster packed copy"
+        return "the .npy files; `melfeed pack --cache-dir CACHE_DIR` makes a faster packed copy"
     return f"the packed cache {reader}" + (f", {pack_read}" if pack_read else "")

@@ -31,6 +31,7 @@ _COMMANDS = {
     "status": "melfeed.consumer.observe.status:main_status",
     "doctor": "melfeed.consumer.doctor.command:main_doctor",
     "bench": "melfeed.consumer.bench.command:main_bench",
+    "config": "melfeed.shared.service.cli.settings:main_config",
 }
 
 
@@ -40,7 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from melfeed.shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ConfigError,
                                            DataError, JobLostError, StateError, StepError)
         from melfeed.shared.service.cli import build_parser
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        if not (sys.argv[1:] if argv is None else argv):   # bare `melfeed`: the command overview
+            parser.print_help()
+            return 0
+        args = parser.parse_args(argv)
     except KeyboardInterrupt:   # Ctrl-C while the modules load
         print(f"{PROG}: stopped by SIGINT", file=sys.stderr)
         return 130

@@ -28,8 +28,10 @@ import zmq
 
 from melfeed.shared.config import resolve_runtime_dir
 from melfeed.shared.config_checks import check_endpoint
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.errors import ConfigError
+from melfeed.shared.flag_checks import check_output_file
+from melfeed.shared.output_files import write_output
 from melfeed.shared.printable import escape_line
 from melfeed.shared.service.lifecycle import check_runtime_dir, resolve_control_endpoint
 from melfeed.shared.service.rank_defaults import with_rank_defaults
@@ -77,6 +79,7 @@ def main_status(args: argparse.Namespace) -> int:
     if not (isinstance(args.timeout_s, float) and 0 < args.timeout_s <= _MAX_TIMEOUT_S):
         raise ConfigError(f"must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]", path=("--timeout-s",),
                           got=args.timeout_s)
+    check_output_file(args.output, "--output")      # before asking, not after the answer
     if args.endpoint:
         check_endpoint(args.endpoint, ("--endpoint",))
         if not args.endpoint.startswith(("ipc://", "tcp://")):
@@ -98,20 +101,23 @@ def main_status(args: argparse.Namespace) -> int:
     except (ValueError, RecursionError):     # RecursionError: nested too deep to parse
         print(f"melfeed status: the answer from {endpoint} is not a snapshot", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(snap, indent=2))
-        return 0
-    problem = snapshot_problem(snap)
+    problem = None if args.json else snapshot_problem(snap)
     if problem is not None:
         print(f"melfeed status: {endpoint}: malformed snapshot: {problem}", file=sys.stderr)
         return 1
-    print(format_status(snap, endpoint))
+    if args.output:
+        try:
+            write_output(args.output, json.dumps(snap, indent=2) + "\n", what="--output")
+        except OSError as err:      # checked before asking; a full disk is still one line
+            print(f"melfeed status: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
+            return 1
+    print(json.dumps(snap, indent=2) if args.json else format_status(snap, endpoint))
     return 0
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:
     """The control socket the consumer of ``--config`` (and of this rank, in a job) binds."""
-    cfg = load_config(args.config)
+    cfg = loaded_config(args)
     place = resolve_worker_place(getattr(args, "tf_config", None), os.environ)
     cfg = with_rank_defaults(cfg, place, os.environ, create_dir=False)
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=False)

@@ -256,12 +256,12 @@ def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[in
 def main_audit(args: argparse.Namespace) -> int:
     """Print the audit; exit 0 when nothing is lost, duplicated, out of order or different."""
     state_dir = args.state_dir if isinstance(args.state_dir, str) else args.state_dir[0]
-    check_output_file(getattr(args, "json", None), "--json")
+    check_output_file(getattr(args, "output", None), "--output")
     res = audit_state_dir(state_dir)
-    if getattr(args, "json", None):
-        write_json(args.json, asdict(res) | {"ok": res.ok})
-    print_result(state_dir, res)
-    print("OK: the applied sequence equals the plan" if res.ok else "FAILED: the applied sequence differs from the plan")
+    if not write_json(args, asdict(res) | {"ok": res.ok}):
+        print_result(state_dir, res)
+        print("OK: the applied sequence equals the plan" if res.ok else
+              "FAILED: the applied sequence differs from the plan")
     return 0 if res.ok else 1
 
 
@@ -280,12 +280,19 @@ def print_result(state_dir: str, res: AuditResult) -> None:
         print(f"  {line}")
 
 
-def write_json(path: str, doc: dict[str, Any]) -> None:
-    """``--json``: the document, indented; a failed write (disk full) is one line naming the file (exit 1).
+def write_json(args: argparse.Namespace, doc: dict[str, Any]) -> bool:
+    """``-o FILE`` writes the document, ``--json`` prints it instead of the text; True when it was printed.
 
-    The path itself was checked before the audit (``check_output_file``).
+    A failed write (disk full) is one line naming the file (exit 1); the path itself was checked before the
+    audit (``check_output_file``).
     """
-    try:
-        write_output(path, json.dumps(doc, indent=2) + "\n", what="--json")   # a refusal: ConfigError, exit 78
-    except OSError as err:
-        raise StateError(path, f"cannot write: {err.strerror or err}", fatal=False) from None
+    text = json.dumps(doc, indent=2) + "\n"
+    if getattr(args, "output", None):
+        try:
+            write_output(args.output, text, what="--output")   # a refusal: ConfigError, exit 78
+        except OSError as err:
+            raise StateError(args.output, f"cannot write: {err.strerror or err}", fatal=False) from None
+    if getattr(args, "json", False):
+        print(text, end="")
+        return True
+    return False

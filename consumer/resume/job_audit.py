@@ -116,13 +116,16 @@ def main_audit(args: argparse.Namespace) -> int:
     dirs = [args.state_dir] if isinstance(args.state_dir, str) else list(args.state_dir)
     if len(dirs) == 1:
         return main_audit_one(args)
-    check_output_file(getattr(args, "json", None), "--json")     # before the audit, not after it
+    check_output_file(getattr(args, "output", None), "--output")     # before the audit, not after it
     job = audit_job(dirs)
-    if getattr(args, "json", None):
-        doc = {"world": job.world, "ranks": [{"state_dir": d, **asdict(r), "ok": r.ok} for d, r in job.ranks],
-               "total": {k: v for k, v in asdict(job).items() if k not in ("ranks",)} | {"ok": job.ok},
-               "ok": job.ok}
-        write_json(args.json, doc)
+    doc = {"world": job.world, "ranks": [{"state_dir": d, **asdict(r), "ok": r.ok} for d, r in job.ranks],
+           "total": {k: v for k, v in asdict(job).items() if k not in ("ranks",)} | {"ok": job.ok}, "ok": job.ok}
+    if not write_json(args, doc):
+        _print_job(job)
+    return 0 if job.ok else 1
+
+
+def _print_job(job: JobAudit) -> None:
     for state_dir, res in job.ranks:
         print_result(state_dir, res)
         print(f"rank {res.rank}: " + ("exact" if res.ok else "NOT exact"))
@@ -134,4 +137,3 @@ def main_audit(args: argparse.Namespace) -> int:
         print(f"  {line}")
     print("OK: every batch of the plan applied exactly once over the ranks, in order" if job.ok
           else "FAILED: the ranks' applied batches differ from the plan")
-    return 0 if job.ok else 1

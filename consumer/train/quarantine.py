@@ -121,7 +121,7 @@ class QuarantineCeiling:
         else:
             then = ""
         return (f"{_KEY}: {seen}, so cache files are missing or bad{example}; the producers' log names each one "
-                f"('quarantined sample=N'), `melfeed verify-cache CACHE_DIR` lists them all{then}")
+                f"('quarantined sample=N'), `melfeed verify-cache --cache-dir CACHE_DIR` lists them all{then}")
 
 
 def ceiling_for(max_fraction: float, plan: EpochPlan) -> QuarantineCeiling:

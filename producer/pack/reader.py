@@ -176,7 +176,7 @@ def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: P
         return None
     path = pack_path(manifest.cache_dir, mel_dtype)
     if not os.path.lexists(path):
-        log.info("no packed cache at %s: reading the .npy files (melfeed pack %s makes one)",
+        log.info("no packed cache at %s: reading the .npy files (melfeed pack --cache-dir %s makes one)",
                  path, manifest.cache_dir)
         return None
     try:

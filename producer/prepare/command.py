@@ -15,19 +15,23 @@ Invariants:
 - Every skipped utterance gets one line naming its id and file; the summary counts them by
   reason (metadata, empty_text, missing_wav, bad_wav, duration, error).
 Shutdown: SIGTERM/SIGINT set ``stop``; workers finish the item in hand, then the stop ladder
-(``melfeed.producer.prepare.pool``) runs; the run exits 2 and says how to resume. No manifest is written.
+(``melfeed.producer.prepare.pool``) runs; the run exits 128 + the signal (130 SIGINT, 143 SIGTERM) and says how
+to resume. No manifest is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TextIO
@@ -150,7 +154,7 @@ def _check_record(cache: Path, cfg: PipelineConfig) -> bool:
             if old.get(key) != value:
                 path = ("n_mels",) if key == "n_mels" else ("features", key)
                 raise ConfigError(f"cache {cache} was prepared with {old.get(key)!r}, this config has "
-                                  f"{value!r}; use another --cache or the same settings", path=path)
+                                  f"{value!r}; use another --cache-dir or the same settings", path=path)
     if record.get("vocabulary") != list(VOCABULARY):
         raise ConfigError(f"cache {cache} was prepared with another vocabulary", path=("vocabulary",))
     return True
@@ -298,6 +302,22 @@ def _print_summary(s: PrepareSummary, cache: Path, cfg: PipelineConfig) -> None:
     print(f"skipped {sum(s.skipped.values())}" + (f": {reasons}" if reasons else ""))
 
 
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[tuple[threading.Event, list[int]]]:
+    """An Event set by SIGTERM/SIGINT and the signals that came, in order; the old handlers restored after."""
+    stop, signums = threading.Event(), []
+
+    def _on_signal(signum: int, frame: object) -> None:
+        signums.append(signum)
+        stop.set()
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop, signums
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def worker_count(requested: int | None) -> int:
     """``--workers``: absent = one per CPU this process may run on; below 1 is refused; above that
     count it is lowered to it, with one INFO line (more workers add memory, never speed: every worker is
@@ -325,20 +345,19 @@ def debug_delay_s(delay_ms: float) -> float:
 
 
 def main_prepare(args: argparse.Namespace) -> int:
-    """``melfeed prepare``: 0 = complete (skips reported), 2 = interrupted, 1 = bad outputs."""
-    from melfeed.shared.config_loader import load_config
-    from melfeed.shared.service.lifecycle import stop_on_signals
+    """``melfeed prepare``: 0 = complete (skips reported), 1 = bad outputs, 128 + signal = interrupted."""
+    from melfeed.shared.service.cli import loaded_config
 
     workers, delay_s = worker_count(args.workers), debug_delay_s(args.debug_delay_ms)
-    cfg = load_config(args.config)
-    cache = Path(args.cache)
-    with stop_on_signals() as stop:
+    cfg = loaded_config(args)
+    cache = Path(args.cache_dir)
+    with _stop_on_signals() as (stop, signums):
         summary = run_prepare(Path(args.ljspeech), cache, cfg, workers, stop, sys.stderr,
                               delay_s, progress_interval_s(_PROGRESS_EVERY_S))
     _print_summary(summary, cache, cfg)
     if summary.interrupted:
         print("interrupted: run the same command again to resume", file=sys.stderr)
-        return 2
+        return 128 + (signums[0] if signums else signal.SIGINT)
     for sub in ("mels", "tokens"):  # make the renames of every output durable before the manifest
         fd = os.open(cache / sub, os.O_RDONLY | os.O_CLOEXEC)
         try:

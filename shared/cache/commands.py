@@ -142,7 +142,7 @@ def main_verify_cache(args: argparse.Namespace) -> int:
 
 
 def main_demo(args: argparse.Namespace) -> int:
-    manifest = write_demo_cache(args.dir, n_utterances=args.utterances, seed=args.seed, extras=True,
+    manifest = write_demo_cache(args.cache_dir, n_utterances=args.utterances, seed=args.seed, extras=True,
                                 utterances_flag="--utterances")
     print(f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
           f"(fingerprint {manifest.fingerprint})")

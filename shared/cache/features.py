@@ -107,7 +107,7 @@ def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
         if len(manifest) and key not in _WARNED_UNCHECKED:
             _WARNED_UNCHECKED.add(key)
             log.warning("token ids of cache %s not checked against model.vocab_size: its manifest was written "
-                        "before index recorded them; re-run `melfeed index %s` to check them (this changes "
+                        "before index recorded them; re-run `melfeed index --cache-dir %s` to check them (this changes "
                         "the fingerprint: re-run pack too, and an interrupted run cannot resume across it)",
                         manifest.cache_dir, manifest.cache_dir)
         return
@@ -117,7 +117,7 @@ def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
                          "names the files that hold one")
     if largest >= vocab_size:
         cache = manifest.cache_dir
-        raise ConfigError(f"must be > {largest}, the largest token id in {cache} (melfeed verify-cache {cache} "
+        raise ConfigError(f"must be > {largest}, the largest token id in {cache} (melfeed verify-cache --cache-dir {cache} "
                           f"--vocab-size {vocab_size} names the files with ids >= {vocab_size})",
                           path=("model", "vocab_size"), got=vocab_size)
 
@@ -146,7 +146,7 @@ def load_manifest_for(cfg: PipelineConfig, *, feeds_model: bool = True) -> Manif
     manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
     if not len(manifest):   # `index --skip-bad` with every file bad writes one; buckets and plans need a row
         raise CacheError(manifest.cache_dir / MANIFEST_NAME, "lists no utterances: index skipped every file as bad "
-                         f"(melfeed index {manifest.cache_dir} names each one); nothing to train on")
+                         f"(melfeed index --cache-dir {manifest.cache_dir} names each one); nothing to train on")
     check_features(manifest, cfg)
     if feeds_model:
         check_token_ids(manifest, cfg.model.vocab_size)

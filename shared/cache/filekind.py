@@ -1,7 +1,7 @@
 """Opening cache files that may not be files: FIFOs, devices, directories, symlink loops.
 Also the cache's small JSON files and directories: ``read_json``, ``write_atomic``, ``make_dirs``
 turn what the OS or the parser refuses into a one-line ``CacheError`` naming the path; ``check_cache_dir``
-refuses a cache directory to be written (``prepare --cache``, ``demo-data``) that another user controls.
+refuses a cache directory to be written (``prepare --cache-dir``, ``demo-data``) that another user controls.
 
 Role: every reader of ``.npy`` cache files (``index``, ``verify-cache``, the producers' reader)
 opens them through ``open_regular``. A cache directory is written by people and scripts, and on a

@@ -339,7 +339,7 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     try:
         doc = read_json(path)  # a FIFO or device named manifest.json is refused, never read
     except CacheError as err:
-        raise CacheError(path, "no manifest; run `melfeed index DIR` first"
+        raise CacheError(path, "no manifest; run `melfeed index --cache-dir DIR` first"
                          if err.reason == "missing" else err.reason) from err
     except OSError as err:
         raise CacheError(path, f"cannot read ({err.strerror})") from err

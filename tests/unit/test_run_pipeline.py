@@ -18,7 +18,7 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
 
     monkeypatch.setattr(commands, "main_index", interrupted)
     try:
-        code = run_pipeline.main(["index", "/nonexistent"])
+        code = run_pipeline.main(["index", "--cache-dir", "/nonexistent"])
     except KeyboardInterrupt:        # escaping, it would end the whole pytest session
         pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
     assert code == 130
@@ -29,8 +29,8 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
     ["deploy", "--producers", "1", "--user", "root", "--prefix", "{loop}"],
     ["deploy", "--producers", "1", "--user", "root", "--config", "{loop}"],
     ["deploy", "--producers", "1", "--user", "root", "--tf-config", "{loop}", "--rank", "0"],
-    ["index", "{tmp}/new", "--mels", "{loop}"],
-    ["index", "{loop}", "--tokens", "{tmp}"],
+    ["index", "--cache-dir", "{tmp}/new", "--mels", "{loop}"],
+    ["index", "--cache-dir", "{loop}", "--tokens", "{tmp}"],
     ["producer", "--cache-dir", "{loop}"],
     ["doctor", "--cache-dir", "{loop}"],
 ], ids=["deploy-prefix", "deploy-config", "deploy-tf-config", "index-mels", "index-cache-dir", "producer-cache-dir",

@@ -203,11 +203,11 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
     (cache / "manifest.json").unlink()
     bad = sorted((cache / "mels").glob("*.npy"))[0]
     bad.write_bytes(b"not numpy at all")
-    proc = _run(["index", str(cache)], tmp_path, timeout_s=120)
+    proc = _run(["index", "--cache-dir", str(cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 1
     assert f"{bad}: not a .npy file (bad magic)" in proc.stderr
     assert not (cache / "manifest.json").exists()
-    ok = _run(["index", str(cache), "--skip-bad"], tmp_path, timeout_s=120)
+    ok = _run(["index", "--cache-dir", str(cache), "--skip-bad"], tmp_path, timeout_s=120)
     assert ok.returncode == 0 and "indexed 199 utterances" in ok.stdout
 
 
@@ -224,14 +224,14 @@ def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_mis
     mel[0, 0] = np.inf
     np.save(bad, mel)
     before = sorted(os.listdir(cache))
-    refused = _run(["pack", str(cache)], tmp_path, timeout_s=120)   # as index: bad files are an error by default
+    refused = _run(["pack", "--cache-dir", str(cache)], tmp_path, timeout_s=120)   # as index: bad files are an error by default
     assert refused.returncode == 1 and refused.stdout == "", refused.stderr[-2000:]
     assert [line for line in refused.stderr.splitlines() if not line.startswith("pack: ")] == [
         f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache",
         "1 bad files; pack not written (fix them, or pass --skip-bad to write it with their rows quarantined)"]
     assert sorted(os.listdir(cache)) == before                        # no pack, no temp file
     for mel_dtype in ("float32", "float16"):
-        proc = _run(["pack", str(cache), "--mel-dtype", mel_dtype, "--skip-bad"], tmp_path, timeout_s=120)
+        proc = _run(["pack", "--cache-dir", str(cache), "--mel-dtype", mel_dtype, "--skip-bad"], tmp_path, timeout_s=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         mb = PackLayout.of(manifest, mel_dtype).data_bytes / 1e6
         assert proc.stdout.splitlines() == [f"packed 12 utterances ({mb:.1f} MB, {mel_dtype} mels) -> "
@@ -241,7 +241,7 @@ def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_mis
         packed = open_pack(manifest, mel_dtype)                       # serves this cache, row 4 listed bad
         assert packed.header.mel_dtype == mel_dtype and list(packed.header.bad) == [4]
         packed.close()
-    gone = _run(["pack", str(tmp_path / "nocache")], tmp_path, timeout_s=120)
+    gone = _run(["pack", "--cache-dir", str(tmp_path / "nocache")], tmp_path, timeout_s=120)
     assert gone.returncode == 78 and "Traceback" not in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1 and gone.stderr.startswith(
         f"melfeed pack: {tmp_path / 'nocache'}"), gone.stderr

@@ -59,7 +59,7 @@ def _check_report(doc: dict[str, Any], systems: list[str], max_rate_only: tuple[
 @pytest.mark.timeout(400)
 def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--service-workers", "0", "--json", str(out))
+    proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--service-workers", "0", "-o", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive"] + (["melfeed-shm-p1"] if HAS_MODE else [])
@@ -89,7 +89,7 @@ def test_bench_smoke_reports_every_system_with_consistent_numbers(demo_cache: Pa
 def test_bench_smoke_with_tf_data_service(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench(tmp_path, "--smoke", "--cache-dir", str(demo_cache), "--no-transport", "--transports", "zmq,shm",
-                  "--json", str(out))
+                  "-o", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     systems = ["melfeed-zmq-p1", "tfdata-npc8", "naive", "tfdata-service-w1"] + (["melfeed-shm-p1"] if HAS_MODE else [])
@@ -108,10 +108,10 @@ def test_a_cache_without_one_full_batch_is_refused_before_any_trial(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
-    (["--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
+    (["--producer-counts", "two"], "--producer-counts: must be a comma-separated list of integers >= 1"),
     (["--transports", "udp"], "--transports: must be a comma-separated subset of zmq,shm,tcp"),
     (["--step-ms", "0"], "--step-ms: must be a comma-separated list of integers >= 1"),
-    (["--smoke", "--producers", "two"], "--producers: must be a comma-separated list of integers >= 1"),
+    (["--smoke", "--producer-counts", "two"], "--producer-counts: must be a comma-separated list of integers >= 1"),
 ])
 def test_bench_bad_flags_give_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, flags: list[str],
                                                    needle: str) -> None:
@@ -134,8 +134,8 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     cfg.write_text("buckets: {num_buckets: 2, batch_size: 16}\n", encoding="utf-8")
     out = tmp_path / "bench.json"
     proc = _bench(tmp_path, "--efficiency-only", "--efficiency-batches", "5", "--rounds", "1", "--warmup", "2",
-                  "--transports", "zmq", "--producers", "1", "--tfdata-parallel", "8", "--service-workers", "0",
-                  "--config", str(cfg), "--cache-dir", str(demo_cache), "--json", str(out), timeout_s=880)
+                  "--transports", "zmq", "--producer-counts", "1", "--tfdata-parallel", "8", "--service-workers", "0",
+                  "--config", str(cfg), "--cache-dir", str(demo_cache), "-o", str(out), timeout_s=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     section = json.loads(out.read_text())["feed_efficiency"]
     assert {t["system"] for t in section["trials"]} == {"melfeed-zmq-p1", "tfdata-npc8"}
@@ -163,10 +163,10 @@ def test_a_bench_stopped_mid_trial_leaves_no_child_behind(demo_cache: Path, tmp_
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     # A trial of a million batches: it cannot end by itself within the waits below, only be stopped.
     bench = subprocess.Popen([sys.executable, "-m", "melfeed", "bench", "--cache-dir", str(demo_cache),
-                              "--rounds", "1", "--step-ms", "5", "--producers", "1", "--tfdata-parallel", "8",
+                              "--rounds", "1", "--step-ms", "5", "--producer-counts", "1", "--tfdata-parallel", "8",
                               "--batches", "1000000", "--warmup", "3", "--mel-dtypes", "float32", "--transports", "shm",
                               "--no-transport", "--service-workers", "0", "--efficiency-batches", "0",
-                              "--json", str(tmp_path / "bench.json")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                              "-o", str(tmp_path / "bench.json")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     family: list[procs.Tracked] = []
     try:

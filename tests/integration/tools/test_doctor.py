@@ -44,7 +44,7 @@ def _doctor(tmp_path: Path, cache: Path, step: str, *extra: str, timeout_s: floa
 def test_slowed_producers_are_named_as_the_bottleneck_and_exit_3(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "doctor.json"
     proc = _doctor(tmp_path, demo_cache, "tests.steps:tiny_step", "--producers", "1", "--debug-delay-ms", "200",
-                   "--json", str(out))
+                   "-o", str(out))
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
     assert "bound by producers (cache read / assembly)" in proc.stdout
     assert f"reads the packed cache {demo_cache / 'melfeed-float32.pack'}, mapped)" in proc.stdout   # the demo comes packed
@@ -61,7 +61,7 @@ def test_slowed_producers_are_named_as_the_bottleneck_and_exit_3(demo_cache: Pat
 
 def test_slow_step_with_fast_producers_names_the_step_and_exits_0(demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "doctor.json"
-    proc = _doctor(tmp_path, demo_cache, "tests.steps:slow_step", "--producers", "2", "--json", str(out))
+    proc = _doctor(tmp_path, demo_cache, "tests.steps:slow_step", "--producers", "2", "-o", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "bound by the training step (the GPU is the bottleneck; data keeps up)" in proc.stdout
     report = json.loads(out.read_text())
@@ -93,8 +93,8 @@ def test_config_errors_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path
     (("--seconds-per-stage", "-1"), "--seconds-per-stage: must be a finite number > 0, got -1.0"),
     (("--seconds-per-stage", "1e300"), "--seconds-per-stage: must be <= 3600, got 1e+300"),
     (("--debug-delay-ms", "nan"), "argument --debug-delay-ms: must be a finite number >= 0, got 'nan' (see --help)"),
-    (("--json", "{tmp}"), "--json: is a directory; name a file to write, got '{tmp}'"),
-    (("--json", "{tmp}/missing/doctor.json"), "--json: directory {tmp}/missing does not exist, got "
+    (("-o", "{tmp}"), "--output: is a directory; name a file to write, got '{tmp}'"),
+    (("-o", "{tmp}/missing/doctor.json"), "--output: directory {tmp}/missing does not exist, got "
                                               "'{tmp}/missing/doctor.json'"),
 ])
 def test_bad_flags_are_refused_before_any_stage(demo_cache: Path, tmp_path: Path, extra: tuple[str, ...],
@@ -143,7 +143,7 @@ def _start_doctor(tmp_path: Path, cache: Path, seconds_per_stage: str) -> subpro
     # melfeed.producer.probe's cap of 100000 batches, which a fast cache reaches in seconds).
     return subprocess.Popen(_doctor_argv(tmp_path, cache, "tests.steps:tiny_step", "--producers", "1",
                                          "--seconds-per-stage", seconds_per_stage, "--debug-delay-ms", "10",
-                                         "--json", str(tmp_path / "doctor.json")),
+                                         "-o", str(tmp_path / "doctor.json")),
                             cwd=REPO, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -98,7 +98,7 @@ def write_corpus(root: Path, n_good: int = N_GOOD, seed: int = 7) -> Path:
 
 def _argv(corpus: Path, cache: Path, cfg: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "melfeed", "prepare", "--ljspeech", str(corpus),
-            "--cache", str(cache), "--config", str(cfg), *extra]
+            "--cache-dir", str(cache), "--config", str(cfg), *extra]
 
 
 _ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -190,7 +190,7 @@ def test_interrupted_runs_resume_to_the_same_bytes(corpus: Path, config_file: Pa
             proc.send_signal(sig)  # the parent only: it stops its workers itself
         _, err = proc.communicate(timeout=60)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 2 and "interrupted: run the same command again to resume" in err, err
+            assert proc.returncode == 143 and "interrupted: run the same command again to resume" in err, err
         return len(list((cache / "mels").glob("*.npy")))
 
     first = run_until(3, signal.SIGTERM)
@@ -213,14 +213,14 @@ def test_prepare_refuses_to_mix_features_into_a_cache(corpus: Path, prepared: tu
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
         f"melfeed prepare: features.hop_samples: cache {prepared[0]} was prepared with 256, "
-        "this config has 275; use another --cache or the same settings")
+        "this config has 275; use another --cache-dir or the same settings")
 
 
 def test_prepare_index_run_end_to_end(prepared: tuple[Path, object], tmp_path: Path) -> None:
     cache = prepared[0]
     before = (cache / "manifest.json").read_bytes()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    index = subprocess.run([sys.executable, "-m", "melfeed", "index", str(cache)], cwd=REPO,
+    index = subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=120)
     assert index.returncode == 0 and f"indexed {N_GOOD} utterances" in index.stdout, index.stderr
     assert (cache / "manifest.json").read_bytes() == before  # index keeps features and vocabulary
@@ -247,7 +247,7 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     np.save(user / "text_ids" / "utt2.npy", np.arange(1, 6, dtype=np.int64))  # int64 ids
     np.save(user / "mel_spec" / "lonely.npy", np.zeros((9, 80), np.float32))  # no tokens
     cache = tmp_path / "cache"
-    argv = [sys.executable, "-m", "melfeed", "index", str(cache),
+    argv = [sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache),
             "--mels", str(user / "mel_spec"), "--tokens", str(user / "text_ids")]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     refused = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -35,10 +35,10 @@ def _metrics_jsonl(path: Path) -> Path:
     (["consumer", "--cache-dir", "{tmp}", "--metrics-file", "{out}"], "consumer", "consumer.metrics_file"),
     (["consumer", "--cache-dir", "{tmp}", "--summary-json", "{out}"], "consumer", "--summary-json"),
     (["run", "--cache-dir", "{tmp}", "--summary-json", "{out}"], "run", "--summary-json"),
-    (["doctor", "--cache-dir", "{tmp}", "--json", "{out}"], "doctor", "--json"),
-    (["bench", "--json", "{out}"], "bench", "--json"),
-    (["audit", "{tmp}", "--json", "{out}"], "audit", "--json"),
-    (["audit", "{tmp}", "{tmp}", "--json", "{out}"], "audit", "--json"),
+    (["doctor", "--cache-dir", "{tmp}", "-o", "{out}"], "doctor", "--output"),
+    (["bench", "--output", "{out}"], "bench", "--output"),
+    (["audit", "{tmp}", "-o", "{out}"], "audit", "--output"),
+    (["audit", "{tmp}", "{tmp}", "-o", "{out}"], "audit", "--output"),
     (["report", "{metrics}", "-o", "{out}"], "report", "--output"),
 ])
 def test_a_link_planted_at_an_output_is_refused_and_the_file_it_points_to_is_untouched(
@@ -137,8 +137,8 @@ def test_a_cache_directory_another_user_made_is_refused_before_anything_is_writt
     corpus = tmp_path / "corpus"
     (corpus / "wavs").mkdir(parents=True)
     (corpus / "metadata.csv").write_text("")
-    argv = (["demo-data", str(theirs), "--utterances", "3"] if command == "demo-data"
-            else ["prepare", "--ljspeech", str(corpus), "--cache", str(theirs)])
+    argv = (["demo-data", "--cache-dir", str(theirs), "--utterances", "3"] if command == "demo-data"
+            else ["prepare", "--ljspeech", str(corpus), "--cache-dir", str(theirs)])
     assert refusal(run_cli(*argv), command) == (
         f"{theirs}: refusing to write the {'demo cache' if command == 'demo-data' else 'cache'}: belongs to uid "
         f"{MALLORY}, neither this user (0) nor root")

@@ -59,11 +59,11 @@ def test_an_unknown_transport_is_refused_naming_the_flag() -> None:
 
 
 def _flags(**over: Any) -> argparse.Namespace:
-    return argparse.Namespace(**({"smoke": False, "rounds": 1, "step_ms": "5", "producers": "1", "tfdata_parallel": "8",
+    return argparse.Namespace(**({"smoke": False, "rounds": 1, "step_ms": "5", "producer_counts": "1", "tfdata_parallel": "8",
                                   "batches": 5, "warmup": 1, "demo_utterances": 200, "transports": "zmq",
                                   "service_workers": 0, "efficiency_batches": 0, "efficiency_only": False,
                                   "transport_only": False, "no_transport": False, "mel_dtypes": "float32",
-                                  "trial_timeout_s": 300.0, "json": None} | over))
+                                  "trial_timeout_s": 300.0, "output": None} | over))
 
 
 @pytest.mark.parametrize(("over", "needle"), [
@@ -74,15 +74,15 @@ def _flags(**over: Any) -> argparse.Namespace:
     ({"transport_only": True, "no_transport": True}, "--transport-only: contradicts --no-transport: pick one"),
     ({"transport_only": True, "efficiency_only": True, "efficiency_batches": 5},
      "--transport-only: contradicts --efficiency-only: pick one"),
-    ({"json": "{tmp}"}, "--json: is a directory; name a file to write, got '{tmp}'"),
-    ({"json": "{tmp}/missing/b.json"}, "--json: directory {tmp}/missing does not exist"),
+    ({"output": "{tmp}"}, "--output: is a directory; name a file to write, got '{tmp}'"),
+    ({"output": "{tmp}/missing/b.json"}, "--output: directory {tmp}/missing does not exist"),
 ])
 def test_run_flags_are_refused_before_any_trial(tmp_path: Path, over: dict[str, Any], needle: str) -> None:
     over = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in over.items()}
     with pytest.raises(ConfigError) as info:
         command._settings(_flags(**over))
     assert str(info.value).startswith(needle.format(tmp=tmp_path)), str(info.value)
-    assert command._settings(_flags(json=str(tmp_path / "b.json"), service_workers=2))["service_workers"] == 2
+    assert command._settings(_flags(output=str(tmp_path / "b.json"), service_workers=2))["service_workers"] == 2
 
 
 def _alive(pid: int) -> bool:

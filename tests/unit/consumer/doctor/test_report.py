@@ -65,7 +65,7 @@ def test_stage_one_says_what_the_producer_read() -> None:
             ("/c/melfeed-float32.pack", "mapped", "reads the packed cache /c/melfeed-float32.pack, mapped)"),
             ("/c/melfeed-float32.pack", "preadv", "reads the packed cache /c/melfeed-float32.pack, preadv)"),
             ("/c/melfeed-float32.pack", None, "reads the packed cache /c/melfeed-float32.pack)"),   # an older probe
-            ("files", None, "reads the .npy files; `melfeed pack CACHE_DIR` makes a faster packed copy)")):
+            ("files", None, "reads the .npy files; `melfeed pack --cache-dir CACHE_DIR` makes a faster packed copy)")):
         report = _report(1)
         build = {**_BUILD, "reader": reader, "pack_read": read}
         report["stages"] = {**report["stages"], "build_1": [build]}  # type: ignore[dict-item]

@@ -50,7 +50,8 @@ def _answering(endpoint: str, reply: bytes) -> Iterator[None]:
 
 def _status(endpoint: str, reply: bytes, capsys: pytest.CaptureFixture[str], *, as_json: bool = False,
             ) -> tuple[int, str, str]:
-    args = argparse.Namespace(endpoint=endpoint, timeout_s=20.0, json=as_json, config=None, tf_config=None)
+    args = argparse.Namespace(endpoint=endpoint, timeout_s=20.0, json=as_json, output=None, config=None,
+                              tf_config=None)
     with _answering(endpoint, reply):
         rc = main_status(args)
     out, err = capsys.readouterr()
@@ -175,7 +176,7 @@ def test_whatever_passes_the_check_formats_without_an_exception_or_raw_control_c
 ])
 def test_bad_flags_are_refused_before_asking_anyone(flags: dict[str, Any], needle: str) -> None:
     from melfeed.shared.errors import ConfigError
-    args = argparse.Namespace(**{"endpoint": None, "timeout_s": 2.0, "json": False, "config": None,
+    args = argparse.Namespace(**{"endpoint": None, "timeout_s": 2.0, "json": False, "output": None, "config": None,
                                  "tf_config": None, **flags})
     with pytest.raises(ConfigError) as info:
         main_status(args)
@@ -190,7 +191,7 @@ def test_the_default_socket_in_a_runtime_directory_of_another_user_is_never_aske
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
-    args = argparse.Namespace(endpoint=None, timeout_s=20.0, json=False, config=None, tf_config=None)
+    args = argparse.Namespace(endpoint=None, timeout_s=20.0, json=False, output=None, config=None, tf_config=None)
     with _answering(f"ipc://{runtime}/melfeed-control.sock", json.dumps(metrics_snapshot(0.0)).encode()):
         assert main_status(args) == 0                                   # our own directory: answered
         if os.geteuid() == 0:

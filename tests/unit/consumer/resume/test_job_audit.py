@@ -59,7 +59,7 @@ def test_two_ranks_that_applied_their_shares_are_exact_and_the_json_has_each_ran
     assert [r.content_checked and r.ok and (r.rank, r.world) == (i, 2) for i, (_, r) in enumerate(job.ranks)] \
         == [True, True]
     out_json = tmp_path / "audit.json"
-    assert main_audit(argparse.Namespace(state_dir=dirs, json=str(out_json))) == 0
+    assert main_audit(argparse.Namespace(state_dir=dirs, json=False, output=str(out_json))) == 0
     doc = json.loads(out_json.read_text())
     assert doc["ok"] and doc["world"] == 2 and [r["rank"] for r in doc["ranks"]] == [0, 1]
     assert doc["total"]["expected"] == 2 * _STEPS and doc["total"]["lost"] == 0
@@ -131,7 +131,7 @@ def test_an_audit_log_that_is_not_a_file_is_one_line_naming_it(tmp_path: Path, k
     log.mkdir() if kind == "directory" else os.mkfifo(log)     # a FIFO would block a plain open for ever
     for dirs in ([str(state_dir)], [str(state_dir), str(state_dir)]):
         with pytest.raises(StateError) as info:
-            main_audit(argparse.Namespace(state_dir=dirs, json=None))
+            main_audit(argparse.Namespace(state_dir=dirs, json=False, output=None))
         assert str(info.value) == f"{log}: cannot read audit log: not a regular file ({kind})" and info.value.fatal
 
 
@@ -139,25 +139,25 @@ def test_a_run_json_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
     state_dir = _bare_state_dir(tmp_path)
     (state_dir / "run.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(StateError, match=f"^{state_dir / 'run.json'}: unreadable: JSON nested too deeply$"):
-        main_audit(argparse.Namespace(state_dir=[str(state_dir)], json=None))
+        main_audit(argparse.Namespace(state_dir=[str(state_dir)], json=False, output=None))
 
 
 @pytest.mark.parametrize(("where", "reason"), [("dir", "is a directory; name a file to write"),
                                                ("missing", "directory {tmp}/missing does not exist")])
-def test_a_json_path_that_cannot_be_written_is_refused_before_the_audit(tmp_path: Path, where: str,
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_audit(tmp_path: Path, where: str,
                                                                         reason: str) -> None:
     state_dir = _bare_state_dir(tmp_path)
     out = {"dir": tmp_path, "missing": tmp_path / "missing" / "a.json"}[where]
     for dirs in ([str(state_dir)], [str(state_dir), str(state_dir)]):
-        with pytest.raises(ConfigError, match="^--json: " + re.escape(reason.format(tmp=tmp_path))):
-            main_audit(argparse.Namespace(state_dir=dirs, json=str(out)))
+        with pytest.raises(ConfigError, match="^--output: " + re.escape(reason.format(tmp=tmp_path))):
+            main_audit(argparse.Namespace(state_dir=dirs, json=False, output=str(out)))
 
 
 def test_the_cli_gives_one_line_and_exit_78_for_an_unreadable_state_dir(tmp_path: Path) -> None:
     state_dir = _bare_state_dir(tmp_path)
     (state_dir / "audit.log").unlink()
     (state_dir / "audit.log").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "--json",
+    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "-o",
                            str(tmp_path / "a.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 78 and not (tmp_path / "a.json").exists()
     assert proc.stderr.splitlines() == [f"melfeed audit: {state_dir}/audit.log: cannot read audit log: "

@@ -136,7 +136,8 @@ def test_audit_command_prints_the_counts_and_fails_on_a_repeated_batch(tmp_path:
     for b in (0, 1, 2, 2, 3):
         state.record(b, [b], 1)
     state.close()
-    assert main_audit(argparse.Namespace(state_dir=str(tmp_path / "s"), json=str(tmp_path / "a.json"))) == 1
+    assert main_audit(argparse.Namespace(state_dir=str(tmp_path / "s"), json=False,
+                                         output=str(tmp_path / "a.json"))) == 1
     out = capsys.readouterr().out
     assert "lost 0 | duplicated 1 | out of order 1 | wrong content 0" in out and "FAILED" in out
     assert "plan content not checked" in out          # tmp_path holds no manifest: ids and order only

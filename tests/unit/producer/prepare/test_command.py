@@ -67,7 +67,7 @@ def test_a_cache_directory_that_cannot_be_made_is_one_cache_error(corpus: Path, 
 
 
 def test_the_cli_refuses_bad_flags_and_a_read_only_parent_in_one_line(corpus: Path, tmp_path: Path) -> None:
-    base = ("prepare", "--ljspeech", str(corpus), "--cache")
+    base = ("prepare", "--ljspeech", str(corpus), "--cache-dir")
     assert refusal(run_cli(*base, str(tmp_path / "c"), "--workers", "0"), "prepare").startswith("--workers: must be >= 1")
     assert refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "-5"), "prepare") == \
         "argument --debug-delay-ms: must be a finite number >= 0, got '-5' (see --help)"      # the parser's check

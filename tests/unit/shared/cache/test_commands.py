@@ -30,7 +30,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _index(cache: Path, progress_s: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", "index", str(cache)],
+    return subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
 
@@ -73,7 +73,7 @@ def _copy(cache: Path, to: Path) -> Path:
 @pytest.mark.parametrize("n_mels", ["0", "-5", "1025", "99999999999999999999"])
 def test_an_n_mels_no_cache_can_have_is_refused_as_the_flag_not_as_every_file(cache: Path, command: str,
                                                                               n_mels: str) -> None:
-    line = refusal(run_cli(command, str(cache), "--n-mels", n_mels), command)
+    line = refusal(run_cli(command, "--cache-dir", str(cache), "--n-mels", n_mels), command)
     assert line == f"--n-mels: must be in 1..1024 (mel bins per frame, as the config's n_mels), got {n_mels}"
 
 
@@ -85,18 +85,18 @@ def test_the_n_mels_bound_is_the_configs() -> None:
 
 
 def test_index_into_a_directory_it_cannot_create_or_write_is_one_line(cache: Path, tmp_path: Path) -> None:
-    line = refusal(run_cli("index", "/proc/melfeed-c", "--mels", str(cache / "mels"), "--tokens",
+    line = refusal(run_cli("index", "--cache-dir", "/proc/melfeed-c", "--mels", str(cache / "mels"), "--tokens",
                            str(cache / "tokens")), "index")
     assert line == "/proc/melfeed-c: cannot create the directory (No such file or directory)"
     in_the_way = _copy(cache, tmp_path / "dir")
     (in_the_way / "manifest.json").unlink(missing_ok=True)
     (in_the_way / "manifest.json").mkdir()
-    assert refusal(run_cli("index", str(in_the_way)), "index") == \
+    assert refusal(run_cli("index", "--cache-dir", str(in_the_way)), "index") == \
         f"{in_the_way}/manifest.json: cannot write (Is a directory)"
     read_only = _copy(cache, tmp_path / "ro")
     (read_only / "manifest.json").unlink(missing_ok=True)
     read_only.chmod(0o555)
-    assert refusal(run_cli("index", str(read_only), unprivileged=True), "index") == \
+    assert refusal(run_cli("index", "--cache-dir", str(read_only), unprivileged=True), "index") == \
         f"{read_only}/manifest.json: cannot write (Permission denied)"
     assert sorted(p.name for p in read_only.iterdir()) == sorted(p.name for p in cache.iterdir()
                                                                   if p.name != "manifest.json")
@@ -108,7 +108,7 @@ def test_a_mels_directory_that_cannot_be_read_is_one_line_and_exit_78(cache: Pat
     copy = _copy(cache, tmp_path / "c")
     (copy / "mels").chmod(0o000)
     try:
-        line = refusal(run_cli(command, str(copy), unprivileged=True), command)
+        line = refusal(run_cli(command, "--cache-dir", str(copy), unprivileged=True), command)
     finally:
         (copy / "mels").chmod(0o755)
     assert line == f"{copy}/mels: cannot read the directory (Permission denied)"
@@ -117,7 +117,7 @@ def test_a_mels_directory_that_cannot_be_read_is_one_line_and_exit_78(cache: Pat
 def test_a_manifest_nested_too_deeply_is_a_malformed_manifest(cache: Path, tmp_path: Path) -> None:
     copy = _copy(cache, tmp_path / "c")
     (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
-    verify = run_cli("verify-cache", str(copy))
+    verify = run_cli("verify-cache", "--cache-dir", str(copy))
     assert verify.returncode == 1 and "Traceback" not in verify.stderr, verify.stderr
     assert f"bad: {copy}/manifest.json: malformed manifest: nested too deeply" in verify.stdout.splitlines()
-    assert refusal(run_cli("pack", str(copy)), "pack") == f"{copy}/manifest.json: malformed manifest: nested too deeply"
+    assert refusal(run_cli("pack", "--cache-dir", str(copy)), "pack") == f"{copy}/manifest.json: malformed manifest: nested too deeply"

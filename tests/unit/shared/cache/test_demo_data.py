@@ -181,8 +181,8 @@ def test_a_demo_json_nested_too_deeply_is_rewritten(tmp_path: Path) -> None:
     assert write_demo_cache(tmp_path, 3, n_mels=8) == first
 
 
-@pytest.mark.parametrize("args, flag", [(["demo-data", "{d}", "--utterances", "0"], "--utterances"),
-                                        (["demo-data", "{d}", "--seed", "-1"], "--seed"),
+@pytest.mark.parametrize("args, flag", [(["demo-data", "--cache-dir", "{d}", "--utterances", "0"], "--utterances"),
+                                        (["demo-data", "--cache-dir", "{d}", "--seed", "-1"], "--seed"),
                                         (["run", "--demo", "--demo-utterances", "0"], "--demo-utterances"),
                                         (["doctor", "--demo", "--demo-utterances", "-5"], "--demo-utterances")])
 def test_the_cli_refuses_a_bad_count_or_seed_with_one_line(tmp_path: Path, args: list[str], flag: str) -> None:
@@ -194,7 +194,7 @@ def test_the_cli_refuses_a_bad_count_or_seed_with_one_line(tmp_path: Path, args:
 def test_the_cli_names_a_read_only_parent_with_the_os_reason(tmp_path: Path) -> None:
     parent = tmp_path / "ro"
     parent.mkdir(mode=0o555)
-    assert refusal(run_cli("demo-data", str(parent / "d"), "--utterances", "3", unprivileged=True),
+    assert refusal(run_cli("demo-data", "--cache-dir", str(parent / "d"), "--utterances", "3", unprivileged=True),
                    "demo-data") == f"{parent / 'd'}: cannot create the directory (Permission denied)"
     home = tmp_path / "home-file"
     home.write_text("")

@@ -84,7 +84,7 @@ def test_a_bad_declaration_is_one_line_naming_the_manifest_and_the_key_and_exits
         load_manifest(cache)
     text = str(err.value)
     assert "\n" not in text and text.startswith(str(cache / "manifest.json")) and f" {key}" in text
-    assert run_pipeline.main(["verify-cache", str(cache), "--n-mels", "8"]) == 1     # reported, then by header
+    assert run_pipeline.main(["verify-cache", "--cache-dir", str(cache), "--n-mels", "8"]) == 1     # reported, then by header
     assert f"{key}: " in capsys.readouterr().out
 
 
@@ -112,7 +112,7 @@ def test_index_adopts_extra_folders_with_a_declared_or_inferred_kind(cache: Path
     for i, u in enumerate(manifest.utterances):
         np.save(durations / f"{u.id}.npy", np.full(u.tokens, i, np.int32))
         np.save(refs / f"{u.id}.npy", np.zeros((i + 1, 2), np.float16))
-    code = run_pipeline.main(["index", str(cache), "--n-mels", "8", "--extra", f"duration={durations}",
+    code = run_pipeline.main(["index", "--cache-dir", str(cache), "--n-mels", "8", "--extra", f"duration={durations}",
                               "--extra", f"ref:sequence={refs}"])
     assert code == 0, capsys.readouterr().err
     out = capsys.readouterr().out
@@ -127,7 +127,7 @@ def test_index_adopts_extra_folders_with_a_declared_or_inferred_kind(cache: Path
 @pytest.mark.parametrize("arg", ["duration", "=dir", "Bad=dir", "x:per_frame=dir", "mel=dir"])
 def test_a_malformed_extra_argument_is_one_line_and_exits_78(cache: Path, arg: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_pipeline.main(["index", str(cache), "--n-mels", "8", "--extra", arg]) == 78
+    assert run_pipeline.main(["index", "--cache-dir", str(cache), "--n-mels", "8", "--extra", arg]) == 78
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--extra" in err[0]
 
@@ -136,10 +136,10 @@ def test_index_leaves_out_an_utterance_whose_extra_is_bad(cache: Path, capsys: p
     ids = [u.id for u in load_manifest(cache).utterances]
     np.save(cache / "extras" / "energy" / f"{ids[1]}.npy", np.zeros(3, np.float32))     # not one per frame
     (cache / "extras" / "speaker" / f"{ids[2]}.npy").unlink()
-    assert run_pipeline.main(["index", str(cache), "--n-mels", "8"]) == 1
+    assert run_pipeline.main(["index", "--cache-dir", str(cache), "--n-mels", "8"]) == 1
     err = capsys.readouterr().err
     assert f"energy/{ids[1]}.npy: frame extra has 3 rows" in err and f"speaker/{ids[2]}.npy: missing" in err
-    assert run_pipeline.main(["index", str(cache), "--n-mels", "8", "--skip-bad"]) == 0
+    assert run_pipeline.main(["index", "--cache-dir", str(cache), "--n-mels", "8", "--skip-bad"]) == 0
     assert [u.id for u in load_manifest(cache).utterances] == [ids[0], *ids[3:]]
 
 

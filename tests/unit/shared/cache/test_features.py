@@ -226,7 +226,7 @@ def test_a_token_id_beyond_model_vocab_size_is_refused_at_consumer_start_naming_
     with pytest.raises(ConfigError) as info, _opened_state(cfg, SINGLE_WORKER):   # run/consumer: before the feed
         pass
     assert str(info.value) == (f"model.vocab_size: must be > 312, the largest token id in {cache} (melfeed "
-                               f"verify-cache {cache} --vocab-size 256 names the files with ids >= 256), got 256")
+                               f"verify-cache --cache-dir {cache} --vocab-size 256 names the files with ids >= 256), got 256")
     assert load_manifest_for(cfg, feeds_model=False).token_range == (0, 312)  # a producer runs no model: not refused
     feed = Consumer(cfg)                                    # nor the library: the model is the caller's own
     feed.close()
@@ -256,7 +256,7 @@ def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
             assert load_manifest_for(cfg).token_range is None
     assert [r.getMessage() for r in caplog.records] == [
         f"token ids of cache {cache} not checked against model.vocab_size: its manifest was written before index "
-        f"recorded them; re-run `melfeed index {cache}` to check them (this changes the fingerprint: re-run "
+        f"recorded them; re-run `melfeed index --cache-dir {cache}` to check them (this changes the fingerprint: re-run "
         "pack too, and an interrupted run cannot resume across it)"]
     caplog.clear()
     write_manifest(build_manifest(cache, 80)[0])                # re-indexed: checked, and refused

@@ -131,7 +131,7 @@ def test_a_fifo_named_manifest_json_is_refused_not_read(cache: Path) -> None:
 
 
 def _cli(command: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", command, str(cache)],
+    return subprocess.run([sys.executable, "-m", "melfeed", command, "--cache-dir", str(cache)],
                           capture_output=True, text=True, cwd=REPO, timeout=_BOUND_S,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": ""})
 

@@ -252,7 +252,7 @@ def test_load_missing_manifest_says_how_to_fix(cache: Path) -> None:
     with pytest.raises(CacheError) as info:
         load_manifest(cache)
     assert str(info.value) == (
-        f"{cache / MANIFEST_NAME}: no manifest; run `melfeed index DIR` first")
+        f"{cache / MANIFEST_NAME}: no manifest; run `melfeed index --cache-dir DIR` first")
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])

@@ -162,7 +162,7 @@ def test_missing_or_empty_cache_dir_is_a_cache_error(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, progress_s: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", "verify-cache", *args],
+    return subprocess.run([sys.executable, "-m", "melfeed", "verify-cache", "--cache-dir", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
 
@@ -243,7 +243,7 @@ def test_the_vocab_size_flag_is_parsed_and_bounded_as_the_configs() -> None:
     from melfeed.shared.cache.commands import main_verify_cache
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.service.cli import build_parser
-    assert build_parser().parse_args(["verify-cache", "c", "--vocab-size", "64"]).vocab_size == 64
+    assert build_parser().parse_args(["verify-cache", "--cache-dir", "c", "--vocab-size", "64"]).vocab_size == 64
     with pytest.raises(ConfigError) as info:
         main_verify_cache(argparse.Namespace(cache_dir="c", n_mels=80, vocab_size=1))
     assert str(info.value) == ("--vocab-size: must be in 2..2147483647 (token ids below it, as the config's "

@@ -48,8 +48,13 @@ def test_without_demo_the_config_is_left_as_it_is(tmp_path: Path) -> None:
     (["run", "--steps", "x"], "melfeed run: argument --steps: invalid int value: 'x'"),
     (["deploy", "--producers", "two"], "melfeed deploy: argument --producers: invalid int value: 'two'"),
     (["bench", "--no-such-flag"], "melfeed: unrecognized arguments: --no-such-flag"),
-    (["launch"], "melfeed: argument command: invalid choice: 'launch'"),
-    ([], "melfeed: the following arguments are required: command"),
+    (["launch"], "melfeed: unknown command 'launch': the commands are run, consumer, producer, doctor"),
+    (["rnu"], "melfeed: unknown command 'rnu': did you mean 'run'?"),
+    (["verify-cahce"], "melfeed: unknown command 'verify-cahce': did you mean 'verify-cache'?"),
+    (["run", "--set", "consumer.steps"], "melfeed run: argument --set: must be KEY=VALUE (e.g. consumer.steps=100), "
+                                         "got 'consumer.steps'"),
+    (["doctor", "--set", "seed=[1"], "melfeed doctor: argument --set: seed: invalid YAML"),
+    (["config"], "melfeed config: the following arguments are required: ACTION"),
     (["run", "--demo-utterances", "300"], "melfeed run: argument --demo-utterances: needs --demo"),
     (["bench", "--smoke", "--demo-utterances", "5"], "melfeed bench: argument --demo-utterances: needs --demo"),
     (["producer", "--instance", "1", "--producers", "3"], "melfeed producer: argument --instance: runs one "
@@ -64,12 +69,14 @@ def test_a_bad_flag_is_one_line_naming_it_and_exit_78(argv: list[str], needle: s
 
 
 @pytest.mark.parametrize("argv", [
-    ["keys", ""], ["demo-data", " "], ["index", ""], ["verify-cache", ""], ["pack", ""], ["audit", "/s", ""],
-    ["index", "/c", "--mels", ""], ["prepare", "--ljspeech", "/l", "--cache", ""], ["report", "m.jsonl", "-o", ""],
+    ["keys", ""], ["demo-data", "--cache-dir", " "], ["index", "--cache-dir", ""], ["verify-cache", "--cache-dir", ""],
+    ["pack", "--cache-dir", ""], ["audit", "/s", ""], ["index", "--cache-dir", "/c", "--mels", ""],
+    ["prepare", "--ljspeech", "/l", "--cache-dir", ""], ["report", "m.jsonl", "-o", ""], ["audit", "/s", "-o", ""],
     ["deploy", "--producers", "1", "--user", "u", "--target-dir", ""], ["deploy", "--producers", "1", "--user", "u",
                                                                       "--prefix", ""],
     ["run", "--cache-dir", ""], ["consumer", "--config", ""], ["producer", "--tf-config", ""],
-    ["doctor", "--json", ""], ["bench", "--cache-dir", ""], ["status", "--config", ""],
+    ["doctor", "--output", ""], ["bench", "-o", ""], ["bench", "--cache-dir", ""], ["status", "--config", ""],
+    ["status", "-o", ""],
 ])
 def test_an_empty_path_argument_is_refused_before_it_can_mean_the_current_directory(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,7 +135,7 @@ def test_a_level_name_in_any_case_or_none_is_accepted(env: dict[str, str]) -> No
                                                ("1e300", "must be <= 3600000")])
 def test_a_debug_delay_that_no_sleep_can_take_is_refused_before_anything_starts(
         command: str, delay: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
-    extra = ["--ljspeech", "/x", "--cache", "/y"] if command == "prepare" else []
+    extra = ["--ljspeech", "/x", "--cache-dir", "/y"] if command == "prepare" else []
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args([command, *extra, "--debug-delay-ms", delay])
     assert stop.value.code == 78
@@ -163,8 +170,10 @@ def test_every_log_level_flag_defaults_as_its_help_says() -> None:
     import argparse
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    required = {"prepare": ["--ljspeech", "/x", "--cache", "/y"], "deploy": ["--producers", "1", "--user", "u"],
-                "report": ["m.jsonl", "-o", "m.png"]}
+    required = {"prepare": ["--ljspeech", "/x", "--cache-dir", "/y"], "deploy": ["--producers", "1", "--user", "u"],
+                "report": ["m.jsonl", "-o", "m.png"], "index": ["--cache-dir", "/c"], "pack": ["--cache-dir", "/c"],
+                "verify-cache": ["--cache-dir", "/c"], "demo-data": ["--cache-dir", "/c"], "audit": ["/s"],
+                "keys": ["/k"]}
     seen = []
     for name, sub in subparsers.choices.items():
         flag = next((a for a in sub._actions if "--log-level" in a.option_strings), None)
@@ -176,7 +185,7 @@ def test_every_log_level_flag_defaults_as_its_help_says() -> None:
             assert default == "WARNING" and "default: WARNING" in (flag.help or "")
         else:
             assert default is None and "$MELFEED_LOG_LEVEL" in (flag.help or ""), name
-    assert {"run", "consumer", "producer", "doctor", "prepare", "bench", "status"} <= set(seen)
+    assert {"run", "consumer", "producer", "doctor", "prepare", "bench", "status", "index", "audit"} <= set(seen)
 
 
 def test_every_commands_help_states_its_exit_codes() -> None:
