@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_checks import check_text
 from melfeed.shared.config_loader import load_config, with_overrides
 from melfeed.shared.errors import ConfigError
@@ -52,6 +53,7 @@ DEFAULT_STATE_DIR = "/var/lib/melfeed"      # a rank's: /var/lib/melfeed-rankR (
 _UNIT_SPECIAL = "%$\\\"';"                    # systemd's specifiers, variables, quoting and command separator
 _SOURCES = {"PYTHON": "--prefix", "WORK_DIR": "--work-dir", "CONFIG": "--config", "USER": "--user",
             "GROUP": "--group", "STATE_DIR": "--state-dir", "ENV_FILE": "--env-file", "RANK_ARGS": "--tf-config",
+            "SET_ARGS": "--set",
             "MODEL_GPU_ENV": "consumer.model_gpu", "DATA_GPU": "producer.data_gpu"}   # where each outside @KEY@ comes from
 
 
@@ -68,6 +70,11 @@ class DeployPlan:
     tf_config: Path | None = None           # absolute path the units pass to --tf-config; None = no rank
     place: WorkerPlace = SINGLE_WORKER      # the rank and world the file names (checked against --rank)
     producers_only: bool = False            # a producer host feeding a consumer elsewhere over tcp: no consumer unit
+    settings: tuple[str, ...] = ()          # --set KEY=VALUE as given, checked; passed to both units
+
+    def effective_config(self) -> PipelineConfig:
+        """The config the units run with: ``--config`` with every ``--set`` applied."""
+        return _with_settings(load_config(str(self.config)), self.settings)
 
     @property
     def suffix(self) -> str:
@@ -124,7 +131,8 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
             raise _fail("--group", "is not a group on this host", args.group) from None
     group = args.group or grp.getgrgid(user.pw_gid).gr_name
     config = resolve_path(args.config, ("--config",))
-    cfg = load_config(str(config))          # a broken config must fail now, not at the first start
+    settings = tuple(_unit_setting(text) for text in (getattr(args, "set", None) or ()))
+    cfg = _with_settings(load_config(str(config)), settings)   # a broken config must fail now, not at the first start
     if args.producers > 0:
         try:                                # the instances share the config's cap on producer.count
             with_overrides(cfg, {"producer.count": args.producers})
@@ -147,8 +155,33 @@ def plan_from_args(args: argparse.Namespace) -> DeployPlan:
     return DeployPlan(python, config, args.user, group, args.producers, state_dir,
                       _unit_path("--env-file", args.env_file),
                       work_dir=_unit_path("--work-dir", str(resolve_path(args.work_dir or os.getcwd(), ("--work-dir",)))),
-                      tf_config=tf_config, place=place,
+                      tf_config=tf_config, place=place, settings=settings,
                       producers_only=producers_only)
+
+
+def _with_settings(cfg: PipelineConfig, settings: tuple[str, ...]) -> PipelineConfig:
+    from melfeed.shared.service.cli.settings import with_settings   # the parser imports this module
+    return with_settings(cfg, [_parsed(text) for text in settings])
+
+
+def _parsed(text: str) -> tuple[str, object]:
+    from melfeed.shared.service.cli.options import setting
+    try:
+        return setting(text)
+    except argparse.ArgumentTypeError as err:
+        raise _fail("--set", str(err), text) from None
+
+
+def _unit_setting(text: str) -> str:
+    """One ``--set KEY=VALUE`` for a unit's command line: parsed as the other commands parse it, and refused by
+    name when systemd would split, expand or quote it (whitespace, ``%``, ``$``, quotes, backslash, ``;``)."""
+    _parsed(text)
+    check_text(text, ("--set",))
+    bad = sorted({ch for ch in text if ch.isspace() or ch in _UNIT_SPECIAL})
+    if bad:
+        raise _fail("--set", f"must not contain {' '.join(repr(ch) for ch in bad)} in a unit's command line: put "
+                             "this key in the config file", text)
+    return text
 
 
 def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace]:
@@ -168,18 +201,19 @@ def _place_from_args(args: argparse.Namespace) -> tuple[Path | None, WorkerPlace
 
 def render_units(plan: DeployPlan) -> dict[Path, str]:
     """Relative path -> text of every file ``deploy`` writes."""
-    cfg = load_config(str(plan.config))
+    cfg = plan.effective_config()
     sfx, place = plan.suffix, plan.place
     state_directive = (f"StateDirectory=melfeed{sfx}\nStateDirectoryMode=0750"
                        if plan.state_dir == DEFAULT_STATE_DIR + sfx else f"ReadWritePaths={plan.state_dir}")
     rank_args = "" if plan.tf_config is None else f" --tf-config {plan.tf_config} --rank {place.rank}"
+    set_args = "".join(f" --set {text}" for text in plan.settings)
     values = {"PYTHON": str(plan.python), "WORK_DIR": plan.work_dir, "CONFIG": str(plan.config), "USER": plan.user,
               "GROUP": plan.group, "STATE_DIR": plan.state_dir, "ENV_FILE": plan.env_file,
               "STATE_DIRECTIVE": state_directive,
               # null model_gpu: the environment's GPUs (no CUDA_VISIBLE_DEVICES; an empty one would hide them all)
               "MODEL_GPU_ENV": "" if cfg.consumer.model_gpu is None else f" CUDA_VISIBLE_DEVICES={cfg.consumer.model_gpu}",
               "DATA_GPU": cfg.producer.data_gpu, "NICE": str(cfg.producer.nice), "SUFFIX": sfx,
-              "RANK_ARGS": rank_args,
+              "RANK_ARGS": rank_args, "SET_ARGS": set_args,
               "RANK_TEXT": f", rank {place.rank} of {place.world}" if place.is_multi_worker else ""}
     for key, source in _SOURCES.items():   # whatever the source, no value may add a line to a unit
         check_text(values[key], (source,))
@@ -280,7 +314,7 @@ def _print_rank_notes(plan: DeployPlan) -> None:
     address = place.cluster[place.task_type][place.task_index]
     print(f"rank {place.rank} of {place.world} ({plan.tf_config}: task {place.task_type}:{place.task_index}); "
           f"its TensorFlow server listens on {address}: open that port to the other workers only")
-    cfg = load_config(str(plan.config))
+    cfg = plan.effective_config()
     environ = {"RUNTIME_DIRECTORY": f"/run/melfeed{plan.suffix}"}          # what systemd gives both units
     control = resolve_control_endpoint(with_rank_defaults(cfg, place, environ, create_dir=False), environ,
                                        create_dir=False)

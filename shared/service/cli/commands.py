@@ -161,6 +161,9 @@ def _deploy(p: argparse.ArgumentParser) -> None:
     c = g["common"]
     c.add_argument("--config", type=path, default=str(DEPLOY_DIR / "example.yaml"), metavar="FILE",
                    help="YAML config the services read (must set cache_dir)")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="set one config key after --config, checked now and passed to both units' command lines "
+                        "(repeatable; a value systemd would split or expand belongs in the config file)")
     add_log_level(c)
     c.add_argument("--user", required=True, help="service user (owns the socket and state directories)")
     c.add_argument("--group", help="service group (default: the user's primary group)")

@@ -298,3 +298,16 @@ def test_a_null_model_gpu_renders_no_cuda_visible_devices_so_the_consumer_sees_t
     assert "Environment=PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2\n" in consumer
     assert f"WorkingDirectory={tmp_path}\n" in consumer
     assert "CUDA_VISIBLE_DEVICES=1" in (tmp_path / "units" / "producer@.service").read_text()
+
+
+def test_set_is_checked_now_and_passed_to_both_units_command_lines(tmp_path: Path) -> None:
+    run = _deploy(tmp_path, "--producers", "1", "--set", "consumer.ring_slots=4", "--set", "seed=7")
+    assert run.returncode == 0, run.stderr
+    for unit in ("consumer.service", "producer@.service"):
+        execs = [line for line in (tmp_path / "units" / unit).read_text().splitlines() if line.startswith("ExecStart=")]
+        assert execs[0].endswith(" --set consumer.ring_slots=4 --set seed=7"), execs
+    bad = _deploy(tmp_path, "--producers", "1", "--set", "consumer.ring_slots=2")     # the schema refuses 2
+    assert bad.returncode == 78 and bad.stderr.startswith("melfeed deploy: consumer.ring_slots: "), bad.stderr
+    split = _deploy(tmp_path, "--producers", "1", "--set", "model.step=my model:step")
+    assert split.returncode == 78 and "put this key in the config file" in split.stderr, split.stderr
+    assert len(split.stderr.strip().splitlines()) == 1
