@@ -131,7 +131,7 @@ class TfHandOff:
             buf = self._slot_buffer(batch.slot)
             if batch.arrays["mel"].ctypes.data == buf.ctypes.data and buf.nbytes >= layout.nbytes:
                 return buf[:layout.nbytes], 0
-        region = aligned_empty(layout.nbytes, np.uint8)
+        region: npt.NDArray[np.uint8] = aligned_empty(layout.nbytes, np.uint8)   # type: ignore[assignment]
         for name, (offset, shape, dtype) in layout.arrays.items():
             n = int(np.prod(shape)) * dtype.itemsize
             region[offset:offset + n] = np.ascontiguousarray(batch.arrays[name], dtype).reshape(-1).view(np.uint8)

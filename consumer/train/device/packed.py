@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class PackedSteps:
         self.layouts = list(layouts)
         program, _, _ = compiled.program_for(0)
         self.accumulators = Accumulators(_output_names(program), device)
-        self._programs: dict[int, Callable[..., Any]] = {}
+        self._programs: dict[int, Any] = {}   # bucket -> concrete function
         self.dispatched = 0
 
     @classmethod
@@ -92,7 +92,7 @@ class PackedSteps:
         """The step factory's name (``model.step``), for error messages."""
         return str(self._compiled.factory)
 
-    def program(self, bucket: int) -> Callable[..., Any]:
+    def program(self, bucket: int) -> Any:
         """The concrete function of ``bucket`` (traced on first use): ``(region uint8[nbytes][, rows]) -> ()``."""
         found = self._programs.get(bucket)
         if found is not None:
