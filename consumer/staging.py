@@ -92,6 +92,7 @@ class Completed(Generic[R]):
     batch: Batch
     result: R
     step_s: float            # host seconds dispatching the step plus waiting for it to complete
+    dispatched_s: float      # time.perf_counter() when its dispatch began (periods between dispatches)
     host_copies: int         # Staged.host_copies
     rows: int                # real rows, real and padded frames: read while the slot was held
     real_frames: int
@@ -107,6 +108,7 @@ class _InFlight(Generic[V, O]):
     dispatched: bool = False
     slot_freed: bool = False
     step_s: float = 0.0
+    dispatched_s: float = 0.0
 
 
 class Stager(Generic[V, O, R]):
@@ -184,7 +186,7 @@ class Stager(Generic[V, O, R]):
                 return
 
     def _dispatch(self, f: _InFlight[V, O]) -> None:
-        t0 = time.perf_counter()
+        t0 = f.dispatched_s = time.perf_counter()
         f.outputs = self.handoff.step(f.batch, f.staged.value)
         f.dispatched = True
         f.step_s += time.perf_counter() - t0
@@ -200,7 +202,7 @@ class Stager(Generic[V, O, R]):
         if not f.slot_freed:
             f.slot_freed = True
             self.consumer.free_slot(f.batch)
-        return Completed(f.batch, result, f.step_s, f.staged.host_copies, *f.figures)
+        return Completed(f.batch, result, f.step_s, f.dispatched_s, f.staged.host_copies, *f.figures)
 
     def _free_copied(self, window: deque[_InFlight[V, O]]) -> None:
         """Free the slots whose batches the device has copied (never those a step may still read)."""

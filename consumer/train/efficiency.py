@@ -1,7 +1,7 @@
 """The resident-batch limit of the compiled step: the denominator of feed efficiency.
 
-Role: after warm-up, time the compiled step on one batch per bucket that is already resident on the
-step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
+Role: after warm-up, time the loop's own programs (``PackedSteps``, consumer/train/device/packed.py) on one
+batch region per bucket that is already resident on the step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``melfeed.shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
@@ -9,7 +9,7 @@ Method, per bucket: one untimed step, then ``steps_per_bucket`` steps in up to `
 consecutive steps. Each block is dispatched back to back with one host read of its last step's outputs
 (the steps chain through the variables, so that read waits for all of them): its seconds per step =
 elapsed / steps, the statistic of the fed figure (steps over wall time), so the ratio compares like
-with like on either device. The figure is the median of the blocks' means: a burst of another process
+with like on either device; the block's read is ``Accumulators.read``, the loop's own interval read. The figure is the median of the blocks' means: a burst of another process
 that lands in one block is left out (one burst in a short measurement made the figure 1.3 on a loaded
 machine), while slow steps that recur in every block still count, as they do in the fed mean. (A median
 of steps timed alone would leave those out too, and feed efficiency would err low.) On a GPU a read per
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays", "resident_vocab"]
+__all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays", "resident_region", "resident_vocab"]
 
 log = logging.getLogger(__name__)
 
@@ -78,28 +78,37 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
     return {**base, **extras}
 
 
-def _time_back_to_back(compiled: Any, bucket: int, batch: Mapping[str, Any], steps: int) -> float:
-    from melfeed.consumer.train.outputs import read_outputs
+def _time_back_to_back(packed: Any, bucket: int, region: Any, steps: int) -> float:
     blocks = min(_BLOCKS, steps)
     means = []
     for block in range(blocks):
         n = steps // blocks + (block < steps % blocks)
         t0 = time.perf_counter()
         for _ in range(n):
-            outputs = compiled.run(bucket, batch)
-        read_outputs(outputs)              # the block's only host wait: every step before it has finished
+            packed.run(bucket, region)
+        packed.accumulators.read()         # the block's only host wait: every step before it has finished
         means.append((time.perf_counter() - t0) / n)
     return float(statistics.median(means))
 
 
-def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+def resident_region(layout: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``arrays`` laid out in one uint8 region of ``layout`` (a ``RegionLayout``), as a slot holds them."""
+    region = np.zeros(layout.nbytes, np.uint8)
+    for name, (offset, _, dtype) in layout.arrays.items():
+        raw = np.ascontiguousarray(arrays[name], dtype).reshape(-1).view(np.uint8)
+        region[offset:offset + raw.size] = raw
+    return region
+
+
+def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
                            steps_per_bucket: int, vocab_size: int,
                            bucket_dtypes: Sequence[Mapping[str, str]] | None = None) -> ResidentLimit:
-    """Time ``compiled`` (a warmed-up ``CompiledStep``) on a resident batch of every bucket.
+    """Time ``packed`` (a warmed-up ``PackedSteps``: the programs the loop runs) on a resident batch of every bucket.
 
     Args:
-        compiled: the step, after ``warm_up()``; its ``run(bucket, batch)`` is called.
-        variables: everything the step may change (``step.variables()``); restored exactly afterwards.
+        packed: the one-region programs, after ``warm_up()``; its ``run(bucket, region)`` is called.
+        variables: everything the step may change (``step.variables()``); restored exactly afterwards, and the
+            output accumulators reset.
         bucket_shapes: one dict of shapes per bucket, in bucket order.
         steps_per_bucket: timed steps per bucket (>= 1).
         vocab_size: token ids of the resident batch stay below it (the loop passes the cache's largest id + 1).
@@ -107,12 +116,11 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
 
     Raises:
         ValueError: ``steps_per_bucket`` < 1. StepError: the step fails on a resident batch (a TensorFlow op
-            error, one line naming ``compiled.factory``); anything else it raises as is (variables restored first).
+            error, one line naming ``packed.factory``); anything else it raises as is (variables restored first).
     """
     import tensorflow as tf
 
     from melfeed.consumer.train.jit import describe_tf_error
-    from melfeed.consumer.train.outputs import read_outputs
     from melfeed.shared.errors import StepError
 
     if steps_per_bucket < 1:
@@ -122,18 +130,20 @@ def measure_resident_limit(compiled: Any, variables: Sequence[Any], bucket_shape
     step_s = []
     try:
         for bucket, shapes in enumerate(bucket_shapes):
+            arrays = resident_arrays(shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)
             # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
-            batch = {k: tf.identity(tf.constant(v)) for k, v in resident_arrays(
-                shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None).items()}
-            read_outputs(compiled.run(bucket, batch))            # untimed: first call on this batch
-            step_s.append(_time_back_to_back(compiled, bucket, batch, steps_per_bucket))
+            region = tf.identity(tf.constant(resident_region(packed.layouts[bucket], arrays)))
+            packed.run(bucket, region)                            # untimed: first call on this batch
+            packed.accumulators.read()
+            step_s.append(_time_back_to_back(packed, bucket, region, steps_per_bucket))
     except tf.errors.OpError as err:     # the user's step on a batch it never saw in warm-up: one line
-        raise StepError(compiled.factory, "the step fails on the resident batch of the feed-efficiency measure (full-"
+        raise StepError(packed.factory, "the step fails on the resident batch of the feed-efficiency measure (full-"
                         f"length rows, token ids 1..{max(1, vocab_size - 1)}; consumer.feed_efficiency_steps: 0 skips "
                         f"it): {describe_tf_error(err)}") from err
     finally:
         for var, value in zip(variables, saved):
             var.assign(value)
+        packed.accumulators.reset()
     limit = ResidentLimit(tuple(step_s), steps_per_bucket, time.perf_counter() - started)
     log.info("resident-batch limit: %s ms per step by bucket (%d steps each, %.1f s)",
              [round(1000 * s, 2) for s in limit.step_s], steps_per_bucket, limit.measure_s)

@@ -1,19 +1,21 @@
-"""TensorFlow's hand-off for the ``Stager`` (consumer/staging.py): slot -> tensors, the compiled step, its scalars.
+"""TensorFlow's hand-off for the ``Stager`` (consumer/staging.py): slot -> one uint8 tensor -> the packed step.
 
 Role: ``TfHandOff`` supplies the four operations the framework-neutral stager needs for the built-in
-loop. ``put`` wraps the slot's arrays with DLPack (``to_tensors``: zero copy, 64-byte aligned) and,
-when the step runs on a GPU, starts the host->device copy there (``tf.identity`` under ``tf.device``),
-while the previous step is still running on the device. ``step`` dispatches ``CompiledStep.run`` (the
-one call the replica path also goes through); ``wait`` reads the step's named scalars to the host.
+loop. ``put`` wraps the batch's byte region of its slot as ONE uint8 tensor with DLPack (zero copy) and,
+when the step runs on a GPU, copies it there (``tf.identity`` under ``tf.device``: one host->device copy
+per batch, into device memory because the dtype is uint8). ``step`` dispatches the bucket's packed program
+(consumer/train/device/packed.py), which cuts the region into the arrays and accumulates the named outputs
+on the device; ``wait`` reads nothing: the loop reads the accumulators once per interval
+(docs/ARCHITECTURE.md "The TensorFlow hand-off": which stream each copy runs on and what waits for what).
 Invariants:
-    * The slot is never freed before the step that reads it completed (``Staged.copied`` is None):
-      on the CPU the tensors alias the slot; on a GPU TensorFlow offers no event for the end of the
-      staging copy, so the slot is held until that step's outputs were read, which is safe whatever
-      the copy does (the ring keeps ``consumer.ring_slots - stage_depth`` slots for producers).
-    * A step that fails while training (a TensorFlow op error: an assertion, an id outside an embedding)
-      raises ``StepError``, one line naming ``model.step``, the op and the user's line (exit 1).
-    * On the CPU (no GPU visible) eager execution is synchronous: a step has completed when ``run``
-      returns (``is_done`` True), so its slot is freed at once and the loop holds one slot.
+    * On the CPU the region tensor aliases the slot: ``Staged.copied`` is None, the slot is freed when
+      the step completed, which is when its dispatch returned (eager execution on the CPU is synchronous).
+    * On a GPU the eager copy has completed when ``put`` returns (``TensorHandle::CopyToDevice`` waits for
+      it in synchronous eager mode, which ``TfHandOff`` asserts): ``Staged.copied`` is True at once and
+      the stager frees the slot before the step runs; nothing reads the slot after ``put``.
+    * ``transfers`` counts the tensors handed to the device: one per batch.
+    * A step that fails while training (a TensorFlow op error) raises ``StepError``, one line naming
+      ``model.step``, the op and the user's line (exit 1); on a GPU it surfaces at the next host read.
     * ``on_step(n)`` runs right after the n-th step was dispatched, its slot still held (``bench``
       models device time there).
 ``to_tensors`` (DLPack where safe, a copy otherwise) and ``aligned_empty`` (aligned arrays for tests and
@@ -33,9 +35,9 @@ import tensorflow as tf
 
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged
+from melfeed.consumer.train.device.accumulators import IntervalRead
+from melfeed.consumer.train.device.packed import PackedSteps
 from melfeed.consumer.train.jit import describe_tf_error
-from melfeed.consumer.train.outputs import read_outputs
-from melfeed.consumer.train.step import CompiledStep
 from melfeed.shared.errors import StepError
 from melfeed.shared.wire.layout import ALIGN_BYTES
 
@@ -44,14 +46,15 @@ __all__ = ["StepResult", "TfHandOff", "aligned_empty", "model_device", "to_tenso
 log = logging.getLogger(__name__)
 
 _Tensors = dict[str, tf.Tensor]
+SlotBuffer = Callable[[int], npt.NDArray[np.uint8]]   # ``BatchRing.memory.buffer``: a slot's aligned bytes
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """A completed step: its outputs as TensorFlow returned them, and the same named scalars as floats."""
+    """A dispatched step: its number (1-based) and where its outputs accumulate (nothing is read per step)."""
 
+    number: int
     raw: _Tensors
-    outputs: dict[str, float]
 
 
 def model_device() -> str | None:
@@ -60,52 +63,88 @@ def model_device() -> str | None:
     return gpus[0].name if gpus else None
 
 
+def _is_gpu(device: str | None) -> bool:
+    return device is not None and tf.DeviceSpec.from_string(device).device_type == "GPU"
+
+
 class TfHandOff:
-    """``HandOff`` of ``CompiledStep``: DLPack in, a copy to ``device`` if given, named scalars out.
+    """``HandOff`` of ``PackedSteps``: the slot's region in (one tensor), outputs accumulated on the device.
 
     Args:
-        compiled: the step, compiled per bucket (``warm_up`` done).
-        device: a GPU to stage batches on (``model_device()``); None = the CPU, synchronous.
+        packed: the packed programs (``warm_up`` done).
+        device: the GPU to copy regions to (``model_device()``); None (or a CPU) = wrap only, synchronous.
         on_step: called with the number of steps dispatched so far, right after each dispatch.
+        slot_buffer: a slot's whole buffer (``consumer.ring.memory.buffer``); a batch whose arrays do not lie
+            in it (or without one) is packed into a fresh region, one host copy.
     """
 
-    def __init__(self, compiled: CompiledStep, device: str | None,
-                 on_step: Callable[[int], None] | None = None) -> None:
-        self._compiled = compiled
-        self._device = device
+    def __init__(self, packed: PackedSteps, device: str | None, on_step: Callable[[int], None] | None = None,
+                 slot_buffer: SlotBuffer | None = None) -> None:
+        self._packed = packed
+        self._device = device if _is_gpu(device) else None
+        if self._device is not None and not tf.config.experimental.get_synchronous_execution():
+            raise RuntimeError("the TensorFlow hand-off frees a slot when its copy returned: that needs synchronous "
+                               "eager execution (tf.config.experimental.set_synchronous_execution(True))")
         self._on_step = on_step
+        self._slot_buffer = slot_buffer
         self.dispatched = 0
+        self.transfers = 0               # tensors handed to the device (one per batch)
 
-    def put(self, batch: Batch) -> Staged[_Tensors]:
-        tensors, copies = to_tensors(batch.arrays)
-        if self._device is not None:
-            with tf.device(self._device):
-                tensors = {name: tf.identity(t) for name, t in tensors.items()}
-        return Staged(tensors, copied=None, host_copies=copies)
+    def put(self, batch: Batch) -> Staged[tf.Tensor]:
+        region, copies = self._region(batch)
+        tensor = tf.experimental.dlpack.from_dlpack(region.__dlpack__())
+        self.transfers += 1
+        if self._device is None:
+            return Staged(tensor, copied=None, host_copies=copies)
+        with tf.device(self._device):
+            tensor = tf.identity(tensor)   # returns once the copy completed (synchronous eager)
+        return Staged(tensor, copied=_already_copied, host_copies=copies)
 
-    def step(self, batch: Batch, value: _Tensors) -> _Tensors:
+    def step(self, batch: Batch, value: tf.Tensor) -> StepResult:
         try:
-            raw = self._compiled.run(batch.bucket, value, rows=batch.rows)
+            self._packed.run(batch.bucket, value, rows=batch.rows)
         except tf.errors.OpError as err:     # on the CPU the step runs here: its failure, in one line
             raise self._failed(err, f" on batch {batch.batch_id}") from err
         self.dispatched += 1
         if self._on_step is not None:
             self._on_step(self.dispatched)
-        return raw
+        return StepResult(self.dispatched, {"outputs": self._packed.accumulators.variables[0]})
 
-    def is_done(self, outputs: _Tensors) -> bool:
+    def is_done(self, outputs: StepResult) -> bool:
         return self._device is None
 
-    def wait(self, outputs: _Tensors) -> StepResult:
+    def wait(self, outputs: StepResult) -> StepResult:
+        return outputs                       # no host read per step: Accumulators.read, once per interval
+
+    def read(self) -> IntervalRead:
+        """The interval's accumulated outputs (``Accumulators.read``: the one host read; a step's failure
+        on a GPU is seen here, as ``StepError``)."""
         try:
-            return StepResult(outputs, read_outputs(outputs))   # the first read is the host sync
-        except tf.errors.OpError as err:     # on a GPU a failing step is seen here
+            return self._packed.accumulators.read()
+        except tf.errors.OpError as err:
             raise self._failed(err, "") from err
+
+    def _region(self, batch: Batch) -> tuple[npt.NDArray[np.uint8], int]:
+        """The batch's byte region of its slot (no copy), else its arrays packed into an aligned one (1 copy)."""
+        layout = self._packed.layouts[batch.bucket]
+        if self._slot_buffer is not None:
+            buf = self._slot_buffer(batch.slot)
+            if batch.arrays["mel"].ctypes.data == buf.ctypes.data and buf.nbytes >= layout.nbytes:
+                return buf[:layout.nbytes], 0
+        region: npt.NDArray[np.uint8] = aligned_empty(layout.nbytes, np.uint8)   # type: ignore[assignment]
+        for name, (offset, shape, dtype) in layout.arrays.items():
+            n = int(np.prod(shape)) * dtype.itemsize
+            region[offset:offset + n] = np.ascontiguousarray(batch.arrays[name], dtype).reshape(-1).view(np.uint8)
+        return region, 1
 
     def _failed(self, err: tf.errors.OpError, where: str) -> StepError:
         """The step's TensorFlow error as one line (the op, the user's line, the reason); the TensorFlow error is
         its ``__cause__`` (a multi-worker job's guard reads a lost peer there, consumer/job/cluster.py)."""
-        return StepError(self._compiled.factory, f"the step failed{where}: {describe_tf_error(err)}")
+        return StepError(self._packed.factory, f"the step failed{where}: {describe_tf_error(err)}")
+
+
+def _already_copied() -> bool:
+    return True
 
 
 def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,

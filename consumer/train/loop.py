@@ -1,13 +1,16 @@
 """The built-in training loop: compiled step over the consumer's batches, status line, summary.
 
 Order at start: bind and start receiving (producers fill the ring meanwhile), compile every bucket
-shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``), then train through a
-``Stager`` (consumer/staging.py) with the TensorFlow hand-off (consumer/train/handoff.py): each slot is
-wrapped with DLPack (no copy), on a GPU copied to it while the previous step runs, and stepped; up to
-``consumer.stage_depth`` batches are in flight. The loop sees each step when it has completed (on a GPU
-one step late, so the host never waits on the device with nothing queued): its named scalars, the
-audit record and, when due, a checkpoint; the stager lets the steps in flight complete before a step is
-dispatched past a checkpoint. Step time = host time dispatching the step plus waiting for it.
+shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``; then the one-region programs,
+``PackedSteps.warm_up``), then train through a ``Stager`` (consumer/staging.py) with the TensorFlow hand-off
+(consumer/train/handoff.py): each batch's slot region is one uint8 tensor (DLPack, no copy; on a GPU one
+copy), cut into arrays inside the program; up to ``consumer.stage_depth`` batches are in flight. The named
+outputs accumulate on the device and are read only at each status interval, before each checkpoint and at
+the end (one device drain each): the status line's means, the NaN/inf warning (one line per read in which
+the loss turned non-finite), telemetry's loss and the summary's first/final outputs come from those reads.
+Per step the loop writes the audit record and, when due, a checkpoint; the stager lets the steps in flight
+complete before a step is dispatched past a checkpoint. Step time = the period between consecutive
+dispatches less the wait for the batch (no per-step host read).
 Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
 Feed efficiency = fed steps/s / steps/s of the same step on resident batches of the same buckets: the
 limit is measured after warm-up (``consumer.feed_efficiency_steps``; consumer/train/efficiency.py, which
@@ -15,7 +18,7 @@ leaves every variable as it found it) and each applied batch carries its bucket'
 A factory that raises or returns no step, a step that cannot be compiled (``StepError``) or breaks the
 output contract (``ConfigError``) ends the run before READY; a step that fails while training (``StepError``:
 the op and the user's line) ends it without a final checkpoint (a restart resumes from the newest). Either
-way the summary is still written, with ``error`` set. A loss that turns NaN/inf is one WARNING per turn.
+way the summary is still written, with ``error`` set.
 Too many quarantined rows among those trained (``producer.max_quarantined_fraction``,
 consumer/train/quarantine.py) stop the run as SIGTERM does (the steps in flight complete, final
 checkpoint, summary with ``error``), then ``DataError``.
@@ -50,6 +53,7 @@ from melfeed.shared.service.sdnotify import Notifier
 if TYPE_CHECKING:
     from melfeed.consumer.job.cluster import Job
     from melfeed.consumer.observe.telemetry import Telemetry
+    from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.efficiency import ResidentLimit
     from melfeed.consumer.train.step import CompiledStep
 
@@ -156,6 +160,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
            summary_path: str | None, state: RunState | None, notifier: Notifier | None,
            telemetry: Telemetry | None, on_step: Callable[[int], None] | None, job: Job | None) -> TrainSummary:
     from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
+    from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
@@ -175,7 +180,9 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
         out.jit_compile, out.jit_reason = compiled.mode, compiled.choice.reason if compiled.choice else None
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
-        limit = _resident_limit(cfg, compiled, step_fn, consumer, out)
+        packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
+        out.compile_s += packed.warm_up(step_fn.variables())
+        limit = _resident_limit(cfg, packed, step_fn, consumer, out)
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
@@ -196,32 +203,36 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                         f"producers alive {producers_alive}")
         if telemetry is not None:
             telemetry.set_phase(PHASE_WAITING)
-            telemetry.publish_if_due(out.steps, loss_v, compiled.compiles_after_ready)
+            telemetry.publish_if_due(out.steps, meter.last_loss, compiled.compiles_after_ready)
+
+    def read_outputs() -> None:         # the host read of the interval (one device drain), never per step
+        read = handoff.read()
+        if meter.add_read(read):        # one line per read in which the loss turned NaN/inf
+            log.warning("loss turned NaN/inf at step %s (%d of %d steps since the last read): the model of %s may "
+                        "have diverged; training goes on", read.first_turn_step, read.nonfinite_steps, read.steps,
+                        cfg.model.step)
 
     meter = LoopMeter(cfg.consumer.metrics_window_s)
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
-    loss_v = math.nan
-    outputs: dict[str, float] = {}
     copies = 0
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
-    stager = Stager(consumer, TfHandOff(compiled, model_device(), on_step), cfg.consumer.stage_depth)
+    last_dispatch_s = 0.0
+    handoff = TfHandOff(packed, model_device(), on_step, slot_buffer=consumer.ring.memory.buffer)
+    stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
     with _summary_on_failure(out, summary_path), closing(stager.run(stop, on_wait, drain)) as completed:
         for done in completed:                  # a failing body: in-flight steps settle in closing()
             step_t1 = time.perf_counter()
-            batch, outputs = done.batch, done.result.outputs
-            loss_v = outputs["loss"]
-            if meter.outputs.add(outputs):      # the loss turned NaN/inf: one line per turn, not per step
-                log.warning("loss %s at batch %d (step %d): the model of %s may have diverged; training goes on",
-                            loss_v, batch.batch_id, out.steps + 1, cfg.model.step)
+            batch = done.batch
             copies += done.host_copies
             payload_copies += batch.copies
             out.steps += 1
-            log.debug("applied batch %d loss %r", batch.batch_id, loss_v)   # the job's loss on every rank
+            log.debug("applied batch %d", batch.batch_id)
             if state is not None:
                 state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
                 if state.due():
+                    read_outputs()              # the checkpoint drains the device anyway
                     state.checkpoint(items, consumer.epoch, final=False)   # a failure: WARNING, retried
             if ceiling.add(batch.sample_ids, batch.quarantined, utterance_ids=batch.utterance_ids,
                            note=batch.quarantine_note):   # the orderly stop: steps in flight complete, checkpoint
@@ -229,15 +240,17 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                 stop.set()
             if out.time_to_first_step_s is None:
                 out.time_to_first_step_s = time.time() - process_start_s
-                out.first_loss = loss_v if math.isfinite(loss_v) else None
                 out.devices = compiled.devices or step_devices(done.result.raw)
             if out.steps == cfg.consumer.warmup_steps + 1:
                 meter.t0 = time.perf_counter()
                 meter.wait0 = consumer.wait_s_total
+            wait_s = consumer.wait_s_total - meter.wait_seen
+            # the period since the previous dispatch, less the wait for this batch (no host read per step)
+            period_s = max(0.0, done.dispatched_s - last_dispatch_s - wait_s) if last_dispatch_s else done.step_s
+            last_dispatch_s = done.dispatched_s
             if out.steps > cfg.consumer.warmup_steps:
-                record = StepRecord(step_t1, consumer.wait_s_total - meter.wait_seen, done.step_s, done.rows,
-                                    done.real_frames, done.padded_frames, consumer.queue_depth(),
-                                    limit.step_s[batch.bucket] if limit is not None else None)
+                record = StepRecord(step_t1, wait_s, period_s, done.rows, done.real_frames, done.padded_frames,
+                                    consumer.queue_depth(), limit.step_s[batch.bucket] if limit is not None else None)
                 meter.add(record)
                 if telemetry is not None:
                     telemetry.add(record)
@@ -245,13 +258,15 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
             out.samples += done.rows
             notifier.watchdog()
             if time.monotonic() >= next_status_s:
+                read_outputs()
                 gpus = format_gpus(telemetry.gpus()) if telemetry is not None else ""
                 means = meter.outputs.take()
                 notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
                 if telemetry is not None:
                     telemetry.set_phase(PHASE_TRAINING)
-                    telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, outputs=means)
+                    telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, outputs=means)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
+        read_outputs()                          # the end: the last interval's outputs (drains the device)
     if consumer.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
         log.error("%s", ceiling.message())
     out.interrupted = stop.is_set() and not consumer.finished and not ceiling.tripped
@@ -263,9 +278,10 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     out.quarantined_samples = ceiling.quarantined
     if ceiling.tripped:
         out.error = ceiling.message(state.next_batch if state is not None else None, resumable=state is not None)
-    _finish(out, meter, consumer, compiled.compiles_after_ready, outputs, copies + payload_copies)
+    out.first_loss = meter.first_loss
+    _finish(out, meter, consumer, compiled.compiles_after_ready, meter.last_outputs, copies + payload_copies)
     if telemetry is not None:
-        telemetry.publish(out.steps, loss_v, compiled.compiles_after_ready, phase=PHASE_DONE,
+        telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE,
                           outputs=meter.outputs.take())
     if summary_path:
         out.write(summary_path)
@@ -311,14 +327,15 @@ def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator
         raise
 
 
-def _resident_limit(cfg: PipelineConfig, compiled: CompiledStep, step_fn: Any, consumer: Consumer,
+def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer,
                     out: TrainSummary) -> ResidentLimit | None:
-    """The resident-batch limit (``consumer.feed_efficiency_steps`` per bucket; None when 0)."""
+    """The resident-batch limit of the programs the loop runs (``consumer.feed_efficiency_steps`` per bucket;
+    None when 0)."""
     from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
     buckets, vocab = consumer.bucket_set.buckets, resident_vocab(consumer.manifest.token_range, cfg.model.vocab_size)
-    limit = measure_resident_limit(compiled, step_fn.variables(), [b.shapes() for b in buckets],
+    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in buckets],
                                    cfg.consumer.feed_efficiency_steps, vocab, [b.dtypes() for b in buckets])
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s

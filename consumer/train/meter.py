@@ -5,7 +5,8 @@ and keeps the live window of the status line: the same ``melfeed.shared.metrics.
 over the same ``consumer.metrics_window_s``, as the metrics snapshot (consumer/observe/telemetry.py),
 so the status line and ``melfeed status`` agree on batches/s, samples/s and stall %.
 ``OutputMeans`` averages the steps' named scalars (``consumer/train/outputs.py``) per status
-interval; the status line, the snapshot, Prometheus and ``melfeed status`` show those means.
+interval from the sums the device accumulated; the status line, the snapshot, Prometheus and
+``melfeed status`` show those means.
 Invariants: rates come only from ``StepWindow.figures`` (the span the records cover, their wait and
 step time included), never from counters divided by time since the last line: with slow steps that
 divided a batch by the microseconds since it ended (it printed 3930 batches/s for 0.5).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Protocol
 
 from melfeed.shared.metrics import StepRecord, StepWindow, WindowFigures
 
@@ -25,28 +27,42 @@ __all__ = ["LoopMeter", "OutputMeans", "format_outputs", "format_status_line"]
 _SUMMARY_RECORDS = 100_000   # newest step times kept for the summary's percentiles (~5 MB)
 
 
-class OutputMeans:
-    """Per-name means of the named scalars since the last ``take()``.
+class IntervalFigures(Protocol):
+    """One host read of the device's accumulated outputs (``IntervalRead``, consumer/train/device/accumulators.py)."""
 
-    A name missing from some steps is averaged over the steps that had it. A non-finite value
-    makes that name's mean NaN for the interval (the snapshot shows null): it is news, not noise.
+    @property
+    def steps(self) -> int: ...
+    @property
+    def sums(self) -> dict[str, float]: ...
+    @property
+    def last(self) -> dict[str, float]: ...
+    @property
+    def first(self) -> dict[str, float]: ...
+    @property
+    def turns(self) -> int: ...
+
+
+class OutputMeans:
+    """Per-name means of the named scalars since the last ``take()``, from the device's interval sums.
+
+    The step accumulates its outputs on the device (consumer/train/device/accumulators.py); the loop reads
+    them at status intervals, checkpoints and the end and adds each read here with ``add_sums``. A
+    non-finite value makes that name's mean NaN for the interval (the snapshot shows null): it is news,
+    not noise.
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._last: dict[str, float] = {}
-        self._loss_was_finite = True
 
-    def add(self, values: Mapping[str, float]) -> bool:
-        """One step's named scalars; True when its ``loss`` is not finite and the step before's was (or this is
-        the first step): the loop warns once per turn (the model may have diverged), not on every step after."""
-        for name, value in values.items():
+    def add_sums(self, sums: Mapping[str, float], steps: int) -> None:
+        """One read: per-name sums over ``steps`` steps (0: nothing was dispatched since the last read)."""
+        if steps <= 0:
+            return
+        for name, value in sums.items():
             self._sums[name] = self._sums.get(name, 0.0) + float(value)
-            self._counts[name] = self._counts.get(name, 0) + 1
-        is_finite = math.isfinite(values.get("loss", 0.0))
-        turned, self._loss_was_finite = self._loss_was_finite and not is_finite, is_finite
-        return turned
+            self._counts[name] = self._counts.get(name, 0) + steps
 
     def take(self) -> dict[str, float]:
         """Means of the interval that ends now (``loss`` first); the previous means if no step came."""
@@ -81,6 +97,25 @@ class LoopMeter:
         self.steps = StepWindow(window_s=math.inf, max_records=_SUMMARY_RECORDS)
         self.live = StepWindow(window_s=window_s)
         self.outputs = OutputMeans()
+        self.reads = 0                      # host reads of the accumulated outputs
+        self.last_outputs: dict[str, float] = {}   # the newest step's named scalars, as of the newest read
+        self.first_loss: float | None = None        # the first step's loss if finite (the first read's first value)
+        self._first_seen = False
+
+    @property
+    def last_loss(self) -> float:
+        return self.last_outputs.get("loss", math.nan)
+
+    def add_read(self, read: IntervalFigures) -> bool:
+        """Fold one read into the interval's means; True when the loss turned NaN/inf in it (warn once)."""
+        self.reads += 1
+        self.outputs.add_sums(read.sums, read.steps)
+        if read.steps:
+            self.last_outputs = dict(read.last)
+            if not self._first_seen:
+                first = read.first.get("loss", math.nan)
+                self.first_loss, self._first_seen = (first if math.isfinite(first) else None), True
+        return read.turns > 0
 
     def add(self, record: StepRecord) -> None:
         """One applied batch after warm-up."""

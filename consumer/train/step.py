@@ -25,9 +25,8 @@ Invariants:
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
 when the program is first needed; ``run`` calls it directly, which skips the per-call signature
 matching of a ``tf.function`` (about half the dispatch cost, docs/BENCHMARKS.md "Step dispatch").
-On a GPU the program runs on the model GPU and ``run`` returns once the step is enqueued; a DLPack
-tensor made here lives in host memory, so the staging of the next batch (consumer/train/handoff.py)
-copies it to the GPU while this step runs. On the CPU ``run`` returns when the step has finished.
+The built-in loop calls each program inside a packed one (``program_for``; consumer/train/device/packed.py)
+that takes the batch as one uint8 region; ``run`` takes the arrays as tensors (tests, probes, replicas).
 Shutdown: nothing to release; programs and tensors are freed with this object.
 """
 
@@ -200,6 +199,10 @@ class CompiledStep:
     def choice(self) -> JitChoice | None:
         """What ``warm_up()`` decided and why (None before it ran)."""
         return self._choice
+
+    def program_for(self, bucket: int) -> tuple[Callable[..., dict[str, tf.Tensor]], tuple[str, ...], bool]:
+        """``bucket``'s program, the batch keys it takes in order, and whether an int32 ``rows`` follows them."""
+        return self._program(self._bucket_keys[bucket]), (*_ARG_ORDER, *self._passed), bool(self._row_inputs)
 
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))

@@ -9,6 +9,9 @@ still owns; ``retire(slot)`` (receiver thread only, on a LEASED slot whose batch
 unlinks the slot's file and maps a fresh one with generation + 1, so a zombie producer that wakes
 up writes into orphaned memory. Mappings are never ``close()``d: numpy views (a step's DLPack
 tensor, a user's ``Batch``) may still point into them; dropping our reference lets them go.
+Pinning: with a CUDA device, every slot mapping is page-locked (``cudaHostRegister``,
+consumer/transport/pinning.py) when it is made and unregistered before our reference goes (``retire``,
+``close``), so a host->device copy from a slot is a direct DMA; without one nothing is pinned (one INFO line).
 Crash safety: ``clean_stale`` removes files of consumers that are no longer alive (every consumer at start;
 bench and doctor for a trial or probe they ran, once it is gone).
 Shutdown: ``close()`` is idempotent.
@@ -25,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from melfeed.consumer.transport.pinning import HostPinner, host_pinner
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.config import TransportConfig
 from melfeed.shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
@@ -87,8 +91,10 @@ class ShmSlots:
         OSError: a file could not be created or its pages reserved (files made so far are removed).
     """
 
-    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, epoch: int) -> None:
+    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, epoch: int,
+                 pinner: HostPinner | None = None) -> None:
         self.directory = directory
+        self.pinner = pinner if pinner is not None else host_pinner()
         self.slot_nbytes = slot_nbytes
         self.n_slots = n_slots
         self._prefix = f"melfeed-{os.getpid()}-{epoch}"
@@ -127,6 +133,7 @@ class ShmSlots:
     def retire(self, slot: int) -> None:
         """Orphan the slot's file (a producer may still write into it) and map a new generation."""
         self._unlink(slot)
+        self._unpin(slot)                       # a LEASED slot: no copy reads it
         self._gens[slot] += 1
         self._buffers[slot] = None              # views elsewhere keep the old mapping alive; never close it
         self.retired += 1
@@ -147,6 +154,12 @@ class ShmSlots:
         self._closed = True
         for slot in range(self.n_slots):
             self._unlink(slot)
+            self._unpin(slot)
+
+    def _unpin(self, slot: int) -> None:
+        buf = self._buffers[slot]
+        if buf is not None and slot not in self._private:
+            self.pinner.unpin(buf)
 
     def _create(self, slot: int) -> npt.NDArray[np.uint8]:
         path = self.directory / self.name(slot)
@@ -161,7 +174,9 @@ class ShmSlots:
             raise
         finally:
             os.close(fd)
-        return np.frombuffer(mem, dtype=np.uint8)
+        buf = np.frombuffer(mem, dtype=np.uint8)
+        self.pinner.pin(buf)
+        return buf
 
     def _unlink(self, slot: int) -> None:
         try:

@@ -12,6 +12,9 @@ ordering bug this guards against), ends with other variables.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ from melfeed.consumer.train.handoff import TfHandOff
 from melfeed.consumer.train.loop import train
 from melfeed.shared.config_loader import load_config
 from tests import procs
+from tests.conftest import REPO
 from tests.slot_poison import scribble_on_release
 
 _STEPS = 40
@@ -85,3 +89,30 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     for name in ("clean", "poisoned"):
         rc, doc, text = procs.run_audit(tmp_path / name, tmp_path)
         assert rc == 0 and doc["applied"] == _STEPS, text
+
+
+def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_before_the_step(
+        demo_cache: Path, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/r.sock"
+    configs = {name: procs.write_config(tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS,
+                                        producer={"count": 2}, consumer={"replicas": 2},
+                                        buckets={"num_buckets": 1, "batch_size": 16},
+                                        model={"step": "tests.steps:replica_tiny_step"})
+               for name in ("clean", "poisoned", "early")}
+    producers = procs.start("producer", configs["clean"], tmp_path / "producers.log")
+    runs = {}
+    try:
+        for name, config in configs.items():
+            proc = subprocess.run([sys.executable, "-m", "tests.integration.train.poison_replicas", str(config), name],
+                                  cwd=REPO, env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        procs.stop(producers)
+    assert runs["clean"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    assert runs["poisoned"]["steps"] == _STEPS and runs["poisoned"]["overwritten"] >= _STEPS
+    clean, poisoned, early = (_final_variables(tmp_path / name) for name in ("clean", "poisoned", "early"))
+    assert int(clean["iterations"]) == _STEPS
+    for name in clean:
+        assert np.array_equal(clean[name], poisoned[name]), name
+    assert not np.array_equal(clean["w"], early["w"])          # the hook bites on replicas too

@@ -1,4 +1,4 @@
-"""``TfHandOff`` on the CPU: the slot is wrapped, never declared copied, and a step is done when ``run`` returns."""
+"""``TfHandOff`` on the CPU: the slot region is wrapped, never declared copied, a step is done when it returns."""
 
 from __future__ import annotations
 
@@ -8,19 +8,25 @@ import tensorflow as tf
 
 from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.handout import Batch
+from melfeed.consumer.train.device.packed import PackedSteps
 from melfeed.consumer.train.handoff import TfHandOff, model_device
 from melfeed.consumer.train.model import StepSpec
 from melfeed.consumer.train.step import CompiledStep
-from melfeed.consumer.train.handoff import aligned_empty
 from melfeed.shared.errors import StepError
+from melfeed.shared.wire.buckets import Bucket
+from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_views
 from tests.steps import _TinyStep, tiny_step
 
 N_MELS = 8
 SHAPES = {"mel": (2, 8, N_MELS), "mel_len": (2,), "tokens": (2, 4), "tok_len": (2,)}
 
 
+BUCKET = Bucket(0, 2, 8, 4, N_MELS)
+_SLOT = aligned_buffer(4096)
+
+
 def _slot_batch() -> Batch:
-    arrays = {name: aligned_empty(shape, np.float32 if name == "mel" else np.int32) for name, shape in SHAPES.items()}
+    arrays = layout_views(_SLOT, 0, batch_layout(BUCKET))
     arrays["mel"][:] = 1.0
     arrays["mel_len"][:] = 8
     arrays["tokens"][:] = 1
@@ -28,22 +34,28 @@ def _slot_batch() -> Batch:
     return Batch(PlannedBatch(0, 0, 0, (0, 1)), arrays, slot=0)
 
 
-def test_the_cpu_hand_off_aliases_the_slot_until_the_step_completed_and_reads_the_scalars_after() -> None:
+def _handoff(step: object, factory: str = "step", on_step: object = None) -> TfHandOff:
+    compiled = CompiledStep(step, [SHAPES], jit_compile=False, factory=factory)   # type: ignore[arg-type]
+    compiled.warm_up()
+    packed = PackedSteps.for_buckets(compiled, [BUCKET], None)
+    packed.warm_up(step.variables())   # type: ignore[attr-defined]
+    return TfHandOff(packed, None, on_step=on_step, slot_buffer=lambda slot: _SLOT)   # type: ignore[arg-type]
+
+
+def test_the_cpu_hand_off_aliases_the_slot_until_the_step_completed_and_reads_nothing_per_step() -> None:
     assert model_device() is None                       # this machine has no GPU: the CPU path
     spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=[SHAPES])
-    compiled = CompiledStep(tiny_step(spec), [SHAPES], jit_compile=False)
-    compiled.warm_up()
     steps_seen: list[int] = []
-    handoff = TfHandOff(compiled, None, on_step=steps_seen.append)
+    handoff = _handoff(tiny_step(spec), on_step=steps_seen.append)
     batch = _slot_batch()
     staged = handoff.put(batch)
     assert staged.copied is None and staged.host_copies == 0   # the slot stays held until the step completed
-    batch.arrays["mel"][0, 0, 0] = 5.0                  # zero copy: the staged tensor shows the slot's bytes
-    assert float(staged.value["mel"][0, 0, 0]) == 5.0
-    raw = handoff.step(batch, staged.value)
-    assert handoff.is_done(raw) and steps_seen == [1]
-    result = handoff.wait(raw)
-    assert list(result.outputs) == ["loss"] and result.outputs["loss"] > 0 and result.raw is raw
+    batch.arrays["mel"][0, 0, 0] = 5.0                  # zero copy: the staged region shows the slot's bytes
+    assert staged.value.dtype == tf.uint8 and staged.value.numpy()[:4].view(np.float32)[0] == 5.0
+    done = handoff.step(batch, staged.value)
+    assert handoff.is_done(done) and steps_seen == [1] and handoff.wait(done).number == 1
+    read = handoff.read()                               # the interval's outputs, read once
+    assert read.steps == 1 and list(read.last) == ["loss"] and read.last["loss"] > 0
 
 
 class _LoudStep(_TinyStep):
@@ -54,9 +66,7 @@ class _LoudStep(_TinyStep):
 
 def test_a_step_that_fails_while_training_is_one_line_naming_the_batch_op_and_the_users_line() -> None:
     spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=[SHAPES])
-    compiled = CompiledStep(_LoudStep(spec), [SHAPES], jit_compile=False, factory="mine:loud")
-    compiled.warm_up()                                  # zeros pass the assertion
-    handoff = TfHandOff(compiled, None)
+    handoff = _handoff(_LoudStep(spec), factory="mine:loud")   # zeros pass the assertion
     batch = _slot_batch()
     batch.arrays["mel"][:] = 5.0
     with pytest.raises(StepError) as info:

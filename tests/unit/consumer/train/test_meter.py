@@ -13,23 +13,16 @@ from melfeed.shared.metrics import StepRecord
 def test_means_are_per_interval_and_per_name_and_survive_an_empty_interval() -> None:
     means = OutputMeans()
     assert means.take() == {}
-    means.add({"mel_l1": 1.0, "loss": 3.0})
-    means.add({"loss": 5.0, "mel_l1": 2.0, "stop_bce": 0.5})   # a name only some steps report
-    assert list(means.take().items()) == [("loss", 4.0), ("mel_l1", 1.5), ("stop_bce", 0.5)]
-    assert means.take() == {"loss": 4.0, "mel_l1": 1.5, "stop_bce": 0.5}  # no step since: the last means
-    means.add({"loss": 1.0})
-    means.add({"loss": float("nan")})
+    means.add_sums({"mel_l1": 1.0, "loss": 3.0}, 1)             # a read of one step, then one of two
+    means.add_sums({"loss": 5.0, "mel_l1": 4.0}, 2)
+    assert list(means.take().items()) == [("loss", 8.0 / 3), ("mel_l1", 5.0 / 3)]
+    means.add_sums({"loss": 9.0}, 0)                             # an empty read changes nothing
+    assert means.take() == {"loss": 8.0 / 3, "mel_l1": 5.0 / 3}  # no step since: the last means
+    means.add_sums({"loss": float("nan")}, 2)
     taken = means.take()
     assert list(taken) == ["loss"] and math.isnan(taken["loss"])
     assert means.latest() is not means.latest() and math.isnan(means.latest()["loss"])
 
-
-
-def test_add_says_when_the_loss_turns_non_finite_once_per_turn() -> None:
-    means = OutputMeans()
-    turns = [means.add({"loss": v}) for v in (1.0, math.nan, math.nan, math.inf, 2.0, math.nan)]
-    assert turns == [False, True, False, False, False, True]     # diverged, stays so, recovers, diverges again
-    assert OutputMeans().add({"loss": math.nan})                  # a first step that is already NaN
 
 def test_format_outputs_shows_every_name() -> None:
     assert format_outputs({"loss": 0.91234, "mel_l1": 0.5, "stop_bce": float("nan")}) == \
