@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,17 +59,21 @@ def load_nvml(nvml: Any = None) -> Any | None:
     return module
 
 
-def resolve_gpus(nvml: Any, selectors: list[str] | None) -> list[NvmlGpu]:
-    """The GPUs ``selectors`` name (None: every GPU NVML reports), in their order, each once (by UUID)."""
+def resolve_gpus(nvml: Any, selectors: list[str] | None, *, quiet: bool = False) -> list[NvmlGpu]:
+    """The GPUs ``selectors`` name (None: every GPU NVML reports), in their order, each once (by UUID).
+
+    ``quiet``: what is skipped is logged at DEBUG (a probe before the sampler, which then says it once).
+    """
+    info, warning = (log.debug, log.debug) if quiet else (log.info, log.warning)
     count = int(nvml.nvmlDeviceGetCount())
     wanted = [str(i) for i in range(count)] if selectors is None else selectors
     if mig := [s for s in wanted if s.startswith("MIG-")]:
-        log.info("gpu metrics n/a for %s: %s", ",".join(mig), _MIG_HINT)
+        info("gpu metrics n/a for %s: %s", ",".join(mig), _MIG_HINT)
     opened: dict[int, NvmlGpu | None] = {}
 
     def by_index(index: int) -> NvmlGpu | None:
         if index not in opened:
-            opened[index] = _open_index(nvml, index)
+            opened[index] = _open_index(nvml, index, warning)
         return opened[index]
 
     found: dict[str, NvmlGpu] = {}
@@ -79,7 +84,7 @@ def resolve_gpus(nvml: Any, selectors: list[str] | None) -> list[NvmlGpu]:
             gpu = next((g for i in range(count) if (g := by_index(i)) is not None and g.uuid.startswith(selector)),
                        None)
             if gpu is None:
-                log.warning("gpu %s not sampled: NVML lists no GPU with that UUID", selector)
+                warning("gpu %s not sampled: NVML lists no GPU with that UUID", selector)
         else:
             gpu = None
         if gpu is not None:
@@ -87,13 +92,13 @@ def resolve_gpus(nvml: Any, selectors: list[str] | None) -> list[NvmlGpu]:
     return list(found.values())
 
 
-def _open_index(nvml: Any, index: int) -> NvmlGpu | None:
+def _open_index(nvml: Any, index: int, warning: Callable[..., None]) -> NvmlGpu | None:
     """NVML's GPU ``index``; None with one WARNING when NVML cannot open it."""
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         return NvmlGpu(_text(nvml.nvmlDeviceGetUUID(handle)), index, _text(nvml.nvmlDeviceGetName(handle)), handle)
     except Exception as err:  # noqa: BLE001 - one inaccessible GPU must not hide the others
-        log.warning("gpu %d not sampled: NVML cannot open it (%s)", index, err)
+        warning("gpu %d not sampled: NVML cannot open it (%s)", index, err)
         return None
 
 

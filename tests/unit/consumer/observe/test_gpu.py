@@ -4,55 +4,10 @@ does with MIG selectors and a GPU NVML cannot open."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-
 import pytest
 
 from melfeed.consumer.observe.gpu import GpuSampler, format_gpus, resolve_gpus
-
-
-class _NvmlError(Exception):
-    pass
-
-
-class FakeNvml:
-    """The part of pynvml the sampler calls: GPUs by NVML index (PCI bus order), some of them inaccessible."""
-
-    def __init__(self, uuids: list[str], names: list[str] | None = None, broken: tuple[int, ...] = (),
-                 power: bool = True) -> None:
-        self.uuids, self.names, self.broken, self.power = uuids, names or ["NVIDIA H100"] * len(uuids), broken, power
-        self.shut = False
-
-    def nvmlInit(self) -> None:
-        pass
-
-    def nvmlShutdown(self) -> None:
-        self.shut = True
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.uuids)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        if index in self.broken or index >= len(self.uuids):
-            raise _NvmlError("Insufficient Permissions" if index in self.broken else "Invalid Argument")
-        return index
-
-    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
-        return self.uuids[handle].encode()     # older pynvml returns bytes
-
-    def nvmlDeviceGetName(self, handle: int) -> str:
-        return self.names[handle]
-
-    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
-        return SimpleNamespace(gpu=40 + handle, memory=0)
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
-        return SimpleNamespace(used=2**30, total=2**32, free=0)
-
-    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
-        if not self.power:
-            raise _NvmlError("Not Supported")
-        return 150_000
+from tests.fakes import FakeNvml, NvmlError as _NvmlError
 
 
 _UUIDS = ["GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222"]
