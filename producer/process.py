@@ -44,7 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from melfeed.shared.config_loader import load_config
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
-    from melfeed.shared.gpu_select import gpu_env
     from melfeed.shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     parent = os.environ.get(PARENT_PID_ENV, "")
@@ -64,6 +63,7 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     every few seconds, WATCHDOG from the worker loop (which turns at least every heartbeat).
     """
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.gpu_select import gpu_env
     from melfeed.shared.service.lifecycle import stop_on_signals
     from melfeed.shared.service.priority import lower_cpu_priority
     from melfeed.shared.service.sdnotify import Notifier
