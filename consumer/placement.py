@@ -1,4 +1,5 @@
-"""Which GPU(s) the consumer's TensorFlow sees and how much memory it takes; the XLA compilation cache.
+"""Which GPU(s) the consumer's TensorFlow sees and how much memory it takes; the XLA cache flag (its directory:
+``consumer/xla_cache.py``).
 
 Everything here that sets the environment must run before TensorFlow is first imported in the process:
 CUDA reads ``CUDA_VISIBLE_DEVICES`` and XLA reads ``TF_XLA_FLAGS`` once, at import. ``run`` and
@@ -13,57 +14,34 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
-from pathlib import Path
 from typing import Any
 
-from melfeed.consumer.resume.filemode import make_private_dir
+from melfeed.consumer.xla_cache import (XLA_CACHE_FLAG, active_xla_cache_dir, prepare_xla_cache, xla_cache_dir,
+                                      xla_cache_namespace, xla_cache_warm)
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError
-from melfeed.shared.filetrust import untrusted_reason
-from melfeed.shared.flag_checks import resolve_path
+from melfeed.shared.gpu_select import DEVICE_ORDER, gpu_env
 
-__all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "configure_memory", "placement_env",
-           "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
+__all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "check_model_gpus", "configure_memory",
+           "placement_env", "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
 
 log = logging.getLogger(__name__)
 
-XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
-_XLA_CACHE_SUBDIR = "xla-cache"
 
-
-def xla_cache_dir(cfg: PipelineConfig) -> Path | None:
-    """``consumer.xla_cache_dir``, else ``<state_dir>/xla-cache``; None without either (no cache)."""
-    if cfg.consumer.xla_cache_dir is not None:
-        return resolve_path(cfg.consumer.xla_cache_dir, ("consumer", "xla_cache_dir"))
-    if cfg.consumer.state_dir is not None:
-        return resolve_path(Path(cfg.consumer.state_dir) / _XLA_CACHE_SUBDIR, ("consumer", "state_dir"))
-    return None
-
-
-def active_xla_cache_dir(environ: Mapping[str, str] | None = None) -> Path | None:
-    """The cache directory TensorFlow in this process uses (from ``TF_XLA_FLAGS``), None without one."""
-    environ = os.environ if environ is None else environ
-    for flag in environ.get("TF_XLA_FLAGS", "").split():
-        if flag.startswith(XLA_CACHE_FLAG + "="):
-            return Path(flag.split("=", 1)[1])
-    return None
-
-
-def xla_cache_warm(cache_dir: Path | None) -> bool | None:
-    """Whether the cache already holds compiled programs (None: no cache)."""
-    if cache_dir is None:
-        return None
-    return cache_dir.is_dir() and any(cache_dir.glob("*.pb"))
-
-
-def placement_env(cfg: PipelineConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables to set (pure): the model GPU(s) and the cache flag, merged into ``environ``'s."""
+def placement_env(cfg: PipelineConfig, environ: Mapping[str, str], cache_namespace: str | None = None
+                  ) -> dict[str, str]:
+    """The variables to set (pure): the model GPU(s) in PCI bus order and the cache flag, merged into
+    ``environ``'s. Without ``consumer.model_gpu`` an inherited ``CUDA_VISIBLE_DEVICES`` stays, numbered in PCI
+    bus order unless ``environ`` chose an order. ``cache_namespace``: the directory below the cache root
+    (``xla_cache_namespace``); None = the root itself."""
     out: dict[str, str] = {}
     if cfg.consumer.model_gpu is not None:
-        out["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"      # indices as nvidia-smi and NVML number them
-        out["CUDA_VISIBLE_DEVICES"] = cfg.consumer.model_gpu
+        out.update(gpu_env(cfg.consumer.model_gpu))
+    elif "CUDA_DEVICE_ORDER" not in environ:
+        out.update(DEVICE_ORDER)
     cache = xla_cache_dir(cfg)
     if cache is not None:
+        cache = cache / cache_namespace if cache_namespace else cache
         flags = [f for f in environ.get("TF_XLA_FLAGS", "").split() if not f.startswith(XLA_CACHE_FLAG + "=")]
         out["TF_XLA_FLAGS"] = " ".join([*flags, f"{XLA_CACHE_FLAG}={cache}"])
     return out
@@ -81,7 +59,8 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
     """
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
-    wanted = placement_env(cfg, environ)
+    root = xla_cache_dir(cfg)
+    wanted = placement_env(cfg, environ, xla_cache_namespace(cfg, environ) if root is not None else None)
     changed = {k: v for k, v in wanted.items() if environ.get(k) != v}
     if changed and "tensorflow" in modules:
         if "CUDA_VISIBLE_DEVICES" in changed:
@@ -91,36 +70,13 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
                               path=("consumer", "model_gpu"), got=cfg.consumer.model_gpu)
         if "TF_XLA_FLAGS" in changed:
             log.warning("XLA compilation cache off: TensorFlow was imported before TF_XLA_FLAGS could name %s",
-                        xla_cache_dir(cfg))
+                        active_xla_cache_dir(wanted))
         return {}
-    if cache := xla_cache_dir(cfg):
-        _prepare_xla_cache(cfg, cache)
+    if root is not None:
+        prepare_xla_cache(cfg, root)
+        prepare_xla_cache(cfg, active_xla_cache_dir(wanted) or root)
     environ.update(changed)
     return changed
-
-
-def _prepare_xla_cache(cfg: PipelineConfig, cache: Path) -> None:
-    """Create the XLA cache directory 0750 (and the state dir, as RunState would) and refuse one others control.
-
-    TensorFlow writes the cache's files with the umask's modes (0666 under umask 000) and loads the
-    compiled programs it finds there; the directory is what keeps other users from reading them or
-    planting their own. ``cache`` is resolved already, so a symbolic link there now was put there since.
-
-    Raises:
-        ConfigError: naming ``consumer.xla_cache_dir`` (or ``consumer.state_dir`` when the cache is derived
-            from it): it cannot be created, is a symbolic link, belongs to another user (not root), or its
-            group or others can write to it.
-    """
-    key = ("consumer", "xla_cache_dir" if cfg.consumer.xla_cache_dir is not None else "state_dir")
-    try:
-        make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
-        reason = untrusted_reason(cache, directory=True, follow=False)
-    except OSError as err:
-        raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}",
-                          path=key) from None
-    if reason is not None:
-        raise ConfigError(f"XLA compilation cache {cache} {reason} (TensorFlow would load programs planted "
-                          "there); make it this user's, 0700 or 0750", path=key)
 
 
 def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
@@ -128,9 +84,13 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
     ``consumer.replicas`` > 1 splits the CPU into that many logical devices (consumer/train/replicas.py).
 
     Call right after importing TensorFlow, before any op runs. Returns the GPUs configured ([] on CPU).
+
+    Raises:
+        ConfigError: ``consumer.model_gpu`` names a GPU TensorFlow does not see (``check_model_gpus``).
     """
     tf = tf_module if tf_module is not None else importlib.import_module("tensorflow")
     gpus = tf.config.list_physical_devices("GPU")
+    check_model_gpus(cfg.consumer.model_gpu, [str(g.name) for g in gpus])
     limit_mb = cfg.consumer.gpu_memory_limit_mb
     replicas = cfg.consumer.replica_count
     try:
@@ -145,15 +105,29 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
                     gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
     except RuntimeError as err:    # the devices were initialized already (an op ran before this call)
         log.warning("device settings not applied (TensorFlow already initialized its devices): %s", err)
-    named = [g for g in (cfg.consumer.model_gpu or "").split(",") if g.strip()]
-    if len(gpus) < len(named):    # e.g. "7" on a 2-GPU host, or a GPU config on a CPU-only box
-        log.warning("consumer.model_gpu %r names %d GPU(s), TensorFlow sees %d: the step runs on %s",
-                    cfg.consumer.model_gpu, len(named), len(gpus), "the CPU" if not gpus else "fewer GPUs than asked for")
     log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
              os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
              "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off",
              f", CPU split into {replicas} logical devices (replicas)" if not gpus and replicas > 1 else "")
     return [str(g.name) for g in gpus]
+
+
+def check_model_gpus(model_gpu: str | None, seen: list[str]) -> None:
+    """Refuse a ``consumer.model_gpu`` that names more GPUs than TensorFlow sees (``seen``: its physical GPUs).
+
+    CUDA skips an entry of ``CUDA_VISIBLE_DEVICES`` it cannot find (and every entry after it), and TensorFlow
+    then places the step on what is left, the CPU when nothing is: a host index a container renumbered,
+    TensorFlow without its CUDA libraries (``tensorflow[and-cuda]``) or a driver it cannot use.
+
+    Raises:
+        ConfigError: naming ``consumer.model_gpu`` and the GPUs TensorFlow does see.
+    """
+    named = [g for g in (model_gpu or "").split(",") if g.strip()]
+    if len(seen) < len(named):
+        sees = ", ".join(seen) if seen else "no GPU (it would train on the CPU)"
+        raise ConfigError(f"names {len(named)} GPU(s) but TensorFlow sees {sees}: check the index or UUID "
+                          "against nvidia-smi -L in this container, that TensorFlow has CUDA (pip install "
+                          "'tensorflow[and-cuda]') and the driver", path=("consumer", "model_gpu"), got=model_gpu)
 
 
 def prepare_tensorflow(cfg: PipelineConfig) -> None:

@@ -1,7 +1,8 @@
 """Entry point of one producer process (spawned by ``melfeed.producer.supervisor``).
 
 ``python -m melfeed.producer.process --config FILE --index N``: lowers its CPU priority to ``producer.nice``,
-sets ``CUDA_VISIBLE_DEVICES`` to the data GPU before anything could import a framework, loads the manifest, derives the bucket shapes (the
+sets ``CUDA_VISIBLE_DEVICES`` to the data GPU (in PCI bus order, ``shared/gpu_select.py``) before anything could import a
+framework, loads the manifest, derives the bucket shapes (the
 consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).
 Exit codes: 0 clean stop or plan ended, 78 configuration/contract error (no restart), 1 unexpected error.
@@ -62,6 +63,7 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     every few seconds, WATCHDOG from the worker loop (which turns at least every heartbeat).
     """
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+    from melfeed.shared.gpu_select import gpu_env
     from melfeed.shared.service.lifecycle import stop_on_signals
     from melfeed.shared.service.priority import lower_cpu_priority
     from melfeed.shared.service.sdnotify import Notifier
@@ -73,7 +75,7 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     with stop_on_signals() as stop:
         try:
             # Before any framework import: producers see only the data GPU ("" = CPU only).
-            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.producer.data_gpu
+            os.environ.update(gpu_env(cfg.producer.data_gpu))
             status = _Status(notifier)
             worker = _build_worker(cfg, index, debug_delay_s, status.tick)
         except PipelineError as err:

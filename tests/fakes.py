@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import numpy.typing as npt
@@ -200,3 +201,50 @@ class FakePlan:
     def batch(self, batch_id: int) -> PlannedBatch:
         first = batch_id * self.rows
         return PlannedBatch(batch_id, 0, 0, tuple(range(first, first + self.rows)))
+
+
+class NvmlError(Exception):
+    """What FakeNvml raises (pynvml raises its NVMLError)."""
+
+
+class FakeNvml:
+    """The part of pynvml the sampler calls: GPUs by NVML index (PCI bus order), some of them inaccessible."""
+
+    def __init__(self, uuids: list[str], names: list[str] | None = None, broken: tuple[int, ...] = (),
+                 power: bool = True) -> None:
+        self.uuids, self.names, self.broken, self.power = uuids, names or ["NVIDIA H100"] * len(uuids), broken, power
+        self.shut = False
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "550.54.15"
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if index in self.broken or index >= len(self.uuids):
+            raise NvmlError("Insufficient Permissions" if index in self.broken else "Invalid Argument")
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        return self.uuids[handle].encode()     # older pynvml returns bytes
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        return self.names[handle]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=40 + handle, memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(used=2**30, total=2**32, free=0)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        if not self.power:
+            raise NvmlError("Not Supported")
+        return 150_000

@@ -48,7 +48,7 @@ from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
 from melfeed.shared.service.tf_config import WorkerPlace
 
-__all__ = ["Job", "ended_by_signals", "lost_contact_error", "server_error", "start_job"]
+__all__ = ["Job", "collective_implementation", "ended_by_signals", "lost_contact_error", "server_error", "start_job"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,13 @@ def server_error(err: BaseException, place: WorkerPlace) -> ConfigError | None:
                        f"TensorFlow server listens, but {why}", path=(place.source,))
 
 
+def collective_implementation(gpus: Sequence[object]) -> str:
+    """The ``CommunicationImplementation`` member for a worker whose TensorFlow sees ``gpus``: NCCL on GPUs, RING
+    on the CPU. The strategy's default, AUTO, reaches the collective runtime as the hint "auto", which it
+    resolves to RING on GPUs too (docs/ARCHITECTURE.md "Collectives"); NCCL has no CPU kernels."""
+    return "NCCL" if gpus else "RING"
+
+
 def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     """The strategy of ``place``'s job (None for a world of 1), created before any other TensorFlow op.
 
@@ -241,10 +248,13 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
         shutdown_barrier_timeout_in_ms=int(c.peer_timeout_s * 1000),
         coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
                           for job in ("chief", "worker") if job in spec.jobs])
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=c.collective_timeout_s)
-    log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s); waiting at most %.0f s for "
-             "every rank (consumer.collective_timeout_s), then this process ends with exit 1; Ctrl-C or SIGTERM "
-             "ends it at once", place.rank, place.world,
+    implementation = collective_implementation(tf.config.list_physical_devices("GPU"))
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=getattr(tf.distribute.experimental.CommunicationImplementation, implementation),
+        timeout_seconds=c.collective_timeout_s)
+    log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s collectives, %s); waiting at most "
+             "%.0f s for every rank (consumer.collective_timeout_s), then this process ends with exit 1; Ctrl-C or "
+             "SIGTERM ends it at once", place.rank, place.world, implementation,
              ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()), c.collective_timeout_s + _JOIN_GRACE_S)
     # The join's bound: TensorFlow's registration timeout logs its error but leaves the constructor blocked
     # (seen here: a rank started alone waited for good), holding the GIL, so neither a Python thread nor a

@@ -98,5 +98,6 @@ def console_main() -> None:
     """The ``melfeed`` script and ``python -m melfeed``: TensorFlow's import without JAX and matplotlib (1-1.5 s
     of CPU less per process; docs/BENCHMARKS.md), then :func:`main`."""
     from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")   # every child inherits it (shared/gpu_select.py)
     skip_optional_imports_of_tensorflow()
     sys.exit(main())

@@ -16,6 +16,7 @@ Shutdown: nothing to release.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,11 +26,12 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from melfeed.consumer.resume.filemode import write_private
 
 __all__ = ["JitChoice", "choose_mode", "describe_exception", "describe_tf_error", "setting_name", "remembered_mode",
-           "remember_mode", "MEMO_NAME"]
+           "remember_mode", "stably_named", "MEMO_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')   # a frame of "Detected at node ... defined at"
 _PACKAGE_DIRS = ("site-packages", "dist-packages")   # frames there are libraries (Keras, TF), not the user's
 _MAX_LINE_CHARS = 300   # one readable log line, even for a long TensorFlow message
+_NAME_HASH_CHARS = 16   # 64 bits of the definition: two different programs of one process never meet
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,3 +176,29 @@ def remember_mode(state_dir: Path, choice: JitChoice) -> None:
         os.replace(tmp, path)
     except OSError as err:   # not fatal: the next start decides again (the checkpoint write will tell)
         log.warning("cannot write %s: %s; a restart decides jit_compile again", path, err.strerror)
+
+
+def stably_named(program: Any, label: str) -> Any:
+    """``program`` (a traced concrete function) registered again under a name with no process-wide counter.
+
+    TensorFlow names a traced function ``__inference_<name>_<uid>``, the uid counting every trace in the
+    process, and the persistent XLA cache's key hashes that name: a cache filled by a process that traced one
+    function more or less would never be hit. The name here is ``__inference_<label>_<hash>``, the hash being
+    that of the function's definition (its name left out), so two processes tracing the same step for the same
+    shapes give it the same name, and two different functions never share one. The returned function runs the
+    same graph (with the same captured variables) as ``program``, which it keeps alive.
+    """
+    from tensorflow.core.framework import function_pb2
+    from tensorflow.python.eager.polymorphic_function import atomic_function, concrete_function
+
+    definition = function_pb2.FunctionDef()
+    definition.CopyFrom(program.function_def)
+    definition.signature.name = ""
+    definition.attr.pop("_construction_context", None)    # the runtime's, not the function's
+    digest = hashlib.sha256(definition.SerializeToString(deterministic=True)).hexdigest()[:_NAME_HASH_CHARS]
+    atomic = atomic_function.from_func_graph(f"__inference_{label}_{digest}", program.graph, program._attrs,
+                                             program.function_type)
+    renamed = concrete_function.ConcreteFunction(atomic)
+    renamed._arg_keywords, renamed._num_positional_args = program._arg_keywords, program._num_positional_args
+    renamed._melfeed_traced = program      # the graph's owner: it deletes the graph when collected
+    return renamed

@@ -2,9 +2,8 @@
 
 Role: load and call the user's step factory (``ModelConfig.step``, ``build_step``: a factory that raises
 or returns no step is one ``ConfigError`` line naming ``model.step``), build one program per bucket shape
-before training (``CompiledStep.warm_up``; XLA or graph mode as ``ModelConfig.jit_compile`` and
-consumer/train/jit.py decide), and run batches through them (the hand-off, consumer/train/handoff.py,
-turns aligned numpy slots into TensorFlow tensors with DLPack).
+before training (``CompiledStep.warm_up``; XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide),
+and run batches through them (the hand-off, handoff.py, turns aligned numpy slots into tensors with DLPack).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
@@ -18,9 +17,10 @@ Invariants:
       exactly its pre-warm-up value: warm-up never changes training. A variable the programs use that
       ``variables()`` leaves out (so warm-up changed it) is named in one WARNING.
     * A trace after ``warm_up()`` (a batch whose shapes match no compiled program) still runs, but
-      is counted in ``compiles_after_ready`` and logged as a WARNING each time.
+      is counted in ``compiles_after_ready`` and logged as a WARNING each time; so is an XLA compile
+      (``consumer/xla_cache.py``, ``CompileFiles``). Program names carry no counter (``jit.stably_named``).
     * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and
-      C-contiguous (TensorFlow aborts the process on a misaligned DLPack buffer); such arrays are copied.
+      C-contiguous (TensorFlow aborts on a misaligned one); such arrays are copied.
 
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
 when the program is first needed; ``run`` calls it directly, which skips the per-call signature
@@ -42,13 +42,15 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from melfeed.consumer.train.inputs import (Shapes, accepted_extras, bucket_key, check_call, check_step, input_dtypes,
-                                   unlisted_variables)
-from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error
+from melfeed.consumer.train.inputs import Shapes as _Shapes   # one program's key
+from melfeed.consumer.train.inputs import (accepted_extras, bucket_key, check_call, check_step, input_dtypes,
+                                           unlisted_variables)
+from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error, stably_named
 from melfeed.consumer.train.model import StepSpec, TrainStep
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
+from melfeed.consumer.xla_cache import CompileFiles, active_xla_cache_dir
 from melfeed.shared.errors import ConfigError, PipelineError, StepError
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.schema import ExtraSpec
@@ -59,8 +61,6 @@ log = logging.getLogger(__name__)
 
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
-
-_Shapes = Shapes   # one program's key (consumer/train/inputs.py)
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     """Import the step factory named ``"module:function"``.
@@ -116,13 +116,13 @@ class CompiledStep:
 
     Args:
         step: the training step (its variables must all exist already).
-        bucket_shapes: one dict per bucket with the batch keys ("mel", "mel_len", "tokens",
-            "tok_len") and their fixed shapes; bucket ``i`` of ``run`` is entry ``i``.
+        bucket_shapes: one dict per bucket with the batch keys ("mel", "mel_len", "tokens", "tok_len") and
+            their fixed shapes; bucket ``i`` of ``run`` is entry ``i``.
         jit_compile: ``model.jit_compile``: True = XLA or fail, False = graph mode, "auto" = XLA
             where it compiles and its warm-up steps are not slower (``consumer/train/jit.py``).
         factory: the step factory's name (``model.step``), for error messages.
-        remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept
-            without timing, unless XLA now fails.
+        remembered: with "auto", the mode chosen earlier in this run (``jit.remembered_mode``): kept without
+            timing, unless XLA now fails.
         replicas: run each program on these replicas (``step`` built under ``replicas.scope()``),
             each on its share of the batch's rows (consumer/train/replicas.py); None = one device.
         extras: the batch schema's extra arrays (``Consumer.extras``); those the step's ``__call__``
@@ -133,8 +133,8 @@ class CompiledStep:
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
                  jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
-                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (),
-                 mel_dtype: str = "float32") -> None:
+                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (), mel_dtype: str = "float32"
+                 ) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -155,9 +155,8 @@ class CompiledStep:
         self._choice: JitChoice | None = None
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
         self._programs: dict[tuple[str, _Shapes], Callable[..., dict[str, tf.Tensor]]] = {}
-        self._traces = 0
-        self._compiles_after_ready = 0
-        self._is_ready = False
+        self._traces, self._compiles_after_ready, self._is_ready = 0, 0, False
+        self._compile_files = CompileFiles(active_xla_cache_dir())   # XLA's compiles: new files in its cache
         self._replicas = replicas
         if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
             takes, instead = (("rows / row_mask", "use mel_len > 0 as the row mask") if self._row_inputs else
@@ -182,8 +181,9 @@ class CompiledStep:
 
     @property
     def compiles_after_ready(self) -> int:
-        """Traces that happened after ``warm_up()``; anything but 0 means a stall in training."""
-        return self._compiles_after_ready
+        """Traces or XLA compiles after ``warm_up()`` (each trace compiles once); anything but 0 means a stall."""
+        xla = self._compile_files.since_mark() if self._mode == "xla" else 0
+        return max(self._compiles_after_ready, xla)
 
     @property
     def is_ready(self) -> bool:
@@ -227,8 +227,9 @@ class CompiledStep:
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
-            program = tf.function(traced, jit_compile=self._mode == "xla",
-                                  input_signature=signature).get_concrete_function()
+            label = f"step_{self._mode}_{'x'.join(map(str, key[0]))}"   # the bucket's mel shape
+            program = stably_named(tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature
+                                               ).get_concrete_function(), label)
             self._programs[(self._mode, key)] = program
         return program
 
@@ -291,6 +292,7 @@ class CompiledStep:
                 var.assign(value)
         compile_s = time.perf_counter() - started
         self._choice, self._is_ready = choice, True
+        self._compile_files.mark()
         log.info("step compiled buckets=%d traces=%d compile_s=%.2f jit_compile=%s (%s)",
                  len(set(self._bucket_keys)), self._traces, compile_s, self._mode, choice.reason)
         return compile_s
@@ -398,3 +400,4 @@ class CompiledStep:
         """The all-padding warm-up batch of one bucket (every length 0, every extra zeros, ``rows`` 0)."""
         zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._passed), key)]
         return zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else [])
+

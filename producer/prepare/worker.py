@@ -2,7 +2,8 @@
 
 Role: ``melfeed.producer.prepare.command`` starts N of these (spawn context) and feeds them ``WorkItem``s through
 a queue; each answers with one ``WorkResult`` per item. TensorFlow is imported here, after
-``CUDA_VISIBLE_DEVICES`` is set to the data GPU ("" = CPU only), never in the parent.
+``CUDA_VISIBLE_DEVICES`` is set to the data GPU ("" = CPU only) in PCI bus order (``shared/gpu_select.py``), never
+in the parent.
 
 Invariants:
 - Outputs are written atomically: ``.<name>.<pid>.tmp`` in the target directory, fsync, then
@@ -36,6 +37,7 @@ import numpy.typing as npt
 from melfeed.shared.config import FeatureConfig
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
 from melfeed.shared.errors import CacheError
+from melfeed.shared.gpu_select import gpu_env
 from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
 from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
 from melfeed.shared.service.lifecycle import die_with_parent
@@ -136,7 +138,7 @@ def prepare_one(item: WorkItem, spec: WorkerSpec, logmel: LogMel) -> WorkResult:
 
 def _open_device(spec: WorkerSpec) -> str:
     """Import TensorFlow on the data GPU if one is configured and visible, else one CPU thread."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = spec.data_gpu  # before the import; "" hides every GPU
+    os.environ.update(gpu_env(spec.data_gpu))           # before the import; "" hides every GPU
     skip_optional_imports_of_tensorflow()               # a spawned worker: its own import, without JAX/matplotlib
     import tensorflow as tf
 

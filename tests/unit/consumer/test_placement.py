@@ -13,10 +13,12 @@ import pytest
 
 from melfeed.consumer.placement import (XLA_CACHE_FLAG, active_xla_cache_dir, apply_placement, configure_memory,
                                 placement_env, step_devices, xla_cache_dir, xla_cache_warm)
+from melfeed.consumer.xla_cache import cache_namespace, step_identity, xla_cache_namespace
 from melfeed.shared.config_loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.config import PipelineConfig
 from tests.conftest import REPO
+from tests.fakes import FakeNvml
 
 
 def _cfg(**consumer: Any) -> PipelineConfig:
@@ -40,10 +42,13 @@ def test_a_bad_memory_limit_names_its_key() -> None:
         _cfg(gpu_memory_limit_mb=10)
 
 
-def test_model_gpu_sets_visible_devices_in_pci_order_and_nothing_without_it() -> None:
+def test_model_gpu_sets_visible_devices_in_pci_order_and_an_inherited_list_gets_the_order_too() -> None:
     assert placement_env(_cfg(model_gpu="1"), {}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                                                         "CUDA_VISIBLE_DEVICES": "1"}
-    assert placement_env(_cfg(), {"CUDA_VISIBLE_DEVICES": "0"}) == {}       # None = inherit
+    assert placement_env(_cfg(model_gpu="1"), {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})["CUDA_DEVICE_ORDER"] == \
+        "PCI_BUS_ID"                                                         # its own list: NVML's numbering
+    assert placement_env(_cfg(), {"CUDA_VISIBLE_DEVICES": "0"}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert placement_env(_cfg(), {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}) == {}   # the user's choice stays
 
 
 def test_the_cache_lives_in_the_state_dir_unless_a_shared_dir_is_named(tmp_path: Path) -> None:
@@ -67,8 +72,11 @@ def test_apply_sets_the_env_and_creates_the_cache_dir_before_tensorflow(tmp_path
     cache = tmp_path / "c"
     changed = apply_placement(_cfg(model_gpu="2", xla_cache_dir=str(cache)), env, modules={})
     assert env["CUDA_VISIBLE_DEVICES"] == "2" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert env["TF_XLA_FLAGS"] == f"{XLA_CACHE_FLAG}={cache.resolve()}" and changed == env
-    assert cache.is_dir() and xla_cache_warm(cache) is False
+    active = active_xla_cache_dir(env)
+    assert active is not None and active.parent == cache.resolve() and active.name.startswith("tf")  # namespaced
+    assert env["TF_XLA_FLAGS"] == f"{XLA_CACHE_FLAG}={active}" and changed == env
+    assert active.is_dir() and xla_cache_warm(active) is False
+    assert (active.stat().st_mode & 0o027, cache.stat().st_mode & 0o027) == (0, 0)
 
 
 def test_the_cache_made_inside_a_new_state_dir_keeps_the_state_dir_private(tmp_path: Path) -> None:
@@ -143,14 +151,17 @@ def test_memory_growth_by_default_and_the_cap_when_set() -> None:
     assert tf.config.calls == [("limit", ("/physical_device:GPU:0", [4096])), ("limit", ("/physical_device:GPU:1", [4096]))]
 
 
-def test_a_model_gpu_tensorflow_cannot_see_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_model_gpu_tensorflow_cannot_see_is_a_config_error_naming_the_key_and_what_it_sees() -> None:
     tf: Any = type("TF", (), {})()
     tf.config = _FakeConfig([])                               # "7" on a host without it: no GPU visible
-    with caplog.at_level("WARNING", logger="melfeed.consumer.placement"):
-        assert configure_memory(_cfg(model_gpu="7"), tf) == []
-        configure_memory(_cfg(model_gpu=""), tf)              # "" = the CPU on purpose: no warning
-    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        "consumer.model_gpu '7' names 1 GPU(s), TensorFlow sees 0: the step runs on the CPU"]
+    with pytest.raises(ConfigError, match=r"^consumer.model_gpu: names 1 GPU\(s\) but TensorFlow sees no GPU .*"
+                                          r", got '7'$"):
+        configure_memory(_cfg(model_gpu="7"), tf)
+    assert tf.config.calls == []                              # refused before any setting
+    assert configure_memory(_cfg(model_gpu=""), tf) == []     # "" = the CPU on purpose
+    tf.config = _FakeConfig(["/physical_device:GPU:0"])       # "0,1" in a container that shows one
+    with pytest.raises(ConfigError, match=r"names 2 GPU\(s\) but TensorFlow sees /physical_device:GPU:0: "):
+        configure_memory(_cfg(model_gpu="0,1"), tf)
 
 
 def test_step_devices_names_each_distinct_device() -> None:
@@ -193,3 +204,34 @@ def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_the_real_
     assert lines and lines[0].endswith("device:CPU:0"), proc.stdout                      # TensorFlow on the CPU
     assert lines[1:] == [lines[-1]] and lines[-1].startswith(                            # the refusal, alone
         "consumer.model_gpu: TensorFlow was imported before it could be applied"), proc.stdout
+
+
+def test_the_cache_namespace_names_tensorflow_the_gpus_the_driver_the_flags_and_the_step() -> None:
+    env = {"TF_XLA_FLAGS": f"--tf_xla_auto_jit=2 {XLA_CACHE_FLAG}=/somewhere"}
+    name = cache_namespace("2.21.0", ["NVIDIA H100 80GB HBM3"], "550.54.15", env, "abc")
+    assert name.startswith("tf2.21.0-nvidia-h100-80gb-hbm3-drv550.54.15-flags") and name.endswith("-stepabc")
+    assert cache_namespace("2.21.0", ["cpu"], None, {}, "abc").startswith("tf2.21.0-cpu-flags")
+    same_flags = cache_namespace("2.21.0", ["NVIDIA H100 80GB HBM3"], "550.54.15",
+                                 {"TF_XLA_FLAGS": "--tf_xla_auto_jit=2"}, "abc")
+    assert same_flags == name                                  # the cache flag itself is not part of it
+    assert cache_namespace("2.21.0", ["cpu"], None, {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}, "abc") != \
+        cache_namespace("2.21.0", ["cpu"], None, {}, "abc")
+    assert cache_namespace("2.22.0", ["cpu"], None, {}, "abc") != cache_namespace("2.21.0", ["cpu"], None, {}, "abc")
+
+
+def test_the_step_identity_follows_model_step_and_the_bucket_shapes() -> None:
+    one = [[("mel", (16, 64, 80))]]
+    base = step_identity(_cfg(), lambda cfg: one)
+    assert base == step_identity(_cfg(), lambda cfg: one)
+    assert base != step_identity(_cfg(), lambda cfg: [[("mel", (16, 72, 80))]])
+    other = config_from_mapping({"model": {"step": "tests.steps:tiny_step"}})
+    assert base != step_identity(other, lambda cfg: one)
+
+
+def test_the_namespace_names_the_model_gpu_as_nvml_matches_it_by_uuid() -> None:
+    nvml = FakeNvml(["GPU-aaaa-0000", "GPU-bbbb-1111"], names=["NVIDIA RTX A4000", "NVIDIA H100 PCIe"])
+    name = xla_cache_namespace(_cfg(model_gpu="GPU-bbbb"), {}, nvml=nvml)
+    assert "-nvidia-h100-pcie-drv550.54.15-" in name and "a4000" not in name and nvml.shut
+    assert "-cpu-" in xla_cache_namespace(_cfg(model_gpu=""), {}, nvml=nvml)    # no GPU visible
+    inherited = xla_cache_namespace(_cfg(), {"CUDA_VISIBLE_DEVICES": "0"}, nvml=nvml)
+    assert "-nvidia-rtx-a4000-" in inherited

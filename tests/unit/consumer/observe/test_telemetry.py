@@ -144,8 +144,8 @@ def test_gpu_samples_carry_their_role_with_nvml_replaced_at_the_boundary(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import pynvml  # type: ignore[import-untyped]  # no stubs shipped
     for name, fn in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
-                     "nvmlDeviceGetHandleByIndex": lambda i: i,
-                     "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=90 + h),
+                     "nvmlDeviceGetHandleByIndex": lambda i: i, "nvmlDeviceGetUUID": lambda h: f"GPU-{h}",
+                     "nvmlDeviceGetName": lambda h: "NVIDIA H100", "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=90 + h),
                      "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(used=2**30, total=2**33),
                      "nvmlDeviceGetPowerUsage": lambda h: 300_000}.items():
         monkeypatch.setattr(pynvml, name, fn)
@@ -154,8 +154,8 @@ def test_gpu_samples_carry_their_role_with_nvml_replaced_at_the_boundary(tmp_pat
     with Telemetry(cfg, _FakeConsumer(), 0.0, control_endpoint=None) as tel:
         snap = tel.publish(0, None, 0)
     assert snap["gpus"] == [
-        {"role": "model", "index": 0, "util_pct": 90.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0},
-        {"role": "data", "index": 1, "util_pct": 91.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0}]
+        {"role": "model", "index": 0, "uuid": "GPU-0", "util_pct": 90.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0},
+        {"role": "data", "index": 1, "uuid": "GPU-1", "util_pct": 91.0, "mem_used_mib": 1024.0, "mem_total_mib": 8192.0, "power_w": 300.0}]
 
 
 def test_status_table_and_prometheus_families_from_one_snapshot(tmp_path: Path) -> None:
