@@ -12,10 +12,9 @@ Invariants:
       ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
       written for the four base arrays runs unchanged on a cache with extras. A ``__call__`` that cannot
       take what it will be given (a wrong signature, an array the batch lacks) is refused before any compile.
-    * After ``warm_up()`` every bucket shape has a compiled program, and every variable of
-      ``step.variables()`` (model and optimizer, iteration and loss-scale counters included) holds
-      exactly its pre-warm-up value: warm-up never changes training. A variable the programs use that
-      ``variables()`` leaves out (so warm-up changed it) is named in one WARNING.
+    * After ``warm_up()`` every bucket shape has a compiled program, and every variable of ``step.variables()``
+      (model and optimizer, iteration and loss-scale counters included) holds exactly its pre-warm-up value:
+      warm-up never changes training. A variable the programs use that ``variables()`` leaves out is named.
     * A trace after ``warm_up()`` (a batch whose shapes match no compiled program) still runs, but
       is counted in ``compiles_after_ready`` and logged as a WARNING each time; so is an XLA compile
       (``consumer/xla_cache.py``, ``CompileFiles``). Program names carry no counter (``jit.stably_named``).
@@ -61,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
+
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     """Import the step factory named ``"module:function"``.
@@ -236,14 +236,13 @@ class CompiledStep:
     @tf.autograph.experimental.do_not_convert  # plain Python bookkeeping, runs at trace time
     def _on_trace(self, key: _Shapes) -> None:
         self._traces += 1
+        shapes = dict(zip((*_ARG_ORDER, *self._passed), key))
         if self._is_ready:
             self._compiles_after_ready += 1
-            log.warning("compiling a new step program after warm-up shapes=%s mode=%s "
-                        "compiles_after_ready=%d", dict(zip((*_ARG_ORDER, *self._passed), key)), self._mode,
-                        self._compiles_after_ready)
+            log.warning("compiling a new step program after warm-up shapes=%s mode=%s compiles_after_ready=%d",
+                        shapes, self._mode, self._compiles_after_ready)
         else:
-            log.debug("tracing step program shapes=%s mode=%s", dict(zip((*_ARG_ORDER, *self._passed), key)),
-                      self._mode)
+            log.debug("tracing step program shapes=%s mode=%s", shapes, self._mode)
 
     @tf.autograph.experimental.do_not_convert
     def _normalize(self, result: object) -> dict[str, tf.Tensor]:
@@ -257,10 +256,9 @@ class CompiledStep:
     def warm_up(self) -> float:
         """Settle the compile mode, compile every bucket's program, then restore every variable.
 
-        Each program is executed on an all-padding batch (zeros, all lengths 0) to force the
-        compile (and, with "auto", a few more times per mode to time them); those steps may move
-        optimizer state (iteration counters, Adam moments decay), so all of ``step.variables()``
-        is snapshotted before and assigned back after, whatever happens.
+        Each program is executed on an all-padding batch (zeros, all lengths 0) to force the compile (and, with
+        "auto", a few more times per mode to time them); those steps may move optimizer state (iteration
+        counters, Adam moments decay), so all of ``step.variables()`` is snapshotted and assigned back after.
 
         Returns:
             Seconds spent compiling (and timing) the warm-up steps.
@@ -271,8 +269,7 @@ class CompiledStep:
             ConfigError: the step's return value breaks the contract (``model.step``).
         """
         variables = self._step.variables()
-        # Host copies: a device-side snapshot could alias state that the warm-up steps update.
-        saved = [v.numpy() for v in variables]
+        saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what warm-up updates
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
