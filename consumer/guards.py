@@ -1,21 +1,25 @@
 """The library's argument checks: a mistake in a user's own loop is one clear error, never a deep traceback.
 
 Role: what ``Consumer`` (``consumer/feed.py``) refuses before it touches a socket, the ring or a lease:
-a config that is not a ``PipelineConfig``, a negative ``start_batch``, a wait without a bound. The
-rules are listed in consumer/README.md ("Mistakes the library refuses"). Programmer errors raise
-built-ins (``TypeError``, ``ValueError``, ``RuntimeError``); nothing here has state or threads.
+a config that is not a ``PipelineConfig``, a negative ``start_batch``, a wait without a bound; and what
+failed behind it (the receiver thread, an owned producer group) as one ``PipelineError``. The rules are listed
+in consumer/README.md ("Mistakes the library refuses"). Programmer errors raise built-ins (``TypeError``,
+``ValueError``, ``RuntimeError``); nothing here has state or threads.
 """
 
 from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import PipelineError
 
-__all__ = ["check_config", "check_start_batch", "check_timeout", "check_started", "check_receiver"]
+if TYPE_CHECKING:
+    from melfeed.consumer.producer_group import OwnedProducers
+
+__all__ = ["check_config", "check_start_batch", "check_timeout", "check_started", "check_receiver", "check_failures"]
 
 
 def check_config(cfg: Any) -> PipelineConfig:
@@ -55,3 +59,10 @@ def check_receiver(error: BaseException | None) -> None:
     """The receiver thread's failure as ``PipelineError`` (it closed the ring as it failed)."""
     if error is not None:
         raise PipelineError(f"receiver failed: {error}") from error
+
+
+def check_failures(receiver_error: BaseException | None, producers: OwnedProducers | None) -> None:
+    """``PipelineError`` if the receiver failed or the producer group a ``Consumer`` owns exited (its exit code)."""
+    check_receiver(receiver_error)
+    if producers is not None and producers.error is not None:
+        raise producers.error
