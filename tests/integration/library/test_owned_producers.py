@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import melfeed
@@ -38,6 +39,7 @@ def test_a_consumer_with_producers_yields_the_plan_in_order_and_leaves_no_produc
         for b in feed.batches():
             group = group or _group()           # while the producer runs (it exits by itself at the plan's end)
             seen.append((b.batch_id, b.bucket, b.sample_ids))
+            assert all(np.shares_memory(a, feed.slot_buffers()[b.slot]) for a in b.arrays.values())
     assert seen == [(p.batch_id, p.bucket, p.sample_ids) for p in map(feed.plan.batch, range(_BATCHES))]
     assert len(group) >= 2, group               # the supervisor and its one worker, seen while the block ran
     assert procs.wait_gone(group, timeout_s=0) == [], [procs.describe(p) for p in group]
