@@ -25,8 +25,8 @@ __all__ = ["check_config", "check_start_batch", "check_timeout", "check_started"
 def check_config(cfg: Any) -> PipelineConfig:
     """``cfg`` itself, or ``TypeError`` saying how to make one (a dict or a path is a common slip)."""
     if not isinstance(cfg, PipelineConfig):
-        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.shared.config_loader.load_config(path) "
-                        f"or config_from_mapping(dict)), got {type(cfg).__name__}")
+        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.load_config(path) "
+                        f"or melfeed.config_from_mapping(dict)), got {type(cfg).__name__}")
     return cfg
 
 
