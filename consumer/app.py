@@ -49,10 +49,9 @@ from melfeed.shared.service.lifecycle import raise_fd_limit, resolve_control_end
 from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from melfeed.shared.service.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run", "run_exit_code", "start_producers", "stop_producers", "worker_place"]
+__all__ = ["main_consumer", "main_run", "run_exit_code", "worker_place"]
 
 log = logging.getLogger(__name__)
-
 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:

@@ -52,7 +52,7 @@ def _dataset_loop(feed: Any) -> Iterator[None]:
 
 
 def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup: int, batches: int) -> dict[str, float]:
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     with Consumer(cfg) as feed:
         group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))

@@ -1,13 +1,15 @@
 """The wheel holds the one import package ``melfeed`` and works installed outside the checkout.
 
-Built from this checkout without build isolation (setuptools from the environment, ~5 s), installed with
-``pip install --target`` into a private directory, and imported from another directory with only that
-directory on ``PYTHONPATH``, so nothing of the checkout can be imported by accident.
+Built without build isolation (setuptools from the environment, ~5 s) from a copy of this checkout's files, so
+that setuptools' build/ directory (which keeps files deleted from the source) neither feeds the wheel nor is
+left in the checkout; installed with ``pip install --target`` into a private directory, and imported from
+another directory with only that directory on ``PYTHONPATH``, so nothing of the checkout can be imported by accident.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -22,8 +24,11 @@ from tests.conftest import REPO
 @pytest.mark.timeout(300)
 def test_the_wheel_installs_melfeed_alone_and_its_api_and_command_work_from_elsewhere(tmp_path: Path) -> None:
     version = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
+                                                                ".hypothesis", ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True, timeout=240)
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("melfeed-*.whl")
     with zipfile.ZipFile(wheel) as archive:
