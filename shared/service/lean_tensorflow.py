@@ -20,11 +20,12 @@ Quiet: at melfeed's default log level its processes print melfeed's own lines on
 or the level is DEBUG; children inherit it. "3", not "2": on a host without a GPU driver TensorFlow logs
 ``failed call to cuInit ... (303)`` at ERROR. TensorFlow applies that variable only after its libraries are loaded,
 so the lines they log while loading (``cudart_stub.cc ... Could not find cuda drivers``, and absl's "All log
-messages before absl::InitializeLog()" preamble) ignore it: ``quiet_tensorflow_import`` installs a finder that
-runs ``import tensorflow`` with file descriptor 2 read through a pipe, dropping the lines of TensorFlow's C++ log
-format below the variable's level (``is_hidden_line``) and passing every other byte on as it comes; the
-``tensorflow`` and ``absl`` Python loggers get the same threshold. A child spawned while the import runs would
-inherit the pipe: the forwarding thread then serves it until its last writer exits.
+messages before absl::InitializeLog()" preamble) ignore it: ``quiet_tensorflow_import`` (called by the same entry
+points as ``skip_optional_imports_of_tensorflow``) installs a finder that runs ``import tensorflow`` with file
+descriptor 2 read through a pipe, dropping the lines of TensorFlow's C++ log format below the variable's level
+(``is_hidden_line``) and passing every other byte on as it comes; the ``tensorflow`` and ``absl`` Python loggers get
+the same threshold. A child spawned while the import runs would inherit the pipe: the forwarding thread then
+serves it, while this process runs, until its last writer exits.
 """
 
 from __future__ import annotations
