@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from melfeed.shared.config_loader import config_from_mapping, load_config
     from melfeed.shared.errors import CacheError, ClosedError, ConfigError, DataError, PipelineError, StepError
 
-__version__ = "0.1.0"   # pyproject.toml's version; tests/unit/test_public_api.py holds the two equal
+__version__ = "0.1.0"   # the package's version: pyproject.toml reads it from here
 
 __all__ = [
     "Consumer", "Batch", "Stager", "load_config", "config_from_mapping", "demo_cache",

@@ -6,6 +6,7 @@ may have imported it already).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -36,9 +37,11 @@ def test_all_names_the_public_api_and_each_name_is_the_object_itself() -> None:
         melfeed.Receiver  # noqa: B018
 
 
-def test_the_version_is_the_packages_version() -> None:
-    project = tomllib.loads((_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    assert melfeed.__version__ == project["version"]
+def test_the_version_is_written_once_and_pyproject_reads_it_from_melfeed() -> None:
+    pyproject = tomllib.loads((_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "melfeed.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", melfeed.__version__)
 
 
 def test_import_melfeed_and_its_public_names_load_no_tensorflow() -> None:

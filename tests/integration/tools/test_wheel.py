@@ -12,18 +12,19 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+
+import melfeed
 
 from tests.conftest import REPO
 
 
 @pytest.mark.timeout(300)
 def test_the_wheel_installs_melfeed_alone_and_its_api_and_command_work_from_elsewhere(tmp_path: Path) -> None:
-    version = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    version = melfeed.__version__                  # pyproject.toml's dynamic version
     source = tmp_path / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
                                                                 ".hypothesis", ".pytest_cache"))
