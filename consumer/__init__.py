@@ -1,11 +1,6 @@
 """melfeed's consumer: the training side, and the library a training loop takes batches from.
 
-```python
-from melfeed.consumer import Consumer
-with Consumer(cfg) as feed:            # cfg: melfeed.shared.config_loader.load_config(path)
-    for batch in feed.batches():       # Batch: planned (id, bucket, sample ids), arrays, slot
-        my_step(batch.arrays)          # views into a ring slot, valid until the next batch
-```
+A library user imports these from ``melfeed`` (``melfeed.__all__``, consumer/README.md "The public API").
 ``Consumer.as_dataset()`` gives the same batches as a ``tf.data.Dataset`` for Keras ``fit``.
 Invariants: importing this package never imports TensorFlow (``as_dataset`` imports it when
 called); ``melfeed.consumer.feed`` and the modules under it never import this package back (no cycle).

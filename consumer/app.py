@@ -3,7 +3,7 @@
 ``run`` starts the consumer in this process and ``melfeed producer`` as one child process
 group (its own uvloop supervisor) with ``producer.exit_at_plan_end`` set: when the plan is finished the
 consumer's heartbeats say ``done`` and the group exits 0 by itself; the stop ladder is the fallback
-(``_PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
+(``PRODUCERS_EXIT_S`` later, and at once when the run was interrupted). If that group exits early (e.g.
 78 on a contract error) the run stops with its exit code. Exit codes (melfeed maps the errors): 0
 finished or stopped by a signal, 1 unexpected failure, 65 too many quarantined rows trained (``DataError``),
 75 a rank lost contact with its job (``JobLostError``), 78 configuration error.
@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -34,6 +33,7 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.job.agree import job_settings
 from melfeed.consumer.job.cluster import Job, start_job
 from melfeed.consumer.placement import apply_placement, configure_memory
+from melfeed.consumer.producer_group import PRODUCERS_EXIT_S, await_plan_end, start_producers, stop_producers
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.train.loop import train
@@ -41,21 +41,17 @@ from melfeed.shared.service.cli import config_from_args, with_demo_cache
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config_loader import with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError, StateError
 from melfeed.shared.flag_checks import check_output_file
-from melfeed.shared.service.children import Child, child_env, entry_argv, spawn, write_private_config
-from melfeed.shared.service.lifecycle import (PARENT_PID_ENV, raise_fd_limit, resolve_control_endpoint, resolve_endpoint,
-                                      stop_on_signals)
-from melfeed.shared.service.stop_ladder import GROUP_LADDER
+from melfeed.shared.service.children import Child
+from melfeed.shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, resolve_endpoint, stop_on_signals
 from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
 from melfeed.shared.service.sdnotify import Notifier
 
-__all__ = ["main_consumer", "main_run", "run_exit_code", "start_producers", "stop_producers", "worker_place"]
+__all__ = ["main_consumer", "main_run", "run_exit_code", "worker_place"]
 
 log = logging.getLogger(__name__)
-
-_PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 s poll, on a loaded 2-core machine
 
 
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
@@ -218,7 +214,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
                   telemetry=telemetry, job=job)
         finally:
-            _await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + _PRODUCERS_EXIT_S)
+            await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
             stop_producers(group)
     return run_exit_code(group.proc.returncode)
 
@@ -242,22 +238,6 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
                           path=("transport", "curve_secret_key"))
 
 
-def start_producers(cfg: PipelineConfig, debug_delay_ms: float = 0.0) -> Child:
-    """``melfeed producer`` with ``cfg`` (written to the runtime dir) as one child process group."""
-    path = write_private_config(config_to_mapping(cfg), f"run-{os.getpid()}.yaml")
-    extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
-    try:
-        # the group stops itself if this process dies (no orphaned producers)
-        proc = spawn(entry_argv("producer", "--config", str(path), *extra),
-                     env=child_env({PARENT_PID_ENV: str(os.getpid())}))
-    except OSError:
-        path.unlink(missing_ok=True)
-        raise
-    group = Child(proc, "producer group", GROUP_LADDER, config_path=path)
-    log.info("started %d producers (group pid=%d)", cfg.producer.count, group.proc.pid)
-    return group
-
-
 def _watch(group: Child, stop: threading.Event, consumer: Consumer) -> None:
     """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error), unless it
     exited 0 because the plan is finished."""
@@ -265,20 +245,3 @@ def _watch(group: Child, stop: threading.Event, consumer: Consumer) -> None:
     if not group.stopping and not (code == 0 and consumer.finished):
         log.error("producer group exited with %d; stopping", code)
         stop.set()
-
-
-def _await_plan_end(group: Child, consumer: Consumer, wait_s: float) -> None:
-    """A finished plan: the producers heard ``done`` and exit 0 by themselves; bounded, then the ladder."""
-    if not consumer.finished:
-        return
-    try:
-        code = group.proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        log.warning("producer group still running %.0f s after the plan ended; stopping it", wait_s)
-        return
-    log.info("producer group exited %d on its own after the plan ended", code)
-
-
-def stop_producers(group: Child) -> None:
-    """The stop ladder (SIGTERM, bounded wait, SIGKILL); reaps the group and removes its config. Idempotent."""
-    group.stop()

@@ -1,22 +1,18 @@
-"""The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset``.
+"""The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset`` (usage:
+consumer/README.md, "Using your own training loop").
 
-```python
-from melfeed.consumer import Consumer
-with Consumer(cfg) as feed:
-    for batch in feed.batches():          # Batch.arrays: views into a ring slot
-        my_step(batch.arrays)             # valid until the loop asks for the next batch
-```
-Owns the ring, the lease book and the receiver thread. Batches are handed out and applied strictly in plan
-order (docs/ARCHITECTURE.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
+Owns the ring, the lease book, the receiver thread and, with ``producers=N``, the producer group
+(``consumer/producer_group.py``). Batches are handed out and applied strictly in plan order
+(docs/ARCHITECTURE.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
 read-ahead may hold a few handed out, not yet applied); one whose iterator was dropped before consuming it is
 handed out again, first. ``consumer/handout.py`` keeps that book, consumer/README.md ("Exactly once on the
-library path") states the rules. Shapes, schema and epoch length are properties available before
-``start()``. Each ``Batch`` carries the ``PlannedBatch`` its lease was issued for, so nothing downstream
-asks the plan again. Memory bound (invariant 4): ring slots * slot bytes here, plus Σ lease windows *
-largest batch in payload producers (logged at start, ``consumer/observe/startup.py``). On an ipc://
-endpoint the slots are shared-memory files (``consumer/transport/shm_slots.py``) unless ``transport.mode``
-is ``zmq`` or the directory is too small. Shutdown: ``close()`` stops the receiver and wakes any waiter;
-idempotent, final (then ``start()`` raises ``ClosedError``); every wait bounded; misuse: ``consumer/guards.py``.
+library path") states the rules. Shapes, schema and epoch length are properties available before ``start()``;
+each ``Batch`` carries the ``PlannedBatch`` its lease was issued for. Memory bound (invariant 4): ring slots *
+slot bytes here, plus Σ lease windows * largest batch in payload producers (``consumer/observe/startup.py``).
+On an ipc:// endpoint the slots are shared-memory files (``consumer/transport/shm_slots.py``) unless
+``transport.mode`` is ``zmq`` or the directory is too small. Shutdown: ``close()`` stops the owned producers,
+the receiver and wakes any waiter; idempotent, final (then ``start()`` raises ``ClosedError``); every wait
+bounded; misuse: ``consumer/guards.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +24,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from melfeed.consumer.flow.credit import LeaseBook
-from melfeed.consumer.guards import check_config, check_receiver, check_start_batch, check_started, check_timeout
+from melfeed.consumer.producer_group import OwnedProducers
+from melfeed.consumer.guards import check_config, check_failures, check_start_batch, check_started, check_timeout
 from melfeed.consumer.observe.startup import log_bound
 from melfeed.consumer.handout import ArraySpec, Batch, Handout
 from melfeed.consumer.flow.plan import EpochPlan
@@ -66,12 +66,15 @@ class Consumer:
         rank, world: this consumer's rank in a job of ``world`` (``shared/service/tf_config.py``): it
             leases and hands out only its share of the plan (``consumer/flow/shards.py``), whose ids
             are its steps; the default, rank 0 of 1, is the whole plan.
+        producers: start this many producers at ``start()`` and stop them at ``close()``
+            (``consumer/producer_group.py``); None = they are started elsewhere.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0,
-                 environ: Mapping[str, str] | None = None, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0, environ: Mapping[str, str] | None = None,
+                 rank: int = 0, world: int = 1, producers: int | None = None) -> None:
         if check_config(cfg).cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
+        self._owned = OwnedProducers(producers, cfg) if producers is not None else None
         start_batch = check_start_batch(start_batch)
         self.cfg = cfg
         self.manifest: Manifest = load_manifest_for(cfg, feeds_model=False)  # token ids unchecked: the model is yours
@@ -92,12 +95,11 @@ class Consumer:
         check_transport_mode(cfg.transport.mode, self.endpoint)          # --endpoint may have made it tcp
         self.shm: ShmSlots | None = open_ring_files(cfg.transport, self.endpoint, cfg.consumer.ring_slots,
                                                     slot_nbytes_for(self.bucket_set.buckets), self.epoch)
-        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets, on_release=self._wake_receiver,
-                              memory=self.shm)
+        # a freed slot wakes the receiver, which leases it at once if a lease waits for one (one wake per release)
+        self.ring = BatchRing(cfg.consumer.ring_slots, self.bucket_set.buckets,
+                              on_release=lambda: self._receiver.slot_freed(), memory=self.shm)
         contract = HandshakeContract(self.manifest.fingerprint, self.bucket_set.as_wire(), cfg.n_mels, cfg.seed, t.mel_dtype)
-        session = SessionConfig(contract, self.epoch, heartbeat_interval_s=t.heartbeat_interval_s,
-                                liveness_s=t.liveness_s, checksum=checksum, lease_expiry_limit=t.lease_expiry_limit,
-                                lease_backoff_s=t.lease_backoff_s)
+        session = SessionConfig.from_transport(t, contract, self.epoch, checksum)
         receiving = ReceiverConfig(self.endpoint, session, curve=server_keys_for(t, self.endpoint),
                                    max_connections=t.max_connections, handshake_timeout_s=t.handshake_timeout_s)
         self._receiver = Receiver(receiving, self.ring, self._book, self.bucket_set, shm=self.shm)
@@ -106,10 +108,6 @@ class Consumer:
         self._held: Batch | None = None     # applied, slot kept until the next element (as_dataset)
         self._started = self._closed = False
         self._lock = threading.Lock()
-
-    def _wake_receiver(self) -> None:
-        """A slot was freed: the receiver leases it at once if a lease waits for a slot (one wake per release)."""
-        self._receiver.slot_freed()
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +118,8 @@ class Consumer:
             return
         try:
             self._receiver.start()
+            if self._owned is not None:         # after the bind: the producers find the endpoint
+                self._owned.start(self, on_failure=self.ring.close)   # wakes a waiter: next_batch says why
         except BaseException:       # e.g. another consumer holds the endpoint: leave nothing behind
             self.close()
             raise
@@ -132,6 +132,8 @@ class Consumer:
             if self._closed:            # ``with`` while the endpoint is still bound
                 return
             self._closed = True
+            if self._owned is not None:   # first: a finished plan's group still hears ``done`` and leaves
+                self._owned.stop(self)
             self.ring.close()
             self._receiver.stop()
             if self.shm is not None:
@@ -192,10 +194,11 @@ class Consumer:
 
         Raises:
             ClosedError: the consumer was closed, or the plan is finished.
-            PipelineError: the receiver thread failed. RuntimeError: ``start()`` was not called.
+            PipelineError: the receiver thread failed, or the owned producer group exited (its exit code).
+            RuntimeError: ``start()`` was not called.
         """
         timeout_s = check_timeout(timeout_s)
-        check_receiver(self._receiver.error)
+        check_failures(self._receiver.error, self._owned)
         if self._closed:                # even a given-back batch: its slot file is gone
             raise ClosedError("this Consumer was closed")
         check_started(self._started)
@@ -208,7 +211,7 @@ class Consumer:
         try:
             ready = self.ring.take(self.next_apply, timeout_s)
         except ClosedError:
-            check_receiver(self._receiver.error)     # the receiver closed the ring as it failed: say why
+            check_failures(self._receiver.error, self._owned)    # the receiver or the group's watcher closed it
             raise
         self.wait_s_total += time.perf_counter() - t0
         if ready is None:
@@ -226,11 +229,8 @@ class Consumer:
         self.free_slot(batch)
 
     def mark_applied(self, batch: Batch, wake: bool = True) -> None:
-        """Count ``batch`` applied (it must be the next id in plan order); its slot stays held.
-
-        ``wake=False`` (``release``): no wake of its own, except for the plan's last batch, whose
-        ``done`` heartbeat should not wait for the receiver's next pass.
-        """
+        """Count ``batch`` applied (the next id in plan order); its slot stays held. ``wake=False`` (``release``):
+        no wake of its own, except for the plan's last batch (its ``done`` heartbeat should not wait)."""
         self._handout.record_applied(batch)
         last = self.end_batch is not None and batch.batch_id + 1 >= self.end_batch
         self._receiver.mark_applied(batch.batch_id, wake=wake or last)
@@ -269,9 +269,8 @@ class Consumer:
     def consume_read_ahead(self, token: int, batch_id: int, keep_slot: bool) -> None:
         """The caller of iterator ``token`` took batch ``batch_id`` out of the read-ahead stage: apply it.
 
-        ``keep_slot``: the element still reads the slot (host stage), so it is freed at the next
-        consumption or iterator; otherwise (the stage copied it to a device) it is freed now.
-        A superseded iterator's elements are not applied (they are handed out again).
+        ``keep_slot``: the element still reads the slot (host stage), so it is freed at the next consumption or
+        iterator; else (copied to a device) now. A superseded iterator's elements are handed out again.
         """
         with self._lock:
             batch = self._handout.first_held(token)
@@ -284,12 +283,9 @@ class Consumer:
                 self.free_slot(batch)
 
     def begin_iterator(self) -> int:
-        """Start a new hand-out iterator (superseding any older one); returns its token.
-
-        The slot a superseded dataset iterator still holds is freed here: its elements are invalid
-        from now on, and a ``fit`` that ended never reads them again (a Keras iterator may be
-        collected late, and would otherwise keep a ring slot until then).
-        """
+        """Start a new hand-out iterator (superseding any older one); returns its token. The slot a superseded
+        dataset iterator still holds is freed here: a ``fit`` that ended never reads it again (a Keras iterator
+        may be collected late, and would otherwise keep a ring slot until then)."""
         with self._lock:
             self._free_held()
             return self._handout.begin()
@@ -307,15 +303,13 @@ class Consumer:
 
     def wait_next(self, token: int, stop: threading.Event | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Batch | None:
-        """The next batch for iterator ``token``, waiting in bounded steps; ``None`` when the plan ended,
-        ``stop`` was set or the consumer was closed.
-
-        ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
+        """The next batch for iterator ``token``, waiting in bounded steps; ``None`` when the plan ended, ``stop``
+        was set or the consumer was closed. ``on_wait(producers_alive)`` runs after every bounded wait that brought no batch
         (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
 
         Raises:
             RuntimeError: a newer iterator superseded ``token``.
-            PipelineError: the receiver thread failed.
+            PipelineError: the receiver thread failed, or the owned producer group exited.
         """
         waited_s = 0.0
         while not self.finished and not (stop is not None and stop.is_set()):
@@ -379,6 +373,11 @@ class Consumer:
         """
         from melfeed.consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
         return make_dataset(self, single_shape, features, prefetch_device)
+
+    def slot_buffers(self) -> list[npt.NDArray[np.uint8]]:
+        """Every ring slot's bytes by slot index (``Batch.slot``), 64-byte aligned uint8 arrays to pin or map once;
+        a retired shared-memory slot gets new memory (consumer/README.md, "What a loop of your own can use")."""
+        return [self.ring.memory.buffer(slot) for slot in range(self.ring.n_slots)]
 
     def zmq_context(self) -> Any:
         """The process's one ZeroMQ context (the receiver's), valid between ``start()`` and ``close()``."""

@@ -1,28 +1,32 @@
 """The library's argument checks: a mistake in a user's own loop is one clear error, never a deep traceback.
 
 Role: what ``Consumer`` (``consumer/feed.py``) refuses before it touches a socket, the ring or a lease:
-a config that is not a ``PipelineConfig``, a negative ``start_batch``, a wait without a bound. The
-rules are listed in consumer/README.md ("Mistakes the library refuses"). Programmer errors raise
-built-ins (``TypeError``, ``ValueError``, ``RuntimeError``); nothing here has state or threads.
+a config that is not a ``PipelineConfig``, a negative ``start_batch``, a wait without a bound; and what
+failed behind it (the receiver thread, an owned producer group) as one ``PipelineError``. The rules are listed
+in consumer/README.md ("Mistakes the library refuses"). Programmer errors raise built-ins (``TypeError``,
+``ValueError``, ``RuntimeError``); nothing here has state or threads.
 """
 
 from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import PipelineError
 
-__all__ = ["check_config", "check_start_batch", "check_timeout", "check_started", "check_receiver"]
+if TYPE_CHECKING:
+    from melfeed.consumer.producer_group import OwnedProducers
+
+__all__ = ["check_config", "check_start_batch", "check_timeout", "check_started", "check_receiver", "check_failures"]
 
 
 def check_config(cfg: Any) -> PipelineConfig:
     """``cfg`` itself, or ``TypeError`` saying how to make one (a dict or a path is a common slip)."""
     if not isinstance(cfg, PipelineConfig):
-        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.shared.config_loader.load_config(path) "
-                        f"or config_from_mapping(dict)), got {type(cfg).__name__}")
+        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.load_config(path) "
+                        f"or melfeed.config_from_mapping(dict)), got {type(cfg).__name__}")
     return cfg
 
 
@@ -55,3 +59,10 @@ def check_receiver(error: BaseException | None) -> None:
     """The receiver thread's failure as ``PipelineError`` (it closed the ring as it failed)."""
     if error is not None:
         raise PipelineError(f"receiver failed: {error}") from error
+
+
+def check_failures(receiver_error: BaseException | None, producers: OwnedProducers | None) -> None:
+    """``PipelineError`` if the receiver failed or the producer group a ``Consumer`` owns exited (its exit code)."""
+    check_receiver(receiver_error)
+    if producers is not None and producers.error is not None:
+        raise producers.error

@@ -52,7 +52,7 @@ def _dataset_loop(feed: Any) -> Iterator[None]:
 
 
 def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup: int, batches: int) -> dict[str, float]:
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     with Consumer(cfg) as feed:
         group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
+    quiet_tensorflow_import()               # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
     sys.exit(main())

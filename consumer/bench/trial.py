@@ -11,7 +11,7 @@ zero step's own median time measured here first). A GPU step costs the host no C
 this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
 Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``melfeed.shared.service.stop_ladder``
-(producers: ``melfeed.consumer.app.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
+(producers: ``melfeed.consumer.producer_group.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
 (``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's). Started by bench
 (``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
 its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
@@ -149,7 +149,7 @@ def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: dict[str, Any]) -> dict[str, Any]:
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.train.loop import train
     warmup, batches = spec["warmup"], spec["batches"]
@@ -228,7 +228,7 @@ def _memcpy_gb_per_s(nbytes: int) -> float | None:
 
 def _run_transport(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Real producers -> real Consumer in library mode, each batch released at once."""
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
@@ -275,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
+    quiet_tensorflow_import()               # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
     sys.exit(main())

@@ -11,7 +11,7 @@ bucket, at least 30 in bench) and then train ``warmup`` + ``batches`` batches fo
       ``melfeed.shared.metrics.StepWindow`` computes the figure exactly as the consumer's meter does.
 Invariants: a trial reports only what it measured; fed steps/s = feed efficiency x resident steps/s of
 the same window (the summary's own batches_per_s starts one step late). Shutdown: producers are stopped
-in ``finally`` (``melfeed.consumer.app.stop_producers``); the tf.data iterator is dropped with the process.
+in ``finally`` (``melfeed.consumer.producer_group.stop_producers``); the tf.data iterator is dropped with the process.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
 
 def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """melfeed's own loop, real producers, the reference model; the summary's feed efficiency."""
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.train.loop import train
     cfg = _with_limit(cfg)

@@ -158,7 +158,7 @@ def _fed(feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: l
 def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """The whole measurement (see the module); producers started and stopped here."""
     import jax
-    from melfeed.consumer.app import start_producers, stop_producers
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.observe.gpu import GpuSampler

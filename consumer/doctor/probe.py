@@ -224,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
     skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
+    quiet_tensorflow_import()               # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
     sys.exit(main())

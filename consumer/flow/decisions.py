@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from melfeed.consumer.flow.credit import ActiveLease
 from melfeed.consumer.flow.peers import ProducerReport
+from melfeed.shared.config import TransportConfig
 from melfeed.shared.wire.protocol import BatchHeader, Message
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "SessionConfig"]
@@ -40,6 +41,12 @@ class SessionConfig:
     checksum: bool                # producers must send crc32 (WELCOME tells them)
     lease_expiry_limit: int = 3   # leases a producer lets expire in a row before it is benched ...
     lease_backoff_s: float = 60.0  # ... and gets no leases for this long
+
+    @classmethod
+    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, epoch: int, checksum: bool) -> SessionConfig:
+        """The settings ``transport.*`` gives one consumer start (``checksum``: ``resolve_checksum``'s answer)."""
+        return cls(contract, epoch, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
+                   checksum=checksum, lease_expiry_limit=t.lease_expiry_limit, lease_backoff_s=t.lease_backoff_s)
 
 
 @dataclass(frozen=True, slots=True)

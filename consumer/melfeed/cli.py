@@ -92,12 +92,16 @@ def _setup_logging(flag: str | None) -> None:
         setup_logging(flag)
     else:
         setup_logging(env or "INFO", LOG_LEVEL_ENV)
+    from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_logs
+    quiet_tensorflow_logs(flag or env or "INFO")   # TF_CPP_MIN_LOG_LEVEL=3 unless set or DEBUG; children inherit
 
 
 def console_main() -> None:
     """The ``melfeed`` script and ``python -m melfeed``: TensorFlow's import without JAX and matplotlib (1-1.5 s
-    of CPU less per process; docs/BENCHMARKS.md), then :func:`main`."""
-    from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+    of CPU less per process; docs/BENCHMARKS.md) and quiet (``shared/service/lean_tensorflow.py``), then
+    :func:`main`."""
+    from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")   # every child inherits it (shared/gpu_select.py)
     skip_optional_imports_of_tensorflow()
+    quiet_tensorflow_import()     # TensorFlow's C++ lines below TF_CPP_MIN_LOG_LEVEL, also those it logs as it loads
     sys.exit(main())

@@ -173,6 +173,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with _summary_on_failure(out, summary_path):
         step_fn, compiled = _build_step(cfg, consumer, state, job)
+    log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
     with _summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live

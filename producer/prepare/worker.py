@@ -39,7 +39,7 @@ from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
 from melfeed.shared.errors import CacheError
 from melfeed.shared.gpu_select import gpu_env
 from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
-from melfeed.shared.service.lean_tensorflow import skip_optional_imports_of_tensorflow
+from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
 from melfeed.shared.service.lifecycle import die_with_parent
 from melfeed.shared.service.priority import lower_cpu_priority
 from melfeed.producer.prepare.wav import read_wav
@@ -140,6 +140,7 @@ def _open_device(spec: WorkerSpec) -> str:
     """Import TensorFlow on the data GPU if one is configured and visible, else one CPU thread."""
     os.environ.update(gpu_env(spec.data_gpu))           # before the import; "" hides every GPU
     skip_optional_imports_of_tensorflow()               # a spawned worker: its own import, without JAX/matplotlib
+    quiet_tensorflow_import()                           # and without C++ lines below TF_CPP_MIN_LOG_LEVEL
     import tensorflow as tf
 
     tf.config.experimental.enable_op_determinism()

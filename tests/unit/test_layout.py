@@ -8,6 +8,7 @@ and shared imports neither. Every import counts, also one inside a function, exc
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,18 @@ def test_no_module_is_over_400_lines_and_no_folder_holds_more_than_12_modules() 
                 folders[path.parent] = folders.get(path.parent, 0) + 1
         too_full += [str(d.relative_to(_ROOT)) for d, n in folders.items() if n > _MAX_MODULES_PER_FOLDER]
     assert (too_long, too_full) == ([], [])
+
+
+def test_the_wheel_lists_every_package_folder() -> None:
+    """pyproject.toml names the packages one by one (``package-dir`` maps the folders into ``melfeed``): a new
+    folder with an ``__init__.py`` that is not listed would be left out of the wheel. Each folder is named
+    through its nearest mapped folder (consumer/melfeed/ is ``melfeed``, not ``melfeed.consumer.melfeed``);
+    a mapped folder without ``__init__.py`` (deploy/: unit templates) is a data package, listed too."""
+    setup = tomllib.loads((_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    mapped = {_ROOT / folder: name for name, folder in setup["package-dir"].items()}
+    found = set(mapped.values())
+    for root in mapped:
+        for init in root.rglob("__init__.py"):
+            base = max((m for m in mapped if init.parent.is_relative_to(m)), key=lambda m: len(m.parts))
+            found.add(".".join((mapped[base], *init.parent.relative_to(base).parts)))
+    assert sorted(setup["packages"]) == sorted(found)

@@ -1,17 +1,15 @@
-"""The library snippet of README.md runs as written on the demo cache, with producers started as it says.
+"""The library snippet of README.md runs as written on the demo cache, in one process, importing only melfeed.
 
-The snippet is taken from README.md's "Your own training loop or model" section (its bash block starts the
-producers, its python block is the library code) and must appear verbatim in consumer/README.md too. It
-runs in a fresh interpreter with a private ``XDG_CACHE_HOME`` (the producers write the default demo
-cache there) and ``XDG_RUNTIME_DIR`` (both sides find the default ipc endpoint there).
+The snippet is README.md's "Your own training loop or model" section's python block; it must appear verbatim in
+consumer/README.md too. It writes the demo cache (``melfeed.demo_cache``) and starts its own producers
+(``Consumer(cfg, producers=2)``), so it runs alone in a fresh interpreter with a private ``XDG_CACHE_HOME`` and
+``XDG_RUNTIME_DIR`` (the default ipc endpoint's directory); no process of it may outlive it.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -19,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.conftest import REPO
 
 _SECTION = "## Your own training loop or model"
-_DEMO_READY_S = 240.0      # the producers write 2000 demo utterances first (~20 s idle, more on a busy CI box)
 
 
 def _blocks(markdown: str, section: str) -> dict[str, str]:
@@ -34,36 +32,32 @@ def _blocks(markdown: str, section: str) -> dict[str, str]:
     return out
 
 
-def test_both_readmes_carry_the_same_library_snippet() -> None:
-    snippet = _blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)["python"]
+def test_both_readmes_carry_the_same_library_snippet_on_melfeed_alone() -> None:
+    blocks = _blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)
+    snippet = blocks["python"]
     assert "feed.as_dataset(" in snippet and "feed.batches()" in snippet
     assert snippet in (REPO / "consumer" / "README.md").read_text(encoding="utf-8")
+    imported = re.findall(r"^(?:import|from) ([\w.]+)", snippet, flags=re.M)
+    assert imported == ["keras", "melfeed"]          # the library's public API only (Keras is the user's model)
+    assert "producers=" in snippet and "bash" not in blocks     # no second shell
 
 
 @pytest.mark.timeout(600)   # demo cache generation + a Keras import on a shared 2-core box
 def test_the_readme_library_snippet_runs_as_written_on_the_demo_cache(tmp_path: Path) -> None:
-    blocks = _blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)
-    command = shlex.split(blocks["bash"].strip().splitlines()[0].split("#")[0])
-    assert command[:2] == ["melfeed", "producer"]
     script = tmp_path / "snippet.py"
-    script.write_text(blocks["python"], encoding="utf-8")
+    script.write_text(_blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)["python"], encoding="utf-8")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_RUNTIME_DIR": str(tmp_path),
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
-    log = (tmp_path / "producers.log").open("wb")
-    producers = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    family: list[procs.Tracked] = []
     try:
-        marker = tmp_path / "cache" / "melfeed" / "demo" / "2000" / "demo.json"   # written last: the cache is complete
-        deadline = time.monotonic() + _DEMO_READY_S
-        while not marker.exists() and producers.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert marker.exists(), (tmp_path / "producers.log").read_text(errors="replace")[-2000:]
-        run = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
+        while proc.poll() is None and len(family) < 3:   # its producer group: the supervisor and 2 workers
+            family = procs.descendants(proc.pid)
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=540)
     finally:
-        producers.terminate()
-        code = producers.wait(30)
-        log.close()
-        shutil.rmtree(tmp_path / "cache", ignore_errors=True)   # 360 MB of demo data
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "applied 30 batches: 0 .. 29" in run.stdout, run.stdout[-2000:]
-    assert code == 0
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "applied 30 batches: 0 .. 29" in out, out[-2000:]
+    assert family and procs.wait_gone(family) == [], [procs.describe(p) for p in family]

@@ -44,15 +44,17 @@ def _leaves(mapping: dict[str, object], prefix: str = "") -> dict[str, object]:
     return out
 
 
-def test_the_deploy_example_holds_every_key_with_its_default() -> None:
+def test_the_deploy_example_holds_every_key_with_its_default_and_trains_until_stopped() -> None:
     example = Path(__file__).resolve().parents[3] / "deploy" / "example.yaml"
     shown = _leaves(yaml.safe_load(example.read_text(encoding="utf-8")))
     defaults = _leaves(config_to_mapping(PipelineConfig()))
     assert sorted(set(defaults) - set(shown)) == [], "keys missing from deploy/example.yaml"
     assert sorted(set(shown) - set(defaults)) == [], "keys in deploy/example.yaml that the config does not have"
     differs = {key for key in defaults if shown[key] != defaults[key]}
-    assert differs == {"cache_dir"}, differs       # the one key without a default, shown with a typical value
-    assert load_config(example).cache_dir == "/var/lib/melfeed/cache"
+    # cache_dir has no default (shown with a typical value); a service trains until stopped (steps null)
+    assert differs == {"cache_dir", "consumer.steps"}, differs
+    cfg = load_config(example)
+    assert (cfg.cache_dir, cfg.consumer.steps) == ("/var/lib/melfeed/cache", None)
 
 
 @pytest.mark.parametrize(("text", "hinted"), [("1e-2", True), ("1.0e2", True), ("5E3", True), ("nan", False),
