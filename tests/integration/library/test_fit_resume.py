@@ -1,5 +1,6 @@
-"""Keras ``fit`` that resumes exactly: SIGKILLed after a checkpoint, started again, it ends where an uninterrupted
-run ends (bit-identical weights) and ``melfeed audit`` finds every batch applied once, in plan order."""
+"""Keras ``fit`` that resumes exactly (docs/examples/keras_fit.py, run as written): SIGKILLed after a checkpoint and
+started again, it ends where an uninterrupted run ends (bit-identical weights) and ``melfeed audit`` finds every
+batch applied once, in plan order."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ import pytest
 
 from tests.cli_run import REPO
 
-_SCRIPT = REPO / "tests" / "fit_resume_run.py"
-_STEPS = 20
-_TIMEOUT_S = 240.0   # a Keras start and 20 tiny steps take ~15 s; only a hang gets near it
+_EXAMPLE = REPO / "docs" / "examples" / "keras_fit.py"
+_STEPS = 60          # a checkpoint every 5: the kill lands well inside the run (about 0.1 s a step)
+_TIMEOUT_S = 240.0   # a Keras start and 60 tiny steps take ~20 s; only a hang gets near it
 
 
-def _fit(demo_cache: Path, state: Path, weights: Path, delay_ms: float = 0.0) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(_SCRIPT), str(demo_cache), str(state), str(weights), str(_STEPS),
-                             str(delay_ms)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, start_new_session=True)
+def _fit(demo_cache: Path, state: Path, weights: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(_EXAMPLE), "--cache-dir", str(demo_cache), "--state-dir", str(state),
+                             "--steps", str(_STEPS), "--save-weights", str(weights)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -44,7 +45,7 @@ def _first_checkpoint(state: Path, proc: subprocess.Popen[str]) -> None:
 def test_a_fit_killed_mid_run_and_started_again_ends_with_the_uninterrupted_weights_and_an_exact_audit(
         demo_cache: Path, tmp_path: Path) -> None:
     _finish(_fit(demo_cache, tmp_path / "straight", tmp_path / "straight.npz"))
-    killed = _fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz", delay_ms=300.0)   # ~6 s of batches
+    killed = _fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz")
     _first_checkpoint(tmp_path / "state", killed)
     os.killpg(killed.pid, signal.SIGKILL)          # the fit and its producers: no handler runs
     killed.communicate(timeout=_TIMEOUT_S)
