@@ -3,15 +3,16 @@
 Role: before READY the step is compiled and run once per bucket (``CompiledStep.warm_up``, ``PackedSteps.warm_up``)
 and timed on resident batches (consumer/train/efficiency.py); a model whose validity or cost depends on the
 values (durations that size a decoder, attention over ``tok_len``) must see there what it will train on, not
-zeros. ``warm_batches`` picks, for each bucket, the first planned batch of that bucket from the run's start
-position on (a full one when the plan has one) and reads it from the cache into a region with the ring's
+zeros. ``warm_batches`` picks, for each bucket, the first full planned batch of that bucket from the run's
+start position on and reads it from the cache into a region with the ring's
 slot layout (``shared/wire/layout.py``), with the reference assembly (``melfeed.shared.cache.batch_read``):
-the same bytes a producer would put in the slot. A bucket without a batch in that epoch of the plan (under
-``partial: drop``, fewer members than rows) gets its own samples, repeated to fill the rows; a bucket without
-any sample stays all padding (it is never trained).
+the same bytes a producer would put in the slot. A bucket without a full batch in the plan (fewer members
+than rows: its one batch is partial, or under ``partial: drop`` there is none) gets its own samples, repeated to
+fill the rows; so every row of a warm-up batch is real (the resident limit times full steps), and only a bucket
+without any sample stays all padding (it is never trained).
 Why the consumer reads them and not the producers: the plan gives the consumer each bucket's batch at once,
 while the producers deliver batches in plan order into a ring of a few slots, so a bucket's first batch may be
-hundreds of batches away. docs/ARCHITECTURE.md "Start-up".
+hundreds of batches away (docs/ARCHITECTURE.md "Warm-up batches").
 Invariants: reading is all that happens: no lease, no ring slot, no audit record; the batches are not applied
 (exactly-once and the plan are untouched), and the step's variables are restored after every use of them.
 Shutdown: nothing to release; the regions are freed with the list.
@@ -43,15 +44,15 @@ class WarmBatch:
     """One bucket's warm-up batch: its region in the ring's slot layout and the arrays in it."""
 
     bucket: int
-    batch_id: int | None                   # the planned batch read; None: the bucket's own samples (none planned)
-    rows: int                              # real rows (``PlannedBatch.rows``); the rest are padding
+    batch_id: int | None                   # the planned batch read; None: the bucket's own samples (no full one planned)
+    rows: int                              # real rows: the bucket's rows B (0 for a bucket without samples)
     region: npt.NDArray[np.uint8]          # uint8 [layout_nbytes(bucket)], 64-byte aligned
     arrays: dict[str, npt.NDArray[Any]]    # views of ``region``, ``Bucket.shapes()`` keys
 
     def describe(self) -> str:
         """Which batch this is, for log lines and error messages."""
         if self.batch_id is None:
-            return f"bucket {self.bucket}'s own samples ({self.rows} rows; no planned batch)"
+            return f"bucket {self.bucket}'s own samples ({self.rows} rows; no full planned batch)"
         return f"planned batch {self.batch_id} of bucket {self.bucket} ({self.rows} rows)"
 
 
@@ -60,7 +61,7 @@ def warm_batches(plan: EpochPlan, bucket_set: BucketSet, manifest: Manifest, sta
 
     A row whose file cannot be read is left empty, as a producer quarantines it (one WARNING naming it).
     """
-    chosen = _first_of_each_bucket(plan, start_batch, [b.batch_size for b in bucket_set.buckets])
+    chosen = _first_full_of_each_bucket(plan, start_batch, [b.batch_size for b in bucket_set.buckets])
     out = []
     for bucket in bucket_set.buckets:
         planned = chosen.get(bucket.index)
@@ -73,19 +74,18 @@ def warm_batches(plan: EpochPlan, bucket_set: BucketSet, manifest: Manifest, sta
     return out
 
 
-def _first_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]) -> dict[int, PlannedBatch]:
-    """Per bucket, its first full batch in one epoch's worth of the plan from ``start_batch`` on, else its first
-    (partial) one; ``batch_rows``: each bucket's rows B."""
-    first: dict[int, PlannedBatch] = {}
+def _first_full_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]
+                               ) -> dict[int, PlannedBatch]:
+    """Per bucket, its first full batch in one epoch's worth of the plan from ``start_batch`` on (``batch_rows``:
+    each bucket's rows B); a bucket with none is left out."""
     full: dict[int, PlannedBatch] = {}
     for batch_id in range(start_batch, start_batch + plan.batches_per_epoch):
         planned = plan.batch(batch_id)
-        first.setdefault(planned.bucket, planned)
         if planned.rows == batch_rows[planned.bucket]:
             full.setdefault(planned.bucket, planned)
             if len(full) == len(batch_rows):
                 break
-    return {**first, **full}
+    return full
 
 
 def _own_samples(bucket_set: BucketSet, bucket: Bucket) -> tuple[int, ...]:

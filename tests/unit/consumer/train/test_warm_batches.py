@@ -1,7 +1,7 @@
 """Each bucket's warm-up batch is a real batch of the run's plan, read into the ring's slot layout.
 
-Checked: the choice (the first full planned batch of each bucket from the start position on; a bucket the plan
-never uses gets its own samples, every row real), the bytes (those of the reference assembly,
+Checked: the choice (the first full planned batch of each bucket from the start position on; a bucket without a
+full planned batch gets its own samples, every row real), the bytes (those of the reference assembly,
 ``melfeed.shared.cache.batch_read``, in a 64-byte aligned region laid out as ``batch_layout`` lays out a slot),
 and that reading them touches nothing of the plan.
 """
@@ -57,13 +57,16 @@ def test_each_bucket_gets_its_first_full_planned_batch_from_the_start_laid_out_a
     assert [plan.batch(i) for i in range(start_batch, start_batch + plan.batches_per_epoch)] == ahead
 
 
-def test_a_bucket_the_plan_never_uses_gets_its_own_samples_in_every_row(manifest: Manifest) -> None:
+@pytest.mark.parametrize("partial", ["drop", "pad"])
+def test_a_bucket_without_a_full_planned_batch_gets_its_own_samples_in_every_row(manifest: Manifest,
+                                                                                  partial: str) -> None:
     built = _buckets(manifest)
     assignment = built.assignment.copy()
-    assignment[np.flatnonzero(assignment == 1)[2:]] = -1     # bucket 1 keeps 2 members: no full batch to drop into
+    assignment[np.flatnonzero(assignment == 1)[2:]] = -1     # bucket 1 keeps 2 members: no full batch
     buckets = BucketSet(built.buckets, assignment, 0, 0, built.real_frames)
-    plan = EpochPlan(buckets, manifest.fingerprint, 0, "drop")
-    assert {plan.batch(i).bucket for i in range(plan.batches_per_epoch)} == {0}
+    plan = EpochPlan(buckets, manifest.fingerprint, 0, partial)
+    ones = [plan.batch(i) for i in range(plan.batches_per_epoch) if plan.batch(i).bucket == 1]
+    assert [p.rows for p in ones] == ([] if partial == "drop" else [2])   # none planned, or one partial batch
     warm = warm_batches(plan, buckets, manifest, 0)
     assert warm[0].batch_id is not None and warm[1].batch_id is None and warm[1].rows == ROWS
     members = np.flatnonzero(assignment == 1)
