@@ -2,7 +2,8 @@
 
 Role: build one program per bucket shape around the user's step (``build_step``, consumer/train/factory.py)
 before training (``CompiledStep.warm_up``, on each bucket's real warm-up batch, consumer/train/warm_batches.py;
-XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide), and run batches through them (the hand-off, handoff.py, turns aligned numpy slots into tensors with DLPack).
+XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide), and run batches through them (the hand-off,
+handoff.py, turns aligned numpy slots into tensors with DLPack).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
