@@ -15,10 +15,12 @@ machine), while slow steps that recur in every block still count, as they do in 
 of steps timed alone would leave those out too, and feed efficiency would err low.) On a GPU a read per
 step would add the very host wait the figure exists to expose; on the CPU the call returns when the step
 is done, so the reads change nothing.
-The resident batch is deterministic: every row full
+The resident batch of a bucket is its real warm-up batch (``batches``: the built-in loop's, consumer/train/
+warm_batches.py), so a step whose cost follows the values (durations that size a decoder) is timed doing the work
+it does in training. Without one (``bench``'s reference) it is synthetic and deterministic: every row full
 length (``mel_len`` = T, ``tok_len`` = L), mel from a fixed seed, token ids 1 up to the cache's largest
-(``resident_vocab``: a step is never fed an id its data does not hold). A step that fails on it (a TensorFlow
-op error) is one ``StepError`` line naming ``model.step``.
+(``resident_vocab``: a step is never fed an id its data does not hold), extras zero. A step that fails on it
+(a TensorFlow op error) is one ``StepError`` line naming ``model.step``.
 Invariants: afterwards every variable of ``variables`` holds exactly its value from before (host
 snapshot, assigned back in ``finally`` as ``CompiledStep.warm_up`` does), so a run's final variables
 never depend on whether the figure was measured; the batches have the buckets' shapes and dtypes, so
@@ -102,7 +104,8 @@ def resident_region(layout: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarray
 
 def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
                            steps_per_bucket: int, vocab_size: int,
-                           bucket_dtypes: Sequence[Mapping[str, str]] | None = None) -> ResidentLimit:
+                           bucket_dtypes: Sequence[Mapping[str, str]] | None = None,
+                           batches: Sequence[Any] | None = None) -> ResidentLimit:
     """Time ``packed`` (a warmed-up ``PackedSteps``: the programs the loop runs) on a resident batch of every bucket.
 
     Args:
@@ -113,6 +116,8 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
         steps_per_bucket: timed steps per bucket (>= 1).
         vocab_size: token ids of the resident batch stay below it (the loop passes the cache's largest id + 1).
         bucket_dtypes: dtypes of each bucket's arrays (``Bucket.dtypes()``), for the schema's extras.
+        batches: the real batch of each bucket (``WarmBatch``: its ``region`` in the slot layout), bucket order;
+            None = synthetic full-length batches (``resident_arrays``).
 
     Raises:
         ValueError: ``steps_per_bucket`` < 1. StepError: the step fails on a resident batch (a TensorFlow op
@@ -130,16 +135,18 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
     step_s = []
     try:
         for bucket, shapes in enumerate(bucket_shapes):
-            arrays = resident_arrays(shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)
+            host = (batches[bucket].region[:packed.layouts[bucket].nbytes] if batches is not None else resident_region(
+                packed.layouts[bucket], resident_arrays(shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)))
             # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
-            region = tf.identity(tf.constant(resident_region(packed.layouts[bucket], arrays)))
+            region = tf.identity(tf.constant(host))
             packed.run(bucket, region)                            # untimed: first call on this batch
             packed.accumulators.read()
             step_s.append(_time_back_to_back(packed, bucket, region, steps_per_bucket))
     except tf.errors.OpError as err:     # the user's step on a batch it never saw in warm-up: one line
-        raise StepError(packed.factory, "the step fails on the resident batch of the feed-efficiency measure (full-"
-                        f"length rows, token ids 1..{max(1, vocab_size - 1)}; consumer.feed_efficiency_steps: 0 skips "
-                        f"it): {describe_tf_error(err)}") from err
+        what = ("a warm-up batch" if batches is not None else
+                f"full-length rows, token ids 1..{max(1, vocab_size - 1)}")
+        raise StepError(packed.factory, f"the step fails on the resident batch of the feed-efficiency measure ({what}; "
+                        f"consumer.feed_efficiency_steps: 0 skips it): {describe_tf_error(err)}") from err
     finally:
         for var, value in zip(variables, saved):
             var.assign(value)

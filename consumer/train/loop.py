@@ -1,24 +1,23 @@
 """The built-in training loop: compiled step over the consumer's batches, status line, summary.
 
-Order at start: bind and start receiving (producers fill the ring meanwhile), compile every bucket
-shape (``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``; then the one-region programs,
-``PackedSteps.warm_up``), then train through a ``Stager`` (consumer/staging.py) with the TensorFlow hand-off
-(consumer/train/handoff.py): each batch's slot region is one uint8 tensor (DLPack, no copy; on a GPU one
-copy), cut into arrays inside the program; up to ``consumer.stage_depth`` batches are in flight. The named
-outputs accumulate on the device and are read only at each status interval, before each checkpoint and at
-the end (one device drain each): the status line's means, the NaN/inf warning (one line per read in which
-the loss turned non-finite), telemetry's loss and the summary's first/final outputs come from those reads.
+Order at start: bind and start receiving (producers fill the ring meanwhile), read each bucket's warm-up batch
+(a real one of the plan, read from the cache: consumer/train/warm_batches.py), compile every bucket shape on it
+(``CompiledStep.warm_up``: XLA or graph mode, ``model.jit_compile``; then the one-region programs, ``PackedSteps.
+warm_up``), time the resident limit on it, then train through a ``Stager`` (consumer/staging.py), TF hand-off
+(consumer/train/handoff.py): each batch's slot region is one uint8 tensor (DLPack, no copy; on a GPU one copy),
+cut into arrays inside the program; up to ``consumer.stage_depth`` batches are in flight. The named outputs
+accumulate on the device and are read only at each status interval, before each checkpoint and at the end (one
+device drain each): the status line's means, the NaN/inf warning (one line per read in which the loss turned
+non-finite), telemetry's loss and the summary's first/final outputs come from those reads.
 Per step the loop writes the audit record and, when due, a checkpoint; the stager lets the steps in flight
 complete before a step is dispatched past a checkpoint. Step time = the period between consecutive
 dispatches less the wait for the batch (no per-step host read).
-Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``.
-Feed efficiency = fed steps/s / steps/s of the same step on resident batches of the same buckets: the
-limit is measured after warm-up (``consumer.feed_efficiency_steps``; consumer/train/efficiency.py, which
-leaves every variable as it found it) and each applied batch carries its bucket's resident step time.
-A factory that raises or returns no step, a step that cannot be compiled (``StepError``) or breaks the
-output contract (``ConfigError``) ends the run before READY; a step that fails while training (``StepError``:
-the op and the user's line) ends it without a final checkpoint (a restart resumes from the newest). Either
-way the summary is still written, with ``error`` set.
+Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``. Feed efficiency = fed
+steps/s / steps/s of the same step on the warm-up batches, resident (``consumer.feed_efficiency_steps``;
+consumer/train/efficiency.py; variables left as found); each applied batch carries its bucket's figure.
+A factory that raises or returns no step, a step that cannot be compiled (``StepError``) or breaks the output
+contract (``ConfigError``) ends the run before READY; a step that fails while training (``StepError``: the op and
+the user's line) ends it without a final checkpoint (a restart resumes from the newest); the summary is written.
 Too many quarantined rows among those trained (``producer.max_quarantined_fraction``,
 consumer/train/quarantine.py) stop the run as SIGTERM does (the steps in flight complete, final
 checkpoint, summary with ``error``), then ``DataError``.
@@ -44,6 +43,7 @@ from melfeed.consumer.staging import Stager
 from melfeed.consumer.train.jit import remember_mode, remembered_mode
 from melfeed.consumer.train.meter import LoopMeter, format_status_line
 from melfeed.consumer.train.quarantine import ceiling_for
+from melfeed.consumer.train.warm_batches import WarmBatch, warm_batches
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError, DataError, StepError
 from melfeed.shared.output_files import write_output
@@ -177,13 +177,14 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
     with _summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live
-        out.compile_s = compiled.warm_up()
+        warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
+        out.compile_s = compiled.warm_up(warm)
         out.jit_compile, out.jit_reason = compiled.mode, compiled.choice.reason if compiled.choice else None
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
         packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
-        out.compile_s += packed.warm_up(step_fn.variables())
-        limit = _resident_limit(cfg, packed, step_fn, consumer, out)
+        out.compile_s += packed.warm_up(step_fn.variables(), warm)
+        limit = _resident_limit(cfg, packed, step_fn, consumer, out, warm)
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
@@ -329,15 +330,14 @@ def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator
 
 
 def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer,
-                    out: TrainSummary) -> ResidentLimit | None:
-    """The resident-batch limit of the programs the loop runs (``consumer.feed_efficiency_steps`` per bucket;
-    None when 0)."""
-    from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
+                    out: TrainSummary, warm: list[WarmBatch]) -> ResidentLimit | None:
+    """The resident-batch limit of the programs the loop runs on the warm-up batches (``consumer.feed_efficiency_
+    steps`` per bucket; None when 0)."""
+    from melfeed.consumer.train.efficiency import measure_resident_limit
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    buckets, vocab = consumer.bucket_set.buckets, resident_vocab(consumer.manifest.token_range, cfg.model.vocab_size)
-    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in buckets],
-                                   cfg.consumer.feed_efficiency_steps, vocab, [b.dtypes() for b in buckets])
+    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in consumer.bucket_set.buckets],
+                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size, batches=warm)
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
     return limit

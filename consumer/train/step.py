@@ -1,9 +1,9 @@
 """Compile the training step once per bucket shape and hand batches to it without copies.
 
-Role: load and call the user's step factory (``ModelConfig.step``, ``build_step``: a factory that raises
-or returns no step is one ``ConfigError`` line naming ``model.step``), build one program per bucket shape
-before training (``CompiledStep.warm_up``; XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide),
-and run batches through them (the hand-off, handoff.py, turns aligned numpy slots into tensors with DLPack).
+Role: build one program per bucket shape around the user's step (``build_step``, consumer/train/factory.py)
+before training (``CompiledStep.warm_up``, on each bucket's real warm-up batch, consumer/train/warm_batches.py;
+XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide), and run batches through them (the hand-off,
+handoff.py, turns aligned numpy slots into tensors with DLPack).
 
 Invariants:
     * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
@@ -31,28 +31,29 @@ Shutdown: nothing to release; programs and tensors are freed with this object.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.inputs import Shapes as _Shapes   # one program's key
-from melfeed.consumer.train.inputs import (accepted_extras, bucket_key, check_call, check_step, input_dtypes,
-                                           unlisted_variables)
-from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_exception, describe_tf_error, stably_named
-from melfeed.consumer.train.model import StepSpec, TrainStep
+from melfeed.consumer.train.factory import build_step, load_step_factory   # re-exported: callers import them here
+from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_call, input_dtypes, unlisted_variables
+from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_tf_error, stably_named
+from melfeed.consumer.train.model import TrainStep
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
 from melfeed.consumer.xla_cache import CompileFiles, active_xla_cache_dir
-from melfeed.shared.errors import ConfigError, PipelineError, StepError
+from melfeed.shared.errors import ConfigError, StepError
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.schema import ExtraSpec
+
+if TYPE_CHECKING:
+    from melfeed.consumer.train.warm_batches import WarmBatch
 
 __all__ = ["build_step", "load_step_factory", "CompiledStep"]
 
@@ -60,55 +61,6 @@ log = logging.getLogger(__name__)
 
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
-
-
-def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
-    """Import the step factory named ``"module:function"``.
-
-    Raises:
-        ConfigError: malformed name, module not importable, attribute missing or not callable;
-            path ``model.step``, one-line reason.
-    """
-    def fail(reason: str) -> ConfigError:
-        return ConfigError(reason, path=("model", "step"), got=dotted)
-
-    module_name, sep, attr = dotted.partition(":")
-    if not sep or not module_name or not attr:
-        raise fail("must look like 'module:function'")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # as python -m: the working directory first (the
-        sys.path.insert(0, os.getcwd())                      # melfeed script puts its bin/ there instead)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # any import-time failure of user code is a config problem here
-        first_line = (str(err).splitlines() or [""])[0]
-        raise fail(f"cannot import module {module_name!r}: {type(err).__name__}: {first_line}"
-                   ) from err
-    try:
-        factory = getattr(module, attr)
-    except AttributeError as err:
-        raise fail(f"module {module_name!r} has no attribute {attr!r}") from err
-    if not callable(factory):
-        raise fail(f"{attr!r} is a {type(factory).__name__}, not callable")
-    return factory  # type: ignore[no-any-return]
-
-
-def build_step(dotted: str, spec: StepSpec) -> TrainStep:
-    """The step of the factory ``dotted`` (``model.step``) for ``spec``, checked to be a step.
-
-    Raises:
-        ConfigError: ``model.step``: the factory cannot be loaded, raises (one line: the exception and the
-            line of user code that raised it), or returns something that is not a ``TrainStep``.
-    """
-    factory = load_step_factory(dotted)
-    try:
-        step = factory(spec)
-    except PipelineError:
-        raise
-    except Exception as err:   # user code: any exception is the factory's failure, told in one line
-        raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
-                          ) from err
-    check_step(step, dotted)
-    return step
 
 
 class CompiledStep:
@@ -156,6 +108,7 @@ class CompiledStep:
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
         self._programs: dict[tuple[str, _Shapes], Callable[..., dict[str, tf.Tensor]]] = {}
         self._traces, self._compiles_after_ready, self._is_ready = 0, 0, False
+        self._warm: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}   # during warm_up: each program's real batch
         self._compile_files = CompileFiles(active_xla_cache_dir())   # XLA's compiles: new files in its cache
         self._replicas = replicas
         if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
@@ -253,12 +206,16 @@ class CompiledStep:
             self._output_error = err
             raise
 
-    def warm_up(self) -> float:
+    def warm_up(self, batches: Sequence[WarmBatch] | None = None) -> float:
         """Settle the compile mode, compile every bucket's program, then restore every variable.
 
-        Each program is executed on an all-padding batch (zeros, all lengths 0) to force the compile (and, with
-        "auto", a few more times per mode to time them); those steps may move optimizer state (iteration
-        counters, Adam moments decay), so all of ``step.variables()`` is snapshotted and assigned back after.
+        Each program is executed on its bucket's warm-up batch to force the compile (and, with "auto", a few
+        more times per mode to time them); those steps may move optimizer state (iteration counters, Adam
+        moments decay), so all of ``step.variables()`` is snapshotted and assigned back after.
+
+        Args:
+            batches: one real batch per bucket, bucket order (``warm_batches``; the built-in loop passes them);
+                None = all-padding batches (zeros, every length 0), for callers without a cache.
 
         Returns:
             Seconds spent compiling (and timing) the warm-up steps.
@@ -270,6 +227,7 @@ class CompiledStep:
         """
         variables = self._step.variables()
         saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what warm-up updates
+        self._warm = {} if batches is None else self._inputs_of(batches)
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
@@ -287,6 +245,7 @@ class CompiledStep:
         finally:
             for var, value in zip(variables, saved):
                 var.assign(value)
+            self._warm = {}
         compile_s = time.perf_counter() - started
         self._choice, self._is_ready = choice, True
         self._compile_files.mark()
@@ -340,25 +299,25 @@ class CompiledStep:
         return choice
 
     def _compile_all(self, mode: str, only: _Shapes | None = None) -> None:
-        """Switch to ``mode`` and run each bucket's program once on zeros (host sync: compiled)."""
+        """Switch to ``mode`` and run each bucket's program once on its warm-up batch (host sync: compiled)."""
         self._mode = mode
         for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
             try:
-                read_outputs(self._program(key)(*self._zeros(key)))
+                read_outputs(self._program(key)(*self._warm_inputs(key)[0]))
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise
-                on = (" on the warm-up batch (all padding: every length 0, as in a padded partial batch)"
+                on = (f" on the warm-up batch ({self._warm_inputs(key)[1]})"
                       if isinstance(err, tf.errors.OpError) else "")   # it ran: the data is what it failed on
                 raise StepError(self._factory, f"the step fails in graph mode{on}: {describe_tf_error(err)}") from err
 
     def _time_calls(self, key: _Shapes) -> list[float]:
-        """Seconds of ``_TIMING_CALLS`` compiled calls on the zeros batch, each with a host sync."""
-        program, zeros = self._program(key), self._zeros(key)
+        """Seconds of ``_TIMING_CALLS`` compiled calls on the warm-up batch, each with a host sync."""
+        program, inputs = self._program(key), self._warm_inputs(key)[0]
         times = []
         for _ in range(_TIMING_CALLS):
             t0 = time.perf_counter()
-            read_outputs(program(*zeros))
+            read_outputs(program(*inputs))
             times.append(time.perf_counter() - t0)
         return times
 
@@ -393,8 +352,24 @@ class CompiledStep:
             args.append(tf.constant(key[0][0] if rows is None else rows, tf.int32))
         return self._program(key)(*args)
 
-    def _zeros(self, key: _Shapes) -> list[tf.Tensor]:
-        """The all-padding warm-up batch of one bucket (every length 0, every extra zeros, ``rows`` 0)."""
+    def _inputs_of(self, batches: Sequence[WarmBatch]) -> dict[_Shapes, tuple[list[tf.Tensor], str]]:
+        """Per program key, the inputs of its first bucket's warm-up batch and what that batch is."""
+        if len(batches) != len(self._bucket_keys):
+            raise ValueError(f"need one warm-up batch per bucket ({len(self._bucket_keys)}), got {len(batches)}")
+        out: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}
+        for key, batch in zip(self._bucket_keys, batches):
+            if key not in out:
+                inputs = [tf.constant(batch.arrays[name], self._dtypes[name]) for name in (*_ARG_ORDER, *self._passed)]
+                out[key] = (inputs + ([tf.constant(batch.rows, tf.int32)] if self._row_inputs else []), batch.describe())
+        return out
+
+    def _warm_inputs(self, key: _Shapes) -> tuple[list[tf.Tensor], str]:
+        """The warm-up inputs of one program and what they are; without real batches all padding (every length 0,
+        every extra zeros, ``rows`` 0)."""
+        found = self._warm.get(key)
+        if found is not None:
+            return found
         zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._passed), key)]
-        return zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else [])
+        return (zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else []),
+                "all padding: every length 0, as in a padded partial batch")
 

@@ -9,7 +9,8 @@ inputs, consumer/train/rows.py): inside the program each array is ``tf.slice`` +
 runs on them, and its named outputs go into ``Accumulators`` (consumer/train/device/accumulators.py)
 instead of back to the host. On a GPU that is one host->device copy of uint8 (device memory; int32
 would stay in host memory) instead of four, and no array of the step aliases the slot after it.
-Invariants: the outer program of a bucket is traced and compiled in ``warm_up`` (before READY), which
+Invariants: the outer program of a bucket is traced and compiled in ``warm_up`` (before READY, on the bucket's
+real batch, consumer/train/warm_batches.py), which
 leaves every variable of the step and the accumulators as it found them; XLA (``CompiledStep.mode``)
 compiles the outer program whole (one replica), so the cut is fused into the step. The cut reads each
 array exactly where ``batch_layout`` put it, so the step sees the same bytes as the per-array path.
@@ -122,14 +123,18 @@ class PackedSteps:
             program(region)
         self.dispatched += 1
 
-    def warm_up(self, variables: Sequence[Any]) -> float:
-        """Compile every bucket's program on an all-zero region (every length 0), then restore ``variables``
-        and reset the accumulators; returns the seconds it took."""
+    def warm_up(self, variables: Sequence[Any], batches: Sequence[Any] | None = None) -> float:
+        """Compile every bucket's program on its warm-up batch (``WarmBatch``: ``region`` and ``rows``, bucket
+        order; None = an all-zero region, every length 0), then restore ``variables`` and reset the accumulators;
+        returns the seconds it took."""
         started = time.perf_counter()
         saved = [v.numpy() for v in variables]       # host copies, as CompiledStep.warm_up
         try:
             for bucket, layout in enumerate(self.layouts):
-                self.run(bucket, tf.zeros([layout.nbytes], tf.uint8), rows=0)
+                if batches is None:
+                    self.run(bucket, tf.zeros([layout.nbytes], tf.uint8), rows=0)
+                else:
+                    self.run(bucket, tf.constant(batches[bucket].region[:layout.nbytes]), rows=batches[bucket].rows)
             self.accumulators.read()                 # compiles the read program too
         finally:
             for var, value in zip(variables, saved):

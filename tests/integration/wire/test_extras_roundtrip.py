@@ -3,8 +3,8 @@
 A cache with the demo extras (speaker: utterance scalar, energy: frame) plus a token extra, an
 utterance vector and a variable-length sequence; real producer processes (one SIGKILLed mid-run, its
 launcher starts another) feed a library ``Consumer`` over the ZeroMQ payload path and the shared-memory
-slots. Oracle: every batch, in plan order, equals what ``melfeed.shared.wire.schema.pad_row`` makes of the
-files of the batch's planned samples -- every array, base and extra, byte for byte.
+slots. Oracle: every batch, in plan order, equals what the reference assembly (``melfeed.shared.cache.batch_read``,
+``pad_row``'s rule) makes of the files of the batch's planned samples -- every array, base and extra, byte for byte.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import yaml
 
 from melfeed.consumer import Consumer
 from melfeed.consumer.dataset import feature_keys
+from melfeed.shared.cache.batch_read import read_batch
 from melfeed.shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, write_manifest
 from melfeed.shared.config_loader import config_from_mapping
-from melfeed.shared.wire.schema import ExtraSpec, pad_row
 from tests import procs
 
 _N = 48
@@ -56,15 +56,7 @@ def _expected(manifest: Manifest, bucket: Any, sample_ids: tuple[int, ...]) -> d
     """The batch as the schema says it must arrive: each file padded by its kind, padding rows zero."""
     shapes, dtypes = bucket.shapes(), bucket.dtypes()
     out = {k: np.zeros(shapes[k], dtypes[k]) for k in shapes}
-    base = (ExtraSpec("mel", "frame", "float32", (manifest.n_mels,)), ExtraSpec("tokens", "token", "int32"))
-    for row, sid in enumerate(sample_ids):
-        out["mel_len"][row] = pad_row(base[0], np.load(manifest.mel_path(sid)), out["mel"][row])
-        out["tok_len"][row] = pad_row(base[1], np.load(manifest.tokens_path(sid)), out["tokens"][row])
-        for spec in manifest.schema.extras:
-            dst = out[spec.name][row:row + 1].reshape(shapes[spec.name][1:])
-            n = pad_row(spec, np.load(manifest.extra_path(spec.name, sid)), dst)
-            if spec.length_key:
-                out[spec.length_key][row] = n
+    assert read_batch(manifest, sample_ids, out) == []      # the reference assembly (shared/cache/batch_read.py)
     return out
 
 

@@ -2,8 +2,9 @@
 
 A cache whose mels are half float16 files, half float32 files; a real producer process feeds a library
 ``Consumer`` over the shared-memory slots (read by ``batches()``, then by the Keras dataset) and over
-ZeroMQ payload frames. Oracle: every batch, in plan order, holds each file's values as ``numpy.astype(float16)`` makes them (a float16 file as it is), bit for
-bit, padded with zeros, every other array as on a float32 wire. A producer configured with the other
+ZeroMQ payload frames. Oracle: every batch, in plan order, holds each file's values as ``numpy.astype(float16)``
+makes them (a float16 file as it is; the reference assembly, ``melfeed.shared.cache.batch_read``), bit for bit,
+padded with zeros, every other array as on a float32 wire. A producer configured with the other
 dtype is refused at the handshake with one line naming ``transport.mel_dtype`` and exits 78.
 """
 
@@ -19,6 +20,7 @@ import tensorflow as tf
 import yaml
 
 from melfeed.consumer import Consumer
+from melfeed.shared.cache.batch_read import read_batch
 from melfeed.shared.cache.demo_data import write_demo_cache
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, write_manifest
@@ -51,14 +53,10 @@ def _mapping(cache: Path, endpoint: str, mode: str, mel_dtype: str = "float16") 
 
 
 def _expected(manifest: Manifest, bucket: Any, sample_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The batch as the schema says it must arrive: each file padded by its kind, padding rows zero."""
     shapes, dtypes = bucket.shapes(), bucket.dtypes()
     out = {k: np.zeros(shapes[k], dtypes[k]) for k in shapes}
-    for row, sid in enumerate(sample_ids):
-        mel, tokens = np.load(manifest.mel_path(sid)), np.load(manifest.tokens_path(sid))
-        n, k = min(len(mel), shapes["mel"][1]), min(len(tokens), shapes["tokens"][1])
-        out["mel"][row, :n] = mel[:n].astype(np.float16)
-        out["tokens"][row, :k] = tokens[:k]
-        out["mel_len"][row], out["tok_len"][row] = n, k
+    assert read_batch(manifest, sample_ids, out) == []      # the reference assembly (shared/cache/batch_read.py)
     return out
 
 

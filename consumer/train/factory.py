@@ -1,0 +1,72 @@
+"""Load the user's step factory (``model.step``) and build its step: every failure is one ``ConfigError`` line.
+
+Role: ``load_step_factory`` imports ``"module:function"`` (the working directory first on ``sys.path``, as
+``python -m`` would), ``build_step`` calls it with the ``StepSpec`` and checks that it returned a step
+(``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns.
+Invariant: user code's exceptions never escape as tracebacks: each is one line naming ``model.step``, the exception
+and the user's line that raised it (``jit.describe_exception``); a ``PipelineError`` it raises goes on as it is.
+Shutdown: nothing to release.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+from melfeed.consumer.train.inputs import check_step
+from melfeed.consumer.train.jit import describe_exception
+from melfeed.consumer.train.model import StepSpec, TrainStep
+from melfeed.shared.errors import ConfigError, PipelineError
+
+__all__ = ["build_step", "load_step_factory"]
+
+
+def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
+    """Import the step factory named ``"module:function"``.
+
+    Raises:
+        ConfigError: malformed name, module not importable, attribute missing or not callable;
+            path ``model.step``, one-line reason.
+    """
+    def fail(reason: str) -> ConfigError:
+        return ConfigError(reason, path=("model", "step"), got=dotted)
+
+    module_name, sep, attr = dotted.partition(":")
+    if not sep or not module_name or not attr:
+        raise fail("must look like 'module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as python -m: the working directory first (the
+        sys.path.insert(0, os.getcwd())                      # melfeed script puts its bin/ there instead)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # any import-time failure of user code is a config problem here
+        first_line = (str(err).splitlines() or [""])[0]
+        raise fail(f"cannot import module {module_name!r}: {type(err).__name__}: {first_line}"
+                   ) from err
+    try:
+        factory = getattr(module, attr)
+    except AttributeError as err:
+        raise fail(f"module {module_name!r} has no attribute {attr!r}") from err
+    if not callable(factory):
+        raise fail(f"{attr!r} is a {type(factory).__name__}, not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def build_step(dotted: str, spec: StepSpec) -> TrainStep:
+    """The step of the factory ``dotted`` (``model.step``) for ``spec``, checked to be a step.
+
+    Raises:
+        ConfigError: ``model.step``: the factory cannot be loaded, raises (one line: the exception and the
+            line of user code that raised it), or returns something that is not a ``TrainStep``.
+    """
+    factory = load_step_factory(dotted)
+    try:
+        step = factory(spec)
+    except PipelineError:
+        raise
+    except Exception as err:   # user code: any exception is the factory's failure, told in one line
+        raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
+                          ) from err
+    check_step(step, dotted)
+    return step

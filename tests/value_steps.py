@@ -1,0 +1,75 @@
+"""Test steps whose validity or cost depends on the batch's values, as duration- and attention-driven TTS models do.
+
+``positive_step`` checks what Tacotron2's attention and FastSpeech2's length regulator need: every row has frames
+and tokens, every real token a positive ``duration`` (an extra of kind ``token``); on an all-padding batch it
+fails. ``duration_cost_step`` does work in proportion to the batch's total duration (a decoder over the expanded
+frames: one matmul per ``_FRAMES_PER_MATMUL`` frames), so a batch of zero durations costs next to nothing. Both
+are ``tiny_step`` underneath: momentum and an iteration counter move every step (warm-up must put them back).
+``write_duration_cache`` writes the demo cache plus that ``duration`` extra (1..8 frames per token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from melfeed.consumer.train.model import StepSpec
+from melfeed.shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
+from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.manifest import Manifest, write_manifest
+from tests.steps import _TinyStep
+
+_COST_SIDE = 192           # [192, 192] matmuls: about 0.5 ms each on the 2-core CI machine
+_FRAMES_PER_MATMUL = 32    # a batch of 8 rows of ~100 tokens x ~4.5 frames: ~110 matmuls, tens of ms
+
+
+def _real_tokens(tok_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
+    return tf.sequence_mask(tok_len, tokens.shape[1])
+
+
+class _PositiveStep(_TinyStep):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
+                 duration: tf.Tensor) -> tf.Tensor:
+        checks = [tf.debugging.assert_positive(mel_len, message="mel_len"),
+                  tf.debugging.assert_positive(tok_len, message="tok_len"),
+                  tf.debugging.assert_positive(tf.where(_real_tokens(tok_len, tokens), duration, 1),
+                                               message="duration of a real token")]
+        with tf.control_dependencies(checks):
+            return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+class _DurationCostStep(_TinyStep):
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
+                 duration: tf.Tensor) -> tf.Tensor:
+        loss = super().__call__(mel, mel_len, tokens, tok_len)
+        frames = tf.reduce_sum(tf.where(_real_tokens(tok_len, tokens), duration, 0))
+        x = tf.fill([_COST_SIDE, _COST_SIDE], 1.0 / _COST_SIDE) + tf.reduce_mean(self.w)
+
+        def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            return i + 1, tf.tanh(tf.matmul(acc, x))
+
+        _, acc = tf.while_loop(lambda i, acc: i < frames // _FRAMES_PER_MATMUL, body, (tf.constant(0), x))
+        return loss + 0.0 * tf.reduce_mean(acc)   # depends on the decoder, so it must run
+
+
+def positive_step(spec: StepSpec) -> _PositiveStep:
+    return _PositiveStep(spec)
+
+
+def duration_cost_step(spec: StepSpec) -> _DurationCostStep:
+    return _DurationCostStep(spec)
+
+
+def write_duration_cache(root: Path, n_utterances: int, n_mels: int) -> Manifest:
+    """The demo cache (with its extras) plus ``extras/duration/<id>.npy``: int32 [tokens], each value 1..8."""
+    manifest = write_demo_cache(root, n_utterances, n_mels=n_mels, extras=True)
+    rng = np.random.default_rng(11)
+    (root / "extras" / "duration").mkdir(parents=True, exist_ok=True)
+    for u in manifest.utterances:
+        np.save(root / "extras" / "duration" / f"{u.id}.npy", rng.integers(1, 9, u.tokens, dtype=np.int32))
+    full, problems = build_manifest(root, n_mels, kinds={**DEMO_EXTRAS, "duration": "token"})
+    assert problems == [] and "duration" in [c.spec.name for c in full.extras]
+    write_manifest(full)
+    return full
