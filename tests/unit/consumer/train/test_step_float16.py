@@ -93,7 +93,9 @@ def test_step_spec_tells_the_step_the_wire_dtype() -> None:
 
 def test_the_resident_limit_and_the_doctors_batch_use_the_wire_dtype() -> None:
     from melfeed.consumer.doctor.probe import _synthetic_batch
+    from melfeed.consumer.train.device.packed import PackedSteps, RegionLayout
     from melfeed.consumer.train.efficiency import measure_resident_limit, resident_arrays
+    from melfeed.shared.wire.layout import ALIGN_BYTES, round_up
     from melfeed.shared.wire.buckets import Bucket
 
     dtypes = {"mel": "float16", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
@@ -102,7 +104,14 @@ def test_the_resident_limit_and_the_doctors_batch_use_the_wire_dtype() -> None:
     step = _CastingTiny(_spec("float16"))
     compiled = CompiledStep(step, [SHAPES], jit_compile=False, mel_dtype="float16")
     compiled.warm_up()
-    limit = measure_resident_limit(compiled, step.variables(), [SHAPES], 2, 32, [dtypes])
+    rows, offset = [], 0                    # the slot layout of the bucket: float16 mel, then the int32 arrays
+    for name, shape in SHAPES.items():
+        dtype = np.dtype(dtypes[name])
+        rows.append((name, offset, shape, dtype))
+        offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
+    packed = PackedSteps(compiled, [RegionLayout.of(rows)])
+    packed.warm_up(step.variables())
+    limit = measure_resident_limit(packed, step.variables(), [SHAPES], 2, 32, [dtypes])
     assert len(limit.step_s) == 1 and limit.step_s[0] > 0
     batch = _synthetic_batch(Bucket(0, ROWS, FRAMES, TOKENS, N_MELS, mel_dtype="float16"), 32, np.random.default_rng(0))
     assert batch["mel"].dtype == np.float16 and np.isfinite(batch["mel"]).all() and batch["mel"].any()
