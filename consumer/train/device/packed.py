@@ -88,13 +88,15 @@ class RegionLayout:
                 out[i].append((offset + i * part, part))
         return out
 
-    def cut(self, region: tf.Tensor, name: str, replicas: int = 1) -> tf.Tensor:
-        """Array ``name`` of the batch in ``region`` (traced: slice, bitcast, reshape); ``replicas`` > 1:
-        ``region`` is one replica's piece of that array, its share of the rows."""
+    def cut(self, region: tf.Tensor, name: str) -> tf.Tensor:
+        """Array ``name`` of the batch in ``region`` (traced: slice, bitcast, reshape)."""
         offset, shape, dtype = self.arrays[name]
-        shape = (shape[0] // replicas, *shape[1:])
-        piece = tf.slice(region, [offset], [int(np.prod(shape)) * dtype.itemsize]) if replicas == 1 else region
-        return _as_array(piece, shape, dtype)
+        return _as_array(tf.slice(region, [offset], [int(np.prod(shape)) * dtype.itemsize]), shape, dtype)
+
+    def cut_piece(self, piece: tf.Tensor, name: str, replicas: int) -> tf.Tensor:
+        """One replica's share of array ``name`` from its piece (``pieces``; traced: bitcast, reshape)."""
+        _, shape, dtype = self.arrays[name]
+        return _as_array(piece, (shape[0] // replicas, *shape[1:]), dtype)
 
     def cut_rows(self, region: tf.Tensor) -> tf.Tensor:
         """The int32 ``rows`` scalar of ``region`` (traced)."""
@@ -168,8 +170,9 @@ class PackedSteps:
             else:                                  # one piece per array per replica, replica-major
                 k, n = len(names), replicas.count
                 key = tuple(layout.arrays[name][1] for name in names)
-                outputs = replicas.run_parts(key, xla, lambda p: [layout.cut(p[j], names[j], n) for j in range(k)],
-                                             [tuple(regions[i * k:(i + 1) * k]) for i in range(n)])
+                def cut(p: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+                    return [layout.cut_piece(p[j], names[j], n) for j in range(k)]
+                outputs = replicas.run_parts(key, xla, cut, [tuple(regions[i * k:(i + 1) * k]) for i in range(n)])
             accumulators.update(outputs)
             return tf.constant(0, tf.int32)        # nothing to read: a tensor so the call has an output
 
