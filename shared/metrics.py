@@ -10,9 +10,11 @@ window ``(now - window_s, now]``:
     * batches/s = n / wall, samples/s = sum(rows) / wall;
     * step p50 / p99: nearest-rank percentiles of ``step_s``; CV = population std / mean;
     * padding efficiency = sum(real_frames) / sum(padded_frames);
-    * feed efficiency = sum(resident_s) / wall: the time the same compiled step needs for the same
-      bucket sequence on batches already resident on its device (no loader at all), over the time the
-      fed loop took; = batches/s / resident steps/s. 1.0 is the limit no loader can beat; None when a
+    * feed efficiency = sum(resident_s) / wall over EVERY record added so far (not only the window's): the
+      time the same compiled step needs for the same bucket sequence on batches already resident on its
+      device (no loader at all), over the time the fed loop took; = batches/s / resident steps/s. 1.0 is
+      the limit no loader can beat. None (not measured yet) before ``feed_min_steps`` records
+      (``FEED_EFFICIENCY_MIN_STEPS``, docs/ARCHITECTURE.md "Feed efficiency" says why that many), and when a
       record has no ``resident_s`` (the limit was not measured).
 Feed efficiency goals (``feed_efficiency_goal``): >= 0.95 on a CPU step, >= 0.98 on a GPU step.
 Invariants: memory is bounded by ``max_records`` (the oldest are dropped first).
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 __all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile", "PHASES", "PHASE_COMPILING",
            "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE", "FEED_EFFICIENCY_GOAL_CPU", "FEED_EFFICIENCY_GOAL_GPU",
-           "feed_efficiency_goal"]
+           "feed_efficiency_goal", "FEED_EFFICIENCY_MIN_STEPS"]
 
 # What the step loop is doing, as the metrics snapshot, ``status``, Prometheus and ``report`` name it.
 PHASE_COMPILING = "compiling"   # from start until every bucket shape is compiled (READY)
@@ -36,6 +38,7 @@ PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
 PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
 FEED_EFFICIENCY_GOAL_CPU = 0.95  # a CPU step shares its cores with the hand-off
 FEED_EFFICIENCY_GOAL_GPU = 0.98  # a GPU step: the copy overlaps, only the dispatch is left
+FEED_EFFICIENCY_MIN_STEPS = 100  # fed steps before feed efficiency is reported (docs/ARCHITECTURE.md)
 
 
 def feed_efficiency_goal(on_gpu: bool) -> float:
@@ -67,7 +70,8 @@ class WindowFigures:
     step_cv: float
     padding_efficiency: float
     queue_depth_mean: float
-    feed_efficiency: float | None = None   # sum(resident_s) / wall; None unless every record has resident_s
+    feed_efficiency: float | None = None   # over every record so far (module docstring); None: not measured yet
+    feed_steps_to_go: int = 0              # records still needed before feed efficiency is reported (0: none)
 
 
 def percentile(sorted_values: list[float], pct: float) -> float:
@@ -79,14 +83,31 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 
 
 class StepWindow:
-    def __init__(self, window_s: float = 30.0, max_records: int = 100_000) -> None:
-        if window_s <= 0 or max_records < 1:
-            raise ValueError("window_s must be > 0 and max_records >= 1")
+    def __init__(self, window_s: float = 30.0, max_records: int = 100_000,
+                 feed_min_steps: int = FEED_EFFICIENCY_MIN_STEPS) -> None:
+        if window_s <= 0 or max_records < 1 or feed_min_steps < 1:
+            raise ValueError("window_s must be > 0, max_records and feed_min_steps >= 1")
         self.window_s = window_s
+        self.feed_min_steps = feed_min_steps
         self._records: deque[StepRecord] = deque(maxlen=max_records)
+        self._fed = 0                     # records added, for feed efficiency (never trimmed)
+        self._fed_start_s = 0.0           # when the first record's wait began
+        self._resident_s: float | None = 0.0   # sum of every record's resident_s; None once one had none
 
     def add(self, record: StepRecord) -> None:
         self._records.append(record)
+        if self._fed == 0:
+            self._fed_start_s = record.end_s - record.wait_s - record.step_s
+        self._fed += 1
+        if self._resident_s is not None:
+            self._resident_s = None if record.resident_s is None else self._resident_s + record.resident_s
+
+    def feed_efficiency(self, now_s: float) -> float | None:
+        """Sum of every record's ``resident_s`` over the wall since the first began; None before
+        ``feed_min_steps`` records or when one had no ``resident_s``."""
+        if self._fed < self.feed_min_steps or self._resident_s is None:
+            return None
+        return self._resident_s / max(1e-9, now_s - self._fed_start_s)
 
     def _trim(self, now_s: float) -> list[StepRecord]:
         while self._records and self._records[0].end_s <= now_s - self.window_s:
@@ -112,7 +133,6 @@ class StepWindow:
         mean = sum(steps) / len(steps)
         std = math.sqrt(sum((s - mean) ** 2 for s in steps) / len(steps))
         padded = sum(r.padded_frames for r in recs)
-        resident = [r.resident_s for r in recs]
         return WindowFigures(
             batches=len(recs), wall_s=wall,
             stall_pct=100.0 * sum(r.wait_s for r in recs) / wall,
@@ -121,4 +141,5 @@ class StepWindow:
             step_cv=std / mean if mean > 0 else 0.0,
             padding_efficiency=sum(r.real_frames for r in recs) / padded if padded else 0.0,
             queue_depth_mean=sum(r.queue_depth for r in recs) / len(recs),
-            feed_efficiency=None if None in resident else sum(r for r in resident if r is not None) / wall)
+            feed_efficiency=self.feed_efficiency(now_s),
+            feed_steps_to_go=max(0, self.feed_min_steps - self._fed) if self._resident_s is not None else 0)

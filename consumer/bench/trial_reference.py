@@ -72,6 +72,8 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
     from melfeed.consumer.train.model import StepSpec
     from melfeed.consumer.train.outputs import read_outputs
+    from melfeed.consumer.train.device.packed import PackedSteps
+    from melfeed.consumer.train.handoff import model_device
     from melfeed.consumer.train.step import CompiledStep, build_step
     from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.metrics import StepRecord, StepWindow
@@ -85,7 +87,9 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
     compiled.warm_up()
-    limit = measure_resident_limit(compiled, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
+    packed = PackedSteps.for_buckets(compiled, bucket_set.buckets, model_device())   # the programs the loop runs
+    packed.warm_up(step.variables())
+    limit = measure_resident_limit(packed, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
                                    resident_vocab(manifest.token_range, cfg.model.vocab_size))
     it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
     window = StepWindow(window_s=math.inf)

@@ -5,8 +5,10 @@ batch region per bucket that is already resident on the step's device (no loader
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``melfeed.shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
-Method, per bucket: one untimed step, then ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks of
-consecutive steps. Each block is dispatched back to back with one host read of its last step's outputs
+Method: per bucket one untimed step, then per bucket ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks
+of consecutive steps, the buckets' blocks taken in turns (every bucket's first block, then every bucket's
+second, ...), so each bucket's blocks span the whole measurement and a change of load during it reaches
+every bucket alike, as it reaches the fed steps of every bucket. Each block is dispatched back to back with one host read of its last step's outputs
 (the steps chain through the variables, so that read waits for all of them): its seconds per step =
 elapsed / steps, the statistic of the fed figure (steps over wall time), so the ratio compares like
 with like on either device; the block's read is ``Accumulators.read``, the loop's own interval read. The figure is the median of the blocks' means: a burst of another process
@@ -80,25 +82,34 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
     return {**base, **extras}
 
 
-def _time_back_to_back(packed: Any, bucket: int, region: Any, steps: int) -> float:
+def _block_s(packed: Any, bucket: int, region: Any, steps: int) -> float:
+    """Seconds per step of ``steps`` back-to-back steps ending in one host read (every step finished)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        packed.run(bucket, region)
+    packed.accumulators.read()             # the block's only host wait: every step before it has finished
+    return (time.perf_counter() - t0) / steps
+
+
+def _time_round_robin(packed: Any, regions: Sequence[Any], steps: int) -> list[float]:
+    """Per bucket, the median block mean of ``steps`` steps in up to ``_BLOCKS`` blocks, the buckets' blocks
+    taken in turns (bucket 0's first block, bucket 1's first, ..., then every bucket's second)."""
     blocks = min(_BLOCKS, steps)
-    means = []
+    means: list[list[float]] = [[] for _ in regions]
     for block in range(blocks):
         n = steps // blocks + (block < steps % blocks)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            packed.run(bucket, region)
-        packed.accumulators.read()         # the block's only host wait: every step before it has finished
-        means.append((time.perf_counter() - t0) / n)
-    return float(statistics.median(means))
+        for bucket, region in enumerate(regions):
+            means[bucket].append(_block_s(packed, bucket, region, n))
+    return [float(statistics.median(m)) for m in means]
 
 
-def resident_region(layout: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``arrays`` laid out in one uint8 region of ``layout`` (a ``RegionLayout``), as a slot holds them."""
-    region = np.zeros(layout.nbytes, np.uint8)
-    for name, (offset, _, dtype) in layout.arrays.items():
-        raw = np.ascontiguousarray(arrays[name], dtype).reshape(-1).view(np.uint8)
-        region[offset:offset + raw.size] = raw
+def resident_region(layout: Any, arrays: Mapping[str, np.ndarray], rows: int | None = None) -> np.ndarray:
+    """``arrays`` laid out in one aligned uint8 region of ``layout`` (a ``RegionLayout``), as a slot holds them
+    (``rows`` real rows; None = every row)."""
+    from melfeed.shared.wire.layout import aligned_buffer
+    region = aligned_buffer(layout.nbytes)
+    region[:] = 0
+    layout.fill(region, arrays, rows)
     return region
 
 
@@ -116,7 +127,7 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
         steps_per_bucket: timed steps per bucket (>= 1).
         vocab_size: token ids of the resident batch stay below it (the loop passes the cache's largest id + 1).
         bucket_dtypes: dtypes of each bucket's arrays (``Bucket.dtypes()``), for the schema's extras.
-        batches: the real batch of each bucket (``WarmBatch``: its ``region`` in the slot layout), bucket order;
+        batches: the real batch of each bucket (``WarmBatch``: its ``arrays`` and ``rows``), bucket order;
             None = synthetic full-length batches (``resident_arrays``).
 
     Raises:
@@ -132,16 +143,19 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
         raise ValueError(f"steps_per_bucket must be >= 1, got {steps_per_bucket}")
     started = time.perf_counter()
     saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what the steps update
-    step_s = []
+    step_s: list[float] = []
     try:
+        hosts, regions = [], []
         for bucket, shapes in enumerate(bucket_shapes):
-            host = (batches[bucket].region[:packed.layouts[bucket].nbytes] if batches is not None else resident_region(
-                packed.layouts[bucket], resident_arrays(shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)))
-            # tf.identity places the copy where eager ops run (the model GPU when there is one): resident.
-            region = tf.identity(tf.constant(host))
-            packed.run(bucket, region)                            # untimed: first call on this batch
+            if batches is not None:
+                hosts.append(resident_region(packed.layouts[bucket], batches[bucket].arrays, batches[bucket].rows))
+            else:
+                hosts.append(resident_region(packed.layouts[bucket], resident_arrays(
+                    shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)))   # kept alive: aliased
+            regions.append(packed.stage(bucket, hosts[-1])[0])   # where the fed loop puts a batch (each replica's)
+            packed.run(bucket, regions[-1])                       # untimed: first call on this batch
             packed.accumulators.read()
-            step_s.append(_time_back_to_back(packed, bucket, region, steps_per_bucket))
+        step_s = _time_round_robin(packed, regions, steps_per_bucket)
     except tf.errors.OpError as err:     # the user's step on a batch it never saw in warm-up: one line
         what = ("a warm-up batch" if batches is not None else
                 f"full-length rows, token ids 1..{max(1, vocab_size - 1)}")

@@ -1,9 +1,11 @@
 """TensorFlow's hand-off for the ``Stager`` (consumer/staging.py): slot -> one uint8 tensor -> the packed step.
 
 Role: ``TfHandOff`` supplies the four operations the framework-neutral stager needs for the built-in
-loop. ``put`` wraps the batch's byte region of its slot as ONE uint8 tensor with DLPack (zero copy) and,
-when the step runs on a GPU, copies it there (``tf.identity`` under ``tf.device``: one host->device copy
-per batch, into device memory because the dtype is uint8). ``step`` dispatches the bucket's packed program
+loop. ``put`` takes the batch's byte region of its slot (writing a row-input step's ``rows`` into the slot
+right after the arrays) and hands it to ``PackedSteps.stage``: ONE uint8 tensor with DLPack (zero copy)
+and, when the step runs on a GPU, copied there (``tf.identity`` under ``tf.device``: one host->device copy
+per batch, into device memory because the dtype is uint8); with replicas each replica's row range of each
+array, on the replica's own device. ``step`` dispatches the bucket's packed program
 (consumer/train/device/packed.py), which cuts the region into the arrays and accumulates the named outputs
 on the device; ``wait`` reads nothing: the loop reads the accumulators once per interval
 (docs/ARCHITECTURE.md "The TensorFlow hand-off": which stream each copy runs on and what waits for what).
@@ -13,7 +15,8 @@ Invariants:
     * On a GPU the eager copy has completed when ``put`` returns (``TensorHandle::CopyToDevice`` waits for
       it in synchronous eager mode, which ``TfHandOff`` asserts): ``Staged.copied`` is True at once and
       the stager frees the slot before the step runs; nothing reads the slot after ``put``.
-    * ``transfers`` counts the tensors handed to the device: one per batch.
+    * ``transfers`` counts the tensors handed to the devices: one per batch on one device, one per array per
+      replica with replicas.
     * A step that fails while training (a TensorFlow op error) raises ``StepError``, one line naming
       ``model.step``, the op and the user's line (exit 1); on a GPU it surfaces at the next host read.
     * ``on_step(n)`` runs right after the n-th step was dispatched, its slot still held (``bench``
@@ -88,21 +91,20 @@ class TfHandOff:
         self._on_step = on_step
         self._slot_buffer = slot_buffer
         self.dispatched = 0
-        self.transfers = 0               # tensors handed to the device (one per batch)
+        self.transfers = 0               # tensors handed to the devices (module docstring)
 
     def put(self, batch: Batch) -> Staged[tf.Tensor]:
         region, copies = self._region(batch)
-        tensor = tf.experimental.dlpack.from_dlpack(region.__dlpack__())
-        self.transfers += 1
+        value, piece_copies = self._packed.stage(batch.bucket, region)
+        replicas = self._packed.replicas
+        self.transfers += 1 if replicas is None else replicas.count * len(value)
         if self._device is None:
-            return Staged(tensor, copied=None, host_copies=copies)
-        with tf.device(self._device):
-            tensor = tf.identity(tensor)   # returns once the copy completed (synchronous eager)
-        return Staged(tensor, copied=_already_copied, host_copies=copies)
+            return Staged(value, copied=None, host_copies=copies + piece_copies)
+        return Staged(value, copied=_already_copied, host_copies=copies + piece_copies)   # copies done in stage
 
     def step(self, batch: Batch, value: tf.Tensor) -> StepResult:
         try:
-            self._packed.run(batch.bucket, value, rows=batch.rows)
+            self._packed.run(batch.bucket, value)
         except tf.errors.OpError as err:     # on the CPU the step runs here: its failure, in one line
             raise self._failed(err, f" on batch {batch.batch_id}") from err
         self.dispatched += 1
@@ -125,16 +127,16 @@ class TfHandOff:
             raise self._failed(err, "") from err
 
     def _region(self, batch: Batch) -> tuple[npt.NDArray[np.uint8], int]:
-        """The batch's byte region of its slot (no copy), else its arrays packed into an aligned one (1 copy)."""
+        """The batch's byte region of its slot (no copy; a row-input step's ``rows`` written after the arrays),
+        else its arrays (and ``rows``) packed into an aligned one (1 copy)."""
         layout = self._packed.layouts[batch.bucket]
         if self._slot_buffer is not None:
             buf = self._slot_buffer(batch.slot)
             if batch.arrays["mel"].ctypes.data == buf.ctypes.data and buf.nbytes >= layout.nbytes:
+                layout.put_rows(buf, batch.rows)
                 return buf[:layout.nbytes], 0
         region: npt.NDArray[np.uint8] = aligned_empty(layout.nbytes, np.uint8)   # type: ignore[assignment]
-        for name, (offset, shape, dtype) in layout.arrays.items():
-            n = int(np.prod(shape)) * dtype.itemsize
-            region[offset:offset + n] = np.ascontiguousarray(batch.arrays[name], dtype).reshape(-1).view(np.uint8)
+        layout.fill(region, batch.arrays, batch.rows)
         return region, 1
 
     def _failed(self, err: tf.errors.OpError, where: str) -> StepError:

@@ -146,6 +146,8 @@ def format_status_line(*, step: int, steps_total: int | None, outputs: Mapping[s
         stall = f"{figures.stall_pct:.1f}%"
         if figures.feed_efficiency is not None:
             stall += f" | feed efficiency {figures.feed_efficiency:.3f}"
+        elif figures.feed_steps_to_go:     # the limit was measured, too few fed steps yet for a stable figure
+            stall += f" | feed efficiency - (not measured yet: {figures.feed_steps_to_go} steps to go)"
     return (f"step {step}{total} {named} | {rates} | stall {stall} | queue {queue_depth} | "
             f"producers {producers_alive} | rejects {rejects}"
             + (f" | quarantined {quarantined}" if quarantined else "") + (f" | {gpus}" if gpus else ""))

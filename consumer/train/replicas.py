@@ -6,12 +6,14 @@ its devices); ``scope()`` is where the step factory must run so every variable i
 ``program`` builds the one program per bucket that ``CompiledStep`` (consumer/train/step.py) calls with
 the full global batch, so the loop and its ``CompiledStep.run(bucket, batch)`` interface stay unchanged.
 
-What one call does: split each of the four batch tensors along its rows into N equal views (``tf.split``
-on axis 0; TensorFlow's CPU kernel aliases the input when every part is 64-byte aligned, which the mel
-rows always are, so the slot is not copied on the host; a GPU replica's call copies its part
-host->device), hand them to the strategy (``experimental_distribute_values_from_function``), run the
-step on each replica under ``strategy.run`` (its own ``tf.function``, XLA per ``model.jit_compile``) and
-sum each named scalar over the replicas.
+What the loop's call does (``run_parts``, inside the packed program of consumer/train/device/packed.py):
+each replica's rows arrive already on its device, one uint8 piece per array per replica cut from the slot
+by the hand-off (``PackedSteps.stage``; docs/ARCHITECTURE.md "The path of one batch" says which copies);
+``strategy.run`` runs the step on each replica (its own ``tf.function``, XLA per ``model.jit_compile``)
+on its pieces, and each named scalar is summed onto the first replica's device
+(``strategy.extended.reduce_to``), where the output accumulators live: no per-step host reduce.
+``program`` is the same step on a full-batch call (``CompiledStep.run``, warm-up, mode timing): it splits
+each array along its rows (``tf.split``) and goes through the same reduce.
 
 In a multi-worker job (``Replicas.for_job``, the strategy from consumer/job/cluster.py) the same program
 runs under ``MultiWorkerMirroredStrategy``: N is this worker's local devices (its GPUs, or its one CPU
@@ -86,6 +88,7 @@ class Replicas:
         self.devices = list(devices)
         self.multi_worker = strategy is not None
         self.strategy = strategy if strategy is not None else tf.distribute.MirroredStrategy(self.devices)
+        self._fns: dict[tuple[bool, _Shapes], ReplicaFn] = {}   # (jit_compile, full-batch shapes) -> replica fn
         log.info("replicas: %d on %s (%s)", len(self.devices), ", ".join(self.devices),
                  f"MultiWorkerMirroredStrategy, {self.strategy.num_replicas_in_sync} in the job" if self.multi_worker
                  else "MirroredStrategy")
@@ -163,19 +166,36 @@ class Replicas:
             per_replica_fn: ReplicaFn = tf.function(replica_fn, jit_compile=True, input_signature=part)
         else:             # graph mode: traced into the program below, once per replica
             per_replica_fn = replica_fn
-        strategy = self.strategy
+        self._fns[(jit_compile, tuple(key))] = per_replica_fn
 
         def whole(*args: tf.Tensor) -> dict[str, tf.Tensor]:
             on_trace()
-            parts = [tf.split(arg, n, axis=0) for arg in args]   # row views; see the module docstring
-            values = strategy.experimental_distribute_values_from_function(
-                lambda ctx: tuple(p[ctx.replica_id_in_sync_group % n] for p in parts))   # the local replica
-            per_replica = strategy.run(per_replica_fn, args=values)
-            return {name: strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                    for name, value in per_replica.items()}
+            parts = [tf.split(arg, n, axis=0) for arg in args]   # row views of the full batch
+            return self.run_parts(tuple(key), jit_compile, lambda pieces: list(pieces),
+                                  [tuple(p[i] for p in parts) for i in range(n)])
 
         full = [tf.TensorSpec(shape, dtype, name=name) for shape, dtype, name in zip(key, dtypes, names)]
         return tf.function(whole, input_signature=full)
+
+    def distribute(self, parts: Sequence[tuple[Any, ...]]) -> Any:
+        """``parts[i]`` (this worker's i-th replica's tensors) as the strategy's per-replica values (a tuple
+        of ``PerReplica``); the values stay where they are (TensorFlow places nothing here)."""
+        n = self.count
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tuple(parts[ctx.replica_id_in_sync_group % n]))   # global id -> this worker's replica
+
+    def run_parts(self, key: _Shapes, jit_compile: bool, cut: Callable[[Sequence[tf.Tensor]], list[tf.Tensor]],
+                  parts: Sequence[tuple[Any, ...]]) -> dict[str, tf.Tensor]:
+        """Traced: the step of ``key`` (built by ``program``) on each replica's ``parts``, ``cut`` into its
+        arrays on its own device; each named scalar summed onto the first replica's device."""
+        fn = self._fns[(jit_compile, key)]
+        per_replica = self.strategy.run(lambda *pieces: fn(*cut(pieces)), args=self.distribute(parts))
+        return {name: self._on_first(value) for name, value in per_replica.items()}
+
+    def _on_first(self, value: Any) -> tf.Tensor:
+        """The sum over every replica (of every worker in a job), on this worker's first replica's device."""
+        reduced = self.strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, value, destinations=self.devices[0])
+        return self.strategy.experimental_local_results(reduced)[0]
 
 
 def replica_scope(replicas: Replicas | None) -> Any:

@@ -110,7 +110,7 @@ class CompiledStep:
         self._traces, self._compiles_after_ready, self._is_ready = 0, 0, False
         self._warm: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}   # during warm_up: each program's real batch
         self._compile_files = CompileFiles(active_xla_cache_dir())   # XLA's compiles: new files in its cache
-        self._replicas = replicas
+        self.replicas = replicas   # the programs run on these (consumer/train/replicas.py); None = one device
         if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
             takes, instead = (("rows / row_mask", "use mel_len > 0 as the row mask") if self._row_inputs else
                               (f"extra arrays ({', '.join(self._passed)})", "leave them out of __call__"))
@@ -125,7 +125,7 @@ class CompiledStep:
     @property
     def devices(self) -> list[str]:
         """The replicas' devices; [] for one device (then the outputs' device says where it ran)."""
-        return list(self._replicas.devices) if self._replicas is not None else []
+        return list(self.replicas.devices) if self.replicas is not None else []
 
     @property
     def traces(self) -> int:
@@ -160,8 +160,8 @@ class CompiledStep:
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))
         if program is None:
-            if self._replicas is not None:
-                program = self._replicas.program(
+            if self.replicas is not None:
+                program = self.replicas.program(
                     lambda *args: self._normalize(self._step(*args)), key, [self._dtypes[n] for n in _ARG_ORDER],
                     _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
                 self._programs[(self._mode, key)] = program
@@ -278,7 +278,7 @@ class CompiledStep:
             return choose_mode("auto", xla_error=reason)
         if self._setting is True or self._remembered == "xla":
             return choose_mode(self._setting, remembered=self._remembered)
-        if self._replicas is not None and self._replicas.multi_worker:   # timings differ per rank: no timing
+        if self.replicas is not None and self.replicas.multi_worker:   # timings differ per rank: no timing
             return JitChoice("xla", "XLA compiled (not timed: every rank of a multi-worker job must pick the same)")
         key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
         xla_times = self._time_calls(key)

@@ -77,7 +77,9 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
                 return None
             snap: dict[str, Any] = json.loads(r.stdout)
             rated = [p for p in snap["producers"] if p["batches_per_s"] is not None and p["read_ms"] is not None]
-            return snap if snap["step"] > 0 and len(rated) == 2 and snap["outputs"] and snap["batches_per_s"] else None
+            measured = snap.get("feed_efficiency") is not None      # null until FEED_EFFICIENCY_MIN_STEPS steps
+            return snap if snap["step"] > 0 and len(rated) == 2 and snap["outputs"] and snap["batches_per_s"] \
+                and measured else None
 
         snap = _until(status_json, proc, log)
         assert tuple(snap) == SCHEMA_KEYS
@@ -101,7 +103,7 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
             m = _scrape(port)
             built = [k for k in m if k[0] == "melfeed_producer_batches_total"]
             has_loss = ("melfeed_step_output", (("name", "loss"),)) in m
-            fed = ("melfeed_feed_efficiency_ratio", ()) in m       # absent while the window holds no step
+            fed = ("melfeed_feed_efficiency_ratio", ()) in m       # absent until it is measured
             return m if m.get(("melfeed_batches_applied_total", ()), 0) > 0 and len(built) == 2 and has_loss and fed \
                 else None
 

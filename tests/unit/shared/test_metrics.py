@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from melfeed.shared.metrics import StepRecord, StepWindow, feed_efficiency_goal, percentile
+from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS, StepRecord, StepWindow, feed_efficiency_goal, percentile
 
 
 def _rec(end_s: float, wait_s: float, step_s: float, rows: int = 4, real: int = 30, padded: int = 40,
@@ -59,7 +59,7 @@ def test_queue_depth_histogram_counts_the_window_only() -> None:
 
 
 def test_feed_efficiency_is_resident_time_of_the_same_buckets_over_the_wall_by_hand() -> None:
-    w = StepWindow(window_s=100.0)
+    w = StepWindow(window_s=100.0, feed_min_steps=1)
     # From t=0: (wait, step, resident) = (1, 1, 0.5), (0, 2, 1.5), (1, 1, 0.5) -> ends at 2, 4, 6.
     for end, wait, step, resident in ((2.0, 1.0, 1.0, 0.5), (4.0, 0.0, 2.0, 1.5), (6.0, 1.0, 1.0, 0.5)):
         w.add(StepRecord(end, wait, step, 4, 30, 40, 2, resident))
@@ -68,15 +68,27 @@ def test_feed_efficiency_is_resident_time_of_the_same_buckets_over_the_wall_by_h
     assert f.feed_efficiency == pytest.approx(2.5 / 6.0)    # resident 0.5 + 1.5 + 0.5 s for 6 s of wall
     # = fed steps/s over resident steps/s of the same buckets: (3 / 6) / (3 / 2.5)
     assert f.feed_efficiency == pytest.approx(f.batches_per_s / (3 / 2.5))
-    # Only the window's records count: at t=104.5 the first two left (end <= 4.5), one second-long batch
-    # (resident 0.5 s) remains, ending at 6 after a 1 s wait: wall = 104.5 - 4 = 100.5.
+    # Every record since the first counts, not only the window's: at t=104.5 the first two left the window
+    # (one batch remains for the rates), feed efficiency still covers all three over 104.5 s of wall.
     f_late = w.figures(now_s=104.5)
     assert f_late is not None and f_late.batches == 1
-    assert f_late.feed_efficiency == pytest.approx(0.5 / 100.5)
+    assert f_late.feed_efficiency == pytest.approx(2.5 / 104.5)
+
+
+def test_feed_efficiency_is_not_measured_yet_before_the_minimum_steps() -> None:
+    assert FEED_EFFICIENCY_MIN_STEPS == 100                  # docs/ARCHITECTURE.md "Feed efficiency" says why
+    w = StepWindow(window_s=5.0, max_records=10)           # a short window, few records kept: neither matters
+    for i in range(1, FEED_EFFICIENCY_MIN_STEPS):
+        w.add(StepRecord(float(i), 0.0, 1.0, 4, 30, 40, 2, 0.9))
+    f = w.figures(now_s=99.0)
+    assert f is not None and f.batches == 5 and f.feed_efficiency is None       # 99 steps: not measured yet
+    w.add(StepRecord(100.0, 0.0, 1.0, 4, 30, 40, 2, 0.9))
+    f = w.figures(now_s=100.0)
+    assert f is not None and f.feed_efficiency == pytest.approx(0.9)             # 100 x 0.9 s over 100 s
 
 
 def test_feed_efficiency_is_unknown_when_any_record_has_no_resident_time() -> None:
-    w = StepWindow(window_s=100.0)
+    w = StepWindow(window_s=100.0, feed_min_steps=1)
     w.add(StepRecord(1.0, 0.0, 1.0, 4, 30, 40, 2, 0.9))
     f = w.figures(now_s=1.0)
     assert f is not None and f.feed_efficiency == pytest.approx(0.9)

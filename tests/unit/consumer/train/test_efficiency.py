@@ -95,11 +95,16 @@ class _ClockedStep:
         self._durations_s = list(durations_s)
         self.layouts = [_layout(s) for s in _SHAPES]
         self.accumulators = self                       # read() is the block's sync; reset() after
+        self.order: list[int] = []                     # the bucket of each step, in order
 
     def clock(self) -> float:
         return self.now_s
 
+    def stage(self, bucket: int, region: object) -> tuple[object, int]:
+        return region, 0
+
     def run(self, bucket: int, region: object) -> None:
+        self.order.append(bucket)
         self.now_s += self._durations_s.pop(0)
 
     def read(self) -> None:
@@ -125,3 +130,15 @@ def test_a_burst_of_another_process_in_one_block_is_left_out(monkeypatch: pytest
     monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
     limit = measure_resident_limit(fake, [], _SHAPES[:1], steps_per_bucket=9, vocab_size=32)
     assert limit.step_s == pytest.approx((0.020,))     # a plain mean over the 9 steps would say 0.353
+
+
+def test_the_buckets_blocks_take_turns_so_a_burst_reaches_each_bucket_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import melfeed.consumer.train.efficiency as efficiency
+    # untimed steps of both buckets, then 3 blocks of 1 step each in turns; a burst (1.0 s) lasts two steps:
+    # it lands in one block of each bucket, and each bucket's median leaves it out (taken bucket by bucket,
+    # the same durations would give both buckets 0.020)
+    fake = _ClockedStep([5.0, 5.0] + [0.010, 0.020] + [1.0, 1.0] + [0.010, 0.020])
+    monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
+    limit = measure_resident_limit(fake, [], _SHAPES[:2], steps_per_bucket=3, vocab_size=32)
+    assert fake.order == [0, 1] + [0, 1] * 3
+    assert limit.step_s == pytest.approx((0.010, 0.020))

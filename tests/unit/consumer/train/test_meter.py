@@ -7,7 +7,7 @@ import math
 import pytest
 
 from melfeed.consumer.train.meter import LoopMeter, OutputMeans, format_outputs, format_status_line
-from melfeed.shared.metrics import StepRecord
+from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS, StepRecord
 
 
 def test_means_are_per_interval_and_per_name_and_survive_an_empty_interval() -> None:
@@ -58,12 +58,18 @@ def test_status_line_before_any_measured_step_shows_no_rate() -> None:
                     "quarantined 1 | gpu n/a")
 
 
-def test_status_line_shows_feed_efficiency_when_the_limit_was_measured() -> None:
+def test_status_line_shows_feed_efficiency_once_enough_steps_were_measured() -> None:
     meter = LoopMeter(window_s=30.0)
-    # 0.5 s wait + 2 s step; the same bucket takes 2 s on a resident batch: 2 / 2.5 = 0.8.
-    meter.add(StepRecord(end_s=100.0, wait_s=0.5, step_s=2.0, rows=16, real_frames=80, padded_frames=100,
-                         queue_depth=2, resident_s=2.0))
-    line = format_status_line(step=6, steps_total=None, outputs={"loss": 0.5}, figures=meter.live.figures(100.0),
-                              queue_depth=2, producers_alive=2, rejects=0, quarantined=0)
-    assert "| stall 20.0% | feed efficiency 0.800 | queue 2 |" in line
-    assert meter.last_end_s == 100.0
+
+    def line_at(end_s: float) -> str:
+        return format_status_line(step=6, steps_total=None, outputs={"loss": 0.5}, figures=meter.live.figures(end_s),
+                                  queue_depth=2, producers_alive=2, rejects=0, quarantined=0)
+
+    # 0.5 s wait + 2 s step each; the same bucket takes 2 s on a resident batch: 2 / 2.5 = 0.8.
+    for i in range(1, FEED_EFFICIENCY_MIN_STEPS + 1):
+        meter.add(StepRecord(end_s=2.5 * i, wait_s=0.5, step_s=2.0, rows=16, real_frames=80, padded_frames=100,
+                             queue_depth=2, resident_s=2.0))
+        if i == FEED_EFFICIENCY_MIN_STEPS - 1:
+            assert "| stall 20.0% | feed efficiency - (not measured yet: 1 steps to go) | queue 2 |" in line_at(2.5 * i)
+    assert "| stall 20.0% | feed efficiency 0.800 | queue 2 |" in line_at(2.5 * FEED_EFFICIENCY_MIN_STEPS)
+    assert meter.last_end_s == 2.5 * FEED_EFFICIENCY_MIN_STEPS

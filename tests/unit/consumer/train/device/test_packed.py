@@ -131,10 +131,47 @@ def test_float16_mels_and_extras_are_cut_from_the_region_where_the_layout_put_th
     a = batch.arrays
     assert {"speaker", "ref", "ref_len"} <= set(packed_names)       # (**extras also takes the row inputs)
     args, _ = packed.program(0).structured_input_signature
-    assert [a.dtype for a in args] == [tf.uint8, tf.int32]          # a step that takes rows gets them after
+    assert [a.dtype for a in args] == [tf.uint8]                    # rows too come from the region
     assert read.last == pytest.approx({"loss": float(a["mel"].astype(np.float32).sum()),
                                        "speaker": float(a["speaker"].sum()), "ref": float(a["ref"].astype(np.float32).sum()),
                                        "ref_len": float(a["ref_len"].sum()), "tokens": float(a["tokens"].sum())}, rel=1e-3)
+
+
+class _CountsRows:
+    """A step that takes ``rows`` and ``row_mask`` and returns what it was given."""
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *, rows: tf.Tensor,
+                 row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"loss": tf.cast(rows, tf.float32), "mask": tf.reduce_sum(tf.cast(row_mask, tf.float32)),
+                "mel_len": tf.cast(tf.reduce_sum(mel_len), tf.float32)}
+
+    def variables(self) -> list[Any]:
+        return []
+
+
+@pytest.mark.parametrize("in_slot", [True, False], ids=["slot", "packed"])
+def test_a_row_input_step_reads_rows_from_the_one_region_it_is_given(in_slot: bool) -> None:
+    bucket = _bucket()
+    compiled = CompiledStep(_CountsRows(), [bucket.shapes()], jit_compile=False)
+    compiled.warm_up()
+    packed = PackedSteps.for_buckets(compiled, [bucket], None)
+    packed.warm_up([])
+    layout = packed.layouts[0]
+    assert layout.rows_offset is not None and layout.rows_offset >= layout_nbytes(bucket)   # after every array
+    args, kwargs = packed.program(0).structured_input_signature
+    assert kwargs == {} and [(a.dtype, tuple(a.shape)) for a in args] == [(tf.uint8, (layout.nbytes,))]
+    slots = _Slots(bucket)
+    handoff = TfHandOff(packed, None, slot_buffer=slots.buffer)
+    for batch_id, rows in enumerate((3, 1)):       # partial batches: fewer real rows than B = 4
+        full = slots.batch(batch_id, np.random.default_rng(batch_id))
+        batch = Batch(PlannedBatch(batch_id, 0, 0, tuple(range(rows))),
+                      full.arrays if in_slot else {k: v.copy() for k, v in full.arrays.items()}, slot=full.slot)
+        staged = handoff.put(batch)
+        assert staged.host_copies == (0 if in_slot else 1)
+        handoff.step(batch, staged.value)
+        read = packed.accumulators.read()
+        assert read.last == {"loss": rows, "mask": rows, "mel_len": float(full.arrays["mel_len"].sum())}
+    assert handoff.transfers == 2                  # one tensor per batch, rows inside it
 
 
 def test_a_batch_whose_arrays_are_not_in_a_slot_is_packed_into_a_region_with_one_host_copy() -> None:
