@@ -173,7 +173,7 @@ def _model_gpus(cfg: PipelineConfig, environ: Mapping[str, str], nvml: Any) -> t
     if selectors == []:
         return ["cpu"], None
     mig = ["mig"] if any(s.startswith("MIG-") for s in selectors or ()) else []
-    module = load_nvml(nvml)
+    module = load_nvml(nvml, quiet=True)     # the sampler reports NVML itself, once
     if module is None:
         return mig or (["cpu"] if selectors is None else ["gpu"]), None
     try:

@@ -2,7 +2,7 @@
 
 Each rank has its own TF_CONFIG file (free loopback ports for the cluster), config, state directory,
 ipc endpoint and producer group, as two hosts would. The reference model on small buckets in graph
-mode (XLA has no CPU collectives), `--log-level DEBUG` so every applied batch's job loss is logged.
+mode (XLA has no CPU collectives), `--log-level DEBUG` so every applied batch is logged.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests import procs
 WORLD = 2
 CHECKPOINT_EVERY = 20
 PEER_TIMEOUT_S = 5.0       # consumer.peer_timeout_s of these jobs: how soon a survivor gives up
-_LOSS = re.compile(r"applied batch (\d+) loss (\S+)")
+_APPLIED = re.compile(r"applied batch (\d+)$", re.M)
 
 
 def free_ports(n: int) -> list[int]:
@@ -80,9 +80,9 @@ class Job:
     def start_all(self) -> list[subprocess.Popen[bytes]]:
         return [self.start(rank) for rank in range(WORLD)]
 
-    def losses(self, rank: int) -> dict[int, str]:
-        """Batch id -> the job loss as logged (repr of the float), the last one logged for each id."""
-        return {int(b): loss for b, loss in _LOSS.findall(self.log(rank).read_text(errors="replace"))}
+    def applied(self, rank: int) -> list[int]:
+        """The batch ids rank ``rank`` logged as applied, in order."""
+        return [int(b) for b in _APPLIED.findall(self.log(rank).read_text(errors="replace"))]
 
     def final_checkpoint(self, rank: int) -> Path:
         return self.state(rank) / f"ckpt-{self.steps:012d}"

@@ -48,13 +48,15 @@ class NvmlGpu:
     handle: Any      # NVML's device handle
 
 
-def load_nvml(nvml: Any = None) -> Any | None:
-    """``nvml`` (a module with pynvml's functions; default pynvml) after ``nvmlInit``; None without NVML."""
+def load_nvml(nvml: Any = None, *, quiet: bool = False) -> Any | None:
+    """``nvml`` (a module with pynvml's functions; default pynvml) after ``nvmlInit``; None without NVML.
+
+    ``quiet``: its absence is logged at DEBUG (a probe before the sampler, which then says it once)."""
     try:
         module = nvml if nvml is not None else importlib.import_module("pynvml")
         module.nvmlInit()
     except Exception as err:  # noqa: BLE001 - any NVML failure means "n/a", by design
-        log.info("gpu metrics n/a (NVML unavailable: %s)", err)
+        (log.debug if quiet else log.info)("gpu metrics n/a (NVML unavailable: %s)", err)
         return None
     return module
 

@@ -133,7 +133,7 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     cfg = tmp_path / "two-buckets.yaml"          # two buckets: the reference model compiles twice, not four times
     cfg.write_text("buckets: {num_buckets: 2, batch_size: 16}\n", encoding="utf-8")
     out = tmp_path / "bench.json"
-    proc = _bench(tmp_path, "--efficiency-only", "--efficiency-batches", "5", "--rounds", "1", "--warmup", "2",
+    proc = _bench(tmp_path, "--efficiency-only", "--efficiency-batches", "100", "--rounds", "1", "--warmup", "2",
                   "--transports", "zmq", "--producer-counts", "1", "--tfdata-parallel", "8", "--service-workers", "0",
                   "--config", str(cfg), "--cache-dir", str(demo_cache), "-o", str(out), timeout_s=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -141,7 +141,7 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     assert {t["system"] for t in section["trials"]} == {"melfeed-zmq-p1", "tfdata-npc8"}
     for system in ("melfeed-zmq-p1", "tfdata-npc8"):
         figs = section["medians"][system]["0"]
-        # Structure, not speed (as above): 5 batches on a loaded machine can land above 1 (load noise).
+        # Structure, not speed (as above): 100 batches (the fewest the figure is reported after) on a loaded machine can land above 1.
         assert _positive(figs["feed_efficiency"]) and _positive(figs["resident_steps_per_s"]), (system, figs)
         assert figs["fed_steps_per_s"] == pytest.approx(figs["feed_efficiency"] * figs["resident_steps_per_s"])
     lines = [g["line"] for g in section["goals"]]

@@ -33,7 +33,7 @@ def test_bad_rows_past_the_runs_ceiling_stop_doctor_with_one_line_naming_the_cac
     with pytest.raises(CacheError) as err:
         _bad_rows(cfg, {"rows_read": 40, "rows_quarantined": 40, "quarantine_note": "/data/cache/mels/a.npy: missing"})
     text = str(err.value)
-    assert text.startswith("/data/cache: 40 of the 40 rows") and "verify-cache /data/cache" in text
+    assert text.startswith("/data/cache: 40 of the 40 rows") and "verify-cache --cache-dir /data/cache" in text
     assert "producer.max_quarantined_fraction (1%)" in text and "\n" not in text
 
 
