@@ -6,7 +6,8 @@ allocate, so ``HostPinner`` loads the CUDA runtime that TensorFlow's GPU install
 (``nvidia-cuda-runtime-cu*`` wheels: ``site-packages/nvidia/cuda_runtime/lib``; else the system's
 ``libcudart``) and registers each slot mapping (``cudaHostRegisterPortable``) in the consumer process only
 (registration is per process; producers write as before). Without a runtime or a CUDA device it pins
-nothing and says why in one INFO line (``HostPinner.status``: "not pinned: ...").
+nothing and says why (``HostPinner.status``: "not pinned: ..."): one INFO line when a CUDA runtime sees a device
+or pinning fails, DEBUG on a machine without one (no CUDA line where there is no GPU).
 Invariants: a buffer is unregistered before its mapping can go (``ShmSlots.retire`` and ``close``); pinned
 bytes = ring slots x slot bytes, locked in RAM (they count against the memory cgroup). Importing this
 module loads nothing; the runtime is looked up once per process, on first use.
@@ -47,7 +48,8 @@ class HostPinner:
         self.pinned = 0                               # buffers registered now
         self._lib: ctypes.CDLL | None = None
         self.status = self._load([library] if library else cudart_candidates())
-        log.info("ring slots %s", self.status)
+        quiet = self.status.startswith(("not pinned: no CUDA device", "not pinned: no CUDA runtime"))
+        (log.debug if quiet else log.info)("ring slots %s", self.status)
 
     def _load(self, candidates: list[str]) -> str:
         for name in candidates:

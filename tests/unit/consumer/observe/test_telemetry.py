@@ -16,7 +16,7 @@ from melfeed.consumer.observe.status import format_status, snapshot_problem
 from melfeed.consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
 from melfeed.shared.config_loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
-from melfeed.shared.metrics import StepRecord, StepWindow
+from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS, StepRecord, StepWindow
 from melfeed.shared.wire.protocol import StageCounters
 
 
@@ -280,8 +280,10 @@ def test_feed_efficiency_reaches_snapshot_status_and_prometheus(tmp_path: Path) 
     clock = iter(float(t) for t in range(100))
     with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
         before = tel.latest()
-        # Covers 0..1 s (0.25 s waiting); on a resident batch the bucket takes 0.6 s: 0.6 / 1.0.
-        tel.add(StepRecord(1.0, 0.25, 0.75, 4, 30, 40, 2, resident_s=0.6))
+        # The figure is reported from FEED_EFFICIENCY_MIN_STEPS steps on: that many steps covering 0..1 s (0.25 s
+        # waiting), their buckets taking 0.6 s together on resident batches: 0.6 / 1.0.
+        for _ in range(FEED_EFFICIENCY_MIN_STEPS):
+            tel.add(StepRecord(1.0, 0.25, 0.75, 4, 30, 40, 2, resident_s=0.6 / FEED_EFFICIENCY_MIN_STEPS))
         snap = tel.publish(7, 0.5, 0)
     assert before is not None and before["feed_efficiency"] is None       # unknown before any step
     assert snap["feed_efficiency"] == pytest.approx(0.6)
