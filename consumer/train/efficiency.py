@@ -136,7 +136,7 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
     """
     import tensorflow as tf
 
-    from melfeed.consumer.train.jit import describe_tf_error
+    from melfeed.consumer.train.describe import describe_tf_error
     from melfeed.shared.errors import StepError
 
     if steps_per_bucket < 1:

@@ -4,7 +4,7 @@ Role: ``load_step_factory`` imports ``"module:function"`` (the working directory
 ``python -m`` would), ``build_step`` calls it with the ``StepSpec`` and checks that it returned a step
 (``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns.
 Invariant: user code's exceptions never escape as tracebacks: each is one line naming ``model.step``, the exception
-and the user's line that raised it (``jit.describe_exception``); a ``PipelineError`` it raises goes on as it is.
+and the user's line that raised it (``describe.describe_exception``); a ``PipelineError`` it raises goes on as it is.
 Shutdown: nothing to release.
 """
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 from melfeed.consumer.train.inputs import check_step
-from melfeed.consumer.train.jit import describe_exception
+from melfeed.consumer.train.describe import describe_exception
 from melfeed.consumer.train.model import StepSpec, TrainStep
 from melfeed.shared.errors import ConfigError, PipelineError
 

@@ -40,7 +40,7 @@ from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged
 from melfeed.consumer.train.device.accumulators import IntervalRead
 from melfeed.consumer.train.device.packed import PackedSteps
-from melfeed.consumer.train.jit import describe_tf_error
+from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.shared.errors import StepError
 from melfeed.shared.wire.layout import ALIGN_BYTES
 

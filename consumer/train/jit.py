@@ -3,10 +3,8 @@
 Role: ``choose_mode`` turns the setting, an XLA failure (if any) and warm-up timings into the
 mode the run uses; ``remembered_mode``/``remember_mode`` keep an "auto" decision in the state
 directory (``STATE_DIR/jit_compile.json``), so a resumed run continues with the arithmetic it
-started with instead of re-timing (timings on a busy machine can tip the other way); ``describe_tf_error``
-turns a TensorFlow error into the one line an operator reads (the failing op or layer as TensorFlow names it,
-the user's line that made it, then the first line of its message), ``describe_exception`` a Python exception
-of user code (a step factory) into one line with that line.
+started with instead of re-timing (timings on a busy machine can tip the other way). ``describe_tf_error`` and
+``describe_exception`` (the one line of a failure: the op, the user's line, the reason) live in describe.py.
 ``CompiledStep.warm_up`` (consumer/train/step.py) is the shell that compiles, times and calls these.
 Invariants: the result is always "xla" or "graph"; ``jit_compile: true`` never yields "graph"
 (its failure is an error, not a fallback); "auto" picks XLA only when it compiled and its median
@@ -20,9 +18,7 @@ import hashlib
 import json
 import logging
 import os
-import re
 import statistics
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,17 +26,12 @@ from typing import Any
 
 from melfeed.consumer.resume.filemode import write_private
 
-__all__ = ["JitChoice", "choose_mode", "describe_exception", "describe_tf_error", "setting_name", "remembered_mode",
-           "remember_mode", "stably_named", "MEMO_NAME"]
+__all__ = ["JitChoice", "choose_mode", "setting_name", "remembered_mode", "remember_mode", "stably_named", "MEMO_NAME"]
 
 log = logging.getLogger(__name__)
 
 MEMO_NAME = "jit_compile.json"   # in consumer.state_dir: the mode "auto" chose for this run
 
-_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')   # a frame of "Detected at node ... defined at"
-_PACKAGE_DIRS = ("site-packages", "dist-packages")   # frames there are libraries (Keras, TF), not the user's
-_MAX_LINE_CHARS = 300   # one readable log line, even for a long TensorFlow message
 _NAME_HASH_CHARS = 16   # 64 bits of the definition: two different programs of one process never meet
 
 
@@ -95,61 +86,6 @@ def choose_mode(setting: str | bool, *, xla_error: str | None = None, remembered
     faster = "xla" if xla_ms <= graph_ms else "graph"
     return JitChoice(faster, f"warm-up step xla {xla_ms:.1f} ms, graph {graph_ms:.1f} ms (median of "
                              f"{len(xla_times_s)} and {len(graph_times_s)})", xla_ms, graph_ms)
-
-
-def describe_tf_error(err: BaseException) -> str:
-    """One line: the failing op (its name carries the layer's scope) and the error as TF reports it.
-
-    A TensorFlow op error (``message``) names its node in ``{{node NAME}}``: ``op NAME: first line``.
-    An error raised while running a program reads "Graph execution error:", "Detected at node NAME defined
-    at", the Python frames that defined the op, then the reason: ``op NAME (FILE:LINE): reason``, with the
-    innermost frame outside installed packages (the user's line, ``_code_location``).
-    An error raised while tracing user code arrives wrapped by AutoGraph ("in user code: ... File
-    ... TypeError: reason"): its last line is the original ``Type: reason``, then ``(FILE:LINE)``.
-    """
-    text = getattr(err, "message", None)
-    if text is not None:
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        match = _NODE.search(text)
-        frames = _frames_in(lines)
-        where = ""
-        if lines and lines[0].startswith("Graph execution error") and frames:
-            where = f" ({_code_location([(path, n) for _, path, n in frames])})"
-            lines = [line for line in lines[frames[-1][0] + 1:] if not line.startswith("[[")]
-        first = lines[0] if lines else type(err).__name__
-        line = f"op {match.group(1)}{where}: {first}" if match else first
-    else:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        last = lines[-1] if lines else ""
-        line = last if len(lines) > 1 and ":" in last else f"{type(err).__name__}: {last}".rstrip(": ")
-        frames = _frames_in(lines)     # AutoGraph's frames: the user's line
-        line += f" ({_code_location([(path, n) for _, path, n in frames])})" if frames else ""
-    return line if len(line) <= _MAX_LINE_CHARS else line[:_MAX_LINE_CHARS - 3] + "..."
-
-
-def _frames_in(lines: Sequence[str]) -> list[tuple[int, str, int]]:
-    """(index, file, line number) of each ``File "...", line N`` among ``lines``."""
-    found = ((i, _FRAME.match(line)) for i, line in enumerate(lines))
-    return [(i, m.group(1), int(m.group(2))) for i, m in found if m is not None]
-
-
-def describe_exception(err: BaseException) -> str:
-    """One line for an exception raised by user code (a step factory): ``Type: first line (FILE:LINE)``.
-
-    The traceback starts at the frame that caught ``err`` (the caller of the user's code), so that frame is left
-    out: an error of the call itself (a factory that takes no argument) names no line.
-    """
-    frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(err.__traceback__)[1:]]
-    first = (str(err).strip().splitlines() or [""])[0]
-    line = f"{type(err).__name__}: {first}".rstrip(": ") + (f" ({_code_location(frames)})" if frames else "")
-    return line if len(line) <= _MAX_LINE_CHARS else line[:_MAX_LINE_CHARS - 3] + "..."
-
-
-def _code_location(frames: Sequence[tuple[str, int]]) -> str:
-    """``FILE:LINE`` of the innermost frame outside installed packages (the user's code), else the innermost."""
-    own = [f for f in frames if not any(part in f[0] for part in _PACKAGE_DIRS)]
-    path, line = (own or list(frames))[-1]
-    return f"{path}:{line}"
 
 
 def remembered_mode(state_dir: Path) -> str | None:

@@ -25,15 +25,11 @@ checkpoint, summary with ``error``), then ``DataError``.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import closing, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from melfeed.consumer.feed import Consumer
@@ -43,11 +39,12 @@ from melfeed.consumer.staging import Stager
 from melfeed.consumer.train.jit import remember_mode, remembered_mode
 from melfeed.consumer.train.meter import LoopMeter, format_status_line
 from melfeed.consumer.train.quarantine import ceiling_for
+from melfeed.consumer.train.summary import TrainSummary, finish, summary_on_failure
 from melfeed.consumer.train.warm_batches import WarmBatch, warm_batches
+from melfeed.consumer.train.xla_attempts import XlaAttempts, step_key
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.errors import ConfigError, DataError, StepError
-from melfeed.shared.output_files import write_output
-from melfeed.shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord, feed_efficiency_goal
+from melfeed.shared.errors import DataError
+from melfeed.shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
 from melfeed.shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
@@ -60,72 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["TrainSummary", "train"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainSummary:
-    steps: int = 0
-    samples: int = 0
-    batches_applied: int = 0
-    batches_per_s: float = 0.0
-    samples_per_s: float = 0.0
-    stall_pct: float = 0.0
-    padding_efficiency: float = 0.0
-    partial: str = "pad"                # buckets.partial: a bucket's last, partial batch padded or dropped
-    samples_dropped_per_epoch: int = 0  # kept samples left out of every epoch by partial: drop
-    duplicates_dropped: int = 0
-    quarantined_samples: int = 0        # rows trained that a producer left empty (bad file; named in its log)
-    step_p50_ms: float | None = None    # compiled step time after warm-up (nearest-rank percentiles)
-    step_p99_ms: float | None = None
-    step_cv: float | None = None        # std / mean of the step time: jitter (recompiles, contention)
-    rejects: dict[str, int] = field(default_factory=dict)
-    compiles_after_ready: int = 0
-    producers_seen: int = 0
-    final_loss: float | None = None
-    first_loss: float | None = None
-    final_outputs: dict[str, float | None] = field(default_factory=dict)  # last step's named scalars
-    jit_compile: str | None = None      # "xla" or "graph": how the step was compiled (None: it was not)
-    jit_reason: str | None = None       # one line: what decided it (setting, XLA error, warm-up timings)
-    error: str | None = None            # one line when the run failed: before training (e.g. XLA, jit: true), or
-                                        # stopped by producer.max_quarantined_fraction (then exit 65)
-    compile_s: float = 0.0              # compiling every bucket shape (warm-up), seconds
-    time_to_first_step_s: float | None = None  # process start -> first applied step, seconds
-    devices: list[str] = field(default_factory=list)  # the replicas' devices, else where the first step's outputs live
-    replicas: int = 1                   # model replicas (consumer.replicas; consumer/train/replicas.py)
-    xla_cache_dir: str | None = None    # persistent XLA compilation cache in use (TF_XLA_FLAGS), None = none
-    xla_cache_warm: bool | None = None  # it held compiled programs when the run started
-    in_flight_bound_bytes: int = 0
-    payload_copies_per_batch: float = 0.0
-    feed_efficiency: float | None = None      # fed steps/s / resident steps/s, same buckets (None: not measured)
-    feed_efficiency_goal: float | None = None  # what it should reach on this device (0.95 CPU, 0.98 GPU)
-    resident_steps_per_s: float | None = None  # the limit for the measured batches' bucket mix
-    resident_step_ms: list[float] = field(default_factory=list)  # per bucket, on a resident batch
-    feed_efficiency_measure_s: float = 0.0     # start time spent measuring the limit, seconds
-    checkpoint_failures: int = 0        # periodic checkpoints that could not be written (each retried later)
-    interrupted: bool = False
-    next_batch: int | None = None       # resume position of the final checkpoint (with a state_dir)
-    rank: int = 0                       # this consumer's rank in a multi-worker job (TF_CONFIG)
-    world: int = 1                      # ranks in the job; > 1: MultiWorkerMirroredStrategy, outputs are the job's
-
-    def write(self, path: str | Path) -> None:
-        """Replace ``path`` (``--summary-json``); a new file is 0640 whatever the umask, an old one keeps its mode.
-
-        Raises:
-            ConfigError: another user could redirect the write (``melfeed.shared.output_files.open_output``).
-        """
-        write_output(path, json.dumps(asdict(self), indent=2) + "\n", what="--summary-json")
-
-    def line(self) -> str:
-        """The headline figures on one line for the log; the JSON logged before it holds every figure."""
-        def opt(value: float | None, spec: str) -> str:
-            return "n/a" if value is None else format(value, spec)
-        return (f"summary: steps {self.steps}, batches_applied {self.batches_applied}, loss "
-                f"{opt(self.first_loss, '.2f')} -> {opt(self.final_loss, '.2f')}, {self.batches_per_s:.1f} batches/s, "
-                f"{self.samples_per_s:.0f} samples/s, stall {self.stall_pct:.2f} %, padding_efficiency "
-                f"{self.padding_efficiency:.3f}, feed_efficiency {opt(self.feed_efficiency, '.3f')}, compile_s "
-                f"{self.compile_s:.1f}, time_to_first_step_s {opt(self.time_to_first_step_s, '.1f')}, duplicates "
-                f"{self.duplicates_dropped}, rejects {self.rejects}, compiles_after_ready {self.compiles_after_ready}, "
-                f"payload_copies_per_batch {self.payload_copies_per_batch:.1f}")
 
 
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
@@ -171,19 +102,23 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
-    with _summary_on_failure(out, summary_path):
-        step_fn, compiled = _build_step(cfg, consumer, state, job)
+    with summary_on_failure(out, summary_path):
+        step_fn, compiled, attempts = _build_step(cfg, consumer, state, job)
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
-    with _summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live
+    with summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live
         warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
-        out.compile_s = compiled.warm_up(warm)
-        out.jit_compile, out.jit_reason = compiled.mode, compiled.choice.reason if compiled.choice else None
+        try:
+            out.compile_s = compiled.warm_up(warm)
+        finally:                        # XLA's failure stays the reason when graph mode fails too
+            out.jit_reason = compiled.choice.reason if compiled.choice else None
+        out.jit_compile = compiled.mode
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
         packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
-        out.compile_s += packed.warm_up(step_fn.variables(), warm)
+        with attempts.compiling("the packed programs of every bucket") if compiled.mode == "xla" else nullcontext():
+            out.compile_s += packed.warm_up(step_fn.variables(), warm)
         limit = _resident_limit(cfg, packed, step_fn, consumer, out, warm)
         items = _checkpoint_items(step_fn)
         if state is not None:
@@ -223,7 +158,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
-    with _summary_on_failure(out, summary_path), closing(stager.run(stop, on_wait, drain)) as completed:
+    with summary_on_failure(out, summary_path, consumer), closing(stager.run(stop, on_wait, drain)) as completed:
         for done in completed:                  # a failing body: in-flight steps settle in closing()
             step_t1 = time.perf_counter()
             batch = done.batch
@@ -281,7 +216,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     if ceiling.tripped:
         out.error = ceiling.message(state.next_batch if state is not None else None, resumable=state is not None)
     out.first_loss = meter.first_loss
-    _finish(out, meter, consumer, compiled.compiles_after_ready, meter.last_outputs, copies + payload_copies)
+    finish(out, meter, consumer, compiled.compiles_after_ready, meter.last_outputs, copies + payload_copies)
     if telemetry is not None:
         telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE,
                           outputs=meter.outputs.take())
@@ -293,12 +228,13 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
 
 
 def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
-                job: Job | None = None) -> tuple[Any, CompiledStep]:
+                job: Job | None = None) -> tuple[Any, CompiledStep, XlaAttempts]:
     """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
     under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
     job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
 
-    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``).
+    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``), and
+    each XLA compile is recorded while it runs (``XlaAttempts``: a compile that killed a start is not tried again).
     """
     from melfeed.consumer.train.model import StepSpec
     from melfeed.consumer.train.replicas import Replicas, check_rows, replica_scope
@@ -311,22 +247,10 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
         step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
                                                                   consumer.extras))
     remembered = remembered_mode(state.root) if state is not None else None
+    attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
                                  remembered=remembered, replicas=replicas, extras=consumer.extras,
-                                 mel_dtype=cfg.transport.mel_dtype)
-
-
-@contextmanager
-def _summary_on_failure(out: TrainSummary, summary_path: str | None) -> Iterator[None]:
-    """A step that cannot be built or compiled, breaks the output contract, or fails while training (StepError,
-    exit 1; ConfigError, exit 78) still leaves its summary, with ``error`` set, before the error goes on."""
-    try:
-        yield
-    except (StepError, ConfigError) as err:
-        out.error = str(err)
-        if summary_path:
-            out.write(summary_path)
-        raise
+                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts), attempts
 
 
 def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer,
@@ -358,43 +282,3 @@ def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer:
                               quarantined=rs.quarantined, gpus=gpus)
     log.info("%s", text)
     return text
-
-
-def _feed_efficiency(out: TrainSummary, meter: LoopMeter) -> None:
-    """Over every measured step, ending at the last one (the final checkpoint is not feeding time)."""
-    figures = meter.steps.figures(meter.last_end_s) if meter.batches else None
-    if figures is None or figures.feed_efficiency is None:
-        return
-    out.feed_efficiency = figures.feed_efficiency
-    out.resident_steps_per_s = figures.batches_per_s / figures.feed_efficiency
-    out.feed_efficiency_goal = feed_efficiency_goal(any("GPU" in d.upper() for d in out.devices))
-
-
-def _finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: int,
-            outputs: dict[str, float], copies: int) -> None:
-    wall = time.perf_counter() - meter.t0 if meter.t0 else 0.0
-    rs = consumer.receiver_stats()
-    out.batches_applied = consumer.applied
-    if wall > 0:
-        out.batches_per_s = meter.batches / wall
-        out.samples_per_s = meter.samples / wall
-        out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
-    out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
-    out.duplicates_dropped = rs.duplicates_dropped
-    figures = meter.steps.figures(time.perf_counter())
-    if figures is not None:
-        out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s
-        out.step_cv = figures.step_cv
-    _feed_efficiency(out, meter)
-    out.rejects = rs.rejects
-    out.compiles_after_ready = compiles
-    out.producers_seen = rs.producers_seen
-    finite = {name: (v if math.isfinite(v) else None) for name, v in outputs.items()}
-    out.final_loss = finite.get("loss")
-    out.final_outputs = finite
-    # Mean over applied batches of the copies into the slot (shared memory: page cache -> slot = 1; payload:
-    # page cache -> producer buffer -> kernel socket -> libzmq -> slot = 4) plus to_tensors' (DLPack: none).
-    out.payload_copies_per_batch = copies / out.steps if out.steps else 0.0
-    summary: dict[str, Any] = {k: v for k, v in asdict(out).items() if k != "rejects"}
-    log.info("summary %s rejects=%s", json.dumps(summary), out.rejects)
-    log.info("%s", out.line())

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,11 +43,13 @@ import tensorflow as tf
 from melfeed.consumer.train.inputs import Shapes as _Shapes   # one program's key
 from melfeed.consumer.train.factory import build_step, load_step_factory   # re-exported: callers import them here
 from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_call, input_dtypes, unlisted_variables
-from melfeed.consumer.train.jit import JitChoice, choose_mode, describe_tf_error, stably_named
+from melfeed.consumer.train.describe import describe_tf_error
+from melfeed.consumer.train.jit import JitChoice, choose_mode, stably_named
 from melfeed.consumer.train.model import TrainStep
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
+from melfeed.consumer.train.xla_attempts import XlaAttempts
 from melfeed.consumer.xla_cache import CompileFiles, active_xla_cache_dir
 from melfeed.shared.errors import ConfigError, StepError
 from melfeed.shared.wire.layout import ARRAY_KEYS
@@ -81,12 +84,14 @@ class CompiledStep:
             names are passed by keyword (shapes from ``bucket_shapes``), the others are not passed.
         mel_dtype: ``transport.mel_dtype``, the dtype of the ``mel`` the programs take (the slot's):
             a float16 mel is cast by the step inside its program (``StepSpec.mel_dtype``).
+        attempts: where each XLA compile is recorded while it runs (consumer/train/xla_attempts.py); an earlier
+            start that died compiling this step keeps it in graph mode ("auto") or stops it (True).
     """
 
     def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
                  jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
-                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (), mel_dtype: str = "float32"
-                 ) -> None:
+                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (), mel_dtype: str = "float32",
+                 attempts: XlaAttempts | None = None) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -94,6 +99,7 @@ class CompiledStep:
         self._setting = jit_compile
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
+        self._attempts = attempts if attempts is not None else XlaAttempts(None, factory)   # None: nothing recorded
         self._passed = accepted_extras(step, extras)   # extra keys the step takes (consumer/train/inputs.py)
         self._dtypes = input_dtypes(extras, mel_dtype)    # mel float16 on a float16 wire: the step casts
         if extras:
@@ -264,6 +270,10 @@ class CompiledStep:
         if self._setting is False or self._remembered == "graph":
             self._compile_all("graph")
             return choose_mode(self._setting, remembered=self._remembered)
+        crashed = self._crashed_before()
+        if crashed is not None:
+            self._compile_all("graph")
+            return crashed
         try:
             self._compile_all("xla")
         except Exception as err:    # user code under XLA: TensorFlow raises many types; all are reported
@@ -273,9 +283,10 @@ class CompiledStep:
             if self._setting is True:
                 raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): "
                                                f"{reason}") from err
-            self._compile_all("graph")      # fails too: the step's own error, one line, no word about XLA
             log.warning("XLA cannot compile the step of %s, using graph mode: %s", self._factory, reason)
-            return choose_mode("auto", xla_error=reason)
+            self._choice = choose_mode("auto", xla_error=reason)   # kept (jit_reason) if graph mode fails too
+            self._compile_all("graph")
+            return self._choice
         if self._setting is True or self._remembered == "xla":
             return choose_mode(self._setting, remembered=self._remembered)
         if self.replicas is not None and self.replicas.multi_worker:   # timings differ per rank: no timing
@@ -298,12 +309,26 @@ class CompiledStep:
         self._programs = {k: v for k, v in self._programs.items() if k[0] == choice.mode}
         return choice
 
+    def _crashed_before(self) -> JitChoice | None:
+        """Graph mode when an earlier start died compiling this step with XLA (``XlaAttempts``), else None;
+        ``StepError`` with ``jit_compile: true`` (XLA or nothing)."""
+        reason = self._attempts.crash_reason()
+        if reason is None:
+            return None
+        if self._setting is True:
+            raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): {reason}")
+        log.warning("XLA is not tried for the step of %s, using graph mode: %s", self._factory, reason)
+        self._choice = JitChoice("graph", f"XLA not tried: {reason}")
+        return self._choice
+
     def _compile_all(self, mode: str, only: _Shapes | None = None) -> None:
         """Switch to ``mode`` and run each bucket's program once on its warm-up batch (host sync: compiled)."""
         self._mode = mode
         for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
             try:
-                read_outputs(self._program(key)(*self._warm_inputs(key)[0]))
+                with self._attempts.compiling(f"bucket {dict(zip((*_ARG_ORDER, *self._passed), key))}"
+                                              ) if mode == "xla" else nullcontext():
+                    read_outputs(self._program(key)(*self._warm_inputs(key)[0]))
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if mode == "xla" or self._output_error is not None:
                     raise

@@ -1,14 +1,12 @@
-"""The ``model.jit_compile`` decision and the one-line description of a TensorFlow error (pure)."""
+"""The ``model.jit_compile`` decision and the remembered choice (pure)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import tensorflow as tf
 
-from melfeed.consumer.train.jit import (MEMO_NAME, choose_mode, describe_exception, describe_tf_error, remember_mode,
-                                remembered_mode, setting_name)
+from melfeed.consumer.train.jit import MEMO_NAME, choose_mode, remember_mode, remembered_mode, setting_name
 
 
 def test_false_is_graph_and_true_is_xla_without_timing() -> None:
@@ -47,43 +45,6 @@ def test_unknown_setting_is_rejected_and_settings_print_as_in_yaml() -> None:
     with pytest.raises(ValueError, match="unknown"):
         choose_mode("xla")
     assert [setting_name(s) for s in ("auto", True, False)] == ["auto", "true", "false"]
-
-
-def test_op_error_names_the_node_and_keeps_the_first_line_only() -> None:
-    message = ("shape of dy was [8,64,80] instead of [8,0,80]\n\nStack trace for op definition:\nFile \"x.py\"\n"
-               "\t [[{{node gradient_tape/cond/gradients/cond/strided_slice_2_grad/StridedSliceGrad}}]]\n"
-               "\ttf2xla conversion failed while converting cond_false_grad")
-    err = tf.errors.InvalidArgumentError(None, None, message)
-    assert describe_tf_error(err) == ("op gradient_tape/cond/gradients/cond/strided_slice_2_grad/StridedSliceGrad: "
-                                      "shape of dy was [8,64,80] instead of [8,0,80]")
-
-
-def test_wrapped_user_code_error_keeps_its_original_last_line() -> None:
-    wrapped = RuntimeError("in user code:\n\n    File \"m.py\", line 3, in step\n        x[0]\n\n"
-                           "    TypeError: 'int' object is not subscriptable\n")
-    assert describe_tf_error(wrapped) == "TypeError: 'int' object is not subscriptable (m.py:3)"   # the user's line
-    assert describe_tf_error(ValueError("plain")) == "ValueError: plain"
-    long = describe_tf_error(tf.errors.UnimplementedError(None, None, "x" * 1000))
-    assert len(long) == 300 and "\n" not in long
-
-
-
-def test_a_failed_run_names_the_op_the_users_line_and_the_reason() -> None:
-    message = ("Graph execution error:\n\nDetected at node Gather defined at (most recent call last):\n"
-               '  File "/srv/melfeed/run_pipeline.py", line 81, in <module>\n\n'
-               '  File "/home/u/tts/model.py", line 11, in __call__\n\n'
-               '  File "/usr/lib/python3/site-packages/keras/src/layers/core/embedding.py", line 140, in call\n\n'
-               "indices[7,2] = 50 is not in [0, 32)\n\t [[{{node Gather}}]] [Op:__inference_traced_187]")
-    err = tf.errors.InvalidArgumentError(None, None, message)
-    assert describe_tf_error(err) == "op Gather (/home/u/tts/model.py:11): indices[7,2] = 50 is not in [0, 32)"
-
-
-def test_a_factory_exception_is_one_line_with_the_line_that_raised_it() -> None:
-    def factory() -> None:
-        raise KeyError("hidden")    # the user's bug, one line below the def
-    with pytest.raises(KeyError) as info:
-        factory()
-    assert describe_exception(info.value) == f"KeyError: 'hidden' ({__file__}:{factory.__code__.co_firstlineno + 1})"
 
 
 def test_auto_keeps_the_mode_remembered_for_this_run_unless_xla_now_fails(tmp_path: Path) -> None:
