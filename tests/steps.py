@@ -7,6 +7,8 @@ repeated or reordered a batch ends with different variables than an uninterrupte
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec, global_sum
@@ -106,3 +108,38 @@ class _RowsStep(_TinyStep):
 
 def rows_step(spec: StepSpec) -> _RowsStep:
     return _RowsStep(spec)
+
+
+class _FailAtStep(_TinyStep):
+    """``tiny_step`` whose ``model.params["fail_at"]``-th training step (0-based: that many applied before it)
+    fails a ``tf.debugging`` check, as a step meeting a bad value does; warm-up leaves ``iterations`` at 0."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__(spec)
+        self.fail_at = int(spec.params["fail_at"])
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        check = tf.debugging.assert_less(self.iterations, tf.constant(self.fail_at, tf.int64),
+                                         message="the fail_at check failed")
+        with tf.control_dependencies([check]):
+            return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def fail_at_step(spec: StepSpec) -> _FailAtStep:
+    return _FailAtStep(spec)
+
+
+class _XlaAbortStep(_TinyStep):
+    """``tiny_step`` that kills the process with SIGABRT when it is traced for XLA, as a check failure inside
+    TensorFlow's XLA compiler does; in graph mode it trains. The test is TensorFlow's own: ``tf.while_loop``
+    asks the same question to require ``maximum_iterations`` under XLA."""
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        from tensorflow.python.ops import control_flow_util
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            os.abort()
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def xla_abort_step(spec: StepSpec) -> _XlaAbortStep:
+    return _XlaAbortStep(spec)

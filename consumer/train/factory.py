@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 from melfeed.consumer.train.inputs import check_step
-from melfeed.consumer.train.describe import describe_exception
+from melfeed.consumer.train.describe import describe_exception, reason_text
 from melfeed.consumer.train.model import StepSpec, TrainStep
 from melfeed.shared.errors import ConfigError, PipelineError
 
@@ -41,9 +41,8 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # any import-time failure of user code is a config problem here
-        first_line = (str(err).splitlines() or [""])[0]
-        raise fail(f"cannot import module {module_name!r}: {type(err).__name__}: {first_line}"
-                   ) from err
+        reason = reason_text(str(err).splitlines())
+        raise fail(f"cannot import module {module_name!r}: {type(err).__name__}: {reason}".rstrip(": ")) from err
     try:
         factory = getattr(module, attr)
     except AttributeError as err:

@@ -2,9 +2,9 @@
 
 Either way the run ends with one ``PipelineError`` line (``ConfigError`` for the factory, exit 78; ``StepError``
 while training, exit 1) and the summary (``--summary-json``) is written with that line in ``error``: a stale
-summary of an earlier run is never left in its place. No producer is needed: the factory fails before the
-consumer binds, and the training failure is the stager's (``consumer/train/handoff.py`` turns a failing
-step into ``StepError``, tests/unit/consumer/train/test_handoff.py).
+summary of an earlier run is never left in its place. The factory fails before the consumer binds (no
+producer); the step that fails on batch k trains over real producers with a state directory, and its summary
+counts what the audit log holds (k batches applied) and the producers that joined.
 """
 
 from __future__ import annotations
@@ -12,17 +12,20 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from melfeed.consumer.feed import Consumer
-from melfeed.consumer.staging import Stager
+from melfeed.consumer.resume.audit import audit_state_dir
+from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.train.loop import train
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config_loader import config_from_mapping, load_config
 from melfeed.shared.errors import ConfigError, StepError
+from tests import procs
+
+_FAIL_AT = 5   # the step fails on its 6th batch: 5 applied before it
 
 
 def broken_factory(spec: Any) -> Any:
@@ -46,17 +49,27 @@ def test_a_factory_that_raises_leaves_its_summary_with_the_one_line_error(demo_c
     assert written["error"] == str(info.value) and written["steps"] == 0
 
 
-def test_a_step_that_fails_while_training_leaves_its_summary(demo_cache: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_run(self: Stager[Any, Any, Any], *args: Any) -> Iterator[Any]:
-        raise StepError("tests.steps:tiny_step", "the step failed on batch 0: op Gather: indices[0] = 50")
-        yield   # a generator, like Stager.run
-
-    monkeypatch.setattr(Stager, "run", failing_run)
+def test_a_step_that_fails_while_training_leaves_its_summary_with_the_audits_counts(
+        demo_cache: Path, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
-    cfg = _config(demo_cache, tmp_path, "tests.steps:tiny_step")
-    with Consumer(cfg) as consumer, pytest.raises(StepError):
-        train(cfg, consumer, threading.Event(), process_start_s=time.time(), summary_path=str(summary))
+    config = procs.write_config(tmp_path / "run.yaml", demo_cache, f"ipc://{tmp_path}/s.sock", tmp_path / "state",
+                                40, producer={"count": 2}, consumer={"feed_efficiency_steps": 0},
+                                model={"step": "tests.steps:fail_at_step", "params": {"fail_at": _FAIL_AT}})
+    cfg = load_config(config)
+    producers = procs.start("producer", config, tmp_path / "p.log")
+    state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
+    assert state is not None
+    try:
+        with Consumer(cfg, start_batch=state.next_batch) as consumer, pytest.raises(StepError) as info:
+            train(cfg, consumer, threading.Event(), process_start_s=time.time(), summary_path=str(summary), state=state)
+    finally:
+        state.close()
+        procs.stop(producers)
     written = json.loads(summary.read_text())
-    assert written["error"] == "model.step tests.steps:tiny_step: the step failed on batch 0: op Gather: indices[0] = 50"
+    assert written["error"] == str(info.value)
+    assert str(info.value).startswith(f"model.step tests.steps:fail_at_step: the step failed on batch {_FAIL_AT}: op ")
+    assert "the fail_at check failed" in written["error"] and f"{procs.REPO / 'tests' / 'steps.py'}:" in written["error"]
     assert written["jit_compile"] == "graph"                     # the warm-up's figures are kept
+    audit = audit_state_dir(tmp_path / "state")
+    assert written["steps"] == written["batches_applied"] == audit.applied == _FAIL_AT
+    assert written["producers_seen"] == 2                        # both joined (the receiver's count, as at the end)

@@ -12,6 +12,7 @@ import pytest
 from melfeed.consumer.observe.telemetry import open_metrics_file
 from melfeed.consumer.placement import apply_placement
 from melfeed.consumer.train.jit import MEMO_NAME, choose_mode, remember_mode
+from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts
 from melfeed.consumer.train.loop import TrainSummary
 from melfeed.shared.config_loader import config_from_mapping
 from melfeed.shared.config import PipelineConfig
@@ -26,14 +27,16 @@ def _cfg(**consumer: Any) -> PipelineConfig:
     return config_from_mapping({"consumer": consumer})
 
 
-def test_metrics_file_summary_and_jit_memo_are_0640_under_umask_000(tmp_path: Path, umask_000: None) -> None:
+def test_metrics_file_summary_jit_memo_and_xla_attempts_are_0640_under_umask_000(tmp_path: Path, umask_000: None) -> None:
     with open_metrics_file(str(tmp_path / "m.jsonl")) as out:
         out.write("{}\n")
     TrainSummary(steps=3).write(tmp_path / "summary.json")
     TrainSummary(steps=4).write(tmp_path / "summary.json")          # written again at the end: replaced
     remember_mode(tmp_path, choose_mode("auto", xla_times_s=[0.03], graph_times_s=[0.02]))
-    assert {p: _mode(tmp_path / p) for p in ("m.jsonl", "summary.json", MEMO_NAME)} == \
-        {"m.jsonl": 0o640, "summary.json": 0o640, MEMO_NAME: 0o640}
+    with XlaAttempts(tmp_path, "m:f").compiling("bucket A"):
+        pass
+    assert {p: _mode(tmp_path / p) for p in ("m.jsonl", "summary.json", MEMO_NAME, ATTEMPTS_NAME)} == \
+        {"m.jsonl": 0o640, "summary.json": 0o640, MEMO_NAME: 0o640, ATTEMPTS_NAME: 0o640}
     assert '"steps": 4' in (tmp_path / "summary.json").read_text()
 
 

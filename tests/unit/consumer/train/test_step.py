@@ -62,7 +62,7 @@ def test_load_step_factory_reports_a_module_that_fails_on_import(
     (tmp_path / "melfeed_broken_step.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "melfeed_broken_step", raising=False)
-    with pytest.raises(ConfigError, match="RuntimeError: boom, got"):
+    with pytest.raises(ConfigError, match="RuntimeError: boom second line, got"):
         load_step_factory("melfeed_broken_step:build")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec
 from melfeed.consumer.train.step import CompiledStep
+from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts
 from melfeed.shared.errors import ConfigError, StepError
 from tests.foreign_model import build_foreign_step, build_lossless_step
 from tests.steps import tiny_step
@@ -122,3 +124,50 @@ def test_auto_with_a_remembered_mode_compiles_only_that_mode(caplog: pytest.LogC
     ignored = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile=True, remembered="graph")
     ignored.warm_up()
     assert ignored.mode == "xla"                                      # only "auto" remembers
+
+
+class _TraceFailingStep:
+    """A step whose Keras layer raises a multi-line error whenever it is traced, XLA or graph mode."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        import keras
+
+        class Decoder(keras.layers.Layer):
+            def call(self, x: tf.Tensor) -> tf.Tensor:
+                raise ValueError("the decoder needs 80 channels\ngot 8")
+
+        self.decoder, self.w = Decoder(), tf.Variable(0.0)
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(self.decoder(mel)) * self.w
+
+    def variables(self) -> list[tf.Variable]:
+        return [self.w]
+
+
+def test_auto_keeps_xlas_failure_as_the_reason_when_graph_mode_fails_too(caplog: pytest.LogCaptureFixture) -> None:
+    compiled = CompiledStep(_TraceFailingStep(_spec()), SHAPES, jit_compile="auto", factory="m:f")  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING), pytest.raises(StepError) as info:
+        compiled.warm_up()
+    line = _TraceFailingStep.__init__.__code__.co_firstlineno + 5     # the layer's raise
+    assert str(info.value) == f"model.step m:f: the step fails in graph mode: ValueError: the decoder needs 80 " \
+                              f"channels got 8 ({__file__}:{line})"
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and warnings[0].startswith("XLA cannot compile the step of m:f, using graph mode: "
+                                                         "ValueError: the decoder needs 80 channels got 8")
+    assert compiled.choice is not None and compiled.choice.reason.startswith("XLA cannot compile the step: ValueError")
+
+
+def test_a_step_whose_xla_compile_killed_a_start_trains_in_graph_mode_or_stops_under_true(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / ATTEMPTS_NAME).write_text('{"open": {"step": "s", "program": "bucket A"}, "crashed": []}')
+    compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step",
+                            remembered="xla", attempts=XlaAttempts(tmp_path, "s"))
+    with caplog.at_level(logging.WARNING):
+        compiled.warm_up()
+    assert compiled.mode == "graph" and compiled.traces == 2          # XLA not even traced
+    assert compiled.choice is not None and compiled.choice.reason.startswith("XLA not tried: an earlier start died")
+    assert len(_warnings(caplog)) == 1 and str(tmp_path / ATTEMPTS_NAME) in _warnings(caplog)[0]
+    strict = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile=True, attempts=XlaAttempts(tmp_path, "s"))
+    with pytest.raises(StepError, match="jit_compile: true.*an earlier start died compiling it with XLA"):
+        strict.warm_up()
