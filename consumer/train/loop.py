@@ -107,7 +107,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
-    with summary_on_failure(out, summary_path), notifier.extending_start_timeout(), busy:   # status stays live
+    with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy:   # status live
         warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
         try:
             out.compile_s = compiled.warm_up(warm)

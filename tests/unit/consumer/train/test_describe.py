@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from melfeed.consumer.train import describe
-from melfeed.consumer.train.describe import MAX_LINE_CHARS, code_location, describe_exception, describe_tf_error, is_user_file
+from melfeed.consumer.train.describe import (MAX_LINE_CHARS, code_location, describe_exception, describe_tf_error,
+                                            is_user_file)
 
 def test_op_error_names_the_node_and_keeps_the_first_line_only() -> None:
     message = ("shape of dy was [8,64,80] instead of [8,0,80]\n\nStack trace for op definition:\nFile \"x.py\"\n"
@@ -121,7 +122,8 @@ def test_real_tensorflow_errors_keep_their_reason_and_the_users_line() -> None:
     raising_line = Failing.call.__code__.co_firstlineno + 1
     with pytest.raises(ValueError) as eager:
         Failing()(tf.ones((2, 3)))
-    assert describe_exception(eager.value) == f"ValueError: the decoder needs 80 channels got 3 ({__file__}:{raising_line})"
+    expected = f"ValueError: the decoder needs 80 channels got 3 ({__file__}:{raising_line})"
+    assert describe_exception(eager.value) == expected
     with pytest.raises(ValueError) as traced:
         tf.function(lambda x: Failing()(x))(tf.ones((2, 3)))
-    assert describe_tf_error(traced.value) == f"ValueError: the decoder needs 80 channels got 3 ({__file__}:{raising_line})"
+    assert describe_tf_error(traced.value) == expected

@@ -52,6 +52,7 @@ def test_the_step_key_names_the_factory_its_params_and_the_xla_cache_namespace()
     cfg = config_from_mapping({"model": {"step": "m:f", "params": {"hidden": 8}}})
     other = config_from_mapping({"model": {"step": "m:f", "params": {"hidden": 9}}})
     cached = {"TF_XLA_FLAGS": "--tf_xla_persistent_cache_directory=/s/xla-cache/tf2.21.0-cpu-flagsab-stepcd"}
-    assert step_key(cfg, cached).startswith("m:f params ") and step_key(cfg, cached).endswith(" xla tf2.21.0-cpu-flagsab-stepcd")
+    key = step_key(cfg, cached)
+    assert key.startswith("m:f params ") and key.endswith(" xla tf2.21.0-cpu-flagsab-stepcd")
     assert step_key(cfg, cached) != step_key(other, cached)
     assert step_key(cfg, {}) != step_key(cfg, {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
