@@ -3,7 +3,7 @@ costs one start: the attempt was recorded in the state directory before it began
 trains the step in graph mode, says why once, and applies every batch exactly once.
 
 The step (``tests.steps:xla_abort_step``) calls ``os.abort()`` when it is traced for XLA, which is inside the
-recorded attempt; graph mode trains it. ``melfeed run`` runs the consumer in its own process, so the crash
+recorded attempt; graph mode trains it. ``melfeed run`` trains in its own process (no child to restart), so the crash
 ends that invocation (exit by SIGABRT) and the restart is the next start (systemd's ``Restart=on-failure``).
 """
 
