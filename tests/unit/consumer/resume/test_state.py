@@ -296,3 +296,20 @@ def test_a_state_directory_whose_parent_another_user_could_change_is_refused(tmp
     os.chown(parent, 65534, 65534)                         # another user's directory, even a sticky one
     with pytest.raises(StateError, match=f"its parent {parent} belongs to uid 65534, who could move it"):
         RunState.open(cfg, "f" * 16)
+
+
+def test_a_run_json_from_before_the_2d_planner_is_refused_under_it_and_resumes_with_num_buckets(
+        tmp_path: Path) -> None:
+    first = RunState.open(_cfg(tmp_path, buckets={"num_buckets": 4}), "f" * 16)
+    assert first is not None
+    first.close()
+    run_json = tmp_path / "s" / "run.json"
+    older = json.loads(run_json.read_text())
+    for key in ("max_shapes", "token_cost", "attention_cost", "max_frames_per_token", "min_frames_per_token"):
+        del older["buckets"][key]                              # written before the 2-D planner existed
+    run_json.write_text(json.dumps(older))
+    with pytest.raises(StateError, match=r"buckets=\{'num_buckets': 4\}, the config has \{'num_buckets': None\}"):
+        RunState.open(_cfg(tmp_path), "f" * 16)                # the default now plans in 2-D
+    again = RunState.open(_cfg(tmp_path, buckets={"num_buckets": 4}), "f" * 16)
+    assert again is not None
+    again.close()
