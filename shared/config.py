@@ -48,19 +48,13 @@ class BucketConfig:
     """How utterances are grouped into a few fixed batch shapes."""
 
     boundaries: tuple[int, ...] | None = None  # upper frame bound per bucket (1-D); None = derive from lengths
-    # Set: derive this many 1-D buckets over frames (each L = its longest tokens). None: 2-D (T, L)
-    # shapes within max_shapes (shared/wire/grid.py). More shapes = less padding, more compiles.
-    num_buckets: int | None = None
+    num_buckets: int | None = None           # set: that many 1-D buckets over frames; None: 2-D within max_shapes
     max_shapes: int = 8                      # 2-D shape budget; each shape is one compiled program (1..16)
-    # The 2-D planner's padded cost of a row in shape (T, L), in frames: T + token_cost * L +
-    # attention_cost * T * L (resolution 0.001). 1.0 counts a padded token like a padded frame;
-    # 0 plans by frames alone; attention_cost > 0 favours shapes with small T x L (attention grids).
-    token_cost: float = 1.0
-    attention_cost: float = 0.0
-    # Frames-per-token limits: an utterance outside them (a misaligned transcript) leaves the plan,
-    # counted in ``outliers`` and listed in STATE_DIR/outliers.tsv. None = no limit.
-    max_frames_per_token: float | None = None
-    min_frames_per_token: float | None = None
+    # 2-D row cost in frames: T + token_cost * L + attention_cost * T * L (shared/wire/grid.py, 0.001 steps)
+    token_cost: float = 1.0                  # 1.0 = a padded token costs a padded frame; 0 = frames alone
+    attention_cost: float = 0.0              # > 0 favours shapes of small T x L (attention-heavy models)
+    max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
+    min_frames_per_token: float | None = None  # None = no limit
     batch_size: int | None = 32              # rows per batch in every bucket; None = use frame_budget
     frame_budget: int | None = None          # rows = frame_budget // bucket frames (constant tokens/step)
     max_frames: int | None = None            # longest frames kept; None = longest utterance (rounded up)
@@ -78,13 +72,10 @@ class BucketConfig:
         _check(1 <= self.max_shapes <= 16, "must be in 1..16", p + ("max_shapes",), self.max_shapes)
         _check(0 <= self.token_cost <= 1000, "must be in 0..1000", p + ("token_cost",), self.token_cost)
         _check(0 <= self.attention_cost <= 1, "must be in 0..1", p + ("attention_cost",), self.attention_cost)
-        for name in ("max_frames_per_token", "min_frames_per_token"):
-            v = getattr(self, name)
-            if v is not None:
-                _check(0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
-        if self.max_frames_per_token is not None and self.min_frames_per_token is not None:
-            _check(self.min_frames_per_token <= self.max_frames_per_token, "must be <= max_frames_per_token",
-                   p + ("min_frames_per_token",), self.min_frames_per_token)
+        lo, hi = self.min_frames_per_token, self.max_frames_per_token
+        for name, v in (("max_frames_per_token", hi), ("min_frames_per_token", lo)):
+            _check(v is None or 0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
+        _check(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
         _check((self.batch_size is None) != (self.frame_budget is None),
                "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
         if self.batch_size is not None:

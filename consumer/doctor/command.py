@@ -147,7 +147,8 @@ def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tupl
     out = []
     count, key = bucket_count(cfg.buckets), _budget_key(cfg)
     for k in sorted({min(16, count + d) for d in (1, 2, 4)} - {count}):
-        alt = dataclasses.replace(cfg.buckets, **{key: k})
+        alt = dataclasses.replace(cfg.buckets, num_buckets=k) if key == "num_buckets" else \
+            dataclasses.replace(cfg.buckets, max_shapes=k)
         out.append((k, build_buckets(frames, tokens, cfg.n_mels, alt).padding_efficiency()))
     return tuple(out)
 

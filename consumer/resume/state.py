@@ -57,6 +57,7 @@ from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_loader import config_to_mapping
 from melfeed.shared.errors import StateError
 from melfeed.shared.flag_checks import resolve_path
+from melfeed.shared.wire.outliers import OUTLIERS_NAME
 
 __all__ = ["RunState"]
 
@@ -174,6 +175,15 @@ class RunState:
         if self._resume_path is not None:
             CheckpointStore.restore(self._resume_path, items)
             log.info("restored variables from %s", self._resume_path.name)
+
+    def write_outliers(self, rows: Sequence[tuple[str, int, int, str]]) -> Path:
+        """Replace ``outliers.tsv``: one line per utterance the plan leaves out (id, frames, tokens, reason)."""
+        path = self.root / OUTLIERS_NAME
+        text = "id\tframes\ttokens\treason\n" + "".join(f"{u}\t{f}\t{t}\t{r}\n" for u, f, t, r in rows)
+        tmp = path.with_suffix(".tmp")
+        write_private(tmp, text.encode("utf-8"))
+        os.replace(tmp, path)
+        return path
 
     def record(self, batch_id: int, sample_ids: Sequence[int], consumer_epoch: int) -> None:
         """Batch ``batch_id`` was applied (its step finished)."""

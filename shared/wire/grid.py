@@ -51,7 +51,8 @@ class ShapeCost:
     def of(cls, token_cost: float, attention_cost: float) -> ShapeCost:
         return cls(int(round(token_cost * _MILLI)), int(round(attention_cost * _MILLI)))
 
-    def row(self, frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    def row(self, frames: npt.NDArray[np.int64] | np.int64, tokens: npt.NDArray[np.int64] | np.int64
+            ) -> npt.NDArray[np.int64]:
         """Cost of rows of T = ``frames`` and L = ``tokens`` (broadcast), int64 milli-frames."""
         return _MILLI * frames + self.token_milli * tokens + self.attention_milli * frames * tokens
 
