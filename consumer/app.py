@@ -47,6 +47,7 @@ from melfeed.shared.flag_checks import check_output_file
 from melfeed.shared.service.children import Child
 from melfeed.shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, resolve_endpoint, stop_on_signals
 from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
+from melfeed.shared.wire.outliers import excluded
 from melfeed.shared.service.sdnotify import Notifier
 
 __all__ = ["main_consumer", "main_run", "run_exit_code", "worker_place"]
@@ -104,9 +105,23 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                               "consumer.control_endpoint or use a shorter path", path=err.path) from None
 
 
+def _report_outliers(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> None:
+    """STATE_DIR/outliers.tsv: every utterance the plan leaves out, with its reason (``shared/wire/outliers.py``)."""
+    if state is None:
+        return
+    m, bs = consumer.manifest, consumer.bucket_set
+    rows = [(m.utterances[i].id, int(m.frames[i]), int(m.token_counts[i]), reason)
+            for i, reason in excluded(m.frames, m.token_counts, bs.assignment, cfg.buckets)]
+    path = state.write_outliers(rows)
+    if rows:
+        log.info("%d utterance(s) left out of the plan (%d frames-per-token outliers), listed in %s",
+                 len(rows), bs.outliers, path)
+
+
 def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state: RunState | None) -> Telemetry:
     """Live figures: snapshots, the control socket for `status`, optional JSONL file and Prometheus."""
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
+    _report_outliers(cfg, consumer, state)
     failures = (lambda: state.checkpoint_failures) if state is not None else None
     return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint, checkpoint_failures=failures)
 

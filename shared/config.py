@@ -47,8 +47,14 @@ def _is_loopback_tcp(endpoint: str) -> bool:
 class BucketConfig:
     """How utterances are grouped into a few fixed batch shapes."""
 
-    boundaries: tuple[int, ...] | None = None  # upper frame bound per bucket; None = derive from lengths
-    num_buckets: int = 4                     # used when deriving; more buckets = less padding, more compiles
+    boundaries: tuple[int, ...] | None = None  # upper frame bound per bucket (1-D); None = derive from lengths
+    num_buckets: int | None = None           # set: that many 1-D buckets over frames; None: 2-D within max_shapes
+    max_shapes: int = 8                      # 2-D shape budget; each shape is one compiled program (1..16)
+    # 2-D row cost in frames: T + token_cost * L + attention_cost * T * L (shared/wire/grid.py, 0.001 steps)
+    token_cost: float = 1.0                  # 1.0 = a padded token costs a padded frame; 0 = frames alone
+    attention_cost: float = 0.0              # > 0 favours shapes of small T x L (attention-heavy models)
+    max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
+    min_frames_per_token: float | None = None  # None = no limit
     batch_size: int | None = 32              # rows per batch in every bucket; None = use frame_budget
     frame_budget: int | None = None          # rows = frame_budget // bucket frames (constant tokens/step)
     max_frames: int | None = None            # longest frames kept; None = longest utterance (rounded up)
@@ -61,7 +67,15 @@ class BucketConfig:
 
     def __post_init__(self) -> None:
         p = ("buckets",)
-        _check(1 <= self.num_buckets <= 16, "must be in 1..16", p + ("num_buckets",), self.num_buckets)
+        if self.num_buckets is not None:
+            _check(1 <= self.num_buckets <= 16, "must be in 1..16", p + ("num_buckets",), self.num_buckets)
+        _check(1 <= self.max_shapes <= 16, "must be in 1..16", p + ("max_shapes",), self.max_shapes)
+        _check(0 <= self.token_cost <= 1000, "must be in 0..1000", p + ("token_cost",), self.token_cost)
+        _check(0 <= self.attention_cost <= 1, "must be in 0..1", p + ("attention_cost",), self.attention_cost)
+        lo, hi = self.min_frames_per_token, self.max_frames_per_token
+        for name, v in (("max_frames_per_token", hi), ("min_frames_per_token", lo)):
+            _check(v is None or 0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
+        _check(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
         _check((self.batch_size is None) != (self.frame_budget is None),
                "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
         if self.batch_size is not None:

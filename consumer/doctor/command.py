@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from melfeed.shared.wire.bucket_mix import batch_mix, bucket_padding
+from melfeed.shared.wire.bucket_mix import batch_mix, bucket_grid, bucket_padding
 from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.wire.grid import bucket_count
 from melfeed.shared.service.cli import config_from_args
 from melfeed.shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
 from melfeed.shared.config_loader import config_to_mapping, with_overrides
@@ -144,10 +145,17 @@ def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tupl
     if cfg.buckets.boundaries is not None:
         return ()
     out = []
-    for k in sorted({min(16, cfg.buckets.num_buckets + d) for d in (1, 2, 4)} - {cfg.buckets.num_buckets}):
-        alt = dataclasses.replace(cfg.buckets, num_buckets=k)
+    count, key = bucket_count(cfg.buckets), _budget_key(cfg)
+    for k in sorted({min(16, count + d) for d in (1, 2, 4)} - {count}):
+        alt = dataclasses.replace(cfg.buckets, num_buckets=k) if key == "num_buckets" else \
+            dataclasses.replace(cfg.buckets, max_shapes=k)
         out.append((k, build_buckets(frames, tokens, cfg.n_mels, alt).padding_efficiency()))
     return tuple(out)
+
+
+def _budget_key(cfg: PipelineConfig) -> str:
+    """The key that sets how many shapes a derived plan may use (``shared/wire/grid.py``)."""
+    return "num_buckets" if cfg.buckets.num_buckets is not None else "max_shapes"
 
 
 def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple[int, float], ...]) -> ConfigFacts:
@@ -156,7 +164,8 @@ def _facts(cfg: PipelineConfig, bucket_set: BucketSet, alternatives: tuple[tuple
     return ConfigFacts(cores=len(os.sched_getaffinity(0)), producer_count=cfg.producer.count,
                        ring_slots=cfg.consumer.ring_slots, lease_window=t.lease_window,
                        largest_batch_bytes=bucket_set.max_batch_nbytes(), padding=bucket_set.padding_efficiency(),
-                       num_buckets=cfg.buckets.num_buckets if cfg.buckets.boundaries is None else None,
+                       num_buckets=bucket_count(cfg.buckets) if cfg.buckets.boundaries is None else None,
+                       budget_key=f"buckets.{_budget_key(cfg)}", token_padding=bucket_set.token_padding_efficiency(),
                        padding_alternatives=alternatives, checksum=resolve_checksum(t.checksum, t.endpoint or "", t.insecure),
                        is_tcp=is_tcp)
 
@@ -258,7 +267,8 @@ def main_doctor(args: argparse.Namespace) -> int:
     checks = check_environment(env_facts)
     report = {"cache_dir": cfg.cache_dir, "memory_bound_now_bytes": env_facts.in_flight_bytes, "utterances": len(manifest.frames), "producers": n, "cores": facts.cores,
               "buckets": [b.as_wire() for b in bucket_set.buckets], "mix": mix,
-              "padding": bucket_padding(bucket_set, manifest.frames), "stages": stages,
+              "padding": bucket_padding(bucket_set, manifest.frames), "grid": bucket_grid(bucket_set, manifest.frames),
+              "outliers": bucket_set.outliers, "stages": stages,
               "config_facts": dataclasses.asdict(facts), "verdict": dataclasses.asdict(verdict),
               "environment": [dataclasses.asdict(c) for c in checks], "exit_code": verdict.exit_code}
     print(json.dumps(report, indent=2) if args.json else render(report, verdict, checks))

@@ -11,6 +11,7 @@ from typing import Any
 
 from melfeed.consumer.doctor.env import Check
 from melfeed.consumer.doctor.verdict import HEADROOM, Verdict, weighted_ms
+from melfeed.shared.wire.bucket_mix import format_grid
 from melfeed.shared.wire.layout import PAYLOAD_COPIES
 
 __all__ = ["render"]
@@ -65,8 +66,9 @@ def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
     lines = [f"melfeed doctor: {r['cache_dir']} ({r['utterances']} utterances, {len(r['buckets'])} buckets), "
              f"{r['producers']} producer(s), {r['cores']} cores"]
     lines += _stage_lines(r, v)
-    lines.append("padding  " + ", ".join(f"bucket {w[0]}: {p:.2f}" for w, p in zip(r["buckets"], r["padding"]))
-                 + f" (overall {r['config_facts']['padding']:.3f})")
+    lines.append(f"padding  frames {r['config_facts']['padding']:.3f}, tokens {r['config_facts']['token_padding']:.3f}"
+                 f" over the epoch; {r['outliers']} outlier(s) left out (buckets.*_frames_per_token); the grid:")
+    lines += ["  " + line for line in format_grid(r["grid"])]
     f = r["config_facts"]
     lines.append(f"memory   in-flight bound (ring slots + producers x lease window {f['lease_window']}) x largest batch "
                  f"{f['largest_batch_bytes'] / 1e6:.1f} MB: now ({f['ring_slots']} + {f['producer_count']} x "

@@ -61,7 +61,9 @@ class ConfigFacts:
     largest_batch_bytes: int
     padding: float                 # padding efficiency of the configured buckets
     num_buckets: int | None        # buckets.num_buckets when boundaries are derived; None = configured
-    padding_alternatives: tuple[tuple[int, float], ...] = ()  # (num_buckets, padding efficiency)
+    padding_alternatives: tuple[tuple[int, float], ...] = ()  # (shape budget, padding efficiency)
+    budget_key: str = "buckets.num_buckets"   # the key of that budget (buckets.max_shapes for a 2-D plan)
+    token_padding: float = 0.0                 # real tokens / padded token positions of the plan
     checksum: bool = False         # crc32 on payloads (transport.checksum, resolved)
     is_tcp: bool = False           # transport.endpoint is tcp://
 
@@ -176,7 +178,7 @@ def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> lis
     better = [(k, p) for k, p in c.padding_alternatives if p >= c.padding + _PADDING_GAIN]
     if c.num_buckets is not None and better:
         k, p = max(better, key=lambda kp: (kp[1] - 0.005 * kp[0], -kp[0]))
-        out.append(Change("buckets.num_buckets", str(c.num_buckets), f"{k} (padding {c.padding:.2f} -> {p:.2f})",
+        out.append(Change(c.budget_key, str(c.num_buckets), f"{k} (padding {c.padding:.2f} -> {p:.2f})",
                           f"the step computes {100 * (1 - c.padding / p):.0f} % fewer padded frames per epoch; "
                           f"{k - c.num_buckets} more compile(s) at start"))
     return out

@@ -45,6 +45,7 @@ _GAUGES = (
     ("padding_efficiency", "melfeed_padding_efficiency_ratio", "Real frames / padded frames (window)", 1.0),
     ("feed_efficiency", "melfeed_feed_efficiency_ratio",
      "Fed steps/s / steps/s of the same step on resident batches of the same buckets (since warm-up)", 1.0),
+    ("useful_work", "melfeed_useful_work_ratio", "Feed efficiency x padding efficiency (window)", 1.0),
     ("queue_depth_mean", "melfeed_queue_depth_mean", "Mean ready batches + leases when a batch was taken", 1.0),
     ("lease_window", "melfeed_lease_window", "Leases one producer may hold", 1.0),
     ("leases_outstanding", "melfeed_leases_outstanding", "Leases granted and not yet delivered", 1.0),

@@ -148,7 +148,7 @@ _REQUIRED = {"phase": "str", "step": "int", "loss": "num?", "uptime_s": "num", "
              "step_p50_ms": "num?", "step_p99_ms": "num?", "step_cv": "num?", "padding_efficiency": "num?",
              "queue_depth_mean": "num?", "lease_window": "int", "leases_outstanding": "int",
              "producers_alive": "int", "duplicates": "int", "quarantined": "int", "compiles_after_ready": "int"}
-_OPTIONAL = {"steps_total": "int?", "rank": "int?", "world": "int?", "feed_efficiency": "num?",
+_OPTIONAL = {"steps_total": "int?", "rank": "int?", "world": "int?", "feed_efficiency": "num?", "useful_work": "num?",
              "jit_compile": "str?", "checkpoint_failures": "int", "connections_cut": "int", "hello_repeats": "int"}
 _PRODUCER = {"id": "str", "batches": "int?", "batches_per_s": "num?", "read_ms": "num?", "assemble_ms": "num?",
              "send_ms": "num?"}
@@ -233,7 +233,8 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"stall {_f(snap['stall_pct'], '.1f', '%')}",
         f"step p50 {_f(snap['step_p50_ms'], '.1f', ' ms')}, p99 {_f(snap['step_p99_ms'], '.1f', ' ms')}, "
         f"cv {_f(snap['step_cv'], '.2f')}, padding efficiency {_f(snap['padding_efficiency'], '.3f')}, "
-        f"feed efficiency {_f(snap.get('feed_efficiency'), '.3f')} (fed / resident-batch steps/s)",
+        f"feed efficiency {_f(snap.get('feed_efficiency'), '.3f')} (fed / resident-batch steps/s), "
+        f"useful work {_f(snap.get('useful_work'), '.3f')} (feed x padding)",
         f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
         f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
         f"{snap['producers_alive']}",

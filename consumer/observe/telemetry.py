@@ -43,7 +43,7 @@ SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "
                "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
                "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
                "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "rank", "world",
-               "checkpoint_failures", "connections_cut", "feed_efficiency", "hello_repeats")
+               "checkpoint_failures", "connections_cut", "feed_efficiency", "hello_repeats", "useful_work")
 
 
 def _num(value: float | None) -> float | None:
@@ -155,6 +155,8 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "checkpoint_failures": checkpoint_failures, "connections_cut": connections_cut,
         "feed_efficiency": _num(f.feed_efficiency) if f and f.feed_efficiency is not None else None,
         "hello_repeats": rs.hello_repeats,
+        # useful work = feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter")
+        "useful_work": _num(f.feed_efficiency * f.padding_efficiency) if f and f.feed_efficiency is not None else None,
     }
 
 

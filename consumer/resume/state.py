@@ -57,6 +57,7 @@ from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_loader import config_to_mapping
 from melfeed.shared.errors import StateError
 from melfeed.shared.flag_checks import resolve_path
+from melfeed.shared.wire.outliers import OUTLIERS_NAME
 
 __all__ = ["RunState"]
 
@@ -64,7 +65,11 @@ log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
 _RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one consumer, the whole plan
-_BUCKET_KEYS_ADDED = {"partial": "pad"}  # buckets keys newer than some run.json files: what those runs used
+# buckets keys newer than some run.json files: what those runs used. Such a run recorded an int
+# num_buckets (the 1-D plan), under which max_shapes and the cost weights change nothing; a config
+# that leaves num_buckets unset (the 2-D plan) differs in num_buckets and is refused.
+_BUCKET_KEYS_ADDED = {"partial": "pad", "max_shapes": 8, "token_cost": 1.0, "attention_cost": 0.0,
+                      "max_frames_per_token": None, "min_frames_per_token": None}
 
 
 class RunState:
@@ -171,6 +176,15 @@ class RunState:
             CheckpointStore.restore(self._resume_path, items)
             log.info("restored variables from %s", self._resume_path.name)
 
+    def write_outliers(self, rows: Sequence[tuple[str, int, int, str]]) -> Path:
+        """Replace ``outliers.tsv``: one line per utterance the plan leaves out (id, frames, tokens, reason)."""
+        path = self.root / OUTLIERS_NAME
+        text = "id\tframes\ttokens\treason\n" + "".join(f"{u}\t{f}\t{t}\t{r}\n" for u, f, t, r in rows)
+        tmp = path.with_suffix(".tmp")
+        write_private(tmp, text.encode("utf-8"))
+        os.replace(tmp, path)
+        return path
+
     def record(self, batch_id: int, sample_ids: Sequence[int], consumer_epoch: int) -> None:
         """Batch ``batch_id`` was applied (its step finished)."""
         self._audit.append(batch_id, self._audit.records + 1, consumer_epoch, sample_digest(sample_ids))
@@ -234,6 +248,14 @@ def _errno_name(err: StateError) -> str:
     return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else err.reason
 
 
+def _differences(old: Any, new: dict[str, Any]) -> tuple[Any, Any]:
+    """Only the ``buckets`` keys that differ, so the refusal names them (whole mappings otherwise)."""
+    if not isinstance(old, dict):
+        return old, new
+    keys = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+    return {k: old.get(k) for k in keys}, {k: new.get(k) for k in keys}
+
+
 def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int, world: int) -> dict[str, Any]:
     """Write ``run.json`` on first use; afterwards refuse a config that changes the plan, or another rank."""
     mapping = config_to_mapping(cfg)
@@ -250,8 +272,9 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int
             old["buckets"] = {**_BUCKET_KEYS_ADDED, **old["buckets"]}
         for key in _PLAN_KEYS:
             if old.get(key) != identity[key]:
-                raise StateError(path, f"this state belongs to a run with {key}={old.get(key)!r}, the config has "
-                                       f"{identity[key]!r}; use a new consumer.state_dir or the original config")
+                was, now = _differences(old.get(key), identity[key]) if key == "buckets" else (old.get(key), identity[key])
+                raise StateError(path, f"this state belongs to a run with {key}={was!r}, the config has "
+                                       f"{now!r}; use a new consumer.state_dir or the original config")
         old_place = (old.get("rank", _RANK_DEFAULTS["rank"]), old.get("world", _RANK_DEFAULTS["world"]))
         if old_place != (rank, world):
             given = "from TF_CONFIG or --tf-config" if world > 1 else "no TF_CONFIG cluster: a single consumer"

@@ -5,6 +5,8 @@ in order, ``summary_on_failure`` when the step cannot be built or compiled or fa
 ``count_applied`` reads the counts from the consumer itself, so ``batches_applied`` and ``producers_seen``
 are what the audit log and the receiver hold (``melfeed audit``: one record per applied batch), not a
 figure of the last status interval.
+``plan_figures`` adds the figures of the bucket plan itself (the shape grid, token padding, outliers); useful
+work is feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter").
 Invariant: ``write`` replaces the file (a stale summary of an earlier run is never left in its place).
 Shutdown: nothing to release.
 """
@@ -21,15 +23,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from melfeed.shared.errors import ConfigError, StepError
 from melfeed.shared.metrics import feed_efficiency_goal
 from melfeed.shared.output_files import write_output
+from melfeed.shared.wire.bucket_mix import bucket_grid
+from melfeed.shared.wire.buckets import BucketSet
 
 if TYPE_CHECKING:
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.train.meter import LoopMeter
 
-__all__ = ["TrainSummary", "count_applied", "finish", "summary_on_failure"]
+__all__ = ["TrainSummary", "count_applied", "finish", "plan_figures", "summary_on_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +51,11 @@ class TrainSummary:
     batches_per_s: float = 0.0
     samples_per_s: float = 0.0
     stall_pct: float = 0.0
-    padding_efficiency: float = 0.0
+    padding_efficiency: float = 0.0     # real frames / padded frames of the trained batches
+    token_padding_efficiency: float = 0.0  # real tokens / padded token positions of one epoch's plan
+    useful_work: float | None = None    # feed_efficiency x padding_efficiency (None: feed efficiency not measured)
+    outliers: int = 0                   # utterances outside buckets.{max,min}_frames_per_token (outliers.tsv)
+    buckets: list[dict[str, Any]] = field(default_factory=list)  # the shape grid (plan_figures)
     partial: str = "pad"                # buckets.partial: a bucket's last, partial batch padded or dropped
     samples_dropped_per_epoch: int = 0  # kept samples left out of every epoch by partial: drop
     duplicates_dropped: int = 0
@@ -96,7 +107,8 @@ class TrainSummary:
         return (f"summary: steps {self.steps}, batches_applied {self.batches_applied}, loss "
                 f"{opt(self.first_loss, '.2f')} -> {opt(self.final_loss, '.2f')}, {self.batches_per_s:.1f} batches/s, "
                 f"{self.samples_per_s:.0f} samples/s, stall {self.stall_pct:.2f} %, padding_efficiency "
-                f"{self.padding_efficiency:.3f}, feed_efficiency {opt(self.feed_efficiency, '.3f')}, compile_s "
+                f"{self.padding_efficiency:.3f}, feed_efficiency {opt(self.feed_efficiency, '.3f')}, useful_work "
+                f"{opt(self.useful_work, '.3f')}, compile_s "
                 f"{self.compile_s:.1f}, time_to_first_step_s {opt(self.time_to_first_step_s, '.1f')}, duplicates "
                 f"{self.duplicates_dropped}, rejects {self.rejects}, compiles_after_ready {self.compiles_after_ready}, "
                 f"payload_copies_per_batch {self.payload_copies_per_batch:.1f}")
@@ -151,11 +163,13 @@ def finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: in
         out.samples_per_s = meter.samples / wall
         out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
     out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
+    plan_figures(out, consumer.bucket_set, consumer.manifest.frames)
     figures = meter.steps.figures(time.perf_counter())
     if figures is not None:
         out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s
         out.step_cv = figures.step_cv
     _feed_efficiency(out, meter)
+    out.useful_work = out.feed_efficiency * out.padding_efficiency if out.feed_efficiency is not None else None
     out.compiles_after_ready = compiles
     finite = {name: (v if math.isfinite(v) else None) for name, v in outputs.items()}
     out.final_loss = finite.get("loss")
@@ -166,3 +180,10 @@ def finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: in
     summary: dict[str, Any] = {k: v for k, v in asdict(out).items() if k != "rejects"}
     log.info("summary %s rejects=%s", json.dumps(summary), out.rejects)
     log.info("%s", out.line())
+
+
+def plan_figures(out: TrainSummary, bucket_set: BucketSet, frames: npt.NDArray[np.integer]) -> None:
+    """The plan's own figures: token padding efficiency, outliers and the grid (one row per shape)."""
+    out.token_padding_efficiency = bucket_set.token_padding_efficiency()
+    out.outliers = bucket_set.outliers
+    out.buckets = bucket_grid(bucket_set, frames)

@@ -15,13 +15,15 @@ Shutdown: nothing to release; pure functions.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from melfeed.shared.wire.buckets import BucketSet
 
-__all__ = ["batches_per_bucket", "batch_mix", "bucket_padding", "representative_batches"]
+__all__ = ["batches_per_bucket", "batch_mix", "bucket_padding", "bucket_grid", "format_grid",
+           "representative_batches"]
 
 
 def batches_per_bucket(bucket_set: BucketSet) -> list[int]:
@@ -49,6 +51,35 @@ def bucket_padding(bucket_set: BucketSet, frames: npt.NDArray[np.integer]) -> li
         members = lengths[bucket_set.assignment == b.index]
         padded = n_batches * b.batch_size * b.max_frames
         out.append(float(np.minimum(members, b.max_frames).sum()) / padded if padded else 0.0)
+    return out
+
+
+def bucket_grid(bucket_set: BucketSet, frames: npt.NDArray[np.integer]) -> list[dict[str, Any]]:
+    """One row per shape for ``doctor`` and the run summary: T frames, L tokens, B rows, batches and
+    utterances per epoch, the share of the epoch's real frames, and its padding efficiency (frames).
+
+    Args:
+        frames: [num_utterances] frames per utterance, manifest order (the set's ``assignment``).
+    """
+    lengths = np.asarray(frames, dtype=np.int64)
+    total = max(1, bucket_set.real_frames)
+    rows = []
+    for b, n_batches, padding in zip(bucket_set.buckets, batches_per_bucket(bucket_set),
+                                     bucket_padding(bucket_set, lengths)):
+        members = lengths[bucket_set.assignment == b.index]
+        rows.append({"bucket": b.index, "frames": b.max_frames, "tokens": b.max_tokens, "rows": b.batch_size,
+                     "batches": n_batches, "utterances": int(members.size),
+                     "frames_share": round(float(np.minimum(members, b.max_frames).sum()) / total, 4),
+                     "padding_efficiency": round(padding, 4)})
+    return rows
+
+
+def format_grid(grid: list[dict[str, Any]]) -> list[str]:
+    """The grid as aligned text lines (a header, then one line per shape)."""
+    out = ["bucket  T frames  L tokens  rows  batches  frames share  padding"]
+    for r in grid:
+        out.append(f"{r['bucket']:>6}  {r['frames']:>8}  {r['tokens']:>8}  {r['rows']:>4}  {r['batches']:>7}  "
+                   f"{100 * r['frames_share']:>11.1f} %  {r['padding_efficiency']:>7.3f}")
     return out
 
 

@@ -5,13 +5,22 @@ Role: turn per-utterance lengths from the manifest (frames, tokens) and a ``Buck
 ``build_buckets`` on the same manifest and config and compare ``BucketSet.as_wire()`` in the
 handshake, so everything here is pure and deterministic (no I/O, clocks or randomness).
 
+Two plans (``grid.is_grid``): configured ``boundaries`` or a set ``num_buckets`` give 1-D buckets
+over frames (each L the longest tokens in the bucket, or ``max_tokens``); otherwise the 2-D planner
+(``shared/wire/grid.py``) chooses at most ``max_shapes`` (T, L) shapes by padded cost.
+
 Invariants:
-    * Bucket frame sizes are strictly increasing multiples of ``frame_multiple``; indices are 0..n-1.
+    * Buckets are sorted by (T, L) and unique; T is a multiple of ``frame_multiple``; indices are
+      0..n-1. In a 1-D plan T is strictly increasing; in a 2-D plan several shapes may share a T.
     * Every bucket holds at least one utterance (empty ones are removed, the rest renumbered).
-    * ``assignment[i]`` is the first bucket whose ``max_frames`` >= frames[i]. An overlong utterance
-      (frames above the largest bucket, or tokens above ``max_tokens``) is either kept and counted in
-      ``truncated`` (frames-overlong ones go to the largest bucket), or set to -1 and counted in
-      ``dropped``; each utterance is counted at most once.
+    * 1-D: ``assignment[i]`` is the first bucket whose ``max_frames`` >= frames[i]. 2-D: it is the
+      cheapest bucket that fits utterance i (``grid.assign_cheapest``; ties: the lowest index), and
+      each L is the longest tokens among its members.
+    * Frames-per-token outliers (``shared/wire/outliers.py``) are set to -1 and counted in
+      ``outliers``. An overlong utterance (frames above the largest bucket, or tokens above
+      ``max_tokens``) is either kept and counted in ``truncated`` (frames-overlong ones go to the
+      largest bucket, or in a 2-D plan to the cheapest of the largest T that fits its tokens), or set
+      to -1 and counted in ``dropped``; each utterance is counted at most once.
     * A kept, non-truncated utterance fits its bucket: frames <= T and tokens <= L.
 
 Shutdown: nothing to release; these are values and pure functions.
@@ -27,13 +36,14 @@ import numpy.typing as npt
 
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.bucket_dp import as_lengths, derive_boundaries
+from melfeed.shared.wire.grid import bucket_count, grid_slots, is_grid, top_frames
 from melfeed.shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
+from melfeed.shared.wire.outliers import frames_per_token_outliers
 from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
 
-_INF_COST = np.int64(1) << np.int64(62)  # > any real padded-frame total; INF + cost stays < 2**63
-_DP_CHUNK_CELLS = 1 << 22  # bounds one DP layer's scratch matrix to ~32 MiB of int64
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -118,6 +128,8 @@ class BucketSet:
     truncated: int                     # overlong utterances cut to fit their bucket
     dropped: int                       # overlong utterances left out (overlong == "drop")
     real_frames: int                   # frames of kept utterances after truncation (for efficiency)
+    outliers: int = 0                  # left out by the frames-per-token limits (shared/wire/outliers.py)
+    real_tokens: int = 0               # tokens of kept utterances after truncation (for efficiency)
 
     def __post_init__(self) -> None:
         if [b.index for b in self.buckets] != list(range(len(self.buckets))):
@@ -146,123 +158,61 @@ class BucketSet:
                      for b, n in zip(self.buckets, self._sizes()))
         return self.real_frames / padded if padded else 0.0
 
+    def token_padding_efficiency(self) -> float:
+        """Real tokens / padded token positions over one epoch, counted like ``padding_efficiency``."""
+        padded = sum(math.ceil(int(n) / b.batch_size) * b.batch_size * b.max_tokens
+                     for b, n in zip(self.buckets, self._sizes()))
+        return self.real_tokens / padded if padded else 0.0
+
     def as_wire(self) -> list[list[int]]:
         """Every bucket's ``as_wire()``, in index order."""
         return [b.as_wire() for b in self.buckets]
 
 
-def _as_lengths(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
-    arr = np.asarray(values)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.ndim != 1 or (arr.size and arr.min() < 0):
-        raise ValueError(f"{name} must be a 1-D array of non-negative lengths")
-    return arr
-
-
-def derive_boundaries(frames: npt.NDArray[np.integer], num_buckets: int, frame_multiple: int,
-                      max_frames: int) -> tuple[int, ...]:
-    """Choose bucket upper bounds that minimise the total padded frames of one epoch.
-
-    Cost = sum over utterances of the bound of the bucket they land in (batch padding rows are
-    ignored). Candidate bounds are multiples of ``frame_multiple``; an exact dynamic programme over
-    the candidates that hold at least one utterance (plus the forced last bound) finds the optimum in
-    O(num_buckets * candidates**2) vectorised steps. Utterances above ``max_frames`` count as
-    members of the last bucket (they are truncated or dropped later; their cost is then constant).
-
-    Args:
-        frames: [num_utterances] frames per utterance, >= 0.
-        num_buckets: most buckets to return, >= 1.
-        frame_multiple: every bound is a multiple of this, >= 1.
-        max_frames: the last bound is this rounded up to ``frame_multiple``, >= 1.
-
-    Returns:
-        Strictly increasing bounds in frames, at most ``num_buckets`` of them; fewer when fewer
-        distinct candidates are occupied. Ties resolve to the lowest-index split (deterministic).
-
-    Raises:
-        ValueError: a bad argument.
-    """
-    lengths = _as_lengths(frames, "frames")
-    if num_buckets < 1 or frame_multiple < 1 or max_frames < 1:
-        raise ValueError("num_buckets, frame_multiple and max_frames must be >= 1")
-    top = -(-max_frames // frame_multiple)  # candidate k means bound k * frame_multiple
-    slot = np.clip(-(-lengths // frame_multiple), 1, top)
-    counts = np.bincount(slot, minlength=top + 1)
-    cand = np.flatnonzero(counts)  # slot 0 is never used, so every entry is >= 1
-    if cand.size == 0 or cand[-1] != top:
-        cand = np.append(cand, top)
-    bound = np.concatenate(([0], cand * frame_multiple)).astype(np.int64)  # 1-based like cum
-    cum = np.concatenate(([0], np.cumsum(counts[cand]))).astype(np.int64)
-    n = cand.size
-    layers = min(num_buckets, n)  # one more bucket never costs more, so use as many as exist
-    best = np.full(n + 1, _INF_COST, dtype=np.int64)
-    best[0] = 0
-    choices: list[npt.NDArray[np.int64]] = []
-    for _ in range(layers):
-        best, arg = _dp_layer(best, bound, cum)
-        choices.append(arg)
-    bounds: list[int] = []
-    j = n
-    for arg in reversed(choices):
-        bounds.append(int(bound[j]))
-        j = int(arg[j])
-    return tuple(reversed(bounds))
-
-
-def _dp_layer(prev: npt.NDArray[np.int64], bound: npt.NDArray[np.int64], cum: npt.NDArray[np.int64]
-              ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """One more bucket: new[j] = min over i < j of prev[i] + bound[j] * (cum[j] - cum[i])."""
-    size = prev.size
-    new = np.full(size, _INF_COST, dtype=np.int64)
-    arg = np.zeros(size, dtype=np.int64)
-    i = np.arange(size)
-    rows = max(1, _DP_CHUNK_CELLS // size)
-    for start in range(1, size, rows):
-        j = np.arange(start, min(size, start + rows))
-        cost = prev[None, :] + bound[j, None] * (cum[j, None] - cum[None, :])
-        cost = np.where((i[None, :] < j[:, None]) & (prev[None, :] < _INF_COST), cost, _INF_COST)
-        arg[j] = np.argmin(cost, axis=1)
-        new[j] = cost[np.arange(j.size), arg[j]]
-    return new, arg
-
-
-def _boundaries(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64],
+def _boundaries(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], considered: npt.NDArray[np.bool_],
                 cfg: BucketConfig) -> npt.NDArray[np.int64]:
-    """Bucket frame sizes: the configured ones (capped at max_frames) or the DP's choice."""
+    """1-D bucket frame sizes: the configured ones (capped at max_frames) or the DP's choice."""
     m = cfg.frame_multiple
     if cfg.boundaries is not None:
         cap = _round_up(cfg.max_frames, m) if cfg.max_frames is not None else None
         rounded = {_round_up(b, m) for b in cfg.boundaries}
         return np.array(sorted({min(b, cap) for b in rounded} if cap else rounded), dtype=np.int64)
-    longest = int(frames.max())
-    top = max(1, min(longest, cfg.max_frames) if cfg.max_frames is not None else longest)
-    considered = frames
+    top = top_frames(frames[considered], cfg)
     if cfg.overlong == "drop":  # utterances about to be dropped must not claim a bucket
-        keep = frames <= _round_up(top, m)
-        if cfg.max_tokens is not None:
-            keep &= tokens <= cfg.max_tokens
-        considered = frames[keep]
-    return np.array(derive_boundaries(considered, cfg.num_buckets, m, top), dtype=np.int64)
+        considered = considered & _fits_limits(frames, tokens, top, cfg)
+    return np.array(derive_boundaries(frames[considered], bucket_count(cfg), m, top), dtype=np.int64)
+
+
+def _fits_limits(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], top: int,
+                 cfg: BucketConfig) -> npt.NDArray[np.bool_]:
+    keep = frames <= _round_up(top, cfg.frame_multiple)
+    if cfg.max_tokens is not None:
+        keep &= tokens <= cfg.max_tokens
+    return keep
 
 
 def _assign(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64],
-            cfg: BucketConfig) -> tuple[npt.NDArray[np.int64], int]:
-    """Bucket slot per utterance before empty buckets are removed (-1 = dropped), and overlong count."""
+            considered: npt.NDArray[np.bool_], cfg: BucketConfig) -> tuple[npt.NDArray[np.int64], int]:
+    """1-D bucket slot per utterance before empty buckets are removed (-1 = left out), and overlong count."""
     slot = np.searchsorted(bounds, frames, side="left")  # first bound >= frames
-    frames_over = slot == bounds.size
-    tokens_over = tokens > cfg.max_tokens if cfg.max_tokens is not None else np.zeros_like(frames_over)
+    frames_over = (slot == bounds.size) & considered
+    tokens_over = (tokens > cfg.max_tokens if cfg.max_tokens is not None else np.zeros_like(frames_over)) & considered
     over = frames_over | tokens_over
     n_over = int(over.sum())
     if cfg.overlong == "truncate":
-        return np.minimum(slot, bounds.size - 1), n_over
-    if n_over == frames.size:
-        by_frames = bool(frames_over.all()) or not tokens_over.all()
+        return np.where(considered, np.minimum(slot, bounds.size - 1), -1), n_over
+    if n_over == int(considered.sum()):
+        by_frames = bool(frames_over[considered].all()) or not tokens_over[considered].all()
         key = "max_frames" if by_frames else "max_tokens"
         raise ConfigError("drops every utterance", path=("buckets", key),
                           got=int(bounds[-1]) if by_frames else cfg.max_tokens)
-    return np.where(over, -1, slot), n_over
+    return np.where(over | ~considered, -1, slot), n_over
+
+
+def _check_outliers(ratio: npt.NDArray[np.int8], cfg: BucketConfig) -> None:
+    if ratio.size and ratio.all():
+        key = "max_frames_per_token" if (ratio == 1).any() else "min_frames_per_token"
+        raise ConfigError("leaves every utterance out", path=("buckets", key), got=getattr(cfg, key))
 
 
 def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.integer],
@@ -274,9 +224,10 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
         frames: [num_utterances] mel frames per utterance (manifest order).
         token_counts: [num_utterances] token ids per utterance (manifest order).
         n_mels: mel channels per frame.
-        cfg: bucket settings. Derived boundaries end at min(max_frames, longest utterance), so a
-            generous cap never adds an empty-tailed shape; configured boundaries above
-            ``max_frames`` are lowered to it. Both are rounded up to ``frame_multiple``.
+        cfg: bucket settings (``is_grid``: 2-D shapes or 1-D buckets). Derived shapes end at
+            min(max_frames, longest utterance), so a generous cap never adds an empty-tailed shape;
+            configured boundaries above ``max_frames`` are lowered to it. Both are rounded up to
+            ``frame_multiple``. Frames-per-token outliers never claim a shape.
         schema: the manifest's extras (``Manifest.schema``); a sequence extra's S in a bucket is
             its longest length among the bucket's members. None = no extras.
         mel_dtype: the mel's dtype on the wire and in a slot (``transport.mel_dtype``); it changes
@@ -287,33 +238,41 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
 
     Raises:
         ValueError: mismatched or malformed length arrays, no utterances, or ``n_mels`` < 1.
-        ConfigError: the settings drop every utterance.
+        ConfigError: the settings leave every utterance out.
     """
-    lengths = _as_lengths(frames, "frames")
-    tokens = _as_lengths(token_counts, "token_counts")
+    lengths = as_lengths(frames, "frames")
+    tokens = as_lengths(token_counts, "token_counts")
     if lengths.size != tokens.size or lengths.size == 0 or n_mels < 1:
         raise ValueError("frames and token_counts must be equally long and non-empty; n_mels >= 1")
-    bounds = _boundaries(lengths, tokens, cfg)
-    slot, n_over = _assign(lengths, tokens, bounds, cfg)
+    ratio = frames_per_token_outliers(lengths, tokens, cfg)
+    _check_outliers(ratio, cfg)
+    considered = ratio == 0
+    if is_grid(cfg):
+        bounds, slot, n_over = grid_slots(lengths, tokens, considered, cfg)
+    else:
+        bounds = _boundaries(lengths, tokens, considered, cfg)
+        slot, n_over = _assign(lengths, tokens, bounds, considered, cfg)
     kept = slot >= 0
     occupied = np.flatnonzero(np.bincount(slot[kept], minlength=bounds.size))
     renumber = np.full(bounds.size, -1, dtype=np.int64)
     renumber[occupied] = np.arange(occupied.size)
     assignment = np.where(kept, renumber[np.maximum(slot, 0)], -1)
     sizes_t = bounds[occupied]
-    longest_tokens = np.zeros(occupied.size, dtype=np.int64)
-    np.maximum.at(longest_tokens, assignment[kept], tokens[kept])
+    widths = np.zeros(occupied.size, dtype=np.int64)
+    np.maximum.at(widths, assignment[kept], tokens[kept])
+    widths = np.full_like(widths, cfg.max_tokens) if cfg.max_tokens is not None else np.maximum(widths, 1)
     extras = schema.extras if schema is not None else ()
     seq = _sequence_lengths(schema, assignment, kept, occupied.size)
     buckets = tuple(
-        Bucket(index=k, batch_size=_batch_size(cfg, int(t)), max_frames=int(t),
-               max_tokens=cfg.max_tokens if cfg.max_tokens is not None else max(1, int(longest_tokens[k])),
+        Bucket(index=k, batch_size=_batch_size(cfg, int(t)), max_frames=int(t), max_tokens=int(widths[k]),
                n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq), mel_dtype=mel_dtype)
         for k, t in enumerate(sizes_t))
     real = int(np.minimum(lengths[kept], sizes_t[assignment[kept]]).sum())
+    real_tokens = int(np.minimum(tokens[kept], widths[assignment[kept]]).sum())
     return BucketSet(buckets=buckets, assignment=assignment.astype(np.int16),
                      truncated=0 if cfg.overlong == "drop" else n_over,
-                     dropped=n_over if cfg.overlong == "drop" else 0, real_frames=real)
+                     dropped=n_over if cfg.overlong == "drop" else 0, real_frames=real,
+                     outliers=int((~considered).sum()), real_tokens=real_tokens)
 
 
 def _sequence_lengths(schema: ExtraSchema | None, assignment: npt.NDArray[np.int64], kept: npt.NDArray[np.bool_],

@@ -55,6 +55,7 @@ def test_sigterm_checkpoints_and_the_restart_ends_bit_identical_to_an_uninterrup
     try:
         # The uninterrupted reference: the `consumer` command in this process, which imported TensorFlow already.
         assert run_pipeline.main(["consumer", "--config", str(straight)]) == 0, procs.tail(log)
+        assert (tmp_path / "a" / "outliers.tsv").read_text() == "id\tframes\ttokens\treason\n"   # none left out
 
         first = consumer(broken, "--summary-json", str(tmp_path / "first.json"))
         assert procs.wait_for_records(tmp_path / "b", 30, first, 180), procs.tail(log)

@@ -73,7 +73,8 @@ def test_slow_step_with_fast_producers_names_the_step_and_exits_0(demo_cache: Pa
     assert stages["device"]["compiles_after_ready"] == 0
     assert stages["device"]["device"] in proc.stdout                        # says which device (CPU here)
     assert {c["name"] for c in report["environment"]} >= {"model vs data GPU", "memory", "socket directory"}
-    assert "padding  bucket 0:" in proc.stdout and "in-flight bound" in proc.stdout
+    assert "bucket  T frames  L tokens  rows" in proc.stdout and "in-flight bound" in proc.stdout
+    assert [r["frames"] for r in report["grid"]] == [b[2] for b in report["buckets"]]
 
 
 def test_config_errors_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path) -> None:

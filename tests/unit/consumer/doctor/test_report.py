@@ -19,7 +19,9 @@ _FACTS = ConfigFacts(cores=2, producer_count=2, ring_slots=3, lease_window=2, la
 
 def _report(n: int) -> dict[str, object]:
     return {"cache_dir": "/c", "utterances": 10, "producers": n, "cores": 2, "buckets": [[0, 32, 456, 126, 80]],
-            "mix": [1.0], "padding": [0.8], "memory_bound_now_bytes": 63_000_000,
+            "mix": [1.0], "padding": [0.8], "memory_bound_now_bytes": 63_000_000, "outliers": 2,
+            "grid": [{"bucket": 0, "frames": 456, "tokens": 126, "rows": 32, "batches": 1, "utterances": 10,
+                      "frames_share": 1.0, "padding_efficiency": 0.8}],
             "config_facts": dataclasses.asdict(_FACTS),
             "stages": {"build_1": [_BUILD], "build_n": [_BUILD] * n, "device": _DEVICE,
                        "transport_1": {"batches_per_s": 25.0, "path": "shm"}, "transport_n": {"batches_per_s": 55.0}}}

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -296,3 +297,35 @@ def test_a_state_directory_whose_parent_another_user_could_change_is_refused(tmp
     os.chown(parent, 65534, 65534)                         # another user's directory, even a sticky one
     with pytest.raises(StateError, match=f"its parent {parent} belongs to uid 65534, who could move it"):
         RunState.open(cfg, "f" * 16)
+
+
+def test_a_run_json_from_before_the_2d_planner_is_refused_under_it_and_resumes_with_num_buckets(
+        tmp_path: Path) -> None:
+    first = RunState.open(_cfg(tmp_path, buckets={"num_buckets": 4}), "f" * 16)
+    assert first is not None
+    first.close()
+    run_json = tmp_path / "s" / "run.json"
+    older = json.loads(run_json.read_text())
+    for key in ("max_shapes", "token_cost", "attention_cost", "max_frames_per_token", "min_frames_per_token"):
+        del older["buckets"][key]                              # written before the 2-D planner existed
+    run_json.write_text(json.dumps(older))
+    with pytest.raises(StateError, match=r"buckets=\{'num_buckets': 4\}, the config has \{'num_buckets': None\}"):
+        RunState.open(_cfg(tmp_path), "f" * 16)                # the default now plans in 2-D
+    again = RunState.open(_cfg(tmp_path, buckets={"num_buckets": 4}), "f" * 16)
+    assert again is not None
+    again.close()
+
+
+def test_outliers_report_lists_each_left_out_utterance_with_its_reason(tmp_path: Path) -> None:
+    from melfeed.shared.config import BucketConfig
+    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.wire.outliers import excluded
+    frames, tokens = np.array([100, 100, 900, 100]), np.array([20, 2, 150, 20])
+    cfg = BucketConfig(max_frames_per_token=10.0, max_frames=400, overlong="drop")
+    bs = build_buckets(frames, tokens, 80, cfg)
+    rows = [(f"u{i}", int(frames[i]), int(tokens[i]), r) for i, r in excluded(frames, tokens, bs.assignment, cfg)]
+    state = RunState.open(_cfg(tmp_path), "f" * 16)
+    assert state is not None
+    path = state.write_outliers(rows)
+    state.close()
+    assert path.read_text() == "id\tframes\ttokens\treason\nu1\t100\t2\tmax_frames_per_token\nu2\t900\t150\tmax_frames\n"
