@@ -76,9 +76,9 @@ class FeedBoard:
         self._feed, self._every_steps = feed, every_steps
         self._telemetry: Telemetry | None = None
         self._writer: BoardWriter | None = None
-        self._first = self._recorded = self._epoch_start = 0
+        self._first = self._recorded = self._epoch_start = self._begun = 0
         self._last_s = self._wait_seen = self._next_write_s = 0.0
-        self._written = -1
+        self._written = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
         cfg = self._feed.cfg
@@ -87,15 +87,19 @@ class FeedBoard:
                                     control_endpoint=None)
         self._telemetry.start()
         self._writer = BoardWriter(self.logdir, _KEY)
-        self._first, self._recorded, self._epoch_start = self._feed.next_apply, 0, 0
+        applied = self._feed.applied_ids     # the next batch applied is the first this fit trains
+        self._first = applied[-1] + 1 if applied else self._feed.next_apply
+        self._recorded = self._epoch_start = self._begun = 0
         self._written = self._first
-        self._mark(time.monotonic())
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch_start = self._recorded
+        self._epoch_start = self._begun              # each batch begun in an epoch that went on was trained
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         trained = self._epoch_start + batch          # batches this fit completed before this one
+        self._begun = trained + 1
+        if trained == 0:
+            self._mark(time.monotonic())             # the first batch's period starts at its begin
         if trained <= self._recorded or self._telemetry is None:
             return
         self._record(trained)
