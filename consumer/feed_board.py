@@ -10,13 +10,14 @@ Role: the figures of melfeed's metrics snapshot (consumer/observe/board.py names
 ``tensorboard --logdir log_dir`` lists the three runs together. Not into ``train`` itself: TensorBoard polls only
 the newest event file of a run directory, so two writers there would leave one of them stale until a reload.
 Figures: one ``StepRecord`` per trained batch, taken when ``fit`` begins the next one (the callback has only
-``on_train_batch_begin``, which reads no logs: Keras dispatches batch ends as before and no host wait is added): the period between batch begins, the
-Consumer's wait for that batch (a dataset read-ahead may overlap it with the step: stall % is an upper bound here),
-rows and frames from the plan; the first ``consumer.warmup_steps`` batches (tracing, compiling) are left out. The
-same window arithmetic as the built-in loop's snapshot (``consumer.metrics_window_s``), GPUs sampled as there. No
-feed efficiency (this path measures no resident limit) and no ``train/`` scalars (Keras's callback writes the
-losses). The step (x axis) is the global step, the batch id after the newest recorded batch: the last batch of a
-``fit`` is not recorded (no batch begins after it, and ``fit`` may have begun it only to find the data ended).
+``on_train_batch_begin``, which reads no logs: Keras dispatches batch ends as before and no host wait is added): the
+period between batch begins, the Consumer's wait for that batch (a dataset read-ahead may overlap it with the step:
+stall % is an upper bound here), rows and frames from the plan; the first ``consumer.warmup_steps`` batches
+(tracing, compiling) are left out. The same window arithmetic as the built-in loop's snapshot
+(``consumer.metrics_window_s``), GPUs sampled as there. No feed efficiency (this path measures no resident limit)
+and no ``train/`` scalars (Keras's callback writes the losses). The step (x axis) is the global step, the batch id
+after the newest recorded batch: the last batch of a ``fit`` is not recorded (no batch begins after it, and ``fit``
+may have begun it only to find the data ended).
 Writes every ``every_steps`` batches, else every ``consumer.status_interval_s``, and at the end of ``fit``; flushed
 at each write. Importing this module imports no Keras (``callback()`` does: ``melfeed`` loads no TensorFlow).
 Shutdown: ``on_train_end`` writes, stops the GPU samplers and closes the file; ``close()`` (or leaving the ``with``
@@ -82,7 +83,7 @@ class FeedBoard:
 
     def on_train_begin(self, logs: Any = None) -> None:
         cfg = self._feed.cfg
-        quiet = dataclasses.replace(cfg.consumer, metrics_file=None, metrics_port=None)   # snapshots for TensorBoard only
+        quiet = dataclasses.replace(cfg.consumer, metrics_file=None, metrics_port=None)   # for TensorBoard alone
         self._telemetry = Telemetry(dataclasses.replace(cfg, consumer=quiet), self._feed, time.time(),
                                     control_endpoint=None)
         self._telemetry.start()

@@ -209,8 +209,8 @@ class ConsumerConfig:
     metrics_port: int | None = None        # Prometheus HTTP endpoint port; None = off (needs prometheus_client)
     metrics_host: str = "127.0.0.1"        # address the Prometheus endpoint listens on
     control_endpoint: str | None = None    # REP socket serving `status`; None = derived from transport.endpoint
-    tensorboard_dir: str | None = None     # TensorBoard scalars of the built-in loop (consumer/README.md "TensorBoard"):
-                                           # this directory, DIR/rank-K in a multi-worker job; None = off
+    tensorboard_dir: str | None = None     # TensorBoard scalars of the built-in loop (consumer/README.md
+                                           # "TensorBoard"): here, DIR/rank-K in a multi-worker job; None = off
     tensorboard_every_steps: int | None = None  # None = at each status line; N = every N steps (one more device
                                            # read of the accumulated outputs per N steps)
 

@@ -6,13 +6,14 @@ mean), and from a metrics snapshot (consumer/observe/telemetry.py) ``feed/stall_
 ``feed/queue_depth`` (the window's mean), ``gpu/<role>-<index>/util_pct`` and ``mem_mib`` per sampled GPU, and
 ``producer/<id>/batches_per_s``; a figure the snapshot does not know yet (null) is left out.
 ``BoardWriter`` writes them with TensorFlow's own file writer (``tf.summary.create_file_writer``) and the scalar
-plugin's metadata, one float32 rank-0 tensor per tag, which is what TensorBoard's Scalars dashboard reads, with
-no ``tensorboard`` package: TensorFlow 2.21 no longer installs it, and ``tf.summary.scalar`` raises
+plugin's metadata, one float32 rank-0 tensor per tag, which is what TensorBoard's Scalars dashboard reads, with no
+``tensorboard`` package: TensorFlow 2.21 no longer installs it, and ``tf.summary.scalar`` raises
 ``TBNotInstalledError`` without it. One write is one ``Summary`` proto holding every tag, written by one op
 (``tf.summary.experimental.write_raw_pb``, the proto ``tf.summary.write`` would write per tag): the loop has just
 drained the device when it writes, so each op of the write is device idle time (15 tags took 41 ms as 15 ops, 5 ms
-as one, on the loaded 2-core development machine). On the CPU, flushed at each write. ``Board`` is the built-in loop's side: its own means of the
-same interval reads (``consumer.tensorboard_every_steps`` decides when a write is due) and the global step.
+as one, on the loaded 2-core development machine). On the CPU, flushed at each write. ``Board`` is the built-in
+loop's side: its own means of the same interval reads (``consumer.tensorboard_every_steps`` decides when a write is
+due) and the global step.
 Invariants: a write reads no device tensor (host floats only; the loop writes where it read the device
 anyway); the step (x axis) is the global step: the run's first batch id plus the steps the reads covered, so a
 resumed run continues its curves; no step is written twice (a later write at the same step is dropped).
