@@ -35,6 +35,7 @@ from melfeed.consumer.job.cluster import Job, start_job
 from melfeed.consumer.placement import apply_placement, configure_memory
 from melfeed.consumer.producer_group import PRODUCERS_EXIT_S, await_plan_end, start_producers, stop_producers
 from melfeed.consumer.resume.state import RunState
+from melfeed.consumer.observe.board import Board, board_dir, check_board_dir
 from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.train.loop import train
 from melfeed.shared.service.cli import config_from_args, with_demo_cache
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     place = worker_place(args)
-    _check_paths(cfg, args)
+    _check_paths(cfg, args, place)
     raise_fd_limit(cfg.transport.max_connections)   # headroom for the connection bound (conn_guard)
     apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
@@ -67,11 +68,11 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
         with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
                 Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                          world=place.world) as consumer, \
-                _telemetry(cfg, consumer, started_s, state) as telemetry:
+                _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
             if job is None:
                 configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  notifier=notifier, telemetry=telemetry, job=job)
+                  notifier=notifier, telemetry=telemetry, job=job, board=board)
     except PipelineError as err:
         notifier.notify(STATUS=f"failed: {err}")
         raise
@@ -80,9 +81,10 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     return 0
 
 
-def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+def _check_paths(cfg: PipelineConfig, args: argparse.Namespace, place: WorkerPlace) -> None:
     """Before anything starts: the files the run writes and the sockets it binds have a usable directory,
-    and no output file is a directory (found at the end of training, either would lose the summary)."""
+    and no output file is a directory (found at the end of training, either would lose the summary); this
+    rank's TensorBoard directory exists (created) and is writable."""
     c = cfg.consumer
     control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
     # The config refuses two equal values; here the defaults are filled in (the runtime directory's
@@ -97,6 +99,8 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                        endpoints)
     check_output_file(c.metrics_file, "consumer.metrics_file")   # not a directory, an existing file writable
     check_output_file(args.summary_json, "--summary-json")
+    if c.tensorboard_dir is not None:
+        check_board_dir(board_dir(c.tensorboard_dir, place.rank, place.world))
     if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
         try:
             check_endpoint(control, ("consumer", "control_endpoint"))
@@ -124,6 +128,19 @@ def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state:
     _report_outliers(cfg, consumer, state)
     failures = (lambda: state.checkpoint_failures) if state is not None else None
     return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint, checkpoint_failures=failures)
+
+
+@contextmanager
+def _board(cfg: PipelineConfig, place: WorkerPlace, consumer: Consumer) -> Iterator[Board | None]:
+    """TensorBoard scalars in this rank's directory (``consumer.tensorboard_dir``), from the consumer's start
+    batch on (a resumed run continues its curves); flushed and closed when the run ends, however it ends."""
+    c = cfg.consumer
+    if c.tensorboard_dir is None:
+        yield None
+        return
+    with Board(board_dir(c.tensorboard_dir, place.rank, place.world), c.tensorboard_every_steps,
+               consumer.next_apply) as board:
+        yield board
 
 
 def worker_place(args: argparse.Namespace) -> WorkerPlace:
@@ -209,7 +226,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    _check_paths(cfg, args)
+    _check_paths(cfg, args, place)
     _check_one_key_pair(cfg)
     raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
@@ -217,7 +234,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
             Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                      world=place.world) as consumer, \
-            _telemetry(cfg, consumer, started_s, state) as telemetry:
+            _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
         child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
                                          "cache_dir": str(Path(cfg.cache_dir).resolve())})
         group = start_producers(child_cfg, args.debug_delay_ms)
@@ -227,7 +244,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
         watcher.start()
         try:
             train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  telemetry=telemetry, job=job)
+                  telemetry=telemetry, job=job, board=board)
         finally:
             await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
             stop_producers(group)

@@ -223,6 +223,10 @@ class ConsumerConfig:
     metrics_port: int | None = None        # Prometheus HTTP endpoint port; None = off (needs prometheus_client)
     metrics_host: str = "127.0.0.1"        # address the Prometheus endpoint listens on
     control_endpoint: str | None = None    # REP socket serving `status`; None = derived from transport.endpoint
+    tensorboard_dir: str | None = None     # TensorBoard scalars of the built-in loop (consumer/README.md
+                                           # "TensorBoard"): here, DIR/rank-K in a multi-worker job; None = off
+    tensorboard_every_steps: int | None = None  # None = at each status line; N = every N steps (one more device
+                                           # read of the accumulated outputs per N steps)
 
     def __post_init__(self) -> None:
         p = ("consumer",)
@@ -272,6 +276,11 @@ class ConsumerConfig:
                    "must be ipc://PATH or tcp:// on a loopback address (it is unauthenticated)",
                    p + ("control_endpoint",), self.control_endpoint)
             check_endpoint(self.control_endpoint, p + ("control_endpoint",))
+        if self.tensorboard_dir is not None:
+            _check(bool(self.tensorboard_dir), "must be a path or null", p + ("tensorboard_dir",), self.tensorboard_dir)
+        if self.tensorboard_every_steps is not None:
+            _check(self.tensorboard_every_steps >= 1, "must be >= 1 or null", p + ("tensorboard_every_steps",),
+                   self.tensorboard_every_steps)
 
     @property
     def replica_count(self) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from melfeed.consumer.feed import Batch, Consumer
+    from melfeed.consumer.feed_board import FeedBoard
     from melfeed.consumer.fit_resume import FitResume
     from melfeed.consumer.staging import Stager
     from melfeed.shared.config_loader import config_from_mapping, load_config
@@ -29,13 +30,13 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"   # the package's version: pyproject.toml reads it from here
 
 __all__ = [
-    "Consumer", "Batch", "Stager", "FitResume", "load_config", "config_from_mapping", "demo_cache",
+    "Consumer", "Batch", "Stager", "FitResume", "FeedBoard", "load_config", "config_from_mapping", "demo_cache",
     "PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError", "__version__",
 ]
 
 _HOMES = {  # public name -> the module that defines it (imported on first use)
     "Consumer": "melfeed.consumer.feed", "Batch": "melfeed.consumer.feed", "Stager": "melfeed.consumer.staging",
-    "FitResume": "melfeed.consumer.fit_resume",
+    "FitResume": "melfeed.consumer.fit_resume", "FeedBoard": "melfeed.consumer.feed_board",
     "load_config": "melfeed.shared.config_loader", "config_from_mapping": "melfeed.shared.config_loader",
     **{name: "melfeed.shared.errors" for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError",
                                                    "DataError", "StepError")},

@@ -301,6 +301,21 @@ class Telemetry:
         if outputs is not None and outputs:
             self._outputs = dict(outputs)
         now = self._clock()
+        snap = self._build(now, step, loss, compiles_after_ready)
+        text = json.dumps(snap, allow_nan=False)
+        with self._lock:
+            self._latest, self._latest_json = snap, text.encode()
+        self._last_publish_s = now
+        if self._file is not None:
+            self._write(text)
+        return snap
+
+    def snapshot(self, step: int, loss: float | None, compiles_after_ready: int) -> dict[str, Any]:
+        """A snapshot of now, not published (``publish`` builds each one here; TensorBoard's every-N-steps writes
+        take one between status lines). ``outputs``: the latest published means."""
+        return self._build(self._clock(), step, loss, compiles_after_ready)
+
+    def _build(self, now: float, step: int, loss: float | None, compiles_after_ready: int) -> dict[str, Any]:
         rs = self._consumer.receiver_stats()
         self._bytes.add(now, rs.bytes_received)
         span = self._bytes.span(now)
@@ -314,12 +329,6 @@ class Telemetry:
             outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1),
             checkpoint_failures=self._checkpoint_failures() if self._checkpoint_failures is not None else 0,
             connections_cut=getattr(self._consumer, "connections_cut", 0))
-        text = json.dumps(snap, allow_nan=False)
-        with self._lock:
-            self._latest, self._latest_json = snap, text.encode()
-        self._last_publish_s = now
-        if self._file is not None:
-            self._write(text)
         return snap
 
     def _write(self, text: str) -> None:

@@ -2,7 +2,8 @@
 
 Role: ``load_step_factory`` imports ``"module:function"`` (the working directory first on ``sys.path``, as
 ``python -m`` would), ``build_step`` calls it with the ``StepSpec`` and checks that it returned a step
-(``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns.
+(``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns;
+``build_compiled_step`` is the built-in loop's: the step built under the replicas' strategy, as a ``CompiledStep``.
 Invariant: user code's exceptions never escape as tracebacks: each is one line naming ``model.step``, the exception
 and the user's line that raised it (``describe.describe_exception``); a ``PipelineError`` it raises goes on as it is.
 Shutdown: nothing to release.
@@ -14,13 +15,23 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from melfeed.consumer.train.inputs import check_step
 from melfeed.consumer.train.describe import describe_exception, reason_text
+from melfeed.consumer.train.jit import remembered_mode
 from melfeed.consumer.train.model import StepSpec, TrainStep
+from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError, PipelineError
 
-__all__ = ["build_step", "load_step_factory"]
+if TYPE_CHECKING:
+    from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.job.cluster import Job
+    from melfeed.consumer.resume.state import RunState
+    from melfeed.consumer.train.step import CompiledStep
+    from melfeed.consumer.train.xla_attempts import XlaAttempts
+
+__all__ = ["build_compiled_step", "build_step", "load_step_factory"]
 
 
 def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
@@ -69,3 +80,29 @@ def build_step(dotted: str, spec: StepSpec) -> TrainStep:
                           ) from err
     check_step(step, dotted)
     return step
+
+
+def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
+                        job: Job | None = None) -> tuple[Any, CompiledStep, XlaAttempts]:
+    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
+    under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
+    job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
+
+    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``), and
+    each XLA compile is recorded while it runs (``XlaAttempts``: a compile that killed a start is not tried again).
+    """
+    from melfeed.consumer.train.replicas import Replicas, check_rows, replica_scope
+    from melfeed.consumer.train.step import CompiledStep
+    from melfeed.consumer.train.xla_attempts import XlaAttempts, step_key
+
+    shapes = [b.shapes() for b in consumer.bucket_set.buckets]
+    check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
+    replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
+    with replica_scope(replicas):
+        step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
+                                                                  consumer.extras))
+    remembered = remembered_mode(state.root) if state is not None else None
+    attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
+    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
+                                 remembered=remembered, replicas=replicas, extras=consumer.extras,
+                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts), attempts

@@ -36,12 +36,11 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.observe.gpu import format_gpus
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.staging import Stager
-from melfeed.consumer.train.jit import remember_mode, remembered_mode
+from melfeed.consumer.train.jit import remember_mode
 from melfeed.consumer.train.meter import LoopMeter, format_status_line
 from melfeed.consumer.train.quarantine import ceiling_for
 from melfeed.consumer.train.summary import TrainSummary, finish, summary_on_failure
 from melfeed.consumer.train.warm_batches import WarmBatch, warm_batches
-from melfeed.consumer.train.xla_attempts import XlaAttempts, step_key
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import DataError
 from melfeed.shared.metrics import PHASE_DONE, PHASE_TRAINING, PHASE_WAITING, StepRecord
@@ -49,10 +48,10 @@ from melfeed.shared.service.sdnotify import Notifier
 
 if TYPE_CHECKING:
     from melfeed.consumer.job.cluster import Job
+    from melfeed.consumer.observe.board import Board
     from melfeed.consumer.observe.telemetry import Telemetry
     from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.efficiency import ResidentLimit
-    from melfeed.consumer.train.step import CompiledStep
 
 __all__ = ["TrainSummary", "train"]
 
@@ -62,7 +61,8 @@ log = logging.getLogger(__name__)
 def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
           summary_path: str | None = None, state: RunState | None = None,
           notifier: Notifier | None = None, telemetry: Telemetry | None = None,
-          on_step: Callable[[int], None] | None = None, job: Job | None = None) -> TrainSummary:
+          on_step: Callable[[int], None] | None = None, job: Job | None = None,
+          board: Board | None = None) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -72,7 +72,9 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     With ``notifier`` (systemd): EXTEND_TIMEOUT_USEC while compiling, READY=1 after, STATUS= with the
     live figures of every status line, WATCHDOG=1 after every step and every bounded wait of the
     loop (never from another thread: a wedged loop must starve the watchdog), STOPPING=1 at the end.
-    With ``telemetry``: a snapshot with every status line, during starved waits, and at the end.
+    With ``telemetry``: a snapshot with every status line, during starved waits, and at the end. With ``board``
+    (and ``telemetry``; consumer/observe/board.py): TensorBoard scalars at each status line or every
+    ``consumer.tensorboard_every_steps`` steps (one more read of the accumulated outputs there), and at the end.
     ``on_step(steps_done)`` runs right after each step was dispatched (on the CPU: completed), while
     its slot is still held and inside the timed step (``bench`` models device time there with a sleep).
     With ``job`` (a multi-worker job, consumer/job/cluster.py) the step runs under its
@@ -81,17 +83,19 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
     during a collective raises ``JobLostError`` (no final checkpoint: the job resumes from a common one).
     Raises ``DataError`` after the final checkpoint and summary when ``producer.max_quarantined_fraction`` stopped it.
     """
+    args = (cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step)
     if job is None:
-        return _train(cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step, None)
+        return _train(*args, None, board if telemetry is not None else None)
     with job.guard("training"):
-        return _train(cfg, consumer, stop, process_start_s, summary_path, state, notifier, telemetry, on_step, job)
+        return _train(*args, job, board if telemetry is not None else None)
 
 
 def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, process_start_s: float,
-           summary_path: str | None, state: RunState | None, notifier: Notifier | None,
-           telemetry: Telemetry | None, on_step: Callable[[int], None] | None, job: Job | None) -> TrainSummary:
+           summary_path: str | None, state: RunState | None, notifier: Notifier | None, telemetry: Telemetry | None,
+           on_step: Callable[[int], None] | None, job: Job | None, board: Board | None) -> TrainSummary:
     from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from melfeed.consumer.train.device.packed import PackedSteps
+    from melfeed.consumer.train.factory import build_compiled_step
     from melfeed.consumer.train.handoff import TfHandOff, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
@@ -103,7 +107,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with summary_on_failure(out, summary_path):
-        step_fn, compiled, attempts = _build_step(cfg, consumer, state, job)
+        step_fn, compiled, attempts = build_compiled_step(cfg, consumer, state, job)
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
@@ -144,6 +148,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
 
     def read_outputs() -> None:         # the host read of the interval (one device drain), never per step
         read = handoff.read()
+        if board is not None:
+            board.add_read(read)
         if meter.add_read(read):        # one line per read in which the loss turned NaN/inf
             log.warning("loss turned NaN/inf at step %s (%d of %d steps since the last read): the model of %s may "
                         "have diverged; training goes on", read.first_turn_step, read.nonfinite_steps, read.steps,
@@ -171,6 +177,10 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                 if state.due():
                     read_outputs()              # the checkpoint drains the device anyway
                     state.checkpoint(items, consumer.epoch, final=False)   # a failure: WARNING, retried
+            if board is not None and telemetry is not None and board.is_due(out.steps):   # every N steps
+                if board.needs_read(out.steps):
+                    read_outputs()
+                board.write(telemetry.snapshot(out.steps, meter.last_loss, compiled.compiles_after_ready))
             if ceiling.add(batch.sample_ids, batch.quarantined, utterance_ids=batch.utterance_ids,
                            note=batch.quarantine_note):   # the orderly stop: steps in flight complete, checkpoint
                 log.error("%s; stopping after batch %d", ceiling.message(), batch.batch_id)
@@ -201,7 +211,9 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                 notifier.status(_status_line(out.steps, means, meter, consumer, cfg, gpus))
                 if telemetry is not None:
                     telemetry.set_phase(PHASE_TRAINING)
-                    telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, outputs=means)
+                    snap = telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, outputs=means)
+                    if board is not None and board.every_steps is None:
+                        board.write(snap)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
         read_outputs()                          # the end: the last interval's outputs (drains the device)
     if consumer.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
@@ -218,8 +230,10 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     out.first_loss = meter.first_loss
     finish(out, meter, consumer, compiled.compiles_after_ready, meter.last_outputs, copies + payload_copies)
     if telemetry is not None:
-        telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE,
-                          outputs=meter.outputs.take())
+        final = telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE,
+                                  outputs=meter.outputs.take())
+        if board is not None:
+            board.write(final)
     if summary_path:
         out.write(summary_path)
     if ceiling.tripped and out.error is not None:   # after the checkpoint and the summary: exit 65, one line
@@ -227,30 +241,6 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     return out
 
 
-def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
-                job: Job | None = None) -> tuple[Any, CompiledStep, XlaAttempts]:
-    """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
-    under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
-    job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
-
-    With a state directory, "auto" keeps the mode it chose when this run started (``jit.remember_mode``), and
-    each XLA compile is recorded while it runs (``XlaAttempts``: a compile that killed a start is not tried again).
-    """
-    from melfeed.consumer.train.model import StepSpec
-    from melfeed.consumer.train.replicas import Replicas, check_rows, replica_scope
-    from melfeed.consumer.train.step import CompiledStep, build_step
-
-    shapes = [b.shapes() for b in consumer.bucket_set.buckets]
-    check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
-    replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
-    with replica_scope(replicas):
-        step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
-                                                                  consumer.extras))
-    remembered = remembered_mode(state.root) if state is not None else None
-    attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
-    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered, replicas=replicas, extras=consumer.extras,
-                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts), attempts
 
 
 def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer,

@@ -16,6 +16,7 @@ import pytest
 
 import melfeed
 from melfeed.consumer.feed import Batch, Consumer
+from melfeed.consumer.feed_board import FeedBoard
 from melfeed.consumer.fit_resume import FitResume
 from melfeed.consumer.staging import Stager
 from melfeed.shared import errors
@@ -25,10 +26,11 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_all_names_the_public_api_and_each_name_is_the_object_itself() -> None:
-    assert melfeed.__all__ == ["Consumer", "Batch", "Stager", "FitResume", "load_config", "config_from_mapping", "demo_cache",
-                               "PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError",
-                               "__version__"]
-    assert (melfeed.Consumer, melfeed.Batch, melfeed.Stager, melfeed.FitResume) == (Consumer, Batch, Stager, FitResume)
+    assert melfeed.__all__ == ["Consumer", "Batch", "Stager", "FitResume", "FeedBoard", "load_config",
+                               "config_from_mapping", "demo_cache", "PipelineError", "ConfigError", "CacheError",
+                               "ClosedError", "DataError", "StepError", "__version__"]
+    assert (melfeed.Consumer, melfeed.Batch, melfeed.Stager, melfeed.FitResume, melfeed.FeedBoard) == (
+        Consumer, Batch, Stager, FitResume, FeedBoard)
     assert (melfeed.load_config, melfeed.config_from_mapping) == (load_config, config_from_mapping)
     for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError"):
         assert getattr(melfeed, name) is getattr(errors, name)

@@ -166,3 +166,5 @@ def _consumer_options(g: dict[str, Any]) -> None:
     o.add_argument("--metrics-port", type=int, help=config_help("serve Prometheus metrics on this port (on "
                                                                 f"{schema_default('consumer.metrics_host')})",
                                                                 "consumer.metrics_port", " = off"))
+    o.add_argument("--tensorboard", type=path, metavar="DIR", help=config_help(
+        "write TensorBoard scalars (losses, feed figures, GPUs, producers) here", "consumer.tensorboard_dir", " = off"))

@@ -30,7 +30,7 @@ OVERRIDES = {  # flag dest -> config key
     "state_dir": "consumer.state_dir", "model_step": "model.step",
     "checkpoint_every_steps": "consumer.checkpoint_every_steps",
     "metrics_file": "consumer.metrics_file", "metrics_port": "consumer.metrics_port",
-    "replicas": "consumer.replicas",
+    "replicas": "consumer.replicas", "tensorboard": "consumer.tensorboard_dir",
 }
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from melfeed.consumer import Consumer
+from melfeed.consumer.feed_board import FeedBoard
 from melfeed.consumer.flow.ring import SlotState
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config_loader import config_from_mapping, with_overrides
 from tests.conftest import ProducerGroup
 
 _ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")
@@ -51,21 +52,37 @@ def _tiny_model() -> Any:
 
 
 def test_two_keras_fits_on_one_dataset_apply_every_batch_once_in_plan_order(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+        demo_cache: Path, endpoint: str, producers: ProducerGroup, tmp_path: Path) -> None:
     steps = 18                                       # > 2 epochs of the 200-utterance cache (8 batches each)
-    with Consumer(_cfg(demo_cache, endpoint, steps)) as feed:
+    cfg = with_overrides(_cfg(demo_cache, endpoint, steps), {"consumer.warmup_steps": 0})   # FeedBoard: every batch
+    with Consumer(cfg) as feed:
         producers.start(demo_cache, endpoint, 1)
         ds = feed.as_dataset(features=_ALL_FEATURES)
         model = _tiny_model()
         model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0, shuffle=False)
         assert feed.applied_ids == model.seen == [0, 1, 2, 3]
-        model.fit(ds, steps_per_epoch=3, epochs=2, verbose=0, shuffle=False)
+        board = FeedBoard(feed, tmp_path / "logs", every_steps=2)     # beside keras.callbacks.TensorBoard(logs)
+        callback = board.callback()
+        model.fit(ds, steps_per_epoch=3, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
         assert feed.applied_ids == model.seen == list(range(10))
+        _check_feed_board(tmp_path / "logs" / "feed", callback)
         assert feed.ring.counts()[SlotState.IN_STEP] <= 1          # the last element of the last fit, at most
         rest = [batch.batch_id for batch in feed.batches()]      # the plan goes on where fit stopped
         assert feed.ring.counts()[SlotState.IN_STEP] == 0          # ... and its slot went back to the ring
     assert rest == list(range(10, steps))
     assert feed.applied_ids == list(range(steps)) and feed.applied == steps
+
+
+def _check_feed_board(logdir: Path, callback: Any) -> None:
+    """Batches 4..9 in two epochs: written every 2 batches (global steps 6, 8) and at the end (9: the last batch
+    begun is not recorded); the feed figures only, read back as TensorBoard's scalar plugin reads them."""
+    from tests.board_events import read_scalars
+    scalars = read_scalars(logdir)
+    assert [step for step, _ in scalars["feed/batches_per_s"]] == [6, 8, 9]
+    assert all(v > 0 for _, v in scalars["feed/samples_per_s"]) and 0 < scalars["feed/padding_efficiency"][-1][1] <= 1
+    assert {"feed/stall_pct", "feed/queue_depth"} <= set(scalars) and any(t.startswith("producer/") for t in scalars)
+    assert not [tag for tag in scalars if tag.startswith("train/")] and "feed/feed_efficiency" not in scalars
+    assert "on_train_batch_end" not in type(callback).__dict__     # Keras reads no logs per batch for it
 
 
 def test_an_element_taken_from_the_dataset_is_applied_and_nothing_is_read_ahead(

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -26,16 +27,19 @@ def _run(args: list[str], tmp_path: Path, timeout_s: float) -> subprocess.Comple
                           capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.mark.timeout(600)   # the run may take its 400 s on a loaded 2-core machine, then TensorFlow reads its events
 def test_run_trains_on_demo_data_writes_a_consistent_summary_and_its_producers_exit_0_at_the_plan_end(
         demo_cache: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "run.yaml"
-    # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same.
+    # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same. TensorBoard every 149
+    # steps: the end's write then holds step 150 alone, whose loss is the summary's final_loss.
     cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
                                    "consumer": {"warmup_steps": 3, "status_interval_s": 0.3,
-                                                "feed_efficiency_steps": 6}}))
+                                                "feed_efficiency_steps": 6, "tensorboard_every_steps": 149}}))
     summary = tmp_path / "summary.json"
     proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2",
-                 "--steps", "150", "--summary-json", str(summary)], tmp_path, timeout_s=400)
+                 "--steps", "150", "--summary-json", str(summary), "--tensorboard", str(tmp_path / "tb")], tmp_path,
+                timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["steps"] == s["batches_applied"] == 150
@@ -68,6 +72,18 @@ def test_run_trains_on_demo_data_writes_a_consistent_summary_and_its_producers_e
     assert "all 2 producers finished (the consumer's plan ended); exiting 0" in err
     assert "producer group exited 0 on its own after the plan ended" in err
     assert "still running" not in err and "restarting" not in err         # no ladder, no restart
+    _check_tensorboard(tmp_path / "tb", s)
+
+
+def _check_tensorboard(logdir: Path, s: dict[str, Any]) -> None:
+    """The run's event files, read back as TensorBoard's scalar plugin reads them, against its summary."""
+    from tests.board_events import read_scalars
+    scalars = read_scalars(logdir)                                     # one process: the directory itself
+    assert scalars["train/loss"][0][0] == 149 and scalars["train/loss"][-1] == (150, pytest.approx(s["final_loss"]))
+    assert [step for step, _ in scalars["train/loss"]] == [149, 150]    # every 149 steps and the end, once each
+    assert scalars["feed/batches_per_s"][-1][1] > 0 and 0 < scalars["feed/padding_efficiency"][-1][1] <= 1
+    assert {"feed/stall_pct", "feed/samples_per_s", "feed/queue_depth", "feed/feed_efficiency"} <= set(scalars)
+    assert {"producer/producer-1/batches_per_s", "producer/producer-2/batches_per_s"} <= set(scalars)
 
 
 # The consumer whose plan ends: the library (the plan's end, heartbeats saying done, is its receiver's), in a
@@ -165,6 +181,7 @@ def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_
     ("run", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
     ("consumer", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
     ("run", "--metrics-file", "{tmp}", "consumer.metrics_file: is a directory; name a file to write, got '{tmp}'"),
+    ("run", "--tensorboard", "/dev/null/tb", "consumer.tensorboard_dir: cannot create /dev/null/tb: Not a directory"),
 ])
 def test_an_output_file_that_cannot_be_written_is_refused_before_training(demo_cache: Path, tmp_path: Path,
                                                                           command: str, flag: str, path: str,

@@ -3,7 +3,8 @@
 The loop runs in this process over real producers; every host read of an eager tensor (``.numpy()``,
 ``float()``, ``int()``, ``bool()``) is counted, and so are the reads of the accumulated outputs. Status
 lines are switched off (a huge ``status_interval_s``), so the reads are the checkpoints' (every M steps)
-and the end's: N steps -> N/M + 1 reads. A loop that still read a loss per step would count >= N.
+and the end's: N steps -> N/M + 1 reads. A loop that still read a loss per step would count >= N. TensorBoard
+every M steps adds none: its writes take the checkpoints' reads and read no device tensor.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import pytest
 from tensorflow.python.framework import ops
 
 from melfeed.consumer.feed import Consumer
+from melfeed.consumer.observe.board import Board
+from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.train.device.accumulators import Accumulators
 from melfeed.consumer.train.loop import train
 from melfeed.shared.config_loader import load_config
 from tests import procs
+from tests.board_events import read_scalars
 
 _STEPS, _EVERY = 60, 20
 
@@ -61,8 +65,11 @@ def test_the_loop_reads_device_tensors_once_per_interval_never_per_step(
     state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
     assert state is not None
     try:
-        with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
+        with Consumer(cfg, start_batch=state.next_batch) as consumer, \
+                Telemetry(cfg, consumer, time.time(), control_endpoint=None) as telemetry, \
+                Board(tmp_path / "tb", _EVERY, consumer.next_apply) as board:
+            summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state,
+                            telemetry=telemetry, board=board)
     finally:
         state.close()
         procs.stop(producers)
@@ -71,3 +78,4 @@ def test_the_loop_reads_device_tensors_once_per_interval_never_per_step(
     assert len(reads) == _STEPS // _EVERY + 1                     # one per checkpoint, one at the end
     # the reads themselves plus the checkpoints' variable reads: a handful per interval, never one per step
     assert host_reads["n"] <= 10 * len(reads) < _STEPS, host_reads
+    assert [step for step, _ in read_scalars(tmp_path / "tb")["train/loss"]] == [20, 40, 60]
