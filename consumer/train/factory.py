@@ -2,7 +2,8 @@
 
 Role: ``load_step_factory`` imports ``"module:function"`` (the working directory first on ``sys.path``, as
 ``python -m`` would), ``build_step`` calls it with the ``StepSpec`` and checks that it returned a step
-(``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns.
+(``consumer/train/inputs.py`` ``check_step``) and that its axis declarations fit the buckets
+(``consumer/train/axes.py``). ``consumer/train/step.py`` compiles what it returns.
 Invariant: user code's exceptions never escape as tracebacks: each is one line naming ``model.step``, the exception
 and the user's line that raised it (``jit.describe_exception``); a ``PipelineError`` it raises goes on as it is.
 Shutdown: nothing to release.
@@ -15,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from melfeed.consumer.train.axes import check_frame_multiple, token_axis_of
 from melfeed.consumer.train.inputs import check_step
 from melfeed.consumer.train.jit import describe_exception
 from melfeed.consumer.train.model import StepSpec, TrainStep
@@ -53,12 +55,17 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     return factory  # type: ignore[no-any-return]
 
 
-def build_step(dotted: str, spec: StepSpec) -> TrainStep:
+def build_step(dotted: str, spec: StepSpec, *, frame_multiple: int | None = None) -> TrainStep:
     """The step of the factory ``dotted`` (``model.step``) for ``spec``, checked to be a step.
+
+    Args:
+        frame_multiple: ``buckets.frame_multiple``; given, the buckets' frame sizes are checked against the step's
+            ``frame_multiple`` (``axes.check_frame_multiple``).
 
     Raises:
         ConfigError: ``model.step``: the factory cannot be loaded, raises (one line: the exception and the
-            line of user code that raised it), or returns something that is not a ``TrainStep``.
+            line of user code that raised it), or returns something that is not a ``TrainStep``, or a bad
+            ``token_axis`` / ``frame_multiple``; ``buckets.frame_multiple``: the buckets do not fit the step.
     """
     factory = load_step_factory(dotted)
     try:
@@ -69,4 +76,7 @@ def build_step(dotted: str, spec: StepSpec) -> TrainStep:
         raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
                           ) from err
     check_step(step, dotted)
+    token_axis_of(step, dotted)
+    if frame_multiple is not None:
+        check_frame_multiple(step, dotted, [s["mel"][1] for s in spec.bucket_shapes], frame_multiple)
     return step

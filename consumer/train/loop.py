@@ -309,7 +309,7 @@ def _build_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
     replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):
         step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
-                                                                  consumer.extras))
+                                                                  consumer.extras), frame_multiple=cfg.buckets.frame_multiple)
     remembered = remembered_mode(state.root) if state is not None else None
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
                                  remembered=remembered, replicas=replicas, extras=consumer.extras,
