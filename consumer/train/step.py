@@ -6,7 +6,8 @@ XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide), and run bat
 handoff.py, turns aligned numpy slots into tensors with DLPack).
 
 Invariants:
-    * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
+    * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes (a step with
+      ``token_axis = "longest"`` sees the token axis cut inside it in graph mode, consumer/train/axes.py).
     * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
       the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
       ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
@@ -165,7 +166,7 @@ class CompiledStep:
         if program is None:
             if self.replicas is not None:
                 program = self.replicas.program(
-                    lambda *args: self._normalize(self._step(*self._cut(dict(zip(_ARG_ORDER, args))).values())), key, [self._dtypes[n] for n in _ARG_ORDER],
+                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])), key, [self._dtypes[n] for n in _ARG_ORDER],
                     _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
                 self._programs[(self._mode, key)] = program
                 return program
@@ -176,11 +177,10 @@ class CompiledStep:
 
             def traced(*args: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                arrays = self._cut(dict(zip(names, args[:n_arrays])))
-                extras = {k: arrays[k] for k in self._passed}
+                base, extras = self._step_args(names, args[:n_arrays])
                 if self._row_inputs:
                     extras.update(row_inputs(self._row_inputs, args[n_arrays], key[0][0]))
-                return self._normalize(self._step(*(arrays[k] for k in _ARG_ORDER), **extras))
+                return self._normalize(self._step(*base, **extras))
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
@@ -190,9 +190,14 @@ class CompiledStep:
             self._programs[(self._mode, key)] = program
         return program
 
-    def _cut(self, arrays: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        """With ``token_axis: longest`` in graph mode, the token axis cut to the batch's longest row (axes.py)."""
-        return cut_to_longest(arrays, self._extras) if self._token_axis == "longest" and self._mode == "graph" else arrays
+    @tf.autograph.experimental.do_not_convert  # runs at trace time; its ops are traced as written
+    def _step_args(self, names: Sequence[str], args: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+        """The step's base arrays and extras from a program's inputs: with ``token_axis`` "longest" in graph mode,
+        the token axis cut to the batch's longest row (consumer/train/axes.py)."""
+        arrays = dict(zip(names, args))
+        if self._token_axis == "longest" and self._mode == "graph":
+            arrays = cut_to_longest(arrays, self._extras)
+        return [arrays[k] for k in _ARG_ORDER], {k: arrays[k] for k in self._passed}
 
     @tf.autograph.experimental.do_not_convert  # plain Python bookkeeping, runs at trace time
     def _on_trace(self, key: _Shapes) -> None:

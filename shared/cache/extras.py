@@ -126,9 +126,9 @@ def check_extra_sizes(columns: Sequence[ExtraColumn], frames: npt.NDArray[np.int
     for i, c in enumerate(columns):
         length, offset, nbytes = c.rows.T
         spec = c.spec
-        per_row = int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
-        if spec.kind == "matrix":   # a row of the file is one token's ceil(frames / r) columns
-            per_row = per_row * (-(-frames // spec.divisor))
+        item = int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+        # bytes per first-axis row: a matrix's row is one token's ceil(frames / r) columns
+        per_row = item * (-(-frames // spec.divisor)) if spec.kind == "matrix" else np.full_like(length, item)
         want = {"frame": frames, "token": tokens, "utterance": np.zeros_like(length), "matrix": tokens}.get(spec.kind)
         ok = (offset >= 0) & (nbytes >= offset + np.maximum(length, 1) * per_row)
         ok &= (length >= 1) if want is None else (length == want)
@@ -176,25 +176,26 @@ def infer_kind(headers: Sequence[NpyHeader], frames: Sequence[int], tokens: Sequ
 
 
 def fits_no_kind(name: str, headers: Sequence[NpyHeader], frames: Sequence[int], tokens: Sequence[int]) -> str | None:
-    """One line when inferred files fit no kind (their trailing shapes differ), naming a matrix that fits; else None.
+    """One line when inferred files are matrices (two ragged axes), naming the declaration that fits; else None.
 
-    A matrix (``[tokens, ceil(frames / r), ...]``) has two ragged axes, so no 1-axis kind holds it: every file
-    would be listed as bad. This says so once, with the declaration that fits (a divisor ``r`` up to 16).
+    A matrix (``[tokens, ceil(frames / r), ...]``) has two ragged axes, so no 1-axis kind holds it and every file
+    would be listed as bad: this says so once. Files count as such when each one's rows are its utterance's tokens
+    and the second axis is ``ceil(frames / r)`` for one ``r`` up to 16, or varies in most files (a few files
+    with another trailing shape are still listed one by one, as bad files of a 1-axis kind).
     """
     shapes = [h.shape for h in headers]
-    if len({len(s) for s in shapes}) == 1 and len({s[1:] for s in shapes}) == 1:
-        return None                       # one trailing shape: frame, token, utterance or sequence fits
-    first = shapes[0]
-    if all(len(s) >= 2 and s[0] == t for s, t in zip(shapes, tokens)) and len({s[2:] for s in shapes}) == 1:
-        fit = next((r for r in range(1, _MAX_GUESSED_DIVISOR + 1)
-                    if all(s[1] == -(-f // r) for s, f in zip(shapes, frames))), None)
-        kind = "matrix" if fit == 1 else f"matrix/{fit}" if fit else "matrix/R"
-        return (f"extra {name!r}: {first} has two ragged axes (rows = the utterance's tokens, columns vary with its "
-                f"frames), which no 1-axis kind holds: declare it --extra {name}:{kind}=DIR"
-                + ("" if fit else " (R = frames per column: ceil(frames / R) columns)"))
-    other = next(s for s in shapes if (len(s), s[1:]) != (len(first), first[1:]))
-    return (f"extra {name!r}: files disagree on their trailing shape ({first}, {other}): no kind fits "
-            f"(a [tokens, ceil(frames / R)] matrix is --extra {name}:matrix/R=DIR)")
+    if not all(len(s) >= 2 and s[0] == t for s, t in zip(shapes, tokens)) or len({s[2:] for s in shapes}) != 1:
+        return None
+    if len({s[1] for s in shapes}) == 1:
+        return None                       # one trailing shape: a token extra
+    fit = next((r for r in range(1, _MAX_GUESSED_DIVISOR + 1)
+                if all(s[1] == -(-f // r) for s, f in zip(shapes, frames))), None)
+    if fit is None and len({s[1] for s in shapes}) <= len(shapes) // 2:
+        return None
+    kind = "matrix" if fit == 1 else f"matrix/{fit}" if fit else "matrix/R"
+    return (f"extra {name!r}: {shapes[0]} has two ragged axes (rows = the utterance's tokens, columns vary with its "
+            f"frames), which no 1-axis kind holds: declare it --extra {name}:{kind}=DIR"
+            + ("" if fit else " (R = frames per column: ceil(frames / R) columns)"))
 
 
 def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[int], tokens: Sequence[int],
@@ -203,7 +204,7 @@ def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[in
 
     Args:
         kind: the declared kind (``matrix/R`` with a divisor); None = infer it from the headers (``infer_kind``;
-            files that fit no kind are one ``CacheError`` line, ``fits_no_kind``).
+            matrices, which no inferred kind fits, are one ``CacheError`` line, ``fits_no_kind``).
 
     Returns:
         ``(column, problems)``: the column (None when no file is usable or the declaration is bad)

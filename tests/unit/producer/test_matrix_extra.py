@@ -14,6 +14,7 @@ from melfeed.shared.cache.batch_read import read_batch
 from melfeed.shared.cache.demo_data import write_demo_cache
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, load_manifest, write_manifest
+from melfeed.shared.cache.pack_write import write_pack
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.buckets import build_buckets
@@ -54,6 +55,9 @@ def test_index_declares_a_matrix_with_its_divisor_and_a_reindex_keeps_it(root: P
     assert column.rows[:, 0].tolist() == manifest.token_counts.tolist()       # length = the tokens
     again, problems = build_manifest(root, 8)                                  # no --extra: the manifest's kind
     assert problems == [] and again.extras[0].spec == column.spec and again.fingerprint == manifest.fingerprint
+    assert run_pipeline.main(["verify-cache", "--cache-dir", str(root), "--n-mels", "8"]) == 0
+    with pytest.raises(CacheError, match="extra 'attn' is a matrix, which a pack does not hold"):
+        write_pack(manifest, "float32")
 
 
 def test_producers_pad_a_matrix_into_tokens_by_ceil_frames_over_r_with_zeros_and_cut_both_axes(root: Path) -> None:
