@@ -166,8 +166,9 @@ class CompiledStep:
         if program is None:
             if self.replicas is not None:
                 program = self.replicas.program(
-                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])), key, [self._dtypes[n] for n in _ARG_ORDER],
-                    _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
+                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])), key,
+                    [self._dtypes[n] for n in _ARG_ORDER], _ARG_ORDER, jit_compile=self._mode == "xla",
+                    on_trace=lambda: self._on_trace(key))
                 self._programs[(self._mode, key)] = program
                 return program
             names = (*_ARG_ORDER, *self._inputs)
