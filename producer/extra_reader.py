@@ -4,6 +4,8 @@ Role: the producer's only reader of ``extras/``; ``producer/batcher.py`` calls `
 extra per row, into the row of the send buffer or the consumer's shared-memory slot (seen as bytes:
 ``producer/batch_rows.py``), so an extra costs the same copies as the mel: one ``preadv`` from page
 cache into its place. What a row holds (cut and zero padding by kind) is ``melfeed.shared.wire.schema.pad_row``'s rule.
+A matrix extra (``[tokens, ceil(frames / r)]``) is the exception: its rows are narrower than the batch's, so
+the file's kept token rows are read into a scratch buffer and copied into the row's top-left corner.
 
 Invariants:
 - A read either fills the row by that rule or raises ``CacheError`` naming the file (missing, not
@@ -55,6 +57,8 @@ class ExtraReader:
         self._paths = {name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
                        for name in self._columns}
         self._checked_heads: dict[tuple[str, int], bytes] = {}   # bounded: extras x N x ~128 bytes
+        self._frames = manifest.frames.tolist()    # a matrix's columns follow its utterance's frames
+        self._scratch = np.empty(0, np.uint8)      # a matrix's kept rows, grown on demand
         # What one read needs, in one lookup: spec, has a length axis, is float (NaN/Inf check), rows, paths.
         self._reads = {name: (c.spec, c.spec.has_length, self._dtypes[name].kind == "f", self._rows[name],
                               self._paths[name]) for name, c in self._columns.items()}
@@ -72,7 +76,7 @@ class ExtraReader:
             ValueError: ``array`` has the wrong dtype, trailing shape or layout.
         """
         spec = self._columns[name].spec
-        trailing = array.shape[2:] if spec.has_length else array.shape[1:]
+        trailing = array.shape[1 + spec.lead_dims:]
         if array.dtype != self._dtypes[name] or trailing != spec.shape or array.ndim < 1:
             raise ValueError(f"batch array for extra {name!r} must be C-contiguous {spec.dtype} [B, ..., {spec.shape}], "
                              f"got {array.dtype} {array.shape}")
@@ -93,8 +97,11 @@ class ExtraReader:
         path = paths[index]
         head = self._heads.get(offset)
         key = (name, index)
-        identity = read_file_exact(self._files, key, path, file_bytes, head,
-                                   rows.head(row, n if has_length else rows.capacity))
+        if spec.kind == "matrix":
+            identity = self._read_matrix(spec, index, key, path, file_bytes, head, rows, row, n)
+        else:
+            identity = read_file_exact(self._files, key, path, file_bytes, head,
+                                       rows.head(row, n if has_length else rows.capacity))
         if self._checked_heads.get(key) != head:
             self._check_head(spec, index, path, head, length, offset)
         if is_float:
@@ -108,13 +115,28 @@ class ExtraReader:
             rows.zero_tail(row, n)
         return n
 
+    def _read_matrix(self, spec: ExtraSpec, index: int, key: tuple[str, int], path: str, file_bytes: int,
+                     head: memoryview, rows: RowBytes, row: int, n: int) -> Identity:
+        """A matrix's first ``n`` token rows into ``scratch``, then its columns (cut to the batch's) into the row."""
+        dst = rows.array[row]                                        # [L, C, k...]
+        file_cols = spec.columns(self._frames[index])
+        shape = (n, file_cols, *spec.shape)
+        nbytes = int(np.prod(shape)) * dst.dtype.itemsize
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        identity = read_file_exact(self._files, key, path, file_bytes, head, self._scratch[:nbytes].data)
+        cols = min(file_cols, dst.shape[1])
+        dst[:n, :cols] = self._scratch[:nbytes].view(dst.dtype).reshape(shape)[:, :cols]
+        dst[:n, cols:] = 0
+        return identity
+
     def _check_head(self, spec: ExtraSpec, index: int, path: str, head: memoryview, length: int, offset: int) -> None:
         """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""
         try:
             header = parse_npy_header(bytes(head), path)
         except CacheError as err:
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
-        want = (spec.file_shape(length), np.dtype(spec.dtype).newbyteorder("<"), offset)
+        want = (spec.file_shape(length, self._frames[index]), np.dtype(spec.dtype).newbyteorder("<"), offset)
         if (header.shape, header.dtype, header.data_offset) != want:
             raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
                                    f"{header.dtype.str}, manifest says {want[0]} {want[1].str}); re-run index")

@@ -130,7 +130,8 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     replicas = Replicas.from_config(cfg)     # consumer.replicas: the arrangement `run` would use
     extras = manifest.schema.extras
     with replica_scope(replicas):
-        step_fn = build_step(m.step, StepSpec.from_config(cfg, shapes, batches_per_epoch=None, extras=extras))
+        step_fn = build_step(m.step, StepSpec.from_config(cfg, shapes, batches_per_epoch=None, extras=extras),
+                             frame_multiple=cfg.buckets.frame_multiple)
     compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas,
                             extras=extras, mel_dtype=cfg.transport.mel_dtype)
     compile_s = compiled.warm_up()

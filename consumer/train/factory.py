@@ -2,8 +2,9 @@
 
 Role: ``load_step_factory`` imports ``"module:function"`` (the working directory first on ``sys.path``, as
 ``python -m`` would), ``build_step`` calls it with the ``StepSpec`` and checks that it returned a step
-(``consumer/train/inputs.py`` ``check_step``). ``consumer/train/step.py`` compiles what it returns;
-``build_compiled_step`` is the built-in loop's: the step built under the replicas' strategy, as a ``CompiledStep``.
+(``consumer/train/inputs.py`` ``check_step``) and that its axis declarations fit the buckets
+(``consumer/train/axes.py``). ``consumer/train/step.py`` compiles what it returns; ``build_compiled_step``
+is the built-in loop's: the step built under the replicas' strategy, as a ``CompiledStep``.
 Invariant: user code's exceptions never escape as tracebacks: each is one line naming ``model.step``, the exception
 and the user's line that raised it (``describe.describe_exception``); a ``PipelineError`` it raises goes on as it is.
 Shutdown: nothing to release.
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from melfeed.consumer.train.axes import check_frame_multiple, token_axis_of
 from melfeed.consumer.train.inputs import check_step
 from melfeed.consumer.train.describe import describe_exception, reason_text
 from melfeed.consumer.train.jit import remembered_mode
@@ -63,12 +65,17 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     return factory  # type: ignore[no-any-return]
 
 
-def build_step(dotted: str, spec: StepSpec) -> TrainStep:
+def build_step(dotted: str, spec: StepSpec, *, frame_multiple: int | None = None) -> TrainStep:
     """The step of the factory ``dotted`` (``model.step``) for ``spec``, checked to be a step.
+
+    Args:
+        frame_multiple: ``buckets.frame_multiple``; given, the buckets' frame sizes are checked against the step's
+            ``frame_multiple`` (``axes.check_frame_multiple``).
 
     Raises:
         ConfigError: ``model.step``: the factory cannot be loaded, raises (one line: the exception and the
-            line of user code that raised it), or returns something that is not a ``TrainStep``.
+            line of user code that raised it), or returns something that is not a ``TrainStep``, or a bad
+            ``token_axis`` / ``frame_multiple``; ``buckets.frame_multiple``: the buckets do not fit the step.
     """
     factory = load_step_factory(dotted)
     try:
@@ -79,6 +86,9 @@ def build_step(dotted: str, spec: StepSpec) -> TrainStep:
         raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
                           ) from err
     check_step(step, dotted)
+    token_axis_of(step, dotted)
+    if frame_multiple is not None:
+        check_frame_multiple(step, dotted, [s["mel"][1] for s in spec.bucket_shapes], frame_multiple)
     return step
 
 
@@ -100,7 +110,8 @@ def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState
     replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):
         step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
-                                                                  consumer.extras))
+                                                                  consumer.extras),
+                             frame_multiple=cfg.buckets.frame_multiple)
     remembered = remembered_mode(state.root) if state is not None else None
     attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,

@@ -124,7 +124,11 @@ def global_sum(value: tf.Tensor) -> tf.Tensor:
 
 
 class TrainStep(Protocol):
-    """One optimisation step on one padded batch; the unit ``CompiledStep`` compiles."""
+    """One optimisation step on one padded batch; the unit ``CompiledStep`` compiles.
+
+    Optional class attributes say what the step needs of the batch's axes (consumer/train/axes.py):
+    ``token_axis = "longest"`` (tokens cut to the batch's longest row in graph mode) and ``frame_multiple``.
+    """
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
                  tok_len: tf.Tensor) -> tf.Tensor | Mapping[str, tf.Tensor]:

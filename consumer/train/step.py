@@ -6,7 +6,8 @@ XLA or graph mode as ``ModelConfig.jit_compile`` and jit.py decide), and run bat
 handoff.py, turns aligned numpy slots into tensors with DLPack).
 
 Invariants:
-    * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes.
+    * Shapes are fixed in either mode: each program has an input signature of one bucket's shapes (a step with
+      ``token_axis = "longest"`` sees the token axis cut inside it in graph mode, consumer/train/axes.py).
     * The step gets the base arrays positionally (mel, mel_len, tokens, tok_len) and each extra of
       the batch schema (``shared/wire/schema.py``) as a keyword argument, but only the extras its
       ``__call__`` names (or all of them with ``**extras``; ``consumer/train/inputs.py``): a step
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tensorflow as tf
 
+from melfeed.consumer.train.axes import cut_to_longest, program_inputs, token_axis_of
 from melfeed.consumer.train.inputs import Shapes as _Shapes   # one program's key
 from melfeed.consumer.train.factory import build_step, load_step_factory   # re-exported: callers import them here
 from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_call, input_dtypes, unlisted_variables
@@ -105,7 +107,9 @@ class CompiledStep:
         if extras:
             log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
                      [e.name for e in extras if e.name not in self._passed] or "none")
-        self._bucket_keys = [bucket_key(s, self._passed) for s in bucket_shapes]
+        self._extras, self._token_axis = tuple(extras), token_axis_of(step, factory)   # consumer/train/axes.py
+        self._inputs = program_inputs(self._passed, extras, self._token_axis)   # the program's extra inputs
+        self._bucket_keys = [bucket_key(s, self._inputs) for s in bucket_shapes]
         self._row_inputs = row_inputs_taken(step)   # "rows" / "row_mask" keywords (consumer/train/rows.py)
         check_call(step, factory, self._passed, self._row_inputs,
                    [*(k for e in extras for k in (e.name, e.length_key) if k is not None), *ROW_INPUTS])
@@ -161,28 +165,29 @@ class CompiledStep:
 
     def program_for(self, bucket: int) -> tuple[Callable[..., dict[str, tf.Tensor]], tuple[str, ...], bool]:
         """``bucket``'s program, the batch keys it takes in order, and whether an int32 ``rows`` follows them."""
-        return self._program(self._bucket_keys[bucket]), (*_ARG_ORDER, *self._passed), bool(self._row_inputs)
+        return self._program(self._bucket_keys[bucket]), (*_ARG_ORDER, *self._inputs), bool(self._row_inputs)
 
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))
         if program is None:
             if self.replicas is not None:
                 program = self.replicas.program(
-                    lambda *args: self._normalize(self._step(*args)), key, [self._dtypes[n] for n in _ARG_ORDER],
-                    _ARG_ORDER, jit_compile=self._mode == "xla", on_trace=lambda: self._on_trace(key))
+                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])), key,
+                    [self._dtypes[n] for n in _ARG_ORDER], _ARG_ORDER, jit_compile=self._mode == "xla",
+                    on_trace=lambda: self._on_trace(key))
                 self._programs[(self._mode, key)] = program
                 return program
-            names = (*_ARG_ORDER, *self._passed)
+            names = (*_ARG_ORDER, *self._inputs)
             signature = [tf.TensorSpec(shape, self._dtypes[name], name=name) for name, shape in zip(names, key)]
             signature += [tf.TensorSpec([], tf.int32, name="rows")] if self._row_inputs else []
             n_arrays = len(names)
 
             def traced(*args: tf.Tensor) -> dict[str, tf.Tensor]:
                 self._on_trace(key)  # Python side effect: runs once per trace, never per step
-                extras = dict(zip(self._passed, args[4:n_arrays]))
+                base, extras = self._step_args(names, args[:n_arrays])
                 if self._row_inputs:
                     extras.update(row_inputs(self._row_inputs, args[n_arrays], key[0][0]))
-                return self._normalize(self._step(*args[:4], **extras))
+                return self._normalize(self._step(*base, **extras))
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
@@ -192,10 +197,19 @@ class CompiledStep:
             self._programs[(self._mode, key)] = program
         return program
 
+    @tf.autograph.experimental.do_not_convert  # runs at trace time; its ops are traced as written
+    def _step_args(self, names: Sequence[str], args: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+        """The step's base arrays and extras from a program's inputs: with ``token_axis`` "longest" in graph mode,
+        the token axis cut to the batch's longest row (consumer/train/axes.py)."""
+        arrays = dict(zip(names, args))
+        if self._token_axis == "longest" and self._mode == "graph":
+            arrays = cut_to_longest(arrays, self._extras)
+        return [arrays[k] for k in _ARG_ORDER], {k: arrays[k] for k in self._passed}
+
     @tf.autograph.experimental.do_not_convert  # plain Python bookkeeping, runs at trace time
     def _on_trace(self, key: _Shapes) -> None:
         self._traces += 1
-        shapes = dict(zip((*_ARG_ORDER, *self._passed), key))
+        shapes = dict(zip((*_ARG_ORDER, *self._inputs), key))
         if self._is_ready:
             self._compiles_after_ready += 1
             log.warning("compiling a new step program after warm-up shapes=%s mode=%s compiles_after_ready=%d",
@@ -364,7 +378,7 @@ class CompiledStep:
             IndexError: unknown bucket. TypeError: a batch tensor has the wrong dtype.
         """
         expected = self._bucket_keys[bucket]
-        names = (*_ARG_ORDER, *self._passed)
+        names = (*_ARG_ORDER, *self._inputs)
         args = [batch[name] for name in names]
         for name, arg in zip(names, args):
             if arg.dtype != self._dtypes[name]:
@@ -384,7 +398,7 @@ class CompiledStep:
         out: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}
         for key, batch in zip(self._bucket_keys, batches):
             if key not in out:
-                inputs = [tf.constant(batch.arrays[name], self._dtypes[name]) for name in (*_ARG_ORDER, *self._passed)]
+                inputs = [tf.constant(batch.arrays[name], self._dtypes[name]) for name in (*_ARG_ORDER, *self._inputs)]
                 out[key] = (inputs + ([tf.constant(batch.rows, tf.int32)] if self._row_inputs else []), batch.describe())
         return out
 
@@ -394,7 +408,7 @@ class CompiledStep:
         found = self._warm.get(key)
         if found is not None:
             return found
-        zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._passed), key)]
+        zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._inputs), key)]
         return (zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else []),
                 "all padding: every length 0, as in a padded partial batch")
 

@@ -17,7 +17,7 @@ from melfeed.shared.cache.extras import EXTRAS_DIR
 from melfeed.shared.cache.features import check_n_mels_flag
 from melfeed.shared.cache.filekind import make_dirs
 from melfeed.shared.errors import CacheError, ConfigError
-from melfeed.shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration
+from melfeed.shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration, parse_kind
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import write_manifest
 from melfeed.shared.service.progress import Progress, progress_interval_s
@@ -63,7 +63,8 @@ def _progress(label: str) -> Progress:
 
 
 def parse_extra_arg(value: str) -> tuple[str, str | None, str]:
-    """``NAME=DIR`` or ``NAME:KIND=DIR`` (``index --extra``) as (name, kind or None, dir).
+    """``NAME=DIR`` or ``NAME:KIND=DIR`` (``index --extra``; KIND ``matrix/R`` gives a matrix's frame divisor R)
+    as (name, kind or None, dir).
 
     Raises:
         ConfigError: malformed, a name that cannot be an extra's, or an unknown kind (key ``--extra``).
@@ -72,7 +73,11 @@ def parse_extra_arg(value: str) -> tuple[str, str | None, str]:
     name, _, kind = head.partition(":")
     if not sep or not name or not folder:
         raise ConfigError("must look like NAME=DIR or NAME:KIND=DIR", path=("--extra",), got=value)
-    bad = check_declaration(name, kind or KINDS[0], EXTRA_DTYPES[0], [])
+    parsed = parse_kind(kind) if kind else (KINDS[0], 1)
+    if parsed is None:
+        raise ConfigError(f"kind must be one of {list(KINDS)} (a matrix may say matrix/R, R frames per column), "
+                          f"got {kind!r}", path=("--extra",), got=value)
+    bad = check_declaration(name, parsed[0], EXTRA_DTYPES[0], [], parsed[1])
     if bad is not None:
         raise ConfigError(f"{bad[0]} {bad[1]}", path=("--extra",), got=value)
     return name, kind or None, folder
@@ -112,7 +117,7 @@ def main_index(args: argparse.Namespace) -> int:
           f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else ""))
     for column in manifest.extras:
         spec = column.spec
-        print(f"extra {spec.name}: kind {spec.kind}, dtype {spec.dtype}, shape {list(spec.shape)}")
+        print(f"extra {spec.name}: kind {spec.kind_text}, dtype {spec.dtype}, shape {list(spec.shape)}")
     return 0
 
 

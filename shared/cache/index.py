@@ -239,8 +239,8 @@ def _declared_kinds(root: Path) -> dict[str, str]:
     """The kinds the current manifest declares (best effort): a re-index keeps them without ``--extra``."""
     try:
         doc = read_json(root / MANIFEST_NAME)   # too deep is a ValueError here, not a RecursionError
-        return {e["name"]: e["kind"] for e in doc.get("extras") or []
-                if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
+        return {e["name"]: e["kind"] + (f"/{e.get('divisor', 1)}" if e["kind"] == "matrix" else "")
+                for e in doc.get("extras") or [] if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
     except (CacheError, OSError, ValueError, AttributeError, TypeError):
         return {}
 

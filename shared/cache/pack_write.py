@@ -174,10 +174,15 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
 
     Raises:
         ValueError: ``mel_dtype`` is not a cache mel dtype.
+        CacheError: the cache has a matrix extra (a pack does not hold one).
         OSError: the pack cannot be written (permissions, disk full); nothing is left behind.
     """
     if mel_dtype not in MEL_DTYPES:
         raise ValueError(f"mel_dtype must be one of {sorted(MEL_DTYPES)}, got {mel_dtype!r}")
+    matrix = next((c.spec.name for c in manifest.extras if c.spec.kind == "matrix"), None)
+    if matrix is not None:   # its rows are narrower than the batch's: the pack's one-copy row read cannot place them
+        raise CacheError(manifest.cache_dir, f"extra {matrix!r} is a matrix, which a pack does not hold; "
+                                             "producers read its .npy files")
     layout = PackLayout.of(manifest, mel_dtype)
     final = pack_path(manifest.cache_dir, mel_dtype)
     _remove_dead_temps(final)

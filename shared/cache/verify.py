@@ -209,9 +209,9 @@ def _check_extra_file(manifest: Manifest, column: ExtraColumn, i: int, scanner: 
     bad = check_extra_header(spec, header, utt.frames, utt.tokens)
     if bad is None and size != file_bytes:
         bad = f"changed since index: {size} bytes, manifest says {file_bytes}; re-run index"
-    elif bad is None and (header.shape != spec.file_shape(length) or header.data_offset != offset):
+    elif bad is None and (header.shape != spec.file_shape(length, utt.frames) or header.data_offset != offset):
         bad = (f"changed since index: header says shape {header.shape} offset {header.data_offset}, manifest "
-               f"{spec.file_shape(length)} {offset}; re-run index")
+               f"{spec.file_shape(length, utt.frames)} {offset}; re-run index")
     elif bad is None and header.dtype.kind == "f":
         bad = scanner.scan(path, header)
     return VerifyProblem(str(path), f"extra {spec.name!r}: {bad}") if bad else None

@@ -111,7 +111,8 @@ def _index(p: argparse.ArgumentParser) -> None:
                                                "CACHE_DIR/tokens; default: none)")
     a.add_argument("--extra", action="append", metavar="NAME[:KIND]=DIR",
                    help="adopt a folder of <id>.npy extra arrays (linked as CACHE_DIR/extras/NAME); KIND is frame, "
-                        "token, utterance or sequence (default: what the headers show); repeatable")
+                        "token, utterance, sequence or matrix[/R] ([tokens, ceil(frames/R)]; default: what the "
+                        "headers show); repeatable")
 
 
 def _prepare(p: argparse.ArgumentParser) -> None:

@@ -100,7 +100,7 @@ def test_a_run_on_a_badly_declared_cache_exits_78_with_one_line(cache: Path, tmp
     assert proc.returncode == 78, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"melfeed run: {cache / 'manifest.json'}: malformed manifest: extras[0].kind: "
-                    "must be one of ['frame', 'token', 'utterance', 'sequence'], got 'per_frame'")
+                    "must be one of ['frame', 'token', 'utterance', 'sequence', 'matrix'], got 'per_frame'")
 
 
 def test_index_adopts_extra_folders_with_a_declared_or_inferred_kind(cache: Path, tmp_path: Path,
