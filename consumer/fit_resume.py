@@ -121,9 +121,9 @@ def _build(model: Any, element_spec: Any) -> None:
 
 
 def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: Any) -> Any:
-    keras = _keras_of(model)
+    callback: Any = _keras_of(model).callbacks.Callback   # Keras is untyped
 
-    class _Commit(keras.callbacks.Callback):   # type: ignore[misc]  # Keras is untyped
+    class _Commit(callback):
         """Restore at the start, record every trained batch, commit every interval and at the end."""
 
         def __init__(self) -> None:
