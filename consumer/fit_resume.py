@@ -23,6 +23,8 @@ Shutdown: ``close()`` releases the state directory's lock; idempotent; a context
 from __future__ import annotations
 
 import logging
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from melfeed.consumer.resume.state import RunState
@@ -78,16 +80,25 @@ class FitResume:
         self.close()
 
 
+def _keras_of(model: Any) -> ModuleType:
+    """The Keras ``model`` belongs to: ``tf_keras`` (Keras 2, ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``) or
+    ``keras`` (Keras 3). Their callbacks and symbolic inputs do not mix."""
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None and isinstance(model, tf_keras.Model):
+        return tf_keras
+    import keras
+    return keras
+
+
 def _items(model: Any) -> dict[str, object]:
     """What a checkpoint holds: the model's variables and the optimizer's (its step count and slots too), as
     lists in their creation order. Not the Keras objects themselves: restoring a Keras 3 model's object graph
     through ``tf.train.Checkpoint`` can add a second copy of a layer's variable."""
     optimizer = model.optimizer
-    if not optimizer.built:
+    if not getattr(optimizer, "built", getattr(optimizer, "_built", False)):    # tf_keras: only _built
         optimizer.build(model.trainable_variables)
-    slots = optimizer.variables
-    return {"model": [_tf_variable(v) for v in model.weights],
-            "optimizer": [_tf_variable(v) for v in (slots() if callable(slots) else slots)]}
+    from melfeed.consumer.train.model import optimizer_variables   # TensorFlow: not at melfeed's import
+    return {"model": [_tf_variable(v) for v in model.weights], "optimizer": optimizer_variables(optimizer)}
 
 
 def _tf_variable(variable: Any) -> Any:
@@ -98,17 +109,21 @@ def _tf_variable(variable: Any) -> Any:
 
 def _build(model: Any, element_spec: Any) -> None:
     """Create ``model``'s variables by calling it on symbolic inputs shaped like the dataset's features."""
-    import keras
+    keras = _keras_of(model)
     features = element_spec[0] if isinstance(element_spec, tuple) else element_spec
-    symbolic = {name: keras.KerasTensor(spec.shape, spec.dtype.name) for name, spec in features.items()} \
-        if isinstance(features, dict) else keras.KerasTensor(features.shape, features.dtype.name)
-    model(symbolic)
+
+    def symbolic(spec: Any) -> Any:
+        if keras.__name__ == "keras":
+            return keras.KerasTensor(spec.shape, spec.dtype.name)
+        return keras.Input(batch_shape=spec.shape, dtype=spec.dtype)    # tf_keras has no KerasTensor(shape, dtype)
+    model({name: symbolic(spec) for name, spec in features.items()} if isinstance(features, dict)
+          else symbolic(features))
 
 
 def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: Any) -> Any:
-    import keras
+    callback: Any = _keras_of(model).callbacks.Callback   # Keras is untyped
 
-    class _Commit(keras.callbacks.Callback):   # type: ignore[misc]  # Keras is untyped
+    class _Commit(callback):
         """Restore at the start, record every trained batch, commit every interval and at the end."""
 
         def __init__(self) -> None:

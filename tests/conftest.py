@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import yaml
 
@@ -61,6 +63,35 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "cache"
     write_demo_cache(path, n_utterances=200)
     return path
+
+
+def token_durations(frames: int, tokens: int) -> npt.NDArray[np.int32]:
+    """int32 [tokens], summing to ``frames``: how many frames each token shows for, as the demo data draws them
+    (frame t shows token ``t * tokens // frames``, shared/cache/demo_data.py)."""
+    starts = -(-np.arange(tokens + 1) * frames // tokens)      # first frame of each token: ceil(i * T / L)
+    return np.diff(starts).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def durations_cache(demo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo cache's files (hard links) with two extras adopted by ``melfeed index --extra``, as a user adopts
+    them: ``durations`` (token, int32, per ``token_durations``: a FastSpeech-style aligner's output) and
+    ``energy`` (frame, float32: the mean log-mel of each frame, as ``--demo`` writes it)."""
+    from melfeed.shared.cache.manifest import load_manifest
+    base = tmp_path_factory.mktemp("durations")
+    root = base / "cache"
+    def link_npy(src: str, dst: str) -> None:     # the manifest is copied: index rewrites it
+        os.link(src, dst) if src.endswith(".npy") else shutil.copy2(src, dst)
+    shutil.copytree(demo_cache, root, ignore=shutil.ignore_patterns("*.pack", "demo.json"), copy_function=link_npy)
+    for name in ("durations", "energy"):
+        (base / name).mkdir()
+    for u in load_manifest(root, 80).utterances:
+        np.save(base / "durations" / f"{u.id}.npy", token_durations(u.frames, u.tokens))
+        np.save(base / "energy" / f"{u.id}.npy", np.load(root / "mels" / f"{u.id}.npy").mean(axis=1))
+    subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(root), "--extra",
+                    f"durations:token={base / 'durations'}", "--extra", f"energy:frame={base / 'energy'}"],
+                   check=True, cwd=REPO, capture_output=True, timeout=120)
+    return root
 
 
 @pytest.fixture(params=["shm", "zmq"])

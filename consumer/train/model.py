@@ -48,7 +48,7 @@ from melfeed.shared.wire.schema import ExtraSpec
 if TYPE_CHECKING:
     from melfeed.shared.config import PipelineConfig
 
-__all__ = ["StepSpec", "TrainStep", "build_reference_step", "global_sum"]
+__all__ = ["StepSpec", "TrainStep", "build_reference_step", "global_sum", "optimizer_variables"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,27 @@ def global_sum(value: tf.Tensor) -> tf.Tensor:
     if context is None or context.num_replicas_in_sync == 1:
         return value
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
+    """Every variable of a Keras 3 or tf_keras (Keras 2) optimizer, once each, as ``tf.Variable`` s.
+
+    For a step's ``variables()``: Keras 3 lists them in ``optimizer.variables`` (the iteration count and the
+    learning rate included); tf_keras in ``optimizer.variables()`` (a method; a list that can also be called
+    in tf_keras 2.11+), which leaves out the ``current_learning_rate`` a learning-rate schedule assigns on
+    every step: ``optimizer.learning_rate`` is that variable then. ``optimizer.iterations`` is added in case.
+    """
+    listed = optimizer.variables
+    found = [*(listed() if callable(listed) else listed), optimizer.iterations]
+    rate = getattr(optimizer, "learning_rate", None)
+    if isinstance(rate, tf.Variable):      # tf_keras; Keras 3's is a keras.Variable, listed already
+        found.append(rate)
+    out: dict[int, tf.Variable] = {}
+    for variable in found:
+        inner = getattr(variable, "value", None)       # keras.Variable -> its tf.Variable; a tf.Variable's is a method
+        tv = inner if inner is not None and not callable(inner) else variable
+        out.setdefault(id(tv), tv)
+    return list(out.values())
 
 
 class TrainStep(Protocol):
@@ -279,7 +300,7 @@ class _ReferenceStep:
 
     def variables(self) -> list[tf.Variable]:
         out: dict[int, tf.Variable] = {}
-        for v in [*self.model.variables, *self.optimizer.variables]:
+        for v in [*self.model.variables, *optimizer_variables(self.optimizer)]:
             tv = v.value if isinstance(v, keras.Variable) else v
             if not isinstance(tv, tf.Variable):
                 raise TypeError(f"variable {v.path} is not backed by a tf.Variable")

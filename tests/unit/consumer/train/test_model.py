@@ -137,3 +137,20 @@ def test_mixed_precision_builds_and_runs_a_compiled_step() -> None:
 def test_step_spec_rejects_impossible_sizes() -> None:
     with pytest.raises(ValueError):
         StepSpec(n_mels=0, vocab_size=VOCAB, learning_rate=1e-3, mixed_precision=False, seed=0)
+
+
+def test_optimizer_variables_cover_keras3_and_tf_keras_with_a_schedule() -> None:
+    from melfeed.consumer.train.model import optimizer_variables
+    tf_keras = pytest.importorskip("tf_keras")   # the test extra installs it; importing it leaves tf.keras alone
+    for ks in (keras, tf_keras):
+        layer = ks.layers.Dense(2)
+        layer.build((None, 3))
+        opt = ks.optimizers.Adam(ks.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5))
+        opt.build(layer.trainable_variables)
+        found = optimizer_variables(opt)
+        assert all(isinstance(v, tf.Variable) for v in found) and len({id(v) for v in found}) == len(found)
+        names = [v.name.split(":")[0].rsplit("/", 1)[-1] for v in found]
+        assert names.count("iteration") + names.count("iterations") == 1, names
+        assert len(found) >= 5, names                         # iterations + m and v of the kernel and the bias
+        if ks is tf_keras:                                    # assigned on every step, outside optimizer.variables()
+            assert "current_learning_rate" in names and len(opt.variables()) == len(found) - 1, names
