@@ -379,11 +379,11 @@ class PipelineConfig:
                               ("consumer", "control_endpoint"): control},
                              (("consumer", "metrics_port"), self.consumer.metrics_host, self.consumer.metrics_port))
         n, batch = self.consumer.replica_count, self.buckets.batch_size
-        for rows, key in ((batch if isinstance(batch, int) else None, "batch_size"),
-                          *((r, "rows") for r in self.buckets.rows or ())):
+        checked: list[tuple[int | None, str]] = [(batch if isinstance(batch, int) else None, "batch_size")]
+        for rows, name in checked + [(r, "rows") for r in self.buckets.rows or ()]:
             _check(rows is None or rows % n == 0, f"must divide by the {n} model replicas (consumer.replicas, "
                    "consumer.model_gpu): each replica takes an equal share of every batch's rows",
-                   ("buckets", key), rows)
+                   ("buckets", name), rows)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:
