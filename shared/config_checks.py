@@ -85,8 +85,9 @@ def check_rows_settings(batch_size: object, rows: tuple[int, ...] | None, max_ba
     """``buckets.batch_size`` (rows >= 1, or "auto"), ``buckets.rows`` (one count >= 1 per bucket) and
     ``buckets.max_batch_size`` (>= 1); all travel as int32."""
     p = ("buckets",)
-    require(batch_size is None or batch_size == "auto" or (type(batch_size) is int and batch_size >= 1),
-            "must be >= 1 or auto", p + ("batch_size",), batch_size)
+    require(batch_size is None or batch_size == "auto" or type(batch_size) is int, "must be an integer or auto",
+            p + ("batch_size",), batch_size)
+    require(type(batch_size) is not int or batch_size >= 1, "must be >= 1", p + ("batch_size",), batch_size)
     require(type(max_batch_size) is int and max_batch_size >= 1, "must be >= 1", p + ("max_batch_size",), max_batch_size)
     require(rows is None or (len(rows) >= 1 and all(type(r) is int and r >= 1 for r in rows)),
             "must be a list of row counts >= 1, one per bucket, or null", p + ("rows",), rows)

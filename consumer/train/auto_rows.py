@@ -125,22 +125,22 @@ def _searched(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, on_gpu
 
 def search_rows(trial: Any, bucket_set: BucketSet, cap_rows: int, unit: int, limit_bytes: int | None
                 ) -> list[RowsChoice]:
-    """Each bucket's choice, longest bucket first (by memory, a longer bucket never fits more rows, so its choice
-    caps the next one's search); ``trial(bucket, rows) -> Trial``.
+    """Each bucket's choice, longest bucket first (by memory, a shorter bucket fits at least the rows of a longer
+    one, so the next search starts above that choice); ``trial(bucket, rows) -> Trial``.
 
     Raises:
         ConfigError: a bucket fits not even ``unit`` rows.
     """
     out: dict[int, RowsChoice] = {}
-    cap = cap_rows
+    fits = 0
     for bucket in sorted(bucket_set.buckets, key=lambda b: -b.max_frames):
         def one(rows: int, b: Any = bucket) -> Trial:
             return trial(b, rows)   # type: ignore[no-any-return]
         if limit_bytes is None:
             choice = fastest_rows(one, cap_rows, unit)
         else:
-            choice = largest_fitting_rows(one, cap, limit_bytes, unit)
-            cap = max(unit, choice.rows)
+            choice = largest_fitting_rows(one, cap_rows, limit_bytes, unit, known_fit=fits)
+            fits = choice.rows
         if choice.rows == 0:
             raise ConfigError(f"auto: bucket {bucket.index} (T={bucket.max_frames} frames) does not fit the device's "
                               f"memory even at {unit} rows", path=("buckets", "batch_size"), got="auto")

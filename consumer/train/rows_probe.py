@@ -2,8 +2,9 @@
 
 Role: ``StepTrials`` builds the step once from its factory (``model.step``; the spec's bucket shapes at
 ``buckets.max_batch_size`` rows, the most any trial uses) and, for each trial, compiles a program of one bucket's
-shape at the trial's rows (``CompiledStep``: XLA or graph mode as ``model.jit_compile``; "auto" tries XLA and keeps
-what compiled, without timing the two), runs it on a batch of the bucket's own longest samples (``sample_batch``)
+shape at the trial's rows (``CompiledStep``; on a GPU XLA or graph mode as ``model.jit_compile``, "auto" trying XLA
+and keeping what compiled, untimed; on the CPU graph mode, whose compile costs seconds where XLA's costs up to a
+minute per trial, unless the step fails there), runs it on a batch of the bucket's own longest samples (``sample_batch``)
 and times ``_TIMED_STEPS`` more steps (median; host read after each), or on a GPU reads the step's peak memory
 (``tf.config.experimental.get_memory_info``, reset before the trial). An out-of-memory error is a trial that does
 not fit. The search rules are in consumer/train/rows_search.py.
@@ -18,6 +19,8 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from melfeed.consumer.train.preflight import is_out_of_memory
@@ -32,6 +35,18 @@ __all__ = ["StepTrials"]
 log = logging.getLogger(__name__)
 
 _TIMED_STEPS = 3   # per trial after the compiling one; the median ignores one outlier (a GC pause)
+
+
+@contextmanager
+def _quiet_compiles() -> Iterator[None]:
+    """The step's "compiled" INFO line describes the run's programs: a trial's would be one more per trial."""
+    step_log = logging.getLogger("melfeed.consumer.train.step")
+    level = step_log.level
+    step_log.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        step_log.setLevel(level)
 
 
 class StepTrials:
@@ -56,10 +71,25 @@ class StepTrials:
             self._step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, None, manifest.schema.extras))
         setting = cfg.model.jit_compile
         self._jit: str | bool = setting if jit_mode is None or setting != "auto" else jit_mode == "xla"
+        self._configured = self._jit
+        if not on_gpu:      # an XLA compile per trial costs 15-60 s on a small CPU: graph mode, unless it fails
+            self._jit = False
         self.trials_run = 0
 
     def __call__(self, bucket: Bucket, rows: int) -> Trial:
-        """One trial: ``bucket``'s shape at ``rows`` rows."""
+        """One trial: ``bucket``'s shape at ``rows`` rows (on the CPU in graph mode, or as configured if that fails)."""
+        from melfeed.shared.errors import StepError
+        with _quiet_compiles():
+            try:
+                return self._trial(bucket, rows)
+            except StepError:
+                if self._jit is not False or self.on_gpu or self._configured is False:
+                    raise
+                log.info("auto rows: the step fails in graph mode; trials compile as model.jit_compile says")
+                self._jit = self._configured
+                return self._trial(bucket, rows)
+
+    def _trial(self, bucket: Bucket, rows: int) -> Trial:
         import tensorflow as tf
 
         from melfeed.consumer.train.step import CompiledStep
@@ -76,7 +106,7 @@ class StepTrials:
             self._jit = compiled.mode == "xla"      # the next trials compile in the mode this one settled
             if self.on_gpu:
                 peak = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
-                log.debug("auto rows: bucket %d rows=%d peak=%d bytes", bucket.index, rows, peak)
+                log.debug("auto rows: bucket %d rows=%d peak_mb=%.0f", bucket.index, rows, peak / 2**20)
                 return Trial(rows, True, peak_bytes=peak)
             step_s = self._time(compiled, batch.arrays)
         except Exception as err:
@@ -84,7 +114,7 @@ class StepTrials:
                 log.info("auto rows: bucket %d does not fit at %d rows (out of memory)", bucket.index, rows)
                 return Trial(rows, False)
             raise
-        log.debug("auto rows: bucket %d rows=%d step_s=%.4f", bucket.index, rows, step_s)
+        log.debug("auto rows: bucket %d rows=%d step_ms=%.1f", bucket.index, rows, 1000 * step_s)
         return Trial(rows, True, step_s=step_s)
 
     def _time(self, compiled: Any, arrays: dict[str, Any]) -> float:

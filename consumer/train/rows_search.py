@@ -51,12 +51,13 @@ class RowsChoice:
         return max((t.rows for t in self.trials if t.fits), default=0)
 
 
-def candidate_rows(cap_rows: int, unit: int = 1) -> list[int]:
-    """unit, 2 unit, 4 unit, ... below ``cap_rows``, then the cap itself rounded down to ``unit`` (at least ``unit``)."""
+def candidate_rows(cap_rows: int, unit: int = 1, start: int | None = None) -> list[int]:
+    """``start`` (default ``unit``), twice that, four times, ... below ``cap_rows``, then the cap itself rounded down
+    to ``unit`` (at least ``unit``); ``start`` is a multiple of ``unit``."""
     if unit < 1 or cap_rows < 1:
         raise ValueError("cap_rows and unit must be >= 1")
     cap = max(unit, cap_rows // unit * unit)
-    out, rows = [], unit
+    out, rows = [], start or unit
     while rows < cap:
         out.append(rows)
         rows *= 2
@@ -91,8 +92,12 @@ def fastest_rows(trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, sh
 
 
 def largest_fitting_rows(trial: Callable[[int], Trial], cap_rows: int, limit_bytes: int, unit: int = 1,
-                         tolerance: float = 0.05) -> RowsChoice:
-    """The most rows (a multiple of ``unit``, at most the cap) whose trial fits with a peak under ``limit_bytes``."""
+                         tolerance: float = 0.05, known_fit: int = 0) -> RowsChoice:
+    """The most rows (a multiple of ``unit``, at most the cap) whose trial fits with a peak under ``limit_bytes``.
+
+    ``known_fit``: rows known to fit without a trial (a longer bucket's choice: a shorter one needs less memory
+    per row); doubling starts above it.
+    """
     trials: list[Trial] = []
 
     def fits(rows: int) -> bool:
@@ -100,8 +105,9 @@ def largest_fitting_rows(trial: Callable[[int], Trial], cap_rows: int, limit_byt
         trials.append(t)
         return t.fits and (t.peak_bytes is None or t.peak_bytes <= limit_bytes)
 
-    low, high = 0, None          # the largest rows seen to fit, the smallest seen not to (None: none yet)
-    for rows in candidate_rows(cap_rows, unit):
+    low, high = known_fit, None   # the largest rows seen to fit, the smallest seen not to (None: none yet)
+    sizes = candidate_rows(cap_rows, unit, start=2 * known_fit) if known_fit else candidate_rows(cap_rows, unit)
+    for rows in (r for r in sizes if r > known_fit):
         if not fits(rows):
             high = rows
             break

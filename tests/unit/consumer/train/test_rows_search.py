@@ -44,3 +44,14 @@ def test_largest_fitting_rows_bisects_to_within_5_percent_under_the_memory_limit
     assert 600 / 10 / 1.05 <= capped.rows <= 60
     assert largest_fitting_rows(lambda rows: Trial(rows, False), 256, 10**12).rows == 0
     assert largest_fitting_rows(trial, 64, 10**12).rows == 64          # the cap fits: no bisection
+
+
+def test_largest_fitting_rows_starts_above_rows_known_to_fit() -> None:
+    tried: list[int] = []
+
+    def trial(rows: int) -> Trial:
+        tried.append(rows)
+        return Trial(rows, rows <= 100, peak_bytes=rows)
+    choice = largest_fitting_rows(trial, 256, limit_bytes=10**9, known_fit=40)
+    assert tried[:2] == [80, 160] and 100 / 1.05 <= choice.rows <= 100
+    assert largest_fitting_rows(lambda rows: Trial(rows, False), 256, 10**9, known_fit=40).rows == 40
