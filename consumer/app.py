@@ -64,7 +64,8 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     try:
         job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
         with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
-            cfg, configured = _with_rows(cfg, state, job)
+            with notifier.extending_start_timeout():     # a search of the rows can outlast TimeoutStartSec
+                cfg, configured = _with_rows(cfg, state, job)
             with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                           world=place.world) as consumer, \
                     _telemetry(cfg, consumer, started_s, state) as telemetry:

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
 _RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one consumer, the whole plan
-_BUCKET_KEYS_ADDED = {"partial": "pad"}  # buckets keys newer than some run.json files: what those runs used
+_BUCKET_KEYS_ADDED = {"partial": "pad", "max_batch_size": 256, "rows": None}  # keys newer than some run.json: what those runs used
 
 
 class RunState:

@@ -6,7 +6,8 @@ directory's ``batch_sizes.json`` when it holds an entry for this identity (the s
 fingerprint and the device kind; ``rows_identity``), else from a search (consumer/train/rows_search.py, trials in
 consumer/train/rows_probe.py): on a GPU the most rows whose peak memory stays under
 ``consumer.gpu_memory_fraction`` of the device, elsewhere the fewest rows that reach 95 % of the bucket's best
-throughput; then the entry is written. Without a state directory every start searches. The producers this
+throughput; then the entry is written. A resumed run (a checkpoint to resume from) keeps the rows its plan was
+built with (``plan_rows``), on any device. Without a state directory every start searches. The producers this
 consumer starts get the resolved config (``buckets.rows``), so their bucket set and the handshake's match; a
 producer started on its own needs ``buckets.rows`` in its config (consumer/README.md "Rows per bucket: auto").
 In a multi-worker job every rank resolves its rows, then the ranks take each bucket's smallest (``Job.agree_rows``).
@@ -42,7 +43,7 @@ __all__ = ["CACHE_NAME", "resolve_rows", "rows_identity", "search_rows"]
 
 log = logging.getLogger(__name__)
 
-CACHE_NAME = "batch_sizes.json"   # in the state directory: {"entries": {identity: {"rows": [...], ...}}}
+CACHE_NAME = "batch_sizes.json"   # in the state directory: {"plan_rows": [...], "entries": {identity: {"rows": ...}}}
 
 
 def rows_identity(cfg: PipelineConfig, fingerprint: str, device_kind: str) -> str:
@@ -78,31 +79,39 @@ def resolve_rows(cfg: PipelineConfig, manifest: Manifest, state: RunState | None
     if cfg.buckets.batch_size != "auto" or cfg.buckets.rows is not None:
         return cfg
     shapes = _shape_set(cfg, manifest)
-    try:
-        rows = _measured_or_cached(cfg, manifest, shapes, state)
-    except PipelineError:
-        if job is not None:          # the other ranks stop with this one instead of waiting for it
-            with suppress(PipelineError):
-                job.agree_rows(None, len(shapes.buckets))
-        raise
+    n = len(shapes.buckets)
+    path = state.root / CACHE_NAME if state is not None else None
+    entry: tuple[str, dict[str, Any]] | None = None
+    rows = _valid_rows(_read(path).get("plan_rows"), n) if path is not None and state and state.next_batch else None
+    if rows is not None:    # a resumed plan keeps its rows, whatever device it resumes on
+        log.info("buckets.batch_size auto: rows by bucket %s from %s (the plan's, resuming at batch %d; no search)",
+                 rows, path, state.next_batch if state else 0)
+    else:
+        try:
+            rows, entry = _measured_or_cached(cfg, manifest, shapes, path, state)
+        except PipelineError:
+            if job is not None:          # the other ranks stop with this one instead of waiting for it
+                with suppress(PipelineError):
+                    job.agree_rows(None, n)
+            raise
     if job is not None:
-        rows = job.agree_rows(rows, len(shapes.buckets))
+        rows = job.agree_rows(rows, n)
+    if path is not None:
+        _store(path, plan_rows=rows, entry=entry)
     return with_overrides(cfg, {"buckets.rows": rows})
 
 
-def _measured_or_cached(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, state: RunState | None
-                        ) -> list[int]:
+def _measured_or_cached(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, path: Path | None,
+                        state: RunState | None) -> tuple[list[int], tuple[str, dict[str, Any]] | None]:
+    """This identity's rows from the file, or searched (then also the entry to store)."""
     kind, on_gpu = device_kind()
     identity = rows_identity(cfg, manifest.fingerprint, kind)
-    path = state.root / CACHE_NAME if state is not None else None
     rows = _cached(path, identity, len(shapes.buckets))
     if rows is not None:
         log.info("buckets.batch_size auto: rows by bucket %s from %s (measured earlier on %s; no search)", rows, path, kind)
-        return rows
+        return rows, None
     rows = _searched(cfg, manifest, shapes, on_gpu, kind, state)
-    if path is not None:
-        _store(path, identity, rows, kind, manifest.fingerprint)
-    return rows
+    return rows, (identity, {"rows": rows, "device": kind, "fingerprint": manifest.fingerprint})
 
 
 def _searched(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, on_gpu: bool, kind: str,
@@ -173,32 +182,43 @@ def _memory_limit_bytes(cfg: PipelineConfig) -> int | None:
     return int(c.gpu_memory_fraction * total)
 
 
-def _cached(path: Path | None, identity: str, n_buckets: int) -> list[int] | None:
-    if path is None:
-        return None
-    try:
-        entry = json.loads(path.read_text(encoding="utf-8"))["entries"][identity]
-        rows = [int(r) for r in entry["rows"]]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as err:   # another identity, or damaged: search again
-        log.debug("no auto rows for this identity in %s (%s)", path, type(err).__name__)
-        return None
-    return rows if len(rows) == n_buckets and all(r >= 1 for r in rows) else None
-
-
-def _store(path: Path, identity: str, rows: list[int], kind: str, fingerprint: str) -> None:
-    """Add this identity's entry (atomically: temp file, rename; 0640 like the state directory's other files)."""
-    from melfeed.consumer.resume.filemode import write_private
+def _read(path: Path) -> dict[str, Any]:
+    """The cache file's content ({} when absent or damaged: the rows are searched again)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        entries = data["entries"] if isinstance(data, dict) and isinstance(data.get("entries"), dict) else {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[identity] = {"rows": rows, "device": kind, "fingerprint": fingerprint}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("ignoring %s (%s): the rows are searched again", path, err)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _valid_rows(value: object, n_buckets: int) -> list[int] | None:
+    if isinstance(value, list) and len(value) == n_buckets and all(type(r) is int and r >= 1 for r in value):
+        return list(value)
+    return None
+
+
+def _cached(path: Path | None, identity: str, n_buckets: int) -> list[int] | None:
+    entries = _read(path).get("entries") if path is not None else None
+    entry = entries.get(identity) if isinstance(entries, dict) else None
+    return _valid_rows(entry.get("rows"), n_buckets) if isinstance(entry, dict) else None
+
+
+def _store(path: Path, *, plan_rows: list[int], entry: tuple[str, dict[str, Any]] | None = None) -> None:
+    """Record the rows the plan is built with (and a measured ``entry``: identity, content), atomically: temp file,
+    rename; 0640 like the state directory's other files."""
+    from melfeed.consumer.resume.filemode import write_private
+    data = _read(path)
+    found = data.get("entries")
+    entries: dict[str, Any] = found if isinstance(found, dict) else {}
+    if entry is not None:
+        entries[entry[0]] = entry[1]
     tmp = path.with_suffix(".tmp")
     try:
-        write_private(tmp, (json.dumps({"entries": entries}, indent=1, sort_keys=True) + "\n").encode())
+        text = json.dumps({"plan_rows": plan_rows, "entries": entries}, indent=1, sort_keys=True) + "\n"
+        write_private(tmp, text.encode())
         os.replace(tmp, path)
     except OSError as err:   # not fatal: the next start searches again
         log.warning("cannot write %s: %s; a restart searches the rows again", path, err.strerror)

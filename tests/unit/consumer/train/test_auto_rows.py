@@ -34,7 +34,7 @@ def test_auto_rows_are_searched_once_then_read_from_the_state_directory(
         demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _cfg(demo_cache)
     manifest = load_manifest_for(cfg, feeds_model=False)
-    state: Any = SimpleNamespace(root=tmp_path)
+    state: Any = SimpleNamespace(root=tmp_path, next_batch=0)
     with caplog.at_level(logging.INFO, logger="melfeed.consumer.train.auto_rows"):
         resolved = resolve_rows(cfg, manifest, state)
     rows = resolved.buckets.rows
@@ -53,6 +53,9 @@ def test_auto_rows_are_searched_once_then_read_from_the_state_directory(
     assert "no search" in caplog.text
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, learning_rate=0.5))   # another identity
     assert auto_rows.rows_identity(other, manifest.fingerprint, "x") != auto_rows.rows_identity(cfg, manifest.fingerprint, "x")
+    resumed: Any = SimpleNamespace(root=tmp_path, next_batch=5)       # a checkpoint to resume: the plan keeps its rows
+    assert resolve_rows(other, manifest, resumed).buckets.rows == rows
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["plan_rows"] == list(rows)
 
 
 def test_auto_rows_stop_below_the_rows_that_run_out_of_memory(demo_cache: Path) -> None:
