@@ -3,7 +3,8 @@
 Role: a trial runs the compiled step at some rows and reports its median seconds per step, its peak device memory
 (GPU) or that it did not fit (out of memory); the rules here decide which rows to try next and which to keep.
 ``fastest_rows`` (any device): rows 1, 2, 4, ... up to the cap, stopping once throughput (rows per second; the
-bucket's frames per row are fixed) has fallen below the best for ``_PATIENCE`` sizes in a row; the choice is the
+bucket's frames per row are fixed) has fallen below the best for ``_PATIENCE`` sizes in a row, or once a step takes
+``_LONG_STEP_S`` (its fixed cost per step is amortised: the bound on the search's cost); the choice is the
 smallest tried rows that reach ``share`` (0.95) of the best throughput. ``largest_fitting_rows`` (a GPU): double
 while the peak stays under the limit, then bisect between the last fit and the first miss until they are within
 ``tolerance`` (5 %) of each other; the choice is the largest that fit. Every rows count is a multiple of ``unit``
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 __all__ = ["RowsChoice", "Trial", "candidate_rows", "fastest_rows", "largest_fitting_rows", "pick_fastest"]
 
 _PATIENCE = 2   # sizes in a row below the best throughput before doubling stops (one slow trial is noise)
+# A step this long has amortised its fixed cost per step (dispatch, host sync: milliseconds) to well under 1 %, so
+# doubling again buys almost nothing and costs the longest trials of the search: doubling stops there.
+_LONG_STEP_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +76,17 @@ def pick_fastest(trials: list[Trial], share: float = 0.95) -> int:
     return min(t.rows for t in trials if t.rows_per_s >= share * best)
 
 
-def fastest_rows(trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, share: float = 0.95) -> RowsChoice:
-    """Double the rows while throughput still grows (or a miss after the best has not yet repeated ``_PATIENCE``
-    times); stop at the cap or the first trial that does not fit; keep ``pick_fastest``."""
+def fastest_rows(trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, share: float = 0.95,
+                 long_step_s: float = _LONG_STEP_S) -> RowsChoice:
+    """Double the rows while throughput still grows (or has fallen behind the best fewer than ``_PATIENCE`` times);
+    stop at the cap, at the first trial that does not fit, or after a step of ``long_step_s`` or more; keep
+    ``pick_fastest``."""
     trials: list[Trial] = []
     best, behind = 0.0, 0
     for rows in candidate_rows(cap_rows, unit):
         t = trial(rows)
         trials.append(t)
-        if not t.fits:
+        if not t.fits or (t.step_s or 0.0) >= long_step_s:
             break
         if t.rows_per_s > best:
             best, behind = t.rows_per_s, 0

@@ -55,3 +55,9 @@ def test_largest_fitting_rows_starts_above_rows_known_to_fit() -> None:
     choice = largest_fitting_rows(trial, 256, limit_bytes=10**9, known_fit=40)
     assert tried[:2] == [80, 160] and 100 / 1.05 <= choice.rows <= 100
     assert largest_fitting_rows(lambda rows: Trial(rows, False), 256, 10**9, known_fit=40).rows == 40
+
+
+def test_fastest_rows_stops_doubling_after_a_step_of_a_second() -> None:
+    choice = fastest_rows(lambda rows: Trial(rows, True, step_s=0.05 + rows / 20), 256)   # still growing
+    assert [t.rows for t in choice.trials] == [1, 2, 4, 8, 16, 32]          # 32 rows: 1.65 s per step
+    assert choice.rows == 16
