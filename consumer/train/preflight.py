@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.buckets import BucketSet
 
-__all__ = ["BucketOutOfMemory", "is_out_of_memory", "out_of_memory_is_config"]
+__all__ = ["BucketOutOfMemory", "is_out_of_memory", "oom_line", "out_of_memory_is_config"]
 
 
 class BucketOutOfMemory(Exception):
@@ -63,6 +63,6 @@ def oom_line(bucket_set: BucketSet, bucket: int | None, largest_fitting: Sequenc
                            "the rows, or set buckets.batch_size: auto", path=key)
     b = bucket_set.buckets[bucket]
     known = (f"; the largest that fits is {largest_fitting[bucket]} rows" if largest_fitting is not None
-             else "; the largest that fits is not known (buckets.batch_size: auto measures it)")
+             else "; the largest that fits is not known: lower the rows, or let buckets.batch_size: auto measure them")
     return ConfigError(f"bucket {bucket} (T={b.max_frames} frames, L={b.max_tokens} tokens) does not fit the device's "
                        f"memory at {b.batch_size} rows (out of memory at warm-up){known}", path=key, got=b.batch_size)
