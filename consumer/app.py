@@ -65,14 +65,16 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     notifier = Notifier()
     try:
         job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
-        with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
-                Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
-                         world=place.world) as consumer, \
-                _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
-            if job is None:
-                configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
-            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  notifier=notifier, telemetry=telemetry, job=job, board=board)
+        with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
+            with notifier.extending_start_timeout():     # a search of the rows can outlast TimeoutStartSec
+                cfg, configured = _with_rows(cfg, state, job)
+            with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
+                          world=place.world) as consumer, \
+                    _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
+                if job is None and not configured:
+                    configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
+                train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
+                      notifier=notifier, telemetry=telemetry, job=job, board=board)
     except PipelineError as err:
         notifier.notify(STATUS=f"failed: {err}")
         raise
@@ -231,24 +233,37 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     raise_fd_limit(cfg.transport.max_connections)
     apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
     job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
-    with stop_on_signals() as stop, _opened_state(cfg, place, job) as state, \
-            Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
-                     world=place.world) as consumer, \
-            _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
-        child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
-                                         "cache_dir": str(Path(cfg.cache_dir).resolve())})
-        group = start_producers(child_cfg, args.debug_delay_ms)
-        if job is None:
-            configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap
-        watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
-        watcher.start()
-        try:
-            train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                  telemetry=telemetry, job=job, board=board)
-        finally:
-            await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
-            stop_producers(group)
+    with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
+        cfg, configured = _with_rows(cfg, state, job)      # auto: the producers below get the rows (buckets.rows)
+        with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
+                      world=place.world) as consumer, \
+                _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
+            child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
+                                             "cache_dir": str(Path(cfg.cache_dir).resolve())})   # type: ignore[arg-type]
+            group = start_producers(child_cfg, args.debug_delay_ms)
+            if job is None and not configured:
+                configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap
+            watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
+            watcher.start()
+            try:
+                train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
+                      telemetry=telemetry, job=job, board=board)
+            finally:
+                await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
+                stop_producers(group)
     return run_exit_code(group.proc.returncode)
+
+
+def _with_rows(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> tuple[PipelineConfig, bool]:
+    """``cfg`` with each bucket's rows when ``buckets.batch_size`` is auto (consumer/train/auto_rows.py), and whether
+    device memory was configured for it (the search runs the step: after ``configure_memory``, before the consumer)."""
+    if cfg.buckets.batch_size != "auto" or cfg.buckets.rows is not None:
+        return cfg, False
+    from melfeed.consumer.train.auto_rows import resolve_rows
+    from melfeed.shared.cache.features import load_manifest_for
+    if job is None:
+        configure_memory(cfg)
+    return resolve_rows(cfg, load_manifest_for(cfg, feeds_model=False), state, job), job is None
 
 
 def run_exit_code(group_code: int | None) -> int:

@@ -16,6 +16,7 @@ Invariant: nothing here imports TensorFlow (the namespace must be known before i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -200,7 +201,10 @@ def _bucket_shapes(cfg: PipelineConfig) -> list[Any]:
     from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.wire.buckets import build_buckets
     manifest = load_manifest_for(cfg, feeds_model=False)
-    buckets = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
+    settings = cfg.buckets
+    if settings.batch_size == "auto" and settings.rows is None:   # measured after TensorFlow starts: keyed by 1 row
+        settings = dataclasses.replace(settings, batch_size=1)
+    buckets = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, settings, manifest.schema,
                             mel_dtype=cfg.transport.mel_dtype)
     return [sorted(b.shapes().items()) for b in buckets.buckets]
 

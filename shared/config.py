@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from melfeed.shared.config_checks import (check_distinct_binds, check_endpoint, check_int32, check_not_abstract, check_number,
-                                  check_seed, plain_params)
+                                  check_rows_settings, check_seed, plain_params)
 from melfeed.shared.config_checks import require as _check
 from melfeed.shared.config_features import FeatureConfig
 from melfeed.shared.gpu_select import check_gpu_list
@@ -43,6 +43,9 @@ def _is_loopback_tcp(endpoint: str) -> bool:
     return endpoint.startswith("tcp://") and host in ("127.0.0.1", "localhost", "[::1]")
 
 
+RowsSetting = Literal["auto"] | int   # BucketConfig.batch_size; the loader passes it through unchanged
+
+
 @dataclass(frozen=True, slots=True)
 class BucketConfig:
     """How utterances are grouped into a few fixed batch shapes."""
@@ -55,12 +58,16 @@ class BucketConfig:
     attention_cost: float = 0.0              # > 0 favours shapes of small T x L (attention-heavy models)
     max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
     min_frames_per_token: float | None = None  # None = no limit
-    batch_size: int | None = 32              # rows per batch in every bucket; None = use frame_budget
+    # rows per batch in every bucket; None = use frame_budget; "auto" = the built-in consumer measures each
+    # bucket's rows on its compiled step at start (consumer/README.md "Rows per bucket: auto")
+    batch_size: RowsSetting | None = 32
     frame_budget: int | None = None          # rows = frame_budget // bucket frames (constant tokens/step)
     max_frames: int | None = None            # longest frames kept; None = longest utterance (rounded up)
     max_tokens: int | None = None            # longest token sequence kept; None = longest in the bucket
     overlong: str = "truncate"               # "truncate" or "drop" utterances longer than max_frames
     frame_multiple: int = 8                  # bucket frame sizes are multiples of this (XLA-friendly)
+    max_batch_size: int = 256                # "auto": most rows tried per bucket
+    rows: tuple[int, ...] | None = None      # rows of each bucket (index order), over batch_size; "auto" sets it
     # A bucket's last batch of an epoch: "pad" = run it with mel_len 0 padding rows (the step gets
     # rows / row_mask), "drop" = leave it out of the plan (its samples skip that epoch; counted).
     partial: str = "pad"
@@ -78,8 +85,7 @@ class BucketConfig:
         _check(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
         _check((self.batch_size is None) != (self.frame_budget is None),
                "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
-        if self.batch_size is not None:
-            _check(self.batch_size >= 1, "must be >= 1", p + ("batch_size",), self.batch_size)
+        check_rows_settings(self.batch_size, self.rows, self.max_batch_size)
         if self.frame_budget is not None:
             _check(self.frame_budget >= 1, "must be >= 1", p + ("frame_budget",), self.frame_budget)
         if self.boundaries is not None:
@@ -93,7 +99,7 @@ class BucketConfig:
             v = getattr(self, name)
             if v is not None:
                 _check(v >= 1, "must be >= 1", p + (name,), v)
-        for name in ("batch_size", "frame_budget", "max_frames", "max_tokens"):
+        for name in ("frame_budget", "max_frames", "max_tokens"):
             check_int32(getattr(self, name), p + (name,))
         _check(self.overlong in ("truncate", "drop"), "must be 'truncate' or 'drop'",
                p + ("overlong",), self.overlong)
@@ -206,6 +212,7 @@ class ConsumerConfig:
     model_gpu: str | None = None           # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied
                                            # before TensorFlow is imported); None = inherit
     gpu_memory_limit_mb: int | None = None # cap on each visible GPU; None = memory growth
+    gpu_memory_fraction: float = 0.9       # buckets.batch_size auto on a GPU: the step's peak stays below this share
     replicas: int | None = None            # model replicas (tf.distribute.MirroredStrategy): the first N visible
                                            # GPUs, or N logical CPU devices without a GPU; None = one per GPU
                                            # listed in model_gpu ("1,2": 2), else 1
@@ -247,6 +254,8 @@ class ConsumerConfig:
         if self.gpu_memory_limit_mb is not None:
             _check(self.gpu_memory_limit_mb >= 64, "must be >= 64 or null", p + ("gpu_memory_limit_mb",),
                    self.gpu_memory_limit_mb)
+        _check(0 < self.gpu_memory_fraction <= 1, "must be in (0, 1]", p + ("gpu_memory_fraction",),
+               self.gpu_memory_fraction)
         if self.replicas is not None:
             _check(1 <= self.replicas <= 64, "must be in 1..64 or null", p + ("replicas",), self.replicas)
             listed = len(self.model_gpu.split(",")) if self.model_gpu else 0
@@ -392,10 +401,12 @@ class PipelineConfig:
         check_distinct_binds({("transport", "endpoint"): self.transport.endpoint,
                               ("consumer", "control_endpoint"): control},
                              (("consumer", "metrics_port"), self.consumer.metrics_host, self.consumer.metrics_port))
-        n, rows = self.consumer.replica_count, self.buckets.batch_size
-        _check(rows is None or rows % n == 0, f"must divide by the {n} model replicas (consumer.replicas, "
-               "consumer.model_gpu): each replica takes an equal share of every batch's rows",
-               ("buckets", "batch_size"), rows)
+        n, batch = self.consumer.replica_count, self.buckets.batch_size
+        checked: list[tuple[int | None, str]] = [(batch if isinstance(batch, int) else None, "batch_size")]
+        for rows, name in checked + [(r, "rows") for r in self.buckets.rows or ()]:
+            _check(rows is None or rows % n == 0, f"must divide by the {n} model replicas (consumer.replicas, "
+                   "consumer.model_gpu): each replica takes an equal share of every batch's rows",
+                   ("buckets", name), rows)
 
 
 def resolve_runtime_dir(environ: Mapping[str, str]) -> Path:

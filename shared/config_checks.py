@@ -81,6 +81,22 @@ def check_int32(value: int | None, path: tuple[str, ...]) -> None:
         raise ConfigError(f"must be <= {INT32_MAX} (an int32 on the wire)", path=path, got=value)
 
 
+def check_rows_settings(batch_size: object, rows: tuple[int, ...] | None, max_batch_size: int) -> None:
+    """``buckets.batch_size`` (rows >= 1, or "auto"), ``buckets.rows`` (one count >= 1 per bucket) and
+    ``buckets.max_batch_size`` (>= 1); all travel as int32."""
+    p = ("buckets",)
+    require(batch_size is None or batch_size == "auto" or type(batch_size) is int, "must be an integer or auto",
+            p + ("batch_size",), batch_size)
+    require(type(batch_size) is not int or batch_size >= 1, "must be >= 1", p + ("batch_size",), batch_size)
+    require(type(max_batch_size) is int and max_batch_size >= 1, "must be >= 1", p + ("max_batch_size",), max_batch_size)
+    require(rows is None or (len(rows) >= 1 and all(type(r) is int and r >= 1 for r in rows)),
+            "must be a list of row counts >= 1, one per bucket, or null", p + ("rows",), rows)
+    check_int32(batch_size if type(batch_size) is int else None, p + ("batch_size",))
+    check_int32(max_batch_size, p + ("max_batch_size",))
+    for r in rows or ():
+        check_int32(r, p + ("rows",))
+
+
 def check_seed(value: Any, path: tuple[str, ...]) -> None:
     """Seeds: an integer in 0..2**63-1 (numpy's SeedSequence and the HELLO message take any such)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:

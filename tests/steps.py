@@ -143,3 +143,21 @@ class _XlaAbortStep(_TinyStep):
 
 def xla_abort_step(spec: StepSpec) -> _XlaAbortStep:
     return _XlaAbortStep(spec)
+
+
+class _MemoryBoundStep(_TinyStep):
+    """``tiny_step`` on a device that holds at most ``model.params.max_rows`` rows: a batch with more raises
+    TensorFlow's ``ResourceExhaustedError`` when its program is built, as a GPU's allocator would when it runs."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__(spec)
+        self.max_rows = int(spec.params["max_rows"])
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        if mel.shape[0] > self.max_rows:
+            raise tf.errors.ResourceExhaustedError(None, None, f"OOM when allocating tensor with shape {mel.shape}")
+        return super().__call__(mel, mel_len, tokens, tok_len)
+
+
+def memory_bound_step(spec: StepSpec) -> _MemoryBoundStep:
+    return _MemoryBoundStep(spec)

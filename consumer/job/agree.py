@@ -42,7 +42,7 @@ from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_loader import config_to_mapping
 from melfeed.shared.printable import escape_line
 
-__all__ = ["NO_STEP", "OFFER_WIDTH", "REFUSED", "SETTINGS", "common_step", "job_settings", "no_common_step",
+__all__ = ["NO_STEP", "OFFER_WIDTH", "REFUSED", "SETTINGS", "common_rows", "common_step", "job_settings", "no_common_step",
            "offer_row", "refused_ranks", "settings_mismatch", "settings_row"]
 
 NO_STEP = -1         # padding in an offer row: no checkpoint there
@@ -73,6 +73,12 @@ def settings_row(settings: Mapping[str, object] | None) -> list[int]:
 def _digest(value: object) -> int:
     text = json.dumps(value, sort_keys=True, default=repr)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def common_rows(rows: Sequence[Sequence[int]], n_buckets: int) -> list[int]:
+    """Each bucket's smallest rows over the ranks' offers (``buckets.batch_size: auto``): it fits every rank's
+    device, and every rank computes the same list from the same gathered rows."""
+    return [min(int(r[k]) for r in rows) for k in range(n_buckets)]
 
 
 def refused_ranks(rows: Sequence[Sequence[int]]) -> list[int]:

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from melfeed.consumer.job.agree import common_step, offer_row, refused_ranks, settings_mismatch, settings_row
+from melfeed.consumer.job.agree import REFUSED, common_rows, common_step, offer_row, refused_ranks, settings_mismatch, settings_row
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
 from melfeed.shared.service.tf_config import WorkerPlace
@@ -110,6 +110,20 @@ class Job:
         log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
                  f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
         return step
+
+    def agree_rows(self, rows: Sequence[int] | None, n_buckets: int) -> list[int]:
+        """Each bucket's rows for the whole job (``buckets.batch_size: auto``): the smallest any rank offers, so it
+        fits and runs on every rank. A collective; ``None``: this rank cannot start (it raises its own error after).
+
+        Raises:
+            ConfigError: some rank cannot start (the same line on every rank). JobLostError: a peer is gone.
+        """
+        offer = list(rows) if rows is not None else [REFUSED] * n_buckets
+        gathered = self._gather_rows(offer, "agreeing on the rows per bucket")
+        self._refuse_with(refused_ranks(gathered), "its rows per bucket")
+        agreed = common_rows(gathered, n_buckets)
+        log.info("rank %d of %d: rows by bucket %s for the job (offers: %s)", self.rank, self.world, agreed, gathered)
+        return agreed
 
     def _refuse_with(self, refused: list[int], what: str) -> None:
         others = [rank for rank in refused if rank != self.rank]

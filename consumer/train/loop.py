@@ -12,15 +12,13 @@ non-finite), telemetry's loss and the summary's first/final outputs come from th
 Per step the loop writes the audit record and, when due, a checkpoint; the stager lets the steps in flight
 complete before a step is dispatched past a checkpoint. Step time = the period between consecutive
 dispatches less the wait for the batch (no per-step host read).
-Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``. Feed efficiency = fed
-steps/s / steps/s of the same step on the warm-up batches, resident (``consumer.feed_efficiency_steps``;
-consumer/train/efficiency.py; variables left as found); each applied batch carries its bucket's figure.
-A factory that raises or returns no step, a step that cannot be compiled (``StepError``) or breaks the output
-contract (``ConfigError``) ends the run before READY; a step that fails while training (``StepError``: the op and
-the user's line) ends it without a final checkpoint (a restart resumes from the newest); the summary is written.
-Too many quarantined rows among those trained (``producer.max_quarantined_fraction``,
-consumer/train/quarantine.py) stop the run as SIGTERM does (the steps in flight complete, final
-checkpoint, summary with ``error``), then ``DataError``.
+Stall % = time the loop waited for its next batch / wall time, after ``warmup_steps``. Feed efficiency = fed steps/s /
+steps/s of the same step on the resident warm-up batches (``consumer.feed_efficiency_steps``, efficiency.py).
+A factory that raises or returns no step, a step that cannot be compiled (``StepError``), breaks the output contract
+or runs out of memory on a bucket (``ConfigError``, consumer/train/preflight.py) ends the run before READY; a step that
+fails while training (``StepError``: the op and the user's line) ends it without a final checkpoint (a restart resumes
+from the newest); the summary is written. Too many quarantined rows trained (``producer.max_quarantined_fraction``,
+consumer/train/quarantine.py) stop the run as SIGTERM does (final checkpoint, summary with ``error``), then DataError.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.staging import Stager
 from melfeed.consumer.train.jit import remember_mode
 from melfeed.consumer.train.meter import LoopMeter, format_status_line
+from melfeed.consumer.train.preflight import out_of_memory_is_config
 from melfeed.consumer.train.quarantine import ceiling_for
 from melfeed.consumer.train.summary import TrainSummary, finish, summary_on_failure
 from melfeed.consumer.train.warm_batches import WarmBatch, warm_batches
@@ -111,7 +110,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
-    with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy:   # status live
+    with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy, \
+            out_of_memory_is_config(consumer.bucket_set):   # status stays live; a bucket that does not fit: one line
         warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
         try:
             out.compile_s = compiled.warm_up(warm)

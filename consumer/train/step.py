@@ -48,6 +48,7 @@ from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_cal
 from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.jit import JitChoice, choose_mode, stably_named
 from melfeed.consumer.train.model import TrainStep
+from melfeed.consumer.train.preflight import BucketOutOfMemory, is_out_of_memory
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
@@ -291,8 +292,8 @@ class CompiledStep:
         try:
             self._compile_all("xla")
         except Exception as err:    # user code under XLA: TensorFlow raises many types; all are reported
-            if self._output_error is not None:
-                raise               # the contract is broken: graph mode would fail the same way
+            if self._output_error is not None or isinstance(err, BucketOutOfMemory):
+                raise               # the contract is broken, or memory: graph mode would fail the same way
             reason = describe_tf_error(err)
             if self._setting is True:
                 raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): "
@@ -344,6 +345,8 @@ class CompiledStep:
                                               ) if mode == "xla" else nullcontext():
                     read_outputs(self._program(key)(*self._warm_inputs(key)[0]))
             except Exception as err:  # see _settle_mode; graph mode has no fallback
+                if is_out_of_memory(err):   # the pre-flight's one line (consumer/train/preflight.py)
+                    raise BucketOutOfMemory(self._bucket_keys.index(key)) from err
                 if mode == "xla" or self._output_error is not None:
                     raise
                 on = (f" on the warm-up batch ({self._warm_inputs(key)[1]})"

@@ -34,7 +34,7 @@ from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.wire.buckets import Bucket, BucketSet
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
-__all__ = ["WarmBatch", "warm_batches"]
+__all__ = ["WarmBatch", "sample_batch", "warm_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ def warm_batches(plan: EpochPlan, bucket_set: BucketSet, manifest: Manifest, sta
         out.append(_read(manifest, bucket, batch_id, samples))
     log.info("warm-up batches: %s", "; ".join(b.describe() for b in out))
     return out
+
+
+def sample_batch(bucket_set: BucketSet, manifest: Manifest, bucket: Bucket) -> WarmBatch:
+    """A batch of ``bucket``'s shape (its rows may differ from the set's: ``buckets.batch_size: auto``'s trials)
+    from the bucket's own samples, longest first, repeated to fill the rows: real values at the longest lengths."""
+    members = np.flatnonzero(bucket_set.assignment == bucket.index)
+    longest_first = members[np.argsort(-np.asarray(manifest.frames)[members], kind="stable")]
+    samples = tuple(int(m) for m in np.resize(longest_first, bucket.batch_size)) if members.size else ()
+    return _read(manifest, bucket, None, samples)
 
 
 def _first_full_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]

@@ -263,8 +263,11 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
     widths = np.full_like(widths, cfg.max_tokens) if cfg.max_tokens is not None else np.maximum(widths, 1)
     extras = schema.extras if schema is not None else ()
     seq = _sequence_lengths(schema, assignment, kept, occupied.size)
+    if cfg.rows is not None and len(cfg.rows) != occupied.size:
+        raise ConfigError(f"must list one row count per bucket ({occupied.size})", path=("buckets", "rows"),
+                          got=list(cfg.rows))
     buckets = tuple(
-        Bucket(index=k, batch_size=_batch_size(cfg, int(t)), max_frames=int(t), max_tokens=int(widths[k]),
+        Bucket(index=k, batch_size=_batch_size(cfg, int(t), k), max_frames=int(t), max_tokens=int(widths[k]),
                n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq), mel_dtype=mel_dtype)
         for k, t in enumerate(sizes_t))
     real = int(np.minimum(lengths[kept], sizes_t[assignment[kept]]).sum())
@@ -291,8 +294,13 @@ def _sequence_lengths(schema: ExtraSchema | None, assignment: npt.NDArray[np.int
     return out
 
 
-def _batch_size(cfg: BucketConfig, max_frames: int) -> int:
-    """Fixed rows, or as many rows as fit the frame budget (never fewer than one)."""
+def _batch_size(cfg: BucketConfig, max_frames: int, index: int) -> int:
+    """The bucket's rows from ``rows``, fixed rows, or as many rows as fit the frame budget (never fewer than one)."""
+    if cfg.rows is not None:
+        return cfg.rows[index]
+    if cfg.batch_size == "auto":   # only the consumer measures them (consumer/train/auto_rows.py)
+        raise ConfigError("auto: the consumer picks each bucket's rows at start; give this process the rows it "
+                          "chose as buckets.rows (the consumer logs them)", path=("buckets", "batch_size"), got="auto")
     if cfg.batch_size is not None:
         return cfg.batch_size
     budget = cfg.frame_budget or 0  # BucketConfig guarantees it is set when batch_size is not

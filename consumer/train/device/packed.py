@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.device.accumulators import Accumulators
+from melfeed.consumer.train.preflight import BucketOutOfMemory
 from melfeed.shared.wire.layout import ALIGN_BYTES, aligned_buffer
 
 __all__ = ["PackedSteps", "RegionLayout", "host_tensor"]
@@ -235,8 +236,11 @@ class PackedSteps:
                 region = _aligned_zeros(layout.nbytes)                                        # rows 0
                 if batches is not None:
                     layout.fill(region, batches[bucket].arrays, batches[bucket].rows)
-                self.run(bucket, self.stage(bucket, region)[0])
-            self.accumulators.read()                 # compiles the read program too
+                try:
+                    self.run(bucket, self.stage(bucket, region)[0])
+                    self.accumulators.read()         # its failure is this bucket's; compiles the read program too
+                except tf.errors.ResourceExhaustedError as err:   # consumer/train/preflight.py: one line
+                    raise BucketOutOfMemory(bucket) from err
         finally:
             for var, value in zip(variables, saved):
                 var.assign(value)

@@ -28,7 +28,7 @@ from melfeed.shared.errors import ConfigError
     ({"model": {"step": "nocolon"}}, "model.step: must look like 'module:function'"),
     ({"bukets": {}}, "bukets: unknown key"),
     ({"buckets": {"size": 3}}, "buckets.size: unknown key"),
-    ({"buckets": {"batch_size": "big"}}, "buckets.batch_size: must be an integer, got 'big'"),
+    ({"buckets": {"batch_size": "big"}}, "buckets.batch_size: must be an integer or auto, got 'big'"),
     ({"buckets": {"batch_size": None, "frame_budget": None}}, "exactly one of batch_size and frame_budget"),
     ({"seed": -1}, "seed: must be an integer in 0..2**63-1, got -1"),
     ({"buckets": {"boundaries": [400, 300]}}, "buckets.boundaries: must be a strictly increasing"),

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from melfeed.consumer.job.agree import (NO_STEP, OFFER_WIDTH, REFUSED, SETTINGS, common_step, job_settings, offer_row,
-                                refused_ranks, settings_mismatch, settings_row)
+from melfeed.consumer.job.agree import (NO_STEP, OFFER_WIDTH, REFUSED, SETTINGS, common_rows, common_step, job_settings,
+                                        offer_row, refused_ranks, settings_mismatch, settings_row)
 from melfeed.shared.config_loader import config_from_mapping
 
 
@@ -86,3 +86,9 @@ def test_a_rank_that_cannot_start_offers_a_refusal_the_others_see() -> None:
     assert offer_row(None) == [REFUSED] * OFFER_WIDTH and settings_row(None) == [REFUSED] * len(SETTINGS)
     assert refused_ranks([settings_row(_settings()), settings_row(None), offer_row(None)]) == [1, 2]
     assert refused_ranks([offer_row([40]), offer_row([])]) == []
+
+
+def test_the_job_takes_each_buckets_fewest_rows_any_rank_offers() -> None:
+    gathered = [[32, 16, 8], [24, 16, 12], [32, 8, 12]]
+    assert common_rows(gathered, 3) == [24, 8, 8]
+    assert common_rows(list(reversed(gathered)), 3) == [24, 8, 8]    # whichever rank asks
