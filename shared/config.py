@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from melfeed.shared.config_checks import (check_distinct_binds, check_endpoint, check_int32, check_not_abstract, check_number,
-                                  check_rows_settings, check_seed, plain_params)
+from melfeed.shared.config_checks import (check_boundaries, check_distinct_binds, check_endpoint, check_int32,
+                                          check_not_abstract, check_number, check_planner_settings,
+                                          check_rows_settings, check_seed, check_transport_mode, plain_params,
+                                          resolve_checksum)
 from melfeed.shared.config_checks import require as _check
 from melfeed.shared.config_features import FeatureConfig
 from melfeed.shared.gpu_select import check_gpu_list
@@ -77,24 +79,14 @@ class BucketConfig:
         if self.num_buckets is not None:
             _check(1 <= self.num_buckets <= 16, "must be in 1..16", p + ("num_buckets",), self.num_buckets)
         _check(1 <= self.max_shapes <= 16, "must be in 1..16", p + ("max_shapes",), self.max_shapes)
-        _check(0 <= self.token_cost <= 1000, "must be in 0..1000", p + ("token_cost",), self.token_cost)
-        _check(0 <= self.attention_cost <= 1, "must be in 0..1", p + ("attention_cost",), self.attention_cost)
-        lo, hi = self.min_frames_per_token, self.max_frames_per_token
-        for name, v in (("max_frames_per_token", hi), ("min_frames_per_token", lo)):
-            _check(v is None or 0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
-        _check(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
+        check_planner_settings(self.token_cost, self.attention_cost, self.min_frames_per_token,
+                               self.max_frames_per_token)
         _check((self.batch_size is None) != (self.frame_budget is None),
                "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
         check_rows_settings(self.batch_size, self.rows, self.max_batch_size)
         if self.frame_budget is not None:
             _check(self.frame_budget >= 1, "must be >= 1", p + ("frame_budget",), self.frame_budget)
-        if self.boundaries is not None:
-            b = tuple(self.boundaries)
-            _check(len(b) >= 1 and all(isinstance(x, int) and x > 0 for x in b)
-                   and list(b) == sorted(set(b)),
-                   "must be a strictly increasing list of positive frame counts",
-                   p + ("boundaries",), self.boundaries)
-            check_int32(b[-1], p + ("boundaries",))
+        check_boundaries(self.boundaries)
         for name in ("max_frames", "max_tokens"):
             v = getattr(self, name)
             if v is not None:
@@ -105,30 +97,6 @@ class BucketConfig:
                p + ("overlong",), self.overlong)
         _check(self.frame_multiple >= 1, "must be >= 1", p + ("frame_multiple",), self.frame_multiple)
         _check(self.partial in ("pad", "drop"), "must be 'pad' or 'drop'", p + ("partial",), self.partial)
-
-
-def resolve_checksum(checksum: bool | None, endpoint: str, insecure: bool) -> bool:
-    """Whether producers must send a crc32 of each payload (``transport.checksum``; ``None`` = decide).
-
-    Default: only on tcp without CURVE (``transport.insecure``). Under CURVE every message carries a
-    Poly1305 tag that libzmq checks before delivery, so a corrupted payload never arrives and a crc32
-    (about 3 ms per 9 MB batch on each side) would only repeat that check. On ipc the bytes never
-    leave the host's memory (a Unix socket, or the producer's write into the shared slot), where a
-    checksum finds no corruption a memory error would not also cause elsewhere (docs/ARCHITECTURE.md,
-    "Wire protocol"). ``true`` turns it on everywhere, ``false`` off everywhere.
-    """
-    if checksum is not None:
-        return checksum
-    return endpoint.startswith("tcp://") and insecure
-
-
-def check_transport_mode(mode: str, endpoint: str | None) -> None:
-    """``transport.mode: shm`` needs a same-host (ipc://) endpoint; tcp producers use payload frames.
-
-    Also called once the endpoint is resolved (``--endpoint`` may override the file).
-    """
-    _check(not (mode == "shm" and endpoint is not None and endpoint.startswith("tcp://")),
-           f"'shm' needs an ipc:// endpoint, the endpoint is {endpoint}", ("transport", "mode"), mode)
 
 
 @dataclass(frozen=True, slots=True)

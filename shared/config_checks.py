@@ -30,7 +30,7 @@ from typing import Any
 
 from melfeed.shared.errors import ConfigError
 
-__all__ = ["require", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
+__all__ = ["require", "resolve_checksum", "check_transport_mode", "check_planner_settings", "check_boundaries", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
            "check_text", "check_endpoint", "check_distinct_binds", "check_output_paths", "check_ring_bytes",
            "endpoints_collide", "physical_memory_bytes", "plain_params"]
 
@@ -95,6 +95,28 @@ def check_rows_settings(batch_size: object, rows: tuple[int, ...] | None, max_ba
     check_int32(max_batch_size, p + ("max_batch_size",))
     for r in rows or ():
         check_int32(r, p + ("rows",))
+
+
+def check_planner_settings(token_cost: float, attention_cost: float, min_frames_per_token: float | None,
+                           max_frames_per_token: float | None) -> None:
+    """The 2-D planner's cost weights and the frames-per-token outlier limits (``buckets.*``)."""
+    p = ("buckets",)
+    require(0 <= token_cost <= 1000, "must be in 0..1000", p + ("token_cost",), token_cost)
+    require(0 <= attention_cost <= 1, "must be in 0..1", p + ("attention_cost",), attention_cost)
+    lo, hi = min_frames_per_token, max_frames_per_token
+    for name, v in (("max_frames_per_token", hi), ("min_frames_per_token", lo)):
+        require(v is None or 0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
+    require(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
+
+
+def check_boundaries(boundaries: tuple[int, ...] | None) -> None:
+    """``buckets.boundaries``: None, or a strictly increasing list of positive frame counts (int32)."""
+    if boundaries is None:
+        return
+    b = tuple(boundaries)
+    require(len(b) >= 1 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
+            "must be a strictly increasing list of positive frame counts", ("buckets", "boundaries"), boundaries)
+    check_int32(b[-1], ("buckets", "boundaries"))
 
 
 def check_seed(value: Any, path: tuple[str, ...]) -> None:
@@ -253,3 +275,27 @@ def _short_int(value: int) -> str:
     if value.bit_length() <= 100:
         return str(value)
     return f"an integer of about {round(value.bit_length() * math.log10(2))} digits"
+
+
+def resolve_checksum(checksum: bool | None, endpoint: str, insecure: bool) -> bool:
+    """Whether producers must send a crc32 of each payload (``transport.checksum``; ``None`` = decide).
+
+    Default: only on tcp without CURVE (``transport.insecure``). Under CURVE every message carries a
+    Poly1305 tag that libzmq checks before delivery, so a corrupted payload never arrives and a crc32
+    (about 3 ms per 9 MB batch on each side) would only repeat that check. On ipc the bytes never
+    leave the host's memory (a Unix socket, or the producer's write into the shared slot), where a
+    checksum finds no corruption a memory error would not also cause elsewhere (docs/ARCHITECTURE.md,
+    "Wire protocol"). ``true`` turns it on everywhere, ``false`` off everywhere.
+    """
+    if checksum is not None:
+        return checksum
+    return endpoint.startswith("tcp://") and insecure
+
+
+def check_transport_mode(mode: str, endpoint: str | None) -> None:
+    """``transport.mode: shm`` needs a same-host (ipc://) endpoint; tcp producers use payload frames.
+
+    Also called once the endpoint is resolved (``--endpoint`` may override the file).
+    """
+    require(not (mode == "shm" and endpoint is not None and endpoint.startswith("tcp://")),
+           f"'shm' needs an ipc:// endpoint, the endpoint is {endpoint}", ("transport", "mode"), mode)

@@ -75,6 +75,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.handoff import model_device
     from melfeed.consumer.train.step import CompiledStep, build_step
+    from melfeed.consumer.train.warm_batches import warm_batches
     from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.metrics import StepRecord, StepWindow
     from melfeed.shared.wire.buckets import build_buckets
@@ -86,11 +87,11 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     shapes = [b.shapes() for b in bucket_set.buckets]
     step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
-    compiled.warm_up()
     packed = PackedSteps.for_buckets(compiled, bucket_set.buckets, model_device())   # the programs the loop runs
-    packed.warm_up(step.variables())
+    warm = warm_batches(plan, bucket_set, manifest, 0)    # real batches, as `run` compiles and times on
+    packed.warm_up(step.variables(), warm)
     limit = measure_resident_limit(packed, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
-                                   resident_vocab(manifest.token_range, cfg.model.vocab_size))
+                                   resident_vocab(manifest.token_range, cfg.model.vocab_size), batches=warm)
     it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
     window = StepWindow(window_s=math.inf)
     devices: list[str] = []

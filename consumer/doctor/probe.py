@@ -10,7 +10,8 @@ starts at the first delivered batch (producer start-up excluded) and runs S seco
 ``python -m melfeed.consumer.doctor.probe device --config FILE --seconds S``: per bucket, the host->device
 hand-off (``to_tensors`` + ``tf.identity`` under ``tf.device`` of the first GPU TensorFlow sees,
 else the CPU) and the compiled step (``CompiledStep`` with the configured ``model.step``, on the replicas
-``consumer.replicas`` asks for, warmed up, then timed runs on a synthetic batch of the bucket's shape):
+``consumer.replicas`` asks for, warmed up and timed on each bucket's warm-up batch: its first full planned
+batch, read from the cache as ``run`` does, consumer/train/warm_batches.py):
 ``{"device", "compile_s", "buckets": [{"index", "h2d_ms_p50", "step_ms_p50", "step_ms_p99", "runs"}]}``.
 
 Each mode prints ONE JSON object on stdout (logs go to stderr). Exit codes: 0 measured, 78
@@ -101,11 +102,9 @@ def _count_batches(feed: Any, group: subprocess.Popen[Any], seconds: float) -> t
 
 
 def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
-    """Host->device hand-off and compiled step time per bucket on synthetic batches, on the GPU(s)
+    """Host->device hand-off and compiled step time per bucket on its warm-up batch, on the GPU(s)
     ``consumer.model_gpu`` selects (applied before TensorFlow is imported, as ``run`` does)."""
     from dataclasses import replace
-
-    import numpy as np
 
     from melfeed.consumer.placement import prepare_tensorflow, step_devices
     from melfeed.shared.config_loader import load_config
@@ -134,15 +133,18 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
                              frame_multiple=cfg.buckets.frame_multiple)
     compiled = CompiledStep(step_fn, shapes, jit_compile=m.jit_compile, factory=m.step, replicas=replicas,
                             extras=extras, mel_dtype=cfg.transport.mel_dtype)
-    compile_s = compiled.warm_up()
+    from melfeed.consumer.flow.plan import EpochPlan
+    from melfeed.consumer.train.warm_batches import warm_batches
+    plan = EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial)
+    warm = warm_batches(plan, bucket_set, manifest, 0)   # real batches, as `run` compiles and times on
+    compile_s = compiled.warm_up(warm)
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name if gpus else "/CPU:0"
-    rng = np.random.default_rng(0)
     budget_s = seconds / max(1, len(bucket_set.buckets))
     out = []
     ran_on: set[str] = set()
     for b in bucket_set.buckets:
-        arrays = _synthetic_batch(b, m.vocab_size, rng)
+        arrays = warm[b.index].arrays                   # views of a 64-byte aligned region, as a slot's
         h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
         tensors, _ = to_tensors(arrays)
         first = compiled.run(b.index, tensors)          # one untimed run: first-call dispatch costs
@@ -153,21 +155,6 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
     return {"device": device, "step_devices": sorted(ran_on), "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
             "buckets": out}
-
-
-def _synthetic_batch(bucket: Any, vocab_size: int, rng: Any) -> dict[str, Any]:
-    """A full batch of the bucket's shape in 64-byte-aligned arrays (DLPack-able, as ring slots are)."""
-    from melfeed.consumer.train.handoff import aligned_empty
-    arrays = {name: aligned_empty(shape, bucket.dtypes()[name]) for name, shape in bucket.shapes().items()}
-    arrays["mel"][...] = rng.standard_normal(arrays["mel"].shape, dtype="float32")   # cast on a float16 wire
-    arrays["mel_len"][...] = bucket.max_frames
-    arrays["tokens"][...] = rng.integers(1, vocab_size, arrays["tokens"].shape, dtype=arrays["tokens"].dtype)
-    arrays["tok_len"][...] = bucket.max_tokens
-    for spec in bucket.extras:                          # the batch schema's extras: zeros, full-length sequences
-        arrays[spec.name][...] = 0
-        if spec.length_key:
-            arrays[spec.length_key][...] = arrays[spec.name].shape[1]
-    return arrays
 
 
 def _hand_off(tf: Any, to_tensors: Any, arrays: dict[str, Any], device: str) -> None:

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from melfeed.consumer.job.cluster import Job
     from melfeed.consumer.resume.state import RunState
     from melfeed.consumer.train.step import CompiledStep
-    from melfeed.consumer.train.xla_attempts import XlaAttempts
 
 __all__ = ["build_compiled_step", "build_step", "load_step_factory"]
 
@@ -93,7 +92,7 @@ def build_step(dotted: str, spec: StepSpec, *, frame_multiple: int | None = None
 
 
 def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
-                        job: Job | None = None) -> tuple[Any, CompiledStep, XlaAttempts]:
+                        job: Job | None = None) -> tuple[Any, CompiledStep]:
     """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
     under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
     job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
@@ -116,4 +115,4 @@ def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState
     attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
     return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
                                  remembered=remembered, replicas=replicas, extras=consumer.extras,
-                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts), attempts
+                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts)

@@ -106,23 +106,21 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with summary_on_failure(out, summary_path):
-        step_fn, compiled, attempts = build_compiled_step(cfg, consumer, state, job)
+        step_fn, compiled = build_compiled_step(cfg, consumer, state, job)
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
     with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy, \
             out_of_memory_is_config(consumer.bucket_set):   # status stays live; a bucket that does not fit: one line
         warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
-        try:
-            out.compile_s = compiled.warm_up(warm)
+        packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
+        try:                            # settles the mode on the programs the loop runs, compiling each once
+            out.compile_s = packed.warm_up(step_fn.variables(), warm)
         finally:                        # XLA's failure stays the reason when graph mode fails too
             out.jit_reason = compiled.choice.reason if compiled.choice else None
         out.jit_compile = compiled.mode
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
             remember_mode(state.root, compiled.choice)
-        packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
-        with attempts.compiling("the packed programs of every bucket") if compiled.mode == "xla" else nullcontext():
-            out.compile_s += packed.warm_up(step_fn.variables(), warm)
         limit = _resident_limit(cfg, packed, step_fn, consumer, out, warm)
         items = _checkpoint_items(step_fn)
         if state is not None:

@@ -22,11 +22,10 @@ Invariants:
     * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and
       C-contiguous (TensorFlow aborts on a misaligned one); such arrays are copied.
 
-Each program is the concrete function of a ``tf.function`` with the bucket's input signature, traced
-when the program is first needed; ``run`` calls it directly, which skips the per-call signature
-matching of a ``tf.function`` (about half the dispatch cost, docs/BENCHMARKS.md "Step dispatch").
-The built-in loop calls each program inside a packed one (``program_for``; consumer/train/device/packed.py)
-that takes the batch as one uint8 region; ``run`` takes the arrays as tensors (tests, probes, replicas).
+Each program is the concrete function of a ``tf.function`` with the bucket's input signature (calling it skips
+the per-call signature matching, docs/BENCHMARKS.md "Step dispatch"). The built-in loop calls each inside a packed
+one (``program_for``; consumer/train/device/packed.py), which warm-up then compiles and times in its place
+(``run_bucket``); ``run`` takes the arrays as tensors (the library path, probes, tests).
 Shutdown: nothing to release; programs and tensors are freed with this object.
 """
 
@@ -49,9 +48,10 @@ from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.jit import JitChoice, choose_mode, stably_named
 from melfeed.consumer.train.model import TrainStep
 from melfeed.consumer.train.preflight import BucketOutOfMemory, is_out_of_memory
-from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
+from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
+from melfeed.consumer.train.warm_inputs import WarmInputs
 from melfeed.consumer.train.xla_attempts import XlaAttempts
 from melfeed.consumer.xla_cache import CompileFiles, active_xla_cache_dir
 from melfeed.shared.errors import ConfigError, StepError
@@ -119,7 +119,7 @@ class CompiledStep:
         self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
         self._programs: dict[tuple[str, _Shapes], Callable[..., dict[str, tf.Tensor]]] = {}
         self._traces, self._compiles_after_ready, self._is_ready = 0, 0, False
-        self._warm: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}   # during warm_up: each program's real batch
+        self._warm: WarmInputs | None = None   # during warm_up: each program's warm-up batch (warm_inputs.py)
         self._compile_files = CompileFiles(active_xla_cache_dir())   # XLA's compiles: new files in its cache
         self.replicas = replicas   # the programs run on these (consumer/train/replicas.py); None = one device
         if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
@@ -227,7 +227,8 @@ class CompiledStep:
             self._output_error = err
             raise
 
-    def warm_up(self, batches: Sequence[WarmBatch] | None = None) -> float:
+    def warm_up(self, batches: Sequence[WarmBatch] | None = None,
+                run_bucket: Callable[[int], None] | None = None) -> float:
         """Settle the compile mode, compile every bucket's program, then restore every variable.
 
         Each program is executed on its bucket's warm-up batch to force the compile (and, with "auto", a few
@@ -237,6 +238,9 @@ class CompiledStep:
         Args:
             batches: one real batch per bucket, bucket order (``warm_batches``; the built-in loop passes them);
                 None = all-padding batches (zeros, every length 0), for callers without a cache.
+            run_bucket: runs bucket ``i``'s outer program (built over ``program_for(i)`` in the current ``mode``)
+                once on its warm-up batch with a host read: ``PackedSteps.warm_up`` passes it, so the programs
+                compiled and timed are the ones the loop runs, each compiled once (consumer/train/warm_inputs.py).
 
         Returns:
             Seconds spent compiling (and timing) the warm-up steps.
@@ -248,7 +252,8 @@ class CompiledStep:
         """
         variables = self._step.variables()
         saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what warm-up updates
-        self._warm = {} if batches is None else self._inputs_of(batches)
+        self._warm = WarmInputs(self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes,
+                                bool(self._row_inputs), batches, run_bucket)
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
@@ -266,7 +271,7 @@ class CompiledStep:
         finally:
             for var, value in zip(variables, saved):
                 var.assign(value)
-            self._warm = {}
+            self._warm = None
         compile_s = time.perf_counter() - started
         self._choice, self._is_ready = choice, True
         self._compile_files.mark()
@@ -285,8 +290,9 @@ class CompiledStep:
         if self._setting is False or self._remembered == "graph":
             self._compile_all("graph")
             return choose_mode(self._setting, remembered=self._remembered)
-        crashed = self._crashed_before()
+        crashed = self._attempts.crash_choice(self._setting, self._factory)   # an earlier start died compiling
         if crashed is not None:
+            self._choice = crashed
             self._compile_all("graph")
             return crashed
         try:
@@ -324,18 +330,6 @@ class CompiledStep:
         self._programs = {k: v for k, v in self._programs.items() if k[0] == choice.mode}
         return choice
 
-    def _crashed_before(self) -> JitChoice | None:
-        """Graph mode when an earlier start died compiling this step with XLA (``XlaAttempts``), else None;
-        ``StepError`` with ``jit_compile: true`` (XLA or nothing)."""
-        reason = self._attempts.crash_reason()
-        if reason is None:
-            return None
-        if self._setting is True:
-            raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): {reason}")
-        log.warning("XLA is not tried for the step of %s, using graph mode: %s", self._factory, reason)
-        self._choice = JitChoice("graph", f"XLA not tried: {reason}")
-        return self._choice
-
     def _compile_all(self, mode: str, only: _Shapes | None = None) -> None:
         """Switch to ``mode`` and run each bucket's program once on its warm-up batch (host sync: compiled)."""
         self._mode = mode
@@ -343,42 +337,45 @@ class CompiledStep:
             try:
                 with self._attempts.compiling(f"bucket {dict(zip((*_ARG_ORDER, *self._passed), key))}"
                                               ) if mode == "xla" else nullcontext():
-                    read_outputs(self._program(key)(*self._warm_inputs(key)[0]))
+                    for run in self._warm_runs(key, every_bucket=only is None):
+                        run()
             except Exception as err:  # see _settle_mode; graph mode has no fallback
                 if is_out_of_memory(err):   # the pre-flight's one line (consumer/train/preflight.py)
                     raise BucketOutOfMemory(self._bucket_keys.index(key)) from err
                 if mode == "xla" or self._output_error is not None:
                     raise
-                on = (f" on the warm-up batch ({self._warm_inputs(key)[1]})"
+                on = (f" on the warm-up batch ({self._warm_or_padding().inputs(key)[1]})"
                       if isinstance(err, tf.errors.OpError) else "")   # it ran: the data is what it failed on
                 raise StepError(self._factory, f"the step fails in graph mode{on}: {describe_tf_error(err)}") from err
 
     def _time_calls(self, key: _Shapes) -> list[float]:
         """Seconds of ``_TIMING_CALLS`` compiled calls on the warm-up batch, each with a host sync."""
-        program, inputs = self._program(key), self._warm_inputs(key)[0]
+        run = self._warm_runs(key, every_bucket=False)[0]
         times = []
         for _ in range(_TIMING_CALLS):
             t0 = time.perf_counter()
-            read_outputs(program(*inputs))
+            run()
             times.append(time.perf_counter() - t0)
         return times
 
+    def _warm_runs(self, key: _Shapes, every_bucket: bool) -> list[Callable[[], None]]:
+        program = self._program(key)    # traced first: a contract error is raised before anything runs
+        return self._warm_or_padding().runs(key, program, every_bucket)
+
+    def _warm_or_padding(self) -> WarmInputs:
+        """``warm_up``'s inputs; outside it (a direct ``_compile_all``), all padding."""
+        if self._warm is None:
+            self._warm = WarmInputs(self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes,
+                                    bool(self._row_inputs))
+        return self._warm
+
     def run(self, bucket: int, batch: Mapping[str, tf.Tensor], rows: int | None = None) -> dict[str, tf.Tensor]:
-        """Run one training step on ``batch`` with the program compiled for ``bucket``.
+        """One training step on ``batch`` with ``bucket``'s program; its named float32 scalars, ``"loss"`` first.
 
-        ``rows``: real rows of the batch (``Batch.rows``; None = all B), given to a step that takes
-        ``rows`` / ``row_mask`` (consumer/train/rows.py) and otherwise unused.
-
-        A batch whose shapes differ from the bucket's still runs (a new program is traced,
-        counted and logged). The caller must leave DLPack-backed input buffers untouched until
-        an output has been read (that read is the step's completion point).
-
-        Returns:
-            The step's named float32 scalars, ``"loss"`` first (``consumer/train/outputs.py``);
-            reading one (``float()``, ``read_outputs``) is the only host sync.
-
-        Raises:
-            IndexError: unknown bucket. TypeError: a batch tensor has the wrong dtype.
+        ``rows``: the batch's real rows (``Batch.rows``; None = all B), for a step taking ``rows`` / ``row_mask``.
+        Other shapes than the bucket's still run (a new program: traced, counted, logged). DLPack-backed inputs
+        must stay untouched until an output was read (the only host sync, and the step's completion point).
+        Raises IndexError (unknown bucket), TypeError (a tensor of the wrong dtype).
         """
         expected = self._bucket_keys[bucket]
         names = (*_ARG_ORDER, *self._inputs)
@@ -393,25 +390,3 @@ class CompiledStep:
         if self._row_inputs:
             args.append(tf.constant(key[0][0] if rows is None else rows, tf.int32))
         return self._program(key)(*args)
-
-    def _inputs_of(self, batches: Sequence[WarmBatch]) -> dict[_Shapes, tuple[list[tf.Tensor], str]]:
-        """Per program key, the inputs of its first bucket's warm-up batch and what that batch is."""
-        if len(batches) != len(self._bucket_keys):
-            raise ValueError(f"need one warm-up batch per bucket ({len(self._bucket_keys)}), got {len(batches)}")
-        out: dict[_Shapes, tuple[list[tf.Tensor], str]] = {}
-        for key, batch in zip(self._bucket_keys, batches):
-            if key not in out:
-                inputs = [tf.constant(batch.arrays[name], self._dtypes[name]) for name in (*_ARG_ORDER, *self._inputs)]
-                out[key] = (inputs + ([tf.constant(batch.rows, tf.int32)] if self._row_inputs else []), batch.describe())
-        return out
-
-    def _warm_inputs(self, key: _Shapes) -> tuple[list[tf.Tensor], str]:
-        """The warm-up inputs of one program and what they are; without real batches all padding (every length 0,
-        every extra zeros, ``rows`` 0)."""
-        found = self._warm.get(key)
-        if found is not None:
-            return found
-        zeros = [tf.zeros(shape, self._dtypes[name]) for name, shape in zip((*_ARG_ORDER, *self._inputs), key)]
-        return (zeros + ([tf.constant(0, tf.int32)] if self._row_inputs else []),
-                "all padding: every length 0, as in a padded partial batch")
-

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from melfeed.consumer.resume.filemode import write_private
+from melfeed.consumer.train.jit import JitChoice
 from melfeed.consumer.xla_cache import active_xla_cache_dir
 from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import StepError
 
 __all__ = ["ATTEMPTS_NAME", "XlaAttempts", "step_key"]
 
@@ -87,6 +89,17 @@ class XlaAttempts:
             return None
         return (f"an earlier start died compiling it with XLA ({found[-1].get('program')}; {self._path}: delete "
                 "it to try XLA again)")
+
+    def crash_choice(self, setting: str | bool, factory: str) -> JitChoice | None:
+        """Graph mode (with one WARNING) when ``crash_reason`` says XLA is not tried, else None; ``StepError``
+        under ``jit_compile: true`` (``setting``: XLA or nothing)."""
+        reason = self.crash_reason()
+        if reason is None:
+            return None
+        if setting is True:
+            raise StepError(factory, f"XLA cannot compile the step (jit_compile: true): {reason}")
+        log.warning("XLA is not tried for the step of %s, using graph mode: %s", factory, reason)
+        return JitChoice("graph", f"XLA not tried: {reason}")
 
     @contextmanager
     def compiling(self, program: str) -> Iterator[None]:

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.device.accumulators import Accumulators
+from melfeed.consumer.train.jit import stably_named
 from melfeed.consumer.train.preflight import BucketOutOfMemory
 from melfeed.shared.wire.layout import ALIGN_BYTES, aligned_buffer
 
@@ -140,7 +141,8 @@ class PackedSteps:
         on_gpu = device is not None and tf.DeviceSpec.from_string(device).device_type == "GPU"
         self._copy_to = device if on_gpu else None
         self.accumulators = Accumulators(_output_names(program), device)
-        self._programs: dict[int, Any] = {}   # bucket -> concrete function
+        self._programs: dict[tuple[str, int], Any] = {}   # (mode, bucket) -> concrete function
+        self._warm_regions: dict[int, Any] = {}           # during warm_up: bucket -> its staged warm-up batch
         self.dispatched = 0
 
     @classmethod
@@ -158,12 +160,13 @@ class PackedSteps:
 
     def program(self, bucket: int) -> Any:
         """The concrete function of ``bucket`` (traced on first use): ``stage``'s tensors in, nothing out."""
-        found = self._programs.get(bucket)
+        mode = self._compiled.mode
+        found = self._programs.get((mode, bucket))
         if found is not None:
             return found
         inner, names, takes_rows = self._compiled.program_for(bucket)
         layout, accumulators, replicas = self.layouts[bucket], self.accumulators, self.replicas
-        xla = self._compiled.mode == "xla"
+        xla = mode == "xla"
 
         def packed(*regions: tf.Tensor) -> tf.Tensor:
             if replicas is None:
@@ -184,9 +187,10 @@ class PackedSteps:
             signature = [tf.TensorSpec([nbytes], tf.uint8, name=f"replica{i}_{names[j]}")
                          for i, part in enumerate(layout.pieces(names, replicas.count))
                          for j, (_, nbytes) in enumerate(part)]
-        program = tf.function(packed, jit_compile=xla and replicas is None,   # replicas: XLA per replica inside
-                              input_signature=signature).get_concrete_function()
-        self._programs[bucket] = program
+        program = stably_named(tf.function(packed, jit_compile=xla and replicas is None,   # replicas: XLA inside
+                                           input_signature=signature).get_concrete_function(),
+                               f"packed_{mode}_{layout.nbytes}")
+        self._programs[(mode, bucket)] = program
         return program
 
     def stage(self, bucket: int, region: np.ndarray) -> tuple[Any, int]:
@@ -228,27 +232,53 @@ class PackedSteps:
     def warm_up(self, variables: Sequence[Any], batches: Sequence[Any] | None = None) -> float:
         """Compile every bucket's program on its warm-up batch (``WarmBatch``: ``arrays`` and ``rows``, bucket
         order; None = an all-zero region, every length 0), then restore ``variables`` and reset the accumulators;
-        returns the seconds it took."""
+        returns the seconds it took.
+
+        If the compiled step has not been warmed up yet, its ``warm_up`` settles the mode (XLA or graph, timed
+        under ``auto``) by running these programs (``run_bucket``): each program is compiled once, as the loop
+        runs it. Otherwise (a caller that warmed the step up itself) these programs are compiled here.
+        """
         started = time.perf_counter()
-        saved = [v.numpy() for v in variables]       # host copies, as CompiledStep.warm_up
+        self._warm_regions = {bucket: self._warm_region(bucket, batches) for bucket in range(len(self.layouts))}
         try:
-            for bucket, layout in enumerate(self.layouts):
-                region = _aligned_zeros(layout.nbytes)                                        # rows 0
-                if batches is not None:
-                    layout.fill(region, batches[bucket].arrays, batches[bucket].rows)
-                try:
-                    self.run(bucket, self.stage(bucket, region)[0])
-                    self.accumulators.read()         # its failure is this bucket's; compiles the read program too
-                except tf.errors.ResourceExhaustedError as err:   # consumer/train/preflight.py: one line
-                    raise BucketOutOfMemory(bucket) from err
+            if not self._compiled.is_ready:
+                self._compiled.warm_up(batches, run_bucket=self._run_warm)
+            else:
+                self._warm_own(variables)
         finally:
-            for var, value in zip(variables, saved):
-                var.assign(value)
+            self._warm_regions = {}
+            self._programs = {k: v for k, v in self._programs.items() if k[0] == self._compiled.mode}
             self.accumulators.reset()
             self.dispatched = 0
         seconds = time.perf_counter() - started
         log.info("packed step programs compiled buckets=%d s=%.2f", len(self.layouts), seconds)
         return seconds
+
+    def _warm_own(self, variables: Sequence[Any]) -> None:
+        saved = [v.numpy() for v in variables]       # host copies, as CompiledStep.warm_up
+        try:
+            for bucket in range(len(self.layouts)):
+                self._run_warm(bucket)
+        finally:
+            for var, value in zip(variables, saved):
+                var.assign(value)
+
+    def _run_warm(self, bucket: int) -> None:
+        """``CompiledStep.warm_up``'s ``run_bucket``: this bucket's program (current mode) once, then a host read
+        (its failure is this bucket's; the first also compiles the read program)."""
+        try:
+            self.run(bucket, self._warm_regions[bucket])
+            self.accumulators.read()
+        except tf.errors.ResourceExhaustedError as err:   # consumer/train/preflight.py: one line
+            raise BucketOutOfMemory(bucket) from err
+
+    def _warm_region(self, bucket: int, batches: Sequence[Any] | None) -> Any:
+        """Bucket ``bucket``'s warm-up batch staged as its program's input (all zero, rows 0, without one)."""
+        layout = self.layouts[bucket]
+        region = _aligned_zeros(layout.nbytes)
+        if batches is not None:
+            layout.fill(region, batches[bucket].arrays, batches[bucket].rows)
+        return self.stage(bucket, region)[0]
 
 
 def _aligned_zeros(nbytes: int) -> np.ndarray:

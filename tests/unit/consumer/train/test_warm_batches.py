@@ -74,3 +74,16 @@ def test_a_bucket_without_a_full_planned_batch_gets_its_own_samples_in_every_row
     read_batch(manifest, [int(m) for m in np.resize(members, ROWS)], want)
     assert all(warm[1].arrays[k].tobytes() == want[k].tobytes() for k in want)
     assert (warm[1].arrays["mel_len"] > 0).all() and "own samples" in warm[1].describe()
+
+
+def test_a_float16_wire_gives_float16_warm_up_batches_of_the_cached_values(manifest: Manifest) -> None:
+    """The doctor's probe and ``run`` warm up on these: a float16 wire's mel is the cached mel, cast."""
+    def buckets(mel_dtype: str) -> BucketSet:
+        return build_buckets(manifest.frames, manifest.token_counts, N_MELS,
+                             BucketConfig(num_buckets=2, batch_size=ROWS), manifest.schema, mel_dtype=mel_dtype)
+
+    wide, half = (warm_batches(EpochPlan(b, manifest.fingerprint, 3, "pad"), b, manifest, 0)
+                  for b in (buckets("float32"), buckets("float16")))
+    for w, h in zip(wide, half):
+        assert h.arrays["mel"].dtype == np.float16 and h.arrays["mel"].any()
+        assert np.array_equal(h.arrays["mel"], w.arrays["mel"].astype(np.float16))
