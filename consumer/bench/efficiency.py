@@ -21,7 +21,8 @@ from melfeed.shared.metrics import feed_efficiency_goal
 
 __all__ = ["EFFICIENCY_METRICS", "efficiency_systems", "build_efficiency", "efficiency_goals", "render_efficiency"]
 
-EFFICIENCY_METRICS = ("feed_efficiency", "fed_steps_per_s", "resident_steps_per_s", "stall_pct", "step_p50_ms")
+EFFICIENCY_METRICS = ("feed_efficiency", "useful_work", "fed_steps_per_s", "resident_steps_per_s", "stall_pct",
+                      "step_p50_ms")
 _STEP = 0      # medians_by_system groups by step cost; these trials have one (the model's own)
 
 
@@ -72,7 +73,7 @@ def render_efficiency(section: Mapping[str, Any]) -> str:
     rows = []
     for system, by_step in section["medians"].items():
         f = by_step.get(_STEP, {})
-        rows.append([system, f.get("feed_efficiency"), f.get("fed_steps_per_s"), f.get("resident_steps_per_s"),
-                     f.get("stall_pct"), f.get("step_p50_ms"), int(f.get("trials") or 0)])
-    return bs.format_table(["system", "feed eff", "fed steps/s", "resident steps/s", "stall %", "step p50 ms", "n"],
-                           rows)
+        rows.append([system, f.get("feed_efficiency"), f.get("useful_work"), f.get("fed_steps_per_s"),
+                     f.get("resident_steps_per_s"), f.get("stall_pct"), f.get("step_p50_ms"), int(f.get("trials") or 0)])
+    return bs.format_table(["system", "feed eff", "useful work", "fed steps/s", "resident steps/s", "stall %",
+                            "step p50 ms", "n"], rows)

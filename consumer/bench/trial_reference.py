@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config_loader import with_overrides
 
@@ -31,13 +33,16 @@ _BENCH_LIMIT_STEPS = 30     # resident steps per bucket at least: a 10-step limi
 
 
 def _result(spec: dict[str, Any], *, feed_efficiency: float | None, resident_steps_per_s: float | None,
-            stall_pct: float, step_p50_ms: float | None, devices: list[str]) -> dict[str, Any]:
+            stall_pct: float, step_p50_ms: float | None, devices: list[str], padding_efficiency: float
+            ) -> dict[str, Any]:
     fed = (feed_efficiency * resident_steps_per_s
            if feed_efficiency is not None and resident_steps_per_s is not None else None)
+    useful = feed_efficiency * padding_efficiency if feed_efficiency is not None else None
     return {"system": spec["system"], "kind": spec["kind"], "round": spec["round"], "step_ms": spec["step_ms"],
             "ok": True, "model": "reference", "batches": spec["batches"], "feed_efficiency": feed_efficiency,
             "fed_steps_per_s": fed, "resident_steps_per_s": resident_steps_per_s, "stall_pct": stall_pct,
-            "step_p50_ms": step_p50_ms, "devices": devices, "on_gpu": any("GPU" in d.upper() for d in devices)}
+            "step_p50_ms": step_p50_ms, "padding_efficiency": padding_efficiency, "useful_work": useful,
+            "devices": devices, "on_gpu": any("GPU" in d.upper() for d in devices)}
 
 
 def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
@@ -61,7 +66,8 @@ def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str
     if summary.steps < spec["warmup"] + spec["batches"]:
         raise RuntimeError(f"only {summary.steps} of {spec['warmup'] + spec['batches']} batches arrived")
     return _result(spec, feed_efficiency=summary.feed_efficiency, resident_steps_per_s=summary.resident_steps_per_s,
-                   stall_pct=summary.stall_pct, step_p50_ms=summary.step_p50_ms, devices=summary.devices)
+                   stall_pct=summary.stall_pct, step_p50_ms=summary.step_p50_ms, devices=summary.devices,
+                   padding_efficiency=summary.padding_efficiency)
 
 
 def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
@@ -96,6 +102,7 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     window = StepWindow(window_s=math.inf)
     devices: list[str] = []
     end_s = 0.0
+    real_frames = padded_frames = 0          # of the measured batches, as the loop's summary counts them
     for done in range(1, spec["warmup"] + spec["batches"] + 1):
         t_wait = time.perf_counter()
         element = next(it)
@@ -106,6 +113,8 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
         end_s = time.perf_counter()
         devices = devices or step_devices(raw)
         if done > spec["warmup"]:
+            real_frames += int(np.sum(element["mel_len"]))
+            padded_frames += int(element["mel"].shape[0]) * int(element["mel"].shape[1])
             window.add(StepRecord(end_s, t0 - t_wait, end_s - t0, int(element["mel_len"].shape[0]), 0, 0, 0,
                                   limit.step_s[bucket]))
     figures = window.figures(end_s)
@@ -113,4 +122,5 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
         raise RuntimeError("no measured batch")
     return _result(spec, feed_efficiency=figures.feed_efficiency,
                    resident_steps_per_s=figures.batches_per_s / figures.feed_efficiency,
-                   stall_pct=figures.stall_pct, step_p50_ms=1000.0 * figures.step_p50_s, devices=devices)
+                   stall_pct=figures.stall_pct, step_p50_ms=1000.0 * figures.step_p50_s, devices=devices,
+                   padding_efficiency=real_frames / padded_frames if padded_frames else 0.0)

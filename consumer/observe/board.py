@@ -3,8 +3,9 @@
 Role: ``board_scalars`` (pure) names what a write holds: ``train/<name>`` for each named output (the interval's
 mean), and from a metrics snapshot (consumer/observe/telemetry.py) ``feed/stall_pct``, ``feed/feed_efficiency``
 (once reported), ``feed/batches_per_s``, ``feed/samples_per_s``, ``feed/padding_efficiency``,
-``feed/queue_depth`` (the window's mean), ``gpu/<role>-<index>/util_pct`` and ``mem_mib`` per sampled GPU, and
-``producer/<id>/batches_per_s``; a figure the snapshot does not know yet (null) is left out.
+``feed/queue_depth`` (the window's mean), ``feed/useful_work`` (feed x padding efficiency, once feed efficiency is
+reported), ``gpu/<role>-<index>/util_pct`` and ``mem_mib`` per sampled GPU, and ``producer/<id>/batches_per_s``;
+a figure the snapshot does not know yet (null) is left out.
 ``BoardWriter`` writes them with TensorFlow's own file writer (``tf.summary.create_file_writer``) and the scalar
 plugin's metadata, one float32 rank-0 tensor per tag, which is what TensorBoard's Scalars dashboard reads, with no
 ``tensorboard`` package: TensorFlow 2.21 no longer installs it, and ``tf.summary.scalar`` raises
@@ -40,7 +41,7 @@ _DIR_MODE = 0o750    # like the state directory: the service user and group (a T
 _KEY = ("consumer", "tensorboard_dir")
 _FEED = (("stall_pct", "stall_pct"), ("feed_efficiency", "feed_efficiency"), ("batches_per_s", "batches_per_s"),
          ("samples_per_s", "samples_per_s"), ("padding_efficiency", "padding_efficiency"),
-         ("queue_depth", "queue_depth_mean"))   # tag under feed/ -> snapshot key
+         ("queue_depth", "queue_depth_mean"), ("useful_work", "useful_work"))   # tag under feed/ -> snapshot key
 
 
 def board_dir(root: str | os.PathLike[str], rank: int = 0, world: int = 1) -> Path:

@@ -1,14 +1,17 @@
-"""Keras ``fit`` on melfeed batches that resumes exactly after a crash (``melfeed.FitResume``).
+"""Keras ``fit`` on melfeed batches that resumes exactly after a crash (``melfeed.FitResume``), with TensorBoard.
 
-    python docs/examples/keras_fit.py --state-dir /tmp/fit-state --steps 60
+    python docs/examples/keras_fit.py --state-dir /tmp/fit-state --steps 60 --tensorboard /tmp/fit-tb
 
 Kill it at any moment (even SIGKILL) and run the same command again: it continues at the first batch the
 committed variables have not seen, and ``melfeed audit /tmp/fit-state`` proves every batch trained once.
+``--tensorboard DIR``: melfeed's feed figures go to ``DIR/feed`` (``melfeed.FeedBoard``, no extra package), and
+with the ``tensorboard`` package installed Keras's own losses to ``DIR/train``: ``tensorboard --logdir DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import keras
 import numpy as np
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True, help="checkpoints and the audit log: resume from here")
     ap.add_argument("--steps", type=int, default=60, help="batches the whole run trains")
     ap.add_argument("--save-weights", help="write the final weights to this .npz file")
+    ap.add_argument("--tensorboard", help="TensorBoard log directory: feed figures, and Keras's losses")
     args = ap.parse_args()
     keras.utils.set_random_seed(0)
     tf.config.experimental.enable_op_determinism()     # the same batches give the same weights, bit for bit
@@ -47,9 +51,14 @@ def main() -> None:
         model = TinyTTS(cfg.n_mels)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
         dataset = feed.as_dataset(features=("tokens", "frames"))
+        callbacks = [resume.callback(model, feed, dataset)]
+        if args.tensorboard:
+            callbacks.append(melfeed.FeedBoard(feed, args.tensorboard, every_steps=5).callback())
+            if importlib.util.find_spec("tensorboard") is not None:   # Keras's own writer needs the package
+                callbacks.append(keras.callbacks.TensorBoard(args.tensorboard, update_freq=5))
         print(f"starts at batch {resume.next_batch} of {args.steps}", flush=True)
         model.fit(dataset, epochs=1, steps_per_epoch=args.steps - resume.next_batch, verbose=0, shuffle=False,
-                  callbacks=[resume.callback(model, feed, dataset)])
+                  callbacks=callbacks)
     if args.save_weights:
         np.savez(args.save_weights, *[v.numpy() for v in model.weights])
 

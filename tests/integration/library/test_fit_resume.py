@@ -1,6 +1,6 @@
 """Keras ``fit`` that resumes exactly (docs/examples/keras_fit.py, run as written): SIGKILLed after a checkpoint and
 started again, it ends where an uninterrupted run ends (bit-identical weights) and ``melfeed audit`` finds every
-batch applied once, in plan order."""
+batch applied once, in plan order; the uninterrupted run's TensorBoard feed figures read back as scalars."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.board_events import read_scalars
 from tests.cli_run import REPO
 
 _EXAMPLE = REPO / "docs" / "examples" / "keras_fit.py"
@@ -21,10 +22,10 @@ _STEPS = 60          # a checkpoint every 5: the kill lands well inside the run 
 _TIMEOUT_S = 240.0   # a Keras start and 60 tiny steps take ~20 s; only a hang gets near it
 
 
-def _fit(demo_cache: Path, state: Path, weights: Path) -> subprocess.Popen[str]:
+def _fit(demo_cache: Path, state: Path, weights: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(_EXAMPLE), "--cache-dir", str(demo_cache), "--state-dir", str(state),
-                             "--steps", str(_STEPS), "--save-weights", str(weights)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             "--steps", str(_STEPS), "--save-weights", str(weights), *extra], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -44,7 +45,10 @@ def _first_checkpoint(state: Path, proc: subprocess.Popen[str]) -> None:
 @pytest.mark.timeout(600)
 def test_a_fit_killed_mid_run_and_started_again_ends_with_the_uninterrupted_weights_and_an_exact_audit(
         demo_cache: Path, tmp_path: Path) -> None:
-    _finish(_fit(demo_cache, tmp_path / "straight", tmp_path / "straight.npz"))
+    _finish(_fit(demo_cache, tmp_path / "straight", tmp_path / "straight.npz", "--tensorboard", str(tmp_path / "tb")))
+    scalars = read_scalars(tmp_path / "tb" / "feed")
+    assert scalars["feed/batches_per_s"] and all(v > 0 for _, v in scalars["feed/batches_per_s"]), scalars
+    assert max(step for step, _ in scalars["feed/batches_per_s"]) <= _STEPS
     killed = _fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz")
     _first_checkpoint(tmp_path / "state", killed)
     os.killpg(killed.pid, signal.SIGKILL)          # the fit and its producers: no handler runs

@@ -82,7 +82,8 @@ def _check_tensorboard(logdir: Path, s: dict[str, Any]) -> None:
     assert scalars["train/loss"][0][0] == 149 and scalars["train/loss"][-1] == (150, pytest.approx(s["final_loss"]))
     assert [step for step, _ in scalars["train/loss"]] == [149, 150]    # every 149 steps and the end, once each
     assert scalars["feed/batches_per_s"][-1][1] > 0 and 0 < scalars["feed/padding_efficiency"][-1][1] <= 1
-    assert {"feed/stall_pct", "feed/samples_per_s", "feed/queue_depth", "feed/feed_efficiency"} <= set(scalars)
+    assert {"feed/stall_pct", "feed/samples_per_s", "feed/queue_depth", "feed/feed_efficiency",
+            "feed/useful_work"} <= set(scalars)
     assert {"producer/producer-1/batches_per_s", "producer/producer-2/batches_per_s"} <= set(scalars)
 
 

@@ -144,9 +144,11 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
         # Structure, not speed (as above): 100 batches (the fewest the figure is reported after) on a loaded machine can land above 1.
         assert _positive(figs["feed_efficiency"]) and _positive(figs["resident_steps_per_s"]), (system, figs)
         assert figs["fed_steps_per_s"] == pytest.approx(figs["feed_efficiency"] * figs["resident_steps_per_s"])
+        assert 0 < figs["useful_work"] <= figs["feed_efficiency"], (system, figs)   # x padding efficiency (<= 1)
     lines = [g["line"] for g in section["goals"]]
     assert len(lines) == 2 and all(line.startswith(("PASS", "FAIL")) for line in lines)
     assert "feed efficiency >= 0.95 (step on the CPU)" in proc.stdout and "resident steps/s" in proc.stdout
+    assert "useful work" in proc.stdout
 
 
 @pytest.mark.timeout(400)

@@ -37,7 +37,7 @@ def test_the_scalars_are_the_means_and_the_snapshots_known_figures() -> None:
     assert scalars == pytest.approx({
         "train/loss": 0.5, "feed/stall_pct": 25.0, "feed/feed_efficiency": 0.5, "feed/batches_per_s": 0.5,
         "feed/samples_per_s": 2.0, "feed/padding_efficiency": 0.75, "feed/queue_depth": 3.0,
-        "gpu/model-1/util_pct": 97.0, "gpu/model-1/mem_mib": 1000.0, "gpu/data-0/mem_mib": 10.0,
+        "feed/useful_work": 0.375,        "gpu/model-1/util_pct": 97.0, "gpu/model-1/mem_mib": 1000.0, "gpu/data-0/mem_mib": 10.0,
         "producer/producer-0/batches_per_s": 5.0})                # unknown figures (null) are left out
     assert board_scalars(None, {"loss": 1.0}) == {"train/loss": 1.0}
 
