@@ -58,6 +58,8 @@ class BucketConfig:
     # 2-D row cost in frames: T + token_cost * L + attention_cost * T * L (shared/wire/grid.py, 0.001 steps)
     token_cost: float = 1.0                  # 1.0 = a padded token costs a padded frame; 0 = frames alone
     attention_cost: float = 0.0              # > 0 favours shapes of small T x L (attention-heavy models)
+    cost_tolerance: float = 0.01             # 2-D: the fewest shapes within this share of the least padded cost
+                                             # (each shape is a compile); 0 = the least cost within max_shapes
     max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
     min_frames_per_token: float | None = None  # None = no limit
     # rows per batch in every bucket; None = use frame_budget; "auto" = the built-in consumer measures each
@@ -80,7 +82,7 @@ class BucketConfig:
             _check(1 <= self.num_buckets <= 16, "must be in 1..16", p + ("num_buckets",), self.num_buckets)
         _check(1 <= self.max_shapes <= 16, "must be in 1..16", p + ("max_shapes",), self.max_shapes)
         check_planner_settings(self.token_cost, self.attention_cost, self.min_frames_per_token,
-                               self.max_frames_per_token)
+                               self.max_frames_per_token, self.cost_tolerance)
         _check((self.batch_size is None) != (self.frame_budget is None),
                "set exactly one of batch_size and frame_budget", p + ("batch_size",), self.batch_size)
         check_rows_settings(self.batch_size, self.rows, self.max_batch_size)

@@ -98,9 +98,10 @@ def check_rows_settings(batch_size: object, rows: tuple[int, ...] | None, max_ba
 
 
 def check_planner_settings(token_cost: float, attention_cost: float, min_frames_per_token: float | None,
-                           max_frames_per_token: float | None) -> None:
-    """The 2-D planner's cost weights and the frames-per-token outlier limits (``buckets.*``)."""
+                           max_frames_per_token: float | None, cost_tolerance: float) -> None:
+    """The 2-D planner's cost weights and tolerance, and the frames-per-token outlier limits (``buckets.*``)."""
     p = ("buckets",)
+    require(0 <= cost_tolerance <= 1, "must be in 0..1", p + ("cost_tolerance",), cost_tolerance)
     require(0 <= token_cost <= 1000, "must be in 0..1000", p + ("token_cost",), token_cost)
     require(0 <= attention_cost <= 1, "must be in 0..1", p + ("attention_cost",), attention_cost)
     lo, hi = min_frames_per_token, max_frames_per_token

@@ -69,7 +69,8 @@ _RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one 
 # num_buckets (the 1-D plan), under which max_shapes and the cost weights change nothing; a config
 # that leaves num_buckets unset (the 2-D plan) differs in num_buckets and is refused.
 _BUCKET_KEYS_ADDED = {"partial": "pad", "max_shapes": 8, "token_cost": 1.0, "attention_cost": 0.0,
-                      "max_frames_per_token": None, "min_frames_per_token": None, "max_batch_size": 256, "rows": None}
+                      "max_frames_per_token": None, "min_frames_per_token": None, "max_batch_size": 256, "rows": None,
+                      "cost_tolerance": 0.0}
 
 
 class RunState:

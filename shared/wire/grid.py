@@ -33,7 +33,7 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.bucket_dp import INF_COST, derive_boundaries, frame_histogram, split_table
 
 __all__ = ["ShapeCost", "plan_grid", "assign_cheapest", "finalise_shapes", "plan_cost", "is_grid", "bucket_count",
-           "top_frames", "grid_slots"]
+           "top_frames", "grid_slots", "epoch_cost", "batch_rows"]
 
 Shape = tuple[int, int]   # (T frames, L tokens)
 _MILLI = 1000             # cost unit: 1/1000 frame (weights resolve to 0.001)
@@ -192,8 +192,10 @@ def grid_slots(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], con
     """The 2-D plan: each shape's T, each utterance's shape (-1 = left out) and the overlong count.
 
     Only ``considered`` utterances are planned; overlong ones (frames above the top T) are truncated
-    into the top band or dropped (``overlong``). The settled 1-D plan with ``max_shapes`` buckets is
-    also costed; the cheaper plan wins (a tie keeps the 1-D plan, with fewer shapes).
+    into the top band or dropped (``overlong``). For each budget 1 .. ``max_shapes`` the settled 1-D plan with
+    that many buckets is also costed and the cheaper plan wins (a tie keeps the 1-D plan, with fewer shapes),
+    by ``epoch_cost`` (rows plus each shape's partial-batch padding); of those, the plan with the fewest shapes
+    within ``cost_tolerance`` of the least (``_fewest_shapes``).
     """
     m = cfg.frame_multiple
     top = top_frames(frames[considered], cfg)
@@ -205,14 +207,50 @@ def grid_slots(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], con
     f = np.minimum(frames[planned], top_t)
     t = tokens[planned]
     cost = ShapeCost.of(cfg.token_cost, cfg.attention_cost)
-    one_d = _one_d_shapes(f, t, cfg.max_shapes, m, top)
-    plans = [finalise_shapes(f, t, one_d, cost)]
-    if _is_within_int64(f, t, top_t, cost):
-        plans.append(finalise_shapes(f, t, plan_grid(f, t, cfg.max_shapes, m, top, cost), cost))
-    shapes, assigned = min(plans, key=lambda p: (_total(f, t, p, cost), len(p[0])))
+
+    def plan(budget: int) -> tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]:
+        plans = [finalise_shapes(f, t, _one_d_shapes(f, t, budget, m, top), cost)]
+        if _is_within_int64(f, t, top_t, cost):
+            plans.append(finalise_shapes(f, t, plan_grid(f, t, budget, m, top, cost), cost))
+        scored = [(epoch_cost(f, t, p, cost, cfg), len(p[0]), p) for p in plans]
+        total, _, (shapes, assigned) = min(scored, key=lambda x: (x[0], x[1]))
+        return total, shapes, assigned
+
+    _, shapes, assigned = _fewest_shapes([plan(b) for b in range(1, cfg.max_shapes + 1)], cfg.cost_tolerance)
     slot = np.full(frames.shape, -1, dtype=np.int64)
     slot[planned] = assigned
     return np.array([s[0] for s in shapes], dtype=np.int64), slot, int(over.sum())
+
+
+def _fewest_shapes(plans: list[tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]], tolerance: float
+                   ) -> tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]:
+    """Of ``plans`` (one per budget 1 .. max_shapes), the one with the fewest shapes whose epoch cost is within
+    ``tolerance`` of the least: a shape is one compiled program, so one that saves less padding is not worth it
+    (``tolerance`` 0: the least cost, fewest shapes on a tie). Integer arithmetic: every host agrees."""
+    least = min(p[0] for p in plans)
+    limit = least + least * round(tolerance * _MILLI) // _MILLI
+    return min((p for p in plans if p[0] <= limit), key=lambda p: (len(p[1]), p[0]))
+
+
+def epoch_cost(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64],
+               plan: tuple[tuple[Shape, ...], npt.NDArray[np.int64]], cost: ShapeCost, cfg: BucketConfig) -> int:
+    """A plan's cost over one epoch: every utterance's row, plus the padding rows of each shape's last batch
+    (``batch_rows``; a small cache's many shapes mostly buy partial batches)."""
+    shapes, assigned = plan
+    counts = np.bincount(assigned, minlength=len(shapes))
+    pad = sum((-int(n) % batch_rows(cfg, shape[0])) * int(cost.row(np.int64(shape[0]), np.int64(shape[1])))
+              for n, shape in zip(counts, shapes))
+    return _total(frames, tokens, plan, cost) + pad
+
+
+def batch_rows(cfg: BucketConfig, frames: int) -> int:
+    """Rows per batch of a shape of ``frames`` as planned: ``batch_size``, the frame budget's, else 1 (rows measured
+    after planning, ``batch_size: auto`` or ``rows``: no partial-batch term)."""
+    if isinstance(cfg.batch_size, int) and cfg.rows is None:
+        return cfg.batch_size
+    if cfg.frame_budget is not None:
+        return max(1, cfg.frame_budget // frames)
+    return 1
 
 
 def _one_d_shapes(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], count: int, multiple: int,

@@ -16,11 +16,15 @@ _LENGTHS = st.lists(st.tuples(st.integers(1, 300), st.integers(0, 60)), min_size
 
 
 def _cost(bs: BucketSet, cfg: BucketConfig) -> int:
-    """The planner's padded cost of a built set: sum of each kept utterance's row cost."""
+    """The planner's padded cost of a built set over one epoch: each kept utterance's row cost, plus the padding
+    rows of each bucket's last, partial batch."""
     kept = bs.assignment[bs.assignment >= 0]
-    t = np.array([b.max_frames for b in bs.buckets], dtype=np.int64)[kept]
-    w = np.array([b.max_tokens for b in bs.buckets], dtype=np.int64)[kept]
-    return int(ShapeCost.of(cfg.token_cost, cfg.attention_cost).row(t, w).sum())
+    shape_cost = ShapeCost.of(cfg.token_cost, cfg.attention_cost)
+    t = np.array([b.max_frames for b in bs.buckets], dtype=np.int64)
+    w = np.array([b.max_tokens for b in bs.buckets], dtype=np.int64)
+    counts = np.bincount(kept, minlength=len(bs.buckets))
+    pad = sum((-int(n) % b.batch_size) * int(shape_cost.row(t[k], w[k])) for k, (n, b) in enumerate(zip(counts, bs.buckets)))
+    return int(shape_cost.row(t[kept], w[kept]).sum()) + pad
 
 
 def _lj_like(n: int = 13_100, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -35,15 +39,15 @@ def _lj_like(n: int = 13_100, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 @given(pairs=_LENGTHS, shapes=st.integers(1, 6), token_cost=st.sampled_from([0.0, 1.0, 7.5]),
        attention_cost=st.sampled_from([0.0, 0.01]), multiple=st.sampled_from([1, 8]),
        overlong=st.sampled_from(["truncate", "drop"]), max_frames=st.one_of(st.none(), st.integers(50, 300)),
-       max_fpt=st.one_of(st.none(), st.floats(2.0, 40.0)))
+       max_fpt=st.one_of(st.none(), st.floats(2.0, 40.0)), tolerance=st.sampled_from([0.0, 0.05]))
 def test_grid_plan_fits_every_utterance_within_budget_and_beats_1d(
         pairs: list[tuple[int, int]], shapes: int, token_cost: float, attention_cost: float, multiple: int,
-        overlong: str, max_frames: int | None, max_fpt: float | None) -> None:
+        overlong: str, max_frames: int | None, max_fpt: float | None, tolerance: float) -> None:
     frames = np.array([p[0] for p in pairs])
     tokens = np.array([p[1] for p in pairs])
     common = dict(token_cost=token_cost, attention_cost=attention_cost, frame_multiple=multiple,
                   overlong=overlong, max_frames=max_frames, max_frames_per_token=max_fpt, batch_size=4)
-    cfg = BucketConfig(max_shapes=shapes, **common)  # type: ignore[arg-type]
+    cfg = BucketConfig(max_shapes=shapes, cost_tolerance=tolerance, **common)  # type: ignore[arg-type]
     try:
         grid = build_buckets(frames, tokens, 80, cfg)
     except Exception as err:  # every utterance left out: the 1-D plan refuses the same input
@@ -63,7 +67,10 @@ def test_grid_plan_fits_every_utterance_within_budget_and_beats_1d(
         fitting = [k for k, (tf, lt) in enumerate(keys) if f <= tf and t <= lt]
         costs = [int(cost.row(np.int64(keys[k][0]), np.int64(keys[k][1]))) for k in fitting]
         assert a[i] == fitting[int(np.argmin(costs))]  # the cheapest fitting shape, lowest index on ties
-    assert _cost(grid, cfg) <= _cost(one_d, cfg)
+    least = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=shapes, cost_tolerance=0.0,
+                                                            **common))  # type: ignore[arg-type]
+    assert _cost(least, cfg) <= _cost(one_d, cfg)                       # never costlier than the 1-D plan
+    assert _cost(grid, cfg) <= _cost(least, cfg) * (1 + tolerance) + 1e-6   # fewer shapes: within the tolerance
     again = build_buckets(frames, tokens, 80, cfg)
     assert again.as_wire() == grid.as_wire() and np.array_equal(again.assignment, grid.assignment)
 
@@ -73,9 +80,9 @@ def test_num_buckets_keeps_the_1d_plan_and_max_shapes_gives_the_grid() -> None:
     one_d = build_buckets(frames, tokens, 80, BucketConfig(num_buckets=4))
     t = [b.max_frames for b in one_d.buckets]
     assert t == sorted(set(t)) and len(t) == 4
-    grid = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=4, token_cost=20.0))
+    cfg = BucketConfig(max_shapes=4, token_cost=20.0, cost_tolerance=0.0)
+    grid = build_buckets(frames, tokens, 80, cfg)
     assert len({b.max_frames for b in grid.buckets}) < len(grid.buckets) <= 4   # tokens split a frame band
-    cfg = BucketConfig(max_shapes=4, token_cost=20.0)
     assert _cost(grid, cfg) < _cost(one_d, cfg)
 
 
@@ -89,7 +96,7 @@ def test_frames_per_token_outliers_leave_the_plan() -> None:
 
 def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
     frames, tokens = _lj_like()
-    cfg = BucketConfig(max_shapes=8)
+    cfg = BucketConfig(max_shapes=8, cost_tolerance=0.0)
     start = time.perf_counter()
     grid = build_buckets(frames, tokens, 80, cfg)
     elapsed_s = time.perf_counter() - start
@@ -100,7 +107,21 @@ def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
     assert len(grid.buckets) <= 8 and _cost(grid, cfg) <= _cost(one_d, cfg)
     assert grid.padding_efficiency() >= 0.92   # 8 frame bands bound it: docs/BENCHMARKS.md, "Bucket padding"
     trimmed = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=8, max_frames_per_token=6.5,
-                                                             min_frames_per_token=4.5))
+                                                             min_frames_per_token=4.5, cost_tolerance=0.0))
     print(f"  with 4.5..6.5 frames per token: {trimmed.outliers} outliers, frames "
           f"{trimmed.padding_efficiency():.3f}, tokens {trimmed.token_padding_efficiency():.3f}")
     assert trimmed.token_padding_efficiency() > grid.token_padding_efficiency() + 0.05
+
+
+def test_the_default_tolerance_spends_a_shape_only_where_it_saves_padding() -> None:
+    """Each shape is one compiled program: the default plan is the fewest shapes within 1 % of the least cost."""
+    from melfeed.shared.cache.demo_data import _lengths as demo_lengths   # the demo cache's length model
+    demo = demo_lengths(2000, np.random.default_rng(0))
+    for frames, tokens in (demo, _lj_like(4000)):
+        least = build_buckets(frames, tokens, 80, BucketConfig(cost_tolerance=0.0))
+        chosen = build_buckets(frames, tokens, 80, BucketConfig())
+        cfg = BucketConfig()
+        assert len(chosen.buckets) <= len(least.buckets)
+        assert _cost(chosen, cfg) <= 1.01 * _cost(least, cfg)
+    short = build_buckets(*demo, 80, BucketConfig())
+    assert len(short.buckets) < 8, [(b.max_frames, b.max_tokens) for b in short.buckets]
