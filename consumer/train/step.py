@@ -19,8 +19,7 @@ Invariants:
     * A trace after ``warm_up()`` (a batch whose shapes match no compiled program) still runs, but
       is counted in ``compiles_after_ready`` and logged as a WARNING each time; so is an XLA compile
       (``consumer/xla_cache.py``, ``CompileFiles``). Program names carry no counter (``jit.stably_named``).
-    * ``to_tensors`` (consumer/train/handoff.py) never hands DLPack a buffer that is not 64-byte aligned and
-      C-contiguous (TensorFlow aborts on a misaligned one); such arrays are copied.
+    * ``to_tensors`` (handoff.py) copies a buffer that is not 64-byte aligned and C-contiguous (DLPack aborts).
 
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature (calling it skips
 the per-call signature matching, docs/BENCHMARKS.md "Step dispatch"). The built-in loop calls each inside a packed
@@ -60,11 +59,9 @@ from melfeed.shared.wire.schema import ExtraSpec
 
 if TYPE_CHECKING:
     from melfeed.consumer.train.warm_batches import WarmBatch
-
 __all__ = ["build_step", "load_step_factory", "CompiledStep"]
 
 log = logging.getLogger(__name__)
-
 _ARG_ORDER = ARRAY_KEYS  # TrainStep.__call__ positional order is the wire order
 _TIMING_CALLS = 3  # per mode with jit_compile auto; the median of 3 ignores one outlier (a GC pause)
 
@@ -164,9 +161,19 @@ class CompiledStep:
         """What ``warm_up()`` decided and why (None before it ran)."""
         return self._choice
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the step takes row inputs (``rows`` / ``row_mask``): an int32 ``rows`` follows the arrays."""
+        return bool(self._row_inputs)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The batch keys every program takes, in order (``program_for``'s, without tracing one)."""
+        return (*_ARG_ORDER, *self._inputs)
+
     def program_for(self, bucket: int) -> tuple[Callable[..., dict[str, tf.Tensor]], tuple[str, ...], bool]:
-        """``bucket``'s program, the batch keys it takes in order, and whether an int32 ``rows`` follows them."""
-        return self._program(self._bucket_keys[bucket]), (*_ARG_ORDER, *self._inputs), bool(self._row_inputs)
+        """``bucket``'s program (traced), ``input_names`` and ``takes_rows``."""
+        return self._program(self._bucket_keys[bucket]), self.input_names, self.takes_rows
 
     def _program(self, key: _Shapes) -> Callable[..., dict[str, tf.Tensor]]:
         program = self._programs.get((self._mode, key))

@@ -135,12 +135,12 @@ class PackedSteps:
 
     def __init__(self, compiled: Any, layouts: Sequence[RegionLayout], device: str | None = None) -> None:
         self._compiled = compiled
-        program, _, takes_rows = compiled.program_for(0)
-        self.layouts = [layout.with_rows() if takes_rows else layout for layout in layouts]
+        self.layouts = [layout.with_rows() if compiled.takes_rows else layout for layout in layouts]
         self.replicas = compiled.replicas   # consumer/train/replicas.py; None = one device
         on_gpu = device is not None and tf.DeviceSpec.from_string(device).device_type == "GPU"
         self._copy_to = device if on_gpu else None
-        self.accumulators = Accumulators(_output_names(program), device)
+        self._device = device
+        self._accumulators: Accumulators | None = None   # built with the first program (its output names)
         self._programs: dict[tuple[str, int], Any] = {}   # (mode, bucket) -> concrete function
         self._warm_regions: dict[int, Any] = {}           # during warm_up: bucket -> its staged warm-up batch
         self.dispatched = 0
@@ -154,6 +154,14 @@ class PackedSteps:
         return cls(compiled, layouts, compiled.devices[0] if compiled.devices else device)
 
     @property
+    def accumulators(self) -> Accumulators:
+        """The named outputs' device accumulators; the first call traces bucket 0's step (nothing is traced at
+        construction: the compile mode is settled by ``warm_up``)."""
+        if self._accumulators is None:
+            self._accumulators = Accumulators(_output_names(self._compiled.program_for(0)[0]), self._device)
+        return self._accumulators
+
+    @property
     def factory(self) -> str:
         """The step factory's name (``model.step``), for error messages."""
         return str(self._compiled.factory)
@@ -165,7 +173,8 @@ class PackedSteps:
         if found is not None:
             return found
         inner, names, takes_rows = self._compiled.program_for(bucket)
-        layout, accumulators, replicas = self.layouts[bucket], self.accumulators, self.replicas
+        accumulators = self.accumulators   # built before the trace below: it creates variables
+        layout, replicas = self.layouts[bucket], self.replicas
         xla = mode == "xla"
 
         def packed(*regions: tf.Tensor) -> tf.Tensor:
@@ -207,7 +216,7 @@ class PackedSteps:
                 with tf.device(self._copy_to):
                     tensor = tf.identity(tensor)   # returns once the copy completed (synchronous eager)
             return tensor, copies
-        names = self._compiled.program_for(bucket)[1]
+        names = self._compiled.input_names
         parts, copies = [], 0
         for device, pieces in zip(self.replicas.devices, self.layouts[bucket].pieces(names, self.replicas.count)):
             placed = []
@@ -248,7 +257,8 @@ class PackedSteps:
         finally:
             self._warm_regions = {}
             self._programs = {k: v for k, v in self._programs.items() if k[0] == self._compiled.mode}
-            self.accumulators.reset()
+            if self._accumulators is not None:   # None: no program was built (it failed first)
+                self._accumulators.reset()
             self.dispatched = 0
         seconds = time.perf_counter() - started
         log.info("packed step programs compiled buckets=%d s=%.2f", len(self.layouts), seconds)

@@ -33,7 +33,7 @@ _STEPS, _EVERY = 60, 20
 def test_the_loop_reads_device_tensors_once_per_interval_never_per_step(
         demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = procs.write_config(tmp_path / "run.yaml", demo_cache, f"ipc://{tmp_path}/s.sock", tmp_path / "state",
-                                _STEPS, producer={"count": 2},
+                                _STEPS, producer={"count": 2}, buckets={"num_buckets": 4},   # as the loss check expects
                                 consumer={"checkpoint_every_steps": _EVERY, "status_interval_s": 86400.0})
     cfg = load_config(config)
     reads: list[int] = []

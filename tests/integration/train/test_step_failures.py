@@ -54,6 +54,7 @@ def test_a_step_that_fails_while_training_leaves_its_summary_with_the_audits_cou
     summary = tmp_path / "summary.json"
     config = procs.write_config(tmp_path / "run.yaml", demo_cache, f"ipc://{tmp_path}/s.sock", tmp_path / "state",
                                 40, producer={"count": 2}, consumer={"feed_efficiency_steps": 0},
+                                buckets={"num_buckets": 2},   # warm-up moves `iterations` once per bucket: < fail_at
                                 model={"step": "tests.steps:fail_at_step", "params": {"fail_at": _FAIL_AT}})
     cfg = load_config(config)
     producers = procs.start("producer", config, tmp_path / "p.log")
