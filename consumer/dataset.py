@@ -24,9 +24,9 @@ here; ``frames``, ``batch_id``, ``rows`` and ``row_mask`` are built in the graph
 pads every array to the largest bucket in the graph: one copy, so those elements own their memory.
 ``token_axis="longest"`` then cuts the token axis as the built-in loop cuts it for a step that declares it
 (``cut_to_longest``, consumer/train/axes.py; its ``tok_len`` and ``<name>_len`` are read from the slot even when
-``features`` leaves them out), and that dimension is ``None`` in the spec. The cut is a slice: it copies the
-rows' first ``max(tok_len)`` entries, or forwards the array when nothing is cut, so an element reads its slot no
-longer than an uncut one does (the rule below).
+``features`` leaves them out), and that dimension is ``None`` in the spec. The cut is a slice (a copy of the
+first ``max(tok_len)`` entries of each row, or the array itself when nothing is cut), so an element reads its
+slot no longer than an uncut one does (the rule below).
 Invariants (consumer/README.md, "Exactly once on the library path"):
     * The dataset has no read-ahead of its own (no prefetch stage; ``inject_prefetch`` and
       ``map_parallelization`` are off: either would pull elements ahead): the Python side runs
