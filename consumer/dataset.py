@@ -22,6 +22,11 @@ out of the bytes inside the dataset's graph (a 64-byte-aligned slice along the o
 buffer, ``bitcast`` and ``reshape`` never copy), with per-bucket offset and shape tables built once
 here; ``frames``, ``batch_id``, ``rows`` and ``row_mask`` are built in the graph too. ``single_shape``
 pads every array to the largest bucket in the graph: one copy, so those elements own their memory.
+``token_axis="longest"`` then cuts the token axis as the built-in loop cuts it for a step that declares it
+(``cut_to_longest``, consumer/train/axes.py; its ``tok_len`` and ``<name>_len`` are read from the slot even when
+``features`` leaves them out), and that dimension is ``None`` in the spec. The cut is a slice (a copy of the
+first ``max(tok_len)`` entries of each row, or the array itself when nothing is cut), so an element reads its
+slot no longer than an uncut one does (the rule below).
 Invariants (consumer/README.md, "Exactly once on the library path"):
     * The dataset has no read-ahead of its own (no prefetch stage; ``inject_prefetch`` and
       ``map_parallelization`` are off: either would pull elements ahead): the Python side runs
@@ -54,6 +59,8 @@ import tensorflow as tf
 # StopIteration); the public function adds ~1 ms of Python checks per element (docs/BENCHMARKS.md).
 from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
+from melfeed.consumer.train.axes import TOKEN_AXES, cut_names, cut_to_longest, program_inputs
+from melfeed.shared.wire.schema import ExtraSpec
 
 if TYPE_CHECKING:
     from melfeed.consumer.feed import Consumer
@@ -179,9 +186,10 @@ class _Handover:
 
 
 def _build(tables: _Tables, spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec],
-           big: dict[str, tuple[int, ...]] | None, raw: tf.Tensor, info: tf.Tensor
+           big: dict[str, tuple[int, ...]] | None, cut: Sequence[ExtraSpec] | None, raw: tf.Tensor, info: tf.Tensor
            ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-    """The element from the slot bytes and the info vector (runs inside the dataset's graph)."""
+    """The element from the slot bytes and the info vector (runs inside the dataset's graph); ``cut``: the
+    extras of ``token_axis="longest"`` (None: the bucket's width)."""
     bucket = info[_BUCKET]
     arrays = {k: tables.array(raw, bucket, k) for k in tables.names}
     if big is not None:                          # single_shape: pad every array to the largest bucket (a copy)
@@ -190,6 +198,8 @@ def _build(tables: _Tables, spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec]
             # Pad forwards its input when nothing is added: copy then, so no element aliases a slot.
             arrays[k] = tf.cond(tf.reduce_any(pad > 0), lambda t=t, pad=pad: tf.pad(
                 t, tf.stack([tf.zeros_like(pad), pad], axis=1)), lambda t=t: tf.raw_ops.DeepCopy(x=t))
+    if cut is not None:
+        arrays = cut_to_longest(arrays, cut)
     mel = arrays["mel"]
     rows_b, frames = tf.shape(mel)[0], tf.shape(mel)[1]
     rows = tf.cast(info[_ROWS], tf.int32)
@@ -200,8 +210,8 @@ def _build(tables: _Tables, spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec]
     return feats, tf.ensure_shape(mel, spec[1].shape)
 
 
-def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int, ...]] | None
-          ) -> tuple[dict[str, tf.TensorSpec], tf.TensorSpec]:
+def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int, ...]] | None,
+          cut: Sequence[ExtraSpec] | None = None) -> tuple[dict[str, tf.TensorSpec], tf.TensorSpec]:
     m = consumer.cfg.n_mels
     if big is not None:
         shapes: dict[str, tuple[int | None, ...]] = dict(big)
@@ -211,6 +221,8 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
         shapes.update({"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)})
         b = None
     shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
+    for k in cut_names(cut) if cut is not None else ():     # the cut's width is each batch's own
+        shapes[k] = (shapes[k][0], None, *shapes[k][2:])
     dtypes = {**{k: tf.as_dtype(v) for k, v in consumer.bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
     return feats, tf.TensorSpec(shapes["mel"], dtypes["mel"], name="mel")   # float16 on a float16 wire
@@ -254,15 +266,19 @@ def _varying_dims(consumer: Consumer, key: str) -> tuple[int | None, ...]:
 
 
 def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str],
-                 prefetch_device: str | None = "auto") -> tf.data.Dataset:
+                 prefetch_device: str | None = "auto", token_axis: str = "bucket") -> tf.data.Dataset:
     """The dataset described in the module docstring.
 
     ``prefetch_device``: "auto" (the model GPU when TensorFlow sees one, else none), None, or a device
-    name; see "Read-ahead to the model device" in the module docstring.
+    name; see "Read-ahead to the model device" in the module docstring. ``token_axis``: "bucket" (the
+    bucket's width) or "longest" (cut to the batch's longest row).
 
     Raises:
-        ValueError: ``features`` is empty or names a key outside ``feature_keys(consumer)``.
+        ValueError: ``features`` is empty or names a key outside ``feature_keys(consumer)``, or ``token_axis``
+            is not one of ``TOKEN_AXES``.
     """
+    if token_axis not in TOKEN_AXES:
+        raise ValueError(f"token_axis must be one of {list(TOKEN_AXES)}, got {token_axis!r}")
     allowed = feature_keys(consumer)
     if isinstance(features, str):                # features="tokens": one key, not its letters
         features = (features,)
@@ -271,12 +287,14 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
         raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}"
                          + (f"; unknown: {unknown}" if unknown else ""))
     keys = tuple(features)
+    cut = consumer.extras if token_axis == "longest" else None
     arrays = consumer.bucket_shapes[0]                   # the slot's arrays: base, then extras
-    tables = _Tables(consumer, ["mel", *(k for k in keys if k in arrays and k != "mel")])
+    read = keys if cut is None else ("tok_len", *program_inputs(keys, cut, token_axis))   # + the cut's lengths
+    tables = _Tables(consumer, ["mel", *dict.fromkeys(k for k in read if k in arrays and k != "mel")])
     big = _big_shapes(consumer) if single_shape else None
     device = resolve_prefetch_device(prefetch_device)
     handover = _Handover(consumer, tables, read_ahead=device is not None)
-    spec = _spec(consumer, keys, big)
+    spec = _spec(consumer, keys, big, cut)
 
     def begin(_: Any) -> tf.Tensor:
         return tf.numpy_function(handover.begin, [], tf.int64, stateful=True)
@@ -294,9 +312,10 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
 
     ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
     if device is not None:                      # the info vector travels to the hook after the stage
-        ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, raw, info), info)), device, handover)
+        ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, cut, raw, info), info)), device,
+                         handover)
     else:
-        ds = ds.map(lambda raw, info: _build(tables, spec, big, raw, info))
+        ds = ds.map(lambda raw, info: _build(tables, spec, big, cut, raw, info))
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False   # no read-ahead past the hand-out point
     options.experimental_optimization.map_parallelization = False  # a parallel map would pull elements ahead

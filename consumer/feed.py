@@ -363,16 +363,17 @@ class Consumer:
 
     def as_dataset(self, single_shape: bool = False,
                    features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
-                   prefetch_device: str | None = "auto") -> Any:
+                   prefetch_device: str | None = "auto", token_axis: str = "bucket") -> Any:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
         Zero copy unless ``single_shape`` pads; a batch is applied when the caller takes it, its slot
         freed at the next element. ``features``: any of ``melfeed.consumer.dataset.feature_keys(self)``;
         ``prefetch_device``: "auto" = one batch read ahead onto the model GPU when TensorFlow sees one,
-        None = never, or a device name (consumer/README.md, "Exactly once on the library path").
+        None = never, or a device name (consumer/README.md, "Exactly once on the library path");
+        ``token_axis``: "bucket" (the bucket's width) or "longest" (cut to the batch's longest row).
         """
         from melfeed.consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
-        return make_dataset(self, single_shape, features, prefetch_device)
+        return make_dataset(self, single_shape, features, prefetch_device, token_axis)
 
     def slot_buffers(self) -> list[npt.NDArray[np.uint8]]:
         """Every ring slot's bytes by slot index (``Batch.slot``), 64-byte aligned uint8 arrays to pin or map once;

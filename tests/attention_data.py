@@ -1,4 +1,5 @@
-"""Guided-attention matrices for tests: the ``[tokens, ceil(frames / r)]`` matrix extra a Tacotron-kind model uses."""
+"""Guided-attention matrices for tests: the ``[tokens, ceil(frames / r)]`` matrix extra a Tacotron-kind model uses,
+and the demo cache with them adopted as that extra (``attention_cache``)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ def write_attention(folder: Path, lengths: dict[str, tuple[int, int]], r: int = 
     folder.mkdir(parents=True, exist_ok=True)
     for uid, (tokens, frames) in lengths.items():
         np.save(folder / f"{uid}.npy", guided_attention(tokens, frames, r) + np.float16(0.01))
+
+
+def attention_cache(demo: Path, tmp: Path) -> Path:
+    """``tmp/cache``: the demo cache's mels and tokens (linked, not copied) plus an ``attn`` matrix extra adopted
+    with ``index --extra attn:matrix/3=DIR``."""
+    from melfeed import cli
+    from melfeed.shared.cache.manifest import load_manifest
+    manifest = load_manifest(demo)
+    write_attention(tmp / "attn", {u.id: (u.tokens, u.frames) for u in manifest.utterances})
+    cache = tmp / "cache"
+    code = cli.main(["index", "--cache-dir", str(cache), "--mels", str(demo / "mels"), "--tokens", str(demo / "tokens"),
+                     "--extra", f"attn:matrix/3={tmp / 'attn'}"])
+    assert code == 0
+    return cache

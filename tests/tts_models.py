@@ -11,6 +11,8 @@ loss against the ``attn`` matrix extra (``[tokens, ceil(frames / 3)]`` per utter
 
 ``tacotron_step``: takes ``attn`` (the cache must have it). ``uncut_tacotron_step``: the same model with the
 default ``token_axis`` (the bucket's width): in graph mode its encoder's mask is narrower than its input.
+``TacotronFit``: the same model and losses for Keras ``fit`` on ``as_dataset(features=FIT_FEATURES,
+token_axis="longest")``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.attention_data import R   # frames per decoder step (reduction factor
 
 _D = 16          # embedding, encoder (per direction) and attention width
 _N_POS = 6       # decoder query features: r, 1, sin/cos of 2 octaves
+FIT_FEATURES = ("tokens", "tok_len", "mel_len", "attn")
 
 
 def _queries(n_steps: int, mel_len: tf.Tensor) -> tf.Tensor:
@@ -67,6 +70,25 @@ class _Tacotron(keras.Model):
         return mel, tf.transpose(weights, [0, 2, 1])                             # alignment [B, L', T/R]
 
 
+def _losses(model: _Tacotron, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
+            attn: tf.Tensor | None) -> dict[str, tf.Tensor]:
+    """Named losses: masked mel L1, guided attention (with ``attn``), their sum ``loss``; T may be unknown."""
+    tf.debugging.assert_positive(tok_len, message="tok_len")
+    tf.debugging.assert_positive(mel_len, message="mel_len")
+    n_frames = mel.shape[1] if mel.shape[1] is not None else tf.shape(mel)[1]   # None in a fit dataset's spec
+    pred, align = model(tokens, tok_len, mel_len, n_frames=n_frames)
+    frame_mask = tf.sequence_mask(mel_len, n_frames)[..., None]
+    n_valid = tf.maximum(tf.reduce_sum(tf.cast(frame_mask, tf.float32)) * mel.shape[2], 1.0)
+    mel_l1 = tf.reduce_sum(tf.where(frame_mask, tf.abs(pred - mel), 0.0)) / n_valid
+    out = {"mel_l1": mel_l1}
+    if attn is not None:                    # [B, L', T/R] like the alignment: both token axes cut alike
+        attn_mask = tf.cast(attn > 0, tf.float32)
+        out["guided_attn"] = tf.reduce_sum(align * tf.cast(attn, tf.float32)) / tf.maximum(
+            tf.reduce_sum(attn_mask), 1.0)
+    out["loss"] = tf.add_n(list(out.values()))
+    return out
+
+
 class _TacotronStep:
     token_axis = "longest"
     frame_multiple = R
@@ -78,27 +100,11 @@ class _TacotronStep:
         self.model(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)        # every variable before tracing
         self.optimizer.build(self.model.trainable_variables)
 
-    def _losses(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-                attn: tf.Tensor | None) -> dict[str, tf.Tensor]:
-        tf.debugging.assert_positive(tok_len, message="tok_len")
-        tf.debugging.assert_positive(mel_len, message="mel_len")
-        pred, align = self.model(tokens, tok_len, mel_len, n_frames=mel.shape[1])
-        frame_mask = tf.sequence_mask(mel_len, mel.shape[1])[..., None]
-        n_valid = tf.maximum(tf.reduce_sum(tf.cast(frame_mask, tf.float32)) * mel.shape[2], 1.0)
-        mel_l1 = tf.reduce_sum(tf.where(frame_mask, tf.abs(pred - mel), 0.0)) / n_valid
-        out = {"mel_l1": mel_l1}
-        if attn is not None:                    # [B, L', T/R] like the alignment: both token axes cut alike
-            attn_mask = tf.cast(attn > 0, tf.float32)
-            out["guided_attn"] = tf.reduce_sum(align * tf.cast(attn, tf.float32)) / tf.maximum(
-                tf.reduce_sum(attn_mask), 1.0)
-        out["loss"] = tf.add_n(list(out.values()))
-        return out
-
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
                  attn: tf.Tensor) -> dict[str, tf.Tensor]:
         trainable = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            out = self._losses(tf.cast(mel, tf.float32), mel_len, tokens, tok_len, attn)
+            out = _losses(self.model, tf.cast(mel, tf.float32), mel_len, tokens, tok_len, attn)
         self.optimizer.apply(tape.gradient(out["loss"], trainable), trainable)
         return out
 
@@ -123,3 +129,25 @@ def tacotron_step(spec: StepSpec) -> _TacotronStep:
 
 def uncut_tacotron_step(spec: StepSpec) -> _UncutTacotronStep:
     return _UncutTacotronStep(spec)
+
+
+class TacotronFit(keras.Model):
+    """The model for Keras ``fit``: ``({FIT_FEATURES...}, mel)`` elements, the step's losses as fit's logs."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__(name="tiny_tacotron_fit")
+        self.net = _Tacotron(spec)
+        one = tf.ones([1], tf.int32)
+        self.net(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)            # every variable before fit
+
+    def call(self, x: dict[str, tf.Tensor]) -> Any:
+        n_frames = R * -(-tf.reduce_max(x["mel_len"]) // R)                     # the longest row, in decoder steps
+        return self.net(x["tokens"], x["tok_len"], x["mel_len"], n_frames=n_frames)
+
+    def train_step(self, data: Any) -> dict[str, tf.Tensor]:
+        x, mel = data
+        with tf.GradientTape() as tape:
+            out = _losses(self.net, tf.cast(mel, tf.float32), x["mel_len"], x["tokens"], x["tok_len"], x["attn"])
+        grads = tape.gradient(out["loss"], self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return out

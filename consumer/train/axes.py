@@ -1,7 +1,7 @@
 """What a step object declares about its batch axes: the token axis it wants and the multiple its frames need.
 
 Role: two optional class attributes of the step (the ``TrainStep`` the factory returns), read once before
-anything compiles:
+anything compiles (the cut is also ``as_dataset(token_axis="longest")``'s, consumer/dataset.py):
 
 * ``token_axis``: ``"bucket"`` (default) = ``tokens`` is ``[B, L]``, the bucket's width; ``"longest"`` =
   ``tokens`` and every token-kind and matrix extra are cut to the batch's longest row (``max(tok_len)``),
@@ -32,7 +32,7 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.schema import ExtraSpec
 
 __all__ = ["TOKEN_AXES", "token_axis_of", "frame_multiple_of", "check_frame_multiple", "program_inputs",
-           "cut_to_longest"]
+           "cut_names", "cut_to_longest"]
 
 TOKEN_AXES = ("bucket", "longest")
 _CUT_BY_TOKENS = ("token", "matrix")   # extra kinds whose first axis (after B) is the tokens'
@@ -91,15 +91,21 @@ def program_inputs(passed: Sequence[str], extras: Sequence[ExtraSpec], token_axi
     return (*passed, *(k for k in lengths if k is not None))
 
 
+def cut_names(extras: Sequence[ExtraSpec]) -> tuple[str, ...]:
+    """The arrays whose second axis (after B) ``cut_to_longest`` cuts: ``tokens``, then ``extras``' cut ones."""
+    return ("tokens", *(e.name for e in extras if e.kind in _CUT_BY_TOKENS or e.length_key is not None))
+
+
 def cut_to_longest(arrays: Mapping[str, tf.Tensor], extras: Sequence[ExtraSpec]) -> dict[str, tf.Tensor]:
     """``arrays`` with the token axis cut to the batch's longest row (traced; see the module docstring).
 
-    ``arrays`` holds the base arrays and any of ``extras`` (with a sequence's ``<name>_len``); an extra that is
-    not there is skipped, a sequence without its length keeps its width.
+    ``arrays`` holds ``tok_len``, any of the other base arrays and any of ``extras`` (with a sequence's
+    ``<name>_len``); an array that is not there is skipped, a sequence without its length keeps its width.
     """
     out = dict(arrays)
     longest = _longest(arrays["tok_len"])
-    out["tokens"] = arrays["tokens"][:, :longest]
+    if "tokens" in arrays:
+        out["tokens"] = arrays["tokens"][:, :longest]
     for spec in extras:
         if spec.name not in arrays:
             continue

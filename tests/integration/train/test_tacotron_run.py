@@ -13,29 +13,16 @@ from pathlib import Path
 
 import yaml
 
-from melfeed import cli
-from melfeed.shared.cache.manifest import load_manifest
 from tests import procs
-from tests.attention_data import write_attention
+from tests.attention_data import attention_cache
 from tests.conftest import REPO
 
 _STEPS = 16
 
 
-def _attention_cache(demo: Path, tmp: Path) -> Path:
-    """The demo cache's mels and tokens (linked, not copied) plus an ``attn`` matrix extra."""
-    manifest = load_manifest(demo)
-    write_attention(tmp / "attn", {u.id: (u.tokens, u.frames) for u in manifest.utterances})
-    cache = tmp / "cache"
-    code = cli.main(["index", "--cache-dir", str(cache), "--mels", str(demo / "mels"), "--tokens", str(demo / "tokens"),
-                     "--extra", f"attn:matrix/3={tmp / 'attn'}"])
-    assert code == 0
-    return cache
-
-
 def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extra_and_audits_exact(
         demo_cache: Path, tmp_path: Path) -> None:
-    cache = _attention_cache(demo_cache, tmp_path)
+    cache = attention_cache(demo_cache, tmp_path)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({
         "cache_dir": str(cache),

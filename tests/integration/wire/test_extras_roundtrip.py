@@ -105,7 +105,9 @@ def test_extras_of_every_kind_arrive_bit_exact_in_plan_order_through_a_producer_
             assert arrays[key].dtype == value.dtype and arrays[key].tobytes() == value.tobytes(), (bid, key)
 
 
-def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("token_axis", ["bucket", "longest"])
+def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cache: Path, tmp_path: Path,
+                                                                      token_axis: str) -> None:
     endpoint = f"ipc://{tmp_path}/d.sock"
     steps = 6
     mapping = {"cache_dir": str(extras_cache), "n_mels": 16, "buckets": {"num_buckets": 2, "batch_size": 4},
@@ -118,20 +120,31 @@ def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cac
     with Consumer(cfg) as feed:
         keys = feature_keys(feed)
         assert {"duration", "energy", "ref", "ref_len", "speaker", "spk_emb", "rows", "row_mask"} <= set(keys)
+        if token_axis == "longest":     # the cut reads the lengths it needs even when features leaves them out
+            keys = tuple(k for k in keys if k not in ("tok_len", "ref_len"))
         group = procs.start("producer", config, tmp_path / "p.log", "--producers", "1")
         try:
-            for features, mel in feed.as_dataset(features=keys, prefetch_device=None):
+            for features, mel in feed.as_dataset(features=keys, prefetch_device=None, token_axis=token_axis):
                 got.append(({k: v.numpy().copy() for k, v in features.items()}, mel.numpy().copy()))
         finally:
             procs.stop(group)
         manifest, plan, buckets = feed.manifest, feed.plan, feed.bucket_set.buckets
     assert [int(f["batch_id"][0]) for f, _ in got] == list(range(steps))
+    narrowed = 0
     for features, mel in got:
+        assert list(features) == list(keys)
         planned = plan.batch(int(features["batch_id"][0]))
         want = _expected(manifest, buckets[planned.bucket], planned.sample_ids)
+        if token_axis == "longest":     # tokens and the token extra to max(tok_len), the sequence to max(ref_len)
+            longest, ref_longest = int(want["tok_len"].max()), int(want["ref_len"].max())
+            want = {**want, "tokens": want["tokens"][:, :longest], "duration": want["duration"][:, :longest],
+                    "ref": want["ref"][:, :ref_longest]}
+            narrowed += longest < buckets[planned.bucket].shapes()["tokens"][1]
         assert mel.tobytes() == want["mel"].tobytes()
         for key in want:
-            if key != "mel":
-                assert features[key].dtype == want[key].dtype and features[key].tobytes() == want[key].tobytes(), key
+            if key in keys and key != "mel":
+                assert features[key].dtype == want[key].dtype and features[key].shape == want[key].shape, key
+                assert features[key].tobytes() == want[key].tobytes(), key
         assert int(features["rows"]) == len(planned.sample_ids)
         assert features["row_mask"].tolist() == [r < len(planned.sample_ids) for r in range(len(mel))]
+    assert token_axis == "bucket" or narrowed > 0       # some batch's longest row is narrower than its bucket

@@ -18,7 +18,7 @@ EXTRAS = (ExtraSpec("speaker", "utterance", "int32"), ExtraSpec("energy", "frame
 
 def _consumer(*buckets: Bucket) -> Any:
     return SimpleNamespace(cfg=SimpleNamespace(n_mels=4), bucket_shapes=tuple(b.shapes() for b in buckets),
-                           bucket_set=SimpleNamespace(buckets=buckets))
+                           bucket_set=SimpleNamespace(buckets=buckets), extras=buckets[0].extras)
 
 
 def test_extras_are_features_with_their_dtypes_and_bucket_varying_dims_unknown() -> None:
@@ -49,3 +49,23 @@ def test_features_given_as_one_string_is_one_key_and_the_error_names_the_unknown
 def test_a_float16_wire_gives_the_element_spec_a_float16_mel() -> None:
     feats, mel = _spec(_consumer(Bucket(0, 2, 8, 3, 4, mel_dtype="float16")), ("tokens",), None)
     assert mel == tf.TensorSpec((None, None, 4), tf.float16, name="mel") and feats["tokens"].dtype == tf.int32
+
+
+def test_the_longest_token_axis_leaves_the_cut_dimension_unknown_even_when_every_bucket_has_one_width() -> None:
+    extras = (*EXTRAS, ExtraSpec("attn", "matrix", "float16", (), 3), ExtraSpec("dur", "token", "int32"))
+    feed = _consumer(Bucket(0, 2, 9, 3, 4, extras=extras, seq_lengths=(5,)))
+    keys = ("tokens", "energy", "ref", "attn", "dur", "speaker")
+    bucket, _ = _spec(feed, keys, None)
+    feats, _ = _spec(feed, keys, None, extras)
+    assert {k: tuple(v.shape) for k, v in bucket.items()} == {
+        "tokens": (None, None), "energy": (None, 9), "ref": (None, 5, 2), "attn": (None, 3, 3), "dur": (None, 3),
+        "speaker": (None,)}
+    assert {k: tuple(v.shape) for k, v in feats.items()} == {
+        "tokens": (None, None), "energy": (None, 9), "ref": (None, None, 2), "attn": (None, None, 3),
+        "dur": (None, None), "speaker": (None,)}
+
+
+def test_a_token_axis_that_is_not_bucket_or_longest_is_one_clear_value_error() -> None:
+    from melfeed.consumer.dataset import make_dataset
+    with pytest.raises(ValueError, match=r"^token_axis must be one of \['bucket', 'longest'\], got 'shortest'$"):
+        make_dataset(_consumer(Bucket(0, 2, 8, 3, 4)), False, ("tokens",), token_axis="shortest")

@@ -18,7 +18,7 @@ from melfeed.shared.errors import ConfigError, StepError   # ConfigError: exit 7
 from melfeed.shared.wire.buckets import Bucket, build_buckets
 from melfeed.shared.wire.schema import ExtraSpec
 from tests.attention_data import R
-from tests.tts_models import tacotron_step, uncut_tacotron_step
+from tests.tts_models import FIT_FEATURES, TacotronFit, tacotron_step, uncut_tacotron_step
 
 DUR = ExtraSpec("dur", "token", "int32")
 REF = ExtraSpec("ref", "sequence", "float16", (2,))
@@ -99,6 +99,18 @@ def test_a_masked_bilstm_encoder_trains_with_the_cut_and_fails_in_graph_mode_wit
     uncut = CompiledStep(uncut_tacotron_step(spec), [shapes], jit_compile=False, extras=(ATTN,), factory="uncut")
     with pytest.raises(StepError, match="fails in graph mode on the warm-up batch"):
         uncut.warm_up(_warm(batch))
+
+
+def test_keras_fit_of_the_same_model_fails_in_graph_mode_on_the_buckets_token_width() -> None:
+    """The bucket's width is what ``as_dataset(token_axis="bucket")`` gives it; on the cut it trains
+    (tests/integration/library/test_fit_token_cut.py)."""
+    import keras
+    batch = _batch([6, 4, 3, 5], [1, 1, 1, 1])
+    bucket = tf.data.Dataset.from_tensors(({k: tf.constant(batch[k]) for k in FIT_FEATURES}, tf.constant(batch["mel"])))
+    model = TacotronFit(StepSpec(8, 20, 0.01, False, 1))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=False)       # graph mode, as on the CPU
+    with pytest.raises(tf.errors.InvalidArgumentError, match="lstm"):             # the encoder's narrower mask
+        model.fit(bucket, verbose=0, shuffle=False)
 
 
 def test_a_bad_token_axis_or_frame_multiple_is_one_line_naming_model_step() -> None:
