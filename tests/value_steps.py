@@ -41,6 +41,10 @@ class _PositiveStep(_TinyStep):
 
 
 class _DurationCostStep(_TinyStep):
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__(spec)
+        self.frames_per_matmul = int(spec.params.get("frames_per_matmul", _FRAMES_PER_MATMUL))   # smaller: costlier
+
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
                  duration: tf.Tensor) -> tf.Tensor:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
@@ -50,7 +54,7 @@ class _DurationCostStep(_TinyStep):
         def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             return i + 1, tf.tanh(tf.matmul(acc, x))
 
-        _, acc = tf.while_loop(lambda i, acc: i < frames // _FRAMES_PER_MATMUL, body, (tf.constant(0), x))
+        _, acc = tf.while_loop(lambda i, acc: i < frames // self.frames_per_matmul, body, (tf.constant(0), x))
         return loss + 0.0 * tf.reduce_mean(acc)   # depends on the decoder, so it must run
 
 
