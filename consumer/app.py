@@ -10,7 +10,7 @@ finished or stopped by a signal, 1 unexpected failure, 65 too many quarantined r
 
 Both read this consumer's rank and the world size first (``--tf-config FILE``, else ``TF_CONFIG``,
 else rank 0 of 1; ``shared/service/tf_config.py``): the state directory, the plan and the leases are
-then this rank's share (docs/ARCHITECTURE.md "Ranks"). With a world above 1 the built-in loop trains
+then this rank's share (docs/design.md "Ranks"). With a world above 1 the built-in loop trains
 under ``MultiWorkerMirroredStrategy``: the strategy is built (``consumer/job/cluster.py``) before the
 state directory is opened, and the ranks agree there, with one collective, on the checkpoint every
 rank resumes from; only then does the consumer bind and lease from that checkpoint's next batch.

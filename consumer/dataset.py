@@ -11,7 +11,7 @@ too).
 Shapes per element are one of the bucket shapes (batch and time dims are ``None`` in the spec, so a
 ``tf.function`` traces once per bucket), or the largest bucket's when ``single_shape`` (then the spec
 is fully static, T included).
-How (one Python call per element; docs/BENCHMARKS.md, "as_dataset() CPU per batch"): the dataset is
+How (one Python call per element; docs/performance.md, "as_dataset() CPU per batch"): the dataset is
 tf.data's own generator dataset (what ``from_generator`` builds, without its per-element structure
 checks and one tensor per array): per iterator an init call (``begin``: supersede the previous
 iterator), per element a stateful ``numpy_function`` (``next``) that hands TensorFlow two arrays, the
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 # Private, but it is the op ``from_generator`` is made of (init / next / finalize per iterator, end by
-# StopIteration); the public function adds ~1 ms of Python checks per element (docs/BENCHMARKS.md).
+# StopIteration); the public function adds ~1 ms of Python checks per element.
 from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
 from melfeed.consumer.train.axes import TOKEN_AXES, cut_names, cut_to_longest, program_inputs

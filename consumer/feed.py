@@ -3,7 +3,7 @@ consumer/README.md, "Using your own training loop").
 
 Owns the ring, the lease book, the receiver thread and, with ``producers=N``, the producer group
 (``consumer/producer_group.py``). Batches are handed out and applied strictly in plan order
-(docs/ARCHITECTURE.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
+(docs/design.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
 read-ahead may hold a few handed out, not yet applied); one whose iterator was dropped before consuming it is
 handed out again, first. ``consumer/handout.py`` keeps that book, consumer/README.md ("Exactly once on the
 library path") states the rules. Shapes, schema and epoch length are properties available before ``start()``;
@@ -392,9 +392,9 @@ class Consumer:
 
     @property
     def connections_cut(self) -> int:
-        """Connections cut at ``transport.max_connections`` (docs/ARCHITECTURE.md "Trust")."""
+        """Connections cut at ``transport.max_connections`` (docs/security.md "Hostile peers")."""
         return self._receiver.connections_cut
 
     def in_flight_bound_bytes(self, producers: int) -> int:
-        """docs/ARCHITECTURE.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
+        """docs/design.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
         return (self.ring.n_slots + producers * self.cfg.transport.lease_window) * self.bucket_set.max_batch_nbytes()

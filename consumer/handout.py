@@ -4,7 +4,7 @@ Role: ``Handout`` is the pure bookkeeping behind ``Consumer.batches()`` and ``Co
 (no ring, no sockets, no TensorFlow): the one iterator allowed to hand batches out (the newest;
 older ones are superseded), the batch it holds unapplied, the batches to hand out again first,
 and the ids applied so far. The rules it keeps are stated in consumer/README.md ("Exactly once on
-the library path") and docs/ARCHITECTURE.md, invariant 3.
+the library path") and docs/design.md, invariant 3.
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).

@@ -4,8 +4,8 @@ Role: the per-row cost of the producer's build. A row read as numpy work -- a ro
 a byte cast, a dtype check, a ``dst[n:] = 0`` -- costs about 2 us per file, more than the
 ``preadv`` of a small file (about 1.8 us on the 2-core development machine). ``RowBytes`` does the
 checks and the byte cast once per array per build; a row is then a slice of one flat memoryview,
-and its padding tail is zeroed by copying from a shared zero buffer (docs/BENCHMARKS.md
-"Producer build (2026-11-24)"). ``HeadViews`` is the header buffer both readers read a file's
+and its padding tail is zeroed by copying from a shared zero buffer (docs/performance.md
+"Producer build"). ``HeadViews`` is the header buffer both readers read a file's
 ``.npy`` header into, ahead of its data.
 
 Invariants:

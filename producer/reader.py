@@ -4,7 +4,7 @@ Role: the producer's only reader of ``mels/`` and ``tokens/``. Each read is one
 ``os.preadv`` of the header and of the data (at the offset recorded in the manifest, straight into
 a view of the batch buffer): no temporary array (float32 mels and int32 tokens), no copy, and a
 header parse only the first time a process reads a file. This is the fastest method measured
-(docs/ARCHITECTURE.md "The path of one batch"; docs/BENCHMARKS.md "Where the time goes").
+(docs/design.md "The path of one batch"; docs/performance.md "Producer build").
 
 Invariants:
 - A read either fills ``dst[:n]`` with the file's first ``n`` rows and zeroes ``dst[n:]``

@@ -17,7 +17,7 @@ no nonce is older: every WELCOME starts the session over, as it did).
 The consumer's plan ended (its HB says ``done``): drop the leases, and either leave with BYE and exit 0
 (``exit_at_plan_end``, set by ``run``) or say BYE and wait for the next consumer (systemd, by hand);
 that consumer's epoch is never joined again (its WELCOME is answered with BYE, the back-off goes on).
-Invariants: only leases of the joined epoch are ever built (docs/ARCHITECTURE.md, invariant 2), the
+Invariants: only leases of the joined epoch are ever built (docs/design.md, invariant 2), the
 pending queue never holds a batch id twice, and every timer is a due time compared with ``now_s``
 (invariant 6: the worker's waits are bounded by ``poll_timeout_s``).
 Shutdown: ``fail`` records why the process is about to exit non-zero; ``farewell`` is the BYE to send

@@ -3,7 +3,7 @@
 A lease on the shared-memory path names a slot file in the WELCOME's ``shm_dir``; the producer maps
 it once (``MAP_SHARED``, read-write) and the assembler builds the batch straight into typed views of
 that mapping, laid out exactly as the consumer's slot (``shared/wire/layout.py``).
-Trust (docs/ARCHITECTURE.md "Trust"): whoever answers at the endpoint names the directory and the
+Trust (docs/security.md "Which consumer a producer trusts"): whoever answers at the endpoint names the directory and the
 file, so nothing is opened on its word. A file is mapped only when the WELCOME's directory is, resolved,
 the one this producer derives from its own config (``melfeed.shared.wire.same_host.resolve_shm_dir``), the name
 is a slot name of the lease's slot and generation, and the file, opened with ``O_NOFOLLOW``, is (``fstat``

@@ -8,9 +8,9 @@ path, else a send buffer) and sending it. ``ERR PROTO``/``ERR CONTRACT`` and a b
 failure to build exits 1 (the supervisor restarts it).
 Errors cross the process boundary as data: before exiting non-zero the worker sends
 ``Bye(epoch, exit_code, "<ExceptionType>: <message>")`` so the consumer logs why (best-effort: NOBLOCK,
-and the socket lingers at most ``_BYE_LINGER_MS`` for it; docs/ARCHITECTURE.md, invariant 6).
-Trust (docs/ARCHITECTURE.md "Trust"): for an ``ipc://PATH`` endpoint the DEALER connects only once the
-socket file is a socket owned by our effective uid or root, and a WELCOME (a new consumer epoch, or a
+and the socket lingers at most ``_BYE_LINGER_MS`` for it; docs/design.md, invariant 6).
+Trust (docs/security.md "Which consumer a producer trusts"): for an ``ipc://PATH`` endpoint the DEALER
+connects only once the socket file is a socket owned by our effective uid or root, and a WELCOME (a new consumer epoch, or a
 repeat) is taken only if that still holds (the file may have been replaced since); otherwise that consumer is
 refused with one WARNING naming the path and the owner, and HELLO goes on with its back-off as if no
 consumer had answered. Slot files are checked in ``producer/slot_maps.py``.
@@ -160,7 +160,7 @@ class ProducerWorker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
-        # No ROUTING_ID: the consumer's ROUTER assigns a fresh one per connection (docs/ARCHITECTURE.md "Trust").
+        # No ROUTING_ID: the consumer's ROUTER assigns a fresh one per connection (docs/security.md "Identity").
         if self.cfg.curve is not None:
             self.cfg.curve.apply(sock)
         try:

@@ -114,7 +114,7 @@ class TransportConfig:
     lease_backoff_s: float = 60.0          # ... and gets no leases for this long (a delivery resets the count)
     checksum: bool | None = None           # crc32 on payloads; None = only for tcp without CURVE (resolve_checksum)
     connect_backoff_max_s: float = 5.0     # producer re-HELLO back-off ceiling while no consumer answers
-    # Descriptor bound of the consumer's endpoint (docs/ARCHITECTURE.md "Trust"): connections beyond
+    # Descriptor bound of the consumer's endpoint (docs/security.md "Hostile peers"): connections beyond
     # max_connections are cut as they are accepted; one that has not finished its ZeroMQ/CURVE
     # handshake after handshake_timeout_s is dropped by libzmq (ZMQ_HANDSHAKE_IVL).
     max_connections: int = 64              # open connections to transport.endpoint (producers + spare)

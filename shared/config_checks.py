@@ -285,7 +285,7 @@ def resolve_checksum(checksum: bool | None, endpoint: str, insecure: bool) -> bo
     Poly1305 tag that libzmq checks before delivery, so a corrupted payload never arrives and a crc32
     (about 3 ms per 9 MB batch on each side) would only repeat that check. On ipc the bytes never
     leave the host's memory (a Unix socket, or the producer's write into the shared slot), where a
-    checksum finds no corruption a memory error would not also cause elsewhere (docs/ARCHITECTURE.md,
+    checksum finds no corruption a memory error would not also cause elsewhere (docs/design.md,
     "Wire protocol"). ``true`` turns it on everywhere, ``false`` off everywhere.
     """
     if checksum is not None:

@@ -10,7 +10,7 @@ or plant a symbolic link or a file where melfeed reads or writes (the /tmp symli
   allow-list and server key (``untrusted_reason`` judges the object), secret keys
   (``private_file_reason``), and every file written at a user's path (``shared/output_files.py``).
 - ``make_dirs`` creates directories with the mode asked for, not the umask's default.
-docs/ARCHITECTURE.md "Trust".
+docs/security.md "Files".
 Invariants:
 - ``untrusted_reason`` accepts only an object owned by this user (effective uid) or root that neither
   its group nor others can write to; ``private_file_reason`` only a regular file of this user or root

@@ -4,7 +4,7 @@ No TensorFlow here: the consumer applies the value before TensorFlow is first im
 (``melfeed.consumer.placement``); the config validates it with ``check_gpu_list``. Every process that sets
 ``CUDA_VISIBLE_DEVICES`` sets it with ``gpu_env``: CUDA's default order is fastest first, while nvidia-smi and
 NVML number the GPUs by PCI bus id, so an index means the same GPU to CUDA, NVML and the operator only
-under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (docs/ARCHITECTURE.md "GPU placement").
+under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (docs/design.md "GPU placement").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Role: pure arithmetic over step records (no clock of its own, no I/O), so the same numbers feed the
 status line, the summary and tests with hand-computed values. One record per applied batch:
 ``StepRecord(end_s, wait_s, step_s, rows, real_frames, padded_frames, queue_depth)``.
-Definitions (docs/ARCHITECTURE.md; consumer/README.md "Metrics"), over the records whose ``end_s`` falls in the
+Definitions (docs/design.md; consumer/README.md "Metrics"), over the records whose ``end_s`` falls in the
 window ``(now - window_s, now]``:
     * wall = now - (end_s of the oldest record - its wait_s - its step_s), the span they cover;
     * stall % = 100 * sum(wait_s) / wall;
@@ -14,7 +14,7 @@ window ``(now - window_s, now]``:
       time the same compiled step needs for the same bucket sequence on batches already resident on its
       device (no loader at all), over the time the fed loop took; = batches/s / resident steps/s. 1.0 is
       the limit no loader can beat. None (not measured yet) before ``feed_min_steps`` records
-      (``FEED_EFFICIENCY_MIN_STEPS``, docs/ARCHITECTURE.md "Feed efficiency" says why that many), and when a
+      (``FEED_EFFICIENCY_MIN_STEPS``, docs/design.md "Feed efficiency" says why that many), and when a
       record has no ``resident_s`` (the limit was not measured).
 Feed efficiency goals (``feed_efficiency_goal``): >= 0.95 on a CPU step, >= 0.98 on a GPU step.
 Invariants: memory is bounded by ``max_records`` (the oldest are dropped first).
@@ -38,7 +38,7 @@ PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
 PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
 FEED_EFFICIENCY_GOAL_CPU = 0.95  # a CPU step shares its cores with the hand-off
 FEED_EFFICIENCY_GOAL_GPU = 0.98  # a GPU step: the copy overlaps, only the dispatch is left
-FEED_EFFICIENCY_MIN_STEPS = 100  # fed steps before feed efficiency is reported (docs/ARCHITECTURE.md)
+FEED_EFFICIENCY_MIN_STEPS = 100  # fed steps before feed efficiency is reported (docs/design.md)
 
 
 def feed_efficiency_goal(on_gpu: bool) -> float:

@@ -10,7 +10,7 @@ Role: ``--metrics-file``, ``--summary-json``, ``--json`` (bench, doctor, audit, 
 - in a directory other users can create files in (sticky, as /tmp) an existing file must be this
   user's with one link (Linux's ``protected_regular``; no hard link to another file);
 - a directory that gets many files must be writable by no other user at all (``output_dir_reason``).
-docs/ARCHITECTURE.md "Trust".
+docs/security.md "Files".
 Invariants:
 - A file created by ``open_output`` is ``OUTPUT_FILE_MODE`` (0640) or stricter (the mode goes to
   ``open(2)``; the umask can only remove bits); an existing one keeps its mode and owner. ``create_new``

@@ -2,7 +2,7 @@
 
 Producer ids, ERR/BYE reasons and anything else from a HELLO are chosen by the peer. Written as they
 are, a newline forges a log line (``evil\\nINFO forged``), an ANSI sequence (``\\x1b[2J``) rewrites the
-operator's terminal, and a megabyte id floods the journal (docs/ARCHITECTURE.md, invariant 7).
+operator's terminal, and a megabyte id floods the journal (docs/design.md, invariant 7).
 Invariant: the result holds only printable characters, has at most ``max_chars`` characters, and is
 unchanged by a second pass (escapes are printable), so escaping at the source and again where the
 text is shown is harmless.

@@ -2,7 +2,7 @@
 
 Role: ``read_config_file`` is the only code that turns a config file's bytes into the mapping
 ``melfeed.shared.config.load_config`` validates. On a shared box the file can be anything, so before any
-value is trusted (docs/ARCHITECTURE.md, invariant 7):
+value is trusted (docs/design.md, invariant 7):
 
 - it must be a regular file (a FIFO would block the open, ``/dev/zero`` would never end), read
   with ``O_NONBLOCK`` and at most ``MAX_CONFIG_BYTES``;

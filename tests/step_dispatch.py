@@ -1,4 +1,4 @@
-"""Host cost of one ``CompiledStep.run`` on a step so small that dispatch dominates (docs/BENCHMARKS.md).
+"""Host cost of one ``CompiledStep.run`` on a step so small that dispatch dominates (docs/performance.md).
 
 ``python -m tests.step_dispatch [--calls N] [--blocks K]``: compiles ``tests.steps.tiny_step`` for one tiny
 bucket in graph mode and XLA, then times K blocks of N calls of ``run`` (CPU: each call returns when the

@@ -7,7 +7,7 @@ iterating ``batches()`` (the receiver thread plus the loop: the floor), once ite
 reads the arrays (a step reads them inside its own program), so the difference is the hand-over
 itself: the tf.data machinery and any copy it makes. Prints one JSON line with the
 trainer's CPU ms per batch (``getrusage(RUSAGE_SELF)``; producers are children, not counted) for
-both and their difference, measured after ``--warmup`` batches. docs/BENCHMARKS.md cites it.
+both and their difference, measured after ``--warmup`` batches. docs/performance.md cites it.
 Invariants: both loops see the same batches (same seed, same plan positions); TensorFlow is
 imported before either window opens, so its import is in neither.
 Shutdown: the producer group is stopped (SIGTERM ladder) in ``finally`` after each loop.

@@ -1,7 +1,7 @@
 """TensorFlow's GPU hand-off emulated in PyTorch, and the JAX step calibration, for ``gpu_probe``.
 
 Role: on a GPU machine without TensorFlow, put numbers on what TensorFlow's semantics do to a training loop
-(docs/ARCHITECTURE.md "The GPU hand-off"): the same synthetic step fed three ways from ring slots (``MAP_SHARED``
+(docs/design.md "The path of one batch"): the same synthetic step fed three ways from ring slots (``MAP_SHARED``
 mappings of /dev/shm files, as the consumer's ring is):
     * ``serial``: a blocking copy from the pageable slot on the step's stream (TensorFlow's eager copy is
       ordered after the queued compute and the host waits for it), then the previous step's loss read to the

@@ -1,6 +1,6 @@
 """``python -m melfeed.consumer.bench.gpu_probe --out DIR``: the GPU half measured on a machine without TensorFlow.
 
-Role: one prepared run for a GPU machine that has PyTorch, JAX and NVML but no TensorFlow (docs/BENCHMARKS.md
+Role: one prepared run for a GPU machine that has PyTorch, JAX and NVML but no TensorFlow (docs/performance.md
 "The GPU hand-off on a real GPU" gives the command and how to carry melfeed and pyzmq there). Stages, each
 written to its own JSON file in ``--out`` as soon as it ends, so a run cut short still reports what it measured:
     * ``env.json``: the GPU (name, UUID, PCI bus id, PCIe link generation and width, current and max, MIG mode),

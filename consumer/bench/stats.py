@@ -27,7 +27,7 @@ _STALL_GOAL_PCT = 1.0
 _RATE_GOAL = 1.5            # melfeed max rate >= this x the best tuned tf.data
 _TRAINER_CPU_GOAL = 0.35    # melfeed trainer CPU per batch <= this x tuned tf.data's
 _COPY_GOALS = {"shm": 1.0, "zmq": 3.0, "tcp": 3.0}   # payload copies per batch, at most
-# Toward the memory-bandwidth limit, 1 producer (docs/BENCHMARKS.md "Goals"): transport -> (rate x, CPU x).
+# Toward the memory-bandwidth limit, 1 producer (docs/performance.md "Method"): transport -> (rate x, CPU x).
 # The payload path's pair (ipc or tcp under CURVE) equals the general goals above; shared memory's is stricter.
 _ONE_PRODUCER_GOALS = {"shm": (2.5, 0.1), "zmq": (_RATE_GOAL, _TRAINER_CPU_GOAL), "tcp": (_RATE_GOAL, _TRAINER_CPU_GOAL)}
 _MEMCPY_GOAL = 0.5          # shared-memory transport GB/s >= this x memcpy GB/s (same trial)

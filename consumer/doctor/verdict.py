@@ -103,7 +103,7 @@ def weighted_ms(per_bucket_ms: tuple[float, ...], mix: tuple[float, ...]) -> flo
 
 
 def memory_bound_bytes(ring_slots: int, producers: int, lease_window: int, largest_batch_bytes: int) -> int:
-    """docs/ARCHITECTURE.md invariant 4, as the consumer logs it: (ring slots + Σ lease windows) x largest batch."""
+    """docs/design.md invariant 4, as the consumer logs it: (ring slots + Σ lease windows) x largest batch."""
     return (ring_slots + producers * lease_window) * largest_batch_bytes
 
 

@@ -1,7 +1,7 @@
 """Lease accounting: which batch ids are leased to which producer, and until when.
 
 Pure logic (no sockets, no clocks: callers pass ``now_s``). Credits are leases of concrete batch
-ids (docs/ARCHITECTURE.md, invariant 2): a producer may only deliver ids leased to it in this consumer epoch.
+ids (docs/design.md, invariant 2): a producer may only deliver ids leased to it in this consumer epoch.
 Invariants:
   * every batch id >= ``start_id`` is in exactly one of: never issued, reissue queue, active
     lease, received (until applied);

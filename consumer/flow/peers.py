@@ -4,7 +4,7 @@ Invariant: a routing id is in the table only between a valid HELLO and its remov
 expiry, BYE, unreachable, flood, or a HELLO that is not a repeat of its join: ``PeerInfo.is_same_join``).
 ``seen`` counts distinct producer ids ever joined.
 A peer that let ``limit`` leases in a row expire is benched (no leases) for a back-off period; a
-delivered batch resets its count (docs/ARCHITECTURE.md "Trust").
+delivered batch resets its count (docs/security.md "Hostile peers").
 """
 
 from __future__ import annotations

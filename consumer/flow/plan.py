@@ -1,4 +1,4 @@
-"""Epoch plan: which manifest samples form batch ``b``, and in which bucket (docs/ARCHITECTURE.md, invariant 1).
+"""Epoch plan: which manifest samples form batch ``b``, and in which bucket (docs/design.md, invariant 1).
 
 Role: the consumer's single source of truth for data order. The plan is a pure function of
 (bucket set, manifest fingerprint, seed, epoch). It never depends on how many producers run, on

@@ -1,4 +1,4 @@
-"""Counting and rate-limited logging of rejected messages (docs/ARCHITECTURE.md, invariant 7).
+"""Counting and rate-limited logging of rejected messages (docs/design.md, invariant 7).
 
 Pure bookkeeping with an injected clock value; the receiver owns one instance and is its only
 writer (``snapshot``/``peer_snapshot`` may be called from any thread: they copy plain dicts).

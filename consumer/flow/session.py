@@ -12,7 +12,7 @@ a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a l
 A BATCH is taken in two steps because its payload is received straight into a ring slot:
 ``on_message`` returns a ``BatchIntake`` (the lease and its slot), the shell fills or checks the slot,
 then calls ``on_batch_taken`` or ``on_batch_refused``.
-Invariants (docs/ARCHITECTURE.md, invariants 2, 3 and 7): only leased ids are accepted; every
+Invariants (docs/design.md, invariants 2, 3 and 7): only leased ids are accepted; every
 message not taken is counted once -- as a reject (answered by exactly one ERR), a duplicate, or,
 from a peer blocked for flooding, FLOOD (dropped unread, unanswered).
 Threads: one writer (the receiver thread); ``stats()`` and ``queue_depth()`` may be read from any

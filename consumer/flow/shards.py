@@ -1,6 +1,6 @@
 """The plan sharded by rank: global step ``s`` is ``world`` batches of one bucket, one per rank.
 
-Role: the data order of a multi-worker job (docs/ARCHITECTURE.md, invariant 1 and "Ranks"). The
+Role: the data order of a multi-worker job (docs/design.md, invariant 1 and "Ranks"). The
 sharded plan is a pure function of (bucket set, manifest fingerprint, seed, epoch, world size), never
 of the producer count or of timing. Rank ``r`` applies, at its own step ``s``, the batch of rank ``r``
 in global step ``s``; every rank runs the same bucket (the same compiled shape) at the same step.

@@ -2,7 +2,7 @@
 
 Pure bookkeeping over a ``SlotFiles`` (the ring's slot files, ``melfeed.consumer.transport.shm_slots.ShmSlots``
 in production, a fake in tests): no sockets, no clocks. The receiver session owns one instance.
-Invariants (docs/ARCHITECTURE.md, invariants 2 and 3):
+Invariants (docs/design.md, invariants 2 and 3):
   * a slot is in the table exactly while it is LEASED to a producer that builds in it, mapped to the
     generation its lease named;
   * an shm lease takes a batch only from its own producer, naming that slot and generation

@@ -1,6 +1,6 @@
 """This consumer as one worker of ``tf.distribute.MultiWorkerMirroredStrategy``: start, agree, lose a peer.
 
-Role: the TensorFlow side of a multi-worker job (docs/ARCHITECTURE.md, "Ranks"). ``start_job`` builds
+Role: the TensorFlow side of a multi-worker job (docs/design.md, "Ranks"). ``start_job`` builds
 the strategy from the ``TF_CONFIG`` the consumer already resolved (``shared/service/tf_config.py``;
 ``--tf-config FILE`` is exported as ``TF_CONFIG`` first), before any other TensorFlow op initialises
 the runtime; ``Job.agree`` is the collective that picks the checkpoint every rank resumes from
@@ -225,7 +225,7 @@ def server_error(err: BaseException, place: WorkerPlace) -> ConfigError | None:
 def collective_implementation(gpus: Sequence[object]) -> str:
     """The ``CommunicationImplementation`` member for a worker whose TensorFlow sees ``gpus``: NCCL on GPUs, RING
     on the CPU. The strategy's default, AUTO, reaches the collective runtime as the hint "auto", which it
-    resolves to RING on GPUs too (docs/ARCHITECTURE.md "Collectives"); NCCL has no CPU kernels."""
+    resolves to RING on GPUs too (docs/design.md "GPU placement"); NCCL has no CPU kernels."""
     return "NCCL" if gpus else "RING"
 
 

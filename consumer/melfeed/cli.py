@@ -98,7 +98,7 @@ def _setup_logging(flag: str | None) -> None:
 
 def console_main() -> None:
     """The ``melfeed`` script and ``python -m melfeed``: TensorFlow's import without JAX and matplotlib (1-1.5 s
-    of CPU less per process; docs/BENCHMARKS.md) and quiet (``shared/service/lean_tensorflow.py``), then
+    of CPU less per process; docs/performance.md) and quiet (``shared/service/lean_tensorflow.py``), then
     :func:`main`."""
     from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")   # every child inherits it (shared/gpu_select.py)

@@ -1,7 +1,7 @@
 """A small HTTP server for ``/metrics``: one thread, a bounded number of connections, bounded requests.
 
 Why not prometheus_client's own server: it starts a thread per connection, so 200 half-open
-connections to the metrics port gave the consumer 229 threads (docs/ARCHITECTURE.md "Trust").
+connections to the metrics port gave the consumer 229 threads (docs/security.md "Hostile peers").
 Here one thread runs a ``selectors`` loop over the listening socket and every open connection:
 * at most ``max_connections`` are open; accepting one more closes the oldest (a client that is
   still sending its request after everyone else is the one to drop), so held connections never lock

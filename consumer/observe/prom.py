@@ -9,7 +9,7 @@ lists every name); a consumer that is one rank of a multi-worker job (world > 1)
 sample, so the ranks' scrapes never collide in one Prometheus. A figure that is not known yet (null in the snapshot) is left out of the scrape.
 prometheus_client is optional (extra ``metrics``) and imported only here, only when a port is given.
 It renders the exposition; ``http_metrics.MetricsHttpServer`` serves it (one thread, at most
-``_MAX_HTTP_CONNECTIONS`` connections, ``_REQUEST_TIMEOUT_S`` per request: docs/ARCHITECTURE.md "Trust").
+``_MAX_HTTP_CONNECTIONS`` connections, ``_REQUEST_TIMEOUT_S`` per request: docs/security.md "Hostile peers").
 Shutdown: ``close()`` stops the server and joins its thread (bounded); idempotent.
 """
 

@@ -1,6 +1,6 @@
 """What a consumer says once it is bound: endpoint, buckets, the partial-batch drop, the in-flight memory bound.
 
-Role: the INFO lines ``Consumer.start()`` logs (docs/ARCHITECTURE.md, invariant 4: the consumer computes
+Role: the INFO lines ``Consumer.start()`` logs (docs/design.md, invariant 4: the consumer computes
 and logs its memory bound at start). They go to the caller's logger, ``melfeed.consumer.feed``, the name the
 README quotes them under. Pure formatting over the consumer's properties; no state, no threads.
 """

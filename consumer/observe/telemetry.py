@@ -155,7 +155,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         "checkpoint_failures": checkpoint_failures, "connections_cut": connections_cut,
         "feed_efficiency": _num(f.feed_efficiency) if f and f.feed_efficiency is not None else None,
         "hello_repeats": rs.hello_repeats,
-        # useful work = feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter")
+        # useful work = feed efficiency x padding efficiency (docs/design.md, "Feed efficiency")
         "useful_work": _num(f.feed_efficiency * f.padding_efficiency) if f and f.feed_efficiency is not None else None,
     }
 

@@ -1,6 +1,6 @@
 """The applied-batch audit log and ``melfeed audit STATE_DIR``.
 
-Role: after the fact, anyone can check docs/ARCHITECTURE.md invariant 3 (every planned batch applied exactly
+Role: after the fact, anyone can check docs/design.md invariant 3 (every planned batch applied exactly
 once, in plan order) from the state directory alone. The consumer appends one fixed-width record
 per applied batch *after* the step that read it finished::
 

@@ -2,7 +2,7 @@
 
 Role: the state directory, ``.lock``, ``run.json``, ``audit.log`` and every checkpoint are created
 through these helpers, so other local users can neither read the trained variables nor the data
-order, whatever umask the process was started with (docs/ARCHITECTURE.md, "Deployment"; a shell or a
+order, whatever umask the process was started with (docs/security.md, "Files"; a shell or a
 test runner may run with umask 000, and systemd's ``UMask=0027`` only covers the units).
 
 Invariants:

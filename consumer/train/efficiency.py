@@ -4,7 +4,7 @@ Role: after warm-up, time the loop's own programs (``PackedSteps``, consumer/tra
 batch region per bucket that is already resident on the step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``melfeed.shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
-divided by resident steps/s for the same bucket sequence (docs/ARCHITECTURE.md "Feed efficiency").
+divided by resident steps/s for the same bucket sequence (docs/design.md "Feed efficiency").
 Method: per bucket one untimed step, then per bucket ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks
 of consecutive steps, the buckets' blocks taken in turns (every bucket's first block, then every bucket's
 second, ...), so each bucket's blocks span the whole measurement and a change of load during it reaches

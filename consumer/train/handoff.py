@@ -8,7 +8,8 @@ per batch, into device memory because the dtype is uint8); with replicas each re
 array, on the replica's own device. ``step`` dispatches the bucket's packed program
 (consumer/train/device/packed.py), which cuts the region into the arrays and accumulates the named outputs
 on the device; ``wait`` reads nothing: the loop reads the accumulators once per interval
-(docs/ARCHITECTURE.md "The TensorFlow hand-off": which stream each copy runs on and what waits for what).
+(docs/design.md "The path of one batch", "The TensorFlow hand-off": which stream each copy runs on and
+what waits for what).
 Invariants:
     * On the CPU the region tensor aliases the slot: ``Staged.copied`` is None, the slot is freed when
       the step completed, which is when its dispatch returned (eager execution on the CPU is synchronous).

@@ -8,7 +8,7 @@ the full global batch, so the loop and its ``CompiledStep.run(bucket, batch)`` i
 
 What the loop's call does (``run_parts``, inside the packed program of consumer/train/device/packed.py):
 each replica's rows arrive already on its device, one uint8 piece per array per replica cut from the slot
-by the hand-off (``PackedSteps.stage``; docs/ARCHITECTURE.md "The path of one batch" says which copies);
+by the hand-off (``PackedSteps.stage``; docs/design.md "The path of one batch" says which copies);
 ``strategy.run`` runs the step on each replica (its own ``tf.function``, XLA per ``model.jit_compile``)
 on its pieces, and each named scalar is summed onto the first replica's device
 (``strategy.extended.reduce_to``), where the output accumulators live: no per-step host reduce.

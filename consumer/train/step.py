@@ -22,7 +22,7 @@ Invariants:
     * ``to_tensors`` (handoff.py) copies a buffer that is not 64-byte aligned and C-contiguous (DLPack aborts).
 
 Each program is the concrete function of a ``tf.function`` with the bucket's input signature (calling it skips
-the per-call signature matching, docs/BENCHMARKS.md "Step dispatch"). The built-in loop calls each inside a packed
+the per-call signature matching, docs/performance.md "Step dispatch"). The built-in loop calls each inside a packed
 one (``program_for``; consumer/train/device/packed.py), which warm-up then compiles and times in its place
 (``run_bucket``); ``run`` takes the arrays as tensors (the library path, probes, tests).
 Shutdown: nothing to release; programs and tensors are freed with this object.
@@ -198,7 +198,7 @@ class CompiledStep:
                 return self._normalize(self._step(*base, **extras))
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
-            # tf.function's per-call signature matching (docs/BENCHMARKS.md, "Step dispatch").
+            # tf.function's per-call signature matching (docs/performance.md, "Step dispatch").
             label = f"step_{self._mode}_{'x'.join(map(str, key[0]))}"   # the bucket's mel shape
             program = stably_named(tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature
                                                ).get_concrete_function(), label)

@@ -6,7 +6,7 @@ in order, ``summary_on_failure`` when the step cannot be built or compiled or fa
 are what the audit log and the receiver hold (``melfeed audit``: one record per applied batch), not a
 figure of the last status interval.
 ``plan_figures`` adds the figures of the bucket plan itself (the shape grid, token padding, outliers); useful
-work is feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter").
+work is feed efficiency x padding efficiency (docs/design.md, "Feed efficiency").
 Invariant: ``write`` replaces the file (a stale summary of an earlier run is never left in its place).
 Shutdown: nothing to release.
 """

@@ -12,7 +12,7 @@ fill the rows; so every row of a warm-up batch is real (the resident limit times
 without any sample stays all padding (it is never trained).
 Why the consumer reads them and not the producers: the plan gives the consumer each bucket's batch at once,
 while the producers deliver batches in plan order into a ring of a few slots, so a bucket's first batch may be
-hundreds of batches away (docs/ARCHITECTURE.md "Warm-up batches").
+hundreds of batches away (docs/design.md "Warm-up batches").
 Invariants: reading is all that happens: no lease, no ring slot, no audit record; the batches are not applied
 (exactly-once and the plan are untouched), and the step's variables are restored after every use of them.
 Shutdown: nothing to release; the regions are freed with the list.

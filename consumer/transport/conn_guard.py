@@ -3,7 +3,7 @@
 Why: every connection accepted by libzmq costs the consumer one descriptor, and libzmq has no option
 that caps them. Idle connections that never say a word (1,100 of them on loopback tcp) used to take
 every descriptor the process had, so the next checkpoint failed with "Too many open files"
-(docs/ARCHITECTURE.md "Trust"). Two layers bound them:
+(docs/security.md "Hostile peers"). Two layers bound them:
 
 * ``ZMQ_HANDSHAKE_IVL`` (``transport.handshake_timeout_s``, set by the receiver): libzmq drops a
   connection that has not finished its ZMTP (and CURVE) handshake in time, so an idle or

@@ -1,8 +1,8 @@
 """One consumer per ipc endpoint: an exclusive ``flock`` on ``<socket>.lock`` held for the whole run.
 
 Why: libzmq's ipc bind unlinks whatever file sits at the socket path, so a second consumer started on
-the same runtime directory would silently steal the endpoint from a live one (docs/ARCHITECTURE.md
-"Trust"). The lock is taken before the bind; the second consumer stops with one line naming the pid
+the same runtime directory would silently steal the endpoint from a live one (docs/security.md
+"Identity"). The lock is taken before the bind; the second consumer stops with one line naming the pid
 that holds it and never touches the socket. The data endpoint and the control (``status``) socket
 each have one.
 Leftovers: libzmq leaves the socket file behind when it closes. ``release(remove_files=True)``

@@ -1,6 +1,6 @@
 """Checks a BATCH against its lease and takes its payload into the lease's ring slot.
 
-Two paths, one set of checks (docs/ARCHITECTURE.md, invariant 7): the header's bucket, shapes and dtypes must be the
+Two paths, one set of checks (docs/design.md, invariant 7): the header's bucket, shapes and dtypes must be the
 planned ones (SHAPE/DTYPE), then either the four payload frames are received with ``recv_into``
 straight into the slot (ZeroMQ payload path) or, on the shared-memory path, the producer already
 built the batch in the slot and the header must come alone (FRAMES otherwise). Either way the

@@ -3,7 +3,7 @@
 Why a thread with a plain ``poll`` loop and not asyncio: the ROUTER carries both the bulk data
 (BATCH payloads received with ``recv_into`` straight into aligned ring slots) and the control
 messages (HELLO, LEASE, HB, ERR); a ZeroMQ socket must have one owner, and pyzmq's asyncio FD is
-edge-triggered (docs/ARCHITECTURE.md "Threads"). One thread owning the socket keeps the hot path at
+edge-triggered (docs/design.md "Threads"). One thread owning the socket keeps the hot path at
 one copy out of libzmq and keeps all lease state single-threaded.
 This module holds only what needs the socket: its options, the ZAP handler (CURVE), the poll loop,
 decoding headers (under the bound of a producer header, so no message costs the loop more than a few
@@ -123,7 +123,7 @@ class Receiver:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No handover: a connection announcing a routing id the ROUTER already holds is ignored, so
-        # a peer can never displace a live peer by claiming its id (docs/ARCHITECTURE.md "Trust").
+        # a peer can never displace a live peer by claiming its id (docs/security.md "Identity").
         # Producers announce no id: the ROUTER assigns a fresh one to every connection, so a producer
         # whose DEALER reconnects after a cut is a new peer (UNKNOWN_PEER -> HELLO), never a duplicate.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)

@@ -1,7 +1,8 @@
 """Ring slot memory in shared-memory files, so a same-host producer builds straight into a slot.
 
 Each slot is its own file ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>`` in ``shm_dir`` (both
-rules in ``shared/wire/same_host.py``: a producer derives and checks them itself, docs/ARCHITECTURE.md "Trust"),
+rules in ``shared/wire/same_host.py``: a producer derives and checks them itself, docs/security.md
+"Which consumer a producer trusts"),
 sized to the slot, its pages reserved with ``posix_fallocate`` (a full tmpfs fails here, never with
 a SIGBUS later) and mapped ``MAP_SHARED`` (page-aligned, so 64-byte aligned for DLPack).
 Invariants: one owner -- this object creates every file and ``close()`` unlinks every file it

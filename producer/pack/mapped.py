@@ -2,7 +2,7 @@
 
 Role: copying a row out of a mapping of the pack costs less than half of reading it with ``preadv``:
 on the 2-core development machine 0.41-0.44 ms against 0.92-1.07 ms for a 9 MB batch from the page
-cache (the kernel's copy to user memory is the difference; docs/BENCHMARKS.md "Mapped pack"). Pages
+cache (the kernel's copy to user memory is the difference; docs/performance.md "Producer build"). Pages
 are mapped lazily: a producer's first touch of a record faults it in (about the cost of a ``preadv``),
 later epochs copy at memory speed. A pack that fits in half the memory available is also populated by
 one background thread (``MADV_POPULATE_READ``, the GIL released; an error is only logged), so the first

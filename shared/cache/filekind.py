@@ -9,7 +9,7 @@ shared box an entry can be anything: a FIFO (``open`` of one blocks until a writ
 symlink to ``/dev/zero`` (reads never end), a directory named ``x.npy``, a dangling symlink or a
 symlink loop. Each is refused with a one-line ``CacheError`` naming the path and its kind
 (``not a regular file (fifo)``), so it is reported or quarantined like any other bad file
-(docs/ARCHITECTURE.md, invariant 7).
+(docs/design.md, invariant 7).
 
 Invariants:
 - Never blocks: the open uses ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a

@@ -4,8 +4,8 @@ are installed, and quiet.
 ``import tensorflow`` imports JAX (``tensorflow.lite.python.util`` looks for ``jax.jit``) and matplotlib
 (Keras's ``keras.src.visualization``) whenever they are installed, which melfeed's ``jax`` and ``report``
 extras do. Neither is used by a process that trains, measures or prepares with TensorFlow, and the two cost
-1.1-1.5 s of CPU at every start on the 2-core development machine (docs/BENCHMARKS.md, "TensorFlow's
-start-up without JAX and matplotlib"). Both modules guard the import and fall back: TFLite's JAX conversion
+1.1-1.5 s of CPU at every start on the 2-core development machine (docs/performance.md, "TensorFlow's
+import without JAX and matplotlib"). Both modules guard the import and fall back: TFLite's JAX conversion
 and Keras's image-gallery plot become unavailable, and neither is reachable from melfeed.
 
 ``skip_optional_imports_of_tensorflow()`` installs an import finder that refuses ``jax`` and ``matplotlib``

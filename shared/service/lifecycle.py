@@ -84,7 +84,7 @@ def prepare_runtime_dir(path: Path) -> Path:
 
     Raises:
         ConfigError: it cannot be made, belongs to another user, or others can write to it: anyone
-            who can write there can replace the socket or the lock file (docs/ARCHITECTURE.md "Trust").
+            who can write there can replace the socket or the lock file (docs/security.md "Who can connect").
     """
     try:
         make_dirs(path, 0o700)          # missing parents too: mkdir(parents=True) left them to the umask

@@ -1,7 +1,7 @@
 """Lower this process's CPU priority (``producer.nice``): the data side yields the CPU to the step.
 
 Where producers and the training step share cores, the step should win the CPU and producers fill the
-idle gaps; the ring (and the lease window) absorbs their delay (docs/ARCHITECTURE.md "Lifecycle").
+idle gaps; the ring (and the lease window) absorbs their delay (docs/design.md "Lifecycle").
 Invariants: the niceness only ever goes up here (raising it needs no privilege; lowering does), so a
 value set from outside (systemd's ``Nice=``, ``nice -n``) that is already as high is left alone, and
 calling this again is a no-op. On Linux the niceness belongs to each thread and is inherited by the

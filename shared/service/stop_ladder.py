@@ -7,7 +7,7 @@ children (with ``group``: on each child's whole process group, until no member o
 its lead has exited: a helper orphaned by a dead lead keeps the group, ``is_group_alive``); the asyncio supervisor (``producer/supervisor.py``) runs the same rungs with the same
 ``escalate`` on its own loop. ``communicate_or_kill`` bounds a child whose output is awaited (a
 probe, a bench trial): past its timeout the child's process group is killed.
-Invariants: nothing blocks forever (docs/ARCHITECTURE.md, invariant 6): every wait takes a named
+Invariants: nothing blocks forever (docs/design.md, invariant 6): every wait takes a named
 timeout, and after SIGKILL's bounded wait the ladder gives up (logged as an error) instead of
 waiting on. Setting the caller's own stop flag (so an expected exit is not taken for a crash) is the
 ladder's first step and stays with the caller. Signals to a child that is already gone are ignored.

@@ -146,7 +146,7 @@ class BucketSet:
         return np.bincount(kept, minlength=len(self.buckets)).astype(np.int64)
 
     def max_batch_nbytes(self) -> int:
-        """Bytes of the largest batch: the unit of the memory bound (docs/ARCHITECTURE.md, invariant 4)."""
+        """Bytes of the largest batch: the unit of the memory bound (docs/design.md, invariant 4)."""
         return max((b.nbytes() for b in self.buckets), default=0)
 
     def padding_efficiency(self) -> float:

@@ -11,7 +11,7 @@ Copy ``consumer.key`` and ``producers/NAME.key_secret`` to producer host NAME; t
 ``consumer.key_secret`` and the public ``producers/*.key`` (its allow-list). ``keys`` refuses a ``DIR``
 another user could change (``check_private_dir``) and creates each secret key 0600 before writing it.
 Trust, all exit 78 naming the key (``shared/filetrust.py``, ``shared/output_files.py``,
-docs/ARCHITECTURE.md "Trust"):
+docs/security.md "Files"):
 - The allow-list is read once, at start; the consumer refuses it when the directory or a key file in
   it is not its own user's or root's, or its group or others can write to it, or another user could
   swap it (a parent directory or a symbolic link on the way: ``place_reason``): whoever can add a file
@@ -276,7 +276,7 @@ def _need(value: str | None, key: str, why: str) -> str:
 def _own_secret(transport: object, endpoint: str) -> str | None:
     """This side's secret key file, or ``None`` when plaintext is allowed (ipc, or tcp marked insecure).
 
-    Loopback tcp is no exception: every local user can connect to it (docs/ARCHITECTURE.md "Trust").
+    Loopback tcp is no exception: every local user can connect to it (docs/security.md "Who can connect").
     """
     secret = getattr(transport, "curve_secret_key", None)
     if not secret and endpoint.startswith("tcp://") and not getattr(transport, "insecure", False):

@@ -22,11 +22,11 @@ if TYPE_CHECKING:  # buckets.py imports the dtypes below; a runtime import back 
 __all__ = ["ALIGN_BYTES", "ARRAY_KEYS", "ARRAY_DTYPES", "MEL_WIRE_DTYPES", "PAYLOAD_COPIES", "batch_layout", "layout_nbytes",
            "aligned_buffer", "layout_views", "round_up", "slot_nbytes_for"]
 
-ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/ARCHITECTURE.md)
+ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/design.md)
 ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # every batch's first arrays, in wire (payload frame) order
 ARRAY_DTYPES: dict[str, str] = {"mel": "float32", "mel_len": "int32", "tokens": "int32", "tok_len": "int32"}
 # transport.mel_dtype: the mel's dtype on the wire and in a slot (``Bucket.mel_dtype``); "float16" halves the
-# bytes of every path and the step casts (docs/ARCHITECTURE.md "Batch schema"). The default is ARRAY_DTYPES'.
+# bytes of every path and the step casts (docs/design.md "Batch schema"). The default is ARRAY_DTYPES'.
 MEL_WIRE_DTYPES = ("float32", "float16")
 PAYLOAD_COPIES = 4  # payload path: page cache -> producer buffer -> kernel socket -> libzmq -> ring slot
 _PAGE_BYTES = 4096

@@ -34,7 +34,7 @@ class MsgKind(IntEnum):
 
 
 class RejectCode:
-    """Reject codes sent in ERR (docs/ARCHITECTURE.md "Wire protocol"; invariant 7)."""
+    """Reject codes sent in ERR (docs/design.md "Wire protocol"; invariant 7)."""
 
     DECODE = "DECODE"
     FRAMES = "FRAMES"
@@ -64,7 +64,7 @@ class Hello:
     caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
     # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
     # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
-    # (older producers send none) makes every HELLO a re-handshake (docs/ARCHITECTURE.md "Wire protocol").
+    # (older producers send none) makes every HELLO a re-handshake (docs/design.md "Wire protocol").
     nonce: int | None = None
     mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
 

@@ -2,7 +2,7 @@
 
 Role: the consumer creates its shared-memory slot files with these rules (``consumer/transport/shm_slots.py``)
 and a producer checks what a consumer tells it against them (``producer/slot_maps.py``,
-``producer/worker.py``), never taking a peer's word for a path (docs/ARCHITECTURE.md "Trust").
+``producer/worker.py``), never taking a peer's word for a path (docs/security.md "Which consumer a producer trusts").
   * ``resolve_shm_dir``: ``transport.shm_dir``, else the ipc socket's directory when it is on tmpfs,
     else /dev/shm. Each side derives it from its own config and endpoint.
   * ``SLOT_NAME_RE``: ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>``, ASCII digits only; use

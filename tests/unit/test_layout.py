@@ -1,6 +1,6 @@
 """The layout's rules, checked on the source: imports flow producer -> shared <- consumer, modules stay readable.
 
-docs/ARCHITECTURE.md "Map": producer and consumer never import each other (they meet only on the wire),
+docs/design.md "Map": producer and consumer never import each other (they meet only on the wire),
 and shared imports neither. Every import counts, also one inside a function, except under
 ``if TYPE_CHECKING:``, which never runs.
 """

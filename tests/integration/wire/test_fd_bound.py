@@ -1,4 +1,4 @@
-"""Idle connections cannot take the consumer's descriptors (docs/ARCHITECTURE.md "Trust", "Descriptors").
+"""Idle connections cannot take the consumer's descriptors (docs/security.md "Hostile peers").
 
 A real consumer process whose descriptor limit is lowered (so a few hundred connections would exhaust
 it), a real producer streaming to its tcp endpoint, and a local user holding hundreds of idle tcp

@@ -1,4 +1,4 @@
-"""Hostile peers on a shared host (docs/ARCHITECTURE.md "Trust") against a real consumer and real producers.
+"""Hostile peers on a shared host (docs/security.md "Hostile peers") against a real consumer and real producers.
 
 A peer that claims a live producer's routing id, a second consumer on the same runtime directory,
 and peer-supplied text that tries to forge log lines.

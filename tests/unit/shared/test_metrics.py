@@ -76,7 +76,7 @@ def test_feed_efficiency_is_resident_time_of_the_same_buckets_over_the_wall_by_h
 
 
 def test_feed_efficiency_is_not_measured_yet_before_the_minimum_steps() -> None:
-    assert FEED_EFFICIENCY_MIN_STEPS == 100                  # docs/ARCHITECTURE.md "Feed efficiency" says why
+    assert FEED_EFFICIENCY_MIN_STEPS == 100                  # docs/design.md "Feed efficiency" says why
     w = StepWindow(window_s=5.0, max_records=10)           # a short window, few records kept: neither matters
     for i in range(1, FEED_EFFICIENCY_MIN_STEPS):
         w.add(StepRecord(float(i), 0.0, 1.0, 4, 30, 40, 2, 0.9))

@@ -3,7 +3,7 @@ it is quiet: no line of TensorFlow's C++ log below TF_CPP_MIN_LOG_LEVEL, not eve
 
 The case runs in a fresh interpreter: the finder lives in ``sys.meta_path`` and TensorFlow imports once per
 process. The test extras install both packages, and TensorFlow 2.21's plain import pulls both in
-(docs/BENCHMARKS.md, "TensorFlow's start-up without JAX and matplotlib"), so a finder that lets them through
+(docs/performance.md, "TensorFlow's import without JAX and matplotlib"), so a finder that lets them through
 fails the first assertion.
 """
 

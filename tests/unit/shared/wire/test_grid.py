@@ -105,7 +105,7 @@ def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
           f"{grid.padding_efficiency():.3f}, tokens {grid.token_padding_efficiency():.3f}")
     assert elapsed_s < 1.0
     assert len(grid.buckets) <= 8 and _cost(grid, cfg) <= _cost(one_d, cfg)
-    assert grid.padding_efficiency() >= 0.92   # 8 frame bands bound it: docs/BENCHMARKS.md, "Bucket padding"
+    assert grid.padding_efficiency() >= 0.92   # 8 frame bands bound it: docs/performance.md, "Bucket padding"
     trimmed = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=8, max_frames_per_token=6.5,
                                                              min_frames_per_token=4.5, cost_tolerance=0.0))
     print(f"  with 4.5..6.5 frames per token: {trimmed.outliers} outliers, frames "
