@@ -10,7 +10,7 @@ Role: the figures of melfeed's metrics snapshot (consumer/observe/board.py names
 ``tensorboard --logdir log_dir`` lists the three runs together. Not into ``train`` itself: TensorBoard polls only
 the newest event file of a run directory, so two writers there would leave one of them stale until a reload.
 Figures: one ``StepRecord`` per trained batch, taken when ``fit`` begins the next one (the callback has only
-``on_train_batch_begin``, which reads no logs: Keras dispatches batch ends as before and no host wait is added): the
+``on_train_batch_begin``, which reads no logs: Keras dispatches batch ends unchanged and no host wait is added): the
 period between batch begins, the Consumer's wait for that batch (a dataset read-ahead may overlap it with the step:
 stall % is an upper bound here), rows and frames from the plan; the first ``consumer.warmup_steps`` batches
 (tracing, compiling) are left out. The same window arithmetic as the built-in loop's snapshot

@@ -9,7 +9,7 @@ Order on an asynchronous device (a GPU), depth 2, steady state: dispatch step k 
 before), wait for step k-1 and report it (the host waits one step late, while step k is queued behind
 it, so the device does not idle), then take batch k+1 from the ring and stage it (its copy overlaps
 step k). On a synchronous device (TensorFlow on the CPU) a step has completed when its dispatch
-returns: it is reported, applied and its slot freed at once, so the loop holds one slot, as before.
+returns: it is reported, applied and its slot freed at once, so the loop holds one slot.
 
 Invariants:
     * At most ``depth`` batches are in flight: taken from the ring and not yet completed.

@@ -16,7 +16,7 @@ Invariants:
   (another size or mtime) is closed and opened again, so its new identity makes the reader check its
   size, header and values again. Within ``revalidate_s`` a file replaced by a rename is still read
   from the inode that was checked (its old, checked content); a rewrite in place is read as it now is
-  (the header is compared on every read, short reads fail as before).
+  (the header is compared on every read, and a short read fails).
 - A descriptor whose read failed is closed at once (``release(ok=False)``): a bad file is opened,
   checked and refused afresh every time, so every producer refuses the same rows.
 - Not thread-safe: one cache per reader, one reader per thread.

@@ -9,7 +9,7 @@ carried on the wire, not part of the array schema):
     row_mask  [B] bool    ``True`` for the real rows (``tf.sequence_mask(rows, B)``)
 
 A step receives the ones its ``__call__`` names as parameters (or all of them when it takes
-``**kwargs``); a step that names neither is called with the four arrays only, as before.
+``**kwargs``); a step that names neither is called with the four arrays only.
 Invariants:
     * The program's input signature gains one scalar (``rows``) when the step takes either input; the
       mask is built inside the program, so nothing [B]-sized crosses per step and shapes stay fixed.

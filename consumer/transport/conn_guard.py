@@ -1,8 +1,8 @@
 """A bound on the connections libzmq holds open for the consumer's ROUTER endpoint.
 
 Why: every connection accepted by libzmq costs the consumer one descriptor, and libzmq has no option
-that caps them. Idle connections that never say a word (1,100 of them on loopback tcp) used to take
-every descriptor the process had, so the next checkpoint failed with "Too many open files"
+that caps them. Unbounded, idle connections that never say a word (1,100 of them on loopback tcp) take
+every descriptor the process has, so the next checkpoint fails with "Too many open files"
 (docs/security.md "Hostile peers"). Two layers bound them:
 
 * ``ZMQ_HANDSHAKE_IVL`` (``transport.handshake_timeout_s``, set by the receiver): libzmq drops a

@@ -5,7 +5,7 @@ Role: a host->device copy from pageable memory goes through a driver staging buf
 allocate, so ``HostPinner`` loads the CUDA runtime that TensorFlow's GPU install brings
 (``nvidia-cuda-runtime-cu*`` wheels: ``site-packages/nvidia/cuda_runtime/lib``; else the system's
 ``libcudart``) and registers each slot mapping (``cudaHostRegisterPortable``) in the consumer process only
-(registration is per process; producers write as before). Without a runtime or a CUDA device it pins
+(registration is per process; producers write into the same mappings). Without a runtime or a CUDA device it pins
 nothing and says why (``HostPinner.status``: "not pinned: ..."): one INFO line when a CUDA runtime sees a device
 or pinning fails, DEBUG on a machine without one (no CUDA line where there is no GPU).
 Invariants: a buffer is unregistered before its mapping can go (``ShmSlots.retire`` and ``close``); pinned

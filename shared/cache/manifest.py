@@ -21,7 +21,7 @@ Invariants:
   ``cache_dir``: a copied cache keeps its fingerprint; any changed file changes it. When the
   cache records feature parameters and a vocabulary (``features.json``, copied into the
   manifest by ``cache_index.build_manifest``), the fingerprint covers them too; a cache without them (demo
-  data, an adopted cache) hashes exactly as before: its features are unknown and not checked.
+  data, an adopted cache) hashes without them: its features are unknown and not checked.
   Declared extras (the batch schema) and their rows are covered the same way, only when present, and so
   is ``token_range`` (the smallest and largest token id, which ``index`` records since it reads the
   token files' data): a manifest written before it keeps its fingerprint, and its ids are unchecked.

@@ -95,7 +95,7 @@ class ExtraSpec:
 
     def as_json(self) -> dict[str, Any]:
         out = {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
-        return {**out, "divisor": self.divisor} if self.kind == "matrix" else out   # other kinds: as before
+        return {**out, "divisor": self.divisor} if self.kind == "matrix" else out   # other kinds have no divisor
 
 
 @dataclass(frozen=True, eq=False)

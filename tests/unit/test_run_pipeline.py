@@ -69,7 +69,7 @@ def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
 def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tmp_path: object,
                                                                               capfd: pytest.CaptureFixture[str]) -> None:
     """``producer --producers 3`` on a cache whose manifest is not JSON: the parent refuses it before any child
-    starts (each child used to print the same line, then the supervisor a fourth)."""
+    starts (otherwise each child prints the same line, then the supervisor a fourth)."""
     import os
 
     from melfeed import cli as run_pipeline

@@ -1,5 +1,5 @@
 """One consumer never binds one address twice (shared/config_checks.py ``check_distinct_binds``): the
-data endpoint, the status socket and the metrics port. Such a config used to start and then stop with
+data endpoint, the status socket and the metrics port. Unchecked, such a config starts and then stops with
 "another consumer (pid N) is running on ..." naming its own pid."""
 
 from __future__ import annotations

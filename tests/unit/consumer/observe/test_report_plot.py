@@ -156,7 +156,7 @@ def test_several_ranks_share_the_panels_on_one_time_axis_labelled_by_rank(tmp_pa
     assert "rank 0 p50" in report.legend_labels["step"] and "rank 1 p50" in report.legend_labels["step"]
     assert {"rank 0 producer-1", "rank 1 producer-1"} <= set(report.legend_labels["producers"])
     single = render_report(runs[0], tmp_path / "one.png", "one")
-    assert "p50" in single.legend_labels["step"]                  # one run: labels as before, no prefix
+    assert "p50" in single.legend_labels["step"]                  # one run: labels without a rank prefix
     proc = _cli(str(paths[0]), str(paths[1]), "-o", str(tmp_path / "cli.png"))
     assert proc.returncode == 0, proc.stderr
     assert "snapshots from 2 files over 148 s" in proc.stdout     # 59 intervals of 2 s, + 30 s offset

@@ -32,9 +32,8 @@ def test_format_outputs_shows_every_name() -> None:
 def test_status_line_rates_come_from_the_window_the_snapshot_uses() -> None:
     """Slow steps: one 2 s step (after 0.5 s waiting) seen 1 ms after it ended is ~0.4 batches/s.
 
-    The old arithmetic divided the batches since the last line by the time since the first step
-    after warm-up *ended*: 1 batch / 1 ms = 1000 batches/s (it printed 3930.4 while the snapshot,
-    built from the same records, said 0.52).
+    Dividing the batches since the last line by the time since the first step after warm-up *ended*
+    would give 1 batch / 1 ms = 1000 batches/s while the snapshot, built from the same records, says 0.52.
     """
     meter = LoopMeter(window_s=30.0)
     meter.add(StepRecord(end_s=100.0, wait_s=0.5, step_s=2.0, rows=16, real_frames=80, padded_frames=100,

@@ -128,7 +128,7 @@ def test_a_demo_cache_indexed_before_token_range_is_rewritten_so_its_runs_check_
     from melfeed.shared.cache.manifest import write_manifest
     first = write_demo_cache(tmp_path, 5, n_mels=16)
     assert first.token_range is not None and 1 <= first.token_range[0] <= first.token_range[1] < DEMO_VOCAB_SIZE
-    write_manifest(Manifest(tmp_path, 16, first.utterances))      # as an older version left it
+    write_manifest(Manifest(tmp_path, 16, first.utterances))      # a manifest without token_range
     assert write_demo_cache(tmp_path, 5, n_mels=16) == first
 
 

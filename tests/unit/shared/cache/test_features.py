@@ -167,7 +167,7 @@ def test_recorded_definition_from_another_version_is_refused(tmp_path: Path) -> 
 def test_cache_without_recorded_features_is_not_checked_and_keeps_its_fingerprint(tmp_path: Path) -> None:
     rows = (Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
             Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136))
-    assert Manifest(tmp_path, 80, rows).fingerprint == "7bfabcf7e5f8adf0"  # as before features existed
+    assert Manifest(tmp_path, 80, rows).fingerprint == "7bfabcf7e5f8adf0"  # no features: the fingerprint of the rows alone
     described = Manifest(tmp_path, 80, rows, tuple(feature_params(FeatureConfig(), 80).items()), VOCABULARY)
     assert described.fingerprint != "7bfabcf7e5f8adf0"
     other = Manifest(tmp_path, 80, rows, tuple(feature_params(FeatureConfig(hop_samples=200), 80).items()),

@@ -186,11 +186,11 @@ def test_index_records_the_smallest_and_largest_token_id_of_the_kept_utterances(
 def test_a_manifest_without_token_range_keeps_the_fingerprint_it_had_and_loads_unchecked(cache: Path) -> None:
     rows = (Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
             Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136))
-    assert Manifest(cache, 80, rows).fingerprint == "7bfabcf7e5f8adf0"   # the value before token_range existed
+    assert Manifest(cache, 80, rows).fingerprint == "7bfabcf7e5f8adf0"   # the rows alone, no token_range
     ranged = {Manifest(cache, 80, rows, token_range=r).fingerprint for r in ((1, 40), (0, 40), (1, 41))}
     assert len(ranged) == 3 and "7bfabcf7e5f8adf0" not in ranged
     old = build_manifest(cache, N_MELS)[0]
-    old = Manifest(old.cache_dir, old.n_mels, old.utterances)    # as an index of an older version wrote it
+    old = Manifest(old.cache_dir, old.n_mels, old.utterances)    # a manifest without token_range
     write_manifest(old)
     assert "token_range" not in json.loads((cache / MANIFEST_NAME).read_text())
     loaded = load_manifest(cache, N_MELS)

@@ -138,7 +138,7 @@ def test_keys_get_their_modes_explicitly_even_under_umask_000(tmp_path: Path) ->
                      "new/k/consumer.key": 0o644, "new/k/consumer.key_secret": 0o600,
                      "new/k/producers/hostA.key": 0o644, "new/k/producers/hostA.key_secret": 0o600}
     assert AllowList.load(k / "producers").names                      # what it wrote, the consumer accepts
-    os.chmod(k / "producers", 0o777)                                  # left so by an older version
+    os.chmod(k / "producers", 0o777)                                  # a keys directory others can write to
     generate_keys(k, ["hostB"])
     assert os.stat(k / "producers").st_mode & 0o777 == 0o700
 
@@ -297,7 +297,7 @@ def test_keys_refuses_a_directory_another_user_made_or_links_and_changes_nothing
                                      "to this user (uid 0), who could replace what it holds")
     assert list(theirs.iterdir()) == [] and os.stat(theirs).st_mode & 0o7777 == 0o777
     precious = tmp_path / "etc"                                       # their link to a directory of ours:
-    precious.mkdir(mode=0o755)                                        # keys used to chmod it 0700 and write there
+    precious.mkdir(mode=0o755)                                        # keys must neither chmod it nor write there
     link = plant_link(shared / "k2", precious)
     proc = run_cli("keys", str(link), "--producer", "a")
     assert refusal(proc, "keys").startswith(f"{link}: refusing to write the keys: it is reached through {link}, a "
