@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_TEXT_SUFFIXES = (".py", ".md", ".toml", ".yaml", ".service", ".target", ".env", ".cfg", ".txt")
+_TEXT_SUFFIXES = (".py", ".md", ".toml", ".yaml", ".json", ".service", ".target", ".env", ".cfg", ".txt")
 _HISTORY = {
     "a development session": re.compile(r"\bsessions? \d+", re.IGNORECASE),
     "an issue or task number": re.compile(r"\b(?:issue|task|ticket)s? #?\d+\b|#\d{2,}\b", re.IGNORECASE),
