@@ -17,8 +17,8 @@ Invariants:
     * ``run.json`` fixes what the plan depends on (fingerprint, seed, n_mels, buckets with
       ``buckets.partial``, and the rank and world size of a multi-worker job); a config that would
       change the plan is refused instead of silently mixing two plans in one lineage. A ``run.json``
-      written before ranks existed reads as rank 0 of 1; one written before ``buckets.partial``
-      existed means "pad" (what ran then).
+      without ``rank`` and ``world`` reads as rank 0 of 1; one without ``buckets.partial`` means
+      "pad".
     * Opening truncates the audit log to the newest checkpoint's record count, so the log always
       describes the lineage of the variables that will be trained on.
     * A rank of a multi-worker job resumes from the step the ranks agreed on (``committed_steps``, then

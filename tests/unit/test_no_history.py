@@ -23,7 +23,8 @@ _HISTORY = {
         r"\bused to\b|\bpreviously\b|\bas before\b|\bas it always did\b|\bthe old (?:rule|name|default|format)\b"
         r"|\bolder (?:producers?|consumers?|probes?|probe output|peers?|versions?)\b(?! epoch)"
         r"|\bno longer (?:computes|computed|copies|sends|does|needs|uses)\b"
-        r"|\b(?:before|after) this (?:change|work|commit|branch)\b|\bthis branch\b|\bthe issue(?:'s)?\b",
+        r"|\b(?:before|after) this (?:change|work|commit|branch)\b|\bthis branch\b|\bthe issue(?:'s)?\b"
+        r"|\bbefore [\w`. -]{1,40} existed\b",
         re.IGNORECASE),
     "a timing diary": re.compile(r"\(?\bwas \d[\d.,]* ?(?:s|ms|min|MB|GB|%)(?=[\s).,;:]|$)"),
     "a development crew": re.compile(r"\bother (?:agents|engineers)\b|\bagents' ", re.IGNORECASE),
@@ -68,10 +69,11 @@ def test_the_checker_finds_each_kind_of_history_and_spares_protocol_sessions() -
         "the receive path was 4.8 ms",
         "The ProducerSession decides; producer/session.py is pure; a page the file no longer has.",
         "melfeed no longer copies the batch",
+        "a run.json from before the key existed",
     ))
     kinds = [hit.split(": ")[1] for hit in _history_in(planted, "x.md")]
     assert kinds == ["a development session", "a result file named by session", "an issue or task number",
-                     "a narrated change", "a narrated change", "a timing diary", "a narrated change"]
-    assert [hit.split(":")[1] for hit in _history_in(planted, "x.md")] == ["1", "1", "2", "2", "3", "4", "6"]
+                     "a narrated change", "a narrated change", "a timing diary", "a narrated change", "a narrated change"]
+    assert [hit.split(":")[1] for hit in _history_in(planted, "x.md")] == ["1", "1", "2", "2", "3", "4", "6", "7"]
     assert _session_named(["docs/bench-eff-s7a.json", "docs/results/throughput-2026-11-24.json",
                            "producer/session.py", "consumer/flow/session.py"]) == ["docs/bench-eff-s7a.json"]

@@ -105,7 +105,7 @@ def test_a_state_dir_refuses_another_rank_or_world_and_an_old_run_json_is_rank_0
         assert err.value.fatal
     run_json = state_dir / "run.json"
     old = {k: v for k, v in json.loads(run_json.read_text()).items() if k not in ("rank", "world")}
-    run_json.write_text(json.dumps(old))                                 # written before ranks existed
+    run_json.write_text(json.dumps(old))                                 # a run.json without rank and world
     state = RunState.open(cfg, fingerprint)
     assert state is not None
     state.close()

@@ -211,7 +211,7 @@ def test_run_state_refuses_another_partial_policy_and_reads_an_older_run_json_as
     with pytest.raises(StateError, match="buckets=.*'partial': 'pad'.*'partial': 'drop'"):
         RunState.open(_cfg(tmp_path, buckets={"partial": "drop"}), "f" * 16)
     older = json.loads(run_json.read_text())
-    del older["buckets"]["partial"]                            # written before buckets.partial existed
+    del older["buckets"]["partial"]                            # a run.json without buckets.partial
     run_json.write_text(json.dumps(older))
     again = RunState.open(_cfg(tmp_path), "f" * 16)
     assert again is not None
@@ -307,7 +307,7 @@ def test_a_run_json_from_before_the_2d_planner_is_refused_under_it_and_resumes_w
     run_json = tmp_path / "s" / "run.json"
     older = json.loads(run_json.read_text())
     for key in ("max_shapes", "token_cost", "attention_cost", "max_frames_per_token", "min_frames_per_token"):
-        del older["buckets"][key]                              # written before the 2-D planner existed
+        del older["buckets"][key]                              # a run.json without the 2-D planner's keys
     run_json.write_text(json.dumps(older))
     with pytest.raises(StateError, match=r"buckets=\{'num_buckets': 4\}, the config has \{'num_buckets': None\}"):
         RunState.open(_cfg(tmp_path), "f" * 16)                # the default now plans in 2-D
