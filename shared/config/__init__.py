@@ -2,7 +2,7 @@
 
 Role: what every setting means, its unit, its default and its valid range. Reading a YAML file,
 turning a mapping into a config and back, and dotted CLI overrides live in
-``shared/config_loader.py``.
+``shared/config/loader.py``.
 Invariant: every ``PipelineConfig`` that exists is valid; a bad value raises ``ConfigError``
 naming the key path and the value (``buckets.batch_size: must be >= 1, got 0``).
 Environment lookups happen only in ``resolve_runtime_dir`` (called from the CLI layer).
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from melfeed.shared.config_checks import (check_boundaries, check_distinct_binds, check_endpoint, check_int32,
+from melfeed.shared.config.checks import (check_boundaries, check_distinct_binds, check_endpoint, check_int32,
                                           check_not_abstract, check_number, check_planner_settings,
                                           check_rows_settings, check_seed, check_transport_mode, plain_params,
                                           resolve_checksum)
-from melfeed.shared.config_checks import require as _check
-from melfeed.shared.config_features import FeatureConfig
+from melfeed.shared.config.checks import require as _check
+from melfeed.shared.config.features import FeatureConfig
 from melfeed.shared.gpu_select import check_gpu_list
 from melfeed.shared.wire.layout import MEL_WIRE_DTYPES
 
