@@ -37,8 +37,8 @@ _STALE_EXIT = 1   # --check found a stale page: a failure, as any check a CI job
 
 
 def _cell(text: str) -> str:
-    """``text`` as one Markdown table cell: ``|`` escaped, ``<`` kept literal outside code spans, RST's
-    double backticks as Markdown's single ones."""
+    """``text`` as one line of Markdown (a table cell, a paragraph): ``|`` escaped, ``<`` kept literal outside
+    code spans, RST's double backticks as Markdown's single ones."""
     parts = " ".join(text.split()).replace("``", "`").split("`")
     parts = [p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts)]
     return "`".join(parts).replace("|", "\\|")
@@ -77,7 +77,8 @@ def _field_comments(cls: type) -> dict[str, str]:
     for stmt in node.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
-        above, n = [], stmt.lineno - 1
+        above: list[str] = []
+        n = stmt.lineno - 1
         while comment_only(n) and comments[n][0] == stmt.col_offset:
             above.insert(0, comments[n][1])
             n -= 1
@@ -118,21 +119,27 @@ def _yaml(value: Any) -> str:
 def _sections() -> list[tuple[str, type]]:
     """(section key, dataclass) of the config tree in declaration order; the root's key is ""."""
     from melfeed.shared.config import PipelineConfig
-    out = [("", PipelineConfig)]
+    out: list[tuple[str, type]] = [("", PipelineConfig)]
     for f in dataclasses.fields(PipelineConfig):
-        if dataclasses.is_dataclass(f.default_factory):
+        if _is_section(f):
             out.append((f.name, f.default_factory))  # type: ignore[arg-type]
     return out
 
 
-def config_rows(section: str, cls: type) -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, comment) of every key of one config section, in declaration order."""
+def _is_section(f: dataclasses.Field[Any]) -> bool:
+    return isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+
+
+def config_rows(section: str, cls: Any) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, comment) of every key of one config section (a dataclass), in declaration
+    order."""
     comments = _field_comments(cls)
     rows = []
-    for f in dataclasses.fields(cls):   # type: ignore[arg-type]
-        if dataclasses.is_dataclass(f.default_factory):
-            continue                    # a section: listed with its own keys
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            continue                    # listed with its own keys
+        factory: Any = f.default_factory
+        default = factory() if f.default is dataclasses.MISSING else f.default
         key = f"{section}.{f.name}" if section else f.name
         rows.append((key, _type_text(cls, str(f.type)), _yaml(default), comments.get(f.name, "")))
     return rows
@@ -145,8 +152,8 @@ def _config_page() -> str:
            "keeps its default; an unknown key or a bad value is one line naming the key, exit 78 "
            "([exit codes](exit-codes.md)). `melfeed config show` prints the effective configuration.", ""]
     for section, cls in _sections():
-        out += [f"## `{section}`" if section else "## Top level", "", f"{_paragraph(cls.__doc__)} (`{cls.__name__}`)",
-                ""]
+        out += [f"## `{section}`" if section else "## Top level", "",
+                f"{_cell(_paragraph(cls.__doc__))} (`{cls.__name__}`)", ""]
         out += _table(("key", "type", "default", "meaning"),
                       [(f"`{k}`", f"`{t}`", f"`{d}`", c) for k, t, d, c in config_rows(section, cls)])
         out.append("")
@@ -238,10 +245,10 @@ def _commands_page() -> str:
            "flag that sets a config key names the key and its default ([configuration keys](config.md)); a bad "
            "flag is one line, exit 78 ([exit codes](exit-codes.md)).", ""]
     out += _table(("command", "what it does"), [(f"`{line}`", about) for line, about, _ in commands])
-    out += ["", "## `melfeed`", "", _paragraph(parser.description), ""]
+    out += ["", "## `melfeed`", "", _cell(_paragraph(parser.description)), ""]
     out += _table(("option", "group", "default", "meaning"), flag_rows(parser))
     for line, _, sub in commands:
-        out += ["", f"## `{line}`", "", _paragraph(sub.description), ""]
+        out += ["", f"## `{line}`", "", _cell(_paragraph(sub.description)), ""]
         rows = flag_rows(sub)
         out += _table(("option", "group", "default", "meaning"), rows) if rows else ["No options."]
     return "\n".join(out) + "\n"
