@@ -41,8 +41,8 @@ from melfeed.consumer.train.loop import train
 from melfeed.shared.service.cli import config_from_args, with_demo_cache
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_checks import check_distinct_binds, check_endpoint, check_output_paths
-from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.config.checks import check_distinct_binds, check_endpoint, check_output_paths
+from melfeed.shared.config.loader import with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError, StateError
 from melfeed.shared.flag_checks import check_output_file
 from melfeed.shared.service.children import Child

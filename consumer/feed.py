@@ -41,7 +41,7 @@ from melfeed.consumer.transport.shm_slots import ShmSlots, open_ring_files
 from melfeed.shared.cache.features import load_manifest_for
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig, check_transport_mode, resolve_checksum
-from melfeed.shared.config_checks import check_ring_bytes, physical_memory_bytes
+from melfeed.shared.config.checks import check_ring_bytes, physical_memory_bytes
 from melfeed.shared.errors import ClosedError, ConfigError
 from melfeed.shared.service.lifecycle import resolve_endpoint
 from melfeed.shared.wire.buckets import BucketSet, build_buckets

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError
 from melfeed.shared.service.children import Child, child_env, entry_argv, spawn, write_private_config
 from melfeed.shared.service.lifecycle import PARENT_PID_ENV

@@ -16,7 +16,7 @@ import signal
 
 from melfeed.producer.supervisor import supervise_producers
 from melfeed.shared.service.cli import config_from_args, with_demo_cache
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.service.children import handed_over_config

@@ -46,7 +46,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     from melfeed.producer.reader import CacheReader
     from melfeed.shared.wire.bucket_mix import representative_batches
     from melfeed.shared.wire.buckets import build_buckets
-    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.config.loader import load_config
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.cache.features import load_manifest_for
 

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     multiprocessing.current_process().name = f"producer-{args.index}"
 
-    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.config.loader import load_config
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
     from melfeed.shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))

@@ -1,7 +1,7 @@
 """Reading a YAML config file that may be hostile: bounded, UTF-8 only, no anchors or aliases.
 
 Role: ``read_config_file`` is the only code that turns a config file's bytes into the mapping
-``melfeed.shared.config.load_config`` validates. On a shared box the file can be anything, so before any
+``melfeed.shared.config.loader.load_config`` validates. On a shared box the file can be anything, so before any
 value is trusted (docs/design.md, invariant 7):
 
 - it must be a regular file (a FIFO would block the open, ``/dev/zero`` would never end), read

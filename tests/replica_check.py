@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from melfeed.consumer.placement import configure_memory
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 
 _ROWS, _FRAMES, _TOKENS, _MELS = 8, 48, 16, 80
 _BATCHES = 4

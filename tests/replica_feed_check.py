@@ -44,7 +44,7 @@ def main(out_path: str) -> int:
     from melfeed.consumer.train.model import StepSpec, build_reference_step
     from melfeed.consumer.train.replicas import Replicas, replica_scope
     from melfeed.consumer.train.step import CompiledStep
-    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.wire.buckets import Bucket
     from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 

@@ -46,7 +46,7 @@ from melfeed.consumer.transport.shm_slots import clean_stale, resolve_shm_dir
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.cache.pack_format import pack_path
 from melfeed.shared.config import PipelineConfig, TransportConfig, resolve_runtime_dir
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.output_files import write_output

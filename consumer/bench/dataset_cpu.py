@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, with_overrides
 from melfeed.shared.service.cli import OneLineParser
 
 __all__ = ["main"]

@@ -38,7 +38,7 @@ import numpy as np
 from melfeed.consumer.bench.usage import UsageWindow
 from melfeed.consumer.bench.stats import gb_per_s, sleep_for_step_s
 from melfeed.shared.config import PipelineConfig, resolve_checksum
-from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, with_overrides
 from melfeed.shared.service.children import child_env
 from melfeed.shared.service.lifecycle import die_with_named_parent, exit_on_sigterm
 

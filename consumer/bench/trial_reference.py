@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.config.loader import with_overrides
 
 __all__ = ["run_melfeed_reference", "run_tfdata_reference"]
 

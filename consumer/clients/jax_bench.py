@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from melfeed.shared.config_loader import load_config, with_overrides
+    from melfeed.shared.config.loader import load_config, with_overrides
     from melfeed.shared.service.cli import with_demo_cache
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.flag_checks import check_output_file
@@ -162,7 +162,7 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
     from melfeed.consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.observe.gpu import GpuSampler
-    from melfeed.shared.config_loader import with_overrides
+    from melfeed.shared.config.loader import with_overrides
     device = jax.devices()[args.device]
     params = jax.device_put(init_params(cfg.n_mels, args.hidden, args.layers), device)
     handoff = JaxHandOff(mlp_step(args.layers), params, device)

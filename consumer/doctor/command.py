@@ -36,7 +36,7 @@ from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from melfeed.shared.wire.grid import bucket_count
 from melfeed.shared.service.cli import config_from_args
 from melfeed.shared.config import PipelineConfig, resolve_checksum, resolve_runtime_dir
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.consumer.doctor.arrangement import advise_data_gpu
 from melfeed.consumer.doctor.probe import transport_endpoint
 from melfeed.consumer.transport.shm_slots import clean_stale, resolve_shm_dir

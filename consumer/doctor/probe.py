@@ -57,7 +57,7 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
                       work_dir: Path | None = None) -> dict[str, Any]:
     """Delivered batches/s from ``producers`` real producers into a real consumer ring."""
     from melfeed.consumer.feed import Consumer
-    from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+    from melfeed.shared.config.loader import config_from_mapping, config_to_mapping, load_config, with_overrides
     from melfeed.shared.errors import PipelineError
 
     with (contextlib.nullcontext(str(work_dir)) if work_dir is not None
@@ -107,7 +107,7 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     from dataclasses import replace
 
     from melfeed.consumer.placement import prepare_tensorflow, step_devices
-    from melfeed.shared.config_loader import load_config
+    from melfeed.shared.config.loader import load_config
 
     cfg = load_config(config_path)
     # the model GPU as `run` would use it; no cache made inside a state dir the doctor must not create

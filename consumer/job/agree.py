@@ -39,7 +39,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_to_mapping
+from melfeed.shared.config.loader import config_to_mapping
 from melfeed.shared.printable import escape_line
 
 __all__ = ["NO_STEP", "OFFER_WIDTH", "REFUSED", "SETTINGS", "common_rows", "common_step", "job_settings", "no_common_step",

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from melfeed.consumer.feed_board import FeedBoard
     from melfeed.consumer.fit_resume import FitResume
     from melfeed.consumer.staging import Stager
-    from melfeed.shared.config_loader import config_from_mapping, load_config
+    from melfeed.shared.config.loader import config_from_mapping, load_config
     from melfeed.shared.errors import CacheError, ClosedError, ConfigError, DataError, PipelineError, StepError
 
 __version__ = "0.1.0"   # the package's version: pyproject.toml reads it from here
@@ -37,7 +37,7 @@ __all__ = [
 _HOMES = {  # public name -> the module that defines it (imported on first use)
     "Consumer": "melfeed.consumer.feed", "Batch": "melfeed.consumer.feed", "Stager": "melfeed.consumer.staging",
     "FitResume": "melfeed.consumer.fit_resume", "FeedBoard": "melfeed.consumer.feed_board",
-    "load_config": "melfeed.shared.config_loader", "config_from_mapping": "melfeed.shared.config_loader",
+    "load_config": "melfeed.shared.config.loader", "config_from_mapping": "melfeed.shared.config.loader",
     **{name: "melfeed.shared.errors" for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError",
                                                    "DataError", "StepError")},
 }

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from melfeed.shared.config import resolve_runtime_dir
-from melfeed.shared.config_checks import check_endpoint
+from melfeed.shared.config.checks import check_endpoint
 from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.flag_checks import check_output_file

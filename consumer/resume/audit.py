@@ -233,7 +233,7 @@ def read_run_identity(root: Path) -> dict[str, Any]:
 def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[int, int] | None, str]:
     from melfeed.consumer.flow.shards import plan_for_rank
     from melfeed.shared.wire.buckets import build_buckets
-    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.errors import PipelineError
     from melfeed.shared.cache.manifest import load_manifest
     try:

@@ -54,7 +54,7 @@ from melfeed.consumer.resume.audit import AUDIT_NAME, RUN_NAME, AuditLog, sample
 from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints, read_cursor
 from melfeed.consumer.resume.filemode import STATE_FILE_MODE, make_private_dir, write_private
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_to_mapping
+from melfeed.shared.config.loader import config_to_mapping
 from melfeed.shared.errors import StateError
 from melfeed.shared.flag_checks import resolve_path
 from melfeed.shared.wire.outliers import OUTLIERS_NAME

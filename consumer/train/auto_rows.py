@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from melfeed.consumer.train.rows_search import RowsChoice, Trial, fastest_rows, largest_fitting_rows
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError
 from melfeed.shared.wire.buckets import BucketSet, build_buckets
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 FEATURE_VERSION = "melfeed-logmel/1"  # bump when the definition in producer/prepare/dsp.py changes
 RESAMPLER_VERSION = "kaiser-sinc/32/9.0/0.95"
-N_MELS_MAX = 1024   # the range the config allows for n_mels (shared/config.py); tests hold the two equal
+N_MELS_MAX = 1024   # the range the config allows for n_mels (shared/config/__init__.py); tests hold the two equal
 FEATURES_NAME = "features.json"
 _FEATURES_FORMAT = 1
 

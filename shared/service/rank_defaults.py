@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from melfeed.shared.config import PipelineConfig, resolve_runtime_dir
-from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.config.loader import with_overrides
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.service.lifecycle import prepare_runtime_dir
 from melfeed.shared.service.tf_config import WorkerPlace

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_checks import check_text
-from melfeed.shared.config_loader import load_config, with_overrides
+from melfeed.shared.config.checks import check_text
+from melfeed.shared.config.loader import load_config, with_overrides
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.output_files import check_output_dir, replace_output
 from melfeed.shared.service.lifecycle import resolve_control_endpoint
@@ -101,7 +101,7 @@ def _unit_path(flag: str, value: str) -> str:
     A newline would add directives (``ExecStartPre=``), a space another argument or path, ``%`` and ``$``
     a specifier or variable, quotes and backslashes systemd's own quoting.
     """
-    check_text(value, (flag,))   # control characters: one line, as every config string (shared/config_checks.py)
+    check_text(value, (flag,))   # control characters: one line, as every config string (shared/config/checks.py)
     bad = sorted({ch for ch in value if ch.isspace() or ch in _UNIT_SPECIAL})
     if bad:
         raise _fail(flag, f"must not contain {' '.join(repr(ch) for ch in bad)} (systemd would split, expand or "

@@ -20,7 +20,7 @@ from melfeed.consumer.feed_board import FeedBoard
 from melfeed.consumer.fit_resume import FitResume
 from melfeed.consumer.staging import Stager
 from melfeed.shared import errors
-from melfeed.shared.config_loader import config_from_mapping, load_config
+from melfeed.shared.config.loader import config_from_mapping, load_config
 
 _ROOT = Path(__file__).resolve().parents[2]
 

@@ -56,7 +56,7 @@ def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
     import os
 
     from melfeed.consumer.placement import xla_cache_dir
-    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.errors import ConfigError
 
     loop = os.path.join(str(tmp_path), "loop")

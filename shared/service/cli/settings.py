@@ -1,6 +1,6 @@
 """From flags to the effective config: ``--config``, then each ``--set KEY=VALUE``, then the dedicated flags.
 
-Every step is checked by the config schema (``shared/config_loader.py``): an unknown key or a bad value is one
+Every step is checked by the config schema (``shared/config/loader.py``): an unknown key or a bad value is one
 ``ConfigError`` naming the key. ``melfeed config show`` prints the result.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, config_to_mapping, load_config, with_overrides
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.service.rank_defaults import check_expected_rank, with_rank_defaults
 from melfeed.shared.service.tf_config import resolve_worker_place

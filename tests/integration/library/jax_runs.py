@@ -22,7 +22,7 @@ from melfeed.consumer.clients.jax_feed import JaxHandOff, device_batch, init_par
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged, Stager
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 from tests.slot_poison import scribble_on_release
 
 

@@ -15,7 +15,7 @@ import pytest
 from melfeed.consumer import Consumer
 from melfeed.consumer.feed_board import FeedBoard
 from melfeed.consumer.flow.ring import SlotState
-from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, with_overrides
 from tests.conftest import ProducerGroup
 
 _ALL_FEATURES = ("tokens", "tok_len", "mel_len", "frames", "batch_id", "rows", "row_mask")

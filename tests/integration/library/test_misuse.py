@@ -18,7 +18,7 @@ import pytest
 
 from melfeed.consumer import Consumer
 from melfeed.consumer.flow.ring import SlotState
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ClosedError, PipelineError
 
 

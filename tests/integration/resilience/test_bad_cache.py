@@ -24,7 +24,7 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.flow.plan import EpochPlan
 from melfeed.shared.wire.buckets import build_buckets
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.cache.demo_data import demo_utterance_id, write_demo_cache
 from melfeed.shared.cache.manifest import load_manifest
 from tests import procs

@@ -87,7 +87,7 @@ _HOLDER = """\
 import sys, threading
 from melfeed.consumer.resume.state import RunState
 from melfeed.shared.cache.features import load_manifest_for
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 cfg = load_config(sys.argv[1])
 state = RunState.open(cfg, load_manifest_for(cfg).fingerprint)
 threading.Event().wait(60)     # stopped long before

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from tests import procs
 from tests.conftest import ProducerGroup
 

@@ -20,7 +20,7 @@ import zmq
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.observe.control import ControlServer
 from melfeed.consumer.transport.endpoint_lock import lock_endpoint
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.service.leftovers import is_pid_alive
 from tests import procs
 

@@ -94,7 +94,7 @@ def _check_tensorboard(logdir: Path, s: dict[str, Any]) -> None:
 _PLAN_PEER = """\
 import logging, sys, time
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 cfg = load_config(sys.argv[1])
 

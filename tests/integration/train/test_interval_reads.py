@@ -23,7 +23,7 @@ from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.train.device.accumulators import Accumulators
 from melfeed.consumer.train.loop import train
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 from tests import procs
 from tests.board_events import read_scalars
 

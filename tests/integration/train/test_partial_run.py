@@ -14,7 +14,7 @@ import yaml
 
 from melfeed.consumer.flow.plan import EpochPlan
 from melfeed.shared.cache.manifest import load_manifest
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.wire.buckets import build_buckets
 from tests import procs
 from tests.conftest import REPO

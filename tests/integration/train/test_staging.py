@@ -30,7 +30,7 @@ from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.staging import Staged
 from melfeed.consumer.train.handoff import TfHandOff
 from melfeed.consumer.train.loop import train
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 from tests import procs
 from tests.conftest import REPO
 from tests.slot_poison import scribble_on_release

@@ -21,7 +21,7 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.resume.audit import audit_state_dir
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.train.loop import train
-from melfeed.shared.config_loader import config_from_mapping, load_config
+from melfeed.shared.config.loader import config_from_mapping, load_config
 from melfeed.shared.errors import ConfigError, StepError
 from tests import procs
 

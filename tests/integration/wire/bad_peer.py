@@ -28,7 +28,7 @@ from melfeed.consumer.flow.plan import EpochPlan
 from melfeed.consumer.transport.receiver import ReceiverStats
 from melfeed.producer.batcher import BatchAssembler
 from melfeed.producer.reader import CacheReader
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ClosedError
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,

@@ -11,7 +11,7 @@ import msgpack
 import zmq
 
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.wire.curve import generate_keys
 from melfeed.shared.wire.protocol import PROTOCOL_VERSION, Hello, RejectCode, encode
 from tests import procs

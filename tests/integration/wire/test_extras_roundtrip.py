@@ -25,7 +25,7 @@ from melfeed.shared.cache.batch_read import read_batch
 from melfeed.shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, write_manifest
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from tests import procs
 
 _N = 48

@@ -21,7 +21,7 @@ import pytest
 
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.resume.checkpoint import latest_checkpoint
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from tests import procs
 
 _FD_LIMIT = 320          # the consumer's soft and hard limit: ~100 used by TensorFlow, libzmq and the state

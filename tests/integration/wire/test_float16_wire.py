@@ -24,7 +24,7 @@ from melfeed.shared.cache.batch_read import read_batch
 from melfeed.shared.cache.demo_data import write_demo_cache
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, write_manifest
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import EXIT_CONFIG
 from tests import procs
 

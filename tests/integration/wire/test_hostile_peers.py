@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.flow.peers import ProducerReport
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.protocol import PROTOCOL_VERSION, Bye, Hello, Welcome, decode_header, encode
 from tests.conftest import REPO, ProducerGroup

@@ -23,7 +23,7 @@ import zmq
 
 from melfeed.consumer.feed import Consumer
 from melfeed.producer.slot_maps import SlotMappings
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
@@ -182,7 +182,7 @@ _VICTIM = """\
 import sys, threading
 from pathlib import Path
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 with Consumer(load_config(sys.argv[1])) as feed:
     for n, _batch in enumerate(feed.batches(), start=1):
         if n == int(sys.argv[2]):

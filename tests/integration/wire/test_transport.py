@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.cache.demo_data import write_demo_cache
 from melfeed.shared.wire.protocol import MsgKind, RejectCode, encode, Hello
 from tests import procs

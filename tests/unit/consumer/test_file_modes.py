@@ -14,7 +14,7 @@ from melfeed.consumer.placement import apply_placement
 from melfeed.consumer.train.jit import MEMO_NAME, choose_mode, remember_mode
 from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts
 from melfeed.consumer.train.loop import TrainSummary
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError
 

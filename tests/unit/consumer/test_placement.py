@@ -14,7 +14,7 @@ import pytest
 from melfeed.consumer.placement import (XLA_CACHE_FLAG, active_xla_cache_dir, apply_placement, configure_memory,
                                 placement_env, step_devices, xla_cache_dir, xla_cache_warm)
 from melfeed.consumer.xla_cache import cache_namespace, step_identity, xla_cache_namespace
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.config import PipelineConfig
 from tests.conftest import REPO
@@ -183,7 +183,7 @@ def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_the_real_
     TensorFlow being imported, the same model_gpu is fine and one that would change the visible GPUs is refused
     (one fresh process for both: its TensorFlow import is most of the cost)."""
     code = ("import os, sys\n"
-            "from melfeed.shared.config_loader import config_from_mapping\n"
+            "from melfeed.shared.config.loader import config_from_mapping\n"
             "from melfeed.shared.errors import ConfigError\n"
             "from melfeed.consumer.placement import apply_placement, prepare_tensorflow, XLA_CACHE_FLAG\n"
             "assert 'tensorflow' not in sys.modules\n"

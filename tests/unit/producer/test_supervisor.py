@@ -128,7 +128,7 @@ def test_a_producer_child_ignores_sigint_from_its_first_line(monkeypatch: pytest
         seen.append(signal.getsignal(signal.SIGINT))
         raise ConfigError("stop here", path=("cache_dir",))
 
-    monkeypatch.setattr("melfeed.shared.config_loader.load_config", load_config)
+    monkeypatch.setattr("melfeed.shared.config.loader.load_config", load_config)
     monkeypatch.setattr("melfeed.shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None)   # not pytest's
     monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda level: None)
     previous = signal.getsignal(signal.SIGINT)

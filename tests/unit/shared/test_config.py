@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from melfeed.shared.config import resolve_runtime_dir
-from melfeed.shared.config_loader import config_from_mapping, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, with_overrides
 from melfeed.shared.errors import ConfigError
 
 

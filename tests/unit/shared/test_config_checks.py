@@ -1,4 +1,4 @@
-"""Config values refused by class (shared/config_checks.py): each refusal is one line naming the key."""
+"""Config values refused by class (shared/config/checks.py): each refusal is one line naming the key."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_checks import MAX_IPC_PATH_BYTES, check_output_paths, check_ring_bytes, physical_memory_bytes
-from melfeed.shared.config_loader import _SECTIONS, config_from_mapping, load_config
+from melfeed.shared.config.checks import MAX_IPC_PATH_BYTES, check_output_paths, check_ring_bytes, physical_memory_bytes
+from melfeed.shared.config.loader import _SECTIONS, config_from_mapping, load_config
 from melfeed.shared.errors import ConfigError
 
 _HUGE = 2**63

@@ -1,5 +1,5 @@
 """Any document, any value: a config loads into a valid ``PipelineConfig`` or fails with one ``ConfigError``
-line, never another exception and never a hang (README "exit 78", shared/config_checks.py)."""
+line, never another exception and never a hang (README "exit 78", shared/config/checks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import _SECTIONS, config_from_mapping, config_to_mapping, load_config
+from melfeed.shared.config.loader import _SECTIONS, config_from_mapping, config_to_mapping, load_config
 from melfeed.shared.errors import ConfigError
 
 _ROOT_KEYS = [f.name for f in dataclasses.fields(PipelineConfig)]

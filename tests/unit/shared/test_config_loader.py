@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping, config_to_mapping, load_config, with_overrides
+from melfeed.shared.config.loader import config_from_mapping, config_to_mapping, load_config, with_overrides
 from melfeed.shared.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""One consumer never binds one address twice (shared/config_checks.py ``check_distinct_binds``): the
+"""One consumer never binds one address twice (shared/config/checks.py ``check_distinct_binds``): the
 data endpoint, the status socket and the metrics port. Unchecked, such a config starts and then stops with
 "another consumer (pid N) is running on ..." naming its own pid."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from melfeed.shared.config_checks import endpoints_collide
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.checks import endpoints_collide
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from tests.cli_run import refusal, run_cli
 

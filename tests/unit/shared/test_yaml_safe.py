@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from melfeed.shared.config_loader import load_config
+from melfeed.shared.config.loader import load_config
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.yaml_safe import MAX_CONFIG_BYTES, read_config_file
 
@@ -141,7 +141,7 @@ def test_the_configs_melfeed_writes_for_its_children_load_back(tmp_path: Path) -
     """Guard: the effective config handed to producers (safe_dump of config_to_mapping) has no aliases."""
     import yaml
 
-    from melfeed.shared.config_loader import config_from_mapping, config_to_mapping
+    from melfeed.shared.config.loader import config_from_mapping, config_to_mapping
     cfg = config_from_mapping({"cache_dir": "/data/caché", "buckets": {"boundaries": [400, 800]},
                                "producer": {"count": 2}})
     path = _write(tmp_path, yaml.safe_dump(config_to_mapping(cfg), sort_keys=False).encode())

@@ -10,7 +10,7 @@ import pytest
 from melfeed.consumer.doctor.command import _bad_rows
 from melfeed.producer.probe import measure
 from melfeed.shared.cache.demo_data import write_demo_cache
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import CacheError
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from melfeed.consumer.job.agree import (NO_STEP, OFFER_WIDTH, REFUSED, SETTINGS, common_rows, common_step, job_settings,
                                         offer_row, refused_ranks, settings_mismatch, settings_row)
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 
 
 def test_offer_rows_are_fixed_width_newest_first_and_padded() -> None:

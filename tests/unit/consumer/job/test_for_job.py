@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from melfeed.consumer.train.replicas import Replicas, XlaUnavailable
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 
 _CPU = "/job:worker/replica:0/task:1/device:CPU:0"

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from melfeed.consumer.job.agree import job_settings, offer_row, settings_row
 from melfeed.consumer.job.cluster import Job, lost_contact_error, server_error
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
 from melfeed.shared.service.tf_config import WorkerPlace
 

@@ -14,7 +14,7 @@ from melfeed.consumer.observe.prom import SnapshotCollector
 from melfeed.consumer.transport.receiver import ReceiverStats
 from melfeed.consumer.observe.status import format_status, snapshot_problem
 from melfeed.consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS, StepRecord, StepWindow
 from melfeed.shared.wire.protocol import StageCounters

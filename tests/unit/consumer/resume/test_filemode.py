@@ -17,7 +17,7 @@ import tensorflow as tf
 from melfeed.consumer.resume.filemode import make_private_dir, restrict, write_private
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.transport.shm_slots import ShmSlots
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from melfeed.consumer.flow.shards import plan_for_rank
 from melfeed.consumer.resume.job_audit import audit_job, main_audit, union_counts
 from melfeed.consumer.resume.state import RunState
 from melfeed.shared.cache.manifest import load_manifest
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError, StateError
 from melfeed.shared.wire.buckets import build_buckets
 

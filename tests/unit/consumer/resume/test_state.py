@@ -13,7 +13,7 @@ import tensorflow as tf
 from melfeed.consumer.resume.audit import RECORD_BYTES, AuditLog, AuditRecord, analyse, read_records, sample_digest
 from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor, latest_checkpoint, list_checkpoints
 from melfeed.consumer.resume.state import RunState
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import StateError
 
 

@@ -19,7 +19,7 @@ from melfeed.consumer.train.model import StepSpec
 from melfeed.consumer.train.warm_batches import sample_batch
 from melfeed.shared.cache.features import load_manifest_for
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.buckets import build_buckets
 

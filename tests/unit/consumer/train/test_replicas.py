@@ -9,7 +9,7 @@ import pytest
 
 from melfeed.consumer.placement import configure_memory
 from melfeed.consumer.train.replicas import check_rows
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 from melfeed.consumer.train.handoff import aligned_empty, to_tensors
 from melfeed.consumer.train.model import StepSpec, build_reference_step
 from melfeed.consumer.train.step import CompiledStep
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 

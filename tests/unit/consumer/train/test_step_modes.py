@@ -100,7 +100,7 @@ def test_a_step_without_loss_is_a_one_line_config_error() -> None:
 
 
 def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
-    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.config.loader import config_from_mapping
     cfg = config_from_mapping({"n_mels": N_MELS, "consumer": {"steps": 120},
                                "model": {"params": {"hidden": 8, "heads": [1, 2]}}})
     spec = StepSpec.from_config(cfg, SHAPES, batches_per_epoch=37)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts, step_key
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 
 
 def test_an_attempt_is_on_disk_while_it_runs_and_cleared_when_it_returns_or_raises(tmp_path: Path) -> None:

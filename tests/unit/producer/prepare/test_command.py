@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from melfeed.producer.prepare.command import debug_delay_s, run_prepare, worker_count
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import CacheError, ConfigError
 from tests.cli_run import refusal, run_cli
 

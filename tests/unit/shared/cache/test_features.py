@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from melfeed.shared.config import FeatureConfig, PipelineConfig
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import CacheError, ConfigError
 from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
 from melfeed.shared.cache.features import feature_params, load_manifest_for, write_feature_record

@@ -304,7 +304,7 @@ def test_a_pack_that_reads_short_under_preadv_is_the_packs_fault_not_the_rows(
 ])
 def test_producer_pack_is_auto_by_default_accepts_preadv_and_off_and_refuses_anything_else(
         value: object, message: str) -> None:
-    from melfeed.shared.config_loader import config_from_mapping
+    from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.errors import ConfigError
     assert config_from_mapping({}).producer.pack == "auto"
     assert config_from_mapping({"producer": {"pack": "off"}}).producer.pack == "off"

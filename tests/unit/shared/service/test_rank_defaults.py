@@ -10,7 +10,7 @@ import pytest
 
 from melfeed.consumer.observe.status import _control_endpoint
 from melfeed.shared.config import PipelineConfig, TransportConfig
-from melfeed.shared.config_loader import with_overrides
+from melfeed.shared.config.loader import with_overrides
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.service.cli import build_parser, config_from_args
 from melfeed.shared.service.lifecycle import resolve_control_endpoint, resolve_endpoint

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zmq.utils.z85
 
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.wire.curve import (AllowList, client_keys_for, generate_keys, producer_id_matches, server_keys_for,
                                zap_reply)
 from melfeed.shared.errors import ConfigError

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config_loader import config_to_mapping
+from melfeed.shared.config.loader import config_to_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.service.cli import build_parser, config_from_args
 

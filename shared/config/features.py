@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from melfeed.shared.config_checks import require as _check
+from melfeed.shared.config.checks import require as _check
 
 __all__ = ["FeatureConfig"]
 

@@ -2,7 +2,7 @@
 
 Role: what every setting means, its unit, its default and its valid range. Reading a YAML file,
 turning a mapping into a config and back, and dotted CLI overrides live in
-``shared/config_loader.py``.
+``shared/config/loader.py``.
 Invariant: every ``PipelineConfig`` that exists is valid; a bad value raises ``ConfigError``
 naming the key path and the value (``buckets.batch_size: must be >= 1, got 0``).
 Environment lookups happen only in ``resolve_runtime_dir`` (called from the CLI layer).
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from melfeed.shared.config_checks import (check_boundaries, check_distinct_binds, check_endpoint, check_int32,
+from melfeed.shared.config.checks import (check_boundaries, check_distinct_binds, check_endpoint, check_int32,
                                           check_not_abstract, check_number, check_planner_settings,
                                           check_rows_settings, check_seed, check_transport_mode, plain_params,
                                           resolve_checksum)
-from melfeed.shared.config_checks import require as _check
-from melfeed.shared.config_features import FeatureConfig
+from melfeed.shared.config.checks import require as _check
+from melfeed.shared.config.features import FeatureConfig
 from melfeed.shared.gpu_select import check_gpu_list
 from melfeed.shared.wire.layout import MEL_WIRE_DTYPES
 
@@ -318,9 +318,9 @@ JitSetting = Literal["auto"] | bool   # ModelConfig.jit_compile; the loader pass
 class ModelConfig:
     """The training step. ``step`` names a factory ``module:function`` (see consumer/README.md)."""
 
-    step: str = "melfeed.consumer.train.model:build_reference_step"
+    step: str = "melfeed.consumer.train.model:build_reference_step"   # the step factory, module:function
     vocab_size: int = 256                  # token ids must be < vocab_size
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3            # the optimizer's step size (StepSpec.learning_rate; the reference: Adam)
     mixed_precision: bool = False          # float16 compute with loss scaling (bfloat16 on CPU)
     seed: int = 0                          # weight initialisation
     jit_compile: JitSetting = "auto"       # "auto": XLA where it compiles and is faster, else graph mode;
@@ -349,9 +349,9 @@ class ModelConfig:
 class PipelineConfig:
     """Root configuration. ``cache_dir`` holds mels/, tokens/ and manifest.json."""
 
-    cache_dir: str | None = None
+    cache_dir: str | None = None           # the prepared cache; None = none: a command that reads one refuses
     seed: int = 0                          # data order; the plan depends on (manifest, seed, epoch)
-    n_mels: int = 80
+    n_mels: int = 80                       # mel bins per frame (1..1024); the cache's manifest must agree
     buckets: BucketConfig = field(default_factory=BucketConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     consumer: ConsumerConfig = field(default_factory=ConsumerConfig)

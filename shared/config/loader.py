@@ -3,7 +3,7 @@
 Role: the only place that knows YAML and the mapping form of a config: ``load_config`` (a file),
 ``config_from_mapping`` (a parsed mapping, e.g. a child's hand-off), ``config_to_mapping`` (the
 inverse, for writing an effective config) and ``with_overrides`` (dotted CLI keys). The meaning,
-defaults and ranges of each setting live with the dataclasses in ``shared/config.py``.
+defaults and ranges of each setting live with the dataclasses in ``shared/config/__init__.py``.
 Invariants: an unknown key, a value of the wrong type or an invalid value raises ``ConfigError``
 naming its key path; ``config_from_mapping(config_to_mapping(cfg)) == cfg``.
 Shutdown: nothing to release.
@@ -20,7 +20,7 @@ from typing import Any
 
 from melfeed.shared.config import (BucketConfig, ConsumerConfig, FeatureConfig, ModelConfig, PipelineConfig,
                            ProducerConfig, TransportConfig)
-from melfeed.shared.config_checks import check_number, check_text
+from melfeed.shared.config.checks import check_number, check_text
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.yaml_safe import read_config_file
 
@@ -44,7 +44,7 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
     """Type-check one scalar against the dataclass annotation string.
 
     Every number is checked by class here (finite, fits in 64 bits) and every string (one printable
-    line), whatever its key (shared/config_checks.py); the per-key ranges are in the dataclasses.
+    line), whatever its key (shared/config/checks.py); the per-key ranges are in the dataclasses.
     """
     if value is None:
         if "None" in annotation:
