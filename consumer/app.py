@@ -280,8 +280,8 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
     which the allow-list does not hold, and wait refused for ever. One line instead."""
     if cfg.transport.curve_secret_key:
         raise ConfigError("run starts its producers with this same config, so they would present the consumer's "
-                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (README "
-                          "\"Running the two sides separately\"), or use run's default ipc endpoint on one host",
+                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (deploy/"
+                          "README.md \"Producers on other hosts\"), or use run's default ipc endpoint on one host",
                           path=("transport", "curve_secret_key"))
 
 
