@@ -268,7 +268,7 @@ def _with_rows(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> 
 
 def run_exit_code(group_code: int | None) -> int:
     """``run``'s exit code once training ended without an error: its producer group's own code (78: a contract
-    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, README "Exit codes") for a group another
+    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, docs/reference/exit-codes.md) for a group another
     signal ended (SIGKILL: the OOM killer, or the ladder's last rung), never the negative code Popen reports."""
     if group_code is None or group_code in (0, -signal.SIGTERM):
         return 0
