@@ -1,6 +1,6 @@
 """melfeed's consumer: the training side, and the library a training loop takes batches from.
 
-A library user imports these from ``melfeed`` (``melfeed.__all__``, consumer/README.md "The public API").
+A library user imports these from ``melfeed`` (``melfeed.__all__``, docs/guide/your-model.md "A loop of your own").
 ``Consumer.as_dataset()`` gives the same batches as a ``tf.data.Dataset`` for Keras ``fit``.
 Invariants: importing this package never imports TensorFlow (``as_dataset`` imports it when
 called); ``melfeed.consumer.feed`` and the modules under it never import this package back (no cycle).

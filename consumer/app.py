@@ -268,7 +268,7 @@ def _with_rows(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> 
 
 def run_exit_code(group_code: int | None) -> int:
     """``run``'s exit code once training ended without an error: its producer group's own code (78: a contract
-    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, README "Exit codes") for a group another
+    error), 0 for 0 or the stop ladder's SIGTERM, and 1 (a failure, docs/reference/exit-codes.md) for a group another
     signal ended (SIGKILL: the OOM killer, or the ladder's last rung), never the negative code Popen reports."""
     if group_code is None or group_code in (0, -signal.SIGTERM):
         return 0
@@ -280,8 +280,8 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
     which the allow-list does not hold, and wait refused for ever. One line instead."""
     if cfg.transport.curve_secret_key:
         raise ConfigError("run starts its producers with this same config, so they would present the consumer's "
-                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (README "
-                          "\"Running the two sides separately\"), or use run's default ipc endpoint on one host",
+                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (deploy/"
+                          "README.md \"Producers on other hosts\"), or use run's default ipc endpoint on one host",
                           path=("transport", "curve_secret_key"))
 
 

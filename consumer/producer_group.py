@@ -101,7 +101,7 @@ class OwnedProducers:
         if cfg.transport.curve_secret_key:
             raise ConfigError("Consumer(producers=N) starts its producers with this same config, so they would "
                               "present the consumer's key and be refused; start them yourself, each with its own "
-                              "key pair (README \"Running the two sides separately\")",
+                              "key pair (deploy/README.md \"Producers on other hosts\")",
                               path=("transport", "curve_secret_key"))
         self.count = count
         self.group: Child | None = None

@@ -3,7 +3,7 @@
 Role: ``Stager`` drives a training step over a ``Consumer``'s batches through a framework's ``HandOff``
 (put a batch on the device, dispatch a step, tell whether a step completed, wait for its results). It
 imports no framework: the TensorFlow hand-off is consumer/train/handoff.py; a JAX (or any) client
-writes the four methods itself (consumer/README.md, "Staging").
+writes the four methods itself (docs/guide/your-model.md, "A loop of your own").
 
 Order on an asynchronous device (a GPU), depth 2, steady state: dispatch step k (batch k was staged
 before), wait for step k-1 and report it (the host waits one step late, while step k is queued behind

@@ -1,6 +1,6 @@
 """Command-line values that are not config keys: numbers, output files, and input files read whole.
 
-Role: the refusals several commands share, so that none can forget one (README "exit 78"):
+Role: the refusals several commands share, so that none can forget one (docs/reference/exit-codes.md, 78):
 
 - ``check_number``: a float flag is finite and above (or at) its floor; ``nan`` passes every ``<``
   comparison, so a check written as ``if value <= 0`` lets it through;

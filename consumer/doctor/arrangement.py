@@ -1,8 +1,8 @@
 """Which GPU arrangement the doctor's figures favour: the data GPU for producers, or as a model replica.
 
 Role: pure arithmetic (no I/O) over the verdict's measured supply and demand and the GPU settings.
-Producers reading a cache do no GPU work (``producer.data_gpu`` only pins them, see README, "Two GPUs in
-one workstation"), so a data GPU idles. Giving it to the model as a second replica (``consumer.model_gpu``
+Producers reading a cache do no GPU work (``producer.data_gpu`` only pins them, see docs/guide/two-gpus.md),
+so a data GPU idles. Giving it to the model as a second replica (``consumer.model_gpu``
 lists both, consumer/train/replicas.py) can at most double the step rate; that only pays when the
 measured supply covers that doubled demand with the usual headroom.
 Invariants: advice only where NVML saw the data GPU and it is not a model GPU already; the one number

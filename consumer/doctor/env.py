@@ -74,7 +74,7 @@ def _split_gpu_check(f: EnvFacts) -> Check:
         return Check("ok", name, f"producers use GPU {f.data_gpu}, the consumer sees only others")
     same = data & {g for g in f.model_gpu.split(",") if g}
     if same:
-        # producers reading a cache do no GPU work (README, "Two GPUs in one workstation"): nothing competes today
+        # producers reading a cache do no GPU work (docs/guide/two-gpus.md): nothing competes today
         return Check("warn", name, f"consumer.model_gpu={f.model_gpu} and producer.data_gpu={f.data_gpu} "
                                    f"name the same GPU {','.join(sorted(same))}; producers reading a cache do no GPU "
                                    'work, so set producer.data_gpu: "" to keep anything else off the model\'s GPU')

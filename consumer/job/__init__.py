@@ -1,1 +1,1 @@
-"""A multi-worker job: the strategy, the agreement on a checkpoint, losing a peer (consumer/README.md, "Ranks")."""
+"""A multi-worker job: the strategy, the agreement on a checkpoint, losing a peer (docs/guide/several-hosts.md)."""

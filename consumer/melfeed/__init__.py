@@ -7,7 +7,7 @@ with melfeed.Consumer(cfg, producers=2) as feed:   # starts the producers, stops
     for batch in feed.batches():                    # plan order; arrays are views into a ring slot
         my_step(batch.arrays)
 ```
-The public API is exactly the names in ``__all__`` (consumer/README.md, "The public API"); every other module
+The public API is exactly the names in ``__all__`` (docs/guide/your-model.md, "A loop of your own"); every other module
 (``melfeed.consumer``, ``melfeed.producer``, ``melfeed.shared``, ``melfeed.cli``) is internal and may change.
 Invariant: importing ``melfeed`` imports no TensorFlow, and nothing beyond this module until a name is used (the
 ``melfeed`` command starts without the library's imports).

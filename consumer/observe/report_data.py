@@ -1,7 +1,7 @@
 """Metrics JSONL (the consumer's ``--metrics-file``) -> columns for ``melfeed report``.
 
 Role: pure parsing, no drawing and no matplotlib. ``read_metrics`` reads one snapshot object per
-line (format: the fixed metrics snapshot, see README "Picture of a run") and turns it into
+line (format: the fixed metrics snapshot, see docs/reference/metrics.md) and turns it into
 ``RunSeries``: one float array per figure, aligned on ``t_s`` (seconds since the first snapshot).
 Invariants:
 - Every array has one entry per snapshot; ``null`` becomes ``nan`` so a plot shows a gap, never a
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Floats = npt.NDArray[np.float64]
 
 # ~1.1 KB a snapshot with two producers: about two weeks at the default 5 s status interval. Parsing
-# takes several times the file's size in memory; thin a longer run's file first (README "Picture of a run").
+# takes several times the file's size in memory; thin a longer run's file first (docs/guide/watching.md).
 MAX_METRICS_BYTES = 256 << 20
 
 # Keys the report draws; the snapshot has more (all present on every line), which are ignored here.

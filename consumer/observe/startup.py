@@ -2,7 +2,7 @@
 
 Role: the INFO lines ``Consumer.start()`` logs (docs/design.md, invariant 4: the consumer computes
 and logs its memory bound at start). They go to the caller's logger, ``melfeed.consumer.feed``, the name the
-README quotes them under. Pure formatting over the consumer's properties; no state, no threads.
+README's quick start quotes them under. Pure formatting over the consumer's properties; no state, no threads.
 """
 
 from __future__ import annotations

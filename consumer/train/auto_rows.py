@@ -9,7 +9,7 @@ consumer/train/rows_probe.py): on a GPU the most rows whose peak memory stays un
 throughput; then the entry is written. A resumed run (a checkpoint to resume from) keeps the rows its plan was
 built with (``plan_rows``), on any device. Without a state directory every start searches. The producers this
 consumer starts get the resolved config (``buckets.rows``), so their bucket set and the handshake's match; a
-producer started on its own needs ``buckets.rows`` in its config (consumer/README.md "Rows per bucket: auto").
+producer started on its own needs ``buckets.rows`` in its config (docs/reference/config.md, ``buckets.batch_size``).
 In a multi-worker job every rank resolves its rows, then the ranks take each bucket's smallest (``Job.agree_rows``).
 Invariants: the plan stays a pure function of manifest, config and these rows; a bucket that fits no row is one
 ``ConfigError`` line (exit 78). Shutdown: nothing to release.

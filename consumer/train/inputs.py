@@ -129,7 +129,7 @@ def check_call(step: object, factory: str, passed: Sequence[str], row_names: Seq
                              return_annotation=signature.empty)   # annotations would only lengthen the line
     raise ConfigError(f"{type(step).__name__}.__call__{bare} cannot take the batch: {why}; it is called "
                       "as step(mel, mel_len, tokens, tok_len) plus, by keyword, the extras and row inputs it names "
-                      "(consumer/README.md \"What the step receives\")", path=("model", "step"), got=factory)
+                      "(docs/guide/your-model.md, \"What the step receives\")", path=("model", "step"), got=factory)
 
 
 def unlisted_variables(used: Iterable[object], before: Iterable[object], after: Iterable[object]) -> str | None:

@@ -6,7 +6,7 @@ feeds every applied batch to ``QuarantineCeiling.add`` and, the first time it tr
 order (the steps in flight complete, final checkpoint, summary with ``error``) and raises ``DataError``
 (exit 65). Pure: no clock, no I/O, no TensorFlow.
 
-The rule (README "When the cache goes bad mid-run"), over the batches this process applied, counting
+The rule (docs/guide/bad-data.md), over the batches this process applied, counting
 real rows only (a partial batch's padding rows are not rows):
     * ``n`` rows trained, ``q`` of them quarantined, ``f`` = ``max_quarantined_fraction``;
     * nothing is judged before ``n >= min_rows`` = min(1000, the rows of one epoch of this consumer's

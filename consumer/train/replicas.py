@@ -23,7 +23,7 @@ scalars are all-reduced over every replica of every worker, so each rank reads t
 Invariants:
     * Every bucket's rows divide by N (``check_rows``; ``buckets.batch_size`` is checked when the config
       loads), so every replica gets the same shapes and one program serves them all.
-    * The contract (consumer/README.md, "Plugging in your own step"): a step returns, on each replica,
+    * The contract (docs/guide/your-model.md, "A step in the built-in loop"): a step returns, on each replica,
       its share of every named scalar (normalised by the GLOBAL count, ``model.global_sum``), so the
       sum over replicas equals one replica's value on the whole batch; Keras optimizers sum gradients
       over replicas. The reference model keeps this contract.

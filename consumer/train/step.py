@@ -269,7 +269,7 @@ class CompiledStep:
             if self._dtypes["mel"] != tf.float16:
                 raise
             raise StepError(self._factory, f"{err.reason} (mel is float16 here, transport.mel_dtype: float16: "
-                                           "cast it in the step, tf.cast(mel, tf.float32); consumer/README.md)") from err
+                                           "cast it in the step, tf.cast(mel, tf.float32); docs/guide/your-model.md)") from err
         except Exception as err:
             if self._output_error is not None:   # whatever TensorFlow wrapped it in
                 raise ConfigError(str(self._output_error), path=("model", "step"), got=self._factory

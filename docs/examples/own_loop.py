@@ -3,7 +3,7 @@
     python docs/examples/own_loop.py --steps 100
 
 Each batch's arrays are views of its ring slot; the batch is applied (exactly once) when the loop asks for the next
-one (consumer/README.md "Using your own training loop" and "Exactly once on the library path").
+one (docs/guide/your-model.md, "A loop of your own").
 """
 
 from __future__ import annotations

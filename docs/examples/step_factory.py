@@ -4,7 +4,7 @@
 
 Energy-conditioned text-to-mel: each frame's mel comes from the mean token embedding plus that frame's energy, and a
 second head predicts the energy from the text. The contract (what ``make_step`` gets, what the step receives and
-returns, ``variables()``) is consumer/README.md "Plugging in your own step".
+returns, ``variables()``) is docs/guide/your-model.md, "A step in the built-in loop".
 """
 
 from __future__ import annotations

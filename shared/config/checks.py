@@ -1,4 +1,4 @@
-"""Checks by class that every config value passes, whatever its key (see README "exit 78").
+"""Checks by class that every config value passes, whatever its key (docs/reference/exit-codes.md, 78).
 
 Role: the refusals that are the same for many keys, so that no key can forget one:
 

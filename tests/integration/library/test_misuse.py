@@ -2,7 +2,7 @@
 
 Real ``Consumer`` objects bound on ipc endpoints under ``tmp_path``, no producers: batches are put into
 the ring the way the receiver does (``reserve`` then ``mark_ready`` with the planned batch), so each
-case runs in milliseconds. consumer/README.md ("Mistakes the library refuses") lists the rules.
+case runs in milliseconds. consumer/guards.py states the rules.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_release_inside_a_batches_loop_lets_the_loop_go_on(feed: Consumer) -> No
     seen = []
     for batch in feed.batches():
         seen.append(batch.batch_id)
-        feed.release(batch)                        # as the README suggests before a break; the loop goes on
+        feed.release(batch)                        # as the guide suggests before a break; the loop goes on
         if batch.batch_id < 3:
             _arrive(feed, batch.batch_id + 3)
     assert seen == feed.applied_ids == list(range(6))

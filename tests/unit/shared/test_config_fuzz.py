@@ -1,5 +1,5 @@
 """Any document, any value: a config loads into a valid ``PipelineConfig`` or fails with one ``ConfigError``
-line, never another exception and never a hang (README "exit 78", shared/config/checks.py)."""
+line, never another exception and never a hang (docs/reference/exit-codes.md, shared/config/checks.py)."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def test_a_step_that_does_not_cast_is_told_to_in_one_line() -> None:
     message = str(info.value)
     assert message.startswith("model.step tests.steps:tiny_step: the step fails in graph mode: ")
     assert message.endswith("(mel is float16 here, transport.mel_dtype: float16: cast it in the step, "
-                            "tf.cast(mel, tf.float32); consumer/README.md)")
+                            "tf.cast(mel, tf.float32); docs/guide/your-model.md)")
     assert "\n" not in message
 
 
