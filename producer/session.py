@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from melfeed.shared.errors import EXIT_CONFIG
 from melfeed.shared.printable import escape_line
-from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
-                                  Message, RejectCode, StageCounters, Welcome)
+from melfeed.shared.wire.protocol import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease,
+                                          LeaseGrant, Message, RejectCode, StageCounters, Welcome)
 
 __all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
 
@@ -257,7 +257,7 @@ class ProducerSession:
         if msg.code == RejectCode.UNKNOWN_PEER:
             log.info("consumer does not know us (%s); re-joining", escape_line(msg.why))
             self._leave(now_s)
-        elif msg.code in RejectCode.FATAL:
+        elif msg.code in FATAL_REJECTS:
             log.error("consumer refused this producer: %s: %s", escape_line(msg.code), escape_line(msg.why))
             self.exit_code = EXIT_CONFIG
             self.reason = f"{msg.code}: {msg.why}"

@@ -7,9 +7,12 @@ Every error here renders as one line (``str(err)``) suitable for a CLI message, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from melfeed.shared.printable import escape_line
+
+if TYPE_CHECKING:
+    from melfeed.shared.wire.messages import RejectCode
 
 __all__ = [
     "PipelineError",
@@ -127,7 +130,7 @@ class ProtocolError(PipelineError):
     what an unauthenticated peer must not learn (the consumer's contract).
     """
 
-    def __init__(self, code: str, why: str, *, reply: str | None = None) -> None:
+    def __init__(self, code: RejectCode, why: str, *, reply: str | None = None) -> None:
         self.code = code
         self.why = why[:MAX_REASON_CHARS]
         self.reply = self.why if reply is None else reply[:MAX_REASON_CHARS]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import reprlib
 
-from melfeed.consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
+from melfeed.consumer.flow.credit import ActiveLease, Arrival, LeaseBook, grant_round
 from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
                                      SessionConfig)
 from melfeed.consumer.flow.peers import PeerInfo, PeerTable
@@ -277,11 +277,11 @@ class ReceiverSession:
         peer = self._known(ident, hdr.epoch)
         peer.last_seen_s = now_s
         self._shm.check_claim(ident, hdr, self._book.active(hdr.batch_id))
-        verdict, lease = self._book.accept(ident, hdr.batch_id)
-        if verdict == Verdict.DUP:
+        arrival, lease = self._book.accept(ident, hdr.batch_id)
+        if arrival is Arrival.DUP:
             self._counts["dup"] += 1
             return Decision(drain=True)
-        if verdict == Verdict.NOT_LEASED or lease is None:
+        if arrival is Arrival.NOT_LEASED or lease is None:
             raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
         return Decision(intake=BatchIntake(ident, hdr, lease, lease.planned.bucket, self._shm.is_in_place(lease.slot)))
 

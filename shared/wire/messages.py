@@ -10,10 +10,10 @@ field added later goes last with a default, so older peers' messages still decod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello", "Welcome",
     "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
 ]
 
@@ -33,22 +33,30 @@ class MsgKind(IntEnum):
     BYE = 7
 
 
-class RejectCode:
-    """Reject codes sent in ERR (docs/ARCHITECTURE.md "Wire protocol"; invariant 7)."""
+class RejectCode(str, Enum):   # enum.StrEnum needs Python 3.11; __str__ below does what it adds
+    """Why the consumer rejected a message: the ``code`` of an ERR, on the wire as the member's string.
 
-    DECODE = "DECODE"
-    FRAMES = "FRAMES"
-    SCHEMA = "SCHEMA"
-    TYPE = "TYPE"
-    PROTO = "PROTO"
-    CONTRACT = "CONTRACT"
-    UNKNOWN_PEER = "UNKNOWN_PEER"
-    LEASE = "LEASE"
-    SHAPE = "SHAPE"
-    DTYPE = "DTYPE"
-    CRC = "CRC"
-    FLOOD = "FLOOD"
-    FATAL = frozenset({PROTO, CONTRACT})  # the producer cannot fix these by retrying: it exits 78
+    docs/ARCHITECTURE.md "Wire protocol" (invariant 7) says what each one answers.
+    """
+
+    DECODE = "DECODE"              # not msgpack, truncated, trailing bytes, or over a size limit
+    FRAMES = "FRAMES"              # frames missing, extra, or not the lease's kind (payload or shared memory)
+    SCHEMA = "SCHEMA"              # a key missing or of the wrong type
+    TYPE = "TYPE"                  # an unknown message kind, or one the consumer is never sent
+    PROTO = "PROTO"                # a protocol version this consumer does not speak
+    CONTRACT = "CONTRACT"          # another dataset, n_mels, seed, buckets or mel dtype; an id its key does not own
+    UNKNOWN_PEER = "UNKNOWN_PEER"  # no HELLO from this peer in this consumer epoch: send HELLO
+    LEASE = "LEASE"                # a batch not leased to this peer
+    SHAPE = "SHAPE"                # an array's shape, size or lengths do not fit the leased bucket
+    DTYPE = "DTYPE"                # an array's dtype is not one the wire allows
+    CRC = "CRC"                    # the payload's checksum does not match
+    FLOOD = "FLOOD"                # too many rejects from one peer: it is ignored for a while
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FATAL_REJECTS = frozenset({RejectCode.PROTO, RejectCode.CONTRACT})  # retrying cannot fix these: the producer exits 78
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +169,7 @@ class Heartbeat:
 class Err:
     """C->P: a rejected message and why."""
 
-    code: str
+    code: RejectCode
     why: str
 
 

@@ -22,13 +22,13 @@ import msgpack
 
 from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.messages import (CAP_SHM, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat,
-                                  Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode, ShmSlot, StageCounters,
-                                  Welcome)
+from melfeed.shared.wire.messages import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader,
+                                          Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode,
+                                          ShmSlot, StageCounters, Welcome)
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
-    "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
+    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
     "decode_header", "max_producer_header_bytes",
 ]
 
@@ -37,6 +37,7 @@ _MAX_STR = 4096
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 _MAX_BATCH_ARRAYS = 64            # base arrays + extras (+ their lengths) of one batch
+_MAX_SHOWN_CODE_CHARS = 40        # of an unknown reject code in the error: longer than any known one
 
 
 def encode(msg: Message) -> bytes:
@@ -183,6 +184,12 @@ def _decode_stats(item: Any) -> StageCounters | None:
     return StageCounters(n, float(times[0]), float(times[1]), float(times[2]))
 
 
+def _reject_code(code: str) -> RejectCode:
+    if code not in RejectCode._value2member_map_:
+        raise ProtocolError(RejectCode.SCHEMA, f"unknown reject code {code[:_MAX_SHOWN_CODE_CHARS]!r}")
+    return RejectCode(code)
+
+
 def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
     """Decode and validate one header frame.
 
@@ -193,7 +200,7 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
 
     Raises:
         ProtocolError: code DECODE (not msgpack, truncated, trailing bytes, limits), SCHEMA
-            (missing or mistyped key, no ``t``) or TYPE (unknown kind).
+            (missing or mistyped key, no ``t``, an ERR's unknown reject code) or TYPE (unknown kind).
     """
     d = _unpack(raw, max_bytes)
     if "t" not in d:
@@ -240,5 +247,5 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
                          _decode_stats(d.get("st")), _get(d, "done", bool) if "done" in d else False)
     if kind is MsgKind.ERR:
-        return Err(_get(d, "code", str), _get(d, "why", str))
+        return Err(_reject_code(_get(d, "code", str)), _get(d, "why", str))
     return Bye(_count(d, "epoch"), _opt_int(d, "code"), _get(d, "why", str) if "why" in d else "")

@@ -9,6 +9,7 @@ import pytest
 from melfeed.producer.reader import TransientReadError
 from melfeed.shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ClosedError, ConfigError,
                                    DataError, JobLostError, PipelineError, ProtocolError, StateError, StepError)
+from melfeed.shared.wire.messages import RejectCode
 
 
 def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
@@ -39,7 +40,7 @@ _EXIT_CODES = [
     (DataError("producer.max_quarantined_fraction: 0.5 of the rows quarantined"), 65),
     (JobLostError(1, "peer gone"), 75),
     (StepError("my.step:make", "XLA cannot compile it"), 1),
-    (ProtocolError("bad-kind", "unknown message kind 9"), 1),
+    (ProtocolError(RejectCode.TYPE, "unknown message kind 9"), 1),
     (ClosedError("ring closed"), 1),
     (PipelineError("something failed"), 1),
 ]

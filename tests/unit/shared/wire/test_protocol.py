@@ -25,7 +25,7 @@ MESSAGES = [
     Heartbeat(123, 4, 99),
     Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
     Heartbeat(123, 0, 150, done=True),
-    Err("LEASE", "batch 7 is not leased"),
+    Err(RejectCode.LEASE, "batch 7 is not leased"),
     Bye(123),
     Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM], 2**64 - 1),
     Welcome(123, 2, 0.5, False, None, 0),
@@ -117,6 +117,21 @@ def test_plan_end_is_a_heartbeat_field_sent_only_when_true() -> None:
     raw = encode(Heartbeat(7, 0, 150, done=True))
     assert msgpack.unpackb(raw)["done"] is True
     assert decode_header(raw) == Heartbeat(7, 0, 150, None, True)
+
+
+def test_every_reject_code_is_its_own_string_on_the_wire_and_decodes_to_the_member() -> None:
+    for code in RejectCode:
+        raw = encode(Err(code, "why"))
+        assert msgpack.unpackb(raw)["code"] == code.value == str(code) == f"{code}" == code.name
+        assert decode_header(raw) == Err(code, "why") and decode_header(raw).code is code  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("code", ["X", "lease", "", "LEASE\n" * 50])
+def test_an_err_with_an_unknown_reject_code_is_refused_as_malformed(code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({"t": int(MsgKind.ERR), "code": code, "why": "y"}))
+    assert info.value.code == RejectCode.SCHEMA and "unknown reject code" in info.value.why
+    assert "\n" not in str(info.value) and len(info.value.why) < 80
 
 
 @pytest.mark.parametrize("done", [1, 0, "yes", None, [True]])
