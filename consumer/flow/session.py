@@ -243,10 +243,10 @@ class ReceiverSession:
             return [self._welcome(ident, old)]
         if old is not None:
             self._drop_peer(ident, "re-handshake")
-        info = self._peers.add(ident, producer_id, now_s)
+        info = self._peers.add(ident, producer_id, now_s, msg.nonce)
         if old is not None:       # a HELLO does not lift a bench nor reset its count
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
-        info.uses_shm, info.nonce = uses_shm, msg.nonce
+        info.uses_shm = uses_shm
         log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
         return [self._welcome(ident, info)]
@@ -255,7 +255,7 @@ class ReceiverSession:
         cfg = self.cfg
         shm_dir = self._shm.directory if info.uses_shm else None
         return Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
-                                       shm_dir, info.nonce))
+                                       info.nonce, shm_dir))
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
         if msg.exit_code != 0:

@@ -2,9 +2,8 @@
 
 Role: what producers and the consumer say to each other, free of any encoding. ``shared/wire/protocol.py``
 turns these into msgpack headers and back (it is the only module that knows msgpack and the header
-layout) and re-exports every name here, so callers import from either. Invariants: a decoded message
-is fully validated before it becomes one of these; field order is the constructor's, and an optional
-field added later goes last with a default, so older peers' messages still decode.
+layout) and re-exports every name here, so callers import from either. Invariant: a decoded message
+is fully validated before it becomes one of these; field order is the constructor's.
 """
 
 from __future__ import annotations
@@ -69,12 +68,12 @@ class Hello:
     buckets: list[list[int]]
     n_mels: int
     seed: int
-    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
     # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
-    # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
-    # (older producers send none) makes every HELLO a re-handshake (docs/ARCHITECTURE.md "Wire protocol").
-    nonce: int | None = None
-    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
+    # drops its leases. A repeat from the same peer is answered again and keeps its leases
+    # (docs/ARCHITECTURE.md "Wire protocol").
+    nonce: int
+    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
+    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +84,8 @@ class Welcome:
     window: int
     heartbeat_interval_s: float
     checksum: bool
+    nonce: int                    # the answered HELLO's nonce
     shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
-    nonce: int | None = None      # the answered HELLO's nonce (absent when it had none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +129,8 @@ class BatchHeader:
     crc32: int | None
     quarantined: list[int]
     shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
-    # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none or
-    # an older producer): the consumer names it when quarantined rows stop a run.
+    # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none):
+    # the consumer names it when quarantined rows stop a run.
     quarantine_note: str = ""
 
 
@@ -151,9 +150,9 @@ class StageCounters:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Both ways. From the consumer it carries queue depth and the applied count; from a producer,
-    optionally its stage counters (older producers send none).
+    its stage counters (the consumer's carry none).
 
-    ``done`` (consumer only; on the wire only when true, so older peers never see it): this consumer's
+    ``done`` (consumer only; on the wire only when true): this consumer's
     plan is finished -- every batch id up to its end was applied -- and nothing more will be leased.
     Every heartbeat after the end repeats it; a producer stops building and says BYE.
     """

@@ -45,20 +45,14 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Hello):
         d: dict[str, Any] = {"t": MsgKind.HELLO, "proto": msg.proto, "pid": msg.producer_id,
                              "fp": msg.fingerprint, "buckets": msg.buckets, "n_mels": msg.n_mels,
-                             "seed": msg.seed}
+                             "seed": msg.seed, "nonce": msg.nonce, "mel": msg.mel_dtype}
         if msg.caps:
             d["caps"] = msg.caps
-        if msg.nonce is not None:
-            d["nonce"] = msg.nonce
-        if msg.mel_dtype != "float32":   # absent = float32, so a float32 HELLO is unchanged on the wire
-            d["mel"] = msg.mel_dtype
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
-             "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
+             "hb": msg.heartbeat_interval_s, "crc": msg.checksum, "nonce": msg.nonce}
         if msg.shm_dir is not None:
             d["shm"] = msg.shm_dir
-        if msg.nonce is not None:
-            d["nonce"] = msg.nonce
     elif isinstance(msg, LeaseGrant):
         d = {"t": MsgKind.LEASE, "epoch": msg.epoch, "depth": msg.queue_depth,
              "leases": [_encode_lease(x) for x in msg.leases]}
@@ -217,13 +211,11 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         if not all(isinstance(c, str) for c in caps):
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps,
-                     _count(d, "nonce") if "nonce" in d else None,
-                     _get(d, "mel", str) if "mel" in d else "float32")
+                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int),
+                     _count(d, "nonce"), caps, _get(d, "mel", str))
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
-                       bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None,
-                       _count(d, "nonce") if "nonce" in d else None)
+                       bool(_get(d, "crc", bool)), _count(d, "nonce"), _get(d, "shm", str) if "shm" in d else None)
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]
         return LeaseGrant(_get(d, "epoch", int), leases, _get(d, "depth", int))
