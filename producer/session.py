@@ -6,7 +6,9 @@ the data path chosen: the consumer's slot file or payload frames), whether to ex
 State: DISCONNECTED --HELLO/WELCOME--> ACTIVE. Leaving ACTIVE drops every pending lease (the consumer
 reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of another epoch, or
 ``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
-a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch) makes the next HELLO go at once;
+any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by
+retrying: exit 78.
 Join nonce: every HELLO of one join carries the same random nonce, and leaving ACTIVE (dropping the
 leases) draws a new one. So a HELLO repeated before the consumer's WELCOME arrived (a loaded machine)
 is answered again with our leases kept, while a join after we dropped ours makes the consumer return

@@ -318,7 +318,8 @@ class ReceiverSession:
             log.log(level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why,
                     len(self._peers))
 
-    def _reject(self, ident: bytes, code: str, why: str, now_s: float, *, reply: str | None = None) -> list[Outgoing]:
+    def _reject(self, ident: bytes, code: RejectCode, why: str, now_s: float, *,
+                reply: str | None = None) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
         # flooder claiming a good producer's id must not get that producer blocked.
         name = peer_label(ident)

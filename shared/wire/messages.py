@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello", "Welcome",
-    "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
+    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
 ]
 
 PROTOCOL_VERSION = 1

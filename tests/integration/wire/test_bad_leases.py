@@ -17,8 +17,8 @@ import pytest
 
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.protocol import (FATAL_REJECTS, PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease, RejectCode,
-                                          encode)
+from melfeed.shared.wire.protocol import (FATAL_REJECTS, PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease,
+                                          RejectCode, encode)
 from tests.integration.wire.bad_peer import (BATCH_CASES, BATCH_SIZE, WAIT_S, BadPeer, Mutation, Wire, delta,
                                             expect_rejected, grow_frames)
 
