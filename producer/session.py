@@ -241,7 +241,7 @@ class ProducerSession:
         if self._epoch is not None:
             self.counts.rejoins += 1
         self._epoch, self._checksum = msg.epoch, msg.checksum
-        self._shm_dir = msg.shm_dir if self._offers_shm else None   # a HELLO after giving up shm did not offer it
+        self._shm_dir = msg.shm_dir if self._offers_shm else None   # slot leases without it: we join again
         self._leases.clear()
         self._last_heard_s = now_s
         log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
