@@ -6,14 +6,14 @@ the data path chosen: the consumer's slot file or payload frames), whether to ex
 State: DISCONNECTED --HELLO/WELCOME--> ACTIVE. Leaving ACTIVE drops every pending lease (the consumer
 reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of another epoch, or
 ``ERR UNKNOWN_PEER``. While DISCONNECTED, HELLO repeats with doubling back-off up to ``backoff_max_s``;
-a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch, a WELCOME to a HELLO that still
-offered shm) makes the next HELLO go at once; any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by retrying: exit 78.
+a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch) makes the next HELLO go at once;
+any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by
+retrying: exit 78.
 Join nonce: every HELLO of one join carries the same random nonce, and leaving ACTIVE (dropping the
 leases) draws a new one. So a HELLO repeated before the consumer's WELCOME arrived (a loaded machine)
 is answered again with our leases kept, while a join after we dropped ours makes the consumer return
-them at once. A WELCOME echoing an older nonce answers an abandoned join and is ignored; one echoing
-ours for the epoch already joined is that repeat's answer and changes nothing (a consumer that echoes
-no nonce is older: every WELCOME starts the session over, as it did).
+them at once. A WELCOME echoing an earlier nonce answers an abandoned join and is ignored; one echoing
+ours for the epoch already joined is that repeat's answer and changes nothing.
 The consumer's plan ended (its HB says ``done``): drop the leases, and either leave with BYE and exit 0
 (``exit_at_plan_end``, set by ``run``) or say BYE and wait for the next consumer (systemd, by hand);
 that consumer's epoch is never joined again (its WELCOME is answered with BYE, the back-off goes on).
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from melfeed.shared.errors import EXIT_CONFIG
 from melfeed.shared.printable import escape_line
-from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant,
-                                  Message, RejectCode, StageCounters, Welcome)
+from melfeed.shared.wire.protocol import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease,
+                                          LeaseGrant, Message, RejectCode, StageCounters, Welcome)
 
 __all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
 
@@ -150,8 +150,8 @@ class ProducerSession:
     def hello(self) -> Hello:
         caps = [CAP_SHM] if self._offers_shm else []
         c = self.cfg
-        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, caps, self._nonce,
-                     mel_dtype=c.mel_dtype)
+        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, self._nonce, caps,
+                     c.mel_dtype)
 
     def on_turn(self, now_s: float) -> list[Message]:
         """Replies owed, then timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
@@ -228,26 +228,21 @@ class ProducerSession:
         self._joining = _Joining(next_hello_s=now_s + _FIRST_BACKOFF_S, since_s=now_s)
 
     def _on_welcome(self, msg: Welcome, now_s: float) -> None:
-        if msg.nonce is not None and msg.nonce != self._nonce:
+        if msg.nonce != self._nonce:
             log.debug("WELCOME epoch=%d answers a join we gave up; ignored", msg.epoch)
             return
-        if msg.nonce is not None and msg.epoch == self._epoch:
+        if msg.epoch == self._epoch:
             self._last_heard_s = now_s         # the answer to a HELLO we repeated: our leases stand
             return
         if msg.epoch == self._ended_epoch:     # the finished consumer answered a HELLO: leave it at once
             self._outbox.append(Bye(msg.epoch))
             self._joining.since_s = now_s      # it answered: not a silent endpoint
             return
-        if self._epoch is not None and msg.epoch != self._epoch:
+        if self._epoch is not None:
             self.counts.rejoins += 1
         self._epoch, self._checksum = msg.epoch, msg.checksum
-        self._shm_dir = msg.shm_dir if self._offers_shm else None
+        self._shm_dir = msg.shm_dir if self._offers_shm else None   # slot leases without it: we join again
         self._leases.clear()
-        if msg.shm_dir is not None and not self._offers_shm:
-            # Answer to a HELLO that still offered shm (sent before we gave it up): join again without, at once.
-            self._epoch = None
-            self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
-            return
         self._last_heard_s = now_s
         log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
                  f"shm ({self._shm_dir})" if self._shm_dir else "zmq")
@@ -257,7 +252,7 @@ class ProducerSession:
         if msg.code == RejectCode.UNKNOWN_PEER:
             log.info("consumer does not know us (%s); re-joining", escape_line(msg.why))
             self._leave(now_s)
-        elif msg.code in RejectCode.FATAL:
+        elif msg.code in FATAL_REJECTS:
             log.error("consumer refused this producer: %s: %s", escape_line(msg.code), escape_line(msg.why))
             self.exit_code = EXIT_CONFIG
             self.reason = f"{msg.code}: {msg.why}"

@@ -1,14 +1,18 @@
 """Error types shared by producer and consumer.
 
 Programmer errors raise built-ins; conditions an operator must act on raise these.
-Every error here renders as one line (``str(err)``) suitable for a CLI message.
+Every error here renders as one line (``str(err)``) suitable for a CLI message, and carries the exit code
+(``exit_code``) a command exits with when it ends on that error (``melfeed.cli.main``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from melfeed.shared.printable import escape_line
+
+if TYPE_CHECKING:
+    from melfeed.shared.wire.messages import RejectCode
 
 __all__ = [
     "PipelineError",
@@ -34,11 +38,18 @@ MAX_REASON_CHARS = 200  # ProtocolError.why, ERR.why and BYE.why: one log line, 
 
 
 class PipelineError(Exception):
-    """Root of melfeed's own errors; caught at process boundaries."""
+    """Root of melfeed's own errors; caught at process boundaries. Exit 1: the command failed; read its line."""
+
+    exit_code: int = 1
 
 
 class ConfigError(PipelineError):
-    """A configuration value is wrong. Carries the key path and the offending value."""
+    """A configuration value is wrong (exit 78): fix the key, file or flag the line names; a restart cannot help.
+
+    Carries the key path and the offending value.
+    """
+
+    exit_code = EXIT_CONFIG
 
     def __init__(self, message: str, *, path: tuple[str, ...] = (), got: Any = None) -> None:
         self.path = path
@@ -66,7 +77,9 @@ def _one_line(text: str) -> str:
 
 
 class CacheError(PipelineError):
-    """A cache file is missing or malformed. Always names the file."""
+    """A cache file is missing or malformed (exit 78): rebuild or restore the file the line names."""
+
+    exit_code = EXIT_CONFIG
 
     def __init__(self, path: object, reason: str) -> None:
         self.path = str(path)
@@ -75,7 +88,7 @@ class CacheError(PipelineError):
 
 
 class DataError(PipelineError):
-    """The training data went bad while a run used it, beyond what the config tolerates.
+    """The training data went bad mid-run (exit 65): repair the data, or raise the tolerance the line names.
 
     Today: more rows quarantined than ``producer.max_quarantined_fraction`` allows
     (``consumer/train/quarantine.py``). One line naming the key and what was seen; the run stops in
@@ -83,33 +96,41 @@ class DataError(PipelineError):
     error (78) nor something a restart fixes, so the consumer unit does not restart on it.
     """
 
+    exit_code = EXIT_DATA
+
     def __init__(self, message: str) -> None:
         self.reason = message
         super().__init__(_one_line(message))
 
 
 class StateError(PipelineError):
-    """The state directory (checkpoints, audit log) cannot be used as it is. Names the path.
+    """The state directory (checkpoints, audit log) cannot be used as it is (exit 78): fix or move the path named.
 
-    ``fatal`` (a mismatch a restart cannot fix, e.g. another dataset's checkpoint) maps to exit 78;
-    otherwise (a write failed: disk full, read-only) the process exits 1 and may be restarted.
+    ``fatal`` (a mismatch a restart cannot fix, e.g. another dataset's checkpoint) exits 78; otherwise
+    (a write failed: disk full, read-only) the error's ``exit_code`` is 1 and the process may be restarted.
     """
+
+    exit_code = EXIT_CONFIG
 
     def __init__(self, path: object, reason: str, *, fatal: bool = True) -> None:
         self.path = str(path)
         self.reason = reason
         self.fatal = fatal
+        if not fatal:
+            self.exit_code = PipelineError.exit_code
         super().__init__(f"{self.path}: {reason}")
 
 
 class ProtocolError(PipelineError):
-    """A wire message is malformed. ``code`` is the reject code sent back in ERR.
+    """A wire message is malformed (exit 1): the peer speaks another protocol or is broken; see its own log.
+
+    ``code`` is the reject code sent back in ERR.
 
     ``why`` is logged; ``reply`` (default: ``why``) is what the peer is told, for reasons that name
     what an unauthenticated peer must not learn (the consumer's contract).
     """
 
-    def __init__(self, code: str, why: str, *, reply: str | None = None) -> None:
+    def __init__(self, code: RejectCode, why: str, *, reply: str | None = None) -> None:
         self.code = code
         self.why = why[:MAX_REASON_CHARS]
         self.reply = self.why if reply is None else reply[:MAX_REASON_CHARS]
@@ -117,14 +138,14 @@ class ProtocolError(PipelineError):
 
 
 class ClosedError(PipelineError):
-    """We closed the ring or socket; waiters are woken with this."""
+    """We closed the ring or socket; waiters are woken with this (exit 1 if it reaches a command: a stop mid-wait)."""
 
 
 class StepError(PipelineError):
-    """The training step cannot run (e.g. ``model.jit_compile: true`` and XLA cannot compile it).
+    """The training step cannot run (exit 1): fix the step, or set ``model.jit_compile: false`` if XLA fails it.
 
-    One line naming the step factory and the error as TensorFlow reports it; the process exits 1
-    (a factory that cannot be loaded at all is a ``ConfigError``, exit 78).
+    One line naming the step factory and the error as TensorFlow reports it (a factory that cannot be
+    loaded at all is a ``ConfigError``, exit 78).
     """
 
     def __init__(self, factory: str, reason: str) -> None:
@@ -134,12 +155,14 @@ class StepError(PipelineError):
 
 
 class JobLostError(PipelineError):
-    """A rank of a multi-worker job lost contact with the others (a peer died, froze or stopped alone).
+    """A rank of a multi-worker job lost contact with the others (exit 75): restart every rank of the job.
 
     One line naming this rank and what TensorFlow's collectives reported; the process exits
     ``EXIT_JOB_LOST`` so that systemd (``Restart=on-failure``) or the operator restarts it, and the job
-    resumes every rank from the newest checkpoint all ranks committed.
+    resumes every rank from the newest checkpoint all ranks committed (a peer died, froze or stopped alone).
     """
+
+    exit_code = EXIT_JOB_LOST
 
     def __init__(self, rank: int, why: str) -> None:
         self.rank = rank

@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, help="transport: the caller's directory for the socket and config")
     args = ap.parse_args(argv)
 
-    from melfeed.shared.errors import EXIT_CONFIG, CacheError, ConfigError, PipelineError
+    from melfeed.shared.errors import PipelineError
     from melfeed.shared.service.lifecycle import die_with_named_parent, exit_on_sigterm, setup_logging
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
@@ -201,12 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            args.work_dir)
             else:
                 result = measure_device(args.config, args.seconds)
-    except (ConfigError, CacheError) as err:
-        print(f"melfeed.consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
-        return EXIT_CONFIG
     except PipelineError as err:
         print(f"melfeed.consumer.doctor.probe {args.mode}: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     print(json.dumps(result))
     return 0
 

@@ -1,7 +1,8 @@
 """The text ``melfeed doctor`` prints: one block per stage, the checks, the verdict.
 
 Role: formatting only (pure: a report dict, the ``Verdict`` and the ``Check`` lines in, a string
-out). The report dict is the one ``--json`` writes, so the text and the file always agree.
+out). The report dict is the one ``--json`` writes, so the text and the file always agree. Every key
+the probes write is required: a stage without one is a ``PipelineError`` naming the stage and key.
 Shutdown: nothing to release.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from melfeed.consumer.doctor.env import Check
 from melfeed.consumer.doctor.verdict import HEADROOM, Verdict, weighted_ms
+from melfeed.shared.errors import PipelineError
 from melfeed.shared.wire.bucket_mix import format_grid
 from melfeed.shared.wire.layout import PAYLOAD_COPIES
 
@@ -20,6 +22,14 @@ __all__ = ["render"]
 def _shape(wire: list[int]) -> str:
     _, rows, frames, tokens, _ = wire
     return f"[{rows} x {frames} frames, {tokens} tokens]"
+
+
+def _probed(stage: dict[str, Any], name: str, key: str) -> Any:
+    """``stage[key]``, which the stage's probe always writes; without it the probe and this doctor differ."""
+    if key not in stage:
+        raise PipelineError(f"the {name} probe's result has no {key!r} (the probe always writes it: a bug in "
+                            "melfeed doctor)")
+    return stage[key]
 
 
 def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
@@ -33,14 +43,14 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
     step = weighted_ms(tuple(b["step_ms_p50"] for b in dev["buckets"]), mix)
     lines = [
         "stage 1  cache read + batch assembly (melfeed.producer.probe, real BatchAssembler; reads "
-        f"{_reader_words(one.get('reader'), one.get('pack_read'))})",
+        f"{_reader_words(_probed(one, 'build_1', 'reader'), _probed(one, 'build_1', 'pack_read'))})",
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
         f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})" if n > 1 else
         "         (1 producer: not repeated)",
         "stage 2  transport producer -> consumer (real Consumer ring on a private ipc socket, batches released "
-        f"at once, no step; data path: {_path_words(t1.get('path'))})",
+        f"at once, no step; data path: {_path_words(_probed(t1, 'transport_1', 'path'))})",
         f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered"
         + (f"; {n} producers: {tn['batches_per_s']:.1f}" if n > 1 else ""),
         f"         transport cost per batch ~ {v.transport_ms:.2f} ms = 1000 / {t1['batches_per_s']:.1f} delivered "
@@ -51,7 +61,7 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
     for b, wire in zip(dev["buckets"], r["buckets"]):
         lines.append(f"         bucket {b['index']} {_shape(wire)}: {b['h2d_ms_p50']:.2f} ms")
     lines.append(f"         weighted by the bucket mix: {h2d:.2f} ms = {v.h2d_per_s:.1f} batches/s")
-    ran_on = ", ".join(dev.get("step_devices") or ["unknown"])   # older probe output has no step_devices
+    ran_on = ", ".join(_probed(dev, "device", "step_devices"))
     lines.append(f"stage 4  compiled step (CompiledStep, {dev['compile_s']:.1f} s to compile every bucket; "
                  f"ran on {ran_on})")
     for b, wire, w in zip(dev["buckets"], r["buckets"], mix):
@@ -88,17 +98,14 @@ def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def _path_words(path: str | None) -> str:
-    """How the probe's batches travelled (older probe output has no ``path``)."""
-    return {"shm": "shared-memory slots, 1 copy",
-            "zmq": f"ZeroMQ payload frames, {PAYLOAD_COPIES} copies"}.get(path or "", "unknown")
+def _path_words(path: str) -> str:
+    """How the probe's batches travelled: ``shm`` or ``zmq`` (``consumer/doctor/probe.py``)."""
+    return {"shm": "shared-memory slots, 1 copy", "zmq": f"ZeroMQ payload frames, {PAYLOAD_COPIES} copies"}[path]
 
 
-def _reader_words(reader: object, pack_read: object = None) -> str:
-    """What stage 1 read: the packed cache (its path, and mapped or preadv) or the .npy files (older probes
-    said nothing)."""
-    if reader is None:
-        return "the cache"
+def _reader_words(reader: str, pack_read: str | None) -> str:
+    """What stage 1 read: the packed cache (its path, and ``pack_read``: mapped or preadv) or, for ``files``,
+    the .npy files (``producer/probe.py``)."""
     if reader == "files":
         return "the .npy files; `melfeed pack --cache-dir CACHE_DIR` makes a faster packed copy"
-    return f"the packed cache {reader}" + (f", {pack_read}" if pack_read else "")
+    return f"the packed cache {reader}, {pack_read}"

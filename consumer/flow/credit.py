@@ -17,10 +17,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
 
-__all__ = ["ActiveLease", "LeaseBook", "Verdict", "grant_round"]
+__all__ = ["ActiveLease", "Arrival", "LeaseBook", "grant_round"]
 
 
 @dataclass(slots=True)
@@ -37,8 +38,8 @@ class ActiveLease:
         return self.planned.batch_id
 
 
-class Verdict:
-    """Outcome of ``LeaseBook.accept`` for an arriving batch."""
+class Arrival(Enum):   # not a str enum: it never leaves the process, so no bare string can stand in for it
+    """What ``LeaseBook.accept`` makes of an arriving batch, and so what the consumer does with it."""
 
     ACCEPT = "accept"     # lease found: fill its slot
     DUP = "dup"           # already received or applied: drop, count as duplicate
@@ -117,20 +118,20 @@ class LeaseBook:
         self._leased_to.setdefault(batch_id, set()).add(peer)
         return lease
 
-    def accept(self, peer: bytes, batch_id: int) -> tuple[str, ActiveLease | None]:
+    def accept(self, peer: bytes, batch_id: int) -> tuple[Arrival, ActiveLease | None]:
         """Classify an arriving batch. On ACCEPT the lease is closed and its slot returned.
 
         The first valid copy wins: a peer whose lease expired and was reissued to another may
         still deliver (batches are rebuilt bit-identically), and the other copy becomes a DUP.
         """
         if batch_id < self._applied_floor or batch_id in self._received:
-            return Verdict.DUP, None
+            return Arrival.DUP, None
         lease = self._active.get(batch_id)
         if lease is None or peer not in self._leased_to.get(batch_id, ()):
-            return Verdict.NOT_LEASED, None
+            return Arrival.NOT_LEASED, None
         self._close(lease)
         self._received.add(batch_id)
-        return Verdict.ACCEPT, lease
+        return Arrival.ACCEPT, lease
 
     def requeue(self, lease: ActiveLease) -> None:
         """Undo an ``accept`` whose payload turned out invalid: the id is leased again, first."""

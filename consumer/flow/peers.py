@@ -27,6 +27,7 @@ class _HasHeld(Protocol):
 class PeerInfo:
     producer_id: str
     last_seen_s: float
+    nonce: int                  # its HELLO's join nonce
     batches: int = 0
     last_grant_s: float = 0.0
     uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
@@ -34,16 +35,14 @@ class PeerInfo:
     stage_at_s: float = 0.0                # when they arrived
     expired_in_row: int = 0                # its leases that expired since its last delivered batch
     benched_until_s: float | None = None   # no leases for it until then (it let too many expire)
-    nonce: int | None = None               # its HELLO's join nonce (None: an older producer sends none)
 
-    def is_same_join(self, nonce: int | None, producer_id: str, uses_shm: bool) -> bool:
+    def is_same_join(self, nonce: int, producer_id: str, uses_shm: bool) -> bool:
         """A HELLO repeating the one this peer joined with (sent again before our answer reached it).
 
-        Only a HELLO carrying the same nonce, name and transport is a repeat; anything else (no nonce,
-        a new one after the producer dropped its leases) is a new join that returns the old leases.
+        Only a HELLO carrying the same nonce, name and transport is a repeat; anything else (a new nonce
+        after the producer dropped its leases) is a new join that returns the old leases.
         """
-        return (nonce is not None and nonce == self.nonce and producer_id == self.producer_id
-                and uses_shm == self.uses_shm)
+        return nonce == self.nonce and producer_id == self.producer_id and uses_shm == self.uses_shm
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +72,8 @@ class PeerTable:
     def seen(self) -> int:
         return len(self._seen_ids)
 
-    def add(self, ident: bytes, producer_id: str, now_s: float) -> PeerInfo:
-        info = PeerInfo(producer_id, last_seen_s=now_s)
+    def add(self, ident: bytes, producer_id: str, now_s: float, nonce: int) -> PeerInfo:
+        info = PeerInfo(producer_id, last_seen_s=now_s, nonce=nonce)
         self._peers[ident] = info
         self._seen_ids.add(producer_id)
         return info

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import reprlib
 
-from melfeed.consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
+from melfeed.consumer.flow.credit import ActiveLease, Arrival, LeaseBook, grant_round
 from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
                                      SessionConfig)
 from melfeed.consumer.flow.peers import PeerInfo, PeerTable
@@ -243,10 +243,10 @@ class ReceiverSession:
             return [self._welcome(ident, old)]
         if old is not None:
             self._drop_peer(ident, "re-handshake")
-        info = self._peers.add(ident, producer_id, now_s)
+        info = self._peers.add(ident, producer_id, now_s, msg.nonce)
         if old is not None:       # a HELLO does not lift a bench nor reset its count
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
-        info.uses_shm, info.nonce = uses_shm, msg.nonce
+        info.uses_shm = uses_shm
         log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
                  len(self._peers), "shm" if info.uses_shm else "zmq")
         return [self._welcome(ident, info)]
@@ -255,7 +255,7 @@ class ReceiverSession:
         cfg = self.cfg
         shm_dir = self._shm.directory if info.uses_shm else None
         return Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
-                                       shm_dir, info.nonce))
+                                       info.nonce, shm_dir))
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
         if msg.exit_code != 0:
@@ -277,11 +277,11 @@ class ReceiverSession:
         peer = self._known(ident, hdr.epoch)
         peer.last_seen_s = now_s
         self._shm.check_claim(ident, hdr, self._book.active(hdr.batch_id))
-        verdict, lease = self._book.accept(ident, hdr.batch_id)
-        if verdict == Verdict.DUP:
+        arrival, lease = self._book.accept(ident, hdr.batch_id)
+        if arrival is Arrival.DUP:
             self._counts["dup"] += 1
             return Decision(drain=True)
-        if verdict == Verdict.NOT_LEASED or lease is None:
+        if arrival is Arrival.NOT_LEASED or lease is None:
             raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id} is not leased to this producer")
         return Decision(intake=BatchIntake(ident, hdr, lease, lease.planned.bucket, self._shm.is_in_place(lease.slot)))
 
@@ -318,7 +318,8 @@ class ReceiverSession:
             log.log(level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why,
                     len(self._peers))
 
-    def _reject(self, ident: bytes, code: str, why: str, now_s: float, *, reply: str | None = None) -> list[Outgoing]:
+    def _reject(self, ident: bytes, code: RejectCode, why: str, now_s: float, *,
+                reply: str | None = None) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
         # flooder claiming a good producer's id must not get that producer blocked.
         name = peer_label(ident)

@@ -38,8 +38,7 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code (0 done, 1 failure, 65 data, 75 job lost, 78 configuration, 130/143 stopped)."""
     try:
-        from melfeed.shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ConfigError,
-                                           DataError, JobLostError, StateError, StepError)
+        from melfeed.shared.errors import PipelineError
         from melfeed.shared.service.cli import build_parser
         parser = build_parser()
         if not (sys.argv[1:] if argv is None else argv):   # bare `melfeed`: the command overview
@@ -58,21 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "consumer":
             return main_consumer(args, _STARTED_S)
         return main_run(args, _STARTED_S)
-    except (ConfigError, CacheError) as err:
+    except PipelineError as err:   # one line; each error class carries its exit code (shared/errors.py)
         print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    except StateError as err:
-        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-        return EXIT_CONFIG if err.fatal else 1
-    except StepError as err:    # the step cannot run (e.g. jit_compile: true and XLA fails)
-        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-        return 1
-    except DataError as err:    # the data went bad mid-run (producer.max_quarantined_fraction): stopped in order
-        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-        return EXIT_DATA
-    except JobLostError as err:  # a multi-worker job lost a rank: restart every rank (newest common checkpoint)
-        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-        return EXIT_JOB_LOST
+        return err.exit_code
     except KeyboardInterrupt:   # Ctrl-C where no command's own handler runs yet (imports, index, doctor's set-up)
         print(f"{PROG} {args.command}: stopped by SIGINT", file=sys.stderr)
         return 130

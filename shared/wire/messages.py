@@ -2,19 +2,18 @@
 
 Role: what producers and the consumer say to each other, free of any encoding. ``shared/wire/protocol.py``
 turns these into msgpack headers and back (it is the only module that knows msgpack and the header
-layout) and re-exports every name here, so callers import from either. Invariants: a decoded message
-is fully validated before it becomes one of these; field order is the constructor's, and an optional
-field added later goes last with a default, so older peers' messages still decode.
+layout) and re-exports every name here, so callers import from either. Invariant: a decoded message
+is fully validated before it becomes one of these; field order is the constructor's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
-    "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
+    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
 ]
 
 PROTOCOL_VERSION = 1
@@ -33,22 +32,30 @@ class MsgKind(IntEnum):
     BYE = 7
 
 
-class RejectCode:
-    """Reject codes sent in ERR (docs/design.md "Wire protocol"; invariant 7)."""
+class RejectCode(str, Enum):   # enum.StrEnum needs Python 3.11; __str__ below does what it adds
+    """Why the consumer rejected a message: the ``code`` of an ERR, on the wire as the member's string.
 
-    DECODE = "DECODE"
-    FRAMES = "FRAMES"
-    SCHEMA = "SCHEMA"
-    TYPE = "TYPE"
-    PROTO = "PROTO"
-    CONTRACT = "CONTRACT"
-    UNKNOWN_PEER = "UNKNOWN_PEER"
-    LEASE = "LEASE"
-    SHAPE = "SHAPE"
-    DTYPE = "DTYPE"
-    CRC = "CRC"
-    FLOOD = "FLOOD"
-    FATAL = frozenset({PROTO, CONTRACT})  # the producer cannot fix these by retrying: it exits 78
+    docs/design.md "Wire protocol" (invariant 7) says what each one answers.
+    """
+
+    DECODE = "DECODE"              # not msgpack, truncated, trailing bytes, or over a size limit
+    FRAMES = "FRAMES"              # frames missing, extra, or not the lease's kind (payload or shared memory)
+    SCHEMA = "SCHEMA"              # a key missing or of the wrong type
+    TYPE = "TYPE"                  # an unknown message kind, or one the consumer is never sent
+    PROTO = "PROTO"                # a protocol version this consumer does not speak
+    CONTRACT = "CONTRACT"          # another dataset, n_mels, seed, buckets or mel dtype; an id its key does not own
+    UNKNOWN_PEER = "UNKNOWN_PEER"  # no HELLO from this peer in this consumer epoch: send HELLO
+    LEASE = "LEASE"                # a batch not leased to this peer
+    SHAPE = "SHAPE"                # an array's shape, size or lengths do not fit the leased bucket
+    DTYPE = "DTYPE"                # an array's dtype is not one the wire allows
+    CRC = "CRC"                    # the payload's checksum does not match
+    FLOOD = "FLOOD"                # too many rejects from one peer: it is ignored for a while
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FATAL_REJECTS = frozenset({RejectCode.PROTO, RejectCode.CONTRACT})  # retrying cannot fix these: the producer exits 78
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +68,12 @@ class Hello:
     buckets: list[list[int]]
     n_mels: int
     seed: int
-    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
     # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
-    # drops its leases. A repeat from the same peer is answered again and keeps its leases; ``None``
-    # (older producers send none) makes every HELLO a re-handshake (docs/design.md "Wire protocol").
-    nonce: int | None = None
-    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``, sent only when not float32
+    # drops its leases. A repeat from the same peer is answered again and keeps its leases
+    # (docs/design.md "Wire protocol").
+    nonce: int
+    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
+    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +84,8 @@ class Welcome:
     window: int
     heartbeat_interval_s: float
     checksum: bool
+    nonce: int                    # the answered HELLO's nonce
     shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
-    nonce: int | None = None      # the answered HELLO's nonce (absent when it had none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +129,8 @@ class BatchHeader:
     crc32: int | None
     quarantined: list[int]
     shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
-    # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none or
-    # an older producer): the consumer names it when quarantined rows stop a run.
+    # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none):
+    # the consumer names it when quarantined rows stop a run.
     quarantine_note: str = ""
 
 
@@ -143,9 +150,9 @@ class StageCounters:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Both ways. From the consumer it carries queue depth and the applied count; from a producer,
-    optionally its stage counters (older producers send none).
+    its stage counters (the consumer's carry none).
 
-    ``done`` (consumer only; on the wire only when true, so older peers never see it): this consumer's
+    ``done`` (consumer only; on the wire only when true): this consumer's
     plan is finished -- every batch id up to its end was applied -- and nothing more will be leased.
     Every heartbeat after the end repeats it; a producer stops building and says BYE.
     """
@@ -161,7 +168,7 @@ class Heartbeat:
 class Err:
     """C->P: a rejected message and why."""
 
-    code: str
+    code: RejectCode
     why: str
 
 

@@ -22,13 +22,13 @@ import msgpack
 
 from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.messages import (CAP_SHM, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader, Bye, Err, Heartbeat,
-                                  Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode, ShmSlot, StageCounters,
-                                  Welcome)
+from melfeed.shared.wire.messages import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader,
+                                          Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode,
+                                          ShmSlot, StageCounters, Welcome)
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "Hello", "Welcome",
-    "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
+    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
     "decode_header", "max_producer_header_bytes",
 ]
 
@@ -37,6 +37,7 @@ _MAX_STR = 4096
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 _MAX_BATCH_ARRAYS = 64            # base arrays + extras (+ their lengths) of one batch
+_MAX_SHOWN_CODE_CHARS = 40        # of an unknown reject code in the error: longer than any known one
 
 
 def encode(msg: Message) -> bytes:
@@ -44,20 +45,14 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Hello):
         d: dict[str, Any] = {"t": MsgKind.HELLO, "proto": msg.proto, "pid": msg.producer_id,
                              "fp": msg.fingerprint, "buckets": msg.buckets, "n_mels": msg.n_mels,
-                             "seed": msg.seed}
+                             "seed": msg.seed, "nonce": msg.nonce, "mel": msg.mel_dtype}
         if msg.caps:
             d["caps"] = msg.caps
-        if msg.nonce is not None:
-            d["nonce"] = msg.nonce
-        if msg.mel_dtype != "float32":   # absent = float32, so a float32 HELLO is unchanged on the wire
-            d["mel"] = msg.mel_dtype
     elif isinstance(msg, Welcome):
         d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
-             "hb": msg.heartbeat_interval_s, "crc": msg.checksum}
+             "hb": msg.heartbeat_interval_s, "crc": msg.checksum, "nonce": msg.nonce}
         if msg.shm_dir is not None:
             d["shm"] = msg.shm_dir
-        if msg.nonce is not None:
-            d["nonce"] = msg.nonce
     elif isinstance(msg, LeaseGrant):
         d = {"t": MsgKind.LEASE, "epoch": msg.epoch, "depth": msg.queue_depth,
              "leases": [_encode_lease(x) for x in msg.leases]}
@@ -183,6 +178,12 @@ def _decode_stats(item: Any) -> StageCounters | None:
     return StageCounters(n, float(times[0]), float(times[1]), float(times[2]))
 
 
+def _reject_code(code: str) -> RejectCode:
+    if code not in RejectCode._value2member_map_:
+        raise ProtocolError(RejectCode.SCHEMA, f"unknown reject code {code[:_MAX_SHOWN_CODE_CHARS]!r}")
+    return RejectCode(code)
+
+
 def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
     """Decode and validate one header frame.
 
@@ -193,7 +194,7 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
 
     Raises:
         ProtocolError: code DECODE (not msgpack, truncated, trailing bytes, limits), SCHEMA
-            (missing or mistyped key, no ``t``) or TYPE (unknown kind).
+            (missing or mistyped key, no ``t``, an ERR's unknown reject code) or TYPE (unknown kind).
     """
     d = _unpack(raw, max_bytes)
     if "t" not in d:
@@ -210,13 +211,11 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         if not all(isinstance(c, str) for c in caps):
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
         return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int), caps,
-                     _count(d, "nonce") if "nonce" in d else None,
-                     _get(d, "mel", str) if "mel" in d else "float32")
+                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int),
+                     _count(d, "nonce"), caps, _get(d, "mel", str))
     if kind is MsgKind.WELCOME:
         return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
-                       bool(_get(d, "crc", bool)), _get(d, "shm", str) if "shm" in d else None,
-                       _count(d, "nonce") if "nonce" in d else None)
+                       bool(_get(d, "crc", bool)), _count(d, "nonce"), _get(d, "shm", str) if "shm" in d else None)
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]
         return LeaseGrant(_get(d, "epoch", int), leases, _get(d, "depth", int))
@@ -240,5 +239,5 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
                          _decode_stats(d.get("st")), _get(d, "done", bool) if "done" in d else False)
     if kind is MsgKind.ERR:
-        return Err(_get(d, "code", str), _get(d, "why", str))
+        return Err(_reject_code(_get(d, "code", str)), _get(d, "why", str))
     return Bye(_count(d, "epoch"), _opt_int(d, "code"), _get(d, "why", str) if "why" in d else "")

@@ -6,6 +6,11 @@ import argparse
 
 import pytest
 
+from melfeed.producer.reader import TransientReadError
+from melfeed.shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ClosedError, ConfigError,
+                                   DataError, JobLostError, PipelineError, ProtocolError, StateError, StepError)
+from melfeed.shared.wire.messages import RejectCode
+
 
 def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,6 +28,50 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
         pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
     assert code == 130
     assert capsys.readouterr().err == "melfeed index: stopped by SIGINT\n"
+
+
+# Each error a command can end on, and the code ``melfeed`` exits with (README "Exit codes").
+_EXIT_CODES = [
+    (ConfigError("must be >= 1", path=("credit", "initial_credits"), got=0), 78),
+    (CacheError("/cache/manifest.json", "missing"), 78),
+    (TransientReadError("/cache/mels.npy", "cannot open (Too many open files)"), 78),
+    (StateError("/state", "another dataset's checkpoint"), 78),
+    (StateError("/state/audit.log", "fsync failed: No space left on device", fatal=False), 1),
+    (DataError("producer.max_quarantined_fraction: 0.5 of the rows quarantined"), 65),
+    (JobLostError(1, "peer gone"), 75),
+    (StepError("my.step:make", "XLA cannot compile it"), 1),
+    (ProtocolError(RejectCode.TYPE, "unknown message kind 9"), 1),
+    (ClosedError("ring closed"), 1),
+    (PipelineError("something failed"), 1),
+]
+
+
+@pytest.mark.parametrize(("error", "code"), _EXIT_CODES, ids=lambda v: type(v).__name__ if isinstance(v, Exception)
+                         else str(v))
+def test_each_error_a_command_ends_on_is_one_line_and_its_exit_code(error: PipelineError, code: int,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from melfeed import cli as run_pipeline
+    import melfeed.shared.cache.commands as commands
+
+    def failing(args: argparse.Namespace) -> int:
+        raise error
+
+    monkeypatch.setattr(commands, "main_index", failing)
+    assert run_pipeline.main(["index", "--cache-dir", "/nonexistent"]) == code
+    assert capsys.readouterr().err == f"melfeed index: {error}\n"
+
+
+def _error_classes(root: type[PipelineError]) -> list[type[PipelineError]]:
+    """``root`` and every class below it that is imported (TransientReadError: producer/reader.py, above)."""
+    return [root, *(c for sub in root.__subclasses__() for c in _error_classes(sub))]
+
+
+def test_every_error_class_says_what_it_means_and_carries_a_documented_exit_code() -> None:
+    codes = {1, EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST}
+    for cls in _error_classes(PipelineError):
+        assert cls.__doc__ and cls.__doc__.strip(), cls
+        assert cls.exit_code in codes, cls
 
 
 @pytest.mark.parametrize("argv", [

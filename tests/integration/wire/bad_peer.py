@@ -40,6 +40,7 @@ BATCH_SIZE = 4            # tiny batches: a test moves dozens in well under a se
 HB_S = 0.2
 WAIT_S = 20.0            # bound of every wait below; only a hang gets near it
 _names = itertools.count()
+_NONCES = itertools.count(1)   # a new join nonce for every HELLO not given one
 
 
 def wire_config(cache: Path, endpoint: str, lease_timeout_s: float = 5.0) -> Any:
@@ -162,7 +163,7 @@ class Wire:
     def hello(self, **change: Any) -> Hello:
         c = self.consumer
         good = Hello(PROTOCOL_VERSION, "bad", c.manifest.fingerprint, c.bucket_set.as_wire(), c.cfg.n_mels,
-                     c.cfg.seed)
+                     c.cfg.seed, next(_NONCES))
         return dataclasses.replace(good, **change)
 
     def peer(self, tag: str, monitor_events: int = 0) -> BadPeer:
@@ -232,9 +233,10 @@ class BadPeer:
         return self.codes[:n]
 
     def join(self, caps: list[str] | None = None, nonce: int | None = None) -> None:
-        """HELLO (with ``nonce`` when given), then wait for a WELCOME to it."""
+        """HELLO (with ``nonce``, else a new join's), then wait for a WELCOME to it."""
         answered = len(self.welcomes)
-        self.send(encode(self.wire.hello(producer_id=self.label, caps=caps or [], nonce=nonce)))
+        change: dict[str, Any] = {} if nonce is None else {"nonce": nonce}
+        self.send(encode(self.wire.hello(producer_id=self.label, caps=caps or [], **change)))
         self.until(lambda: len(self.welcomes) > answered, "WELCOME")
 
     def lease(self) -> Lease:

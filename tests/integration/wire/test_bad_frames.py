@@ -100,7 +100,8 @@ def test_b13_unknown_kinds_and_maps_without_kind_get_err_type_or_schema(
     epoch = wire.consumer.epoch
     msgs = [[msgpack.packb({"epoch": epoch})], [msgpack.packb({"t": 99})], [msgpack.packb({"t": "HB"})],
             [msgpack.packb({"t": True})], [msgpack.packb([int(MsgKind.HB), epoch])],
-            [encode(Welcome(epoch, 2, 0.2, True))], [encode(LeaseGrant(epoch, [], 0))], [encode(Err("X", "y"))]]
+            [encode(Welcome(epoch, 2, 0.2, True, 1))], [encode(LeaseGrant(epoch, [], 0))],
+            [encode(Err(RejectCode.LEASE, "y"))]]
     codes = [RejectCode.SCHEMA, RejectCode.TYPE, RejectCode.TYPE, RejectCode.TYPE, RejectCode.SCHEMA,
              RejectCode.TYPE, RejectCode.TYPE, RejectCode.TYPE]
     expect_rejected(wire, msgs, attack("kind"), codes)

@@ -17,7 +17,8 @@ import pytest
 
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease, RejectCode, encode)
+from melfeed.shared.wire.protocol import (FATAL_REJECTS, PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease,
+                                          RejectCode, encode)
 from tests.integration.wire.bad_peer import (BATCH_CASES, BATCH_SIZE, WAIT_S, BadPeer, Mutation, Wire, delta,
                                             expect_rejected, grow_frames)
 
@@ -52,7 +53,7 @@ def test_b6_protocol_version_mismatch_gets_err_proto_naming_supported_versions(
     expect_rejected(wire, [[encode(wire.hello(proto=PROTOCOL_VERSION + 1))], [encode(wire.hello(proto=0))]], peer,
               [RejectCode.PROTO, RejectCode.PROTO])
     assert all("supported: [1]" in e.why for e in peer.errs)
-    assert RejectCode.PROTO in RejectCode.FATAL          # a real producer exits 78 on it
+    assert RejectCode.PROTO in FATAL_REJECTS          # a real producer exits 78 on it
 
 
 def test_b7_messages_before_hello_or_after_the_session_ended_get_err_unknown_peer(

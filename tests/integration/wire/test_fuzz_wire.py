@@ -57,9 +57,9 @@ class Fuzzer:
         shapes = [list(s) for s in c.bucket_set.buckets[0].shapes().values()]
         batch = BatchHeader(epoch, 3, 0, shapes, ["float32", "int32", "int32", "int32"], 12345, [])
         # The fingerprint has the real one's length, never its value: no mutation can make a valid HELLO.
-        hello = Hello(1, "fuzz", "f" * len(c.manifest.fingerprint), c.bucket_set.as_wire(), c.cfg.n_mels, c.cfg.seed)
-        self.templates = [hello, batch, Heartbeat(epoch, 1, 2), Bye(epoch), Welcome(epoch, 2, 0.2, True),
-                          LeaseGrant(epoch, [Lease(1, 0, [1, 2], 3.0)], 1), Err("X", "why")]
+        hello = Hello(1, "fuzz", "f" * len(c.manifest.fingerprint), c.bucket_set.as_wire(), c.cfg.n_mels, c.cfg.seed, 1)
+        self.templates = [hello, batch, Heartbeat(epoch, 1, 2), Bye(epoch), Welcome(epoch, 2, 0.2, True, 1),
+                          LeaseGrant(epoch, [Lease(1, 0, [1, 2], 3.0)], 1), Err(RejectCode.LEASE, "why")]
         self.batch = batch
         self.payload_bytes = [4, 16, 1024, 65536]
 

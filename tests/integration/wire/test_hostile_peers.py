@@ -127,7 +127,7 @@ def test_a_hello_whose_id_holds_a_newline_never_forges_a_log_line(
         with caplog.at_level(logging.INFO), Consumer(_cfg(demo_cache, endpoint)) as consumer:
             peer.connect(endpoint)
             peer.send(encode(Hello(PROTOCOL_VERSION, evil, consumer.manifest.fingerprint,
-                                   consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed)))
+                                   consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed, 1)))
             assert peer.poll(int(_WAIT_S * 1000)), "no answer to HELLO"
             welcome = decode_header(peer.recv())
             assert isinstance(welcome, Welcome)

@@ -82,7 +82,8 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
         with Consumer(_cfg(demo_cache, endpoint, shm_dir, 30)) as consumer:     # type: ignore[arg-type]
             zombie.connect(endpoint)
             zombie.send(encode(Hello(PROTOCOL_VERSION, "zombie-1", consumer.manifest.fingerprint,
-                                     consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed, [CAP_SHM])))
+                                     consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed, 1,
+                                     [CAP_SHM])))
             welcome = _recv(zombie, Welcome)
             grant = _recv(zombie, LeaseGrant)
             assert isinstance(welcome, Welcome) and isinstance(grant, LeaseGrant) and welcome.shm_dir == str(shm_dir)

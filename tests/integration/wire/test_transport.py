@@ -94,8 +94,8 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
             producers.start(demo_cache, endpoint, 1)
             sent = [[b"\xc1\x00"], [b"\x85"], [msgpack.packb({"x": 1})], [msgpack.packb({"t": 42})],
                     [msgpack.packb({"t": int(MsgKind.HB), "epoch": 1})],             # unknown peer
-                    [encode(Hello(1, "evil", "0" * 16, [[0, 1, 2, 3, 80]], 80, 0))],  # contract
-                    [encode(Hello(9, "future", "x", [], 80, 0))],                    # protocol version
+                    [encode(Hello(1, "evil", "0" * 16, [[0, 1, 2, 3, 80]], 80, 0, 1))],  # contract
+                    [encode(Hello(9, "future", "x", [], 80, 0, 1))],                    # protocol version
                     [msgpack.packb({"t": int(MsgKind.BYE), "epoch": 1}), b"extra"]]   # frames
             for frames in sent:
                 bad.send_multipart(frames)

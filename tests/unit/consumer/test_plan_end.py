@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from melfeed.consumer.feed import Consumer
-from melfeed.consumer.flow.credit import LeaseBook, Verdict
-from melfeed.shared.config.loader import config_from_mapping, load_config
+from melfeed.consumer.flow.credit import Arrival, LeaseBook
+from melfeed.shared.config_loader import config_from_mapping, load_config
 
 _OLD_DEFAULT_STEPS = 300       # consumer.steps' default: a service must go past it
 
@@ -24,7 +24,7 @@ def _apply(book: LeaseBook, n: int) -> int:
         if planned is None:
             return applied
         book.grant(b"p", planned, slot=0, now_s=0.0)
-        assert book.accept(b"p", planned.batch_id)[0] == Verdict.ACCEPT
+        assert book.accept(b"p", planned.batch_id)[0] == Arrival.ACCEPT
         book.mark_applied(planned.batch_id)
     return n
 

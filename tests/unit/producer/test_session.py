@@ -25,11 +25,16 @@ def _lease(batch_id: int, deadline_s: float = 5.0, shm: ShmSlot | None = None) -
     return Lease(batch_id, 0, [2 * batch_id, 2 * batch_id + 1], deadline_s, shm)
 
 
+def _welcome(s: ProducerSession, epoch: int, shm_dir: str | None = None, *, checksum: bool = False) -> Welcome:
+    """The consumer's answer to the HELLO ``s`` sends now: it echoes that HELLO's join nonce."""
+    return Welcome(epoch, 2, HB_S, checksum, s.hello().nonce, shm_dir)
+
+
 def _joined(clock: FakeClock, epoch: int = 7, *leases: Lease, offers_shm: bool = False,
             shm_dir: str | None = None) -> ProducerSession:
     s = ProducerSession(CFG, clock(), offers_shm=offers_shm)
     assert isinstance(s.on_turn(clock())[0], Hello)
-    s.on_message(Welcome(epoch, 2, HB_S, False, shm_dir), clock())
+    s.on_message(_welcome(s, epoch, shm_dir), clock())
     if leases:
         s.on_message(LeaseGrant(epoch, list(leases), 1), clock())
     return s
@@ -49,9 +54,9 @@ def test_hello_then_welcome_then_lease_gives_one_build_order_per_leased_batch() 
     clock = FakeClock(100.0)
     s = ProducerSession(CFG, clock(), new_nonce=lambda: 41)
     [hello] = s.on_turn(clock())
-    assert hello == Hello(1, "producer-1", "fp", [[8, 100, 30]], 80, 7, [], 41)
+    assert hello == Hello(1, "producer-1", "fp", [[8, 100, 30]], 80, 7, 41)
     assert s.joined_epoch is None and s.next_build(clock()) is None
-    s.on_message(Welcome(7, 2, HB_S, True), clock.advance(0.01))
+    s.on_message(Welcome(7, 2, HB_S, True, 41), clock.advance(0.01))
     assert s.joined_epoch == 7
     leases = [_lease(3), _lease(4), _lease(3)]                   # a repeated id is held once
     s.on_message(LeaseGrant(7, leases, 2), clock())
@@ -73,7 +78,7 @@ def test_err_unknown_peer_drops_leases_and_says_hello_at_once_whatever_the_back_
     s = ProducerSession(CFG, clock())
     for _ in range(40):                                          # unanswered HELLOs: the back-off grows to 1 s
         s.on_turn(clock.advance(0.05))
-    s.on_message(Welcome(7, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 7), clock())
     s.on_message(LeaseGrant(7, [_lease(1), _lease(2)], 2), clock())
     s.on_message(Err(RejectCode.UNKNOWN_PEER, "send HELLO"), clock.advance(0.01))
     assert s.joined_epoch is None and s.pending_leases == 0 and s.exit_code == 0
@@ -154,7 +159,7 @@ def test_no_answer_for_ten_seconds_warns_once_naming_the_endpoint(caplog: pytest
 def test_a_welcome_with_a_new_epoch_drops_the_old_epochs_leases() -> None:
     clock = FakeClock()
     s = _joined(clock, 7, _lease(1), _lease(2))
-    s.on_message(Welcome(9, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 9), clock())
     assert s.joined_epoch == 9 and s.pending_leases == 0 and s.counts.rejoins == 1
     s.on_message(LeaseGrant(9, [_lease(5)], 1), clock())
     assert _builds(s, clock()) == [5]
@@ -174,9 +179,9 @@ def test_leases_of_another_epoch_are_never_built() -> None:
     s = ProducerSession(CFG, clock())
     s.on_message(LeaseGrant(7, [_lease(1)], 1), clock())          # before any WELCOME
     assert s.pending_leases == 0
-    s.on_message(Welcome(9, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 9), clock())
     s.on_message(LeaseGrant(7, [_lease(2)], 1), clock())          # the previous consumer's
-    s.on_message(Welcome(9, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 9), clock())
     s.on_message(LeaseGrant(9, [_lease(3)], 1), clock())
     assert _builds(s, clock()) == [3]
 
@@ -186,7 +191,7 @@ def test_heartbeats_are_due_every_interval_while_joined_and_never_before() -> No
     s = ProducerSession(CFG, clock())
     assert s.heartbeat(clock(), STATS) is None                   # not joined
     s.on_turn(clock())
-    s.on_message(Welcome(7, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 7), clock())
     assert s.heartbeat(clock(), STATS) == Heartbeat(7, stats=STATS)
     assert s.poll_timeout_s(clock()) == pytest.approx(HB_S)
     assert s.heartbeat(clock.advance(0.15), STATS) is None
@@ -202,7 +207,7 @@ def test_shm_is_offered_and_a_slot_lease_is_built_in_the_welcomes_directory() ->
     [hello] = s.on_turn(clock())
     assert isinstance(hello, Hello) and hello.caps == [CAP_SHM]
     lease = _lease(1, shm=ShmSlot("melfeed-s0-g0", 0, 0))
-    s.on_message(Welcome(7, 2, HB_S, False, "/dev/shm/melfeed"), clock())
+    s.on_message(_welcome(s, 7, "/dev/shm/melfeed"), clock())
     s.on_message(LeaseGrant(7, [lease], 1), clock())
     assert s.next_build(clock()) == BuildOrder(7, lease, False, "/dev/shm/melfeed")
 
@@ -218,6 +223,7 @@ def test_missing_slot_files_are_skipped_three_times_then_shm_is_given_up_for_goo
     clock = FakeClock()
     slots = [_lease(i, shm=ShmSlot(f"melfeed-s{i}-g0", i, 0)) for i in range(5)]
     s = _joined(clock, 7, *slots, offers_shm=True, shm_dir="/dev/shm/melfeed")
+    shm_join = s.hello().nonce
     verdicts = []
     for _ in range(4):
         order = s.next_build(clock())
@@ -227,10 +233,10 @@ def test_missing_slot_files_are_skipped_three_times_then_shm_is_given_up_for_goo
     assert not s.offers_shm and s.joined_epoch is None and s.pending_leases == 0
     [hello] = s.on_turn(clock())
     assert isinstance(hello, Hello) and hello.caps == []
-    s.on_message(Welcome(9, 2, HB_S, False, "/dev/shm/melfeed"), clock())   # answer to the old HELLO
+    s.on_message(Welcome(9, 2, HB_S, False, shm_join, "/dev/shm/melfeed"), clock())   # answer to the old HELLO
     assert s.joined_epoch is None
     s.on_turn(clock.advance(0.01))
-    s.on_message(Welcome(9, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 9), clock())
     assert s.joined_epoch == 9
 
 

@@ -44,9 +44,9 @@ def test_the_answer_to_a_repeated_hello_keeps_the_leases_the_first_answer_brough
     s = _session(clock)
     s.on_turn(clock())
     s.on_turn(clock.advance(0.15))                               # the retry left before any answer came
-    s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock.advance(0.01))
+    s.on_message(Welcome(7, 2, HB_S, False, 1), clock.advance(0.01))
     s.on_message(LeaseGrant(7, [_lease(3), _lease(4)], 2), clock())
-    s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock.advance(0.5))   # the retry's answer
+    s.on_message(Welcome(7, 2, HB_S, False, 1), clock.advance(0.5))   # the retry's answer
     assert s.joined_epoch == 7 and s.counts.rejoins == 0
     assert _builds(s, clock()) == [3, 4]
     assert s.on_turn(clock.advance(0.9)) == []                   # it was a sign of life: not silent yet
@@ -56,14 +56,14 @@ def test_a_welcome_to_a_join_we_gave_up_is_ignored() -> None:
     clock = FakeClock()
     s = _session(clock)
     s.on_turn(clock())
-    s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock())
+    s.on_message(Welcome(7, 2, HB_S, False, 1), clock())
     s.on_message(LeaseGrant(7, [_lease(3)], 1), clock())
     s.on_message(Err(RejectCode.UNKNOWN_PEER, "send HELLO"), clock())     # dropped: leases gone, new join
     [hello] = _hellos(s.on_turn(clock()))
     assert hello.nonce == 2 and s.pending_leases == 0            # the consumer returns join 1's leases
-    s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock())   # a late answer to join 1
+    s.on_message(Welcome(7, 2, HB_S, False, 1), clock())   # a late answer to join 1
     assert s.joined_epoch is None
-    s.on_message(Welcome(7, 2, HB_S, False, None, 2), clock())
+    s.on_message(Welcome(7, 2, HB_S, False, 2), clock())
     assert s.joined_epoch == 7
 
 
@@ -71,19 +71,9 @@ def test_leaving_for_a_silent_consumer_draws_a_new_nonce() -> None:
     clock = FakeClock()
     s = _session(clock)
     s.on_turn(clock())
-    s.on_message(Welcome(7, 2, HB_S, False, None, 1), clock())
+    s.on_message(Welcome(7, 2, HB_S, False, 1), clock())
     [hello] = _hellos(s.on_turn(clock.advance(1.5)))             # silent past liveness: leases dropped
     assert hello.nonce == 2 and s.joined_epoch is None
-
-
-def test_a_welcome_without_a_nonce_from_an_older_consumer_starts_the_session_over() -> None:
-    clock = FakeClock()
-    s = _session(clock)
-    s.on_turn(clock())
-    s.on_message(Welcome(7, 2, HB_S, False), clock())
-    s.on_message(LeaseGrant(7, [_lease(3)], 1), clock())
-    s.on_message(Welcome(7, 2, HB_S, False), clock())            # it re-leases what it sent: drop ours
-    assert s.joined_epoch == 7 and s.pending_leases == 0
 
 
 def test_random_nonces_are_64_bit_and_differ() -> None:

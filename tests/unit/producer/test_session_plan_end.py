@@ -9,8 +9,9 @@ import logging
 import pytest
 
 from melfeed.producer.session import ProducerSession, SessionConfig
-from melfeed.shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters, Welcome
+from melfeed.shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters
 from tests.fakes import FakeClock
+from tests.unit.producer.test_session import _welcome
 
 HB_S = 0.2
 WAIT_CFG = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
@@ -22,7 +23,7 @@ DONE = Heartbeat(7, 0, 12, done=True)
 def _joined_with_leases(cfg: SessionConfig, clock: FakeClock) -> ProducerSession:
     s = ProducerSession(cfg, clock())
     assert isinstance(s.on_turn(clock())[0], Hello)
-    s.on_message(Welcome(7, 2, HB_S, False), clock())
+    s.on_message(_welcome(s, 7), clock())
     s.on_message(LeaseGrant(7, [Lease(10, 0, [1, 2], 5.0), Lease(11, 0, [3, 4], 5.0)], 2), clock())
     assert s.pending_leases == 2
     return s
@@ -56,7 +57,7 @@ def test_without_it_the_session_says_bye_and_waits_for_the_next_consumer() -> No
     assert s.on_turn(clock()) == [Bye(7)]                       # the consumer returns nothing: none held
     assert s.farewell() is None                                  # no consumer knows us any more
     _next_hello(s, clock, within_s=0.2)                          # and looks for the next consumer
-    s.on_message(Welcome(8, 2, HB_S, True), clock())
+    s.on_message(_welcome(s, 8, checksum=True), clock())
     assert s.joined_epoch == 8
     s.on_message(LeaseGrant(8, [Lease(0, 0, [5], 5.0)], 1), clock())
     order = s.next_build(clock())
@@ -70,7 +71,7 @@ def test_waiting_for_the_next_consumer_warns_once_after_ten_silent_seconds(caplo
     s = _joined_with_leases(WAIT_CFG, clock)
     s.on_message(DONE, clock())
     _next_hello(s, clock)
-    s.on_message(Welcome(7, 2, HB_S, False), clock())          # still up (checkpointing): its last answer
+    s.on_message(_welcome(s, 7), clock())          # still up (checkpointing): its last answer
     answered_s = clock()
     with caplog.at_level(logging.WARNING, logger="melfeed.producer.session"):
         while clock() < answered_s + 9.9:                         # then nobody answers
@@ -90,7 +91,7 @@ def test_the_finished_consumer_is_never_joined_again_and_the_back_off_goes_on() 
     hellos = []
     for _ in range(4):                 # it is still up (checkpointing): it answers each HELLO with WELCOME
         hellos.append(_next_hello(s, clock))
-        s.on_message(Welcome(7, 2, HB_S, False), clock())
+        s.on_message(_welcome(s, 7), clock())
         assert s.joined_epoch is None and s.on_turn(clock()) == [Bye(7)]
         s.on_message(DONE, clock())                             # a heartbeat sent before our BYE arrived
         assert s.joined_epoch is None and s.on_turn(clock()) == []

@@ -45,11 +45,16 @@ def _worker(clock: FakeClock, assembler: FakeAssembler) -> ProducerWorker:
     return ProducerWorker(WorkerConfig(SESSION.endpoint, SESSION), assembler, clock=clock)
 
 
-def _consumer(*msgs: Message, clock: FakeClock, stop: threading.Event | None = None,
+def _welcome(worker: ProducerWorker, shm_dir: str | None = None) -> Welcome:
+    """The consumer's answer to ``worker``'s HELLO: it echoes the HELLO's join nonce."""
+    return Welcome(7, 2, HB_S, False, worker.session.hello().nonce, shm_dir)
+
+
+def _consumer(worker: ProducerWorker, *msgs: Message, clock: FakeClock, stop: threading.Event | None = None,
               refuse_sends: bool = False) -> FakeDealer:
-    """A consumer that has WELCOMEd us and leased ``msgs``; with ``stop``, the loop stops once idle."""
+    """A consumer that has WELCOMEd ``worker`` and leased ``msgs``; with ``stop``, the loop stops once idle."""
     dealer = FakeDealer(clock, on_idle=None if stop is None else lambda _: stop.set(), refuse_sends=refuse_sends)
-    dealer.push(Welcome(7, 2, HB_S, False), *msgs)
+    dealer.push(_welcome(worker), *msgs)
     return dealer
 
 
@@ -61,7 +66,7 @@ def test_a_leased_batch_is_sent_as_header_and_four_frames_then_heartbeat_then_by
     clock, stop = FakeClock(), threading.Event()
     assembler = FakeAssembler()
     worker = _worker(clock, assembler)
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock, stop=stop)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock, stop=stop)
     worker.serve(dealer, stop)
     # The idle poll that stopped the loop waited one interval: a second heartbeat was due before the BYE.
     assert _kinds(dealer) == ["Hello", "BatchHeader", "Heartbeat", "Heartbeat", "Bye"]
@@ -78,7 +83,7 @@ def test_a_bad_cache_file_under_fail_sends_bye_with_78_and_the_file_then_exits_7
         caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     worker = _worker(clock, FakeAssembler(error=CacheError(BAD_FILE, "missing")))
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
     worker.serve(dealer, threading.Event())                      # returns by itself: the failure ends the loop
     assert worker.exit_code == 78
     assert _kinds(dealer) == ["Hello", "Bye"]
@@ -89,7 +94,7 @@ def test_a_bad_cache_file_under_fail_sends_bye_with_78_and_the_file_then_exits_7
 def test_a_transient_read_error_sends_bye_with_exit_1() -> None:
     clock = FakeClock()
     worker = _worker(clock, FakeAssembler(error=TransientReadError(BAD_FILE, "cannot open (Too many open files)")))
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
     worker.serve(dealer, threading.Event())
     assert worker.exit_code == 1
     assert dealer.messages()[-1] == Bye(7, 1, f"TransientReadError: {BAD_FILE}: cannot open (Too many open files)")
@@ -98,7 +103,7 @@ def test_a_transient_read_error_sends_bye_with_exit_1() -> None:
 def test_a_crash_in_a_build_sends_bye_with_exit_1_and_the_reason_then_propagates() -> None:
     clock = FakeClock()
     worker = _worker(clock, FakeAssembler(error=ValueError("lease names bucket 4, have 1")))
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 4, [10, 11], 5.0)], 1), clock=clock)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 4, [10, 11], 5.0)], 1), clock=clock)
     with pytest.raises(ValueError, match="bucket 4"):
         worker.serve(dealer, threading.Event())
     assert worker.exit_code == 1
@@ -108,16 +113,17 @@ def test_a_crash_in_a_build_sends_bye_with_exit_1_and_the_reason_then_propagates
 def test_a_bye_that_cannot_be_sent_does_not_hold_up_the_exit() -> None:
     clock = FakeClock()
     worker = _worker(clock, FakeAssembler(error=CacheError(BAD_FILE, "missing")))
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock, refuse_sends=True)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock, refuse_sends=True)
     worker.serve(dealer, threading.Event())
     assert worker.exit_code == 78 and dealer.sent == []
 
 
 def test_an_idle_joined_worker_waits_until_its_next_heartbeat_instead_of_spinning() -> None:
     clock, stop = FakeClock(), threading.Event()
-    dealer = _consumer(clock=clock)
+    worker = _worker(clock, FakeAssembler())
+    dealer = _consumer(worker, clock=clock)
     dealer.on_idle = lambda d: stop.set() if clock() > 0.9 else None     # within liveness: no re-join
-    _worker(clock, FakeAssembler()).serve(dealer, stop)
+    worker.serve(dealer, stop)
     hbs = [m for m in dealer.messages() if isinstance(m, Heartbeat)]
     assert len(hbs) == 6                                         # t = 0, 0.2, ... 1.0: one per interval
     assert dealer.poll_timeouts_ms[1:] == [200] * 5              # the first poll found the WELCOME waiting
@@ -128,7 +134,7 @@ def test_the_plan_end_ends_the_loop_with_a_planned_bye_only_when_told_to_exit(ex
     clock, stop = FakeClock(), threading.Event()
     cfg = dataclasses.replace(SESSION, exit_at_plan_end=exit_at_plan_end)
     worker = ProducerWorker(WorkerConfig(cfg.endpoint, cfg), FakeAssembler(), clock=clock)
-    dealer = _consumer(Heartbeat(7, 0, 30, done=True), clock=clock)
+    dealer = _consumer(worker, Heartbeat(7, 0, 30, done=True), clock=clock)
     dealer.on_idle = lambda d: stop.set() if clock() > 3.0 else None    # a waiting producer runs on until stopped
     worker.serve(dealer, stop)
     assert worker.exit_code == 0 and dealer.messages()[1] == Bye(7)
@@ -189,10 +195,10 @@ def test_a_welcome_is_taken_only_while_the_socket_file_is_a_socket_of_ours_or_ro
     clock, stop = FakeClock(), threading.Event()
     assembler = FakeAssembler()
     worker = _ipc_worker(clock, unix_socket, assembler)
-    dealer = _consumer(LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
+    dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
 
     def answer_again(d: FakeDealer) -> None:                    # the same consumer answers every HELLO
-        d.push(Welcome(7, 2, HB_S, False))
+        d.push(_welcome(worker))
         if clock() > 3.0:
             stop.set()
     dealer.on_idle = answer_again
@@ -264,7 +270,7 @@ def test_a_lease_naming_a_hard_link_to_a_victims_file_is_refused_unwritten_and_p
     maps = SlotMappings(buckets, 4, shm_dir=str(shm), endpoint=f"ipc://{unix_socket}")
     worker = _ipc_worker(clock, unix_socket, assembler, maps)
     dealer = FakeDealer(clock, on_idle=lambda _: stop.set() if clock() > 2.0 else None)
-    dealer.push(Welcome(7, 2, HB_S, False, str(shm)), LeaseGrant(7, [Lease(5, 0, [0, 1], 5.0, ShmSlot(name, 0, 0))], 1))
+    dealer.push(_welcome(worker, str(shm)), LeaseGrant(7, [Lease(5, 0, [0, 1], 5.0, ShmSlot(name, 0, 0))], 1))
     worker.serve(dealer, stop)
     assert victim.read_bytes() == before and assembler.built == []
     hellos = [m for m in dealer.messages() if isinstance(m, Hello)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from melfeed.consumer.flow.credit import LeaseBook, Verdict, grant_round
+from melfeed.consumer.flow.credit import Arrival, LeaseBook, grant_round
 from melfeed.consumer.flow.plan import EpochPlan
 from melfeed.consumer.flow.ring import BatchRing, SlotState
 from melfeed.shared.config import BucketConfig
@@ -36,12 +36,12 @@ class Sim:
         if not held:
             return
         lease = held[pick % len(held)]
-        verdict, got = self.book.accept(peer, lease.batch_id)
-        assert verdict == Verdict.ACCEPT and got is not None
+        arrival, got = self.book.accept(peer, lease.batch_id)
+        assert arrival == Arrival.ACCEPT and got is not None
         assert got.planned == PLAN.batch(lease.batch_id)       # the lease carries its planned batch
         self.ring.mark_ready(got.slot, got.planned)
         # a second copy of the same batch is a duplicate, never applied twice
-        assert self.book.accept(peer, lease.batch_id)[0] == Verdict.DUP
+        assert self.book.accept(peer, lease.batch_id)[0] == Arrival.DUP
 
     def step(self) -> None:
         ready = self.ring.take(self.next_apply, 0.0)
@@ -129,10 +129,10 @@ def test_reissued_ids_come_back_first_and_late_copy_wins() -> None:
     assert again == a                              # lowest reissued id first, the same planned batch
     assert again is not None
     book.grant(b"p2", again, slot=2, now_s=6.0)
-    verdict, lease = book.accept(b"p1", 0)         # p1's late copy arrives first: it wins
-    assert verdict == Verdict.ACCEPT and lease is not None and lease.slot == 2
-    assert book.accept(b"p2", 0)[0] == Verdict.DUP
-    assert book.accept(b"p3", 5)[0] == Verdict.NOT_LEASED
+    arrival, lease = book.accept(b"p1", 0)         # p1's late copy arrives first: it wins
+    assert arrival == Arrival.ACCEPT and lease is not None and lease.slot == 2
+    assert book.accept(b"p2", 0)[0] == Arrival.DUP
+    assert book.accept(b"p3", 5)[0] == Arrival.NOT_LEASED
 
 
 def test_requeue_after_a_bad_payload_leases_the_id_again() -> None:
@@ -140,8 +140,8 @@ def test_requeue_after_a_bad_payload_leases_the_id_again() -> None:
     planned = book.next_batch()
     assert planned is not None
     book.grant(b"p1", planned, slot=0, now_s=0.0)
-    verdict, lease = book.accept(b"p1", planned.batch_id)
-    assert verdict == Verdict.ACCEPT and lease is not None
+    arrival, lease = book.accept(b"p1", planned.batch_id)
+    assert arrival == Arrival.ACCEPT and lease is not None
     book.requeue(lease)
     assert book.next_batch() == planned
 
@@ -170,7 +170,7 @@ def test_the_book_is_finished_once_every_id_below_its_end_was_applied_and_never_
         planned = book.next_batch()
         assert planned is not None and planned.batch_id == batch_id
         book.grant(b"p1", planned, slot=batch_id - 5, now_s=0.0)
-        assert book.accept(b"p1", batch_id)[0] == Verdict.ACCEPT
+        assert book.accept(b"p1", batch_id)[0] == Arrival.ACCEPT
     assert not book.is_finished and not book.has_work()      # received is not applied
     for batch_id in (5, 6, 7):
         book.mark_applied(batch_id)

@@ -15,8 +15,8 @@ class _Held:
 
 def test_equally_loaded_producers_take_turns() -> None:
     table = PeerTable()
-    table.add(b"a", "producer-1", now_s=0.0)
-    table.add(b"b", "producer-2", now_s=1.0)
+    table.add(b"a", "producer-1", now_s=0.0, nonce=1)
+    table.add(b"b", "producer-2", now_s=1.0, nonce=2)
     book = _Held({})
     order = []
     for t in range(4):                      # the receiver grants to the first peer, then stamps it
@@ -29,7 +29,7 @@ def test_equally_loaded_producers_take_turns() -> None:
 
 def test_silence_and_blocking_are_time_bounded() -> None:
     table = PeerTable()
-    table.add(b"a", "producer-1", now_s=0.0)
+    table.add(b"a", "producer-1", now_s=0.0, nonce=1)
     assert table.silent_since(-1.0) == [] and table.silent_since(1.0) == [b"a"]
     table.block(b"x", until_s=5.0)
     assert table.is_blocked(b"x", 4.9) and not table.is_blocked(b"x", 5.0)

@@ -10,14 +10,14 @@ from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartb
                              RejectCode, ShmSlot, StageCounters, Welcome, decode_header, encode)
 
 MESSAGES = [
-    Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7),
-    Welcome(123, 2, 0.5, True),
+    Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7, 41),
+    Welcome(123, 2, 0.5, True, 41),
     LeaseGrant(123, [Lease(5, 1, [3, 9, 11], 30.0)], 4),
     BatchHeader(123, 5, 1, [[32, 440, 80], [32], [32, 106], [32]], ["float32", "int32", "int32", "int32"], 77, [3]),
     BatchHeader(123, 6, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, []),
-    Hello(1, "producer-2", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM]),
-    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM], mel_dtype="float16"),
-    Welcome(123, 2, 0.5, False, "/run/melfeed"),
+    Hello(1, "producer-2", "abcd", [[0, 32, 440, 106, 80]], 80, 7, 0, [CAP_SHM]),
+    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, 3, [CAP_SHM], mel_dtype="float16"),
+    Welcome(123, 2, 0.5, False, 0, "/run/melfeed"),
     LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
     BatchHeader(123, 7, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, [4, 9], None,
@@ -25,22 +25,16 @@ MESSAGES = [
     Heartbeat(123, 4, 99),
     Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
     Heartbeat(123, 0, 150, done=True),
-    Err("LEASE", "batch 7 is not leased"),
+    Err(RejectCode.LEASE, "batch 7 is not leased"),
     Bye(123),
-    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, [CAP_SHM], 2**64 - 1),
-    Welcome(123, 2, 0.5, False, None, 0),
+    Hello(1, "producer-3", "abcd", [[0, 32, 440, 106, 80]], 80, 7, 2**64 - 1, [CAP_SHM]),
+    Welcome(123, 2, 0.5, False, 2**64 - 1),
 ]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: object) -> None:
     assert decode_header(encode(msg)) == msg  # type: ignore[arg-type]
-
-
-def test_a_float32_hello_carries_no_mel_key_so_older_peers_see_the_same_bytes() -> None:
-    plain = Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7)
-    assert "mel" not in msgpack.unpackb(encode(plain))
-    assert msgpack.unpackb(encode(Hello(1, "p-1", "ab", [], 80, 7, mel_dtype="float16")))["mel"] == "float16"
 
 
 @pytest.mark.parametrize(("raw", "code"), [
@@ -89,7 +83,7 @@ def test_bool_is_not_accepted_as_an_integer_field() -> None:
         decode_header(msgpack.packb({"t": int(MsgKind.BYE), "epoch": True}))
 
 
-def test_heartbeat_without_stats_from_an_older_producer_is_accepted() -> None:
+def test_a_heartbeat_of_only_its_epoch_is_accepted_with_zero_depths_and_no_stats() -> None:
     raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7})
     assert decode_header(raw) == Heartbeat(7, 0, 0, None)
 
@@ -113,10 +107,25 @@ def test_malformed_heartbeat_stats_are_rejected(stats: object) -> None:
 
 
 def test_plan_end_is_a_heartbeat_field_sent_only_when_true() -> None:
-    assert "done" not in msgpack.unpackb(encode(Heartbeat(7, 1, 2)))      # older producers see what they know
+    assert "done" not in msgpack.unpackb(encode(Heartbeat(7, 1, 2)))
     raw = encode(Heartbeat(7, 0, 150, done=True))
     assert msgpack.unpackb(raw)["done"] is True
     assert decode_header(raw) == Heartbeat(7, 0, 150, None, True)
+
+
+def test_every_reject_code_is_its_own_string_on_the_wire_and_decodes_to_the_member() -> None:
+    for code in RejectCode:
+        raw = encode(Err(code, "why"))
+        assert msgpack.unpackb(raw)["code"] == code.value == str(code) == f"{code}" == code.name
+        assert decode_header(raw) == Err(code, "why") and decode_header(raw).code is code  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("code", ["X", "lease", "", "LEASE\n" * 50])
+def test_an_err_with_an_unknown_reject_code_is_refused_as_malformed(code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({"t": int(MsgKind.ERR), "code": code, "why": "y"}))
+    assert info.value.code == RejectCode.SCHEMA and "unknown reject code" in info.value.why
+    assert "\n" not in str(info.value) and len(info.value.why) < 80
 
 
 @pytest.mark.parametrize("done", [1, 0, "yes", None, [True]])
@@ -127,18 +136,25 @@ def test_plan_end_flag_must_be_a_boolean(done: object) -> None:
     assert info.value.code == RejectCode.SCHEMA
 
 
-def test_the_join_nonce_is_on_the_wire_only_when_set() -> None:
-    for msg in (Hello(1, "p", "f", [], 80, 0), Welcome(7, 2, 0.5, False)):   # older peers see what they know
-        assert "nonce" not in msgpack.unpackb(encode(msg))
-        assert decode_header(encode(msg)).nonce is None  # type: ignore[union-attr]
-    assert msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, nonce=5)))["nonce"] == 5
+@pytest.mark.parametrize(("msg", "key", "value"), [
+    (Hello(1, "p", "f", [], 80, 0, 5), "nonce", 5),
+    (Hello(1, "p", "f", [], 80, 0, 5), "mel", "float32"),
+    (Welcome(7, 2, 0.5, False, 5), "nonce", 5),
+], ids=["HELLO-nonce", "HELLO-mel", "WELCOME-nonce"])
+def test_a_hello_or_welcome_always_carries_its_join_nonce_and_mel_dtype_and_is_malformed_without(
+        msg: Hello | Welcome, key: str, value: object) -> None:
+    raw = msgpack.unpackb(encode(msg))
+    assert raw[key] == value
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({k: v for k, v in raw.items() if k != key}))
+    assert info.value.code == RejectCode.SCHEMA and info.value.why == f"missing key {key!r}"
 
 
 @pytest.mark.parametrize("nonce", [-1, "n", 1.5, True, None, [1]])
 @pytest.mark.parametrize("kind", [MsgKind.HELLO, MsgKind.WELCOME])
 def test_a_nonce_must_be_a_non_negative_integer(kind: MsgKind, nonce: object) -> None:
-    base = (msgpack.unpackb(encode(Hello(1, "p", "f", [], 80, 0))) if kind is MsgKind.HELLO
-            else msgpack.unpackb(encode(Welcome(7, 2, 0.5, False))))
+    base = (msgpack.unpackb(encode(Hello(1, "p", "f", [], 80, 0, 1))) if kind is MsgKind.HELLO
+            else msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 1))))
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**base, "nonce": nonce}))
     assert info.value.code == RejectCode.SCHEMA
@@ -147,7 +163,7 @@ def test_a_nonce_must_be_a_non_negative_integer(kind: MsgKind, nonce: object) ->
 def test_the_quarantine_note_is_on_the_wire_only_with_quarantined_rows_and_cut_to_one_reason() -> None:
     shapes, dtypes = [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"]
     plain = BatchHeader(1, 2, 0, shapes, dtypes, None, [])
-    assert "qr" not in msgpack.unpackb(encode(plain))                      # older consumers see what they know
+    assert "qr" not in msgpack.unpackb(encode(plain))
     assert decode_header(encode(plain)).quarantine_note == ""  # type: ignore[union-attr]
     long = BatchHeader(1, 2, 0, shapes, dtypes, None, [5], None, "x" * 500)
     assert decode_header(encode(long)).quarantine_note == "x" * 200  # type: ignore[union-attr]

@@ -10,10 +10,13 @@ import dataclasses
 import logging
 from typing import Any
 
+import msgpack
 import pytest
 
 from melfeed.consumer.flow.session import escape_line
-from melfeed.shared.wire.protocol import CAP_SHM, Bye, Err, Heartbeat, LeaseGrant, RejectCode, Welcome
+from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, LeaseGrant, RejectCode,
+                                          Welcome, decode_header, encode)
 from tests.fakes import FakeSlotFiles
 from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, Rig, err_codes, header, ids
 
@@ -22,7 +25,7 @@ from tests.unit.consumer.flow.session.session_rig import A, B, CONTRACT, EPOCH, 
 def test_good_hello_is_welcomed_then_leased_up_to_the_window() -> None:
     rig = Rig(n_slots=3, window=2, heartbeat_interval_s=0.5)
     welcome = rig.join(A, nonce=77)
-    assert welcome == Welcome(EPOCH, 2, 0.5, False, None, 77)            # the nonce of the HELLO it answers
+    assert welcome == Welcome(EPOCH, 2, 0.5, False, 77)                  # the nonce of the HELLO it answers
     assert rig.session.stats().producers_alive == 1
     grants = rig.grant()
     assert list(grants) == [A] and ids(grants[A]) == [0, 1]
@@ -122,12 +125,16 @@ def test_a_hello_that_does_not_repeat_the_join_returns_the_leases(second: dict[s
     assert ids(rig.grant()[A]) == [0, 1]             # leased again, under the new join
 
 
-def test_hellos_without_a_nonce_from_an_older_producer_are_each_a_re_handshake() -> None:
+def test_a_hello_without_a_join_nonce_is_malformed_refused_with_schema_and_joins_nobody() -> None:
     rig = Rig(window=2)
-    assert rig.join(A, nonce=None).nonce is None     # nothing echoed to a producer that sent none
-    assert ids(rig.grant()[A]) == [0, 1]
-    rig.join(A, nonce=None)
-    assert rig.session.stats().leases_reissued == 2 and rig.session.stats().hello_repeats == 0
+    good = msgpack.unpackb(encode(Hello(PROTOCOL_VERSION, "producer-a", CONTRACT.fingerprint, CONTRACT.buckets,
+                                        CONTRACT.n_mels, CONTRACT.seed, 5)))
+    with pytest.raises(ProtocolError) as info:      # the receiver shell decodes, then hands the error over
+        decode_header(msgpack.packb({key: value for key, value in good.items() if key != "nonce"}))
+    assert "nonce" in info.value.why
+    decision = rig.session.on_invalid(A, info.value, rig.clock())
+    assert err_codes(decision) == [RejectCode.SCHEMA] and decision.drain
+    assert rig.session.stats().producers_alive == 0 and rig.grant() == {}
 
 
 # --- grants -----------------------------------------------------------------------------------
