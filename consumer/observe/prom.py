@@ -26,7 +26,7 @@ from melfeed.consumer.observe.snapshot import FieldSpec, Prom, Snapshot, schema_
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.printable import escape_line
 
-__all__ = ["start_prometheus", "snapshot_families", "SnapshotCollector", "PrometheusServer"]
+__all__ = ["start_prometheus", "snapshot_families", "PromFamily", "SnapshotCollector", "PrometheusServer"]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ _REQUEST_TIMEOUT_S = 5.0      # a scraper on the same host sends its request in 
 
 
 @dataclass(slots=True)
-class _Family:
+class PromFamily:
     """One metric family as the schema declares it; samples are (label values, value)."""
     name: str
     kind: str                            # "gauge" or "counter"
@@ -48,7 +48,7 @@ class _Family:
         self.samples.append((tuple(labels[name] for name in self.label_names), value))
 
 
-def _declare(families: dict[str, _Family], spec: FieldSpec, row_labels: tuple[str, ...] = ()) -> _Family | None:
+def _declare(families: dict[str, PromFamily], spec: FieldSpec, row_labels: tuple[str, ...] = ()) -> PromFamily | None:
     """The family ``spec`` exports to (created at its first field), or ``None`` when it exports nothing."""
     prom = spec.prom
     if prom is None:
@@ -56,7 +56,7 @@ def _declare(families: dict[str, _Family], spec: FieldSpec, row_labels: tuple[st
     if prom.name not in families:
         names = row_labels + tuple(k for k, _ in prom.labels) + ((prom.key_label,) if prom.key_label else ())
         help_text = prom.help or spec.meaning[0].upper() + spec.meaning[1:]
-        families[prom.name] = _Family(prom.name, prom.kind, help_text, names, bool(names))
+        families[prom.name] = PromFamily(prom.name, prom.kind, help_text, names, bool(names))
     return families[prom.name]
 
 
@@ -64,7 +64,7 @@ def _label(value: Any) -> str:
     return escape_line(str(value), 64)       # peer-chosen text: one printable line in the exposition
 
 
-def _add_field(family: _Family, prom: Prom, value: Any, labels: dict[str, str]) -> None:
+def _add_field(family: PromFamily, prom: Prom, value: Any, labels: dict[str, str]) -> None:
     """The samples of one field's value (exported as ``prom`` says): a scalar, a one-hot text, or one per list or
     object entry."""
     labels = labels | dict(prom.labels)
@@ -82,9 +82,9 @@ def _add_field(family: _Family, prom: Prom, value: Any, labels: dict[str, str]) 
             family.add(labels | {family.label_names[-1]: _label(key)}, entry * prom.scale)
 
 
-def snapshot_families(snap: Mapping[str, Any], schema: type = Snapshot) -> list[_Family]:
+def snapshot_families(snap: Mapping[str, Any], schema: type = Snapshot) -> list[PromFamily]:
     """Every family ``schema`` names, filled from ``snap`` (pure; a null figure gives no sample)."""
-    families: dict[str, _Family] = {}
+    families: dict[str, PromFamily] = {}
     for f in schema_fields(schema):
         if f.row is None:
             family = _declare(families, f.spec)
