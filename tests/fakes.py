@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy.typing as npt
 import zmq
 
 from melfeed.consumer.flow.plan import PlannedBatch
+from melfeed.consumer.observe.snapshot import GpuRow, ProducerRow, Snapshot, field_names, snapshot_dict
 from melfeed.producer.batcher import BuiltBatch
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.protocol import Message, decode_header, encode
@@ -26,19 +28,44 @@ def ljspeech_like(n: int, seed: int = 0) -> tuple[npt.NDArray[np.int64], npt.NDA
     return frames, tokens
 
 
+def _plain(value: object) -> object:
+    """A schema record (or a list of them) as its JSON form; anything else as given."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+def producer_row(producer_id: str = "producer-1", **overrides: object) -> ProducerRow:
+    """A producer row of a healthy run (``overrides`` replace fields)."""
+    row = ProducerRow(id=producer_id, batches=60, batches_per_s=5.1, read_ms=1.2, assemble_ms=0.3, send_ms=0.4)
+    return dataclasses.replace(row, **overrides)    # type: ignore[arg-type]  # tests set wrong types on purpose
+
+
+def gpu_row(role: str = "model", index: int = 0, **overrides: object) -> GpuRow:
+    """A sampled GPU of a healthy run (``overrides`` replace fields)."""
+    row = GpuRow(role=role, index=index, uuid=f"GPU-{role}-{index}", util_pct=93.0, mem_used_mib=21000.0,
+                 mem_total_mib=81559.0, power_w=310.0)
+    return dataclasses.replace(row, **overrides)    # type: ignore[arg-type]
+
+
 def metrics_snapshot(t_unix_s: float, **overrides: object) -> dict[str, object]:
-    """One metrics snapshot with every key of the fixed schema (values of a healthy training line)."""
-    snap: dict[str, object] = {
-        "t_unix_s": t_unix_s, "uptime_s": 12.3, "phase": "training", "step": 120, "steps_total": 300,
-        "loss": 0.91, "window_s": 5.0, "stall_pct": 0.1, "batches_per_s": 10.2, "samples_per_s": 320.0,
-        "bytes_per_s": 9.1e7, "step_p50_ms": 90.1, "step_p99_ms": 120.3, "step_cv": 0.05,
-        "padding_efficiency": 0.86, "queue_depth_mean": 2.1, "queue_depth_hist": [0, 3, 40, 7],
-        "lease_window": 2, "leases_outstanding": 3, "producers_alive": 2,
-        "producers": [{"id": "producer-1", "batches": 60, "batches_per_s": 5.1, "read_ms": 1.2,
-                       "assemble_ms": 0.3, "send_ms": 0.4}],
-        "rejects": {}, "duplicates": 0, "quarantined": 0, "compiles_after_ready": 0, "gpus": [],
-    }
-    snap.update(overrides)
+    """One metrics snapshot in its JSON form, built through the schema (values of a healthy training line).
+
+    ``overrides`` replace fields (rows may be given as ``ProducerRow``/``GpuRow`` or as plain objects, and any value,
+    even a wrong one, passes: tests of the readers need bad snapshots); a name the schema lacks is a ``TypeError``.
+    """
+    unknown = sorted(set(overrides) - set(field_names()))
+    if unknown:
+        raise TypeError(f"not snapshot fields: {', '.join(unknown)}")
+    snap = snapshot_dict(Snapshot(
+        t_unix_s=t_unix_s, uptime_s=12.3, phase="training", step=120, steps_total=300, loss=0.91, window_s=5.0,
+        stall_pct=0.1, batches_per_s=10.2, samples_per_s=320.0, bytes_per_s=9.1e7, step_p50_ms=90.1,
+        step_p99_ms=120.3, step_cv=0.05, padding_efficiency=0.86, queue_depth_mean=2.1, queue_depth_hist=[0, 3, 40, 7],
+        lease_window=2, leases_outstanding=3, producers_alive=2, producers=[producer_row()], rejects={},
+        duplicates=0, quarantined=0, compiles_after_ready=0, gpus=[], jit_compile="xla", outputs={"loss": 0.91},
+        producers_benched=[], rank=0, world=1, checkpoint_failures=0, connections_cut=0, feed_efficiency=0.97,
+        hello_repeats=0, useful_work=0.83))
+    snap.update({name: _plain(value) for name, value in overrides.items()})
     return snap
 
 
@@ -125,15 +152,13 @@ def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,
         stalled = 50 <= i < 60
         rate = float(np.clip(rng.normal(4.0 if stalled else 11.0, 0.4), 0.5, None))
         step += int(rate * interval_s)
-        producers = [{"id": "producer-1", "batches": int(rate * 5), "batches_per_s": rate * 0.55,
-                      "read_ms": 1.2, "assemble_ms": 0.3, "send_ms": 0.4}]
+        producers = [producer_row("producer-1", batches=int(rate * 5), batches_per_s=rate * 0.55)]
         if 20 <= i < 70 or i >= 85:  # producer-2 joins late, leaves, comes back
-            producers.append({"id": "producer-2", "batches": int(rate * 4), "batches_per_s": rate * 0.45,
-                              "read_ms": 1.4, "assemble_ms": 0.3, "send_ms": 0.5})
-        gpu = [{"role": "model", "index": 0, "util_pct": float(np.clip(rng.normal(40 if stalled else 93, 3), 0, 100)),
-                "mem_used_mib": 21000.0, "mem_total_mib": 81559.0, "power_w": 310.0},
-               {"role": "data", "index": 1, "util_pct": float(np.clip(rng.normal(18, 4), 0, 100)),
-                "mem_used_mib": 2100.0, "mem_total_mib": 81559.0, "power_w": 90.0}]
+            producers.append(producer_row("producer-2", batches=int(rate * 4), batches_per_s=rate * 0.45,
+                                          read_ms=1.4, send_ms=0.5))
+        gpu = [gpu_row("model", 0, util_pct=float(np.clip(rng.normal(40 if stalled else 93, 3), 0, 100))),
+               gpu_row("data", 1, util_pct=float(np.clip(rng.normal(18, 4), 0, 100)), mem_used_mib=2100.0,
+                       power_w=90.0)]
         p50 = float(rng.normal(88.0, 1.5))
         lines.append(metrics_snapshot(
             t, uptime_s=2.0 + i * interval_s, step=step, loss=2.5 * np.exp(-i / 60) + 0.3,

@@ -1,11 +1,9 @@
 """TensorBoard scalars of a run: the named outputs' interval means and the metrics snapshot's figures.
 
 Role: ``board_scalars`` (pure) names what a write holds: ``train/<name>`` for each named output (the interval's
-mean), and from a metrics snapshot (consumer/observe/telemetry.py) ``feed/stall_pct``, ``feed/feed_efficiency``
-(once reported), ``feed/batches_per_s``, ``feed/samples_per_s``, ``feed/padding_efficiency``,
-``feed/queue_depth`` (the window's mean), ``feed/useful_work`` (feed x padding efficiency, once feed efficiency is
-reported), ``gpu/<role>-<index>/util_pct`` and ``mem_mib`` per sampled GPU, and ``producer/<id>/batches_per_s``;
-a figure the snapshot does not know yet (null) is left out.
+mean), and from a metrics snapshot the tag of every field whose schema names one (observe/snapshot.py
+``FieldSpec.board``: ``feed/...`` figures, per sampled GPU ``gpu/<role>-<index>/...``, per producer
+``producer/<id>/batches_per_s``); a figure the snapshot does not know yet (null) is left out.
 ``BoardWriter`` writes them with TensorFlow's own file writer (``tf.summary.create_file_writer``) and the scalar
 plugin's metadata, one float32 rank-0 tensor per tag, which is what TensorBoard's Scalars dashboard reads, with no
 ``tensorboard`` package: TensorFlow 2.21 no longer installs it, and ``tf.summary.scalar`` raises
@@ -29,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from melfeed.consumer.observe.snapshot import Snapshot, schema_fields
 from melfeed.consumer.train.meter import IntervalFigures, OutputMeans
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.filetrust import make_dirs
@@ -39,9 +38,6 @@ log = logging.getLogger(__name__)
 
 _DIR_MODE = 0o750    # like the state directory: the service user and group (a TensorBoard in the group reads it)
 _KEY = ("consumer", "tensorboard_dir")
-_FEED = (("stall_pct", "stall_pct"), ("feed_efficiency", "feed_efficiency"), ("batches_per_s", "batches_per_s"),
-         ("samples_per_s", "samples_per_s"), ("padding_efficiency", "padding_efficiency"),
-         ("queue_depth", "queue_depth_mean"), ("useful_work", "useful_work"))   # tag under feed/ -> snapshot key
 
 
 def board_dir(root: str | os.PathLike[str], rank: int = 0, world: int = 1) -> Path:
@@ -80,24 +76,22 @@ def summary_proto(scalars: Mapping[str, float]) -> bytes:
         for tag, value in scalars.items()]).SerializeToString()
 
 
-def board_scalars(snapshot: Mapping[str, Any] | None, means: Mapping[str, float]) -> dict[str, float]:
+def board_scalars(snapshot: Mapping[str, Any] | None, means: Mapping[str, float],
+                  schema: type = Snapshot) -> dict[str, float]:
     """Tag -> value for one write (module doc): ``means`` as given (NaN stays NaN: it is news), the snapshot's
-    figures when known."""
+    figures when known, tagged as ``schema`` says."""
     out = {f"train/{name}": float(value) for name, value in means.items()}
     if snapshot is None:
         return out
-    for tag, key in _FEED:
-        if snapshot.get(key) is not None:
-            out[f"feed/{tag}"] = float(snapshot[key])
-    for gpu in snapshot.get("gpus") or ():
-        where = f"gpu/{gpu.get('role', 'gpu')}-{gpu.get('index', 0)}"
-        if gpu.get("util_pct") is not None:
-            out[f"{where}/util_pct"] = float(gpu["util_pct"])
-        if gpu.get("mem_used_mib") is not None:
-            out[f"{where}/mem_mib"] = float(gpu["mem_used_mib"])
-    for producer in snapshot.get("producers") or ():
-        if producer.get("batches_per_s") is not None:
-            out[f"producer/{producer['id']}/batches_per_s"] = float(producer["batches_per_s"])
+    for f in schema_fields(schema):
+        if f.row is None:
+            if f.spec.board is not None and snapshot[f.name] is not None:
+                out[f.spec.board] = float(snapshot[f.name])
+            continue
+        tagged = [r for r in schema_fields(f.row) if r.spec.board is not None]
+        for row in snapshot[f.name]:
+            out.update({r.spec.board.format(**row): float(row[r.name]) for r in tagged
+                        if r.spec.board is not None and row[r.name] is not None})
     return out
 
 

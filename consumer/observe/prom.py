@@ -3,10 +3,11 @@
 Role: ``--metrics-port N`` (``consumer.metrics_port``) starts the server on ``consumer.metrics_host``
 (127.0.0.1 by default) with a registry of its own (the process-global one is left untouched) and
 one custom collector that reads the latest snapshot at scrape time; nothing is computed twice.
-Names follow Prometheus conventions: ``melfeed_`` prefix, base units (seconds, bytes, ratios 0..1),
-counters end in ``_total``, labels for producer, reject code, GPU role and index (consumer/README.md
-lists every name); a consumer that is one rank of a multi-worker job (world > 1) adds ``rank`` to every
-sample, so the ranks' scrapes never collide in one Prometheus. A figure that is not known yet (null in the snapshot) is left out of the scrape.
+Every metric's name, type, scale and labels come from the snapshot's schema (observe/snapshot.py ``Prom``):
+``melfeed_`` prefix, base units (seconds, bytes, ratios 0..1), counters end in ``_total``, labels for
+producer, reject code, GPU role and index; a consumer that is one rank of a multi-worker job (world > 1)
+adds ``rank`` to every sample, so the ranks' scrapes never collide in one Prometheus. A figure that is not
+known yet (null in the snapshot) is left out of the scrape.
 prometheus_client is optional (extra ``metrics``) and imported only here, only when a port is given.
 It renders the exposition; ``http_metrics.MetricsHttpServer`` serves it (one thread, at most
 ``_MAX_HTTP_CONNECTIONS`` connections, ``_REQUEST_TIMEOUT_S`` per request: docs/security.md "Hostile peers").
@@ -16,144 +17,112 @@ Shutdown: ``close()`` stops the server and joins its thread (bounded); idempoten
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from melfeed.consumer.observe.http_metrics import MetricsHttpServer
+from melfeed.consumer.observe.snapshot import FieldSpec, Prom, Snapshot, schema_fields
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.printable import escape_line
-from melfeed.shared.metrics import PHASES
 
-__all__ = ["start_prometheus", "SnapshotCollector", "PrometheusServer"]
+__all__ = ["start_prometheus", "snapshot_families", "PromFamily", "SnapshotCollector", "PrometheusServer"]
 
 log = logging.getLogger(__name__)
 
 _MAX_HTTP_CONNECTIONS = 16   # a scraper or two, and curl; more only while the oldest are dropped
 _REQUEST_TIMEOUT_S = 5.0      # a scraper on the same host sends its request in milliseconds
 
-# (snapshot key, metric name, help, scale) for the plain gauges; scale converts to base units.
-_GAUGES = (
-    ("uptime_s", "melfeed_uptime_seconds", "Seconds since the consumer process started", 1.0),
-    ("steps_total", "melfeed_steps_target", "Plan position the run stops at (absent: until stopped)", 1.0),
-    ("loss", "melfeed_loss", "Loss of the newest step", 1.0),
-    ("window_s", "melfeed_window_seconds", "Length of the sliding window of the windowed figures", 1.0),
-    ("stall_pct", "melfeed_stall_ratio", "Time the step loop waited for batches / wall time (window)", 0.01),
-    ("batches_per_s", "melfeed_batches_per_second", "Batches applied per second (window)", 1.0),
-    ("samples_per_s", "melfeed_samples_per_second", "Real samples applied per second (window)", 1.0),
-    ("bytes_per_s", "melfeed_received_bytes_per_second", "Payload bytes received per second (window)", 1.0),
-    ("step_cv", "melfeed_step_time_cv_ratio", "Coefficient of variation of the step time (window)", 1.0),
-    ("padding_efficiency", "melfeed_padding_efficiency_ratio", "Real frames / padded frames (window)", 1.0),
-    ("feed_efficiency", "melfeed_feed_efficiency_ratio",
-     "Fed steps/s / steps/s of the same step on resident batches of the same buckets (since warm-up)", 1.0),
-    ("useful_work", "melfeed_useful_work_ratio", "Feed efficiency x padding efficiency (window)", 1.0),
-    ("queue_depth_mean", "melfeed_queue_depth_mean", "Mean ready batches + leases when a batch was taken", 1.0),
-    ("lease_window", "melfeed_lease_window", "Leases one producer may hold", 1.0),
-    ("leases_outstanding", "melfeed_leases_outstanding", "Leases granted and not yet delivered", 1.0),
-    ("producers_alive", "melfeed_producers_alive", "Producers connected now", 1.0),
-)
-_COUNTERS = (
-    ("step", "melfeed_batches_applied", "Batches applied to the model by this consumer process"),
-    ("duplicates", "melfeed_duplicates", "Duplicate batches dropped"),
-    ("quarantined", "melfeed_quarantined_samples", "Bad cache rows left empty by producers"),
-    ("compiles_after_ready", "melfeed_compiles_after_ready", "Step compiles after READY"),
-    ("checkpoint_failures", "melfeed_checkpoint_failures", "Periodic checkpoints that could not be written"),
-    ("connections_cut", "melfeed_connections_cut", "Connections cut at transport.max_connections"),
-    ("hello_repeats", "melfeed_hello_repeats", "HELLOs repeating a producer's join, answered again (leases kept)"),
-)
+
+@dataclass(slots=True)
+class PromFamily:
+    """One metric family as the schema declares it; samples are (label values, value)."""
+    name: str
+    kind: str                            # "gauge" or "counter"
+    help: str
+    label_names: tuple[str, ...]
+    is_labelled: bool                    # a family without labels is left out while its figure is unknown
+    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+
+    def add(self, labels: Mapping[str, str], value: float) -> None:
+        self.samples.append((tuple(labels[name] for name in self.label_names), value))
+
+
+def _declare(families: dict[str, PromFamily], spec: FieldSpec, row_labels: tuple[str, ...] = ()) -> PromFamily | None:
+    """The family ``spec`` exports to (created at its first field), or ``None`` when it exports nothing."""
+    prom = spec.prom
+    if prom is None:
+        return None
+    if prom.name not in families:
+        names = row_labels + tuple(k for k, _ in prom.labels) + ((prom.key_label,) if prom.key_label else ())
+        help_text = prom.help or spec.meaning[0].upper() + spec.meaning[1:]
+        families[prom.name] = PromFamily(prom.name, prom.kind, help_text, names, bool(names))
+    return families[prom.name]
+
+
+def _label(value: Any) -> str:
+    return escape_line(str(value), 64)       # peer-chosen text: one printable line in the exposition
+
+
+def _add_field(family: PromFamily, prom: Prom, value: Any, labels: dict[str, str]) -> None:
+    """The samples of one field's value (exported as ``prom`` says): a scalar, a one-hot text, or one per list or
+    object entry."""
+    labels = labels | dict(prom.labels)
+    if prom.one_hot:
+        for choice in prom.one_hot:
+            family.add(labels | {family.label_names[-1]: choice}, 1.0 if value == choice else 0.0)
+        return
+    entries = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else None
+    if entries is None:
+        if value is not None:
+            family.add(labels, value * prom.scale)
+        return
+    for key, entry in entries:
+        if entry is not None:
+            family.add(labels | {family.label_names[-1]: _label(key)}, entry * prom.scale)
+
+
+def snapshot_families(snap: Mapping[str, Any], schema: type = Snapshot) -> list[PromFamily]:
+    """Every family ``schema`` names, filled from ``snap`` (pure; a null figure gives no sample)."""
+    families: dict[str, PromFamily] = {}
+    for f in schema_fields(schema):
+        if f.row is None:
+            family = _declare(families, f.spec)
+            if family is not None and f.spec.prom is not None:
+                _add_field(family, f.spec.prom, snap[f.name], {})
+            continue
+        row_fields = schema_fields(f.row)
+        label_names = tuple(r.spec.label for r in row_fields if r.spec.label is not None)
+        declared = [(r, _declare(families, r.spec, label_names)) for r in row_fields]
+        for row in snap[f.name]:
+            labels = {r.spec.label: _label(row[r.name]) for r in row_fields if r.spec.label is not None}
+            for r, family in declared:
+                if family is not None and r.spec.prom is not None:
+                    _add_field(family, r.spec.prom, row[r.name], labels)
+    return [family for family in families.values() if family.samples or family.is_labelled]
 
 
 class SnapshotCollector:
-    """A prometheus_client collector over ``get_snapshot()`` (called once per scrape)."""
+    """A prometheus_client collector over ``get_snapshot()`` (called once per scrape), exporting what ``schema``'s
+    fields name."""
 
-    def __init__(self, get_snapshot: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, get_snapshot: Callable[[], dict[str, Any] | None], schema: type = Snapshot) -> None:
         self._get = get_snapshot
+        self._schema = schema
 
     def collect(self) -> Iterator[Any]:
         """Every family of the snapshot; in a multi-worker job each sample also carries ``rank``."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         snap = self._get()
         if snap is None:
             return
-        world = snap.get("world") or 1
-        if world == 1:
-            yield from self._families(snap)
-            return
-        rank = str(snap.get("rank"))
-        for family in self._families(snap):
-            family.samples = [s._replace(labels={**s.labels, "rank": rank}) for s in family.samples]
-            yield family
-
-    def _families(self, snap: dict[str, Any]) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        yield GaugeMetricFamily("melfeed_world_size", "Ranks in the job (1: a single consumer)",
-                                value=snap.get("world") or 1)
-        for key, name, doc, scale in _GAUGES:
-            if snap.get(key) is not None:
-                yield GaugeMetricFamily(name, doc, value=snap[key] * scale)
-        for key, name, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=snap.get(key, 0))
-        phase = GaugeMetricFamily("melfeed_phase", "1 for the consumer's current phase", labels=["phase"])
-        for p in PHASES:
-            phase.add_metric([p], 1.0 if snap["phase"] == p else 0.0)
-        yield phase
-        step = GaugeMetricFamily("melfeed_step_seconds", "Step time percentiles (window)", labels=["quantile"])
-        for q, key in (("0.5", "step_p50_ms"), ("0.99", "step_p99_ms")):
-            if snap[key] is not None:
-                step.add_metric([q], snap[key] / 1000.0)
-        yield step
-        hist = GaugeMetricFamily("melfeed_queue_depth_batches", "Batches taken at each queue depth (window)",
-                                 labels=["depth"])
-        for depth, count in enumerate(snap["queue_depth_hist"]):
-            hist.add_metric([str(depth)], count)
-        yield hist
-        rejects = CounterMetricFamily("melfeed_rejects", "Rejected messages by reject code", labels=["code"])
-        for code, count in snap["rejects"].items():
-            rejects.add_metric([code], count)
-        yield rejects
-        named = GaugeMetricFamily("melfeed_step_output", "The step's named scalars, mean over the status "
-                                  "interval (loss, and e.g. mel_l1, stop_bce)", labels=["name"])
-        for name, value in (snap.get("outputs") or {}).items():
-            if value is not None:
-                named.add_metric([name], value)
-        yield named
-        yield from _producer_families(snap["producers"])
-        yield from _gpu_families(snap["gpus"])
-
-
-def _producer_families(producers: list[dict[str, Any]]) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    built = CounterMetricFamily("melfeed_producer_batches", "Batches built by the producer process",
-                                labels=["producer"])
-    rate = GaugeMetricFamily("melfeed_producer_batches_per_second", "Batches built per second (window)",
-                             labels=["producer"])
-    stage = GaugeMetricFamily("melfeed_producer_stage_seconds", "Seconds per batch in a build stage (window)",
-                              labels=["producer", "stage"])
-    for p in producers:
-        label = escape_line(str(p["id"]), 64)      # peer-chosen: one printable line in the exposition
-        if p["batches"] is not None:
-            built.add_metric([label], p["batches"])
-        if p["batches_per_s"] is not None:
-            rate.add_metric([label], p["batches_per_s"])
-        for name in ("read", "assemble", "send"):
-            if p[f"{name}_ms"] is not None:
-                stage.add_metric([label, name], p[f"{name}_ms"] / 1000.0)
-    yield from (built, rate, stage)
-
-
-def _gpu_families(gpus: list[dict[str, Any]]) -> Iterator[Any]:
-    from prometheus_client.core import GaugeMetricFamily
-    labels = ["role", "index"]
-    util = GaugeMetricFamily("melfeed_gpu_utilization_ratio", "GPU busy fraction (NVML)", labels=labels)
-    used = GaugeMetricFamily("melfeed_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=labels)
-    total = GaugeMetricFamily("melfeed_gpu_memory_total_bytes", "GPU memory size (NVML)", labels=labels)
-    power = GaugeMetricFamily("melfeed_gpu_power_watts", "GPU board power (NVML)", labels=labels)
-    for g in gpus:
-        key = [g["role"], str(g["index"])]
-        util.add_metric(key, g["util_pct"] / 100.0)
-        used.add_metric(key, g["mem_used_mib"] * 2**20)
-        total.add_metric(key, g["mem_total_mib"] * 2**20)
-        if g.get("power_w") is not None:
-            power.add_metric(key, g["power_w"])
-    yield from (util, used, total, power)
+        rank = (("rank",), (str(snap["rank"]),)) if snap["world"] > 1 else ((), ())
+        for family in snapshot_families(snap, self._schema):
+            kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+            built = kind(family.name, family.help, labels=family.label_names + rank[0])
+            for values, value in family.samples:
+                built.add_metric(values + rank[1], value)
+            yield built
 
 
 class PrometheusServer:

@@ -1,14 +1,15 @@
 """Metrics JSONL (the consumer's ``--metrics-file``) -> columns for ``melfeed report``.
 
 Role: pure parsing, no drawing and no matplotlib. ``read_metrics`` reads one snapshot object per
-line (format: the fixed metrics snapshot, see docs/reference/metrics.md) and turns it into
+line (format: the metrics snapshot, observe/snapshot.py; docs/guide/watching.md) and turns it into
 ``RunSeries``: one float array per figure, aligned on ``t_s`` (seconds since the first snapshot).
 Invariants:
 - Every array has one entry per snapshot; ``null`` becomes ``nan`` so a plot shows a gap, never a
   made-up zero. A producer absent from a snapshot (joined late, left early) is ``nan`` there too.
 - GPU series are keyed ``"role:index"`` (``model:0``, ``data:1``) in first-seen order.
 - Bad input raises ``ConfigError`` naming ``FILE:LINE`` (one line; the CLI exits 78): a line that is
-  not JSON (nesting too deep included), not a snapshot, or whose ``t_unix_s`` is not a finite number.
+  not JSON (nesting too deep included), not a snapshot (a field of the schema missing), or whose ``t_unix_s``
+  or a numeric field is not a finite number (or null).
   The one exception is an unparseable LAST line, which a run killed mid-write leaves behind: it is
   skipped with a warning.
 - The file is read like a config file (``shared/flag_checks.py``): a regular file (a FIFO or
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from melfeed.consumer.observe.snapshot import field_names, number_fields
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.flag_checks import read_regular_file
 from melfeed.shared.metrics import PHASE_TRAINING
@@ -43,10 +45,9 @@ Floats = npt.NDArray[np.float64]
 # takes several times the file's size in memory; thin a longer run's file first (docs/guide/watching.md).
 MAX_METRICS_BYTES = 256 << 20
 
-# Keys the report draws; the snapshot has more (all present on every line), which are ignored here.
-SCALAR_KEYS = ("uptime_s", "step", "stall_pct", "batches_per_s", "samples_per_s", "step_p50_ms",
-               "step_p99_ms", "queue_depth_mean", "lease_window", "leases_outstanding", "producers_alive")
-_LIST_KEYS = ("producers", "gpus")
+# The snapshot's numeric fields, one column each (the time axis aside); the report draws some of them.
+SCALAR_KEYS = tuple(name for name in number_fields() if name != "t_unix_s")
+_LIST_KEYS = ("producers", "gpus")       # the rows read here: producers' batches/s, GPUs' utilisation
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +112,10 @@ def _finite(value: Any) -> float | None:
 def _check_snapshot(obj: Any, where: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ConfigError("not a JSON object (one metrics snapshot per line)", path=(where,))
-    missing = [k for k in ("t_unix_s", "phase", *SCALAR_KEYS, *_LIST_KEYS) if k not in obj]
+    missing = [k for k in field_names() if k not in obj]
     if missing:
-        raise ConfigError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""     # one short line
+        raise ConfigError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more} "
                           "(not a melfeed metrics snapshot?)", path=(where,))
     if _finite(obj["t_unix_s"]) is None:
         raise ConfigError("t_unix_s must be a finite number", path=(where,), got=obj["t_unix_s"])

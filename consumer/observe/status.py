@@ -8,9 +8,9 @@ SNDTIMEO and LINGER 0, so the command never outlives ``--timeout-s`` by more tha
 Exit codes: 0 printed; 1 nobody answered or the answer was not a snapshot (one line on stderr);
 78 a bad ``--config``, ``--endpoint`` (also one libzmq cannot connect to) or ``--timeout-s``. Imports neither TensorFlow nor the consumer's data path.
 Trust: whoever answers at the endpoint chose the reply (a stale socket path may now belong to someone
-else). The table is printed only from a JSON object whose every key it reads has the schema's type
-(``snapshot_problem``; else ``malformed snapshot: KEY: REASON`` and exit 1), and every string in it
-goes through ``escape_line``, so a reply can neither crash the command nor reach the terminal as an
+else). The table is printed only from a JSON object that has every field of the schema with its type
+(``observe/snapshot.py`` ``snapshot_problem``; else ``malformed snapshot: KEY: REASON`` and exit 1), and every
+string in it goes through ``escape_line``, so a reply can neither crash the command nor reach the terminal as an
 escape sequence. ``--json`` prints any JSON object re-encoded by ``json.dumps``, which writes control
 characters (and all non-ASCII) as ``\\uXXXX`` escapes; it does not check the schema.
 """
@@ -21,11 +21,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from melfeed.consumer.observe.snapshot import snapshot_problem
 from melfeed.shared.config import resolve_runtime_dir
 from melfeed.shared.config.checks import check_endpoint
 from melfeed.shared.service.cli import loaded_config
@@ -127,93 +127,12 @@ def _control_endpoint(args: argparse.Namespace) -> str:
     return endpoint
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_num(value: Any) -> bool:
-    return _is_int(value) or isinstance(value, float)
-
-
-# kind -> (test, what the schema wants); "?" admits null
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (_is_int, "an integer"), "int?": (lambda v: v is None or _is_int(v), "an integer or null"),
-    "num": (_is_num, "a number"), "num?": (lambda v: v is None or _is_num(v), "a number or null"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "str?": (lambda v: v is None or isinstance(v, str), "a string or null"),
-}
-# what format_status reads; the optional keys are those older consumers did not send
-_REQUIRED = {"phase": "str", "step": "int", "loss": "num?", "uptime_s": "num", "window_s": "num",
-             "batches_per_s": "num?", "samples_per_s": "num?", "bytes_per_s": "num?", "stall_pct": "num?",
-             "step_p50_ms": "num?", "step_p99_ms": "num?", "step_cv": "num?", "padding_efficiency": "num?",
-             "queue_depth_mean": "num?", "lease_window": "int", "leases_outstanding": "int",
-             "producers_alive": "int", "duplicates": "int", "quarantined": "int", "compiles_after_ready": "int"}
-_OPTIONAL = {"steps_total": "int?", "rank": "int?", "world": "int?", "feed_efficiency": "num?", "useful_work": "num?",
-             "jit_compile": "str?", "checkpoint_failures": "int", "connections_cut": "int", "hello_repeats": "int"}
-_PRODUCER = {"id": "str", "batches": "int?", "batches_per_s": "num?", "read_ms": "num?", "assemble_ms": "num?",
-             "send_ms": "num?"}
-_GPU = {"role": "str", "index": "int", "util_pct": "num", "mem_used_mib": "num", "mem_total_mib": "num",
-        "power_w": "num?"}
-_JSON_TYPES = ((type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number"),
-               (str, "a string"), (list, "an array"), (dict, "an object"))
-
-
-def _json_type(value: Any) -> str:
-    return next(name for kind, name in _JSON_TYPES if isinstance(value, kind))
-
-
-def _fields(obj: dict[str, Any], spec: dict[str, str], where: str, required: bool = True) -> str | None:
-    for key, kind in spec.items():
-        if key not in obj:
-            if required:
-                return f"{where}{key}: missing"
-            continue
-        test, wanted = _KINDS[kind]
-        if not test(obj[key]):
-            return f"{where}{key}: must be {wanted}, got {_json_type(obj[key])}"
-    return None
-
-
-def _entries(snap: dict[str, Any], key: str, container: type, element: str | dict[str, str],
-             required: bool = True) -> str | None:
-    """``snap[key]`` is a ``container`` (list or dict) whose values are of kind ``element`` (or objects with
-    those fields)."""
-    if key not in snap:
-        return f"{key}: missing" if required else None
-    value = snap[key]
-    if not isinstance(value, container):
-        return f"{key}: must be {'an array' if container is list else 'an object'}, got {_json_type(value)}"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for name, entry in items:
-        where = f"{key}[{escape_line(str(name), 32)}]"      # an object's keys are the peer's text
-        if isinstance(element, dict):
-            if not isinstance(entry, dict):
-                return f"{where}: must be an object, got {_json_type(entry)}"
-            problem = _fields(entry, element, where + ".")
-            if problem is not None:
-                return problem
-        elif not _KINDS[element][0](entry):
-            return f"{where}: must be {_KINDS[element][1]}, got {_json_type(entry)}"
-    return None
-
-
-def snapshot_problem(snap: dict[str, Any]) -> str | None:
-    """Why ``format_status`` cannot show ``snap`` (``KEY: REASON``, peer text escaped), or ``None``."""
-    checks = (lambda: _fields(snap, _REQUIRED, ""), lambda: _fields(snap, _OPTIONAL, "", required=False),
-              lambda: _entries(snap, "queue_depth_hist", list, "int"),
-              lambda: _entries(snap, "producers", list, _PRODUCER), lambda: _entries(snap, "gpus", list, _GPU),
-              lambda: _entries(snap, "rejects", dict, "int"),
-              lambda: _entries(snap, "outputs", dict, "num?", required=False),
-              lambda: _entries(snap, "producers_benched", list, "str", required=False))
-    return next((problem for check in checks if (problem := check()) is not None), None)
-
-
 def _f(value: Any, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
 
 
-def _outputs(outputs: dict[str, float | None] | None) -> str:
-    return ", ".join(f"{escape_line(name, 64)} {_f(value, '.4f')}" for name, value in (outputs or {}).items()) or "-"
+def _outputs(outputs: dict[str, float | None]) -> str:
+    return ", ".join(f"{escape_line(name, 64)} {_f(value, '.4f')}" for name, value in outputs.items()) or "-"
 
 
 def format_status(snap: dict[str, Any], endpoint: str) -> str:
@@ -221,10 +140,9 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
 
     ``snap`` passed ``snapshot_problem``; every string in it is the answering peer's and is escaped.
     """
-    total = f"/{snap['steps_total']}" if snap.get("steps_total") else ""
+    total = f"/{snap['steps_total']}" if snap["steps_total"] else ""
     mb_s = None if snap["bytes_per_s"] is None else snap["bytes_per_s"] / 1e6
-    world = snap.get("world") or 1
-    rank = f", rank {snap.get('rank')} of {world}" if world > 1 else ""
+    rank = f", rank {snap['rank']} of {snap['world']}" if snap["world"] > 1 else ""
     lines = [
         f"consumer {endpoint}{rank}: {escape_line(snap['phase'], 64)}, step {snap['step']}{total}, "
         f"loss {_f(snap['loss'], '.4f')}, up {snap['uptime_s']:.0f} s",
@@ -233,17 +151,17 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         f"stall {_f(snap['stall_pct'], '.1f', '%')}",
         f"step p50 {_f(snap['step_p50_ms'], '.1f', ' ms')}, p99 {_f(snap['step_p99_ms'], '.1f', ' ms')}, "
         f"cv {_f(snap['step_cv'], '.2f')}, padding efficiency {_f(snap['padding_efficiency'], '.3f')}, "
-        f"feed efficiency {_f(snap.get('feed_efficiency'), '.3f')} (fed / resident-batch steps/s), "
-        f"useful work {_f(snap.get('useful_work'), '.3f')} (feed x padding)",
+        f"feed efficiency {_f(snap['feed_efficiency'], '.3f')} (fed / resident-batch steps/s), "
+        f"useful work {_f(snap['useful_work'], '.3f')} (feed x padding)",
         f"queue mean {_f(snap['queue_depth_mean'], '.1f')}, by depth {snap['queue_depth_hist']}; leases "
         f"{snap['leases_outstanding']} outstanding (window {snap['lease_window']}); producers alive "
         f"{snap['producers_alive']}",
-        f"step outputs (mean over the status interval): {_outputs(snap.get('outputs'))}; "
-        f"compiled with {escape_line(snap.get('jit_compile') or '-', 64)}",
+        f"step outputs (mean over the status interval): {_outputs(snap['outputs'])}; "
+        f"compiled with {escape_line(snap['jit_compile'] or '-', 64)}",
         f"duplicates {snap['duplicates']}, quarantined {snap['quarantined']}, "
         f"compiles after ready {snap['compiles_after_ready']}, checkpoint failures "
-        f"{snap.get('checkpoint_failures', 0)}, connections cut {snap.get('connections_cut', 0)}, "
-        f"repeated HELLOs {snap.get('hello_repeats', 0)}",
+        f"{snap['checkpoint_failures']}, connections cut {snap['connections_cut']}, "
+        f"repeated HELLOs {snap['hello_repeats']}",
         "",
         f"{'producer':<20} {'batches':>8} {'batches/s':>10} {'read ms':>8} {'assemble ms':>12} {'send ms':>8}",
     ]
@@ -252,7 +170,7 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
                      f"{_f(p['read_ms'], '.2f'):>8} {_f(p['assemble_ms'], '.2f'):>12} {_f(p['send_ms'], '.2f'):>8}")
     if not snap["producers"]:
         lines.append("(no producer connected)")
-    if snap.get("producers_benched"):
+    if snap["producers_benched"]:
         lines.append("benched (let leases expire in a row; no leases for now): "
                      + ", ".join(escape_line(str(x), 64) for x in snap["producers_benched"]))
     lines += ["", f"{'gpu':<20} {'util %':>8} {'mem used/total GiB':>20} {'power W':>8}"]

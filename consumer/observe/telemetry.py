@@ -1,11 +1,11 @@
 """Live figures of a running consumer: the metrics snapshot (docs: consumer/README.md "Metrics").
 
 Role: turns the step loop's records, the receiver's counters, the producers' heartbeat stage
-counters and the GPU samples into one snapshot dict (the fixed schema that ``status``, ``report``
-and Prometheus read), every status interval and once at the end. ``build_snapshot`` and
+counters and the GPU samples into one snapshot (``observe/snapshot.py``: the schema ``status``, ``report``,
+Prometheus and TensorBoard read), every status interval and once at the end. ``build_snapshot`` and
 ``ProducerRates`` are pure (times passed in) so tests check them with hand-computed values;
 ``Telemetry`` is the I/O shell: GPU samplers, the JSONL file, the control socket, Prometheus.
-Invariants: every schema key is present in every snapshot (null when not yet known); no float is
+Invariants: every schema field is present in every snapshot (null when not yet known); no float is
 NaN or infinite (JSON stays strict); readers get a copy under a lock, never the writer's dict.
 Shutdown: ``close()`` (idempotent) stops the servers and samplers with bounded joins and closes
 the file; it must run before the consumer closes, whose ZeroMQ context the control socket shares.
@@ -22,8 +22,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import IO, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import fields, replace
+from typing import IO, Any, TypeVar
 
 from melfeed.consumer.flow.peers import ProducerReport
 from melfeed.consumer.transport.receiver import ReceiverStats
@@ -31,24 +32,26 @@ from melfeed.shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWind
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.output_files import open_output
 from melfeed.consumer.observe.gpu import GpuSampler
+from melfeed.consumer.observe.snapshot import GpuRow, ProducerRow, Snapshot, snapshot_dict
 
-__all__ = ["SCHEMA_KEYS", "ProducerRates", "build_snapshot", "Telemetry"]
+__all__ = ["ProducerRates", "build_snapshot", "Telemetry"]
 
 log = logging.getLogger(__name__)
 
 _BUSY_JOIN_S = 10.0   # a snapshot is built in milliseconds; the bound only matters if one hangs
 
-SCHEMA_KEYS = ("t_unix_s", "uptime_s", "phase", "step", "steps_total", "loss", "window_s", "stall_pct",
-               "batches_per_s", "samples_per_s", "bytes_per_s", "step_p50_ms", "step_p99_ms", "step_cv",
-               "padding_efficiency", "queue_depth_mean", "queue_depth_hist", "lease_window",
-               "leases_outstanding", "producers_alive", "producers", "rejects", "duplicates", "quarantined",
-               "compiles_after_ready", "gpus", "jit_compile", "outputs", "producers_benched", "rank", "world",
-               "checkpoint_failures", "connections_cut", "feed_efficiency", "hello_repeats", "useful_work")
-
-
 def _num(value: float | None) -> float | None:
     """A JSON-safe figure: ``None`` for unknown, NaN or infinite."""
     return None if value is None or not math.isfinite(value) else float(value)
+
+
+_Row = TypeVar("_Row", ProducerRow, GpuRow)
+
+
+def _finite_row(row: _Row) -> _Row:
+    """``row`` with every float made JSON-safe (``_num``)."""
+    changes: dict[str, Any] = {f.name: _num(v) for f in fields(row) if isinstance(v := getattr(row, f.name), float)}
+    return replace(row, **changes)
 
 
 class _Series:
@@ -86,7 +89,7 @@ class ProducerRates:
         self._window_s = window_s
         self._series: dict[str, _Series] = {}
 
-    def update(self, reports: Iterable[ProducerReport], now_s: float) -> list[dict[str, Any]]:
+    def update(self, reports: Iterable[ProducerReport], now_s: float) -> list[ProducerRow]:
         rows = []
         alive = set()
         for rep in sorted(reports, key=lambda r: r.producer_id):
@@ -103,61 +106,60 @@ class ProducerRates:
         return rows
 
     @staticmethod
-    def _row(rep: ProducerReport, span: tuple[tuple[float, Any], tuple[float, Any]] | None) -> dict[str, Any]:
-        row: dict[str, Any] = {"id": rep.producer_id, "batches": rep.stage.batches if rep.stage else None,
-                               "batches_per_s": None, "read_ms": None, "assemble_ms": None, "send_ms": None}
+    def _row(rep: ProducerReport, span: tuple[tuple[float, Any], tuple[float, Any]] | None) -> ProducerRow:
+        row = ProducerRow(id=rep.producer_id, batches=rep.stage.batches if rep.stage else None, batches_per_s=None,
+                          read_ms=None, assemble_ms=None, send_ms=None)
         if span is None:
             return row
         (t0, a), (t1, b) = span          # StageCounters at the window's oldest and newest heartbeat
         n = b.batches - a.batches
-        row["batches_per_s"] = n / (t1 - t0)
+        row = replace(row, batches_per_s=n / (t1 - t0))
         if n > 0:
-            row["read_ms"] = 1000.0 * (b.read_s - a.read_s) / n
-            row["assemble_ms"] = 1000.0 * (b.assemble_s - a.assemble_s) / n
-            row["send_ms"] = 1000.0 * (b.send_s - a.send_s) / n
+            row = replace(row, read_ms=1000.0 * (b.read_s - a.read_s) / n,
+                          assemble_ms=1000.0 * (b.assemble_s - a.assemble_s) / n,
+                          send_ms=1000.0 * (b.send_s - a.send_s) / n)
         return row
 
 
 def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, steps_total: int | None,
                    loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
-                   bytes_per_s: float | None, rs: ReceiverStats, producers: list[dict[str, Any]],
-                   compiles_after_ready: int, gpus: list[dict[str, Any]], jit_compile: str | None = None,
+                   bytes_per_s: float | None, rs: ReceiverStats, producers: Sequence[ProducerRow],
+                   compiles_after_ready: int, gpus: Sequence[GpuRow], jit_compile: str | None = None,
                    outputs: Mapping[str, float] | None = None, rank: int = 0, world: int = 1,
                    checkpoint_failures: int = 0, connections_cut: int = 0) -> dict[str, Any]:
-    """One snapshot in the fixed schema (consumer/README.md "Metrics"); pure.
+    """One snapshot (``observe/snapshot.py``) in its JSON form; pure.
 
     ``outputs`` are the step's named scalars averaged over the status interval (``loss`` first);
     ``jit_compile`` is "xla" or "graph" once the step is compiled; ``rank`` of ``world``: this
     consumer's place in a multi-worker job (0 of 1 alone).
     """
     f = figures
-    return {
-        "t_unix_s": t_unix_s, "uptime_s": uptime_s, "phase": phase, "step": step, "steps_total": steps_total,
-        "loss": _num(loss), "window_s": window_s,
-        "stall_pct": _num(f.stall_pct) if f else None,
-        "batches_per_s": _num(f.batches_per_s) if f else None,
-        "samples_per_s": _num(f.samples_per_s) if f else None,
-        "bytes_per_s": _num(bytes_per_s),
-        "step_p50_ms": _num(1000.0 * f.step_p50_s) if f else None,
-        "step_p99_ms": _num(1000.0 * f.step_p99_s) if f else None,
-        "step_cv": _num(f.step_cv) if f else None,
-        "padding_efficiency": _num(f.padding_efficiency) if f else None,
-        "queue_depth_mean": _num(f.queue_depth_mean) if f else None,
-        "queue_depth_hist": list(depth_hist),
-        "lease_window": rs.lease_window, "leases_outstanding": rs.leases_outstanding,
-        "producers_alive": rs.producers_alive,
-        "producers": [{k: (_num(v) if isinstance(v, float) else v) for k, v in p.items()} for p in producers],
-        "rejects": dict(sorted(rs.rejects.items())), "duplicates": rs.duplicates_dropped,
-        "quarantined": rs.quarantined, "compiles_after_ready": compiles_after_ready,
-        "gpus": [{k: (_num(v) if isinstance(v, float) else v) for k, v in g.items()} for g in gpus],
-        "jit_compile": jit_compile, "outputs": {name: _num(v) for name, v in (outputs or {}).items()},
-        "producers_benched": list(rs.producers_benched), "rank": rank, "world": world,
-        "checkpoint_failures": checkpoint_failures, "connections_cut": connections_cut,
-        "feed_efficiency": _num(f.feed_efficiency) if f and f.feed_efficiency is not None else None,
-        "hello_repeats": rs.hello_repeats,
-        # useful work = feed efficiency x padding efficiency (docs/design.md, "Feed efficiency")
-        "useful_work": _num(f.feed_efficiency * f.padding_efficiency) if f and f.feed_efficiency is not None else None,
-    }
+    fed = f.feed_efficiency if f else None
+    return snapshot_dict(Snapshot(
+        t_unix_s=t_unix_s, uptime_s=uptime_s, phase=phase, step=step, steps_total=steps_total, loss=_num(loss),
+        window_s=window_s,
+        stall_pct=_num(f.stall_pct) if f else None,
+        batches_per_s=_num(f.batches_per_s) if f else None,
+        samples_per_s=_num(f.samples_per_s) if f else None,
+        bytes_per_s=_num(bytes_per_s),
+        step_p50_ms=_num(1000.0 * f.step_p50_s) if f else None,
+        step_p99_ms=_num(1000.0 * f.step_p99_s) if f else None,
+        step_cv=_num(f.step_cv) if f else None,
+        padding_efficiency=_num(f.padding_efficiency) if f else None,
+        queue_depth_mean=_num(f.queue_depth_mean) if f else None,
+        queue_depth_hist=list(depth_hist),
+        lease_window=rs.lease_window, leases_outstanding=rs.leases_outstanding, producers_alive=rs.producers_alive,
+        producers=[_finite_row(p) for p in producers],
+        rejects=dict(sorted(rs.rejects.items())), duplicates=rs.duplicates_dropped,
+        quarantined=rs.quarantined, compiles_after_ready=compiles_after_ready,
+        gpus=[_finite_row(g) for g in gpus],
+        jit_compile=jit_compile, outputs={name: _num(v) for name, v in (outputs or {}).items()},
+        producers_benched=list(rs.producers_benched), rank=rank, world=world,
+        checkpoint_failures=checkpoint_failures, connections_cut=connections_cut,
+        feed_efficiency=_num(fed),
+        hello_repeats=rs.hello_repeats,
+        # useful work = feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter")
+        useful_work=_num(fed * f.padding_efficiency) if f and fed is not None else None))
 
 
 class Telemetry:
@@ -325,7 +327,8 @@ class Telemetry:
             steps_total=self._cfg.consumer.steps, loss=loss, window_s=self._cfg.consumer.metrics_window_s,
             figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
             bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
-            compiles_after_ready=compiles_after_ready, gpus=self.gpus() or [], jit_compile=self._jit_compile,
+            compiles_after_ready=compiles_after_ready, gpus=[GpuRow(**g) for g in self.gpus() or ()],
+            jit_compile=self._jit_compile,
             outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1),
             checkpoint_failures=self._checkpoint_failures() if self._checkpoint_failures is not None else 0,
             connections_cut=getattr(self._consumer, "connections_cut", 0))

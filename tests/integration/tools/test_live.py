@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from melfeed.consumer.observe.telemetry import SCHEMA_KEYS
+from melfeed.consumer.observe.snapshot import field_names, snapshot_problem
 from tests.conftest import REPO
 from tests.procs import TINY_STEP, stop, tail
 
@@ -82,7 +82,7 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
                 and measured else None
 
         snap = _until(status_json, proc, log)
-        assert tuple(snap) == SCHEMA_KEYS
+        assert tuple(snap) == field_names() and snapshot_problem(snap) is None
         assert list(snap["outputs"]) == ["loss"] and snap["jit_compile"] in ("xla", "graph")
         assert snap["phase"] in ("training", "waiting") and snap["producers_alive"] == 2
         assert snap["feed_efficiency"] is not None and snap["feed_efficiency"] > 0   # the limit was measured
@@ -118,7 +118,7 @@ def test_status_prometheus_and_metrics_file_of_a_live_run(demo_cache: Path, tmp_
         code = stop(proc, timeout_s=60)
     assert code == 0, tail(log)
     lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
-    assert len(lines) >= 2 and all(tuple(x) == SCHEMA_KEYS for x in lines)
+    assert len(lines) >= 2 and all(tuple(x) == field_names() and snapshot_problem(x) is None for x in lines)
     assert lines[-1]["phase"] == "done" and lines[-1]["step"] >= step
     assert any(x["feed_efficiency"] for x in lines)              # the metrics file carries it too
     assert "| gpu " in log.read_text()          # the status line names the GPUs (or says n/a)

@@ -14,6 +14,7 @@ from melfeed.consumer.transport.receiver import ReceiverStats
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.metrics import StepRecord, StepWindow
 from tests.board_events import read_scalars
+from tests.fakes import gpu_row, producer_row
 
 
 def _snapshot() -> dict[str, object]:
@@ -23,9 +24,9 @@ def _snapshot() -> dict[str, object]:
     rs = ReceiverStats(batches_received=2, bytes_received=0, duplicates_dropped=0, stale_dropped=0,
                        leases_outstanding=0, leases_reissued=0, producers_alive=2, producers_seen=2, rejects={},
                        quarantined=0, lease_window=2, producers=(), hello_repeats=0)
-    gpus = [{"role": "model", "index": 1, "util_pct": 97.0, "mem_used_mib": 1000.0, "mem_total_mib": 8000.0},
-            {"role": "data", "index": 0, "util_pct": None, "mem_used_mib": 10.0, "mem_total_mib": 8000.0}]
-    producers = [{"id": "producer-0", "batches_per_s": 5.0}, {"id": "producer-1", "batches_per_s": None}]
+    gpus = [gpu_row("model", 1, util_pct=97.0, mem_used_mib=1000.0),
+            gpu_row("data", 0, util_pct=None, mem_used_mib=10.0)]     # util unknown: no tag
+    producers = [producer_row("producer-0", batches_per_s=5.0), producer_row("producer-1", batches_per_s=None)]
     return build_snapshot(t_unix_s=1.0, uptime_s=1.0, phase="training", step=2, steps_total=None, loss=None,
                           window_s=100.0, figures=window.figures(4.0), depth_hist=[], bytes_per_s=None, rs=rs,
                           producers=producers, compiles_after_ready=0, gpus=gpus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,8 @@ from melfeed.consumer.flow.peers import ProducerReport
 from melfeed.consumer.observe.prom import SnapshotCollector
 from melfeed.consumer.transport.receiver import ReceiverStats
 from melfeed.consumer.observe.status import format_status, snapshot_problem
-from melfeed.consumer.observe.telemetry import SCHEMA_KEYS, ProducerRates, Telemetry, build_snapshot
+from melfeed.consumer.observe.snapshot import GpuRow, ProducerRow, field_names, schema_fields
+from melfeed.consumer.observe.telemetry import ProducerRates, Telemetry, build_snapshot
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS, StepRecord, StepWindow
@@ -32,15 +34,15 @@ def test_snapshot_has_every_schema_key_and_hand_computed_figures() -> None:
     # (end, wait, step, depth): starts at 0; waits 1 s of 8; steps [1, 1, 2, 2] s; depths 1, 1, 2, 2.
     for end, wait, step in ((2.0, 1.0, 1.0), (3.0, 0.0, 1.0), (5.0, 0.0, 2.0), (8.0, 0.0, 2.0)):
         w.add(StepRecord(end, wait, step, 4, 30, 40, int(step)))
-    gpus = [{"role": "model", "index": 0, "util_pct": 97.0, "mem_used_mib": 1000.0, "mem_total_mib": 81559.0,
-             "power_w": None}]
-    producers = [{"id": "producer-1", "batches": 60, "batches_per_s": 5.0, "read_ms": 1.5, "assemble_ms": None,
-                  "send_ms": float("nan")}]
+    gpus = [GpuRow(role="model", index=0, uuid="GPU-0", util_pct=97.0, mem_used_mib=1000.0, mem_total_mib=81559.0,
+                   power_w=None)]
+    producers = [ProducerRow(id="producer-1", batches=60, batches_per_s=5.0, read_ms=1.5, assemble_ms=None,
+                             send_ms=float("nan"))]
     snap = build_snapshot(t_unix_s=1000.5, uptime_s=12.0, phase="training", step=120, steps_total=300,
                           loss=float("nan"), window_s=100.0, figures=w.figures(8.0), depth_hist=w.depth_histogram(8.0),
                           bytes_per_s=9e7, rs=_stats(rejects={"SHAPE": 1, "CRC": 2}), producers=producers,
                           compiles_after_ready=0, gpus=gpus)
-    assert tuple(snap) == SCHEMA_KEYS
+    assert tuple(snap) == field_names()
     assert snap["loss"] is None                                        # NaN never reaches JSON
     assert snap["stall_pct"] == pytest.approx(12.5)                    # 1 s of 8
     assert snap["batches_per_s"] == pytest.approx(0.5) and snap["samples_per_s"] == pytest.approx(2.0)
@@ -49,7 +51,7 @@ def test_snapshot_has_every_schema_key_and_hand_computed_figures() -> None:
     assert snap["queue_depth_mean"] == pytest.approx(1.5) and snap["queue_depth_hist"] == [0, 2, 2]
     assert (snap["lease_window"], snap["leases_outstanding"], snap["duplicates"], snap["quarantined"]) == (2, 3, 1, 2)
     assert snap["rejects"] == {"CRC": 2, "SHAPE": 1}
-    assert snap["producers"][0]["send_ms"] is None and snap["gpus"] == gpus
+    assert snap["producers"][0]["send_ms"] is None and snap["gpus"] == [dataclasses.asdict(g) for g in gpus]
     assert snapshot_problem(snap) is None                               # `status` shows what the consumer sends
     json.dumps(snap, allow_nan=False)
 
@@ -58,8 +60,9 @@ def test_snapshot_before_any_step_is_all_nulls_where_unknown() -> None:
     snap = build_snapshot(t_unix_s=1.0, uptime_s=0.1, phase="compiling", step=0, steps_total=None, loss=None,
                           window_s=30.0, figures=None, depth_hist=[], bytes_per_s=None, rs=_stats(), producers=[],
                           compiles_after_ready=0, gpus=[])
-    assert tuple(snap) == SCHEMA_KEYS
-    assert all(snap[k] is None for k in ("stall_pct", "batches_per_s", "step_p50_ms", "step_cv", "bytes_per_s"))
+    assert tuple(snap) == field_names()
+    windowed = [f.name for f in schema_fields() if f.nullable and f.base is float and f.name != "loss"]
+    assert len(windowed) > 10 and all(snap[k] is None for k in windowed)      # every figure of the window
     assert snapshot_problem(snap) is None
 
 
@@ -70,29 +73,29 @@ def _report(pid: str, at_s: float, batches: int, read_s: float, asm_s: float, se
 def test_producer_rates_are_deltas_of_cumulative_counters_over_the_window() -> None:
     rates = ProducerRates(window_s=30.0)
     first = rates.update([_report("producer-1", 10.0, 100, 1.0, 0.2, 0.5)], now_s=10.0)
-    assert first == [{"id": "producer-1", "batches": 100, "batches_per_s": None, "read_ms": None,
-                      "assemble_ms": None, "send_ms": None}]
+    assert first == [ProducerRow(id="producer-1", batches=100, batches_per_s=None, read_ms=None, assemble_ms=None,
+                                 send_ms=None)]
     # 50 more batches in 10 s costing 0.1 s read, 0.05 s assemble, 0.2 s send: 2, 1 and 4 ms per batch.
     [row] = rates.update([_report("producer-1", 20.0, 150, 1.1, 0.25, 0.7)], now_s=20.0)
-    assert row["batches"] == 150 and row["batches_per_s"] == pytest.approx(5.0)
-    assert (row["read_ms"], row["assemble_ms"], row["send_ms"]) == pytest.approx((2.0, 1.0, 4.0))
+    assert row.batches == 150 and row.batches_per_s == pytest.approx(5.0)
+    assert (row.read_ms, row.assemble_ms, row.send_ms) == pytest.approx((2.0, 1.0, 4.0))
     # At t=65 the window (30 s) opens at 35; the base is the newest point before it (t=20), the one at
     # t=10 is dropped: 130 batches in 45 s, 0.26 s of reads = 2 ms per batch.
     rates.update([_report("producer-1", 50.0, 250, 1.3, 0.3, 0.9)], now_s=50.0)
     [row] = rates.update([_report("producer-1", 65.0, 280, 1.36, 0.33, 1.02)], now_s=65.0)
-    assert row["batches_per_s"] == pytest.approx(130 / 45) and row["read_ms"] == pytest.approx(2.0)
+    assert row.batches_per_s == pytest.approx(130 / 45) and row.read_ms == pytest.approx(2.0)
 
 
 def test_a_restarted_producer_starts_over_and_a_gone_one_is_forgotten() -> None:
     rates = ProducerRates(window_s=30.0)
     rates.update([_report("producer-1", 1.0, 500, 5.0, 1.0, 1.0), _report("producer-2", 1.0, 9, 0.1, 0.1, 0.1)], 1.0)
     [row] = rates.update([_report("producer-1", 2.0, 3, 0.01, 0.0, 0.0)], now_s=2.0)  # counter went back
-    assert row["batches"] == 3 and row["batches_per_s"] is None
+    assert row.batches == 3 and row.batches_per_s is None
     [row] = rates.update([_report("producer-1", 3.0, 13, 0.03, 0.0, 0.0)], now_s=3.0)
-    assert row["batches_per_s"] == pytest.approx(10.0) and row["read_ms"] == pytest.approx(2.0)
+    assert row.batches_per_s == pytest.approx(10.0) and row.read_ms == pytest.approx(2.0)
     [row] = rates.update([ProducerReport("producer-2", 4, None, 0.0)], now_s=4.0)      # rejoined, no stats yet
-    assert row == {"id": "producer-2", "batches": None, "batches_per_s": None, "read_ms": None,
-                   "assemble_ms": None, "send_ms": None}
+    assert row == ProducerRow(id="producer-2", batches=None, batches_per_s=None, read_ms=None, assemble_ms=None,
+                              send_ms=None)
 
 
 class _FakeConsumer:
@@ -125,7 +128,7 @@ def test_metrics_file_gets_one_line_per_publish_with_every_key(tmp_path: Path) -
     tel.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["phase"] for x in lines] == ["compiling", "training", "done"]
-    assert all(tuple(x) == SCHEMA_KEYS for x in lines)
+    assert all(tuple(x) == field_names() for x in lines)
     assert lines[0]["bytes_per_s"] is None and lines[1]["bytes_per_s"] == pytest.approx(1e6)   # 1 MB per 1 s
     assert latest == lines[1] and latest is not tel.latest()
     assert json.loads(tel.latest_json()) == lines[2]
@@ -222,10 +225,9 @@ def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tm
 
 def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
-    from tests.fakes import metrics_snapshot
+    from tests.fakes import metrics_snapshot, producer_row
     evil = "evil\nINFO forged\x1b[2J"
-    row = {"id": evil, "batches": 3, "batches_per_s": 1.0, "read_ms": 1.0, "assemble_ms": 1.0, "send_ms": 1.0}
-    snap = metrics_snapshot(1.0, producers=[row], producers_benched=[evil])
+    snap = metrics_snapshot(1.0, producers=[producer_row(evil)], producers_benched=[evil])
     table = format_status(snap, "ipc:///x.control.sock")
     assert "\x1b" not in table and not any(line.startswith("INFO forged") for line in table.splitlines())
     assert "evil\\nINFO forged\\x1b[2J" in table
