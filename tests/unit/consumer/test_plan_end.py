@@ -12,7 +12,7 @@ import pytest
 
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.flow.credit import Arrival, LeaseBook
-from melfeed.shared.config_loader import config_from_mapping, load_config
+from melfeed.shared.config.loader import config_from_mapping, load_config
 
 _OLD_DEFAULT_STEPS = 300       # consumer.steps' default: a service must go past it
 
