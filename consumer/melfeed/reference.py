@@ -256,65 +256,18 @@ def _commands_page() -> str:
 
 # ---- metrics.md -----------------------------------------------------------------------------------------------
 
-_UNITS = (("_pct", "%"), ("_ms", "ms"), ("_s", "s"))   # key suffix -> unit; ``X_per_s`` is X/s
-
-
 def _metric_rows() -> list[tuple[str, str, str, str]]:
-    """(key, JSON type, unit, meaning) of every key of the metrics snapshot, in snapshot order: the keys of
-    ``SCHEMA_KEYS``; each one's type and meaning from its example value and comment in the annotated snapshot of
-    consumer/README.md "Metrics"; its unit from its name's suffix."""
-    from melfeed.consumer.observe.telemetry import SCHEMA_KEYS
-    readme = (Path(sys.modules["melfeed.consumer"].__file__ or "").parent / "README.md").read_text(encoding="utf-8")
-    sketch = readme.partition("\n## Metrics\n")[2].split("```")[1:2] or [""]
-    examples = _sketch_examples(sketch[0])
-    rows = []
-    for key in SCHEMA_KEYS:
-        example, meaning = examples.get(key, ("", ""))
-        unit = f"{key.removesuffix('_per_s')}/s" if key.endswith("_per_s") else next(
-            (u for suffix, u in _UNITS if key.endswith(suffix)), "")
-        rows.append((key, _json_type(example), unit, meaning))
-    return rows
-
-
-def _sketch_examples(sketch: str) -> dict[str, tuple[str, str]]:
-    """key -> (example value, comment) of each top-level key of a JSON sketch with ``# comments``: the comment of
-    a line with one top-level key, continued by comment-only lines below it."""
-    out: dict[str, tuple[str, str]] = {}
-    depth, last = 0, ""
-    for line in sketch.splitlines():
-        code, _, comment = line.partition("#")
-        keys = []
-        for found in re.finditer(r'"(\w+)":\s*|[\[{]|[\]}]', code):
-            depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(found.group(0), 0)
-            if found.group(1) and depth == 1:
-                keys.append(found.group(1))
-                value = re.split(r",\s*\"\w+\":", code[found.end():])[0]
-                out.setdefault(found.group(1), (value, ""))
-        if keys and len(keys) == 1 and comment.strip():
-            out[keys[0]] = (out[keys[0]][0], comment.strip())
-        elif not code.strip() and last in out:
-            out[last] = (out[last][0], f"{out[last][1]} {comment.strip()}".strip())
-        last = keys[-1] if keys else last if not code.strip() else ""
-    return out
-
-
-def _json_type(example: str) -> str:
-    """``0.91 | null`` -> ``number or null``: the JSON type of a README example value."""
-    kinds = []
-    for alt in ([example.strip()] if example.strip()[:1] in "[{" else example.split(" | ")):
-        alt = alt.strip().rstrip(",")
-        kind = ("array" if alt.startswith("[") else "object" if alt.startswith("{") else "string"
-                if alt.startswith('"') else "null" if alt == "null" else "number" if alt else "")
-        if kind and kind not in kinds:
-            kinds.append(kind)
-    return " or ".join(kinds)
+    """(key, type, unit, meaning) of every field of the metrics snapshot, from its one schema."""
+    from melfeed.consumer.observe.snapshot import metric_rows
+    return metric_rows()
 
 
 def _metrics_page() -> str:
     out = [_HEADER, "# Metrics", "",
            "Every key of the metrics snapshot: the JSON line of `--metrics-file`, the answer of `melfeed status "
            "--json`, the source of the Prometheus endpoint (`--metrics-port`). Every key is on every snapshot, "
-           "null while not yet known. How each figure is made: consumer/README.md, \"Metrics\".", ""]
+           "null while not yet known. The schema is `consumer/observe/snapshot.py`; how to read the figures: "
+           "docs/guide/watching.md.", ""]
     out += _table(("key", "type", "unit", "meaning"), [(f"`{k}`", t, u, m) for k, t, u, m in _metric_rows()])
     return "\n".join(out) + "\n"
 
