@@ -158,7 +158,7 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
         checkpoint_failures=checkpoint_failures, connections_cut=connections_cut,
         feed_efficiency=_num(fed),
         hello_repeats=rs.hello_repeats,
-        # useful work = feed efficiency x padding efficiency (docs/ARCHITECTURE.md, "The figures that matter")
+        # useful work = feed efficiency x padding efficiency (docs/guide/watching.md, "The three figures that matter")
         useful_work=_num(fed * f.padding_efficiency) if f and fed is not None else None))
 
 
