@@ -27,7 +27,7 @@ pads every array to the largest bucket in the graph: one copy, so those elements
 ``features`` leaves them out), and that dimension is ``None`` in the spec. The cut is a slice (a copy of the
 first ``max(tok_len)`` entries of each row, or the array itself when nothing is cut), so an element reads its
 slot no longer than an uncut one does (the rule below).
-Invariants (docs/guide/your-model.md, "What counts as applied"):
+Invariants (docs/guide/your-model.md, "A loop of your own"):
     * The dataset has no read-ahead of its own (no prefetch stage; ``inject_prefetch`` and
       ``map_parallelization`` are off: either would pull elements ahead): the Python side runs
       only when the dataset's caller asks for an element. The ring is the prefetch buffer: producers

@@ -1,7 +1,7 @@
 """float32 -> float16 rounding for a float16 wire (``transport.mel_dtype: float16``), faster than numpy's cast.
 
 Role: ``HalfCaster.cast`` writes exactly what ``src.astype(np.float16)`` gives (round to nearest, ties to
-even; inf beyond float16's range), in less CPU than numpy's cast (docs/guide/caches.md, "float16"): numpy converts
+even; inf beyond float16's range), in less CPU than numpy's cast (docs/guide/caches.md, "Steps"): numpy converts
 one element at a time, while this is a dozen vectorised integer passes over the bits (the
 classic rebias-and-round: add the exponent bias difference and a rounding bias whose last bit is the
 result's mantissa parity, then shift), in reused scratch buffers. Elements whose result is not a

@@ -1,6 +1,6 @@
 """The consumer as a library with real producers: Keras ``fit`` on ``as_dataset()`` and a user's own loop.
 
-Exactly once on the library path (docs/guide/your-model.md, "What counts as applied"): every batch id of the plan is applied once,
+Exactly once on the library path (docs/guide/your-model.md, "A loop of your own"): every batch id of the plan is applied once,
 in order, across several ``fit`` calls on one dataset and across a loop that breaks out and resumes.
 """
 
