@@ -199,12 +199,13 @@ def _entries(snap: dict[str, Any], key: str, container: type, element: str | dic
 
 def snapshot_problem(snap: dict[str, Any]) -> str | None:
     """Why ``format_status`` cannot show ``snap`` (``KEY: REASON``, peer text escaped), or ``None``."""
-    checks = (lambda: _fields(snap, _REQUIRED, ""), lambda: _fields(snap, _OPTIONAL, "", required=False),
-              lambda: _entries(snap, "queue_depth_hist", list, "int"),
-              lambda: _entries(snap, "producers", list, _PRODUCER), lambda: _entries(snap, "gpus", list, _GPU),
-              lambda: _entries(snap, "rejects", dict, "int"),
-              lambda: _entries(snap, "outputs", dict, "num?", required=False),
-              lambda: _entries(snap, "producers_benched", list, "str", required=False))
+    checks: tuple[Callable[[], str | None], ...] = (
+        lambda: _fields(snap, _REQUIRED, ""), lambda: _fields(snap, _OPTIONAL, "", required=False),
+        lambda: _entries(snap, "queue_depth_hist", list, "int"),
+        lambda: _entries(snap, "producers", list, _PRODUCER), lambda: _entries(snap, "gpus", list, _GPU),
+        lambda: _entries(snap, "rejects", dict, "int"),
+        lambda: _entries(snap, "outputs", dict, "num?", required=False),
+        lambda: _entries(snap, "producers_benched", list, "str", required=False))
     return next((problem for check in checks if (problem := check()) is not None), None)
 
 

@@ -189,7 +189,7 @@ def _position_features(r: tf.Tensor) -> tf.Tensor:
     return tf.stack(feats, axis=-1)
 
 
-class _TextToMel(keras.Model):
+class _TextToMel(keras.Model):  # type: ignore[misc]  # Keras is untyped
     """tokens [B, L] + lengths -> predicted mel [B, T, M] float32."""
 
     def __init__(self, spec: StepSpec, policy: str) -> None:
