@@ -92,7 +92,7 @@ def test_release_inside_a_batches_loop_lets_the_loop_go_on(feed: Consumer) -> No
 
 def test_a_batch_released_after_its_loop_broke_out_is_not_handed_out_again(feed: Consumer) -> None:
     _arrive(feed, 0, 1)
-    for batch in feed.batches():
+    for batch in feed.batches():  # noqa: B007 - leaving the loop early is what this test checks
         break
     feed.release(batch)                            # stepped after all: applied, its slot free for batch 2
     _arrive(feed, 2)

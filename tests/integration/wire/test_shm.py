@@ -217,7 +217,7 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
             if proc is not None:
                 procs.stop(proc)
     assert list(shm_dir.iterdir()) == []                 # the stale files went at start, the new ones at exit
-    assert "removed %d stale shared-memory slot files" % len(stale) in log.read_text()
+    assert f"removed {len(stale)} stale shared-memory slot files" in log.read_text()
     assert procs.audit_records(state) == 40
 
 
