@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def _snapshot() -> dict[str, object]:
                        quarantined=0, lease_window=2, producers=(), hello_repeats=0)
     gpus = [{"role": "model", "index": 1, "util_pct": 97.0, "mem_used_mib": 1000.0, "mem_total_mib": 8000.0},
             {"role": "data", "index": 0, "util_pct": None, "mem_used_mib": 10.0, "mem_total_mib": 8000.0}]
-    producers = [{"id": "producer-0", "batches_per_s": 5.0}, {"id": "producer-1", "batches_per_s": None}]
+    producers: list[dict[str, Any]] = [{"id": "producer-0", "batches_per_s": 5.0}, {"id": "producer-1", "batches_per_s": None}]
     return build_snapshot(t_unix_s=1.0, uptime_s=1.0, phase="training", step=2, steps_total=None, loss=None,
                           window_s=100.0, figures=window.figures(4.0), depth_hist=[], bytes_per_s=None, rs=rs,
                           producers=producers, compiles_after_ready=0, gpus=gpus)
