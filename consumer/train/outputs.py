@@ -3,7 +3,8 @@
 Role: a step returns ``{"loss": ..., "mel_l1": ..., ...}`` or a bare scalar loss.
 ``normalize_outputs`` (called while tracing, so once per program) turns either into a dict of
 float32 scalars in a fixed order (``loss`` first, then the others sorted by name); ``read_outputs``
-reads them to the host after the step (their means per status interval: consumer/train/meter.py).
+reads them to the host after the step (their means per status interval: consumer/train/meter.py);
+``python_at_trace`` keeps such trace-time Python out of AutoGraph's conversion.
 Invariants: every normalised mapping holds ``"loss"``; every value is a float32 scalar; a step
 that breaks the contract raises ``StepOutputError`` (one line) while tracing, before any update.
 Shutdown: nothing to release.
