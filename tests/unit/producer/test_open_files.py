@@ -154,9 +154,11 @@ def test_the_reader_keeps_files_open_and_checks_values_once_per_file(manifest: M
     reader = CacheReader(manifest)
     checks: list[str] = []
     real = reader._check_finite
-    def counted(path: str, rows: Any) -> Any:
+
+    def counted(path: str, rows: Any) -> None:
         checks.append(path)
-        return real(path, rows)
+        real(path, rows)
+
     monkeypatch.setattr(reader, "_check_finite", counted)
     for _ in range(3):
         for i in (0, 1):
