@@ -228,6 +228,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     cfg = with_demo_cache(args, config_from_args(args))
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
+    cache_dir = cfg.cache_dir
     _check_paths(cfg, args, place)
     _check_one_key_pair(cfg)
     raise_fd_limit(cfg.transport.max_connections)
@@ -239,7 +240,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
                       world=place.world) as consumer, \
                 _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
             child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
-                                             "cache_dir": str(Path(cfg.cache_dir).resolve())})   # type: ignore[arg-type]
+                                             "cache_dir": str(Path(cache_dir).resolve())})
             group = start_producers(child_cfg, args.debug_delay_ms)
             if job is None and not configured:
                 configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap

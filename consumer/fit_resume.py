@@ -87,7 +87,8 @@ def _keras_of(model: Any) -> ModuleType:
     if tf_keras is not None and isinstance(model, tf_keras.Model):
         return tf_keras
     import keras
-    return keras
+    keras_module: ModuleType = keras   # Keras is untyped
+    return keras_module
 
 
 def _items(model: Any) -> dict[str, object]:
@@ -123,7 +124,7 @@ def _build(model: Any, element_spec: Any) -> None:
 def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: Any) -> Any:
     callback: Any = _keras_of(model).callbacks.Callback   # Keras is untyped
 
-    class _Commit(callback):
+    class _Commit(callback):  # type: ignore[misc]  # Keras is untyped
         """Restore at the start, record every trained batch, commit every interval and at the end."""
 
         def __init__(self) -> None:

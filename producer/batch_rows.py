@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 __all__ = ["RowBytes", "zero_bytes", "HeadViews"]

@@ -102,7 +102,7 @@ class ExtraReader:
         else:
             identity = read_file_exact(self._files, key, path, file_bytes, head,
                                        rows.head(row, n if has_length else rows.capacity))
-        if self._checked_heads.get(key) != head:
+        if self._checked_heads.get(key) != bytes(head):
             self._check_head(spec, index, path, head, length, offset)
         if is_float:
             known = self._finite.get(key)

@@ -321,7 +321,7 @@ class CacheReader:
 
     def _check_new_head(self, key: tuple[int, bool], path: str, head: memoryview) -> None:
         """A header not seen before for this file is compared with the manifest (``len(head)`` = its offset)."""
-        if self._checked_heads.get(key) != head:
+        if self._checked_heads.get(key) != bytes(head):
             self._check_head(key[0], key[1], path, len(head), head)
 
     def _check_head(self, index: int, is_mel: bool, path: str, offset: int, head: memoryview) -> None:

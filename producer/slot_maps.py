@@ -24,7 +24,6 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt

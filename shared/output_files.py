@@ -154,7 +154,7 @@ def open_output(path: str | os.PathLike[str], *, append: bool, what: str | None 
              | (os.O_APPEND if append else 0))
     try:
         fd = os.open(path, flags, OUTPUT_FILE_MODE)
-    except OSError as err:
+    except OSError:
         # Something put there since check_output: a link (ELOOP; EACCES from O_CREAT on some kernels), a
         # FIFO nobody reads (ENXIO). Name it as check_output would; any other error is the OS's.
         try:

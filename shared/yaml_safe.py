@@ -50,7 +50,7 @@ class _DuplicateKey(Exception):
         self.key, self.line, self.first_line = key, line, first_line
 
 
-class _NoAliasLoader(yaml.SafeLoader):
+class _NoAliasLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML is untyped
     """``SafeLoader`` that stops at the first alias event, before the composer resolves it, and at the
     first key repeated in one mapping (PyYAML keeps the last silently, dropping the first one's values)."""
 

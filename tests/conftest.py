@@ -114,7 +114,7 @@ class ProducerGroup:
 
     def start(self, cache: Path, endpoint: str, count: int, **extra: object) -> subprocess.Popen[bytes]:
         transport = {"endpoint": endpoint, "heartbeat_interval_s": 0.2, **extra.pop("transport", {})}  # type: ignore[dict-item]
-        cfg = {"cache_dir": str(cache), "transport": transport}
+        cfg: dict[str, object] = {"cache_dir": str(cache), "transport": transport}
         cfg.update(extra)
         path = self._tmp / f"producers-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(cfg))

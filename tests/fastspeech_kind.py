@@ -41,7 +41,7 @@ def regulate(h: tf.Tensor, durations: tf.Tensor, n_frames: tf.Tensor) -> tf.Tens
     return tf.gather(h, tf.minimum(index, tf.shape(h)[1] - 1), batch_dims=1) * inside
 
 
-class FastSpeechKind(keras.Model):
+class FastSpeechKind(keras.Model):  # type: ignore[misc, name-defined]  # tf.keras: untyped, a module variable here
     """{"tokens", "tok_len", "durations", "frames"} -> {"mel": [B, T, M], "log_duration": [B, L]}."""
 
     def __init__(self, vocab_size: int, n_mels: int, hidden: int = 32, seed: int = 0) -> None:

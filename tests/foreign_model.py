@@ -36,7 +36,7 @@ def _positions(n_frames: int, mel_len: tf.Tensor) -> tf.Tensor:
     return tf.stack(feats, axis=-1)
 
 
-class _Speaker(keras.Model):
+class _Speaker(keras.Model):  # type: ignore[misc]  # Keras is untyped
     """tokens + frame positions -> {"mel": [B, T, M], "stop": [B, T] logits}."""
 
     def __init__(self, spec: StepSpec, hidden: int) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -92,7 +93,7 @@ class Job:
         ckpt = self.final_checkpoint(rank)
         return (ckpt / "vars.data-00000-of-00001").read_bytes(), (ckpt / "vars.index").read_bytes()
 
-    def audit(self) -> tuple[int, dict[str, object], str]:
+    def audit(self) -> tuple[int, dict[str, Any], str]:
         report = self.tmp / f"audit-{time.monotonic_ns()}.json"
         states = [str(self.state(rank)) for rank in range(WORLD)]
         proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", *states, "-o",

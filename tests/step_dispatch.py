@@ -24,7 +24,7 @@ _SHAPES = {"mel": (4, 16, 8), "mel_len": (4,), "tokens": (4, 6), "tok_len": (4,)
 
 
 def _ms_per_call(jit_compile: bool, calls: int, blocks: int) -> float:
-    spec = StepSpec(8, 32, 0.01, False, 0, bucket_shapes=[_SHAPES])
+    spec = StepSpec(8, 32, 0.01, False, 0, bucket_shapes=(_SHAPES,))
     compiled = CompiledStep(tiny_step(spec), [_SHAPES], jit_compile=jit_compile)
     compiled.warm_up()
     rng = np.random.default_rng(0)

@@ -99,8 +99,9 @@ def replica_tiny_step(spec: StepSpec) -> _ReplicaTinyStep:
 class _RowsStep(_TinyStep):
     """``tiny_step`` that also takes the row inputs (consumer/train/rows.py) and reports them."""
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
-                 rows: tf.Tensor, row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(  # type: ignore[override]  # takes the row inputs too
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
+            rows: tf.Tensor, row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
         padding = tf.cast(tf.shape(mel)[0] - tf.reduce_sum(tf.cast(row_mask, tf.int32)), tf.float32)
         return {"loss": loss, "rows": tf.cast(rows, tf.float32), "padding_rows": padding}

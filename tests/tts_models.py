@@ -40,7 +40,7 @@ def _queries(n_steps: int, mel_len: tf.Tensor) -> tf.Tensor:
     return tf.stack(feats, axis=-1)
 
 
-class _Tacotron(keras.Model):
+class _Tacotron(keras.Model):  # type: ignore[misc]  # Keras is untyped
     """tokens [B, L'] + lengths -> (mel [B, T, M], alignment [B, L', T / R])."""
 
     def __init__(self, spec: StepSpec) -> None:
@@ -131,7 +131,7 @@ def uncut_tacotron_step(spec: StepSpec) -> _UncutTacotronStep:
     return _UncutTacotronStep(spec)
 
 
-class TacotronFit(keras.Model):
+class TacotronFit(keras.Model):  # type: ignore[misc]  # Keras is untyped
     """The model for Keras ``fit``: ``({FIT_FEATURES...}, mel)`` elements, the step's losses as fit's logs."""
 
     def __init__(self, spec: StepSpec) -> None:

@@ -30,8 +30,9 @@ def _real_tokens(tok_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
 
 
 class _PositiveStep(_TinyStep):
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
-                 duration: tf.Tensor) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # takes the durations too
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
+            duration: tf.Tensor) -> tf.Tensor:
         checks = [tf.debugging.assert_positive(mel_len, message="mel_len"),
                   tf.debugging.assert_positive(tok_len, message="tok_len"),
                   tf.debugging.assert_positive(tf.where(_real_tokens(tok_len, tokens), duration, 1),
@@ -45,8 +46,9 @@ class _DurationCostStep(_TinyStep):
         super().__init__(spec)
         self.frames_per_matmul = int(spec.params.get("frames_per_matmul", _FRAMES_PER_MATMUL))   # smaller: costlier
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
-                 duration: tf.Tensor) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # takes the durations too
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
+            duration: tf.Tensor) -> tf.Tensor:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
         frames = tf.reduce_sum(tf.where(_real_tokens(tok_len, tokens), duration, 0))
         x = tf.fill([_COST_SIDE, _COST_SIDE], 1.0 / _COST_SIDE) + tf.reduce_mean(self.w)

@@ -249,7 +249,8 @@ def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[st
         err = f"killed after {timeout_s:.0f} s\n{err}"
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
     reason = ([ln for ln in err.splitlines() if ln.startswith("bench trial")] or err.strip().splitlines() or
               [f"exit {proc.returncode}"])[-1]
     return {k: spec[k] for k in ("system", "kind", "round", "step_ms")} | {"ok": False, "error": reason}

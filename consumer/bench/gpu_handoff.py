@@ -223,18 +223,18 @@ def jax_step_ms(width: int, layers: int = 4) -> float:
     """Resident step time of ``jax_feed.mlp_step`` at ``width`` on a middle-sized demo batch (median of 10)."""
     import jax
     import numpy as np
-    from melfeed.consumer.clients.jax_feed import init_params, mlp_step
+    from melfeed.consumer.clients.jax_feed import block_until_ready, init_params, mlp_step
     device = jax.devices()[0]
     params = jax.device_put(init_params(_BATCH_SHAPE[-1], width, layers), device)
     step = mlp_step(layers)
     arrays = jax.device_put({"mel": np.zeros((32, 512, _BATCH_SHAPE[-1]), np.float32),
                              "mel_len": np.full((32,), 512, np.int32)}, device)
     params, loss = step(params, arrays)
-    jax.block_until_ready(loss)
+    block_until_ready(loss)
     times = []
     for _ in range(10):
         started = time.perf_counter()
         params, loss = step(params, arrays)
-        jax.block_until_ready(loss)
+        block_until_ready(loss)
         times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)

@@ -93,25 +93,24 @@ def _host_zeros(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]) -> d
 
 def _limits(handoff: Any, buckets: Sequence[Any], resident_steps: int) -> tuple[list[float], list[float], float]:
     """Per bucket: resident step seconds and copy seconds; and the compile seconds of every bucket."""
-    import jax
-    from melfeed.consumer.clients.jax_feed import device_batch
+    from melfeed.consumer.clients.jax_feed import block_until_ready, device_batch
     t0 = time.perf_counter()
     hosts = [_host_zeros(b.shapes(), b.dtypes()) for b in buckets]
     for host in hosts:                                  # compile every shape before anything is timed
-        jax.block_until_ready(handoff.step(None, device_batch(host, handoff.device)))
+        block_until_ready(handoff.step(None, device_batch(host, handoff.device)))
     compile_s = time.perf_counter() - t0
     step_s, copy_s = [], []
     for host in hosts:
-        on_device = jax.block_until_ready(device_batch(host, handoff.device))
+        on_device = block_until_ready(device_batch(host, handoff.device))
         start = time.perf_counter()
         for _ in range(resident_steps):
             loss = handoff.step(None, on_device)
-        jax.block_until_ready((loss, handoff.params))
+        block_until_ready((loss, handoff.params))
         step_s.append((time.perf_counter() - start) / resident_steps)
         copies = []
         for _ in range(_COPY_REPEATS):
             start = time.perf_counter()
-            jax.block_until_ready(device_batch(host, handoff.device))
+            block_until_ready(device_batch(host, handoff.device))
             copies.append(time.perf_counter() - start)
         copy_s.append(statistics.median(copies))
     return step_s, copy_s, compile_s

@@ -18,7 +18,7 @@ Shutdown: nothing owned; device arrays go with their last reference.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,18 @@ import numpy as np
 
 from melfeed.consumer.staging import Staged
 
-__all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch", "STEP_ARRAYS"]
+__all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch", "block_until_ready",
+           "STEP_ARRAYS"]
 
 Params = dict[str, Any]
-StepFn = Callable[[Params, Mapping[str, Any]], tuple[Params, Any]]
+StepFn = Callable[[Params, Mapping[str, Any]], tuple[Params, jax.Array]]
+_Tree = TypeVar("_Tree")
+
+
+def block_until_ready(tree: _Tree) -> _Tree:
+    """``jax.block_until_ready``, typed: waits until every array in ``tree`` is computed; returns ``tree``."""
+    ready: _Tree = jax.block_until_ready(tree)  # type: ignore[no-untyped-call]  # jax leaves it unannotated
+    return ready
 
 
 def init_params(n_mels: int, hidden: int, layers: int, seed: int = 0) -> Params:
@@ -50,7 +58,8 @@ def mlp_step(layers: int, learning_rate: float = 1e-3) -> StepFn:
         frames = jnp.arange(mel.shape[1] - 1)[None, :]
         mask = (frames + 1 < mel_len[:, None]).astype(jnp.float32)[..., None]
         err = (pred - mel[:, 1:].astype(jnp.float32)) ** 2 * mask
-        return err.sum() / jnp.maximum(mask.sum() * mel.shape[2], 1.0)
+        loss: jax.Array = err.sum() / jnp.maximum(mask.sum() * mel.shape[2], 1.0)
+        return loss
 
     def step(params: Params, arrays: Mapping[str, Any]) -> tuple[Params, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(params, arrays["mel"], arrays["mel_len"])

@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,18 +195,19 @@ def _measure(children: CommandChildren, config: Path, n: int, seconds: float, de
     """Run the five probe rounds in order, one progress step each; a cache too bad to measure stops it after
     stage 1 (``_bad_rows``)."""
     stages: dict[str, Any] = {}
-    steps = [("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
-              lambda: _build_stage(children, config, 1, seconds, delay_ms)),
-             ("build_n", f"stage 1/4: cache read + assembly, {n} producer processes at once ({seconds:g} s)",
-              lambda: _build_stage(children, config, n, seconds, delay_ms)),
-             ("transport_1", f"stage 2/4: transport, 1 producer -> consumer ({seconds:g} s after the first batch)",
-              lambda: _transport_stage(children, config, 1, seconds, delay_ms, shm_dir)),
-             ("transport_n", f"stage 2/4: transport, {n} producers -> consumer ({seconds:g} s)",
-              lambda: _transport_stage(children, config, n, seconds, delay_ms, shm_dir)),
-             ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
-              lambda: _finish(children, "device (stages 3-4)",
-                              _spawn(children, "melfeed.consumer.doctor.probe", "device", "--config", str(config), "--seconds",
-                                     str(seconds)), seconds + 3 * _PROBE_START_S))]
+    steps: list[tuple[str, str, Callable[[], Any]]] = [
+        ("build_1", f"stage 1/4: cache read + assembly, 1 producer process ({seconds:g} s)",
+         lambda: _build_stage(children, config, 1, seconds, delay_ms)),
+        ("build_n", f"stage 1/4: cache read + assembly, {n} producer processes at once ({seconds:g} s)",
+         lambda: _build_stage(children, config, n, seconds, delay_ms)),
+        ("transport_1", f"stage 2/4: transport, 1 producer -> consumer ({seconds:g} s after the first batch)",
+         lambda: _transport_stage(children, config, 1, seconds, delay_ms, shm_dir)),
+        ("transport_n", f"stage 2/4: transport, {n} producers -> consumer ({seconds:g} s)",
+         lambda: _transport_stage(children, config, n, seconds, delay_ms, shm_dir)),
+        ("device", "stages 3+4/4: host->device hand-off and the compiled step per bucket (compiles first)",
+         lambda: _finish(children, "device (stages 3-4)",
+                         _spawn(children, "melfeed.consumer.doctor.probe", "device", "--config", str(config), "--seconds",
+                                str(seconds)), seconds + 3 * _PROBE_START_S))]
     for done, (key, text, fn) in enumerate(steps):
         if n == 1 and key.endswith("_n"):       # N = 1: the same measurement again would say nothing new
             stages[key] = stages[key[:-2] + "_1"]

@@ -131,7 +131,7 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
 
 def _nvml_available() -> bool:
     try:
-        import pynvml  # type: ignore[import-untyped]  # no stubs shipped
+        import pynvml
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +146,12 @@ def measure_device(config_path: str, seconds: float) -> dict[str, Any]:
     ran_on: set[str] = set()
     for b in bucket_set.buckets:
         arrays = warm[b.index].arrays                   # views of a 64-byte aligned region, as a slot's
-        h2d_ms = _time_runs(lambda: _hand_off(tf, to_tensors, arrays, device), budget_s / 4)
+        h2d_ms = _time_runs(functools.partial(_hand_off, tf, to_tensors, arrays, device), budget_s / 4)
         tensors, _ = to_tensors(arrays)
         first = compiled.run(b.index, tensors)          # one untimed run: first-call dispatch costs
         float(first["loss"])
         ran_on.update(compiled.devices or step_devices(first))
-        step_ms = _time_runs(lambda: float(compiled.run(b.index, tensors)["loss"]), budget_s)
+        step_ms = _time_runs(functools.partial(_step_loss, compiled, b.index, tensors), budget_s)
         out.append({"index": b.index, "h2d_ms_p50": _pct(h2d_ms, 50), "step_ms_p50": _pct(step_ms, 50),
                     "step_ms_p99": _pct(step_ms, 99), "runs": len(step_ms)})
     return {"device": device, "step_devices": sorted(ran_on), "compile_s": compile_s, "compiles_after_ready": compiled.compiles_after_ready,
@@ -165,7 +166,12 @@ def _hand_off(tf: Any, to_tensors: Any, arrays: dict[str, Any], device: str) -> 
     tf.reshape(moved[-1], [-1])[:1].numpy()
 
 
-def _time_runs(fn: Any, budget_s: float) -> list[float]:
+def _step_loss(compiled: Any, index: int, tensors: Any) -> float:
+    """One run of bucket ``index``'s program, its loss read to the host (the wait for the device)."""
+    return float(compiled.run(index, tensors)["loss"])
+
+
+def _time_runs(fn: Callable[[], object], budget_s: float) -> list[float]:
     times_ms: list[float] = []
     started = time.perf_counter()
     while len(times_ms) < _MAX_RUNS and (len(times_ms) < _MIN_RUNS or time.perf_counter() - started < budget_s):

@@ -31,11 +31,11 @@ from melfeed.consumer.flow.peers import PeerInfo, PeerTable
 from melfeed.consumer.flow.rejects import RejectLog, peer_label
 from melfeed.consumer.flow.ring import BatchRing
 from melfeed.consumer.flow.shm_leases import ShmLeases, SlotFiles
-from melfeed.shared.errors import ProtocolError
+from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
 from melfeed.shared.printable import escape_line
 from melfeed.shared.wire.curve import producer_id_matches
 from melfeed.shared.wire.layout import PAYLOAD_COPIES
-from melfeed.shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
+from melfeed.shared.wire.protocol import (CAP_SHM, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",

@@ -137,7 +137,8 @@ class Job:
         import tensorflow as tf
         strategy = self.strategy
 
-        @tf.function   # eagerly, the strategy warns that its collectives are slow there
+        # a tf.function: eagerly, the strategy warns that its collectives are slow there (TensorFlow is untyped)
+        @tf.function  # type: ignore[untyped-decorator]
         def gather(offer: tf.Tensor) -> tf.Tensor:
             return strategy.gather(strategy.run(lambda: tf.identity(offer)), axis=0)
 

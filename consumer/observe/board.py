@@ -70,10 +70,11 @@ def summary_proto(scalars: Mapping[str, float]) -> bytes:
     """One serialized ``Summary``: per tag a float32 rank-0 tensor with ``scalar_metadata()``."""
     from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
     metadata, scalar = scalar_metadata(), tensor_shape_pb2.TensorShapeProto()
-    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+    serialized: bytes = summary_pb2.Summary(value=[summary_pb2.Summary.Value(
         tag=tag, metadata=metadata, tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_shape=scalar,
                                                                   float_val=[value]))
         for tag, value in scalars.items()]).SerializeToString()
+    return serialized
 
 
 def board_scalars(snapshot: Mapping[str, Any] | None, means: Mapping[str, float],

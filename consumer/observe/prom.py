@@ -151,7 +151,7 @@ def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, 
         raise ConfigError("needs prometheus_client (pip install 'melfeed[metrics]')",
                           path=("consumer", "metrics_port"), got=port) from err
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(get_snapshot))   # type: ignore[arg-type]  # duck-typed Collector
+    registry.register(SnapshotCollector(get_snapshot))
     server = MetricsHttpServer(host, port, lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
                                max_connections=_MAX_HTTP_CONNECTIONS, request_timeout_s=_REQUEST_TIMEOUT_S)
     try:

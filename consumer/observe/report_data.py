@@ -157,9 +157,10 @@ def _entity_series(rows: list[dict[str, Any]], n: int, key: str, value_key: str,
 
 
 def _producer_id(entry: dict[str, Any], where: str) -> str:
-    if not isinstance(entry.get("id"), str):
-        raise ConfigError("producers[].id must be a string", path=(where,), got=entry.get("id"))
-    return entry["id"]
+    producer_id = entry.get("id")
+    if not isinstance(producer_id, str):
+        raise ConfigError("producers[].id must be a string", path=(where,), got=producer_id)
+    return producer_id
 
 
 def _gpu_label(entry: dict[str, Any], where: str) -> str:

@@ -48,7 +48,7 @@ from melfeed.shared.wire.schema import ExtraSpec
 if TYPE_CHECKING:
     from melfeed.shared.config import PipelineConfig
 
-__all__ = ["StepSpec", "TrainStep", "build_reference_step", "global_sum", "optimizer_variables"]
+__all__ = ["CheckpointedStep", "StepSpec", "TrainStep", "build_reference_step", "global_sum", "optimizer_variables"]
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,12 @@ class TrainStep(Protocol):
 
     Optional class attributes say what the step needs of the batch's axes (consumer/train/axes.py):
     ``token_axis = "longest"`` (tokens cut to the batch's longest row in graph mode) and ``frame_multiple``.
+    A step may also name its checkpoint trackables (``CheckpointedStep``).
     """
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                 tok_len: tf.Tensor) -> tf.Tensor | Mapping[str, tf.Tensor]:
+    # *args/**extras (Any): a step names the extras it takes as its own keyword parameters
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
+                 *args: Any, **extras: Any) -> tf.Tensor | Mapping[str, tf.Tensor]:
         """Apply one update and return its named scalars (computed before the update).
 
         Either a mapping of names to scalar tensors that holds ``"loss"`` (e.g. ``{"loss": total,
@@ -169,6 +171,10 @@ class TrainStep(Protocol):
     def variables(self) -> list[tf.Variable]:
         """Every model and optimizer variable (restored bit-exactly after warm-up)."""
         ...
+
+
+class CheckpointedStep(TrainStep, Protocol):
+    """A ``TrainStep`` that names its trackables; checkpoints of a step without them hold ``variables()``."""
 
     def checkpoint_items(self) -> dict[str, object]:
         """``{"model": ..., "optimizer": ...}`` trackables for ``tf.train.Checkpoint``."""
@@ -189,7 +195,7 @@ def _position_features(r: tf.Tensor) -> tf.Tensor:
     return tf.stack(feats, axis=-1)
 
 
-class _TextToMel(keras.Model):
+class _TextToMel(keras.Model):  # type: ignore[misc]  # Keras is untyped
     """tokens [B, L] + lengths -> predicted mel [B, T, M] float32."""
 
     def __init__(self, spec: StepSpec, policy: str) -> None:
@@ -311,7 +317,7 @@ class _ReferenceStep:
         return {"model": self.model, "optimizer": self.optimizer}
 
 
-def build_reference_step(spec: StepSpec) -> TrainStep:
+def build_reference_step(spec: StepSpec) -> CheckpointedStep:
     """Build the reference text-to-mel step (the default ``ModelConfig.step``).
 
     Args:

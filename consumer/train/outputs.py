@@ -3,7 +3,8 @@
 Role: a step returns ``{"loss": ..., "mel_l1": ..., ...}`` or a bare scalar loss.
 ``normalize_outputs`` (called while tracing, so once per program) turns either into a dict of
 float32 scalars in a fixed order (``loss`` first, then the others sorted by name); ``read_outputs``
-reads them to the host after the step (their means per status interval: consumer/train/meter.py).
+reads them to the host after the step (their means per status interval: consumer/train/meter.py);
+``python_at_trace`` keeps such trace-time Python out of AutoGraph's conversion.
 Invariants: every normalised mapping holds ``"loss"``; every value is a float32 scalar; a step
 that breaks the contract raises ``StepOutputError`` (one line) while tracing, before any update.
 Shutdown: nothing to release.
@@ -11,19 +12,29 @@ Shutdown: nothing to release.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["StepOutputError", "normalize_outputs", "read_outputs"]
+__all__ = ["StepOutputError", "normalize_outputs", "python_at_trace", "read_outputs"]
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def python_at_trace(fn: _Fn) -> _Fn:
+    """``fn`` kept out of AutoGraph's conversion (``tf.autograph.experimental.do_not_convert``): its Python
+    runs as written while a program is traced. Typed, unlike TensorFlow's decorator, so callers keep ``fn``'s
+    signature."""
+    kept: _Fn = tf.autograph.experimental.do_not_convert(fn)
+    return kept
 
 
 class StepOutputError(TypeError):
     """The step's return value breaks the contract (no ``loss``, a non-scalar, a bad name)."""
 
 
-@tf.autograph.experimental.do_not_convert   # plain Python checks on the traced structure
+@python_at_trace   # plain Python checks on the traced structure
 def normalize_outputs(result: Any) -> dict[str, tf.Tensor]:
     """``{"loss": ..., others sorted by name}`` as float32 scalars, from what the step returned.
 

@@ -175,7 +175,8 @@ class Replicas:
                                   [tuple(p[i] for p in parts) for i in range(n)])
 
         full = [tf.TensorSpec(shape, dtype, name=name) for shape, dtype, name in zip(key, dtypes, names)]
-        return tf.function(whole, input_signature=full)
+        program: Callable[..., dict[str, tf.Tensor]] = tf.function(whole, input_signature=full)
+        return program
 
     def distribute(self, parts: Sequence[tuple[Any, ...]]) -> Any:
         """``parts[i]`` (this worker's i-th replica's tensors) as the strategy's per-replica values (a tuple

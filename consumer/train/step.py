@@ -47,7 +47,7 @@ from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.jit import JitChoice, choose_mode, stably_named
 from melfeed.consumer.train.model import TrainStep
 from melfeed.consumer.train.preflight import BucketOutOfMemory, is_out_of_memory
-from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs
+from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, python_at_trace
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
 from melfeed.consumer.train.warm_inputs import WarmInputs
@@ -205,7 +205,7 @@ class CompiledStep:
             self._programs[(self._mode, key)] = program
         return program
 
-    @tf.autograph.experimental.do_not_convert  # runs at trace time; its ops are traced as written
+    @python_at_trace  # runs at trace time; its ops are traced as written
     def _step_args(self, names: Sequence[str], args: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
         """The step's base arrays and extras from a program's inputs: with ``token_axis`` "longest" in graph mode,
         the token axis cut to the batch's longest row (consumer/train/axes.py)."""
@@ -214,7 +214,7 @@ class CompiledStep:
             arrays = cut_to_longest(arrays, self._extras)
         return [arrays[k] for k in _ARG_ORDER], {k: arrays[k] for k in self._passed}
 
-    @tf.autograph.experimental.do_not_convert  # plain Python bookkeeping, runs at trace time
+    @python_at_trace  # plain Python bookkeeping, runs at trace time
     def _on_trace(self, key: _Shapes) -> None:
         self._traces += 1
         shapes = dict(zip((*_ARG_ORDER, *self._inputs), key))
@@ -225,7 +225,7 @@ class CompiledStep:
         else:
             log.debug("tracing step program shapes=%s mode=%s", shapes, self._mode)
 
-    @tf.autograph.experimental.do_not_convert
+    @python_at_trace
     def _normalize(self, result: object) -> dict[str, tf.Tensor]:
         """``normalize_outputs``, remembering a contract error: AutoGraph re-raises it as its own type."""
         try:

@@ -108,7 +108,8 @@ def _build(cls: type, data: Any, path: tuple[str, ...]) -> Any:
 def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
     """Build a validated config from a parsed YAML mapping (``None`` = all defaults)."""
     try:
-        return _build(PipelineConfig, data or {}, ())
+        config: PipelineConfig = _build(PipelineConfig, data or {}, ())
+        return config
     except RecursionError:   # model.params nested past the interpreter's limit (a mapping built in code)
         raise ConfigError("nested too deeply", path=("model", "params")) from None
 

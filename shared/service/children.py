@@ -64,7 +64,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)   # what stops a command's child
 _CONFIG_MODE = 0o600    # the config may name key files and paths: the owner's eyes only
 
 
-class _PlainDumper(yaml.SafeDumper):
+class _PlainDumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML is untyped
     """Never writes anchors/aliases (a value shared by two keys is written twice): config files are
     read by a loader that refuses every alias (alias bombs)."""
 

@@ -27,6 +27,7 @@ handshake before ZAP. The receiver then requires HELLO's producer id to be NAME 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import errno
 import logging
@@ -310,10 +311,10 @@ def client_keys_for(transport: object, endpoint: str) -> ClientKeys | None:
                                          "with curve_secret_key"))
 
 
-def main_keys(args: object) -> int:
+def main_keys(args: argparse.Namespace) -> int:
     """``melfeed keys DIR --producer NAME ...``: print what was written and where it goes."""
-    root = Path(getattr(args, "dir"))
-    names = list(getattr(args, "producer") or [])
+    root = Path(args.dir)
+    names = list(args.producer or [])
     written = generate_keys(root, names)
     for path in written:
         print(f"wrote {path}")

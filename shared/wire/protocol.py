@@ -143,7 +143,7 @@ def _int_list(v: Any, key: str) -> list[int]:
 
 
 def _opt_int(d: dict[str, Any], key: str) -> int:
-    return _get(d, key, int) if key in d else 0  # type: ignore[no-any-return]
+    return _get(d, key, int) if key in d else 0
 
 
 def _decode_lease(item: Any) -> Lease:

@@ -70,7 +70,7 @@ class RegionLayout:
 
     def fill(self, region: np.ndarray, arrays: Any, rows: int | None = None) -> None:
         """Write ``arrays`` (name -> numpy array) and ``rows`` (None = every row) into ``region`` (uint8)."""
-        for name, (offset, shape, dtype) in self.arrays.items():
+        for name, (offset, _shape, dtype) in self.arrays.items():
             raw = np.ascontiguousarray(arrays[name], dtype).reshape(-1).view(np.uint8)
             region[offset:offset + raw.size] = raw
         self.put_rows(region, rows)

@@ -31,7 +31,7 @@ def _tiny_model() -> Any:
     import keras
     import tensorflow as tf
 
-    class Tiny(keras.Model):
+    class Tiny(keras.Model):  # type: ignore[misc]  # Keras is untyped
         def __init__(self) -> None:
             super().__init__()
             self.embed = keras.layers.Embedding(64, 8)

@@ -92,7 +92,7 @@ def test_release_inside_a_batches_loop_lets_the_loop_go_on(feed: Consumer) -> No
 
 def test_a_batch_released_after_its_loop_broke_out_is_not_handed_out_again(feed: Consumer) -> None:
     _arrive(feed, 0, 1)
-    for batch in feed.batches():
+    for batch in feed.batches():  # noqa: B007 - leaving the loop early is what this test checks
         break
     feed.release(batch)                            # stepped after all: applied, its slot free for batch 2
     _arrive(feed, 2)
@@ -161,13 +161,13 @@ def test_arguments_a_user_gets_wrong_are_one_clear_error(feed: Consumer, demo_ca
         Consumer({"cache_dir": str(demo_cache)})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_batch"):
         Consumer(_cfg(demo_cache, endpoint), start_batch=-1)
-    resumed = Consumer(_cfg(demo_cache, endpoint), start_batch=np.int64(2))    # a position read with numpy
+    resumed = Consumer(_cfg(demo_cache, endpoint), start_batch=np.int64(2))  # type: ignore[arg-type]  # a position read with numpy
     resumed.close()
     assert resumed.next_apply == 2 and type(resumed.next_apply) is int
     with pytest.raises(TypeError, match="never waits without a bound"):
         feed.next_batch(None)  # type: ignore[arg-type]
     assert feed.next_batch(-1.0) is None           # a negative wait is no wait
-    assert feed.next_batch(np.float32(0.01)) is None
+    assert feed.next_batch(np.float32(0.01)) is None  # type: ignore[arg-type]  # a wait computed with numpy
     for device in ("/GPU:7", "/CPU:3", "gpu zero", 0):  # named when the dataset is made, not at its first batch
         with pytest.raises(ValueError, match=r"prefetch_device must be 'auto', None or a device TensorFlow sees "
                                              r"\([^)]*CPU:0[^)]*\), got "):
@@ -191,7 +191,7 @@ def test_a_receiver_that_fails_while_the_loop_waits_ends_the_loop_with_its_error
         feed._receiver.wake()
         return take(batch_id, 10.0)                # woken by the receiver closing the ring as it fails
 
-    feed._receiver._clock = failing_clock  # type: ignore[method-assign]
+    feed._receiver._clock = failing_clock
     feed.ring.take = take_then_fail  # type: ignore[method-assign]
     with feed, pytest.raises(PipelineError, match="receiver failed: planted receiver failure"):
         list(feed.batches())                       # not an empty loop that looks like the plan's end

@@ -34,7 +34,8 @@ def _group() -> list[procs.Tracked]:
 
 def test_a_consumer_with_producers_yields_the_plan_in_order_and_leaves_no_producer_behind(
         demo_cache: Path, endpoint: str) -> None:
-    seen, group = [], []
+    seen: list[Any] = []
+    group: list[Any] = []
     with melfeed.Consumer(_cfg(demo_cache, endpoint, _BATCHES), producers=1) as feed:
         for b in feed.batches():
             group = group or _group()           # while the producer runs (it exits by itself at the plan's end)

@@ -70,7 +70,7 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     log = tmp_path / "chaos.log"
     # Kill points in the applied sequence, spread over the run; one freeze in between.
     kill_at = sorted(rng.sample(range(chaos.steps // 6, chaos.steps * 5 // 6), chaos.consumer_kills))
-    freeze_at = rng.randrange(chaos.steps // 4, chaos.steps * 3 // 4)
+    freeze_at: int | None = rng.randrange(chaos.steps // 4, chaos.steps * 3 // 4)
     producers = procs.start("producer", config, log, "--debug-delay-ms", "25")
     consumer = procs.start("consumer", config, log)
     # Generous: each consumer restart recompiles its step, which takes minutes on a loaded 2-core machine;

@@ -79,7 +79,9 @@ def _check_tensorboard(logdir: Path, s: dict[str, Any]) -> None:
     """The run's event files, read back as TensorBoard's scalar plugin reads them, against its summary."""
     from tests.board_events import read_scalars
     scalars = read_scalars(logdir)                                     # one process: the directory itself
-    assert scalars["train/loss"][0][0] == 149 and scalars["train/loss"][-1] == (150, pytest.approx(s["final_loss"]))
+    last_step, last_loss = scalars["train/loss"][-1]
+    assert scalars["train/loss"][0][0] == 149 and last_step == 150
+    assert last_loss == pytest.approx(s["final_loss"])
     assert [step for step, _ in scalars["train/loss"]] == [149, 150]    # every 149 steps and the end, once each
     assert scalars["feed/batches_per_s"][-1][1] > 0 and 0 < scalars["feed/padding_efficiency"][-1][1] <= 1
     assert {"feed/stall_pct", "feed/samples_per_s", "feed/queue_depth", "feed/feed_efficiency",

@@ -15,6 +15,7 @@ import sys
 import time
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ _WORDS = ("the", "printing", "press", "of", "gutenberg", "changed", "how", "book
 _FORMATS = ((22050, 2, 1), (16000, 2, 1), (44100, 3, 2), (24000, 4, 1), (8000, 1, 1), (48000, 2, 2))
 N_GOOD = 24  # written and expected in the cache
 SKIPS = {"bad_wav": 1, "missing_wav": 1, "empty_text": 1, "duration": 1, "metadata": 1}
-CONFIG = {"features": {"min_duration_s": 0.3, "max_duration_s": 2.0},
+CONFIG: dict[str, Any] = {"features": {"min_duration_s": 0.3, "max_duration_s": 2.0},
           "model": {"vocab_size": 49}, "buckets": {"num_buckets": 1, "batch_size": 4}, "producer": {"nice": 3}}
 
 

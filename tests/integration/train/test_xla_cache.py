@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,7 @@ print(json.dumps({"before": before, "after": files(), "compiles_after_ready": co
 """
 
 
-def _compile(cache: Path, mode: str) -> dict[str, object]:
+def _compile(cache: Path, mode: str) -> dict[str, Any]:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
            "TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, mode], cwd=REPO, env=env, capture_output=True, text=True,

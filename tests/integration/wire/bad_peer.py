@@ -15,9 +15,9 @@ import itertools
 import threading
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -312,7 +312,7 @@ def _relength(h: BatchHeader, p: list[bytes]) -> tuple[BatchHeader, list[bytes]]
     return dataclasses.replace(h, crc32=crc), p
 
 
-def grow_frames(shape: list[int]) -> list[int]:
+def grow_frames(shape: Sequence[int]) -> list[int]:
     return [shape[0], shape[1] + 8, *shape[2:]]
 
 

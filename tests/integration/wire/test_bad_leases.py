@@ -18,7 +18,7 @@ import pytest
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.protocol import (FATAL_REJECTS, PROTOCOL_VERSION, BatchHeader, Bye, Heartbeat, Lease,
-                                          RejectCode, encode)
+                                          RejectCode, ShmSlot, encode)
 from tests.integration.wire.bad_peer import (BATCH_CASES, BATCH_SIZE, WAIT_S, BadPeer, Mutation, Wire, delta,
                                             expect_rejected, grow_frames)
 
@@ -241,15 +241,21 @@ def _length_beyond_bucket(peer: BadPeer, lease: Lease) -> list[bytes]:
     return [encode(_shm_header(peer, lease, arrays))]
 
 
+def _shm(lease: Lease) -> ShmSlot:
+    """The slot of a lease granted in shared-memory mode."""
+    assert lease.shm is not None
+    return lease.shm
+
+
 def _n_slots(peer: BadPeer) -> int:
     return peer.wire.consumer.ring.n_slots
 
 
 _SHM_CASES: dict[str, tuple[ShmCase, str]] = {
     "wrong-generation": (_poison_then(lambda p, x, a: [encode(_shm_header(
-        p, x, a, (x.shm.slot, x.shm.generation + 1)))]), RejectCode.LEASE),   # type: ignore[union-attr]
+        p, x, a, (_shm(x).slot, _shm(x).generation + 1)))]), RejectCode.LEASE),
     "wrong-slot": (_poison_then(lambda p, x, a: [encode(_shm_header(
-        p, x, a, ((x.shm.slot + 1) % _n_slots(p), x.shm.generation)))]), RejectCode.LEASE),  # type: ignore[union-attr]
+        p, x, a, ((_shm(x).slot + 1) % _n_slots(p), _shm(x).generation)))]), RejectCode.LEASE),
     "payload-frames-on-shm-lease": (lambda p, x: [encode(p.poisoned(x)[0]), *p.poisoned(x)[1]], RejectCode.FRAMES),
     "slot-header-with-frames": (_poison_then(lambda p, x, a: [encode(_shm_header(p, x, a)),
                                                               *p.batch(x, a)[1]]), RejectCode.FRAMES),

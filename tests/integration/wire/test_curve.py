@@ -24,8 +24,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _dealer(ctx: zmq.Context, endpoint: str, keys: Path | None, server_key: Path | None) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | None,
+            server_key: Path | None) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None and server_key is not None:
         public, secret = zmq.auth.load_certificate(str(keys))

@@ -105,9 +105,10 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
                     got.append(batch.batch_id)
                 lease = grant.leases[0]                  # ... and delivers its batch late
                 arrays = [views[0][k] for k in ARRAY_KEYS]
+                assert lease.shm is not None
                 zombie.send(encode(BatchHeader(grant.epoch, lease.batch_id, lease.bucket, [list(x.shape) for x in arrays],
                                                [x.dtype.name for x in arrays], None, [],
-                                               (lease.shm.slot, lease.shm.generation))))  # type: ignore[union-attr]
+                                               (lease.shm.slot, lease.shm.generation))))
                 err = _recv(zombie, Err)
             stats = consumer.receiver_stats()
     finally:
@@ -218,7 +219,7 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
             if proc is not None:
                 procs.stop(proc)
     assert list(shm_dir.iterdir()) == []                 # the stale files went at start, the new ones at exit
-    assert "removed %d stale shared-memory slot files" % len(stale) in log.read_text()
+    assert f"removed {len(stale)} stale shared-memory slot files" in log.read_text()
     assert procs.audit_records(state) == 40
 
 

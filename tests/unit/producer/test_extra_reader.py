@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def cache(tmp_path: Path) -> tuple[Manifest, BucketSet]:
 
 def _want(manifest: Manifest, buckets: BucketSet, sid: int) -> dict[str, np.ndarray]:
     shapes, dtypes = buckets.buckets[0].shapes(), buckets.buckets[0].dtypes()
-    out = {}
+    out: dict[str, Any] = {}   # arrays, and the lengths as numpy scalars
     for spec in manifest.schema.extras:
         row = np.zeros(shapes[spec.name][1:], dtypes[spec.name])
         n = pad_row(spec, np.load(manifest.extra_path(spec.name, sid)), row)
@@ -93,7 +94,6 @@ def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_not
 def test_a_float_extra_is_checked_once_per_file_and_again_once_replaced(
         cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, buckets = cache
-    import melfeed.producer.extra_reader as extra_reader
     checks: list[int] = []
     real_isfinite = np.isfinite
 
@@ -102,7 +102,7 @@ def test_a_float_extra_is_checked_once_per_file_and_again_once_replaced(
             checks.append(values.size)
         return real_isfinite(values, **kw)                 # type: ignore[no-any-return, call-overload]
 
-    monkeypatch.setattr(extra_reader.np, "isfinite", counted)
+    monkeypatch.setattr(np, "isfinite", counted)
     assembler = BatchAssembler(CacheReader(manifest, revalidate_s=0.0), buckets, max_buffers=1)
     assembler.build(0, 0, [2]).attach(None)
     first = len(checks)

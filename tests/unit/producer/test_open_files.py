@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+import resource
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import melfeed.producer.open_files as open_files_mod
 from melfeed.producer.open_files import OpenFiles, descriptor_budget
 from melfeed.producer.reader import CacheReader
 from melfeed.shared.cache.index import build_manifest
+from melfeed.shared.cache.filekind import open_regular
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.errors import CacheError
 
@@ -110,7 +113,7 @@ def test_out_of_descriptors_gives_half_the_cache_back_and_tries_once_more(files:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     cache = OpenFiles(8)
     kept = [cache.acquire(k, p) for k, p in zip("abc", files)]
-    real = open_files_mod.open_regular
+    real = open_regular
     calls = []
 
     def emfile_once(path: str) -> tuple[int, os.stat_result]:
@@ -127,7 +130,7 @@ def test_out_of_descriptors_gives_half_the_cache_back_and_tries_once_more(files:
 
 
 def test_the_budget_is_held_to_half_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(open_files_mod.resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
     assert descriptor_budget(4096) == 512
     assert descriptor_budget(100) == 100
     assert OpenFiles(4096).capacity == 512
@@ -151,7 +154,12 @@ def test_the_reader_keeps_files_open_and_checks_values_once_per_file(manifest: M
     reader = CacheReader(manifest)
     checks: list[str] = []
     real = reader._check_finite
-    monkeypatch.setattr(reader, "_check_finite", lambda path, rows: (checks.append(path), real(path, rows)))
+
+    def counted(path: str, rows: Any) -> None:
+        checks.append(path)
+        real(path, rows)
+
+    monkeypatch.setattr(reader, "_check_finite", counted)
     for _ in range(3):
         for i in (0, 1):
             reader.read_mel_into(i, np.empty((12, N_MELS), np.float32))

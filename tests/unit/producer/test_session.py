@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import Any
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_consumer_silent_past_liveness_drops_leases_and_hellos_with_growing_boun
     s = _joined(clock, 7, _lease(1), _lease(2))
     s.on_message(Heartbeat(7, 1, 0), clock.advance(0.5))
     assert s.on_turn(clock.advance(LIVENESS_S)) == [] and s.pending_leases == 2   # exactly the period: alive
-    hellos = []
+    hellos: list[Any] = []
     while clock() < 6.5:                                         # 5 s more silence; turns wait as the worker would
         if s.on_turn(clock.advance(0.01 if not hellos else s.poll_timeout_s(clock()))):
             hellos.append(clock())

@@ -44,7 +44,7 @@ class _ScriptedGroup(_Group):
         return proc
 
 
-def _supervise(group: _ScriptedGroup, stop: threading.Event) -> int:
+def _supervise(group: _Group, stop: threading.Event) -> int:
     return uvloop.run(_main(group, stop, Notifier({})))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ from melfeed.shared.errors import ConfigError
      "consumer.control_endpoint: serves status without authentication over tcp://; use ipc:// or set "
      "transport.insecure: true"),
 ])
-def test_bad_values_name_the_key(data: dict, message: str) -> None:
+def test_bad_values_name_the_key(data: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_mapping(data)
     assert message in str(info.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -38,7 +39,7 @@ def test_defaults_are_auto_and_no_params() -> None:
     ({"params": {"fn": print}}, "model.params.fn: must be made of strings, numbers, booleans, null, lists and "
                                 "mappings, got 'builtin_function_or_method'"),
 ])
-def test_bad_values_are_one_line_naming_the_key(model: dict, message: str) -> None:
+def test_bad_values_are_one_line_naming_the_key(model: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_mapping({"model": model})
     assert str(info.value) == message

@@ -9,7 +9,7 @@ import pytest
 from melfeed.consumer.bench.efficiency import build_efficiency, efficiency_goals, efficiency_systems, render_efficiency
 from melfeed.consumer.bench.stats import medians_by_system
 
-_SYSTEMS = [
+_SYSTEMS: list[dict[str, Any]] = [
     {"system": "melfeed-zmq-p1", "kind": "melfeed", "transport": "zmq", "producers": 1, "available": True},
     {"system": "melfeed-zmq-p2", "kind": "melfeed", "transport": "zmq", "producers": 2, "available": True},
     {"system": "melfeed-shm-p1", "kind": "melfeed", "transport": "shm", "producers": 1, "available": False},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -10,7 +11,7 @@ from melfeed.consumer.bench import stats as bs
 from melfeed.consumer.bench.report import F16_NOTE, build_report, render
 
 
-def _trial(system: str, step_ms: int, rnd: int, **figures: float | None) -> dict:
+def _trial(system: str, step_ms: int, rnd: int, **figures: float | None) -> dict[str, Any]:
     return {"system": system, "kind": "x", "round": rnd, "step_ms": step_ms, "ok": True, **figures}
 
 
@@ -60,7 +61,7 @@ def test_demand_and_bandwidth() -> None:
     assert bs.gb_per_s(1.0, 0.0) is None
 
 
-def _goal_meds() -> dict:
+def _goal_meds() -> dict[str, Any]:
     return bs.medians_by_system([
         _trial("tf", 0, 0, batches_per_s=100.0, trainer_cpu_ms_per_batch=10.0),
         _trial("mf-shm", 0, 0, batches_per_s=160.0, trainer_cpu_ms_per_batch=3.0, payload_copies=1.0),

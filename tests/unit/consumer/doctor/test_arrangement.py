@@ -27,7 +27,7 @@ def test_a_data_bound_run_never_gets_a_second_replica() -> None:
 
 def test_no_advice_without_a_data_gpu_without_nvml_or_when_it_is_a_model_gpu_already() -> None:
     for args in [("0", "", ["0"], []), ("0", "1", None, None), ("0,1", "1", ["0", "1"], ["1"])]:
-        a = advise_data_gpu(*args, supply_per_s=500.0, demand_per_s=100.0, bound=BOUND_STEP)  # type: ignore[arg-type]
+        a = advise_data_gpu(*args, supply_per_s=500.0, demand_per_s=100.0, bound=BOUND_STEP)
         assert a.changes == [] and a.notes == [], args
 
 

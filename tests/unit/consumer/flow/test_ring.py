@@ -27,10 +27,16 @@ def test_every_view_is_64_byte_aligned_and_disjoint() -> None:
     assert ring.views(0, 0)["mel"].shape == (4, 16, 80)
 
 
+def _reserved(ring: BatchRing) -> int:
+    slot = ring.reserve()
+    assert slot is not None
+    return slot
+
+
 def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
     released: list[int] = []
     ring = BatchRing(3, BUCKETS, on_release=lambda: released.append(1))
-    slots = [ring.reserve() for _ in range(3)]
+    slots = [_reserved(ring) for _ in range(3)]
     assert ring.reserve() is None
     ten = PlannedBatch(batch_id=10, data_epoch=0, bucket=1, sample_ids=(3, 4))
     ring.mark_ready(slots[0], PlannedBatch(batch_id=11, data_epoch=0, bucket=0, sample_ids=(5,)))

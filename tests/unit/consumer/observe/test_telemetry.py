@@ -145,7 +145,7 @@ def test_unwritable_metrics_file_is_a_config_error_naming_the_key(tmp_path: Path
 
 def test_gpu_samples_carry_their_role_with_nvml_replaced_at_the_boundary(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import pynvml  # type: ignore[import-untyped]  # no stubs shipped
+    import pynvml
     for name, fn in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
                      "nvmlDeviceGetHandleByIndex": lambda i: i, "nvmlDeviceGetUUID": lambda h: f"GPU-{h}",
                      "nvmlDeviceGetName": lambda h: "NVIDIA H100", "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=90 + h),
@@ -172,7 +172,7 @@ def test_status_table_and_prometheus_families_from_one_snapshot(tmp_path: Path) 
     assert "step 7/300" in table and "stall 25.0%" in table
     assert any(line.split()[:4] == ["producer-1", "20", "10.0", "1.00"] for line in table.splitlines())
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(lambda: snap))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
     assert samples[("melfeed_batches_applied_total", ())] == 7
@@ -204,7 +204,8 @@ def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tm
     from prometheus_client.parser import text_string_to_metric_families
     clock = iter(float(t) for t in range(100))
     with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
-        assert tel.latest() is not None and tel.latest()["outputs"] == {} and tel.latest()["jit_compile"] is None
+        latest = tel.latest()
+        assert latest is not None and latest["outputs"] == {} and latest["jit_compile"] is None
         tel.set_jit_compile("graph")
         means = {"loss": 0.75, "mel_l1": 0.5, "stop_bce": float("nan")}
         first = tel.publish(3, 0.7, 0, outputs=means)
@@ -217,7 +218,7 @@ def test_named_step_outputs_and_jit_mode_reach_snapshot_status_and_prometheus(tm
     assert "step outputs (mean over the status interval): loss 0.7500, mel_l1 0.5000, stop_bce -; " \
            "compiled with graph" in table
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: first))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(lambda: first))
     families = {fam.name: fam for fam in text_string_to_metric_families(generate_latest(registry).decode())}
     named = {s.labels["name"]: s.value for s in families["melfeed_step_output"].samples}
     assert named == {"loss": 0.75, "mel_l1": 0.5}          # one family, a `name` label; null left out
@@ -233,7 +234,7 @@ def test_peer_chosen_ids_are_escaped_in_the_status_table_and_prometheus_labels()
     assert "evil\\nINFO forged\\x1b[2J" in table
     assert "benched (let leases expire in a row; no leases for now): evil\\nINFO forged" in table
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(lambda: snap))
     exposition = generate_latest(registry).decode()
     assert "\x1b" not in exposition and 'producer="evil\\\\nINFO forged\\\\x1b[2J"' in exposition
 
@@ -245,7 +246,7 @@ def test_a_rank_of_a_job_shows_in_status_and_labels_every_prometheus_sample() ->
 
     def samples(snap: dict[str, Any]) -> list[Any]:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+        registry.register(SnapshotCollector(lambda: snap))
         return [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples]
 
     alone = build_snapshot(t_unix_s=1.0, uptime_s=0.1, phase="compiling", step=0, steps_total=None, loss=None,
@@ -291,7 +292,7 @@ def test_feed_efficiency_reaches_snapshot_status_and_prometheus(tmp_path: Path) 
     assert snap["feed_efficiency"] == pytest.approx(0.6)
     assert "feed efficiency 0.600 (fed / resident-batch steps/s)" in format_status(snap, "ipc:///x.control.sock")
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snap))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(lambda: snap))
     samples = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
                for s in fam.samples}
     assert samples["melfeed_feed_efficiency_ratio"] == pytest.approx(0.6)
@@ -320,7 +321,7 @@ def test_snapshots_stay_live_while_the_step_compiles_and_stop_when_the_loop_take
             while (snap := tel.latest()) is not None and snap["producers_alive"] != 2:
                 assert time.monotonic() < deadline, "no snapshot published while busy"
                 time.sleep(0.01)
-            assert (snap["phase"], snap["step"]) == ("compiling", 40)
+            assert snap is not None and (snap["phase"], snap["step"]) == ("compiling", 40)
         assert not [t for t in threading.enumerate() if t.name == "telemetry-busy"]   # joined on exit
         consumer.producers = ()
         time.sleep(0.2)                                                    # four intervals: nobody publishes now

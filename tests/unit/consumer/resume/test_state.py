@@ -69,7 +69,7 @@ def test_checkpoints_commit_atomically_fall_back_and_prune(tmp_path: Path) -> No
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000000000006", "ckpt-000000000009"]
     (tmp_path / "ckpt-000000000009" / "cursor.json").write_text("{torn")
     path, cursor = latest_checkpoint(tmp_path) or (None, None)
-    assert cursor is not None and cursor.next_batch == 6
+    assert path is not None and cursor is not None and cursor.next_batch == 6
     CheckpointStore.restore(path, {"v": v})
     assert v.numpy().tolist() == [6.0, 0.0]
     with pytest.raises(StateError, match="does not fit this model"):
@@ -149,7 +149,7 @@ def test_a_failed_periodic_checkpoint_is_counted_and_retried_while_a_failed_fina
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import errno
     import melfeed.consumer.resume.checkpoint as checkpoint_module
-    real_write = checkpoint_module.write_private
+    from melfeed.consumer.resume.filemode import write_private as real_write
     failing = {"left": 1}
 
     def write_cursor(path: Path, data: bytes) -> None:     # the cursor write fails after the variables

@@ -115,7 +115,7 @@ def test_user_code_is_neither_stdlib_site_packages_melfeed_nor_a_package_install
 def test_real_tensorflow_errors_keep_their_reason_and_the_users_line() -> None:
     import keras
 
-    class Failing(keras.layers.Layer):
+    class Failing(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped
         def call(self, x: tf.Tensor) -> tf.Tensor:
             raise ValueError("the decoder needs 80 channels\ngot 3")
 

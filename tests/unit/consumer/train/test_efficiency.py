@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -115,30 +117,27 @@ class _ClockedStep:
 
 
 def test_limit_is_steps_over_wall_time_like_the_fed_figure_not_a_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    import melfeed.consumer.train.efficiency as efficiency
     # untimed first step, then 9 timed in 3 blocks: a slow step recurring in every block counts, as it
     # does in the fed figure (a median of single steps would say 0.010)
     fake = _ClockedStep([5.0] + [0.010, 0.010, 0.040] * 3)
-    monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
+    monkeypatch.setattr(time, "perf_counter", fake.clock)
     limit = measure_resident_limit(fake, [], _SHAPES[:1], steps_per_bucket=9, vocab_size=32)
     assert limit.step_s == pytest.approx((0.020,))
 
 
 def test_a_burst_of_another_process_in_one_block_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    import melfeed.consumer.train.efficiency as efficiency
     fake = _ClockedStep([5.0] + [0.010, 0.010, 0.040] + [1.0, 1.0, 1.0] + [0.010, 0.010, 0.040])
-    monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
+    monkeypatch.setattr(time, "perf_counter", fake.clock)
     limit = measure_resident_limit(fake, [], _SHAPES[:1], steps_per_bucket=9, vocab_size=32)
     assert limit.step_s == pytest.approx((0.020,))     # a plain mean over the 9 steps would say 0.353
 
 
 def test_the_buckets_blocks_take_turns_so_a_burst_reaches_each_bucket_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import melfeed.consumer.train.efficiency as efficiency
     # untimed steps of both buckets, then 3 blocks of 1 step each in turns; a burst (1.0 s) lasts two steps:
     # it lands in one block of each bucket, and each bucket's median leaves it out (taken bucket by bucket,
     # the same durations would give both buckets 0.020)
     fake = _ClockedStep([5.0, 5.0] + [0.010, 0.020] + [1.0, 1.0] + [0.010, 0.020])
-    monkeypatch.setattr(efficiency.time, "perf_counter", fake.clock)
+    monkeypatch.setattr(time, "perf_counter", fake.clock)
     limit = measure_resident_limit(fake, [], _SHAPES[:2], steps_per_bucket=3, vocab_size=32)
     assert fake.order == [0, 1] + [0, 1] * 3
     assert limit.step_s == pytest.approx((0.010, 0.020))

@@ -44,7 +44,7 @@ def _handoff(step: object, factory: str = "step", on_step: object = None) -> TfH
 
 def test_the_cpu_hand_off_aliases_the_slot_until_the_step_completed_and_reads_nothing_per_step() -> None:
     assert model_device() is None                       # this machine has no GPU: the CPU path
-    spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=[SHAPES])
+    spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=(SHAPES,))
     steps_seen: list[int] = []
     handoff = _handoff(tiny_step(spec), on_step=steps_seen.append)
     batch = _slot_batch()
@@ -65,7 +65,7 @@ class _LoudStep(_TinyStep):
 
 
 def test_a_step_that_fails_while_training_is_one_line_naming_the_batch_op_and_the_users_line() -> None:
-    spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=[SHAPES])
+    spec = StepSpec(N_MELS, 32, 0.1, False, 0, bucket_shapes=(SHAPES,))
     handoff = _handoff(_LoudStep(spec), factory="mine:loud")   # zeros pass the assertion
     batch = _slot_batch()
     batch.arrays["mel"][:] = 5.0

@@ -46,8 +46,9 @@ def test_status_line_rates_come_from_the_window_the_snapshot_uses() -> None:
                     "queue 2 | producers 2 | rejects 0")
     meter.add(StepRecord(end_s=102.0, wait_s=0.0, step_s=2.0, rows=16, real_frames=80, padded_frames=100,
                          queue_depth=1))
-    assert meter.live.figures(102.0).batches_per_s == pytest.approx(2 / 4.5)
-    assert meter.batches == 2 and meter.samples == 32 and meter.steps.figures(102.0).batches == 2
+    live, steps = meter.live.figures(102.0), meter.steps.figures(102.0)
+    assert live is not None and live.batches_per_s == pytest.approx(2 / 4.5)
+    assert meter.batches == 2 and meter.samples == 32 and steps is not None and steps.batches == 2
 
 
 def test_status_line_before_any_measured_step_shows_no_rate() -> None:

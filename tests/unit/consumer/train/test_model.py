@@ -23,7 +23,8 @@ def demo_templates(rng: np.random.Generator) -> npt.NDArray[np.float32]:
     for _ in range(3):
         centre, width = rng.uniform(0, 1, (VOCAB, 1)), rng.uniform(0.05, 0.2, (VOCAB, 1))
         out += rng.uniform(2, 8, (VOCAB, 1)) * np.exp(-0.5 * ((axis - centre) / width) ** 2)
-    return np.clip(out, -11.5, 1.5).astype(np.float32)
+    templates: npt.NDArray[np.float32] = np.clip(out, -11.5, 1.5).astype(np.float32)
+    return templates
 
 
 def demo_batch(rng: np.random.Generator, templates: npt.NDArray[np.float32], rows: int,
@@ -106,7 +107,7 @@ def test_variables_cover_model_and_optimizer_state() -> None:
     names = " ".join(v.name for v in variables)
     assert "iteration" in names and "embeddings" in names
     model = step.checkpoint_items()["model"]
-    n_model = len(model.trainable_variables)  # type: ignore[attr-defined]
+    n_model = len(model.trainable_variables)  # type: ignore[attr-defined]  # a keras.Model, typed object here
     assert len(variables) >= 3 * n_model  # weights + Adam m and v for each
 
 

@@ -40,15 +40,15 @@ class _Recorder:
 
 
 class _Everything(_Recorder):
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,  # type: ignore[override]
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
                  **extras: tf.Tensor) -> dict[str, tf.Tensor]:
         self.calls.append(set(extras))
         return {"loss": tf.reduce_sum(mel) + tf.reduce_sum(tf.cast(extras["ref"], tf.float32))}
 
 
 class _BaseOnly(_Recorder):
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,  # type: ignore[override]
-                 tok_len: tf.Tensor) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # takes no extras: the subject
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(mel)
 
 
@@ -87,8 +87,9 @@ def test_an_extra_of_the_wrong_dtype_is_refused_by_name() -> None:
 
 
 class _WantsPitch(_Recorder):
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,  # type: ignore[override]
-                 speaker: tf.Tensor, pitch: tf.Tensor) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # wants an extra the batch lacks: the subject
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
+            speaker: tf.Tensor, pitch: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(mel)
 
 

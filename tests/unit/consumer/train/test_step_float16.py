@@ -23,7 +23,7 @@ SHAPES = {"mel": (ROWS, FRAMES, N_MELS), "mel_len": (ROWS,), "tokens": (ROWS, TO
 
 
 def _spec(mel_dtype: str = "float32") -> StepSpec:
-    return StepSpec(N_MELS, 32, 1e-2, False, 0, bucket_shapes=[SHAPES], mel_dtype=mel_dtype)
+    return StepSpec(N_MELS, 32, 1e-2, False, 0, bucket_shapes=(SHAPES,), mel_dtype=mel_dtype)
 
 
 def _slots(mel_dtype: str, seed: int) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 6), "tok_len":
 
 
 def _spec() -> StepSpec:
-    return StepSpec(N_MELS, 32, 0.02, False, 0, bucket_shapes=SHAPES, params={"hidden": 8})
+    return StepSpec(N_MELS, 32, 0.02, False, 0, bucket_shapes=tuple(SHAPES), params={"hidden": 8})
 
 
 def _batch(bucket: int) -> dict[str, tf.Tensor]:
@@ -132,7 +132,7 @@ class _TraceFailingStep:
     def __init__(self, spec: StepSpec) -> None:
         import keras
 
-        class Decoder(keras.layers.Layer):
+        class Decoder(keras.layers.Layer):  # type: ignore[misc]  # Keras is untyped
             def call(self, x: tf.Tensor) -> tf.Tensor:
                 raise ValueError("the decoder needs 80 channels\ngot 8")
 
@@ -146,7 +146,7 @@ class _TraceFailingStep:
 
 
 def test_auto_keeps_xlas_failure_as_the_reason_when_graph_mode_fails_too(caplog: pytest.LogCaptureFixture) -> None:
-    compiled = CompiledStep(_TraceFailingStep(_spec()), SHAPES, jit_compile="auto", factory="m:f")  # type: ignore[arg-type]
+    compiled = CompiledStep(_TraceFailingStep(_spec()), SHAPES, jit_compile="auto", factory="m:f")
     with caplog.at_level(logging.WARNING), pytest.raises(StepError) as info:
         compiled.warm_up()
     line = _TraceFailingStep.__init__.__code__.co_firstlineno + 5     # the layer's raise

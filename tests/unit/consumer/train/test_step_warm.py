@@ -9,7 +9,6 @@ of a step whose work follows the durations (zero durations cost next to nothing)
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np

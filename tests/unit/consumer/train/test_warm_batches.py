@@ -8,8 +8,6 @@ and that reading them touches nothing of the plan.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

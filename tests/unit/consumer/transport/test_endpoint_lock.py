@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import time
 
 import pytest
 
@@ -84,7 +85,6 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
     """Another consumer's start-up sweep holds our fresh, empty lock for a moment and unlinks it: we lock anew."""
     import fcntl
 
-    import melfeed.consumer.transport.endpoint_lock as endpoint_lock
     endpoint = f"ipc://{tmp_path}/rank0.control.sock"
     lock_path = tmp_path / "rank0.control.sock.lock"
     sweeper = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)       # empty: no pid line yet
@@ -97,7 +97,7 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
             lock_path.unlink()
             os.close(sweeper)
 
-    monkeypatch.setattr(endpoint_lock.time, "sleep", sweep_done)
+    monkeypatch.setattr(time, "sleep", sweep_done)
     taken = lock_endpoint(endpoint)
     assert taken is not None and polls and taken.path.read_text() == f"{os.getpid()}\n"
     taken.release()
@@ -105,14 +105,14 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
 
 def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fcntl
-
     import melfeed.consumer.transport.endpoint_lock as endpoint_lock
+
     endpoint = f"ipc://{tmp_path}/melfeed.sock"
     holder = os.open(tmp_path / "melfeed.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     clock = [0.0]
-    monkeypatch.setattr(endpoint_lock.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(endpoint_lock.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     try:
         with pytest.raises(ConfigError, match=r"another consumer \(pid \?\) is running"):
             lock_endpoint(endpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,7 +31,8 @@ def test_without_a_runtime_or_a_device_nothing_is_pinned_and_it_says_why() -> No
 
 class _Recorder(HostPinner):
     def __init__(self) -> None:
-        self.pinned, self.events, self.status = 0, [], "test"
+        self.pinned, self.status = 0, "test"
+        self.events: list[Any] = []
 
     def pin(self, buf: np.ndarray) -> bool:
         self.events.append(("pin", buf.ctypes.data))

@@ -6,6 +6,7 @@ No socket is bound: the receiver's session is the test rig's, and its eventfd is
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def _woken(receiver: Receiver) -> bool:
 
 
 @pytest.fixture
-def rig_receiver() -> tuple[Rig, Receiver]:
+def rig_receiver() -> Iterator[tuple[Rig, Receiver]]:
     rig = Rig(n_slots=2, window=2)
     buckets = BucketSet((BUCKET,), np.zeros(2, np.int16), 0, 0, 2 * BUCKET.max_frames)
     cfg = ReceiverConfig("ipc:///nonexistent/never-bound.sock", SessionConfig(CONTRACT, EPOCH, 1.0, 30.0, False))

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,8 +42,9 @@ def cache(source: Path, tmp_path: Path) -> Path:
     return path
 
 
-def _doc(cache: Path) -> dict:  # type: ignore[type-arg]
-    return json.loads((cache / "manifest.json").read_text())
+def _doc(cache: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((cache / "manifest.json").read_text())
+    return doc
 
 
 def _write(cache: Path, doc: dict) -> None:  # type: ignore[type-arg]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from melfeed.shared.config import FeatureConfig, PipelineConfig
@@ -46,7 +48,8 @@ def _reference_logmel(x: np.ndarray, f: FeatureConfig, n_mels: int) -> np.ndarra
     falling = (edges[2:] - bins) / (edges[2:] - edges[1:-1])
     weights = np.maximum(0.0, np.minimum(rising, falling))
     weights[0] = 0.0  # DC
-    return np.log(np.maximum(spectrum @ weights, f.log_floor))
+    log_mel: npt.NDArray[Any] = np.log(np.maximum(spectrum @ weights, f.log_floor))
+    return log_mel
 
 
 def _signals(rate: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -124,7 +127,7 @@ def test_resample_lengths_and_identity() -> None:
 
 # ---- what a cache's recorded features impose on a config -------------------------------------
 
-def _prepared_cache(root: Path, features: dict | None = None) -> Path:
+def _prepared_cache(root: Path, features: dict[str, Any] | None = None) -> Path:
     (root / "mels").mkdir(parents=True)
     (root / "tokens").mkdir()
     np.save(root / "mels" / "a.npy", np.zeros((5, 80), np.float32))
@@ -151,7 +154,7 @@ def test_prepared_cache_loads_for_the_same_config(tmp_path: Path) -> None:
     ({"model": {"vocab_size": 40}}, "model.vocab_size: must be >= 49, the size of the vocabulary of {m}, got 40"),
 ])
 def test_a_config_that_differs_from_the_cache_is_refused_naming_the_key(
-        tmp_path: Path, overrides: dict, line: str) -> None:
+        tmp_path: Path, overrides: dict[str, Any], line: str) -> None:
     cache = _prepared_cache(tmp_path / "c")
     with pytest.raises(ConfigError) as info:
         load_manifest_for(config_from_mapping({"cache_dir": str(cache), **overrides}))

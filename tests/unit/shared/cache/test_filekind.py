@@ -87,7 +87,7 @@ def test_open_regular_refuses_every_other_kind_without_blocking(tmp_path: Path, 
     KINDS[kind][0](path)
     for opener in (open_regular, read_regular, inspect_npy):
         with pytest.raises(CacheError) as info:
-            opener(path)  # type: ignore[operator]
+            opener(path)
         assert info.value.path == str(path) and info.value.reason.startswith(KINDS[kind][1])
         assert "\n" not in str(info.value)
 

@@ -324,7 +324,7 @@ def test_a_pack_that_cannot_be_written_is_one_line_naming_the_cache_and_leaves_n
     def full_disk(fd: int) -> None:                        # the pack's data cannot reach the disk
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(pack_write.os, "fsync", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     before = sorted(os.listdir(cache.cache_dir))
     args = argparse.Namespace(cache_dir=str(cache.cache_dir), n_mels=cache.n_mels, mel_dtype="float16")
     with pytest.raises(CacheError) as info:

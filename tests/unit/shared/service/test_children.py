@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -140,7 +141,7 @@ _ORPHANING = ("import subprocess, sys; h = subprocess.Popen([sys.executable, '-c
               "print(h.pid, flush=True)")
 
 
-def _orphaned_helper(children: CommandChildren, **spawn_kwargs: object) -> tuple[subprocess.Popen[str], int]:
+def _orphaned_helper(children: CommandChildren, **spawn_kwargs: Any) -> tuple[subprocess.Popen[str], int]:
     """A child of ``children`` that exited, and the pid of the helper it left running in its group."""
     proc = children.spawn([sys.executable, "-c", _ORPHANING], stdout=subprocess.PIPE, text=True, **spawn_kwargs)
     assert proc.stdout is not None

@@ -8,6 +8,7 @@ is refused and never read.
 from __future__ import annotations
 
 from melfeed.consumer.flow.credit import ActiveLease
+from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.flow.ring import SlotState
 from melfeed.consumer.flow.shm_leases import ShmLeases
 from melfeed.shared.errors import ProtocolError
@@ -131,7 +132,7 @@ def test_a_producer_leaving_retires_every_slot_it_held_but_not_delivered_ones() 
 
 def test_without_slot_files_every_lease_is_a_payload_lease() -> None:
     book = ShmLeases(None)
-    lease = ActiveLease(0, A, 0, 10.0)
+    lease = ActiveLease(PlannedBatch(batch_id=0, data_epoch=0, bucket=0, sample_ids=()), A, 0, 10.0)
     assert not book.is_enabled and book.directory is None and book.retired == 0
     assert book.slot_for(lease, uses_shm=True) is None and not book.is_in_place(0)
     assert book.cancel(lease) is False
