@@ -277,7 +277,7 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 
-def expect_rejected(wire: Wire, frames_list: list[list[bytes]], peer: BadPeer, codes: list[str]) -> None:
+def expect_rejected(wire: Wire, frames_list: list[list[bytes]], peer: BadPeer, codes: Sequence[str]) -> None:
     """Send each message, expect these ERR codes in order, counted per code and for this peer only."""
     before = wire.stats()
     start = len(wire.stream.applied)

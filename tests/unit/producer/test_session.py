@@ -90,7 +90,7 @@ def test_err_unknown_peer_drops_leases_and_says_hello_at_once_whatever_the_back_
 
 
 @pytest.mark.parametrize("code", [RejectCode.PROTO, RejectCode.CONTRACT])
-def test_err_proto_or_contract_is_a_config_error_exit_78(code: str) -> None:
+def test_err_proto_or_contract_is_a_config_error_exit_78(code: RejectCode) -> None:
     clock = FakeClock()
     s = ProducerSession(CFG, clock())
     s.on_turn(clock())

@@ -28,7 +28,7 @@ def _scrape(snap: dict[str, Any], schema: type = Snapshot) -> dict[tuple[str, tu
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snap, schema))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(lambda: snap, schema))
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
 

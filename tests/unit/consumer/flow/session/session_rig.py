@@ -17,7 +17,7 @@ from melfeed.consumer.flow.session import ReceiverSession
 from melfeed.consumer.flow.shm_leases import SlotFiles
 from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Err, Heartbeat, Hello, Lease, LeaseGrant,
-                                  Message, Welcome, decode_header, encode)
+                                  Message, RejectCode, Welcome, decode_header, encode)
 from tests.fakes import FakeClock, FakePlan
 
 BUCKET = Bucket(index=0, batch_size=2, max_frames=8, max_tokens=4, n_mels=3)
@@ -107,9 +107,9 @@ def header(batch_id: int, *, epoch: int = EPOCH, shm: tuple[int, int] | None = N
     return BatchHeader(epoch, batch_id, BUCKET.index, shapes, list(BUCKET.dtypes().values()), None, [], shm)
 
 
-def err_codes(decision: Decision) -> list[str]:
+def err_codes(decision: Decision) -> list[RejectCode]:
     """The ERR codes a decision answers with (every other reply kind fails the test)."""
-    codes = []
+    codes: list[RejectCode] = []
     for out in decision.sends:
         assert isinstance(out.msg, Err), out.msg
         codes.append(out.msg.code)
