@@ -168,8 +168,8 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
     handoff = JaxHandOff(mlp_step(args.layers), params, device)
     sampler = GpuSampler(interval_s=_NVML_EVERY_S) if device.platform == "gpu" else None
     with Consumer(cfg) as feed:
-        step_s, copy_s, compile_s = _limits(handoff, feed.bucket_set.buckets, args.resident_steps)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
+        step_s, copy_s, compile_s = _limits(handoff, feed._bucket_set.buckets, args.resident_steps)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed._endpoint}))
         if sampler is not None:
             sampler.start()
         try:
@@ -180,7 +180,7 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
             stop_producers(group)
     return {"device": str(device), "platform": device.platform, "jax": jax.__version__,
             "hidden": args.hidden, "layers": args.layers, "producers": cfg.producer.count,
-            "transport": "shm" if feed.shm is not None else "zmq", "compile_s": compile_s,
+            "transport": "shm" if feed._shm is not None else "zmq", "compile_s": compile_s,
             "resident_step_ms": [1000 * s for s in step_s], "copy_ms": [1000 * s for s in copy_s],
             "runs": runs, "command": ["python", "-m", "melfeed.consumer.clients.jax_bench", *sys.argv[1:]]}
 

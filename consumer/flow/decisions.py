@@ -1,7 +1,7 @@
 """What the receiver session is configured with and what it hands back to its socket shell.
 
 Plain frozen records (and one mutable ``Decision`` the session fills): the session's settings
-(``SessionConfig``, ``HandshakeContract``), its replies (``Outgoing``: a routing id and a message;
+(``ReceiverSessionConfig``, ``HandshakeContract``), its replies (``Outgoing``: a routing id and a message;
 the shell encodes and sends it), a BATCH whose payload the shell must take (``BatchIntake``), and the
 receiver's counters (``ReceiverStats``, a snapshot safe to hand to any thread).
 Invariant: nothing here holds a socket, a thread or a clock. Shutdown: nothing to release.
@@ -16,7 +16,7 @@ from melfeed.consumer.flow.peers import ProducerReport
 from melfeed.shared.config import TransportConfig
 from melfeed.shared.wire.protocol import BatchHeader, Message
 
-__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "SessionConfig"]
+__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "ReceiverSessionConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class HandshakeContract:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionConfig:
+class ReceiverSessionConfig:
     """The protocol settings of one consumer start."""
 
     contract: HandshakeContract
@@ -43,7 +43,7 @@ class SessionConfig:
     lease_backoff_s: float = 60.0  # ... and gets no leases for this long
 
     @classmethod
-    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, epoch: int, checksum: bool) -> SessionConfig:
+    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, epoch: int, checksum: bool) -> ReceiverSessionConfig:
         """The settings ``transport.*`` gives one consumer start (``checksum``: ``resolve_checksum``'s answer)."""
         return cls(contract, epoch, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
                    checksum=checksum, lease_expiry_limit=t.lease_expiry_limit, lease_backoff_s=t.lease_backoff_s)

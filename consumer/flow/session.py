@@ -26,7 +26,7 @@ import reprlib
 
 from melfeed.consumer.flow.credit import ActiveLease, LeaseBook, Verdict, grant_round
 from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
-                                     SessionConfig)
+                                     ReceiverSessionConfig)
 from melfeed.consumer.flow.peers import PeerInfo, PeerTable
 from melfeed.consumer.flow.rejects import RejectLog, peer_label
 from melfeed.consumer.flow.ring import BatchRing
@@ -39,7 +39,7 @@ from melfeed.shared.wire.protocol import (CAP_SHM, MAX_REASON_CHARS, SUPPORTED_V
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
-           "ReceiverStats", "SessionConfig", "escape_line"]
+           "ReceiverStats", "ReceiverSessionConfig", "escape_line"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class ReceiverSession:
         rejects: reject counters and flood detection (injectable for tests).
     """
 
-    def __init__(self, cfg: SessionConfig, ring: BatchRing, book: LeaseBook, *,
+    def __init__(self, cfg: ReceiverSessionConfig, ring: BatchRing, book: LeaseBook, *,
                  shm: SlotFiles | None = None, rejects: RejectLog | None = None) -> None:
         self.cfg = cfg
         self.epoch = cfg.epoch

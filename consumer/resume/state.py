@@ -6,10 +6,10 @@ consumer = Consumer(cfg, start_batch=state.next_batch)
 state.restore_into(items)                             # after warm-up: the checkpointed variables
 for batch in consumer.batches(stop):
     step(batch)
-    state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
+    state.record(batch.batch_id, batch.sample_ids, consumer._run_id)
     if state.due():
-        state.checkpoint(items, consumer.epoch)
-state.checkpoint(items, consumer.epoch)               # on stop and at the end
+        state.checkpoint(items, consumer._run_id)
+state.checkpoint(items, consumer._run_id)               # on stop and at the end
 state.close()
 ```
 Invariants:

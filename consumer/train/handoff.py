@@ -77,7 +77,7 @@ class TfHandOff:
         packed: the packed programs (``warm_up`` done).
         device: the GPU to copy regions to (``model_device()``); None (or a CPU) = wrap only, synchronous.
         on_step: called with the number of steps dispatched so far, right after each dispatch.
-        slot_buffer: a slot's whole buffer (``consumer.ring.memory.buffer``); a batch whose arrays do not lie
+        slot_buffer: a slot's whole buffer (``consumer._ring.memory.buffer``); a batch whose arrays do not lie
             in it (or without one) is packed into a fresh region, one host copy.
     """
 

@@ -36,7 +36,7 @@ def _train(config: str, steps: int, *, poison: bool) -> tuple[dict[str, np.ndarr
     handoff = JaxHandOff(_STEP, init_params(cfg.n_mels, 16, 1, seed=3), jax.devices()[0])
     done = 0
     with Consumer(cfg) as consumer:
-        poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
+        poisoned = scribble_on_release(consumer._ring) if poison else (lambda: 0)
         for _ in Stager(consumer, handoff, depth=2).run():
             done += 1
     if done != steps:

@@ -33,7 +33,7 @@ def main(config: str, mode: str) -> int:
     assert state is not None
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            poisoned = scribble_on_release(consumer.ring) if mode != "clean" else (lambda: 0)
+            poisoned = scribble_on_release(consumer._ring) if mode != "clean" else (lambda: 0)
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
     finally:
         state.close()

@@ -52,7 +52,7 @@ def _train(config: Path, *, poison: bool) -> int:
     assert state is not None
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
+            poisoned = scribble_on_release(consumer._ring) if poison else (lambda: 0)
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
         assert summary.steps == _STEPS and not summary.interrupted
     finally:
