@@ -39,7 +39,7 @@ Invariants (consumer/README.md, "Exactly once on the library path"):
       frees the slot the superseded one held, so a late-collected Keras iterator keeps no slot.
 Read-ahead to the model device (``prefetch_device``; "auto" = the first GPU TensorFlow sees, none on
 CPU): ``copy_to_device`` + ``prefetch(1)`` after the element is built, then a last ``map`` whose hook
-applies the batch. The generator then only *holds* what it takes (``HandoutDesk.hold_read_ahead``); the hook
+applies the batch. The generator then only *holds* what it takes (``HandoutDesk.hold``); the hook
 runs when the caller takes the element (nothing follows it), so exactly the batches the caller received
 are applied; what the stage still holds when the iterator is dropped or superseded is handed out again,
 first. A device copy frees its slot when taken; a host stage (a device name without "GPU": tests) keeps
@@ -166,7 +166,7 @@ class _DatasetSource:
         if batch is None:
             raise StopIteration
         if self._read_ahead:
-            desk.hold_read_ahead(token, batch)   # applied when the caller takes it (``consumed``)
+            desk.hold(token, batch)              # applied when the caller takes it (``consumed``)
         else:
             desk.apply_and_hold(batch)           # handed to the caller = applied (see the module docstring)
             self._held[token] = batch

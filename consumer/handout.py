@@ -5,9 +5,8 @@ batches out (the newest; older ones are superseded), the batches it holds unappl
 again first, and the ids applied so far. ``HandoutDesk`` is the hand-out protocol over that book, the one
 object ``Consumer.batches()`` / ``next_batch()`` / ``release()``, a ``Stager`` (consumer/staging.py) and
 ``as_dataset()`` (consumer/dataset.py) talk to: iterator tokens, holds, a dataset's read-ahead and held slot,
-applied batches (recorded here only; the receiver is told) and freed slots. Its consumer (consumer/feed.py)
-owns it and hands it the ring and the receiver as ``HandoutPorts``. The rules it keeps are stated in
-consumer/README.md ("Exactly once on the library path") and docs/ARCHITECTURE.md, invariant 3.
+applied batches (recorded here only; the receiver is told) and freed slots; its consumer owns it and hands it
+the ring and the receiver as ``HandoutPorts``. Rules: consumer/README.md ("Exactly once on the library path").
 Invariants:
     * Applied ids are consecutive from ``start_batch``: each batch is applied once, in plan order
       (``record_applied`` raises ``RuntimeError`` otherwise; that is a bug, never a data problem).
@@ -227,8 +226,8 @@ class HandoutDesk:
     """The hand-out protocol of one consumer: take in plan order, hold, give back, apply, free (module docstring).
 
     Args:
-        start_batch: the first batch id to apply (a resume position).
-        end_batch: the plan position to stop at (None: endless).
+        start_batch, end_batch: the first batch id to apply (a resume position); the plan position to stop at
+            (None: endless).
         owner: the consumer's run id (``Batch.owner``): no other consumer's batch is applied or freed here.
         ports: the consumer's ring and receiver.
     """
@@ -241,7 +240,6 @@ class HandoutDesk:
         self._held: Batch | None = None       # applied, its slot kept until the next element (a dataset)
         self._lock = threading.Lock()
 
-    # --- what counts ---------------------------------------------------------------------------
     @property
     def applied(self) -> int:
         return self._book.applied
@@ -257,10 +255,8 @@ class HandoutDesk:
 
     @property
     def has_returned(self) -> bool:
-        """Batches given back wait to be handed out again."""
         return self._book.has_returned
 
-    # --- taking --------------------------------------------------------------------------------
     def next_batch(self, timeout_s: float) -> Batch | None:
         """A batch given back first, else the next in plan order (None: late); ``ClosedError`` at the plan's end."""
         self._ports.check_usable()
@@ -326,7 +322,6 @@ class HandoutDesk:
             if not batch.slot_freed:
                 self.free_slot(batch)
 
-    # --- iterators -----------------------------------------------------------------------------
     def begin(self) -> int:
         """Start a new hand-out iterator (superseding any older one); returns its token. The slot a superseded
         dataset iterator still holds is freed here: a ``fit`` that ended never reads it again (a Keras iterator
@@ -348,7 +343,6 @@ class HandoutDesk:
         with self._lock:
             self._book.give_back(token, batch)
 
-    # --- applying and freeing ------------------------------------------------------------------
     def release(self, batch: Batch) -> None:
         """The step that read ``batch`` has finished: count it applied and free its slot."""
         self.mark_applied(batch, wake=False)     # the release wakes the receiver if that helps
@@ -388,11 +382,7 @@ class HandoutDesk:
             self.free_slot(self._held)
             self._held = None
 
-    # --- a dataset's device read-ahead: held until the caller takes the element -----------------
-    def hold_read_ahead(self, token: int, batch: Batch) -> None:
-        """Iterator ``token`` handed ``batch`` to a read-ahead stage: held, not applied until consumed."""
-        self.hold(token, batch)
-
+    # --- a dataset's device read-ahead: held (``hold``) until the caller takes the element -------
     def consume_read_ahead(self, token: int, batch_id: int, keep_slot: bool) -> None:
         """The caller of iterator ``token`` took batch ``batch_id`` out of the read-ahead stage: apply it.
 

@@ -35,7 +35,7 @@ class ReceiverSessionConfig:
     """The protocol settings of one consumer start."""
 
     contract: HandshakeContract
-    epoch: int                    # this consumer start's epoch (random, non-zero)
+    run_id: int                   # this consumer start's id (random, non-zero; the wire's ``epoch`` field)
     heartbeat_interval_s: float   # between two consumer heartbeats; also sent in WELCOME
     liveness_s: float             # a producer silent this long is dropped and its leases reissued
     checksum: bool                # producers must send crc32 (WELCOME tells them)
@@ -43,9 +43,9 @@ class ReceiverSessionConfig:
     lease_backoff_s: float = 60.0  # ... and gets no leases for this long
 
     @classmethod
-    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, epoch: int, checksum: bool) -> ReceiverSessionConfig:
+    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, run_id: int, checksum: bool) -> ReceiverSessionConfig:
         """The settings ``transport.*`` gives one consumer start (``checksum``: ``resolve_checksum``'s answer)."""
-        return cls(contract, epoch, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
+        return cls(contract, run_id, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
                    checksum=checksum, lease_expiry_limit=t.lease_expiry_limit, lease_backoff_s=t.lease_backoff_s)
 
 

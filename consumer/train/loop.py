@@ -95,7 +95,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.factory import build_compiled_step
-    from melfeed.consumer.train.handoff import TfHandOff, model_device
+    from melfeed.consumer.train.handoff import TfStageAdapter, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
     cache_dir = active_xla_cache_dir()
@@ -158,7 +158,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     copies = 0
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     last_dispatch_s = 0.0
-    handoff = TfHandOff(packed, model_device(), on_step, slot_buffer=consumer._ring.memory.buffer)
+    handoff = TfStageAdapter(packed, model_device(), on_step, slot_buffer=consumer._ring.memory.buffer)
     stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py

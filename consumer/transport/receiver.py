@@ -79,7 +79,7 @@ class Receiver:
                  bucket_set: BucketSet, *, shm: ShmSlots | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = cfg.endpoint
-        self.epoch = cfg.session.epoch
+        self.run_id = cfg.session.run_id
         self._ring = ring
         self._buckets = bucket_set
         self._max_header_bytes = max_producer_header_bytes(max(b.batch_size for b in bucket_set.buckets))

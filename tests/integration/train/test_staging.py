@@ -28,7 +28,7 @@ from melfeed.consumer.handout import Batch
 from melfeed.consumer.resume.checkpoint import latest_checkpoint
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.staging import Staged
-from melfeed.consumer.train.handoff import TfHandOff
+from melfeed.consumer.train.handoff import TfStageAdapter
 from melfeed.consumer.train.loop import train
 from melfeed.shared.config_loader import load_config
 from tests import procs
@@ -71,13 +71,13 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     try:
         _train(configs["clean"], poison=False)
         assert _train(configs["poisoned"], poison=True) >= _STEPS
-        put = TfHandOff.put
+        put = TfStageAdapter.put
 
-        def copied_at_once(self: TfHandOff, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
+        def copied_at_once(self: TfStageAdapter, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
             staged = put(self, batch)
             return Staged(staged.value, copied=lambda: True, host_copies=staged.host_copies)
 
-        monkeypatch.setattr(TfHandOff, "put", copied_at_once)
+        monkeypatch.setattr(TfStageAdapter, "put", copied_at_once)
         _train(configs["released_early"], poison=True)
     finally:
         procs.stop(producers)
