@@ -37,7 +37,7 @@ from melfeed.consumer.guards import check_config, check_failures, check_start_ba
 from melfeed.consumer.handout import ArraySpec, Batch, HandoutDesk, HandoutPorts
 from melfeed.consumer.flow.plan import EpochPlan
 from melfeed.consumer.flow.shards import plan_for_rank
-from melfeed.consumer.flow.decisions import ReceiverSessionConfig, HandshakeContract
+from melfeed.consumer.flow.decisions import HandshakeContract, ReceiverSessionConfig
 from melfeed.consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
 from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
 from melfeed.consumer.transport.shm_slots import ShmSlots, open_ring_files

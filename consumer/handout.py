@@ -93,7 +93,7 @@ class Batch:
 
     @property
     def bucket(self) -> int:
-        """Index into ``Consumer.bucket_set.buckets``."""
+        """Index into ``Consumer.bucket_shapes`` (one bucket each)."""
         return self.planned.bucket
 
     @property
