@@ -105,7 +105,9 @@ class Consumer:
                                    max_connections=t.max_connections, handshake_timeout_s=t.handshake_timeout_s)
         self._receiver = Receiver(receiving, self._ring, book, self._bucket_set, shm=self._shm)
         self._wait_s_total = 0.0
-        ports = HandoutPorts(self._check_usable, self._take, self._ring.release, self._receiver.mark_applied,
+        # late-bound: a wrapper put on the ring's release after construction sees every release
+        ports = HandoutPorts(self._check_usable, self._take, lambda slot: self._ring.release(slot),
+                             lambda batch_id, wake: self._receiver.mark_applied(batch_id, wake),
                              lambda: self._receiver.stats().producers_alive, cfg.consumer.wait_timeout_s)
         self._desk = HandoutDesk(start_batch, end_batch, self._run_id, ports)
         self._started = self._closed = False
