@@ -58,7 +58,7 @@ def test_a_batch_released_twice_is_refused_and_frees_no_slot_twice(feed: Consume
     with pytest.raises(RuntimeError, match="batch 0 was already applied"):
         feed.release(batch)
     with pytest.raises(RuntimeError, match="slot of batch 0 was already freed"):
-        feed.free_slot(batch)                                     # would free the slot batch 1 is in
+        feed._desk.free_slot(batch)                               # would free the slot batch 1 is in
     assert feed._ring.counts()[SlotState.IN_STEP] == 1 and feed.applied_ids == [0]
     feed.release(newer)
     assert feed.applied_ids == [0, 1]
