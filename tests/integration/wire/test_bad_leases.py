@@ -199,7 +199,7 @@ def test_b9_b12_negative_ids_and_epochs_are_schema_errors_not_duplicates_or_stal
 def _in_slot(peer: BadPeer, lease: Lease, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` into the lease's slot file, as a producer on the shm path does."""
     assert peer.shm_dir is not None and lease.shm is not None
-    maps = SlotMappings(peer.wire.consumer.bucket_set, 1, shm_dir=None, endpoint=peer.wire.endpoint)
+    maps = SlotMappings(peer.wire.consumer._bucket_set, 1, shm_dir=None, endpoint=peer.wire.endpoint)
     views = maps.views(peer.shm_dir, lease.shm, lease.bucket)
     for key in ARRAY_KEYS:
         views[key][...] = arrays[key]
@@ -241,7 +241,7 @@ def _length_beyond_bucket(peer: BadPeer, lease: Lease) -> list[bytes]:
 
 
 def _n_slots(peer: BadPeer) -> int:
-    return peer.wire.consumer.ring.n_slots
+    return peer.wire.consumer._ring.n_slots
 
 
 _SHM_CASES: dict[str, tuple[ShmCase, str]] = {
