@@ -115,7 +115,7 @@ def _report_outliers(cfg: PipelineConfig, consumer: Consumer, state: RunState | 
     """STATE_DIR/outliers.tsv: every utterance the plan leaves out, with its reason (``shared/wire/outliers.py``)."""
     if state is None:
         return
-    m, bs = consumer.manifest, consumer.bucket_set
+    m, bs = consumer.manifest, consumer._bucket_set
     rows = [(m.utterances[i].id, int(m.frames[i]), int(m.token_counts[i]), reason)
             for i, reason in excluded(m.frames, m.token_counts, bs.assignment, cfg.buckets)]
     path = state.write_outliers(rows)
@@ -129,7 +129,8 @@ def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state:
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
     _report_outliers(cfg, consumer, state)
     failures = (lambda: state.checkpoint_failures) if state is not None else None
-    return Telemetry(cfg, consumer, started_s, control_endpoint=endpoint, checkpoint_failures=failures)
+    return Telemetry(cfg, consumer._telemetry_source(), started_s, control_endpoint=endpoint,
+                     checkpoint_failures=failures)
 
 
 @contextmanager
@@ -141,7 +142,7 @@ def _board(cfg: PipelineConfig, place: WorkerPlace, consumer: Consumer) -> Itera
         yield None
         return
     with Board(board_dir(c.tensorboard_dir, place.rank, place.world), c.tensorboard_every_steps,
-               consumer.next_apply) as board:
+               consumer._desk.next_id) as board:
         yield board
 
 
@@ -239,7 +240,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
         with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
                       world=place.world) as consumer, \
                 _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
-            child_cfg = with_overrides(cfg, {"transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True,
+            child_cfg = with_overrides(cfg, {"transport.endpoint": consumer._endpoint, "producer.exit_at_plan_end": True,
                                              "cache_dir": str(Path(cache_dir).resolve())})
             group = start_producers(child_cfg, args.debug_delay_ms)
             if job is None and not configured:
@@ -290,6 +291,6 @@ def _watch(group: Child, stop: threading.Event, consumer: Consumer) -> None:
     """Stop the run if the producer group dies on its own (e.g. exit 78 on a contract error), unless it
     exited 0 because the plan is finished."""
     code = group.proc.wait()
-    if not group.stopping and not (code == 0 and consumer.finished):
+    if not group.stopping and not (code == 0 and consumer._desk.finished):
         log.error("producer group exited with %d; stopping", code)
         stop.set()

@@ -39,7 +39,7 @@ Invariants (docs/guide/your-model.md, "A loop of your own"):
       frees the slot the superseded one held, so a late-collected Keras iterator keeps no slot.
 Read-ahead to the model device (``prefetch_device``; "auto" = the first GPU TensorFlow sees, none on
 CPU): ``copy_to_device`` + ``prefetch(1)`` after the element is built, then a last ``map`` whose hook
-applies the batch. The generator then only *holds* what it takes (``Consumer.hold_read_ahead``); the hook
+applies the batch. The generator then only *holds* what it takes (``HandoutDesk.hold``); the hook
 runs when the caller takes the element (nothing follows it), so exactly the batches the caller received
 are applied; what the stage still holds when the iterator is dropped or superseded is handed out again,
 first. A device copy frees its slot when taken; a host stage (a device name without "GPU": tests) keeps
@@ -64,7 +64,7 @@ from melfeed.shared.wire.schema import ExtraSpec
 
 if TYPE_CHECKING:
     from melfeed.consumer.feed import Consumer
-    from melfeed.consumer.handout import Batch
+    from melfeed.consumer.handout import Batch, HandoutDesk
 
 __all__ = ["make_dataset", "FEATURE_KEYS", "feature_keys"]
 
@@ -113,7 +113,7 @@ class _Tables:
     """Where each array lies in a slot and its shape, per bucket: int64 [n_buckets, ...] constants."""
 
     def __init__(self, consumer: Consumer, names: Sequence[str]) -> None:
-        ring, buckets = consumer.ring, consumer.bucket_set.buckets
+        ring, buckets = consumer._ring, consumer._bucket_set.buckets
         base = ring.memory.buffer(0).ctypes.data
         views = [ring.views(0, b.index) for b in buckets]        # addresses only: no data is read
         self.names = tuple(names)
@@ -134,54 +134,55 @@ class _Tables:
         return tf.reshape(flat, self.shape[name][bucket])
 
 
-class _Handover:
+class _DatasetSource:
     """The Python side: one call per element for iterator ``token``; holds at most one slot per token."""
 
     def __init__(self, consumer: Consumer, tables: _Tables, read_ahead: bool) -> None:
-        self._consumer = consumer
+        self._desk: HandoutDesk = consumer._desk
+        self._ring = consumer._ring
         self._end = tables.end
         self._held: dict[int, Batch] = {}
         self._read_ahead = read_ahead            # a prefetch stage follows: apply on consumption, not here
 
     def begin(self) -> np.int64:
         """A new iterator asked for its first element: it supersedes the previous one."""
-        self._held.clear()                       # begin_iterator frees whatever slot was held
-        return np.int64(self._consumer.begin_iterator())
+        self._held.clear()                       # the desk's begin frees whatever slot was held
+        return np.int64(self._desk.begin())
 
     def next(self, token_arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The next batch's slot bytes and info for iterator ``token``; ``StopIteration`` at the end."""
         token = int(token_arr)
-        consumer = self._consumer
+        desk = self._desk
         if not self._read_ahead:
             self.release(token_arr)              # the caller asked for the next element: its step is done
         batch = None
-        if consumer.is_current(token):
+        if desk.is_current(token):
             try:
-                batch = consumer.wait_next(token)
+                batch = desk.wait_next(token)
             except RuntimeError:                 # superseded while waiting: the newer iterator goes on
-                if consumer.is_current(token):   # anything else (not started) is the caller's to see
+                if desk.is_current(token):       # anything else (not started) is the caller's to see
                     raise
                 batch = None
         if batch is None:
             raise StopIteration
         if self._read_ahead:
-            consumer.hold_read_ahead(token, batch)   # applied when the caller takes it (``consumed``)
+            desk.hold(token, batch)              # applied when the caller takes it (``consumed``)
         else:
-            consumer.apply_and_hold(batch)       # handed to the caller = applied (see the module docstring)
+            desk.apply_and_hold(batch)           # handed to the caller = applied (see the module docstring)
             self._held[token] = batch
-        raw = consumer.ring.memory.buffer(batch.slot)[:self._end[batch.bucket]]
+        raw = self._ring.memory.buffer(batch.slot)[:self._end[batch.bucket]]
         return raw, np.array([batch.bucket, batch.batch_id, batch.rows, token], np.int64)
 
     def consumed(self, info: np.ndarray, keep_slot: bool) -> np.int64:
         """The dataset's caller took the element ``info`` describes (read-ahead mode only)."""
-        self._consumer.consume_read_ahead(int(info[_TOKEN]), int(info[_BATCH_ID]), keep_slot)
+        self._desk.consume_read_ahead(int(info[_TOKEN]), int(info[_BATCH_ID]), keep_slot)
         return np.int64(0)
 
     def release(self, token_arr: np.ndarray) -> np.int64:
         """Free the slot iterator ``token`` holds (next element, or the iterator ended or was dropped)."""
         held = self._held.pop(int(token_arr), None)
         if held is not None:
-            self._consumer.free_held_slot(held)
+            self._desk.free_held_slot(held)
         return np.int64(0)
 
 
@@ -212,7 +213,7 @@ def _build(tables: _Tables, spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec]
 
 def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int, ...]] | None,
           cut: Sequence[ExtraSpec] | None = None) -> tuple[dict[str, tf.TensorSpec], tf.TensorSpec]:
-    m = consumer.cfg.n_mels
+    m = consumer._cfg.n_mels
     if big is not None:
         shapes: dict[str, tuple[int | None, ...]] = dict(big)
         b = big["mel"][0]
@@ -223,12 +224,12 @@ def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int,
     shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
     for k in cut_names(cut) if cut is not None else ():     # the cut's width is each batch's own
         shapes[k] = (shapes[k][0], None, *shapes[k][2:])
-    dtypes = {**{k: tf.as_dtype(v) for k, v in consumer.bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
+    dtypes = {**{k: tf.as_dtype(v) for k, v in consumer._bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
     return feats, tf.TensorSpec(shapes["mel"], dtypes["mel"], name="mel")   # float16 on a float16 wire
 
 
-def _read_ahead(ds: tf.data.Dataset, device: str, handover: _Handover) -> tf.data.Dataset:
+def _read_ahead(ds: tf.data.Dataset, device: str, source: _DatasetSource) -> tf.data.Dataset:
     """Copy to ``device`` (a GPU) and prefetch there, or prefetch on the host; then count consumption.
 
     The last stage runs only when the caller takes an element (nothing follows it), so its hook
@@ -245,7 +246,7 @@ def _read_ahead(ds: tf.data.Dataset, device: str, handover: _Handover) -> tf.dat
     def hook(feats: dict[str, tf.Tensor], mel: tf.Tensor, info: tf.Tensor
              ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         with tf.device("/CPU:0"):
-            done = tf.numpy_function(lambda i: handover.consumed(i, keep_slot=not is_copy), [info], tf.int64,
+            done = tf.numpy_function(lambda i: source.consumed(i, keep_slot=not is_copy), [info], tf.int64,
                                      stateful=True)
         with tf.control_dependencies([done]):
             return {k: tf.identity(v) for k, v in feats.items()}, tf.identity(mel)
@@ -293,18 +294,18 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
     tables = _Tables(consumer, ["mel", *dict.fromkeys(k for k in read if k in arrays and k != "mel")])
     big = _big_shapes(consumer) if single_shape else None
     device = resolve_prefetch_device(prefetch_device)
-    handover = _Handover(consumer, tables, read_ahead=device is not None)
+    source = _DatasetSource(consumer, tables, read_ahead=device is not None)
     spec = _spec(consumer, keys, big, cut)
 
     def begin(_: Any) -> tf.Tensor:
-        return tf.numpy_function(handover.begin, [], tf.int64, stateful=True)
+        return tf.numpy_function(source.begin, [], tf.int64, stateful=True)
 
     def fetch(token: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        raw, info = tf.numpy_function(handover.next, [token], [tf.uint8, tf.int64], stateful=True)
+        raw, info = tf.numpy_function(source.next, [token], [tf.uint8, tf.int64], stateful=True)
         return tf.ensure_shape(raw, [None]), tf.ensure_shape(info, [4])
 
     def finalize(token: tf.Tensor) -> tf.Tensor:
-        return tf.numpy_function(handover.release, [token], tf.int64, stateful=True)
+        return tf.numpy_function(source.release, [token], tf.int64, stateful=True)
 
     def per_iterator(dummy: tf.Tensor) -> tf.data.Dataset:  # a fresh token for every iterator
         return _GeneratorDataset(dummy, begin, fetch, finalize,
@@ -313,7 +314,7 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
     ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
     if device is not None:                      # the info vector travels to the hook after the stage
         ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, cut, raw, info), info)), device,
-                         handover)
+                         source)
     else:
         ds = ds.map(lambda raw, info: _build(tables, spec, big, cut, raw, info))
     options = tf.data.Options()

@@ -82,14 +82,14 @@ class FeedBoard:
         self._written = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
-        cfg = self._feed.cfg
+        cfg = self._feed._cfg
         quiet = dataclasses.replace(cfg.consumer, metrics_file=None, metrics_port=None)   # for TensorBoard alone
-        self._telemetry = Telemetry(dataclasses.replace(cfg, consumer=quiet), self._feed, time.time(),
-                                    control_endpoint=None)
+        self._telemetry = Telemetry(dataclasses.replace(cfg, consumer=quiet), self._feed._telemetry_source(),
+                                    time.time(), control_endpoint=None)
         self._telemetry.start()
         self._writer = BoardWriter(self.logdir, _KEY)
         applied = self._feed.applied_ids     # the next batch applied is the first this fit trains
-        self._first = applied[-1] + 1 if applied else self._feed.next_apply
+        self._first = applied[-1] + 1 if applied else self._feed._desk.next_id
         self._recorded = self._epoch_start = self._begun = 0
         self._written = self._first
 
@@ -108,7 +108,7 @@ class FeedBoard:
         due = (trained % self._every_steps == 0) if self._every_steps else now >= self._next_write_s
         if due:
             self._write()
-            self._next_write_s = now + self._feed.cfg.consumer.status_interval_s
+            self._next_write_s = now + self._feed._cfg.consumer.status_interval_s
 
     def on_train_end(self, logs: Any = None) -> None:
         self.close()
@@ -135,24 +135,24 @@ class FeedBoard:
             self._writer = None
 
     def _mark(self, now_s: float) -> None:
-        self._last_s, self._wait_seen = time.perf_counter(), self._feed.wait_s_total
-        self._next_write_s = now_s + self._feed.cfg.consumer.status_interval_s
+        self._last_s, self._wait_seen = time.perf_counter(), self._feed._wait_s_total
+        self._next_write_s = now_s + self._feed._cfg.consumer.status_interval_s
 
     def _record(self, trained: int) -> None:
         """One record per batch completed since the last call; the period and the wait shared among them."""
         assert self._telemetry is not None
         feed, now_s = self._feed, time.perf_counter()
         n = trained - self._recorded
-        wait_s = (feed.wait_s_total - self._wait_seen) / n
+        wait_s = (feed._wait_s_total - self._wait_seen) / n
         period_s = (now_s - self._last_s) / n
         for k in range(self._recorded, trained):
-            if k >= feed.cfg.consumer.warmup_steps:
+            if k >= feed._cfg.consumer.warmup_steps:
                 planned = feed.plan.batch(self._first + k)
-                rows, real, padded = planned_frames(planned.sample_ids, feed.bucket_set.buckets[planned.bucket],
+                rows, real, padded = planned_frames(planned.sample_ids, feed._bucket_set.buckets[planned.bucket],
                                                     feed.manifest.frames)
                 self._telemetry.add(StepRecord(now_s, wait_s, max(0.0, period_s - wait_s), rows, real, padded,
-                                               feed.queue_depth()))
-        self._recorded, self._last_s, self._wait_seen = trained, now_s, feed.wait_s_total
+                                               feed._receiver.queue_depth()))
+        self._recorded, self._last_s, self._wait_seen = trained, now_s, feed._wait_s_total
 
     def _write(self) -> None:
         step = self._first + self._recorded

@@ -56,8 +56,8 @@ class FitResume:
         """A ``keras.callbacks.Callback`` that restores, records and commits ``model`` trained on ``dataset``
         (``feed.as_dataset(...)``). A model not built yet is built from the dataset's element spec first (no
         batch is read for it), so its variables exist to restore into before the first step."""
-        if feed.next_apply != self.next_batch:
-            raise ValueError(f"the Consumer's next batch is {feed.next_apply}, the state directory's "
+        if feed._desk.next_id != self.next_batch:
+            raise ValueError(f"the Consumer's next batch is {feed._desk.next_id}, the state directory's "
                              f"{self.next_batch}: construct it with start_batch=resume.next_batch")
         return _make_callback(self, model, feed, dataset.element_spec)
 
@@ -150,13 +150,13 @@ def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: 
                 raise RuntimeError(f"fit trained {trained} batches but the dataset handed out {len(applied)}: "
                                    "train on feed.as_dataset() alone")
             for batch_id in applied[self._trained:trained]:
-                resume.state.record(batch_id, feed.plan.batch(batch_id).sample_ids, feed.epoch)
+                resume.state.record(batch_id, feed.plan.batch(batch_id).sample_ids, feed._run_id)
             self._trained = trained
             if resume.state.due():
-                resume.state.checkpoint(_items(model), feed.epoch, final=False)
+                resume.state.checkpoint(_items(model), feed._run_id, final=False)
 
         def on_train_end(self, logs: Any = None) -> None:
-            resume.state.checkpoint(_items(model), feed.epoch, final=True)
+            resume.state.checkpoint(_items(model), feed._run_id, final=True)
             resume.next_batch = resume.state.next_batch
 
     return _Commit()

@@ -64,7 +64,7 @@ def stop_producers(group: Child) -> None:
 
 def await_plan_end(group: Child, consumer: Consumer, wait_s: float) -> None:
     """A finished plan: the producers heard ``done`` and exit 0 by themselves; bounded, then the ladder."""
-    if not consumer.finished:
+    if not consumer._desk.finished:
         return
     try:
         code = group.proc.wait(wait_s)
@@ -109,17 +109,17 @@ class OwnedProducers:
 
     def start(self, consumer: Consumer, on_failure: Callable[[], None]) -> None:
         """Start the group for ``consumer`` (bound already); ``on_failure`` runs if it dies before the plan ends."""
-        cfg = consumer.cfg
+        cfg = consumer._cfg
         cache_dir = str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir is not None else None
         self.group = start_producers(with_overrides(cfg, {
-            "transport.endpoint": consumer.endpoint, "producer.exit_at_plan_end": True, "cache_dir": cache_dir,
+            "transport.endpoint": consumer._endpoint, "producer.exit_at_plan_end": True, "cache_dir": cache_dir,
             "producer.count": self.count}))
         threading.Thread(target=self._watch, args=(self.group, consumer, on_failure), name="producers-watch",
                          daemon=True).start()
 
     def _watch(self, group: Child, consumer: Consumer, on_failure: Callable[[], None]) -> None:
         code = group.proc.wait()
-        if group.stopping or (code == 0 and consumer.finished):
+        if group.stopping or (code == 0 and consumer._desk.finished):
             return
         self.error = PipelineError(f"the producer group (pid {group.proc.pid}, Consumer(producers={self.count})) "
                                    f"{exit_text(code)} before the plan ended; its log lines above say why")
@@ -131,5 +131,5 @@ class OwnedProducers:
         if self.group is None:
             return
         if not self.group.stopping:
-            await_plan_end(self.group, consumer, 2 * consumer.cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
+            await_plan_end(self.group, consumer, 2 * consumer._cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
         stop_producers(self.group)

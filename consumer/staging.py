@@ -1,8 +1,8 @@
 """Staging: batch n+1 goes to the model device while step n runs; a slot is freed when nothing reads it.
 
-Role: ``Stager`` drives a training step over a ``Consumer``'s batches through a framework's ``HandOff``
+Role: ``Stager`` drives a training step over a ``Consumer``'s batches through a framework's ``StageAdapter``
 (put a batch on the device, dispatch a step, tell whether a step completed, wait for its results). It
-imports no framework: the TensorFlow hand-off is consumer/train/handoff.py; a JAX (or any) client
+imports no framework: the TensorFlow adapter is consumer/train/handoff.py; a JAX (or any) client
 writes the four methods itself (docs/guide/your-model.md, "A loop of your own").
 
 Order on an asynchronous device (a GPU), depth 2, steady state: dispatch step k (batch k was staged
@@ -13,14 +13,14 @@ returns: it is reported, applied and its slot freed at once, so the loop holds o
 
 Invariants:
     * At most ``depth`` batches are in flight: taken from the ring and not yet completed.
-    * Steps are dispatched and completed in plan order; a batch is marked applied
-      (``Consumer.mark_applied``) only when its step completed.
+    * Steps are dispatched and completed in plan order; a batch is marked applied (on the consumer's
+      hand-out desk, ``HandoutDesk.mark_applied`` in consumer/handout.py) only when its step completed.
     * A slot is freed only when nothing can read it any more: when its step completed, or earlier when
-      the hand-off copied it and ``Staged.copied()`` says the device copy completed.
+      the adapter copied it and ``Staged.copied()`` says the device copy completed.
     * Before a step is dispatched while others are in flight, ``drain_before`` may ask for those to
       complete first (a checkpoint must hold the variables of exactly the applied batches).
     * ``Completed`` carries the batch's row and frame counts, read before its slot could be freed.
-Errors: an exception from the hand-off (or the consumer) gives every unapplied in-flight batch back
+Errors: an exception from the adapter (or the consumer) gives every unapplied in-flight batch back
 (the next iterator hands them out again, first); if one of them had its slot freed already (it was
 copied), it cannot be handed out again: the consumer is closed and ``PipelineError`` raised. When the
 caller stops iterating (break, an exception in its loop body), the steps already dispatched are waited
@@ -42,9 +42,9 @@ from melfeed.shared.errors import PipelineError
 
 if TYPE_CHECKING:
     from melfeed.consumer.feed import Consumer
-    from melfeed.consumer.handout import Batch
+    from melfeed.consumer.handout import Batch, HandoutDesk
 
-__all__ = ["Completed", "HandOff", "Staged", "Stager"]
+__all__ = ["Completed", "StageAdapter", "Staged", "Stager"]
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ class Staged(Generic[V]):
     """A batch put on the model device.
 
     ``copied``: None when ``value`` may read the slot until its step completes (it aliases host memory,
-    as TensorFlow on the CPU does, or the hand-off cannot tell when its copy ends); else a non-blocking
+    as TensorFlow on the CPU does, or the adapter cannot tell when its copy ends); else a non-blocking
     check that is True once the device copy completed, so the slot can be freed before the step ends.
-    ``host_copies``: arrays copied on the host while staging (0 for a zero-copy hand-off).
+    ``host_copies``: arrays copied on the host while staging (0 for a zero-copy adapter).
     """
 
     value: V
@@ -69,7 +69,7 @@ class Staged(Generic[V]):
     host_copies: int = 0
 
 
-class HandOff(Protocol[V, O, R_co]):
+class StageAdapter(Protocol[V, O, R_co]):
     """What a framework supplies; every method runs on the thread iterating ``Stager.run``."""
 
     def put(self, batch: Batch) -> Staged[V]:
@@ -116,14 +116,16 @@ class Stager(Generic[V, O, R]):
 
     Args:
         consumer: the feed; its ring must have more slots than ``depth`` (producers need one to fill).
-        handoff: the framework's four operations.
+        handoff: the framework's four operations (a ``StageAdapter``).
         depth: most batches in flight (``consumer.stage_depth``, default 2; 1 = no overlap).
     """
 
-    def __init__(self, consumer: Consumer, handoff: HandOff[V, O, R], depth: int = 2) -> None:
-        if not 1 <= depth < consumer.ring.n_slots:
-            raise ValueError(f"stage depth must be in 1..{consumer.ring.n_slots - 1} (ring slots - 1), got {depth}")
-        self.consumer = consumer
+    def __init__(self, consumer: Consumer, handoff: StageAdapter[V, O, R], depth: int = 2) -> None:
+        n_slots = consumer._ring.n_slots
+        if not 1 <= depth < n_slots:
+            raise ValueError(f"stage depth must be in 1..{n_slots - 1} (ring slots - 1), got {depth}")
+        self._consumer = consumer
+        self._desk: HandoutDesk = consumer._desk
         self.handoff = handoff
         self.depth = depth
         self.max_in_flight = 0           # most batches ever in flight at once (<= depth)
@@ -133,10 +135,10 @@ class Stager(Generic[V, O, R]):
         """Yield each completed step in plan order until the plan ends, ``stop`` is set or ``close()``.
 
         Starts a new hand-out iterator (it supersedes any other). ``on_wait``: see
-        ``Consumer.wait_next``. ``drain_before(n)``: asked before a step is dispatched while ``n``
+        ``Consumer.batches``. ``drain_before(n)``: asked before a step is dispatched while ``n``
         steps are in flight; True = let those complete (and be yielded) first.
         """
-        token = self.consumer.begin_iterator()
+        token = self._desk.begin()
         window: deque[_InFlight[V, O]] = deque()
         return self._run(token, window, self._steps(token, window, stop, on_wait, drain_before))
 
@@ -147,7 +149,7 @@ class Stager(Generic[V, O, R]):
                 done = next(steps)
             except StopIteration:
                 return
-            except BaseException:        # the hand-off or the consumer failed: nothing more completes
+            except BaseException:        # the adapter or the consumer failed: nothing more completes
                 self._give_back(token, window)
                 raise
             try:
@@ -172,11 +174,11 @@ class Stager(Generic[V, O, R]):
                 else:
                     self._dispatch(pending)
             elif source_open and len(window) < self.depth:
-                batch = self.consumer.wait_next(token, stop, on_wait)
+                batch = self._desk.wait_next(token, stop, on_wait)
                 if batch is None:
                     source_open = False
                     continue
-                self.consumer.hold(token, batch)
+                self._desk.hold(token, batch)
                 figures = (batch.rows, batch.real_frames, batch.padded_frames)
                 window.append(_InFlight(batch, self.handoff.put(batch), figures))
                 self.max_in_flight = max(self.max_in_flight, len(window))
@@ -196,12 +198,12 @@ class Stager(Generic[V, O, R]):
         t0 = time.perf_counter()
         result = self.handoff.wait(f.outputs)  # type: ignore[arg-type]
         f.step_s += time.perf_counter() - t0
-        if not self.consumer.is_current(token):
+        if not self._desk.is_current(token):
             raise RuntimeError("this stager was superseded by a newer batches() / as_dataset() iterator")
-        self.consumer.mark_applied(f.batch)
+        self._desk.mark_applied(f.batch)
         if not f.slot_freed:
             f.slot_freed = True
-            self.consumer.free_slot(f.batch)
+            self._desk.free_slot(f.batch)
         return Completed(f.batch, result, f.step_s, f.dispatched_s, f.staged.host_copies, *f.figures)
 
     def _free_copied(self, window: deque[_InFlight[V, O]]) -> None:
@@ -209,7 +211,7 @@ class Stager(Generic[V, O, R]):
         for f in window:
             if not f.slot_freed and f.staged.copied is not None and f.staged.copied():
                 f.slot_freed = True
-                self.consumer.free_slot(f.batch)
+                self._desk.free_slot(f.batch)
 
     def _finish_dispatched(self, token: int, window: deque[_InFlight[V, O]]) -> None:
         while window and window[0].dispatched:
@@ -225,10 +227,10 @@ class Stager(Generic[V, O, R]):
         lost = [f.batch.batch_id for f in window if f.slot_freed]
         for f in window:
             if not f.slot_freed:
-                self.consumer.give_back(token, f.batch)
+                self._desk.give_back(token, f.batch)
         window.clear()
         if lost:
-            self.consumer.close()
+            self._consumer.close()
             raise PipelineError(f"batches {lost} were copied to the device and their slots reused, but their "
                                 "steps did not complete: they cannot be handed out again; the consumer is "
                                 "closed (restart from the last checkpoint)")

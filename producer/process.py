@@ -126,7 +126,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     from melfeed.producer.batcher import BatchAssembler
     from melfeed.producer.pack.reader import open_pack_reader
     from melfeed.producer.reader import CacheReader
-    from melfeed.producer.session import SessionConfig
+    from melfeed.producer.session import ProducerSessionConfig
     from melfeed.producer.slot_maps import SlotMappings
     from melfeed.producer.worker import ProducerWorker, WorkerConfig
     from melfeed.shared.cache.features import load_manifest_for
@@ -155,7 +155,7 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
     # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
     slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots, shm_dir=t.shm_dir, endpoint=endpoint)
                  if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
-    session = SessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
+    session = ProducerSessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
                             cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
                             backoff_max_s=t.connect_backoff_max_s, exit_at_plan_end=cfg.producer.exit_at_plan_end,
                             mel_dtype=t.mel_dtype)

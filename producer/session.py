@@ -38,7 +38,7 @@ from melfeed.shared.printable import escape_line
 from melfeed.shared.wire.protocol import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease,
                                           LeaseGrant, Message, RejectCode, StageCounters, Welcome)
 
-__all__ = ["SessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
+__all__ = ["ProducerSessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _MAX_MISSING_FILES = 3   # more consecutive missing slot files: shm_dir is not v
 
 
 @dataclass(frozen=True, slots=True)
-class SessionConfig:
+class ProducerSessionConfig:
     """Who this producer is, the data contract it announces in HELLO, and its protocol timing."""
 
     producer_id: str                  # stable name (``producer-3``)
@@ -112,7 +112,7 @@ class ProducerSession:
         new_nonce: draws a join nonce (tests inject a counter).
     """
 
-    def __init__(self, cfg: SessionConfig, now_s: float, *, offers_shm: bool = False,
+    def __init__(self, cfg: ProducerSessionConfig, now_s: float, *, offers_shm: bool = False,
                  new_nonce: Callable[[], int] = random_nonce) -> None:
         self.cfg = cfg
         self.exit_code = 0                # non-zero: leave the loop and exit with it

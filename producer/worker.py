@@ -38,7 +38,7 @@ import zmq
 
 from melfeed.producer.batcher import BuiltBatch
 from melfeed.producer.reader import TransientReadError
-from melfeed.producer.session import BuildOrder, ProducerSession, SessionConfig
+from melfeed.producer.session import BuildOrder, ProducerSession, ProducerSessionConfig
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.errors import EXIT_CONFIG, CacheError, ProtocolError
 from melfeed.shared.wire.curve import ClientKeys
@@ -78,7 +78,7 @@ class WorkerConfig:
     """Where to connect and how; the session's config carries the producer's name and contract."""
 
     endpoint: str
-    session: SessionConfig
+    session: ProducerSessionConfig
     debug_delay_s: float = 0.0        # sleep after each build (``--debug-delay-ms``: a slow producer)
     curve: ClientKeys | None = None   # CURVE client keys (tcp beyond loopback); None = plaintext
 

@@ -3,7 +3,7 @@
 Runs in a fresh interpreter: the CPU is split into 3 logical devices before TensorFlow initialises its
 devices, and the replicas run on /CPU:1 and /CPU:2, so the host's /CPU:0 (where a reduce without a
 destination lands) is neither replica's device. Builds the reference step under ``Replicas`` twice with
-the same seed; one is fed through the hand-off (``TfHandOff.put`` -> ``PackedSteps.stage``: each replica's
+the same seed; one is fed through the hand-off (``TfStageAdapter.put`` -> ``PackedSteps.stage``: each replica's
 rows of each array from the slot, on its device), the other through ``CompiledStep.run`` on the full
 batch (split inside the program). Records where each staged piece lies, whether it aliases the slot,
 where the program sums the outputs, and the variables of both after the same batches.
@@ -40,7 +40,7 @@ def main(out_path: str) -> int:
     from melfeed.consumer.flow.plan import PlannedBatch
     from melfeed.consumer.handout import Batch
     from melfeed.consumer.train.device.packed import PackedSteps
-    from melfeed.consumer.train.handoff import TfHandOff, to_tensors
+    from melfeed.consumer.train.handoff import TfStageAdapter, to_tensors
     from melfeed.consumer.train.model import StepSpec, build_reference_step
     from melfeed.consumer.train.replicas import Replicas, replica_scope
     from melfeed.consumer.train.step import CompiledStep
@@ -73,7 +73,7 @@ def main(out_path: str) -> int:
     fed_step, fed = build()
     packed = PackedSteps.for_buckets(fed, [bucket], None)
     packed.warm_up(fed_step.variables())
-    handoff = TfHandOff(packed, None, slot_buffer=lambda _: slot)
+    handoff = TfStageAdapter(packed, None, slot_buffer=lambda _: slot)
     result: dict[str, Any] = {"piece_devices": [], "aliases_slot": [], "host_copies": 0}
     for batch_id, arrays in enumerate(batches):
         for name, view in views.items():

@@ -55,7 +55,7 @@ def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup:
     from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
     with Consumer(cfg) as feed:
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed._endpoint}))
         try:
             cpu0 = wall0 = 0.0
             done = 0

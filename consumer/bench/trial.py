@@ -155,10 +155,10 @@ def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: 
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
     with Consumer(cfg) as consumer:
-        shapes = [b.shapes() for b in consumer.bucket_set.buckets]
+        shapes = [b.shapes() for b in consumer._bucket_set.buckets]
         zero_s = _calibrate_zero_step_s(shapes)
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint} | producer_over))
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer._endpoint} | producer_over))
         try:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(),
                             on_step=_step_hook(window, warmup, batches, sleep_s))
@@ -234,8 +234,8 @@ def _run_transport(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     window = UsageWindow()
     nbytes = 0
     with Consumer(cfg) as feed:
-        memcpy = _memcpy_gb_per_s(feed.bucket_set.max_batch_nbytes())
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
+        memcpy = _memcpy_gb_per_s(feed._bucket_set.max_batch_nbytes())
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed._endpoint}))
         try:
             for done, batch in enumerate(feed.batches(), start=1):
                 if done == warmup:

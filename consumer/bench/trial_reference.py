@@ -58,7 +58,7 @@ def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str
     from melfeed.consumer.train.loop import train
     cfg = _with_limit(cfg)
     with Consumer(cfg) as consumer:
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer.endpoint}))
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer._endpoint}))
         try:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time())
         finally:

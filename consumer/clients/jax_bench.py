@@ -1,7 +1,7 @@
 """``python -m melfeed.consumer.clients.jax_bench``: a JAX step fed by melfeed; feed efficiency, copy overlap, NVML.
 
 Role: the data path measured on a machine that has JAX but no TensorFlow (a GPU machine), through the
-library API only: real producer processes, the ``Consumer`` ring, ``Stager`` with ``JaxHandOff``
+library API only: real producer processes, the ``Consumer`` ring, ``Stager`` with ``JaxStageAdapter``
 (``jax_feed.py``). Per run:
     * compile: the step once per bucket shape, before anything is timed;
     * resident limit: per bucket, ``--resident-steps`` steps back to back on one batch already on the
@@ -158,17 +158,17 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
     """The whole measurement (see the module); producers started and stopped here."""
     import jax
     from melfeed.consumer.producer_group import start_producers, stop_producers
-    from melfeed.consumer.clients.jax_feed import JaxHandOff, init_params, mlp_step
+    from melfeed.consumer.clients.jax_feed import JaxStageAdapter, init_params, mlp_step
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.observe.gpu import GpuSampler
     from melfeed.shared.config.loader import with_overrides
     device = jax.devices()[args.device]
     params = jax.device_put(init_params(cfg.n_mels, args.hidden, args.layers), device)
-    handoff = JaxHandOff(mlp_step(args.layers), params, device)
+    handoff = JaxStageAdapter(mlp_step(args.layers), params, device)
     sampler = GpuSampler(interval_s=_NVML_EVERY_S) if device.platform == "gpu" else None
     with Consumer(cfg) as feed:
-        step_s, copy_s, compile_s = _limits(handoff, feed.bucket_set.buckets, args.resident_steps)
-        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed.endpoint}))
+        step_s, copy_s, compile_s = _limits(handoff, feed._bucket_set.buckets, args.resident_steps)
+        group = start_producers(with_overrides(cfg, {"transport.endpoint": feed._endpoint}))
         if sampler is not None:
             sampler.start()
         try:
@@ -179,7 +179,7 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
             stop_producers(group)
     return {"device": str(device), "platform": device.platform, "jax": jax.__version__,
             "hidden": args.hidden, "layers": args.layers, "producers": cfg.producer.count,
-            "transport": "shm" if feed.shm is not None else "zmq", "compile_s": compile_s,
+            "transport": "shm" if feed._shm is not None else "zmq", "compile_s": compile_s,
             "resident_step_ms": [1000 * s for s in step_s], "copy_ms": [1000 * s for s in copy_s],
             "runs": runs, "command": ["python", "-m", "melfeed.consumer.clients.jax_bench", *sys.argv[1:]]}
 

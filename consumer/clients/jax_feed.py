@@ -2,7 +2,7 @@
 
 Role: what a JAX trainer needs to train on ``Consumer`` batches through ``melfeed.consumer.staging.Stager``,
 and the step ``jax_bench.py`` measures the data path with on a GPU that has no TensorFlow.
-    * ``JaxHandOff.put`` starts ``jax.device_put`` of the batch's arrays to the model device (the copy
+    * ``JaxStageAdapter.put`` starts ``jax.device_put`` of the batch's arrays to the model device (the copy
       runs while the step before it does). Where the device array aliases the slot's memory (JAX on the
       CPU takes an aligned numpy array without copying it), ``Staged.copied`` is None and the slot is held
       until the step that reads it completed; otherwise ``copied`` is True once every array is ready on
@@ -26,7 +26,7 @@ import numpy as np
 
 from melfeed.consumer.staging import Staged
 
-__all__ = ["JaxHandOff", "mlp_step", "init_params", "aliases_host", "device_batch", "block_until_ready",
+__all__ = ["JaxStageAdapter", "mlp_step", "init_params", "aliases_host", "device_batch", "block_until_ready",
            "STEP_ARRAYS"]
 
 Params = dict[str, Any]
@@ -80,7 +80,7 @@ def device_batch(arrays: Mapping[str, np.ndarray], device: Any,
     """
     missing = [key for key in names if key not in arrays]
     if missing:
-        raise KeyError(f"JaxHandOff(array_names=...): the batch has no {missing}; it holds {sorted(arrays)}")
+        raise KeyError(f"JaxStageAdapter(array_names=...): the batch has no {missing}; it holds {sorted(arrays)}")
     return {key: jax.device_put(arrays[key], device) for key in names}
 
 
@@ -95,8 +95,8 @@ def aliases_host(on_device: Mapping[str, jax.Array], host: Mapping[str, np.ndarr
     return False
 
 
-class JaxHandOff:
-    """``melfeed.consumer.staging.HandOff`` for a JAX step on one device.
+class JaxStageAdapter:
+    """``melfeed.consumer.staging.StageAdapter`` for a JAX step on one device.
 
     Args:
         step: ``(params, arrays) -> (params, loss)``, e.g. ``mlp_step``.

@@ -75,8 +75,8 @@ def measure_transport(config_path: str, producers: int, seconds: float, debug_de
                          env=child_env({"XDG_RUNTIME_DIR": tmp, PARENT_PID_ENV: str(os.getpid())}))
             with Child(proc, "producer group", GROUP_LADDER) as group:
                 n, elapsed_s = _count_batches(feed, group.proc, seconds)
-                alive = feed.receiver_stats().producers_alive
-                path = "shm" if feed.shm is not None else "zmq"     # the data path these batches took
+                alive = feed._receiver.stats().producers_alive
+                path = "shm" if feed._shm is not None else "zmq"     # the data path these batches took
     if n < 2:
         raise PipelineError(f"only {n} batch(es) arrived from {producers} producer(s) "
                             f"(producer group exit code {proc.returncode})")

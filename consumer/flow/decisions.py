@@ -1,7 +1,7 @@
 """What the receiver session is configured with and what it hands back to its socket shell.
 
 Plain frozen records (and one mutable ``Decision`` the session fills): the session's settings
-(``SessionConfig``, ``HandshakeContract``), its replies (``Outgoing``: a routing id and a message;
+(``ReceiverSessionConfig``, ``HandshakeContract``), its replies (``Outgoing``: a routing id and a message;
 the shell encodes and sends it), a BATCH whose payload the shell must take (``BatchIntake``), and the
 receiver's counters (``ReceiverStats``, a snapshot safe to hand to any thread).
 Invariant: nothing here holds a socket, a thread or a clock. Shutdown: nothing to release.
@@ -16,7 +16,7 @@ from melfeed.consumer.flow.peers import ProducerReport
 from melfeed.shared.config import TransportConfig
 from melfeed.shared.wire.protocol import BatchHeader, Message
 
-__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "SessionConfig"]
+__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverStats", "ReceiverSessionConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +31,11 @@ class HandshakeContract:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionConfig:
+class ReceiverSessionConfig:
     """The protocol settings of one consumer start."""
 
     contract: HandshakeContract
-    epoch: int                    # this consumer start's epoch (random, non-zero)
+    run_id: int                   # this consumer start's id (random, non-zero; the wire's ``epoch`` field)
     heartbeat_interval_s: float   # between two consumer heartbeats; also sent in WELCOME
     liveness_s: float             # a producer silent this long is dropped and its leases reissued
     checksum: bool                # producers must send crc32 (WELCOME tells them)
@@ -43,9 +43,9 @@ class SessionConfig:
     lease_backoff_s: float = 60.0  # ... and gets no leases for this long
 
     @classmethod
-    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, epoch: int, checksum: bool) -> SessionConfig:
+    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, run_id: int, checksum: bool) -> ReceiverSessionConfig:
         """The settings ``transport.*`` gives one consumer start (``checksum``: ``resolve_checksum``'s answer)."""
-        return cls(contract, epoch, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
+        return cls(contract, run_id, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
                    checksum=checksum, lease_expiry_limit=t.lease_expiry_limit, lease_backoff_s=t.lease_backoff_s)
 
 

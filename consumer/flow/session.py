@@ -26,7 +26,7 @@ import reprlib
 
 from melfeed.consumer.flow.credit import ActiveLease, Arrival, LeaseBook, grant_round
 from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
-                                     SessionConfig)
+                                     ReceiverSessionConfig)
 from melfeed.consumer.flow.peers import PeerInfo, PeerTable
 from melfeed.consumer.flow.rejects import RejectLog, peer_label
 from melfeed.consumer.flow.ring import BatchRing
@@ -39,7 +39,7 @@ from melfeed.shared.wire.protocol import (CAP_SHM, SUPPORTED_VERSIONS, BatchHead
                                   Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
 
 __all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
-           "ReceiverStats", "SessionConfig", "escape_line"]
+           "ReceiverStats", "ReceiverSessionConfig", "escape_line"]
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +50,16 @@ class ReceiverSession:
     """Handshake, leases, liveness, fencing and rejects for one consumer epoch.
 
     Args:
-        cfg: contract, epoch and timing.
+        cfg: contract, run id and timing.
         ring, book: the ring (shared with the step loop) and the lease book (each lease carries its planned batch).
         shm: the ring's slot files when the shared-memory path is on, else ``None``.
         rejects: reject counters and flood detection (injectable for tests).
     """
 
-    def __init__(self, cfg: SessionConfig, ring: BatchRing, book: LeaseBook, *,
+    def __init__(self, cfg: ReceiverSessionConfig, ring: BatchRing, book: LeaseBook, *,
                  shm: SlotFiles | None = None, rejects: RejectLog | None = None) -> None:
         self.cfg = cfg
-        self.epoch = cfg.epoch
+        self.run_id = cfg.run_id
         self._ring, self._book = ring, book
         self._peers = PeerTable()
         self._rejects = rejects if rejects is not None else RejectLog()
@@ -175,7 +175,7 @@ class ReceiverSession:
         if self.next_heartbeat_s is not None and now_s < self.next_heartbeat_s:
             return []
         self.next_heartbeat_s = now_s + self.cfg.heartbeat_interval_s
-        hb = Heartbeat(self.epoch, self.queue_depth(), applied_through + 1, done=self.plan_ended)
+        hb = Heartbeat(self.run_id, self.queue_depth(), applied_through + 1, done=self.plan_ended)
         return [Outgoing(ident, hb) for ident in self._peers.idents()]
 
     def closing(self, now_s: float, applied_through: int) -> list[Outgoing]:
@@ -210,7 +210,7 @@ class ReceiverSession:
                 Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
                       self._shm.slot_for(lease, info.uses_shm)))
         depth = self.queue_depth()
-        return [Outgoing(ident, LeaseGrant(self.epoch, leases, depth)) for ident, leases in grants.items()]
+        return [Outgoing(ident, LeaseGrant(self.run_id, leases, depth)) for ident, leases in grants.items()]
 
     # --- handlers -----------------------------------------------------------------------------
     def _on_hello(self, ident: bytes, msg: Hello, now_s: float, user_id: str | None) -> list[Outgoing]:
@@ -254,7 +254,7 @@ class ReceiverSession:
     def _welcome(self, ident: bytes, info: PeerInfo) -> Outgoing:
         cfg = self.cfg
         shm_dir = self._shm.directory if info.uses_shm else None
-        return Outgoing(ident, Welcome(self.epoch, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
+        return Outgoing(ident, Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
                                        info.nonce, shm_dir))
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
@@ -267,8 +267,8 @@ class ReceiverSession:
 
     def _known(self, ident: bytes, epoch: int) -> PeerInfo:
         peer = self._peers.get(ident)
-        if peer is None or epoch != self.epoch:
-            if epoch != self.epoch:
+        if peer is None or epoch != self.run_id:
+            if epoch != self.run_id:
                 self._counts["stale"] += 1
             raise ProtocolError(RejectCode.UNKNOWN_PEER, "unknown peer or old consumer epoch; send HELLO")
         return peer

@@ -58,7 +58,7 @@ def sample_digest(sample_ids: Sequence[int]) -> int:
 class AuditRecord:
     batch_id: int
     step: int
-    epoch: int
+    run_id: int                      # the consumer start that applied it (the log's "consumer epoch" column)
     digest: int
 
 
@@ -88,9 +88,9 @@ class AuditLog:
         self.records = n_records
         return max(0, dropped)
 
-    def append(self, batch_id: int, step: int, epoch: int, digest: int) -> None:
+    def append(self, batch_id: int, step: int, run_id: int, digest: int) -> None:
         assert self._fd is not None
-        os.write(self._fd, _FMT.format(batch_id, step, epoch, digest).encode("ascii"))
+        os.write(self._fd, _FMT.format(batch_id, step, run_id, digest).encode("ascii"))
         self.records += 1
 
     def sync(self) -> None:
@@ -153,7 +153,7 @@ def analyse(records: Sequence[AuditRecord], expected_digest: dict[int, int] | No
     """Compare records with the plan ``0 .. expected_end-1`` (default: up to the largest id)."""
     ids = [r.batch_id for r in records]
     end = max(expected_end or 0, (max(ids) + 1) if ids else 0)
-    res = AuditResult(applied=len(records), expected=end, consumer_epochs=len({r.epoch for r in records}))
+    res = AuditResult(applied=len(records), expected=end, consumer_epochs=len({r.run_id for r in records}))
     seen: set[int] = set()
     prev = -1
     for i, r in enumerate(records):

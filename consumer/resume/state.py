@@ -6,10 +6,10 @@ consumer = Consumer(cfg, start_batch=state.next_batch)
 state.restore_into(items)                             # after warm-up: the checkpointed variables
 for batch in consumer.batches(stop):
     step(batch)
-    state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
+    state.record(batch.batch_id, batch.sample_ids, consumer._run_id)
     if state.due():
-        state.checkpoint(items, consumer.epoch)
-state.checkpoint(items, consumer.epoch)               # on stop and at the end
+        state.checkpoint(items, consumer._run_id)
+state.checkpoint(items, consumer._run_id)               # on stop and at the end
 state.close()
 ```
 Invariants:
@@ -186,9 +186,9 @@ class RunState:
         os.replace(tmp, path)
         return path
 
-    def record(self, batch_id: int, sample_ids: Sequence[int], consumer_epoch: int) -> None:
-        """Batch ``batch_id`` was applied (its step finished)."""
-        self._audit.append(batch_id, self._audit.records + 1, consumer_epoch, sample_digest(sample_ids))
+    def record(self, batch_id: int, sample_ids: Sequence[int], run_id: int) -> None:
+        """Batch ``batch_id`` was applied (its step finished) by the consumer start ``run_id``."""
+        self._audit.append(batch_id, self._audit.records + 1, run_id, sample_digest(sample_ids))
         self.next_batch = batch_id + 1
 
     def due(self, pending: int = 0) -> bool:
@@ -199,7 +199,7 @@ class RunState:
             self._due_records = self._audit.records
         return is_due
 
-    def checkpoint(self, items: dict[str, object], consumer_epoch: int, *, final: bool | None = None) -> None:
+    def checkpoint(self, items: dict[str, object], run_id: int, *, final: bool | None = None) -> None:
         """Commit variables + cursor if anything was applied since the last one.
 
         Args:
@@ -214,7 +214,7 @@ class RunState:
         if self._audit.records == self._saved_records:
             return
         try:
-            self._commit(items, consumer_epoch)
+            self._commit(items, run_id)
         except StateError as err:
             if not periodic:
                 raise
@@ -223,13 +223,13 @@ class RunState:
             log.warning("periodic checkpoint failed: %s (%s); training goes on, the next try is in %d steps, "
                         "%d failed so far", err.path, _errno_name(err), self._every, self.checkpoint_failures)
 
-    def _commit(self, items: dict[str, object], consumer_epoch: int) -> None:
+    def _commit(self, items: dict[str, object], run_id: int) -> None:
         try:
             self._audit.sync()
         except OSError as err:
             raise StateError(self._audit.path, f"fsync failed: {err.strerror}", fatal=False) from err
         cursor = Cursor(self.next_batch, self._audit.records, self._identity["seed"], self._identity["fingerprint"],
-                        consumer_epoch, time.time())
+                        run_id, time.time())
         self._resume_path = self._store.save(cursor, items)
         self._saved_records = self._audit.records
 

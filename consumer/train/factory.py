@@ -104,7 +104,7 @@ def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState
     from melfeed.consumer.train.step import CompiledStep
     from melfeed.consumer.train.xla_attempts import XlaAttempts, step_key
 
-    shapes = [b.shapes() for b in consumer.bucket_set.buckets]
+    shapes = [b.shapes() for b in consumer._bucket_set.buckets]
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
     replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):

@@ -1,6 +1,6 @@
 """TensorFlow's hand-off for the ``Stager`` (consumer/staging.py): slot -> one uint8 tensor -> the packed step.
 
-Role: ``TfHandOff`` supplies the four operations the framework-neutral stager needs for the built-in
+Role: ``TfStageAdapter`` supplies the four operations the framework-neutral stager needs for the built-in
 loop. ``put`` takes the batch's byte region of its slot (writing a row-input step's ``rows`` into the slot
 right after the arrays) and hands it to ``PackedSteps.stage``: ONE uint8 tensor with DLPack (zero copy)
 and, when the step runs on a GPU, copied there (``tf.identity`` under ``tf.device``: one host->device copy
@@ -14,7 +14,7 @@ Invariants:
     * On the CPU the region tensor aliases the slot: ``Staged.copied`` is None, the slot is freed when
       the step completed, which is when its dispatch returned (eager execution on the CPU is synchronous).
     * On a GPU the eager copy has completed when ``put`` returns (``TensorHandle::CopyToDevice`` waits for
-      it in synchronous eager mode, which ``TfHandOff`` asserts): ``Staged.copied`` is True at once and
+      it in synchronous eager mode, which ``TfStageAdapter`` asserts): ``Staged.copied`` is True at once and
       the stager frees the slot before the step runs; nothing reads the slot after ``put``.
     * ``transfers`` counts the tensors handed to the devices: one per batch on one device, one per array per
       replica with replicas.
@@ -45,7 +45,7 @@ from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.shared.errors import StepError
 from melfeed.shared.wire.layout import ALIGN_BYTES
 
-__all__ = ["StepResult", "TfHandOff", "aligned_empty", "model_device", "to_tensors"]
+__all__ = ["StepResult", "TfStageAdapter", "aligned_empty", "model_device", "to_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ def _is_gpu(device: str | None) -> bool:
     return device is not None and tf.DeviceSpec.from_string(device).device_type == "GPU"
 
 
-class TfHandOff:
-    """``HandOff`` of ``PackedSteps``: the slot's region in (one tensor), outputs accumulated on the device.
+class TfStageAdapter:
+    """The ``StageAdapter`` of ``PackedSteps``: the slot's region in (one tensor), outputs accumulated on the device.
 
     Args:
         packed: the packed programs (``warm_up`` done).
         device: the GPU to copy regions to (``model_device()``); None (or a CPU) = wrap only, synchronous.
         on_step: called with the number of steps dispatched so far, right after each dispatch.
-        slot_buffer: a slot's whole buffer (``consumer.ring.memory.buffer``); a batch whose arrays do not lie
+        slot_buffer: a slot's whole buffer (``consumer._ring.memory.buffer``); a batch whose arrays do not lie
             in it (or without one) is packed into a fresh region, one host copy.
     """
 

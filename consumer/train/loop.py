@@ -95,7 +95,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.factory import build_compiled_step
-    from melfeed.consumer.train.handoff import TfHandOff, model_device
+    from melfeed.consumer.train.handoff import TfStageAdapter, model_device
 
     notifier = notifier if notifier is not None else Notifier({})
     cache_dir = active_xla_cache_dir()
@@ -103,17 +103,17 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                        rank=job.rank if job is not None else 0, world=job.world if job is not None else 1,
                        partial=cfg.buckets.partial,
                        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
-                       in_flight_bound_bytes=consumer.in_flight_bound_bytes(cfg.producer.count),
+                       in_flight_bound_bytes=consumer._in_flight_bound_bytes(cfg.producer.count),
                        xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
     with summary_on_failure(out, summary_path):
         step_fn, compiled = build_compiled_step(cfg, consumer, state, job)
     log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
     consumer.start()
-    busy = telemetry.live_while_busy(consumer.next_apply) if telemetry is not None else nullcontext()
+    busy = telemetry.live_while_busy(consumer._desk.next_id) if telemetry is not None else nullcontext()
     with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy, \
-            out_of_memory_is_config(consumer.bucket_set):   # status stays live; a bucket that does not fit: one line
-        warm = warm_batches(consumer.plan, consumer.bucket_set, consumer.manifest, consumer.next_apply)
-        packed = PackedSteps.for_buckets(compiled, consumer.bucket_set.buckets, model_device())
+            out_of_memory_is_config(consumer._bucket_set):   # status stays live; a bucket that does not fit: one line
+        warm = warm_batches(consumer.plan, consumer._bucket_set, consumer.manifest, consumer._desk.next_id)
+        packed = PackedSteps.for_buckets(compiled, consumer._bucket_set.buckets, model_device())
         try:                            # settles the mode on the programs the loop runs, compiling each once
             out.compile_s = packed.warm_up(step_fn.variables(), warm)
         finally:                        # XLA's failure stays the reason when graph mode fails too
@@ -125,20 +125,20 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
         items = _checkpoint_items(step_fn)
         if state is not None:
             state.restore_into(items)
-    n_buckets = len(consumer.bucket_set.buckets)
+    n_buckets = len(consumer._bucket_set.buckets)
     log.info("READY: compiled %d bucket shapes in %.1f s jit_compile=%s", n_buckets, out.compile_s,
              out.jit_compile)
     if telemetry is not None:
         telemetry.set_phase(PHASE_TRAINING)
         telemetry.set_jit_compile(out.jit_compile)
     notifier.ready(f"compiled {n_buckets} shapes ({out.jit_compile}) in {out.compile_s:.1f} s; "
-                   f"starting at batch {consumer.next_apply}")
+                   f"starting at batch {consumer._desk.next_id}")
 
     def on_wait(producers_alive: int) -> None:
         if job is not None:
-            job.check_waiting(consumer.next_apply, producers_alive)   # starved past the others' bound: 75
+            job.check_waiting(consumer._desk.next_id, producers_alive)   # starved past the others' bound: 75
         notifier.watchdog()
-        notifier.status(f"step {out.steps}: waiting for batch {consumer.next_apply}; "
+        notifier.status(f"step {out.steps}: waiting for batch {consumer._desk.next_id}; "
                         f"producers alive {producers_alive}")
         if telemetry is not None:
             telemetry.set_phase(PHASE_WAITING)
@@ -158,7 +158,7 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     copies = 0
     payload_copies = 0                  # page cache -> ring slot, summed over applied batches
     last_dispatch_s = 0.0
-    handoff = TfHandOff(packed, model_device(), on_step, slot_buffer=consumer.ring.memory.buffer)
+    handoff = TfStageAdapter(packed, model_device(), on_step, slot_buffer=consumer._ring.memory.buffer)
     stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
     drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
@@ -171,10 +171,10 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
             out.steps += 1
             log.debug("applied batch %d", batch.batch_id)
             if state is not None:
-                state.record(batch.batch_id, batch.sample_ids, consumer.epoch)
+                state.record(batch.batch_id, batch.sample_ids, consumer._run_id)
                 if state.due():
                     read_outputs()              # the checkpoint drains the device anyway
-                    state.checkpoint(items, consumer.epoch, final=False)   # a failure: WARNING, retried
+                    state.checkpoint(items, consumer._run_id, final=False)   # a failure: WARNING, retried
             if board is not None and telemetry is not None and board.is_due(out.steps):   # every N steps
                 if board.needs_read(out.steps):
                     read_outputs()
@@ -188,18 +188,18 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                 out.devices = compiled.devices or step_devices(done.result.raw)
             if out.steps == cfg.consumer.warmup_steps + 1:
                 meter.t0 = time.perf_counter()
-                meter.wait0 = consumer.wait_s_total
-            wait_s = consumer.wait_s_total - meter.wait_seen
+                meter.wait0 = consumer._wait_s_total
+            wait_s = consumer._wait_s_total - meter.wait_seen
             # the period since the previous dispatch, less the wait for this batch (no host read per step)
             period_s = max(0.0, done.dispatched_s - last_dispatch_s - wait_s) if last_dispatch_s else done.step_s
             last_dispatch_s = done.dispatched_s
             if out.steps > cfg.consumer.warmup_steps:
                 record = StepRecord(step_t1, wait_s, period_s, done.rows, done.real_frames, done.padded_frames,
-                                    consumer.queue_depth(), limit.step_s[batch.bucket] if limit is not None else None)
+                                    consumer._receiver.queue_depth(), limit.step_s[batch.bucket] if limit is not None else None)
                 meter.add(record)
                 if telemetry is not None:
                     telemetry.add(record)
-            meter.wait_seen = consumer.wait_s_total
+            meter.wait_seen = consumer._wait_s_total
             out.samples += done.rows
             notifier.watchdog()
             if time.monotonic() >= next_status_s:
@@ -214,12 +214,12 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                         board.write(snap)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
         read_outputs()                          # the end: the last interval's outputs (drains the device)
-    if consumer.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
+    if consumer._desk.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
         log.error("%s", ceiling.message())
-    out.interrupted = stop.is_set() and not consumer.finished and not ceiling.tripped
-    notifier.stopping(f"stopping at batch {consumer.next_apply}: checkpoint and exit")
+    out.interrupted = stop.is_set() and not consumer._desk.finished and not ceiling.tripped
+    notifier.stopping(f"stopping at batch {consumer._desk.next_id}: checkpoint and exit")
     if state is not None:
-        state.checkpoint(items, consumer.epoch, final=True)
+        state.checkpoint(items, consumer._run_id, final=True)
         out.next_batch = state.next_batch
         out.checkpoint_failures = state.checkpoint_failures
     out.quarantined_samples = ceiling.quarantined
@@ -248,7 +248,7 @@ def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, cons
     from melfeed.consumer.train.efficiency import measure_resident_limit
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in consumer.bucket_set.buckets],
+    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in consumer._bucket_set.buckets],
                                    cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size, batches=warm)
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
@@ -263,9 +263,9 @@ def _checkpoint_items(step_fn: Any) -> dict[str, object]:
 
 def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer: Consumer,
                  cfg: PipelineConfig, gpus: str = "") -> str:
-    rs = consumer.receiver_stats()
+    rs = consumer._receiver.stats()
     text = format_status_line(step=step, steps_total=cfg.consumer.steps, outputs=means,
-                              figures=meter.live.figures(time.perf_counter()), queue_depth=consumer.queue_depth(),
+                              figures=meter.live.figures(time.perf_counter()), queue_depth=consumer._receiver.queue_depth(),
                               producers_alive=rs.producers_alive, rejects=sum(rs.rejects.values()),
                               quarantined=rs.quarantined, gpus=gpus)
     log.info("%s", text)

@@ -101,7 +101,7 @@ class StepSpec:
     @classmethod
     def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
                     batches_per_epoch: int | None, extras: Sequence[ExtraSpec] = ()) -> StepSpec:
-        """The spec of ``cfg.model`` for these buckets (``Consumer.bucket_set``), plan length and extras."""
+        """The spec of ``cfg.model`` for these buckets (``Consumer._bucket_set``), plan length and extras."""
         m = cfg.model
         return cls(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed,
                    bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,

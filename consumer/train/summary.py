@@ -136,7 +136,7 @@ def summary_on_failure(out: TrainSummary, summary_path: str | None, consumer: Co
 
 def count_applied(out: TrainSummary, consumer: Consumer) -> None:
     """The consumer's counts: batches applied (one audit record each), producers that joined, drops and rejects."""
-    rs = consumer.receiver_stats()
+    rs = consumer._receiver.stats()
     out.batches_applied = consumer.applied
     out.producers_seen = rs.producers_seen
     out.duplicates_dropped = rs.duplicates_dropped
@@ -161,9 +161,9 @@ def finish(out: TrainSummary, meter: LoopMeter, consumer: Consumer, compiles: in
     if wall > 0:
         out.batches_per_s = meter.batches / wall
         out.samples_per_s = meter.samples / wall
-        out.stall_pct = 100.0 * (consumer.wait_s_total - meter.wait0) / wall
+        out.stall_pct = 100.0 * (consumer._wait_s_total - meter.wait0) / wall
     out.padding_efficiency = meter.real_frames / meter.padded_frames if meter.padded_frames else 0.0
-    plan_figures(out, consumer.bucket_set, consumer.manifest.frames)
+    plan_figures(out, consumer._bucket_set, consumer.manifest.frames)
     figures = meter.steps.figures(time.perf_counter())
     if figures is not None:
         out.step_p50_ms, out.step_p99_ms = 1000 * figures.step_p50_s, 1000 * figures.step_p99_s

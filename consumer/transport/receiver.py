@@ -30,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from melfeed.consumer.flow.credit import LeaseBook
-from melfeed.consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, SessionConfig
+from melfeed.consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, ReceiverSessionConfig
 from melfeed.consumer.flow.ring import BatchRing
 from melfeed.consumer.flow.session import ReceiverSession
 from melfeed.consumer.transport.conn_guard import ConnectionGuard
@@ -58,7 +58,7 @@ class ReceiverConfig:
     """Where the receiver binds and the protocol settings its session runs with."""
 
     endpoint: str                      # ``ipc://...`` or ``tcp://...``
-    session: SessionConfig
+    session: ReceiverSessionConfig
     curve: ServerKeys | None = None    # CURVE server keys + allow-list; None = plaintext (ipc/loopback)
     max_connections: int = 64          # open connections beyond this are cut (``conn_guard``)
     handshake_timeout_s: float = 10.0  # ZMQ_HANDSHAKE_IVL: a connection not through its handshake is dropped
@@ -79,7 +79,7 @@ class Receiver:
                  bucket_set: BucketSet, *, shm: ShmSlots | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = cfg.endpoint
-        self.epoch = cfg.session.epoch
+        self.run_id = cfg.session.run_id
         self._ring = ring
         self._buckets = bucket_set
         self._max_header_bytes = max_producer_header_bytes(max(b.batch_size for b in bucket_set.buckets))

@@ -1,6 +1,6 @@
 """Ring slot memory in shared-memory files, so a same-host producer builds straight into a slot.
 
-Each slot is its own file ``melfeed-<consumer pid>-<epoch>-s<slot>-g<generation>`` in ``shm_dir`` (both
+Each slot is its own file ``melfeed-<consumer pid>-<run id>-s<slot>-g<generation>`` in ``shm_dir`` (both
 rules in ``shared/wire/same_host.py``: a producer derives and checks them itself, docs/security.md
 "Which consumer a producer trusts"),
 sized to the slot, its pages reserved with ``posix_fallocate`` (a full tmpfs fails here, never with
@@ -92,13 +92,13 @@ class ShmSlots:
         OSError: a file could not be created or its pages reserved (files made so far are removed).
     """
 
-    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, epoch: int,
+    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, run_id: int,
                  pinner: HostPinner | None = None) -> None:
         self.directory = directory
         self.pinner = pinner if pinner is not None else host_pinner()
         self.slot_nbytes = slot_nbytes
         self.n_slots = n_slots
-        self._prefix = f"melfeed-{os.getpid()}-{epoch}"
+        self._prefix = f"melfeed-{os.getpid()}-{run_id}"
         self._gens = [0] * n_slots
         self._buffers: list[npt.NDArray[np.uint8] | None] = [None] * n_slots
         self._private: set[int] = set()         # slots whose new file could not be made (see retire)
@@ -188,7 +188,7 @@ class ShmSlots:
             log.warning("cannot remove %s: %s", self.directory / self.name(slot), err)
 
 
-def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int, *,
+def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, run_id: int, *,
                    required: bool = False) -> ShmSlots | None:
     """Clean stale files, check room, create the slot files; ``None`` (one WARNING) means use payload frames.
 
@@ -206,7 +206,7 @@ def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, epoch: int, 
     if free < need:
         return _give_up(directory, f"too small: need {need} bytes, {free} free", required)
     try:
-        return ShmSlots(directory, n_slots, slot_nbytes, epoch)
+        return ShmSlots(directory, n_slots, slot_nbytes, run_id)
     except OSError as err:
         why = "no space" if err.errno == errno.ENOSPC else (err.strerror or str(err))
         return _give_up(directory, f"cannot reserve {need} bytes ({why}, {free} free)", required)
@@ -221,9 +221,9 @@ def _give_up(directory: Path, reason: str, required: bool) -> ShmSlots | None:
 
 
 def open_ring_files(transport: TransportConfig, endpoint: str, n_slots: int, slot_nbytes: int,
-                    epoch: int) -> ShmSlots | None:
+                    run_id: int) -> ShmSlots | None:
     """Slot files for the shared-memory path, or ``None`` for payload frames (mode zmq, tcp, no room)."""
     if transport.mode == "zmq" or not endpoint.startswith("ipc://"):
         return None
-    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, epoch,
+    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, run_id,
                           required=transport.mode == "shm")

@@ -1,7 +1,7 @@
 """Child process of ``test_jax_client.py``: three JAX runs over one producer group, JAX kept out of pytest.
 
 ``python -m tests.integration.library.jax_runs STEPS CLEAN.yaml POISONED.yaml EARLY.yaml`` trains
-``STEPS`` steps through ``Stager`` with ``JaxHandOff`` once per config: clean; with every released slot
+``STEPS`` steps through ``Stager`` with ``JaxStageAdapter`` once per config: clean; with every released slot
 overwritten with garbage at once (``BatchRing.release`` wrapped); and the same with a hand-off that
 claims its copy is done at once. Prints one JSON line: whether the poisoned and the early run's final
 parameters equal the clean run's bit for bit, slots overwritten, slots held to their step's end, and
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from melfeed.consumer.clients.jax_feed import JaxHandOff, device_batch, init_params, mlp_step
+from melfeed.consumer.clients.jax_feed import JaxStageAdapter, device_batch, init_params, mlp_step
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged, Stager
@@ -33,10 +33,10 @@ _STEP = mlp_step(layers=1, learning_rate=0.05)
 
 def _train(config: str, steps: int, *, poison: bool) -> tuple[dict[str, np.ndarray], int, int]:
     cfg = load_config(config)
-    handoff = JaxHandOff(_STEP, init_params(cfg.n_mels, 16, 1, seed=3), jax.devices()[0])
+    handoff = JaxStageAdapter(_STEP, init_params(cfg.n_mels, 16, 1, seed=3), jax.devices()[0])
     done = 0
     with Consumer(cfg) as consumer:
-        poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
+        poisoned = scribble_on_release(consumer._ring) if poison else (lambda: 0)
         for _ in Stager(consumer, handoff, depth=2).run():
             done += 1
     if done != steps:
@@ -48,12 +48,12 @@ def main(argv: list[str]) -> int:
     steps, clean_cfg, poisoned_cfg, early_cfg = int(argv[0]), argv[1], argv[2], argv[3]
     clean, _, held = _train(clean_cfg, steps, poison=False)
     poisoned, overwritten, _ = _train(poisoned_cfg, steps, poison=True)
-    put = JaxHandOff.put
+    put = JaxStageAdapter.put
 
-    def copied_at_once(self: JaxHandOff, batch: Batch) -> Staged[Any]:
+    def copied_at_once(self: JaxStageAdapter, batch: Batch) -> Staged[Any]:
         return Staged(put(self, batch).value, copied=lambda: True)
 
-    JaxHandOff.put = copied_at_once                          # type: ignore[method-assign]
+    JaxStageAdapter.put = copied_at_once                          # type: ignore[method-assign]
     early, _, _ = _train(early_cfg, steps, poison=True)
     host = {"mel": np.zeros((2, 3, 4), np.float32), "mel_len": np.ones(2, np.int32), "tokens": np.ones((2, 5), np.int32)}
     named = sorted(device_batch(host, jax.devices()[0], ("mel", "mel_len", "tokens")))

@@ -1,6 +1,6 @@
 """The JAX client of the consumer (``consumer/clients/``): trained exactly through the stager, and measured.
 
-Real producer processes over shared-memory slots feed ``Stager`` with ``JaxHandOff`` (JAX on the CPU here;
+Real producer processes over shared-memory slots feed ``Stager`` with ``JaxStageAdapter`` (JAX on the CPU here;
 on a GPU machine the same code copies to the device), in a child process (``jax_runs.py``: JAX's threads
 stay out of the pytest worker, which forks later). The slot-reuse guard of
 ``tests/integration/train/test_staging.py``, for JAX: every released slot is overwritten with garbage at
@@ -45,7 +45,7 @@ def test_no_jax_step_reads_a_released_slot_and_the_guard_bites_when_a_copy_is_cl
     assert doc["overwritten"] >= _STEPS
     assert doc["poisoned_equal"] is True
     assert doc["early_equal"] is False                          # the guard bites when the order is wrong
-    assert doc["named"] == ["mel", "mel_len", "tokens"]         # JaxHandOff(array_names=...): a step's own arrays
+    assert doc["named"] == ["mel", "mel_len", "tokens"]         # JaxStageAdapter(array_names=...): a step's own arrays
     assert "no ['pitch']" in doc["missing"] and "'tokens'" in doc["missing"]
 
 

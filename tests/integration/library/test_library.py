@@ -66,9 +66,9 @@ def test_two_keras_fits_on_one_dataset_apply_every_batch_once_in_plan_order(
         model.fit(ds, steps_per_epoch=3, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
         assert feed.applied_ids == model.seen == list(range(10))
         _check_feed_board(tmp_path / "logs" / "feed", callback)
-        assert feed.ring.counts()[SlotState.IN_STEP] <= 1          # the last element of the last fit, at most
+        assert feed._ring.counts()[SlotState.IN_STEP] <= 1          # the last element of the last fit, at most
         rest = [batch.batch_id for batch in feed.batches()]      # the plan goes on where fit stopped
-        assert feed.ring.counts()[SlotState.IN_STEP] == 0          # ... and its slot went back to the ring
+        assert feed._ring.counts()[SlotState.IN_STEP] == 0          # ... and its slot went back to the ring
     assert rest == list(range(10, steps))
     assert feed.applied_ids == list(range(steps)) and feed.applied == steps
 
@@ -91,11 +91,11 @@ def test_an_element_taken_from_the_dataset_is_applied_and_nothing_is_read_ahead(
         producers.start(demo_cache, endpoint, 1)
         it = iter(feed.as_dataset(features=_ALL_FEATURES))
         feats, mel = next(it)
-        while not feed.ring.ready_ids():             # producers fill the ring behind it (bounded wait: pytest timeout)
+        while not feed._ring.ready_ids():             # producers fill the ring behind it (bounded wait: pytest timeout)
             pass
-        assert feed.applied_ids == [0] and feed.next_apply == 1
+        assert feed.applied_ids == [0] and feed._desk.next_id == 1
         first = float(mel[0, 0, 0])                   # zero copy: writing the slot shows through the tensor
-        slots = [feed.ring.memory.buffer(i)[:4].view(np.float32) for i in range(feed.ring.n_slots)]
+        slots = [feed._ring.memory.buffer(i)[:4].view(np.float32) for i in range(feed._ring.n_slots)]
         held = [s for s in slots if s[0] == first]    # mel is the slot's first array
         assert held
         held[0][0] = first + 1.0                      # stored as float32
@@ -152,9 +152,9 @@ def test_shapes_schema_and_epoch_length_are_known_before_start(demo_cache: Path,
     feed = Consumer(_cfg(demo_cache, endpoint, 1))
     try:
         shapes = feed.bucket_shapes
-        assert len(shapes) == len(feed.bucket_set.buckets) >= 1
-        members = [int((feed.bucket_set.assignment == b.index).sum()) for b in feed.bucket_set.buckets]
-        assert feed.batches_per_epoch == sum(-(-n // b.batch_size) for n, b in zip(members, feed.bucket_set.buckets))
+        assert len(shapes) == len(feed._bucket_set.buckets) >= 1
+        members = [int((feed._bucket_set.assignment == b.index).sum()) for b in feed._bucket_set.buckets]
+        assert feed.batches_per_epoch == sum(-(-n // b.batch_size) for n, b in zip(members, feed._bucket_set.buckets))
         schema = {spec.name: spec for spec in feed.array_schema}
         assert list(schema) == ["mel", "mel_len", "tokens", "tok_len"]
         assert schema["mel"].dtype == "float32" and schema["tokens"].dtype == "int32"

@@ -36,9 +36,9 @@ def feed(demo_cache: Path, endpoint: str) -> Iterator[Consumer]:
 def _arrive(feed: Consumer, *batch_ids: int) -> None:
     """Batches ``batch_ids`` arrive in the ring as a producer's would (the receiver's two calls)."""
     for batch_id in batch_ids:
-        slot = feed.ring.reserve()
+        slot = feed._ring.reserve()
         assert slot is not None
-        feed.ring.mark_ready(slot, feed.plan.batch(batch_id))
+        feed._ring.mark_ready(slot, feed.plan.batch(batch_id))
 
 
 def _leftovers() -> tuple[set[threading.Thread], set[str]]:
@@ -58,8 +58,8 @@ def test_a_batch_released_twice_is_refused_and_frees_no_slot_twice(feed: Consume
     with pytest.raises(RuntimeError, match="batch 0 was already applied"):
         feed.release(batch)
     with pytest.raises(RuntimeError, match="slot of batch 0 was already freed"):
-        feed.free_slot(batch)                                     # would free the slot batch 1 is in
-    assert feed.ring.counts()[SlotState.IN_STEP] == 1 and feed.applied_ids == [0]
+        feed._desk.free_slot(batch)                               # would free the slot batch 1 is in
+    assert feed._ring.counts()[SlotState.IN_STEP] == 1 and feed.applied_ids == [0]
     feed.release(newer)
     assert feed.applied_ids == [0, 1]
 
@@ -72,7 +72,7 @@ def test_a_batch_released_to_another_consumer_is_refused(feed: Consumer, demo_ca
         assert mine is not None and theirs is not None and mine.slot == theirs.slot
         with pytest.raises(RuntimeError, match="handed out by another Consumer"):
             feed.release(theirs)
-        assert feed.applied_ids == [] and feed.ring.counts()[SlotState.IN_STEP] == 1   # mine is untouched
+        assert feed.applied_ids == [] and feed._ring.counts()[SlotState.IN_STEP] == 1   # mine is untouched
         feed.release(mine)
         other.release(theirs)
         assert feed.applied_ids == other.applied_ids == [0]
@@ -87,7 +87,7 @@ def test_release_inside_a_batches_loop_lets_the_loop_go_on(feed: Consumer) -> No
         if batch.batch_id < 3:
             _arrive(feed, batch.batch_id + 3)
     assert seen == feed.applied_ids == list(range(6))
-    assert feed.ring.counts()[SlotState.FREE] == feed.ring.n_slots
+    assert feed._ring.counts()[SlotState.FREE] == feed._ring.n_slots
 
 
 def test_a_batch_released_after_its_loop_broke_out_is_not_handed_out_again(feed: Consumer) -> None:
@@ -163,7 +163,7 @@ def test_arguments_a_user_gets_wrong_are_one_clear_error(feed: Consumer, demo_ca
         Consumer(_cfg(demo_cache, endpoint), start_batch=-1)
     resumed = Consumer(_cfg(demo_cache, endpoint), start_batch=np.int64(2))  # type: ignore[arg-type]  # a position read with numpy
     resumed.close()
-    assert resumed.next_apply == 2 and type(resumed.next_apply) is int
+    assert resumed._desk.next_id == 2 and type(resumed._desk.next_id) is int
     with pytest.raises(TypeError, match="never waits without a bound"):
         feed.next_batch(None)  # type: ignore[arg-type]
     assert feed.next_batch(-1.0) is None           # a negative wait is no wait
@@ -179,7 +179,7 @@ def test_a_receiver_that_fails_while_the_loop_waits_ends_the_loop_with_its_error
         demo_cache: Path, endpoint: str) -> None:
     feed = Consumer(_cfg(demo_cache, endpoint))
     waiting = threading.Event()
-    clock, take = feed._receiver._clock, feed.ring.take
+    clock, take = feed._receiver._clock, feed._ring.take
 
     def failing_clock() -> float:
         if waiting.is_set():
@@ -192,6 +192,6 @@ def test_a_receiver_that_fails_while_the_loop_waits_ends_the_loop_with_its_error
         return take(batch_id, 10.0)                # woken by the receiver closing the ring as it fails
 
     feed._receiver._clock = failing_clock
-    feed.ring.take = take_then_fail  # type: ignore[method-assign]
+    feed._ring.take = take_then_fail  # type: ignore[method-assign]
     with feed, pytest.raises(PipelineError, match="receiver failed: planted receiver failure"):
         list(feed.batches())                       # not an empty loop that looks like the plan's end

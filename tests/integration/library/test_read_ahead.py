@@ -20,9 +20,9 @@ _WAIT_S = 60.0
 def _wait_read_ahead(feed: Consumer, taken: int) -> None:
     """Until the stage has taken batch ``taken - 1`` from the ring (bounded)."""
     deadline = time.monotonic() + _WAIT_S
-    while feed.next_apply < taken and time.monotonic() < deadline:
+    while feed._desk.next_id < taken and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert feed.next_apply >= taken, "the prefetch stage never read ahead"
+    assert feed._desk.next_id >= taken, "the prefetch stage never read ahead"
 
 
 def test_batches_read_ahead_but_not_taken_are_not_applied_and_come_back_first(

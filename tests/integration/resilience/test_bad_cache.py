@@ -119,7 +119,7 @@ def _run_quarantine(cache: Path, endpoint: str, producers: ProducerGroup, count:
                 else:
                     assert a["mel_len"][row] == min(frames[sid], a["mel"].shape[1])
             got.append((batch.batch_id, hashlib.sha256(b"".join(x.tobytes() for x in a.values())).hexdigest()))
-        stats = consumer.receiver_stats()
+        stats = consumer._receiver.stats()
         group.terminate()
         assert group.wait(procs.WAIT_S) == 0
     assert stats.duplicates_dropped == 0 and stats.rejects == {}

@@ -77,7 +77,7 @@ def _soak(cache: Path, endpoint: str, group: ProducerGroup, n_batches: int) -> N
             elif expected == n_batches - 1:                 # before shutdown frees anything
                 last = _sample(workers)
                 assert procs.child_pids(launcher.pid) == workers    # no producer was restarted
-        stats = consumer.receiver_stats()
+        stats = consumer._receiver.stats()
     elapsed_s = time.monotonic() - t0
     assert group.stop_all() == [0]
     assert expected == n_batches and first is not None and last is not None

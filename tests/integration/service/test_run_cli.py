@@ -102,7 +102,7 @@ cfg = load_config(sys.argv[1])
 
 def wait_for(alive):
     deadline = time.monotonic() + 45          # < the test's wait: this line, not a timeout, says why
-    while feed.receiver_stats().producers_alive != alive:
+    while feed._receiver.stats().producers_alive != alive:
         if time.monotonic() > deadline:
             sys.exit(f"producers alive never {alive}")
         time.sleep(0.02)

@@ -22,18 +22,18 @@ def main(config: str, mode: str) -> int:
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.resume.state import RunState
     from melfeed.consumer.staging import Staged
-    from melfeed.consumer.train.handoff import TfHandOff
+    from melfeed.consumer.train.handoff import TfStageAdapter
     from melfeed.consumer.train.loop import train
     from tests.slot_poison import scribble_on_release
 
     if mode == "early":
-        put = TfHandOff.put
-        TfHandOff.put = lambda self, batch: Staged(put(self, batch).value, copied=lambda: True)  # type: ignore[method-assign]
+        put = TfStageAdapter.put
+        TfStageAdapter.put = lambda self, batch: Staged(put(self, batch).value, copied=lambda: True)  # type: ignore[method-assign]
     state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
     assert state is not None
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            poisoned = scribble_on_release(consumer.ring) if mode != "clean" else (lambda: 0)
+            poisoned = scribble_on_release(consumer._ring) if mode != "clean" else (lambda: 0)
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
     finally:
         state.close()

@@ -66,8 +66,8 @@ def test_the_loop_reads_device_tensors_once_per_interval_never_per_step(
     assert state is not None
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer, \
-                Telemetry(cfg, consumer, time.time(), control_endpoint=None) as telemetry, \
-                Board(tmp_path / "tb", _EVERY, consumer.next_apply) as board:
+                Telemetry(cfg, consumer._telemetry_source(), time.time(), control_endpoint=None) as telemetry, \
+                Board(tmp_path / "tb", _EVERY, consumer._desk.next_id) as board:
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state,
                             telemetry=telemetry, board=board)
     finally:

@@ -28,7 +28,7 @@ from melfeed.consumer.handout import Batch
 from melfeed.consumer.resume.checkpoint import latest_checkpoint
 from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.staging import Staged
-from melfeed.consumer.train.handoff import TfHandOff
+from melfeed.consumer.train.handoff import TfStageAdapter
 from melfeed.consumer.train.loop import train
 from melfeed.shared.config.loader import load_config
 from tests import procs
@@ -52,7 +52,7 @@ def _train(config: Path, *, poison: bool) -> int:
     assert state is not None
     try:
         with Consumer(cfg, start_batch=state.next_batch) as consumer:
-            poisoned = scribble_on_release(consumer.ring) if poison else (lambda: 0)
+            poisoned = scribble_on_release(consumer._ring) if poison else (lambda: 0)
             summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(), state=state)
         assert summary.steps == _STEPS and not summary.interrupted
     finally:
@@ -71,13 +71,13 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     try:
         _train(configs["clean"], poison=False)
         assert _train(configs["poisoned"], poison=True) >= _STEPS
-        put = TfHandOff.put
+        put = TfStageAdapter.put
 
-        def copied_at_once(self: TfHandOff, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
+        def copied_at_once(self: TfStageAdapter, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
             staged = put(self, batch)
             return Staged(staged.value, copied=lambda: True, host_copies=staged.host_copies)
 
-        monkeypatch.setattr(TfHandOff, "put", copied_at_once)
+        monkeypatch.setattr(TfStageAdapter, "put", copied_at_once)
         _train(configs["released_early"], poison=True)
     finally:
         procs.stop(producers)

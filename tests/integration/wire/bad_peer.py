@@ -133,9 +133,9 @@ class Reference:
     """Builds any planned batch exactly as a producer does (own plan: the consumer's is not shared)."""
 
     def __init__(self, consumer: Consumer) -> None:
-        self._plan = EpochPlan(consumer.bucket_set, consumer.manifest.fingerprint, consumer.cfg.seed,
-                               consumer.cfg.buckets.partial)
-        self._assembler = BatchAssembler(CacheReader(consumer.manifest), consumer.bucket_set, max_buffers=1)
+        self._plan = EpochPlan(consumer._bucket_set, consumer.manifest.fingerprint, consumer._cfg.seed,
+                               consumer._cfg.buckets.partial)
+        self._assembler = BatchAssembler(CacheReader(consumer.manifest), consumer._bucket_set, max_buffers=1)
 
     def arrays(self, batch_id: int) -> dict[str, np.ndarray]:
         planned = self._plan.batch(batch_id)
@@ -158,12 +158,12 @@ class Wire:
     ctx: zmq.Context  # type: ignore[type-arg]
 
     def stats(self) -> ReceiverStats:
-        return self.consumer.receiver_stats()
+        return self.consumer._receiver.stats()
 
     def hello(self, **change: Any) -> Hello:
         c = self.consumer
-        good = Hello(PROTOCOL_VERSION, "bad", c.manifest.fingerprint, c.bucket_set.as_wire(), c.cfg.n_mels,
-                     c.cfg.seed, next(_NONCES))
+        good = Hello(PROTOCOL_VERSION, "bad", c.manifest.fingerprint, c._bucket_set.as_wire(), c._cfg.n_mels,
+                     c._cfg.seed, next(_NONCES))
         return dataclasses.replace(good, **change)
 
     def peer(self, tag: str, monitor_events: int = 0) -> BadPeer:

@@ -86,9 +86,9 @@ def test_b4_declared_giant_containers_allocate_nothing_large(wire: Wire, attack:
 def test_b5_wrong_frame_count_of_single_frame_messages_gets_err_frames(
         wire: Wire, attack: Callable[..., BadPeer]) -> None:
     peer = attack("frames")
-    msgs = [[encode(Heartbeat(wire.consumer.epoch)), b"extra"],
+    msgs = [[encode(Heartbeat(wire.consumer._run_id)), b"extra"],
             [encode(wire.hello()), b"a", b"b"],
-            [encode(Bye(wire.consumer.epoch)), b""]]
+            [encode(Bye(wire.consumer._run_id)), b""]]
     expect_rejected(wire, msgs, peer, [RejectCode.FRAMES] * 3)
     assert wire.stats().producers_alive == 1             # the 3-frame HELLO did not join
 
@@ -97,7 +97,7 @@ def test_b5_wrong_frame_count_of_single_frame_messages_gets_err_frames(
 
 def test_b13_unknown_kinds_and_maps_without_kind_get_err_type_or_schema(
         wire: Wire, attack: Callable[..., BadPeer]) -> None:
-    epoch = wire.consumer.epoch
+    epoch = wire.consumer._run_id
     msgs = [[msgpack.packb({"epoch": epoch})], [msgpack.packb({"t": 99})], [msgpack.packb({"t": "HB"})],
             [msgpack.packb({"t": True})], [msgpack.packb([int(MsgKind.HB), epoch])],
             [encode(Welcome(epoch, 2, 0.2, True, 1))], [encode(LeaseGrant(epoch, [], 0))],
@@ -122,7 +122,7 @@ def test_b14_message_over_maxmsgsize_disconnects_only_the_sender_which_can_recon
     before = wire.stats()
     start = len(wire.stream.applied)
     wire.stream.take(20)
-    limit = wire.consumer.bucket_set.max_batch_nbytes() + (1 << 20)     # the receiver's MAXMSGSIZE
+    limit = wire.consumer._bucket_set.max_batch_nbytes() + (1 << 20)     # the receiver's MAXMSGSIZE
     peer.send(b"\0" * (limit + 1))
     assert next_event() == zmq.EVENT_DISCONNECTED                    # libzmq dropped the connection
     assert next_event() == zmq.EVENT_HANDSHAKE_SUCCEEDED             # the DEALER reconnected ...
@@ -201,7 +201,7 @@ def test_b14_producer_reconnecting_after_a_cut_is_heard_as_a_new_peer_while_its_
             stream.take_and_wait(20)
             relay.cut()
             stream.take_and_wait(20)                     # leases lost in the cut expire and come back
-            stats = consumer.receiver_stats()
+            stats = consumer._receiver.stats()
         finally:
             stream.close()
             relay.close()

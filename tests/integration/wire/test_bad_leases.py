@@ -58,7 +58,7 @@ def test_b6_protocol_version_mismatch_gets_err_proto_naming_supported_versions(
 
 def test_b7_messages_before_hello_or_after_the_session_ended_get_err_unknown_peer(
         wire: Wire, attack: Callable[..., BadPeer]) -> None:
-    epoch = wire.consumer.epoch
+    epoch = wire.consumer._run_id
     stranger = attack("stranger")
     header = BatchHeader(epoch, 0, 0, [[1]] * 4, ["float32"] * 4, None, [])
     expect_rejected(wire, [[encode(Heartbeat(epoch))], [encode(Bye(epoch))], [encode(header), b"", b"", b"", b""]],
@@ -93,7 +93,7 @@ _CONTRACT_CASES = {
 def test_b8_hello_with_another_data_contract_gets_err_contract(
         wire: Wire, attack: Callable[..., BadPeer], change: dict[str, Any]) -> None:
     if change.get("buckets") == "batch*2":
-        change = {"buckets": [[b[0], b[1] * 2, *b[2:]] for b in wire.consumer.bucket_set.as_wire()]}
+        change = {"buckets": [[b[0], b[1] * 2, *b[2:]] for b in wire.consumer._bucket_set.as_wire()]}
     peer = attack("contract")
     expect_rejected(wire, [[encode(wire.hello(**change))]], peer, [RejectCode.CONTRACT])
     assert wire.stats().producers_alive == 1
@@ -155,10 +155,10 @@ def test_b12_duplicate_and_stale_batches_are_dropped_counted_and_never_applied(
     peer = attack("dup")
     peer.join()
     deadline = time.monotonic() + WAIT_S
-    while not wire.consumer.ring.ready_ids():            # idle stream: the producer fills the ring
+    while not wire.consumer._ring.ready_ids():            # idle stream: the producer fills the ring
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    ready = wire.consumer.ring.ready_ids()[0]             # received, not yet applied
+    ready = wire.consumer._ring.ready_ids()[0]             # received, not yet applied
     applied = wire.stream.applied[-1][0]                  # applied long ago
     before = wire.stats()
     start = len(wire.stream.applied)
@@ -167,8 +167,8 @@ def test_b12_duplicate_and_stale_batches_are_dropped_counted_and_never_applied(
         peer.send(encode(header), *payload)
     peer.send(b"\xc1")                                    # barrier: replies keep order, so a dup ERR would come first
     header, payload = peer.poisoned(Lease(ready, wire.reference.bucket(ready), [], 1.0))
-    peer.send(encode(dataclasses.replace(header, epoch=wire.consumer.epoch + 1)), *payload)      # stale epoch
-    peer.send(encode(Heartbeat(wire.consumer.epoch - 1)))                                       # stale epoch
+    peer.send(encode(dataclasses.replace(header, epoch=wire.consumer._run_id + 1)), *payload)      # stale epoch
+    peer.send(encode(Heartbeat(wire.consumer._run_id - 1)))                                       # stale epoch
     assert peer.errors(3) == [RejectCode.DECODE, RejectCode.UNKNOWN_PEER, RejectCode.UNKNOWN_PEER]
     peer.bye()
     wire.stream.take_and_wait(10)
@@ -200,7 +200,7 @@ def test_b9_b12_negative_ids_and_epochs_are_schema_errors_not_duplicates_or_stal
 def _in_slot(peer: BadPeer, lease: Lease, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` into the lease's slot file, as a producer on the shm path does."""
     assert peer.shm_dir is not None and lease.shm is not None
-    maps = SlotMappings(peer.wire.consumer.bucket_set, 1, shm_dir=None, endpoint=peer.wire.endpoint)
+    maps = SlotMappings(peer.wire.consumer._bucket_set, 1, shm_dir=None, endpoint=peer.wire.endpoint)
     views = maps.views(peer.shm_dir, lease.shm, lease.bucket)
     for key in ARRAY_KEYS:
         views[key][...] = arrays[key]
@@ -248,7 +248,7 @@ def _shm(lease: Lease) -> ShmSlot:
 
 
 def _n_slots(peer: BadPeer) -> int:
-    return peer.wire.consumer.ring.n_slots
+    return peer.wire.consumer._ring.n_slots
 
 
 _SHM_CASES: dict[str, tuple[ShmCase, str]] = {

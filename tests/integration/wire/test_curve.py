@@ -66,12 +66,12 @@ def test_only_allow_listed_keys_speaking_for_their_own_name_get_through(
             for sock in bad.values():
                 sock.send(msgpack.packb({"t": 1, "bogus": True}))       # any frame at all
             hello = Hello(PROTOCOL_VERSION, "hostB-1", consumer.manifest.fingerprint,   # valid, but not hostA's
-                          consumer.bucket_set.as_wire(), cfg.n_mels, cfg.seed, 1)
+                          consumer._bucket_set.as_wire(), cfg.n_mels, cfg.seed, 1)
             impostor.send(encode(hello))
             assert impostor.poll(5000), "the impostor got no answer"
             reply = msgpack.unpackb(impostor.recv())
             ids = [b.batch_id for b in consumer.batches()]
-            stats = consumer.receiver_stats()
+            stats = consumer._receiver.stats()
             time.sleep(0.3)
             leaked = {name: sock.poll(0) for name, sock in bad.items()}
             good.terminate()

@@ -93,7 +93,7 @@ def test_extras_of_every_kind_arrive_bit_exact_in_plan_order_through_a_producer_
                         time.sleep(0.05)
         finally:
             procs.stop(group)
-        manifest, plan, buckets = feed.manifest, feed.plan, feed.bucket_set.buckets
+        manifest, plan, buckets = feed.manifest, feed.plan, feed._bucket_set.buckets
     assert killed, procs.tail(log)
     assert [bid for bid, _, _ in got] == list(range(_STEPS))
     assert {copies for _, _, copies in got} == ({1} if transport_mode == "shm" else {4})
@@ -128,7 +128,7 @@ def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cac
                 got.append(({k: v.numpy().copy() for k, v in features.items()}, mel.numpy().copy()))
         finally:
             procs.stop(group)
-        manifest, plan, buckets = feed.manifest, feed.plan, feed.bucket_set.buckets
+        manifest, plan, buckets = feed.manifest, feed.plan, feed._bucket_set.buckets
     assert [int(f["batch_id"][0]) for f, _ in got] == list(range(steps))
     narrowed = 0
     for features, mel in got:

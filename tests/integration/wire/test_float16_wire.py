@@ -81,7 +81,7 @@ def test_float16_mels_arrive_bit_exact_in_plan_order_from_float16_and_float32_fi
                     got.append((int(features["batch_id"][0]), {k: arrays[k] for k in _BASE}, 1))
         finally:
             procs.stop(group)
-        manifest, plan, buckets = feed.manifest, feed.plan, feed.bucket_set.buckets
+        manifest, plan, buckets = feed.manifest, feed.plan, feed._bucket_set.buckets
     assert [bid for bid, _, _ in got] == list(range(_STEPS))
     assert {copies for _, _, copies in got} == ({1} if transport_mode == "shm" else {4})
     for bid, arrays, _ in got:
@@ -104,7 +104,7 @@ def test_a_producer_with_the_other_mel_dtype_is_refused_in_one_line_and_exits_78
             assert group.wait(timeout=procs.WAIT_S) == EXIT_CONFIG, procs.tail(log)
         finally:
             procs.stop(group)
-        assert feed.receiver_stats().rejects.get("CONTRACT", 0) >= 1 and feed.applied == 0
+        assert feed._receiver.stats().rejects.get("CONTRACT", 0) >= 1 and feed.applied == 0
     refusal = [line for line in log.read_text().splitlines() if "consumer refused this producer" in line]
     assert refusal and refusal[0].endswith("CONTRACT: transport.mel_dtype differs from the consumer's (see its log): "
                                            "producer 'float32'"), procs.tail(log)

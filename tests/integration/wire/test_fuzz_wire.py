@@ -53,11 +53,11 @@ class Fuzzer:
     def __init__(self, rng: random.Random, wire: Wire) -> None:
         self.rng = rng
         c = wire.consumer
-        epoch = c.epoch
-        shapes = [list(s) for s in c.bucket_set.buckets[0].shapes().values()]
+        epoch = c._run_id
+        shapes = [list(s) for s in c._bucket_set.buckets[0].shapes().values()]
         batch = BatchHeader(epoch, 3, 0, shapes, ["float32", "int32", "int32", "int32"], 12345, [])
         # The fingerprint has the real one's length, never its value: no mutation can make a valid HELLO.
-        hello = Hello(1, "fuzz", "f" * len(c.manifest.fingerprint), c.bucket_set.as_wire(), c.cfg.n_mels, c.cfg.seed, 1)
+        hello = Hello(1, "fuzz", "f" * len(c.manifest.fingerprint), c._bucket_set.as_wire(), c._cfg.n_mels, c._cfg.seed, 1)
         self.templates = [hello, batch, Heartbeat(epoch, 1, 2), Bye(epoch), Welcome(epoch, 2, 0.2, True, 1),
                           LeaseGrant(epoch, [Lease(1, 0, [1, 2], 3.0)], 1), Err(RejectCode.LEASE, "why")]
         self.batch = batch
@@ -268,7 +268,7 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
             start_producer(producers, demo_cache, endpoint)
             stream.take(10**9)                              # free-running step loop
             assert _wait(lambda: len(stream.applied) >= 50), stream.error      # warm
-            before = consumer.receiver_stats()
+            before = consumer._receiver.stats()
             n0 = len(stream.applied)
             insider.peer.join()
             attack.run(insider, stream)
@@ -279,13 +279,13 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
             def settled() -> bool:
                 attack.drain()
                 insider.peer.pump(0, heartbeat=False)
-                now = consumer.receiver_stats()
+                now = consumer._receiver.stats()
                 counted = sum(delta(before.rejects, now.rejects).values())
                 return counted + now.duplicates_dropped - before.duplicates_dropped >= total_sent
-            assert _wait(settled), delta(before.rejects, consumer.receiver_stats().rejects)
+            assert _wait(settled), delta(before.rejects, consumer._receiver.stats().rejects)
             time.sleep(0.2)                                 # a surplus count or reply would show by now
             settled()
-            after = consumer.receiver_stats()
+            after = consumer._receiver.stats()
             n_after = len(stream.applied)
             assert _wait(lambda: len(stream.applied) >= n_after + 100), f"stream stopped: {stream.error}"
         finally:

@@ -44,7 +44,7 @@ def _ident(label: str) -> bytes:
 
 def _one_producer(consumer: Consumer) -> ProducerReport:
     deadline = time.monotonic() + _WAIT_S
-    while len(reports := consumer.receiver_stats().producers) != 1:
+    while len(reports := consumer._receiver.stats().producers) != 1:
         assert time.monotonic() < deadline, "the producer never joined"
         time.sleep(0.02)
     return reports[0]
@@ -64,7 +64,7 @@ def test_an_impostor_claiming_a_live_producers_routing_id_neither_displaces_nor_
         batches = consumer.batches()
         assert [next(batches).batch_id for _ in range(10)] == list(range(10))
         good = _one_producer(consumer)
-        before = consumer.receiver_stats()
+        before = consumer._receiver.stats()
         impostor = zctx.socket(zmq.DEALER)
         impostor.setsockopt(zmq.LINGER, 0)
         impostor.setsockopt(zmq.ROUTING_ID, _ident(good.peer))      # the id the consumer's log shows
@@ -78,14 +78,14 @@ def test_an_impostor_claiming_a_live_producers_routing_id_neither_displaces_nor_
             impostor.disable_monitor()
             monitor.close(0)
             impostor.close(0)
-        liveness_s = consumer.cfg.transport.liveness_s
+        liveness_s = consumer._cfg.transport.liveness_s
         last_s = time.monotonic()
         for expected in range(10, 40):                 # the stream never stalls for a liveness period
             assert next(batches).batch_id == expected
             now = time.monotonic()
             assert now - last_s < liveness_s, f"batch {expected} took {now - last_s:.2f} s"
             last_s = now
-        after = consumer.receiver_stats()
+        after = consumer._receiver.stats()
     assert not got_anything
     assert [p.peer for p in after.producers] == [good.peer]          # the same connection, never re-joined
     assert after.leases_reissued == before.leases_reissued and after.producers_seen == 1
@@ -99,7 +99,7 @@ def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_lea
                                "consumer": {"steps": 30, "wait_timeout_s": 0.2},
                                "transport": {"heartbeat_interval_s": HB_S, "mode": "zmq"}})
     with Consumer(cfg, environ=environ) as first:
-        sock_path = Path(first.endpoint.removeprefix("ipc://"))
+        sock_path = Path(first._endpoint.removeprefix("ipc://"))
         inode = sock_path.stat().st_ino
         with pytest.raises(ConfigError, match=rf"another consumer \(pid {os.getpid()}\) is running on"):
             Consumer(cfg, environ=environ).start()
@@ -110,7 +110,7 @@ def test_a_second_consumer_on_the_same_runtime_directory_refuses_with_78_and_lea
                                 cwd=REPO, env={**os.environ, **environ}, capture_output=True, text=True,
                                 timeout=120)
         assert sock_path.stat().st_ino == inode                    # the live socket was never unlinked
-        producers.start(demo_cache, first.endpoint, 1, transport={"mode": "zmq"}, buckets={"batch_size": 4})
+        producers.start(demo_cache, first._endpoint, 1, transport={"mode": "zmq"}, buckets={"batch_size": 4})
         assert [b.batch_id for b in first.batches()] == list(range(30))    # ... and still serves
     assert second.returncode == 78, second.stderr
     [line] = [x for x in second.stderr.splitlines() if "another consumer" in x]
@@ -127,16 +127,16 @@ def test_a_hello_whose_id_holds_a_newline_never_forges_a_log_line(
         with caplog.at_level(logging.INFO), Consumer(_cfg(demo_cache, endpoint)) as consumer:
             peer.connect(endpoint)
             peer.send(encode(Hello(PROTOCOL_VERSION, evil, consumer.manifest.fingerprint,
-                                   consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed, 1)))
+                                   consumer._bucket_set.as_wire(), consumer._cfg.n_mels, consumer._cfg.seed, 1)))
             assert peer.poll(int(_WAIT_S * 1000)), "no answer to HELLO"
             welcome = decode_header(peer.recv())
             assert isinstance(welcome, Welcome)
             peer.send(encode(Bye(welcome.epoch, exit_code=3, reason="boom\nERROR forged too")))
             deadline = time.monotonic() + _WAIT_S
-            while consumer.receiver_stats().producer_failures < 1:
+            while consumer._receiver.stats().producer_failures < 1:
                 assert time.monotonic() < deadline, "the BYE never arrived"
                 time.sleep(0.02)
-            shown = consumer.receiver_stats()
+            shown = consumer._receiver.stats()
     finally:
         peer.close(0)
     lines = [line for r in caplog.records for line in logging.Formatter("%(levelname)s %(message)s").format(r)

@@ -82,18 +82,18 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
         with Consumer(_cfg(demo_cache, endpoint, shm_dir, 30)) as consumer:     # type: ignore[arg-type]
             zombie.connect(endpoint)
             zombie.send(encode(Hello(PROTOCOL_VERSION, "zombie-1", consumer.manifest.fingerprint,
-                                     consumer.bucket_set.as_wire(), consumer.cfg.n_mels, consumer.cfg.seed, 1,
+                                     consumer._bucket_set.as_wire(), consumer._cfg.n_mels, consumer._cfg.seed, 1,
                                      [CAP_SHM])))
             welcome = _recv(zombie, Welcome)
             grant = _recv(zombie, LeaseGrant)
             assert isinstance(welcome, Welcome) and isinstance(grant, LeaseGrant) and welcome.shm_dir == str(shm_dir)
-            maps = SlotMappings(consumer.bucket_set, 4, shm_dir=str(shm_dir), endpoint=endpoint)
+            maps = SlotMappings(consumer._bucket_set, 4, shm_dir=str(shm_dir), endpoint=endpoint)
             views = [maps.views(welcome.shm_dir, x.shm, x.bucket) for x in grant.leases if x.shm is not None]
             assert views, "the zombie got no slot lease"
             # It never heartbeats: declared dead after 1 s, its leases reissued to the real producer.
             producers.start(demo_cache, endpoint, 1, transport={"mode": "shm", "shm_dir": str(shm_dir)})
             deadline = time.monotonic() + procs.WAIT_S
-            while consumer.receiver_stats().leases_reissued < len(views):
+            while consumer._receiver.stats().leases_reissued < len(views):
                 assert time.monotonic() < deadline, "the zombie's leases were never reissued"
                 time.sleep(0.05)
             with _scribbling(views):                     # it wakes up and writes ...
@@ -110,7 +110,7 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
                                                [x.dtype.name for x in arrays], None, [],
                                                (lease.shm.slot, lease.shm.generation))))
                 err = _recv(zombie, Err)
-            stats = consumer.receiver_stats()
+            stats = consumer._receiver.stats()
     finally:
         zombie.close(0)
         ctx.term()
@@ -238,11 +238,11 @@ def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_
             Consumer(_cfg(demo_cache, endpoint, small, 12)).start()   # type: ignore[arg-type]
         with caplog.at_level(logging.WARNING, logger="melfeed.consumer.transport.shm_slots"):
             with Consumer(_cfg(demo_cache, endpoint, small, 12, "auto")) as consumer:   # type: ignore[arg-type]
-                assert consumer.shm is None
+                assert consumer._shm is None
                 producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})
                 copies = {b.copies for b in consumer.batches()}
                 assert consumer.applied == 12 and copies == {4}
-                assert consumer.receiver_stats().bytes_received > 0
+                assert consumer._receiver.stats().bytes_received > 0
         warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and str(small) in warnings[0] and "too small" in warnings[0], warnings
         assert list(small.iterdir()) == []

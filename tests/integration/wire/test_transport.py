@@ -47,7 +47,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
         with Consumer(_cfg(demo_cache, endpoint, steps, transport_mode)) as consumer:
             group = producers.start(demo_cache, endpoint, count, transport={"mode": transport_mode})
             got = _collect(consumer, copies)
-            stats = consumer.receiver_stats()
+            stats = consumer._receiver.stats()
             group.terminate()
             assert group.wait(procs.WAIT_S) == 0
         assert [bid for bid, _ in got] == list(range(steps))
@@ -63,7 +63,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
 
 def _batch_nbytes(consumer: Consumer, batch_id: int) -> int:
     """Bytes of the four arrays of planned batch ``batch_id`` (its bucket's shapes)."""
-    bucket = consumer.bucket_set.buckets[consumer.plan.batch(batch_id).bucket]
+    bucket = consumer._bucket_set.buckets[consumer.plan.batch(batch_id).bucket]
     dtypes = bucket.dtypes()
     return sum(int(np.prod(shape)) * np.dtype(dtypes[k]).itemsize for k, shape in bucket.shapes().items())
 
@@ -105,8 +105,8 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
                 if len(replies) == len(sent):
                     break
             ids = [b.batch_id for b in consumer.batches()]
-            rejects = consumer.receiver_stats().rejects
-            stale = consumer.receiver_stats().stale_dropped
+            rejects = consumer._receiver.stats().rejects
+            stale = consumer._receiver.stats().stale_dropped
     finally:
         bad.close()
         ctx.term()
@@ -125,7 +125,7 @@ def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: 
     with Consumer(_cfg(demo_cache, endpoint, 5)) as consumer:
         group = producers.start(other, endpoint, 2)
         assert group.wait(60) == 78
-        assert consumer.receiver_stats().rejects.get(RejectCode.CONTRACT, 0) >= 1
+        assert consumer._receiver.stats().rejects.get(RejectCode.CONTRACT, 0) >= 1
 
 
 def test_producers_started_first_wait_and_join_when_the_consumer_appears(
@@ -136,9 +136,9 @@ def test_producers_started_first_wait_and_join_when_the_consumer_appears(
     assert group.poll() is None
     with Consumer(_cfg(demo_cache, endpoint, 20, transport_mode)) as consumer:
         deadline = time.monotonic() + 30              # both join (a loaded machine may start one late) ...
-        while consumer.receiver_stats().producers_seen < 2 and time.monotonic() < deadline:
+        while consumer._receiver.stats().producers_seen < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert consumer.receiver_stats().producers_seen == 2
+        assert consumer._receiver.stats().producers_seen == 2
         ids = [b.batch_id for b in consumer.batches()]  # ... and the batches arrive
     assert ids == list(range(20))
 
@@ -151,9 +151,9 @@ def test_producers_told_to_exit_at_the_plan_end_leave_with_bye_and_exit_0_while_
         ids = [b.batch_id for b in consumer.batches()]
         assert group.wait(procs.WAIT_S) == 0          # no signal: the supervisor ended once both children had
         deadline = time.monotonic() + procs.WAIT_S    # their BYEs are in (the consumer drops them at once)
-        while consumer.receiver_stats().producers_alive and time.monotonic() < deadline:
+        while consumer._receiver.stats().producers_alive and time.monotonic() < deadline:
             time.sleep(0.05)
-        stats = consumer.receiver_stats()
+        stats = consumer._receiver.stats()
     assert ids == list(range(12))
     assert stats.producers_seen == 2 and stats.producers_alive == 0 and stats.producer_failures == 0
 
@@ -164,7 +164,7 @@ def test_as_dataset_yields_fixed_shape_elements_for_keras(demo_cache: Path, endp
         producers.start(demo_cache, endpoint, 1)
         ds = consumer.as_dataset(single_shape=True)
         elements = list(ds)
-        biggest = max(consumer.bucket_set.buckets, key=lambda b: b.max_frames)
+        biggest = max(consumer._bucket_set.buckets, key=lambda b: b.max_frames)
     assert len(elements) == 6
     assert ds.element_spec[1].shape.as_list() == [biggest.batch_size, biggest.max_frames, 80]
     for feats, mel in elements:

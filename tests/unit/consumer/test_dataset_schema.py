@@ -17,8 +17,8 @@ EXTRAS = (ExtraSpec("speaker", "utterance", "int32"), ExtraSpec("energy", "frame
 
 
 def _consumer(*buckets: Bucket) -> Any:
-    return SimpleNamespace(cfg=SimpleNamespace(n_mels=4), bucket_shapes=tuple(b.shapes() for b in buckets),
-                           bucket_set=SimpleNamespace(buckets=buckets), extras=buckets[0].extras)
+    return SimpleNamespace(_cfg=SimpleNamespace(n_mels=4), bucket_shapes=tuple(b.shapes() for b in buckets),
+                           _bucket_set=SimpleNamespace(buckets=buckets), extras=buckets[0].extras)
 
 
 def test_extras_are_features_with_their_dtypes_and_bucket_varying_dims_unknown() -> None:

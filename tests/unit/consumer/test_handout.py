@@ -1,4 +1,7 @@
-"""``Handout``: applied ids in plan order, the newest iterator wins, a dropped iterator's batch comes back first."""
+"""``Handout``: applied ids in plan order, the newest iterator wins, a dropped iterator's batch comes back first.
+
+``HandoutDesk`` over fake ports (a ring of batches made on demand): what the receiver hears, held and read-ahead slots.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import numpy as np
 import pytest
 
 from melfeed.consumer.flow.plan import PlannedBatch
-from melfeed.consumer.handout import Batch, Handout
+from melfeed.consumer.handout import Batch, Handout, HandoutDesk, HandoutPorts
 
 
 def _batch(batch_id: int) -> Batch:
@@ -103,3 +106,55 @@ def test_an_iterator_may_hold_several_read_ahead_batches_and_a_new_one_gets_them
     late = _batch(3)
     h.hold(token, late)                            # handed to a superseded iterator: returned, not lost
     assert h.pop_returned() is late
+
+
+class _Ports:
+    """A desk's consumer side: every batch arrives at once; records what the receiver hears and the slots freed."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[int, bool]] = []
+        self.freed: list[int] = []
+
+    def desk(self, end_batch: int | None) -> HandoutDesk:
+        ports = HandoutPorts(check_usable=lambda: None, take=lambda batch_id, timeout_s: _batch(batch_id),
+                             free_slot=self.freed.append, applied=lambda i, wake: self.heard.append((i, wake)),
+                             producers_alive=lambda: 1, wait_timeout_s=0.01)
+        return HandoutDesk(0, end_batch, 0, ports)
+
+
+def test_the_desk_records_each_applied_batch_once_and_tells_the_receiver_waking_it_for_the_last() -> None:
+    ports = _Ports()
+    desk = ports.desk(end_batch=3)
+    assert [b.batch_id for b in desk.iterate(None, None)] == [0, 1, 2]
+    assert desk.applied_ids == [0, 1, 2] and desk.finished
+    assert ports.heard == [(0, False), (1, False), (2, True)] and ports.freed == [0, 1, 2]
+
+
+def test_a_dataset_element_stays_applied_with_its_slot_held_until_a_new_iterator_begins() -> None:
+    ports = _Ports()
+    desk = ports.desk(end_batch=None)
+    token = desk.begin()
+    batch = desk.wait_next(token)
+    assert batch is not None
+    desk.apply_and_hold(batch)
+    assert desk.applied_ids == [0] and ports.freed == []
+    desk.begin()                                   # a late-collected Keras iterator keeps no slot
+    assert ports.freed == [batch.slot]
+    desk.free_held_slot(batch)                     # its finalizer runs later: nothing is freed twice
+    assert ports.freed == [batch.slot]
+
+
+def test_read_ahead_is_applied_only_when_taken_and_only_for_the_current_iterator() -> None:
+    ports = _Ports()
+    desk = ports.desk(end_batch=None)
+    old = desk.begin()
+    b0, b1 = desk.wait_next(old), desk.wait_next(old)
+    assert b0 is not None and b1 is not None
+    desk.hold(old, b0)
+    desk.hold(old, b1)
+    desk.consume_read_ahead(old, 1, keep_slot=False)    # not the oldest held: ignored
+    desk.consume_read_ahead(old, 0, keep_slot=False)    # copied to a device: applied, slot freed now
+    assert desk.applied_ids == [0] and ports.freed == [b0.slot]
+    new = desk.begin()
+    desk.consume_read_ahead(old, 1, keep_slot=False)    # superseded: handed out again instead
+    assert desk.applied_ids == [0] and desk.wait_next(new) is b1

@@ -1,7 +1,7 @@
 """Where a run stops: ``consumer.steps`` N ends the plan at batch N; ``consumer.steps: null`` never ends it.
 
 The rule lives in two places that must agree: the lease book (``consumer/flow/credit.py``: what is leased) and
-``Consumer.finished`` (``consumer/feed.py``: what the built-in loop and ``batches()`` stop on).
+``HandoutDesk.finished`` (``consumer/handout.py``: what the built-in loop and ``batches()`` stop on).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def test_steps_null_leases_and_trains_past_the_old_default_and_a_number_ends_the
         demo_cache: Path, steps: int | None, applied: int, finished: bool) -> None:
     feed = Consumer(config_from_mapping({"cache_dir": str(demo_cache), "consumer": {"steps": steps}}))
     feed.close()                       # never started: only its plan and its stopping rule are used
-    book = LeaseBook(feed.plan, 0, feed.end_batch, window=2, lease_timeout_s=10.0)
+    book = LeaseBook(feed.plan, 0, feed._desk.end_batch, window=2, lease_timeout_s=10.0)
     assert _apply(book, _OLD_DEFAULT_STEPS + 50) == applied
     assert (book.is_finished, book.has_work()) == (finished, not finished)
-    feed.next_apply = applied          # the loop took every batch it was leased
-    assert feed.finished is finished
+    feed._desk.next_id = applied          # the loop took every batch it was leased
+    assert feed._desk.finished is finished
 
 
 def test_the_config_reads_steps_null_as_no_limit(tmp_path: Path) -> None:

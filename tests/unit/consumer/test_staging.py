@@ -1,20 +1,19 @@
 """``Stager``: the order of put / step / wait / apply / free, the in-flight bound, and what errors give back.
 
-A fake feed (the real ``Handout`` behind the ``Consumer`` methods the stager calls) and a fake device that
+A fake feed (the real ``HandoutDesk`` the stager talks to, over a fake ring) and a fake device that
 logs every operation; no TensorFlow, no sockets.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from melfeed.consumer.flow.plan import PlannedBatch
-from melfeed.consumer.handout import Batch, Handout
+from melfeed.consumer.handout import Batch, HandoutDesk, HandoutPorts
 from melfeed.consumer.staging import Staged, Stager
 from melfeed.shared.errors import PipelineError
 
@@ -29,49 +28,29 @@ def _batch(batch_id: int) -> Batch:
 
 
 class _Feed:
-    """The part of ``Consumer`` the stager uses, over a real ``Handout``; logs take / applied / free / give_back."""
+    """The part of ``Consumer`` the stager uses: a real ``HandoutDesk`` over a fake ring; logs take / applied / free."""
 
     def __init__(self, n_batches: int, events: list[Event], slots: int = 4) -> None:
-        self.ring = SimpleNamespace(n_slots=slots)
-        self.handout = Handout(0)
+        self._ring = SimpleNamespace(n_slots=slots)
+        ports = HandoutPorts(check_usable=lambda: None, take=self._take, free_slot=self._free,
+                             applied=self._applied, producers_alive=lambda: 1, wait_timeout_s=0.01)
+        self._desk = HandoutDesk(0, n_batches, 0, ports)
         self.events = events
-        self.n_batches = n_batches
-        self.taken = 0
         self.closed = False
-        self.freed: set[int] = set()
+        self._in_slot: dict[int, int] = {}    # slot -> the batch id in it
 
-    def begin_iterator(self) -> int:
-        return self.handout.begin()
+    def _take(self, batch_id: int, timeout_s: float) -> Batch | None:
+        self.events.append(("take", batch_id))
+        batch = _batch(batch_id)
+        assert batch.slot not in self._in_slot, "a slot taken while another batch is in it"
+        self._in_slot[batch.slot] = batch_id
+        return batch
 
-    def is_current(self, token: int) -> bool:
-        return self.handout.is_current(token)
+    def _applied(self, batch_id: int, wake: bool) -> None:
+        self.events.append(("applied", batch_id))
 
-    def wait_next(self, token: int, stop: threading.Event | None = None,
-                  on_wait: Callable[[int], None] | None = None) -> Batch | None:
-        again = self.handout.pop_returned()
-        if again is not None:
-            return again
-        if self.taken >= self.n_batches or (stop is not None and stop.is_set()):
-            return None
-        self.events.append(("take", self.taken))
-        self.taken += 1
-        return _batch(self.taken - 1)
-
-    def hold(self, token: int, batch: Batch) -> None:
-        self.handout.hold(token, batch)
-
-    def give_back(self, token: int, batch: Batch) -> None:
-        self.events.append(("give_back", batch.batch_id))
-        self.handout.give_back(token, batch)
-
-    def mark_applied(self, batch: Batch) -> None:
-        self.events.append(("applied", batch.batch_id))
-        self.handout.record_applied(batch)
-
-    def free_slot(self, batch: Batch) -> None:
-        assert batch.batch_id not in self.freed, "a slot freed twice"
-        self.freed.add(batch.batch_id)
-        self.events.append(("free", batch.batch_id))
+    def _free(self, slot: int) -> None:
+        self.events.append(("free", self._in_slot.pop(slot)))
 
     def close(self) -> None:
         self.closed = True
@@ -121,7 +100,7 @@ def test_on_an_asynchronous_device_batch_n_plus_1_is_staged_and_dispatched_befor
     for k in range(4):
         assert _at(events, ("put", k + 1)) < _at(events, ("wait", k))       # the copy overlaps step k
         assert _at(events, ("wait", k)) < _at(events, ("applied", k)) < _at(events, ("free", k))
-    assert stager.max_in_flight == 2 and feed.handout.applied_ids == [0, 1, 2, 3, 4]
+    assert stager.max_in_flight == 2 and feed._desk.applied_ids == [0, 1, 2, 3, 4]
     assert [d.rows for d in done] == [1, 2, 2, 2, 1] and done[1].real_frames == 5 and done[0].padded_frames == 8
 
 
@@ -130,7 +109,7 @@ def test_depth_bounds_the_batches_in_flight() -> None:
     stager = Stager(feed, device, depth=3)  # type: ignore[arg-type]
     for _ in stager.run():
         taken = sum(e[0] == "take" for e in events)
-        assert taken - feed.handout.applied <= 3
+        assert taken - feed._desk.applied <= 3
     assert stager.max_in_flight == 3
 
 
@@ -168,9 +147,9 @@ def test_a_failing_step_gives_every_unapplied_batch_back_lowest_id_first() -> No
     events, feed, device = _rig(6, fail_step=2)
     with pytest.raises(RuntimeError, match="step failed"):
         list(Stager(feed, device, depth=2).run())  # type: ignore[arg-type]
-    assert feed.handout.applied_ids == [0]
+    assert feed._desk.applied_ids == [0]
     assert ("free", 1) not in events and ("free", 2) not in events           # their slots are still held
-    again = [feed.handout.pop_returned(), feed.handout.pop_returned()]
+    again = [feed._desk.next_batch(0.0), feed._desk.next_batch(0.0)]
     assert [b.batch_id for b in again if b is not None] == [1, 2] and not feed.closed
 
 
@@ -187,7 +166,7 @@ def test_a_loop_that_breaks_out_gets_its_dispatched_steps_applied_and_the_rest_g
     for done in stager.run():
         if done.batch.batch_id == 0:
             break                                   # batch 1 was dispatched: the model has seen it
-    assert feed.handout.applied_ids == [0, 1] and ("free", 1) in events and not feed.handout.has_returned
+    assert feed._desk.applied_ids == [0, 1] and ("free", 1) in events and not feed._desk.has_returned
     assert [d.batch.batch_id for d in stager.run()] == [2, 3, 4, 5]
 
 
@@ -198,7 +177,7 @@ def test_stop_ends_the_run_after_the_steps_in_flight_completed() -> None:
     for done in Stager(feed, device, depth=2).run(stop):  # type: ignore[arg-type]
         seen.append(done.batch.batch_id)
         stop.set()
-    assert seen == [0, 1] and feed.handout.applied_ids == [0, 1] and not feed.handout.has_returned
+    assert seen == [0, 1] and feed._desk.applied_ids == [0, 1] and not feed._desk.has_returned
 
 
 @pytest.mark.parametrize("depth", [0, 4])

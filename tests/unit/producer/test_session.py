@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from melfeed.producer.session import BuildOrder, ProducerSession, SessionConfig, failure_reason
+from melfeed.producer.session import BuildOrder, ProducerSession, ProducerSessionConfig, failure_reason
 from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.protocol import (CAP_SHM, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, ShmSlot,
                                   StageCounters, Welcome)
@@ -18,7 +18,7 @@ HB_S = 0.2
 LIVENESS_S = 1.0
 BACKOFF_MAX_S = 1.0
 STATS = StageCounters(3, 0.01, 0.002, 0.001)
-CFG = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
+CFG = ProducerSessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
                     heartbeat_interval_s=HB_S, liveness_s=LIVENESS_S, backoff_max_s=BACKOFF_MAX_S)
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 
-from melfeed.producer.session import ProducerSession, SessionConfig, random_nonce
+from melfeed.producer.session import ProducerSession, ProducerSessionConfig, random_nonce
 from melfeed.shared.wire.protocol import Err, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome
 from tests.fakes import FakeClock
 from tests.unit.producer.test_session import _builds
 
 HB_S = 0.2
-CFG = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
+CFG = ProducerSessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
                     heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
 
 

@@ -1,5 +1,5 @@
 """The producer session when the consumer's plan ends (its HB says ``done``): exit 0, or wait for the next
-consumer, by ``SessionConfig.exit_at_plan_end``. Decoded messages and a fake clock; nothing sleeps."""
+consumer, by ``ProducerSessionConfig.exit_at_plan_end``. Decoded messages and a fake clock; nothing sleeps."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import logging
 
 import pytest
 
-from melfeed.producer.session import ProducerSession, SessionConfig
+from melfeed.producer.session import ProducerSession, ProducerSessionConfig
 from melfeed.shared.wire.protocol import Bye, Heartbeat, Hello, Lease, LeaseGrant, StageCounters
 from tests.fakes import FakeClock
 from tests.unit.producer.test_session import _welcome
 
 HB_S = 0.2
-WAIT_CFG = SessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
+WAIT_CFG = ProducerSessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
                          heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
 EXIT_CFG = dataclasses.replace(WAIT_CFG, exit_at_plan_end=True)
 DONE = Heartbeat(7, 0, 12, done=True)
 
 
-def _joined_with_leases(cfg: SessionConfig, clock: FakeClock) -> ProducerSession:
+def _joined_with_leases(cfg: ProducerSessionConfig, clock: FakeClock) -> ProducerSession:
     s = ProducerSession(cfg, clock())
     assert isinstance(s.on_turn(clock())[0], Hello)
     s.on_message(_welcome(s, 7), clock())

@@ -24,7 +24,7 @@ import zmq
 from melfeed.producer.batcher import BuiltBatch
 
 from melfeed.producer.reader import TransientReadError
-from melfeed.producer.session import SessionConfig
+from melfeed.producer.session import ProducerSessionConfig
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.producer.worker import ProducerWorker, WorkerConfig
 from melfeed.shared.config import BucketConfig
@@ -36,7 +36,7 @@ from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Heartbeat, 
 from tests.fakes import FakeAssembler, FakeClock, FakeDealer
 
 HB_S = 0.2
-SESSION = SessionConfig("producer-1", "tcp://127.0.0.1:5555", "fp", [[2, 4, 4]], 3, 7,
+SESSION = ProducerSessionConfig("producer-1", "tcp://127.0.0.1:5555", "fp", [[2, 4, 4]], 3, 7,
                         heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
 BAD_FILE = "/cache/mels/LJ001-0003.npy"
 

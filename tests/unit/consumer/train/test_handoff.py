@@ -1,4 +1,4 @@
-"""``TfHandOff`` on the CPU: the slot region is wrapped, never declared copied, a step is done when it returns."""
+"""``TfStageAdapter`` on the CPU: the slot region is wrapped, never declared copied, a step is done when it returns."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tensorflow as tf
 from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.train.device.packed import PackedSteps
-from melfeed.consumer.train.handoff import TfHandOff, model_device
+from melfeed.consumer.train.handoff import TfStageAdapter, model_device
 from melfeed.consumer.train.model import StepSpec
 from melfeed.consumer.train.step import CompiledStep
 from melfeed.shared.errors import StepError
@@ -34,12 +34,12 @@ def _slot_batch() -> Batch:
     return Batch(PlannedBatch(0, 0, 0, (0, 1)), arrays, slot=0)
 
 
-def _handoff(step: object, factory: str = "step", on_step: object = None) -> TfHandOff:
+def _handoff(step: object, factory: str = "step", on_step: object = None) -> TfStageAdapter:
     compiled = CompiledStep(step, [SHAPES], jit_compile=False, factory=factory)   # type: ignore[arg-type]
     compiled.warm_up()
     packed = PackedSteps.for_buckets(compiled, [BUCKET], None)
     packed.warm_up(step.variables())   # type: ignore[attr-defined]
-    return TfHandOff(packed, None, on_step=on_step, slot_buffer=lambda slot: _SLOT)   # type: ignore[arg-type]
+    return TfStageAdapter(packed, None, on_step=on_step, slot_buffer=lambda slot: _SLOT)   # type: ignore[arg-type]
 
 
 def test_the_cpu_hand_off_aliases_the_slot_until_the_step_completed_and_reads_nothing_per_step() -> None:

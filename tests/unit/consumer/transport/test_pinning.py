@@ -44,7 +44,7 @@ class _Recorder(HostPinner):
 
 def test_every_slot_is_pinned_when_mapped_and_unpinned_on_retire_and_close(tmp_path: Path) -> None:
     pinner = _Recorder()
-    slots = ShmSlots(tmp_path, 2, 4096, epoch=1, pinner=pinner)
+    slots = ShmSlots(tmp_path, 2, 4096, run_id=1, pinner=pinner)
     first = [slots.buffer(i).ctypes.data for i in range(2)]
     assert pinner.events == [("pin", first[0]), ("pin", first[1])]
     slots.retire(0)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from melfeed.consumer.flow.decisions import SessionConfig
+from melfeed.consumer.flow.decisions import ReceiverSessionConfig
 from melfeed.consumer.transport.receiver import Receiver, ReceiverConfig
 from melfeed.shared.wire.buckets import BucketSet
 from tests.unit.consumer.flow.session.session_rig import A, B, BUCKET, CONTRACT, EPOCH, Rig, ids
@@ -29,7 +29,7 @@ def _woken(receiver: Receiver) -> bool:
 def rig_receiver() -> Iterator[tuple[Rig, Receiver]]:
     rig = Rig(n_slots=2, window=2)
     buckets = BucketSet((BUCKET,), np.zeros(2, np.int16), 0, 0, 2 * BUCKET.max_frames)
-    cfg = ReceiverConfig("ipc:///nonexistent/never-bound.sock", SessionConfig(CONTRACT, EPOCH, 1.0, 30.0, False))
+    cfg = ReceiverConfig("ipc:///nonexistent/never-bound.sock", ReceiverSessionConfig(CONTRACT, EPOCH, 1.0, 30.0, False))
     receiver = Receiver(cfg, rig.ring, rig.book, buckets)
     receiver._session = rig.session          # one session: the rig drives it, the receiver acts on it
     yield rig, receiver

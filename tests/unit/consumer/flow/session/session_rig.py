@@ -10,7 +10,7 @@ import itertools
 from typing import Any
 
 from melfeed.consumer.flow.credit import LeaseBook
-from melfeed.consumer.flow.decisions import Decision, HandshakeContract, Outgoing, SessionConfig
+from melfeed.consumer.flow.decisions import Decision, HandshakeContract, Outgoing, ReceiverSessionConfig
 from melfeed.consumer.flow.rejects import RejectLog
 from melfeed.consumer.flow.ring import BatchRing
 from melfeed.consumer.flow.session import ReceiverSession
@@ -36,7 +36,7 @@ class Rig:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
         self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
-        cfg = SessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False,
+        cfg = ReceiverSessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False,
                             lease_expiry_limit=lease_expiry_limit, lease_backoff_s=lease_backoff_s)
         self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
                                        rejects=RejectLog(flood_limit=flood_limit))

@@ -11,7 +11,7 @@ import tensorflow as tf
 from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.train.device.packed import PackedSteps
-from melfeed.consumer.train.handoff import TfHandOff
+from melfeed.consumer.train.handoff import TfStageAdapter
 from melfeed.consumer.train.model import StepSpec, build_reference_step
 from melfeed.consumer.train.step import CompiledStep
 from melfeed.shared.wire.buckets import Bucket
@@ -77,7 +77,7 @@ def _packed_run(bucket: Bucket, jit: bool, extras: tuple[ExtraSpec, ...] = ()) -
     packed = PackedSteps.for_buckets(compiled, [bucket], None)
     packed.warm_up(step.variables())
     slots, rng = _Slots(bucket), np.random.default_rng(3)
-    handoff = TfHandOff(packed, None, slot_buffer=slots.buffer)
+    handoff = TfStageAdapter(packed, None, slot_buffer=slots.buffer)
     for i in range(_STEPS):
         batch = slots.batch(i, rng)
         staged = handoff.put(batch)
@@ -124,7 +124,7 @@ def test_float16_mels_and_extras_are_cut_from_the_region_where_the_layout_put_th
     packed = PackedSteps.for_buckets(compiled, [bucket], None)
     packed.warm_up([])
     slots = _Slots(bucket)
-    handoff = TfHandOff(packed, None, slot_buffer=slots.buffer)
+    handoff = TfStageAdapter(packed, None, slot_buffer=slots.buffer)
     batch = slots.batch(0, np.random.default_rng(5))
     handoff.step(batch, handoff.put(batch).value)
     read = packed.accumulators.read()
@@ -161,7 +161,7 @@ def test_a_row_input_step_reads_rows_from_the_one_region_it_is_given(in_slot: bo
     args, kwargs = packed.program(0).structured_input_signature
     assert kwargs == {} and [(a.dtype, tuple(a.shape)) for a in args] == [(tf.uint8, (layout.nbytes,))]
     slots = _Slots(bucket)
-    handoff = TfHandOff(packed, None, slot_buffer=slots.buffer)
+    handoff = TfStageAdapter(packed, None, slot_buffer=slots.buffer)
     for batch_id, rows in enumerate((3, 1)):       # partial batches: fewer real rows than B = 4
         full = slots.batch(batch_id, np.random.default_rng(batch_id))
         batch = Batch(PlannedBatch(batch_id, 0, 0, tuple(range(rows))),
@@ -184,7 +184,7 @@ def test_a_batch_whose_arrays_are_not_in_a_slot_is_packed_into_a_region_with_one
     slots = _Slots(bucket)
     batch = slots.batch(0, np.random.default_rng(1))
     loose = Batch(batch.planned, {k: v.copy() for k, v in batch.arrays.items()}, slot=0)
-    staged = TfHandOff(packed, None, slot_buffer=slots.buffer).put(loose)
+    staged = TfStageAdapter(packed, None, slot_buffer=slots.buffer).put(loose)
     assert staged.host_copies == 1
     region, slot = staged.value.numpy(), slots.buffer(0)
     for _, offset, shape, dtype in batch_layout(bucket):       # every array's bytes where the layout puts them
