@@ -285,7 +285,7 @@ class Consumer:
 
     # --- what the built-in loop, the app, bench and doctor read ---------------------------------
     def _in_flight_bound_bytes(self, producers: int) -> int:
-        """docs/ARCHITECTURE.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
+        """docs/design.md invariant 4: (ring slots + Σ lease windows) x largest batch."""
         return (self._ring.n_slots + producers * self._cfg.transport.lease_window) * self._bucket_set.max_batch_nbytes()
 
     def _telemetry_source(self) -> _TelemetrySource:
