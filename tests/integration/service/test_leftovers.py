@@ -93,7 +93,9 @@ def test_a_killed_consumers_sockets_are_removed_at_the_next_start_and_a_live_one
     control: ControlServer | None = None
     try:
         nxt.start()
-        control = ControlServer(nxt._receiver.context, f"ipc://{tmp_path}/b.control.sock", lambda: b"null")
+        context = nxt._receiver.context
+        assert context is not None                          # started
+        control = ControlServer(context, f"ipc://{tmp_path}/b.control.sock", lambda: b"null")
         control.start()
         assert not any((tmp_path / f).exists() for f in files)
         assert (tmp_path / "live.sock").exists() and (tmp_path / "live.sock.lock").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.handout import HandoutDesk
-from melfeed.shared.config_loader import config_from_mapping
+from melfeed.shared.config.loader import config_from_mapping
 
 PUBLIC_NAMES = ["applied", "applied_ids", "array_schema", "as_dataset", "batches", "batches_per_epoch",
                 "bucket_shapes", "close", "extras", "manifest", "next_batch", "plan", "release", "slot_buffers",
