@@ -63,7 +63,7 @@ class SystemdNS:
         for name in ("exit.target", "systemd-exit.service"):
             shutil.copy(f"/lib/systemd/system/{name}", self.units / name)
 
-    def boot(self, timeout_s: float = 30.0) -> None:
+    def boot(self, timeout_s: float = 120.0) -> None:
         empty = self.workdir / "empty"
         empty.mkdir(exist_ok=True)
         script = textwrap.dedent(f"""\
@@ -91,15 +91,18 @@ class SystemdNS:
             self.proc = subprocess.Popen(["bash", "-c", script], stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
+        state = "no systemd process yet"
         while time.monotonic() < deadline:
             self.pid = self._systemd_pid()
-            if self.pid and self.systemctl("is-system-running", check=False).stdout.strip() in (
-                    "running", "degraded", "starting"):
-                return
+            if self.pid:
+                state = self.systemctl("is-system-running", check=False).stdout.strip() or "no answer"
+                if state in ("running", "degraded", "starting"):
+                    return
             if self.proc.poll() is not None:
+                state = f"the launcher exited {self.proc.returncode}"
                 break
             time.sleep(0.2)
-        raise RuntimeError(f"systemd did not come up: {self.console.read_text(errors='replace')[-2000:]}")
+        raise RuntimeError(f"systemd did not come up within {timeout_s:.0f} s ({state})\n{self.logs()}")
 
     def _systemd_pid(self) -> int | None:
         """The pid (outside view) of the systemd our unshare started: the child of unshare."""
