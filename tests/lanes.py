@@ -1,9 +1,9 @@
-"""The test lanes: which test files import TensorFlow, read from the source.
+"""The test lanes: which test files import TensorFlow or start processes, read from the source.
 
 ``tf`` marks a test that imports TensorFlow (about 6 s of CPU per process), ``proc`` one that starts real
-processes or sockets; ``-m "not slow and not tf and not proc"`` is the fast lane (README "Tests").
-tests/conftest.py marks ``proc`` itself: every integration test, and a unit test whose file imports
-process or socket tools (``imports_process_tools``) or that uses a fixture starting processes. A unit test file declares
+processes or opens sockets; ``-m "not slow and not tf and not proc"`` is the fast lane.
+tests/conftest.py marks ``proc`` itself: every integration test, a unit test whose file imports process or
+socket tools (``imports_process_tools``), one using a fixture that starts processes. A unit test file declares
 ``pytestmark = pytest.mark.tf`` itself (also one whose child processes import TensorFlow, which no scan of
 imports sees); ``unmarked_tensorflow_files`` finds one that imports TensorFlow without it, following imports
 through the helpers under tests/ and the melfeed modules they load.
@@ -87,25 +87,25 @@ def _is_tensorflow(module: str) -> bool:
     return module == "tensorflow" or module.startswith("tensorflow.")
 
 
-_PROCESS_MODULES = ("subprocess", "multiprocessing", "socket", "zmq", "tests.cli_run", "tests.procs")
+_PROCESS_MODULES = ("subprocess", "multiprocessing", "socket", "zmq",
+                    "tests.cli_run", "tests.job_procs", "tests.procs", "tests.systemd_ns")
 
 
 def _starts_processes(module: str) -> bool:
     return any(module == name or module.startswith(name + ".") for name in _PROCESS_MODULES)
 
 
-def _reaches(path: Path, is_target: Callable[[str], bool], *, through_melfeed: bool,
-             into_functions: bool = True) -> bool:
+def _reaches(path: Path, is_target: Callable[[str], bool], *, into_functions: bool = True) -> bool:
     """Whether the test file at ``path`` imports a module ``is_target`` accepts, directly or through the helpers
-    under tests/ (and, with ``through_melfeed``, the melfeed modules) it imports; without ``into_functions``,
-    only the imports that run when the file is imported count."""
+    under tests/ and the melfeed modules it imports; without ``into_functions``, only the imports that run when
+    the file is imported count."""
     pending = list(_imported_names(ast.parse(path.read_text()), into_functions=into_functions))
     seen: set[str] = set()
     while pending:
         module = pending.pop()
         if is_target(module):
             return True
-        if module not in seen and (through_melfeed or not module.startswith("melfeed")):
+        if module not in seen:
             seen.add(module)
             pending.extend(_imports_of(module, into_functions=into_functions))
     return False
@@ -113,21 +113,22 @@ def _reaches(path: Path, is_target: Callable[[str], bool], *, through_melfeed: b
 
 def imports_tensorflow(path: Path) -> bool:
     """Whether running the test file at ``path`` imports TensorFlow, directly or through the modules it imports."""
-    return _reaches(path, _is_tensorflow, through_melfeed=True)
+    return _reaches(path, _is_tensorflow)
 
 
 @functools.cache
 def imports_tensorflow_on_import(path: Path) -> bool:
     """Whether importing the test file at ``path`` (collecting it) imports TensorFlow."""
-    return _reaches(path, _is_tensorflow, through_melfeed=True, into_functions=False)
+    return _reaches(path, _is_tensorflow, into_functions=False)
 
 
 @functools.cache
 def imports_process_tools(path: Path) -> bool:
-    """Whether the test file at ``path`` (or a tests/ helper it imports) imports what starts processes or opens
-    sockets: subprocess, multiprocessing, socket, zmq, tests/cli_run.py, tests/procs.py. melfeed's own modules
-    are not followed: most of the library can start something, a pure-logic test of it does not."""
-    return _reaches(path, _starts_processes, through_melfeed=False)
+    """Whether the test file at ``path`` itself imports what starts processes or opens sockets (subprocess,
+    multiprocessing, socket, zmq) or a tests/ helper that starts them. Imports are not followed further: a
+    fake may name zmq's types, and most of melfeed can start something that a pure-logic test never does."""
+    names = _imported_names(ast.parse(path.read_text()), into_functions=True)
+    return any(_starts_processes(name) for name in names)
 
 
 _EXPRESSION_WORDS = {"and", "or", "not", "True", "False"}
