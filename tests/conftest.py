@@ -47,8 +47,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks ``proc`` every integration test and each unit test that starts processes (tests/lanes.py); refuses a test file that imports TensorFlow without the ``tf``
-    marker, which would put TensorFlow into the fast lane (tests/lanes.py)."""
+    """Marks ``proc`` every integration test and each unit test that starts processes; refuses a unit test file
+    that imports TensorFlow without the ``tf`` marker, which would put TensorFlow into the fast lane
+    (tests/lanes.py)."""
     unmarked = unmarked_tensorflow_files(items, REPO / "tests" / "unit")
     if unmarked:
         raise pytest.UsageError("\n".join(f"{path.relative_to(REPO)}: imports TensorFlow without "
@@ -61,11 +62,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _tensorflow_only_under_tf_marker(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test without the ``tf`` marker that loads TensorFlow (a lazy import the source scan cannot see) fails:
-    it would slow the fast lane. Seen only where no earlier test of this process loaded it."""
+    """A fast-lane test (neither ``tf`` nor ``proc``) that loads TensorFlow, by a lazy import the source scan
+    cannot see, fails: it would slow the lane. Seen only where no earlier test of this process loaded it."""
     was_loaded = "tensorflow" in sys.modules
     yield
-    if not was_loaded and "tensorflow" in sys.modules and request.node.get_closest_marker("tf") is None:
+    in_fast_lane = not any(request.node.get_closest_marker(name) for name in ("tf", "proc"))
+    if in_fast_lane and not was_loaded and "tensorflow" in sys.modules:
         pytest.fail(f"{request.node.nodeid} imports TensorFlow without the tf marker", pytrace=False)
 
 
