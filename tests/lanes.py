@@ -157,5 +157,6 @@ class _Item(Protocol):
 
 def unmarked_tensorflow_files(items: Iterable[_Item], root: Path) -> list[Path]:
     """The test files under ``root`` that import TensorFlow while a test of theirs lacks the ``tf`` marker."""
-    candidates = {item.path for item in items if item.path.is_relative_to(root) and item.get_closest_marker("tf") is None}
+    candidates = {item.path for item in items
+                  if item.path.is_relative_to(root) and item.get_closest_marker("tf") is None}
     return sorted(path for path in candidates if imports_tensorflow(path))
