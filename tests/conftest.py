@@ -18,10 +18,57 @@ import pytest
 import yaml
 
 from melfeed.shared.service.stop_ladder import Ladder, stop_process
+from tests.lanes import (deselects_whole_file, imports_process_tools, imports_tensorflow_on_import,
+                         unmarked_tensorflow_files)
 
 REPO = Path(__file__).resolve().parent.parent
 _GROUP_LADDER = Ladder(60.0, 60.0)   # only a real hang gets near it (tests/procs.py: WAIT_S)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+_INTEGRATION = REPO / "tests" / "integration"
+_PROCESS_FIXTURES = {"producers", "durations_cache"}     # both start `melfeed` children
+
+
+def _known_marks(path: Path) -> set[str]:
+    """Marks every test of the file at ``path`` carries, as far as the source tells before importing it."""
+    marks = {"proc"} if path.is_relative_to(_INTEGRATION) or imports_process_tools(path) else set()
+    return marks | ({"tf"} if imports_tensorflow_on_import(path) else set())
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A lane's ``-m`` expression that deselects a whole file also skips importing it: the fast lane would
+    otherwise pay TensorFlow's import for tests it never runs (a unit file importing TensorFlow carries ``tf``,
+    ``pytest_collection_modifyitems`` checks)."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if deselects_whole_file(markexpr, _known_marks(collection_path)) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``proc`` every integration test and each unit test that starts processes; refuses a unit test file
+    that imports TensorFlow without the ``tf`` marker, which would put TensorFlow into the fast lane
+    (tests/lanes.py)."""
+    unmarked = unmarked_tensorflow_files(items, REPO / "tests" / "unit")
+    if unmarked:
+        raise pytest.UsageError("\n".join(f"{path.relative_to(REPO)}: imports TensorFlow without "
+                                           "pytestmark = pytest.mark.tf" for path in unmarked))
+    for item in items:
+        if (item.path.is_relative_to(_INTEGRATION) or imports_process_tools(item.path)
+                or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.proc)
+
+
+@pytest.fixture(autouse=True)
+def _tensorflow_only_under_tf_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A fast-lane test (neither ``tf`` nor ``proc``) that loads TensorFlow, by a lazy import the source scan
+    cannot see, fails: it would slow the lane. Seen only where no earlier test of this process loaded it."""
+    was_loaded = "tensorflow" in sys.modules
+    yield
+    in_fast_lane = not any(request.node.get_closest_marker(name) for name in ("tf", "proc"))
+    if in_fast_lane and not was_loaded and "tensorflow" in sys.modules:
+        pytest.fail(f"{request.node.nodeid} imports TensorFlow without the tf marker", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ from melfeed.consumer.dataset import _spec, feature_keys
 from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.schema import ExtraSpec
 
+pytestmark = pytest.mark.tf
+
 EXTRAS = (ExtraSpec("speaker", "utterance", "int32"), ExtraSpec("energy", "frame", "float32"),
           ExtraSpec("ref", "sequence", "float16", (2,)))
 

@@ -177,6 +177,7 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
+@pytest.mark.tf
 def test_prepare_in_a_fresh_process_sets_the_env_before_tensorflow_and_the_real_import_then_refuses_a_change(
         tmp_path: Path) -> None:
     """The real order: no TF at first, the env set, then TF imported (memory settings a no-op on CPU). Then, the real

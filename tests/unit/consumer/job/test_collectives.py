@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import tensorflow as tf
 
 from melfeed.consumer.job.cluster import collective_implementation
+
+pytestmark = pytest.mark.tf
 
 
 def test_workers_with_gpus_use_nccl_and_cpu_workers_use_ring() -> None:

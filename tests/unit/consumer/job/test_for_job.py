@@ -11,6 +11,8 @@ from melfeed.consumer.train.replicas import Replicas, XlaUnavailable
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 
+pytestmark = pytest.mark.tf
+
 _CPU = "/job:worker/replica:0/task:1/device:CPU:0"
 
 

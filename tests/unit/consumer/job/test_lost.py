@@ -14,6 +14,8 @@ from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
 from melfeed.shared.service.tf_config import WorkerPlace
 
+pytestmark = pytest.mark.tf
+
 _HEARTBEATS = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call last):\n"
                '  File "/srv/melfeed/run_pipeline.py", line 55, in <module>\n\n'
                '  File "/srv/melfeed/consumer/train/replicas.py", line 173, in whole\n    per_replica = strategy.run(\n\n'

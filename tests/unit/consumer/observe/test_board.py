@@ -16,6 +16,8 @@ from melfeed.shared.metrics import StepRecord, StepWindow
 from tests.board_events import read_scalars
 from tests.fakes import gpu_row, producer_row
 
+pytestmark = pytest.mark.tf
+
 
 def _snapshot() -> dict[str, object]:
     window = StepWindow(window_s=100.0, feed_min_steps=1)

@@ -19,6 +19,8 @@ from melfeed.consumer.resume.state import RunState
 from melfeed.consumer.transport.shm_slots import ShmSlots
 from melfeed.shared.config.loader import config_from_mapping
 
+pytestmark = pytest.mark.tf
+
 
 @pytest.fixture(autouse=True)
 def permissive_umask() -> Iterator[None]:

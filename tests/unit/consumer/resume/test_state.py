@@ -16,6 +16,8 @@ from melfeed.consumer.resume.state import RunState
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import StateError
 
+pytestmark = pytest.mark.tf
+
 
 def _recs(*ids: int) -> list[AuditRecord]:
     return [AuditRecord(b, i + 1, 7, sample_digest([b])) for i, b in enumerate(ids)]

@@ -23,6 +23,8 @@ from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.buckets import build_buckets
 
+pytestmark = pytest.mark.tf
+
 
 def _cfg(cache: Path, **model: Any) -> PipelineConfig:
     return config_from_mapping({"cache_dir": str(cache), "buckets": {"batch_size": "auto", "max_batch_size": 8,

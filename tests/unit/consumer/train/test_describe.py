@@ -13,6 +13,9 @@ from melfeed.consumer.train import describe
 from melfeed.consumer.train.describe import (MAX_LINE_CHARS, code_location, describe_exception, describe_tf_error,
                                             is_user_file)
 
+pytestmark = pytest.mark.tf
+
+
 def test_op_error_names_the_node_and_keeps_the_first_line_only() -> None:
     message = ("shape of dy was [8,64,80] instead of [8,0,80]\n\nStack trace for op definition:\nFile \"x.py\"\n"
                "\t [[{{node gradient_tape/cond/gradients/cond/strided_slice_2_grad/StridedSliceGrad}}]]\n"

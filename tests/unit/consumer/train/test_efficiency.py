@@ -16,6 +16,8 @@ from melfeed.shared.wire.layout import ALIGN_BYTES, round_up
 from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 8
 _SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 5), "tok_len": (4,)},
            {"mel": (2, 32, N_MELS), "mel_len": (2,), "tokens": (2, 9), "tok_len": (2,)}]

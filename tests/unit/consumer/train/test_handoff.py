@@ -17,6 +17,8 @@ from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_views
 from tests.steps import _TinyStep, tiny_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 8
 SHAPES = {"mel": (2, 8, N_MELS), "mel_len": (2,), "tokens": (2, 4), "tok_len": (2,)}
 

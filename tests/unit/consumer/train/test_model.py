@@ -12,6 +12,8 @@ import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec, build_reference_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 80
 VOCAB = 64
 

@@ -7,6 +7,8 @@ import tensorflow as tf
 
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, read_outputs
 
+pytestmark = pytest.mark.tf
+
 
 def test_a_bare_scalar_means_loss_and_a_mapping_is_ordered_loss_first() -> None:
     assert list(normalize_outputs(tf.constant(1.5))) == ["loss"]

@@ -12,6 +12,8 @@ from melfeed.consumer.train.replicas import check_rows
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 
+pytestmark = pytest.mark.tf
+
 
 @pytest.mark.parametrize(("consumer", "count"), [({}, 1), ({"model_gpu": "1,2"}, 2), ({"model_gpu": ""}, 1),
                                                  ({"replicas": 4}, 4), ({"replicas": 2, "model_gpu": "0,3"}, 2),

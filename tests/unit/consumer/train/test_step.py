@@ -16,6 +16,8 @@ from melfeed.consumer.train.handoff import aligned_empty, to_tensors
 from melfeed.shared.errors import ConfigError, StepError
 from tests.steps import _TinyStep, tiny_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 16  # small: these tests check compilation and bookkeeping, not learning
 
 

@@ -20,6 +20,8 @@ from melfeed.shared.wire.schema import ExtraSpec
 from tests.attention_data import R
 from tests.tts_models import FIT_FEATURES, TacotronFit, tacotron_step, uncut_tacotron_step
 
+pytestmark = pytest.mark.tf
+
 DUR = ExtraSpec("dur", "token", "int32")
 REF = ExtraSpec("ref", "sequence", "float16", (2,))
 ATTN = ExtraSpec("attn", "matrix", "float16", (), R)

@@ -14,6 +14,8 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.schema import ExtraSpec
 
+pytestmark = pytest.mark.tf
+
 SPEAKER = ExtraSpec("speaker", "utterance", "int32")
 ENERGY = ExtraSpec("energy", "frame", "float32")
 REF = ExtraSpec("ref", "sequence", "float16", (2,))

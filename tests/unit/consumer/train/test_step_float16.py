@@ -17,6 +17,8 @@ from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import StepError
 from tests.steps import _TinyStep, tiny_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 8
 ROWS, FRAMES, TOKENS = 2, 12, 4
 SHAPES = {"mel": (ROWS, FRAMES, N_MELS), "mel_len": (ROWS,), "tokens": (ROWS, TOKENS), "tok_len": (ROWS,)}

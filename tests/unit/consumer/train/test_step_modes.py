@@ -16,6 +16,8 @@ from melfeed.shared.errors import ConfigError, StepError
 from tests.foreign_model import build_foreign_step, build_lossless_step
 from tests.steps import tiny_step
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 8
 FACTORY = "tests.foreign_model:build_foreign_step"
 SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 6), "tok_len": (4,)},

@@ -13,6 +13,8 @@ from melfeed.consumer.train.model import StepSpec, build_reference_step
 from melfeed.consumer.train.rows import row_inputs_taken
 from melfeed.consumer.train.step import CompiledStep
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 8
 _REAL, _PADDED = 3, 8            # rows of the partial batch, rows of its bucket
 _KEYS = ("mel", "mel_len", "tokens", "tok_len")

@@ -25,6 +25,8 @@ from melfeed.shared.errors import StepError
 from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from tests.value_steps import duration_cost_step, positive_step, write_duration_cache
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 16
 
 

@@ -20,6 +20,8 @@ from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from melfeed.shared.wire.layout import ALIGN_BYTES, batch_layout, layout_views
 from tests.value_steps import write_duration_cache
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 16
 ROWS = 4
 

@@ -60,6 +60,7 @@ def _signals(rate: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
             "quiet noise": np.asarray(rng.normal(0.0, 1e-3, t.shape[0]))}
 
 
+@pytest.mark.tf      # LogMel runs on TensorFlow
 @pytest.mark.parametrize(("features", "n_mels"), [
     (FeatureConfig(), 80),
     (FeatureConfig(sample_rate_hz=16000, n_fft=512, hop_samples=160, win_samples=400, fmin_hz=50.0,
@@ -76,6 +77,7 @@ def test_logmel_matches_the_numpy_definition(features: FeatureConfig, n_mels: in
         assert np.abs(got - want)[loud].max() <= _LOG_TOL, name
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("n", [513, 1000, 22050, 22050 + 255, 22050 + 256])
 def test_frames_are_one_plus_samples_over_hop_and_one_program_serves_all(n: int) -> None:
     f = FeatureConfig()
@@ -85,12 +87,14 @@ def test_frames_are_one_plus_samples_over_hop_and_one_program_serves_all(n: int)
     assert logmel._compiled.experimental_get_tracing_count() == 1  # no retracing per length
 
 
+@pytest.mark.tf
 def test_clip_too_short_to_pad_is_refused() -> None:
     assert frame_count(512, FeatureConfig()) == 0
     with pytest.raises(ValueError, match="too short"):
         _shared_logmel()(np.zeros(512))
 
 
+@pytest.mark.tf
 def test_silence_reads_the_log_floor() -> None:
     mel = _shared_logmel()(np.zeros(4000))
     np.testing.assert_allclose(mel, np.log(1e-5), rtol=0, atol=2e-6)  # float32 log of float32(1e-5)

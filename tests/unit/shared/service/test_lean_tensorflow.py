@@ -21,6 +21,8 @@ import pytest
 
 from melfeed.shared.service.lean_tensorflow import is_hidden_line, quiet_tensorflow_logs
 
+pytestmark = pytest.mark.tf
+
 REPO = Path(__file__).resolve().parents[4]
 
 _PROBE = """

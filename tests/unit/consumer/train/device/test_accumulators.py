@@ -9,6 +9,8 @@ import tensorflow as tf
 
 from melfeed.consumer.train.device.accumulators import Accumulators
 
+pytestmark = pytest.mark.tf
+
 
 def _program(acc: Accumulators) -> tf.types.experimental.ConcreteFunction:
     def step(loss: tf.Tensor, l1: tf.Tensor) -> tf.Tensor:

@@ -18,6 +18,8 @@ from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 from melfeed.shared.wire.schema import ExtraSpec
 
+pytestmark = pytest.mark.tf
+
 N_MELS = 16
 _STEPS = 4
 
