@@ -32,13 +32,12 @@ from pathlib import Path
 from melfeed.consumer.feed import Consumer
 from melfeed.consumer.job.agree import job_settings
 from melfeed.consumer.job.cluster import Job, start_job
+from melfeed.consumer.observe.board import Board, board_dir, check_board_dir
+from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.placement import apply_placement, configure_memory
 from melfeed.consumer.producer_group import PRODUCERS_EXIT_S, await_plan_end, start_producers, stop_producers
 from melfeed.consumer.resume.state import RunState
-from melfeed.consumer.observe.board import Board, board_dir, check_board_dir
-from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.consumer.train.loop import train
-from melfeed.shared.service.cli import config_from_args, with_demo_cache
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config.checks import check_distinct_binds, check_endpoint, check_output_paths
@@ -46,10 +45,12 @@ from melfeed.shared.config.loader import with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError, StateError
 from melfeed.shared.flag_checks import check_output_file
 from melfeed.shared.service.children import Child
+from melfeed.shared.service.cli import config_from_args, with_demo_cache
 from melfeed.shared.service.lifecycle import raise_fd_limit, resolve_control_endpoint, resolve_endpoint, stop_on_signals
-from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV, WorkerPlace, resolve_worker_place
-from melfeed.shared.wire.outliers import excluded
 from melfeed.shared.service.sdnotify import Notifier
+from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV
+from melfeed.shared.service.tf_config import WorkerPlace, resolve_worker_place
+from melfeed.shared.wire.outliers import excluded
 
 __all__ = ["main_consumer", "main_run", "run_exit_code", "worker_place"]
 
@@ -60,21 +61,35 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
     cfg = config_from_args(args)
     place = worker_place(args)
     _check_paths(cfg, args, place)
-    raise_fd_limit(cfg.transport.max_connections)   # headroom for the connection bound (conn_guard)
-    apply_placement(cfg)         # consumer.model_gpu and the XLA cache: before TensorFlow is imported
+    raise_fd_limit(cfg.transport.max_connections)  # headroom for the connection bound (conn_guard)
+    apply_placement(cfg)  # consumer.model_gpu and the XLA cache: before TensorFlow is imported
     notifier = Notifier()
     try:
         job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
         with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
-            with notifier.extending_start_timeout():     # a search of the rows can outlast TimeoutStartSec
+            with notifier.extending_start_timeout():  # a search of the rows can outlast TimeoutStartSec
                 cfg, configured = _with_rows(cfg, state, job)
-            with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
-                          world=place.world) as consumer, \
-                    _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
+            with (
+                Consumer(
+                    cfg, start_batch=state.next_batch if state else 0, rank=place.rank, world=place.world
+                ) as consumer,
+                _telemetry(cfg, consumer, started_s, state) as telemetry,
+                _board(cfg, place, consumer) as board,
+            ):
                 if job is None and not configured:
-                    configure_memory(cfg)    # imports TensorFlow: memory growth or the cap, before any op
-                train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                      notifier=notifier, telemetry=telemetry, job=job, board=board)
+                    configure_memory(cfg)  # imports TensorFlow: memory growth or the cap, before any op
+                train(
+                    cfg,
+                    consumer,
+                    stop,
+                    process_start_s=started_s,
+                    summary_path=args.summary_json,
+                    state=state,
+                    notifier=notifier,
+                    telemetry=telemetry,
+                    job=job,
+                    board=board,
+                )
     except PipelineError as err:
         notifier.notify(STATUS=f"failed: {err}")
         raise
@@ -91,24 +106,34 @@ def _check_paths(cfg: PipelineConfig, args: argparse.Namespace, place: WorkerPla
     control = resolve_control_endpoint(cfg, os.environ, create_dir=False)
     # The config refuses two equal values; here the defaults are filled in (the runtime directory's
     # melfeed.sock, the rank's names) and may meet a value that is set.
-    check_distinct_binds({("transport", "endpoint"): resolve_endpoint(cfg, os.environ, create_dir=False),
-                          ("consumer", "control_endpoint"): control},
-                         (("consumer", "metrics_port"), c.metrics_host, c.metrics_port))
-    named: dict[tuple[str, ...], str | None] = {("transport", "endpoint"): cfg.transport.endpoint,
-                                                ("consumer", "control_endpoint"): c.control_endpoint}
+    check_distinct_binds(
+        {
+            ("transport", "endpoint"): resolve_endpoint(cfg, os.environ, create_dir=False),
+            ("consumer", "control_endpoint"): control,
+        },
+        (("consumer", "metrics_port"), c.metrics_host, c.metrics_port),
+    )
+    named: dict[tuple[str, ...], str | None] = {
+        ("transport", "endpoint"): cfg.transport.endpoint,
+        ("consumer", "control_endpoint"): c.control_endpoint,
+    }
     endpoints = {key: endpoint for key, endpoint in named.items() if endpoint is not None}
-    check_output_paths({("consumer", "metrics_file"): c.metrics_file, ("--summary-json",): args.summary_json},
-                       endpoints)
-    check_output_file(c.metrics_file, "consumer.metrics_file")   # not a directory, an existing file writable
+    check_output_paths(
+        {("consumer", "metrics_file"): c.metrics_file, ("--summary-json",): args.summary_json}, endpoints
+    )
+    check_output_file(c.metrics_file, "consumer.metrics_file")  # not a directory, an existing file writable
     check_output_file(args.summary_json, "--summary-json")
     if c.tensorboard_dir is not None:
         check_board_dir(board_dir(c.tensorboard_dir, place.rank, place.world))
-    if c.control_endpoint is None:   # derived from transport.endpoint (only the consumer binds it)
+    if c.control_endpoint is None:  # derived from transport.endpoint (only the consumer binds it)
         try:
             check_endpoint(control, ("consumer", "control_endpoint"))
         except ConfigError as err:
-            raise ConfigError(f"the status socket derived from transport.endpoint, {control}: {err.reason}; set "
-                              "consumer.control_endpoint or use a shorter path", path=err.path) from None
+            raise ConfigError(
+                f"the status socket derived from transport.endpoint, {control}: {err.reason}; set "
+                "consumer.control_endpoint or use a shorter path",
+                path=err.path,
+            ) from None
 
 
 def _report_outliers(cfg: PipelineConfig, consumer: Consumer, state: RunState | None) -> None:
@@ -116,12 +141,18 @@ def _report_outliers(cfg: PipelineConfig, consumer: Consumer, state: RunState | 
     if state is None:
         return
     m, bs = consumer.manifest, consumer._bucket_set
-    rows = [(m.utterances[i].id, int(m.frames[i]), int(m.token_counts[i]), reason)
-            for i, reason in excluded(m.frames, m.token_counts, bs.assignment, cfg.buckets)]
+    rows = [
+        (m.utterances[i].id, int(m.frames[i]), int(m.token_counts[i]), reason)
+        for i, reason in excluded(m.frames, m.token_counts, bs.assignment, cfg.buckets)
+    ]
     path = state.write_outliers(rows)
     if rows:
-        log.info("%d utterance(s) left out of the plan (%d frames-per-token outliers), listed in %s",
-                 len(rows), bs.outliers, path)
+        log.info(
+            "%d utterance(s) left out of the plan (%d frames-per-token outliers), listed in %s",
+            len(rows),
+            bs.outliers,
+            path,
+        )
 
 
 def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state: RunState | None) -> Telemetry:
@@ -129,8 +160,9 @@ def _telemetry(cfg: PipelineConfig, consumer: Consumer, started_s: float, state:
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=True)
     _report_outliers(cfg, consumer, state)
     failures = (lambda: state.checkpoint_failures) if state is not None else None
-    return Telemetry(cfg, consumer._telemetry_source(), started_s, control_endpoint=endpoint,
-                     checkpoint_failures=failures)
+    return Telemetry(
+        cfg, consumer._telemetry_source(), started_s, control_endpoint=endpoint, checkpoint_failures=failures
+    )
 
 
 @contextmanager
@@ -141,8 +173,9 @@ def _board(cfg: PipelineConfig, place: WorkerPlace, consumer: Consumer) -> Itera
     if c.tensorboard_dir is None:
         yield None
         return
-    with Board(board_dir(c.tensorboard_dir, place.rank, place.world), c.tensorboard_every_steps,
-               consumer._desk.next_id) as board:
+    with Board(
+        board_dir(c.tensorboard_dir, place.rank, place.world), c.tensorboard_every_steps, consumer._desk.next_id
+    ) as board:
         yield board
 
 
@@ -158,12 +191,25 @@ def worker_place(args: argparse.Namespace) -> WorkerPlace:
     path = getattr(args, "tf_config", None)
     place = resolve_worker_place(path, os.environ)
     if path is not None:
-        os.environ[TF_CONFIG_ENV] = json.dumps({"cluster": {k: list(v) for k, v in place.cluster.items()},
-                                                "task": {"type": place.task_type, "index": place.task_index}}
-                                               ) if place.cluster else "{}"
+        os.environ[TF_CONFIG_ENV] = (
+            json.dumps(
+                {
+                    "cluster": {k: list(v) for k, v in place.cluster.items()},
+                    "task": {"type": place.task_type, "index": place.task_index},
+                }
+            )
+            if place.cluster
+            else "{}"
+        )
     if place.is_multi_worker:
-        log.info("rank %d of %d (%s, task %s:%d): this consumer leases and applies only its share of the plan",
-                 place.rank, place.world, place.source, place.task_type, place.task_index)
+        log.info(
+            "rank %d of %d (%s, task %s:%d): this consumer leases and applies only its share of the plan",
+            place.rank,
+            place.world,
+            place.source,
+            place.task_type,
+            place.task_index,
+        )
     return place
 
 
@@ -189,13 +235,17 @@ def _opened_state(cfg: PipelineConfig, place: WorkerPlace, job: Job | None = Non
 
 def _manifest_for_rank(cfg: PipelineConfig, place: WorkerPlace) -> Manifest:
     from melfeed.shared.cache.features import load_manifest_for
+
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     if place.is_multi_worker and cfg.consumer.state_dir is not None and cfg.consumer.keep_checkpoints < 2:
-        raise ConfigError(f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
-                          "the ranks may be one commit apart, and the one before must still be on every rank",
-                          path=("consumer", "keep_checkpoints"), got=cfg.consumer.keep_checkpoints)
-    return load_manifest_for(cfg)   # the built-in loop trains cfg.model: token ids checked against its vocab_size
+        raise ConfigError(
+            f"must be >= 2 in a multi-worker job (rank {place.rank} of {place.world}): after a crash "
+            "the ranks may be one commit apart, and the one before must still be on every rank",
+            path=("consumer", "keep_checkpoints"),
+            got=cfg.consumer.keep_checkpoints,
+        )
+    return load_manifest_for(cfg)  # the built-in loop trains cfg.model: token ids checked against its vocab_size
 
 
 @contextmanager
@@ -206,7 +256,7 @@ def _stopping_the_job(collective: Callable[[None], object] | None) -> Iterator[N
         yield
     except PipelineError:
         if collective is not None:
-            with suppress(PipelineError):    # this rank's own error is the one to report
+            with suppress(PipelineError):  # this rank's own error is the one to report
                 collective(None)
         raise
 
@@ -220,8 +270,11 @@ def _agree(job: Job, state: RunState | None) -> None:
     if state is not None:
         state.resume_at(step)
     elif step is not None:
-        raise ConfigError(f"rank {job.rank} has no state directory, but the other ranks resume from step {step}: give "
-                          "every rank its consumer.state_dir", path=("consumer", "state_dir"))
+        raise ConfigError(
+            f"rank {job.rank} has no state directory, but the other ranks resume from step {step}: give "
+            "every rank its consumer.state_dir",
+            path=("consumer", "state_dir"),
+        )
 
 
 def main_run(args: argparse.Namespace, started_s: float) -> int:
@@ -233,23 +286,40 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     _check_paths(cfg, args, place)
     _check_one_key_pair(cfg)
     raise_fd_limit(cfg.transport.max_connections)
-    apply_placement(cfg)         # the producers keep producer.data_gpu (their own processes)
+    apply_placement(cfg)  # the producers keep producer.data_gpu (their own processes)
     job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
     with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
-        cfg, configured = _with_rows(cfg, state, job)      # auto: the producers below get the rows (buckets.rows)
-        with Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank,
-                      world=place.world) as consumer, \
-                _telemetry(cfg, consumer, started_s, state) as telemetry, _board(cfg, place, consumer) as board:
-            child_cfg = with_overrides(cfg, {"transport.endpoint": consumer._endpoint, "producer.exit_at_plan_end": True,
-                                             "cache_dir": str(Path(cache_dir).resolve())})
+        cfg, configured = _with_rows(cfg, state, job)  # auto: the producers below get the rows (buckets.rows)
+        with (
+            Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank, world=place.world) as consumer,
+            _telemetry(cfg, consumer, started_s, state) as telemetry,
+            _board(cfg, place, consumer) as board,
+        ):
+            child_cfg = with_overrides(
+                cfg,
+                {
+                    "transport.endpoint": consumer._endpoint,
+                    "producer.exit_at_plan_end": True,
+                    "cache_dir": str(Path(cache_dir).resolve()),
+                },
+            )
             group = start_producers(child_cfg, args.debug_delay_ms)
             if job is None and not configured:
-                configure_memory(cfg)    # imports TensorFlow (while the producers start): growth or the cap
+                configure_memory(cfg)  # imports TensorFlow (while the producers start): growth or the cap
             watcher = threading.Thread(target=_watch, args=(group, stop, consumer), name="producers-watch", daemon=True)
             watcher.start()
             try:
-                train(cfg, consumer, stop, process_start_s=started_s, summary_path=args.summary_json, state=state,
-                      telemetry=telemetry, job=job, board=board)
+                train(
+                    cfg,
+                    consumer,
+                    stop,
+                    process_start_s=started_s,
+                    summary_path=args.summary_json,
+                    state=state,
+                    telemetry=telemetry,
+                    job=job,
+                    board=board,
+                )
             finally:
                 await_plan_end(group, consumer, 2 * cfg.transport.heartbeat_interval_s + PRODUCERS_EXIT_S)
                 stop_producers(group)
@@ -263,6 +333,7 @@ def _with_rows(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> 
         return cfg, False
     from melfeed.consumer.train.auto_rows import resolve_rows
     from melfeed.shared.cache.features import load_manifest_for
+
     if job is None:
         configure_memory(cfg)
     return resolve_rows(cfg, load_manifest_for(cfg, feeds_model=False), state, job), job is None
@@ -281,10 +352,12 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
     """``run`` starts its producers from its own config: with CURVE they would present the consumer's secret key,
     which the allow-list does not hold, and wait refused for ever. One line instead."""
     if cfg.transport.curve_secret_key:
-        raise ConfigError("run starts its producers with this same config, so they would present the consumer's "
-                          "key and be refused; with CURVE, run `consumer` and `producer` with a config each (deploy/"
-                          "README.md \"Producers on other hosts\"), or use run's default ipc endpoint on one host",
-                          path=("transport", "curve_secret_key"))
+        raise ConfigError(
+            "run starts its producers with this same config, so they would present the consumer's "
+            "key and be refused; with CURVE, run `consumer` and `producer` with a config each (deploy/"
+            'README.md "Producers on other hosts"), or use run\'s default ipc endpoint on one host',
+            path=("transport", "curve_secret_key"),
+        )
 
 
 def _watch(group: Child, stop: threading.Event, consumer: Consumer) -> None:

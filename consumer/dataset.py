@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
+
 # Private, but it is the op ``from_generator`` is made of (init / next / finalize per iterator, end by
 # StopIteration); the public function adds ~1 ms of Python checks per element.
 from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
@@ -97,16 +98,21 @@ def resolve_prefetch_device(setting: str | None) -> str | None:
         spec = tf.DeviceSpec.from_string(setting) if isinstance(setting, str) else None
     except ValueError:
         spec = None
-    if spec is None or spec.device_type is None or not any(
-            _same_device(spec, tf.DeviceSpec.from_string(name)) for name in seen):
-        raise ValueError(f"prefetch_device must be 'auto', None or a device TensorFlow sees ({', '.join(seen)}), "
-                         f"got {setting!r}")
+    if (
+        spec is None
+        or spec.device_type is None
+        or not any(_same_device(spec, tf.DeviceSpec.from_string(name)) for name in seen)
+    ):
+        raise ValueError(
+            f"prefetch_device must be 'auto', None or a device TensorFlow sees ({', '.join(seen)}), got {setting!r}"
+        )
     return setting
 
 
 def _same_device(wanted: tf.DeviceSpec, seen: tf.DeviceSpec) -> bool:
-    return (str(wanted.device_type).upper() == str(seen.device_type).upper()
-            and (wanted.device_index or 0) == (seen.device_index or 0))
+    return str(wanted.device_type).upper() == str(seen.device_type).upper() and (wanted.device_index or 0) == (
+        seen.device_index or 0
+    )
 
 
 class _Tables:
@@ -115,13 +121,13 @@ class _Tables:
     def __init__(self, consumer: Consumer, names: Sequence[str]) -> None:
         ring, buckets = consumer._ring, consumer._bucket_set.buckets
         base = ring.memory.buffer(0).ctypes.data
-        views = [ring.views(0, b.index) for b in buckets]        # addresses only: no data is read
+        views = [ring.views(0, b.index) for b in buckets]  # addresses only: no data is read
         self.names = tuple(names)
         self.end = np.array([max(v.ctypes.data - base + v.nbytes for v in vs.values()) for vs in views], np.int64)
         self.offset = {k: tf.constant([vs[k].ctypes.data - base for vs in views], tf.int64) for k in names}
         self.nbytes = {k: tf.constant([vs[k].nbytes for vs in views], tf.int64) for k in names}
         self.shape = {k: tf.constant([vs[k].shape for vs in views], tf.int64) for k in names}
-        dtypes = buckets[0].dtypes()                             # the same in every bucket
+        dtypes = buckets[0].dtypes()  # the same in every bucket
         self.dtype = {k: tf.as_dtype(dtypes[k]) for k in names}
 
     def array(self, raw: tf.Tensor, bucket: tf.Tensor, name: str) -> tf.Tensor:
@@ -142,11 +148,11 @@ class _DatasetSource:
         self._ring = consumer._ring
         self._end = tables.end
         self._held: dict[int, Batch] = {}
-        self._read_ahead = read_ahead            # a prefetch stage follows: apply on consumption, not here
+        self._read_ahead = read_ahead  # a prefetch stage follows: apply on consumption, not here
 
     def begin(self) -> np.int64:
         """A new iterator asked for its first element: it supersedes the previous one."""
-        self._held.clear()                       # the desk's begin frees whatever slot was held
+        self._held.clear()  # the desk's begin frees whatever slot was held
         return np.int64(self._desk.begin())
 
     def next(self, token_arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -154,23 +160,23 @@ class _DatasetSource:
         token = int(token_arr)
         desk = self._desk
         if not self._read_ahead:
-            self.release(token_arr)              # the caller asked for the next element: its step is done
+            self.release(token_arr)  # the caller asked for the next element: its step is done
         batch = None
         if desk.is_current(token):
             try:
                 batch = desk.wait_next(token)
-            except RuntimeError:                 # superseded while waiting: the newer iterator goes on
-                if desk.is_current(token):       # anything else (not started) is the caller's to see
+            except RuntimeError:  # superseded while waiting: the newer iterator goes on
+                if desk.is_current(token):  # anything else (not started) is the caller's to see
                     raise
                 batch = None
         if batch is None:
             raise StopIteration
         if self._read_ahead:
-            desk.hold(token, batch)              # applied when the caller takes it (``consumed``)
+            desk.hold(token, batch)  # applied when the caller takes it (``consumed``)
         else:
-            desk.apply_and_hold(batch)           # handed to the caller = applied (see the module docstring)
+            desk.apply_and_hold(batch)  # handed to the caller = applied (see the module docstring)
             self._held[token] = batch
-        raw = self._ring.memory.buffer(batch.slot)[:self._end[batch.bucket]]
+        raw = self._ring.memory.buffer(batch.slot)[: self._end[batch.bucket]]
         return raw, np.array([batch.bucket, batch.batch_id, batch.rows, token], np.int64)
 
     def consumed(self, info: np.ndarray, keep_slot: bool) -> np.int64:
@@ -186,47 +192,62 @@ class _DatasetSource:
         return np.int64(0)
 
 
-def _build(tables: _Tables, spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec],
-           big: dict[str, tuple[int, ...]] | None, cut: Sequence[ExtraSpec] | None, raw: tf.Tensor, info: tf.Tensor
-           ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+def _build(
+    tables: _Tables,
+    spec: tuple[dict[str, tf.TensorSpec], tf.TensorSpec],
+    big: dict[str, tuple[int, ...]] | None,
+    cut: Sequence[ExtraSpec] | None,
+    raw: tf.Tensor,
+    info: tf.Tensor,
+) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     """The element from the slot bytes and the info vector (runs inside the dataset's graph); ``cut``: the
     extras of ``token_axis="longest"`` (None: the bucket's width)."""
     bucket = info[_BUCKET]
     arrays = {k: tables.array(raw, bucket, k) for k in tables.names}
-    if big is not None:                          # single_shape: pad every array to the largest bucket (a copy)
+    if big is not None:  # single_shape: pad every array to the largest bucket (a copy)
         for k, t in arrays.items():
             pad = tf.constant(big[k], tf.int32) - tf.shape(t)
             # Pad forwards its input when nothing is added: copy then, so no element aliases a slot.
-            arrays[k] = tf.cond(tf.reduce_any(pad > 0), lambda t=t, pad=pad: tf.pad(
-                t, tf.stack([tf.zeros_like(pad), pad], axis=1)), lambda t=t: tf.raw_ops.DeepCopy(x=t))
+            arrays[k] = tf.cond(
+                tf.reduce_any(pad > 0),
+                lambda t=t, pad=pad: tf.pad(t, tf.stack([tf.zeros_like(pad), pad], axis=1)),
+                lambda t=t: tf.raw_ops.DeepCopy(x=t),
+            )
     if cut is not None:
         arrays = cut_to_longest(arrays, cut)
     mel = arrays["mel"]
     rows_b, frames = tf.shape(mel)[0], tf.shape(mel)[1]
     rows = tf.cast(info[_ROWS], tf.int32)
-    derived = {"frames": lambda: tf.fill([rows_b], frames),
-               "batch_id": lambda: tf.fill([rows_b], info[_BATCH_ID]),
-               "rows": lambda: rows, "row_mask": lambda: tf.sequence_mask(rows, rows_b)}
+    derived = {
+        "frames": lambda: tf.fill([rows_b], frames),
+        "batch_id": lambda: tf.fill([rows_b], info[_BATCH_ID]),
+        "rows": lambda: rows,
+        "row_mask": lambda: tf.sequence_mask(rows, rows_b),
+    }
     feats = {k: tf.ensure_shape(arrays[k] if k in arrays else derived[k](), s.shape) for k, s in spec[0].items()}
     return feats, tf.ensure_shape(mel, spec[1].shape)
 
 
-def _spec(consumer: Consumer, features: Sequence[str], big: dict[str, tuple[int, ...]] | None,
-          cut: Sequence[ExtraSpec] | None = None) -> tuple[dict[str, tf.TensorSpec], tf.TensorSpec]:
+def _spec(
+    consumer: Consumer,
+    features: Sequence[str],
+    big: dict[str, tuple[int, ...]] | None,
+    cut: Sequence[ExtraSpec] | None = None,
+) -> tuple[dict[str, tf.TensorSpec], tf.TensorSpec]:
     m = consumer._cfg.n_mels
     if big is not None:
         shapes: dict[str, tuple[int | None, ...]] = dict(big)
         b = big["mel"][0]
     else:
-        shapes = {k: _varying_dims(consumer, k) for k in consumer.bucket_shapes[0]}   # extras too
+        shapes = {k: _varying_dims(consumer, k) for k in consumer.bucket_shapes[0]}  # extras too
         shapes.update({"tokens": (None, None), "tok_len": (None,), "mel_len": (None,), "mel": (None, None, m)})
         b = None
     shapes.update(frames=(b,), batch_id=(b,), rows=(), row_mask=(b,))
-    for k in cut_names(cut) if cut is not None else ():     # the cut's width is each batch's own
+    for k in cut_names(cut) if cut is not None else ():  # the cut's width is each batch's own
         shapes[k] = (shapes[k][0], None, *shapes[k][2:])
     dtypes = {**{k: tf.as_dtype(v) for k, v in consumer._bucket_set.buckets[0].dtypes().items()}, **_DERIVED}
     feats = {k: tf.TensorSpec(shapes[k], dtypes[k], name=k) for k in features}
-    return feats, tf.TensorSpec(shapes["mel"], dtypes["mel"], name="mel")   # float16 on a float16 wire
+    return feats, tf.TensorSpec(shapes["mel"], dtypes["mel"], name="mel")  # float16 on a float16 wire
 
 
 def _read_ahead(ds: tf.data.Dataset, device: str, source: _DatasetSource) -> tf.data.Dataset:
@@ -243,11 +264,11 @@ def _read_ahead(ds: tf.data.Dataset, device: str, source: _DatasetSource) -> tf.
     else:
         ds = ds.prefetch(_PREFETCH_BATCHES)
 
-    def hook(feats: dict[str, tf.Tensor], mel: tf.Tensor, info: tf.Tensor
-             ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    def hook(feats: dict[str, tf.Tensor], mel: tf.Tensor, info: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         with tf.device("/CPU:0"):
-            done = tf.numpy_function(lambda i: source.consumed(i, keep_slot=not is_copy), [info], tf.int64,
-                                     stateful=True)
+            done = tf.numpy_function(
+                lambda i: source.consumed(i, keep_slot=not is_copy), [info], tf.int64, stateful=True
+            )
         with tf.control_dependencies([done]):
             return {k: tf.identity(v) for k, v in feats.items()}, tf.identity(mel)
 
@@ -266,8 +287,13 @@ def _varying_dims(consumer: Consumer, key: str) -> tuple[int | None, ...]:
     return (None, *(d if all(s[i] == d for s in shapes) else None for i, d in enumerate(shapes[0]) if i > 0))
 
 
-def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str],
-                 prefetch_device: str | None = "auto", token_axis: str = "bucket") -> tf.data.Dataset:
+def make_dataset(
+    consumer: Consumer,
+    single_shape: bool,
+    features: Sequence[str],
+    prefetch_device: str | None = "auto",
+    token_axis: str = "bucket",
+) -> tf.data.Dataset:
     """The dataset described in the module docstring.
 
     ``prefetch_device``: "auto" (the model GPU when TensorFlow sees one, else none), None, or a device
@@ -281,16 +307,18 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
     if token_axis not in TOKEN_AXES:
         raise ValueError(f"token_axis must be one of {list(TOKEN_AXES)}, got {token_axis!r}")
     allowed = feature_keys(consumer)
-    if isinstance(features, str):                # features="tokens": one key, not its letters
+    if isinstance(features, str):  # features="tokens": one key, not its letters
         features = (features,)
     unknown = [k for k in features if k not in allowed]
     if unknown or not features:
-        raise ValueError(f"features must be a non-empty subset of {allowed}, got {tuple(features)}"
-                         + (f"; unknown: {unknown}" if unknown else ""))
+        raise ValueError(
+            f"features must be a non-empty subset of {allowed}, got {tuple(features)}"
+            + (f"; unknown: {unknown}" if unknown else "")
+        )
     keys = tuple(features)
     cut = consumer.extras if token_axis == "longest" else None
-    arrays = consumer.bucket_shapes[0]                   # the slot's arrays: base, then extras
-    read = keys if cut is None else ("tok_len", *program_inputs(keys, cut, token_axis))   # + the cut's lengths
+    arrays = consumer.bucket_shapes[0]  # the slot's arrays: base, then extras
+    read = keys if cut is None else ("tok_len", *program_inputs(keys, cut, token_axis))  # + the cut's lengths
     tables = _Tables(consumer, ["mel", *dict.fromkeys(k for k in read if k in arrays and k != "mel")])
     big = _big_shapes(consumer) if single_shape else None
     device = resolve_prefetch_device(prefetch_device)
@@ -308,16 +336,16 @@ def make_dataset(consumer: Consumer, single_shape: bool, features: Sequence[str]
         return tf.numpy_function(source.release, [token], tf.int64, stateful=True)
 
     def per_iterator(dummy: tf.Tensor) -> tf.data.Dataset:  # a fresh token for every iterator
-        return _GeneratorDataset(dummy, begin, fetch, finalize,
-                                 (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([4], tf.int64)))
+        return _GeneratorDataset(
+            dummy, begin, fetch, finalize, (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([4], tf.int64))
+        )
 
     ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(per_iterator)
-    if device is not None:                      # the info vector travels to the hook after the stage
-        ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, cut, raw, info), info)), device,
-                         source)
+    if device is not None:  # the info vector travels to the hook after the stage
+        ds = _read_ahead(ds.map(lambda raw, info: (*_build(tables, spec, big, cut, raw, info), info)), device, source)
     else:
         ds = ds.map(lambda raw, info: _build(tables, spec, big, cut, raw, info))
     options = tf.data.Options()
-    options.experimental_optimization.inject_prefetch = False   # no read-ahead past the hand-out point
+    options.experimental_optimization.inject_prefetch = False  # no read-ahead past the hand-out point
     options.experimental_optimization.map_parallelization = False  # a parallel map would pull elements ahead
     return ds.with_options(options)

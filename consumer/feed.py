@@ -32,14 +32,14 @@ import numpy as np
 import numpy.typing as npt
 
 from melfeed.consumer.flow.credit import LeaseBook
-from melfeed.consumer.producer_group import OwnedProducers
+from melfeed.consumer.flow.decisions import HandshakeContract, ReceiverSessionConfig
+from melfeed.consumer.flow.plan import EpochPlan
+from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
+from melfeed.consumer.flow.shards import plan_for_rank
 from melfeed.consumer.guards import check_config, check_failures, check_start_batch, check_started, check_timeout
 from melfeed.consumer.handout import ArraySpec, Batch, HandoutDesk, HandoutPorts
-from melfeed.consumer.flow.plan import EpochPlan
-from melfeed.consumer.flow.shards import plan_for_rank
-from melfeed.consumer.flow.decisions import HandshakeContract, ReceiverSessionConfig
+from melfeed.consumer.producer_group import OwnedProducers
 from melfeed.consumer.transport.receiver import Receiver, ReceiverConfig, ReceiverStats
-from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
 from melfeed.consumer.transport.shm_slots import ShmSlots, open_ring_files
 from melfeed.shared.cache.features import load_manifest_for
 from melfeed.shared.cache.manifest import Manifest
@@ -71,44 +71,79 @@ class Consumer:
             (``consumer/producer_group.py``); None = they are started elsewhere.
     """
 
-    def __init__(self, cfg: PipelineConfig, *, start_batch: int = 0, environ: Mapping[str, str] | None = None,
-                 rank: int = 0, world: int = 1, producers: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        start_batch: int = 0,
+        environ: Mapping[str, str] | None = None,
+        rank: int = 0,
+        world: int = 1,
+        producers: int | None = None,
+    ) -> None:
         if check_config(cfg).cache_dir is None:
             raise ConfigError("is required", path=("cache_dir",))
         self._owned = OwnedProducers(producers, cfg) if producers is not None else None
         start_batch = check_start_batch(start_batch)
         self._cfg = cfg
         self._manifest: Manifest = load_manifest_for(cfg, feeds_model=False)  # token ids unchecked: the model is yours
-        self._bucket_set: BucketSet = build_buckets(self._manifest.frames, self._manifest.token_counts, cfg.n_mels,
-                                                    cfg.buckets, self._manifest.schema, mel_dtype=cfg.transport.mel_dtype)
+        self._bucket_set: BucketSet = build_buckets(
+            self._manifest.frames,
+            self._manifest.token_counts,
+            cfg.n_mels,
+            cfg.buckets,
+            self._manifest.schema,
+            mel_dtype=cfg.transport.mel_dtype,
+        )
         check_ring_bytes(cfg.consumer.ring_slots, self._bucket_set.max_batch_nbytes(), physical_memory_bytes())
         self._rank, self._world = rank, world
-        self._plan: EpochPlan = plan_for_rank(self._bucket_set, self._manifest.fingerprint, cfg.seed, rank, world,
-                                              cfg.buckets.partial)
+        self._plan: EpochPlan = plan_for_rank(
+            self._bucket_set, self._manifest.fingerprint, cfg.seed, rank, world, cfg.buckets.partial
+        )
         self._endpoint = resolve_endpoint(cfg, environ if environ is not None else os.environ)
-        steps = cfg.consumer.steps          # the plan position to stop at: a resumed run keeps its end
+        steps = cfg.consumer.steps  # the plan position to stop at: a resumed run keeps its end
         end_batch = max(start_batch, steps) if steps is not None else None
-        self._run_id = int.from_bytes(os.urandom(6), "big") | 1    # this start's id on the wire and in slot files
+        self._run_id = int.from_bytes(os.urandom(6), "big") | 1  # this start's id on the wire and in slot files
         t = cfg.transport
         checksum = resolve_checksum(t.checksum, self._endpoint, t.insecure)
         book = LeaseBook(self._plan, start_batch, end_batch, t.lease_window, t.lease_timeout_s)
-        check_transport_mode(cfg.transport.mode, self._endpoint)          # --endpoint may have made it tcp
-        self._shm: ShmSlots | None = open_ring_files(cfg.transport, self._endpoint, cfg.consumer.ring_slots,
-                                                     slot_nbytes_for(self._bucket_set.buckets), self._run_id)
+        check_transport_mode(cfg.transport.mode, self._endpoint)  # --endpoint may have made it tcp
+        self._shm: ShmSlots | None = open_ring_files(
+            cfg.transport,
+            self._endpoint,
+            cfg.consumer.ring_slots,
+            slot_nbytes_for(self._bucket_set.buckets),
+            self._run_id,
+        )
         # a freed slot wakes the receiver, which leases it at once if a lease waits for one (one wake per release)
-        self._ring = BatchRing(cfg.consumer.ring_slots, self._bucket_set.buckets,
-                               on_release=lambda: self._receiver.slot_freed(), memory=self._shm)
-        contract = HandshakeContract(self._manifest.fingerprint, self._bucket_set.as_wire(), cfg.n_mels, cfg.seed,
-                                     t.mel_dtype)
+        self._ring = BatchRing(
+            cfg.consumer.ring_slots,
+            self._bucket_set.buckets,
+            on_release=lambda: self._receiver.slot_freed(),
+            memory=self._shm,
+        )
+        contract = HandshakeContract(
+            self._manifest.fingerprint, self._bucket_set.as_wire(), cfg.n_mels, cfg.seed, t.mel_dtype
+        )
         session = ReceiverSessionConfig.from_transport(t, contract, self._run_id, checksum)
-        receiving = ReceiverConfig(self._endpoint, session, curve=server_keys_for(t, self._endpoint),
-                                   max_connections=t.max_connections, handshake_timeout_s=t.handshake_timeout_s)
+        receiving = ReceiverConfig(
+            self._endpoint,
+            session,
+            curve=server_keys_for(t, self._endpoint),
+            max_connections=t.max_connections,
+            handshake_timeout_s=t.handshake_timeout_s,
+        )
         self._receiver = Receiver(receiving, self._ring, book, self._bucket_set, shm=self._shm)
         self._wait_s_total = 0.0
         # late-bound: a wrapper put on the ring's release after construction sees every release
-        ports = HandoutPorts(self._check_usable, self._take, lambda slot: self._ring.release(slot),
-                             lambda batch_id, wake: self._receiver.mark_applied(batch_id, wake),
-                             lambda: self._receiver.stats().producers_alive, cfg.consumer.wait_timeout_s)
+        ports = HandoutPorts(
+            self._check_usable,
+            self._take,
+            lambda slot: self._ring.release(slot),
+            lambda batch_id, wake: self._receiver.mark_applied(batch_id, wake),
+            lambda: self._receiver.stats().producers_alive,
+            cfg.consumer.wait_timeout_s,
+        )
         self._desk = HandoutDesk(start_batch, end_batch, self._run_id, ports)
         self._started = self._closed = False
         self._lock = threading.Lock()
@@ -116,15 +151,15 @@ class Consumer:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Bind the endpoint and start receiving. Idempotent; ``ClosedError`` after ``close()``."""
-        if self._closed:                # binding again would leave the endpoint locked until the process exits
+        if self._closed:  # binding again would leave the endpoint locked until the process exits
             raise ClosedError("this Consumer was closed")
         if self._started:
             return
         try:
             self._receiver.start()
-            if self._owned is not None:         # after the bind: the producers find the endpoint
-                self._owned.start(self, on_failure=self._ring.close)   # wakes a waiter: next_batch says why
-        except BaseException:       # e.g. another consumer holds the endpoint: leave nothing behind
+            if self._owned is not None:  # after the bind: the producers find the endpoint
+                self._owned.start(self, on_failure=self._ring.close)  # wakes a waiter: next_batch says why
+        except BaseException:  # e.g. another consumer holds the endpoint: leave nothing behind
             self.close()
             raise
         self._started = True
@@ -134,26 +169,45 @@ class Consumer:
         """The INFO lines of a bound consumer (invariant 4: the memory bound is computed and logged at start)."""
         largest = self._bucket_set.max_batch_nbytes()
         ring, window = self._ring, self._cfg.transport.lease_window
-        log.info("consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f", self._endpoint, self._run_id,
-                 [b.as_wire() for b in self._bucket_set.buckets], self._bucket_set.padding_efficiency())
+        log.info(
+            "consumer bound %s epoch=%d buckets=%s padding_efficiency=%.3f",
+            self._endpoint,
+            self._run_id,
+            [b.as_wire() for b in self._bucket_set.buckets],
+            self._bucket_set.padding_efficiency(),
+        )
         if self._plan.samples_dropped_per_epoch:
-            log.info("buckets.partial drop: %d samples of each epoch left out (partial batches); %d batches per epoch",
-                     self._plan.samples_dropped_per_epoch, self._plan.batches_per_epoch)
+            log.info(
+                "buckets.partial drop: %d samples of each epoch left out (partial batches); %d batches per epoch",
+                self._plan.samples_dropped_per_epoch,
+                self._plan.batches_per_epoch,
+            )
         if self._shm is not None:
-            log.info("in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
-                     "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
-                     ring.n_slots, ring.slot_nbytes / 1e6, self._shm.directory, window, largest / 1e6)
+            log.info(
+                "in-flight memory bound: ring %d slots x %.1f MB in shared-memory files in %s; producers on "
+                "this path hold no send buffers (payload producers: lease window %d x %.1f MB each)",
+                ring.n_slots,
+                ring.slot_nbytes / 1e6,
+                self._shm.directory,
+                window,
+                largest / 1e6,
+            )
         else:
-            log.info("in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
-                     ring.n_slots, ring.slot_nbytes / 1e6, window, largest / 1e6)
+            log.info(
+                "in-flight memory bound: ring %d slots x %.1f MB + lease window %d x %.1f MB per producer",
+                ring.n_slots,
+                ring.slot_nbytes / 1e6,
+                window,
+                largest / 1e6,
+            )
 
     def close(self) -> None:
         """Stop receiving and wake waiters. Idempotent, any thread: a second caller returns once it is closed."""
-        with self._lock:                # else a loop woken by another thread's close() could leave its
-            if self._closed:            # ``with`` while the endpoint is still bound
+        with self._lock:  # else a loop woken by another thread's close() could leave its
+            if self._closed:  # ``with`` while the endpoint is still bound
                 return
             self._closed = True
-            if self._owned is not None:   # first: a finished plan's group still hears ``done`` and leaves
+            if self._owned is not None:  # first: a finished plan's group still hears ``done`` and leaves
                 self._owned.stop(self)
             self._ring.close()
             self._receiver.stop()
@@ -182,7 +236,7 @@ class Consumer:
     @property
     def array_schema(self) -> tuple[ArraySpec, ...]:
         """Every array of a batch, in wire order: name, numpy dtype and its shape in each bucket."""
-        dtypes = self._bucket_set.buckets[0].dtypes()   # every bucket has the same keys and dtypes
+        dtypes = self._bucket_set.buckets[0].dtypes()  # every bucket has the same keys and dtypes
         return tuple(ArraySpec(k, dtype, tuple(s[k] for s in self.bucket_shapes)) for k, dtype in dtypes.items())
 
     @property
@@ -228,8 +282,9 @@ class Consumer:
         """The step that read ``batch`` has finished: count it applied and free its slot."""
         self._desk.release(batch)
 
-    def batches(self, stop: threading.Event | None = None,
-                on_wait: Callable[[int], None] | None = None) -> Iterator[Batch]:
+    def batches(
+        self, stop: threading.Event | None = None, on_wait: Callable[[int], None] | None = None
+    ) -> Iterator[Batch]:
         """Yield batches in plan order until the plan ends, ``stop`` is set or ``close()``.
 
         A batch is applied (and its slot freed) when the loop asks for the next one, or when the
@@ -241,9 +296,13 @@ class Consumer:
         """
         return self._desk.iterate(stop, on_wait)
 
-    def as_dataset(self, single_shape: bool = False,
-                   features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
-                   prefetch_device: str | None = "auto", token_axis: str = "bucket") -> Any:
+    def as_dataset(
+        self,
+        single_shape: bool = False,
+        features: tuple[str, ...] = ("tokens", "tok_len", "mel_len", "frames"),
+        prefetch_device: str | None = "auto",
+        token_axis: str = "bucket",
+    ) -> Any:
         """A ``tf.data.Dataset`` of ``(features, mel)`` pairs for Keras ``fit`` (``consumer/dataset.py``).
 
         Zero copy unless ``single_shape`` pads; a batch is applied when the caller takes it, its slot
@@ -253,6 +312,7 @@ class Consumer:
         ``token_axis``: "bucket" (the bucket's width) or "longest" (cut to the batch's longest row).
         """
         from melfeed.consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
+
         return make_dataset(self, single_shape, features, prefetch_device, token_axis)
 
     def slot_buffers(self) -> list[npt.NDArray[np.uint8]]:
@@ -263,7 +323,7 @@ class Consumer:
     # --- the desk's ports ---------------------------------------------------------------------
     def _check_usable(self) -> None:
         check_failures(self._receiver.error, self._owned)
-        if self._closed:                # even a given-back batch: its slot file is gone
+        if self._closed:  # even a given-back batch: its slot file is gone
             raise ClosedError("this Consumer was closed")
         check_started(self._started)
 
@@ -273,15 +333,22 @@ class Consumer:
         try:
             ready = self._ring.take(batch_id, timeout_s)
         except ClosedError:
-            check_failures(self._receiver.error, self._owned)    # the receiver or the group's watcher closed it
+            check_failures(self._receiver.error, self._owned)  # the receiver or the group's watcher closed it
             raise
         self._wait_s_total += time.perf_counter() - t0
         if ready is None:
             return None
         planned, utterances = ready.planned, self._manifest.utterances
-        return Batch(planned, self._ring.views(ready.slot, planned.bucket), ready.slot, ready.copies,
-                     tuple(utterances[i].id for i in planned.sample_ids), ready.quarantined, ready.quarantine_note,
-                     owner=self._run_id)
+        return Batch(
+            planned,
+            self._ring.views(ready.slot, planned.bucket),
+            ready.slot,
+            ready.copies,
+            tuple(utterances[i].id for i in planned.sample_ids),
+            ready.quarantined,
+            ready.quarantine_note,
+            owner=self._run_id,
+        )
 
     # --- what the built-in loop, the app, bench and doctor read ---------------------------------
     def _in_flight_bound_bytes(self, producers: int) -> int:

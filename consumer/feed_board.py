@@ -83,24 +83,25 @@ class FeedBoard:
 
     def on_train_begin(self, logs: Any = None) -> None:
         cfg = self._feed._cfg
-        quiet = dataclasses.replace(cfg.consumer, metrics_file=None, metrics_port=None)   # for TensorBoard alone
-        self._telemetry = Telemetry(dataclasses.replace(cfg, consumer=quiet), self._feed._telemetry_source(),
-                                    time.time(), control_endpoint=None)
+        quiet = dataclasses.replace(cfg.consumer, metrics_file=None, metrics_port=None)  # for TensorBoard alone
+        self._telemetry = Telemetry(
+            dataclasses.replace(cfg, consumer=quiet), self._feed._telemetry_source(), time.time(), control_endpoint=None
+        )
         self._telemetry.start()
         self._writer = BoardWriter(self.logdir, _KEY)
-        applied = self._feed.applied_ids     # the next batch applied is the first this fit trains
+        applied = self._feed.applied_ids  # the next batch applied is the first this fit trains
         self._first = applied[-1] + 1 if applied else self._feed._desk.next_id
         self._recorded = self._epoch_start = self._begun = 0
         self._written = self._first
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch_start = self._begun              # each batch begun in an epoch that went on was trained
+        self._epoch_start = self._begun  # each batch begun in an epoch that went on was trained
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        trained = self._epoch_start + batch          # batches this fit completed before this one
+        trained = self._epoch_start + batch  # batches this fit completed before this one
         self._begun = trained + 1
         if trained == 0:
-            self._mark(time.monotonic())             # the first batch's period starts at its begin
+            self._mark(time.monotonic())  # the first batch's period starts at its begin
         if trained <= self._recorded or self._telemetry is None:
             return
         self._record(trained)
@@ -148,10 +149,14 @@ class FeedBoard:
         for k in range(self._recorded, trained):
             if k >= feed._cfg.consumer.warmup_steps:
                 planned = feed.plan.batch(self._first + k)
-                rows, real, padded = planned_frames(planned.sample_ids, feed._bucket_set.buckets[planned.bucket],
-                                                    feed.manifest.frames)
-                self._telemetry.add(StepRecord(now_s, wait_s, max(0.0, period_s - wait_s), rows, real, padded,
-                                               feed._receiver.queue_depth()))
+                rows, real, padded = planned_frames(
+                    planned.sample_ids, feed._bucket_set.buckets[planned.bucket], feed.manifest.frames
+                )
+                self._telemetry.add(
+                    StepRecord(
+                        now_s, wait_s, max(0.0, period_s - wait_s), rows, real, padded, feed._receiver.queue_depth()
+                    )
+                )
         self._recorded, self._last_s, self._wait_seen = trained, now_s, feed._wait_s_total
 
     def _write(self) -> None:
@@ -165,7 +170,7 @@ class FeedBoard:
 def _make_callback(board: FeedBoard) -> Any:
     import keras
 
-    class _Board(keras.callbacks.Callback):   # type: ignore[misc]  # Keras is untyped
+    class _Board(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
         """Only the hooks that read no logs: overriding a batch end would make Keras read every step's logs."""
 
         def on_train_begin(self, logs: Any = None) -> None:

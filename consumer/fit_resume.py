@@ -45,20 +45,23 @@ class FitResume:
 
     def __init__(self, cfg: PipelineConfig) -> None:
         if cfg.consumer.state_dir is None:
-            raise ConfigError("must be set: fit resumes from the checkpoints and audit log there",
-                              path=("consumer", "state_dir"))
+            raise ConfigError(
+                "must be set: fit resumes from the checkpoints and audit log there", path=("consumer", "state_dir")
+            )
         state = RunState.open(cfg, load_manifest_for(cfg, feeds_model=False).fingerprint)
-        assert state is not None   # state_dir is set: open returns a state or raises
+        assert state is not None  # state_dir is set: open returns a state or raises
         self._state: RunState | None = state
-        self.next_batch = state.next_batch      # where the dataset starts: the first batch not committed
+        self.next_batch = state.next_batch  # where the dataset starts: the first batch not committed
 
     def callback(self, model: Any, feed: Consumer, dataset: Any) -> Any:
         """A ``keras.callbacks.Callback`` that restores, records and commits ``model`` trained on ``dataset``
         (``feed.as_dataset(...)``). A model not built yet is built from the dataset's element spec first (no
         batch is read for it), so its variables exist to restore into before the first step."""
         if feed._desk.next_id != self.next_batch:
-            raise ValueError(f"the Consumer's next batch is {feed._desk.next_id}, the state directory's "
-                             f"{self.next_batch}: construct it with start_batch=resume.next_batch")
+            raise ValueError(
+                f"the Consumer's next batch is {feed._desk.next_id}, the state directory's "
+                f"{self.next_batch}: construct it with start_batch=resume.next_batch"
+            )
         return _make_callback(self, model, feed, dataset.element_spec)
 
     @property
@@ -87,7 +90,8 @@ def _keras_of(model: Any) -> ModuleType:
     if tf_keras is not None and isinstance(model, tf_keras.Model):
         return tf_keras
     import keras
-    keras_module: ModuleType = keras   # Keras is untyped
+
+    keras_module: ModuleType = keras  # Keras is untyped
     return keras_module
 
 
@@ -96,9 +100,10 @@ def _items(model: Any) -> dict[str, object]:
     lists in their creation order. Not the Keras objects themselves: restoring a Keras 3 model's object graph
     through ``tf.train.Checkpoint`` can add a second copy of a layer's variable."""
     optimizer = model.optimizer
-    if not getattr(optimizer, "built", getattr(optimizer, "_built", False)):    # tf_keras: only _built
+    if not getattr(optimizer, "built", getattr(optimizer, "_built", False)):  # tf_keras: only _built
         optimizer.build(model.trainable_variables)
-    from melfeed.consumer.train.model import optimizer_variables   # TensorFlow: not at melfeed's import
+    from melfeed.consumer.train.model import optimizer_variables  # TensorFlow: not at melfeed's import
+
     return {"model": [_tf_variable(v) for v in model.weights], "optimizer": optimizer_variables(optimizer)}
 
 
@@ -116,20 +121,22 @@ def _build(model: Any, element_spec: Any) -> None:
     def symbolic(spec: Any) -> Any:
         if keras.__name__ == "keras":
             return keras.KerasTensor(spec.shape, spec.dtype.name)
-        return keras.Input(batch_shape=spec.shape, dtype=spec.dtype)    # tf_keras has no KerasTensor(shape, dtype)
-    model({name: symbolic(spec) for name, spec in features.items()} if isinstance(features, dict)
-          else symbolic(features))
+        return keras.Input(batch_shape=spec.shape, dtype=spec.dtype)  # tf_keras has no KerasTensor(shape, dtype)
+
+    model(
+        {name: symbolic(spec) for name, spec in features.items()} if isinstance(features, dict) else symbolic(features)
+    )
 
 
 def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: Any) -> Any:
-    callback: Any = _keras_of(model).callbacks.Callback   # Keras is untyped
+    callback: Any = _keras_of(model).callbacks.Callback  # Keras is untyped
 
     class _Commit(callback):  # type: ignore[misc]  # Keras is untyped
         """Restore at the start, record every trained batch, commit every interval and at the end."""
 
         def __init__(self) -> None:
             super().__init__()
-            self._trained = 0           # batches trained by this process (fit's counter over its epochs)
+            self._trained = 0  # batches trained by this process (fit's counter over its epochs)
             self._epoch_start = 0
 
         def on_train_begin(self, logs: Any = None) -> None:
@@ -144,12 +151,14 @@ def _make_callback(resume: FitResume, model: Any, feed: Consumer, element_spec: 
             self._epoch_start = self._trained
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            trained = self._epoch_start + batch + 1          # steps_per_execution > 1: batch is the last one
+            trained = self._epoch_start + batch + 1  # steps_per_execution > 1: batch is the last one
             applied = feed.applied_ids
             if trained > len(applied):
-                raise RuntimeError(f"fit trained {trained} batches but the dataset handed out {len(applied)}: "
-                                   "train on feed.as_dataset() alone")
-            for batch_id in applied[self._trained:trained]:
+                raise RuntimeError(
+                    f"fit trained {trained} batches but the dataset handed out {len(applied)}: "
+                    "train on feed.as_dataset() alone"
+                )
+            for batch_id in applied[self._trained : trained]:
                 resume.state.record(batch_id, feed.plan.batch(batch_id).sample_ids, feed._run_id)
             self._trained = trained
             if resume.state.due():

@@ -25,8 +25,10 @@ __all__ = ["check_config", "check_start_batch", "check_timeout", "check_started"
 def check_config(cfg: Any) -> PipelineConfig:
     """``cfg`` itself, or ``TypeError`` saying how to make one (a dict or a path is a common slip)."""
     if not isinstance(cfg, PipelineConfig):
-        raise TypeError(f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.load_config(path) "
-                        f"or melfeed.config_from_mapping(dict)), got {type(cfg).__name__}")
+        raise TypeError(
+            f"Consumer(cfg): cfg must be a PipelineConfig (melfeed.load_config(path) "
+            f"or melfeed.config_from_mapping(dict)), got {type(cfg).__name__}"
+        )
     return cfg
 
 
@@ -44,8 +46,10 @@ def check_start_batch(start_batch: Any) -> int:
 def check_timeout(timeout_s: Any) -> float:
     """Seconds to wait as a float (0 or less: do not wait); ``None`` is refused: every wait is bounded."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
-        raise TypeError(f"next_batch(timeout_s): seconds to wait (0 = do not wait), got {timeout_s!r}; "
-                        "melfeed never waits without a bound: call it again, or loop over batches()")
+        raise TypeError(
+            f"next_batch(timeout_s): seconds to wait (0 = do not wait), got {timeout_s!r}; "
+            "melfeed never waits without a bound: call it again, or loop over batches()"
+        )
     return float(timeout_s)
 
 

@@ -47,7 +47,7 @@ __all__ = ["Batch", "ArraySpec", "Handout", "HandoutDesk", "HandoutPorts", "row_
 
 log = logging.getLogger(__name__)
 
-_WAITING_LOG_S = 10.0   # a starved loop says so this often, not at every bounded wait
+_WAITING_LOG_S = 10.0  # a starved loop says so this often, not at every bounded wait
 _SUPERSEDED = "this iterator was superseded by a newer batches() / as_dataset() iterator"
 
 
@@ -77,16 +77,16 @@ class ArraySpec:
 class Batch:
     """One batch in a ring slot. ``arrays`` are views valid until its slot is freed (``release``)."""
 
-    planned: PlannedBatch                 # its identity in the plan: id, data epoch, bucket, sample ids
+    planned: PlannedBatch  # its identity in the plan: id, data epoch, bucket, sample ids
     # mel [B,T,M] f32, mel_len [B] i32, tokens [B,L] i32, tok_len [B] i32, then the cache's extras by name
     arrays: dict[str, npt.NDArray[Any]]
     slot: int
-    copies: int = PAYLOAD_COPIES          # copies from page cache into the slot: 1 shared memory, 4 payload
-    utterance_ids: tuple[str, ...] = ()   # manifest ids of the real rows, in row order
-    quarantined: tuple[int, ...] = ()     # sample ids of the rows a producer left empty (bad cache file)
-    quarantine_note: str = ""             # the producer's "PATH: REASON" for the first of them (escaped)
-    owner: int = 0                        # the run id of the Consumer that handed it out (no other may release it)
-    slot_freed: bool = False              # its slot went back to the ring: ``arrays`` may hold another batch
+    copies: int = PAYLOAD_COPIES  # copies from page cache into the slot: 1 shared memory, 4 payload
+    utterance_ids: tuple[str, ...] = ()  # manifest ids of the real rows, in row order
+    quarantined: tuple[int, ...] = ()  # sample ids of the rows a producer left empty (bad cache file)
+    quarantine_note: str = ""  # the producer's "PATH: REASON" for the first of them (escaped)
+    owner: int = 0  # the run id of the Consumer that handed it out (no other may release it)
+    slot_freed: bool = False  # its slot went back to the ring: ``arrays`` may hold another batch
 
     @property
     def batch_id(self) -> int:
@@ -130,10 +130,10 @@ class Handout:
 
     def __init__(self, start_batch: int, owner: int = 0) -> None:
         self._next_applied = start_batch
-        self._owner = owner                  # Batch.owner of the batches this book may apply
-        self._applied_ids = array("q")     # 8 bytes per applied batch
-        self._returned: list[Batch] = []     # sorted by batch id, lowest first
-        self._in_hand: list[Batch] = []      # held by the current iterator, unapplied, in id order
+        self._owner = owner  # Batch.owner of the batches this book may apply
+        self._applied_ids = array("q")  # 8 bytes per applied batch
+        self._returned: list[Batch] = []  # sorted by batch id, lowest first
+        self._in_hand: list[Batch] = []  # held by the current iterator, unapplied, in id order
         self._token = 0
 
     @property
@@ -181,7 +181,7 @@ class Handout:
 
     def _return(self, batch: Batch) -> None:
         self._returned.append(batch)
-        self._returned.sort(key=lambda b: b.batch_id)   # a few entries at most
+        self._returned.sort(key=lambda b: b.batch_id)  # a few entries at most
 
     def is_applied(self, batch: Batch) -> bool:
         return batch.batch_id < self._next_applied
@@ -201,7 +201,7 @@ class Handout:
         self._applied_ids.append(batch.batch_id)
         self._next_applied += 1
         self._in_hand = [b for b in self._in_hand if b is not batch]
-        self._returned = [b for b in self._returned if b is not batch]   # released after its loop broke out
+        self._returned = [b for b in self._returned if b is not batch]  # released after its loop broke out
 
     def record_freed(self, batch: Batch) -> None:
         """``batch``'s slot goes back to the ring now; refused for another consumer's batch or a second time."""
@@ -215,12 +215,12 @@ class Handout:
 class HandoutPorts:
     """What a desk needs of its consumer, as callables: the desk holds no ring, socket or thread of its own."""
 
-    check_usable: Callable[[], None]              # raises: closed, not started, the receiver or producer group failed
-    take: Callable[[int, float], Batch | None]    # (batch id, timeout_s) -> that batch from the ring, None if late
-    free_slot: Callable[[int], None]              # a ring slot goes back to the ring
-    applied: Callable[[int, bool], None]          # (batch id, wake): the receiver hears that it was applied
+    check_usable: Callable[[], None]  # raises: closed, not started, the receiver or producer group failed
+    take: Callable[[int, float], Batch | None]  # (batch id, timeout_s) -> that batch from the ring, None if late
+    free_slot: Callable[[int], None]  # a ring slot goes back to the ring
+    applied: Callable[[int, bool], None]  # (batch id, wake): the receiver hears that it was applied
     producers_alive: Callable[[], int]
-    wait_timeout_s: float                         # one bounded wait of ``wait_next`` (``consumer.wait_timeout_s``)
+    wait_timeout_s: float  # one bounded wait of ``wait_next`` (``consumer.wait_timeout_s``)
 
 
 class HandoutDesk:
@@ -237,8 +237,8 @@ class HandoutDesk:
         self._book = Handout(start_batch, owner)
         self._ports = ports
         self.end_batch = end_batch
-        self.next_id = start_batch            # the id of the next batch taken from the ring
-        self._held: Batch | None = None       # applied, its slot kept until the next element (a dataset)
+        self.next_id = start_batch  # the id of the next batch taken from the ring
+        self._held: Batch | None = None  # applied, its slot kept until the next element (a dataset)
         self._lock = threading.Lock()
 
     @property
@@ -271,8 +271,9 @@ class HandoutDesk:
             self.next_id += 1
         return batch
 
-    def wait_next(self, token: int, stop: threading.Event | None = None,
-                  on_wait: Callable[[int], None] | None = None) -> Batch | None:
+    def wait_next(
+        self, token: int, stop: threading.Event | None = None, on_wait: Callable[[int], None] | None = None
+    ) -> Batch | None:
         """The next batch for iterator ``token``, waiting in bounded steps; ``None`` when the plan ended, ``stop``
         was set or the consumer was closed. ``on_wait(producers_alive)`` runs after every bounded wait that
         brought no batch (``consumer.wait_timeout_s``): the loop is alive though starved (sd_notify watchdog, status).
@@ -304,8 +305,9 @@ class HandoutDesk:
         """``Consumer.batches()``: a new iterator; each batch applied and freed when the next is asked for."""
         return self._iterate(self.begin(), stop, on_wait)
 
-    def _iterate(self, token: int, stop: threading.Event | None,
-                 on_wait: Callable[[int], None] | None) -> Iterator[Batch]:
+    def _iterate(
+        self, token: int, stop: threading.Event | None, on_wait: Callable[[int], None] | None
+    ) -> Iterator[Batch]:
         while True:
             batch = self.wait_next(token, stop, on_wait)
             if batch is None:
@@ -313,12 +315,12 @@ class HandoutDesk:
             self.hold(token, batch)
             try:
                 yield batch
-            except BaseException:           # GeneratorExit (break, dropped) or an error thrown in
+            except BaseException:  # GeneratorExit (break, dropped) or an error thrown in
                 self.give_back(token, batch)
                 raise
             if not self.is_current(token):  # a newer iterator took this batch over: it is not applied
                 raise RuntimeError(_SUPERSEDED)
-            if not self._book.is_applied(batch):      # the loop body may have called release(batch)
+            if not self._book.is_applied(batch):  # the loop body may have called release(batch)
                 self.mark_applied(batch, wake=False)
             if not batch.slot_freed:
                 self.free_slot(batch)
@@ -346,7 +348,7 @@ class HandoutDesk:
 
     def release(self, batch: Batch) -> None:
         """The step that read ``batch`` has finished: count it applied and free its slot."""
-        self.mark_applied(batch, wake=False)     # the release wakes the receiver if that helps
+        self.mark_applied(batch, wake=False)  # the release wakes the receiver if that helps
         self.free_slot(batch)
 
     def mark_applied(self, batch: Batch, wake: bool = True) -> None:
@@ -358,7 +360,7 @@ class HandoutDesk:
 
     def free_slot(self, batch: Batch) -> None:
         """Give ``batch``'s slot back to the ring (its arrays are invalid from here on)."""
-        self._book.record_freed(batch)       # never twice: the slot may hold another batch by now
+        self._book.record_freed(batch)  # never twice: the slot may hold another batch by now
         self._ports.free_slot(batch.slot)
 
     # --- a dataset's element: applied when handed out, its slot held to the next ------------------

@@ -16,20 +16,37 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from melfeed.consumer.xla_cache import (XLA_CACHE_FLAG, active_xla_cache_dir, prepare_xla_cache, xla_cache_dir,
-                                      xla_cache_namespace, xla_cache_warm)
+from melfeed.consumer.xla_cache import (
+    XLA_CACHE_FLAG,
+    active_xla_cache_dir,
+    prepare_xla_cache,
+    xla_cache_dir,
+    xla_cache_namespace,
+    xla_cache_warm,
+)
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.gpu_select import DEVICE_ORDER, gpu_env
 
-__all__ = ["XLA_CACHE_FLAG", "active_xla_cache_dir", "apply_placement", "check_model_gpus", "configure_memory",
-           "placement_env", "prepare_tensorflow", "step_devices", "xla_cache_dir", "xla_cache_warm"]
+__all__ = [
+    "XLA_CACHE_FLAG",
+    "active_xla_cache_dir",
+    "apply_placement",
+    "check_model_gpus",
+    "configure_memory",
+    "placement_env",
+    "prepare_tensorflow",
+    "step_devices",
+    "xla_cache_dir",
+    "xla_cache_warm",
+]
 
 log = logging.getLogger(__name__)
 
 
-def placement_env(cfg: PipelineConfig, environ: Mapping[str, str], cache_namespace: str | None = None
-                  ) -> dict[str, str]:
+def placement_env(
+    cfg: PipelineConfig, environ: Mapping[str, str], cache_namespace: str | None = None
+) -> dict[str, str]:
     """The variables to set (pure): the model GPU(s) in PCI bus order and the cache flag, merged into
     ``environ``'s. Without ``consumer.model_gpu`` an inherited ``CUDA_VISIBLE_DEVICES`` stays, numbered in PCI
     bus order unless ``environ`` chose an order. ``cache_namespace``: the directory below the cache root
@@ -47,8 +64,9 @@ def placement_env(cfg: PipelineConfig, environ: Mapping[str, str], cache_namespa
     return out
 
 
-def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | None = None,
-                    modules: Mapping[str, Any] | None = None) -> dict[str, str]:
+def apply_placement(
+    cfg: PipelineConfig, environ: MutableMapping[str, str] | None = None, modules: Mapping[str, Any] | None = None
+) -> dict[str, str]:
     """Set ``placement_env`` in ``environ`` (os.environ); returns what it set.
 
     Once TensorFlow is imported nothing is set (it would have no effect): a different model GPU is refused,
@@ -64,13 +82,18 @@ def apply_placement(cfg: PipelineConfig, environ: MutableMapping[str, str] | Non
     changed = {k: v for k, v in wanted.items() if environ.get(k) != v}
     if changed and "tensorflow" in modules:
         if "CUDA_VISIBLE_DEVICES" in changed:
-            raise ConfigError(f"TensorFlow was imported before it could be applied (CUDA_VISIBLE_DEVICES is "
-                              f"{environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}); set it before importing "
-                              f"TensorFlow or call melfeed.consumer.placement.apply_placement first",
-                              path=("consumer", "model_gpu"), got=cfg.consumer.model_gpu)
+            raise ConfigError(
+                f"TensorFlow was imported before it could be applied (CUDA_VISIBLE_DEVICES is "
+                f"{environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}); set it before importing "
+                f"TensorFlow or call melfeed.consumer.placement.apply_placement first",
+                path=("consumer", "model_gpu"),
+                got=cfg.consumer.model_gpu,
+            )
         if "TF_XLA_FLAGS" in changed:
-            log.warning("XLA compilation cache off: TensorFlow was imported before TF_XLA_FLAGS could name %s",
-                        active_xla_cache_dir(wanted))
+            log.warning(
+                "XLA compilation cache off: TensorFlow was imported before TF_XLA_FLAGS could name %s",
+                active_xla_cache_dir(wanted),
+            )
         return {}
     if root is not None:
         prepare_xla_cache(cfg, root)
@@ -102,13 +125,18 @@ def configure_memory(cfg: PipelineConfig, tf_module: Any = None) -> list[str]:
                 tf.config.experimental.set_memory_growth(gpu, True)
             else:
                 tf.config.set_logical_device_configuration(
-                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
-    except RuntimeError as err:    # the devices were initialized already (an op ran before this call)
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)]
+                )
+    except RuntimeError as err:  # the devices were initialized already (an op ran before this call)
         log.warning("device settings not applied (TensorFlow already initialized its devices): %s", err)
-    log.info("placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
-             os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"), len(gpus),
-             "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each", active_xla_cache_dir() or "off",
-             f", CPU split into {replicas} logical devices (replicas)" if not gpus and replicas > 1 else "")
+    log.info(
+        "placement: CUDA_VISIBLE_DEVICES=%s, %d GPU(s) visible, %s, XLA cache %s%s",
+        os.environ.get("CUDA_VISIBLE_DEVICES", "<inherited: all>"),
+        len(gpus),
+        "memory growth" if limit_mb is None else f"{limit_mb} MiB cap each",
+        active_xla_cache_dir() or "off",
+        f", CPU split into {replicas} logical devices (replicas)" if not gpus and replicas > 1 else "",
+    )
     return [str(g.name) for g in gpus]
 
 
@@ -125,9 +153,13 @@ def check_model_gpus(model_gpu: str | None, seen: list[str]) -> None:
     named = [g for g in (model_gpu or "").split(",") if g.strip()]
     if len(seen) < len(named):
         sees = ", ".join(seen) if seen else "no GPU (it would train on the CPU)"
-        raise ConfigError(f"names {len(named)} GPU(s) but TensorFlow sees {sees}: check the index or UUID "
-                          "against nvidia-smi -L in this container, that TensorFlow has CUDA (pip install "
-                          "'tensorflow[and-cuda]') and the driver", path=("consumer", "model_gpu"), got=model_gpu)
+        raise ConfigError(
+            f"names {len(named)} GPU(s) but TensorFlow sees {sees}: check the index or UUID "
+            "against nvidia-smi -L in this container, that TensorFlow has CUDA (pip install "
+            "'tensorflow[and-cuda]') and the driver",
+            path=("consumer", "model_gpu"),
+            got=model_gpu,
+        )
 
 
 def prepare_tensorflow(cfg: PipelineConfig) -> None:

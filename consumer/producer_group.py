@@ -38,7 +38,7 @@ __all__ = ["OwnedProducers", "PRODUCERS_EXIT_S", "await_plan_end", "exit_text", 
 
 log = logging.getLogger(__name__)
 
-PRODUCERS_EXIT_S = 10.0   # > a producer's BYE and exit + its supervisor's 0.1 s poll, on a loaded 2-core machine
+PRODUCERS_EXIT_S = 10.0  # > a producer's BYE and exit + its supervisor's 0.1 s poll, on a loaded 2-core machine
 
 
 def start_producers(cfg: PipelineConfig, debug_delay_ms: float = 0.0) -> Child:
@@ -47,8 +47,9 @@ def start_producers(cfg: PipelineConfig, debug_delay_ms: float = 0.0) -> Child:
     extra = ["--debug-delay-ms", str(debug_delay_ms)] if debug_delay_ms else []
     try:
         # the group stops itself if this process dies (no orphaned producers)
-        proc = spawn(entry_argv("producer", "--config", str(path), *extra),
-                     env=child_env({PARENT_PID_ENV: str(os.getpid())}))
+        proc = spawn(
+            entry_argv("producer", "--config", str(path), *extra), env=child_env({PARENT_PID_ENV: str(os.getpid())})
+        )
     except OSError:
         path.unlink(missing_ok=True)
         raise
@@ -97,12 +98,14 @@ class OwnedProducers:
             raise TypeError(f"Consumer(producers=...): a number of producers or None, got {count!r}")
         if count < 1:
             raise ValueError(f"Consumer(producers=...): at least 1 producer (None: you start them), got {count}")
-        with_overrides(cfg, {"producer.count": count})   # ConfigError past producer.count's bound
+        with_overrides(cfg, {"producer.count": count})  # ConfigError past producer.count's bound
         if cfg.transport.curve_secret_key:
-            raise ConfigError("Consumer(producers=N) starts its producers with this same config, so they would "
-                              "present the consumer's key and be refused; start them yourself, each with its own "
-                              "key pair (deploy/README.md \"Producers on other hosts\")",
-                              path=("transport", "curve_secret_key"))
+            raise ConfigError(
+                "Consumer(producers=N) starts its producers with this same config, so they would "
+                "present the consumer's key and be refused; start them yourself, each with its own "
+                'key pair (deploy/README.md "Producers on other hosts")',
+                path=("transport", "curve_secret_key"),
+            )
         self.count = count
         self.group: Child | None = None
         self.error: PipelineError | None = None
@@ -111,18 +114,29 @@ class OwnedProducers:
         """Start the group for ``consumer`` (bound already); ``on_failure`` runs if it dies before the plan ends."""
         cfg = consumer._cfg
         cache_dir = str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir is not None else None
-        self.group = start_producers(with_overrides(cfg, {
-            "transport.endpoint": consumer._endpoint, "producer.exit_at_plan_end": True, "cache_dir": cache_dir,
-            "producer.count": self.count}))
-        threading.Thread(target=self._watch, args=(self.group, consumer, on_failure), name="producers-watch",
-                         daemon=True).start()
+        self.group = start_producers(
+            with_overrides(
+                cfg,
+                {
+                    "transport.endpoint": consumer._endpoint,
+                    "producer.exit_at_plan_end": True,
+                    "cache_dir": cache_dir,
+                    "producer.count": self.count,
+                },
+            )
+        )
+        threading.Thread(
+            target=self._watch, args=(self.group, consumer, on_failure), name="producers-watch", daemon=True
+        ).start()
 
     def _watch(self, group: Child, consumer: Consumer, on_failure: Callable[[], None]) -> None:
         code = group.proc.wait()
         if group.stopping or (code == 0 and consumer._desk.finished):
             return
-        self.error = PipelineError(f"the producer group (pid {group.proc.pid}, Consumer(producers={self.count})) "
-                                   f"{exit_text(code)} before the plan ended; its log lines above say why")
+        self.error = PipelineError(
+            f"the producer group (pid {group.proc.pid}, Consumer(producers={self.count})) "
+            f"{exit_text(code)} before the plan ended; its log lines above say why"
+        )
         log.error("%s", self.error)
         on_failure()
 

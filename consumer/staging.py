@@ -48,9 +48,9 @@ __all__ = ["Completed", "StageAdapter", "Staged", "Stager"]
 
 log = logging.getLogger(__name__)
 
-V = TypeVar("V")                         # what a step reads: device arrays, or tensors over the slot
-O = TypeVar("O")                         # a dispatched step's outputs (not yet on the host)
-R = TypeVar("R")                         # a completed step's results on the host
+V = TypeVar("V")  # what a step reads: device arrays, or tensors over the slot
+Out = TypeVar("Out")  # a dispatched step's outputs (not yet on the host)
+R = TypeVar("R")  # a completed step's results on the host
 R_co = TypeVar("R_co", covariant=True)
 
 
@@ -69,19 +69,19 @@ class Staged(Generic[V]):
     host_copies: int = 0
 
 
-class StageAdapter(Protocol[V, O, R_co]):
+class StageAdapter(Protocol[V, Out, R_co]):
     """What a framework supplies; every method runs on the thread iterating ``Stager.run``."""
 
     def put(self, batch: Batch) -> Staged[V]:
         """Start moving ``batch.arrays`` to the model device (or wrap them); must not wait for a step."""
 
-    def step(self, batch: Batch, value: V) -> O:
+    def step(self, batch: Batch, value: V) -> Out:
         """Dispatch one training step on ``value``; may return before the device has run it."""
 
-    def is_done(self, outputs: O) -> bool:
+    def is_done(self, outputs: Out) -> bool:
         """Whether the step behind ``outputs`` has completed (never blocks; False when unknown)."""
 
-    def wait(self, outputs: O) -> R_co:
+    def wait(self, outputs: Out) -> R_co:
         """Wait until that step completed and return its results on the host (losses, metrics)."""
 
 
@@ -91,27 +91,27 @@ class Completed(Generic[R]):
 
     batch: Batch
     result: R
-    step_s: float            # host seconds dispatching the step plus waiting for it to complete
-    dispatched_s: float      # time.perf_counter() when its dispatch began (periods between dispatches)
-    host_copies: int         # Staged.host_copies
-    rows: int                # real rows, real and padded frames: read while the slot was held
+    step_s: float  # host seconds dispatching the step plus waiting for it to complete
+    dispatched_s: float  # time.perf_counter() when its dispatch began (periods between dispatches)
+    host_copies: int  # Staged.host_copies
+    rows: int  # real rows, real and padded frames: read while the slot was held
     real_frames: int
     padded_frames: int
 
 
 @dataclass(slots=True)
-class _InFlight(Generic[V, O]):
+class _InFlight(Generic[V, Out]):
     batch: Batch
     staged: Staged[V]
     figures: tuple[int, int, int]
-    outputs: O | None = None
+    outputs: Out | None = None
     dispatched: bool = False
     slot_freed: bool = False
     step_s: float = 0.0
     dispatched_s: float = 0.0
 
 
-class Stager(Generic[V, O, R]):
+class Stager(Generic[V, Out, R]):
     """Bounded staging of a consumer's batches through ``handoff``.
 
     Args:
@@ -120,7 +120,7 @@ class Stager(Generic[V, O, R]):
         depth: most batches in flight (``consumer.stage_depth``, default 2; 1 = no overlap).
     """
 
-    def __init__(self, consumer: Consumer, handoff: StageAdapter[V, O, R], depth: int = 2) -> None:
+    def __init__(self, consumer: Consumer, handoff: StageAdapter[V, Out, R], depth: int = 2) -> None:
         n_slots = consumer._ring.n_slots
         if not 1 <= depth < n_slots:
             raise ValueError(f"stage depth must be in 1..{n_slots - 1} (ring slots - 1), got {depth}")
@@ -128,10 +128,14 @@ class Stager(Generic[V, O, R]):
         self._desk: HandoutDesk = consumer._desk
         self.handoff = handoff
         self.depth = depth
-        self.max_in_flight = 0           # most batches ever in flight at once (<= depth)
+        self.max_in_flight = 0  # most batches ever in flight at once (<= depth)
 
-    def run(self, stop: threading.Event | None = None, on_wait: Callable[[int], None] | None = None,
-            drain_before: Callable[[int], bool] | None = None) -> Generator[Completed[R], None, None]:
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        on_wait: Callable[[int], None] | None = None,
+        drain_before: Callable[[int], bool] | None = None,
+    ) -> Generator[Completed[R], None, None]:
         """Yield each completed step in plan order until the plan ends, ``stop`` is set or ``close()``.
 
         Starts a new hand-out iterator (it supersedes any other). ``on_wait``: see
@@ -139,28 +143,34 @@ class Stager(Generic[V, O, R]):
         steps are in flight; True = let those complete (and be yielded) first.
         """
         token = self._desk.begin()
-        window: deque[_InFlight[V, O]] = deque()
+        window: deque[_InFlight[V, Out]] = deque()
         return self._run(token, window, self._steps(token, window, stop, on_wait, drain_before))
 
-    def _run(self, token: int, window: deque[_InFlight[V, O]],
-             steps: Iterator[Completed[R]]) -> Generator[Completed[R], None, None]:
+    def _run(
+        self, token: int, window: deque[_InFlight[V, Out]], steps: Iterator[Completed[R]]
+    ) -> Generator[Completed[R], None, None]:
         while True:
             try:
                 done = next(steps)
             except StopIteration:
                 return
-            except BaseException:        # the adapter or the consumer failed: nothing more completes
+            except BaseException:  # the adapter or the consumer failed: nothing more completes
                 self._give_back(token, window)
                 raise
             try:
                 yield done
-            except BaseException:        # the caller stopped: finish what the device already runs
+            except BaseException:  # the caller stopped: finish what the device already runs
                 self._finish_dispatched(token, window)
                 raise
 
-    def _steps(self, token: int, window: deque[_InFlight[V, O]], stop: threading.Event | None,
-               on_wait: Callable[[int], None] | None,
-               drain_before: Callable[[int], bool] | None) -> Iterator[Completed[R]]:
+    def _steps(
+        self,
+        token: int,
+        window: deque[_InFlight[V, Out]],
+        stop: threading.Event | None,
+        on_wait: Callable[[int], None] | None,
+        drain_before: Callable[[int], bool] | None,
+    ) -> Iterator[Completed[R]]:
         source_open = True
         while True:
             while window and window[0].dispatched and self.handoff.is_done(window[0].outputs):  # type: ignore[arg-type]
@@ -187,13 +197,13 @@ class Stager(Generic[V, O, R]):
             else:
                 return
 
-    def _dispatch(self, f: _InFlight[V, O]) -> None:
+    def _dispatch(self, f: _InFlight[V, Out]) -> None:
         t0 = f.dispatched_s = time.perf_counter()
         f.outputs = self.handoff.step(f.batch, f.staged.value)
         f.dispatched = True
         f.step_s += time.perf_counter() - t0
 
-    def _complete(self, token: int, f: _InFlight[V, O]) -> Completed[R]:
+    def _complete(self, token: int, f: _InFlight[V, Out]) -> Completed[R]:
         """Wait for ``f``'s step, count its batch applied, free its slot (if still held)."""
         t0 = time.perf_counter()
         result = self.handoff.wait(f.outputs)  # type: ignore[arg-type]
@@ -206,24 +216,24 @@ class Stager(Generic[V, O, R]):
             self._desk.free_slot(f.batch)
         return Completed(f.batch, result, f.step_s, f.dispatched_s, f.staged.host_copies, *f.figures)
 
-    def _free_copied(self, window: deque[_InFlight[V, O]]) -> None:
+    def _free_copied(self, window: deque[_InFlight[V, Out]]) -> None:
         """Free the slots whose batches the device has copied (never those a step may still read)."""
         for f in window:
             if not f.slot_freed and f.staged.copied is not None and f.staged.copied():
                 f.slot_freed = True
                 self._desk.free_slot(f.batch)
 
-    def _finish_dispatched(self, token: int, window: deque[_InFlight[V, O]]) -> None:
+    def _finish_dispatched(self, token: int, window: deque[_InFlight[V, Out]]) -> None:
         while window and window[0].dispatched:
             try:
                 self._complete(token, window[0])
-            except Exception:            # the caller's exception is the one to raise
+            except Exception:  # the caller's exception is the one to raise
                 log.exception("a staged step failed while the loop was stopping")
                 break
             window.popleft()
         self._give_back(token, window)
 
-    def _give_back(self, token: int, window: deque[_InFlight[V, O]]) -> None:
+    def _give_back(self, token: int, window: deque[_InFlight[V, Out]]) -> None:
         lost = [f.batch.batch_id for f in window if f.slot_freed]
         for f in window:
             if not f.slot_freed:
@@ -231,6 +241,8 @@ class Stager(Generic[V, O, R]):
         window.clear()
         if lost:
             self._consumer.close()
-            raise PipelineError(f"batches {lost} were copied to the device and their slots reused, but their "
-                                "steps did not complete: they cannot be handed out again; the consumer is "
-                                "closed (restart from the last checkpoint)")
+            raise PipelineError(
+                f"batches {lost} were copied to the device and their slots reused, but their "
+                "steps did not complete: they cannot be handed out again; the consumer is "
+                "closed (restart from the last checkpoint)"
+            )

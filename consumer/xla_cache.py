@@ -35,16 +35,25 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.filetrust import untrusted_reason
 from melfeed.shared.flag_checks import resolve_path
 
-__all__ = ["XLA_CACHE_FLAG", "CompileFiles", "active_xla_cache_dir", "cache_namespace", "prepare_xla_cache",
-           "step_identity", "xla_cache_dir", "xla_cache_namespace", "xla_cache_warm"]
+__all__ = [
+    "XLA_CACHE_FLAG",
+    "CompileFiles",
+    "active_xla_cache_dir",
+    "cache_namespace",
+    "prepare_xla_cache",
+    "step_identity",
+    "xla_cache_dir",
+    "xla_cache_namespace",
+    "xla_cache_warm",
+]
 
 log = logging.getLogger(__name__)
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
 _XLA_CACHE_SUBDIR = "xla-cache"
-_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tf-nightly")   # the pip names TensorFlow ships as
-_HASH_CHARS = 10                 # 40 bits: no two flag sets or steps of one cache meet by chance
-_RECOUNT_INTERVAL_S = 1.0        # CompileFiles lists the directory at most this often (it is read every step)
+_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tf-nightly")  # the pip names TensorFlow ships as
+_HASH_CHARS = 10  # 40 bits: no two flag sets or steps of one cache meet by chance
+_RECOUNT_INTERVAL_S = 1.0  # CompileFiles lists the directory at most this often (it is read every step)
 
 
 def xla_cache_dir(cfg: PipelineConfig) -> Path | None:
@@ -75,8 +84,9 @@ def xla_cache_warm(cache_dir: Path | None) -> bool | None:
     return cache_dir.is_dir() and any(cache_dir.glob("*.pb"))
 
 
-def cache_namespace(tf_version: str, devices: list[str], driver: str | None, environ: Mapping[str, str],
-                    step: str) -> str:
+def cache_namespace(
+    tf_version: str, devices: list[str], driver: str | None, environ: Mapping[str, str], step: str
+) -> str:
     """The directory name (pure): ``tf2.21.0-nvidia-h100-80gb-hbm3-drv550.54.15-flags<hash>-step<hash>``.
 
     ``devices``: the model GPUs' names (``["cpu"]`` without one); ``driver``: NVIDIA's driver version (None
@@ -85,8 +95,13 @@ def cache_namespace(tf_version: str, devices: list[str], driver: str | None, env
     """
     flags = [f for f in environ.get("TF_XLA_FLAGS", "").split() if not f.startswith(XLA_CACHE_FLAG + "=")]
     flags_hash = _short_hash([flags, environ.get("XLA_FLAGS", "")])
-    parts = [f"tf{tf_version}", *dict.fromkeys(_slug(d) for d in devices),
-             *([f"drv{driver}"] if driver else []), f"flags{flags_hash}", f"step{step}"]
+    parts = [
+        f"tf{tf_version}",
+        *dict.fromkeys(_slug(d) for d in devices),
+        *([f"drv{driver}"] if driver else []),
+        f"flags{flags_hash}",
+        f"step{step}",
+    ]
     return "-".join(parts)
 
 
@@ -122,14 +137,16 @@ def prepare_xla_cache(cfg: PipelineConfig, cache: Path) -> None:
     """
     key = ("consumer", "xla_cache_dir" if cfg.consumer.xla_cache_dir is not None else "state_dir")
     try:
-        make_private_dir(cache)    # may create the state dir itself: 0750 as RunState would
+        make_private_dir(cache)  # may create the state dir itself: 0750 as RunState would
         reason = untrusted_reason(cache, directory=True, follow=False)
     except OSError as err:
-        raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}",
-                          path=key) from None
+        raise ConfigError(f"cannot use {cache} as the XLA compilation cache: {err.strerror or err}", path=key) from None
     if reason is not None:
-        raise ConfigError(f"XLA compilation cache {cache} {reason} (TensorFlow would load programs planted "
-                          "there); make it this user's, 0700 or 0750", path=key)
+        raise ConfigError(
+            f"XLA compilation cache {cache} {reason} (TensorFlow would load programs planted "
+            "there); make it this user's, 0700 or 0750",
+            path=key,
+        )
 
 
 class CompileFiles:
@@ -140,8 +157,12 @@ class CompileFiles:
     into the same directory meanwhile is counted too: the figure is an upper bound then.
     """
 
-    def __init__(self, cache_dir: Path | None, recount_interval_s: float = _RECOUNT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cache_dir: Path | None,
+        recount_interval_s: float = _RECOUNT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._dir, self._interval_s, self._clock = cache_dir, recount_interval_s, clock
         self._marked: set[str] = set()
         self._new = 0
@@ -163,7 +184,7 @@ class CompileFiles:
             return set()
         try:
             return {e.name for e in os.scandir(self._dir) if e.name.endswith(".pb")}
-        except OSError:   # removed under us: nothing new to count
+        except OSError:  # removed under us: nothing new to count
             return set()
 
 
@@ -174,7 +195,7 @@ def _model_gpus(cfg: PipelineConfig, environ: Mapping[str, str], nvml: Any) -> t
     if selectors == []:
         return ["cpu"], None
     mig = ["mig"] if any(s.startswith("MIG-") for s in selectors or ()) else []
-    module = load_nvml(nvml, quiet=True)     # the sampler reports NVML itself, once
+    module = load_nvml(nvml, quiet=True)  # the sampler reports NVML itself, once
     if module is None:
         return mig or (["cpu"] if selectors is None else ["gpu"]), None
     try:
@@ -200,12 +221,14 @@ def _bucket_shapes(cfg: PipelineConfig) -> list[Any]:
         return []
     from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.wire.buckets import build_buckets
+
     manifest = load_manifest_for(cfg, feeds_model=False)
     settings = cfg.buckets
-    if settings.batch_size == "auto" and settings.rows is None:   # measured after TensorFlow starts: keyed by 1 row
+    if settings.batch_size == "auto" and settings.rows is None:  # measured after TensorFlow starts: keyed by 1 row
         settings = dataclasses.replace(settings, batch_size=1)
-    buckets = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, settings, manifest.schema,
-                            mel_dtype=cfg.transport.mel_dtype)
+    buckets = build_buckets(
+        manifest.frames, manifest.token_counts, cfg.n_mels, settings, manifest.schema, mel_dtype=cfg.transport.mel_dtype
+    )
     return [sorted(b.shapes().items()) for b in buckets.buckets]
 
 

@@ -48,8 +48,10 @@ class RowBytes:
     def __init__(self, array: npt.NDArray[Any], zeros: memoryview, dtype_name: str = "") -> None:
         flags = array.flags
         if not flags.c_contiguous or not flags.writeable or array.ndim < 1:
-            raise ValueError(f"batch array must be writable, C-contiguous and of rank >= 1, got shape {array.shape} "
-                             f"contiguous={flags.c_contiguous} writeable={flags.writeable}")
+            raise ValueError(
+                f"batch array must be writable, C-contiguous and of rank >= 1, got shape {array.shape} "
+                f"contiguous={flags.c_contiguous} writeable={flags.writeable}"
+            )
         self.array = array
         self.dtype_name = dtype_name
         self.data = array.data.cast("B") if array.size else memoryview(bytearray())
@@ -64,14 +66,14 @@ class RowBytes:
     def head(self, row: int, n: int) -> memoryview:
         """The bytes of row ``row``'s first ``n`` elements (where a file's first ``n`` go)."""
         start = row * self.row_nbytes
-        return self.data[start:start + n * self.item_nbytes]
+        return self.data[start : start + n * self.item_nbytes]
 
     def zero_tail(self, row: int, n: int) -> None:
         """Zero row ``row`` from element ``n`` on (its padding tail)."""
         start = row * self.row_nbytes + n * self.item_nbytes
         end = (row + 1) * self.row_nbytes
         if end > start:
-            self.data[start:end] = self.zeros[:end - start]
+            self.data[start:end] = self.zeros[: end - start]
 
 
 class HeadViews:

@@ -31,8 +31,8 @@ import zmq
 from melfeed.producer.batch_rows import RowBytes, zero_bytes
 from melfeed.producer.extra_reader import ExtraReader
 from melfeed.producer.reader import CacheReader, TransientReadError
-from melfeed.shared.wire.buckets import BucketSet
 from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.buckets import BucketSet
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
 if TYPE_CHECKING:
@@ -53,10 +53,10 @@ class _Buffer:
 class BuiltBatch:
     batch_id: int
     bucket: int
-    arrays: dict[str, npt.NDArray[np.generic]]     # views into a send buffer, wire order
-    quarantined: list[int] = field(default_factory=list)   # sample ids left empty
+    arrays: dict[str, npt.NDArray[np.generic]]  # views into a send buffer, wire order
+    quarantined: list[int] = field(default_factory=list)  # sample ids left empty
     buffer: _Buffer | None = None
-    quarantine_note: str = ""       # the first quarantined row's "PATH: REASON" (BatchHeader.quarantine_note)
+    quarantine_note: str = ""  # the first quarantined row's "PATH: REASON" (BatchHeader.quarantine_note)
 
     def attach(self, tracker: zmq.MessageTracker | None) -> None:
         """Record the send's tracker so the buffer is not reused before ZeroMQ is done with it."""
@@ -65,28 +65,46 @@ class BuiltBatch:
 
 
 class BatchAssembler:
-    def __init__(self, reader: CacheReader, bucket_set: BucketSet, *, max_buffers: int = 4,
-                 reuse_timeout_s: float = 1.0, bad_sample_policy: str = "quarantine",
-                 pack: PackReader | None = None) -> None:
+    def __init__(
+        self,
+        reader: CacheReader,
+        bucket_set: BucketSet,
+        *,
+        max_buffers: int = 4,
+        reuse_timeout_s: float = 1.0,
+        bad_sample_policy: str = "quarantine",
+        pack: PackReader | None = None,
+    ) -> None:
         self._reader = reader
-        self._pack = pack                         # a packed cache: rows copied from it (producer/pack/reader.py)
-        self._extras = (ExtraReader(reader.manifest, getattr(reader, "open_files", None))
-                        if reader.manifest.extras else None)
+        self._pack = pack  # a packed cache: rows copied from it (producer/pack/reader.py)
+        self._extras = (
+            ExtraReader(reader.manifest, getattr(reader, "open_files", None)) if reader.manifest.extras else None
+        )
         self._buckets = bucket_set.buckets
         self._layouts = {b.index: batch_layout(b) for b in self._buckets}
         # One zero buffer as long as the longest row of any array: padding tails are copied from it.
-        self._zeros = zero_bytes(max(int(np.prod(shape[1:])) * dtype.itemsize
-                                     for layout in self._layouts.values() for _, _, shape, dtype in layout))
+        self._zeros = zero_bytes(
+            max(
+                int(np.prod(shape[1:])) * dtype.itemsize
+                for layout in self._layouts.values()
+                for _, _, shape, dtype in layout
+            )
+        )
         self._length_keys = tuple(s.length_key for s in self._extras.specs) if self._extras is not None else ()
         self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}
         self._max_buffers = max_buffers
         self._reuse_timeout_s = reuse_timeout_s
         self._policy = bad_sample_policy
-        self._quarantined_ids: set[int] = set()   # warned about once each; repeats log at DEBUG
-        self.read_s_total = 0.0                   # seconds in the cache reads (the producer's stage counters)
+        self._quarantined_ids: set[int] = set()  # warned about once each; repeats log at DEBUG
+        self.read_s_total = 0.0  # seconds in the cache reads (the producer's stage counters)
 
-    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
-              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+    def build(
+        self,
+        batch_id: int,
+        bucket: int,
+        sample_ids: list[int],
+        target: dict[str, npt.NDArray[np.generic]] | None = None,
+    ) -> BuiltBatch:
         """Read the leased samples into ``target`` (a slot's views) or a free buffer of ``bucket``'s shape.
 
         Raises:
@@ -113,13 +131,13 @@ class BatchAssembler:
         if pack is not None:
             if mel_rows.dtype_name != pack.mel_dtype:
                 raise ValueError(f"the pack holds {pack.mel_dtype} mels, the batch is {mel_rows.dtype_name}")
-            pack.check_intact()         # a pack cut in place: restart (TransientReadError), never a SIGBUS
-        mel_lens, tok_lens = [0] * n, [0] * n        # written once per batch, not one numpy store per row
-        t0 = time.perf_counter()            # one clock pair per batch: the loop is the reads
+            pack.check_intact()  # a pack cut in place: restart (TransientReadError), never a SIGBUS
+        mel_lens, tok_lens = [0] * n, [0] * n  # written once per batch, not one numpy store per row
+        t0 = time.perf_counter()  # one clock pair per batch: the loop is the reads
         try:
             for row, sid in enumerate(sample_ids):
                 try:
-                    if pack is not None:        # the whole row in one read (sequence extras' lengths set)
+                    if pack is not None:  # the whole row in one read (sequence extras' lengths set)
                         mel_lens[row], tok_lens[row] = pack.read_row(sid, mel_rows, tok_rows, extras, row)
                         continue
                     mel_lens[row] = read_mel(sid, mel_rows, row)
@@ -150,22 +168,29 @@ class BatchAssembler:
         for (_, _, lens), key in zip(extras, self._length_keys):
             if lens is not None and key is not None:
                 arrays[key][:n] = lens
-        if n < spec.batch_size:                        # padding rows of a bucket's last batch
+        if n < spec.batch_size:  # padding rows of a bucket's last batch
             for key in arrays:
                 arrays[key][n:] = 0
         return BuiltBatch(batch_id, bucket, arrays, quarantined, buf, note)
 
-    def _extra_rows(self, arrays: dict[str, npt.NDArray[np.generic]], n: int
-                    ) -> list[tuple[str, RowBytes, list[int] | None]]:
+    def _extra_rows(
+        self, arrays: dict[str, npt.NDArray[np.generic]], n: int
+    ) -> list[tuple[str, RowBytes, list[int] | None]]:
         """Per extra: its name, its batch array as ``RowBytes`` and, for a sequence, its ``n`` row lengths."""
         if self._extras is None:
             return []
-        return [(s.name, self._extras.rows_of(s.name, arrays[s.name], self._zeros),
-                 [0] * n if s.length_key is not None else None) for s in self._extras.specs]
+        return [
+            (
+                s.name,
+                self._extras.rows_of(s.name, arrays[s.name], self._zeros),
+                [0] * n if s.length_key is not None else None,
+            )
+            for s in self._extras.specs
+        ]
 
     def close(self) -> None:
         """Close the reader's kept cache descriptors (``producer.open_files``) and the pack's. Idempotent."""
-        close = getattr(self._reader, "close", None)    # duck-typed readers (the probe's) may have none
+        close = getattr(self._reader, "close", None)  # duck-typed readers (the probe's) may have none
         if close is not None:
             close()
         if self._pack is not None:
@@ -177,8 +202,13 @@ class BatchAssembler:
             log.debug("quarantined sample=%d batch=%d again: %s", sid, batch_id, err)
             return
         self._quarantined_ids.add(sid)
-        log.warning("quarantined sample=%d batch=%d (row left empty; %d distinct so far): %s",
-                    sid, batch_id, len(self._quarantined_ids), err)
+        log.warning(
+            "quarantined sample=%d batch=%d (row left empty; %d distinct so far): %s",
+            sid,
+            batch_id,
+            len(self._quarantined_ids),
+            err,
+        )
 
     def _free_buffer(self, bucket: int) -> _Buffer:
         pool = self._pools[bucket]

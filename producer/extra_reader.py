@@ -52,16 +52,20 @@ class ExtraReader:
         self._rows = {name: [tuple(r) for r in c.rows.tolist()] for name, c in self._columns.items()}
         self._dtypes = {name: np.dtype(c.spec.dtype) for name, c in self._columns.items()}
         self._specs = tuple(c.spec for c in self._columns.values())
-        self._heads = HeadViews()     # header bytes of the file being read, one view per data offset
+        self._heads = HeadViews()  # header bytes of the file being read, one view per data offset
         ids = [u.id for u in manifest.utterances]
-        self._paths = {name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
-                       for name in self._columns}
-        self._checked_heads: dict[tuple[str, int], bytes] = {}   # bounded: extras x N x ~128 bytes
-        self._frames = manifest.frames.tolist()    # a matrix's columns follow its utterance's frames
-        self._scratch = np.empty(0, np.uint8)      # a matrix's kept rows, grown on demand
+        self._paths = {
+            name: [os.path.join(manifest.cache_dir, EXTRAS_DIR, name, f"{uid}.npy") for uid in ids]
+            for name in self._columns
+        }
+        self._checked_heads: dict[tuple[str, int], bytes] = {}  # bounded: extras x N x ~128 bytes
+        self._frames = manifest.frames.tolist()  # a matrix's columns follow its utterance's frames
+        self._scratch = np.empty(0, np.uint8)  # a matrix's kept rows, grown on demand
         # What one read needs, in one lookup: spec, has a length axis, is float (NaN/Inf check), rows, paths.
-        self._reads = {name: (c.spec, c.spec.has_length, self._dtypes[name].kind == "f", self._rows[name],
-                              self._paths[name]) for name, c in self._columns.items()}
+        self._reads = {
+            name: (c.spec, c.spec.has_length, self._dtypes[name].kind == "f", self._rows[name], self._paths[name])
+            for name, c in self._columns.items()
+        }
         # Float values found finite, per (name, index): (file identity, elements checked). Bounded like the heads.
         self._finite: dict[tuple[str, int], tuple[Identity, int]] = {}
 
@@ -76,10 +80,12 @@ class ExtraReader:
             ValueError: ``array`` has the wrong dtype, trailing shape or layout.
         """
         spec = self._columns[name].spec
-        trailing = array.shape[1 + spec.lead_dims:]
+        trailing = array.shape[1 + spec.lead_dims :]
         if array.dtype != self._dtypes[name] or trailing != spec.shape or array.ndim < 1:
-            raise ValueError(f"batch array for extra {name!r} must be C-contiguous {spec.dtype} [B, ..., {spec.shape}], "
-                             f"got {array.dtype} {array.shape}")
+            raise ValueError(
+                f"batch array for extra {name!r} must be C-contiguous {spec.dtype} [B, ..., {spec.shape}], "
+                f"got {array.dtype} {array.shape}"
+            )
         return RowBytes(array, zeros)
 
     def read_row(self, name: str, index: int, rows: RowBytes, row: int) -> int:
@@ -100,8 +106,9 @@ class ExtraReader:
         if spec.kind == "matrix":
             identity = self._read_matrix(spec, index, key, path, file_bytes, head, rows, row, n)
         else:
-            identity = read_file_exact(self._files, key, path, file_bytes, head,
-                                       rows.head(row, n if has_length else rows.capacity))
+            identity = read_file_exact(
+                self._files, key, path, file_bytes, head, rows.head(row, n if has_length else rows.capacity)
+            )
         if self._checked_heads.get(key) != bytes(head):
             self._check_head(spec, index, path, head, length, offset)
         if is_float:
@@ -115,10 +122,20 @@ class ExtraReader:
             rows.zero_tail(row, n)
         return n
 
-    def _read_matrix(self, spec: ExtraSpec, index: int, key: tuple[str, int], path: str, file_bytes: int,
-                     head: memoryview, rows: RowBytes, row: int, n: int) -> Identity:
+    def _read_matrix(
+        self,
+        spec: ExtraSpec,
+        index: int,
+        key: tuple[str, int],
+        path: str,
+        file_bytes: int,
+        head: memoryview,
+        rows: RowBytes,
+        row: int,
+        n: int,
+    ) -> Identity:
         """A matrix's first ``n`` token rows into ``scratch``, then its columns (cut to the batch's) into the row."""
-        dst = rows.array[row]                                        # [L, C, k...]
+        dst = rows.array[row]  # [L, C, k...]
         file_cols = spec.columns(self._frames[index])
         shape = (n, file_cols, *spec.shape)
         nbytes = int(np.prod(shape)) * dst.dtype.itemsize
@@ -138,6 +155,9 @@ class ExtraReader:
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
         want = (spec.file_shape(length, self._frames[index]), np.dtype(spec.dtype).newbyteorder("<"), offset)
         if (header.shape, header.dtype, header.data_offset) != want:
-            raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
-                                   f"{header.dtype.str}, manifest says {want[0]} {want[1].str}); re-run index")
+            raise CacheError(
+                path,
+                f"file changed since index (header says shape {header.shape} dtype "
+                f"{header.dtype.str}, manifest says {want[0]} {want[1].str}); re-run index",
+            )
         self._checked_heads[(spec.name, index)] = bytes(head)

@@ -37,7 +37,7 @@ from melfeed.shared.cache.filekind import open_regular
 
 __all__ = ["OpenFile", "OpenFiles", "descriptor_budget"]
 
-Identity = tuple[int, int, int, int]      # st_dev, st_ino, st_size, st_mtime_ns
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
@@ -76,13 +76,12 @@ class OpenFiles:
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, capacity: int, revalidate_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, capacity: int, revalidate_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = descriptor_budget(capacity)
         self._revalidate_s = revalidate_s
         self._clock = clock
         self._files: OrderedDict[Hashable, OpenFile] = OrderedDict()
-        self.opens = 0          # opens done (hits = acquires - opens): the cache's effect, for tests and profiles
+        self.opens = 0  # opens done (hits = acquires - opens): the cache's effect, for tests and profiles
 
     def __len__(self) -> int:
         return len(self._files)
@@ -132,7 +131,7 @@ class OpenFiles:
         except OSError as err:
             if err.errno not in _OUT_OF_FDS or not self._files:
                 raise
-        for _ in range((len(self._files) + 1) // 2):   # out of descriptors: give half of ours back, once
+        for _ in range((len(self._files) + 1) // 2):  # out of descriptors: give half of ours back, once
             self._close(self._files.popitem(last=False)[1])
         return open_regular(path)
 
@@ -140,7 +139,7 @@ class OpenFiles:
         try:
             return _identity(os.stat(path)) == f.identity
         except OSError:
-            return False           # gone or unreadable now: reopen, and let the open say what is wrong
+            return False  # gone or unreadable now: reopen, and let the open say what is wrong
 
     def _drop(self, key: Hashable) -> None:
         f = self._files.pop(key, None)

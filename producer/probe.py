@@ -25,44 +25,50 @@ import sys
 import time
 from collections.abc import Sequence
 
-
 __all__ = ["main"]
 
-_MIN_BATCHES = 3          # a p50 of fewer builds says nothing
-_MAX_BATCHES = 100_000    # bounds memory of the timing lists on very fast caches
+_MIN_BATCHES = 3  # a p50 of fewer builds says nothing
+_MAX_BATCHES = 100_000  # bounds memory of the timing lists on very fast caches
 _MAX_START_WAIT_S = 10.0  # --start-at further away than this is a caller bug; cap the sleep
 
 
 def _p(values: list[float], q: float) -> float:
     from melfeed.shared.metrics import percentile
+
     return percentile(sorted(values), q)
 
 
-def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: float | None,
-            seed: int, warm: bool = False) -> dict[str, float | str | None]:
+def measure(
+    config_path: str, seconds: float, debug_delay_s: float, start_at: float | None, seed: int, warm: bool = False
+) -> dict[str, float | str | None]:
     """Build batches for ``seconds`` (at least ``_MIN_BATCHES``) and return the figures."""
     from melfeed.producer.batcher import BatchAssembler
     from melfeed.producer.pack.reader import open_pack_reader
     from melfeed.producer.reader import CacheReader
-    from melfeed.shared.wire.bucket_mix import representative_batches
-    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.config.loader import load_config
     from melfeed.shared.errors import ConfigError
-    from melfeed.shared.cache.features import load_manifest_for
+    from melfeed.shared.wire.bucket_mix import representative_batches
+    from melfeed.shared.wire.buckets import build_buckets
 
     cfg = load_config(config_path)
     if cfg.cache_dir is None:
         raise ConfigError("is required", path=("cache_dir",))
     manifest = load_manifest_for(cfg, feeds_model=False)
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
-                               mel_dtype=cfg.transport.mel_dtype)
+    bucket_set = build_buckets(
+        manifest.frames,
+        manifest.token_counts,
+        cfg.n_mels,
+        cfg.buckets,
+        manifest.schema,
+        mel_dtype=cfg.transport.mel_dtype,
+    )
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
     pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype)
-    assembler = BatchAssembler(reader, bucket_set, max_buffers=2, bad_sample_policy=cfg.producer.bad_samples,
-                               pack=pack)
+    assembler = BatchAssembler(reader, bucket_set, max_buffers=2, bad_sample_policy=cfg.producer.bad_samples, pack=pack)
     plan = representative_batches(bucket_set, 256, seed)
     read_ids: set[int] = set()
-    bad_ids: set[int] = set()     # quarantined rows: a bad file is not read, so it would flatter the rate
+    bad_ids: set[int] = set()  # quarantined rows: a bad file is not read, so it would flatter the rate
     bad_note = ""
 
     def build(batch_id: int, bucket: int, sample_ids: list[int]) -> None:
@@ -80,8 +86,7 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
     build_ms: list[float] = []
     read_ms: list[float] = []
     cpu0, t_start = time.process_time(), time.perf_counter()
-    while len(build_ms) < _MAX_BATCHES and (
-            len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
+    while len(build_ms) < _MAX_BATCHES and (len(build_ms) < _MIN_BATCHES or time.perf_counter() - t_start < seconds):
         bucket, sample_ids = plan[len(build_ms) % len(plan)]
         read0, t0 = assembler.read_s_total, time.perf_counter()
         build(len(build_ms), bucket, sample_ids)
@@ -91,12 +96,20 @@ def measure(config_path: str, seconds: float, debug_delay_s: float, start_at: fl
         read_ms.append(1000 * (assembler.read_s_total - read0))
     elapsed_s = time.perf_counter() - t_start
     n = len(build_ms)
-    return {"batches": n, "elapsed_s": elapsed_s, "batches_per_s": n / elapsed_s,
-            "build_ms_p50": _p(build_ms, 50), "build_ms_p99": _p(build_ms, 99), "read_ms_p50": _p(read_ms, 50),
-            "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n,
-            "reader": str(pack.path) if pack is not None else "files",
-            "pack_read": pack.mode if pack is not None else None,
-            "rows_read": len(read_ids), "rows_quarantined": len(bad_ids), "quarantine_note": bad_note}
+    return {
+        "batches": n,
+        "elapsed_s": elapsed_s,
+        "batches_per_s": n / elapsed_s,
+        "build_ms_p50": _p(build_ms, 50),
+        "build_ms_p99": _p(build_ms, 99),
+        "read_ms_p50": _p(read_ms, 50),
+        "cpu_ms_per_batch": 1000 * (time.process_time() - cpu0) / n,
+        "reader": str(pack.path) if pack is not None else "files",
+        "pack_read": pack.mode if pack is not None else None,
+        "rows_read": len(read_ids),
+        "rows_quarantined": len(bad_ids),
+        "quarantine_note": bad_note,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,13 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import os
+
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
     from melfeed.shared.service.lifecycle import die_with_named_parent, setup_logging
-    die_with_named_parent()          # started by doctor or bench: ends with it, even when it is SIGKILLed
+
+    die_with_named_parent()  # started by doctor or bench: ends with it, even when it is SIGKILLed
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     try:
-        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed,
-                         args.warm)
+        result = measure(args.config, args.seconds, args.debug_delay_ms / 1000.0, args.start_at, args.seed, args.warm)
     except PipelineError as err:
         print(f"melfeed.producer.probe: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -45,9 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from melfeed.shared.config.loader import load_config
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
     from melfeed.shared.service.lifecycle import PARENT_PID_ENV, die_with_parent, setup_logging
+
     setup_logging(os.environ.get("MELFEED_LOG_LEVEL", "INFO"))
     parent = os.environ.get(PARENT_PID_ENV, "")
-    die_with_parent(parent_pid=int(parent) if parent.isdigit() else None)   # the supervisor may already be gone
+    die_with_parent(parent_pid=int(parent) if parent.isdigit() else None)  # the supervisor may already be gone
     try:
         cfg = load_config(args.config)
     except PipelineError as err:
@@ -67,6 +68,7 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
     from melfeed.shared.service.lifecycle import stop_on_signals
     from melfeed.shared.service.priority import lower_cpu_priority
     from melfeed.shared.service.sdnotify import Notifier
+
     # First, in the main thread: the threads ZeroMQ starts later inherit it (shared/service/priority.py).
     lower_cpu_priority(cfg.producer.nice)
     notifier = notifier if notifier is not None else Notifier({})
@@ -90,12 +92,16 @@ def run_one(cfg: PipelineConfig, index: int, debug_delay_s: float, notifier: Not
             return 1
         finally:
             notifier.stopping()
-            worker.close()          # the kept cache descriptors
+            worker.close()  # the kept cache descriptors
     s = worker.stats()
-    log.info("producer stopped batches=%d shm_batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d", s.batches_sent,
-             s.shm_batches,
-             1000 * s.build_s_total / max(1, s.batches_sent), 1000 * s.send_s_total / max(1, s.batches_sent),
-             s.rejoins)
+    log.info(
+        "producer stopped batches=%d shm_batches=%d build_ms=%.2f send_ms=%.2f rejoins=%d",
+        s.batches_sent,
+        s.shm_batches,
+        1000 * s.build_s_total / max(1, s.batches_sent),
+        1000 * s.send_s_total / max(1, s.batches_sent),
+        s.rejoins,
+    )
     return code
 
 
@@ -117,12 +123,16 @@ class _Status:
             return
         sent = worker.stats().batches_sent
         self._last, self._next_s = (epoch, sent), now + 5.0
-        self._notifier.status(f"joined consumer epoch {epoch}; {sent} batches sent" if epoch is not None
-                              else f"waiting for a consumer at {worker.endpoint}; {sent} batches sent")
+        self._notifier.status(
+            f"joined consumer epoch {epoch}; {sent} batches sent"
+            if epoch is not None
+            else f"waiting for a consumer at {worker.endpoint}; {sent} batches sent"
+        )
 
 
-def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
-                  on_tick: Callable[[ProducerWorker], None] | None = None) -> ProducerWorker:
+def _build_worker(
+    cfg: PipelineConfig, index: int, debug_delay_s: float, on_tick: Callable[[ProducerWorker], None] | None = None
+) -> ProducerWorker:
     from melfeed.producer.batcher import BatchAssembler
     from melfeed.producer.pack.reader import open_pack_reader
     from melfeed.producer.reader import CacheReader
@@ -138,29 +148,52 @@ def _build_worker(cfg: PipelineConfig, index: int, debug_delay_s: float,
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
-    manifest = load_manifest_for(cfg, feeds_model=False)          # refuses a config whose features differ from the cache
-    bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema,
-                               mel_dtype=cfg.transport.mel_dtype)
+    manifest = load_manifest_for(cfg, feeds_model=False)  # refuses a config whose features differ from the cache
+    bucket_set = build_buckets(
+        manifest.frames,
+        manifest.token_counts,
+        cfg.n_mels,
+        cfg.buckets,
+        manifest.schema,
+        mel_dtype=cfg.transport.mel_dtype,
+    )
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
     fault_dir = _fault_dir()
-    pack = open_pack_reader(manifest, cfg.producer.pack, cfg.transport.mel_dtype, fault_dir=fault_dir,
-                            mapped=fault_dir is not None)
-    assembler = BatchAssembler(reader, bucket_set, max_buffers=cfg.transport.lease_window + 2,
-                               bad_sample_policy=cfg.producer.bad_samples, pack=pack)
+    pack = open_pack_reader(
+        manifest, cfg.producer.pack, cfg.transport.mel_dtype, fault_dir=fault_dir, mapped=fault_dir is not None
+    )
+    assembler = BatchAssembler(
+        reader,
+        bucket_set,
+        max_buffers=cfg.transport.lease_window + 2,
+        bad_sample_policy=cfg.producer.bad_samples,
+        pack=pack,
+    )
     t = cfg.transport
     endpoint = resolve_endpoint(cfg, os.environ)
     curve = client_keys_for(t, endpoint)
-    name = curve.name if curve is not None else "producer"     # a CURVE key named N may only speak as N-<index>
-    check_transport_mode(t.mode, endpoint)               # --endpoint may have made it tcp
+    name = curve.name if curve is not None else "producer"  # a CURVE key named N may only speak as N-<index>
+    check_transport_mode(t.mode, endpoint)  # --endpoint may have made it tcp
     # Same-host ipc and mode auto/shm: offer to build in the consumer's slot files (it may decline).
-    slot_maps = (SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots, shm_dir=t.shm_dir, endpoint=endpoint)
-                 if endpoint.startswith("ipc://") and t.mode != "zmq" else None)
-    session = ProducerSessionConfig(f"{name}-{index}", endpoint, manifest.fingerprint, bucket_set.as_wire(), cfg.n_mels,
-                            cfg.seed, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
-                            backoff_max_s=t.connect_backoff_max_s, exit_at_plan_end=cfg.producer.exit_at_plan_end,
-                            mel_dtype=t.mel_dtype)
-    return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps,
-                          on_tick=on_tick)
+    slot_maps = (
+        SlotMappings(bucket_set, 2 * cfg.consumer.ring_slots, shm_dir=t.shm_dir, endpoint=endpoint)
+        if endpoint.startswith("ipc://") and t.mode != "zmq"
+        else None
+    )
+    session = ProducerSessionConfig(
+        f"{name}-{index}",
+        endpoint,
+        manifest.fingerprint,
+        bucket_set.as_wire(),
+        cfg.n_mels,
+        cfg.seed,
+        heartbeat_interval_s=t.heartbeat_interval_s,
+        liveness_s=t.liveness_s,
+        backoff_max_s=t.connect_backoff_max_s,
+        exit_at_plan_end=cfg.producer.exit_at_plan_end,
+        mel_dtype=t.mel_dtype,
+    )
+    return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps, on_tick=on_tick)
 
 
 def _fault_dir() -> Path | None:
@@ -169,11 +202,13 @@ def _fault_dir() -> Path | None:
     from melfeed.shared.config import resolve_runtime_dir
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.service.lifecycle import prepare_runtime_dir
+
     try:
         return prepare_runtime_dir(resolve_runtime_dir(os.environ))
     except ConfigError as err:
-        log.warning("no private runtime directory for a mapped pack's fault record (%s): a pack is read with "
-                    "preadv", err)
+        log.warning(
+            "no private runtime directory for a mapped pack's fault record (%s): a pack is read with preadv", err
+        )
         return None
 
 

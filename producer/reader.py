@@ -50,10 +50,10 @@ import numpy.typing as npt
 
 from melfeed.producer.batch_rows import HeadViews, RowBytes
 from melfeed.producer.open_files import Identity, OpenFiles
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.index import ids_outside
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 from melfeed.shared.cache.npyfile import parse_npy_header
+from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.half_cast import HalfCaster
 from melfeed.shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
 
@@ -106,7 +106,7 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
         if got == need:
             return
         while 0 < got < need:  # regular files only return short at EOF, but be exact anyway
-            rest = [head[got:], buf] if got < offset else [buf[got - offset:]]
+            rest = [head[got:], buf] if got < offset else [buf[got - offset :]]
             more = os.preadv(fd, rest, got)
             if more == 0:
                 break
@@ -117,8 +117,15 @@ def _pread_exact(path: str, fd: int, head: memoryview, buf: memoryview) -> None:
         raise _open_error(path, err, "read failed") from err
 
 
-def read_file_exact(files: OpenFiles, key: Hashable, path: str, file_bytes: int, head: memoryview,
-                    data: memoryview, check: Callable[[Any, str, memoryview], None] | None = None) -> Identity:
+def read_file_exact(
+    files: OpenFiles,
+    key: Hashable,
+    path: str,
+    file_bytes: int,
+    head: memoryview,
+    data: memoryview,
+    check: Callable[[Any, str, memoryview], None] | None = None,
+) -> Identity:
     """One ``preadv`` of a cache file's header and data through the open-file cache; its identity.
 
     The file must still have the manifest's size; ``check(key, path, head)`` runs on the header just
@@ -126,18 +133,19 @@ def read_file_exact(files: OpenFiles, key: Hashable, path: str, file_bytes: int,
     descriptor. Shared by the mel/token reader and the extra reader (``extra_reader.py``).
     """
     try:
-        f = files.acquire(key, path)   # a FIFO, device or directory is a bad file, never a blocked read
+        f = files.acquire(key, path)  # a FIFO, device or directory is a bad file, never a blocked read
     except OSError as err:
         raise _open_error(path, err, "cannot open") from err
     try:
         if f.size != file_bytes:
-            raise CacheError(path, f"file changed since index (size {f.size}, manifest says {file_bytes}); "
-                                   "re-run index")
+            raise CacheError(
+                path, f"file changed since index (size {f.size}, manifest says {file_bytes}); re-run index"
+            )
         _pread_exact(path, f.fd, head, data)
         if check is not None:
             check(key, path, head)
     except BaseException:
-        files.release(key, f, ok=False)     # a failed read never keeps its descriptor
+        files.release(key, f, ok=False)  # a failed read never keeps its descriptor
         raise
     files.release(key, f)
     return f.identity
@@ -146,19 +154,28 @@ def read_file_exact(files: OpenFiles, key: Hashable, path: str, file_bytes: int,
 def _refuse_overflow(path: str, source: npt.NDArray[np.floating], rows: npt.NDArray[np.floating]) -> None:
     """Raise ``CacheError`` if finite float32 ``source`` values became inf in the float16 ``rows`` (cast)."""
     if not np.isfinite(source).all():
-        return                                          # NaN/Inf in the file: the caller's error says so
+        return  # NaN/Inf in the file: the caller's error says so
     big = np.abs(source[~np.isfinite(rows)])
     first = int(np.argmax(~np.isfinite(rows).all(axis=1)))
-    raise CacheError(path, f"{big.size} values beyond float16's range (largest |x| {float(big.max()):.7g} > 65504) "
-                           f"in the first {rows.shape[0]} frames, first at frame {first}: transport.mel_dtype float16 "
-                           "cannot carry them (use float32, or rescale the mels)")
+    raise CacheError(
+        path,
+        f"{big.size} values beyond float16's range (largest |x| {float(big.max()):.7g} > 65504) "
+        f"in the first {rows.shape[0]} frames, first at frame {first}: transport.mel_dtype float16 "
+        "cannot carry them (use float32, or rescale the mels)",
+    )
 
 
 class CacheReader:
     """Reads one manifest's mel and token files into caller-owned batch rows."""
 
-    def __init__(self, manifest: Manifest, *, open_files: int = 8192, revalidate_s: float = 5.0,
-                 mel_dtype: str = ARRAY_DTYPES["mel"]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        open_files: int = 8192,
+        revalidate_s: float = 5.0,
+        mel_dtype: str = ARRAY_DTYPES["mel"],
+    ) -> None:
         """Bind to ``manifest``; opens nothing until a read.
 
         Args:
@@ -178,10 +195,10 @@ class CacheReader:
         self._mel_paths = [os.path.join(mel_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._tok_paths = [os.path.join(tok_dir, f"{u.id}.npy") for u in manifest.utterances]
         self._scratch = np.empty(0, dtype=np.uint8)  # staging of a mel cast into its row, grown on demand
-        self._bits = np.empty(0, dtype=np.uint16)   # float16 finite check scratch, grown on demand
-        self._half = HalfCaster()                   # float32 file -> float16 row
+        self._bits = np.empty(0, dtype=np.uint16)  # float16 finite check scratch, grown on demand
+        self._half = HalfCaster()  # float32 file -> float16 row
         self._flags = np.empty(0, dtype=bool)  # isfinite flags of one row, grown on demand
-        self._heads = HeadViews()    # header bytes of the file being read, one view per data offset
+        self._heads = HeadViews()  # header bytes of the file being read, one view per data offset
         # Header bytes already checked against the manifest, per (index, is_mel): later reads cost
         # one compare instead of a ~7.5 us parse. Bounded by the manifest: 2 x N x ~128 bytes.
         self._checked_heads: dict[tuple[int, bool], bytes] = {}
@@ -225,13 +242,13 @@ class CacheReader:
         path = self._mel_paths[index]
         rows = dst[:n]
         staged = None
-        if utt.mel_dtype == rows.dtype.name:    # the file's dtype is the batch's: straight into the row
+        if utt.mel_dtype == rows.dtype.name:  # the file's dtype is the batch's: straight into the row
             identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(rows))
         else:  # stage in the file's dtype, then widen (float16 file) or round (float32 file) into the row
             staged = self._staging(n, MEL_DTYPES[utt.mel_dtype])
             identity = self._read(index, True, path, utt.mel_file_bytes, utt.mel_offset, _bytes_of(staged))
             if rows.dtype == _MEL_F16:
-                self._half.cast(staged, rows)   # numpy's rounding in less CPU; inf beyond range: refused below
+                self._half.cast(staged, rows)  # numpy's rounding in less CPU; inf beyond range: refused below
             else:
                 np.copyto(rows, staged)
         known = self._finite.get(index)
@@ -240,7 +257,7 @@ class CacheReader:
                 self._check_finite(path, rows)
             except CacheError:
                 if staged is not None and staged.dtype != _MEL_F16:
-                    _refuse_overflow(path, staged, rows)    # finite values the cast made inf: say so
+                    _refuse_overflow(path, staged, rows)  # finite values the cast made inf: say so
                 raise
             self._finite[index] = (identity, n)
         if n < dst.shape[0]:
@@ -255,8 +272,9 @@ class CacheReader:
         """
         name = _MEL_DTYPE_NAMES.get(mel.dtype)
         if mel.ndim != 3 or mel.shape[2] != self._n_mels or name is None:
-            raise ValueError(f"mel must be [B, T, {self._n_mels}] of one of {sorted(MEL_DTYPES)}, "
-                             f"got {mel.dtype} {mel.shape}")
+            raise ValueError(
+                f"mel must be [B, T, {self._n_mels}] of one of {sorted(MEL_DTYPES)}, got {mel.dtype} {mel.shape}"
+            )
         return RowBytes(mel, zeros, name)
 
     def token_rows(self, tokens: npt.NDArray[np.generic], zeros: memoryview) -> RowBytes:
@@ -293,7 +311,9 @@ class CacheReader:
         """``read_tokens_into(index, tokens[row])`` without numpy work per row; same result and errors."""
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, rows.capacity)
-        identity = self._read(index, False, self._tok_paths[index], utt.tok_file_bytes, utt.tok_offset, rows.head(row, n))
+        identity = self._read(
+            index, False, self._tok_paths[index], utt.tok_file_bytes, utt.tok_offset, rows.head(row, n)
+        )
         self._check_ids(index, identity, rows.array[row, :n])
         if n < rows.capacity:
             rows.zero_tail(row, n)
@@ -308,8 +328,7 @@ class CacheReader:
                 raise CacheError(self._tok_paths[index], changed)
             self._ids_seen[index] = (identity, ids.size)
 
-    def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int,
-              buf: memoryview) -> Identity:
+    def _read(self, index: int, is_mel: bool, path: str, file_bytes: int, offset: int, buf: memoryview) -> Identity:
         """One ``preadv`` of header + data; then the header must still say what the manifest says.
 
         Same-size rewrites (Fortran order, another rank or a 4-byte dtype) keep the size the
@@ -328,14 +347,17 @@ class CacheReader:
         """Parse a header not seen before and compare it with the manifest's row; remember it if equal."""
         try:
             header = parse_npy_header(bytes(head), path)
-        except CacheError as err:   # e.g. Fortran order, or a header now longer than the indexed one
+        except CacheError as err:  # e.g. Fortran order, or a header now longer than the indexed one
             raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
         utt = self.manifest.utterances[index]
         shape: tuple[int, ...] = (utt.frames, self._n_mels) if is_mel else (utt.tokens,)
         dtype = MEL_DTYPES[utt.mel_dtype] if is_mel else TOKEN_DTYPE
         if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
-            raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
-                                   f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
+            raise CacheError(
+                path,
+                f"file changed since index (header says shape {header.shape} dtype "
+                f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index",
+            )
         self._checked_heads[(index, is_mel)] = bytes(head)
 
     def _staging(self, frames: int, dtype: np.dtype) -> npt.NDArray[np.floating]:
@@ -356,7 +378,7 @@ class CacheReader:
         """
         count = rows.size
         if rows.dtype == _MEL_F16 and self._f16_is_finite(rows.reshape(-1)):
-            return              # numpy's float16 isfinite is not vectorised: 7x the bit test above
+            return  # numpy's float16 isfinite is not vectorised: 7x the bit test above
         if self._flags.size < count:
             self._flags = np.empty(count, dtype=bool)
         finite = np.isfinite(rows.reshape(-1), out=self._flags[:count])
@@ -364,14 +386,17 @@ class CacheReader:
             return
         bad = count - int(np.count_nonzero(finite))
         first = int(np.argmin(finite)) // self._n_mels
-        raise CacheError(path, f"{bad} non-finite values (NaN/Inf) in the first {rows.shape[0]} frames, "
-                               f"first at frame {first}; run verify-cache")
+        raise CacheError(
+            path,
+            f"{bad} non-finite values (NaN/Inf) in the first {rows.shape[0]} frames, "
+            f"first at frame {first}; run verify-cache",
+        )
 
     def _f16_is_finite(self, flat: npt.NDArray[np.floating]) -> bool:
         """Whether every float16 of ``flat`` is finite: its bits shifted left (sign out) stay below 0xF800."""
         if self._bits.size < flat.size:
             self._bits = np.empty(flat.size, dtype=np.uint16)
-        shifted = np.left_shift(flat.view(np.uint16), 1, out=self._bits[:flat.size])
+        shifted = np.left_shift(flat.view(np.uint16), 1, out=self._bits[: flat.size])
         return bool(shifted.size == 0 or shifted.max() < _F16_NONFINITE_SHIFTED)
 
     def read_tokens_into(self, index: int, dst: npt.NDArray[np.int32]) -> int:
@@ -392,8 +417,9 @@ class CacheReader:
         utt = self.manifest.utterances[index]
         n = min(utt.tokens, int(dst.shape[0]))
         path = self._tok_paths[index]
-        self._check_ids(index, self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n])),
-                        dst[:n])
+        self._check_ids(
+            index, self._read(index, False, path, utt.tok_file_bytes, utt.tok_offset, _bytes_of(dst[:n])), dst[:n]
+        )
         if n < dst.shape[0]:
             dst[n:] = 0
         return n

@@ -35,34 +35,47 @@ from dataclasses import dataclass, field
 
 from melfeed.shared.errors import EXIT_CONFIG
 from melfeed.shared.printable import escape_line
-from melfeed.shared.wire.protocol import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, Bye, Err, Heartbeat, Hello, Lease,
-                                          LeaseGrant, Message, RejectCode, StageCounters, Welcome)
+from melfeed.shared.wire.protocol import (
+    CAP_SHM,
+    FATAL_REJECTS,
+    PROTOCOL_VERSION,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    Message,
+    RejectCode,
+    StageCounters,
+    Welcome,
+)
 
 __all__ = ["ProducerSessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
 
 log = logging.getLogger(__name__)
 
-_WAITING_WARN_S = 10.0   # warn when no consumer answered for this long (silent connect failures)
+_WAITING_WARN_S = 10.0  # warn when no consumer answered for this long (silent connect failures)
 _FIRST_BACKOFF_S = 0.1
-_MIN_POLL_S = 0.001      # the worker's poll granularity (ZeroMQ polls in whole milliseconds)
-_MAX_MISSING_FILES = 3   # more consecutive missing slot files: shm_dir is not visible here, use payload frames
+_MIN_POLL_S = 0.001  # the worker's poll granularity (ZeroMQ polls in whole milliseconds)
+_MAX_MISSING_FILES = 3  # more consecutive missing slot files: shm_dir is not visible here, use payload frames
 
 
 @dataclass(frozen=True, slots=True)
 class ProducerSessionConfig:
     """Who this producer is, the data contract it announces in HELLO, and its protocol timing."""
 
-    producer_id: str                  # stable name (``producer-3``)
-    endpoint: str                     # the consumer's, for log lines only: the session never connects
-    fingerprint: str                  # the manifest's
-    buckets: list[list[int]]          # ``BucketSet.as_wire()``
+    producer_id: str  # stable name (``producer-3``)
+    endpoint: str  # the consumer's, for log lines only: the session never connects
+    fingerprint: str  # the manifest's
+    buckets: list[list[int]]  # ``BucketSet.as_wire()``
     n_mels: int
     seed: int
-    heartbeat_interval_s: float       # our HB period while ACTIVE
-    liveness_s: float                 # consumer silent this long: it is gone, re-join
-    backoff_max_s: float              # longest pause between two HELLOs
-    exit_at_plan_end: bool = False    # the consumer's plan ended: exit 0 (``run``) instead of waiting for the next
-    mel_dtype: str = "float32"        # ``transport.mel_dtype``, announced in HELLO (the consumer's must match)
+    heartbeat_interval_s: float  # our HB period while ACTIVE
+    liveness_s: float  # consumer silent this long: it is gone, re-join
+    backoff_max_s: float  # longest pause between two HELLOs
+    exit_at_plan_end: bool = False  # the consumer's plan ended: exit 0 (``run``) instead of waiting for the next
+    mel_dtype: str = "float32"  # ``transport.mel_dtype``, announced in HELLO (the consumer's must match)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +84,8 @@ class BuildOrder:
 
     epoch: int
     lease: Lease
-    checksum: bool                    # the WELCOME asked for a CRC32 of the payload
-    shm_dir: str | None = None        # set: build in the consumer's slot file, send the header alone
+    checksum: bool  # the WELCOME asked for a CRC32 of the payload
+    shm_dir: str | None = None  # set: build in the consumer's slot file, send the header alone
 
 
 def random_nonce() -> int:
@@ -92,14 +105,14 @@ class _Joining:
 
     backoff_s: float = _FIRST_BACKOFF_S
     next_hello_s: float = 0.0
-    since_s: float = 0.0              # waiting for a consumer since
+    since_s: float = 0.0  # waiting for a consumer since
     warned: bool = False
 
 
 @dataclass(slots=True)
 class _Counts:
     rejoins: int = 0
-    errors: dict[str, int] = field(default_factory=dict)   # ERR codes received
+    errors: dict[str, int] = field(default_factory=dict)  # ERR codes received
 
 
 class ProducerSession:
@@ -112,26 +125,32 @@ class ProducerSession:
         new_nonce: draws a join nonce (tests inject a counter).
     """
 
-    def __init__(self, cfg: ProducerSessionConfig, now_s: float, *, offers_shm: bool = False,
-                 new_nonce: Callable[[], int] = random_nonce) -> None:
+    def __init__(
+        self,
+        cfg: ProducerSessionConfig,
+        now_s: float,
+        *,
+        offers_shm: bool = False,
+        new_nonce: Callable[[], int] = random_nonce,
+    ) -> None:
         self.cfg = cfg
-        self.exit_code = 0                # non-zero: leave the loop and exit with it
-        self.reason = ""                  # one line, why ``exit_code`` is not 0 (for the BYE)
-        self.finished = False             # the plan ended under ``exit_at_plan_end``: leave the loop, exit 0
+        self.exit_code = 0  # non-zero: leave the loop and exit with it
+        self.reason = ""  # one line, why ``exit_code`` is not 0 (for the BYE)
+        self.finished = False  # the plan ended under ``exit_at_plan_end``: leave the loop, exit 0
         self.counts = _Counts()
         self._offers_shm = offers_shm
         self._epoch: int | None = None
         self._checksum = False
         self._shm_dir: str | None = None  # from WELCOME: shm leases name files here
-        self._leases: deque[tuple[Lease, float]] = deque()   # (lease, expiry on our clock)
+        self._leases: deque[tuple[Lease, float]] = deque()  # (lease, expiry on our clock)
         self._last_heard_s = now_s
         self._next_hb_s = 0.0
-        self._missing_files = 0           # consecutive slot files not found
+        self._missing_files = 0  # consecutive slot files not found
         self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
-        self._ended_epoch: int | None = None   # a consumer whose plan ended: never joined again
-        self._outbox: list[Message] = []       # replies decided in ``on_message``, sent by the next ``on_turn``
+        self._ended_epoch: int | None = None  # a consumer whose plan ended: never joined again
+        self._outbox: list[Message] = []  # replies decided in ``on_message``, sent by the next ``on_turn``
         self._new_nonce = new_nonce
-        self._nonce = new_nonce()              # this join's, in every HELLO until we drop our leases
+        self._nonce = new_nonce()  # this join's, in every HELLO until we drop our leases
 
     @property
     def joined_epoch(self) -> int | None:
@@ -150,8 +169,9 @@ class ProducerSession:
     def hello(self) -> Hello:
         caps = [CAP_SHM] if self._offers_shm else []
         c = self.cfg
-        return Hello(PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, self._nonce, caps,
-                     c.mel_dtype)
+        return Hello(
+            PROTOCOL_VERSION, c.producer_id, c.fingerprint, c.buckets, c.n_mels, c.seed, self._nonce, caps, c.mel_dtype
+        )
 
     def on_turn(self, now_s: float) -> list[Message]:
         """Replies owed, then timers at the top of a loop turn: drop a silent consumer; HELLO when one is due."""
@@ -159,8 +179,11 @@ class ProducerSession:
         if self._epoch is not None:
             if now_s - self._last_heard_s <= self.cfg.liveness_s:
                 return out
-            log.warning("consumer silent for %.1f s; dropping %d leases and re-joining",
-                        now_s - self._last_heard_s, len(self._leases))
+            log.warning(
+                "consumer silent for %.1f s; dropping %d leases and re-joining",
+                now_s - self._last_heard_s,
+                len(self._leases),
+            )
             self._leave(now_s)
         j = self._joining
         if now_s >= j.next_hello_s:
@@ -210,7 +233,7 @@ class ProducerSession:
     def _take_leases(self, leases: list[Lease], now_s: float) -> None:
         held = {x.batch_id for x, _ in self._leases}
         for x in leases:
-            if x.batch_id not in held:      # a batch id already pending (or repeated in this grant) once
+            if x.batch_id not in held:  # a batch id already pending (or repeated in this grant) once
                 held.add(x.batch_id)
                 self._leases.append((x, now_s + x.deadline_s))
 
@@ -218,7 +241,7 @@ class ProducerSession:
         """The joined consumer's plan is finished: build nothing more; exit 0, or wait for the next consumer."""
         self._ended_epoch = epoch
         self._leases.clear()
-        if self.cfg.exit_at_plan_end:     # ``farewell`` says BYE (exit 0) once the loop has ended
+        if self.cfg.exit_at_plan_end:  # ``farewell`` says BYE (exit 0) once the loop has ended
             log.info("consumer epoch=%d finished its plan; exiting (producer.exit_at_plan_end)", epoch)
             self.finished = True
             return
@@ -232,20 +255,24 @@ class ProducerSession:
             log.debug("WELCOME epoch=%d answers a join we gave up; ignored", msg.epoch)
             return
         if msg.epoch == self._epoch:
-            self._last_heard_s = now_s         # the answer to a HELLO we repeated: our leases stand
+            self._last_heard_s = now_s  # the answer to a HELLO we repeated: our leases stand
             return
-        if msg.epoch == self._ended_epoch:     # the finished consumer answered a HELLO: leave it at once
+        if msg.epoch == self._ended_epoch:  # the finished consumer answered a HELLO: leave it at once
             self._outbox.append(Bye(msg.epoch))
-            self._joining.since_s = now_s      # it answered: not a silent endpoint
+            self._joining.since_s = now_s  # it answered: not a silent endpoint
             return
         if self._epoch is not None:
             self.counts.rejoins += 1
         self._epoch, self._checksum = msg.epoch, msg.checksum
-        self._shm_dir = msg.shm_dir if self._offers_shm else None   # slot leases without it: we join again
+        self._shm_dir = msg.shm_dir if self._offers_shm else None  # slot leases without it: we join again
         self._leases.clear()
         self._last_heard_s = now_s
-        log.info("joined consumer epoch=%d window=%d transport=%s", msg.epoch, msg.window,
-                 f"shm ({self._shm_dir})" if self._shm_dir else "zmq")
+        log.info(
+            "joined consumer epoch=%d window=%d transport=%s",
+            msg.epoch,
+            msg.window,
+            f"shm ({self._shm_dir})" if self._shm_dir else "zmq",
+        )
 
     def _on_err(self, msg: Err, now_s: float) -> None:
         self.counts.errors[msg.code] = self.counts.errors.get(msg.code, 0) + 1
@@ -263,7 +290,7 @@ class ProducerSession:
         """Back to DISCONNECTED: drop every lease; the next HELLO goes at once."""
         if self._epoch is not None:
             self.counts.rejoins += 1
-        self._epoch, self._nonce = None, self._new_nonce()   # the consumer returns the leases we dropped
+        self._epoch, self._nonce = None, self._new_nonce()  # the consumer returns the leases we dropped
         self._leases.clear()
         self._joining = _Joining(next_hello_s=now_s, since_s=now_s)
 
@@ -278,8 +305,9 @@ class ProducerSession:
         if lease.shm is None:
             return BuildOrder(self._epoch, lease, self._checksum)
         if self._shm_dir is None:
-            log.warning("lease for batch %d names a slot file, but shared memory was not agreed; joining again",
-                        lease.batch_id)
+            log.warning(
+                "lease for batch %d names a slot file, but shared memory was not agreed; joining again", lease.batch_id
+            )
             self._leave(now_s)
             return None
         return BuildOrder(self._epoch, lease, self._checksum, self._shm_dir)
@@ -294,13 +322,17 @@ class ProducerSession:
         has already re-leased it, so skip it. Only repeated misses, or any other error, mean we cannot
         use ``shm_dir``: stop offering ``CAP_SHM`` and join again (the consumer returns our leases at once).
         """
-        assert order.lease.shm is not None and order.shm_dir is not None   # only shm orders are mapped
+        assert order.lease.shm is not None and order.shm_dir is not None  # only shm orders are mapped
         if err_no == errno.ENOENT and self._missing_files < _MAX_MISSING_FILES:
             self._missing_files += 1
             log.info("slot file %s is gone (retired); skipping batch %d", order.lease.shm.name, order.lease.batch_id)
             return False
-        log.warning("cannot map slot file %s (errno %s: %s); using ZeroMQ payload frames from now on",
-                    f"{order.shm_dir}/{order.lease.shm.name}", err_no, detail)
+        log.warning(
+            "cannot map slot file %s (errno %s: %s); using ZeroMQ payload frames from now on",
+            f"{order.shm_dir}/{order.lease.shm.name}",
+            err_no,
+            detail,
+        )
         self._offers_shm = False
         self._leave(now_s)
         return True

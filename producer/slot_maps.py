@@ -84,13 +84,17 @@ class SlotMappings:
         """The slot file's path in our own shm directory, once the name and the WELCOME's directory pass."""
         m = SLOT_NAME_RE.fullmatch(slot.name)
         if m is None or (int(m.group(3)), int(m.group(4))) != (slot.slot, slot.generation):
-            raise _refused(f"name {slot.name!r} is not the slot file of slot {slot.slot} generation "
-                           f"{slot.generation} (melfeed-PID-EPOCH-sSLOT-gGEN)")
+            raise _refused(
+                f"name {slot.name!r} is not the slot file of slot {slot.slot} generation "
+                f"{slot.generation} (melfeed-PID-EPOCH-sSLOT-gGEN)"
+            )
         ours = os.path.realpath(resolve_shm_dir(self._shm_dir, self._endpoint))
         theirs = os.path.realpath(directory)
         if theirs != ours:
-            raise _refused(f"directory {theirs} is not this producer's shared-memory directory {ours} "
-                           "(transport.shm_dir, else the ipc socket's directory on tmpfs, else /dev/shm)")
+            raise _refused(
+                f"directory {theirs} is not this producer's shared-memory directory {ours} "
+                "(transport.shm_dir, else the ipc socket's directory on tmpfs, else /dev/shm)"
+            )
         return os.path.join(ours, slot.name)
 
     def _map(self, path: str) -> npt.NDArray[np.uint8]:

@@ -39,18 +39,25 @@ _BACKOFF_MAX_S = 30.0
 
 
 class _Group:
-    def __init__(self, config_path: Path, count: int, backoff_s: float, debug_delay_ms: float,
-                 exit_at_plan_end: bool = False, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        count: int,
+        backoff_s: float,
+        debug_delay_ms: float,
+        exit_at_plan_end: bool = False,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.config_path = config_path
-        self.exit_at_plan_end = exit_at_plan_end   # a child's exit 0 is the end of the plan: no restart
+        self.exit_at_plan_end = exit_at_plan_end  # a child's exit 0 is the end of the plan: no restart
         self.count = count
         self.backoff_s = backoff_s
         self.debug_delay_ms = debug_delay_ms
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.exit_code = 0
         self.restarts = 0
-        self.finished = 0                          # children that exited 0 at the plan's end
-        self.stop = stop if stop is not None else threading.Event()   # set by the supervisor's signal handlers
+        self.finished = 0  # children that exited 0 at the plan's end
+        self.stop = stop if stop is not None else threading.Event()  # set by the supervisor's signal handlers
 
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         extra = ["--debug-delay-ms", str(self.debug_delay_ms)] if self.debug_delay_ms else []
@@ -65,11 +72,11 @@ class _Group:
         while not stopping.is_set():
             started = time.monotonic()
             proc = await self.spawn(index)
-            if stopping.is_set():     # the stop came while it started: the ladder may have run without it
+            if stopping.is_set():  # the stop came while it started: the ladder may have run without it
                 await self.terminate([proc])
                 return
             code = await proc.wait()
-            if stopping.is_set() or self.stop.is_set():   # a group SIGTERM (Ctrl-C, systemd) reached it first
+            if stopping.is_set() or self.stop.is_set():  # a group SIGTERM (Ctrl-C, systemd) reached it first
                 return
             if code == EXIT_CONFIG:
                 log.error("producer-%d exited %d (configuration error); stopping all producers", index, code)
@@ -86,7 +93,7 @@ class _Group:
             self.restarts += 1
             try:
                 await asyncio.wait_for(stopping.wait(), delay_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             delay_s = min(max(delay_s * 2, 0.5), _BACKOFF_MAX_S)
 
@@ -111,8 +118,8 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
     notifier.ready(f"supervising {group.count} producers")
     next_status_s = 0.0
     while not stopping.is_set() and not stop.is_set() and group.finished < group.count:
-        await asyncio.sleep(0.1)   # the threading.Event is set by a signal handler; poll it cheaply
-        notifier.watchdog()        # this loop turning is the supervisor's progress
+        await asyncio.sleep(0.1)  # the threading.Event is set by a signal handler; poll it cheaply
+        notifier.watchdog()  # this loop turning is the supervisor's progress
         if notifier.enabled and time.monotonic() >= next_status_s:
             alive = sum(1 for p in group.procs.values() if p.returncode is None)
             notifier.status(f"{alive}/{group.count} producers alive; {group.restarts} restarts")
@@ -127,9 +134,16 @@ async def _main(group: _Group, stop: threading.Event, notifier: Notifier) -> int
     return group.exit_code
 
 
-def supervise_producers(config_path: Path, count: int, stop: threading.Event, *, backoff_s: float = 1.0,
-                        debug_delay_ms: float = 0.0, notifier: Notifier | None = None,
-                        exit_at_plan_end: bool = False) -> int:
+def supervise_producers(
+    config_path: Path,
+    count: int,
+    stop: threading.Event,
+    *,
+    backoff_s: float = 1.0,
+    debug_delay_ms: float = 0.0,
+    notifier: Notifier | None = None,
+    exit_at_plan_end: bool = False,
+) -> int:
     """Run ``count`` producers until ``stop`` is set, one reports a configuration error or, with
     ``exit_at_plan_end``, every one has exited 0 because the consumer's plan ended.
 

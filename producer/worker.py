@@ -49,7 +49,7 @@ __all__ = ["ProducerWorker", "ProducerStats", "WorkerConfig", "BatchBuilder", "D
 
 log = logging.getLogger(__name__)
 
-_BYE_LINGER_MS = 500     # a failing producer's BYE may take this long to leave; then the exit goes on
+_BYE_LINGER_MS = 500  # a failing producer's BYE may take this long to leave; then the exit goes on
 
 
 class BatchBuilder(Protocol):
@@ -57,8 +57,13 @@ class BatchBuilder(Protocol):
 
     read_s_total: float
 
-    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
-              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch: ...
+    def build(
+        self,
+        batch_id: int,
+        bucket: int,
+        sample_ids: list[int],
+        target: dict[str, npt.NDArray[np.generic]] | None = None,
+    ) -> BuiltBatch: ...
 
 
 class Dealer(Protocol):
@@ -79,8 +84,8 @@ class WorkerConfig:
 
     endpoint: str
     session: ProducerSessionConfig
-    debug_delay_s: float = 0.0        # sleep after each build (``--debug-delay-ms``: a slow producer)
-    curve: ClientKeys | None = None   # CURVE client keys (tcp beyond loopback); None = plaintext
+    debug_delay_s: float = 0.0  # sleep after each build (``--debug-delay-ms``: a slow producer)
+    curve: ClientKeys | None = None  # CURVE client keys (tcp beyond loopback); None = plaintext
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,7 @@ class ProducerStats:
     send_s_total: float
     rejoins: int
     errors_received: dict[str, int]
-    shm_batches: int = 0          # of batches_sent, built in the consumer's shared-memory slots
+    shm_batches: int = 0  # of batches_sent, built in the consumer's shared-memory slots
 
 
 class ProducerWorker:
@@ -105,9 +110,15 @@ class ProducerWorker:
         on_tick: called once per loop turn (bounded by the heartbeat period): sd_notify.
     """
 
-    def __init__(self, cfg: WorkerConfig, assembler: BatchBuilder, slot_maps: SlotMappings | None = None, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_tick: Callable[[ProducerWorker], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        assembler: BatchBuilder,
+        slot_maps: SlotMappings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_tick: Callable[[ProducerWorker], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.endpoint = cfg.endpoint
         self.producer_id = cfg.session.producer_id
@@ -120,13 +131,13 @@ class ProducerWorker:
         self._shm_sent = 0
         self._build_s = 0.0
         self._send_s = 0.0
-        self._socket_path = ipc_socket_path(cfg.endpoint)   # None: tcp (CURVE authenticates), nothing to check
-        self._connected = True            # False: the loop connects before its first HELLO (``serve(connect=True)``)
-        self._refusal_logged = ""         # the last refusal line logged at WARNING (repeats go to DEBUG)
+        self._socket_path = ipc_socket_path(cfg.endpoint)  # None: tcp (CURVE authenticates), nothing to check
+        self._connected = True  # False: the loop connects before its first HELLO (``serve(connect=True)``)
+        self._refusal_logged = ""  # the last refusal line logged at WARNING (repeats go to DEBUG)
 
     def close(self) -> None:
         """Release what the assembler keeps between batches (open cache files). Idempotent."""
-        close = getattr(self._assembler, "close", None)   # test fakes keep nothing
+        close = getattr(self._assembler, "close", None)  # test fakes keep nothing
         if close is not None:
             close()
 
@@ -145,7 +156,7 @@ class ProducerWorker:
 
     def stage_counters(self) -> StageCounters:
         """Cumulative stage times for the heartbeat: read (preadv), assemble (rest of the build), send."""
-        read_s = min(self._assembler.read_s_total, self._build_s)   # reads of a failed build are not counted
+        read_s = min(self._assembler.read_s_total, self._build_s)  # reads of a failed build are not counted
         return StageCounters(self._sent, read_s, self._build_s - read_s, self._send_s)
 
     def run(self, stop: threading.Event) -> int:
@@ -159,14 +170,14 @@ class ProducerWorker:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)   # never queue into a pipe with no consumer behind it
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a pipe with no consumer behind it
         # No ROUTING_ID: the consumer's ROUTER assigns a fresh one per connection (docs/security.md "Identity").
         if self.cfg.curve is not None:
             self.cfg.curve.apply(sock)
         try:
             self.serve(sock, stop, connect=True)
         finally:
-            if self.exit_code != 0:         # let the BYE that says why leave, for a bounded moment
+            if self.exit_code != 0:  # let the BYE that says why leave, for a bounded moment
                 sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
             sock.close()
             ctx.term()
@@ -181,7 +192,7 @@ class ProducerWorker:
         self._connected = not connect
         try:
             self._loop(sock, stop)
-        except Exception as err:   # reported to the consumer, then re-raised for the process's top level
+        except Exception as err:  # reported to the consumer, then re-raised for the process's top level
             self.session.fail(1, err)
             raise
         finally:
@@ -195,7 +206,7 @@ class ProducerWorker:
             if self._on_tick is not None:
                 self._on_tick(self)
             self._send_all(sock, self._connected_or_none(sock, session.on_turn(self._clock())))
-            if sock.poll(math.ceil(session.poll_timeout_s(self._clock()) * 1000), zmq.POLLIN):   # never wake early
+            if sock.poll(math.ceil(session.poll_timeout_s(self._clock()) * 1000), zmq.POLLIN):  # never wake early
                 self._drain_inbox(sock)
             order = session.next_build(self._clock())
             if order is not None:
@@ -219,8 +230,8 @@ class ProducerWorker:
             except ProtocolError as err:
                 log.warning("undecodable message from consumer: %s", err)
                 continue
-            if isinstance(msg, Welcome) and not self._socket_trusted():   # every one: a repeat can name a new shm_dir
-                continue                     # a consumer we refuse: as if nobody had answered our HELLO
+            if isinstance(msg, Welcome) and not self._socket_trusted():  # every one: a repeat can name a new shm_dir
+                continue  # a consumer we refuse: as if nobody had answered our HELLO
             self.session.on_message(msg, self._clock())
 
     def _connected_or_none(self, sock: Dealer, msgs: list[Message]) -> list[Message]:
@@ -262,11 +273,11 @@ class ProducerWorker:
                 return
         try:
             batch = self._assembler.build(lease.batch_id, lease.bucket, lease.sample_ids, target)
-        except TransientReadError as err:   # not the file's fault: exit 1, the supervisor restarts us
+        except TransientReadError as err:  # not the file's fault: exit 1, the supervisor restarts us
             log.error("cannot build batch %d (transient, restarting): %s", lease.batch_id, err)
             self.session.fail(1, err)
             return
-        except CacheError as err:           # producer.bad_samples=fail; a restart would hit it again
+        except CacheError as err:  # producer.bad_samples=fail; a restart would hit it again
             log.error("bad cache file in batch %d (producer.bad_samples=fail); stopping: %s", lease.batch_id, err)
             self.session.fail(EXIT_CONFIG, err)
             return
@@ -279,8 +290,8 @@ class ProducerWorker:
 
     def _slot_views(self, order: BuildOrder) -> dict[str, npt.NDArray[np.generic]] | None:
         """Views of the order's slot file; on failure the session decides: skip it, or payload frames for good."""
-        assert order.lease.shm is not None and order.shm_dir is not None   # BuildOrder sets both or neither
-        if self._slot_maps is None:         # the session agreed shm only while we offered it
+        assert order.lease.shm is not None and order.shm_dir is not None  # BuildOrder sets both or neither
+        if self._slot_maps is None:  # the session agreed shm only while we offered it
             raise RuntimeError("a shared-memory order without slot mappings")
         try:
             views = self._slot_maps.views(order.shm_dir, order.lease.shm, order.lease.bucket)
@@ -294,16 +305,25 @@ class ProducerWorker:
         return views
 
     def _send_batch(self, sock: Dealer, order: BuildOrder, batch: BuiltBatch) -> None:
-        arrays = list(batch.arrays.values())    # layout order: ARRAY_KEYS, then the extras
+        arrays = list(batch.arrays.values())  # layout order: ARRAY_KEYS, then the extras
         crc = None
         if order.checksum:
             crc = 0
             for a in arrays:
                 crc = zlib.crc32(a.data.cast("B"), crc)
         shm = None if order.lease.shm is None else (order.lease.shm.slot, order.lease.shm.generation)
-        header = BatchHeader(order.epoch, batch.batch_id, batch.bucket, [list(a.shape) for a in arrays],
-                             [a.dtype.name for a in arrays], crc, batch.quarantined, shm, batch.quarantine_note)
-        if shm is not None:                 # built in the consumer's slot: the header is the message
+        header = BatchHeader(
+            order.epoch,
+            batch.batch_id,
+            batch.bucket,
+            [list(a.shape) for a in arrays],
+            [a.dtype.name for a in arrays],
+            crc,
+            batch.quarantined,
+            shm,
+            batch.quarantine_note,
+        )
+        if shm is not None:  # built in the consumer's slot: the header is the message
             if _try_send(sock, [encode(header)]):
                 self._sent += 1
                 self._shm_sent += 1

@@ -67,7 +67,7 @@ def _shown(got: Any) -> str:
     is named by its type."""
     try:
         return escape_line(repr(got))
-    except ValueError:   # int too large to convert to str
+    except ValueError:  # int too large to convert to str
         return f"a value of type {type(got).__name__} that cannot be shown"
 
 
@@ -167,5 +167,9 @@ class JobLostError(PipelineError):
     def __init__(self, rank: int, why: str) -> None:
         self.rank = rank
         self.why = why
-        super().__init__(_one_line(f"rank {rank}: lost contact with the job ({why}); restart every rank to "
-                                   "resume from the newest common checkpoint"))
+        super().__init__(
+            _one_line(
+                f"rank {rank}: lost contact with the job ({why}); restart every rank to "
+                "resume from the newest common checkpoint"
+            )
+        )

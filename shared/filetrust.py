@@ -26,11 +26,17 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["check_private_dir", "creation_reason", "make_dirs", "others_can_write", "place_reason",
-           "private_file_reason", "untrusted_reason"]
+__all__ = [
+    "check_private_dir",
+    "creation_reason",
+    "make_dirs",
+    "others_can_write",
+    "place_reason",
+    "private_file_reason",
+    "untrusted_reason",
+]
 
-_MAX_LINKS = 40            # symbolic links followed in one lookup, as Linux's ELOOP limit
-
+_MAX_LINKS = 40  # symbolic links followed in one lookup, as Linux's ELOOP limit
 
 
 def others_can_write(st: os.stat_result) -> bool:
@@ -74,7 +80,7 @@ def place_reason(path: str | os.PathLike[str], *, follow: bool = True) -> str | 
             st = os.lstat(entry)
         except FileNotFoundError:
             if last:
-                return None                                  # not there yet
+                return None  # not there yet
             raise
         if not stat.S_ISLNK(st.st_mode) or (last and not follow):
             here = entry
@@ -110,8 +116,10 @@ def _directory_reason(directory: str, uid: int) -> str | None:
     if st.st_uid not in (uid, 0):
         return f"its parent {directory} belongs to uid {st.st_uid}, who could move it"
     if others_can_write(st) and not st.st_mode & stat.S_ISVTX:
-        return (f"its parent {directory} is mode {stat.S_IMODE(st.st_mode):04o} without the sticky bit: other users "
-                "could move it")
+        return (
+            f"its parent {directory} is mode {stat.S_IMODE(st.st_mode):04o} without the sticky bit: other users "
+            "could move it"
+        )
     return None
 
 
@@ -129,11 +137,15 @@ def check_private_dir(path: str | os.PathLike[str]) -> None:
     real, uid = os.path.realpath(path), os.geteuid()
     st = os.stat(real)
     if st.st_uid != uid:
-        raise PermissionError(errno.EPERM, f"{real} belongs to uid {st.st_uid}, not to this user (uid {uid}), "
-                              "who could replace what it holds")
+        raise PermissionError(
+            errno.EPERM,
+            f"{real} belongs to uid {st.st_uid}, not to this user (uid {uid}), who could replace what it holds",
+        )
     if others_can_write(st):
-        raise PermissionError(errno.EPERM, f"{real} is mode {stat.S_IMODE(st.st_mode):04o}: other users can "
-                              "write to it; make it 0750 or stricter")
+        raise PermissionError(
+            errno.EPERM,
+            f"{real} is mode {stat.S_IMODE(st.st_mode):04o}: other users can write to it; make it 0750 or stricter",
+        )
     reason = place_reason(path)
     if reason is not None:
         raise PermissionError(errno.EPERM, f"{reason}; use a directory under one of this user's or root's")
@@ -207,5 +219,5 @@ def make_dirs(path: Path, mode: int) -> None:
         try:
             directory.mkdir(mode=mode)
         except FileExistsError:
-            if not directory.is_dir():       # a file in the way: say so, not "File exists"
+            if not directory.is_dir():  # a file in the way: say so, not "File exists"
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory)) from None

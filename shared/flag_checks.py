@@ -35,11 +35,12 @@ from melfeed.shared.output_files import check_output
 
 __all__ = ["check_number", "check_output_file", "check_not_an_input", "read_regular_file", "resolve_path"]
 
-_CHUNK = 1 << 24   # bytes per read of a large file
+_CHUNK = 1 << 24  # bytes per read of a large file
 
 
-def check_number(value: float, flag: str, *, floor: float = 0.0, above: bool = False,
-                 ceiling: float | None = None) -> float:
+def check_number(
+    value: float, flag: str, *, floor: float = 0.0, above: bool = False, ceiling: float | None = None
+) -> float:
     """``value`` if it is finite, ``>= floor`` (``> floor`` with ``above``) and ``<= ceiling`` (if given);
     else one line naming ``flag``."""
     ok = math.isfinite(value) and (value > floor if above else value >= floor)
@@ -80,7 +81,7 @@ def check_not_an_input(output: str, inputs: Sequence[str], flag: str) -> None:
     try:
         out_st: os.stat_result | None = os.stat(output)
     except OSError:
-        out_st = None                   # not there yet: only a path comparison can match
+        out_st = None  # not there yet: only a path comparison can match
     resolved = os.path.realpath(output)
     for source in inputs:
         same_path = os.path.realpath(source) == resolved
@@ -90,8 +91,9 @@ def check_not_an_input(output: str, inputs: Sequence[str], flag: str) -> None:
         except OSError:
             same_file = False
         if same_path or same_file:
-            raise ConfigError(f"is the input file {source}; writing it would destroy the input", path=(flag,),
-                              got=output)
+            raise ConfigError(
+                f"is the input file {source}; writing it would destroy the input", path=(flag,), got=output
+            )
 
 
 def read_regular_file(path: str | os.PathLike[str], max_bytes: int | None, what: str) -> bytes:
@@ -101,6 +103,7 @@ def read_regular_file(path: str | os.PathLike[str], max_bytes: int | None, what:
         ConfigError: one line starting with the path: cannot be opened or read, not a regular file
             (directory, FIFO, device), or larger than ``max_bytes`` (also if it grows while read).
     """
+
     def fail(reason: str) -> ConfigError:
         return ConfigError(f"cannot read {what}: {reason}", path=(str(path),))
 
@@ -115,7 +118,7 @@ def read_regular_file(path: str | os.PathLike[str], max_bytes: int | None, what:
         if max_bytes is not None and st.st_size > max_bytes:
             raise fail(f"{st.st_size} bytes, more than the {max_bytes} allowed")
         chunks, have = [], 0
-        while True:              # with max_bytes, bounded even if the file grows while it is read
+        while True:  # with max_bytes, bounded even if the file grows while it is read
             want = _CHUNK if max_bytes is None else min(_CHUNK, max_bytes + 1 - have)
             chunk = os.read(fd, want) if want > 0 else b""
             if not chunk:
@@ -140,7 +143,7 @@ def resolve_path(path: str | os.PathLike[str], key: tuple[str, ...]) -> Path:
     """
     try:
         return Path(path).resolve()
-    except RuntimeError:   # "Symlink loop from ...": Python < 3.13 raises this, not OSError
+    except RuntimeError:  # "Symlink loop from ...": Python < 3.13 raises this, not OSError
         raise ConfigError(f"cannot resolve {os.fspath(path)}: a loop of symbolic links", path=key) from None
     except OSError as err:
         raise ConfigError(f"cannot resolve {os.fspath(path)}: {err.strerror or err}", path=key) from None

@@ -13,7 +13,7 @@ import re
 
 __all__ = ["DEVICE_ORDER", "check_gpu_list", "gpu_env"]
 
-DEVICE_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}   # indices as nvidia-smi and NVML number them
+DEVICE_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # indices as nvidia-smi and NVML number them
 
 # an index ("0"), a GPU UUID ("GPU-8f6c…", as nvidia-smi -L prints it) or a MIG instance ("MIG-…")
 _ENTRY = re.compile(r"^(?:\d+|(?:GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*)$")

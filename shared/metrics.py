@@ -26,15 +26,27 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["StepRecord", "WindowFigures", "StepWindow", "percentile", "PHASES", "PHASE_COMPILING",
-           "PHASE_TRAINING", "PHASE_WAITING", "PHASE_DONE", "FEED_EFFICIENCY_GOAL_CPU", "FEED_EFFICIENCY_GOAL_GPU",
-           "feed_efficiency_goal", "FEED_EFFICIENCY_MIN_STEPS"]
+__all__ = [
+    "StepRecord",
+    "WindowFigures",
+    "StepWindow",
+    "percentile",
+    "PHASES",
+    "PHASE_COMPILING",
+    "PHASE_TRAINING",
+    "PHASE_WAITING",
+    "PHASE_DONE",
+    "FEED_EFFICIENCY_GOAL_CPU",
+    "FEED_EFFICIENCY_GOAL_GPU",
+    "feed_efficiency_goal",
+    "FEED_EFFICIENCY_MIN_STEPS",
+]
 
 # What the step loop is doing, as the metrics snapshot, ``status``, Prometheus and ``report`` name it.
-PHASE_COMPILING = "compiling"   # from start until every bucket shape is compiled (READY)
-PHASE_TRAINING = "training"     # steps are running
-PHASE_WAITING = "waiting"       # a bounded wait for the next batch brought none
-PHASE_DONE = "done"             # the loop ended; the last snapshot of a run
+PHASE_COMPILING = "compiling"  # from start until every bucket shape is compiled (READY)
+PHASE_TRAINING = "training"  # steps are running
+PHASE_WAITING = "waiting"  # a bounded wait for the next batch brought none
+PHASE_DONE = "done"  # the loop ended; the last snapshot of a run
 PHASES = (PHASE_COMPILING, PHASE_TRAINING, PHASE_WAITING, PHASE_DONE)
 FEED_EFFICIENCY_GOAL_CPU = 0.95  # a CPU step shares its cores with the hand-off
 FEED_EFFICIENCY_GOAL_GPU = 0.98  # a GPU step: the copy overlaps, only the dispatch is left
@@ -48,13 +60,13 @@ def feed_efficiency_goal(on_gpu: bool) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    end_s: float            # when the step finished (monotonic seconds)
-    wait_s: float           # time the loop waited for this batch
-    step_s: float           # time the step itself took
-    rows: int               # real samples in the batch
+    end_s: float  # when the step finished (monotonic seconds)
+    wait_s: float  # time the loop waited for this batch
+    step_s: float  # time the step itself took
+    rows: int  # real samples in the batch
     real_frames: int
     padded_frames: int
-    queue_depth: int        # ready batches in the ring when it was taken
+    queue_depth: int  # ready batches in the ring when it was taken
     resident_s: float | None = None  # the step time of its bucket on a resident batch (None: not measured)
 
 
@@ -70,8 +82,8 @@ class WindowFigures:
     step_cv: float
     padding_efficiency: float
     queue_depth_mean: float
-    feed_efficiency: float | None = None   # over every record so far (module docstring); None: not measured yet
-    feed_steps_to_go: int = 0              # records still needed before feed efficiency is reported (0: none)
+    feed_efficiency: float | None = None  # over every record so far (module docstring); None: not measured yet
+    feed_steps_to_go: int = 0  # records still needed before feed efficiency is reported (0: none)
 
 
 def percentile(sorted_values: list[float], pct: float) -> float:
@@ -83,16 +95,17 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 
 
 class StepWindow:
-    def __init__(self, window_s: float = 30.0, max_records: int = 100_000,
-                 feed_min_steps: int = FEED_EFFICIENCY_MIN_STEPS) -> None:
+    def __init__(
+        self, window_s: float = 30.0, max_records: int = 100_000, feed_min_steps: int = FEED_EFFICIENCY_MIN_STEPS
+    ) -> None:
         if window_s <= 0 or max_records < 1 or feed_min_steps < 1:
             raise ValueError("window_s must be > 0, max_records and feed_min_steps >= 1")
         self.window_s = window_s
         self.feed_min_steps = feed_min_steps
         self._records: deque[StepRecord] = deque(maxlen=max_records)
-        self._fed = 0                     # records added, for feed efficiency (never trimmed)
-        self._fed_start_s = 0.0           # when the first record's wait began
-        self._resident_s: float | None = 0.0   # sum of every record's resident_s; None once one had none
+        self._fed = 0  # records added, for feed efficiency (never trimmed)
+        self._fed_start_s = 0.0  # when the first record's wait began
+        self._resident_s: float | None = 0.0  # sum of every record's resident_s; None once one had none
 
     def add(self, record: StepRecord) -> None:
         self._records.append(record)
@@ -134,12 +147,16 @@ class StepWindow:
         std = math.sqrt(sum((s - mean) ** 2 for s in steps) / len(steps))
         padded = sum(r.padded_frames for r in recs)
         return WindowFigures(
-            batches=len(recs), wall_s=wall,
+            batches=len(recs),
+            wall_s=wall,
             stall_pct=100.0 * sum(r.wait_s for r in recs) / wall,
-            batches_per_s=len(recs) / wall, samples_per_s=sum(r.rows for r in recs) / wall,
-            step_p50_s=percentile(steps, 50), step_p99_s=percentile(steps, 99),
+            batches_per_s=len(recs) / wall,
+            samples_per_s=sum(r.rows for r in recs) / wall,
+            step_p50_s=percentile(steps, 50),
+            step_p99_s=percentile(steps, 99),
             step_cv=std / mean if mean > 0 else 0.0,
             padding_efficiency=sum(r.real_frames for r in recs) / padded if padded else 0.0,
             queue_depth_mean=sum(r.queue_depth for r in recs) / len(recs),
             feed_efficiency=self.feed_efficiency(now_s),
-            feed_steps_to_go=max(0, self.feed_min_steps - self._fed) if self._resident_s is not None else 0)
+            feed_steps_to_go=max(0, self.feed_min_steps - self._fed) if self._resident_s is not None else 0,
+        )

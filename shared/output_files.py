@@ -39,10 +39,19 @@ from pathlib import Path
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.filetrust import others_can_write, place_reason
 
-__all__ = ["OUTPUT_FILE_MODE", "check_output", "check_output_dir", "create_new", "open_output", "output_dir_reason",
-           "output_reason", "replace_output", "write_output"]
+__all__ = [
+    "OUTPUT_FILE_MODE",
+    "check_output",
+    "check_output_dir",
+    "create_new",
+    "open_output",
+    "output_dir_reason",
+    "output_reason",
+    "replace_output",
+    "write_output",
+]
 
-OUTPUT_FILE_MODE = 0o640   # the owner writes, the group (an operator in the service group) reads
+OUTPUT_FILE_MODE = 0o640  # the owner writes, the group (an operator in the service group) reads
 
 
 def output_reason(path: str | os.PathLike[str]) -> str | None:
@@ -77,11 +86,13 @@ def _existing_reason(st: os.stat_result, directory: str) -> str | None:
         return "is a directory"
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
-    if others_can_write(os.stat(directory)):     # sticky (place_reason): e.g. /tmp, where anyone may create it
+    if others_can_write(os.stat(directory)):  # sticky (place_reason): e.g. /tmp, where anyone may create it
         uid = os.geteuid()
         if st.st_uid != uid:
-            return (f"belongs to uid {st.st_uid}, not to this user (uid {uid}), in {directory}, where other "
-                    "users can create files")
+            return (
+                f"belongs to uid {st.st_uid}, not to this user (uid {uid}), in {directory}, where other "
+                "users can create files"
+            )
         if st.st_nlink > 1:
             return f"has {st.st_nlink} hard links, in {directory}, where other users can create files"
     return None
@@ -150,8 +161,7 @@ def open_output(path: str | os.PathLike[str], *, append: bool, what: str | None 
         OSError: it cannot be opened or created.
     """
     check_output(path, what)
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-             | (os.O_APPEND if append else 0))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else 0)
     try:
         fd = os.open(path, flags, OUTPUT_FILE_MODE)
     except OSError:
@@ -272,4 +282,4 @@ def replace_output(path: str | os.PathLike[str], data: bytes, mode: int, *, what
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __all__ = ["MAX_SHOWN_CHARS", "escape_line"]
 
-MAX_SHOWN_CHARS = 200    # one log line; ids and reasons past this are cut (with a marker)
+MAX_SHOWN_CHARS = 200  # one log line; ids and reasons past this are cut (with a marker)
 _CUT = "..."
 
 
@@ -32,7 +32,7 @@ def escape_line(text: str, max_chars: int = MAX_SHOWN_CHARS) -> str:
     for ch in str(text):
         piece = ch if ch.isprintable() else repr(ch)[1:-1]
         if used + len(piece) > max_chars:
-            while out and used + len(_CUT) > max_chars:    # room for the marker
+            while out and used + len(_CUT) > max_chars:  # room for the marker
                 used -= len(out.pop())
             return "".join(out) + _CUT
         out.append(piece)

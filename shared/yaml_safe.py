@@ -69,7 +69,7 @@ class _NoAliasLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML is untype
                     if key in first_line:
                         raise _DuplicateKey(str(key), key_node.start_mark.line + 1, first_line[key])
                     first_line[key] = key_node.start_mark.line + 1
-                except TypeError:            # an unhashable key: the constructor refuses it below
+                except TypeError:  # an unhashable key: the constructor refuses it below
                     continue
         return super().construct_mapping(node, deep)
 
@@ -91,7 +91,7 @@ def _read_bounded(path: str | os.PathLike[str]) -> bytes:
         if st.st_size > MAX_CONFIG_BYTES:
             raise _fail(path, f"config file is {st.st_size} bytes, larger than the {MAX_CONFIG_BYTES} allowed")
         chunks, have = [], 0
-        while have <= MAX_CONFIG_BYTES:       # bounded even if the file grows while it is read
+        while have <= MAX_CONFIG_BYTES:  # bounded even if the file grows while it is read
             chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - have)
             if not chunk:
                 break
@@ -112,23 +112,31 @@ def _decode(data: bytes, path: str | os.PathLike[str]) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         hint = next((f" (a {name} byte-order mark)" for bom, name in _BOMS.items() if data.startswith(bom)), "")
-        raise _fail(path, f"not UTF-8: byte 0x{data[err.start]:02x} at byte offset {err.start}{hint}; "
-                          "save the file as UTF-8") from None
+        raise _fail(
+            path, f"not UTF-8: byte 0x{data[err.start]:02x} at byte offset {err.start}{hint}; save the file as UTF-8"
+        ) from None
 
 
 def _parse(text: str, path: str | os.PathLike[str]) -> Any:
     try:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506  # SafeLoader subclass
     except _DuplicateKey as dup:
-        raise _fail(path, f"key {dup.key!r} at line {dup.line} repeats the one at line {dup.first_line} of the "
-                          "same mapping: write each key once") from None
+        raise _fail(
+            path,
+            f"key {dup.key!r} at line {dup.line} repeats the one at line {dup.first_line} of the "
+            "same mapping: write each key once",
+        ) from None
     except _AliasFound as found:
-        raise _fail(path, f"YAML alias *{found.name} at line {found.line}: anchors and aliases are not "
-                          "allowed in config files (write the value out)") from None
+        raise _fail(
+            path,
+            f"YAML alias *{found.name} at line {found.line}: anchors and aliases are not "
+            "allowed in config files (write the value out)",
+        ) from None
     except yaml.reader.ReaderError as err:  # a control character: valid UTF-8 that YAML refuses
-        offset = len(text[:err.position].encode("utf-8"))
-        raise _fail(path, f"invalid YAML: character U+{err.character:04X} at byte offset {offset} "
-                          "is not allowed") from None
+        offset = len(text[: err.position].encode("utf-8"))
+        raise _fail(
+            path, f"invalid YAML: character U+{err.character:04X} at byte offset {offset} is not allowed"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -162,7 +170,9 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """
     doc = _parse(_decode(_read_bounded(path), path), path)
     if doc is not None and not isinstance(doc, dict):
-        raise _fail(path, f"the top level must be a mapping (key: value lines), got a value of type {type(doc).__name__}")
+        raise _fail(
+            path, f"the top level must be a mapping (key: value lines), got a value of type {type(doc).__name__}"
+        )
     return doc
 
 

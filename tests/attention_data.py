@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-R = 3   # frames per decoder step (tests/tts_models.py)
+R = 3  # frames per decoder step (tests/tts_models.py)
 
 
 def guided_attention(tokens: int, frames: int, r: int = R, g: float = 0.2) -> npt.NDArray[np.float16]:
@@ -31,10 +31,22 @@ def attention_cache(demo: Path, tmp: Path) -> Path:
     with ``index --extra attn:matrix/3=DIR``."""
     from melfeed import cli
     from melfeed.shared.cache.manifest import load_manifest
+
     manifest = load_manifest(demo)
     write_attention(tmp / "attn", {u.id: (u.tokens, u.frames) for u in manifest.utterances})
     cache = tmp / "cache"
-    code = cli.main(["index", "--cache-dir", str(cache), "--mels", str(demo / "mels"), "--tokens", str(demo / "tokens"),
-                     "--extra", f"attn:matrix/3={tmp / 'attn'}"])
+    code = cli.main(
+        [
+            "index",
+            "--cache-dir",
+            str(cache),
+            "--mels",
+            str(demo / "mels"),
+            "--tokens",
+            str(demo / "tokens"),
+            "--extra",
+            f"attn:matrix/3={tmp / 'attn'}",
+        ]
+    )
     assert code == 0
     return cache

@@ -17,18 +17,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 _DROP_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
-_TIMEOUT_S = 120.0   # a refusal takes about a second; only a hang gets near it
+_TIMEOUT_S = 120.0  # a refusal takes about a second; only a hang gets near it
 
 
-def run_cli(*args: str, unprivileged: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, unprivileged: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     prefix: list[str] = []
     if unprivileged and os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("root without setpriv cannot give up its file-permission bypass")
         prefix = _DROP_DAC
-    return subprocess.run([*prefix, sys.executable, "-m", "melfeed", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=_TIMEOUT_S,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "melfeed", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=_TIMEOUT_S,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+    )
 
 
 def refusal(proc: subprocess.CompletedProcess[str], command: str) -> str:
@@ -38,4 +45,4 @@ def refusal(proc: subprocess.CompletedProcess[str], command: str) -> str:
     head = f"melfeed {command}: "
     lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     assert len(lines) == 1, proc.stderr
-    return lines[0][len(head):]
+    return lines[0][len(head) :]

@@ -18,16 +18,20 @@ import pytest
 import yaml
 
 from melfeed.shared.service.stop_ladder import Ladder, stop_process
-from tests.lanes import (deselects_whole_file, imports_process_tools, imports_tensorflow_on_import,
-                         unmarked_tensorflow_files)
+from tests.lanes import (
+    deselects_whole_file,
+    imports_process_tools,
+    imports_tensorflow_on_import,
+    unmarked_tensorflow_files,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-_GROUP_LADDER = Ladder(60.0, 60.0)   # only a real hang gets near it (tests/procs.py: WAIT_S)
+_GROUP_LADDER = Ladder(60.0, 60.0)  # only a real hang gets near it (tests/procs.py: WAIT_S)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 _INTEGRATION = REPO / "tests" / "integration"
-_PROCESS_FIXTURES = {"producers", "durations_cache"}     # both start `melfeed` children
+_PROCESS_FIXTURES = {"producers", "durations_cache"}  # both start `melfeed` children
 
 
 def _known_marks(path: Path) -> set[str]:
@@ -52,11 +56,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (tests/lanes.py)."""
     unmarked = unmarked_tensorflow_files(items, REPO / "tests" / "unit")
     if unmarked:
-        raise pytest.UsageError("\n".join(f"{path.relative_to(REPO)}: imports TensorFlow without "
-                                           "pytestmark = pytest.mark.tf" for path in unmarked))
+        raise pytest.UsageError(
+            "\n".join(
+                f"{path.relative_to(REPO)}: imports TensorFlow without pytestmark = pytest.mark.tf" for path in unmarked
+            )
+        )
     for item in items:
-        if (item.path.is_relative_to(_INTEGRATION) or imports_process_tools(item.path)
-                or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        if (
+            item.path.is_relative_to(_INTEGRATION)
+            or imports_process_tools(item.path)
+            or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        ):
             item.add_marker(pytest.mark.proc)
 
 
@@ -76,6 +86,7 @@ def _reap_started_processes() -> Iterator[None]:
     """A test that fails between starting a consumer and stopping it must not leave it running."""
     yield
     from tests import procs
+
     procs.reap_started()
 
 
@@ -100,6 +111,7 @@ def tmp_path() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))
     yield path
     from tests import procs
+
     procs.reap_started()
     shutil.rmtree(path, ignore_errors=True)
 
@@ -107,6 +119,7 @@ def tmp_path() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from melfeed.shared.cache.demo_data import write_demo_cache
+
     path = tmp_path_factory.mktemp("demo") / "cache"
     write_demo_cache(path, n_utterances=200)
     return path
@@ -115,7 +128,7 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def token_durations(frames: int, tokens: int) -> npt.NDArray[np.int32]:
     """int32 [tokens], summing to ``frames``: how many frames each token shows for, as the demo data draws them
     (frame t shows token ``t * tokens // frames``, shared/cache/demo_data.py)."""
-    starts = -(-np.arange(tokens + 1) * frames // tokens)      # first frame of each token: ceil(i * T / L)
+    starts = -(-np.arange(tokens + 1) * frames // tokens)  # first frame of each token: ceil(i * T / L)
     return np.diff(starts).astype(np.int32)
 
 
@@ -125,19 +138,37 @@ def durations_cache(demo_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
     them: ``durations`` (token, int32, per ``token_durations``: a FastSpeech-style aligner's output) and
     ``energy`` (frame, float32: the mean log-mel of each frame, as ``--demo`` writes it)."""
     from melfeed.shared.cache.manifest import load_manifest
+
     base = tmp_path_factory.mktemp("durations")
     root = base / "cache"
-    def link_npy(src: str, dst: str) -> None:     # the manifest is copied: index rewrites it
+
+    def link_npy(src: str, dst: str) -> None:  # the manifest is copied: index rewrites it
         os.link(src, dst) if src.endswith(".npy") else shutil.copy2(src, dst)
+
     shutil.copytree(demo_cache, root, ignore=shutil.ignore_patterns("*.pack", "demo.json"), copy_function=link_npy)
     for name in ("durations", "energy"):
         (base / name).mkdir()
     for u in load_manifest(root, 80).utterances:
         np.save(base / "durations" / f"{u.id}.npy", token_durations(u.frames, u.tokens))
         np.save(base / "energy" / f"{u.id}.npy", np.load(root / "mels" / f"{u.id}.npy").mean(axis=1))
-    subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(root), "--extra",
-                    f"durations:token={base / 'durations'}", "--extra", f"energy:frame={base / 'energy'}"],
-                   check=True, cwd=REPO, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "index",
+            "--cache-dir",
+            str(root),
+            "--extra",
+            f"durations:token={base / 'durations'}",
+            "--extra",
+            f"energy:frame={base / 'energy'}",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
     return root
 
 
@@ -165,8 +196,11 @@ class ProducerGroup:
         cfg.update(extra)
         path = self._tmp / f"producers-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, "-m", "melfeed", "producer", "--config", str(path),
-                                 "--producers", str(count)], cwd=REPO, env={**os.environ, "XDG_RUNTIME_DIR": str(self._tmp)})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "melfeed", "producer", "--config", str(path), "--producers", str(count)],
+            cwd=REPO,
+            env={**os.environ, "XDG_RUNTIME_DIR": str(self._tmp)},
+        )
         self.procs.append(proc)
         return proc
 

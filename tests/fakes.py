@@ -38,14 +38,21 @@ def _plain(value: object) -> object:
 def producer_row(producer_id: str = "producer-1", **overrides: object) -> ProducerRow:
     """A producer row of a healthy run (``overrides`` replace fields)."""
     row = ProducerRow(id=producer_id, batches=60, batches_per_s=5.1, read_ms=1.2, assemble_ms=0.3, send_ms=0.4)
-    return dataclasses.replace(row, **overrides)    # type: ignore[arg-type]  # tests set wrong types on purpose
+    return dataclasses.replace(row, **overrides)  # type: ignore[arg-type]  # tests set wrong types on purpose
 
 
 def gpu_row(role: str = "model", index: int = 0, **overrides: object) -> GpuRow:
     """A sampled GPU of a healthy run (``overrides`` replace fields)."""
-    row = GpuRow(role=role, index=index, uuid=f"GPU-{role}-{index}", util_pct=93.0, mem_used_mib=21000.0,
-                 mem_total_mib=81559.0, power_w=310.0)
-    return dataclasses.replace(row, **overrides)    # type: ignore[arg-type]
+    row = GpuRow(
+        role=role,
+        index=index,
+        uuid=f"GPU-{role}-{index}",
+        util_pct=93.0,
+        mem_used_mib=21000.0,
+        mem_total_mib=81559.0,
+        power_w=310.0,
+    )
+    return dataclasses.replace(row, **overrides)  # type: ignore[arg-type]
 
 
 def metrics_snapshot(t_unix_s: float, **overrides: object) -> dict[str, object]:
@@ -57,14 +64,46 @@ def metrics_snapshot(t_unix_s: float, **overrides: object) -> dict[str, object]:
     unknown = sorted(set(overrides) - set(field_names()))
     if unknown:
         raise TypeError(f"not snapshot fields: {', '.join(unknown)}")
-    snap = snapshot_dict(Snapshot(
-        t_unix_s=t_unix_s, uptime_s=12.3, phase="training", step=120, steps_total=300, loss=0.91, window_s=5.0,
-        stall_pct=0.1, batches_per_s=10.2, samples_per_s=320.0, bytes_per_s=9.1e7, step_p50_ms=90.1,
-        step_p99_ms=120.3, step_cv=0.05, padding_efficiency=0.86, queue_depth_mean=2.1, queue_depth_hist=[0, 3, 40, 7],
-        lease_window=2, leases_outstanding=3, producers_alive=2, producers=[producer_row()], rejects={},
-        duplicates=0, quarantined=0, compiles_after_ready=0, gpus=[], jit_compile="xla", outputs={"loss": 0.91},
-        producers_benched=[], rank=0, world=1, checkpoint_failures=0, connections_cut=0, feed_efficiency=0.97,
-        hello_repeats=0, useful_work=0.83))
+    snap = snapshot_dict(
+        Snapshot(
+            t_unix_s=t_unix_s,
+            uptime_s=12.3,
+            phase="training",
+            step=120,
+            steps_total=300,
+            loss=0.91,
+            window_s=5.0,
+            stall_pct=0.1,
+            batches_per_s=10.2,
+            samples_per_s=320.0,
+            bytes_per_s=9.1e7,
+            step_p50_ms=90.1,
+            step_p99_ms=120.3,
+            step_cv=0.05,
+            padding_efficiency=0.86,
+            queue_depth_mean=2.1,
+            queue_depth_hist=[0, 3, 40, 7],
+            lease_window=2,
+            leases_outstanding=3,
+            producers_alive=2,
+            producers=[producer_row()],
+            rejects={},
+            duplicates=0,
+            quarantined=0,
+            compiles_after_ready=0,
+            gpus=[],
+            jit_compile="xla",
+            outputs={"loss": 0.91},
+            producers_benched=[],
+            rank=0,
+            world=1,
+            checkpoint_failures=0,
+            connections_cut=0,
+            feed_efficiency=0.97,
+            hello_repeats=0,
+            useful_work=0.83,
+        )
+    )
     snap.update({name: _plain(value) for name, value in overrides.items()})
     return snap
 
@@ -77,15 +116,16 @@ class FakeDealer:
     With ``refuse_sends`` every send fails as a full or unconnected DEALER does (``zmq.Again``).
     """
 
-    def __init__(self, clock: FakeClock, on_idle: Callable[[FakeDealer], None] | None = None,
-                 refuse_sends: bool = False) -> None:
+    def __init__(
+        self, clock: FakeClock, on_idle: Callable[[FakeDealer], None] | None = None, refuse_sends: bool = False
+    ) -> None:
         self.clock = clock
         self.on_idle = on_idle
         self.refuse_sends = refuse_sends
         self.inbox: deque[list[bytes]] = deque()
-        self.sent: list[list[bytes]] = []     # every frame as bytes, in send order
+        self.sent: list[list[bytes]] = []  # every frame as bytes, in send order
         self.poll_timeouts_ms: list[int] = []
-        self.connected_to: list[str] = []     # every ``connect`` call's address
+        self.connected_to: list[str] = []  # every ``connect`` call's address
 
     def connect(self, addr: str) -> None:
         self.connected_to.append(addr)
@@ -122,11 +162,16 @@ class FakeAssembler:
     def __init__(self, rows: int = 2, frames: int = 4, n_mels: int = 3, error: Exception | None = None) -> None:
         self.read_s_total = 0.0
         self.error = error
-        self.built: list[int] = []            # batch ids built
+        self.built: list[int] = []  # batch ids built
         self._shapes = {"mel": (rows, frames, n_mels), "mel_len": (rows,), "tokens": (rows, frames), "tok_len": (rows,)}
 
-    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
-              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+    def build(
+        self,
+        batch_id: int,
+        bucket: int,
+        sample_ids: list[int],
+        target: dict[str, npt.NDArray[np.generic]] | None = None,
+    ) -> BuiltBatch:
         if self.error is not None:
             raise self.error
         self.built.append(batch_id)
@@ -135,8 +180,9 @@ class FakeAssembler:
         return BuiltBatch(batch_id, bucket, arrays)
 
 
-def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,
-                  gpus: bool = True) -> list[dict[str, object]]:
+def realistic_run(
+    n_lines: int = 120, interval_s: float = 2.0, seed: int = 0, gpus: bool = True
+) -> list[dict[str, object]]:
     """A run's metrics lines: compile, then training with two producers (the second joins late and
     drops out for a while), a stall episode, and one GPU entry per role in the second half of the lines."""
     rng = np.random.default_rng(seed)
@@ -144,29 +190,57 @@ def realistic_run(n_lines: int = 120, interval_s: float = 2.0, seed: int = 0,
     for i in range(n_lines):
         t = t0 + i * interval_s
         if i < 8:
-            lines.append(metrics_snapshot(t, uptime_s=2.0 + i * interval_s, phase="compiling", step=0,
-                                          loss=None, stall_pct=None, batches_per_s=None, samples_per_s=None,
-                                          step_p50_ms=None, step_p99_ms=None, step_cv=None,
-                                          queue_depth_mean=None, leases_outstanding=0, producers=[]))
+            lines.append(
+                metrics_snapshot(
+                    t,
+                    uptime_s=2.0 + i * interval_s,
+                    phase="compiling",
+                    step=0,
+                    loss=None,
+                    stall_pct=None,
+                    batches_per_s=None,
+                    samples_per_s=None,
+                    step_p50_ms=None,
+                    step_p99_ms=None,
+                    step_cv=None,
+                    queue_depth_mean=None,
+                    leases_outstanding=0,
+                    producers=[],
+                )
+            )
             continue
         stalled = 50 <= i < 60
         rate = float(np.clip(rng.normal(4.0 if stalled else 11.0, 0.4), 0.5, None))
         step += int(rate * interval_s)
         producers = [producer_row("producer-1", batches=int(rate * 5), batches_per_s=rate * 0.55)]
         if 20 <= i < 70 or i >= 85:  # producer-2 joins late, leaves, comes back
-            producers.append(producer_row("producer-2", batches=int(rate * 4), batches_per_s=rate * 0.45,
-                                          read_ms=1.4, send_ms=0.5))
-        gpu = [gpu_row("model", 0, util_pct=float(np.clip(rng.normal(40 if stalled else 93, 3), 0, 100))),
-               gpu_row("data", 1, util_pct=float(np.clip(rng.normal(18, 4), 0, 100)), mem_used_mib=2100.0,
-                       power_w=90.0)]
+            producers.append(
+                producer_row("producer-2", batches=int(rate * 4), batches_per_s=rate * 0.45, read_ms=1.4, send_ms=0.5)
+            )
+        gpu = [
+            gpu_row("model", 0, util_pct=float(np.clip(rng.normal(40 if stalled else 93, 3), 0, 100))),
+            gpu_row("data", 1, util_pct=float(np.clip(rng.normal(18, 4), 0, 100)), mem_used_mib=2100.0, power_w=90.0),
+        ]
         p50 = float(rng.normal(88.0, 1.5))
-        lines.append(metrics_snapshot(
-            t, uptime_s=2.0 + i * interval_s, step=step, loss=2.5 * np.exp(-i / 60) + 0.3,
-            stall_pct=float(np.clip(rng.normal(55 if stalled else 0.4, 0.3), 0, 100)),
-            batches_per_s=rate, samples_per_s=rate * 32, step_p50_ms=p50,
-            step_p99_ms=p50 + float(abs(rng.normal(25, 8))), queue_depth_mean=0.2 if stalled else 2.6,
-            leases_outstanding=len(producers) * 2, lease_window=2, producers_alive=len(producers),
-            producers=producers, gpus=gpu if gpus and i >= n_lines // 2 else []))
+        lines.append(
+            metrics_snapshot(
+                t,
+                uptime_s=2.0 + i * interval_s,
+                step=step,
+                loss=2.5 * np.exp(-i / 60) + 0.3,
+                stall_pct=float(np.clip(rng.normal(55 if stalled else 0.4, 0.3), 0, 100)),
+                batches_per_s=rate,
+                samples_per_s=rate * 32,
+                step_p50_ms=p50,
+                step_p99_ms=p50 + float(abs(rng.normal(25, 8))),
+                queue_depth_mean=0.2 if stalled else 2.6,
+                leases_outstanding=len(producers) * 2,
+                lease_window=2,
+                producers_alive=len(producers),
+                producers=producers,
+                gpus=gpu if gpus and i >= n_lines // 2 else [],
+            )
+        )
     lines[-1]["phase"] = "done"
     return lines
 
@@ -194,8 +268,7 @@ class FakeSlotFiles:
     ``retire(slot)`` bumps the slot's generation and records the call, as ``ShmSlots.retire`` does.
     """
 
-    def __init__(self, n_slots: int, directory: str = "/dev/shm/fake",
-                 private: frozenset[int] = frozenset()) -> None:
+    def __init__(self, n_slots: int, directory: str = "/dev/shm/fake", private: frozenset[int] = frozenset()) -> None:
         self.directory = Path(directory)
         self.retired = 0
         self.retired_slots: list[int] = []
@@ -235,8 +308,9 @@ class NvmlError(Exception):
 class FakeNvml:
     """The part of pynvml the sampler calls: GPUs by NVML index (PCI bus order), some of them inaccessible."""
 
-    def __init__(self, uuids: list[str], names: list[str] | None = None, broken: tuple[int, ...] = (),
-                 power: bool = True) -> None:
+    def __init__(
+        self, uuids: list[str], names: list[str] | None = None, broken: tuple[int, ...] = (), power: bool = True
+    ) -> None:
         self.uuids, self.names, self.broken, self.power = uuids, names or ["NVIDIA H100"] * len(uuids), broken, power
         self.shut = False
 
@@ -258,7 +332,7 @@ class FakeNvml:
         return index
 
     def nvmlDeviceGetUUID(self, handle: int) -> bytes:
-        return self.uuids[handle].encode()     # older pynvml returns bytes
+        return self.uuids[handle].encode()  # older pynvml returns bytes
 
     def nvmlDeviceGetName(self, handle: int) -> str:
         return self.names[handle]

@@ -27,16 +27,16 @@ import tensorflow as tf
 import melfeed
 from melfeed.consumer.train.model import StepSpec, optimizer_variables
 
-keras = tf.keras            # tf_keras under TF_USE_LEGACY_KERAS=1, else Keras 3
+keras = tf.keras  # tf_keras under TF_USE_LEGACY_KERAS=1, else Keras 3
 FEATURES = ("tokens", "tok_len", "mel_len", "frames", "durations", "row_mask")
 
 
 def regulate(h: tf.Tensor, durations: tf.Tensor, n_frames: tf.Tensor) -> tf.Tensor:
     """Length regulator: [B, L, H] token encodings -> [B, T, H], token i repeated ``durations[:, i]`` times;
     frames after the last token's are zeros."""
-    ends = tf.cumsum(durations, axis=1)                                       # [B, L] frame after each token
+    ends = tf.cumsum(durations, axis=1)  # [B, L] frame after each token
     frames = tf.broadcast_to(tf.range(n_frames, dtype=durations.dtype)[None, :], [tf.shape(h)[0], n_frames])
-    index = tf.searchsorted(ends, frames, side="right")                      # [B, T] token on screen; L: none
+    index = tf.searchsorted(ends, frames, side="right")  # [B, T] token on screen; L: none
     inside = tf.cast(index < tf.shape(h)[1], h.dtype)[..., None]
     return tf.gather(h, tf.minimum(index, tf.shape(h)[1] - 1), batch_dims=1) * inside
 
@@ -56,7 +56,7 @@ class FastSpeechKind(keras.Model):  # type: ignore[misc, name-defined]  # tf.ker
     def call(self, x: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         tokens = x["tokens"]
         mask = tf.sequence_mask(x["tok_len"], tf.shape(tokens)[1], tf.float32)[..., None]
-        h = self.encoder(self.embed(tokens) * mask) * mask                                    # [B, L, H]
+        h = self.encoder(self.embed(tokens) * mask) * mask  # [B, L, H]
         frames = regulate(h, tf.cast(x["durations"], tf.int32), tf.reshape(x["frames"][:1], []))
         return {"mel": self.mel_head(self.decoder(frames)), "log_duration": tf.squeeze(self.duration(h), -1)}
 
@@ -64,27 +64,40 @@ class FastSpeechKind(keras.Model):  # type: ignore[misc, name-defined]  # tf.ker
         """Keras ``fit``'s step: the same losses as the built-in loop's step."""
         x, mel = data
         with tf.GradientTape() as tape:
-            parts = losses(self(x, training=True), mel, x["mel_len"], x["tokens"], x["tok_len"], x["durations"],
-                           x["row_mask"])
+            parts = losses(
+                self(x, training=True), mel, x["mel_len"], x["tokens"], x["tok_len"], x["durations"], x["row_mask"]
+            )
         grads = tape.gradient(parts["loss"], self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return parts
 
 
-def losses(out: dict[str, tf.Tensor], mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-           durations: tf.Tensor, row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
+def losses(
+    out: dict[str, tf.Tensor],
+    mel: tf.Tensor,
+    mel_len: tf.Tensor,
+    tokens: tf.Tensor,
+    tok_len: tf.Tensor,
+    durations: tf.Tensor,
+    row_mask: tf.Tensor,
+) -> dict[str, tf.Tensor]:
     """Named losses, normalised by valid frames and tokens (padding rows and frames count for nothing)."""
     expanded = tf.reduce_sum(tf.cast(durations, tf.int32), axis=1)
-    tf.debugging.assert_equal(tf.where(row_mask, expanded, mel_len), mel_len,
-                              message="expanded length (sum of durations) != mel_len for a real row")
+    tf.debugging.assert_equal(
+        tf.where(row_mask, expanded, mel_len),
+        mel_len,
+        message="expanded length (sum of durations) != mel_len for a real row",
+    )
     mel = tf.cast(mel, tf.float32)
     frame_mask = tf.sequence_mask(mel_len, tf.shape(mel)[1], tf.float32)[..., None]
     mel_loss = tf.reduce_sum(tf.abs(out["mel"] - mel) * frame_mask) / tf.maximum(
-        tf.reduce_sum(frame_mask) * tf.cast(tf.shape(mel)[2], tf.float32), 1.0)
+        tf.reduce_sum(frame_mask) * tf.cast(tf.shape(mel)[2], tf.float32), 1.0
+    )
     tok_mask = tf.sequence_mask(tok_len, tf.shape(tokens)[1], tf.float32)
     target = tf.math.log1p(tf.cast(durations, tf.float32))
     duration_loss = tf.reduce_sum(tf.square(out["log_duration"] - target) * tok_mask) / tf.maximum(
-        tf.reduce_sum(tok_mask), 1.0)
+        tf.reduce_sum(tok_mask), 1.0
+    )
     return {"loss": mel_loss + duration_loss, "mel_loss": mel_loss, "duration_loss": duration_loss}
 
 
@@ -97,18 +110,27 @@ class FastSpeechStep:
     """The built-in loop's step: one update per batch; every variable built before the factory returns."""
 
     def __init__(self, spec: StepSpec) -> None:
-        expected = spec.params.get("keras")      # the test says which Keras it runs under: never the other silently
+        expected = spec.params.get("keras")  # the test says which Keras it runs under: never the other silently
         if expected is not None and not keras.__name__.startswith(str(expected)):
             raise RuntimeError(f"tf.keras is {keras.__name__}, not {expected}")
         self.model = FastSpeechKind(spec.vocab_size, spec.n_mels, int(spec.params.get("hidden", 32)), spec.seed)
         self.optimizer = _optimizer(spec.learning_rate)
         one = tf.ones([1], tf.int32)
-        self.model({"tokens": tf.ones([1, 2], tf.int32), "tok_len": one, "durations": tf.ones([1, 2], tf.int32),
-                    "frames": one})
+        self.model(
+            {"tokens": tf.ones([1, 2], tf.int32), "tok_len": one, "durations": tf.ones([1, 2], tf.int32), "frames": one}
+        )
         self.optimizer.build(self.model.trainable_variables)
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
-                 durations: tf.Tensor, row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        *,
+        durations: tf.Tensor,
+        row_mask: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
         frames = tf.fill(tf.shape(mel_len), tf.shape(mel)[1])
         with tf.GradientTape() as tape:
             out = self.model({"tokens": tokens, "tok_len": tok_len, "durations": durations, "frames": frames})
@@ -132,19 +154,24 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    cfg = melfeed.config_from_mapping({
-        "cache_dir": args.cache_dir, "buckets": {"num_buckets": 2, "batch_size": 16},
-        "consumer": {"steps": args.steps, "state_dir": args.state_dir, "checkpoint_every_steps": 5}})
-    with melfeed.FitResume(cfg) as resume, \
-            melfeed.Consumer(cfg, start_batch=resume.next_batch, producers=1) as feed:
+    cfg = melfeed.config_from_mapping(
+        {
+            "cache_dir": args.cache_dir,
+            "buckets": {"num_buckets": 2, "batch_size": 16},
+            "consumer": {"steps": args.steps, "state_dir": args.state_dir, "checkpoint_every_steps": 5},
+        }
+    )
+    with melfeed.FitResume(cfg) as resume, melfeed.Consumer(cfg, start_batch=resume.next_batch, producers=1) as feed:
         model = FastSpeechKind(cfg.model.vocab_size, cfg.n_mels)
-        model.compile(optimizer=_optimizer(0.01), jit_compile=False)   # graph mode: the length assertion runs
+        model.compile(optimizer=_optimizer(0.01), jit_compile=False)  # graph mode: the length assertion runs
         dataset = feed.as_dataset(features=FEATURES)
-        seen: list[dict[str, float]] = []        # each batch's named losses, as fit reports them
-        record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda _, logs: seen.append(
-            {k: float(v) for k, v in logs.items()}))
-        model.fit(dataset, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[resume.callback(model, feed, dataset), record])
+        seen: list[dict[str, float]] = []  # each batch's named losses, as fit reports them
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda _, logs: seen.append({k: float(v) for k, v in logs.items()})
+        )
+        model.fit(
+            dataset, epochs=1, verbose=0, shuffle=False, callbacks=[resume.callback(model, feed, dataset), record]
+        )
     print(json.dumps({"keras": keras.__name__, "batches": seen}))
 
 

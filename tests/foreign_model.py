@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec
 
-_N_POS = 8   # position features per frame: r, 1, sin/cos of 3 octaves
+_N_POS = 8  # position features per frame: r, 1, sin/cos of 3 octaves
 
 
 def _positions(n_frames: int, mel_len: tf.Tensor) -> tf.Tensor:
@@ -65,8 +65,7 @@ class ForeignStep:
         biggest = max(spec.bucket_shapes, key=lambda b: b["mel"][1]) if spec.bucket_shapes else None
         frames, n_tok = (biggest["mel"][1], biggest["tokens"][1]) if biggest else (8, 4)
         one = tf.ones([1], tf.int32)
-        self.model({"tokens": tf.ones([1, n_tok], tf.int32), "tok_len": one,
-                    "positions": _positions(frames, one)})
+        self.model({"tokens": tf.ones([1, n_tok], tf.int32), "tok_len": one, "positions": _positions(frames, one)})
         self.optimizer.build(self.model.trainable_variables)
 
     def _mel_l1(self, pred: tf.Tensor, mel: tf.Tensor, frame_mask: tf.Tensor) -> tf.Tensor:
@@ -74,16 +73,17 @@ class ForeignStep:
             err = tf.where(mask[..., None], tf.abs(p - m), 0.0)
             return tf.reduce_sum(err) / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32)) * m.shape[-1], 1.0)
 
-        def whole_groups() -> tf.Tensor:   # never taken (reduction is 1); XLA cannot differentiate it
+        def whole_groups() -> tf.Tensor:  # never taken (reduction is 1); XLA cannot differentiate it
             keep = (tf.shape(mel)[1] // self.reduction) * self.reduction
             return l1(pred[:, :keep], mel[:, :keep], frame_mask[:, :keep])
 
         return tf.cond(self.reduction == 1, lambda: l1(pred, mel, frame_mask), whole_groups)
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                 tok_len: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor
+    ) -> dict[str, tf.Tensor]:
         n_frames = mel.shape[1]
-        frame_mask = tf.sequence_mask(mel_len, n_frames)                              # [B, T]
+        frame_mask = tf.sequence_mask(mel_len, n_frames)  # [B, T]
         stop_target = tf.cast(tf.range(n_frames)[None, :] >= (mel_len - 1)[:, None], tf.float32)
         with tf.GradientTape() as tape:
             out = self.model({"tokens": tokens, "tok_len": tok_len, "positions": _positions(n_frames, mel_len)})

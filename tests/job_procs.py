@@ -22,7 +22,7 @@ from tests import procs
 
 WORLD = 2
 CHECKPOINT_EVERY = 20
-PEER_TIMEOUT_S = 5.0       # consumer.peer_timeout_s of these jobs: how soon a survivor gives up
+PEER_TIMEOUT_S = 5.0  # consumer.peer_timeout_s of these jobs: how soon a survivor gives up
 _APPLIED = re.compile(r"applied batch (\d+)$", re.M)
 
 
@@ -48,16 +48,27 @@ class Job:
         for rank in range(WORLD):
             cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
             self.tf_config(rank).write_text(json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
-            self.config(rank).write_text(yaml.safe_dump({
-                "cache_dir": str(cache),
-                "buckets": {"num_buckets": 2, "batch_size": 8},
-                "model": {"jit_compile": False},        # the reference step; graph mode (no XLA collectives on CPU)
-                "transport": {"endpoint": f"ipc://{tmp}/rank{rank}.sock", "heartbeat_interval_s": 0.2},
-                "producer": {"count": 1},
-                "consumer": {"steps": steps, "state_dir": str(self.state(rank)), "checkpoint_every_steps":
-                             CHECKPOINT_EVERY, "keep_checkpoints": 2, "feed_efficiency_steps": 0,
-                             "peer_timeout_s": PEER_TIMEOUT_S, "collective_timeout_s": 120.0,
-                             "status_interval_s": 2.0}}))
+            self.config(rank).write_text(
+                yaml.safe_dump(
+                    {
+                        "cache_dir": str(cache),
+                        "buckets": {"num_buckets": 2, "batch_size": 8},
+                        "model": {"jit_compile": False},  # the reference step; graph mode (no XLA collectives on CPU)
+                        "transport": {"endpoint": f"ipc://{tmp}/rank{rank}.sock", "heartbeat_interval_s": 0.2},
+                        "producer": {"count": 1},
+                        "consumer": {
+                            "steps": steps,
+                            "state_dir": str(self.state(rank)),
+                            "checkpoint_every_steps": CHECKPOINT_EVERY,
+                            "keep_checkpoints": 2,
+                            "feed_efficiency_steps": 0,
+                            "peer_timeout_s": PEER_TIMEOUT_S,
+                            "collective_timeout_s": 120.0,
+                            "status_interval_s": 2.0,
+                        },
+                    }
+                )
+            )
 
     def tf_config(self, rank: int) -> Path:
         return self.tmp / f"tf_config{rank}.json"
@@ -75,8 +86,17 @@ class Job:
         return self.tmp / f"summary{rank}.json"
 
     def start(self, rank: int) -> subprocess.Popen[bytes]:
-        return procs.start("run", self.config(rank), self.log(rank), "--tf-config", str(self.tf_config(rank)),
-                           "--summary-json", str(self.summary(rank)), "--log-level", "DEBUG")
+        return procs.start(
+            "run",
+            self.config(rank),
+            self.log(rank),
+            "--tf-config",
+            str(self.tf_config(rank)),
+            "--summary-json",
+            str(self.summary(rank)),
+            "--log-level",
+            "DEBUG",
+        )
 
     def start_all(self) -> list[subprocess.Popen[bytes]]:
         return [self.start(rank) for rank in range(WORLD)]
@@ -96,8 +116,13 @@ class Job:
     def audit(self) -> tuple[int, dict[str, Any], str]:
         report = self.tmp / f"audit-{time.monotonic_ns()}.json"
         states = [str(self.state(rank)) for rank in range(WORLD)]
-        proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", *states, "-o",
-                               str(report)], cwd=procs.REPO, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "melfeed", "audit", *states, "-o", str(report)],
+            cwd=procs.REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         doc = json.loads(report.read_text()) if report.exists() else {}
         return proc.returncode, doc, proc.stdout + proc.stderr
 

@@ -63,7 +63,7 @@ def _source_of(module: str) -> Path | None:
     elif parts[0] == "melfeed" and len(parts) > 1 and parts[1] in _PACKAGE_DIRS:
         base = _PACKAGE_DIRS[parts[1]].joinpath(*parts[2:])
     elif parts[0] == "melfeed":
-        base = REPO.joinpath("consumer", *parts)          # the front: consumer/melfeed/
+        base = REPO.joinpath("consumer", *parts)  # the front: consumer/melfeed/
     else:
         return None
     for path in (base.with_suffix(".py"), base / "__init__.py"):
@@ -87,8 +87,16 @@ def _is_tensorflow(module: str) -> bool:
     return module == "tensorflow" or module.startswith("tensorflow.")
 
 
-_PROCESS_MODULES = ("subprocess", "multiprocessing", "socket", "zmq",
-                    "tests.cli_run", "tests.job_procs", "tests.procs", "tests.systemd_ns")
+_PROCESS_MODULES = (
+    "subprocess",
+    "multiprocessing",
+    "socket",
+    "zmq",
+    "tests.cli_run",
+    "tests.job_procs",
+    "tests.procs",
+    "tests.systemd_ns",
+)
 
 
 def _starts_processes(module: str) -> bool:
@@ -134,15 +142,21 @@ def imports_process_tools(path: Path) -> bool:
 _EXPRESSION_WORDS = {"and", "or", "not", "True", "False"}
 
 
+def _carries(marks: set[str]) -> Callable[..., bool]:
+    """A ``-m`` matcher: whether a test with ``marks`` carries the mark named (a mark's keyword arguments ignored)."""
+    return lambda name, /, **kwargs: name in marks
+
+
 def deselects_whole_file(markexpr: str, known_marks: set[str]) -> bool:
     """Whether the ``-m`` expression ``markexpr`` rejects every test that carries ``known_marks``, whatever other
     marks it has: then collecting its file (importing it, maybe TensorFlow) only to deselect it can be skipped."""
-    from _pytest.mark.expression import Expression     # the parser of ``-m`` itself: no second grammar to keep
+    from _pytest.mark.expression import Expression  # the parser of ``-m`` itself: no second grammar to keep
+
     expression = Expression.compile(markexpr)
     others = sorted(set(re.findall(r"[A-Za-z_][\w.-]*", markexpr)) - _EXPRESSION_WORDS - known_marks)
     for present in itertools.product((False, True), repeat=len(others)):
         marks = known_marks | {name for name, on in zip(others, present, strict=True) if on}
-        if expression.evaluate(lambda name, /, **kwargs: name in marks):
+        if expression.evaluate(_carries(marks)):
             return False
     return True
 
@@ -157,6 +171,7 @@ class _Item(Protocol):
 
 def unmarked_tensorflow_files(items: Iterable[_Item], root: Path) -> list[Path]:
     """The test files under ``root`` that import TensorFlow while a test of theirs lacks the ``tf`` marker."""
-    candidates = {item.path for item in items
-                  if item.path.is_relative_to(root) and item.get_closest_marker("tf") is None}
+    candidates = {
+        item.path for item in items if item.path.is_relative_to(root) and item.get_closest_marker("tf") is None
+    }
     return sorted(path for path in candidates if imports_tensorflow(path))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-MALLORY = 4242          # a uid no process of the test runs as
+MALLORY = 4242  # a uid no process of the test runs as
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
 
 

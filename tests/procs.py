@@ -28,7 +28,7 @@ from melfeed.consumer.resume.audit import RECORD_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_STEP = "tests.steps:tiny_step"
-WAIT_S = 60.0   # bound of a wait for a process to start, stop or answer: only a real hang gets near it
+WAIT_S = 60.0  # bound of a wait for a process to start, stop or answer: only a real hang gets near it
 
 
 def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps: int, **sections: Any) -> Path:
@@ -36,8 +36,13 @@ def write_config(path: Path, cache: Path, endpoint: str, state_dir: Path, steps:
     cfg: dict[str, Any] = {
         "cache_dir": str(cache),
         "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "liveness_intervals": 5},
-        "consumer": {"steps": steps, "state_dir": str(state_dir), "checkpoint_every_steps": 7,
-                     "wait_timeout_s": 0.5, "status_interval_s": 2.0},
+        "consumer": {
+            "steps": steps,
+            "state_dir": str(state_dir),
+            "checkpoint_every_steps": 7,
+            "wait_timeout_s": 0.5,
+            "status_interval_s": 2.0,
+        },
         "producer": {"count": 3, "restart_backoff_s": 0.2},
         # One compile mode for every run: these tests compare separate runs bit for bit, and "auto" may
         # time XLA and graph mode differently in each (a resumed run keeps its own choice, see
@@ -60,15 +65,22 @@ def command(name: str, config: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "melfeed", name, "--config", str(config), *extra]
 
 
-_started: list[subprocess.Popen[bytes]] = []   # every process start() made in this test, reaped after it
+_started: list[subprocess.Popen[bytes]] = []  # every process start() made in this test, reaped after it
 
 
-def start(name: str, config: Path, log_path: Path, *extra: str,
-          extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start(
+    name: str, config: Path, log_path: Path, *extra: str, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """``melfeed NAME --config CONFIG`` with stdout+stderr appended to ``log_path``."""
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(command(name, config, *extra), cwd=REPO, env=env(config.parent) | (extra_env or {}),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command(name, config, *extra),
+            cwd=REPO,
+            env=env(config.parent) | (extra_env or {}),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     _started.append(proc)
     return proc
 
@@ -80,8 +92,14 @@ def start_python(code: str, config: Path, log_path: Path, *extra: str) -> subpro
     CLI): a process whose only role is to leave the state, or be the peer, that the real CLI under test handles.
     """
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, str(config), *extra], cwd=REPO, env=env(config.parent),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(config), *extra],
+            cwd=REPO,
+            env=env(config.parent),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     _started.append(proc)
     return proc
 
@@ -139,7 +157,7 @@ class Tracked(NamedTuple):
     """One process, told apart from a later one that reuses its pid by its start time."""
 
     pid: int
-    start_ticks: int     # /proc/PID/stat field 22: clock ticks after boot
+    start_ticks: int  # /proc/PID/stat field 22: clock ticks after boot
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -181,8 +199,9 @@ def describe(proc: Tracked) -> str:
     """One line for a failure message: command line, state, parent, threads and signal masks of ``proc``."""
     try:
         argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-                      if ":\t" in line)
+        status = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if ":\t" in line
+        )
     except OSError as err:
         return f"{proc.pid}: gone ({err.strerror})"
     keys = ("State", "PPid", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
@@ -200,8 +219,13 @@ def kill_running(family: list[Tracked]) -> None:
 def run_audit(state_dir: Path, tmp: Path) -> tuple[int, dict[str, Any], str]:
     """``melfeed audit`` as a user runs it: exit code, its JSON, its printed text."""
     out_json = tmp / f"audit-{time.monotonic_ns()}.json"
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(state_dir), "-o",
-                           str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "melfeed", "audit", str(state_dir), "-o", str(out_json)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     doc = json.loads(out_json.read_text()) if out_json.exists() else {}
     return proc.returncode, doc, proc.stdout + proc.stderr
 

@@ -28,16 +28,21 @@ from melfeed.shared.config.loader import config_from_mapping
 
 _ROWS, _FRAMES, _TOKENS, _MELS = 8, 48, 16, 80
 _BATCHES = 4
-_CUT = 2   # the checkpoint is taken after this many batches
+_CUT = 2  # the checkpoint is taken after this many batches
 
 
 def _batches() -> list[dict[str, np.ndarray]]:
     from melfeed.consumer.train.handoff import aligned_empty
+
     rng = np.random.default_rng(7)
     out = []
     for _ in range(_BATCHES):
-        a = {"mel": aligned_empty((_ROWS, _FRAMES, _MELS), np.float32), "mel_len": aligned_empty((_ROWS,), np.int32),
-             "tokens": aligned_empty((_ROWS, _TOKENS), np.int32), "tok_len": aligned_empty((_ROWS,), np.int32)}
+        a = {
+            "mel": aligned_empty((_ROWS, _FRAMES, _MELS), np.float32),
+            "mel_len": aligned_empty((_ROWS,), np.int32),
+            "tokens": aligned_empty((_ROWS, _TOKENS), np.int32),
+            "tok_len": aligned_empty((_ROWS,), np.int32),
+        }
         a["mel"][...] = rng.standard_normal(a["mel"].shape)
         # Unequal valid frames per replica half (a padding row in one half): a loss normalised by its own
         # rows' frames would differ from the whole batch's.
@@ -50,14 +55,19 @@ def _batches() -> list[dict[str, np.ndarray]]:
 
 
 def main(out_path: str) -> int:
-    cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
-                               "model": {"learning_rate": 0.01, "jit_compile": False}})
-    configure_memory(cfg)          # before any TensorFlow op: 2 logical CPU devices
+    cfg = config_from_mapping(
+        {
+            "consumer": {"replicas": 2},
+            "buckets": {"batch_size": _ROWS},
+            "model": {"learning_rate": 0.01, "jit_compile": False},
+        }
+    )
+    configure_memory(cfg)  # before any TensorFlow op: 2 logical CPU devices
     from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor
+    from melfeed.consumer.train.handoff import to_tensors
     from melfeed.consumer.train.model import StepSpec, build_reference_step
     from melfeed.consumer.train.replicas import Replicas, replica_scope
     from melfeed.consumer.train.step import CompiledStep
-    from melfeed.consumer.train.handoff import to_tensors
 
     shapes = [{"mel": (_ROWS, _FRAMES, _MELS), "mel_len": (_ROWS,), "tokens": (_ROWS, _TOKENS), "tok_len": (_ROWS,)}]
     batches = _batches()
@@ -90,12 +100,14 @@ def main(out_path: str) -> int:
         CheckpointStore.restore(saved, items)
         result["losses_resumed"] = run(two, batches[_CUT:])
     vars_resumed = [v.numpy() for v in step_2.variables()]
-    result["max_abs_var_diff_1_vs_2"] = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in
-                                            zip(vars_1, vars_2))
+    result["max_abs_var_diff_1_vs_2"] = max(
+        float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip(vars_1, vars_2)
+    )
     result["max_abs_var_1"] = max(float(np.max(np.abs(a))) for a in vars_1)
     result["resumed_bit_identical"] = all(np.array_equal(a, b) for a, b in zip(vars_2, vars_resumed))
     result["replica_copies_equal"] = all(
-        all(np.array_equal(c.numpy(), v.values[0].numpy()) for c in v.values) for v in step_2.variables())
+        all(np.array_equal(c.numpy(), v.values[0].numpy()) for c in v.values) for v in step_2.variables()
+    )
     result["mirrored"] = sum(len(getattr(v, "values", ())) == 2 for v in step_2.variables())
     result["variables"] = len(vars_2)
     result["float16"] = _float16_replicas(shapes, replicas, batches[:2])
@@ -104,8 +116,9 @@ def main(out_path: str) -> int:
     return 0
 
 
-def _float16_replicas(shapes: list[dict[str, tuple[int, ...]]], replicas: Any,
-                      batches: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+def _float16_replicas(
+    shapes: list[dict[str, tuple[int, ...]]], replicas: Any, batches: list[dict[str, np.ndarray]]
+) -> dict[str, Any]:
     """Two replicas on float16 slots against two on float32 slots of the same (float16-rounded) values."""
     from melfeed.consumer.train.handoff import aligned_empty, to_tensors
     from melfeed.consumer.train.model import StepSpec, build_reference_step
@@ -114,8 +127,14 @@ def _float16_replicas(shapes: list[dict[str, tuple[int, ...]]], replicas: Any,
 
     out: dict[str, Any] = {}
     for mel_dtype in ("float32", "float16"):
-        cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
-                                   "model": {"learning_rate": 0.01}, "transport": {"mel_dtype": mel_dtype}})
+        cfg = config_from_mapping(
+            {
+                "consumer": {"replicas": 2},
+                "buckets": {"batch_size": _ROWS},
+                "model": {"learning_rate": 0.01},
+                "transport": {"mel_dtype": mel_dtype},
+            }
+        )
         with replica_scope(replicas):
             step = build_reference_step(StepSpec.from_config(cfg, shapes, None))
         compiled = CompiledStep(step, shapes, jit_compile=False, replicas=replicas, mel_dtype=mel_dtype)

@@ -34,6 +34,7 @@ def _fill(views: dict[str, np.ndarray], rng: np.random.Generator) -> None:
 
 def main(out_path: str) -> int:
     import tensorflow as tf
+
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
 
@@ -48,8 +49,13 @@ def main(out_path: str) -> int:
     from melfeed.shared.wire.buckets import Bucket
     from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
-    cfg = config_from_mapping({"consumer": {"replicas": 2}, "buckets": {"batch_size": _ROWS},
-                               "model": {"learning_rate": 0.01, "jit_compile": False}})
+    cfg = config_from_mapping(
+        {
+            "consumer": {"replicas": 2},
+            "buckets": {"batch_size": _ROWS},
+            "model": {"learning_rate": 0.01, "jit_compile": False},
+        }
+    )
     bucket = Bucket(0, _ROWS, _FRAMES, _TOKENS, _MELS)
     shapes = [bucket.shapes()]
     replicas = Replicas(_DEVICES)
@@ -82,8 +88,9 @@ def main(out_path: str) -> int:
         staged = handoff.put(batch)
         result["host_copies"] += staged.host_copies
         if batch_id == 0:
-            result["piece_devices"] = [[p.device for p in replicas.strategy.experimental_local_results(v)]
-                                       for v in staged.value]          # one PerReplica per array
+            result["piece_devices"] = [
+                [p.device for p in replicas.strategy.experimental_local_results(v)] for v in staged.value
+            ]  # one PerReplica per array
             result["aliases_slot"] = _aliases(staged.value, packed, replicas, slot)
         handoff.step(batch, staged.value)
     read = handoff.read()

@@ -20,7 +20,7 @@ def scribble_on_release(ring: Any) -> Callable[[], int]:
 
     def release_then_scribble(slot: int) -> None:
         nonlocal count
-        ring.memory.buffer(slot)[:] = GARBAGE   # still IN_STEP: no producer writes it yet
+        ring.memory.buffer(slot)[:] = GARBAGE  # still IN_STEP: no producer writes it yet
         count += 1
         release(slot)
 

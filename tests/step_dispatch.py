@@ -28,8 +28,12 @@ def _ms_per_call(jit_compile: bool, calls: int, blocks: int) -> float:
     compiled = CompiledStep(tiny_step(spec), [_SHAPES], jit_compile=jit_compile)
     compiled.warm_up()
     rng = np.random.default_rng(0)
-    batch = {"mel": tf.constant(rng.normal(size=_SHAPES["mel"]).astype(np.float32)),
-             "mel_len": tf.fill([4], 12), "tokens": tf.ones(_SHAPES["tokens"], tf.int32), "tok_len": tf.fill([4], 5)}
+    batch = {
+        "mel": tf.constant(rng.normal(size=_SHAPES["mel"]).astype(np.float32)),
+        "mel_len": tf.fill([4], 12),
+        "tokens": tf.ones(_SHAPES["tokens"], tf.int32),
+        "tok_len": tf.fill([4], 5),
+    }
     for _ in range(calls // 10):
         compiled.run(0, batch)
     times = []
@@ -47,8 +51,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
-    print(json.dumps({mode: round(_ms_per_call(jit, args.calls, args.blocks), 3)
-                      for mode, jit in (("graph_ms", False), ("xla_ms", True))}))
+    print(
+        json.dumps(
+            {
+                mode: round(_ms_per_call(jit, args.calls, args.blocks), 3)
+                for mode, jit in (("graph_ms", False), ("xla_ms", True))
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def tiny_step(spec: StepSpec) -> _TinyStep:
     return _TinyStep(spec)
 
 
-_SLOW_MATMULS = 12      # chained [512, 512] matmuls per step: ~50-100 ms on the 2-core CI machine
+_SLOW_MATMULS = 12  # chained [512, 512] matmuls per step: ~50-100 ms on the 2-core CI machine
 _SLOW_SIDE = 512
 
 
@@ -53,14 +53,19 @@ class _SlowStep(_TinyStep):
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
-        x = tf.reshape(tf.tile(self.w, [_SLOW_SIDE * _SLOW_SIDE // self.w.shape[0] + 1])[:_SLOW_SIDE * _SLOW_SIDE],
-                       [_SLOW_SIDE, _SLOW_SIDE]) + 1.0
+        x = (
+            tf.reshape(
+                tf.tile(self.w, [_SLOW_SIDE * _SLOW_SIDE // self.w.shape[0] + 1])[: _SLOW_SIDE * _SLOW_SIDE],
+                [_SLOW_SIDE, _SLOW_SIDE],
+            )
+            + 1.0
+        )
 
         def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             return i + 1, tf.tanh(tf.matmul(acc, x) * (1.0 / _SLOW_SIDE))
 
         _, acc = tf.while_loop(lambda i, acc: i < _SLOW_MATMULS, body, (tf.constant(0), x))
-        return loss + 0.0 * tf.reduce_mean(acc)   # depends on the chain, so XLA must compute it
+        return loss + 0.0 * tf.reduce_mean(acc)  # depends on the chain, so XLA must compute it
 
 
 def slow_step(spec: StepSpec) -> _SlowStep:
@@ -100,8 +105,14 @@ class _RowsStep(_TinyStep):
     """``tiny_step`` that also takes the row inputs (consumer/train/rows.py) and reports them."""
 
     def __call__(  # type: ignore[override]  # takes the row inputs too
-            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-            rows: tf.Tensor, row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        rows: tf.Tensor,
+        row_mask: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
         padding = tf.cast(tf.shape(mel)[0] - tf.reduce_sum(tf.cast(row_mask, tf.int32)), tf.float32)
         return {"loss": loss, "rows": tf.cast(rows, tf.float32), "padding_rows": padding}
@@ -120,8 +131,9 @@ class _FailAtStep(_TinyStep):
         self.fail_at = int(spec.params["fail_at"])
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
-        check = tf.debugging.assert_less(self.iterations, tf.constant(self.fail_at, tf.int64),
-                                         message="the fail_at check failed")
+        check = tf.debugging.assert_less(
+            self.iterations, tf.constant(self.fail_at, tf.int64), message="the fail_at check failed"
+        )
         with tf.control_dependencies([check]):
             return super().__call__(mel, mel_len, tokens, tok_len)
 
@@ -137,6 +149,7 @@ class _XlaAbortStep(_TinyStep):
 
     def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
         from tensorflow.python.ops import control_flow_util
+
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             os.abort()
         return super().__call__(mel, mel_len, tokens, tok_len)

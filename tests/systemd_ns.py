@@ -20,9 +20,18 @@ from pathlib import Path
 
 __all__ = ["SystemdNS", "INSIDE"]
 
-INSIDE = Path("/srv/melfeed")       # where the test's directory appears inside the namespaces
-_STUBS = ("sysinit.target", "basic.target", "shutdown.target", "umount.target", "final.target",
-          "local-fs.target", "network.target", "multi-user.target", "system.slice")
+INSIDE = Path("/srv/melfeed")  # where the test's directory appears inside the namespaces
+_STUBS = (
+    "sysinit.target",
+    "basic.target",
+    "shutdown.target",
+    "umount.target",
+    "final.target",
+    "local-fs.target",
+    "network.target",
+    "multi-user.target",
+    "system.slice",
+)
 # The targets systemd-exit.service requires: with the default dependencies a stub would conflict with
 # shutdown.target, `systemctl exit` would fail its transaction and close() would wait out its bound.
 _EXIT_STUBS = ("shutdown.target", "umount.target", "final.target")
@@ -34,12 +43,12 @@ class SystemdNS:
         self.workdir = workdir
         self.units = units
         self.boot_unit = boot_unit
-        self.console = workdir / "systemd.log"      # systemd's own log (/dev/console inside)
+        self.console = workdir / "systemd.log"  # systemd's own log (/dev/console inside)
         self.launcher_log = workdir / "launcher.log"
         self.name = f"melfeed-test-{os.getpid()}-{time.monotonic_ns()}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.pid: int | None = None        # systemd's pid as seen from outside
-        self.exit_refused: str | None = None   # set by close(): why systemd did not exit when asked
+        self.pid: int | None = None  # systemd's pid as seen from outside
+        self.exit_refused: str | None = None  # set by close(): why systemd did not exit when asked
 
     @staticmethod
     def unavailable() -> str | None:
@@ -50,8 +59,9 @@ class SystemdNS:
                 return f"systemd tooling missing ({tool})"
         if not Path("/sys/fs/cgroup/systemd").is_dir() or not INSIDE.parent.is_dir():
             return "no hybrid cgroup layout or no /srv mount point on this machine"
-        probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--cgroup", "true"], capture_output=True,
-                               timeout=30)
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount", "--cgroup", "true"], capture_output=True, timeout=30
+        )
         if probe.returncode != 0:
             return f"unshare refused: {probe.stderr.decode(errors='replace').strip()}"
         return None
@@ -88,8 +98,9 @@ class SystemdNS:
             '
             """)
         with open(self.launcher_log, "ab") as out:
-            self.proc = subprocess.Popen(["bash", "-c", script], stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                ["bash", "-c", script], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         deadline = time.monotonic() + timeout_s
         state = "no systemd process yet"
         while time.monotonic() < deadline:
@@ -116,8 +127,12 @@ class SystemdNS:
 
     def systemctl(self, *args: str, check: bool = True, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         assert self.pid is not None
-        run = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", *args],
-                             capture_output=True, text=True, timeout=timeout_s)
+        run = subprocess.run(
+            ["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if check and run.returncode != 0:
             raise RuntimeError(f"systemctl {' '.join(args)}: {run.returncode} {run.stderr.strip()}")
         return run
@@ -139,8 +154,9 @@ class SystemdNS:
 
     def logs(self, chars: int = 2500) -> str:
         """The tails of every log in the work directory (units log there through test drop-ins)."""
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
-                         for p in sorted(self.workdir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in sorted(self.workdir.glob("*.log"))
+        )
 
     def close(self) -> None:
         """``systemctl exit``, bounded wait, then kill and remove our cgroups. Idempotent.
@@ -150,8 +166,12 @@ class SystemdNS:
         """
         if self.proc is not None and self.proc.poll() is None:
             if self.pid:
-                run = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", "exit", "0"],
-                                     capture_output=True, text=True, timeout=30)
+                run = subprocess.run(
+                    ["nsenter", "-t", str(self.pid), "-m", "-p", "--", "systemctl", "exit", "0"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 if run.returncode != 0:
                     self.exit_refused = f"systemctl exit: {run.returncode} {run.stderr.strip()}"
             try:

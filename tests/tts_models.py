@@ -24,16 +24,20 @@ import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec
-from tests.attention_data import R   # frames per decoder step (reduction factor)
+from tests.attention_data import R  # frames per decoder step (reduction factor)
 
-_D = 16          # embedding, encoder (per direction) and attention width
-_N_POS = 6       # decoder query features: r, 1, sin/cos of 2 octaves
+_D = 16  # embedding, encoder (per direction) and attention width
+_N_POS = 6  # decoder query features: r, 1, sin/cos of 2 octaves
 FIT_FEATURES = ("tokens", "tok_len", "mel_len", "attn")
 
 
 def _queries(n_steps: int, mel_len: tf.Tensor) -> tf.Tensor:
     """[B, n_steps, _N_POS] features of each decoder step's relative position."""
-    r = (tf.cast(tf.range(n_steps), tf.float32)[None, :] + 0.5) * R / tf.cast(tf.maximum(mel_len, 1), tf.float32)[:, None]
+    r = (
+        (tf.cast(tf.range(n_steps), tf.float32)[None, :] + 0.5)
+        * R
+        / tf.cast(tf.maximum(mel_len, 1), tf.float32)[:, None]
+    )
     feats = [r, tf.ones_like(r)]
     for k in range(2):
         feats += [tf.sin(np.pi * 2**k * r), tf.cos(np.pi * 2**k * r)]
@@ -51,40 +55,43 @@ class _Tacotron(keras.Model):  # type: ignore[misc]  # Keras is untyped
             return keras.initializers.GlorotUniform(seed=next(seeds))
 
         self.embed = keras.layers.Embedding(spec.vocab_size, _D, embeddings_initializer=init())
-        self.encoder = keras.layers.Bidirectional(keras.layers.LSTM(
-            _D, return_sequences=True, kernel_initializer=init(), recurrent_initializer=init()))
+        self.encoder = keras.layers.Bidirectional(
+            keras.layers.LSTM(_D, return_sequences=True, kernel_initializer=init(), recurrent_initializer=init())
+        )
         self.query = keras.layers.Dense(2 * _D, kernel_initializer=init())
         self.out = keras.layers.Dense(R * spec.n_mels, kernel_initializer=init())
         self.n_mels = spec.n_mels
 
     def call(self, tokens: tf.Tensor, tok_len: tf.Tensor, mel_len: tf.Tensor, n_frames: int) -> tuple[Any, Any]:
-        mask = tf.sequence_mask(tok_len, maxlen=tf.reduce_max(tok_len))          # [B, L'] (dynamic padding)
-        memory = self.encoder(self.embed(tokens), mask=mask)                     # [B, L', 2D]
-        steps = n_frames // R                                                    # T is a multiple of R
-        q = self.query(_queries(steps, mel_len))                                 # [B, T/R, 2D]
+        mask = tf.sequence_mask(tok_len, maxlen=tf.reduce_max(tok_len))  # [B, L'] (dynamic padding)
+        memory = self.encoder(self.embed(tokens), mask=mask)  # [B, L', 2D]
+        steps = n_frames // R  # T is a multiple of R
+        q = self.query(_queries(steps, mel_len))  # [B, T/R, 2D]
         scores = tf.einsum("bsd,bld->bsl", q, memory)
-        memory_mask = tf.sequence_mask(tok_len, tf.shape(memory)[1])             # the memory lengths
+        memory_mask = tf.sequence_mask(tok_len, tf.shape(memory)[1])  # the memory lengths
         weights = tf.nn.softmax(tf.where(memory_mask[:, None, :], scores, -1e9), axis=-1)
         context = tf.einsum("bsl,bld->bsd", weights, memory)
-        mel = tf.reshape(self.out(context), [-1, steps * R, self.n_mels])        # R frames per decoder step
-        return mel, tf.transpose(weights, [0, 2, 1])                             # alignment [B, L', T/R]
+        mel = tf.reshape(self.out(context), [-1, steps * R, self.n_mels])  # R frames per decoder step
+        return mel, tf.transpose(weights, [0, 2, 1])  # alignment [B, L', T/R]
 
 
-def _losses(model: _Tacotron, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-            attn: tf.Tensor | None) -> dict[str, tf.Tensor]:
+def _losses(
+    model: _Tacotron, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, attn: tf.Tensor | None
+) -> dict[str, tf.Tensor]:
     """Named losses: masked mel L1, guided attention (with ``attn``), their sum ``loss``; T may be unknown."""
     tf.debugging.assert_positive(tok_len, message="tok_len")
     tf.debugging.assert_positive(mel_len, message="mel_len")
-    n_frames = mel.shape[1] if mel.shape[1] is not None else tf.shape(mel)[1]   # None in a fit dataset's spec
+    n_frames = mel.shape[1] if mel.shape[1] is not None else tf.shape(mel)[1]  # None in a fit dataset's spec
     pred, align = model(tokens, tok_len, mel_len, n_frames=n_frames)
     frame_mask = tf.sequence_mask(mel_len, n_frames)[..., None]
     n_valid = tf.maximum(tf.reduce_sum(tf.cast(frame_mask, tf.float32)) * mel.shape[2], 1.0)
     mel_l1 = tf.reduce_sum(tf.where(frame_mask, tf.abs(pred - mel), 0.0)) / n_valid
     out = {"mel_l1": mel_l1}
-    if attn is not None:                    # [B, L', T/R] like the alignment: both token axes cut alike
+    if attn is not None:  # [B, L', T/R] like the alignment: both token axes cut alike
         attn_mask = tf.cast(attn > 0, tf.float32)
         out["guided_attn"] = tf.reduce_sum(align * tf.cast(attn, tf.float32)) / tf.maximum(
-            tf.reduce_sum(attn_mask), 1.0)
+            tf.reduce_sum(attn_mask), 1.0
+        )
     out["loss"] = tf.add_n(list(out.values()))
     return out
 
@@ -97,11 +104,12 @@ class _TacotronStep:
         self.model = _Tacotron(spec)
         self.optimizer = keras.optimizers.Adam(learning_rate=float(spec.learning_rate))
         one = tf.ones([1], tf.int32)
-        self.model(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)        # every variable before tracing
+        self.model(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)  # every variable before tracing
         self.optimizer.build(self.model.trainable_variables)
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
-                 attn: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *, attn: tf.Tensor
+    ) -> dict[str, tf.Tensor]:
         trainable = self.model.trainable_variables
         with tf.GradientTape() as tape:
             out = _losses(self.model, tf.cast(mel, tf.float32), mel_len, tokens, tok_len, attn)
@@ -138,10 +146,10 @@ class TacotronFit(keras.Model):  # type: ignore[misc]  # Keras is untyped
         super().__init__(name="tiny_tacotron_fit")
         self.net = _Tacotron(spec)
         one = tf.ones([1], tf.int32)
-        self.net(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)            # every variable before fit
+        self.net(tf.ones([1, 1], tf.int32), one, one * R, n_frames=R)  # every variable before fit
 
     def call(self, x: dict[str, tf.Tensor]) -> Any:
-        n_frames = R * -(-tf.reduce_max(x["mel_len"]) // R)                     # the longest row, in decoder steps
+        n_frames = R * -(-tf.reduce_max(x["mel_len"]) // R)  # the longest row, in decoder steps
         return self.net(x["tokens"], x["tok_len"], x["mel_len"], n_frames=n_frames)
 
     def train_step(self, data: Any) -> dict[str, tf.Tensor]:

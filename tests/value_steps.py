@@ -21,8 +21,8 @@ from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, write_manifest
 from tests.steps import _TinyStep
 
-_COST_SIDE = 192           # [192, 192] matmuls: about 0.5 ms each on the 2-core CI machine
-_FRAMES_PER_MATMUL = 32    # a batch of 8 rows of ~100 tokens x ~4.5 frames: ~110 matmuls, tens of ms
+_COST_SIDE = 192  # [192, 192] matmuls: about 0.5 ms each on the 2-core CI machine
+_FRAMES_PER_MATMUL = 32  # a batch of 8 rows of ~100 tokens x ~4.5 frames: ~110 matmuls, tens of ms
 
 
 def _real_tokens(tok_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
@@ -31,12 +31,15 @@ def _real_tokens(tok_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
 
 class _PositiveStep(_TinyStep):
     def __call__(  # type: ignore[override]  # takes the durations too
-            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-            duration: tf.Tensor) -> tf.Tensor:
-        checks = [tf.debugging.assert_positive(mel_len, message="mel_len"),
-                  tf.debugging.assert_positive(tok_len, message="tok_len"),
-                  tf.debugging.assert_positive(tf.where(_real_tokens(tok_len, tokens), duration, 1),
-                                               message="duration of a real token")]
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
+    ) -> tf.Tensor:
+        checks = [
+            tf.debugging.assert_positive(mel_len, message="mel_len"),
+            tf.debugging.assert_positive(tok_len, message="tok_len"),
+            tf.debugging.assert_positive(
+                tf.where(_real_tokens(tok_len, tokens), duration, 1), message="duration of a real token"
+            ),
+        ]
         with tf.control_dependencies(checks):
             return super().__call__(mel, mel_len, tokens, tok_len)
 
@@ -44,11 +47,11 @@ class _PositiveStep(_TinyStep):
 class _DurationCostStep(_TinyStep):
     def __init__(self, spec: StepSpec) -> None:
         super().__init__(spec)
-        self.frames_per_matmul = int(spec.params.get("frames_per_matmul", _FRAMES_PER_MATMUL))   # smaller: costlier
+        self.frames_per_matmul = int(spec.params.get("frames_per_matmul", _FRAMES_PER_MATMUL))  # smaller: costlier
 
     def __call__(  # type: ignore[override]  # takes the durations too
-            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-            duration: tf.Tensor) -> tf.Tensor:
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
+    ) -> tf.Tensor:
         loss = super().__call__(mel, mel_len, tokens, tok_len)
         frames = tf.reduce_sum(tf.where(_real_tokens(tok_len, tokens), duration, 0))
         x = tf.fill([_COST_SIDE, _COST_SIDE], 1.0 / _COST_SIDE) + tf.reduce_mean(self.w)
@@ -57,7 +60,7 @@ class _DurationCostStep(_TinyStep):
             return i + 1, tf.tanh(tf.matmul(acc, x))
 
         _, acc = tf.while_loop(lambda i, acc: i < frames // self.frames_per_matmul, body, (tf.constant(0), x))
-        return loss + 0.0 * tf.reduce_mean(acc)   # depends on the decoder, so it must run
+        return loss + 0.0 * tf.reduce_mean(acc)  # depends on the decoder, so it must run
 
 
 def positive_step(spec: StepSpec) -> _PositiveStep:

@@ -52,8 +52,9 @@ def _dataset_loop(feed: Any) -> Iterator[None]:
 
 
 def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup: int, batches: int) -> dict[str, float]:
-    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.producer_group import start_producers, stop_producers
+
     with Consumer(cfg) as feed:
         group = start_producers(with_overrides(cfg, {"transport.endpoint": feed._endpoint}))
         try:
@@ -73,11 +74,17 @@ def _measure(cfg: PipelineConfig, loop: Callable[[Any], Iterator[None]], warmup:
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
     from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
+
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     if args.demo:
         write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
-    return config_from_mapping({"cache_dir": str(cache.resolve()), "producer": {"count": args.producers},
-                                "consumer": {"steps": args.warmup + args.batches, "wait_timeout_s": 0.5}})
+    return config_from_mapping(
+        {
+            "cache_dir": str(cache.resolve()),
+            "producer": {"count": args.producers},
+            "consumer": {"steps": args.warmup + args.batches, "wait_timeout_s": 0.5},
+        }
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,18 +98,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"))
     cfg = _config(args)
-    importlib.import_module("tensorflow")   # imported before either window opens
+    importlib.import_module("tensorflow")  # imported before either window opens
     numpy_loop = _measure(cfg, _numpy_loop, args.warmup, args.batches)
     dataset_loop = _measure(cfg, _dataset_loop, args.warmup, args.batches)
-    out = {"batches": args.batches, "producers": args.producers, "batches_loop": numpy_loop,
-           "as_dataset_loop": dataset_loop,
-           "as_dataset_extra_cpu_ms_per_batch": dataset_loop["cpu_ms_per_batch"] - numpy_loop["cpu_ms_per_batch"]}
+    out = {
+        "batches": args.batches,
+        "producers": args.producers,
+        "batches_loop": numpy_loop,
+        "as_dataset_loop": dataset_loop,
+        "as_dataset_extra_cpu_ms_per_batch": dataset_loop["cpu_ms_per_batch"] - numpy_loop["cpu_ms_per_batch"],
+    }
     print(json.dumps(out), flush=True)
     return 0
 
 
 if __name__ == "__main__":
     from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
-    skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
-    quiet_tensorflow_import()               # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
+
+    skip_optional_imports_of_tensorflow()  # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
+    quiet_tensorflow_import()  # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
     sys.exit(main())

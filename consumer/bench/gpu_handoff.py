@@ -33,8 +33,8 @@ from typing import Any
 
 __all__ = ["emulate", "jax_step_ms", "registered", "shm_slot"]
 
-_BATCH_SHAPE = (32, 872, 80)    # the demo's largest float32 mel batch: 8.9 MB
-_ROWS = 8192                    # rows of the batch the step's matmul chain reads
+_BATCH_SHAPE = (32, 872, 80)  # the demo's largest float32 mel batch: 8.9 MB
+_ROWS = 8192  # rows of the batch the step's matmul chain reads
 _WIDTH = 4096
 _NVML_EVERY_S = 0.1
 
@@ -56,13 +56,14 @@ def emulate(target_ms: float, steps: int, read_every: int, n_slots: int) -> dict
     """The three patterns (module doc) with a step of about ``target_ms``; their periods and efficiencies."""
     import numpy as np
     import torch
+
     nbytes = int(np.prod(_BATCH_SHAPE)) * 4
     with ExitStack() as stack:
         maps = [stack.enter_context(shm_slot(nbytes)) for _ in range(n_slots)]
         slots = [np.frombuffer(m, np.uint8) for m in maps]
         for i, slot in enumerate(slots):
             slot.view(np.float32)[:] = np.float32(0.001 * (i + 1))
-        weights = torch.randn(_WIDTH, _WIDTH, device="cuda") / _WIDTH ** 0.5
+        weights = torch.randn(_WIDTH, _WIDTH, device="cuda") / _WIDTH**0.5
         project = torch.randn(_BATCH_SHAPE[-1], _WIDTH, device="cuda") / _BATCH_SHAPE[-1] ** 0.5
         depth = _calibrate(target_ms, weights, project, nbytes)
 
@@ -73,13 +74,21 @@ def emulate(target_ms: float, steps: int, read_every: int, n_slots: int) -> dict
             return h.mean()
 
         resident_s = _resident(step, nbytes, steps)
-        result: dict[str, Any] = {"target_ms": target_ms, "matmuls_per_step": depth,
-                                  "resident_step_ms": 1000 * resident_s, "steps": steps,
-                                  "read_every": read_every, "slots": n_slots}
+        result: dict[str, Any] = {
+            "target_ms": target_ms,
+            "matmuls_per_step": depth,
+            "resident_step_ms": 1000 * resident_s,
+            "steps": steps,
+            "read_every": read_every,
+            "slots": n_slots,
+        }
         for name, run in (("serial", _serial), ("interval", _interval), ("overlapped", _overlapped)):
             period_s, util, extra = _timed(functools.partial(run, step, slots, steps, read_every), steps)
-            result[name] = {"period_ms": 1000 * period_s, "feed_efficiency": resident_s / period_s,
-                            "gpu_util_pct": util} | extra
+            result[name] = {
+                "period_ms": 1000 * period_s,
+                "feed_efficiency": resident_s / period_s,
+                "gpu_util_pct": util,
+            } | extra
         del slots
     return result
 
@@ -87,6 +96,7 @@ def emulate(target_ms: float, steps: int, read_every: int, n_slots: int) -> dict
 def _calibrate(target_ms: float, weights: Any, project: Any, nbytes: int) -> int:
     """Matmuls per step so the resident step takes about ``target_ms`` (the time is linear in their count)."""
     import torch
+
     batch = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
 
     def chain(depth: int) -> float:
@@ -98,13 +108,15 @@ def _calibrate(target_ms: float, weights: Any, project: Any, nbytes: int) -> int
                 h = torch.tanh(h @ weights)
         torch.cuda.synchronize()
         return (time.perf_counter() - started) / 5
-    chain(4)                                   # cuBLAS picks its kernels once
+
+    chain(4)  # cuBLAS picks its kernels once
     per_matmul_s = chain(16) / 16
     return max(1, round(target_ms / 1000 / per_matmul_s))
 
 
 def _resident(step: Callable[[Any], Any], nbytes: int, steps: int) -> float:
     import torch
+
     batch = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     step(batch)
     torch.cuda.synchronize()
@@ -117,12 +129,13 @@ def _resident(step: Callable[[Any], Any], nbytes: int, steps: int) -> float:
 
 def _serial(step: Callable[[Any], Any], slots: list[Any], steps: int, read_every: int) -> dict[str, Any]:
     import torch
+
     previous = None
     for k in range(steps):
-        batch = torch.from_numpy(slots[k % len(slots)]).to("cuda")   # pageable: the host waits for the copy
+        batch = torch.from_numpy(slots[k % len(slots)]).to("cuda")  # pageable: the host waits for the copy
         loss = step(batch)
         if previous is not None:
-            previous.item()                                            # drains the device, this step too
+            previous.item()  # drains the device, this step too
         previous = loss
     if previous is not None:
         previous.item()
@@ -131,6 +144,7 @@ def _serial(step: Callable[[Any], Any], slots: list[Any], steps: int, read_every
 
 def _interval(step: Callable[[Any], Any], slots: list[Any], steps: int, read_every: int) -> dict[str, Any]:
     import torch
+
     total = torch.zeros((), device="cuda")
     for k in range(steps):
         total += step(torch.from_numpy(slots[k % len(slots)]).to("cuda"))
@@ -142,6 +156,7 @@ def _interval(step: Callable[[Any], Any], slots: list[Any], steps: int, read_eve
 
 def _overlapped(step: Callable[[Any], Any], slots: list[Any], steps: int, read_every: int) -> dict[str, Any]:
     import torch
+
     with ExitStack() as pins:
         for slot in slots:
             pins.enter_context(registered(torch, slot))
@@ -156,9 +171,10 @@ def _overlapped(step: Callable[[Any], Any], slots: list[Any], steps: int, read_e
         def issue(k: int) -> None:
             with torch.cuda.stream(copy_stream):
                 if k >= 2:
-                    copy_stream.wait_event(stepped[k % 2])             # the step that read this buffer is done
+                    copy_stream.wait_event(stepped[k % 2])  # the step that read this buffer is done
                 buffers[k % 2].copy_(hosts[k % len(hosts)], non_blocking=True)
                 copied[k % 2].record(copy_stream)
+
         issue(0)
         for k in range(steps):
             compute.wait_event(copied[k % 2])
@@ -166,7 +182,7 @@ def _overlapped(step: Callable[[Any], Any], slots: list[Any], steps: int, read_e
             stepped[k % 2].record(compute)
             if k + 1 < steps:
                 issue(k + 1)
-            early += int(copied[k % 2].query() and not stepped[k % 2].query())   # slot free before its step ended
+            early += int(copied[k % 2].query() and not stepped[k % 2].query())  # slot free before its step ended
             if (k + 1) % read_every == 0:
                 total.item()
         total.item()
@@ -191,6 +207,7 @@ def registered(torch: Any, array: Any) -> Iterator[None]:
 def _timed(run: Callable[[], dict[str, Any]], steps: int) -> tuple[float, float | None, dict[str, Any]]:
     """``run``'s wall time per step over ``steps``, the mean NVML utilisation meanwhile, and its extras."""
     import torch
+
     samples: list[float] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_util, args=(samples, stop), daemon=True)
@@ -207,12 +224,12 @@ def _timed(run: Callable[[], dict[str, Any]], steps: int) -> tuple[float, float 
 def _sample_util(samples: list[float], stop: threading.Event) -> None:
     try:
         import pynvml
+
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no NVML: utilisation stays None
         return
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-                                                       or 0))
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
         while not stop.wait(_NVML_EVERY_S):
             samples.append(float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
     finally:
@@ -223,12 +240,15 @@ def jax_step_ms(width: int, layers: int = 4) -> float:
     """Resident step time of ``jax_feed.mlp_step`` at ``width`` on a middle-sized demo batch (median of 10)."""
     import jax
     import numpy as np
+
     from melfeed.consumer.clients.jax_feed import block_until_ready, init_params, mlp_step
+
     device = jax.devices()[0]
     params = jax.device_put(init_params(_BATCH_SHAPE[-1], width, layers), device)
     step = mlp_step(layers)
-    arrays = jax.device_put({"mel": np.zeros((32, 512, _BATCH_SHAPE[-1]), np.float32),
-                             "mel_len": np.full((32,), 512, np.int32)}, device)
+    arrays = jax.device_put(
+        {"mel": np.zeros((32, 512, _BATCH_SHAPE[-1]), np.float32), "mel_len": np.full((32,), 512, np.int32)}, device
+    )
     params, loss = step(params, arrays)
     block_until_ready(loss)
     times = []

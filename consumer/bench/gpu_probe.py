@@ -43,13 +43,13 @@ from typing import Any
 
 __all__ = ["main", "judge", "pick_width", "sysfs_numa_path", "efficiency"]
 
-EXIT_NO_GPU = 69            # EX_UNAVAILABLE: nothing to measure here
-_SIZES_MB = (9, 18, 36)     # the demo's largest float32 batch is about 9 MB; 2x and 4x for the slope
+EXIT_NO_GPU = 69  # EX_UNAVAILABLE: nothing to measure here
+_SIZES_MB = (9, 18, 36)  # the demo's largest float32 batch is about 9 MB; 2x and 4x for the slope
 _COPY_REPEATS = 10
 _STEP_TARGETS_MS = (5.0, 20.0)
 _EMULATED_STEPS = 300
-_READ_EVERY = 50            # a status interval's worth of steps between host reads of the summed loss
-_SLOTS = 4                  # ring slots of the emulation (consumer.ring_slots on a GPU)
+_READ_EVERY = 50  # a status interval's worth of steps between host reads of the summed loss
+_SLOTS = 4  # ring slots of the emulation (consumer.ring_slots on a GPU)
 _GOALS = {"jax_feed_efficiency_5ms": 0.98, "jax_gpu_util_pct_5ms": 95.0, "emulation_vs_jax": 0.02}
 _JAX_WIDTHS = (256, 512, 1024, 2048, 4096, 8192)
 
@@ -82,21 +82,30 @@ def pick_width(step_ms_by_width: dict[int, float], target_ms: float) -> int:
 
 def judge(jax_runs: dict[str, Any], emulation: dict[str, Any]) -> dict[str, Any]:
     """The goals from what was measured: each one PASS, FAIL or not measured (None)."""
+
     def best(report: Any, key: str) -> float | None:
         runs = report.get("runs", []) if isinstance(report, dict) else []
         values = [r[key] for r in runs if r.get(key) is not None]
         return max(values) if values else None
+
     eff_5 = best(jax_runs.get("5ms"), "feed_efficiency")
     util_5 = best(jax_runs.get("5ms"), "gpu_util_pct")
     overlapped = (emulation.get("5ms") or {}).get("overlapped", {}).get("feed_efficiency")
     gap = None if eff_5 is None or overlapped is None else eff_5 - overlapped
     verdict = {"jax_feed_efficiency_5ms": eff_5, "jax_gpu_util_pct_5ms": util_5, "emulation_vs_jax": gap}
-    passed = {"jax_feed_efficiency_5ms": eff_5 is not None and eff_5 >= _GOALS["jax_feed_efficiency_5ms"],
-              "jax_gpu_util_pct_5ms": util_5 is not None and util_5 >= _GOALS["jax_gpu_util_pct_5ms"],
-              "emulation_vs_jax": gap is not None and gap <= _GOALS["emulation_vs_jax"]}
-    return {name: {"value": value, "goal": _GOALS[name],
-                   "verdict": None if value is None else ("PASS" if passed[name] else "FAIL")}
-            for name, value in verdict.items()}
+    passed = {
+        "jax_feed_efficiency_5ms": eff_5 is not None and eff_5 >= _GOALS["jax_feed_efficiency_5ms"],
+        "jax_gpu_util_pct_5ms": util_5 is not None and util_5 >= _GOALS["jax_gpu_util_pct_5ms"],
+        "emulation_vs_jax": gap is not None and gap <= _GOALS["emulation_vs_jax"],
+    }
+    return {
+        name: {
+            "value": value,
+            "goal": _GOALS[name],
+            "verdict": None if value is None else ("PASS" if passed[name] else "FAIL"),
+        }
+        for name, value in verdict.items()
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,8 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: dict[str, str] = {}
     env = _stage(out, "env", _environment, failed)
     if not env.get("cuda_available"):
-        print(f"gpu_probe: no CUDA GPU visible to torch ({env.get('why', 'unknown')}): nothing to measure",
-              file=sys.stderr)
+        print(
+            f"gpu_probe: no CUDA GPU visible to torch ({env.get('why', 'unknown')}): nothing to measure",
+            file=sys.stderr,
+        )
         return EXIT_NO_GPU
     _stage(out, "h2d", _h2d_matrix, failed)
     emulation = _stage(out, "emulation", _emulation, failed)
@@ -141,8 +152,7 @@ def _stage(out: Path, name: str, run: Callable[[], dict[str, Any]], failed: dict
         result = {"error": failed[name], "traceback": traceback.format_exc()}
     result["stage_s"] = time.perf_counter() - started
     (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    print(f"gpu_probe: {name} done in {result['stage_s']:.1f} s" + (" (failed)" if name in failed else ""),
-          flush=True)
+    print(f"gpu_probe: {name} done in {result['stage_s']:.1f} s" + (" (failed)" if name in failed else ""), flush=True)
     return result
 
 
@@ -153,8 +163,11 @@ def _environment() -> dict[str, Any]:
         import torch
     except ImportError as err:
         return found | {"why": f"no torch: {err}"}
-    found |= {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-              "cuda_available": bool(torch.cuda.is_available())}
+    found |= {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": bool(torch.cuda.is_available()),
+    }
     if not found["cuda_available"]:
         return found | {"why": "torch.cuda.is_available() is False"}
     found["torch_devices"] = [_torch_device(torch, i) for i in range(torch.cuda.device_count())]
@@ -167,12 +180,18 @@ def _environment() -> dict[str, Any]:
 
 def _torch_device(torch: Any, index: int) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(index)
-    return {"index": index, "name": props.name, "uuid": str(getattr(props, "uuid", "")),
-            "memory_gib": props.total_memory / 2**30, "sm_count": props.multi_processor_count}
+    return {
+        "index": index,
+        "name": props.name,
+        "uuid": str(getattr(props, "uuid", "")),
+        "memory_gib": props.total_memory / 2**30,
+        "sm_count": props.multi_processor_count,
+    }
 
 
 def _nvml_devices() -> list[dict[str, Any]]:
     import pynvml
+
     pynvml.nvmlInit()
     try:
         rows = []
@@ -180,15 +199,25 @@ def _nvml_devices() -> list[dict[str, Any]]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             bus_id = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
             numa = sysfs_numa_path(bus_id)
-            rows.append({"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                         "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)), "pci_bus_id": bus_id,
-                         "numa_node": numa.read_text().strip() if numa.exists() else None,
-                         "pcie_gen": [_nvml(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                                      _nvml(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)],
-                         "pcie_width": [_nvml(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
-                                        _nvml(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle)],
-                         "mig_mode": _nvml(pynvml.nvmlDeviceGetMigMode, handle),
-                         "driver": _text(pynvml.nvmlSystemGetDriverVersion())})
+            rows.append(
+                {
+                    "index": index,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+                    "pci_bus_id": bus_id,
+                    "numa_node": numa.read_text().strip() if numa.exists() else None,
+                    "pcie_gen": [
+                        _nvml(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                        _nvml(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                    ],
+                    "pcie_width": [
+                        _nvml(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                        _nvml(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+                    ],
+                    "mig_mode": _nvml(pynvml.nvmlDeviceGetMigMode, handle),
+                    "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                }
+            )
         return rows
     finally:
         pynvml.nvmlShutdown()
@@ -225,6 +254,7 @@ def _h2d_matrix() -> dict[str, Any]:
     import torch
 
     from melfeed.consumer.bench.gpu_handoff import registered, shm_slot
+
     rows = []
     for size_mb in _SIZES_MB:
         nbytes = size_mb * 2**20
@@ -238,8 +268,10 @@ def _h2d_matrix() -> dict[str, Any]:
             started = time.perf_counter()
             with registered(torch, slot):
                 register_s = time.perf_counter() - started
-                rows.append(_copy_row("slot_pinned", size_mb, torch.from_numpy(slot), device)
-                            | {"register_ms": 1000 * register_s})
+                rows.append(
+                    _copy_row("slot_pinned", size_mb, torch.from_numpy(slot), device)
+                    | {"register_ms": 1000 * register_s}
+                )
             del slot
         pinned = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
         rows.append(_copy_row("torch_pinned", size_mb, pinned, device))
@@ -250,6 +282,7 @@ def _h2d_matrix() -> dict[str, Any]:
 def _copy_row(source: str, size_mb: int, host: Any, device: Any) -> dict[str, Any]:
     """Median GB/s of ``device.copy_(host, non_blocking=True)`` by CUDA events, and the host's blocked time."""
     import torch
+
     gbps, blocked_ms = [], []
     for _ in range(_COPY_REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -261,18 +294,24 @@ def _copy_row(source: str, size_mb: int, host: Any, device: Any) -> dict[str, An
         blocked_ms.append(1000 * (time.perf_counter() - call_started))
         end.synchronize()
         gbps.append(host.numel() / (start.elapsed_time(end) / 1000) / 1e9)
-    return {"source": source, "size_mb": size_mb, "gb_per_s": statistics.median(gbps),
-            "host_blocked_ms": statistics.median(blocked_ms)}
+    return {
+        "source": source,
+        "size_mb": size_mb,
+        "gb_per_s": statistics.median(gbps),
+        "host_blocked_ms": statistics.median(blocked_ms),
+    }
 
 
 def _emulation() -> dict[str, Any]:
     from melfeed.consumer.bench.gpu_handoff import emulate
+
     return {f"{target:.0f}ms": emulate(target, _EMULATED_STEPS, _READ_EVERY, _SLOTS) for target in _STEP_TARGETS_MS}
 
 
 def _jax_bench(out: Path, target_ms: float, args: argparse.Namespace) -> dict[str, Any]:
     """``jax_bench`` with its MLP sized so the resident step takes about ``target_ms``."""
     from melfeed.consumer.bench.gpu_handoff import jax_step_ms
+
     by_width: dict[int, float] = {}
     for width in _JAX_WIDTHS:
         by_width[width] = jax_step_ms(width)
@@ -281,9 +320,26 @@ def _jax_bench(out: Path, target_ms: float, args: argparse.Namespace) -> dict[st
     width = pick_width(by_width, target_ms)
     report = out / f"jax-{target_ms:.0f}ms-raw.json"
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "melfeed.consumer.clients.jax_bench", "--demo", "--demo-utterances",
-            str(args.demo_utterances), "--depths", "1,2", "--steps", str(args.jax_steps), "--warmup", "20",
-            "--hidden", str(width), "--layers", "4", "--json", str(report)]
+    argv = [
+        sys.executable,
+        "-m",
+        "melfeed.consumer.clients.jax_bench",
+        "--demo",
+        "--demo-utterances",
+        str(args.demo_utterances),
+        "--depths",
+        "1,2",
+        "--steps",
+        str(args.jax_steps),
+        "--warmup",
+        "20",
+        "--hidden",
+        str(width),
+        "--layers",
+        "4",
+        "--json",
+        str(report),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"jax_bench exited {proc.returncode}: {proc.stderr[-1500:]}")

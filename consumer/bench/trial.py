@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from melfeed.consumer.bench.usage import UsageWindow
 from melfeed.consumer.bench.stats import gb_per_s, sleep_for_step_s
+from melfeed.consumer.bench.usage import UsageWindow
 from melfeed.shared.config import PipelineConfig, resolve_checksum
 from melfeed.shared.config.loader import config_from_mapping, with_overrides
 from melfeed.shared.service.children import child_env
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 _CALIBRATION_CALLS = 30
 _MEMCPY_REPEATS = 20
-_TCP_PRODUCER = "bench"   # the CURVE key name of the tcp trial's producers (they speak as bench-<index>)
+_TCP_PRODUCER = "bench"  # the CURVE key name of the tcp trial's producers (they speak as bench-<index>)
 
 
 class _ZeroStep:
@@ -59,6 +59,7 @@ class _ZeroStep:
 
     def __call__(self, mel: Any, mel_len: Any, tokens: Any, tok_len: Any) -> Any:
         import tensorflow as tf
+
         # the cast: a float16 wire (transport.mel_dtype) hands over float16 mel, cast inside the program
         return tf.cast(mel[0, 0, 0], tf.float32) + tf.cast(mel_len[0] + tokens[0, 0] + tok_len[0], tf.float32)
 
@@ -66,7 +67,7 @@ class _ZeroStep:
         return []
 
     def checkpoint_items(self) -> dict[str, object]:
-        return {}            # nothing to save: bench trials never checkpoint
+        return {}  # nothing to save: bench trials never checkpoint
 
 
 def zero_step(spec: object) -> _ZeroStep:
@@ -77,8 +78,10 @@ def zero_step(spec: object) -> _ZeroStep:
 def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> float:
     """Median seconds of one compiled zero-cost step on the largest bucket (compile excluded)."""
     import tensorflow as tf
+
     from melfeed.consumer.train.step import CompiledStep
-    largest = bucket_shapes[-1]   # buckets grow with their index
+
+    largest = bucket_shapes[-1]  # buckets grow with their index
     compiled = CompiledStep(_ZeroStep(None), [largest])
     compiled.warm_up()
     batch = {k: tf.zeros(s, tf.float32 if k == "mel" else tf.int32) for k, s in largest.items()}
@@ -90,26 +93,47 @@ def _calibrate_zero_step_s(bucket_shapes: list[dict[str, tuple[int, ...]]]) -> f
     return statistics.median(times)
 
 
-def _result(spec: dict[str, Any], window: UsageWindow, batches: int, stall_pct: float, copies: float | None,
-            zero_s: float, sleep_s: float) -> dict[str, Any]:
+def _result(
+    spec: dict[str, Any],
+    window: UsageWindow,
+    batches: int,
+    stall_pct: float,
+    copies: float | None,
+    zero_s: float,
+    sleep_s: float,
+) -> dict[str, Any]:
     children = window.children_cpu_s()
-    return {"system": spec["system"], "kind": spec["kind"], "round": spec["round"], "step_ms": spec["step_ms"],
-            "ok": True, "batches": batches, "wall_s": window.wall_s, "batches_per_s": batches / window.wall_s,
-            "stall_pct": stall_pct, "trainer_cpu_s": window.trainer_cpu_s, "helpers_cpu_s": children,
-            "trainer_cpu_ms_per_batch": 1000 * window.trainer_cpu_s / batches,
-            "total_cpu_ms_per_batch": 1000 * (window.trainer_cpu_s + children) / batches,
-            "trainer_rss_mb": window.trainer_rss_mb(), "total_rss_mb": window.trainer_rss_mb() + window.helpers_rss_mb,
-            "payload_copies": copies, "zero_step_ms": 1000 * zero_s, "sleep_ms": 1000 * sleep_s}
+    return {
+        "system": spec["system"],
+        "kind": spec["kind"],
+        "round": spec["round"],
+        "step_ms": spec["step_ms"],
+        "ok": True,
+        "batches": batches,
+        "wall_s": window.wall_s,
+        "batches_per_s": batches / window.wall_s,
+        "stall_pct": stall_pct,
+        "trainer_cpu_s": window.trainer_cpu_s,
+        "helpers_cpu_s": children,
+        "trainer_cpu_ms_per_batch": 1000 * window.trainer_cpu_s / batches,
+        "total_cpu_ms_per_batch": 1000 * (window.trainer_cpu_s + children) / batches,
+        "trainer_rss_mb": window.trainer_rss_mb(),
+        "total_rss_mb": window.trainer_rss_mb() + window.helpers_rss_mb,
+        "payload_copies": copies,
+        "zero_step_ms": 1000 * zero_s,
+        "sleep_ms": 1000 * sleep_s,
+    }
 
 
 def _step_hook(window: UsageWindow, warmup: int, batches: int, sleep_s: float) -> Callable[[int], None]:
     def on_step(done: int) -> None:
         if sleep_s:
-            time.sleep(sleep_s)     # device time of the step (see the module docstring)
+            time.sleep(sleep_s)  # device time of the step (see the module docstring)
         if done == warmup:
             window.open()
         elif done == warmup + batches:
             window.close()
+
     return on_step
 
 
@@ -126,13 +150,21 @@ def _tcp_with_curve(cfg: PipelineConfig, keys_dir: Path) -> tuple[PipelineConfig
     crc32 stays as ``transport.checksum`` and ``resolve_checksum`` decide (off under CURVE by default).
     """
     from melfeed.shared.wire.curve import generate_keys
+
     generate_keys(keys_dir, [_TCP_PRODUCER])
-    consumer = with_overrides(cfg, {"transport.endpoint": f"tcp://127.0.0.1:{_free_loopback_port()}",
-                                    "transport.mode": "zmq" if "mode" in cfg.transport.__dataclass_fields__ else None,
-                                    "transport.curve_secret_key": str(keys_dir / "consumer.key_secret"),
-                                    "transport.curve_allowed_dir": str(keys_dir / "producers")})
-    return consumer, {"transport.curve_secret_key": str(keys_dir / "producers" / f"{_TCP_PRODUCER}.key_secret"),
-                      "transport.curve_server_key": str(keys_dir / "consumer.key")}
+    consumer = with_overrides(
+        cfg,
+        {
+            "transport.endpoint": f"tcp://127.0.0.1:{_free_loopback_port()}",
+            "transport.mode": "zmq" if "mode" in cfg.transport.__dataclass_fields__ else None,
+            "transport.curve_secret_key": str(keys_dir / "consumer.key_secret"),
+            "transport.curve_allowed_dir": str(keys_dir / "producers"),
+        },
+    )
+    return consumer, {
+        "transport.curve_secret_key": str(keys_dir / "producers" / f"{_TCP_PRODUCER}.key_secret"),
+        "transport.curve_server_key": str(keys_dir / "consumer.key"),
+    }
 
 
 def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
@@ -149,9 +181,10 @@ def _run_melfeed(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: dict[str, Any]) -> dict[str, Any]:
-    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.train.loop import train
+
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
     with Consumer(cfg) as consumer:
@@ -160,8 +193,13 @@ def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: 
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
         group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer._endpoint} | producer_over))
         try:
-            summary = train(cfg, consumer, threading.Event(), process_start_s=time.time(),
-                            on_step=_step_hook(window, warmup, batches, sleep_s))
+            summary = train(
+                cfg,
+                consumer,
+                threading.Event(),
+                process_start_s=time.time(),
+                on_step=_step_hook(window, warmup, batches, sleep_s),
+            )
         finally:
             stop_producers(group)
     if summary.steps < warmup + batches:
@@ -172,16 +210,20 @@ def _run_melfeed_with(spec: dict[str, Any], cfg: PipelineConfig, producer_over: 
 def _run_dataset(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     from melfeed.consumer.bench import baselines
     from melfeed.consumer.flow.plan import EpochPlan
-    from melfeed.shared.wire.buckets import build_buckets
     from melfeed.shared.cache.features import load_manifest_for
+    from melfeed.shared.wire.buckets import build_buckets
+
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema)
-    files = baselines.plan_files(manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial), bucket_set, 1)
+    files = baselines.plan_files(
+        manifest, EpochPlan(bucket_set, manifest.fingerprint, cfg.seed, cfg.buckets.partial), bucket_set, 1
+    )
     shapes = [b.shapes() for b in bucket_set.buckets]
     window = UsageWindow()
     service = baselines.ServiceProcesses(spec["workers"], child_env()) if spec["kind"] == "service" else None
     try:
-        from melfeed.consumer.train.step import CompiledStep   # TensorFlow: after the servers started their own import
+        from melfeed.consumer.train.step import CompiledStep  # TensorFlow: after the servers started their own import
+
         zero_s = _calibrate_zero_step_s(shapes)
         sleep_s = sleep_for_step_s(spec["step_ms"], zero_s)
         compiled = CompiledStep(_ZeroStep(None), shapes)
@@ -228,8 +270,9 @@ def _memcpy_gb_per_s(nbytes: int) -> float | None:
 
 def _run_transport(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Real producers -> real Consumer in library mode, each batch released at once."""
-    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.producer_group import start_producers, stop_producers
+
     warmup, batches = spec["warmup"], spec["batches"]
     window = UsageWindow()
     nbytes = 0
@@ -250,21 +293,32 @@ def _run_transport(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     return out
 
 
-_RUNNERS = {"melfeed": _run_melfeed, "tfdata": _run_dataset, "naive": _run_dataset, "service": _run_dataset,
-            "transport": _run_transport}
+_RUNNERS = {
+    "melfeed": _run_melfeed,
+    "tfdata": _run_dataset,
+    "naive": _run_dataset,
+    "service": _run_dataset,
+    "transport": _run_transport,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
+    )
     spec = json.loads(args[0])
     try:
-        with exit_on_sigterm():      # stopped by bench: stop the helpers, close the consumer, remove the keys first
-            die_with_named_parent(signal.SIGTERM)   # a bench killed even with SIGKILL takes this trial down
+        with exit_on_sigterm():  # stopped by bench: stop the helpers, close the consumer, remove the keys first
+            die_with_named_parent(signal.SIGTERM)  # a bench killed even with SIGKILL takes this trial down
             from melfeed.consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
-            runners = ({"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
-                       if spec.get("model") == "reference" else _RUNNERS)
+
+            runners = (
+                {"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
+                if spec.get("model") == "reference"
+                else _RUNNERS
+            )
             result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
     except Exception as err:  # top level of the trial process: one line for the orchestrator
         log.debug("trial failed", exc_info=True)
@@ -276,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
-    skip_optional_imports_of_tensorflow()   # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
-    quiet_tensorflow_import()               # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
+
+    skip_optional_imports_of_tensorflow()  # TensorFlow's import without JAX and matplotlib: 1-1.5 s of CPU less
+    quiet_tensorflow_import()  # and without its C++ lines below TF_CPP_MIN_LOG_LEVEL
     sys.exit(main())

@@ -28,21 +28,44 @@ from melfeed.shared.config.loader import with_overrides
 
 __all__ = ["run_melfeed_reference", "run_tfdata_reference"]
 
-_BENCH_LIMIT_STEPS = 30     # resident steps per bucket at least: a 10-step limit (0.15 s a bucket) moved with
-                            # every burst of another process, as much as the differences between systems
+_BENCH_LIMIT_STEPS = 30  # resident steps per bucket at least: a 10-step limit (0.15 s a bucket) moved with
+# every burst of another process, as much as the differences between systems
 
 
-def _result(spec: dict[str, Any], *, feed_efficiency: float | None, resident_steps_per_s: float | None,
-            stall_pct: float, step_p50_ms: float | None, devices: list[str], padding_efficiency: float
-            ) -> dict[str, Any]:
-    fed = (feed_efficiency * resident_steps_per_s
-           if feed_efficiency is not None and resident_steps_per_s is not None else None)
+def _result(
+    spec: dict[str, Any],
+    *,
+    feed_efficiency: float | None,
+    resident_steps_per_s: float | None,
+    stall_pct: float,
+    step_p50_ms: float | None,
+    devices: list[str],
+    padding_efficiency: float,
+) -> dict[str, Any]:
+    fed = (
+        feed_efficiency * resident_steps_per_s
+        if feed_efficiency is not None and resident_steps_per_s is not None
+        else None
+    )
     useful = feed_efficiency * padding_efficiency if feed_efficiency is not None else None
-    return {"system": spec["system"], "kind": spec["kind"], "round": spec["round"], "step_ms": spec["step_ms"],
-            "ok": True, "model": "reference", "batches": spec["batches"], "feed_efficiency": feed_efficiency,
-            "fed_steps_per_s": fed, "resident_steps_per_s": resident_steps_per_s, "stall_pct": stall_pct,
-            "step_p50_ms": step_p50_ms, "padding_efficiency": padding_efficiency, "useful_work": useful,
-            "devices": devices, "on_gpu": any("GPU" in d.upper() for d in devices)}
+    return {
+        "system": spec["system"],
+        "kind": spec["kind"],
+        "round": spec["round"],
+        "step_ms": spec["step_ms"],
+        "ok": True,
+        "model": "reference",
+        "batches": spec["batches"],
+        "feed_efficiency": feed_efficiency,
+        "fed_steps_per_s": fed,
+        "resident_steps_per_s": resident_steps_per_s,
+        "stall_pct": stall_pct,
+        "step_p50_ms": step_p50_ms,
+        "padding_efficiency": padding_efficiency,
+        "useful_work": useful,
+        "devices": devices,
+        "on_gpu": any("GPU" in d.upper() for d in devices),
+    }
 
 
 def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
@@ -53,9 +76,10 @@ def _with_limit(cfg: PipelineConfig) -> PipelineConfig:
 
 def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """melfeed's own loop, real producers, the reference model; the summary's feed efficiency."""
-    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.consumer.train.loop import train
+
     cfg = _with_limit(cfg)
     with Consumer(cfg) as consumer:
         group = start_producers(with_overrides(cfg, {"transport.endpoint": consumer._endpoint}))
@@ -65,9 +89,15 @@ def run_melfeed_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str
             stop_producers(group)
     if summary.steps < spec["warmup"] + spec["batches"]:
         raise RuntimeError(f"only {summary.steps} of {spec['warmup'] + spec['batches']} batches arrived")
-    return _result(spec, feed_efficiency=summary.feed_efficiency, resident_steps_per_s=summary.resident_steps_per_s,
-                   stall_pct=summary.stall_pct, step_p50_ms=summary.step_p50_ms, devices=summary.devices,
-                   padding_efficiency=summary.padding_efficiency)
+    return _result(
+        spec,
+        feed_efficiency=summary.feed_efficiency,
+        resident_steps_per_s=summary.resident_steps_per_s,
+        stall_pct=summary.stall_pct,
+        step_p50_ms=summary.step_p50_ms,
+        devices=summary.devices,
+        padding_efficiency=summary.padding_efficiency,
+    )
 
 
 def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
@@ -75,16 +105,17 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     from melfeed.consumer.bench import baselines
     from melfeed.consumer.flow.plan import EpochPlan
     from melfeed.consumer.placement import step_devices
+    from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.efficiency import measure_resident_limit, resident_vocab
+    from melfeed.consumer.train.handoff import model_device
     from melfeed.consumer.train.model import StepSpec
     from melfeed.consumer.train.outputs import read_outputs
-    from melfeed.consumer.train.device.packed import PackedSteps
-    from melfeed.consumer.train.handoff import model_device
     from melfeed.consumer.train.step import CompiledStep, build_step
     from melfeed.consumer.train.warm_batches import warm_batches
     from melfeed.shared.cache.features import load_manifest_for
     from melfeed.shared.metrics import StepRecord, StepWindow
     from melfeed.shared.wire.buckets import build_buckets
+
     cfg = _with_limit(cfg)
     manifest = load_manifest_for(cfg)
     bucket_set = build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets)
@@ -93,34 +124,48 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     shapes = [b.shapes() for b in bucket_set.buckets]
     step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
-    packed = PackedSteps.for_buckets(compiled, bucket_set.buckets, model_device())   # the programs the loop runs
-    warm = warm_batches(plan, bucket_set, manifest, 0)    # real batches, as `run` compiles and times on
+    packed = PackedSteps.for_buckets(compiled, bucket_set.buckets, model_device())  # the programs the loop runs
+    warm = warm_batches(plan, bucket_set, manifest, 0)  # real batches, as `run` compiles and times on
     packed.warm_up(step.variables(), warm)
-    limit = measure_resident_limit(packed, step.variables(), shapes, cfg.consumer.feed_efficiency_steps,
-                                   resident_vocab(manifest.token_range, cfg.model.vocab_size), batches=warm)
+    limit = measure_resident_limit(
+        packed,
+        step.variables(),
+        shapes,
+        cfg.consumer.feed_efficiency_steps,
+        resident_vocab(manifest.token_range, cfg.model.vocab_size),
+        batches=warm,
+    )
     it = iter(baselines.tuned_dataset(files, bucket_set, spec.get("parallel_calls")))
     window = StepWindow(window_s=math.inf)
     devices: list[str] = []
     end_s = 0.0
-    real_frames = padded_frames = 0          # of the measured batches, as the loop's summary counts them
+    real_frames = padded_frames = 0  # of the measured batches, as the loop's summary counts them
     for done in range(1, spec["warmup"] + spec["batches"] + 1):
         t_wait = time.perf_counter()
         element = next(it)
         t0 = time.perf_counter()
         bucket = int(element["bucket"][0])
         raw = compiled.run(bucket, element)
-        read_outputs(raw)                  # as melfeed's loop: the step has finished with the batch
+        read_outputs(raw)  # as melfeed's loop: the step has finished with the batch
         end_s = time.perf_counter()
         devices = devices or step_devices(raw)
         if done > spec["warmup"]:
             real_frames += int(np.sum(element["mel_len"]))
             padded_frames += int(element["mel"].shape[0]) * int(element["mel"].shape[1])
-            window.add(StepRecord(end_s, t0 - t_wait, end_s - t0, int(element["mel_len"].shape[0]), 0, 0, 0,
-                                  limit.step_s[bucket]))
+            window.add(
+                StepRecord(
+                    end_s, t0 - t_wait, end_s - t0, int(element["mel_len"].shape[0]), 0, 0, 0, limit.step_s[bucket]
+                )
+            )
     figures = window.figures(end_s)
     if figures is None or figures.feed_efficiency is None:
         raise RuntimeError("no measured batch")
-    return _result(spec, feed_efficiency=figures.feed_efficiency,
-                   resident_steps_per_s=figures.batches_per_s / figures.feed_efficiency,
-                   stall_pct=figures.stall_pct, step_p50_ms=1000.0 * figures.step_p50_s, devices=devices,
-                   padding_efficiency=real_frames / padded_frames if padded_frames else 0.0)
+    return _result(
+        spec,
+        feed_efficiency=figures.feed_efficiency,
+        resident_steps_per_s=figures.batches_per_s / figures.feed_efficiency,
+        stall_pct=figures.stall_pct,
+        step_p50_ms=1000.0 * figures.step_p50_s,
+        devices=devices,
+        padding_efficiency=real_frames / padded_frames if padded_frames else 0.0,
+    )

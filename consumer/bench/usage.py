@@ -80,7 +80,7 @@ def _mapped_pack_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:   # a mapping's header
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
                     in_pack = line.rstrip().endswith(".pack")
                 elif in_pack and line.startswith("Rss:"):
                     total_kb += int(line.split()[1])

@@ -57,20 +57,26 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> Any:
     from melfeed.shared.config.loader import load_config, with_overrides
-    from melfeed.shared.service.cli import with_demo_cache
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.flag_checks import check_output_file
-    check_output_file(args.json, "--json")          # before the measurement, not after it
+    from melfeed.shared.service.cli import with_demo_cache
+
+    check_output_file(args.json, "--json")  # before the measurement, not after it
     cfg = with_demo_cache(args, load_config(args.config))
     depths = [int(d) for d in args.depths.split(",") if d.strip()] if args.depths.replace(",", "").isdigit() else []
     if not depths or min(depths) < 1:
         raise ConfigError("must be comma-separated stage depths >= 1", path=("--depths",), got=args.depths)
     for name in ("steps", "warmup", "hidden", "layers", "resident_steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
-            raise ConfigError("must be >= 1" if name != "warmup" else "must be >= 0",
-                              path=(f"--{name.replace('_', '-')}",), got=getattr(args, name))
-    over: dict[str, Any] = {"consumer.steps": len(depths) * (args.warmup + args.steps),
-                            "consumer.ring_slots": max(cfg.consumer.ring_slots, max(depths) + 1)}
+            raise ConfigError(
+                "must be >= 1" if name != "warmup" else "must be >= 0",
+                path=(f"--{name.replace('_', '-')}",),
+                got=getattr(args, name),
+            )
+    over: dict[str, Any] = {
+        "consumer.steps": len(depths) * (args.warmup + args.steps),
+        "consumer.ring_slots": max(cfg.consumer.ring_slots, max(depths) + 1),
+    }
     if args.producers is not None:
         over["producer.count"] = args.producers
     return with_overrides(cfg, over), depths
@@ -80,13 +86,14 @@ def _host_zeros(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]) -> d
     """A batch's step arrays in 64-byte-aligned host memory, as a ring slot's are (JAX on the CPU then
     aliases them, as it does a slot: no copy, and the copy figure says so)."""
     import numpy as np
+
     out = {}
     for key in ("mel", "mel_len"):
         dtype = np.dtype(dtypes[key])
         nbytes = int(np.prod(shapes[key])) * dtype.itemsize
         raw = np.zeros(nbytes + 64, np.uint8)
         start = -raw.ctypes.data % 64
-        out[key] = raw[start:start + nbytes].view(dtype).reshape(shapes[key])
+        out[key] = raw[start : start + nbytes].view(dtype).reshape(shapes[key])
     out["mel_len"][:] = shapes["mel"][1]
     return out
 
@@ -94,9 +101,10 @@ def _host_zeros(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]) -> d
 def _limits(handoff: Any, buckets: Sequence[Any], resident_steps: int) -> tuple[list[float], list[float], float]:
     """Per bucket: resident step seconds and copy seconds; and the compile seconds of every bucket."""
     from melfeed.consumer.clients.jax_feed import block_until_ready, device_batch
+
     t0 = time.perf_counter()
     hosts = [_host_zeros(b.shapes(), b.dtypes()) for b in buckets]
-    for host in hosts:                                  # compile every shape before anything is timed
+    for host in hosts:  # compile every shape before anything is timed
         block_until_ready(handoff.step(None, device_batch(host, handoff.device)))
     compile_s = time.perf_counter() - t0
     step_s, copy_s = [], []
@@ -116,10 +124,12 @@ def _limits(handoff: Any, buckets: Sequence[Any], resident_steps: int) -> tuple[
     return step_s, copy_s, compile_s
 
 
-def _fed(feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: list[float],
-         copy_s: list[float], sampler: Any) -> dict[str, Any]:
+def _fed(
+    feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: list[float], copy_s: list[float], sampler: Any
+) -> dict[str, Any]:
     """``warmup`` + ``steps`` steps through the stager at ``depth``; the measured steps' figures."""
     from melfeed.consumer.staging import Stager
+
     stager = Stager(feed, handoff, depth)
     resident = copy = 0.0
     losses: list[float] = []
@@ -147,21 +157,32 @@ def _fed(feed: Any, handoff: Any, depth: int, warmup: int, steps: int, step_s: l
     period = wall_s / steps
     mean_step, mean_copy = resident / steps, copy / steps
     overlap = None if mean_copy <= 0 else min(1.0, max(0.0, (mean_copy + mean_step - period) / mean_copy))
-    return {"depth": depth, "fed_steps_per_s": steps / wall_s, "feed_efficiency": resident / wall_s,
-            "fed_period_ms": 1000 * period, "resident_step_ms": 1000 * mean_step, "copy_ms": 1000 * mean_copy,
-            "copy_overlap": overlap, "gpu_util_pct": statistics.mean(util) if util else None,
-            "max_in_flight": stager.max_in_flight, "slots_held_to_step_end": handoff.aliased - aliased0,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "depth": depth,
+        "fed_steps_per_s": steps / wall_s,
+        "feed_efficiency": resident / wall_s,
+        "fed_period_ms": 1000 * period,
+        "resident_step_ms": 1000 * mean_step,
+        "copy_ms": 1000 * mean_copy,
+        "copy_overlap": overlap,
+        "gpu_util_pct": statistics.mean(util) if util else None,
+        "max_in_flight": stager.max_in_flight,
+        "slots_held_to_step_end": handoff.aliased - aliased0,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """The whole measurement (see the module); producers started and stopped here."""
     import jax
-    from melfeed.consumer.producer_group import start_producers, stop_producers
+
     from melfeed.consumer.clients.jax_feed import JaxStageAdapter, init_params, mlp_step
     from melfeed.consumer.feed import Consumer
     from melfeed.consumer.observe.gpu import GpuSampler
+    from melfeed.consumer.producer_group import start_producers, stop_producers
     from melfeed.shared.config.loader import with_overrides
+
     device = jax.devices()[args.device]
     params = jax.device_put(init_params(cfg.n_mels, args.hidden, args.layers), device)
     handoff = JaxStageAdapter(mlp_step(args.layers), params, device)
@@ -177,30 +198,44 @@ def measure(cfg: Any, depths: Sequence[int], args: argparse.Namespace) -> dict[s
             if sampler is not None:
                 sampler.stop()
             stop_producers(group)
-    return {"device": str(device), "platform": device.platform, "jax": jax.__version__,
-            "hidden": args.hidden, "layers": args.layers, "producers": cfg.producer.count,
-            "transport": "shm" if feed._shm is not None else "zmq", "compile_s": compile_s,
-            "resident_step_ms": [1000 * s for s in step_s], "copy_ms": [1000 * s for s in copy_s],
-            "runs": runs, "command": ["python", "-m", "melfeed.consumer.clients.jax_bench", *sys.argv[1:]]}
+    return {
+        "device": str(device),
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "producers": cfg.producer.count,
+        "transport": "shm" if feed._shm is not None else "zmq",
+        "compile_s": compile_s,
+        "resident_step_ms": [1000 * s for s in step_s],
+        "copy_ms": [1000 * s for s in copy_s],
+        "runs": runs,
+        "command": ["python", "-m", "melfeed.consumer.clients.jax_bench", *sys.argv[1:]],
+    }
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"jax_bench: {report['device']} ({report['platform']}, jax {report['jax']}), MLP {report['layers']} x "
-          f"{report['hidden']}, {report['producers']} producer(s) over {report['transport']}; compiled in "
-          f"{report['compile_s']:.1f} s")
+    print(
+        f"jax_bench: {report['device']} ({report['platform']}, jax {report['jax']}), MLP {report['layers']} x "
+        f"{report['hidden']}, {report['producers']} producer(s) over {report['transport']}; compiled in "
+        f"{report['compile_s']:.1f} s"
+    )
     print("resident step ms per bucket: " + ", ".join(f"{x:.3f}" for x in report["resident_step_ms"]))
     print("copy ms per bucket (device_put, pageable): " + ", ".join(f"{x:.3f}" for x in report["copy_ms"]))
     for r in report["runs"]:
         util = "n/a" if r["gpu_util_pct"] is None else f"{r['gpu_util_pct']:.0f} %"
         overlap = "n/a" if r["copy_overlap"] is None else f"{r['copy_overlap']:.2f}"
-        print(f"depth {r['depth']}: feed efficiency {r['feed_efficiency']:.3f} ({r['fed_steps_per_s']:.1f} steps/s, "
-              f"period {r['fed_period_ms']:.3f} ms vs resident step {r['resident_step_ms']:.3f} ms + copy "
-              f"{r['copy_ms']:.3f} ms), copy overlap {overlap}, GPU util {util}, in flight <= {r['max_in_flight']}, "
-              f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}")
+        print(
+            f"depth {r['depth']}: feed efficiency {r['feed_efficiency']:.3f} ({r['fed_steps_per_s']:.1f} steps/s, "
+            f"period {r['fed_period_ms']:.3f} ms vs resident step {r['resident_step_ms']:.3f} ms + copy "
+            f"{r['copy_ms']:.3f} ms), copy overlap {overlap}, GPU util {util}, in flight <= {r['max_in_flight']}, "
+            f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from melfeed.shared.errors import EXIT_CONFIG, PipelineError
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
@@ -217,9 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print(report)
     if args.json:
         from melfeed.shared.output_files import write_output
+
         try:
             write_output(args.json, json.dumps(report, indent=1), what="--json")
-        except PipelineError as err:            # another user's link or file put there since the check
+        except PipelineError as err:  # another user's link or file put there since the check
             print(f"jax_bench: {err}", file=sys.stderr)
             return EXIT_CONFIG
     return 0

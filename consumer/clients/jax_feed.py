@@ -26,8 +26,15 @@ import numpy as np
 
 from melfeed.consumer.staging import Staged
 
-__all__ = ["JaxStageAdapter", "mlp_step", "init_params", "aliases_host", "device_batch", "block_until_ready",
-           "STEP_ARRAYS"]
+__all__ = [
+    "JaxStageAdapter",
+    "mlp_step",
+    "init_params",
+    "aliases_host",
+    "device_batch",
+    "block_until_ready",
+    "STEP_ARRAYS",
+]
 
 Params = dict[str, Any]
 StepFn = Callable[[Params, Mapping[str, Any]], tuple[Params, jax.Array]]
@@ -44,12 +51,15 @@ def init_params(n_mels: int, hidden: int, layers: int, seed: int = 0) -> Params:
     """Weights of ``mlp_step``'s model, float32, drawn from ``seed`` (the same on every run)."""
     rng = np.random.default_rng(seed)
     sizes = [n_mels] + [hidden] * layers + [n_mels]
-    return {f"w{i}": jnp.asarray(rng.standard_normal((a, b), dtype=np.float32) / np.sqrt(a))
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+    return {
+        f"w{i}": jnp.asarray(rng.standard_normal((a, b), dtype=np.float32) / np.sqrt(a))
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))
+    }
 
 
 def mlp_step(layers: int, learning_rate: float = 1e-3) -> StepFn:
     """A jitted step ``(params, arrays) -> (params, loss)``; ``params`` is donated."""
+
     def loss_fn(params: Params, mel: jax.Array, mel_len: jax.Array) -> jax.Array:
         x = mel[:, :-1].astype(jnp.float32)
         for i in range(layers):
@@ -68,11 +78,12 @@ def mlp_step(layers: int, learning_rate: float = 1e-3) -> StepFn:
     return jax.jit(step, donate_argnums=0)
 
 
-STEP_ARRAYS = ("mel", "mel_len")   # what mlp_step reads; a step of your own names its own
+STEP_ARRAYS = ("mel", "mel_len")  # what mlp_step reads; a step of your own names its own
 
 
-def device_batch(arrays: Mapping[str, np.ndarray], device: Any,
-                 names: tuple[str, ...] = STEP_ARRAYS) -> dict[str, jax.Array]:
+def device_batch(
+    arrays: Mapping[str, np.ndarray], device: Any, names: tuple[str, ...] = STEP_ARRAYS
+) -> dict[str, jax.Array]:
     """The arrays the step reads (``names``) put on ``device``; starts the copy, does not wait.
 
     Raises:
@@ -91,7 +102,7 @@ def aliases_host(on_device: Mapping[str, jax.Array], host: Mapping[str, np.ndarr
             if value.unsafe_buffer_pointer() == host[key].ctypes.data:
                 return True
         except (AttributeError, NotImplementedError, RuntimeError):
-            return True                 # cannot tell: hold the slot until the step completed
+            return True  # cannot tell: hold the slot until the step completed
     return False
 
 
@@ -106,20 +117,19 @@ class JaxStageAdapter:
             ``mel_len``, ``mlp_step``'s); e.g. add ``tokens`` and ``tok_len`` for a text-to-mel step.
     """
 
-    def __init__(self, step: StepFn, params: Params, device: Any,
-                 array_names: tuple[str, ...] = STEP_ARRAYS) -> None:
+    def __init__(self, step: StepFn, params: Params, device: Any, array_names: tuple[str, ...] = STEP_ARRAYS) -> None:
         self.step_fn = step
         self.array_names = tuple(array_names)
         self.params = params
         self.device = device
-        self.aliased = 0                # batches whose slot was held to the step's end (aliased memory)
+        self.aliased = 0  # batches whose slot was held to the step's end (aliased memory)
 
     def put(self, batch: Any) -> Staged[dict[str, jax.Array]]:
         value = device_batch(batch.arrays, self.device, self.array_names)
         if aliases_host(value, batch.arrays):
             self.aliased += 1
             return Staged(value, copied=None)
-        leaves: list[Any] = list(value.values())      # is_ready: not in jax.Array's type stubs
+        leaves: list[Any] = list(value.values())  # is_ready: not in jax.Array's type stubs
         return Staged(value, copied=lambda: all(a.is_ready() for a in leaves))
 
     def step(self, batch: Any, value: dict[str, jax.Array]) -> jax.Array:

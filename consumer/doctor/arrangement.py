@@ -19,7 +19,7 @@ from melfeed.consumer.doctor.verdict import BOUND_STEP, HEADROOM, Change
 
 __all__ = ["Arrangement", "advise_data_gpu"]
 
-_MAX_GAIN = 2.0   # a second replica at most doubles the step rate (equal GPUs, perfect scaling)
+_MAX_GAIN = 2.0  # a second replica at most doubles the step rate (equal GPUs, perfect scaling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +32,15 @@ def _entries(value: str | None) -> list[str]:
     return [e for e in (value or "").split(",") if e]
 
 
-def advise_data_gpu(model_gpu: str | None, data_gpu: str, consumer_gpus: Sequence[str] | None,
-                    producer_gpus: Sequence[str] | None, supply_per_s: float, demand_per_s: float,
-                    bound: str) -> Arrangement:
+def advise_data_gpu(
+    model_gpu: str | None,
+    data_gpu: str,
+    consumer_gpus: Sequence[str] | None,
+    producer_gpus: Sequence[str] | None,
+    supply_per_s: float,
+    demand_per_s: float,
+    bound: str,
+) -> Arrangement:
     """The data GPU as a model replica, or why not, from the measured supply and demand.
 
     Args:
@@ -44,23 +50,37 @@ def advise_data_gpu(model_gpu: str | None, data_gpu: str, consumer_gpus: Sequenc
     """
     data = _entries(data_gpu)
     if not data or not producer_gpus:
-        return Arrangement()                      # no data GPU, or none seen: nothing to arrange
+        return Arrangement()  # no data GPU, or none seen: nothing to arrange
     model = _entries(model_gpu) or [g for g in (consumer_gpus or []) if g not in data]
     if set(model) & set(data) or not model:
-        return Arrangement()                      # shared already (the environment check says so)
+        return Arrangement()  # shared already (the environment check says so)
     ratio = supply_per_s / demand_per_s if demand_per_s > 0 else 0.0
-    idle = (f"producer.data_gpu={data_gpu}: producers reading a cache do no GPU work, so that GPU idles; "
-            f"supply {supply_per_s:.1f} batches/s is {ratio:.2f} x the step's demand {demand_per_s:.1f}")
+    idle = (
+        f"producer.data_gpu={data_gpu}: producers reading a cache do no GPU work, so that GPU idles; "
+        f"supply {supply_per_s:.1f} batches/s is {ratio:.2f} x the step's demand {demand_per_s:.1f}"
+    )
     need = _MAX_GAIN * HEADROOM
     if bound == BOUND_STEP and ratio >= need:
         new = ",".join([*model, *data])
-        why = (f"{idle}, at least {need:g} x: enough for a second replica, which can at most double the step "
-               "rate (not measured: equal GPUs, perfect scaling)")
-        return Arrangement(changes=[Change("consumer.model_gpu", str(model_gpu), new, why),
-                                    Change("producer.data_gpu", data_gpu, '""', "producers on the CPU only; "
-                                           "they need no GPU to read a cache")])
+        why = (
+            f"{idle}, at least {need:g} x: enough for a second replica, which can at most double the step "
+            "rate (not measured: equal GPUs, perfect scaling)"
+        )
+        return Arrangement(
+            changes=[
+                Change("consumer.model_gpu", str(model_gpu), new, why),
+                Change(
+                    "producer.data_gpu", data_gpu, '""', "producers on the CPU only; they need no GPU to read a cache"
+                ),
+            ]
+        )
     if bound == BOUND_STEP:
-        return Arrangement(notes=[f"{idle}, below the {need:g} x a second model replica on it could use: keep "
-                                  "one model GPU, or add producers first"])
-    return Arrangement(notes=[f"{idle}; the data side is the limit, so a second model replica on it would only "
-                              "wait for data"])
+        return Arrangement(
+            notes=[
+                f"{idle}, below the {need:g} x a second model replica on it could use: keep "
+                "one model GPU, or add producers first"
+            ]
+        )
+    return Arrangement(
+        notes=[f"{idle}; the data side is the limit, so a second model replica on it would only wait for data"]
+    )

@@ -19,29 +19,29 @@ from pathlib import Path
 
 __all__ = ["EnvFacts", "Check", "gather_facts", "check_environment", "mem_available_bytes"]
 
-_MEM_WARN_FRACTION = 0.5   # the in-flight bound may take at most half of the free memory quietly
+_MEM_WARN_FRACTION = 0.5  # the in-flight bound may take at most half of the free memory quietly
 _RUNTIME_MODES_OK = (0o700, 0o770)  # 0770 when systemd's RuntimeDirectoryMode grants the group
 
 
 @dataclass(frozen=True, slots=True)
 class EnvFacts:
-    consumer_gpus: list[str] | None      # NVML indices visible to the consumer; None = NVML n/a
-    producer_gpus: list[str] | None      # ... to the producers
-    model_gpu: str | None                # consumer.model_gpu (None = inherit)
-    data_gpu: str                        # producer.data_gpu ("" = CPU only)
-    mem_available_bytes: int | None      # MemAvailable; None = unknown
-    shm_free_bytes: int | None           # free bytes in /dev/shm; None = no /dev/shm
-    ring_bytes: int                      # ring slots x slot bytes
-    in_flight_bytes: int                 # the in-flight bound (ring + lease windows)
+    consumer_gpus: list[str] | None  # NVML indices visible to the consumer; None = NVML n/a
+    producer_gpus: list[str] | None  # ... to the producers
+    model_gpu: str | None  # consumer.model_gpu (None = inherit)
+    data_gpu: str  # producer.data_gpu ("" = CPU only)
+    mem_available_bytes: int | None  # MemAvailable; None = unknown
+    shm_free_bytes: int | None  # free bytes in /dev/shm; None = no /dev/shm
+    ring_bytes: int  # ring slots x slot bytes
+    in_flight_bytes: int  # the in-flight bound (ring + lease windows)
     runtime_dir: str
     runtime_exists: bool
-    runtime_mode: int | None             # permission bits, when it exists
-    runtime_writable: bool               # writable (or its nearest existing parent is, to create it)
+    runtime_mode: int | None  # permission bits, when it exists
+    runtime_writable: bool  # writable (or its nearest existing parent is, to create it)
 
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    status: str     # "ok", "warn", "fail" or "n/a"
+    status: str  # "ok", "warn", "fail" or "n/a"
     name: str
     reason: str
 
@@ -69,36 +69,61 @@ def _split_gpu_check(f: EnvFacts) -> Check:
     if f.model_gpu is None:
         shared = data & set(f.consumer_gpus or []) if f.consumer_gpus is not None else data
         if shared:
-            return Check("warn", name, f"consumer.model_gpu is unset (the consumer inherits every GPU) and "
-                                       f"producer.data_gpu={f.data_gpu}: the model may land on the data GPU")
+            return Check(
+                "warn",
+                name,
+                f"consumer.model_gpu is unset (the consumer inherits every GPU) and "
+                f"producer.data_gpu={f.data_gpu}: the model may land on the data GPU",
+            )
         return Check("ok", name, f"producers use GPU {f.data_gpu}, the consumer sees only others")
     same = data & {g for g in f.model_gpu.split(",") if g}
     if same:
         # producers reading a cache do no GPU work (docs/guide/two-gpus.md): nothing competes today
-        return Check("warn", name, f"consumer.model_gpu={f.model_gpu} and producer.data_gpu={f.data_gpu} "
-                                   f"name the same GPU {','.join(sorted(same))}; producers reading a cache do no GPU "
-                                   'work, so set producer.data_gpu: "" to keep anything else off the model\'s GPU')
+        return Check(
+            "warn",
+            name,
+            f"consumer.model_gpu={f.model_gpu} and producer.data_gpu={f.data_gpu} "
+            f"name the same GPU {','.join(sorted(same))}; producers reading a cache do no GPU "
+            'work, so set producer.data_gpu: "" to keep anything else off the model\'s GPU',
+        )
     return Check("ok", name, f"model on {f.model_gpu}, data on {f.data_gpu}")
 
 
 def check_environment(f: EnvFacts) -> list[Check]:
     """One check per concern, in a fixed order."""
-    out = [_gpu_check("consumer", f"consumer.model_gpu={f.model_gpu}", f.consumer_gpus),
-           _gpu_check("producers", f"producer.data_gpu={f.data_gpu!r}", f.producer_gpus), _split_gpu_check(f)]
+    out = [
+        _gpu_check("consumer", f"consumer.model_gpu={f.model_gpu}", f.consumer_gpus),
+        _gpu_check("producers", f"producer.data_gpu={f.data_gpu!r}", f.producer_gpus),
+        _split_gpu_check(f),
+    ]
     if f.mem_available_bytes is None:
         out.append(Check("n/a", "memory", "MemAvailable unknown (no /proc/meminfo)"))
     else:
-        status = ("fail" if f.in_flight_bytes > f.mem_available_bytes else
-                  "warn" if f.in_flight_bytes > _MEM_WARN_FRACTION * f.mem_available_bytes else "ok")
-        out.append(Check(status, "memory", f"in-flight bound {_mb(f.in_flight_bytes)} vs MemAvailable "
-                                           f"{_mb(f.mem_available_bytes)}"))
+        status = (
+            "fail"
+            if f.in_flight_bytes > f.mem_available_bytes
+            else "warn"
+            if f.in_flight_bytes > _MEM_WARN_FRACTION * f.mem_available_bytes
+            else "ok"
+        )
+        out.append(
+            Check(
+                status,
+                "memory",
+                f"in-flight bound {_mb(f.in_flight_bytes)} vs MemAvailable {_mb(f.mem_available_bytes)}",
+            )
+        )
     if f.shm_free_bytes is None:
         out.append(Check("n/a", "/dev/shm", "not mounted (a shared-memory ring needs it)"))
     else:
-        status = ("fail" if f.ring_bytes > f.shm_free_bytes else
-                  "warn" if f.in_flight_bytes > f.shm_free_bytes else "ok")
-        out.append(Check(status, "/dev/shm", f"{_mb(f.shm_free_bytes)} free vs ring {_mb(f.ring_bytes)} "
-                                             f"(+ lease windows: {_mb(f.in_flight_bytes)})"))
+        status = "fail" if f.ring_bytes > f.shm_free_bytes else "warn" if f.in_flight_bytes > f.shm_free_bytes else "ok"
+        out.append(
+            Check(
+                status,
+                "/dev/shm",
+                f"{_mb(f.shm_free_bytes)} free vs ring {_mb(f.ring_bytes)} (+ lease windows: {_mb(f.in_flight_bytes)})",
+            )
+        )
     out.append(_runtime_check(f))
     return out
 
@@ -113,8 +138,9 @@ def _runtime_check(f: EnvFacts) -> Check:
         return Check("fail", name, f"{f.runtime_dir} is not writable: the socket cannot be bound there")
     if f.runtime_mode not in _RUNTIME_MODES_OK:
         mode = f"{f.runtime_mode:04o}" if f.runtime_mode is not None else "?"
-        return Check("warn", name, f"{f.runtime_dir} has mode {mode}, want 0700: other users could reach the "
-                                   "socket (chmod 700)")
+        return Check(
+            "warn", name, f"{f.runtime_dir} has mode {mode}, want 0700: other users could reach the socket (chmod 700)"
+        )
     return Check("ok", name, f"{f.runtime_dir} exists, mode {f.runtime_mode:04o}, writable")
 
 
@@ -132,6 +158,7 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
 def _nvml_available() -> bool:
     try:
         import pynvml
+
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True
@@ -142,6 +169,7 @@ def _nvml_available() -> bool:
 def _visible_gpus(selector: str | None) -> list[str]:
     """NVML indices visible under CUDA_VISIBLE_DEVICES=selector (None = every GPU)."""
     from melfeed.consumer.observe.gpu import GpuSampler
+
     sampler = GpuSampler(interval_s=60.0, visible=selector, use_env=False)
     try:
         sampler.start()
@@ -157,8 +185,14 @@ def _writable(path: Path) -> bool:
     return os.access(probe, os.W_OK | os.X_OK)
 
 
-def gather_facts(model_gpu: str | None, data_gpu: str, runtime_dir: Path, ring_bytes: int,
-                 in_flight_bytes: int, environ: Mapping[str, str]) -> EnvFacts:
+def gather_facts(
+    model_gpu: str | None,
+    data_gpu: str,
+    runtime_dir: Path,
+    ring_bytes: int,
+    in_flight_bytes: int,
+    environ: Mapping[str, str],
+) -> EnvFacts:
     """Read the machine once (see the module docstring)."""
     consumer_sel = model_gpu if model_gpu is not None else environ.get("CUDA_VISIBLE_DEVICES")
     has_nvml = _nvml_available()
@@ -174,7 +208,17 @@ def gather_facts(model_gpu: str | None, data_gpu: str, runtime_dir: Path, ring_b
         exists = runtime_dir.is_dir()
     except OSError:
         mode, exists = None, False
-    return EnvFacts(consumer_gpus=consumer, producer_gpus=producer, model_gpu=model_gpu, data_gpu=data_gpu,
-                    mem_available_bytes=mem_available_bytes(), shm_free_bytes=shm, ring_bytes=ring_bytes,
-                    in_flight_bytes=in_flight_bytes, runtime_dir=str(runtime_dir), runtime_exists=exists,
-                    runtime_mode=mode, runtime_writable=_writable(runtime_dir))
+    return EnvFacts(
+        consumer_gpus=consumer,
+        producer_gpus=producer,
+        model_gpu=model_gpu,
+        data_gpu=data_gpu,
+        mem_available_bytes=mem_available_bytes(),
+        shm_free_bytes=shm,
+        ring_bytes=ring_bytes,
+        in_flight_bytes=in_flight_bytes,
+        runtime_dir=str(runtime_dir),
+        runtime_exists=exists,
+        runtime_mode=mode,
+        runtime_writable=_writable(runtime_dir),
+    )

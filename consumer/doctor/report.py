@@ -27,8 +27,9 @@ def _shape(wire: list[int]) -> str:
 def _probed(stage: dict[str, Any], name: str, key: str) -> Any:
     """``stage[key]``, which the stage's probe always writes; without it the probe and this doctor differ."""
     if key not in stage:
-        raise PipelineError(f"the {name} probe's result has no {key!r} (the probe always writes it: a bug in "
-                            "melfeed doctor)")
+        raise PipelineError(
+            f"the {name} probe's result has no {key!r} (the probe always writes it: a bug in melfeed doctor)"
+        )
     return stage[key]
 
 
@@ -47,8 +48,9 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
         f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
-        f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})" if n > 1 else
-        "         (1 producer: not repeated)",
+        f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})"
+        if n > 1
+        else "         (1 producer: not repeated)",
         "stage 2  transport producer -> consumer (real Consumer ring on a private ipc socket, batches released "
         f"at once, no step; data path: {_path_words(_probed(t1, 'transport_1', 'path'))})",
         f"         1 producer: {t1['batches_per_s']:.1f} batches/s delivered"
@@ -62,36 +64,49 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         lines.append(f"         bucket {b['index']} {_shape(wire)}: {b['h2d_ms_p50']:.2f} ms")
     lines.append(f"         weighted by the bucket mix: {h2d:.2f} ms = {v.h2d_per_s:.1f} batches/s")
     ran_on = ", ".join(_probed(dev, "device", "step_devices"))
-    lines.append(f"stage 4  compiled step (CompiledStep, {dev['compile_s']:.1f} s to compile every bucket; "
-                 f"ran on {ran_on})")
+    lines.append(
+        f"stage 4  compiled step (CompiledStep, {dev['compile_s']:.1f} s to compile every bucket; ran on {ran_on})"
+    )
     for b, wire, w in zip(dev["buckets"], r["buckets"], mix):
-        lines.append(f"         bucket {b['index']} {_shape(wire)}: {b['step_ms_p50']:.2f} ms p50, "
-                     f"{b['step_ms_p99']:.2f} ms p99 ({b['runs']} runs), {100 * w:.0f} % of batches")
+        lines.append(
+            f"         bucket {b['index']} {_shape(wire)}: {b['step_ms_p50']:.2f} ms p50, "
+            f"{b['step_ms_p99']:.2f} ms p99 ({b['runs']} runs), {100 * w:.0f} % of batches"
+        )
     lines.append(f"         weighted: {step:.2f} ms per step = demand {v.demand_per_s:.1f} batches/s")
     return lines
 
 
 def render(r: dict[str, Any], v: Verdict, checks: list[Check]) -> str:
     """The full report as printed on stdout."""
-    lines = [f"melfeed doctor: {r['cache_dir']} ({r['utterances']} utterances, {len(r['buckets'])} buckets), "
-             f"{r['producers']} producer(s), {r['cores']} cores"]
+    lines = [
+        f"melfeed doctor: {r['cache_dir']} ({r['utterances']} utterances, {len(r['buckets'])} buckets), "
+        f"{r['producers']} producer(s), {r['cores']} cores"
+    ]
     lines += _stage_lines(r, v)
-    lines.append(f"padding  frames {r['config_facts']['padding']:.3f}, tokens {r['config_facts']['token_padding']:.3f}"
-                 f" over the epoch; {r['outliers']} outlier(s) left out (buckets.*_frames_per_token); the grid:")
+    lines.append(
+        f"padding  frames {r['config_facts']['padding']:.3f}, tokens {r['config_facts']['token_padding']:.3f}"
+        f" over the epoch; {r['outliers']} outlier(s) left out (buckets.*_frames_per_token); the grid:"
+    )
     lines += ["  " + line for line in format_grid(r["grid"])]
     f = r["config_facts"]
-    lines.append(f"memory   in-flight bound (ring slots + producers x lease window {f['lease_window']}) x largest batch "
-                 f"{f['largest_batch_bytes'] / 1e6:.1f} MB: now ({f['ring_slots']} + {f['producer_count']} x "
-                 f"{f['lease_window']}) = {r['memory_bound_now_bytes'] / 1e6:.0f} MB; with the changes below "
-                 f"{v.memory_bound_bytes / 1e6:.0f} MB")
+    lines.append(
+        f"memory   in-flight bound (ring slots + producers x lease window {f['lease_window']}) x largest batch "
+        f"{f['largest_batch_bytes'] / 1e6:.1f} MB: now ({f['ring_slots']} + {f['producer_count']} x "
+        f"{f['lease_window']}) = {r['memory_bound_now_bytes'] / 1e6:.0f} MB; with the changes below "
+        f"{v.memory_bound_bytes / 1e6:.0f} MB"
+    )
     lines.append("environment")
     lines += [f"  {c.line()}" for c in checks]
     verb = ">=" if v.supply_per_s >= HEADROOM * v.demand_per_s else "<"
-    lines.append(f"verdict: supply {v.supply_per_s:.1f} batches/s {verb} {HEADROOM:g} x demand "
-                 f"{v.demand_per_s:.1f} = {HEADROOM * v.demand_per_s:.1f}; bound by {v.bound}")
-    lines.append(f"producers: {v.producers_needed} needed for {HEADROOM:g} x demand at {v.per_producer_per_s:.1f} "
-                 f"batches/s each (min of one probe's build rate and the 1-producer delivered rate); "
-                 f"{r['cores']} cores")
+    lines.append(
+        f"verdict: supply {v.supply_per_s:.1f} batches/s {verb} {HEADROOM:g} x demand "
+        f"{v.demand_per_s:.1f} = {HEADROOM * v.demand_per_s:.1f}; bound by {v.bound}"
+    )
+    lines.append(
+        f"producers: {v.producers_needed} needed for {HEADROOM:g} x demand at {v.per_producer_per_s:.1f} "
+        f"batches/s each (min of one probe's build rate and the 1-producer delivered rate); "
+        f"{r['cores']} cores"
+    )
     lines += [f"change:  {c.line()}" for c in v.changes] or ["change:  none"]
     lines += [f"note:    {n}" for n in v.notes]
     lines.append(f"exit {v.exit_code}" + (" (the data side is the bottleneck)" if v.exit_code else ""))

@@ -19,14 +19,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["HEADROOM", "Measurements", "ConfigFacts", "Change", "Verdict", "weighted_ms", "decide",
-           "memory_bound_bytes", "EXIT_OK", "EXIT_DATA_BOUND"]
+__all__ = [
+    "HEADROOM",
+    "Measurements",
+    "ConfigFacts",
+    "Change",
+    "Verdict",
+    "weighted_ms",
+    "decide",
+    "memory_bound_bytes",
+    "EXIT_OK",
+    "EXIT_DATA_BOUND",
+]
 
-HEADROOM = 1.2          # supply must beat demand by 20 %: jitter and the trainer's own CPU use
+HEADROOM = 1.2  # supply must beat demand by 20 %: jitter and the trainer's own CPU use
 EXIT_OK = 0
-EXIT_DATA_BOUND = 3     # a verdict, not a crash: the data side cannot keep the step busy
+EXIT_DATA_BOUND = 3  # a verdict, not a crash: the data side cannot keep the step busy
 _PRODUCERS_NOT_TRANSPORT = 1.15  # build rate within 15 % of delivered: the producers are the limit
-_PADDING_GAIN = 0.02    # recommend more buckets only for at least 2 points of padding efficiency
+_PADDING_GAIN = 0.02  # recommend more buckets only for at least 2 points of padding efficiency
 
 BOUND_PRODUCERS = "producers (cache read / assembly)"
 BOUND_TRANSPORT = "transport"
@@ -38,34 +48,34 @@ BOUND_STEP = "the training step (the GPU is the bottleneck; data keeps up)"
 class Measurements:
     """What the probes measured. Per-bucket lists are in bucket index order."""
 
-    producers: int                 # N, the producer count measured
-    build_ms_p50: float            # one producer probe alone: ms per batch (debug delay included)
-    read_ms_p50: float             # the cache-read part of it
-    build_rate_1: float            # batches/s of one probe alone
-    build_rate_n: float            # Σ batches/s of N probes at once
-    delivered_1: float             # stage 2, 1 producer
-    delivered_n: float             # stage 2, N producers
-    h2d_ms: tuple[float, ...]      # stage 3 per bucket
-    step_ms: tuple[float, ...]     # stage 4 per bucket (p50)
-    mix: tuple[float, ...]         # fraction of an epoch's batches per bucket
+    producers: int  # N, the producer count measured
+    build_ms_p50: float  # one producer probe alone: ms per batch (debug delay included)
+    read_ms_p50: float  # the cache-read part of it
+    build_rate_1: float  # batches/s of one probe alone
+    build_rate_n: float  # Σ batches/s of N probes at once
+    delivered_1: float  # stage 2, 1 producer
+    delivered_n: float  # stage 2, N producers
+    h2d_ms: tuple[float, ...]  # stage 3 per bucket
+    step_ms: tuple[float, ...]  # stage 4 per bucket (p50)
+    mix: tuple[float, ...]  # fraction of an epoch's batches per bucket
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigFacts:
     """The config and dataset shape the recommendations refer to."""
 
-    cores: int                     # CPUs this process may run on
-    producer_count: int            # producer.count now
-    ring_slots: int                # consumer.ring_slots now
-    lease_window: int              # transport.lease_window
+    cores: int  # CPUs this process may run on
+    producer_count: int  # producer.count now
+    ring_slots: int  # consumer.ring_slots now
+    lease_window: int  # transport.lease_window
     largest_batch_bytes: int
-    padding: float                 # padding efficiency of the configured buckets
-    num_buckets: int | None        # buckets.num_buckets when boundaries are derived; None = configured
+    padding: float  # padding efficiency of the configured buckets
+    num_buckets: int | None  # buckets.num_buckets when boundaries are derived; None = configured
     padding_alternatives: tuple[tuple[int, float], ...] = ()  # (shape budget, padding efficiency)
-    budget_key: str = "buckets.num_buckets"   # the key of that budget (buckets.max_shapes for a 2-D plan)
-    token_padding: float = 0.0                 # real tokens / padded token positions of the plan
-    checksum: bool = False         # crc32 on payloads (transport.checksum, resolved)
-    is_tcp: bool = False           # transport.endpoint is tcp://
+    budget_key: str = "buckets.num_buckets"  # the key of that budget (buckets.max_shapes for a 2-D plan)
+    token_padding: float = 0.0  # real tokens / padded token positions of the plan
+    checksum: bool = False  # crc32 on payloads (transport.checksum, resolved)
+    is_tcp: bool = False  # transport.endpoint is tcp://
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +98,9 @@ class Verdict:
     h2d_per_s: float
     per_producer_per_s: float
     transport_ms: float
-    producers_needed: int          # uncapped
-    producers_recommended: int     # capped by the cores
-    memory_bound_bytes: int        # with the recommended producer.count and consumer.ring_slots
+    producers_needed: int  # uncapped
+    producers_recommended: int  # capped by the cores
+    memory_bound_bytes: int  # with the recommended producer.count and consumer.ring_slots
     changes: list[Change] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -127,25 +137,40 @@ def decide(m: Measurements, c: ConfigFacts) -> Verdict:
         bound = BOUND_PRODUCERS if m.build_rate_n <= _PRODUCERS_NOT_TRANSPORT * m.delivered_n else BOUND_TRANSPORT
     else:
         bound, code = BOUND_H2D, EXIT_DATA_BOUND
-        notes.append(f"the hand-off to the device ({h2d:.1f} batches/s) is slower than the step needs "
-                     f"({HEADROOM:g} x {demand:.1f}); check that the host buffers are aligned (DLPack) "
-                     "and that the model GPU is not shared")
+        notes.append(
+            f"the hand-off to the device ({h2d:.1f} batches/s) is slower than the step needs "
+            f"({HEADROOM:g} x {demand:.1f}); check that the host buffers are aligned (DLPack) "
+            "and that the model GPU is not shared"
+        )
     if needed > c.cores:
-        notes.append(f"the step needs {needed} producers at {per_producer:.1f} batches/s each, but this machine "
-                     f"has {c.cores} cores: recommending {recommended}; faster storage, fewer padded frames or "
-                     "producers on another host (tcp + CURVE) are the ways beyond that")
+        notes.append(
+            f"the step needs {needed} producers at {per_producer:.1f} batches/s each, but this machine "
+            f"has {c.cores} cores: recommending {recommended}; faster storage, fewer padded frames or "
+            "producers on another host (tcp + CURVE) are the ways beyond that"
+        )
     if bound == BOUND_PRODUCERS and m.build_rate_n < 0.8 * m.producers * m.build_rate_1:
-        notes.append(f"{m.producers} producer probes together built {m.build_rate_n:.1f} batches/s, "
-                     f"{m.producers} x one alone would be {m.producers * m.build_rate_1:.1f}: they compete for cores "
-                     "or the disk")
+        notes.append(
+            f"{m.producers} producer probes together built {m.build_rate_n:.1f} batches/s, "
+            f"{m.producers} x one alone would be {m.producers * m.build_rate_1:.1f}: they compete for cores "
+            "or the disk"
+        )
     changes = _changes(m, c, bound, recommended)
     slots = next((int(ch.new) for ch in changes if ch.key == "consumer.ring_slots"), c.ring_slots)
     producers = next((int(ch.new) for ch in changes if ch.key == "producer.count"), c.producer_count)
-    return Verdict(bound=bound, exit_code=code, supply_per_s=m.delivered_n, demand_per_s=demand, h2d_per_s=h2d,
-                   per_producer_per_s=per_producer, transport_ms=transport_ms, producers_needed=needed,
-                   producers_recommended=recommended,
-                   memory_bound_bytes=memory_bound_bytes(slots, producers, c.lease_window, c.largest_batch_bytes),
-                   changes=changes, notes=notes)
+    return Verdict(
+        bound=bound,
+        exit_code=code,
+        supply_per_s=m.delivered_n,
+        demand_per_s=demand,
+        h2d_per_s=h2d,
+        per_producer_per_s=per_producer,
+        transport_ms=transport_ms,
+        producers_needed=needed,
+        producers_recommended=recommended,
+        memory_bound_bytes=memory_bound_bytes(slots, producers, c.lease_window, c.largest_batch_bytes),
+        changes=changes,
+        notes=notes,
+    )
 
 
 def _slots_for(producers: int, c: ConfigFacts) -> int:
@@ -157,28 +182,62 @@ def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> lis
     out: list[Change] = []
     data_bound = bound in (BOUND_PRODUCERS, BOUND_TRANSPORT)
     if producers != c.producer_count and (data_bound or producers < c.producer_count):
-        why = ("supply must reach 1.2 x the step's demand" if producers > c.producer_count
-               else "fewer producers already supply 1.2 x the step's demand; the rest only take CPU from the trainer")
+        why = (
+            "supply must reach 1.2 x the step's demand"
+            if producers > c.producer_count
+            else "fewer producers already supply 1.2 x the step's demand; the rest only take CPU from the trainer"
+        )
         rate = min(m.build_rate_1, m.delivered_1)
-        out.append(Change("producer.count", str(c.producer_count), str(producers),
-                          f"{why}: {producers} x {rate:.1f} = {producers * rate:.1f} batches/s for a demand of "
-                          f"{_rate(weighted_ms(m.step_ms, m.mix)):.1f}"))
+        out.append(
+            Change(
+                "producer.count",
+                str(c.producer_count),
+                str(producers),
+                f"{why}: {producers} x {rate:.1f} = {producers * rate:.1f} batches/s for a demand of "
+                f"{_rate(weighted_ms(m.step_ms, m.mix)):.1f}",
+            )
+        )
     slots = _slots_for(max(producers, c.producer_count) if data_bound else producers, c)
     if data_bound and c.ring_slots < slots:
         n = max(producers, c.producer_count)
-        out.append(Change("consumer.ring_slots", str(c.ring_slots), str(min(slots, 256)),
-                          f"each lease reserves a slot: {n} producers x lease window {c.lease_window} + 1 ready "
-                          "+ 1 in the step, or producers wait for slots"))
+        out.append(
+            Change(
+                "consumer.ring_slots",
+                str(c.ring_slots),
+                str(min(slots, 256)),
+                f"each lease reserves a slot: {n} producers x lease window {c.lease_window} + 1 ready "
+                "+ 1 in the step, or producers wait for slots",
+            )
+        )
     if bound == BOUND_TRANSPORT and c.checksum:
-        out.append(Change("transport.checksum", "true", "false", "crc32 costs ~2.3 ms per 8 MB on each side; "
-                          "CURVE (tcp without transport.insecure) already authenticates every message"))
+        out.append(
+            Change(
+                "transport.checksum",
+                "true",
+                "false",
+                "crc32 costs ~2.3 ms per 8 MB on each side; "
+                "CURVE (tcp without transport.insecure) already authenticates every message",
+            )
+        )
     if bound == BOUND_TRANSPORT and c.is_tcp:
-        out.append(Change("transport.endpoint", "tcp://...", "ipc://... (default)",
-                          "producers on this host: ipc carries 8 MB batches about twice as fast as tcp"))
+        out.append(
+            Change(
+                "transport.endpoint",
+                "tcp://...",
+                "ipc://... (default)",
+                "producers on this host: ipc carries 8 MB batches about twice as fast as tcp",
+            )
+        )
     better = [(k, p) for k, p in c.padding_alternatives if p >= c.padding + _PADDING_GAIN]
     if c.num_buckets is not None and better:
         k, p = max(better, key=lambda kp: (kp[1] - 0.005 * kp[0], -kp[0]))
-        out.append(Change(c.budget_key, str(c.num_buckets), f"{k} (padding {c.padding:.2f} -> {p:.2f})",
-                          f"the step computes {100 * (1 - c.padding / p):.0f} % fewer padded frames per epoch; "
-                          f"{k - c.num_buckets} more compile(s) at start"))
+        out.append(
+            Change(
+                c.budget_key,
+                str(c.num_buckets),
+                f"{k} (padding {c.padding:.2f} -> {p:.2f})",
+                f"the step computes {100 * (1 - c.padding / p):.0f} % fewer padded frames per epoch; "
+                f"{k - c.num_buckets} more compile(s) at start",
+            )
+        )
     return out

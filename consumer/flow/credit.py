@@ -38,11 +38,11 @@ class ActiveLease:
         return self.planned.batch_id
 
 
-class Arrival(Enum):   # not a str enum: it never leaves the process, so no bare string can stand in for it
+class Arrival(Enum):  # not a str enum: it never leaves the process, so no bare string can stand in for it
     """What ``LeaseBook.accept`` makes of an arriving batch, and so what the consumer does with it."""
 
-    ACCEPT = "accept"     # lease found: fill its slot
-    DUP = "dup"           # already received or applied: drop, count as duplicate
+    ACCEPT = "accept"  # lease found: fill its slot
+    DUP = "dup"  # already received or applied: drop, count as duplicate
     NOT_LEASED = "lease"  # never leased to this peer in this epoch: reject ERR LEASE
 
 
@@ -57,16 +57,15 @@ class LeaseBook:
         lease_timeout_s: deadline given to each lease.
     """
 
-    def __init__(self, plan: EpochPlan, start_id: int, end_id: int | None, window: int,
-                 lease_timeout_s: float) -> None:
+    def __init__(self, plan: EpochPlan, start_id: int, end_id: int | None, window: int, lease_timeout_s: float) -> None:
         self._plan = plan
         self._next_new = start_id
         self._end_id = end_id
-        self._applied_floor = start_id          # ids below this were applied (or precede the resume)
-        self._reissue: list[tuple[int, PlannedBatch]] = []   # heap by batch id (ids are unique)
+        self._applied_floor = start_id  # ids below this were applied (or precede the resume)
+        self._reissue: list[tuple[int, PlannedBatch]] = []  # heap by batch id (ids are unique)
         self._active: dict[int, ActiveLease] = {}
         self._by_peer: dict[bytes, set[int]] = {}
-        self._leased_to: dict[int, set[bytes]] = {}   # every peer that ever held the id (late copies win too)
+        self._leased_to: dict[int, set[bytes]] = {}  # every peer that ever held the id (late copies win too)
         self._received: set[int] = set()
         self.window = window
         self.lease_timeout_s = lease_timeout_s
@@ -171,8 +170,13 @@ class LeaseBook:
             held.discard(lease.batch_id)
 
 
-def grant_round(book: LeaseBook, peers: Iterable[bytes], reserve: Callable[[], int | None],
-                cancel: Callable[[int], None], now_s: float) -> list[ActiveLease]:
+def grant_round(
+    book: LeaseBook,
+    peers: Iterable[bytes],
+    reserve: Callable[[], int | None],
+    cancel: Callable[[int], None],
+    now_s: float,
+) -> list[ActiveLease]:
     """Fill every peer's window in the given order while a slot is free and work remains.
 
     ``reserve``/``cancel`` take and give back ring slots, so each lease owns exactly one slot.

@@ -27,7 +27,7 @@ class HandshakeContract:
     buckets: list[list[int]]
     n_mels: int
     seed: int
-    mel_dtype: str = "float32"    # transport.mel_dtype: a producer writing the other dtype is refused
+    mel_dtype: str = "float32"  # transport.mel_dtype: a producer writing the other dtype is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,41 +35,50 @@ class ReceiverSessionConfig:
     """The protocol settings of one consumer start."""
 
     contract: HandshakeContract
-    run_id: int                   # this consumer start's id (random, non-zero; the wire's ``epoch`` field)
-    heartbeat_interval_s: float   # between two consumer heartbeats; also sent in WELCOME
-    liveness_s: float             # a producer silent this long is dropped and its leases reissued
-    checksum: bool                # producers must send crc32 (WELCOME tells them)
-    lease_expiry_limit: int = 3   # leases a producer lets expire in a row before it is benched ...
+    run_id: int  # this consumer start's id (random, non-zero; the wire's ``epoch`` field)
+    heartbeat_interval_s: float  # between two consumer heartbeats; also sent in WELCOME
+    liveness_s: float  # a producer silent this long is dropped and its leases reissued
+    checksum: bool  # producers must send crc32 (WELCOME tells them)
+    lease_expiry_limit: int = 3  # leases a producer lets expire in a row before it is benched ...
     lease_backoff_s: float = 60.0  # ... and gets no leases for this long
 
     @classmethod
-    def from_transport(cls, t: TransportConfig, contract: HandshakeContract, run_id: int, checksum: bool) -> ReceiverSessionConfig:
+    def from_transport(
+        cls, t: TransportConfig, contract: HandshakeContract, run_id: int, checksum: bool
+    ) -> ReceiverSessionConfig:
         """The settings ``transport.*`` gives one consumer start (``checksum``: ``resolve_checksum``'s answer)."""
-        return cls(contract, run_id, heartbeat_interval_s=t.heartbeat_interval_s, liveness_s=t.liveness_s,
-                   checksum=checksum, lease_expiry_limit=t.lease_expiry_limit, lease_backoff_s=t.lease_backoff_s)
+        return cls(
+            contract,
+            run_id,
+            heartbeat_interval_s=t.heartbeat_interval_s,
+            liveness_s=t.liveness_s,
+            checksum=checksum,
+            lease_expiry_limit=t.lease_expiry_limit,
+            lease_backoff_s=t.lease_backoff_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class ReceiverStats:
     batches_received: int
-    bytes_received: int          # batch bytes delivered into the ring (payload frames or built in place)
+    bytes_received: int  # batch bytes delivered into the ring (payload frames or built in place)
     duplicates_dropped: int
     stale_dropped: int
     leases_outstanding: int
     leases_reissued: int
     producers_alive: int
     producers_seen: int
-    rejects: dict[str, int]      # by reject code; FLOOD = messages of a blocked peer, dropped unread
+    rejects: dict[str, int]  # by reject code; FLOOD = messages of a blocked peer, dropped unread
     quarantined: int
     # Rejected + ignored messages by routing id (``peer_label``), for the 256 most recently rejected peers.
     rejects_by_peer: dict[str, int] = field(default_factory=dict)
-    shm_retired: int = 0         # shm slot files orphaned because their lease was cancelled (fencing)
-    lease_window: int = 0                                   # leases one producer may hold
-    producers: tuple[ProducerReport, ...] = ()              # connected producers and their stage counters
-    producer_failures: int = 0   # BYEs with a non-zero exit code (the producer said why it fails)
+    shm_retired: int = 0  # shm slot files orphaned because their lease was cancelled (fencing)
+    lease_window: int = 0  # leases one producer may hold
+    producers: tuple[ProducerReport, ...] = ()  # connected producers and their stage counters
+    producer_failures: int = 0  # BYEs with a non-zero exit code (the producer said why it fails)
     # Producers getting no leases because they let ``lease_expiry_limit`` leases in a row expire (escaped ids).
     producers_benched: tuple[str, ...] = ()
-    hello_repeats: int = 0       # HELLOs repeating a peer's join (same nonce): answered again, leases kept
+    hello_repeats: int = 0  # HELLOs repeating a peer's join (same nonce): answered again, leases kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +109,5 @@ class Decision:
     """What the shell does with one received message."""
 
     sends: list[Outgoing] = field(default_factory=list)
-    drain: bool = False                    # discard the rest of the message's frames unread
-    intake: BatchIntake | None = None      # take the payload, then on_batch_taken / on_batch_refused
-
+    drain: bool = False  # discard the rest of the message's frames unread
+    intake: BatchIntake | None = None  # take the payload, then on_batch_taken / on_batch_refused

@@ -27,14 +27,14 @@ class _HasHeld(Protocol):
 class PeerInfo:
     producer_id: str
     last_seen_s: float
-    nonce: int                  # its HELLO's join nonce
+    nonce: int  # its HELLO's join nonce
     batches: int = 0
     last_grant_s: float = 0.0
-    uses_shm: bool = False      # offered CAP_SHM and the consumer has slot files: leases name them
-    stage: StageCounters | None = None     # latest cumulative counters from its heartbeats
-    stage_at_s: float = 0.0                # when they arrived
-    expired_in_row: int = 0                # its leases that expired since its last delivered batch
-    benched_until_s: float | None = None   # no leases for it until then (it let too many expire)
+    uses_shm: bool = False  # offered CAP_SHM and the consumer has slot files: leases name them
+    stage: StageCounters | None = None  # latest cumulative counters from its heartbeats
+    stage_at_s: float = 0.0  # when they arrived
+    expired_in_row: int = 0  # its leases that expired since its last delivered batch
+    benched_until_s: float | None = None  # no leases for it until then (it let too many expire)
 
     def is_same_join(self, nonce: int, producer_id: str, uses_shm: bool) -> bool:
         """A HELLO repeating the one this peer joined with (sent again before our answer reached it).
@@ -53,7 +53,7 @@ class ProducerReport:
     batches_received: int
     stage: StageCounters | None
     stage_at_s: float
-    peer: str = ""              # its routing id (``peer_label``): assigned by the ROUTER, one per connection
+    peer: str = ""  # its routing id (``peer_label``): assigned by the ROUTER, one per connection
 
 
 class PeerTable:
@@ -142,5 +142,7 @@ class PeerTable:
 
     def reports(self) -> tuple[ProducerReport, ...]:
         """One report per connected producer (a copy: safe to hand to another thread)."""
-        return tuple(ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s, _label(i))
-                     for i, p in list(self._peers.items()))
+        return tuple(
+            ProducerReport(p.producer_id, p.batches, p.stage, p.stage_at_s, _label(i))
+            for i, p in list(self._peers.items())
+        )

@@ -52,10 +52,10 @@ _FINGERPRINT_HEX_DIGITS = 15  # 60 bits of the fingerprint enter the seed
 class PlannedBatch:
     """One batch of the plan: its global id, its epoch, its bucket and its samples."""
 
-    batch_id: int                 # global across epochs: data_epoch * batches_per_epoch + position
-    data_epoch: int               # pass over the dataset, from 0
-    bucket: int                   # index into BucketSet.buckets
-    sample_ids: tuple[int, ...]   # manifest indices; len <= bucket batch_size, the rest is padding
+    batch_id: int  # global across epochs: data_epoch * batches_per_epoch + position
+    data_epoch: int  # pass over the dataset, from 0
+    bucket: int  # index into BucketSet.buckets
+    sample_ids: tuple[int, ...]  # manifest indices; len <= bucket batch_size, the rest is padding
 
     @property
     def rows(self) -> int:
@@ -93,13 +93,17 @@ class EpochPlan:
         self._buckets = buckets
         self._is_dropping = partial == "drop"
         self._members: tuple[npt.NDArray[np.int64], ...] = tuple(
-            np.flatnonzero(buckets.assignment == b.index).astype(np.int64) for b in buckets.buckets)
+            np.flatnonzero(buckets.assignment == b.index).astype(np.int64) for b in buckets.buckets
+        )
         sizes = [(m.size, b.batch_size) for m, b in zip(self._members, buckets.buckets)]
         self._dropped_per_epoch = sum(n % rows for n, rows in sizes) if self._is_dropping else 0
         self._batches_per_epoch = sum(n // rows if self._is_dropping else -(-n // rows) for n, rows in sizes)
         if self._batches_per_epoch == 0:
-            raise ValueError("no batch in the plan: no kept utterance" if not self._is_dropping or not any(
-                n for n, _ in sizes) else "no batch in the plan: with partial 'drop', no bucket fills one batch")
+            raise ValueError(
+                "no batch in the plan: no kept utterance"
+                if not self._is_dropping or not any(n for n, _ in sizes)
+                else "no batch in the plan: with partial 'drop', no bucket fills one batch"
+            )
         self._memo: OrderedDict[int, tuple[PlannedBatch, ...]] = OrderedDict()
 
     @property
@@ -161,8 +165,7 @@ class EpochPlan:
             shuffled: list[int] = rng.permutation(members).tolist()
             rows = bucket.batch_size
             end = len(shuffled) - len(shuffled) % rows if self._is_dropping else len(shuffled)
-            chunks.extend((bucket.index, tuple(shuffled[start:start + rows]))
-                          for start in range(0, end, rows))
+            chunks.extend((bucket.index, tuple(shuffled[start : start + rows])) for start in range(0, end, rows))
         return rng, chunks
 
     def _build(self, data_epoch: int) -> tuple[PlannedBatch, ...]:
@@ -170,6 +173,7 @@ class EpochPlan:
         rng, chunks = self.bucket_chunks(data_epoch)
         order: list[int] = rng.permutation(len(chunks)).tolist()
         base = data_epoch * self._batches_per_epoch
-        return tuple(PlannedBatch(batch_id=base + position, data_epoch=data_epoch,
-                                  bucket=chunks[k][0], sample_ids=chunks[k][1])
-                     for position, k in enumerate(order))
+        return tuple(
+            PlannedBatch(batch_id=base + position, data_epoch=data_epoch, bucket=chunks[k][0], sample_ids=chunks[k][1])
+            for position, k in enumerate(order)
+        )

@@ -24,7 +24,7 @@ __all__ = ["RejectLog", "peer_label"]
 
 log = logging.getLogger(__name__)
 
-_MAX_PEERS = 256   # per-peer counters and flood windows kept (least recently rejected evicted)
+_MAX_PEERS = 256  # per-peer counters and flood windows kept (least recently rejected evicted)
 
 
 def peer_label(ident: bytes) -> str:
@@ -50,12 +50,17 @@ class RejectLog:
             one is evicted first (its count is then lost; the per-code totals stay exact).
     """
 
-    def __init__(self, log_interval_s: float = 5.0, flood_limit: int = 200,
-                 flood_window_s: float = 10.0, max_peers: int = _MAX_PEERS) -> None:
+    def __init__(
+        self,
+        log_interval_s: float = 5.0,
+        flood_limit: int = 200,
+        flood_window_s: float = 10.0,
+        max_peers: int = _MAX_PEERS,
+    ) -> None:
         if flood_limit < 1 or max_peers < 1:
             raise ValueError("flood_limit and max_peers must be >= 1")
         self.by_code: Counter[str] = Counter()
-        self._by_peer: dict[str, int] = {}          # insertion order = least recently rejected first
+        self._by_peer: dict[str, int] = {}  # insertion order = least recently rejected first
         self._recent: dict[str, deque[float]] = {}  # same order; each deque holds <= flood_limit + 1
         self._last_log_s: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
@@ -86,7 +91,7 @@ class RejectLog:
             self._suppressed[code] += 1
         window = self._recent.pop(peer, None)
         if window is None:
-            window = deque(maxlen=self._flood_limit + 1)   # more entries are never needed
+            window = deque(maxlen=self._flood_limit + 1)  # more entries are never needed
         self._recent[peer] = window
         window.append(now_s)
         while window and now_s - window[0] > self._flood_window_s:
@@ -108,7 +113,7 @@ class RejectLog:
         return dict(self._by_peer)
 
     def _count_peer(self, peer: str) -> None:
-        self._by_peer[peer] = self._by_peer.pop(peer, 0) + 1   # re-insert: now the most recent
+        self._by_peer[peer] = self._by_peer.pop(peer, 0) + 1  # re-insert: now the most recent
         self._evict(self._by_peer)
 
     def _evict(self, table: dict[str, Any]) -> None:

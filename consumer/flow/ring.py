@@ -53,7 +53,7 @@ class PrivateSlots:
         self.slot_nbytes = slot_nbytes
         self._memory = aligned_buffer(n_slots * slot_nbytes)
         # One view per slot, made once: the same object every call (BatchRing caches by identity).
-        self._slots = [self._memory[i * slot_nbytes:(i + 1) * slot_nbytes] for i in range(n_slots)]
+        self._slots = [self._memory[i * slot_nbytes : (i + 1) * slot_nbytes] for i in range(n_slots)]
 
     @property
     def total_nbytes(self) -> int:
@@ -72,9 +72,9 @@ class ReadySlot:
 
     slot: int
     planned: PlannedBatch
-    copies: int          # copies from page cache into the slot: 1 shared memory, PAYLOAD_COPIES payload
-    quarantined: tuple[int, ...] = ()   # its sample ids the producer left empty (bad cache file)
-    quarantine_note: str = ""           # the producer's "PATH: REASON" of the first of them (escaped)
+    copies: int  # copies from page cache into the slot: 1 shared memory, PAYLOAD_COPIES payload
+    quarantined: tuple[int, ...] = ()  # its sample ids the producer left empty (bad cache file)
+    quarantine_note: str = ""  # the producer's "PATH: REASON" of the first of them (escaped)
 
 
 class SlotState(IntEnum):
@@ -96,8 +96,13 @@ class BatchRing:
             ``slot_nbytes_for(buckets)``.
     """
 
-    def __init__(self, n_slots: int, buckets: tuple[Bucket, ...],
-                 on_release: Callable[[], None] | None = None, memory: SlotMemory | None = None) -> None:
+    def __init__(
+        self,
+        n_slots: int,
+        buckets: tuple[Bucket, ...],
+        on_release: Callable[[], None] | None = None,
+        memory: SlotMemory | None = None,
+    ) -> None:
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
         self.slot_nbytes = slot_nbytes_for(buckets)
@@ -131,8 +136,8 @@ class BatchRing:
         hit = self._views.get(key)
         if hit is not None and hit[0] is buf:
             return dict(hit[1])
-        if hit is not None:                      # the slot's memory was replaced: forget all its views
-            for stale in [k for k in list(self._views) if k[0] == slot]:   # list(): atomic copy
+        if hit is not None:  # the slot's memory was replaced: forget all its views
+            for stale in [k for k in list(self._views) if k[0] == slot]:  # list(): atomic copy
                 self._views.pop(stale, None)
         views = layout_views(buf, 0, self._layouts[bucket])
         self._views[key] = (buf, views)
@@ -154,8 +159,14 @@ class BatchRing:
             self._expect(slot, SlotState.LEASED)
             self._state[slot] = SlotState.FREE
 
-    def mark_ready(self, slot: int, planned: PlannedBatch, copies: int = PAYLOAD_COPIES,
-                   quarantined: tuple[int, ...] = (), quarantine_note: str = "") -> None:
+    def mark_ready(
+        self,
+        slot: int,
+        planned: PlannedBatch,
+        copies: int = PAYLOAD_COPIES,
+        quarantined: tuple[int, ...] = (),
+        quarantine_note: str = "",
+    ) -> None:
         """LEASED -> READY: the slot now holds ``planned``, filled with ``copies`` copies; ``quarantined``:
         its rows left empty (``ReadySlot``)."""
         with self._cond:

@@ -25,8 +25,14 @@ import logging
 import reprlib
 
 from melfeed.consumer.flow.credit import ActiveLease, Arrival, LeaseBook, grant_round
-from melfeed.consumer.flow.decisions import (BatchIntake, Decision, HandshakeContract, Outgoing, ReceiverStats,
-                                     ReceiverSessionConfig)
+from melfeed.consumer.flow.decisions import (
+    BatchIntake,
+    Decision,
+    HandshakeContract,
+    Outgoing,
+    ReceiverSessionConfig,
+    ReceiverStats,
+)
 from melfeed.consumer.flow.peers import PeerInfo, PeerTable
 from melfeed.consumer.flow.rejects import RejectLog, peer_label
 from melfeed.consumer.flow.ring import BatchRing
@@ -35,15 +41,35 @@ from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
 from melfeed.shared.printable import escape_line
 from melfeed.shared.wire.curve import producer_id_matches
 from melfeed.shared.wire.layout import PAYLOAD_COPIES
-from melfeed.shared.wire.protocol import (CAP_SHM, SUPPORTED_VERSIONS, BatchHeader, Bye, Err,
-                                  Heartbeat, Hello, Lease, LeaseGrant, Message, RejectCode, Welcome)
+from melfeed.shared.wire.protocol import (
+    CAP_SHM,
+    SUPPORTED_VERSIONS,
+    BatchHeader,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    Message,
+    RejectCode,
+    Welcome,
+)
 
-__all__ = ["BatchIntake", "Decision", "HandshakeContract", "Outgoing", "ReceiverSession",
-           "ReceiverStats", "ReceiverSessionConfig", "escape_line"]
+__all__ = [
+    "BatchIntake",
+    "Decision",
+    "HandshakeContract",
+    "Outgoing",
+    "ReceiverSession",
+    "ReceiverStats",
+    "ReceiverSessionConfig",
+    "escape_line",
+]
 
 log = logging.getLogger(__name__)
 
-BLOCK_S = 30.0            # a flooding peer is ignored this long
+BLOCK_S = 30.0  # a flooding peer is ignored this long
 
 
 class ReceiverSession:
@@ -56,31 +82,58 @@ class ReceiverSession:
         rejects: reject counters and flood detection (injectable for tests).
     """
 
-    def __init__(self, cfg: ReceiverSessionConfig, ring: BatchRing, book: LeaseBook, *,
-                 shm: SlotFiles | None = None, rejects: RejectLog | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ReceiverSessionConfig,
+        ring: BatchRing,
+        book: LeaseBook,
+        *,
+        shm: SlotFiles | None = None,
+        rejects: RejectLog | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_id = cfg.run_id
         self._ring, self._book = ring, book
         self._peers = PeerTable()
         self._rejects = rejects if rejects is not None else RejectLog()
         self._shm = ShmLeases(shm)
-        self._counts = {"batches": 0, "bytes": 0, "dup": 0, "stale": 0, "reissued": 0, "quarantined": 0,
-                        "failures": 0, "hello_repeats": 0}
-        self._applied_seen = -1              # the last applied id handed to the lease book
-        self.next_heartbeat_s: float | None = None    # None: due at the next tick
-        self.plan_ended = False              # every planned batch applied: heartbeats say ``done``
-        self.slot_starved = False            # the last grant stopped for want of a free slot
+        self._counts = {
+            "batches": 0,
+            "bytes": 0,
+            "dup": 0,
+            "stale": 0,
+            "reissued": 0,
+            "quarantined": 0,
+            "failures": 0,
+            "hello_repeats": 0,
+        }
+        self._applied_seen = -1  # the last applied id handed to the lease book
+        self.next_heartbeat_s: float | None = None  # None: due at the next tick
+        self.plan_ended = False  # every planned batch applied: heartbeats say ``done``
+        self.slot_starved = False  # the last grant stopped for want of a free slot
 
     # --- queries (any thread) -------------------------------------------------------------------
     def stats(self) -> ReceiverStats:
         c = self._counts
-        return ReceiverStats(c["batches"], c["bytes"], c["dup"], c["stale"], self._book.outstanding,
-                             c["reissued"], len(self._peers), self._peers.seen, self._rejects.snapshot(),
-                             c["quarantined"], self._rejects.peer_snapshot(), shm_retired=self._shm.retired,
-                             lease_window=self._book.window, producers=self._peers.reports(),
-                             producer_failures=c["failures"],
-                             producers_benched=tuple(escape_line(p) for p in self._peers.benched()),
-                             hello_repeats=c["hello_repeats"])
+        return ReceiverStats(
+            c["batches"],
+            c["bytes"],
+            c["dup"],
+            c["stale"],
+            self._book.outstanding,
+            c["reissued"],
+            len(self._peers),
+            self._peers.seen,
+            self._rejects.snapshot(),
+            c["quarantined"],
+            self._rejects.peer_snapshot(),
+            shm_retired=self._shm.retired,
+            lease_window=self._book.window,
+            producers=self._peers.reports(),
+            producer_failures=c["failures"],
+            producers_benched=tuple(escape_line(p) for p in self._peers.benched()),
+            hello_repeats=c["hello_repeats"],
+        )
 
     def queue_depth(self) -> int:
         """Ready batches plus leases outstanding (what is sent back to producers)."""
@@ -100,8 +153,9 @@ class ReceiverSession:
             return False
         return True
 
-    def on_message(self, ident: bytes, msg: Message, now_s: float, *, more: bool = False,
-                   user_id: str | None = None) -> Decision:
+    def on_message(
+        self, ident: bytes, msg: Message, now_s: float, *, more: bool = False, user_id: str | None = None
+    ) -> Decision:
         """Decide on one decoded message.
 
         Args:
@@ -137,7 +191,7 @@ class ReceiverSession:
         lease, hdr = intake.lease, intake.hdr
         self._counts["bytes"] += n_bytes
         self._shm.settle(lease.slot)
-        listed = set(hdr.quarantined)           # only the batch's own rows count, each once (peer-supplied)
+        listed = set(hdr.quarantined)  # only the batch's own rows count, each once (peer-supplied)
         quarantined = tuple(sid for sid in lease.planned.sample_ids if sid in listed) if listed else ()
         note = escape_line(hdr.quarantine_note[:MAX_REASON_CHARS]) if quarantined else ""
         self._ring.mark_ready(lease.slot, lease.planned, 1 if intake.in_place else PAYLOAD_COPIES, quarantined, note)
@@ -180,15 +234,16 @@ class ReceiverSession:
 
     def closing(self, now_s: float, applied_through: int) -> list[Outgoing]:
         """Before the shell closes the socket: a last ``done`` heartbeat to every peer if the plan is finished."""
-        self.next_heartbeat_s = None        # also covers a close before the tick that saw the last batch applied
+        self.next_heartbeat_s = None  # also covers a close before the tick that saw the last batch applied
         sends = self.tick(now_s, applied_through)
         return sends if self.plan_ended else []
 
     def _note_plan_end(self) -> None:
-        if not self.plan_ended and self._book.is_finished:   # the first tick to see it: a heartbeat at once
+        if not self.plan_ended and self._book.is_finished:  # the first tick to see it: a heartbeat at once
             self.plan_ended, self.next_heartbeat_s = True, None
-            log.info("plan finished (batches through %d applied); telling %d producers", self._applied_seen,
-                     len(self._peers))
+            log.info(
+                "plan finished (batches through %d applied); telling %d producers", self._applied_seen, len(self._peers)
+            )
 
     def grant(self, now_s: float) -> list[Outgoing]:
         """Lease free ring slots to producers with room in their window, least loaded first.
@@ -203,34 +258,48 @@ class ReceiverSession:
         self.slot_starved = book.has_work() and any(book.room(peer) > 0 for peer in order)
         for lease in leases:
             info = self._peers.get(lease.peer)
-            assert info is not None               # grant_round only leases to peers in ``order``
-            info.last_grant_s = now_s             # ties go round-robin
+            assert info is not None  # grant_round only leases to peers in ``order``
+            info.last_grant_s = now_s  # ties go round-robin
             planned = lease.planned
             grants.setdefault(lease.peer, []).append(
-                Lease(lease.batch_id, planned.bucket, list(planned.sample_ids), self._book.lease_timeout_s,
-                      self._shm.slot_for(lease, info.uses_shm)))
+                Lease(
+                    lease.batch_id,
+                    planned.bucket,
+                    list(planned.sample_ids),
+                    self._book.lease_timeout_s,
+                    self._shm.slot_for(lease, info.uses_shm),
+                )
+            )
         depth = self.queue_depth()
         return [Outgoing(ident, LeaseGrant(self.run_id, leases, depth)) for ident, leases in grants.items()]
 
     # --- handlers -----------------------------------------------------------------------------
     def _on_hello(self, ident: bytes, msg: Hello, now_s: float, user_id: str | None) -> list[Outgoing]:
         if msg.proto not in SUPPORTED_VERSIONS:
-            raise ProtocolError(RejectCode.PROTO, f"protocol {msg.proto} not supported; supported: "
-                                                  f"{list(SUPPORTED_VERSIONS)}")
+            raise ProtocolError(
+                RejectCode.PROTO, f"protocol {msg.proto} not supported; supported: {list(SUPPORTED_VERSIONS)}"
+            )
         if user_id is not None and not producer_id_matches(msg.producer_id, user_id):
-            raise ProtocolError(RejectCode.CONTRACT, f"producer id {_short(msg.producer_id)} does not match its "
-                                                     f"CURVE key {user_id!r} (ids must be {user_id}-<n>)")
+            raise ProtocolError(
+                RejectCode.CONTRACT,
+                f"producer id {_short(msg.producer_id)} does not match its "
+                f"CURVE key {user_id!r} (ids must be {user_id}-<n>)",
+            )
         c = self.cfg.contract
-        for name, theirs, ours in (("manifest fingerprint", msg.fingerprint, c.fingerprint),
-                                   ("n_mels", msg.n_mels, c.n_mels), ("seed", msg.seed, c.seed),
-                                   ("bucket shapes", msg.buckets, c.buckets),
-                                   ("transport.mel_dtype", msg.mel_dtype, c.mel_dtype)):
-            if theirs != ours:   # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+        for name, theirs, ours in (
+            ("manifest fingerprint", msg.fingerprint, c.fingerprint),
+            ("n_mels", msg.n_mels, c.n_mels),
+            ("seed", msg.seed, c.seed),
+            ("bucket shapes", msg.buckets, c.buckets),
+            ("transport.mel_dtype", msg.mel_dtype, c.mel_dtype),
+        ):
+            if theirs != ours:  # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
                 # The peer is not authenticated yet: the reply names only its own value (the log has ours).
-                raise ProtocolError(RejectCode.CONTRACT, f"{name} differs: producer {_short(theirs)}, "
-                                                         f"consumer {_short(ours)}",
-                                    reply=f"{name} differs from the consumer's (see its log): producer "
-                                          f"{_short(theirs)}")
+                raise ProtocolError(
+                    RejectCode.CONTRACT,
+                    f"{name} differs: producer {_short(theirs)}, consumer {_short(ours)}",
+                    reply=f"{name} differs from the consumer's (see its log): producer {_short(theirs)}",
+                )
         # Peer-chosen text: escaped once here, so no log line, status row or label shows it raw (invariant 7).
         producer_id = escape_line(msg.producer_id)
         uses_shm = self._shm.is_enabled and CAP_SHM in msg.caps
@@ -244,25 +313,35 @@ class ReceiverSession:
         if old is not None:
             self._drop_peer(ident, "re-handshake")
         info = self._peers.add(ident, producer_id, now_s, msg.nonce)
-        if old is not None:       # a HELLO does not lift a bench nor reset its count
+        if old is not None:  # a HELLO does not lift a bench nor reset its count
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
         info.uses_shm = uses_shm
-        log.info("producer joined id=%s peer=%s alive=%d transport=%s", info.producer_id, peer_label(ident),
-                 len(self._peers), "shm" if info.uses_shm else "zmq")
+        log.info(
+            "producer joined id=%s peer=%s alive=%d transport=%s",
+            info.producer_id,
+            peer_label(ident),
+            len(self._peers),
+            "shm" if info.uses_shm else "zmq",
+        )
         return [self._welcome(ident, info)]
 
     def _welcome(self, ident: bytes, info: PeerInfo) -> Outgoing:
         cfg = self.cfg
         shm_dir = self._shm.directory if info.uses_shm else None
-        return Outgoing(ident, Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum,
-                                       info.nonce, shm_dir))
+        return Outgoing(
+            ident, Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum, info.nonce, shm_dir)
+        )
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
         if msg.exit_code != 0:
             # Peer-supplied text: escaped, so a reason cannot forge log lines (invariant 7).
             self._counts["failures"] += 1
-            log.error("producer failed id=%s exit=%d: %s", escape_line(peer.producer_id), msg.exit_code,
-                      escape_line(msg.reason[:MAX_REASON_CHARS]))
+            log.error(
+                "producer failed id=%s exit=%d: %s",
+                escape_line(peer.producer_id),
+                msg.exit_code,
+                escape_line(msg.reason[:MAX_REASON_CHARS]),
+            )
         self._drop_peer(ident, "said goodbye")
 
     def _known(self, ident: bytes, epoch: int) -> PeerInfo:
@@ -300,10 +379,14 @@ class ReceiverSession:
             self._counts["reissued"] += 1
             log.warning("lease expired batch=%d peer=%s; reissuing", lease.batch_id, peer_label(lease.peer))
             benched = self._peers.note_expiry(lease.peer, now_s, cfg.lease_expiry_limit, cfg.lease_backoff_s)
-            if benched is not None:       # it heartbeats but does not deliver: its other leases go too
-                log.warning("producer %s (peer=%s) let %d leases in a row expire; no leases for it for %.0f s",
-                            escape_line(benched.producer_id), peer_label(lease.peer), benched.expired_in_row,
-                            cfg.lease_backoff_s)
+            if benched is not None:  # it heartbeats but does not deliver: its other leases go too
+                log.warning(
+                    "producer %s (peer=%s) let %d leases in a row expire; no leases for it for %.0f s",
+                    escape_line(benched.producer_id),
+                    peer_label(lease.peer),
+                    benched.expired_in_row,
+                    cfg.lease_backoff_s,
+                )
                 for held in self._book.revoke_peer(lease.peer):
                     self._cancel(held)
                     self._counts["reissued"] += 1
@@ -315,11 +398,13 @@ class ReceiverSession:
         info = self._peers.remove(ident)
         if info is not None:
             level = logging.INFO if why in ("said goodbye", "re-handshake") else logging.WARNING
-            log.log(level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why,
-                    len(self._peers))
+            log.log(
+                level, "producer left id=%s reason=%s alive=%d", escape_line(info.producer_id), why, len(self._peers)
+            )
 
-    def _reject(self, ident: bytes, code: RejectCode, why: str, now_s: float, *,
-                reply: str | None = None) -> list[Outgoing]:
+    def _reject(
+        self, ident: bytes, code: RejectCode, why: str, now_s: float, *, reply: str | None = None
+    ) -> list[Outgoing]:
         # Counted and flood-checked by routing id: a producer id is chosen by the peer, so a
         # flooder claiming a good producer's id must not get that producer blocked.
         name = peer_label(ident)
@@ -341,4 +426,3 @@ _REPR.maxlist, _REPR.maxstring, _REPR.maxother, _REPR.maxlevel = 8, 80, 80, 3
 def _short(value: object) -> str:
     """A bounded repr of a peer-supplied value, cheap whatever its size."""
     return _REPR.repr(value)
-

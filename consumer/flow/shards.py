@@ -30,7 +30,6 @@ Shutdown: nothing to release.
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 
 from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
@@ -52,8 +51,9 @@ class GlobalStep:
     shares: tuple[tuple[int, ...], ...]
 
 
-def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int,
-                 leftovers: str = "deal") -> tuple[list[GlobalStep], int]:
+def shard_chunks(
+    chunks: list[tuple[int, tuple[int, ...]]], world: int, leftovers: str = "deal"
+) -> tuple[list[GlobalStep], int]:
     """Group an epoch's batches (in bucket order) into global steps of ``world`` batches of one bucket.
 
     Args:
@@ -77,7 +77,7 @@ def shard_chunks(chunks: list[tuple[int, tuple[int, ...]]], world: int,
     dropped = 0
     for bucket, batches in by_bucket.items():
         full = len(batches) - len(batches) % world
-        steps.extend(GlobalStep(bucket, tuple(batches[i:i + world])) for i in range(0, full, world))
+        steps.extend(GlobalStep(bucket, tuple(batches[i : i + world])) for i in range(0, full, world))
         left = [s for batch in batches[full:] for s in batch]
         if leftovers == "deal" and len(left) >= world:
             steps.append(GlobalStep(bucket, _deal(left, world)))
@@ -92,7 +92,7 @@ def _deal(samples: list[int], world: int) -> tuple[tuple[int, ...], ...]:
     pieces, start = [], 0
     for rank in range(world):
         size = base + (1 if rank < extra else 0)
-        pieces.append(tuple(samples[start:start + size]))
+        pieces.append(tuple(samples[start : start + size]))
         start += size
     return tuple(pieces)
 
@@ -104,8 +104,17 @@ class RankPlan(EpochPlan):
     ``batch(s)`` is this rank's batch at step ``s``.
     """
 
-    def __init__(self, buckets: BucketSet, fingerprint: str, seed: int, *, rank: int, world: int,
-                 leftovers: str = "deal", partial: str = "pad") -> None:
+    def __init__(
+        self,
+        buckets: BucketSet,
+        fingerprint: str,
+        seed: int,
+        *,
+        rank: int,
+        world: int,
+        leftovers: str = "deal",
+        partial: str = "pad",
+    ) -> None:
         """``leftovers``: see ``shard_chunks``; ``partial``: ``buckets.partial`` (see ``EpochPlan``).
 
         Raises:
@@ -120,12 +129,15 @@ class RankPlan(EpochPlan):
         self.leftovers = leftovers
         steps, self.dropped_samples_per_epoch = self._sharded(0)
         if not steps and leftovers == "drop":
-            raise ValueError(f"no global step can be filled: one takes {world} full batches of one bucket (one per "
-                             "rank, none made smaller), and no bucket fills that many")
+            raise ValueError(
+                f"no global step can be filled: one takes {world} full batches of one bucket (one per "
+                "rank, none made smaller), and no bucket fills that many"
+            )
         if not steps:
-            raise ValueError(f"no global step can be filled: every bucket holds fewer utterances than the "
-                             f"{world} ranks")
-        self._batches_per_epoch = len(steps)     # a bucket's batch count is the same in every epoch
+            raise ValueError(
+                f"no global step can be filled: every bucket holds fewer utterances than the {world} ranks"
+            )
+        self._batches_per_epoch = len(steps)  # a bucket's batch count is the same in every epoch
 
     @property
     def samples_dropped_per_epoch(self) -> int:
@@ -151,12 +163,15 @@ class RankPlan(EpochPlan):
     def _build(self, data_epoch: int) -> tuple[PlannedBatch, ...]:
         steps = self.global_steps(data_epoch)
         base = data_epoch * len(steps)
-        return tuple(PlannedBatch(batch_id=base + s, data_epoch=data_epoch, bucket=g.bucket,
-                                  sample_ids=g.shares[self.rank]) for s, g in enumerate(steps))
+        return tuple(
+            PlannedBatch(batch_id=base + s, data_epoch=data_epoch, bucket=g.bucket, sample_ids=g.shares[self.rank])
+            for s, g in enumerate(steps)
+        )
 
 
-def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0, world: int = 1,
-                  partial: str = "pad") -> EpochPlan:
+def plan_for_rank(
+    buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0, world: int = 1, partial: str = "pad"
+) -> EpochPlan:
     """The plan a consumer of rank ``rank`` in a world of ``world`` follows (``partial``: ``buckets.partial``).
 
     A world of 1 is ``EpochPlan`` itself (today's plan, bit for bit); otherwise that rank's ``RankPlan``.
@@ -169,15 +184,31 @@ def plan_for_rank(buckets: BucketSet, fingerprint: str, seed: int, rank: int = 0
     if world == 1 and rank == 0:
         try:
             return EpochPlan(buckets, fingerprint, seed, partial)
-        except ValueError as err:           # "drop" with no bucket holding one full batch
+        except ValueError as err:  # "drop" with no bucket holding one full batch
             raise ConfigError(str(err), path=("buckets", "partial"), got=partial) from None
     try:
-        plan = RankPlan(buckets, fingerprint, seed, rank=rank, world=world, partial=partial,
-                        leftovers="drop" if partial == "drop" else "deal")
-        log.info("plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
-                 "left out (bucket leftovers smaller than the world)", rank, world, plan.batches_per_epoch,
-                 world, plan.dropped_samples_per_epoch)
+        plan = RankPlan(
+            buckets,
+            fingerprint,
+            seed,
+            rank=rank,
+            world=world,
+            partial=partial,
+            leftovers="drop" if partial == "drop" else "deal",
+        )
+        log.info(
+            "plan for rank %d of %d: %d global steps per epoch (%d batches each); %d samples per epoch "
+            "left out (bucket leftovers smaller than the world)",
+            rank,
+            world,
+            plan.batches_per_epoch,
+            world,
+            plan.dropped_samples_per_epoch,
+        )
         return plan
-    except ValueError as err:   # "drop": the bucket sizes decide as much as the world does
-        raise ConfigError(f"rank {rank} of {world}: {err}", path=("buckets", "partial") if partial == "drop" else
-                          ("TF_CONFIG",), got=partial if partial == "drop" else None) from None
+    except ValueError as err:  # "drop": the bucket sizes decide as much as the world does
+        raise ConfigError(
+            f"rank {rank} of {world}: {err}",
+            path=("buckets", "partial") if partial == "drop" else ("TF_CONFIG",),
+            got=partial if partial == "drop" else None,
+        ) from None

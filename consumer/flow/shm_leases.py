@@ -56,7 +56,7 @@ class ShmLeases:
 
     def __init__(self, files: SlotFiles | None) -> None:
         self._files = files
-        self._leased: dict[int, int] = {}     # LEASED shm slot -> generation named in its lease
+        self._leased: dict[int, int] = {}  # LEASED shm slot -> generation named in its lease
 
     @property
     def is_enabled(self) -> bool:
@@ -100,10 +100,11 @@ class ShmLeases:
             return
         gen = self._leased.get(active.slot)
         if gen is None and hdr.shm is None:
-            return                          # payload lease, payload header
+            return  # payload lease, payload header
         if gen is None or active.peer != ident or (hdr.shm is not None and hdr.shm != (active.slot, gen)):
-            raise ProtocolError(RejectCode.LEASE, f"batch {hdr.batch_id}: slot/generation {hdr.shm} is not "
-                                                  f"this producer's lease")
+            raise ProtocolError(
+                RejectCode.LEASE, f"batch {hdr.batch_id}: slot/generation {hdr.shm} is not this producer's lease"
+            )
 
     def settle(self, slot: int) -> None:
         """The slot's batch was accepted: it is no longer a LEASED shm slot."""
@@ -114,6 +115,10 @@ class ShmLeases:
         if self._leased.pop(lease.slot, None) is None or self._files is None:
             return False
         self._files.retire(lease.slot)
-        log.debug("retired shm slot %d (batch %d not delivered); generation %d", lease.slot,
-                  lease.batch_id, self._files.generation(lease.slot))
+        log.debug(
+            "retired shm slot %d (batch %d not delivered); generation %d",
+            lease.slot,
+            lease.batch_id,
+            self._files.generation(lease.slot),
+        )
         return True

@@ -42,25 +42,51 @@ from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config.loader import config_to_mapping
 from melfeed.shared.printable import escape_line
 
-__all__ = ["NO_STEP", "OFFER_WIDTH", "REFUSED", "SETTINGS", "common_rows", "common_step", "job_settings", "no_common_step",
-           "offer_row", "refused_ranks", "settings_mismatch", "settings_row"]
+__all__ = [
+    "NO_STEP",
+    "OFFER_WIDTH",
+    "REFUSED",
+    "SETTINGS",
+    "common_rows",
+    "common_step",
+    "job_settings",
+    "no_common_step",
+    "offer_row",
+    "refused_ranks",
+    "settings_mismatch",
+    "settings_row",
+]
 
-NO_STEP = -1         # padding in an offer row: no checkpoint there
-REFUSED = -2         # a whole row of it: this rank cannot start (it says why in its own log) and stops
-OFFER_WIDTH = 16     # newest committed steps each rank offers (keep_checkpoints is usually 2..5)
-SETTINGS = ("cache_dir", "seed", "n_mels", "buckets", "model", "consumer.steps", "consumer.checkpoint_every_steps",
-            "consumer.feed_efficiency_steps")    # what every rank of a job must share, in column order
-_SHOWN_CHARS = 120   # of this rank's value of a differing setting, in the one line
+NO_STEP = -1  # padding in an offer row: no checkpoint there
+REFUSED = -2  # a whole row of it: this rank cannot start (it says why in its own log) and stops
+OFFER_WIDTH = 16  # newest committed steps each rank offers (keep_checkpoints is usually 2..5)
+SETTINGS = (
+    "cache_dir",
+    "seed",
+    "n_mels",
+    "buckets",
+    "model",
+    "consumer.steps",
+    "consumer.checkpoint_every_steps",
+    "consumer.feed_efficiency_steps",
+)  # what every rank of a job must share, in column order
+_SHOWN_CHARS = 120  # of this rank's value of a differing setting, in the one line
 
 
 def job_settings(cfg: PipelineConfig, fingerprint: str) -> dict[str, object]:
     """This rank's value of each of ``SETTINGS`` (``cache_dir``: its manifest's fingerprint, not its path)."""
     mapping = config_to_mapping(cfg)
     c = cfg.consumer
-    return {"cache_dir": f"fingerprint {fingerprint}", "seed": cfg.seed, "n_mels": cfg.n_mels,
-            "buckets": mapping["buckets"], "model": mapping["model"], "consumer.steps": c.steps,
-            "consumer.checkpoint_every_steps": c.checkpoint_every_steps,
-            "consumer.feed_efficiency_steps": c.feed_efficiency_steps}
+    return {
+        "cache_dir": f"fingerprint {fingerprint}",
+        "seed": cfg.seed,
+        "n_mels": cfg.n_mels,
+        "buckets": mapping["buckets"],
+        "model": mapping["model"],
+        "consumer.steps": c.steps,
+        "consumer.checkpoint_every_steps": c.checkpoint_every_steps,
+        "consumer.feed_efficiency_steps": c.feed_efficiency_steps,
+    }
 
 
 def settings_row(settings: Mapping[str, object] | None) -> list[int]:
@@ -99,9 +125,11 @@ def settings_mismatch(rows: Sequence[Sequence[int]], settings: Mapping[str, obje
             differing.append(f"{key} ({who} from rank 0; here: {escape_line(repr(settings[key]), _SHOWN_CHARS)})")
     if not differing:
         return None
-    return ("the ranks of this job differ in " + "; ".join(differing) + ": every rank must train the same plan and "
-            "model with the same cache, seed, n_mels, buckets, model, consumer.steps, checkpoint_every_steps and "
-            "feed_efficiency_steps")
+    return (
+        "the ranks of this job differ in " + "; ".join(differing) + ": every rank must train the same plan and "
+        "model with the same cache, seed, n_mels, buckets, model, consumer.steps, checkpoint_every_steps and "
+        "feed_efficiency_steps"
+    )
 
 
 def offer_row(committed: Sequence[int] | None) -> list[int]:
@@ -136,6 +164,8 @@ def no_common_step(rows: Sequence[Sequence[int]]) -> str:
     for rank, row in enumerate(rows):
         steps = [step for step in row if step != NO_STEP]
         newest.append(f"rank {rank}: {max(steps) if steps else 'none'}")
-    return (f"no checkpoint step is committed by every rank (newest per rank: {', '.join(newest)}); a rank's state "
-            "directory was replaced or pruned: restore the missing checkpoints, or start the whole job with new "
-            "state directories")
+    return (
+        f"no checkpoint step is committed by every rank (newest per rank: {', '.join(newest)}); a rank's state "
+        "directory was replaced or pruned: restore the missing checkpoints, or start the whole job with new "
+        "state directories"
+    )

@@ -43,7 +43,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from melfeed.consumer.job.agree import REFUSED, common_rows, common_step, offer_row, refused_ranks, settings_mismatch, settings_row
+from melfeed.consumer.job.agree import (
+    REFUSED,
+    common_rows,
+    common_step,
+    offer_row,
+    refused_ranks,
+    settings_mismatch,
+    settings_row,
+)
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
 from melfeed.shared.service.tf_config import WorkerPlace
@@ -53,9 +61,9 @@ __all__ = ["Job", "collective_implementation", "ended_by_signals", "lost_contact
 log = logging.getLogger(__name__)
 
 _MAX_WHY_CHARS = 300
-_JOIN_GRACE_S = 10.0    # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
-_NO_SERVER = "Could not start gRPC server"   # TensorFlow's UnknownError when its port cannot be bound
-_FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")   # an eager op's name before its reason
+_JOIN_GRACE_S = 10.0  # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
+_NO_SERVER = "Could not start gRPC server"  # TensorFlow's UnknownError when its port cannot be bound
+_FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")  # an eager op's name before its reason
 
 
 class Job:
@@ -66,7 +74,7 @@ class Job:
         self.strategy = strategy
         self.peer_timeout_s = cfg.consumer.peer_timeout_s
         self.collective_timeout_s = cfg.consumer.collective_timeout_s
-        self._waiting_for: int | None = None      # the batch this rank's loop is starved of (check_waiting)
+        self._waiting_for: int | None = None  # the batch this rank's loop is starved of (check_waiting)
         self._waiting_since_s = 0.0
 
     @property
@@ -107,8 +115,13 @@ class Job:
         rows = self._gather_rows(offer_row(committed), "agreeing on the checkpoint to resume from")
         self._refuse_with(refused_ranks(rows), "its state directory")
         step = common_step(rows)
-        log.info("rank %d of %d: the job resumes from %s (offers newest first: %s)", self.rank, self.world,
-                 f"step {step}" if step is not None else "the start", [[s for s in r if s >= 0] for r in rows])
+        log.info(
+            "rank %d of %d: the job resumes from %s (offers newest first: %s)",
+            self.rank,
+            self.world,
+            f"step {step}" if step is not None else "the start",
+            [[s for s in r if s >= 0] for r in rows],
+        )
         return step
 
     def agree_rows(self, rows: Sequence[int] | None, n_buckets: int) -> list[int]:
@@ -129,12 +142,15 @@ class Job:
         others = [rank for rank in refused if rank != self.rank]
         if others:
             who = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
-            raise ConfigError(f"{who} of the job refused to start ({what}; the log of {who} says why): "
-                              f"rank {self.rank} stops too; fix {who}, then start every rank again")
+            raise ConfigError(
+                f"{who} of the job refused to start ({what}; the log of {who} says why): "
+                f"rank {self.rank} stops too; fix {who}, then start every rank again"
+            )
 
     def _gather_rows(self, row: list[int], doing: str) -> list[list[int]]:
         """Every rank's ``row`` (index = rank), gathered over the job: one collective."""
         import tensorflow as tf
+
         strategy = self.strategy
 
         # a tf.function: eagerly, the strategy warns that its collectives are slow there (TensorFlow is untyped)
@@ -144,7 +160,7 @@ class Job:
 
         with self.guard(doing):
             gathered = gather(tf.constant([row], tf.int64)).numpy().reshape(-1, len(row))
-        local = len(self.strategy.extended.worker_devices)   # each local replica offered the same row
+        local = len(self.strategy.extended.worker_devices)  # each local replica offered the same row
         return [list(map(int, r)) for r in gathered[::local]]
 
     def check_waiting(self, batch_id: int, producers_alive: int, now_s: float | None = None) -> None:
@@ -161,10 +177,13 @@ class Job:
         if batch_id != self._waiting_for:
             self._waiting_for, self._waiting_since_s = batch_id, now_s
         elif now_s - self._waiting_since_s > self.collective_timeout_s:
-            raise JobLostError(self.rank, f"training: no batch {batch_id} from this rank's producers (alive: "
-                                          f"{producers_alive}) for {now_s - self._waiting_since_s:.0f} s "
-                                          "(consumer.collective_timeout_s), so the other ranks, which cannot step "
-                                          "without this one, have given up")
+            raise JobLostError(
+                self.rank,
+                f"training: no batch {batch_id} from this rank's producers (alive: "
+                f"{producers_alive}) for {now_s - self._waiting_since_s:.0f} s "
+                "(consumer.collective_timeout_s), so the other ranks, which cannot step "
+                "without this one, have given up",
+            )
 
     @contextmanager
     def guard(self, doing: str) -> Iterator[None]:
@@ -185,19 +204,27 @@ class Job:
 def lost_contact_error(err: BaseException, rank: int, doing: str) -> JobLostError | None:
     """The one-line error for a collective that failed because the job lost a peer; None for other errors."""
     import tensorflow as tf
-    lost_types = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
-                  tf.errors.CancelledError)
+
+    lost_types = (
+        tf.errors.UnavailableError,
+        tf.errors.DeadlineExceededError,
+        tf.errors.AbortedError,
+        tf.errors.CancelledError,
+    )
     if not isinstance(err, lost_types):
         return None
     text = _FUNCTION_NODE.sub("", getattr(err, "message", str(err)))
     # TensorFlow's text: "Graph execution error:", "Detected at node ...", the Python frames that defined the
     # op (indented), the reason (not indented, a few lines), then "\t [[{{node ...}}]]"; an eager op's reason
     # starts with "{{function_node NAME}}".
-    reason = [line for line in text.splitlines() if line.strip() and line == line.lstrip()
-              and not line.startswith(("Graph execution error", "Detected at"))]
+    reason = [
+        line
+        for line in text.splitlines()
+        if line.strip() and line == line.lstrip() and not line.startswith(("Graph execution error", "Detected at"))
+    ]
     why = " ".join(reason[:2]) or type(err).__name__
     if len(why) > _MAX_WHY_CHARS:
-        why = why[:_MAX_WHY_CHARS - 3] + "..."
+        why = why[: _MAX_WHY_CHARS - 3] + "..."
     return JobLostError(rank, f"{doing}: {why}")
 
 
@@ -211,16 +238,21 @@ def server_error(err: BaseException, place: WorkerPlace) -> ConfigError | None:
     port = int(address.rpartition(":")[2])
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC binds its port
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds its port
         probe.bind(("", port))
         why = f"TensorFlow could not start its server on port {port} (free now: was it taken for a moment?)"
     except OSError as bind_err:
-        why = (f"port {port}: {bind_err.strerror} (is this task started twice on this host, a process of an earlier "
-               "run still alive, or another program on that port?)")
+        why = (
+            f"port {port}: {bind_err.strerror} (is this task started twice on this host, a process of an earlier "
+            "run still alive, or another program on that port?)"
+        )
     finally:
         probe.close()
-    return ConfigError(f"cluster.{place.task_type}[{place.task_index}] {address} is this rank's address, where its "
-                       f"TensorFlow server listens, but {why}", path=(place.source,))
+    return ConfigError(
+        f"cluster.{place.task_type}[{place.task_index}] {address} is this rank's address, where its "
+        f"TensorFlow server listens, but {why}",
+        path=(place.source,),
+    )
 
 
 def collective_implementation(gpus: Sequence[object]) -> str:
@@ -250,6 +282,7 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     from tensorflow.python.eager import context
 
     from melfeed.consumer.placement import configure_memory
+
     configure_memory(cfg, tf)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
@@ -257,20 +290,32 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     # What the strategy would configure itself (its default heartbeat is 10 s, its join wait an hour),
     # with melfeed's bounds: set before the strategy initialises the runtime, which then keeps it.
     context.context().configure_coordination_service(
-        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
         heartbeat_timeout_in_ms=int(c.peer_timeout_s * 1000),
         cluster_register_timeout_in_ms=int(c.collective_timeout_s * 1000),
         shutdown_barrier_timeout_in_ms=int(c.peer_timeout_s * 1000),
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
-                          for job in ("chief", "worker") if job in spec.jobs])
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+            for job in ("chief", "worker")
+            if job in spec.jobs
+        ],
+    )
     implementation = collective_implementation(tf.config.list_physical_devices("GPU"))
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=getattr(tf.distribute.experimental.CommunicationImplementation, implementation),
-        timeout_seconds=c.collective_timeout_s)
-    log.info("rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s collectives, %s); waiting at most "
-             "%.0f s for every rank (consumer.collective_timeout_s), then this process ends with exit 1; Ctrl-C or "
-             "SIGTERM ends it at once", place.rank, place.world, implementation,
-             ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()), c.collective_timeout_s + _JOIN_GRACE_S)
+        timeout_seconds=c.collective_timeout_s,
+    )
+    log.info(
+        "rank %d of %d: joining the job (MultiWorkerMirroredStrategy, %s collectives, %s); waiting at most "
+        "%.0f s for every rank (consumer.collective_timeout_s), then this process ends with exit 1; Ctrl-C or "
+        "SIGTERM ends it at once",
+        place.rank,
+        place.world,
+        implementation,
+        ", ".join(f"{k} {len(v)}" for k, v in place.cluster.items()),
+        c.collective_timeout_s + _JOIN_GRACE_S,
+    )
     # The join's bound: TensorFlow's registration timeout logs its error but leaves the constructor blocked
     # (seen here: a rank started alone waited for good), holding the GIL, so neither a Python thread nor a
     # signal handler can run. faulthandler's watchdog is a C thread: it ends the process (exit 1) if the
@@ -278,19 +323,27 @@ def start_job(cfg: PipelineConfig, place: WorkerPlace) -> Job | None:
     faulthandler.dump_traceback_later(c.collective_timeout_s + _JOIN_GRACE_S, exit=True, file=_devnull())
     try:
         with ended_by_signals():
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
-                                                                 communication_options=options)
-    except Exception as err:     # the coordination service reports a join timeout in several types
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options
+            )
+    except Exception as err:  # the coordination service reports a join timeout in several types
         lost = lost_contact_error(err, place.rank, "joining the job") or server_error(err, place)
         if lost is None:
             raise
         raise lost from err
     finally:
         faulthandler.cancel_dump_traceback_later()
-    log.info("rank %d of %d: the job is up: %d replicas in sync, local devices %s; a lost peer ends this rank "
-             "after at most %.0f s without heartbeats (consumer.peer_timeout_s), a stalled collective after "
-             "%.0f s (consumer.collective_timeout_s)", place.rank, place.world, strategy.num_replicas_in_sync,
-             list(strategy.extended.worker_devices), c.peer_timeout_s, c.collective_timeout_s)
+    log.info(
+        "rank %d of %d: the job is up: %d replicas in sync, local devices %s; a lost peer ends this rank "
+        "after at most %.0f s without heartbeats (consumer.peer_timeout_s), a stalled collective after "
+        "%.0f s (consumer.collective_timeout_s)",
+        place.rank,
+        place.world,
+        strategy.num_replicas_in_sync,
+        list(strategy.extended.worker_devices),
+        c.peer_timeout_s,
+        c.collective_timeout_s,
+    )
     return Job(place, strategy, cfg)
 
 
@@ -312,14 +365,14 @@ def ended_by_signals() -> Iterator[None]:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)   # None: set outside Python
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 def _devnull() -> Any:
     """Where the join watchdog's traceback goes: nowhere (the log says what happened before it)."""
     global _DEVNULL
     if _DEVNULL is None:
-        _DEVNULL = open(os.devnull, "w", encoding="utf-8")   # noqa: SIM115 (kept open for the watchdog)
+        _DEVNULL = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (kept open for the watchdog)
     return _DEVNULL
 
 

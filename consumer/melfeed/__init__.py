@@ -27,19 +27,38 @@ if TYPE_CHECKING:
     from melfeed.shared.config.loader import config_from_mapping, load_config
     from melfeed.shared.errors import CacheError, ClosedError, ConfigError, DataError, PipelineError, StepError
 
-__version__ = "0.1.0"   # the package's version: pyproject.toml reads it from here
+__version__ = "0.1.0"  # the package's version: pyproject.toml reads it from here
 
 __all__ = [
-    "Consumer", "Batch", "Stager", "FitResume", "FeedBoard", "load_config", "config_from_mapping", "demo_cache",
-    "PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError", "__version__",
+    "Consumer",
+    "Batch",
+    "Stager",
+    "FitResume",
+    "FeedBoard",
+    "load_config",
+    "config_from_mapping",
+    "demo_cache",
+    "PipelineError",
+    "ConfigError",
+    "CacheError",
+    "ClosedError",
+    "DataError",
+    "StepError",
+    "__version__",
 ]
 
 _HOMES = {  # public name -> the module that defines it (imported on first use)
-    "Consumer": "melfeed.consumer.feed", "Batch": "melfeed.consumer.feed", "Stager": "melfeed.consumer.staging",
-    "FitResume": "melfeed.consumer.fit_resume", "FeedBoard": "melfeed.consumer.feed_board",
-    "load_config": "melfeed.shared.config.loader", "config_from_mapping": "melfeed.shared.config.loader",
-    **{name: "melfeed.shared.errors" for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError",
-                                                   "DataError", "StepError")},
+    "Consumer": "melfeed.consumer.feed",
+    "Batch": "melfeed.consumer.feed",
+    "Stager": "melfeed.consumer.staging",
+    "FitResume": "melfeed.consumer.fit_resume",
+    "FeedBoard": "melfeed.consumer.feed_board",
+    "load_config": "melfeed.shared.config.loader",
+    "config_from_mapping": "melfeed.shared.config.loader",
+    **{
+        name: "melfeed.shared.errors"
+        for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError")
+    },
 }
 
 
@@ -48,7 +67,7 @@ def __getattr__(name: str) -> Any:
     if home is None:
         raise AttributeError(f"module 'melfeed' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
-    globals()[name] = value          # the next access is a plain module attribute
+    globals()[name] = value  # the next access is a plain module attribute
     return value
 
 
@@ -68,6 +87,7 @@ def demo_cache(utterances: int = 2000, *, cache_dir: str | Path | None = None) -
             demo cache.
     """
     from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
+
     path = Path(cache_dir) if cache_dir is not None else default_demo_dir(utterances)
     write_demo_cache(path, n_utterances=utterances, extras=True, utterances_flag="demo_cache(utterances)")
     return path

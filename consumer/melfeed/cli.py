@@ -40,12 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from melfeed.shared.errors import PipelineError
         from melfeed.shared.service.cli import build_parser
+
         parser = build_parser()
-        if not (sys.argv[1:] if argv is None else argv):   # bare `melfeed`: the command overview
+        if not (sys.argv[1:] if argv is None else argv):  # bare `melfeed`: the command overview
             parser.print_help()
             return 0
         args = parser.parse_args(argv)
-    except KeyboardInterrupt:   # Ctrl-C while the modules load
+    except KeyboardInterrupt:  # Ctrl-C while the modules load
         print(f"{PROG}: stopped by SIGINT", file=sys.stderr)
         return 130
     try:
@@ -54,13 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             module, function = _COMMANDS[args.command].split(":")
             return int(getattr(importlib.import_module(module), function)(args))
         from melfeed.consumer.app import main_consumer, main_run
+
         if args.command == "consumer":
             return main_consumer(args, _STARTED_S)
         return main_run(args, _STARTED_S)
-    except PipelineError as err:   # one line; each error class carries its exit code (shared/errors.py)
+    except PipelineError as err:  # one line; each error class carries its exit code (shared/errors.py)
         print(f"{PROG} {args.command}: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:   # Ctrl-C where no command's own handler runs yet (imports, index, doctor's set-up)
+    except KeyboardInterrupt:  # Ctrl-C where no command's own handler runs yet (imports, index, doctor's set-up)
         print(f"{PROG} {args.command}: stopped by SIGINT", file=sys.stderr)
         return 130
 
@@ -71,6 +73,7 @@ def _setup_logging(flag: str | None) -> None:
     The variable is checked whenever it is set (children read it) and exported in canonical case.
     """
     from melfeed.shared.service.lifecycle import LOG_LEVEL_ENV, log_level, setup_logging
+
     env = os.environ.get(LOG_LEVEL_ENV, "").strip()
     if env:
         log_level(env, LOG_LEVEL_ENV)
@@ -80,7 +83,8 @@ def _setup_logging(flag: str | None) -> None:
     else:
         setup_logging(env or "INFO", LOG_LEVEL_ENV)
     from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_logs
-    quiet_tensorflow_logs(flag or env or "INFO")   # TF_CPP_MIN_LOG_LEVEL=3 unless set or DEBUG; children inherit
+
+    quiet_tensorflow_logs(flag or env or "INFO")  # TF_CPP_MIN_LOG_LEVEL=3 unless set or DEBUG; children inherit
 
 
 def console_main() -> None:
@@ -88,7 +92,8 @@ def console_main() -> None:
     of CPU less per process; docs/performance.md) and quiet (``shared/service/lean_tensorflow.py``), then
     :func:`main`."""
     from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")   # every child inherits it (shared/gpu_select.py)
+
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # every child inherits it (shared/gpu_select.py)
     skip_optional_imports_of_tensorflow()
-    quiet_tensorflow_import()     # TensorFlow's C++ lines below TF_CPP_MIN_LOG_LEVEL, also those it logs as it loads
+    quiet_tensorflow_import()  # TensorFlow's C++ lines below TF_CPP_MIN_LOG_LEVEL, also those it logs as it loads
     sys.exit(main())

@@ -36,7 +36,7 @@ __all__ = ["Board", "BoardWriter", "board_dir", "board_scalars", "check_board_di
 
 log = logging.getLogger(__name__)
 
-_DIR_MODE = 0o750    # like the state directory: the service user and group (a TensorBoard in the group reads it)
+_DIR_MODE = 0o750  # like the state directory: the service user and group (a TensorBoard in the group reads it)
 _KEY = ("consumer", "tensorboard_dir")
 
 
@@ -63,22 +63,31 @@ def scalar_metadata() -> Any:
     """The ``SummaryMetadata`` TensorBoard's Scalars dashboard reads: plugin "scalars", content of version 0 (the
     empty bytes ``tensorboard.plugins.scalar.metadata`` writes). TensorFlow ships the proto."""
     from tensorflow.core.framework import summary_pb2
+
     return summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
 def summary_proto(scalars: Mapping[str, float]) -> bytes:
     """One serialized ``Summary``: per tag a float32 rank-0 tensor with ``scalar_metadata()``."""
     from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
     metadata, scalar = scalar_metadata(), tensor_shape_pb2.TensorShapeProto()
-    serialized: bytes = summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-        tag=tag, metadata=metadata, tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_shape=scalar,
-                                                                  float_val=[value]))
-        for tag, value in scalars.items()]).SerializeToString()
+    serialized: bytes = summary_pb2.Summary(
+        value=[
+            summary_pb2.Summary.Value(
+                tag=tag,
+                metadata=metadata,
+                tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_shape=scalar, float_val=[value]),
+            )
+            for tag, value in scalars.items()
+        ]
+    ).SerializeToString()
     return serialized
 
 
-def board_scalars(snapshot: Mapping[str, Any] | None, means: Mapping[str, float],
-                  schema: type = Snapshot) -> dict[str, float]:
+def board_scalars(
+    snapshot: Mapping[str, Any] | None, means: Mapping[str, float], schema: type = Snapshot
+) -> dict[str, float]:
     """Tag -> value for one write (module doc): ``means`` as given (NaN stays NaN: it is news), the snapshot's
     figures when known, tagged as ``schema`` says."""
     out = {f"train/{name}": float(value) for name, value in means.items()}
@@ -91,8 +100,13 @@ def board_scalars(snapshot: Mapping[str, Any] | None, means: Mapping[str, float]
             continue
         tagged = [r for r in schema_fields(f.row) if r.spec.board is not None]
         for row in snapshot[f.name]:
-            out.update({r.spec.board.format(**row): float(row[r.name]) for r in tagged
-                        if r.spec.board is not None and row[r.name] is not None})
+            out.update(
+                {
+                    r.spec.board.format(**row): float(row[r.name])
+                    for r in tagged
+                    if r.spec.board is not None and row[r.name] is not None
+                }
+            )
     return out
 
 
@@ -102,6 +116,7 @@ class BoardWriter:
     def __init__(self, logdir: Path, key: tuple[str, ...] = _KEY) -> None:
         """Raises: ConfigError naming ``key`` when the directory cannot be created or written."""
         import tensorflow as tf
+
         check_board_dir(logdir, key)
         self.logdir = logdir
         self._tf = tf
@@ -109,8 +124,9 @@ class BoardWriter:
             with tf.device("/CPU:0"):
                 self._writer: Any = tf.summary.create_file_writer(str(logdir))
         except (tf.errors.OpError, OSError) as err:
-            raise ConfigError(f"cannot write event files in {logdir}: {getattr(err, 'message', err)}",
-                              path=key) from None
+            raise ConfigError(
+                f"cannot write event files in {logdir}: {getattr(err, 'message', err)}", path=key
+            ) from None
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         """One float32 scalar per tag at ``step`` (one op), then a flush (TensorBoard sees it at once)."""
@@ -119,7 +135,7 @@ class BoardWriter:
         if not scalars:
             return
         tf = self._tf
-        with tf.device("/CPU:0"), self._writer.as_default():   # a host proto, the CPU writer: no device op
+        with tf.device("/CPU:0"), self._writer.as_default():  # a host proto, the CPU writer: no device op
             tf.summary.experimental.write_raw_pb(summary_proto(scalars), step=step)
         self._writer.flush()
 
@@ -144,11 +160,11 @@ class Board:
     def __init__(self, logdir: Path, every_steps: int | None, first_batch: int = 0) -> None:
         self.logdir = logdir
         self.every_steps = every_steps
-        self._writer: BoardWriter | None = None   # opened at the first write: TensorFlow is set up by then
+        self._writer: BoardWriter | None = None  # opened at the first write: TensorFlow is set up by then
         self._means = OutputMeans()
-        self._steps_read = 0                # steps the reads covered (a GPU's read includes any step dispatched)
+        self._steps_read = 0  # steps the reads covered (a GPU's read includes any step dispatched)
         self._first = first_batch
-        self._written = first_batch         # global step of the newest write
+        self._written = first_batch  # global step of the newest write
 
     def add_read(self, read: IntervalFigures) -> None:
         """One host read of the accumulated outputs (the same reads the status line averages)."""

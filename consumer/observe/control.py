@@ -30,8 +30,8 @@ __all__ = ["ControlServer"]
 
 log = logging.getLogger(__name__)
 
-_POLL_MS = 100            # stop is noticed within this
-_JOIN_TIMEOUT_S = 2.0     # > one poll plus one reply of a few kB
+_POLL_MS = 100  # stop is noticed within this
+_JOIN_TIMEOUT_S = 2.0  # > one poll plus one reply of a few kB
 _MAX_REQUEST_BYTES = 4096  # a request is a short word; anything larger is dropped by libzmq
 
 
@@ -71,8 +71,9 @@ class ControlServer:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
-            raise ConfigError(f"cannot bind {self.endpoint}: {err.strerror}",
-                              path=("consumer", "control_endpoint")) from err
+            raise ConfigError(
+                f"cannot bind {self.endpoint}: {err.strerror}", path=("consumer", "control_endpoint")
+            ) from err
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="control", daemon=True)
         self._thread.start()
@@ -92,7 +93,7 @@ class ControlServer:
             self._sock.close(0)
         self._sock = None
         if self._lock is not None:
-            self._lock.release(remove_files=closed)   # a socket still open keeps its file
+            self._lock.release(remove_files=closed)  # a socket still open keeps its file
             self._lock = None
 
     def _run(self) -> None:
@@ -107,7 +108,7 @@ class ControlServer:
                     sock.send(self._get_reply(), zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                except zmq.ZMQError as err:   # e.g. EFSM after a failed send: REP recovers on the next recv
+                except zmq.ZMQError as err:  # e.g. EFSM after a failed send: REP recovers on the next recv
                     log.debug("control request dropped: %s", err)
         except BaseException:  # never take the consumer down over a status request
             log.error("control socket loop failed; status is no longer served", exc_info=True)

@@ -42,10 +42,10 @@ def visible_gpu_selectors(env_value: str | None) -> list[str] | None:
 class NvmlGpu:
     """One physical GPU as NVML names it."""
 
-    uuid: str        # "GPU-8f6c...": the key (the same GPU under any numbering)
-    index: int       # NVML's index: PCI bus order
-    name: str        # the model, e.g. "NVIDIA H100 80GB HBM3"
-    handle: Any      # NVML's device handle
+    uuid: str  # "GPU-8f6c...": the key (the same GPU under any numbering)
+    index: int  # NVML's index: PCI bus order
+    name: str  # the model, e.g. "NVIDIA H100 80GB HBM3"
+    handle: Any  # NVML's device handle
 
 
 def load_nvml(nvml: Any = None, *, quiet: bool = False) -> Any | None:
@@ -83,8 +83,9 @@ def resolve_gpus(nvml: Any, selectors: list[str] | None, *, quiet: bool = False)
         if selector.isdigit():
             gpu = by_index(int(selector))
         elif selector.startswith("GPU-"):
-            gpu = next((g for i in range(count) if (g := by_index(i)) is not None and g.uuid.startswith(selector)),
-                       None)
+            gpu = next(
+                (g for i in range(count) if (g := by_index(i)) is not None and g.uuid.startswith(selector)), None
+            )
             if gpu is None:
                 warning("gpu %s not sampled: NVML lists no GPU with that UUID", selector)
         else:
@@ -114,11 +115,11 @@ class GpuSampler:
     ``nvml``: a module with pynvml's functions (tests inject a double); default pynvml.
     """
 
-    def __init__(self, interval_s: float = 1.0, visible: str | None = None,
-                 use_env: bool = True, nvml: Any = None) -> None:
+    def __init__(
+        self, interval_s: float = 1.0, visible: str | None = None, use_env: bool = True, nvml: Any = None
+    ) -> None:
         self._interval_s = interval_s
-        raw = visible if visible is not None else (
-            os.environ.get("CUDA_VISIBLE_DEVICES") if use_env else None)
+        raw = visible if visible is not None else (os.environ.get("CUDA_VISIBLE_DEVICES") if use_env else None)
         self._selectors = visible_gpu_selectors(raw)
         self._nvml_module = nvml
         self._nvml: Any = None
@@ -186,9 +187,16 @@ class GpuSampler:
                 power_w: float | None = nvml.nvmlDeviceGetPowerUsage(gpu.handle) / 1000.0
             except Exception:  # noqa: BLE001 - some boards do not report power: keep the rest
                 power_w = None
-            out.append({"index": gpu.index, "uuid": gpu.uuid, "util_pct": float(util.gpu),
-                        "mem_used_mib": mem.used / 2**20, "mem_total_mib": mem.total / 2**20,
-                        "power_w": power_w})
+            out.append(
+                {
+                    "index": gpu.index,
+                    "uuid": gpu.uuid,
+                    "util_pct": float(util.gpu),
+                    "mem_used_mib": mem.used / 2**20,
+                    "mem_total_mib": mem.total / 2**20,
+                    "power_w": power_w,
+                }
+            )
         with self._lock:
             self._latest = out
 

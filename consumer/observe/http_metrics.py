@@ -29,9 +29,9 @@ __all__ = ["MetricsHttpServer"]
 
 log = logging.getLogger(__name__)
 
-_MAX_REQUEST_BYTES = 8192     # request line and headers; a scraper sends a few hundred
-_JOIN_TIMEOUT_S = 2.0         # > one loop turn (_TICK_S) plus one render
-_TICK_S = 0.25                # deadline checks; the self-pipe wakes the loop at once for close()
+_MAX_REQUEST_BYTES = 8192  # request line and headers; a scraper sends a few hundred
+_JOIN_TIMEOUT_S = 2.0  # > one loop turn (_TICK_S) plus one render
+_TICK_S = 0.25  # deadline checks; the self-pipe wakes the loop at once for close()
 _BACKLOG = 128
 
 
@@ -54,20 +54,27 @@ class MetricsHttpServer:
         request_timeout_s: a connection must have sent its request and taken the answer by then.
     """
 
-    def __init__(self, host: str, port: int, render: Callable[[], tuple[bytes, str]], *,
-                 max_connections: int = 16, request_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        render: Callable[[], tuple[bytes, str]],
+        *,
+        max_connections: int = 16,
+        request_timeout_s: float = 5.0,
+    ) -> None:
         self._address = (host, port)
         self._render = render
         self._max = max_connections
         self._timeout_s = request_timeout_s
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
-        self._conns: dict[int, _Conn] = {}        # by descriptor, in accept order (oldest first)
+        self._conns: dict[int, _Conn] = {}  # by descriptor, in accept order (oldest first)
         self._sel = selectors.DefaultSelector()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.port = port
-        self.dropped = 0                           # connections closed unanswered (evicted or too slow)
+        self.dropped = 0  # connections closed unanswered (evicted or too slow)
 
     def start(self) -> None:
         """Bind and start serving. Raises ``OSError`` when the address cannot be bound."""
@@ -123,7 +130,7 @@ class MetricsHttpServer:
                 for conn in [c for c in self._conns.values() if now >= c.deadline_s]:
                     self.dropped += 1
                     self._drop(conn)
-        except Exception:           # never take the consumer down for a metrics client
+        except Exception:  # never take the consumer down for a metrics client
             log.error("metrics HTTP server stopped", exc_info=True)
 
     def _accept(self) -> None:
@@ -133,12 +140,12 @@ class MetricsHttpServer:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as err:   # EMFILE and friends: leave it queued, try again next turn
+            except OSError as err:  # EMFILE and friends: leave it queued, try again next turn
                 log.debug("metrics accept failed: %s", err)
                 return
             if len(self._conns) >= self._max:
                 self.dropped += 1
-                self._drop(next(iter(self._conns.values())))     # the oldest makes room
+                self._drop(next(iter(self._conns.values())))  # the oldest makes room
             sock.setblocking(False)
             conn = _Conn(sock, time.monotonic() + self._timeout_s)
             self._conns[sock.fileno()] = conn
@@ -159,7 +166,7 @@ class MetricsHttpServer:
                     self._sel.modify(conn.sock, selectors.EVENT_WRITE)
                 return
             if mask & selectors.EVENT_WRITE:
-                conn.sent += conn.sock.send(conn.outbox[conn.sent:])
+                conn.sent += conn.sock.send(conn.outbox[conn.sent :])
                 if conn.sent >= len(conn.outbox):
                     self._drop(conn)
         except (BlockingIOError, InterruptedError):
@@ -192,6 +199,8 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 431: "Reques
 
 
 def _response(status: int, body: bytes, content_type: str, *, head: bool = False) -> bytes:
-    header = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
+    header = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode("latin-1")
     return header + (b"" if head else body)

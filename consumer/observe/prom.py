@@ -30,18 +30,19 @@ __all__ = ["start_prometheus", "snapshot_families", "PromFamily", "SnapshotColle
 
 log = logging.getLogger(__name__)
 
-_MAX_HTTP_CONNECTIONS = 16   # a scraper or two, and curl; more only while the oldest are dropped
-_REQUEST_TIMEOUT_S = 5.0      # a scraper on the same host sends its request in milliseconds
+_MAX_HTTP_CONNECTIONS = 16  # a scraper or two, and curl; more only while the oldest are dropped
+_REQUEST_TIMEOUT_S = 5.0  # a scraper on the same host sends its request in milliseconds
 
 
 @dataclass(slots=True)
 class PromFamily:
     """One metric family as the schema declares it; samples are (label values, value)."""
+
     name: str
-    kind: str                            # "gauge" or "counter"
+    kind: str  # "gauge" or "counter"
     help: str
     label_names: tuple[str, ...]
-    is_labelled: bool                    # a family without labels is left out while its figure is unknown
+    is_labelled: bool  # a family without labels is left out while its figure is unknown
     samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
 
     def add(self, labels: Mapping[str, str], value: float) -> None:
@@ -61,7 +62,7 @@ def _declare(families: dict[str, PromFamily], spec: FieldSpec, row_labels: tuple
 
 
 def _label(value: Any) -> str:
-    return escape_line(str(value), 64)       # peer-chosen text: one printable line in the exposition
+    return escape_line(str(value), 64)  # peer-chosen text: one printable line in the exposition
 
 
 def _add_field(family: PromFamily, prom: Prom, value: Any, labels: dict[str, str]) -> None:
@@ -113,6 +114,7 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Any]:
         """Every family of the snapshot; in a multi-worker job each sample also carries ``rank``."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         snap = self._get()
         if snap is None:
             return
@@ -136,7 +138,7 @@ class PrometheusServer:
         return self._server.port
 
     def close(self) -> None:
-        self._server.close()          # idempotent
+        self._server.close()  # idempotent
 
 
 def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, Any] | None]) -> PrometheusServer:
@@ -148,17 +150,24 @@ def start_prometheus(host: str, port: int, get_snapshot: Callable[[], dict[str, 
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     except ImportError as err:
-        raise ConfigError("needs prometheus_client (pip install 'melfeed[metrics]')",
-                          path=("consumer", "metrics_port"), got=port) from err
+        raise ConfigError(
+            "needs prometheus_client (pip install 'melfeed[metrics]')", path=("consumer", "metrics_port"), got=port
+        ) from err
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(get_snapshot))
-    server = MetricsHttpServer(host, port, lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
-                               max_connections=_MAX_HTTP_CONNECTIONS, request_timeout_s=_REQUEST_TIMEOUT_S)
+    server = MetricsHttpServer(
+        host,
+        port,
+        lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
+        max_connections=_MAX_HTTP_CONNECTIONS,
+        request_timeout_s=_REQUEST_TIMEOUT_S,
+    )
     try:
         server.start()
     except OSError as err:
         server.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror}", path=("consumer", "metrics_port"),
-                          got=port) from err
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {err.strerror}", path=("consumer", "metrics_port"), got=port
+        ) from err
     log.info("prometheus metrics at http://%s:%d/metrics", host, port)
     return PrometheusServer(server)

@@ -47,28 +47,30 @@ MAX_METRICS_BYTES = 256 << 20
 
 # The snapshot's numeric fields, one column each (the time axis aside); the report draws some of them.
 SCALAR_KEYS = tuple(name for name in number_fields() if name != "t_unix_s")
-_LIST_KEYS = ("producers", "gpus")       # the rows read here: producers' batches/s, GPUs' utilisation
+_LIST_KEYS = ("producers", "gpus")  # the rows read here: producers' batches/s, GPUs' utilisation
 
 
 @dataclass(frozen=True, slots=True)
 class RunTotals:
     """Whole-run figures for the title. ``nan`` when no snapshot had the figure."""
-    steps: int                  # the last known step count
-    batches_per_s_mean: float   # mean of the window rates over "training" snapshots (all, if none)
-    stall_pct_mean: float       # same averaging as batches_per_s_mean
-    duration_s: float           # first to last snapshot
+
+    steps: int  # the last known step count
+    batches_per_s_mean: float  # mean of the window rates over "training" snapshots (all, if none)
+    stall_pct_mean: float  # same averaging as batches_per_s_mean
+    duration_s: float  # first to last snapshot
 
 
 @dataclass(slots=True)
 class RunSeries:
     """One entry per snapshot in every array; ``nan`` = unknown (drawn as a gap)."""
-    t_s: Floats                                     # seconds since the first snapshot's t_unix_s
+
+    t_s: Floats  # seconds since the first snapshot's t_unix_s
     phase: list[str]
-    scalars: dict[str, Floats]                      # SCALAR_KEYS -> values
-    producers: dict[str, Floats] = field(default_factory=dict)   # producer id -> batches/s
-    gpus: dict[str, Floats] = field(default_factory=dict)        # "role:index" -> util %
-    t0_unix_s: float = 0.0                          # wall clock of the first snapshot (aligns several runs)
-    rank: int | None = None                         # the consumer's rank when it was one of a job (world > 1)
+    scalars: dict[str, Floats]  # SCALAR_KEYS -> values
+    producers: dict[str, Floats] = field(default_factory=dict)  # producer id -> batches/s
+    gpus: dict[str, Floats] = field(default_factory=dict)  # "role:index" -> util %
+    t0_unix_s: float = 0.0  # wall clock of the first snapshot (aligns several runs)
+    rank: int | None = None  # the consumer's rank when it was one of a job (world > 1)
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -78,10 +80,12 @@ class RunSeries:
         training = np.array([p == PHASE_TRAINING for p in self.phase])
         pick = training if training.any() else np.ones(len(self), dtype=bool)
         steps = self.scalars["step"][~np.isnan(self.scalars["step"])]
-        return RunTotals(steps=int(steps[-1]) if steps.size else 0,
-                         batches_per_s_mean=_nanmean(self.scalars["batches_per_s"][pick]),
-                         stall_pct_mean=_nanmean(self.scalars["stall_pct"][pick]),
-                         duration_s=float(self.t_s[-1]) if len(self) else 0.0)
+        return RunTotals(
+            steps=int(steps[-1]) if steps.size else 0,
+            batches_per_s_mean=_nanmean(self.scalars["batches_per_s"][pick]),
+            stall_pct_mean=_nanmean(self.scalars["stall_pct"][pick]),
+            duration_s=float(self.t_s[-1]) if len(self) else 0.0,
+        )
 
 
 def _nanmean(values: Floats) -> float:
@@ -93,7 +97,7 @@ def _number(value: Any, key: str, where: str) -> float:
     if value is None:
         return math.nan
     number = _finite(value)
-    if number is None:   # the consumer writes with allow_nan=False: NaN or Infinity never come from it
+    if number is None:  # the consumer writes with allow_nan=False: NaN or Infinity never come from it
         raise ConfigError(f"{key} must be a finite number or null", path=(where,), got=value)
     return number
 
@@ -114,9 +118,12 @@ def _check_snapshot(obj: Any, where: str) -> dict[str, Any]:
         raise ConfigError("not a JSON object (one metrics snapshot per line)", path=(where,))
     missing = [k for k in field_names() if k not in obj]
     if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""     # one short line
-        raise ConfigError(f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more} "
-                          "(not a melfeed metrics snapshot?)", path=(where,))
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""  # one short line
+        raise ConfigError(
+            f"missing key{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more} "
+            "(not a melfeed metrics snapshot?)",
+            path=(where,),
+        )
     if _finite(obj["t_unix_s"]) is None:
         raise ConfigError("t_unix_s must be a finite number", path=(where,), got=obj["t_unix_s"])
     for key in _LIST_KEYS:
@@ -144,8 +151,14 @@ def _decode(lines: list[str], name: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _entity_series(rows: list[dict[str, Any]], n: int, key: str, value_key: str,
-                   name_of: Callable[[dict[str, Any], str], str], where: list[str]) -> dict[str, Floats]:
+def _entity_series(
+    rows: list[dict[str, Any]],
+    n: int,
+    key: str,
+    value_key: str,
+    name_of: Callable[[dict[str, Any], str], str],
+    where: list[str],
+) -> dict[str, Floats]:
     """One array per entity (producer or GPU) across the snapshots; ``nan`` where it is absent."""
     series: dict[str, Floats] = {}
     for i, row in enumerate(rows):
@@ -190,12 +203,17 @@ def parse_lines(lines: list[str], name: str) -> RunSeries:
     with np.errstate(over="ignore"):
         t_s = t_unix - t_unix[0]
     far = np.flatnonzero(~np.isfinite(t_s))
-    if far.size:      # e.g. 1e308 after -1e308: no time axis can hold both
+    if far.size:  # e.g. 1e308 after -1e308: no time axis can hold both
         raise ConfigError("t_unix_s is too far from the first snapshot's", path=(where[far[0]],))
-    return RunSeries(t_s=t_s, phase=[str(r["phase"]) for r in rows], scalars=scalars,
-                     producers=_entity_series(rows, n, "producers", "batches_per_s", _producer_id, where),
-                     gpus=_entity_series(rows, n, "gpus", "util_pct", _gpu_label, where),
-                     t0_unix_s=float(t_unix[0]), rank=rank if is_rank else None)
+    return RunSeries(
+        t_s=t_s,
+        phase=[str(r["phase"]) for r in rows],
+        scalars=scalars,
+        producers=_entity_series(rows, n, "producers", "batches_per_s", _producer_id, where),
+        gpus=_entity_series(rows, n, "gpus", "util_pct", _gpu_label, where),
+        t0_unix_s=float(t_unix[0]),
+        rank=rank if is_rank else None,
+    )
 
 
 def read_metrics(path: str | Path) -> RunSeries:
@@ -209,6 +227,7 @@ def read_metrics(path: str | Path) -> RunSeries:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"cannot read metrics file: not UTF-8 at byte offset {err.start}",
-                          path=(str(path),)) from None
+        raise ConfigError(
+            f"cannot read metrics file: not UTF-8 at byte offset {err.start}", path=(str(path),)
+        ) from None
     return parse_lines(text.splitlines(), str(path))

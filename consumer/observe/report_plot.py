@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from melfeed.consumer.observe.report_data import RunSeries, read_metrics
 from melfeed.shared.errors import ConfigError
-from melfeed.shared.output_files import write_output
 from melfeed.shared.flag_checks import check_not_an_input
 from melfeed.shared.metrics import PHASE_COMPILING, PHASE_WAITING
-from melfeed.consumer.observe.report_data import RunSeries, read_metrics
+from melfeed.shared.output_files import write_output
 
 __all__ = ["render_report", "main_report", "RenderedReport", "PANELS", "GPU_NA_TEXT", "run_labels"]
 
@@ -45,12 +45,13 @@ _STALL_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", 
 @dataclass(frozen=True, slots=True)
 class RenderedReport:
     """Where the PNG went and where each panel lies in it (pixels, origin top-left: x0, y0, x1, y1)."""
+
     path: Path
     width_px: int
     height_px: int
     panel_boxes_px: dict[str, tuple[int, int, int, int]]
-    legend_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)   # panel -> its legend's labels
-    x_max_s: float = 0.0                  # right end of the shared time axis (s since the earliest snapshot)
+    legend_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # panel -> its legend's labels
+    x_max_s: float = 0.0  # right end of the shared time axis (s since the earliest snapshot)
     line_tops: dict[str, float] = field(default_factory=dict)  # panel -> highest finite y of its drawn lines
 
 
@@ -61,6 +62,7 @@ def _import_pyplot() -> Any:
         raise ConfigError(_INSTALL_HINT) from None
     matplotlib.use("Agg", force=True)  # a file, never a window: works on servers and in tests
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -82,8 +84,9 @@ def _phase_spans(series: RunSeries) -> list[tuple[str, float, float]]:
 def _shade(ax: Any, spans: list[tuple[str, float, float]], label: bool) -> None:
     seen: set[str] = set()
     for phase, start, end in spans:
-        ax.axvspan(start, end, color=_SHADE[phase], zorder=0, lw=0,
-                   label=phase if label and phase not in seen else None)
+        ax.axvspan(
+            start, end, color=_SHADE[phase], zorder=0, lw=0, label=phase if label and phase not in seen else None
+        )
         seen.add(phase)
 
 
@@ -103,7 +106,7 @@ def _draw_stall(ax: Any, s: RunSeries, prefix: str = "", index: int = 0) -> None
     _line(ax, s.t_s, y, f"{prefix}data stall", color=color)
     ax.fill_between(s.t_s, 0, np.nan_to_num(y), color=color, alpha=0.15, step=None)
     top = np.nanmax(y) if np.isfinite(y).any() else 0.0
-    high = ax.get_ylim()[1] if index else 0.0           # another run's stall already drawn here
+    high = ax.get_ylim()[1] if index else 0.0  # another run's stall already drawn here
     ax.set_ylim(0, max(5.0, high, min(100.0, top * 1.15)))  # a near-zero stall stays visible as near zero
     ax.set_ylabel("data stall (%)")
 
@@ -113,8 +116,14 @@ def _draw_queue(ax: Any, s: RunSeries, prefix: str = "", index: int = 0) -> None
     depth, leased = s.scalars["queue_depth_mean"], s.scalars["leases_outstanding"]
     _line(ax, s.t_s, depth, f"{prefix}ready + leased (mean)")
     _line(ax, s.t_s, leased, f"{prefix}leased (at snapshot)")
-    ax.plot(s.t_s, s.scalars["lease_window"], "k--", linewidth=1.2, drawstyle="steps-post",
-            label=None if index else "lease window\n(per producer)")
+    ax.plot(
+        s.t_s,
+        s.scalars["lease_window"],
+        "k--",
+        linewidth=1.2,
+        drawstyle="steps-post",
+        label=None if index else "lease window\n(per producer)",
+    )
     values = np.concatenate([depth, s.scalars["lease_window"]])
     top = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
     high = ax.get_ylim()[1] if index else 0.0
@@ -133,8 +142,7 @@ def _draw_producers(ax: Any, s: RunSeries, prefix: str = "", index: int = 0) -> 
 def _draw_gpu(ax: Any, runs: Sequence[tuple[str, RunSeries]]) -> bool:
     """Returns whether a legend is useful (there were GPUs)."""
     if all(not s.gpus or all(np.isnan(v).all() for v in s.gpus.values()) for _, s in runs):
-        ax.text(0.5, 0.5, GPU_NA_TEXT, transform=ax.transAxes, ha="center", va="center",
-                fontsize=16, color="0.35")
+        ax.text(0.5, 0.5, GPU_NA_TEXT, transform=ax.transAxes, ha="center", va="center", fontsize=16, color="0.35")
         ax.set_yticks([])
         ax.set_ylabel("GPU utilisation")
         return False
@@ -164,9 +172,12 @@ def _title(series: RunSeries, name: str) -> str:
 
     def fmt(value: float, spec: str) -> str:
         return "n/a" if math.isnan(value) else format(value, spec)
-    return (f"{name}\n{tot.steps} steps in {tot.duration_s:.0f} s  ·  mean {fmt(tot.batches_per_s_mean, '.1f')} "
-            f"batches/s  ·  data stall {fmt(tot.stall_pct_mean, '.1f')} % overall  ·  "
-            f"{len(series.producers)} producers  ·  " + (f"{len(series.gpus)} GPUs" if series.gpus else "GPU n/a"))
+
+    return (
+        f"{name}\n{tot.steps} steps in {tot.duration_s:.0f} s  ·  mean {fmt(tot.batches_per_s_mean, '.1f')} "
+        f"batches/s  ·  data stall {fmt(tot.stall_pct_mean, '.1f')} % overall  ·  "
+        f"{len(series.producers)} producers  ·  " + (f"{len(series.gpus)} GPUs" if series.gpus else "GPU n/a")
+    )
 
 
 def render_report(series: RunSeries | Sequence[RunSeries], out: str | Path, title: str) -> RenderedReport:
@@ -181,8 +192,15 @@ def render_report(series: RunSeries | Sequence[RunSeries], out: str | Path, titl
     named = list(zip(run_labels(runs), runs))
     drawers = (_draw_step, _draw_stall, _draw_queue, _draw_producers)
     with plt.rc_context({"font.size": 12, "axes.grid": True, "grid.alpha": 0.35}):
-        fig, axes = plt.subplots(len(PANELS), 1, sharex=True, figsize=_FIGSIZE_IN, dpi=_DPI,
-                                 layout="constrained", height_ratios=[1, 0.8, 1, 1.2, 1])
+        fig, axes = plt.subplots(
+            len(PANELS),
+            1,
+            sharex=True,
+            figsize=_FIGSIZE_IN,
+            dpi=_DPI,
+            layout="constrained",
+            height_ratios=[1, 0.8, 1, 1.2, 1],
+        )
         try:
             spans = [_phase_spans(s) for s in runs]
             for i, (ax, draw) in enumerate(zip(axes, drawers)):
@@ -209,9 +227,9 @@ def _ranks_title(named: Sequence[tuple[str, RunSeries]], name: str) -> str:
 
 def _save(fig: Any, axes: Any, out: Path) -> RenderedReport:
     png = io.BytesIO()
-    fig.savefig(png, dpi=_DPI, format="png")      # drawn whole first: the file is replaced only by a complete image
+    fig.savefig(png, dpi=_DPI, format="png")  # drawn whole first: the file is replaced only by a complete image
     try:
-        write_output(out, png.getvalue(), what="--output")    # never through another user's link (exit 78)
+        write_output(out, png.getvalue(), what="--output")  # never through another user's link (exit 78)
     except OSError as err:
         raise ConfigError(f"cannot write the report: {err.strerror or err}", path=(str(out),)) from None
     width, height = fig.canvas.get_width_height()
@@ -232,12 +250,14 @@ def main_report(args: argparse.Namespace) -> int:
     bad input. Several files (the ranks of one job) share the panels on one time axis."""
     _import_pyplot()  # before reading: a missing extra is the only message
     paths = [args.metrics] if isinstance(args.metrics, str) else list(args.metrics)
-    check_not_an_input(args.output, paths, "--output")   # `report m.jsonl -o m.jsonl` would overwrite the data
+    check_not_an_input(args.output, paths, "--output")  # `report m.jsonl -o m.jsonl` would overwrite the data
     runs = [read_metrics(path) for path in paths]
     title = args.title or ", ".join(Path(path).name for path in paths)
     rendered = render_report(runs, args.output, title)
     span_s = max(float(s.t_s[-1]) + s.t0_unix_s for s in runs) - min(s.t0_unix_s for s in runs)
     files = f" from {len(runs)} files" if len(runs) > 1 else ""
-    print(f"report: {sum(len(s) for s in runs)} snapshots{files} over {span_s:.0f} s, "
-          f"{rendered.width_px}x{rendered.height_px} px -> {rendered.path}")
+    print(
+        f"report: {sum(len(s) for s in runs)} snapshots{files} over {span_s:.0f} s, "
+        f"{rendered.width_px}x{rendered.height_px} px -> {rendered.path}"
+    )
     return 0

@@ -28,18 +28,18 @@ import zmq
 from melfeed.consumer.observe.snapshot import snapshot_problem
 from melfeed.shared.config import resolve_runtime_dir
 from melfeed.shared.config.checks import check_endpoint
-from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.flag_checks import check_output_file
 from melfeed.shared.output_files import write_output
 from melfeed.shared.printable import escape_line
+from melfeed.shared.service.cli import loaded_config
 from melfeed.shared.service.lifecycle import check_runtime_dir, resolve_control_endpoint
 from melfeed.shared.service.rank_defaults import with_rank_defaults
 from melfeed.shared.service.tf_config import resolve_worker_place
 
 __all__ = ["main_status", "ask_status", "format_status", "snapshot_problem"]
 
-_TRIES = 2                   # the timeout is split between them: a consumer that is just binding gets a second ask
+_TRIES = 2  # the timeout is split between them: a consumer that is just binding gets a second ask
 _MAX_REPLY_BYTES = 16 << 20  # a snapshot is a few kB; refuse anything absurd
 
 
@@ -50,8 +50,12 @@ def ask_status(endpoint: str, timeout_s: float) -> bytes | None:
     try:
         for _ in range(_TRIES):
             sock = ctx.socket(zmq.REQ)
-            for opt, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, try_ms), (zmq.SNDTIMEO, try_ms),
-                               (zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)):
+            for opt, value in (
+                (zmq.LINGER, 0),
+                (zmq.RCVTIMEO, try_ms),
+                (zmq.SNDTIMEO, try_ms),
+                (zmq.MAXMSGSIZE, _MAX_REPLY_BYTES),
+            ):
                 sock.setsockopt(opt, value)
             try:
                 sock.connect(endpoint)
@@ -77,9 +81,10 @@ def main_status(args: argparse.Namespace) -> int:
             have put a socket in (the default endpoint): nobody else's answer is ever printed as ours.
     """
     if not (isinstance(args.timeout_s, float) and 0 < args.timeout_s <= _MAX_TIMEOUT_S):
-        raise ConfigError(f"must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]", path=("--timeout-s",),
-                          got=args.timeout_s)
-    check_output_file(args.output, "--output")      # before asking, not after the answer
+        raise ConfigError(
+            f"must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]", path=("--timeout-s",), got=args.timeout_s
+        )
+    check_output_file(args.output, "--output")  # before asking, not after the answer
     if args.endpoint:
         check_endpoint(args.endpoint, ("--endpoint",))
         if not args.endpoint.startswith(("ipc://", "tcp://")):
@@ -87,18 +92,19 @@ def main_status(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or _control_endpoint(args)
     try:
         raw = ask_status(endpoint, args.timeout_s)
-    except zmq.ZMQError as err:     # an address libzmq refuses to connect to (tcp://*:5555, a space in the host)
-        raise ConfigError(f"cannot ask {endpoint}: {err.strerror}",
-                          path=("--endpoint",) if args.endpoint else ("consumer", "control_endpoint")) from None
+    except zmq.ZMQError as err:  # an address libzmq refuses to connect to (tcp://*:5555, a space in the host)
+        raise ConfigError(
+            f"cannot ask {endpoint}: {err.strerror}",
+            path=("--endpoint",) if args.endpoint else ("consumer", "control_endpoint"),
+        ) from None
     if raw is None:
-        print(f"melfeed status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s",
-              file=sys.stderr)
+        print(f"melfeed status: no consumer answered at {endpoint} within {args.timeout_s:.1f} s", file=sys.stderr)
         return 1
     try:
         snap = json.loads(raw)
         if not isinstance(snap, dict):
             raise ValueError("not an object")
-    except (ValueError, RecursionError):     # RecursionError: nested too deep to parse
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
         print(f"melfeed status: the answer from {endpoint} is not a snapshot", file=sys.stderr)
         return 1
     problem = None if args.json else snapshot_problem(snap)
@@ -108,7 +114,7 @@ def main_status(args: argparse.Namespace) -> int:
     if args.output:
         try:
             write_output(args.output, json.dumps(snap, indent=2) + "\n", what="--output")
-        except OSError as err:      # checked before asking; a full disk is still one line
+        except OSError as err:  # checked before asking; a full disk is still one line
             print(f"melfeed status: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
             return 1
     print(json.dumps(snap, indent=2) if args.json else format_status(snap, endpoint))
@@ -123,7 +129,7 @@ def _control_endpoint(args: argparse.Namespace) -> str:
     endpoint = resolve_control_endpoint(cfg, os.environ, create_dir=False)
     runtime = resolve_runtime_dir(os.environ)
     if endpoint.startswith(f"ipc://{runtime}/") and os.path.lexists(runtime):
-        check_runtime_dir(runtime)   # another user's /tmp/melfeed-UID could serve any answer
+        check_runtime_dir(runtime)  # another user's /tmp/melfeed-UID could serve any answer
     return endpoint
 
 
@@ -165,19 +171,25 @@ def format_status(snap: dict[str, Any], endpoint: str) -> str:
         "",
         f"{'producer':<20} {'batches':>8} {'batches/s':>10} {'read ms':>8} {'assemble ms':>12} {'send ms':>8}",
     ]
-    for p in snap["producers"]:      # ids are peer-chosen: escaped (a snapshot may come from anyone)
-        lines.append(f"{escape_line(str(p['id']), 64):<20} {_f(p['batches'], 'd'):>8} {_f(p['batches_per_s'], '.1f'):>10} "
-                     f"{_f(p['read_ms'], '.2f'):>8} {_f(p['assemble_ms'], '.2f'):>12} {_f(p['send_ms'], '.2f'):>8}")
+    for p in snap["producers"]:  # ids are peer-chosen: escaped (a snapshot may come from anyone)
+        lines.append(
+            f"{escape_line(str(p['id']), 64):<20} {_f(p['batches'], 'd'):>8} {_f(p['batches_per_s'], '.1f'):>10} "
+            f"{_f(p['read_ms'], '.2f'):>8} {_f(p['assemble_ms'], '.2f'):>12} {_f(p['send_ms'], '.2f'):>8}"
+        )
     if not snap["producers"]:
         lines.append("(no producer connected)")
     if snap["producers_benched"]:
-        lines.append("benched (let leases expire in a row; no leases for now): "
-                     + ", ".join(escape_line(str(x), 64) for x in snap["producers_benched"]))
+        lines.append(
+            "benched (let leases expire in a row; no leases for now): "
+            + ", ".join(escape_line(str(x), 64) for x in snap["producers_benched"])
+        )
     lines += ["", f"{'gpu':<20} {'util %':>8} {'mem used/total GiB':>20} {'power W':>8}"]
     for g in snap["gpus"]:
         mem = f"{g['mem_used_mib'] / 1024:.1f}/{g['mem_total_mib'] / 1024:.1f}"
-        lines.append(f"{escape_line(g['role'], 32) + ':' + str(g['index']):<20} {g['util_pct']:>8.0f} {mem:>20} "
-                     f"{_f(g['power_w'], '.0f'):>8}")
+        lines.append(
+            f"{escape_line(g['role'], 32) + ':' + str(g['index']):<20} {g['util_pct']:>8.0f} {mem:>20} "
+            f"{_f(g['power_w'], '.0f'):>8}"
+        )
     if not snap["gpus"]:
         lines.append("n/a (no NVML, no GPU, or sampling off)")
     rejects = ", ".join(f"{escape_line(str(code), 32)} {n}" for code, n in snap["rejects"].items()) or "none"

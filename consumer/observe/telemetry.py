@@ -27,18 +27,19 @@ from dataclasses import fields, replace
 from typing import IO, Any, TypeVar
 
 from melfeed.consumer.flow.peers import ProducerReport
-from melfeed.consumer.transport.receiver import ReceiverStats
-from melfeed.shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
-from melfeed.shared.errors import ConfigError
-from melfeed.shared.output_files import open_output
 from melfeed.consumer.observe.gpu import GpuSampler
 from melfeed.consumer.observe.snapshot import GpuRow, ProducerRow, Snapshot, snapshot_dict
+from melfeed.consumer.transport.receiver import ReceiverStats
+from melfeed.shared.errors import ConfigError
+from melfeed.shared.metrics import PHASE_COMPILING, PHASES, StepRecord, StepWindow, WindowFigures
+from melfeed.shared.output_files import open_output
 
 __all__ = ["ProducerRates", "build_snapshot", "Telemetry"]
 
 log = logging.getLogger(__name__)
 
-_BUSY_JOIN_S = 10.0   # a snapshot is built in milliseconds; the bound only matters if one hangs
+_BUSY_JOIN_S = 10.0  # a snapshot is built in milliseconds; the bound only matters if one hangs
+
 
 def _num(value: float | None) -> float | None:
     """A JSON-safe figure: ``None`` for unknown, NaN or infinite."""
@@ -107,26 +108,52 @@ class ProducerRates:
 
     @staticmethod
     def _row(rep: ProducerReport, span: tuple[tuple[float, Any], tuple[float, Any]] | None) -> ProducerRow:
-        row = ProducerRow(id=rep.producer_id, batches=rep.stage.batches if rep.stage else None, batches_per_s=None,
-                          read_ms=None, assemble_ms=None, send_ms=None)
+        row = ProducerRow(
+            id=rep.producer_id,
+            batches=rep.stage.batches if rep.stage else None,
+            batches_per_s=None,
+            read_ms=None,
+            assemble_ms=None,
+            send_ms=None,
+        )
         if span is None:
             return row
-        (t0, a), (t1, b) = span          # StageCounters at the window's oldest and newest heartbeat
+        (t0, a), (t1, b) = span  # StageCounters at the window's oldest and newest heartbeat
         n = b.batches - a.batches
         row = replace(row, batches_per_s=n / (t1 - t0))
         if n > 0:
-            row = replace(row, read_ms=1000.0 * (b.read_s - a.read_s) / n,
-                          assemble_ms=1000.0 * (b.assemble_s - a.assemble_s) / n,
-                          send_ms=1000.0 * (b.send_s - a.send_s) / n)
+            row = replace(
+                row,
+                read_ms=1000.0 * (b.read_s - a.read_s) / n,
+                assemble_ms=1000.0 * (b.assemble_s - a.assemble_s) / n,
+                send_ms=1000.0 * (b.send_s - a.send_s) / n,
+            )
         return row
 
 
-def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, steps_total: int | None,
-                   loss: float | None, window_s: float, figures: WindowFigures | None, depth_hist: list[int],
-                   bytes_per_s: float | None, rs: ReceiverStats, producers: Sequence[ProducerRow],
-                   compiles_after_ready: int, gpus: Sequence[GpuRow], jit_compile: str | None = None,
-                   outputs: Mapping[str, float] | None = None, rank: int = 0, world: int = 1,
-                   checkpoint_failures: int = 0, connections_cut: int = 0) -> dict[str, Any]:
+def build_snapshot(
+    *,
+    t_unix_s: float,
+    uptime_s: float,
+    phase: str,
+    step: int,
+    steps_total: int | None,
+    loss: float | None,
+    window_s: float,
+    figures: WindowFigures | None,
+    depth_hist: list[int],
+    bytes_per_s: float | None,
+    rs: ReceiverStats,
+    producers: Sequence[ProducerRow],
+    compiles_after_ready: int,
+    gpus: Sequence[GpuRow],
+    jit_compile: str | None = None,
+    outputs: Mapping[str, float] | None = None,
+    rank: int = 0,
+    world: int = 1,
+    checkpoint_failures: int = 0,
+    connections_cut: int = 0,
+) -> dict[str, Any]:
     """One snapshot (``observe/snapshot.py``) in its JSON form; pure.
 
     ``outputs`` are the step's named scalars averaged over the status interval (``loss`` first);
@@ -135,31 +162,47 @@ def build_snapshot(*, t_unix_s: float, uptime_s: float, phase: str, step: int, s
     """
     f = figures
     fed = f.feed_efficiency if f else None
-    return snapshot_dict(Snapshot(
-        t_unix_s=t_unix_s, uptime_s=uptime_s, phase=phase, step=step, steps_total=steps_total, loss=_num(loss),
-        window_s=window_s,
-        stall_pct=_num(f.stall_pct) if f else None,
-        batches_per_s=_num(f.batches_per_s) if f else None,
-        samples_per_s=_num(f.samples_per_s) if f else None,
-        bytes_per_s=_num(bytes_per_s),
-        step_p50_ms=_num(1000.0 * f.step_p50_s) if f else None,
-        step_p99_ms=_num(1000.0 * f.step_p99_s) if f else None,
-        step_cv=_num(f.step_cv) if f else None,
-        padding_efficiency=_num(f.padding_efficiency) if f else None,
-        queue_depth_mean=_num(f.queue_depth_mean) if f else None,
-        queue_depth_hist=list(depth_hist),
-        lease_window=rs.lease_window, leases_outstanding=rs.leases_outstanding, producers_alive=rs.producers_alive,
-        producers=[_finite_row(p) for p in producers],
-        rejects=dict(sorted(rs.rejects.items())), duplicates=rs.duplicates_dropped,
-        quarantined=rs.quarantined, compiles_after_ready=compiles_after_ready,
-        gpus=[_finite_row(g) for g in gpus],
-        jit_compile=jit_compile, outputs={name: _num(v) for name, v in (outputs or {}).items()},
-        producers_benched=list(rs.producers_benched), rank=rank, world=world,
-        checkpoint_failures=checkpoint_failures, connections_cut=connections_cut,
-        feed_efficiency=_num(fed),
-        hello_repeats=rs.hello_repeats,
-        # useful work = feed efficiency x padding efficiency (docs/guide/watching.md, "The three figures that matter")
-        useful_work=_num(fed * f.padding_efficiency) if f and fed is not None else None))
+    return snapshot_dict(
+        Snapshot(
+            t_unix_s=t_unix_s,
+            uptime_s=uptime_s,
+            phase=phase,
+            step=step,
+            steps_total=steps_total,
+            loss=_num(loss),
+            window_s=window_s,
+            stall_pct=_num(f.stall_pct) if f else None,
+            batches_per_s=_num(f.batches_per_s) if f else None,
+            samples_per_s=_num(f.samples_per_s) if f else None,
+            bytes_per_s=_num(bytes_per_s),
+            step_p50_ms=_num(1000.0 * f.step_p50_s) if f else None,
+            step_p99_ms=_num(1000.0 * f.step_p99_s) if f else None,
+            step_cv=_num(f.step_cv) if f else None,
+            padding_efficiency=_num(f.padding_efficiency) if f else None,
+            queue_depth_mean=_num(f.queue_depth_mean) if f else None,
+            queue_depth_hist=list(depth_hist),
+            lease_window=rs.lease_window,
+            leases_outstanding=rs.leases_outstanding,
+            producers_alive=rs.producers_alive,
+            producers=[_finite_row(p) for p in producers],
+            rejects=dict(sorted(rs.rejects.items())),
+            duplicates=rs.duplicates_dropped,
+            quarantined=rs.quarantined,
+            compiles_after_ready=compiles_after_ready,
+            gpus=[_finite_row(g) for g in gpus],
+            jit_compile=jit_compile,
+            outputs={name: _num(v) for name, v in (outputs or {}).items()},
+            producers_benched=list(rs.producers_benched),
+            rank=rank,
+            world=world,
+            checkpoint_failures=checkpoint_failures,
+            connections_cut=connections_cut,
+            feed_efficiency=_num(fed),
+            hello_repeats=rs.hello_repeats,
+            # useful work = feed efficiency x padding efficiency (docs/guide/watching.md, "The three figures that matter")
+            useful_work=_num(fed * f.padding_efficiency) if f and fed is not None else None,
+        )
+    )
 
 
 class Telemetry:
@@ -173,9 +216,17 @@ class Telemetry:
         checkpoint_failures: how many periodic checkpoints failed so far (``RunState``), if any state.
     """
 
-    def __init__(self, cfg: Any, consumer: Any, process_start_s: float, *, control_endpoint: str | None,
-                 checkpoint_failures: Callable[[], int] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        consumer: Any,
+        process_start_s: float,
+        *,
+        control_endpoint: str | None,
+        checkpoint_failures: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._cfg, self._consumer = cfg, consumer
         self._checkpoint_failures = checkpoint_failures
         self._start_s = process_start_s
@@ -207,12 +258,13 @@ class Telemetry:
         """
         from melfeed.consumer.observe.control import ControlServer
         from melfeed.consumer.observe.prom import start_prometheus
+
         c = self._cfg.consumer
         try:
             if c.metrics_file is not None:
                 self._file = open_metrics_file(c.metrics_file)
             self._samplers = start_samplers(self._cfg)
-            self.publish(0, None, 0)          # before any reader can ask: never an empty answer
+            self.publish(0, None, 0)  # before any reader can ask: never an empty answer
             if self._control_endpoint is not None:
                 server = ControlServer(self._consumer.zmq_context(), self._control_endpoint, self.latest_json)
                 server.start()
@@ -274,7 +326,7 @@ class Telemetry:
             while not done.wait(self._cfg.consumer.status_interval_s):
                 try:
                     self.publish(step, None, 0)
-                except Exception:              # a reader-side figure must never end the start-up
+                except Exception:  # a reader-side figure must never end the start-up
                     log.exception("publishing a snapshot while busy failed; the next comes after start-up")
                     return
 
@@ -291,8 +343,14 @@ class Telemetry:
         if self._clock() - self._last_publish_s >= self._cfg.consumer.status_interval_s:
             self.publish(step, loss, compiles_after_ready)
 
-    def publish(self, step: int, loss: float | None, compiles_after_ready: int,
-                phase: str | None = None, outputs: Mapping[str, float] | None = None) -> dict[str, Any]:
+    def publish(
+        self,
+        step: int,
+        loss: float | None,
+        compiles_after_ready: int,
+        phase: str | None = None,
+        outputs: Mapping[str, float] | None = None,
+    ) -> dict[str, Any]:
         """Build a snapshot, append it to the metrics file and hand it to the readers.
 
         ``outputs``: the named scalars' means of the status interval that just ended; None keeps
@@ -323,24 +381,37 @@ class Telemetry:
         span = self._bytes.span(now)
         bytes_per_s = (span[1][1] - span[0][1]) / (span[1][0] - span[0][0]) if span else None
         snap = build_snapshot(
-            t_unix_s=self._wall(), uptime_s=self._wall() - self._start_s, phase=self._phase, step=step,
-            steps_total=self._cfg.consumer.steps, loss=loss, window_s=self._cfg.consumer.metrics_window_s,
-            figures=self._window.figures(now), depth_hist=self._window.depth_histogram(now),
-            bytes_per_s=bytes_per_s, rs=rs, producers=self._producers.update(rs.producers, now),
-            compiles_after_ready=compiles_after_ready, gpus=[GpuRow(**g) for g in self.gpus() or ()],
+            t_unix_s=self._wall(),
+            uptime_s=self._wall() - self._start_s,
+            phase=self._phase,
+            step=step,
+            steps_total=self._cfg.consumer.steps,
+            loss=loss,
+            window_s=self._cfg.consumer.metrics_window_s,
+            figures=self._window.figures(now),
+            depth_hist=self._window.depth_histogram(now),
+            bytes_per_s=bytes_per_s,
+            rs=rs,
+            producers=self._producers.update(rs.producers, now),
+            compiles_after_ready=compiles_after_ready,
+            gpus=[GpuRow(**g) for g in self.gpus() or ()],
             jit_compile=self._jit_compile,
-            outputs=self._outputs, rank=getattr(self._consumer, "rank", 0), world=getattr(self._consumer, "world", 1),
+            outputs=self._outputs,
+            rank=getattr(self._consumer, "rank", 0),
+            world=getattr(self._consumer, "world", 1),
             checkpoint_failures=self._checkpoint_failures() if self._checkpoint_failures is not None else 0,
-            connections_cut=getattr(self._consumer, "connections_cut", 0))
+            connections_cut=getattr(self._consumer, "connections_cut", 0),
+        )
         return snap
 
     def _write(self, text: str) -> None:
         assert self._file is not None
         try:
-            self._file.write(text + "\n")     # line-buffered: one write(2) per snapshot
-        except OSError as err:                # disk full mid-run: keep training, stop writing
-            log.warning("metrics file %s: %s; no more snapshots are written", self._cfg.consumer.metrics_file,
-                        err.strerror)
+            self._file.write(text + "\n")  # line-buffered: one write(2) per snapshot
+        except OSError as err:  # disk full mid-run: keep training, stop writing
+            log.warning(
+                "metrics file %s: %s; no more snapshots are written", self._cfg.consumer.metrics_file, err.strerror
+            )
             self._file.close()
             self._file = None
 
@@ -363,8 +434,9 @@ def open_metrics_file(path: str) -> IO[str]:
     symbolic link in its place, or another user's file in /tmp, is refused (``open_output``).
     """
     try:
-        return os.fdopen(open_output(path, append=True, what="consumer.metrics_file"), "a", buffering=1,
-                         encoding="utf-8")
+        return os.fdopen(
+            open_output(path, append=True, what="consumer.metrics_file"), "a", buffering=1, encoding="utf-8"
+        )
     except OSError as err:
         raise ConfigError(f"cannot append to {path}: {err.strerror}", path=("consumer", "metrics_file")) from err
 

@@ -36,15 +36,27 @@ import numpy as np
 
 from melfeed.consumer.resume.filemode import STATE_FILE_MODE
 from melfeed.shared.errors import ConfigError, StateError
-from melfeed.shared.output_files import write_output
 from melfeed.shared.flag_checks import check_output_file, read_regular_file
+from melfeed.shared.output_files import write_output
 
-__all__ = ["RECORD_BYTES", "AuditLog", "AuditRecord", "AuditResult", "analyse", "audit_state_dir",
-           "main_audit", "print_result", "read_records", "read_run_identity", "sample_digest", "write_json"]
+__all__ = [
+    "RECORD_BYTES",
+    "AuditLog",
+    "AuditRecord",
+    "AuditResult",
+    "analyse",
+    "audit_state_dir",
+    "main_audit",
+    "print_result",
+    "read_records",
+    "read_run_identity",
+    "sample_digest",
+    "write_json",
+]
 
 AUDIT_NAME = "audit.log"
 RUN_NAME = "run.json"
-_MAX_RUN_JSON_BYTES = 1 << 20   # run.json is a few hundred bytes: the plan's identity
+_MAX_RUN_JSON_BYTES = 1 << 20  # run.json is a few hundred bytes: the plan's identity
 _FMT = "{:012d} {:012d} {:016x} {:08x}\n"
 RECORD_BYTES = len(_FMT.format(0, 0, 0, 0))
 
@@ -58,7 +70,7 @@ def sample_digest(sample_ids: Sequence[int]) -> int:
 class AuditRecord:
     batch_id: int
     step: int
-    run_id: int                      # the consumer start that applied it (the log's "consumer epoch" column)
+    run_id: int  # the consumer start that applied it (the log's "consumer epoch" column)
     digest: int
 
 
@@ -67,8 +79,9 @@ class AuditLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW,
-                                         STATE_FILE_MODE)   # whatever the umask; never through a link
+        self._fd: int | None = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, STATE_FILE_MODE
+        )  # whatever the umask; never through a link
         self.records = os.fstat(self._fd).st_size // RECORD_BYTES
 
     def truncate_to(self, n_records: int) -> int:
@@ -80,8 +93,11 @@ class AuditLog:
         assert self._fd is not None
         size = os.fstat(self._fd).st_size
         if size < n_records * RECORD_BYTES:
-            raise StateError(self.path, f"holds {size // RECORD_BYTES} records but the checkpoint counts "
-                                        f"{n_records}; the audit log was damaged or replaced")
+            raise StateError(
+                self.path,
+                f"holds {size // RECORD_BYTES} records but the checkpoint counts "
+                f"{n_records}; the audit log was damaged or replaced",
+            )
         os.ftruncate(self._fd, n_records * RECORD_BYTES)
         os.fsync(self._fd)
         dropped = self.records - n_records
@@ -117,7 +133,7 @@ def read_records(path: Path) -> tuple[list[AuditRecord], int]:
         raise StateError(path, err.reason) from None
     out = []
     for i in range(len(data) // RECORD_BYTES):
-        line = data[i * RECORD_BYTES:(i + 1) * RECORD_BYTES].decode("ascii", errors="replace").split()
+        line = data[i * RECORD_BYTES : (i + 1) * RECORD_BYTES].decode("ascii", errors="replace").split()
         try:
             out.append(AuditRecord(int(line[0]), int(line[1]), int(line[2], 16), int(line[3], 16)))
         except (ValueError, IndexError) as err:
@@ -127,20 +143,20 @@ def read_records(path: Path) -> tuple[list[AuditRecord], int]:
 
 @dataclass
 class AuditResult:
-    applied: int = 0                 # records in the log
-    expected: int = 0                # plan positions 0 .. expected-1
-    lost: int = 0                    # planned ids never applied
-    duplicated: int = 0              # records repeating an id already applied
-    out_of_order: int = 0            # records whose id is not greater than the one before
-    wrong_content: int = 0           # records whose sample digest differs from the plan's
+    applied: int = 0  # records in the log
+    expected: int = 0  # plan positions 0 .. expected-1
+    lost: int = 0  # planned ids never applied
+    duplicated: int = 0  # records repeating an id already applied
+    out_of_order: int = 0  # records whose id is not greater than the one before
+    wrong_content: int = 0  # records whose sample digest differs from the plan's
     content_checked: bool = False
     content_note: str = ""
-    consumer_epochs: int = 0         # distinct consumer starts that applied batches
-    torn_bytes: int = 0              # a partial last record (cut on the next resume)
+    consumer_epochs: int = 0  # distinct consumer starts that applied batches
+    torn_bytes: int = 0  # a partial last record (cut on the next resume)
     checkpoint_next_batch: int | None = None
-    after_checkpoint: int = 0        # records after the newest checkpoint (replayed on resume)
+    after_checkpoint: int = 0  # records after the newest checkpoint (replayed on resume)
     first_bad: list[str] = field(default_factory=list)
-    rank: int = 0                    # from run.json: this log's rank in a job of ``world`` (ids are its steps)
+    rank: int = 0  # from run.json: this log's rank in a job of ``world`` (ids are its steps)
     world: int = 1
 
     @property
@@ -148,8 +164,9 @@ class AuditResult:
         return not (self.lost or self.duplicated or self.out_of_order or self.wrong_content)
 
 
-def analyse(records: Sequence[AuditRecord], expected_digest: dict[int, int] | None = None,
-            expected_end: int | None = None) -> AuditResult:
+def analyse(
+    records: Sequence[AuditRecord], expected_digest: dict[int, int] | None = None, expected_end: int | None = None
+) -> AuditResult:
     """Compare records with the plan ``0 .. expected_end-1`` (default: up to the largest id)."""
     ids = [r.batch_id for r in records]
     end = max(expected_end or 0, (max(ids) + 1) if ids else 0)
@@ -187,6 +204,7 @@ def audit_state_dir(state_dir: str | os.PathLike[str]) -> AuditResult:
     (same fingerprint); otherwise only ids and order are checked, and ``content_note`` says why.
     """
     from melfeed.consumer.resume.checkpoint import latest_cursor  # no TensorFlow: only reads cursor.json
+
     root = Path(state_dir)
     run = read_run_identity(root)
     records, torn = read_records(root / AUDIT_NAME)
@@ -232,22 +250,29 @@ def read_run_identity(root: Path) -> dict[str, Any]:
 
 def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[int, int] | None, str]:
     from melfeed.consumer.flow.shards import plan_for_rank
-    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.cache.manifest import load_manifest
     from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.errors import PipelineError
-    from melfeed.shared.cache.manifest import load_manifest
+    from melfeed.shared.wire.buckets import build_buckets
+
     try:
-        cfg = config_from_mapping({"cache_dir": run["cache_dir"], "seed": run["seed"], "n_mels": run["n_mels"],
-                                   "buckets": run["buckets"]})
+        cfg = config_from_mapping(
+            {"cache_dir": run["cache_dir"], "seed": run["seed"], "n_mels": run["n_mels"], "buckets": run["buckets"]}
+        )
         manifest = load_manifest(run["cache_dir"], cfg.n_mels)
     except (OSError, ValueError, KeyError, TypeError, PipelineError) as err:
         return None, f"plan content not checked: {err}"
     if manifest.fingerprint != run.get("fingerprint"):
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
     try:
-        plan = plan_for_rank(build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets,
-                                           manifest.schema),
-                             manifest.fingerprint, cfg.seed, run["rank"], run["world"], cfg.buckets.partial)
+        plan = plan_for_rank(
+            build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema),
+            manifest.fingerprint,
+            cfg.seed,
+            run["rank"],
+            run["world"],
+            cfg.buckets.partial,
+        )
     except PipelineError as err:
         return None, f"plan content not checked: {err}"
     return {b: sample_digest(plan.batch(b).sample_ids) for b in range(end)}, "plan content checked"
@@ -260,8 +285,11 @@ def main_audit(args: argparse.Namespace) -> int:
     res = audit_state_dir(state_dir)
     if not write_json(args, asdict(res) | {"ok": res.ok}):
         print_result(state_dir, res)
-        print("OK: the applied sequence equals the plan" if res.ok else
-              "FAILED: the applied sequence differs from the plan")
+        print(
+            "OK: the applied sequence equals the plan"
+            if res.ok
+            else "FAILED: the applied sequence differs from the plan"
+        )
     return 0 if res.ok else 1
 
 
@@ -269,13 +297,19 @@ def print_result(state_dir: str, res: AuditResult) -> None:
     """The counts of one state directory (a rank's share when ``world`` > 1: its ids are its steps)."""
     ckpt = "none" if res.checkpoint_next_batch is None else f"next batch {res.checkpoint_next_batch}"
     share = f" (rank {res.rank} of {res.world}: its share, ids are its steps)" if res.world > 1 else ""
-    print(f"audit {state_dir}{share}: {res.applied} batches applied by {res.consumer_epochs} consumer start(s); "
-          f"plan 0..{res.expected - 1}; checkpoint: {ckpt}")
-    print(f"lost {res.lost} | duplicated {res.duplicated} | out of order {res.out_of_order} | "
-          f"wrong content {res.wrong_content} ({res.content_note})")
+    print(
+        f"audit {state_dir}{share}: {res.applied} batches applied by {res.consumer_epochs} consumer start(s); "
+        f"plan 0..{res.expected - 1}; checkpoint: {ckpt}"
+    )
+    print(
+        f"lost {res.lost} | duplicated {res.duplicated} | out of order {res.out_of_order} | "
+        f"wrong content {res.wrong_content} ({res.content_note})"
+    )
     if res.after_checkpoint or res.torn_bytes:
-        print(f"note: {res.after_checkpoint} records after the newest checkpoint and {res.torn_bytes} torn bytes"
-              " are replaced when the consumer resumes")
+        print(
+            f"note: {res.after_checkpoint} records after the newest checkpoint and {res.torn_bytes} torn bytes"
+            " are replaced when the consumer resumes"
+        )
     for line in res.first_bad:
         print(f"  {line}")
 
@@ -289,7 +323,7 @@ def write_json(args: argparse.Namespace, doc: dict[str, Any]) -> bool:
     text = json.dumps(doc, indent=2) + "\n"
     if getattr(args, "output", None):
         try:
-            write_output(args.output, text, what="--output")   # a refusal: ConfigError, exit 78
+            write_output(args.output, text, what="--output")  # a refusal: ConfigError, exit 78
         except OSError as err:
             raise StateError(args.output, f"cannot write: {err.strerror or err}", fatal=False) from None
     if getattr(args, "json", False):

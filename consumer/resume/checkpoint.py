@@ -44,11 +44,11 @@ _FORMAT = 1
 class Cursor:
     """Where the data stream stands in the lineage of this checkpoint."""
 
-    next_batch: int             # first batch id not yet applied to the saved variables
-    audit_records: int          # audit log records covered (== next_batch for a lineage from 0)
-    seed: int                   # data order seed of the plan
-    fingerprint: str            # manifest fingerprint of the plan
-    consumer_epoch: int         # the consumer start that wrote it
+    next_batch: int  # first batch id not yet applied to the saved variables
+    audit_records: int  # audit log records covered (== next_batch for a lineage from 0)
+    seed: int  # data order seed of the plan
+    fingerprint: str  # manifest fingerprint of the plan
+    consumer_epoch: int  # the consumer start that wrote it
     written_unix_s: float
     format: int = _FORMAT
 
@@ -57,9 +57,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint directories, oldest first."""
     if not root.is_dir():
         return []
-    out = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and _TMP not in p.name
-           and p.name[len(_PREFIX):].isdigit()]
-    return sorted(out, key=lambda p: int(p.name[len(_PREFIX):]))
+    out = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and _TMP not in p.name and p.name[len(_PREFIX) :].isdigit()
+    ]
+    return sorted(out, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def read_cursor(path: Path) -> Cursor:
@@ -113,18 +116,19 @@ class CheckpointStore:
             StateError: (not fatal) the write failed; the previous checkpoint is intact.
         """
         import tensorflow as tf
+
         final = self.path_of(cursor.next_batch)
         if final.exists():
-            return final                            # same position: identical lineage state
+            return final  # same position: identical lineage state
         tmp = self.root / f"{final.name}{_TMP}{os.getpid()}"
         t0 = time.perf_counter()
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(mode=STATE_DIR_MODE)          # 0750 or stricter whatever the umask
+            tmp.mkdir(mode=STATE_DIR_MODE)  # 0750 or stricter whatever the umask
             tf.train.Checkpoint(**items).write(str(tmp / _VARS))
             write_private(tmp / _CURSOR, (json.dumps(asdict(cursor), indent=1) + "\n").encode("utf-8"))
             for f in tmp.iterdir():
-                restrict(f)                         # TensorFlow creates its files 0666 & ~umask
+                restrict(f)  # TensorFlow creates its files 0666 & ~umask
                 _fsync_path(f)
             _fsync_path(tmp)
             os.rename(tmp, final)
@@ -132,8 +136,9 @@ class CheckpointStore:
         except (OSError, tf.errors.OpError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
             first_line = (str(err).splitlines() or [type(err).__name__])[0]
-            raise StateError(tmp, f"checkpoint write failed ({first_line}); the previous checkpoint is intact",
-                             fatal=False) from err
+            raise StateError(
+                tmp, f"checkpoint write failed ({first_line}); the previous checkpoint is intact", fatal=False
+            ) from err
         self._prune()
         log.info("checkpoint %s (next batch %d) in %.2f s", final.name, cursor.next_batch, time.perf_counter() - t0)
         return final
@@ -147,7 +152,7 @@ class CheckpointStore:
         shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
-        for old in list_checkpoints(self.root)[:-self.keep]:
+        for old in list_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod
@@ -158,9 +163,13 @@ class CheckpointStore:
             StateError: the checkpoint does not fit this model (another step factory or sizes).
         """
         import tensorflow as tf
+
         try:
             status = tf.train.Checkpoint(**items).read(str(path / _VARS))
             status.assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as err:
-            raise StateError(path, f"does not fit this model ({str(err).splitlines()[0]}); "
-                                   "was it written with another model.step or sizes?") from err
+            raise StateError(
+                path,
+                f"does not fit this model ({str(err).splitlines()[0]}); "
+                "was it written with another model.step or sizes?",
+            ) from err

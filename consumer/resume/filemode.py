@@ -28,7 +28,7 @@ from melfeed.shared.filetrust import check_private_dir, make_dirs
 
 __all__ = ["STATE_DIR_MODE", "STATE_FILE_MODE", "check_private_dir", "make_private_dir", "write_private", "restrict"]
 
-STATE_FILE_MODE = 0o640   # the group may read (an auditor in the service group); nobody else
+STATE_FILE_MODE = 0o640  # the group may read (an auditor in the service group); nobody else
 STATE_DIR_MODE = 0o750
 
 
@@ -51,12 +51,12 @@ def write_private(path: Path, data: bytes) -> None:
     Raises:
         OSError: the write failed.
     """
-    path.unlink(missing_ok=True)   # O_CREAT keeps an existing file's mode; start from a new inode
+    path.unlink(missing_ok=True)  # O_CREAT keeps an existing file's mode; start from a new inode
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, STATE_FILE_MODE)
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -65,7 +65,7 @@ def restrict(path: Path) -> None:
     """Narrow a file written by someone else to ``STATE_FILE_MODE`` (directories to ``STATE_DIR_MODE``)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        return                     # chmod would follow it; the writers here create none
+        return  # chmod would follow it; the writers here create none
     limit = STATE_DIR_MODE if stat.S_ISDIR(st.st_mode) else STATE_FILE_MODE
     mode = stat.S_IMODE(st.st_mode)
     if mode & ~limit:

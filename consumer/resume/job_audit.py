@@ -24,8 +24,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from melfeed.consumer.resume.audit import (AUDIT_NAME, AuditResult, audit_state_dir, main_audit as main_audit_one,
-                                   print_result, read_records, read_run_identity, write_json)
+from melfeed.consumer.resume.audit import (
+    AUDIT_NAME,
+    AuditResult,
+    audit_state_dir,
+    print_result,
+    read_records,
+    read_run_identity,
+    write_json,
+)
+from melfeed.consumer.resume.audit import (
+    main_audit as main_audit_one,
+)
 from melfeed.shared.errors import StateError
 from melfeed.shared.flag_checks import check_output_file
 
@@ -40,9 +50,9 @@ class JobAudit:
     """The ranks' own audits and the union's counts (plan-wide ids)."""
 
     world: int
-    ranks: list[tuple[str, AuditResult]]      # (state dir, its audit), in the order given
-    job_end: int = 0                          # steps every rank should have applied
-    expected: int = 0                         # plan-wide ids 0 .. expected-1 (world * job_end)
+    ranks: list[tuple[str, AuditResult]]  # (state dir, its audit), in the order given
+    job_end: int = 0  # steps every rank should have applied
+    expected: int = 0  # plan-wide ids 0 .. expected-1 (world * job_end)
     applied: int = 0
     lost: int = 0
     duplicated: int = 0
@@ -90,13 +100,15 @@ def audit_job(state_dirs: Sequence[str]) -> JobAudit:
             first = run
         for key in _SAME_PLAN_KEYS:
             if run.get(key) != first.get(key):
-                raise StateError(state_dir, f"belongs to another job than {state_dirs[0]}: {key}={run.get(key)!r}, "
-                                            f"not {first.get(key)!r}")
+                raise StateError(
+                    state_dir,
+                    f"belongs to another job than {state_dirs[0]}: {key}={run.get(key)!r}, not {first.get(key)!r}",
+                )
         records, _ = read_records(Path(state_dir) / AUDIT_NAME)
         logs.append((int(run["rank"]), [r.batch_id for r in records]))
         ranks.append((state_dir, audit_state_dir(state_dir)))
     assert first is not None, "argparse requires at least one state directory"
-    world = int(first["world"])        # an int 1.. (read_run_identity checked it)
+    world = int(first["world"])  # an int 1.. (read_run_identity checked it)
     job = JobAudit(world, ranks, job_end=max(res.expected for _, res in ranks))
     job.expected = world * job.job_end
     job.lost, job.duplicated, lost_ids = union_counts(world, logs, job.job_end)
@@ -116,10 +128,14 @@ def main_audit(args: argparse.Namespace) -> int:
     dirs = [args.state_dir] if isinstance(args.state_dir, str) else list(args.state_dir)
     if len(dirs) == 1:
         return main_audit_one(args)
-    check_output_file(getattr(args, "output", None), "--output")     # before the audit, not after it
+    check_output_file(getattr(args, "output", None), "--output")  # before the audit, not after it
     job = audit_job(dirs)
-    doc = {"world": job.world, "ranks": [{"state_dir": d, **asdict(r), "ok": r.ok} for d, r in job.ranks],
-           "total": {k: v for k, v in asdict(job).items() if k not in ("ranks",)} | {"ok": job.ok}, "ok": job.ok}
+    doc = {
+        "world": job.world,
+        "ranks": [{"state_dir": d, **asdict(r), "ok": r.ok} for d, r in job.ranks],
+        "total": {k: v for k, v in asdict(job).items() if k not in ("ranks",)} | {"ok": job.ok},
+        "ok": job.ok,
+    }
     if not write_json(args, doc):
         _print_job(job)
     return 0 if job.ok else 1
@@ -129,11 +145,18 @@ def _print_job(job: JobAudit) -> None:
     for state_dir, res in job.ranks:
         print_result(state_dir, res)
         print(f"rank {res.rank}: " + ("exact" if res.ok else "NOT exact"))
-    print(f"job of {job.world} ranks, {len(job.ranks)} state dirs: {job.applied} batches applied; plan-wide ids "
-          f"0..{job.expected - 1} ({job.job_end} steps x {job.world} ranks)")
-    print(f"total: lost {job.lost} | duplicated {job.duplicated} | out of order {job.out_of_order} | "
-          f"wrong content {job.wrong_content}")
+    print(
+        f"job of {job.world} ranks, {len(job.ranks)} state dirs: {job.applied} batches applied; plan-wide ids "
+        f"0..{job.expected - 1} ({job.job_end} steps x {job.world} ranks)"
+    )
+    print(
+        f"total: lost {job.lost} | duplicated {job.duplicated} | out of order {job.out_of_order} | "
+        f"wrong content {job.wrong_content}"
+    )
     for line in job.first_bad:
         print(f"  {line}")
-    print("OK: every batch of the plan applied exactly once over the ranks, in order" if job.ok
-          else "FAILED: the ranks' applied batches differ from the plan")
+    print(
+        "OK: every batch of the plan applied exactly once over the ranks, in order"
+        if job.ok
+        else "FAILED: the ranks' applied batches differ from the plan"
+    )

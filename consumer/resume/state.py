@@ -64,13 +64,21 @@ __all__ = ["RunState"]
 log = logging.getLogger(__name__)
 
 _PLAN_KEYS = ("fingerprint", "seed", "n_mels", "buckets")
-_RANK_DEFAULTS = {"rank": 0, "world": 1}    # a run.json from before ranks: one consumer, the whole plan
+_RANK_DEFAULTS = {"rank": 0, "world": 1}  # a run.json from before ranks: one consumer, the whole plan
 # buckets keys newer than some run.json files: what those runs used. Such a run recorded an int
 # num_buckets (the 1-D plan), under which max_shapes and the cost weights change nothing; a config
 # that leaves num_buckets unset (the 2-D plan) differs in num_buckets and is refused.
-_BUCKET_KEYS_ADDED = {"partial": "pad", "max_shapes": 8, "token_cost": 1.0, "attention_cost": 0.0,
-                      "max_frames_per_token": None, "min_frames_per_token": None, "max_batch_size": 256, "rows": None,
-                      "cost_tolerance": 0.0}
+_BUCKET_KEYS_ADDED = {
+    "partial": "pad",
+    "max_shapes": 8,
+    "token_cost": 1.0,
+    "attention_cost": 0.0,
+    "max_frames_per_token": None,
+    "min_frames_per_token": None,
+    "max_batch_size": 256,
+    "rows": None,
+    "cost_tolerance": 0.0,
+}
 
 
 class RunState:
@@ -89,12 +97,17 @@ class RunState:
         self._audit = AuditLog(root / AUDIT_NAME)
         dropped = self._audit.truncate_to(cursor.audit_records if cursor else 0)
         self._saved_records = self._audit.records
-        self._failed_records = -1           # record count of the last failed periodic try
-        self._due_records = -1              # record count ``due()`` last said yes at
-        self.checkpoint_failures = 0        # periodic checkpoints that could not be written
+        self._failed_records = -1  # record count of the last failed periodic try
+        self._due_records = -1  # record count ``due()`` last said yes at
+        self.checkpoint_failures = 0  # periodic checkpoints that could not be written
         where = f"checkpoint {self._resume_path.name}" if self._resume_path else "no checkpoint: from the start"
-        log.info("state %s: resuming at batch %d (%s); %d audit records after it dropped",
-                 root, self.next_batch, where, dropped)
+        log.info(
+            "state %s: resuming at batch %d (%s); %d audit records after it dropped",
+            root,
+            self.next_batch,
+            where,
+            dropped,
+        )
 
     @classmethod
     def open(cls, cfg: PipelineConfig, fingerprint: str, *, rank: int = 0, world: int = 1) -> RunState | None:
@@ -112,8 +125,7 @@ class RunState:
         root = resolve_path(cfg.consumer.state_dir, ("consumer", "state_dir"))
         try:
             make_private_dir(root)
-            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                              STATE_FILE_MODE)
+            lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, STATE_FILE_MODE)
         except OSError as err:
             raise StateError(root, f"cannot use as state directory: {err.strerror}") from err
         try:
@@ -146,26 +158,40 @@ class RunState:
         """
         if step is None:
             if self.committed_steps():
-                raise StateError(self.root, "the job starts from scratch but this rank has checkpoints: every rank "
-                                            "must start with an empty state directory, or all with theirs")
+                raise StateError(
+                    self.root,
+                    "the job starts from scratch but this rank has checkpoints: every rank "
+                    "must start with an empty state directory, or all with theirs",
+                )
             return
         path = self._store.path_of(step)
         try:
             cursor = read_cursor(path)
         except (OSError, ValueError, TypeError) as err:
-            raise StateError(path, f"the job resumes from step {step}, but this rank cannot read that checkpoint "
-                                   f"({err}); restore it or start every rank with new state directories") from None
+            raise StateError(
+                path,
+                f"the job resumes from step {step}, but this rank cannot read that checkpoint "
+                f"({err}); restore it or start every rank with new state directories",
+            ) from None
         if (cursor.fingerprint, cursor.seed) != (self._identity["fingerprint"], self._identity["seed"]):
             raise StateError(path, "checkpoint belongs to another dataset or seed")
         for newer in [p for p in list_checkpoints(self.root) if int(p.name.rsplit("-", 1)[1]) > step]:
-            log.warning("removing checkpoint %s: newer than the job's common step %d (a lineage the job abandoned)",
-                        newer.name, step)
+            log.warning(
+                "removing checkpoint %s: newer than the job's common step %d (a lineage the job abandoned)",
+                newer.name,
+                step,
+            )
             self._store.remove(newer)
         dropped = self._audit.truncate_to(cursor.audit_records)
         self._resume_path, self.next_batch = path, cursor.next_batch
         self._saved_records = self._audit.records
-        log.info("state %s: the job resumes at step %d (checkpoint %s); %d more audit records dropped", self.root,
-                 self.next_batch, path.name, dropped)
+        log.info(
+            "state %s: the job resumes at step %d (checkpoint %s); %d more audit records dropped",
+            self.root,
+            self.next_batch,
+            path.name,
+            dropped,
+        )
 
     @property
     def resumed(self) -> bool:
@@ -220,16 +246,27 @@ class RunState:
                 raise
             self.checkpoint_failures += 1
             self._failed_records = self._audit.records
-            log.warning("periodic checkpoint failed: %s (%s); training goes on, the next try is in %d steps, "
-                        "%d failed so far", err.path, _errno_name(err), self._every, self.checkpoint_failures)
+            log.warning(
+                "periodic checkpoint failed: %s (%s); training goes on, the next try is in %d steps, %d failed so far",
+                err.path,
+                _errno_name(err),
+                self._every,
+                self.checkpoint_failures,
+            )
 
     def _commit(self, items: dict[str, object], run_id: int) -> None:
         try:
             self._audit.sync()
         except OSError as err:
             raise StateError(self._audit.path, f"fsync failed: {err.strerror}", fatal=False) from err
-        cursor = Cursor(self.next_batch, self._audit.records, self._identity["seed"], self._identity["fingerprint"],
-                        run_id, time.time())
+        cursor = Cursor(
+            self.next_batch,
+            self._audit.records,
+            self._identity["seed"],
+            self._identity["fingerprint"],
+            run_id,
+            time.time(),
+        )
         self._resume_path = self._store.save(cursor, items)
         self._saved_records = self._audit.records
 
@@ -260,9 +297,15 @@ def _differences(old: Any, new: dict[str, Any]) -> tuple[Any, Any]:
 def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int, world: int) -> dict[str, Any]:
     """Write ``run.json`` on first use; afterwards refuse a config that changes the plan, or another rank."""
     mapping = config_to_mapping(cfg)
-    identity = {"fingerprint": fingerprint, "seed": cfg.seed, "n_mels": cfg.n_mels, "buckets": mapping["buckets"],
-                "cache_dir": str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir else None,
-                "rank": rank, "world": world}
+    identity = {
+        "fingerprint": fingerprint,
+        "seed": cfg.seed,
+        "n_mels": cfg.n_mels,
+        "buckets": mapping["buckets"],
+        "cache_dir": str(Path(cfg.cache_dir).resolve()) if cfg.cache_dir else None,
+        "rank": rank,
+        "world": world,
+    }
     path = root / RUN_NAME
     if path.exists():
         try:
@@ -273,15 +316,23 @@ def _check_identity(root: Path, cfg: PipelineConfig, fingerprint: str, rank: int
             old["buckets"] = {**_BUCKET_KEYS_ADDED, **old["buckets"]}
         for key in _PLAN_KEYS:
             if old.get(key) != identity[key]:
-                was, now = _differences(old.get(key), identity[key]) if key == "buckets" else (old.get(key), identity[key])
-                raise StateError(path, f"this state belongs to a run with {key}={was!r}, the config has "
-                                       f"{now!r}; use a new consumer.state_dir or the original config")
+                was, now = (
+                    _differences(old.get(key), identity[key]) if key == "buckets" else (old.get(key), identity[key])
+                )
+                raise StateError(
+                    path,
+                    f"this state belongs to a run with {key}={was!r}, the config has "
+                    f"{now!r}; use a new consumer.state_dir or the original config",
+                )
         old_place = (old.get("rank", _RANK_DEFAULTS["rank"]), old.get("world", _RANK_DEFAULTS["world"]))
         if old_place != (rank, world):
             given = "from TF_CONFIG or --tf-config" if world > 1 else "no TF_CONFIG cluster: a single consumer"
-            raise StateError(path, f"this state belongs to rank {old_place[0]} of {old_place[1]}, this consumer is "
-                                   f"rank {rank} of {world} ({given}); give each rank its own consumer.state_dir "
-                                   "and keep the world size of the job")
+            raise StateError(
+                path,
+                f"this state belongs to rank {old_place[0]} of {old_place[1]}, this consumer is "
+                f"rank {rank} of {world} ({given}); give each rank its own consumer.state_dir "
+                "and keep the world size of the job",
+            )
         if old.get("cache_dir") != identity["cache_dir"]:
             log.info("cache moved from %s to %s (same fingerprint)", old.get("cache_dir"), identity["cache_dir"])
     tmp = path.with_suffix(".tmp")

@@ -43,7 +43,7 @@ __all__ = ["CACHE_NAME", "resolve_rows", "rows_identity", "search_rows"]
 
 log = logging.getLogger(__name__)
 
-CACHE_NAME = "batch_sizes.json"   # in the state directory: {"plan_rows": [...], "entries": {identity: {"rows": ...}}}
+CACHE_NAME = "batch_sizes.json"  # in the state directory: {"plan_rows": [...], "entries": {identity: {"rows": ...}}}
 
 
 def rows_identity(cfg: PipelineConfig, fingerprint: str, device_kind: str) -> str:
@@ -51,16 +51,24 @@ def rows_identity(cfg: PipelineConfig, fingerprint: str, device_kind: str) -> st
     channels and dtype, the replicas, the memory share, the cache's fingerprint and the device kind."""
     buckets = {k: v for k, v in config_to_mapping(cfg)["buckets"].items() if k != "rows"}
     c = cfg.consumer
-    key = {"model": config_to_mapping(cfg)["model"], "buckets": buckets, "n_mels": cfg.n_mels,
-           "mel_dtype": cfg.transport.mel_dtype, "replicas": c.replica_count,
-           "gpu_memory_fraction": c.gpu_memory_fraction, "gpu_memory_limit_mb": c.gpu_memory_limit_mb,
-           "fingerprint": fingerprint, "device": device_kind}
+    key = {
+        "model": config_to_mapping(cfg)["model"],
+        "buckets": buckets,
+        "n_mels": cfg.n_mels,
+        "mel_dtype": cfg.transport.mel_dtype,
+        "replicas": c.replica_count,
+        "gpu_memory_fraction": c.gpu_memory_fraction,
+        "gpu_memory_limit_mb": c.gpu_memory_limit_mb,
+        "fingerprint": fingerprint,
+        "device": device_kind,
+    }
     return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def device_kind() -> tuple[str, bool]:
     """What the rows were measured on ("GPU <name> x<n>" or "CPU <arch> x<cores>") and whether it is a GPU."""
     import tensorflow as tf
+
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "unknown")
@@ -68,8 +76,9 @@ def device_kind() -> tuple[str, bool]:
     return f"CPU {platform.machine()} x{os.cpu_count()}", False
 
 
-def resolve_rows(cfg: PipelineConfig, manifest: Manifest, state: RunState | None, job: Job | None = None
-                 ) -> PipelineConfig:
+def resolve_rows(
+    cfg: PipelineConfig, manifest: Manifest, state: RunState | None, job: Job | None = None
+) -> PipelineConfig:
     """``cfg`` with ``buckets.rows`` set when ``buckets.batch_size`` is auto (unchanged otherwise, or when rows
     are already given). Reads or writes ``<state_dir>/batch_sizes.json``; searches without a state directory.
 
@@ -83,14 +92,18 @@ def resolve_rows(cfg: PipelineConfig, manifest: Manifest, state: RunState | None
     path = state.root / CACHE_NAME if state is not None else None
     entry: tuple[str, dict[str, Any]] | None = None
     rows = _valid_rows(_read(path).get("plan_rows"), n) if path is not None and state and state.next_batch else None
-    if rows is not None:    # a resumed plan keeps its rows, whatever device it resumes on
-        log.info("buckets.batch_size auto: rows by bucket %s from %s (the plan's, resuming at batch %d; no search)",
-                 rows, path, state.next_batch if state else 0)
+    if rows is not None:  # a resumed plan keeps its rows, whatever device it resumes on
+        log.info(
+            "buckets.batch_size auto: rows by bucket %s from %s (the plan's, resuming at batch %d; no search)",
+            rows,
+            path,
+            state.next_batch if state else 0,
+        )
     else:
         try:
             rows, entry = _measured_or_cached(cfg, manifest, shapes, path, state)
         except PipelineError:
-            if job is not None:          # the other ranks stop with this one instead of waiting for it
+            if job is not None:  # the other ranks stop with this one instead of waiting for it
                 with suppress(PipelineError):
                     job.agree_rows(None, n)
             raise
@@ -101,39 +114,58 @@ def resolve_rows(cfg: PipelineConfig, manifest: Manifest, state: RunState | None
     return with_overrides(cfg, {"buckets.rows": rows})
 
 
-def _measured_or_cached(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, path: Path | None,
-                        state: RunState | None) -> tuple[list[int], tuple[str, dict[str, Any]] | None]:
+def _measured_or_cached(
+    cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, path: Path | None, state: RunState | None
+) -> tuple[list[int], tuple[str, dict[str, Any]] | None]:
     """This identity's rows from the file, or searched (then also the entry to store)."""
     kind, on_gpu = device_kind()
     identity = rows_identity(cfg, manifest.fingerprint, kind)
     rows = _cached(path, identity, len(shapes.buckets))
     if rows is not None:
-        log.info("buckets.batch_size auto: rows by bucket %s from %s (measured earlier on %s; no search)", rows, path, kind)
+        log.info(
+            "buckets.batch_size auto: rows by bucket %s from %s (measured earlier on %s; no search)", rows, path, kind
+        )
         return rows, None
     rows = _searched(cfg, manifest, shapes, on_gpu, kind, state)
     return rows, (identity, {"rows": rows, "device": kind, "fingerprint": manifest.fingerprint})
 
 
-def _searched(cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, on_gpu: bool, kind: str,
-              state: RunState | None) -> list[int]:
+def _searched(
+    cfg: PipelineConfig, manifest: Manifest, shapes: BucketSet, on_gpu: bool, kind: str, state: RunState | None
+) -> list[int]:
     from melfeed.consumer.train.jit import remembered_mode
     from melfeed.consumer.train.rows_probe import StepTrials
+
     started = time.perf_counter()
     limit = _memory_limit_bytes(cfg) if on_gpu else None
     if on_gpu and limit is None:
-        log.warning("buckets.batch_size auto: the GPU's memory size is unknown (no NVML, no "
-                    "consumer.gpu_memory_limit_mb): rows chosen by throughput instead")
-    trials = StepTrials(cfg, shapes, manifest, on_gpu=limit is not None,
-                        jit_mode=remembered_mode(state.root) if state is not None else None)
+        log.warning(
+            "buckets.batch_size auto: the GPU's memory size is unknown (no NVML, no "
+            "consumer.gpu_memory_limit_mb): rows chosen by throughput instead"
+        )
+    trials = StepTrials(
+        cfg,
+        shapes,
+        manifest,
+        on_gpu=limit is not None,
+        jit_mode=remembered_mode(state.root) if state is not None else None,
+    )
     choices = search_rows(trials, shapes, cfg.buckets.max_batch_size, cfg.consumer.replica_count, limit)
     rows = [c.rows for c in choices]
-    log.info("buckets.batch_size auto: rows by bucket %s on %s by %s (%d trials, %.1f s)", rows, kind,
-             choices[0].rule, trials.trials_run, time.perf_counter() - started)
+    log.info(
+        "buckets.batch_size auto: rows by bucket %s on %s by %s (%d trials, %.1f s)",
+        rows,
+        kind,
+        choices[0].rule,
+        trials.trials_run,
+        time.perf_counter() - started,
+    )
     return rows
 
 
-def search_rows(trial: Any, bucket_set: BucketSet, cap_rows: int, unit: int, limit_bytes: int | None
-                ) -> list[RowsChoice]:
+def search_rows(
+    trial: Any, bucket_set: BucketSet, cap_rows: int, unit: int, limit_bytes: int | None
+) -> list[RowsChoice]:
     """Each bucket's choice, longest bucket first (by memory, a shorter bucket fits at least the rows of a longer
     one, so the next search starts above that choice); ``trial(bucket, rows) -> Trial``.
 
@@ -143,16 +175,22 @@ def search_rows(trial: Any, bucket_set: BucketSet, cap_rows: int, unit: int, lim
     out: dict[int, RowsChoice] = {}
     fits = 0
     for bucket in sorted(bucket_set.buckets, key=lambda b: -b.max_frames):
+
         def one(rows: int, b: Any = bucket) -> Trial:
-            return trial(b, rows)   # type: ignore[no-any-return]
+            return trial(b, rows)  # type: ignore[no-any-return]
+
         if limit_bytes is None:
             choice = fastest_rows(one, cap_rows, unit)
         else:
             choice = largest_fitting_rows(one, cap_rows, limit_bytes, unit, known_fit=fits)
             fits = choice.rows
         if choice.rows == 0:
-            raise ConfigError(f"auto: bucket {bucket.index} (T={bucket.max_frames} frames) does not fit the device's "
-                              f"memory even at {unit} rows", path=("buckets", "batch_size"), got="auto")
+            raise ConfigError(
+                f"auto: bucket {bucket.index} (T={bucket.max_frames} frames) does not fit the device's "
+                f"memory even at {unit} rows",
+                path=("buckets", "batch_size"),
+                got="auto",
+            )
         out[bucket.index] = choice
     return [out[i] for i in range(len(bucket_set.buckets))]
 
@@ -160,8 +198,9 @@ def search_rows(trial: Any, bucket_set: BucketSet, cap_rows: int, unit: int, lim
 def _shape_set(cfg: PipelineConfig, manifest: Manifest) -> BucketSet:
     """The bucket shapes (rows 1 each; the search sets them) of ``cfg``'s bucket settings."""
     one_row = dataclasses.replace(cfg.buckets, batch_size=1, rows=None)
-    return build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, one_row, manifest.schema,
-                         mel_dtype=cfg.transport.mel_dtype)
+    return build_buckets(
+        manifest.frames, manifest.token_counts, cfg.n_mels, one_row, manifest.schema, mel_dtype=cfg.transport.mel_dtype
+    )
 
 
 def _memory_limit_bytes(cfg: PipelineConfig) -> int | None:
@@ -170,13 +209,14 @@ def _memory_limit_bytes(cfg: PipelineConfig) -> int | None:
     if c.gpu_memory_limit_mb is not None:
         return int(c.gpu_memory_fraction * c.gpu_memory_limit_mb * 2**20)
     from melfeed.consumer.observe.gpu import load_nvml, resolve_gpus, visible_gpu_selectors
+
     nvml = load_nvml(quiet=True)
     if nvml is None:
         return None
-    try:   # NVML numbers every GPU of the host: the first visible one is TensorFlow's GPU:0
+    try:  # NVML numbers every GPU of the host: the first visible one is TensorFlow's GPU:0
         gpus = resolve_gpus(nvml, visible_gpu_selectors(os.environ.get("CUDA_VISIBLE_DEVICES")), quiet=True)
         total = int(nvml.nvmlDeviceGetMemoryInfo(gpus[0].handle).total)
-    except Exception as err:   # NVML's own error types, or no GPU it knows: the size stays unknown
+    except Exception as err:  # NVML's own error types, or no GPU it knows: the size stays unknown
         log.debug("NVML memory size: %s", err)
         return None
     return int(c.gpu_memory_fraction * total)
@@ -210,6 +250,7 @@ def _store(path: Path, *, plan_rows: list[int], entry: tuple[str, dict[str, Any]
     """Record the rows the plan is built with (and a measured ``entry``: identity, content), atomically: temp file,
     rename; 0640 like the state directory's other files."""
     from melfeed.consumer.resume.filemode import write_private
+
     data = _read(path)
     found = data.get("entries")
     entries: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -220,5 +261,5 @@ def _store(path: Path, *, plan_rows: list[int], entry: tuple[str, dict[str, Any]
         text = json.dumps({"plan_rows": plan_rows, "entries": entries}, indent=1, sort_keys=True) + "\n"
         write_private(tmp, text.encode())
         os.replace(tmp, path)
-    except OSError as err:   # not fatal: the next start searches again
+    except OSError as err:  # not fatal: the next start searches again
         log.warning("cannot write %s: %s; a restart searches the rows again", path, err.strerror)

@@ -31,11 +31,18 @@ import tensorflow as tf
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.schema import ExtraSpec
 
-__all__ = ["TOKEN_AXES", "token_axis_of", "frame_multiple_of", "check_frame_multiple", "program_inputs",
-           "cut_names", "cut_to_longest"]
+__all__ = [
+    "TOKEN_AXES",
+    "token_axis_of",
+    "frame_multiple_of",
+    "check_frame_multiple",
+    "program_inputs",
+    "cut_names",
+    "cut_to_longest",
+]
 
 TOKEN_AXES = ("bucket", "longest")
-_CUT_BY_TOKENS = ("token", "matrix")   # extra kinds whose first axis (after B) is the tokens'
+_CUT_BY_TOKENS = ("token", "matrix")  # extra kinds whose first axis (after B) is the tokens'
 
 
 def token_axis_of(step: object, factory: str) -> str:
@@ -46,8 +53,11 @@ def token_axis_of(step: object, factory: str) -> str:
     """
     value = getattr(step, "token_axis", "bucket")
     if value not in TOKEN_AXES:
-        raise ConfigError(f"{type(step).__name__}.token_axis must be one of {list(TOKEN_AXES)}, got {value!r}",
-                          path=("model", "step"), got=factory)
+        raise ConfigError(
+            f"{type(step).__name__}.token_axis must be one of {list(TOKEN_AXES)}, got {value!r}",
+            path=("model", "step"),
+            got=factory,
+        )
     return str(value)
 
 
@@ -59,8 +69,11 @@ def frame_multiple_of(step: object, factory: str) -> int:
     """
     value = getattr(step, "frame_multiple", 1)
     if type(value) is not int or value < 1:
-        raise ConfigError(f"{type(step).__name__}.frame_multiple must be an integer >= 1, got {value!r}",
-                          path=("model", "step"), got=factory)
+        raise ConfigError(
+            f"{type(step).__name__}.frame_multiple must be an integer >= 1, got {value!r}",
+            path=("model", "step"),
+            got=factory,
+        )
     return value
 
 
@@ -77,9 +90,13 @@ def check_frame_multiple(step: object, factory: str, frame_sizes: Sequence[int],
     bad = [t for t in frame_sizes if t % need]
     if bad:
         fit = math.lcm(configured, need)
-        raise ConfigError(f"the step ({factory}) needs bucket frame sizes that are multiples of {need} "
-                          f"(its frame_multiple), these are not: {bad}; set buckets.frame_multiple: {need} "
-                          f"(or a multiple of it, e.g. {fit})", path=("buckets", "frame_multiple"), got=configured)
+        raise ConfigError(
+            f"the step ({factory}) needs bucket frame sizes that are multiples of {need} "
+            f"(its frame_multiple), these are not: {bad}; set buckets.frame_multiple: {need} "
+            f"(or a multiple of it, e.g. {fit})",
+            path=("buckets", "frame_multiple"),
+            got=configured,
+        )
 
 
 def program_inputs(passed: Sequence[str], extras: Sequence[ExtraSpec], token_axis: str) -> tuple[str, ...]:
@@ -112,7 +129,7 @@ def cut_to_longest(arrays: Mapping[str, tf.Tensor], extras: Sequence[ExtraSpec])
         if spec.kind in _CUT_BY_TOKENS:
             out[spec.name] = arrays[spec.name][:, :longest]
         elif spec.length_key is not None and spec.length_key in arrays:
-            out[spec.name] = arrays[spec.name][:, :_longest(arrays[spec.length_key])]
+            out[spec.name] = arrays[spec.name][:, : _longest(arrays[spec.length_key])]
     return out
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 __all__ = ["MAX_LINE_CHARS", "describe_exception", "describe_tf_error", "is_user_file", "reason_text"]
 
-MAX_LINE_CHARS = 300   # one readable log line, even for a long TensorFlow message
+MAX_LINE_CHARS = 300  # one readable log line, even for a long TensorFlow message
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}|Detected at node '?([^' ]+?)'? defined at")
@@ -66,12 +66,12 @@ def describe_tf_error(err: BaseException) -> str:
         op = _op_name(text)
         reason = reason_text(lines[after:]) or type(err).__name__
         return _fit(f"op {op}{where}: " if op else "", reason, "" if op else where)
-    tail = lines[frames[-1][0] + 1:] if frames else lines
+    tail = lines[frames[-1][0] + 1 :] if frames else lines
     kind, body = type(err).__name__, tail
     for i, line in enumerate(tail if frames else ()):
         match = _TYPED.fullmatch(line)
-        if match is not None:      # AutoGraph's copy of the original exception: "Type: message"
-            kind, body = match.group(1), [match.group(2), *tail[i + 1:]]
+        if match is not None:  # AutoGraph's copy of the original exception: "Type: message"
+            kind, body = match.group(1), [match.group(2), *tail[i + 1 :]]
             break
     reason = reason_text(body)
     return _fit(f"{kind}: " if reason else kind, reason, where)
@@ -112,7 +112,7 @@ def _fit(head: str, reason: str, tail: str) -> str:
     """``head + reason + tail`` in ``MAX_LINE_CHARS``: the reason is what gets cut."""
     room = MAX_LINE_CHARS - len(head) - len(tail)
     if len(reason) > room:
-        reason = reason[:max(0, room - 3)] + "..."
+        reason = reason[: max(0, room - 3)] + "..."
     return (head + reason + tail)[:MAX_LINE_CHARS]
 
 
@@ -157,7 +157,7 @@ def _library_roots() -> tuple[str, ...]:
     """The standard library's directories and melfeed's own package directories."""
     roots = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
     for name in ("melfeed", "melfeed.consumer", "melfeed.shared", "melfeed.producer"):
-        spec = importlib.util.find_spec(name)     # melfeed.producer is located, never imported here
+        spec = importlib.util.find_spec(name)  # melfeed.producer is located, never imported here
         if spec is not None and spec.submodule_search_locations:
             roots.update(spec.submodule_search_locations)
     return tuple(sorted(os.path.realpath(r) for r in roots))
@@ -184,6 +184,6 @@ def _installed_tops(entry: str) -> frozenset[str]:
                 first = file.parts[0] if file.parts else ""
                 if first and first != ".." and not first.endswith((".dist-info", ".data")):
                     tops.add(first.removesuffix(".py"))
-    except OSError:   # an unreadable directory on sys.path: nothing known to be installed there
+    except OSError:  # an unreadable directory on sys.path: nothing known to be installed there
         pass
     return frozenset(tops)

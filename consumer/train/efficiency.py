@@ -44,8 +44,8 @@ __all__ = ["ResidentLimit", "measure_resident_limit", "resident_arrays", "reside
 
 log = logging.getLogger(__name__)
 
-_BLOCKS = 3               # blocks of consecutive timed steps per bucket; the median block mean is kept
-_BATCH_SEED = 20240614   # the resident batch's mel values; any fixed seed: values do not change the cost
+_BLOCKS = 3  # blocks of consecutive timed steps per bucket; the median block mean is kept
+_BATCH_SEED = 20240614  # the resident batch's mel values; any fixed seed: values do not change the cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ class ResidentLimit:
 
     step_s: tuple[float, ...]
     steps_per_bucket: int
-    measure_s: float          # the whole measurement: snapshot, untimed and timed steps, restore
+    measure_s: float  # the whole measurement: snapshot, untimed and timed steps, restore
 
 
 def resident_vocab(token_range: tuple[int, int] | None, vocab_size: int) -> int:
@@ -63,8 +63,9 @@ def resident_vocab(token_range: tuple[int, int] | None, vocab_size: int) -> int:
     return min(vocab_size, max(2, token_range[1] + 1)) if token_range is not None else vocab_size
 
 
-def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
-                    dtypes: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+def resident_arrays(
+    shapes: Mapping[str, tuple[int, ...]], vocab_size: int, dtypes: Mapping[str, str] | None = None
+) -> dict[str, np.ndarray]:
     """One full batch of a bucket's shapes: every row at full length, mel ~ N(0, 1) from a fixed seed.
 
     Extra arrays of the batch schema (keys beyond the four base ones, dtypes from ``dtypes``) are zeros;
@@ -73,11 +74,14 @@ def resident_arrays(shapes: Mapping[str, tuple[int, ...]], vocab_size: int,
     batch, frames, n_mels = shapes["mel"]
     tokens = shapes["tokens"][1]
     rng = np.random.default_rng(_BATCH_SEED)
-    base = {"mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32).astype(
-                (dtypes or {}).get("mel", "float32"), copy=False),
-            "mel_len": np.full((batch,), frames, np.int32),
-            "tokens": (1 + np.arange(batch * tokens, dtype=np.int32) % max(1, vocab_size - 1)).reshape(batch, tokens),
-            "tok_len": np.full((batch,), tokens, np.int32)}
+    base = {
+        "mel": rng.standard_normal((batch, frames, n_mels), dtype=np.float32).astype(
+            (dtypes or {}).get("mel", "float32"), copy=False
+        ),
+        "mel_len": np.full((batch,), frames, np.int32),
+        "tokens": (1 + np.arange(batch * tokens, dtype=np.int32) % max(1, vocab_size - 1)).reshape(batch, tokens),
+        "tok_len": np.full((batch,), tokens, np.int32),
+    }
     extras = {k: np.zeros(shape, (dtypes or {}).get(k, "float32")) for k, shape in shapes.items() if k not in base}
     return {**base, **extras}
 
@@ -87,7 +91,7 @@ def _block_s(packed: Any, bucket: int, region: Any, steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         packed.run(bucket, region)
-    packed.accumulators.read()             # the block's only host wait: every step before it has finished
+    packed.accumulators.read()  # the block's only host wait: every step before it has finished
     return (time.perf_counter() - t0) / steps
 
 
@@ -107,16 +111,22 @@ def resident_region(layout: Any, arrays: Mapping[str, np.ndarray], rows: int | N
     """``arrays`` laid out in one aligned uint8 region of ``layout`` (a ``RegionLayout``), as a slot holds them
     (``rows`` real rows; None = every row)."""
     from melfeed.shared.wire.layout import aligned_buffer
+
     region = aligned_buffer(layout.nbytes)
     region[:] = 0
     layout.fill(region, arrays, rows)
     return region
 
 
-def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
-                           steps_per_bucket: int, vocab_size: int,
-                           bucket_dtypes: Sequence[Mapping[str, str]] | None = None,
-                           batches: Sequence[Any] | None = None) -> ResidentLimit:
+def measure_resident_limit(
+    packed: Any,
+    variables: Sequence[Any],
+    bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+    steps_per_bucket: int,
+    vocab_size: int,
+    bucket_dtypes: Sequence[Mapping[str, str]] | None = None,
+    batches: Sequence[Any] | None = None,
+) -> ResidentLimit:
     """Time ``packed`` (a warmed-up ``PackedSteps``: the programs the loop runs) on a resident batch of every bucket.
 
     Args:
@@ -142,7 +152,7 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
     if steps_per_bucket < 1:
         raise ValueError(f"steps_per_bucket must be >= 1, got {steps_per_bucket}")
     started = time.perf_counter()
-    saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what the steps update
+    saved = [v.numpy() for v in variables]  # host copies: a device snapshot could alias what the steps update
     step_s: list[float] = []
     try:
         hosts, regions = [], []
@@ -150,22 +160,32 @@ def measure_resident_limit(packed: Any, variables: Sequence[Any], bucket_shapes:
             if batches is not None:
                 hosts.append(resident_region(packed.layouts[bucket], batches[bucket].arrays, batches[bucket].rows))
             else:
-                hosts.append(resident_region(packed.layouts[bucket], resident_arrays(
-                    shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None)))   # kept alive: aliased
-            regions.append(packed.stage(bucket, hosts[-1])[0])   # where the fed loop puts a batch (each replica's)
-            packed.run(bucket, regions[-1])                       # untimed: first call on this batch
+                hosts.append(
+                    resident_region(
+                        packed.layouts[bucket],
+                        resident_arrays(shapes, vocab_size, bucket_dtypes[bucket] if bucket_dtypes else None),
+                    )
+                )  # kept alive: aliased
+            regions.append(packed.stage(bucket, hosts[-1])[0])  # where the fed loop puts a batch (each replica's)
+            packed.run(bucket, regions[-1])  # untimed: first call on this batch
             packed.accumulators.read()
         step_s = _time_round_robin(packed, regions, steps_per_bucket)
-    except tf.errors.OpError as err:     # the user's step on a batch it never saw in warm-up: one line
-        what = ("a warm-up batch" if batches is not None else
-                f"full-length rows, token ids 1..{max(1, vocab_size - 1)}")
-        raise StepError(packed.factory, f"the step fails on the resident batch of the feed-efficiency measure ({what}; "
-                        f"consumer.feed_efficiency_steps: 0 skips it): {describe_tf_error(err)}") from err
+    except tf.errors.OpError as err:  # the user's step on a batch it never saw in warm-up: one line
+        what = "a warm-up batch" if batches is not None else f"full-length rows, token ids 1..{max(1, vocab_size - 1)}"
+        raise StepError(
+            packed.factory,
+            f"the step fails on the resident batch of the feed-efficiency measure ({what}; "
+            f"consumer.feed_efficiency_steps: 0 skips it): {describe_tf_error(err)}",
+        ) from err
     finally:
         for var, value in zip(variables, saved):
             var.assign(value)
         packed.accumulators.reset()
     limit = ResidentLimit(tuple(step_s), steps_per_bucket, time.perf_counter() - started)
-    log.info("resident-batch limit: %s ms per step by bucket (%d steps each, %.1f s)",
-             [round(1000 * s, 2) for s in limit.step_s], steps_per_bucket, limit.measure_s)
+    log.info(
+        "resident-batch limit: %s ms per step by bucket (%d steps each, %.1f s)",
+        [round(1000 * s, 2) for s in limit.step_s],
+        steps_per_bucket,
+        limit.measure_s,
+    )
     return limit

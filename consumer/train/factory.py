@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from melfeed.consumer.train.axes import check_frame_multiple, token_axis_of
-from melfeed.consumer.train.inputs import check_step
 from melfeed.consumer.train.describe import describe_exception, reason_text
+from melfeed.consumer.train.inputs import check_step
 from melfeed.consumer.train.jit import remembered_mode
 from melfeed.consumer.train.model import StepSpec, TrainStep
 from melfeed.shared.config import PipelineConfig
@@ -42,6 +42,7 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
         ConfigError: malformed name, module not importable, attribute missing or not callable;
             path ``model.step``, one-line reason.
     """
+
     def fail(reason: str) -> ConfigError:
         return ConfigError(reason, path=("model", "step"), got=dotted)
 
@@ -49,7 +50,7 @@ def load_step_factory(dotted: str) -> Callable[[StepSpec], TrainStep]:
     if not sep or not module_name or not attr:
         raise fail("must look like 'module:function'")
     if os.getcwd() not in sys.path and "" not in sys.path:  # as python -m: the working directory first (the
-        sys.path.insert(0, os.getcwd())                      # melfeed script puts its bin/ there instead)
+        sys.path.insert(0, os.getcwd())  # melfeed script puts its bin/ there instead)
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # any import-time failure of user code is a config problem here
@@ -81,9 +82,8 @@ def build_step(dotted: str, spec: StepSpec, *, frame_multiple: int | None = None
         step = factory(spec)
     except PipelineError:
         raise
-    except Exception as err:   # user code: any exception is the factory's failure, told in one line
-        raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted
-                          ) from err
+    except Exception as err:  # user code: any exception is the factory's failure, told in one line
+        raise ConfigError(f"the factory raised {describe_exception(err)}", path=("model", "step"), got=dotted) from err
     check_step(step, dotted)
     token_axis_of(step, dotted)
     if frame_multiple is not None:
@@ -91,8 +91,9 @@ def build_step(dotted: str, spec: StepSpec, *, frame_multiple: int | None = None
     return step
 
 
-def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState | None,
-                        job: Job | None = None) -> tuple[Any, CompiledStep]:
+def build_compiled_step(
+    cfg: PipelineConfig, consumer: Consumer, state: RunState | None, job: Job | None = None
+) -> tuple[Any, CompiledStep]:
     """The user's step from its factory (``StepSpec`` with buckets, plan length and ``model.params``), built
     under the replicas' strategy when ``consumer.replicas`` > 1 (consumer/train/replicas.py), or under the
     job's ``MultiWorkerMirroredStrategy`` over this worker's devices.
@@ -108,11 +109,21 @@ def build_compiled_step(cfg: PipelineConfig, consumer: Consumer, state: RunState
     check_rows([s["mel"][0] for s in shapes], cfg.consumer.replica_count, cfg)
     replicas = Replicas.for_job(job.strategy, cfg) if job is not None else Replicas.from_config(cfg)
     with replica_scope(replicas):
-        step_fn = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch,
-                                                                  consumer.extras),
-                             frame_multiple=cfg.buckets.frame_multiple)
+        step_fn = build_step(
+            cfg.model.step,
+            StepSpec.from_config(cfg, shapes, consumer.plan.batches_per_epoch, consumer.extras),
+            frame_multiple=cfg.buckets.frame_multiple,
+        )
     remembered = remembered_mode(state.root) if state is not None else None
     attempts = XlaAttempts(state.root if state is not None else None, step_key(cfg))
-    return step_fn, CompiledStep(step_fn, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step,
-                                 remembered=remembered, replicas=replicas, extras=consumer.extras,
-                                 mel_dtype=cfg.transport.mel_dtype, attempts=attempts)
+    return step_fn, CompiledStep(
+        step_fn,
+        shapes,
+        jit_compile=cfg.model.jit_compile,
+        factory=cfg.model.step,
+        remembered=remembered,
+        replicas=replicas,
+        extras=consumer.extras,
+        mel_dtype=cfg.transport.mel_dtype,
+        attempts=attempts,
+    )

@@ -39,9 +39,9 @@ import tensorflow as tf
 
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged
+from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.device.accumulators import IntervalRead
 from melfeed.consumer.train.device.packed import PackedSteps
-from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.shared.errors import StepError
 from melfeed.shared.wire.layout import ALIGN_BYTES
 
@@ -50,7 +50,7 @@ __all__ = ["StepResult", "TfStageAdapter", "aligned_empty", "model_device", "to_
 log = logging.getLogger(__name__)
 
 _Tensors = dict[str, tf.Tensor]
-SlotBuffer = Callable[[int], npt.NDArray[np.uint8]]   # ``BatchRing.memory.buffer``: a slot's aligned bytes
+SlotBuffer = Callable[[int], npt.NDArray[np.uint8]]  # ``BatchRing.memory.buffer``: a slot's aligned bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +82,24 @@ class TfStageAdapter:
             in it (or without one) is packed into a fresh region, one host copy.
     """
 
-    def __init__(self, packed: PackedSteps, device: str | None, on_step: Callable[[int], None] | None = None,
-                 slot_buffer: SlotBuffer | None = None) -> None:
+    def __init__(
+        self,
+        packed: PackedSteps,
+        device: str | None,
+        on_step: Callable[[int], None] | None = None,
+        slot_buffer: SlotBuffer | None = None,
+    ) -> None:
         self._packed = packed
         self._device = device if _is_gpu(device) else None
         if self._device is not None and not tf.config.experimental.get_synchronous_execution():
-            raise RuntimeError("the TensorFlow hand-off frees a slot when its copy returned: that needs synchronous "
-                               "eager execution (tf.config.experimental.set_synchronous_execution(True))")
+            raise RuntimeError(
+                "the TensorFlow hand-off frees a slot when its copy returned: that needs synchronous "
+                "eager execution (tf.config.experimental.set_synchronous_execution(True))"
+            )
         self._on_step = on_step
         self._slot_buffer = slot_buffer
         self.dispatched = 0
-        self.transfers = 0               # tensors handed to the devices (module docstring)
+        self.transfers = 0  # tensors handed to the devices (module docstring)
 
     def put(self, batch: Batch) -> Staged[tf.Tensor]:
         region, copies = self._region(batch)
@@ -101,12 +108,12 @@ class TfStageAdapter:
         self.transfers += 1 if replicas is None else replicas.count * len(value)
         if self._device is None:
             return Staged(value, copied=None, host_copies=copies + piece_copies)
-        return Staged(value, copied=_already_copied, host_copies=copies + piece_copies)   # copies done in stage
+        return Staged(value, copied=_already_copied, host_copies=copies + piece_copies)  # copies done in stage
 
     def step(self, batch: Batch, value: tf.Tensor) -> StepResult:
         try:
             self._packed.run(batch.bucket, value)
-        except tf.errors.OpError as err:     # on the CPU the step runs here: its failure, in one line
+        except tf.errors.OpError as err:  # on the CPU the step runs here: its failure, in one line
             raise self._failed(err, f" on batch {batch.batch_id}") from err
         self.dispatched += 1
         if self._on_step is not None:
@@ -117,7 +124,7 @@ class TfStageAdapter:
         return self._device is None
 
     def wait(self, outputs: StepResult) -> StepResult:
-        return outputs                       # no host read per step: Accumulators.read, once per interval
+        return outputs  # no host read per step: Accumulators.read, once per interval
 
     def read(self) -> IntervalRead:
         """The interval's accumulated outputs (``Accumulators.read``: the one host read; a step's failure
@@ -135,8 +142,8 @@ class TfStageAdapter:
             buf = self._slot_buffer(batch.slot)
             if batch.arrays["mel"].ctypes.data == buf.ctypes.data and buf.nbytes >= layout.nbytes:
                 layout.put_rows(buf, batch.rows)
-                return buf[:layout.nbytes], 0
-        region: npt.NDArray[np.uint8] = aligned_empty(layout.nbytes, np.uint8)   # type: ignore[assignment]
+                return buf[: layout.nbytes], 0
+        region: npt.NDArray[np.uint8] = aligned_empty(layout.nbytes, np.uint8)  # type: ignore[assignment]
         layout.fill(region, batch.arrays, batch.rows)
         return region, 1
 
@@ -150,8 +157,9 @@ def _already_copied() -> bool:
     return True
 
 
-def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
-                  alignment: int = ALIGN_BYTES) -> npt.NDArray[np.generic]:
+def aligned_empty(
+    shape: int | Sequence[int], dtype: npt.DTypeLike, alignment: int = ALIGN_BYTES
+) -> npt.NDArray[np.generic]:
     """Uninitialised C-contiguous array whose data starts on an ``alignment``-byte boundary.
 
     Over-allocates a uint8 buffer by ``alignment`` bytes and views it from the first aligned
@@ -164,13 +172,18 @@ def aligned_empty(shape: int | Sequence[int], dtype: npt.DTypeLike,
     nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     offset = (-raw.ctypes.data) % alignment
-    return raw[offset:offset + nbytes].view(dt).reshape(shape_t)
+    return raw[offset : offset + nbytes].view(dt).reshape(shape_t)
 
 
 def _can_alias(arr: np.ndarray) -> bool:
     """Whether DLPack may wrap ``arr`` without a copy (and without aborting TensorFlow)."""
-    return (arr.flags.c_contiguous and arr.flags.writeable and arr.size > 0
-            and arr.dtype.isnative and arr.ctypes.data % ALIGN_BYTES == 0)
+    return (
+        arr.flags.c_contiguous
+        and arr.flags.writeable
+        and arr.size > 0
+        and arr.dtype.isnative
+        and arr.ctypes.data % ALIGN_BYTES == 0
+    )
 
 
 def to_tensors(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, tf.Tensor], int]:

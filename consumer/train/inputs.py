@@ -23,8 +23,7 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.layout import ARRAY_DTYPES, ARRAY_KEYS
 from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSpec
 
-__all__ = ["Shapes", "accepted_extras", "bucket_key", "check_call", "check_step", "input_dtypes",
-           "unlisted_variables"]
+__all__ = ["Shapes", "accepted_extras", "bucket_key", "check_call", "check_step", "input_dtypes", "unlisted_variables"]
 
 _CONTRACT = "the TrainStep protocol, consumer/train/model.py"
 
@@ -35,8 +34,8 @@ def accepted_extras(step: object, extras: Sequence[ExtraSpec]) -> tuple[str, ...
     """Batch keys of ``extras`` (a sequence's ``<name>_len`` included) that ``step.__call__`` takes by keyword."""
     keys = [k for e in extras for k in (e.name, e.length_key) if k is not None]
     try:
-        params = inspect.signature(step).parameters      # type: ignore[arg-type]
-    except (TypeError, ValueError):                      # a builtin or C callable: pass none
+        params = inspect.signature(step).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin or C callable: pass none
         return ()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return tuple(keys)
@@ -51,10 +50,18 @@ def bucket_key(shapes: Mapping[str, Sequence[int]], passed: Sequence[str] = ()) 
     out = tuple(tuple(int(d) for d in shapes[k]) for k in (*ARRAY_KEYS, *passed))
     mel, mel_len, tokens, tok_len = out[:4]
     batch = mel[0] if len(mel) == 3 else -1
-    if not (len(mel) == 3 and mel_len == (batch,) and len(tokens) == 2 and tokens[0] == batch
-            and tok_len == (batch,) and min(mel + tokens) >= 1):
-        raise ValueError(f"inconsistent bucket shapes {dict(zip(ARRAY_KEYS, out))}: "
-                         "want mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B], all >= 1")
+    if not (
+        len(mel) == 3
+        and mel_len == (batch,)
+        and len(tokens) == 2
+        and tokens[0] == batch
+        and tok_len == (batch,)
+        and min(mel + tokens) >= 1
+    ):
+        raise ValueError(
+            f"inconsistent bucket shapes {dict(zip(ARRAY_KEYS, out))}: "
+            "want mel [B,T,M], mel_len [B], tokens [B,L], tok_len [B], all >= 1"
+        )
     return out
 
 
@@ -76,29 +83,35 @@ def check_step(step: object, factory: str) -> list[object]:
         ConfigError: ``model.step``: not callable, no callable ``variables``, or it does not return a list of
             variables (objects with ``assign`` and ``numpy``); one line naming the factory.
     """
+
     def fail(reason: str) -> ConfigError:
         return ConfigError(f"{reason} ({_CONTRACT})", path=("model", "step"), got=factory)
 
     what = type(step).__name__
     if not callable(step) or not callable(getattr(step, "variables", None)):
         returned = "None" if step is None else f"a {what}"
-        raise fail(f"the factory returned {returned}, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
-                   "and variables()")
+        raise fail(
+            f"the factory returned {returned}, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
+            "and variables()"
+        )
     try:
-        variables = step.variables()   # type: ignore[attr-defined]
-    except Exception as err:           # user code: told in one line, like the factory's own failure
+        variables = step.variables()  # type: ignore[attr-defined]
+    except Exception as err:  # user code: told in one line, like the factory's own failure
         raise fail(f"{what}.variables() raised {type(err).__name__}: {err}") from err
     if not isinstance(variables, (list, tuple)):
         raise fail(f"{what}.variables() returned {type(variables).__name__}, not a list of variables")
     bad = [v for v in variables if not (callable(getattr(v, "assign", None)) and callable(getattr(v, "numpy", None)))]
     if bad:
-        raise fail(f"{what}.variables() holds {type(bad[0]).__name__}, not a variable (every model and optimizer "
-                   "tf.Variable or keras.Variable)")
+        raise fail(
+            f"{what}.variables() holds {type(bad[0]).__name__}, not a variable (every model and optimizer "
+            "tf.Variable or keras.Variable)"
+        )
     return list(variables)
 
 
-def check_call(step: object, factory: str, passed: Sequence[str], row_names: Sequence[str],
-               available: Sequence[str]) -> None:
+def check_call(
+    step: object, factory: str, passed: Sequence[str], row_names: Sequence[str], available: Sequence[str]
+) -> None:
     """Refuse a ``__call__`` that cannot take ``step(mel, mel_len, tokens, tok_len, **passed, **rows)``.
 
     Args:
@@ -110,8 +123,8 @@ def check_call(step: object, factory: str, passed: Sequence[str], row_names: Seq
             that nothing supplies (e.g. an extra the cache does not have).
     """
     try:
-        signature = inspect.signature(step)      # type: ignore[arg-type]
-    except (TypeError, ValueError):              # a builtin or C callable: its call will tell
+        signature = inspect.signature(step)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin or C callable: its call will tell
         return
     try:
         signature.bind(*ARRAY_KEYS, **dict.fromkeys((*passed, *row_names)))
@@ -119,17 +132,25 @@ def check_call(step: object, factory: str, passed: Sequence[str], row_names: Seq
     except TypeError as err:
         why = str(err)
     params = list(signature.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][len(ARRAY_KEYS):]
-    missing = [p.name for p in [*positional, *(p for p in params if p.kind is p.KEYWORD_ONLY)]
-               if p.default is p.empty and p.name not in (*passed, *row_names)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][len(ARRAY_KEYS) :]
+    missing = [
+        p.name
+        for p in [*positional, *(p for p in params if p.kind is p.KEYWORD_ONLY)]
+        if p.default is p.empty and p.name not in (*passed, *row_names)
+    ]
     holds = ", ".join([*ARRAY_KEYS, *available])
     if missing:
         why = f"needs {', '.join(map(repr, missing))}, which the batch does not hold (it holds {holds})"
-    bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in params],
-                             return_annotation=signature.empty)   # annotations would only lengthen the line
-    raise ConfigError(f"{type(step).__name__}.__call__{bare} cannot take the batch: {why}; it is called "
-                      "as step(mel, mel_len, tokens, tok_len) plus, by keyword, the extras and row inputs it names "
-                      "(docs/guide/your-model.md, \"What the step receives\")", path=("model", "step"), got=factory)
+    bare = signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in params], return_annotation=signature.empty
+    )  # annotations would only lengthen the line
+    raise ConfigError(
+        f"{type(step).__name__}.__call__{bare} cannot take the batch: {why}; it is called "
+        "as step(mel, mel_len, tokens, tok_len) plus, by keyword, the extras and row inputs it names "
+        '(docs/guide/your-model.md, "What the step receives")',
+        path=("model", "step"),
+        got=factory,
+    )
 
 
 def unlisted_variables(used: Iterable[object], before: Iterable[object], after: Iterable[object]) -> str | None:
@@ -140,21 +161,33 @@ def unlisted_variables(used: Iterable[object], before: Iterable[object], after: 
     first ``apply``). Either way warm-up changed it without putting it back. A Keras variable counts as its
     ``tf.Variable``, a mirrored one as its parts.
     """
+
     def handles(v: object) -> list[int]:
         inner = getattr(v, "value", None)
-        base = inner if inner is not None and not callable(inner) else v     # keras.Variable -> tf.Variable
+        base = inner if inner is not None and not callable(inner) else v  # keras.Variable -> tf.Variable
         return [id(v), id(base), *map(id, getattr(base, "values", ()))]
 
     def names(vs: Iterable[object]) -> str:
         found = sorted({str(getattr(v, "name", "?")) for v in vs})
         return f"{len(found)} variable(s) ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
+
     known_before = {h for v in before for h in handles(v)}
     known_after = {h for v in after for h in handles(v)}
     created = [v for v in used if id(v) not in known_before and id(v) in known_after]
     left_out = [v for v in used if id(v) not in known_before and id(v) not in known_after]
-    parts = ([f"{names(created)} were created while the step was traced, after the factory returned (build them "
-              "in the factory: optimizer.build(model.trainable_variables))"] if created else []) + \
-            ([f"variables() leaves out {names(left_out)} its step uses (return every model and optimizer variable; "
-              "without checkpoint_items() checkpoints do not hold them, so a resumed run is not exact)"]
-             if left_out else [])
+    parts = (
+        [
+            f"{names(created)} were created while the step was traced, after the factory returned (build them "
+            "in the factory: optimizer.build(model.trainable_variables))"
+        ]
+        if created
+        else []
+    ) + (
+        [
+            f"variables() leaves out {names(left_out)} its step uses (return every model and optimizer variable; "
+            "without checkpoint_items() checkpoints do not hold them, so a resumed run is not exact)"
+        ]
+        if left_out
+        else []
+    )
     return "; ".join(parts) or None

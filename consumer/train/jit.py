@@ -30,18 +30,18 @@ __all__ = ["JitChoice", "choose_mode", "setting_name", "remembered_mode", "remem
 
 log = logging.getLogger(__name__)
 
-MEMO_NAME = "jit_compile.json"   # in consumer.state_dir: the mode "auto" chose for this run
+MEMO_NAME = "jit_compile.json"  # in consumer.state_dir: the mode "auto" chose for this run
 
-_NAME_HASH_CHARS = 16   # 64 bits of the definition: two different programs of one process never meet
+_NAME_HASH_CHARS = 16  # 64 bits of the definition: two different programs of one process never meet
 
 
 @dataclass(frozen=True, slots=True)
 class JitChoice:
     """The compile mode of a run and why (reported in the READY line and the summary)."""
 
-    mode: str                           # "xla" or "graph"
-    reason: str                         # one line: what decided it
-    xla_step_ms: float | None = None    # median warm-up step with XLA (auto, when XLA compiled)
+    mode: str  # "xla" or "graph"
+    reason: str  # one line: what decided it
+    xla_step_ms: float | None = None  # median warm-up step with XLA (auto, when XLA compiled)
     graph_step_ms: float | None = None  # median warm-up step in graph mode (auto, when XLA compiled)
 
 
@@ -50,8 +50,14 @@ def setting_name(setting: str | bool) -> str:
     return setting if isinstance(setting, str) else str(setting).lower()
 
 
-def choose_mode(setting: str | bool, *, xla_error: str | None = None, remembered: str | None = None,
-                xla_times_s: Sequence[float] = (), graph_times_s: Sequence[float] = ()) -> JitChoice:
+def choose_mode(
+    setting: str | bool,
+    *,
+    xla_error: str | None = None,
+    remembered: str | None = None,
+    xla_times_s: Sequence[float] = (),
+    graph_times_s: Sequence[float] = (),
+) -> JitChoice:
     """The mode to train with.
 
     Args:
@@ -84,8 +90,13 @@ def choose_mode(setting: str | bool, *, xla_error: str | None = None, remembered
     xla_ms = 1000.0 * statistics.median(xla_times_s)
     graph_ms = 1000.0 * statistics.median(graph_times_s)
     faster = "xla" if xla_ms <= graph_ms else "graph"
-    return JitChoice(faster, f"warm-up step xla {xla_ms:.1f} ms, graph {graph_ms:.1f} ms (median of "
-                             f"{len(xla_times_s)} and {len(graph_times_s)})", xla_ms, graph_ms)
+    return JitChoice(
+        faster,
+        f"warm-up step xla {xla_ms:.1f} ms, graph {graph_ms:.1f} ms (median of "
+        f"{len(xla_times_s)} and {len(graph_times_s)})",
+        xla_ms,
+        graph_ms,
+    )
 
 
 def remembered_mode(state_dir: Path) -> str | None:
@@ -94,7 +105,7 @@ def remembered_mode(state_dir: Path) -> str | None:
         mode = json.loads((state_dir / MEMO_NAME).read_text(encoding="utf-8")).get("mode")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError) as err:   # a damaged memo only costs a new decision
+    except (OSError, ValueError, AttributeError) as err:  # a damaged memo only costs a new decision
         log.warning("ignoring %s: %s", state_dir / MEMO_NAME, err)
         return None
     return mode if mode in ("xla", "graph") else None
@@ -110,7 +121,7 @@ def remember_mode(state_dir: Path, choice: JitChoice) -> None:
     try:
         write_private(tmp, (json.dumps({"mode": choice.mode, "reason": choice.reason}) + "\n").encode())
         os.replace(tmp, path)
-    except OSError as err:   # not fatal: the next start decides again (the checkpoint write will tell)
+    except OSError as err:  # not fatal: the next start decides again (the checkpoint write will tell)
         log.warning("cannot write %s: %s; a restart decides jit_compile again", path, err.strerror)
 
 
@@ -130,11 +141,12 @@ def stably_named(program: Any, label: str) -> Any:
     definition = function_pb2.FunctionDef()
     definition.CopyFrom(program.function_def)
     definition.signature.name = ""
-    definition.attr.pop("_construction_context", None)    # the runtime's, not the function's
+    definition.attr.pop("_construction_context", None)  # the runtime's, not the function's
     digest = hashlib.sha256(definition.SerializeToString(deterministic=True)).hexdigest()[:_NAME_HASH_CHARS]
-    atomic = atomic_function.from_func_graph(f"__inference_{label}_{digest}", program.graph, program._attrs,
-                                             program.function_type)
+    atomic = atomic_function.from_func_graph(
+        f"__inference_{label}_{digest}", program.graph, program._attrs, program.function_type
+    )
     renamed = concrete_function.ConcreteFunction(atomic)
     renamed._arg_keywords, renamed._num_positional_args = program._arg_keywords, program._num_positional_args
-    renamed._melfeed_traced = program      # the graph's owner: it deletes the graph when collected
+    renamed._melfeed_traced = program  # the graph's owner: it deletes the graph when collected
     return renamed

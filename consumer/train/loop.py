@@ -57,11 +57,20 @@ __all__ = ["TrainSummary", "train"]
 log = logging.getLogger(__name__)
 
 
-def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, process_start_s: float,
-          summary_path: str | None = None, state: RunState | None = None,
-          notifier: Notifier | None = None, telemetry: Telemetry | None = None,
-          on_step: Callable[[int], None] | None = None, job: Job | None = None,
-          board: Board | None = None) -> TrainSummary:
+def train(
+    cfg: PipelineConfig,
+    consumer: Consumer,
+    stop: threading.Event,
+    *,
+    process_start_s: float,
+    summary_path: str | None = None,
+    state: RunState | None = None,
+    notifier: Notifier | None = None,
+    telemetry: Telemetry | None = None,
+    on_step: Callable[[int], None] | None = None,
+    job: Job | None = None,
+    board: Board | None = None,
+) -> TrainSummary:
     """Run the compiled step over ``consumer`` until the plan ends or ``stop`` is set.
 
     With ``state`` (built for ``consumer``'s start batch), the variables are restored from its
@@ -89,9 +98,19 @@ def train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, *, pro
         return _train(*args, job, board if telemetry is not None else None)
 
 
-def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, process_start_s: float,
-           summary_path: str | None, state: RunState | None, notifier: Notifier | None, telemetry: Telemetry | None,
-           on_step: Callable[[int], None] | None, job: Job | None, board: Board | None) -> TrainSummary:
+def _train(
+    cfg: PipelineConfig,
+    consumer: Consumer,
+    stop: threading.Event,
+    process_start_s: float,
+    summary_path: str | None,
+    state: RunState | None,
+    notifier: Notifier | None,
+    telemetry: Telemetry | None,
+    on_step: Callable[[int], None] | None,
+    job: Job | None,
+    board: Board | None,
+) -> TrainSummary:
     from melfeed.consumer.placement import active_xla_cache_dir, step_devices, xla_cache_warm
     from melfeed.consumer.train.device.packed import PackedSteps
     from melfeed.consumer.train.factory import build_compiled_step
@@ -99,24 +118,33 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
 
     notifier = notifier if notifier is not None else Notifier({})
     cache_dir = active_xla_cache_dir()
-    out = TrainSummary(padding_efficiency=0.0, replicas=cfg.consumer.replica_count,
-                       rank=job.rank if job is not None else 0, world=job.world if job is not None else 1,
-                       partial=cfg.buckets.partial,
-                       samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
-                       in_flight_bound_bytes=consumer._in_flight_bound_bytes(cfg.producer.count),
-                       xla_cache_dir=str(cache_dir) if cache_dir else None, xla_cache_warm=xla_cache_warm(cache_dir))
+    out = TrainSummary(
+        padding_efficiency=0.0,
+        replicas=cfg.consumer.replica_count,
+        rank=job.rank if job is not None else 0,
+        world=job.world if job is not None else 1,
+        partial=cfg.buckets.partial,
+        samples_dropped_per_epoch=consumer.plan.samples_dropped_per_epoch,
+        in_flight_bound_bytes=consumer._in_flight_bound_bytes(cfg.producer.count),
+        xla_cache_dir=str(cache_dir) if cache_dir else None,
+        xla_cache_warm=xla_cache_warm(cache_dir),
+    )
     with summary_on_failure(out, summary_path):
         step_fn, compiled = build_compiled_step(cfg, consumer, state, job)
-    log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))   # replicas' or one
+    log.info("step devices: %s", ", ".join(compiled.devices or [model_device() or "/device:CPU:0"]))  # replicas' or one
     consumer.start()
     busy = telemetry.live_while_busy(consumer._desk.next_id) if telemetry is not None else nullcontext()
-    with summary_on_failure(out, summary_path, consumer), notifier.extending_start_timeout(), busy, \
-            out_of_memory_is_config(consumer._bucket_set):   # status stays live; a bucket that does not fit: one line
+    with (
+        summary_on_failure(out, summary_path, consumer),
+        notifier.extending_start_timeout(),
+        busy,
+        out_of_memory_is_config(consumer._bucket_set),
+    ):  # status stays live; a bucket that does not fit: one line
         warm = warm_batches(consumer.plan, consumer._bucket_set, consumer.manifest, consumer._desk.next_id)
         packed = PackedSteps.for_buckets(compiled, consumer._bucket_set.buckets, model_device())
-        try:                            # settles the mode on the programs the loop runs, compiling each once
+        try:  # settles the mode on the programs the loop runs, compiling each once
             out.compile_s = packed.warm_up(step_fn.variables(), warm)
-        finally:                        # XLA's failure stays the reason when graph mode fails too
+        finally:  # XLA's failure stays the reason when graph mode fails too
             out.jit_reason = compiled.choice.reason if compiled.choice else None
         out.jit_compile = compiled.mode
         if state is not None and cfg.model.jit_compile == "auto" and compiled.choice is not None:
@@ -126,44 +154,51 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
         if state is not None:
             state.restore_into(items)
     n_buckets = len(consumer._bucket_set.buckets)
-    log.info("READY: compiled %d bucket shapes in %.1f s jit_compile=%s", n_buckets, out.compile_s,
-             out.jit_compile)
+    log.info("READY: compiled %d bucket shapes in %.1f s jit_compile=%s", n_buckets, out.compile_s, out.jit_compile)
     if telemetry is not None:
         telemetry.set_phase(PHASE_TRAINING)
         telemetry.set_jit_compile(out.jit_compile)
-    notifier.ready(f"compiled {n_buckets} shapes ({out.jit_compile}) in {out.compile_s:.1f} s; "
-                   f"starting at batch {consumer._desk.next_id}")
+    notifier.ready(
+        f"compiled {n_buckets} shapes ({out.jit_compile}) in {out.compile_s:.1f} s; "
+        f"starting at batch {consumer._desk.next_id}"
+    )
 
     def on_wait(producers_alive: int) -> None:
         if job is not None:
-            job.check_waiting(consumer._desk.next_id, producers_alive)   # starved past the others' bound: 75
+            job.check_waiting(consumer._desk.next_id, producers_alive)  # starved past the others' bound: 75
         notifier.watchdog()
-        notifier.status(f"step {out.steps}: waiting for batch {consumer._desk.next_id}; "
-                        f"producers alive {producers_alive}")
+        notifier.status(
+            f"step {out.steps}: waiting for batch {consumer._desk.next_id}; producers alive {producers_alive}"
+        )
         if telemetry is not None:
             telemetry.set_phase(PHASE_WAITING)
             telemetry.publish_if_due(out.steps, meter.last_loss, compiled.compiles_after_ready)
 
-    def read_outputs() -> None:         # the host read of the interval (one device drain), never per step
+    def read_outputs() -> None:  # the host read of the interval (one device drain), never per step
         read = handoff.read()
         if board is not None:
             board.add_read(read)
-        if meter.add_read(read):        # one line per read in which the loss turned NaN/inf
-            log.warning("loss turned NaN/inf at step %s (%d of %d steps since the last read): the model of %s may "
-                        "have diverged; training goes on", read.first_turn_step, read.nonfinite_steps, read.steps,
-                        cfg.model.step)
+        if meter.add_read(read):  # one line per read in which the loss turned NaN/inf
+            log.warning(
+                "loss turned NaN/inf at step %s (%d of %d steps since the last read): the model of %s may "
+                "have diverged; training goes on",
+                read.first_turn_step,
+                read.nonfinite_steps,
+                read.steps,
+                cfg.model.step,
+            )
 
     meter = LoopMeter(cfg.consumer.metrics_window_s)
     next_status_s = time.monotonic() + cfg.consumer.status_interval_s
     copies = 0
-    payload_copies = 0                  # page cache -> ring slot, summed over applied batches
+    payload_copies = 0  # page cache -> ring slot, summed over applied batches
     last_dispatch_s = 0.0
     handoff = TfStageAdapter(packed, model_device(), on_step, slot_buffer=consumer._ring.memory.buffer)
     stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
-    drain = state.due if state is not None else None   # a checkpoint sees exactly the applied batches
-    ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)   # consumer/train/quarantine.py
+    drain = state.due if state is not None else None  # a checkpoint sees exactly the applied batches
+    ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)  # consumer/train/quarantine.py
     with summary_on_failure(out, summary_path, consumer), closing(stager.run(stop, on_wait, drain)) as completed:
-        for done in completed:                  # a failing body: in-flight steps settle in closing()
+        for done in completed:  # a failing body: in-flight steps settle in closing()
             step_t1 = time.perf_counter()
             batch = done.batch
             copies += done.host_copies
@@ -173,14 +208,15 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
             if state is not None:
                 state.record(batch.batch_id, batch.sample_ids, consumer._run_id)
                 if state.due():
-                    read_outputs()              # the checkpoint drains the device anyway
-                    state.checkpoint(items, consumer._run_id, final=False)   # a failure: WARNING, retried
-            if board is not None and telemetry is not None and board.is_due(out.steps):   # every N steps
+                    read_outputs()  # the checkpoint drains the device anyway
+                    state.checkpoint(items, consumer._run_id, final=False)  # a failure: WARNING, retried
+            if board is not None and telemetry is not None and board.is_due(out.steps):  # every N steps
                 if board.needs_read(out.steps):
                     read_outputs()
                 board.write(telemetry.snapshot(out.steps, meter.last_loss, compiled.compiles_after_ready))
-            if ceiling.add(batch.sample_ids, batch.quarantined, utterance_ids=batch.utterance_ids,
-                           note=batch.quarantine_note):   # the orderly stop: steps in flight complete, checkpoint
+            if ceiling.add(
+                batch.sample_ids, batch.quarantined, utterance_ids=batch.utterance_ids, note=batch.quarantine_note
+            ):  # the orderly stop: steps in flight complete, checkpoint
                 log.error("%s; stopping after batch %d", ceiling.message(), batch.batch_id)
                 stop.set()
             if out.time_to_first_step_s is None:
@@ -194,8 +230,16 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
             period_s = max(0.0, done.dispatched_s - last_dispatch_s - wait_s) if last_dispatch_s else done.step_s
             last_dispatch_s = done.dispatched_s
             if out.steps > cfg.consumer.warmup_steps:
-                record = StepRecord(step_t1, wait_s, period_s, done.rows, done.real_frames, done.padded_frames,
-                                    consumer._receiver.queue_depth(), limit.step_s[batch.bucket] if limit is not None else None)
+                record = StepRecord(
+                    step_t1,
+                    wait_s,
+                    period_s,
+                    done.rows,
+                    done.real_frames,
+                    done.padded_frames,
+                    consumer._receiver.queue_depth(),
+                    limit.step_s[batch.bucket] if limit is not None else None,
+                )
                 meter.add(record)
                 if telemetry is not None:
                     telemetry.add(record)
@@ -213,8 +257,8 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
                     if board is not None and board.every_steps is None:
                         board.write(snap)
                 next_status_s = time.monotonic() + cfg.consumer.status_interval_s
-        read_outputs()                          # the end: the last interval's outputs (drains the device)
-    if consumer._desk.finished and ceiling.judge_at_end():    # a plan shorter than the judging window, every row bad
+        read_outputs()  # the end: the last interval's outputs (drains the device)
+    if consumer._desk.finished and ceiling.judge_at_end():  # a plan shorter than the judging window, every row bad
         log.error("%s", ceiling.message())
     out.interrupted = stop.is_set() and not consumer._desk.finished and not ceiling.tripped
     notifier.stopping(f"stopping at batch {consumer._desk.next_id}: checkpoint and exit")
@@ -228,28 +272,35 @@ def _train(cfg: PipelineConfig, consumer: Consumer, stop: threading.Event, proce
     out.first_loss = meter.first_loss
     finish(out, meter, consumer, compiled.compiles_after_ready, meter.last_outputs, copies + payload_copies)
     if telemetry is not None:
-        final = telemetry.publish(out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE,
-                                  outputs=meter.outputs.take())
+        final = telemetry.publish(
+            out.steps, meter.last_loss, compiled.compiles_after_ready, phase=PHASE_DONE, outputs=meter.outputs.take()
+        )
         if board is not None:
             board.write(final)
     if summary_path:
         out.write(summary_path)
-    if ceiling.tripped and out.error is not None:   # after the checkpoint and the summary: exit 65, one line
+    if ceiling.tripped and out.error is not None:  # after the checkpoint and the summary: exit 65, one line
         raise DataError(out.error)
     return out
 
 
-
-
-def _resident_limit(cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer,
-                    out: TrainSummary, warm: list[WarmBatch]) -> ResidentLimit | None:
+def _resident_limit(
+    cfg: PipelineConfig, packed: PackedSteps, step_fn: Any, consumer: Consumer, out: TrainSummary, warm: list[WarmBatch]
+) -> ResidentLimit | None:
     """The resident-batch limit of the programs the loop runs on the warm-up batches (``consumer.feed_efficiency_
     steps`` per bucket; None when 0)."""
     from melfeed.consumer.train.efficiency import measure_resident_limit
+
     if cfg.consumer.feed_efficiency_steps == 0:
         return None
-    limit = measure_resident_limit(packed, step_fn.variables(), [b.shapes() for b in consumer._bucket_set.buckets],
-                                   cfg.consumer.feed_efficiency_steps, cfg.model.vocab_size, batches=warm)
+    limit = measure_resident_limit(
+        packed,
+        step_fn.variables(),
+        [b.shapes() for b in consumer._bucket_set.buckets],
+        cfg.consumer.feed_efficiency_steps,
+        cfg.model.vocab_size,
+        batches=warm,
+    )
     out.resident_step_ms = [1000.0 * s for s in limit.step_s]
     out.feed_efficiency_measure_s = limit.measure_s
     return limit
@@ -261,12 +312,20 @@ def _checkpoint_items(step_fn: Any) -> dict[str, object]:
     return dict(items()) if callable(items) else {"variables": list(step_fn.variables())}
 
 
-def _status_line(step: int, means: dict[str, float], meter: LoopMeter, consumer: Consumer,
-                 cfg: PipelineConfig, gpus: str = "") -> str:
+def _status_line(
+    step: int, means: dict[str, float], meter: LoopMeter, consumer: Consumer, cfg: PipelineConfig, gpus: str = ""
+) -> str:
     rs = consumer._receiver.stats()
-    text = format_status_line(step=step, steps_total=cfg.consumer.steps, outputs=means,
-                              figures=meter.live.figures(time.perf_counter()), queue_depth=consumer._receiver.queue_depth(),
-                              producers_alive=rs.producers_alive, rejects=sum(rs.rejects.values()),
-                              quarantined=rs.quarantined, gpus=gpus)
+    text = format_status_line(
+        step=step,
+        steps_total=cfg.consumer.steps,
+        outputs=means,
+        figures=meter.live.figures(time.perf_counter()),
+        queue_depth=consumer._receiver.queue_depth(),
+        producers_alive=rs.producers_alive,
+        rejects=sum(rs.rejects.values()),
+        quarantined=rs.quarantined,
+        gpus=gpus,
+    )
     log.info("%s", text)
     return text

@@ -24,7 +24,7 @@ from melfeed.shared.metrics import StepRecord, StepWindow, WindowFigures
 
 __all__ = ["LoopMeter", "OutputMeans", "format_outputs", "format_status_line"]
 
-_SUMMARY_RECORDS = 100_000   # newest step times kept for the summary's percentiles (~5 MB)
+_SUMMARY_RECORDS = 100_000  # newest step times kept for the summary's percentiles (~5 MB)
 
 
 class IntervalFigures(Protocol):
@@ -79,8 +79,9 @@ class OutputMeans:
 
 def format_outputs(means: Mapping[str, float]) -> str:
     """``loss 0.9123 mel_l1 0.5012``: the status line's part (``nan`` shown as such)."""
-    return " ".join(f"{name} {value:.4f}" if math.isfinite(value) else f"{name} {value}"
-                    for name, value in means.items())
+    return " ".join(
+        f"{name} {value:.4f}" if math.isfinite(value) else f"{name} {value}" for name, value in means.items()
+    )
 
 
 class LoopMeter:
@@ -92,14 +93,14 @@ class LoopMeter:
         self.wait0 = 0.0
         self.batches = self.samples = self.real_frames = self.padded_frames = 0
         self.wait_seen = 0.0
-        self.last_end_s = 0.0   # end_s of the newest record
+        self.last_end_s = 0.0  # end_s of the newest record
         # Every post-warm-up step (the newest 100k on longer runs): step time percentiles and CV.
         self.steps = StepWindow(window_s=math.inf, max_records=_SUMMARY_RECORDS)
         self.live = StepWindow(window_s=window_s)
         self.outputs = OutputMeans()
-        self.reads = 0                      # host reads of the accumulated outputs
-        self.last_outputs: dict[str, float] = {}   # the newest step's named scalars, as of the newest read
-        self.first_loss: float | None = None        # the first step's loss if finite (the first read's first value)
+        self.reads = 0  # host reads of the accumulated outputs
+        self.last_outputs: dict[str, float] = {}  # the newest step's named scalars, as of the newest read
+        self.first_loss: float | None = None  # the first step's loss if finite (the first read's first value)
         self._first_seen = False
 
     @property
@@ -128,9 +129,18 @@ class LoopMeter:
         self.live.add(record)
 
 
-def format_status_line(*, step: int, steps_total: int | None, outputs: Mapping[str, float],
-                       figures: WindowFigures | None, queue_depth: int, producers_alive: int,
-                       rejects: int, quarantined: int, gpus: str = "") -> str:
+def format_status_line(
+    *,
+    step: int,
+    steps_total: int | None,
+    outputs: Mapping[str, float],
+    figures: WindowFigures | None,
+    queue_depth: int,
+    producers_alive: int,
+    rejects: int,
+    quarantined: int,
+    gpus: str = "",
+) -> str:
     """``step 120/300 loss 0.91 mel_l1 0.50 | 10.2 batches/s 320 samples/s | stall 0.1% | ...``.
 
     Args:
@@ -146,8 +156,11 @@ def format_status_line(*, step: int, steps_total: int | None, outputs: Mapping[s
         stall = f"{figures.stall_pct:.1f}%"
         if figures.feed_efficiency is not None:
             stall += f" | feed efficiency {figures.feed_efficiency:.3f}"
-        elif figures.feed_steps_to_go:     # the limit was measured, too few fed steps yet for a stable figure
+        elif figures.feed_steps_to_go:  # the limit was measured, too few fed steps yet for a stable figure
             stall += f" | feed efficiency - (not measured yet: {figures.feed_steps_to_go} steps to go)"
-    return (f"step {step}{total} {named} | {rates} | stall {stall} | queue {queue_depth} | "
-            f"producers {producers_alive} | rejects {rejects}"
-            + (f" | quarantined {quarantined}" if quarantined else "") + (f" | {gpus}" if gpus else ""))
+    return (
+        f"step {step}{total} {named} | {rates} | stall {stall} | queue {queue_depth} | "
+        f"producers {producers_alive} | rejects {rejects}"
+        + (f" | quarantined {quarantined}" if quarantined else "")
+        + (f" | {gpus}" if gpus else "")
+    )

@@ -52,29 +52,29 @@ __all__ = ["CheckpointedStep", "StepSpec", "TrainStep", "build_reference_step", 
 
 log = logging.getLogger(__name__)
 
-_D_MODEL = 64      # embedding / encoder width (per token: cheap)
-_D_VALUE = 32      # attended value width; with out_proj, the per-frame cost that dominates a step
-_N_FREQS = 6       # sinusoid octaves of the relative position (pi * 2**k * r)
+_D_MODEL = 64  # embedding / encoder width (per token: cheap)
+_D_VALUE = 32  # attended value width; with out_proj, the per-frame cost that dominates a step
+_N_FREQS = 6  # sinusoid octaves of the relative position (pi * 2**k * r)
 _N_FEATURES = 2 + 2 * _N_FREQS  # position features: r, 1, sin/cos per octave
-_WINDOW = 3        # tokens each frame attends to, centred on its proportional alignment
+_WINDOW = 3  # tokens each frame attends to, centred on its proportional alignment
 _INIT_WIDTH = 0.3  # location prior width in tokens; < 0.5 so a frame prefers its own token
-_MASKED = -1e9     # finite: an all-padding row (tok_len 0) must give a uniform softmax, not NaN
+_MASKED = -1e9  # finite: an all-padding row (tok_len 0) must give a uniform softmax, not NaN
 
 
 @dataclass(frozen=True, slots=True)
 class StepSpec:
     """What a step factory needs to know; built from ``PipelineConfig`` by the consumer."""
 
-    n_mels: int             # M, last axis of "mel"
-    vocab_size: int         # token ids are in 0..vocab_size-1; 0 is padding
-    learning_rate: float    # model.learning_rate (the reference model's Adam step size)
-    mixed_precision: bool   # model.mixed_precision (the reference model: float16 on a GPU / bfloat16 on the CPU
-                            # compute, float32 variables and loss, loss scaling); a factory applies it itself
-    seed: int               # model.seed: weight initialisation
+    n_mels: int  # M, last axis of "mel"
+    vocab_size: int  # token ids are in 0..vocab_size-1; 0 is padding
+    learning_rate: float  # model.learning_rate (the reference model's Adam step size)
+    mixed_precision: bool  # model.mixed_precision (the reference model: float16 on a GPU / bfloat16 on the CPU
+    # compute, float32 variables and loss, loss scaling); a factory applies it itself
+    seed: int  # model.seed: weight initialisation
     # One read-only {"mel": (B, T, M), "mel_len": (B,), "tokens": (B, L), "tok_len": (B,), <extras>...} per
     # bucket, in bucket order: the only shapes the step is ever called with (e.g. to size a decoder).
     bucket_shapes: tuple[Mapping[str, tuple[int, ...]], ...] = field(default=(), hash=False)
-    total_steps: int | None = None        # consumer.steps: where the run stops; None = until stopped
+    total_steps: int | None = None  # consumer.steps: where the run stops; None = until stopped
     batches_per_epoch: int | None = None  # plan batches in one pass over the data (schedules per epoch)
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # model.params, read-only
     # Model replicas the step runs on (consumer.replicas); > 1: each call sees bucket rows / replicas rows
@@ -89,25 +89,47 @@ class StepSpec:
     mel_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if (self.n_mels < 1 or self.vocab_size < 2 or not self.learning_rate > 0 or self.replicas < 1
-                or self.mel_dtype not in ("float32", "float16")):
+        if (
+            self.n_mels < 1
+            or self.vocab_size < 2
+            or not self.learning_rate > 0
+            or self.replicas < 1
+            or self.mel_dtype not in ("float32", "float16")
+        ):
             raise ValueError(f"invalid StepSpec: {self}")
         # frozen + slots: object.__setattr__ is how __post_init__ may normalise; read-only views
         # so a factory cannot change what the next factory call (or the summary) sees.
-        object.__setattr__(self, "bucket_shapes", tuple(
-            MappingProxyType({k: tuple(int(d) for d in v) for k, v in b.items()}) for b in self.bucket_shapes))
-        object.__setattr__(self, "params", MappingProxyType(copy.deepcopy(dict(self.params))))   # nested: a copy
+        object.__setattr__(
+            self,
+            "bucket_shapes",
+            tuple(MappingProxyType({k: tuple(int(d) for d in v) for k, v in b.items()}) for b in self.bucket_shapes),
+        )
+        object.__setattr__(self, "params", MappingProxyType(copy.deepcopy(dict(self.params))))  # nested: a copy
 
     @classmethod
-    def from_config(cls, cfg: PipelineConfig, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
-                    batches_per_epoch: int | None, extras: Sequence[ExtraSpec] = ()) -> StepSpec:
+    def from_config(
+        cls,
+        cfg: PipelineConfig,
+        bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+        batches_per_epoch: int | None,
+        extras: Sequence[ExtraSpec] = (),
+    ) -> StepSpec:
         """The spec of ``cfg.model`` for these buckets (``Consumer._bucket_set``), plan length and extras."""
         m = cfg.model
-        return cls(cfg.n_mels, m.vocab_size, m.learning_rate, m.mixed_precision, m.seed,
-                   bucket_shapes=tuple(bucket_shapes), total_steps=cfg.consumer.steps,
-                   batches_per_epoch=batches_per_epoch, params=dict(m.params or {}),
-                   replicas=cfg.consumer.replica_count,
-                   extras=tuple(extras), mel_dtype=cfg.transport.mel_dtype)
+        return cls(
+            cfg.n_mels,
+            m.vocab_size,
+            m.learning_rate,
+            m.mixed_precision,
+            m.seed,
+            bucket_shapes=tuple(bucket_shapes),
+            total_steps=cfg.consumer.steps,
+            batches_per_epoch=batches_per_epoch,
+            params=dict(m.params or {}),
+            replicas=cfg.consumer.replica_count,
+            extras=tuple(extras),
+            mel_dtype=cfg.transport.mel_dtype,
+        )
 
 
 def global_sum(value: tf.Tensor) -> tf.Tensor:
@@ -134,11 +156,11 @@ def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
     listed = optimizer.variables
     found = [*(listed() if callable(listed) else listed), optimizer.iterations]
     rate = getattr(optimizer, "learning_rate", None)
-    if isinstance(rate, tf.Variable):      # tf_keras; Keras 3's is a keras.Variable, listed already
+    if isinstance(rate, tf.Variable):  # tf_keras; Keras 3's is a keras.Variable, listed already
         found.append(rate)
     out: dict[int, tf.Variable] = {}
     for variable in found:
-        inner = getattr(variable, "value", None)       # keras.Variable -> its tf.Variable; a tf.Variable's is a method
+        inner = getattr(variable, "value", None)  # keras.Variable -> its tf.Variable; a tf.Variable's is a method
         tv = inner if inner is not None and not callable(inner) else variable
         out.setdefault(id(tv), tv)
     return list(out.values())
@@ -153,8 +175,9 @@ class TrainStep(Protocol):
     """
 
     # *args/**extras (Any): a step names the extras it takes as its own keyword parameters
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-                 *args: Any, **extras: Any) -> tf.Tensor | Mapping[str, tf.Tensor]:
+    def __call__(
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *args: Any, **extras: Any
+    ) -> tf.Tensor | Mapping[str, tf.Tensor]:
         """Apply one update and return its named scalars (computed before the update).
 
         Either a mapping of names to scalar tensors that holds ``"loss"`` (e.g. ``{"loss": total,
@@ -203,47 +226,57 @@ class _TextToMel(keras.Model):  # type: ignore[misc]  # Keras is untyped
         seeds = iter(int(s) for s in np.random.SeedSequence(spec.seed).generate_state(8))
 
         def dense(units: int, activation: str | None = None) -> keras.layers.Dense:
-            return keras.layers.Dense(units, activation=activation, dtype=policy,
-                                      kernel_initializer=keras.initializers.GlorotUniform(
-                                          seed=next(seeds)))
+            return keras.layers.Dense(
+                units,
+                activation=activation,
+                dtype=policy,
+                kernel_initializer=keras.initializers.GlorotUniform(seed=next(seeds)),
+            )
 
         self.embed = keras.layers.Embedding(
-            spec.vocab_size, _D_MODEL, dtype=policy,
-            embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=next(seeds)))
+            spec.vocab_size,
+            _D_MODEL,
+            dtype=policy,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=next(seeds)),
+        )
         self.enc_conv = keras.layers.Conv1D(
-            _D_MODEL, 3, padding="same", activation="relu", dtype=policy,
-            kernel_initializer=keras.initializers.GlorotUniform(seed=next(seeds)))
-        self.key_proj = dense(_N_FEATURES)      # keys live in the query feature space (see call)
+            _D_MODEL,
+            3,
+            padding="same",
+            activation="relu",
+            dtype=policy,
+            kernel_initializer=keras.initializers.GlorotUniform(seed=next(seeds)),
+        )
+        self.key_proj = dense(_N_FEATURES)  # keys live in the query feature space (see call)
         self.value_proj = dense(_D_VALUE, "relu")
         self.out_proj = dense(spec.n_mels)
         self.log_width = self.add_weight(
-            shape=(), name="log_width",
-            initializer=keras.initializers.Constant(float(np.log(_INIT_WIDTH))))
+            shape=(), name="log_width", initializer=keras.initializers.Constant(float(np.log(_INIT_WIDTH)))
+        )
 
-    def call(self, tokens: tf.Tensor, tok_len: tf.Tensor, mel_len: tf.Tensor,
-             n_frames: int) -> tf.Tensor:
+    def call(self, tokens: tf.Tensor, tok_len: tf.Tensor, mel_len: tf.Tensor, n_frames: int) -> tf.Tensor:
         cdt = self.compute_dtype
         n_tok = tf.shape(tokens)[1]
-        tok_mask = tf.sequence_mask(tok_len, n_tok)                                  # [B, L]
-        tok_len_f = tf.cast(tf.maximum(tok_len, 1), tf.float32)[:, None]             # [B, 1]
+        tok_mask = tf.sequence_mask(tok_len, n_tok)  # [B, L]
+        tok_len_f = tf.cast(tf.maximum(tok_len, 1), tf.float32)[:, None]  # [B, 1]
         mel_len_f = tf.cast(tf.maximum(mel_len, 1), tf.float32)[:, None]
-        r_key = (tf.cast(tf.range(n_tok), tf.float32)[None, :] + 0.5) / tok_len_f    # [B, L]
-        r_query = tf.cast(tf.range(n_frames), tf.float32)[None, :] / mel_len_f        # [B, T]
+        r_key = (tf.cast(tf.range(n_tok), tf.float32)[None, :] + 0.5) / tok_len_f  # [B, L]
+        r_query = tf.cast(tf.range(n_frames), tf.float32)[None, :] / mel_len_f  # [B, T]
 
         # Text side (L positions): everything heavy happens here, not per frame.
-        emb = self.embed(tokens) * tf.cast(tok_mask, cdt)[..., None]                 # [B, L, D]
+        emb = self.embed(tokens) * tf.cast(tok_mask, cdt)[..., None]  # [B, L, D]
         enc = emb + self.enc_conv(emb)
         enc_pos = tf.concat([enc, tf.cast(_position_features(r_key), cdt)], -1)
         # A frame query is a linear map of its position features q = P(r) Wq, so q . k equals
         # P(r) . (Wq k): keys are projected into feature space once per token instead.
-        keys = self.key_proj(enc_pos)                                                # [B, L, F]
-        kv = tf.concat([keys, self.value_proj(enc_pos)], -1)                         # [B, L, F+V]
-        query = tf.cast(_position_features(r_query), cdt)                           # [B, T, F]
+        keys = self.key_proj(enc_pos)  # [B, L, F]
+        kv = tf.concat([keys, self.value_proj(enc_pos)], -1)  # [B, L, F+V]
+        query = tf.cast(_position_features(r_query), cdt)  # [B, T, F]
 
         # Local attention over the _WINDOW tokens around the frame's proportional alignment
         # t * tok_len / mel_len (full attention over [B, T, L] cost ~176 ms a step on 2 cores).
         # One [B, T] gather per offset keeps every reduction on the minor axis.
-        centre = tf.cast(tf.floor(r_query * tok_len_f), tf.int32)                  # [B, T]
+        centre = tf.cast(tf.floor(r_query * tok_len_f), tf.int32)  # [B, T]
         width = tf.exp(tf.cast(self.log_width, tf.float32))
         scores, windows = [], []
         for offset in range(-(_WINDOW // 2), _WINDOW - _WINDOW // 2):
@@ -255,16 +288,16 @@ class _TextToMel(keras.Model):  # type: ignore[misc]  # Keras is untyped
             in_text = (idx >= 0) & (idx < tok_len[:, None])
             scores.append(tf.where(in_text, content - 0.5 * tf.square(dist), _MASKED))
             windows.append(win[..., _N_FEATURES:])
-        weights = tf.cast(tf.nn.softmax(tf.stack(scores, -1), axis=-1), cdt)        # [B, T, K]
-        context = tf.add_n([weights[..., k:k + 1] * w for k, w in enumerate(windows)])
-        return tf.cast(self.out_proj(context), tf.float32)                           # [B, T, M]
+        weights = tf.cast(tf.nn.softmax(tf.stack(scores, -1), axis=-1), cdt)  # [B, T, K]
+        context = tf.add_n([weights[..., k : k + 1] * w for k, w in enumerate(windows)])
+        return tf.cast(self.out_proj(context), tf.float32)  # [B, T, M]
 
 
 def _masked_l1(pred: tf.Tensor, mel: tf.Tensor, mel_len: tf.Tensor) -> tf.Tensor:
     """Mean |pred - mel| over the valid frames x mels of the whole batch (every replica's rows: this
     replica's share, see ``global_sum``); 0.0 for an all-padding batch."""
     n_frames, n_mels = mel.shape[1], mel.shape[2]
-    frame_mask = tf.sequence_mask(mel_len, n_frames)                                 # [B, T]
+    frame_mask = tf.sequence_mask(mel_len, n_frames)  # [B, T]
     # where(), not multiply: a non-finite prediction in a padding row must not leak as NaN.
     err = tf.where(frame_mask[..., None], tf.abs(pred - mel), 0.0)
     n_valid = tf.cast(global_sum(tf.reduce_sum(tf.cast(frame_mask, tf.int32))), tf.float32) * n_mels
@@ -278,28 +311,30 @@ class _ReferenceStep:
         self.spec = spec
         has_gpu = bool(tf.config.list_physical_devices("GPU"))
         # bfloat16 on CPU: XLA:CPU has no fast float16 and bfloat16 keeps float32's range.
-        policy = ("mixed_float16" if has_gpu else "mixed_bfloat16") if spec.mixed_precision \
-            else "float32"
+        policy = ("mixed_float16" if has_gpu else "mixed_bfloat16") if spec.mixed_precision else "float32"
         self.model = _TextToMel(spec, policy)
         adam = keras.optimizers.Adam(learning_rate=float(spec.learning_rate))
         # Loss scaling on both devices keeps one variable layout (and checkpoint) for GPU and CPU.
         self.optimizer: keras.optimizers.Optimizer = (
-            keras.optimizers.LossScaleOptimizer(adam) if spec.mixed_precision else adam)
+            keras.optimizers.LossScaleOptimizer(adam) if spec.mixed_precision else adam
+        )
         # Build everything eagerly so no variable is created inside a traced step.
         one = tf.ones([1], tf.int32)
         self.model(tf.ones([1, 2], tf.int32), one, one, n_frames=2)
         self.optimizer.build(self.model.trainable_variables)
         log.debug("reference step built policy=%s params=%d", policy, self.model.count_params())
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor,
-                 tok_len: tf.Tensor) -> tf.Tensor:
-        mel = tf.cast(mel, tf.float32)   # a float16 wire (StepSpec.mel_dtype): cast inside the program; else a no-op
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        mel = tf.cast(mel, tf.float32)  # a float16 wire (StepSpec.mel_dtype): cast inside the program; else a no-op
         trainable = self.model.trainable_variables
         with tf.GradientTape() as tape:
             pred = self.model(tokens, tok_len, mel_len, n_frames=mel.shape[1])
             loss = _masked_l1(pred, mel, mel_len)
-            scaled = (self.optimizer.scale_loss(loss)
-                      if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) else loss)
+            scaled = (
+                self.optimizer.scale_loss(loss)
+                if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+                else loss
+            )
         grads = tape.gradient(scaled, trainable)
         self.optimizer.apply(grads, trainable)
         return loss

@@ -34,7 +34,7 @@ class StepOutputError(TypeError):
     """The step's return value breaks the contract (no ``loss``, a non-scalar, a bad name)."""
 
 
-@python_at_trace   # plain Python checks on the traced structure
+@python_at_trace  # plain Python checks on the traced structure
 def normalize_outputs(result: Any) -> dict[str, tf.Tensor]:
     """``{"loss": ..., others sorted by name}`` as float32 scalars, from what the step returned.
 
@@ -55,8 +55,9 @@ def normalize_outputs(result: Any) -> dict[str, tf.Tensor]:
         except (TypeError, ValueError) as err:
             raise StepOutputError(f"output {name!r} is not a tensor: {type(raw[name]).__name__}") from err
         if value.shape.rank != 0 or not (value.dtype.is_floating or value.dtype.is_integer):
-            raise StepOutputError(f"output {name!r} must be a scalar number, got {value.dtype.name} "
-                                  f"of shape {value.shape}")
+            raise StepOutputError(
+                f"output {name!r} must be a scalar number, got {value.dtype.name} of shape {value.shape}"
+            )
         out[name] = tf.cast(value, tf.float32)
     return out
 

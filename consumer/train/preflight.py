@@ -38,6 +38,7 @@ def _chain(err: BaseException | None) -> Iterator[BaseException]:
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` or anything it was raised from is TensorFlow's ``ResourceExhaustedError``."""
     import tensorflow as tf
+
     return any(isinstance(e, (tf.errors.ResourceExhaustedError, BucketOutOfMemory)) for e in _chain(err))
 
 
@@ -59,10 +60,20 @@ def oom_line(bucket_set: BucketSet, bucket: int | None, largest_fitting: Sequenc
     key = ("buckets", "batch_size")
     if bucket is None:
         rows = [b.batch_size for b in bucket_set.buckets]
-        return ConfigError(f"a bucket does not fit the device's memory at warm-up (rows by bucket {rows}); lower "
-                           "the rows, or set buckets.batch_size: auto", path=key)
+        return ConfigError(
+            f"a bucket does not fit the device's memory at warm-up (rows by bucket {rows}); lower "
+            "the rows, or set buckets.batch_size: auto",
+            path=key,
+        )
     b = bucket_set.buckets[bucket]
-    known = (f"; the largest that fits is {largest_fitting[bucket]} rows" if largest_fitting is not None
-             else "; the largest that fits is not known: lower the rows, or let buckets.batch_size: auto measure them")
-    return ConfigError(f"bucket {bucket} (T={b.max_frames} frames, L={b.max_tokens} tokens) does not fit the device's "
-                       f"memory at {b.batch_size} rows (out of memory at warm-up){known}", path=key, got=b.batch_size)
+    known = (
+        f"; the largest that fits is {largest_fitting[bucket]} rows"
+        if largest_fitting is not None
+        else "; the largest that fits is not known: lower the rows, or let buckets.batch_size: auto measure them"
+    )
+    return ConfigError(
+        f"bucket {bucket} (T={b.max_frames} frames, L={b.max_tokens} tokens) does not fit the device's "
+        f"memory at {b.batch_size} rows (out of memory at warm-up){known}",
+        path=key,
+        got=b.batch_size,
+    )

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MIN_ROWS", "QuarantineCeiling", "ceiling_for", "judged_from"]
 
-MIN_ROWS = 1000          # rows trained before the rule is judged (fewer only when one epoch is shorter)
+MIN_ROWS = 1000  # rows trained before the rule is judged (fewer only when one epoch is shorter)
 _KEY = "producer.max_quarantined_fraction"
 
 
@@ -50,25 +50,31 @@ class QuarantineCeiling:
 
     max_fraction: float
     min_rows: int = MIN_ROWS
-    rows: int = 0                 # real rows of the applied batches
-    quarantined: int = 0          # of them, left empty by a producer
-    streak: int = 0               # quarantined rows in a row, up to the last row trained
-    example: str = ""             # the first quarantined row seen: "sample N (utterance ID): PATH: REASON"
+    rows: int = 0  # real rows of the applied batches
+    quarantined: int = 0  # of them, left empty by a producer
+    streak: int = 0  # quarantined rows in a row, up to the last row trained
+    example: str = ""  # the first quarantined row seen: "sample N (utterance ID): PATH: REASON"
     tripped: bool = False
-    at_end: bool = False          # tripped by ``judge_at_end`` (the plan had ended: nothing to resume)
+    at_end: bool = False  # tripped by ``judge_at_end`` (the plan had ended: nothing to resume)
 
     @property
     def enabled(self) -> bool:
         return self.max_fraction < 1.0
 
-    def add(self, sample_ids: Sequence[int], quarantined: Collection[int], *, utterance_ids: Sequence[str] = (),
-            note: str = "") -> bool:
+    def add(
+        self,
+        sample_ids: Sequence[int],
+        quarantined: Collection[int],
+        *,
+        utterance_ids: Sequence[str] = (),
+        note: str = "",
+    ) -> bool:
         """Count one applied batch (its real rows in row order, and which of them were quarantined).
 
         ``utterance_ids`` (row order) and ``note`` (the producer's ``PATH: REASON``) only name the example.
         Returns True when this batch trips the rule (once; later batches are still counted).
         """
-        if not quarantined:             # the usual batch: one comparison, no set
+        if not quarantined:  # the usual batch: one comparison, no set
             self.streak = 0 if sample_ids else self.streak
         else:
             listed = set(quarantined)
@@ -106,11 +112,14 @@ class QuarantineCeiling:
         """
         pct, limit = 100.0 * self.quarantined / max(self.rows, 1), 100.0 * self.max_fraction
         if self._above():
-            seen = (f"{self.quarantined} of the {self.rows} rows trained were quarantined ({pct:.2f} %, above "
-                    f"{limit:g} %)")
+            seen = (
+                f"{self.quarantined} of the {self.rows} rows trained were quarantined ({pct:.2f} %, above {limit:g} %)"
+            )
         else:
-            seen = (f"the last {self.streak} rows trained were all quarantined ({self.quarantined} of {self.rows} "
-                    f"in all, {pct:.2f} %)")
+            seen = (
+                f"the last {self.streak} rows trained were all quarantined ({self.quarantined} of {self.rows} "
+                f"in all, {pct:.2f} %)"
+            )
         example = f"; e.g. {self.example}" if self.example else ""
         if self.at_end:
             then = "; the run reached the end of its plan on empty rows: fix the cache and train again"
@@ -120,8 +129,10 @@ class QuarantineCeiling:
             then = f"; fix the cache and run the same command again: it resumes at batch {resume_at}"
         else:
             then = ""
-        return (f"{_KEY}: {seen}, so cache files are missing or bad{example}; the producers' log names each one "
-                f"('quarantined sample=N'), `melfeed verify-cache --cache-dir CACHE_DIR` lists them all{then}")
+        return (
+            f"{_KEY}: {seen}, so cache files are missing or bad{example}; the producers' log names each one "
+            f"('quarantined sample=N'), `melfeed verify-cache --cache-dir CACHE_DIR` lists them all{then}"
+        )
 
 
 def ceiling_for(max_fraction: float, plan: EpochPlan) -> QuarantineCeiling:

@@ -54,7 +54,7 @@ __all__ = ["Replicas", "XlaUnavailable", "check_rows", "replica_scope"]
 
 log = logging.getLogger(__name__)
 
-_Shapes = tuple[tuple[int, ...], ...]   # the four batch shapes in argument order (step.py)
+_Shapes = tuple[tuple[int, ...], ...]  # the four batch shapes in argument order (step.py)
 ReplicaFn = Callable[..., dict[str, tf.Tensor]]
 
 
@@ -68,9 +68,12 @@ def check_rows(bucket_rows: Sequence[int], replicas: int, cfg: PipelineConfig) -
     for index, rows in enumerate(bucket_rows):
         if rows % replicas:
             key = "frame_budget" if cfg.buckets.frame_budget is not None else "batch_size"
-            raise ConfigError(f"bucket {index} has {rows} rows, which do not divide by the {replicas} model "
-                              "replicas (consumer.replicas, consumer.model_gpu)", path=("buckets", key),
-                              got=getattr(cfg.buckets, key))
+            raise ConfigError(
+                f"bucket {index} has {rows} rows, which do not divide by the {replicas} model "
+                "replicas (consumer.replicas, consumer.model_gpu)",
+                path=("buckets", key),
+                got=getattr(cfg.buckets, key),
+            )
 
 
 class XlaUnavailable(RuntimeError):
@@ -88,10 +91,15 @@ class Replicas:
         self.devices = list(devices)
         self.multi_worker = strategy is not None
         self.strategy = strategy if strategy is not None else tf.distribute.MirroredStrategy(self.devices)
-        self._fns: dict[tuple[bool, _Shapes], ReplicaFn] = {}   # (jit_compile, full-batch shapes) -> replica fn
-        log.info("replicas: %d on %s (%s)", len(self.devices), ", ".join(self.devices),
-                 f"MultiWorkerMirroredStrategy, {self.strategy.num_replicas_in_sync} in the job" if self.multi_worker
-                 else "MirroredStrategy")
+        self._fns: dict[tuple[bool, _Shapes], ReplicaFn] = {}  # (jit_compile, full-batch shapes) -> replica fn
+        log.info(
+            "replicas: %d on %s (%s)",
+            len(self.devices),
+            ", ".join(self.devices),
+            f"MultiWorkerMirroredStrategy, {self.strategy.num_replicas_in_sync} in the job"
+            if self.multi_worker
+            else "MirroredStrategy",
+        )
 
     @property
     def count(self) -> int:
@@ -115,14 +123,20 @@ class Replicas:
         where = f"consumer.model_gpu={cfg.consumer.model_gpu}"
         if gpus:
             if len(gpus) < n:
-                raise ConfigError(f"{n} replicas, but TensorFlow sees {len(gpus)} GPU(s) ({where})",
-                                  path=("consumer", "replicas"), got=n)
+                raise ConfigError(
+                    f"{n} replicas, but TensorFlow sees {len(gpus)} GPU(s) ({where})",
+                    path=("consumer", "replicas"),
+                    got=n,
+                )
             return cls([g.name for g in gpus[:n]])
         cpus = tf.config.list_logical_devices("CPU")
         if len(cpus) < n:
-            raise ConfigError(f"{n} replicas on the CPU need {n} logical CPU devices, TensorFlow has {len(cpus)}: "
-                              "call melfeed.consumer.placement.configure_memory(cfg) right after importing TensorFlow",
-                              path=("consumer", "replicas"), got=n)
+            raise ConfigError(
+                f"{n} replicas on the CPU need {n} logical CPU devices, TensorFlow has {len(cpus)}: "
+                "call melfeed.consumer.placement.configure_memory(cfg) right after importing TensorFlow",
+                path=("consumer", "replicas"),
+                got=n,
+            )
         return cls([c.name for c in cpus[:n]])
 
     @classmethod
@@ -136,17 +150,28 @@ class Replicas:
         devices = [str(d) for d in strategy.extended.worker_devices]
         n = cfg.consumer.replica_count
         if n != len(devices):
-            raise ConfigError(f"{n} replicas per worker, but MultiWorkerMirroredStrategy runs on {len(devices)} local "
-                              f"device(s) here ({', '.join(devices)}): every visible GPU, else one CPU device",
-                              path=("consumer", "replicas"), got=n)
+            raise ConfigError(
+                f"{n} replicas per worker, but MultiWorkerMirroredStrategy runs on {len(devices)} local "
+                f"device(s) here ({', '.join(devices)}): every visible GPU, else one CPU device",
+                path=("consumer", "replicas"),
+                got=n,
+            )
         return cls(devices, strategy)
 
     def scope(self) -> Any:
         """Build the step (every variable) in here: ``with replicas.scope(): step = factory(spec)``."""
         return self.strategy.scope()
 
-    def program(self, replica_fn: ReplicaFn, key: _Shapes, dtypes: Sequence[tf.DType], names: Sequence[str], *,
-                jit_compile: bool, on_trace: Callable[[], None]) -> Callable[..., dict[str, tf.Tensor]]:
+    def program(
+        self,
+        replica_fn: ReplicaFn,
+        key: _Shapes,
+        dtypes: Sequence[tf.DType],
+        names: Sequence[str],
+        *,
+        jit_compile: bool,
+        on_trace: Callable[[], None],
+    ) -> Callable[..., dict[str, tf.Tensor]]:
         """One bucket's program: full-batch tensors in (``key``'s shapes), summed named scalars out.
 
         ``replica_fn(mel, mel_len, tokens, tok_len)`` runs on each replica's rows (compiled with
@@ -154,25 +179,32 @@ class Replicas:
         """
         n = self.count
         if jit_compile and not self.on_gpus and self.multi_worker:
-            raise XlaUnavailable("XLA cannot compile MultiWorkerMirroredStrategy's collectives on CPU devices "
-                                 "(TensorFlow: collectives are not yet implemented for CPU devices when compiling "
-                                 "with XLA)")
+            raise XlaUnavailable(
+                "XLA cannot compile MultiWorkerMirroredStrategy's collectives on CPU devices "
+                "(TensorFlow: collectives are not yet implemented for CPU devices when compiling "
+                "with XLA)"
+            )
         if jit_compile and not self.on_gpus:
-            raise XlaUnavailable("XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
-                                 "MirroredStrategy updates every replica's variables from one program there")
-        if jit_compile:   # TensorFlow runs an XLA tf.function once per GPU replica, with collectives inside
-            part = [tf.TensorSpec((shape[0] // n, *shape[1:]), dtype, name=name)
-                    for shape, dtype, name in zip(key, dtypes, names)]
+            raise XlaUnavailable(
+                "XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
+                "MirroredStrategy updates every replica's variables from one program there"
+            )
+        if jit_compile:  # TensorFlow runs an XLA tf.function once per GPU replica, with collectives inside
+            part = [
+                tf.TensorSpec((shape[0] // n, *shape[1:]), dtype, name=name)
+                for shape, dtype, name in zip(key, dtypes, names)
+            ]
             per_replica_fn: ReplicaFn = tf.function(replica_fn, jit_compile=True, input_signature=part)
-        else:             # graph mode: traced into the program below, once per replica
+        else:  # graph mode: traced into the program below, once per replica
             per_replica_fn = replica_fn
         self._fns[(jit_compile, tuple(key))] = per_replica_fn
 
         def whole(*args: tf.Tensor) -> dict[str, tf.Tensor]:
             on_trace()
-            parts = [tf.split(arg, n, axis=0) for arg in args]   # row views of the full batch
-            return self.run_parts(tuple(key), jit_compile, lambda pieces: list(pieces),
-                                  [tuple(p[i] for p in parts) for i in range(n)])
+            parts = [tf.split(arg, n, axis=0) for arg in args]  # row views of the full batch
+            return self.run_parts(
+                tuple(key), jit_compile, lambda pieces: list(pieces), [tuple(p[i] for p in parts) for i in range(n)]
+            )
 
         full = [tf.TensorSpec(shape, dtype, name=name) for shape, dtype, name in zip(key, dtypes, names)]
         program: Callable[..., dict[str, tf.Tensor]] = tf.function(whole, input_signature=full)
@@ -183,10 +215,16 @@ class Replicas:
         of ``PerReplica``); the values stay where they are (TensorFlow places nothing here)."""
         n = self.count
         return self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: tuple(parts[ctx.replica_id_in_sync_group % n]))   # global id -> this worker's replica
+            lambda ctx: tuple(parts[ctx.replica_id_in_sync_group % n])
+        )  # global id -> this worker's replica
 
-    def run_parts(self, key: _Shapes, jit_compile: bool, cut: Callable[[Sequence[tf.Tensor]], list[tf.Tensor]],
-                  parts: Sequence[tuple[Any, ...]]) -> dict[str, tf.Tensor]:
+    def run_parts(
+        self,
+        key: _Shapes,
+        jit_compile: bool,
+        cut: Callable[[Sequence[tf.Tensor]], list[tf.Tensor]],
+        parts: Sequence[tuple[Any, ...]],
+    ) -> dict[str, tf.Tensor]:
         """Traced: the step of ``key`` (built by ``program``) on each replica's ``parts``, ``cut`` into its
         arrays on its own device; each named scalar summed onto the first replica's device."""
         fn = self._fns[(jit_compile, key)]
@@ -202,4 +240,3 @@ class Replicas:
 def replica_scope(replicas: Replicas | None) -> Any:
     """``replicas.scope()``, or a no-op for one replica."""
     return replicas.scope() if replicas is not None else nullcontext()
-

@@ -34,7 +34,7 @@ __all__ = ["StepTrials"]
 
 log = logging.getLogger(__name__)
 
-_TIMED_STEPS = 3   # per trial after the compiling one; the median ignores one outlier (a GC pause)
+_TIMED_STEPS = 3  # per trial after the compiling one; the median ignores one outlier (a GC pause)
 
 
 @contextmanager
@@ -57,8 +57,15 @@ class StepTrials:
         jit_mode: "xla" or "graph" decided earlier (``jit.remembered_mode``); None = as ``model.jit_compile``.
     """
 
-    def __init__(self, cfg: PipelineConfig, bucket_set: BucketSet, manifest: Manifest, *, on_gpu: bool,
-                 jit_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        bucket_set: BucketSet,
+        manifest: Manifest,
+        *,
+        on_gpu: bool,
+        jit_mode: str | None = None,
+    ) -> None:
         from melfeed.consumer.train.model import StepSpec
         from melfeed.consumer.train.replicas import Replicas, replica_scope
         from melfeed.consumer.train.step import build_step
@@ -72,13 +79,14 @@ class StepTrials:
         setting = cfg.model.jit_compile
         self._jit: str | bool = setting if jit_mode is None or setting != "auto" else jit_mode == "xla"
         self._configured = self._jit
-        if not on_gpu:      # an XLA compile per trial costs 15-60 s on a small CPU: graph mode, unless it fails
+        if not on_gpu:  # an XLA compile per trial costs 15-60 s on a small CPU: graph mode, unless it fails
             self._jit = False
         self.trials_run = 0
 
     def __call__(self, bucket: Bucket, rows: int) -> Trial:
         """One trial: ``bucket``'s shape at ``rows`` rows (on the CPU in graph mode, or as configured if that fails)."""
         from melfeed.shared.errors import StepError
+
         with _quiet_compiles():
             try:
                 return self._trial(bucket, rows)
@@ -93,17 +101,25 @@ class StepTrials:
         import tensorflow as tf
 
         from melfeed.consumer.train.step import CompiledStep
+
         shaped = dataclasses.replace(bucket, batch_size=rows)
         batch = sample_batch(self._set, self._manifest, shaped)
         self.trials_run += 1
         if self.on_gpu:
             tf.config.experimental.reset_memory_stats("GPU:0")
         try:
-            compiled = CompiledStep(self._step, [shaped.shapes()], jit_compile=self._jit, factory=self._cfg.model.step,
-                                    remembered="xla" if self._jit == "auto" else None, replicas=self._replicas,
-                                    extras=self._manifest.schema.extras, mel_dtype=self._cfg.transport.mel_dtype)
+            compiled = CompiledStep(
+                self._step,
+                [shaped.shapes()],
+                jit_compile=self._jit,
+                factory=self._cfg.model.step,
+                remembered="xla" if self._jit == "auto" else None,
+                replicas=self._replicas,
+                extras=self._manifest.schema.extras,
+                mel_dtype=self._cfg.transport.mel_dtype,
+            )
             compiled.warm_up([batch])
-            self._jit = compiled.mode == "xla"      # the next trials compile in the mode this one settled
+            self._jit = compiled.mode == "xla"  # the next trials compile in the mode this one settled
             if self.on_gpu:
                 peak = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
                 log.debug("auto rows: bucket %d rows=%d peak_mb=%.0f", bucket.index, rows, peak / 2**20)
@@ -122,6 +138,7 @@ class StepTrials:
         import tensorflow as tf
 
         from melfeed.consumer.train.outputs import read_outputs
+
         tensors = {k: tf.constant(v) for k, v in arrays.items()}
         variables = self._step.variables()
         saved = [v.numpy() for v in variables]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 __all__ = ["RowsChoice", "Trial", "candidate_rows", "fastest_rows", "largest_fitting_rows", "pick_fastest"]
 
-_PATIENCE = 2   # sizes in a row below the best throughput before doubling stops (one slow trial is noise)
+_PATIENCE = 2  # sizes in a row below the best throughput before doubling stops (one slow trial is noise)
 # A step this long has amortised its fixed cost per step (dispatch, host sync: milliseconds) to well under 1 %, so
 # doubling again buys almost nothing and costs the longest trials of the search: doubling stops there.
 _LONG_STEP_S = 1.0
@@ -47,7 +47,7 @@ class RowsChoice:
 
     rows: int
     trials: tuple[Trial, ...]
-    rule: str                 # "throughput" or "memory"
+    rule: str  # "throughput" or "memory"
 
     @property
     def largest_fitting(self) -> int:
@@ -76,8 +76,9 @@ def pick_fastest(trials: list[Trial], share: float = 0.95) -> int:
     return min(t.rows for t in trials if t.rows_per_s >= share * best)
 
 
-def fastest_rows(trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, share: float = 0.95,
-                 long_step_s: float = _LONG_STEP_S) -> RowsChoice:
+def fastest_rows(
+    trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, share: float = 0.95, long_step_s: float = _LONG_STEP_S
+) -> RowsChoice:
     """Double the rows while throughput still grows (or has fallen behind the best fewer than ``_PATIENCE`` times);
     stop at the cap, at the first trial that does not fit, or after a step of ``long_step_s`` or more; keep
     ``pick_fastest``."""
@@ -97,8 +98,14 @@ def fastest_rows(trial: Callable[[int], Trial], cap_rows: int, unit: int = 1, sh
     return RowsChoice(pick_fastest(trials, share), tuple(trials), "throughput")
 
 
-def largest_fitting_rows(trial: Callable[[int], Trial], cap_rows: int, limit_bytes: int, unit: int = 1,
-                         tolerance: float = 0.05, known_fit: int = 0) -> RowsChoice:
+def largest_fitting_rows(
+    trial: Callable[[int], Trial],
+    cap_rows: int,
+    limit_bytes: int,
+    unit: int = 1,
+    tolerance: float = 0.05,
+    known_fit: int = 0,
+) -> RowsChoice:
     """The most rows (a multiple of ``unit``, at most the cap) whose trial fits with a peak under ``limit_bytes``.
 
     ``known_fit``: rows known to fit without a trial (a longer bucket's choice: a shorter one needs less memory
@@ -111,7 +118,7 @@ def largest_fitting_rows(trial: Callable[[int], Trial], cap_rows: int, limit_byt
         trials.append(t)
         return t.fits and (t.peak_bytes is None or t.peak_bytes <= limit_bytes)
 
-    low, high = known_fit, None   # the largest rows seen to fit, the smallest seen not to (None: none yet)
+    low, high = known_fit, None  # the largest rows seen to fit, the smallest seen not to (None: none yet)
     sizes = candidate_rows(cap_rows, unit, start=2 * known_fit) if known_fit else candidate_rows(cap_rows, unit)
     for rows in (r for r in sizes if r > known_fit):
         if not fits(rows):

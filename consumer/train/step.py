@@ -40,14 +40,14 @@ import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.axes import cut_to_longest, program_inputs, token_axis_of
-from melfeed.consumer.train.inputs import Shapes as _Shapes   # one program's key
-from melfeed.consumer.train.factory import build_step, load_step_factory   # re-exported: callers import them here
-from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_call, input_dtypes, unlisted_variables
 from melfeed.consumer.train.describe import describe_tf_error
+from melfeed.consumer.train.factory import build_step, load_step_factory  # re-exported: callers import them here
+from melfeed.consumer.train.inputs import Shapes as _Shapes  # one program's key
+from melfeed.consumer.train.inputs import accepted_extras, bucket_key, check_call, input_dtypes, unlisted_variables
 from melfeed.consumer.train.jit import JitChoice, choose_mode, stably_named
 from melfeed.consumer.train.model import TrainStep
-from melfeed.consumer.train.preflight import BucketOutOfMemory, is_out_of_memory
 from melfeed.consumer.train.outputs import StepOutputError, normalize_outputs, python_at_trace
+from melfeed.consumer.train.preflight import BucketOutOfMemory, is_out_of_memory
 from melfeed.consumer.train.replicas import Replicas
 from melfeed.consumer.train.rows import ROW_INPUTS, row_inputs, row_inputs_taken
 from melfeed.consumer.train.warm_inputs import WarmInputs
@@ -88,10 +88,19 @@ class CompiledStep:
             start that died compiling this step keeps it in graph mode ("auto") or stops it (True).
     """
 
-    def __init__(self, step: TrainStep, bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]], *,
-                 jit_compile: str | bool = True, factory: str = "step", remembered: str | None = None,
-                 replicas: Replicas | None = None, extras: Sequence[ExtraSpec] = (), mel_dtype: str = "float32",
-                 attempts: XlaAttempts | None = None) -> None:
+    def __init__(
+        self,
+        step: TrainStep,
+        bucket_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+        *,
+        jit_compile: str | bool = True,
+        factory: str = "step",
+        remembered: str | None = None,
+        replicas: Replicas | None = None,
+        extras: Sequence[ExtraSpec] = (),
+        mel_dtype: str = "float32",
+        attempts: XlaAttempts | None = None,
+    ) -> None:
         if not bucket_shapes:
             raise ValueError("need at least one bucket shape")
         choose_mode(jit_compile)  # ValueError now for an unknown setting, not after compiling
@@ -99,31 +108,46 @@ class CompiledStep:
         self._setting = jit_compile
         self._factory = factory
         self._remembered = remembered if jit_compile == "auto" else None
-        self._attempts = attempts if attempts is not None else XlaAttempts(None, factory)   # None: nothing recorded
-        self._passed = accepted_extras(step, extras)   # extra keys the step takes (consumer/train/inputs.py)
-        self._dtypes = input_dtypes(extras, mel_dtype)    # mel float16 on a float16 wire: the step casts
+        self._attempts = attempts if attempts is not None else XlaAttempts(None, factory)  # None: nothing recorded
+        self._passed = accepted_extras(step, extras)  # extra keys the step takes (consumer/train/inputs.py)
+        self._dtypes = input_dtypes(extras, mel_dtype)  # mel float16 on a float16 wire: the step casts
         if extras:
-            log.info("step %s takes extras %s; not passed: %s", factory, list(self._passed) or "none",
-                     [e.name for e in extras if e.name not in self._passed] or "none")
-        self._extras, self._token_axis = tuple(extras), token_axis_of(step, factory)   # consumer/train/axes.py
-        self._inputs = program_inputs(self._passed, extras, self._token_axis)   # the program's extra inputs
+            log.info(
+                "step %s takes extras %s; not passed: %s",
+                factory,
+                list(self._passed) or "none",
+                [e.name for e in extras if e.name not in self._passed] or "none",
+            )
+        self._extras, self._token_axis = tuple(extras), token_axis_of(step, factory)  # consumer/train/axes.py
+        self._inputs = program_inputs(self._passed, extras, self._token_axis)  # the program's extra inputs
         self._bucket_keys = [bucket_key(s, self._inputs) for s in bucket_shapes]
-        self._row_inputs = row_inputs_taken(step)   # "rows" / "row_mask" keywords (consumer/train/rows.py)
-        check_call(step, factory, self._passed, self._row_inputs,
-                   [*(k for e in extras for k in (e.name, e.length_key) if k is not None), *ROW_INPUTS])
+        self._row_inputs = row_inputs_taken(step)  # "rows" / "row_mask" keywords (consumer/train/rows.py)
+        check_call(
+            step,
+            factory,
+            self._passed,
+            self._row_inputs,
+            [*(k for e in extras for k in (e.name, e.length_key) if k is not None), *ROW_INPUTS],
+        )
         self._mode = "graph" if jit_compile is False else "xla"
         self._choice: JitChoice | None = None
-        self._output_error: StepOutputError | None = None   # set while tracing; see _normalize
+        self._output_error: StepOutputError | None = None  # set while tracing; see _normalize
         self._programs: dict[tuple[str, _Shapes], Callable[..., dict[str, tf.Tensor]]] = {}
         self._traces, self._compiles_after_ready, self._is_ready = 0, 0, False
-        self._warm: WarmInputs | None = None   # during warm_up: each program's warm-up batch (warm_inputs.py)
-        self._compile_files = CompileFiles(active_xla_cache_dir())   # XLA's compiles: new files in its cache
-        self.replicas = replicas   # the programs run on these (consumer/train/replicas.py); None = one device
-        if replicas is not None and (self._row_inputs or self._passed):   # the replicas split the 4 base arrays
-            takes, instead = (("rows / row_mask", "use mel_len > 0 as the row mask") if self._row_inputs else
-                              (f"extra arrays ({', '.join(self._passed)})", "leave them out of __call__"))
-            raise ConfigError(f"a step that takes {takes} cannot run on several replicas yet ({instead}), or set "
-                              "consumer.replicas: 1", path=("consumer", "replicas"))
+        self._warm: WarmInputs | None = None  # during warm_up: each program's warm-up batch (warm_inputs.py)
+        self._compile_files = CompileFiles(active_xla_cache_dir())  # XLA's compiles: new files in its cache
+        self.replicas = replicas  # the programs run on these (consumer/train/replicas.py); None = one device
+        if replicas is not None and (self._row_inputs or self._passed):  # the replicas split the 4 base arrays
+            takes, instead = (
+                ("rows / row_mask", "use mel_len > 0 as the row mask")
+                if self._row_inputs
+                else (f"extra arrays ({', '.join(self._passed)})", "leave them out of __call__")
+            )
+            raise ConfigError(
+                f"a step that takes {takes} cannot run on several replicas yet ({instead}), or set "
+                "consumer.replicas: 1",
+                path=("consumer", "replicas"),
+            )
 
     @property
     def factory(self) -> str:
@@ -153,7 +177,7 @@ class CompiledStep:
 
     @property
     def mode(self) -> str:
-        """"xla" or "graph": how the programs are compiled (settled by ``warm_up()``)."""
+        """ "xla" or "graph": how the programs are compiled (settled by ``warm_up()``)."""
         return self._mode
 
     @property
@@ -180,9 +204,13 @@ class CompiledStep:
         if program is None:
             if self.replicas is not None:
                 program = self.replicas.program(
-                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])), key,
-                    [self._dtypes[n] for n in _ARG_ORDER], _ARG_ORDER, jit_compile=self._mode == "xla",
-                    on_trace=lambda: self._on_trace(key))
+                    lambda *args: self._normalize(self._step(*self._step_args(_ARG_ORDER, args)[0])),
+                    key,
+                    [self._dtypes[n] for n in _ARG_ORDER],
+                    _ARG_ORDER,
+                    jit_compile=self._mode == "xla",
+                    on_trace=lambda: self._on_trace(key),
+                )
                 self._programs[(self._mode, key)] = program
                 return program
             names = (*_ARG_ORDER, *self._inputs)
@@ -199,14 +227,18 @@ class CompiledStep:
 
             # The concrete function of the fixed signature (traced here, once): calling it skips
             # tf.function's per-call signature matching (docs/performance.md, "Step dispatch").
-            label = f"step_{self._mode}_{'x'.join(map(str, key[0]))}"   # the bucket's mel shape
-            program = stably_named(tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature
-                                               ).get_concrete_function(), label)
+            label = f"step_{self._mode}_{'x'.join(map(str, key[0]))}"  # the bucket's mel shape
+            program = stably_named(
+                tf.function(traced, jit_compile=self._mode == "xla", input_signature=signature).get_concrete_function(),
+                label,
+            )
             self._programs[(self._mode, key)] = program
         return program
 
     @python_at_trace  # runs at trace time; its ops are traced as written
-    def _step_args(self, names: Sequence[str], args: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+    def _step_args(
+        self, names: Sequence[str], args: Sequence[tf.Tensor]
+    ) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
         """The step's base arrays and extras from a program's inputs: with ``token_axis`` "longest" in graph mode,
         the token axis cut to the batch's longest row (consumer/train/axes.py)."""
         arrays = dict(zip(names, args))
@@ -220,8 +252,12 @@ class CompiledStep:
         shapes = dict(zip((*_ARG_ORDER, *self._inputs), key))
         if self._is_ready:
             self._compiles_after_ready += 1
-            log.warning("compiling a new step program after warm-up shapes=%s mode=%s compiles_after_ready=%d",
-                        shapes, self._mode, self._compiles_after_ready)
+            log.warning(
+                "compiling a new step program after warm-up shapes=%s mode=%s compiles_after_ready=%d",
+                shapes,
+                self._mode,
+                self._compiles_after_ready,
+            )
         else:
             log.debug("tracing step program shapes=%s mode=%s", shapes, self._mode)
 
@@ -234,8 +270,9 @@ class CompiledStep:
             self._output_error = err
             raise
 
-    def warm_up(self, batches: Sequence[WarmBatch] | None = None,
-                run_bucket: Callable[[int], None] | None = None) -> float:
+    def warm_up(
+        self, batches: Sequence[WarmBatch] | None = None, run_bucket: Callable[[int], None] | None = None
+    ) -> float:
         """Settle the compile mode, compile every bucket's program, then restore every variable.
 
         Each program is executed on its bucket's warm-up batch to force the compile (and, with "auto", a few
@@ -258,9 +295,10 @@ class CompiledStep:
             ConfigError: the step's return value breaks the contract (``model.step``).
         """
         variables = self._step.variables()
-        saved = [v.numpy() for v in variables]   # host copies: a device snapshot could alias what warm-up updates
-        self._warm = WarmInputs(self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes,
-                                bool(self._row_inputs), batches, run_bucket)
+        saved = [v.numpy() for v in variables]  # host copies: a device snapshot could alias what warm-up updates
+        self._warm = WarmInputs(
+            self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes, bool(self._row_inputs), batches, run_bucket
+        )
         started = time.perf_counter()
         try:
             choice = self._settle_mode()
@@ -268,12 +306,14 @@ class CompiledStep:
         except StepError as err:
             if self._dtypes["mel"] != tf.float16:
                 raise
-            raise StepError(self._factory, f"{err.reason} (mel is float16 here, transport.mel_dtype: float16: "
-                                           "cast it in the step, tf.cast(mel, tf.float32); docs/guide/your-model.md)") from err
+            raise StepError(
+                self._factory,
+                f"{err.reason} (mel is float16 here, transport.mel_dtype: float16: "
+                "cast it in the step, tf.cast(mel, tf.float32); docs/guide/your-model.md)",
+            ) from err
         except Exception as err:
-            if self._output_error is not None:   # whatever TensorFlow wrapped it in
-                raise ConfigError(str(self._output_error), path=("model", "step"), got=self._factory
-                                  ) from err
+            if self._output_error is not None:  # whatever TensorFlow wrapped it in
+                raise ConfigError(str(self._output_error), path=("model", "step"), got=self._factory) from err
             raise
         finally:
             for var, value in zip(variables, saved):
@@ -282,13 +322,19 @@ class CompiledStep:
         compile_s = time.perf_counter() - started
         self._choice, self._is_ready = choice, True
         self._compile_files.mark()
-        log.info("step compiled buckets=%d traces=%d compile_s=%.2f jit_compile=%s (%s)",
-                 len(set(self._bucket_keys)), self._traces, compile_s, self._mode, choice.reason)
+        log.info(
+            "step compiled buckets=%d traces=%d compile_s=%.2f jit_compile=%s (%s)",
+            len(set(self._bucket_keys)),
+            self._traces,
+            compile_s,
+            self._mode,
+            choice.reason,
+        )
         return compile_s
 
     def _warn_unlisted(self, before: Sequence[object]) -> None:
         """One WARNING for variables the programs use that warm-up could not put back (``unlisted_variables``)."""
-        used = [v for p in self._programs.values() for v in getattr(p, "variables", ())]   # concrete functions
+        used = [v for p in self._programs.values() for v in getattr(p, "variables", ())]  # concrete functions
         wrong = unlisted_variables(used, before, self._step.variables())
         if wrong:
             log.warning("model.step %s: warm-up changed variables it could not put back: %s", self._factory, wrong)
@@ -297,35 +343,36 @@ class CompiledStep:
         if self._setting is False or self._remembered == "graph":
             self._compile_all("graph")
             return choose_mode(self._setting, remembered=self._remembered)
-        crashed = self._attempts.crash_choice(self._setting, self._factory)   # an earlier start died compiling
+        crashed = self._attempts.crash_choice(self._setting, self._factory)  # an earlier start died compiling
         if crashed is not None:
             self._choice = crashed
             self._compile_all("graph")
             return crashed
         try:
             self._compile_all("xla")
-        except Exception as err:    # user code under XLA: TensorFlow raises many types; all are reported
+        except Exception as err:  # user code under XLA: TensorFlow raises many types; all are reported
             if self._output_error is not None or isinstance(err, BucketOutOfMemory):
-                raise               # the contract is broken, or memory: graph mode would fail the same way
+                raise  # the contract is broken, or memory: graph mode would fail the same way
             reason = describe_tf_error(err)
             if self._setting is True:
-                raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): "
-                                               f"{reason}") from err
+                raise StepError(self._factory, f"XLA cannot compile the step (jit_compile: true): {reason}") from err
             log.warning("XLA cannot compile the step of %s, using graph mode: %s", self._factory, reason)
-            self._choice = choose_mode("auto", xla_error=reason)   # kept (jit_reason) if graph mode fails too
+            self._choice = choose_mode("auto", xla_error=reason)  # kept (jit_reason) if graph mode fails too
             self._compile_all("graph")
             return self._choice
         if self._setting is True or self._remembered == "xla":
             return choose_mode(self._setting, remembered=self._remembered)
-        if self.replicas is not None and self.replicas.multi_worker:   # timings differ per rank: no timing
+        if self.replicas is not None and self.replicas.multi_worker:  # timings differ per rank: no timing
             return JitChoice("xla", "XLA compiled (not timed: every rank of a multi-worker job must pick the same)")
         key = max(dict.fromkeys(self._bucket_keys), key=lambda k: int(np.prod(k[0])))  # largest mel
         xla_times = self._time_calls(key)
         try:
             self._compile_all("graph", only=key)
-        except StepError as err:    # XLA ran this batch: a check of the step's own (XLA drops tf.debugging asserts)
-            log.warning("jit_compile auto: %s; using XLA, which compiled and ran it (XLA does not run "
-                        "tf.debugging assertions)", err.reason)
+        except StepError as err:  # XLA ran this batch: a check of the step's own (XLA drops tf.debugging asserts)
+            log.warning(
+                "jit_compile auto: %s; using XLA, which compiled and ran it (XLA does not run tf.debugging assertions)",
+                err.reason,
+            )
             self._mode, self._programs = "xla", {k: v for k, v in self._programs.items() if k[0] == "xla"}
             return JitChoice("xla", "graph mode fails on the warm-up batch, XLA compiled and ran it")
         choice = choose_mode("auto", xla_times_s=xla_times, graph_times_s=self._time_calls(key))
@@ -342,17 +389,23 @@ class CompiledStep:
         self._mode = mode
         for key in [only] if only is not None else dict.fromkeys(self._bucket_keys):
             try:
-                with self._attempts.compiling(f"bucket {dict(zip((*_ARG_ORDER, *self._passed), key))}"
-                                              ) if mode == "xla" else nullcontext():
+                with (
+                    self._attempts.compiling(f"bucket {dict(zip((*_ARG_ORDER, *self._passed), key))}")
+                    if mode == "xla"
+                    else nullcontext()
+                ):
                     for run in self._warm_runs(key, every_bucket=only is None):
                         run()
             except Exception as err:  # see _settle_mode; graph mode has no fallback
-                if is_out_of_memory(err):   # the pre-flight's one line (consumer/train/preflight.py)
+                if is_out_of_memory(err):  # the pre-flight's one line (consumer/train/preflight.py)
                     raise BucketOutOfMemory(self._bucket_keys.index(key)) from err
                 if mode == "xla" or self._output_error is not None:
                     raise
-                on = (f" on the warm-up batch ({self._warm_or_padding().inputs(key)[1]})"
-                      if isinstance(err, tf.errors.OpError) else "")   # it ran: the data is what it failed on
+                on = (
+                    f" on the warm-up batch ({self._warm_or_padding().inputs(key)[1]})"
+                    if isinstance(err, tf.errors.OpError)
+                    else ""
+                )  # it ran: the data is what it failed on
                 raise StepError(self._factory, f"the step fails in graph mode{on}: {describe_tf_error(err)}") from err
 
     def _time_calls(self, key: _Shapes) -> list[float]:
@@ -366,14 +419,15 @@ class CompiledStep:
         return times
 
     def _warm_runs(self, key: _Shapes, every_bucket: bool) -> list[Callable[[], None]]:
-        program = self._program(key)    # traced first: a contract error is raised before anything runs
+        program = self._program(key)  # traced first: a contract error is raised before anything runs
         return self._warm_or_padding().runs(key, program, every_bucket)
 
     def _warm_or_padding(self) -> WarmInputs:
         """``warm_up``'s inputs; outside it (a direct ``_compile_all``), all padding."""
         if self._warm is None:
-            self._warm = WarmInputs(self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes,
-                                    bool(self._row_inputs))
+            self._warm = WarmInputs(
+                self._bucket_keys, (*_ARG_ORDER, *self._inputs), self._dtypes, bool(self._row_inputs)
+            )
         return self._warm
 
     def run(self, bucket: int, batch: Mapping[str, tf.Tensor], rows: int | None = None) -> dict[str, tf.Tensor]:
@@ -389,8 +443,7 @@ class CompiledStep:
         args = [batch[name] for name in names]
         for name, arg in zip(names, args):
             if arg.dtype != self._dtypes[name]:
-                raise TypeError(f"batch[{name!r}] has dtype {arg.dtype.name}, "
-                                f"want {self._dtypes[name].name}")
+                raise TypeError(f"batch[{name!r}] has dtype {arg.dtype.name}, want {self._dtypes[name].name}")
         key = tuple(tuple(arg.shape) for arg in args)
         if key != expected:
             log.debug("bucket %d got shapes %s, want %s", bucket, key, expected)

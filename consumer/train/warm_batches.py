@@ -44,10 +44,10 @@ class WarmBatch:
     """One bucket's warm-up batch: its region in the ring's slot layout and the arrays in it."""
 
     bucket: int
-    batch_id: int | None                   # the planned batch read; None: the bucket's own samples (no full one planned)
-    rows: int                              # real rows: the bucket's rows B (0 for a bucket without samples)
-    region: npt.NDArray[np.uint8]          # uint8 [layout_nbytes(bucket)], 64-byte aligned
-    arrays: dict[str, npt.NDArray[Any]]    # views of ``region``, ``Bucket.shapes()`` keys
+    batch_id: int | None  # the planned batch read; None: the bucket's own samples (no full one planned)
+    rows: int  # real rows: the bucket's rows B (0 for a bucket without samples)
+    region: npt.NDArray[np.uint8]  # uint8 [layout_nbytes(bucket)], 64-byte aligned
+    arrays: dict[str, npt.NDArray[Any]]  # views of ``region``, ``Bucket.shapes()`` keys
 
     def describe(self) -> str:
         """Which batch this is, for log lines and error messages."""
@@ -83,8 +83,7 @@ def sample_batch(bucket_set: BucketSet, manifest: Manifest, bucket: Bucket) -> W
     return _read(manifest, bucket, None, samples)
 
 
-def _first_full_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]
-                               ) -> dict[int, PlannedBatch]:
+def _first_full_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]) -> dict[int, PlannedBatch]:
     """Per bucket, its first full batch in one epoch's worth of the plan from ``start_batch`` on (``batch_rows``:
     each bucket's rows B); a bucket with none is left out."""
     full: dict[int, PlannedBatch] = {}

@@ -37,9 +37,15 @@ class WarmInputs:
             programs are the ones trained with.
     """
 
-    def __init__(self, keys: Sequence[_Shapes], names: Sequence[str], dtypes: Mapping[str, tf.DType],
-                 takes_rows: bool, batches: Sequence[Any] | None = None,
-                 run_bucket: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        keys: Sequence[_Shapes],
+        names: Sequence[str],
+        dtypes: Mapping[str, tf.DType],
+        takes_rows: bool,
+        batches: Sequence[Any] | None = None,
+        run_bucket: Callable[[int], None] | None = None,
+    ) -> None:
         if batches is not None and len(batches) != len(keys):
             raise ValueError(f"need one warm-up batch per bucket ({len(keys)}), got {len(batches)}")
         self._keys, self._names, self._dtypes, self._takes_rows = list(keys), tuple(names), dtypes, takes_rows
@@ -61,6 +67,7 @@ class WarmInputs:
 
             def run_own() -> None:
                 read_outputs(program(*args))
+
             return [run_own]
         buckets = [i for i, k in enumerate(self._keys) if k == key]
         return [functools.partial(self._run_bucket, i) for i in (buckets if every_bucket else buckets[:1])]

@@ -40,8 +40,8 @@ __all__ = ["ATTEMPTS_NAME", "XlaAttempts", "step_key"]
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS_NAME = "xla_attempts.json"   # in consumer.state_dir
-_HASH_CHARS = 12                      # 48 bits: two parameter sets of one state directory never meet
+ATTEMPTS_NAME = "xla_attempts.json"  # in consumer.state_dir
+_HASH_CHARS = 12  # 48 bits: two parameter sets of one state directory never meet
 
 
 def step_key(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> str:
@@ -51,8 +51,10 @@ def step_key(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> s
     cache = active_xla_cache_dir(environ)
     flags = [environ.get("TF_XLA_FLAGS", ""), environ.get("XLA_FLAGS", "")]
     params = json.dumps(cfg.model.params, sort_keys=True, default=str)
-    return (f"{cfg.model.step} params {_short_hash(params)} xla "
-            f"{cache.name if cache is not None else 'flags' + _short_hash(json.dumps(flags))}")
+    return (
+        f"{cfg.model.step} params {_short_hash(params)} xla "
+        f"{cache.name if cache is not None else 'flags' + _short_hash(json.dumps(flags))}"
+    )
 
 
 def _short_hash(text: str) -> str:
@@ -73,7 +75,7 @@ class XlaAttempts:
         self._doc: dict[str, Any] = {"open": None, "crashed": []}
         if self._path is not None:
             self._doc = _read(self._path)
-            if self._doc["open"] is not None:    # the last start died compiling it
+            if self._doc["open"] is not None:  # the last start died compiling it
                 self._doc["crashed"].append(self._doc["open"])
                 self._doc["open"] = None
                 self._write()
@@ -87,8 +89,10 @@ class XlaAttempts:
         found = [a for a in self._doc["crashed"] if isinstance(a, dict) and a.get("step") == self._step]
         if not found:
             return None
-        return (f"an earlier start died compiling it with XLA ({found[-1].get('program')}; {self._path}: delete "
-                "it to try XLA again)")
+        return (
+            f"an earlier start died compiling it with XLA ({found[-1].get('program')}; {self._path}: delete "
+            "it to try XLA again)"
+        )
 
     def crash_choice(self, setting: str | bool, factory: str) -> JitChoice | None:
         """Graph mode (with one WARNING) when ``crash_reason`` says XLA is not tried, else None; ``StepError``
@@ -124,9 +128,12 @@ class XlaAttempts:
             _fsync(tmp, os.O_RDONLY)
             os.replace(tmp, self._path)
             _fsync(self._path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as err:   # not fatal: only a crash of XLA in this start would then go unnoticed
-            log.warning("cannot write %s: %s; an XLA compile that kills the process would not be remembered",
-                        self._path, err.strerror)
+        except OSError as err:  # not fatal: only a crash of XLA in this start would then go unnoticed
+            log.warning(
+                "cannot write %s: %s; an XLA compile that kills the process would not be remembered",
+                self._path,
+                err.strerror,
+            )
 
 
 def _fsync(path: Path, flags: int) -> None:
@@ -150,5 +157,7 @@ def _read(path: Path) -> dict[str, Any]:
         log.warning("ignoring %s: not a JSON object", path)
         return {"open": None, "crashed": []}
     crashed = doc.get("crashed")
-    return {"open": doc.get("open") if isinstance(doc.get("open"), dict) else None,
-            "crashed": crashed if isinstance(crashed, list) else []}
+    return {
+        "open": doc.get("open") if isinstance(doc.get("open"), dict) else None,
+        "crashed": crashed if isinstance(crashed, list) else [],
+    }

@@ -37,7 +37,7 @@ __all__ = ["ConnectionCount", "ConnectionGuard"]
 
 log = logging.getLogger(__name__)
 
-_LOG_INTERVAL_S = 5.0       # one WARNING per interval however fast a peer reconnects
+_LOG_INTERVAL_S = 5.0  # one WARNING per interval however fast a peer reconnects
 _MAX_EVENTS_PER_WAKE = 4096  # > a burst of accepts between two polls; bounds one wake of the receiver
 
 
@@ -47,7 +47,7 @@ class ConnectionCount:
     def __init__(self, max_connections: int) -> None:
         self.max_connections = max_connections
         self._open: set[int] = set()
-        self.refused = 0                    # connections cut because the bound was reached
+        self.refused = 0  # connections cut because the bound was reached
 
     @property
     def open(self) -> int:
@@ -76,8 +76,9 @@ class ConnectionGuard:
         clock: monotonic seconds (the rate limit of the warning).
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], endpoint: str, max_connections: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], endpoint: str, max_connections: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.count = ConnectionCount(max_connections)
         self._sock = sock
         self._endpoint = endpoint
@@ -105,17 +106,21 @@ class ConnectionGuard:
 
     def _cut(self, fd: int) -> None:
         if _is_ours(fd, self._local):
-            conn = socket.socket(fileno=fd)     # wraps libzmq's descriptor: shut down, never closed here
+            conn = socket.socket(fileno=fd)  # wraps libzmq's descriptor: shut down, never closed here
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass                            # already gone: libzmq reports the disconnect anyway
+                pass  # already gone: libzmq reports the disconnect anyway
             finally:
                 conn.detach()
         now = self._clock()
         if now >= self._log_s:
-            log.warning("%s: %d connections open, the bound (transport.max_connections); cut a new one, "
-                        "%d cut so far", escape_line(self._endpoint), self.count.open, self.count.refused)
+            log.warning(
+                "%s: %d connections open, the bound (transport.max_connections); cut a new one, %d cut so far",
+                escape_line(self._endpoint),
+                self.count.open,
+                self.count.refused,
+            )
             self._log_s = now + _LOG_INTERVAL_S
 
     def close(self) -> None:
@@ -141,7 +146,7 @@ def _is_ours(fd: int, local: int | str) -> bool:
     try:
         probe = socket.socket(fileno=fd)
     except OSError:
-        return False                            # not a socket (a file reopened on that number)
+        return False  # not a socket (a file reopened on that number)
     try:
         name = probe.getsockname()
         if probe.type != socket.SOCK_STREAM:

@@ -34,11 +34,11 @@ __all__ = ["EndpointLock", "lock_endpoint", "remove_stale_endpoints"]
 
 log = logging.getLogger(__name__)
 
-_LOCK_MODE = 0o660       # the service group may read who holds it; nobody else (the directory is 0770)
+_LOCK_MODE = 0o660  # the service group may read who holds it; nobody else (the directory is 0770)
 _MAX_PID_BYTES = 32
 _LOCK_SUFFIX = ".lock"
-_STALE_SUFFIX = ".sock.lock"   # what the start-up sweep looks at (our endpoint names end in .sock)
-_MAX_LOCK_TRIES = 8      # each retry means another process removed the file between our open and flock
+_STALE_SUFFIX = ".sock.lock"  # what the start-up sweep looks at (our endpoint names end in .sock)
+_MAX_LOCK_TRIES = 8  # each retry means another process removed the file between our open and flock
 # A lock held with no pid line yet is a start-up sweep of another consumer in the same directory
 # (``remove_stale_endpoints`` takes an empty lock for a moment), or a consumer between its flock and its
 # pid line: wait for it this long before calling the endpoint taken.
@@ -67,9 +67,12 @@ class EndpointLock:
             return []
         removed = []
         if remove_files:
-            removed = [p for p, is_socket in ((self.socket_path, True), (self.path, False))
-                       if _unlink_if_ours(p, want_socket=is_socket)]
-        os.close(self._fd)          # closing the only descriptor drops the flock
+            removed = [
+                p
+                for p, is_socket in ((self.socket_path, True), (self.path, False))
+                if _unlink_if_ours(p, want_socket=is_socket)
+            ]
+        os.close(self._fd)  # closing the only descriptor drops the flock
         self._fd = -1
         return removed
 
@@ -82,7 +85,7 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
             cannot be opened (names the file and the config ``key``).
     """
     address = endpoint.removeprefix("ipc://")
-    if address == endpoint or address.startswith("@"):   # tcp, or an abstract socket (never unlinked)
+    if address == endpoint or address.startswith("@"):  # tcp, or an abstract socket (never unlinked)
         return None
     _refuse_non_socket(Path(address), endpoint, key)
     path = Path(address + _LOCK_SUFFIX)
@@ -96,10 +99,13 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
             holder = _read_pid(fd)
             os.close(fd)
             if holder == "?" and time.monotonic() < no_pid_until_s:
-                time.sleep(_NO_PID_POLL_S)   # a sweeper, or a consumer between its flock and its pid line
+                time.sleep(_NO_PID_POLL_S)  # a sweeper, or a consumer between its flock and its pid line
                 continue
-            raise ConfigError(f"another consumer (pid {holder}) is running on {endpoint} (lock {path}); "
-                              "stop it or use another runtime directory", path=key) from None
+            raise ConfigError(
+                f"another consumer (pid {holder}) is running on {endpoint} (lock {path}); "
+                "stop it or use another runtime directory",
+                path=key,
+            ) from None
         except OSError as err:
             os.close(fd)
             raise ConfigError(f"cannot lock {path}: {err.strerror}", path=key) from err
@@ -107,7 +113,7 @@ def lock_endpoint(endpoint: str, key: tuple[str, ...] = ("transport", "endpoint"
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return EndpointLock(path, fd)
-        os.close(fd)                 # removed by its last holder while we waited: lock the new file
+        os.close(fd)  # removed by its last holder while we waited: lock the new file
         replaced += 1
     raise ConfigError(f"cannot lock {path}: it keeps being replaced", path=key)
 
@@ -122,10 +128,14 @@ def _refuse_non_socket(path: Path, endpoint: str, key: tuple[str, ...]) -> None:
     except OSError as err:
         raise ConfigError(f"cannot use {endpoint}: {err.strerror}", path=key) from err
     if not stat.S_ISSOCK(st.st_mode):
-        kind = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
-                else "a file")
-        raise ConfigError(f"{path} is {kind}, not a socket: binding there would delete it; name a new socket path",
-                          path=key, got=endpoint)
+        kind = (
+            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+        )
+        raise ConfigError(
+            f"{path} is {kind}, not a socket: binding there would delete it; name a new socket path",
+            path=key,
+            got=endpoint,
+        )
 
 
 def remove_stale_endpoints(directory: Path) -> list[Path]:
@@ -137,12 +147,12 @@ def remove_stale_endpoints(directory: Path) -> list[Path]:
         return removed
     for name in names:
         if not name.endswith(_STALE_SUFFIX) or name == _STALE_SUFFIX:
-            continue                 # only melfeed's ``*.sock`` endpoints: never another program's lock
+            continue  # only melfeed's ``*.sock`` endpoints: never another program's lock
         path = directory / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
-            continue                 # a link, gone, or not ours to open
+            continue  # a link, gone, or not ours to open
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not _holds_a_pid(fd):
@@ -150,7 +160,7 @@ def remove_stale_endpoints(directory: Path) -> list[Path]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                continue             # held: a live consumer's socket
+                continue  # held: a live consumer's socket
             if not _names_inode(path, fd):
                 continue
             removed += EndpointLock(path, os.dup(fd)).release(remove_files=True)

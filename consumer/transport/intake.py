@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from melfeed.shared.wire.buckets import Bucket, BucketSet
 from melfeed.shared.errors import ProtocolError
+from melfeed.shared.wire.buckets import Bucket, BucketSet
 from melfeed.shared.wire.protocol import BatchHeader, RejectCode
 
 __all__ = ["check_header", "fill_from_frames", "check_in_place", "check_lengths", "check_extra_lengths"]
@@ -31,28 +31,31 @@ def check_header(hdr: BatchHeader, planned_bucket: int, buckets: BucketSet) -> B
     """The bucket the plan says ``hdr.batch_id`` has, after checking the header's shapes and dtypes."""
     expected = buckets.buckets[planned_bucket]
     if hdr.bucket != planned_bucket or hdr.shapes != [list(s) for s in expected.shapes().values()]:
-        raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: shapes {hdr.shapes} do not match "
-                                              f"bucket {planned_bucket} {list(expected.shapes().values())}")
+        raise ProtocolError(
+            RejectCode.SHAPE,
+            f"batch {hdr.batch_id}: shapes {hdr.shapes} do not match "
+            f"bucket {planned_bucket} {list(expected.shapes().values())}",
+        )
     if hdr.dtypes != list(expected.dtypes().values()):
         raise ProtocolError(RejectCode.DTYPE, f"batch {hdr.batch_id}: dtypes {hdr.dtypes} not allowed")
     return expected
 
 
-def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expected: Bucket,
-                     checksum: bool) -> int:
+def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expected: Bucket, checksum: bool) -> int:
     """Receive the payload frames into ``views`` (a payload lease's slot); returns the bytes taken."""
     if hdr.shm is not None:
         raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: header-only BATCH on a payload lease")
     crc = 0
     n_bytes = 0
-    for key in views:                         # layout order = the header's order (check_header)
+    for key in views:  # layout order = the header's order (check_header)
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: missing frame {key!r}")
         buf = views[key].data.cast("B")
         n = sock.recv_into(buf)
         if n != buf.nbytes:
-            raise ProtocolError(RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, "
-                                                  f"expected {buf.nbytes}")
+            raise ProtocolError(
+                RejectCode.SHAPE, f"batch {hdr.batch_id}: frame {key!r} has {n} bytes, expected {buf.nbytes}"
+            )
         if hdr.crc32 is not None:
             crc = zlib.crc32(buf, crc)
         n_bytes += n
@@ -64,8 +67,7 @@ def fill_from_frames(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, ex
     return n_bytes
 
 
-def check_in_place(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expected: Bucket,
-                   checksum: bool) -> None:
+def check_in_place(sock: zmq.Socket[bytes], views: Views, hdr: BatchHeader, expected: Bucket, checksum: bool) -> None:
     """Check a batch the producer built in a shared-memory slot; the header must come alone."""
     if hdr.shm is None or sock.getsockopt(zmq.RCVMORE):
         raise ProtocolError(RejectCode.FRAMES, f"batch {hdr.batch_id}: payload frames on a shared-memory lease")
@@ -97,6 +99,6 @@ def check_lengths(views: Views, max_frames: int, max_tokens: int, batch_id: int)
 def check_extra_lengths(views: Views, bucket: Bucket, batch_id: int) -> None:
     """Each sequence extra's ``<name>_len`` within 0..S of the bucket: SHAPE otherwise."""
     for spec, padded in zip((e for e in bucket.extras if e.length_key), bucket.seq_lengths):
-        lengths = views[spec.length_key]    # type: ignore[index]
+        lengths = views[spec.length_key]  # type: ignore[index]
         if lengths.min(initial=0) < 0 or lengths.max(initial=0) > padded:
             raise ProtocolError(RejectCode.SHAPE, f"batch {batch_id}: {spec.length_key} outside 0..{padded}")

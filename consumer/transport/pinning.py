@@ -30,13 +30,17 @@ __all__ = ["HostPinner", "cudart_candidates", "host_pinner"]
 
 log = logging.getLogger(__name__)
 
-_HOST_REGISTER_PORTABLE = 1      # cudaHostRegisterPortable: pinned for every CUDA context of the process
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 
 
 def cudart_candidates() -> list[str]:
     """Where a CUDA runtime may be, in the order tried: the nvidia wheels on ``sys.path``, then the system's."""
-    found = [str(p) for entry in sys.path if entry
-             for p in sorted((Path(entry) / "nvidia" / "cuda_runtime" / "lib").glob("libcudart.so*"))]
+    found = [
+        str(p)
+        for entry in sys.path
+        if entry
+        for p in sorted((Path(entry) / "nvidia" / "cuda_runtime" / "lib").glob("libcudart.so*"))
+    ]
     system = ctypes.util.find_library("cudart")
     return found + ([system] if system else []) + ["libcudart.so.12", "libcudart.so"]
 
@@ -45,7 +49,7 @@ class HostPinner:
     """Registers host buffers with the CUDA runtime ``library`` (None: look it up), if it sees a device."""
 
     def __init__(self, library: str | None = None) -> None:
-        self.pinned = 0                               # buffers registered now
+        self.pinned = 0  # buffers registered now
         self._lib: ctypes.CDLL | None = None
         self.status = self._load([library] if library else cudart_candidates())
         quiet = self.status.startswith(("not pinned: no CUDA device", "not pinned: no CUDA runtime"))

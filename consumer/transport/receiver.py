@@ -30,7 +30,13 @@ from pathlib import Path
 import zmq
 
 from melfeed.consumer.flow.credit import LeaseBook
-from melfeed.consumer.flow.decisions import BatchIntake, HandshakeContract, Outgoing, ReceiverStats, ReceiverSessionConfig
+from melfeed.consumer.flow.decisions import (
+    BatchIntake,
+    HandshakeContract,
+    Outgoing,
+    ReceiverSessionConfig,
+    ReceiverStats,
+)
 from melfeed.consumer.flow.ring import BatchRing
 from melfeed.consumer.flow.session import ReceiverSession
 from melfeed.consumer.transport.conn_guard import ConnectionGuard
@@ -47,20 +53,20 @@ __all__ = ["Receiver", "ReceiverConfig", "ReceiverStats", "HandshakeContract"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT_S = 5.0      # > one poll interval plus one 8 MB receive
-_MAX_MSGS_PER_WAKE = 64    # bound one burst so heartbeats and grants still run
+_JOIN_TIMEOUT_S = 5.0  # > one poll interval plus one 8 MB receive
+_MAX_MSGS_PER_WAKE = 64  # bound one burst so heartbeats and grants still run
 _AUTH_LOG_INTERVAL_S = 5.0  # a scanner must not flood the log with refused CURVE handshakes
-_END_LINGER_MS = 200       # the last ``done`` heartbeats (~50 bytes a peer) leave ipc/loopback far sooner
+_END_LINGER_MS = 200  # the last ``done`` heartbeats (~50 bytes a peer) leave ipc/loopback far sooner
 
 
 @dataclass(frozen=True, slots=True)
 class ReceiverConfig:
     """Where the receiver binds and the protocol settings its session runs with."""
 
-    endpoint: str                      # ``ipc://...`` or ``tcp://...``
+    endpoint: str  # ``ipc://...`` or ``tcp://...``
     session: ReceiverSessionConfig
-    curve: ServerKeys | None = None    # CURVE server keys + allow-list; None = plaintext (ipc/loopback)
-    max_connections: int = 64          # open connections beyond this are cut (``conn_guard``)
+    curve: ServerKeys | None = None  # CURVE server keys + allow-list; None = plaintext (ipc/loopback)
+    max_connections: int = 64  # open connections beyond this are cut (``conn_guard``)
     handshake_timeout_s: float = 10.0  # ZMQ_HANDSHAKE_IVL: a connection not through its handshake is dropped
 
 
@@ -75,9 +81,16 @@ class Receiver:
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, cfg: ReceiverConfig, ring: BatchRing, book: LeaseBook,
-                 bucket_set: BucketSet, *, shm: ShmSlots | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: ReceiverConfig,
+        ring: BatchRing,
+        book: LeaseBook,
+        bucket_set: BucketSet,
+        *,
+        shm: ShmSlots | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.endpoint = cfg.endpoint
         self.run_id = cfg.session.run_id
         self._ring = ring
@@ -94,7 +107,7 @@ class Receiver:
         # Set by the loop: its last grant ran out of free slots, so a freed slot must wake it. Read by
         # the step thread in ``slot_freed``; raised before the loop's second look at the ring (see _grant).
         self._slot_wake = False
-        self._applied_through = -1            # written by the step thread, read here
+        self._applied_through = -1  # written by the step thread, read here
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
@@ -130,7 +143,7 @@ class Receiver:
         sock.setsockopt(zmq.MAXMSGSIZE, self._buckets.max_batch_nbytes() + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ivl_ms)   # idle connections do not stay (conn_guard)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ivl_ms)  # idle connections do not stay (conn_guard)
         try:
             if self._curve is not None:
                 # ZAP handler first: libzmq asks it about every CURVE handshake; this thread answers.
@@ -139,7 +152,7 @@ class Receiver:
                 self._zap.bind(ZAP_ENDPOINT)
                 self._curve.apply(sock)
             sock.bind(self.endpoint)
-        except zmq.ZMQError as err:   # port in use, no such directory, address not ours: the operator's to fix
+        except zmq.ZMQError as err:  # port in use, no such directory, address not ours: the operator's to fix
             sock.close()
             if self._zap is not None:
                 self._zap.close()
@@ -170,7 +183,7 @@ class Receiver:
             with self._wake_fd_lock:
                 os.close(self._wake_fd)
                 self._wake_fd = -1
-            self._release_lock(remove_files=self._sock is not None)   # the socket is closed: leave no file
+            self._release_lock(remove_files=self._sock is not None)  # the socket is closed: leave no file
 
     def _release_lock(self, *, remove_files: bool = False) -> None:
         if self._endpoint_lock is not None:
@@ -179,10 +192,10 @@ class Receiver:
 
     def wake(self) -> None:
         """Make the loop run now (a slot was freed or a batch applied). Any thread may call it."""
-        with self._wake_fd_lock:                # never a write to an fd number stop() has given back
+        with self._wake_fd_lock:  # never a write to an fd number stop() has given back
             if self._wake_fd >= 0:
                 try:
-                    os.eventfd_write(self._wake_fd, 1)    # non-blocking: the lock is held for one syscall
+                    os.eventfd_write(self._wake_fd, 1)  # non-blocking: the lock is held for one syscall
                 except OSError:
                     pass
 
@@ -300,10 +313,14 @@ class Receiver:
         if reply[2] != b"200":
             self._auth_denied += 1
             now = self._clock()
-            if now >= self._auth_log_s:        # rate-limited: a scanner must not flood the log
+            if now >= self._auth_log_s:  # rate-limited: a scanner must not flood the log
                 address = request[3].decode(errors="replace") if len(request) > 3 else "?"
-                log.warning("CURVE handshake refused (%s) from %s; %d refused so far", reply[3].decode(errors="replace"),
-                            escape_line(address), self._auth_denied)
+                log.warning(
+                    "CURVE handshake refused (%s) from %s; %d refused so far",
+                    reply[3].decode(errors="replace"),
+                    escape_line(address),
+                    self._auth_denied,
+                )
                 self._auth_log_s = now + _AUTH_LOG_INTERVAL_S
         self._zap.send_multipart(reply)
 
@@ -329,8 +346,7 @@ class Receiver:
         except ProtocolError as err:
             decision = session.on_invalid(ident, err, now)
         else:
-            decision = session.on_message(ident, msg, now, more=bool(sock.getsockopt(zmq.RCVMORE)),
-                                          user_id=user_id)
+            decision = session.on_message(ident, msg, now, more=bool(sock.getsockopt(zmq.RCVMORE)), user_id=user_id)
         if decision.intake is not None:
             try:
                 session.on_batch_taken(decision.intake, self._take_payload(sock, decision.intake))
@@ -350,7 +366,7 @@ class Receiver:
         hdr: BatchHeader = intake.hdr
         expected = check_header(hdr, intake.planned_bucket, self._buckets)
         views = self._ring.views(intake.lease.slot, expected.index)
-        if intake.in_place:        # built in the slot by the producer: the same bytes arrived, without a frame
+        if intake.in_place:  # built in the slot by the producer: the same bytes arrived, without a frame
             check_in_place(sock, views, hdr, expected, self._checksum)
             return sum(int(v.nbytes) for v in views.values())
         return fill_from_frames(sock, views, hdr, expected, self._checksum)

@@ -30,15 +30,15 @@ import numpy as np
 import numpy.typing as npt
 
 from melfeed.consumer.transport.pinning import HostPinner, host_pinner
-from melfeed.shared.errors import ConfigError
 from melfeed.shared.config import TransportConfig
+from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.same_host import SLOT_NAME_RE, is_tmpfs, resolve_shm_dir
 
 __all__ = ["ShmSlots", "clean_stale", "open_ring_files", "open_shm_slots", "resolve_shm_dir", "is_tmpfs"]
 
 log = logging.getLogger(__name__)
 
-_MARGIN_BYTES = 1 << 20        # statvfs rounding and the files' own metadata
+_MARGIN_BYTES = 1 << 20  # statvfs rounding and the files' own metadata
 
 
 def _is_live_python(pid: int) -> bool:
@@ -49,7 +49,7 @@ def _is_live_python(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True                              # someone else's live process: not ours to judge
+        return True  # someone else's live process: not ours to judge
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -92,8 +92,9 @@ class ShmSlots:
         OSError: a file could not be created or its pages reserved (files made so far are removed).
     """
 
-    def __init__(self, directory: Path, n_slots: int, slot_nbytes: int, run_id: int,
-                 pinner: HostPinner | None = None) -> None:
+    def __init__(
+        self, directory: Path, n_slots: int, slot_nbytes: int, run_id: int, pinner: HostPinner | None = None
+    ) -> None:
         self.directory = directory
         self.pinner = pinner if pinner is not None else host_pinner()
         self.slot_nbytes = slot_nbytes
@@ -101,7 +102,7 @@ class ShmSlots:
         self._prefix = f"melfeed-{os.getpid()}-{run_id}"
         self._gens = [0] * n_slots
         self._buffers: list[npt.NDArray[np.uint8] | None] = [None] * n_slots
-        self._private: set[int] = set()         # slots whose new file could not be made (see retire)
+        self._private: set[int] = set()  # slots whose new file could not be made (see retire)
         self._closed = False
         self.retired = 0
         try:
@@ -134,17 +135,22 @@ class ShmSlots:
     def retire(self, slot: int) -> None:
         """Orphan the slot's file (a producer may still write into it) and map a new generation."""
         self._unlink(slot)
-        self._unpin(slot)                       # a LEASED slot: no copy reads it
+        self._unpin(slot)  # a LEASED slot: no copy reads it
         self._gens[slot] += 1
-        self._buffers[slot] = None              # views elsewhere keep the old mapping alive; never close it
+        self._buffers[slot] = None  # views elsewhere keep the old mapping alive; never close it
         self.retired += 1
         try:
             self._buffers[slot] = self._create(slot)
             self._private.discard(slot)
         except OSError as err:
             # Orphaned pages still count against tmpfs until the zombie dies; keep the slot usable.
-            log.warning("cannot create %s in %s (%s); slot %d uses private memory from now on",
-                        self.name(slot), self.directory, os.strerror(err.errno or 0), slot)
+            log.warning(
+                "cannot create %s in %s (%s); slot %d uses private memory from now on",
+                self.name(slot),
+                self.directory,
+                os.strerror(err.errno or 0),
+                slot,
+            )
             self._buffers[slot] = np.frombuffer(mmap.mmap(-1, self.slot_nbytes), dtype=np.uint8)
             self._private.add(slot)
 
@@ -188,8 +194,9 @@ class ShmSlots:
             log.warning("cannot remove %s: %s", self.directory / self.name(slot), err)
 
 
-def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, run_id: int, *,
-                   required: bool = False) -> ShmSlots | None:
+def open_shm_slots(
+    directory: Path, n_slots: int, slot_nbytes: int, run_id: int, *, required: bool = False
+) -> ShmSlots | None:
     """Clean stale files, check room, create the slot files; ``None`` (one WARNING) means use payload frames.
 
     Raises:
@@ -214,16 +221,20 @@ def open_shm_slots(directory: Path, n_slots: int, slot_nbytes: int, run_id: int,
 
 def _give_up(directory: Path, reason: str, required: bool) -> ShmSlots | None:
     if required:
-        raise ConfigError(f"shared-memory dir {directory} {reason}; transport.mode is shm (auto would use "
-                          "payload frames instead)", path=("transport", "shm_dir"))
+        raise ConfigError(
+            f"shared-memory dir {directory} {reason}; transport.mode is shm (auto would use payload frames instead)",
+            path=("transport", "shm_dir"),
+        )
     log.warning("shared-memory dir %s %s; using the ZeroMQ payload path for this run", directory, reason)
     return None
 
 
-def open_ring_files(transport: TransportConfig, endpoint: str, n_slots: int, slot_nbytes: int,
-                    run_id: int) -> ShmSlots | None:
+def open_ring_files(
+    transport: TransportConfig, endpoint: str, n_slots: int, slot_nbytes: int, run_id: int
+) -> ShmSlots | None:
     """Slot files for the shared-memory path, or ``None`` for payload frames (mode zmq, tcp, no room)."""
     if transport.mode == "zmq" or not endpoint.startswith("ipc://"):
         return None
-    return open_shm_slots(resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, run_id,
-                          required=transport.mode == "shm")
+    return open_shm_slots(
+        resolve_shm_dir(transport.shm_dir, endpoint), n_slots, slot_nbytes, run_id, required=transport.mode == "shm"
+    )

@@ -42,23 +42,31 @@ def main() -> None:
     ap.add_argument("--tensorboard", help="TensorBoard log directory: feed figures, and Keras's losses")
     args = ap.parse_args()
     keras.utils.set_random_seed(0)
-    tf.config.experimental.enable_op_determinism()     # the same batches give the same weights, bit for bit
-    cfg = melfeed.config_from_mapping({
-        "cache_dir": args.cache_dir or str(melfeed.demo_cache(300)),
-        "consumer": {"steps": args.steps, "state_dir": args.state_dir, "checkpoint_every_steps": 5}})
-    with melfeed.FitResume(cfg) as resume, \
-            melfeed.Consumer(cfg, start_batch=resume.next_batch, producers=1) as feed:
+    tf.config.experimental.enable_op_determinism()  # the same batches give the same weights, bit for bit
+    cfg = melfeed.config_from_mapping(
+        {
+            "cache_dir": args.cache_dir or str(melfeed.demo_cache(300)),
+            "consumer": {"steps": args.steps, "state_dir": args.state_dir, "checkpoint_every_steps": 5},
+        }
+    )
+    with melfeed.FitResume(cfg) as resume, melfeed.Consumer(cfg, start_batch=resume.next_batch, producers=1) as feed:
         model = TinyTTS(cfg.n_mels)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
         dataset = feed.as_dataset(features=("tokens", "frames"))
         callbacks = [resume.callback(model, feed, dataset)]
         if args.tensorboard:
             callbacks.append(melfeed.FeedBoard(feed, args.tensorboard, every_steps=5).callback())
-            if importlib.util.find_spec("tensorboard") is not None:   # Keras's own writer needs the package
+            if importlib.util.find_spec("tensorboard") is not None:  # Keras's own writer needs the package
                 callbacks.append(keras.callbacks.TensorBoard(args.tensorboard, update_freq=5))
         print(f"starts at batch {resume.next_batch} of {args.steps}", flush=True)
-        model.fit(dataset, epochs=1, steps_per_epoch=args.steps - resume.next_batch, verbose=0, shuffle=False,
-                  callbacks=callbacks)
+        model.fit(
+            dataset,
+            epochs=1,
+            steps_per_epoch=args.steps - resume.next_batch,
+            verbose=0,
+            shuffle=False,
+            callbacks=callbacks,
+        )
     if args.save_weights:
         np.savez(args.save_weights, *[v.numpy() for v in model.weights])
 

@@ -21,15 +21,17 @@ def main() -> None:
     ap.add_argument("--cache-dir", help="a melfeed cache (default: the demo cache, 300 utterances)")
     ap.add_argument("--steps", type=int, default=100, help="batches to train")
     args = ap.parse_args()
-    cfg = melfeed.config_from_mapping({"cache_dir": args.cache_dir or str(melfeed.demo_cache(300)),
-                                       "consumer": {"steps": args.steps}})
-    model = keras.Sequential([keras.layers.Embedding(256, 32), keras.layers.GlobalAveragePooling1D(),
-                              keras.layers.Dense(cfg.n_mels)])          # tokens -> one mel frame for the utterance
+    cfg = melfeed.config_from_mapping(
+        {"cache_dir": args.cache_dir or str(melfeed.demo_cache(300)), "consumer": {"steps": args.steps}}
+    )
+    model = keras.Sequential(
+        [keras.layers.Embedding(256, 32), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(cfg.n_mels)]
+    )  # tokens -> one mel frame for the utterance
     model.build((None, None))
     optimizer = keras.optimizers.Adam(0.01)
     optimizer.build(model.trainable_variables)
 
-    @tf.function   # traced once per bucket shape: the consumer's shapes are fixed
+    @tf.function  # traced once per bucket shape: the consumer's shapes are fixed
     def step(mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
         frames = tf.sequence_mask(mel_len, tf.shape(mel)[1], tf.float32)[..., None]
         with tf.GradientTape() as tape:
@@ -39,11 +41,13 @@ def main() -> None:
         return loss
 
     losses = []
-    with melfeed.Consumer(cfg, producers=1) as feed:   # starts one producer; stops it on leaving
+    with melfeed.Consumer(cfg, producers=1) as feed:  # starts one producer; stops it on leaving
         for batch in feed.batches():
             losses.append(float(step(batch.arrays["mel"], batch.arrays["mel_len"], batch.arrays["tokens"])))
-    print(f"applied {feed.applied} batches ({feed.applied_ids[0]}..{feed.applied_ids[-1]}); "
-          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(
+        f"applied {feed.applied} batches ({feed.applied_ids[0]}..{feed.applied_ids[-1]}); "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
 
 
 if __name__ == "__main__":

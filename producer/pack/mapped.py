@@ -50,7 +50,7 @@ _RECORD = re.compile(r"^pack-fault-(\d{1,10})\.log$")
 _FATAL = b"Fatal Python error: "
 _BUS_ERROR = _FATAL + b"Bus error"
 _RECORD_READ_BYTES = 1 << 16
-_MADV_POPULATE_READ = 22             # Linux 5.14+; EINVAL before: lazy faults only
+_MADV_POPULATE_READ = 22  # Linux 5.14+; EINVAL before: lazy faults only
 
 
 class MappedPack:
@@ -83,14 +83,14 @@ class MappedPack:
         try:
             self._map.close()
         except BufferError:
-            pass                       # an exported slice: the mapping goes with its last reference
+            pass  # an exported slice: the mapping goes with its last reference
         self._map = None
 
 
 def _populate(mapping: mmap.mmap) -> None:
     try:
         mapping.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError) as err:   # an old kernel, a read error (the copy will see it), or closed
+    except (OSError, ValueError) as err:  # an old kernel, a read error (the copy will see it), or closed
         log.debug("pack populate stopped: %s", err)
 
 
@@ -130,14 +130,14 @@ class FaultRecord:
             self.path.unlink(missing_ok=True)
             raise
         self._was_enabled = faulthandler.is_enabled()
-        faulthandler.enable(self._file, all_threads=True)   # a fatal signal's report lands in the record
+        faulthandler.enable(self._file, all_threads=True)  # a fatal signal's report lands in the record
 
     def close(self) -> None:
         if self._file is None:
             return
         faulthandler.disable()
         if self._was_enabled and sys.__stderr__ is not None:
-            faulthandler.enable(sys.__stderr__)     # where ``python -X faulthandler`` reports
+            faulthandler.enable(sys.__stderr__)  # where ``python -X faulthandler`` reports
         self._file.close()
         self._file = None
         self.path.unlink(missing_ok=True)
@@ -166,10 +166,11 @@ def earlier_bus_error(directory: Path, identity: str) -> Path | None:
             found = found or path
             continue
         fatal = rest.find(_FATAL)
-        if fatal >= 0:                 # another fatal signal (or a pack since replaced): say so once, then drop
-            log.warning("producer pid %s died: %s", match.group(1),
-                        rest[fatal:].split(b"\n", 1)[0].decode(errors="replace"))
-        path.unlink(missing_ok=True)   # a SIGKILL's leftover, or a bus error of a pack since replaced
+        if fatal >= 0:  # another fatal signal (or a pack since replaced): say so once, then drop
+            log.warning(
+                "producer pid %s died: %s", match.group(1), rest[fatal:].split(b"\n", 1)[0].decode(errors="replace")
+            )
+        path.unlink(missing_ok=True)  # a SIGKILL's leftover, or a bus error of a pack since replaced
     return found
 
 

@@ -42,7 +42,7 @@ __all__ = ["PackReader", "open_pack_reader"]
 log = logging.getLogger(__name__)
 
 _TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR})
-ExtraRows = Sequence[tuple[str, RowBytes, "list[int] | None"]]   # the assembler's (name, rows, lengths) per extra
+ExtraRows = Sequence[tuple[str, RowBytes, "list[int] | None"]]  # the assembler's (name, rows, lengths) per extra
 
 
 class PackReader:
@@ -53,8 +53,9 @@ class PackReader:
         record: this process's fault record while ``mapped`` is read; closed with the reader.
     """
 
-    def __init__(self, manifest: Manifest, pack: PackFile, mapped: MappedPack | None = None,
-                 record: FaultRecord | None = None) -> None:
+    def __init__(
+        self, manifest: Manifest, pack: PackFile, mapped: MappedPack | None = None, record: FaultRecord | None = None
+    ) -> None:
         self._pack = pack
         self._mapped = mapped
         self._record = record
@@ -67,9 +68,16 @@ class PackReader:
         sizes = pack.layout.parts.sum(axis=1).tolist() if len(manifest) else []
         lengths = [c.rows[:, 0].tolist() for c in manifest.extras]
         has_length = [c.spec.has_length for c in manifest.extras]
-        self._rows = [(offsets[i], sizes[i], u.frames, u.tokens,
-                       tuple(lengths[k][i] if has_length[k] else -1 for k in range(len(lengths))))
-                      for i, u in enumerate(manifest.utterances)]
+        self._rows = [
+            (
+                offsets[i],
+                sizes[i],
+                u.frames,
+                u.tokens,
+                tuple(lengths[k][i] if has_length[k] else -1 for k in range(len(lengths))),
+            )
+            for i, u in enumerate(manifest.utterances)
+        ]
         self._bad = dict(pack.header.bad)
         self._sink = memoryview(bytearray(0))
 
@@ -91,8 +99,11 @@ class PackReader:
         except OSError as err:
             raise TransientReadError(str(self.path), f"cannot stat the open pack ({err.strerror})") from err
         if nbytes != self._nbytes:
-            raise TransientReadError(str(self.path), f"the pack changed size while open ({self._nbytes} -> {nbytes} "
-                                                     "bytes: rewritten in place); restarting to reopen it")
+            raise TransientReadError(
+                str(self.path),
+                f"the pack changed size while open ({self._nbytes} -> {nbytes} "
+                "bytes: rewritten in place); restarting to reopen it",
+            )
 
     def read_row(self, index: int, mel: RowBytes, tokens: RowBytes, extras: ExtraRows, row: int) -> tuple[int, int]:
         """Fill row ``row`` of every array from utterance ``index``'s record; the mel and token lengths kept.
@@ -108,7 +119,7 @@ class PackReader:
         offset, size, frames, n_tokens, extra_lengths = self._rows[index]
         n_mel = frames if frames <= mel.capacity else mel.capacity
         n_tok = n_tokens if n_tokens <= tokens.capacity else tokens.capacity
-        iov = [mel.head(row, n_mel)]        # cut parts all go to the one sink: read and dropped
+        iov = [mel.head(row, n_mel)]  # cut parts all go to the one sink: read and dropped
         if n_mel < frames:
             iov.append(self._skip((frames - n_mel) * mel.item_nbytes))
         iov.append(tokens.head(row, n_tok))
@@ -116,7 +127,7 @@ class PackReader:
             iov.append(self._skip((n_tokens - n_tok) * tokens.item_nbytes))
         kept = []
         for (_, rows, _), length in zip(extras, extra_lengths):
-            if length < 0:                  # an utterance extra: the whole row
+            if length < 0:  # an utterance extra: the whole row
                 iov.append(rows.head(row, rows.capacity))
                 kept.append(1)
                 continue
@@ -127,10 +138,10 @@ class PackReader:
             kept.append(n)
         if self._mapped is not None:
             src, sink, at = self._mapped.view, self._sink.obj, offset
-            for part in iov:            # the size was checked this batch (check_intact): in bounds
+            for part in iov:  # the size was checked this batch (check_intact): in bounds
                 n = part.nbytes
                 if part.obj is not sink:
-                    part[:] = src[at:at + n]
+                    part[:] = src[at : at + n]
                 at += n
         else:
             self._pread(iov, offset, size, index)
@@ -151,9 +162,11 @@ class PackReader:
         except OSError as err:
             cls = TransientReadError if err.errno in _TRANSIENT else CacheError
             raise cls(str(self.path), f"read failed ({err.strerror})") from err
-        if got != size:                 # the pack's fault, not the row's: restart, reopen, refuse it
-            raise TransientReadError(str(self.path), f"short read at record {index}: {got} of {size} bytes (the "
-                                                     "pack was truncated; re-run pack)")
+        if got != size:  # the pack's fault, not the row's: restart, reopen, refuse it
+            raise TransientReadError(
+                str(self.path),
+                f"short read at record {index}: {got} of {size} bytes (the pack was truncated; re-run pack)",
+            )
 
     def _skip(self, nbytes: int) -> memoryview:
         """``nbytes`` of scratch the cut part of a row is read into (and dropped)."""
@@ -162,8 +175,9 @@ class PackReader:
         return self._sink[:nbytes]
 
 
-def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: Path | None = None,
-                     mapped: bool = True) -> PackReader | None:
+def open_pack_reader(
+    manifest: Manifest, mode: str, mel_dtype: str, fault_dir: Path | None = None, mapped: bool = True
+) -> PackReader | None:
     """The pack reader ``producer.pack`` asks for, or None (read the ``.npy`` files); says which in the log.
 
     ``mode`` "off": None. "auto": the cache's pack of ``mel_dtype`` when there is one and it serves this
@@ -176,8 +190,11 @@ def open_pack_reader(manifest: Manifest, mode: str, mel_dtype: str, fault_dir: P
         return None
     path = pack_path(manifest.cache_dir, mel_dtype)
     if not os.path.lexists(path):
-        log.info("no packed cache at %s: reading the .npy files (melfeed pack --cache-dir %s makes one)",
-                 path, manifest.cache_dir)
+        log.info(
+            "no packed cache at %s: reading the .npy files (melfeed pack --cache-dir %s makes one)",
+            path,
+            manifest.cache_dir,
+        )
         return None
     try:
         pack = open_pack(manifest, mel_dtype, path)
@@ -196,14 +213,22 @@ def _map(pack: PackFile, fault_dir: Path | None) -> tuple[MappedPack | None, Fau
     if fault_dir is not None:
         earlier = earlier_bus_error(fault_dir, identity)
         if earlier is not None:
-            log.warning("a producer died of a bus error reading the mapped pack %s (its report: %s): reading it "
-                        "with preadv; a bad disk block is then one row's read error", pack.path, earlier)
+            log.warning(
+                "a producer died of a bus error reading the mapped pack %s (its report: %s): reading it "
+                "with preadv; a bad disk block is then one row's read error",
+                pack.path,
+                earlier,
+            )
             return None, None
     try:
         record = FaultRecord(fault_dir, identity, pack.path) if fault_dir is not None else None
     except OSError as err:
-        log.warning("cannot write the fault record in %s (%s): reading the pack %s with preadv",
-                    fault_dir, err.strerror, pack.path)
+        log.warning(
+            "cannot write the fault record in %s (%s): reading the pack %s with preadv",
+            fault_dir,
+            err.strerror,
+            pack.path,
+        )
         return None, None
     try:
         mapping = MappedPack(pack.fd, os.fstat(pack.fd).st_size)

@@ -38,34 +38,41 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from melfeed.shared.config import PipelineConfig
-from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.producer.prepare.pool import WorkerPool
+from melfeed.producer.prepare.worker import WorkerSpec, WorkItem, WorkResult
 from melfeed.shared.cache.features import RESAMPLER_VERSION, feature_params, read_feature_record, write_feature_record
 from melfeed.shared.cache.filekind import check_cache_dir, make_dirs
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, write_manifest
 from melfeed.shared.cache.npyfile import inspect_npy
-from melfeed.producer.prepare.pool import WorkerPool
-from melfeed.shared.service.progress import Progress, progress_interval_s
-from melfeed.producer.prepare.worker import WorkerSpec, WorkItem, WorkResult
 from melfeed.shared.cache.text import VOCAB_SIZE, VOCABULARY, encode_text
+from melfeed.shared.config import PipelineConfig
+from melfeed.shared.errors import CacheError, ConfigError
+from melfeed.shared.service.progress import Progress, progress_interval_s
 
-__all__ = ["MetadataRow", "PrepareSummary", "read_metadata", "run_prepare", "main_prepare", "worker_count",
-           "debug_delay_s"]
+__all__ = [
+    "MetadataRow",
+    "PrepareSummary",
+    "read_metadata",
+    "run_prepare",
+    "main_prepare",
+    "worker_count",
+    "debug_delay_s",
+]
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 10.0  # a plain progress line this often off a terminal (logs stay short)
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # ids become file names
-_DEBUG_DELAY_MAX_MS = 60_000.0   # --debug-delay-ms (testing): a minute per utterance at most, never a hang
+_DEBUG_DELAY_MAX_MS = 60_000.0  # --debug-delay-ms (testing): a minute per utterance at most, never a hang
 
 
 class MetadataRow(NamedTuple):
     """One usable line of metadata.csv."""
 
     uid: str
-    text: str   # the normalised column if present and non-empty, else the text column
-    line: int   # 1-based line number, for messages
+    text: str  # the normalised column if present and non-empty, else the text column
+    line: int  # 1-based line number, for messages
 
 
 @dataclass(slots=True)
@@ -144,8 +151,11 @@ def _check_record(cache: Path, cfg: PipelineConfig) -> bool:
     record = read_feature_record(cache)
     if record is None:
         if any((cache / sub).is_dir() and any((cache / sub).glob("*.npy")) for sub in ("mels", "tokens")):
-            raise CacheError(cache, "holds .npy files but no features.json: not made by prepare; "
-                                    "use an empty directory (or `index` to adopt it as it is)")
+            raise CacheError(
+                cache,
+                "holds .npy files but no features.json: not made by prepare; "
+                "use an empty directory (or `index` to adopt it as it is)",
+            )
         return False
     for section, values in (("features", features), ("selection", selection)):
         old = record.get(section)
@@ -153,8 +163,11 @@ def _check_record(cache: Path, cfg: PipelineConfig) -> bool:
         for key, value in values.items():
             if old.get(key) != value:
                 path = ("n_mels",) if key == "n_mels" else ("features", key)
-                raise ConfigError(f"cache {cache} was prepared with {old.get(key)!r}, this config has "
-                                  f"{value!r}; use another --cache-dir or the same settings", path=path)
+                raise ConfigError(
+                    f"cache {cache} was prepared with {old.get(key)!r}, this config has "
+                    f"{value!r}; use another --cache-dir or the same settings",
+                    path=path,
+                )
     if record.get("vocabulary") != list(VOCABULARY):
         raise ConfigError(f"cache {cache} was prepared with another vocabulary", path=("vocabulary",))
     return True
@@ -163,8 +176,7 @@ def _check_record(cache: Path, cfg: PipelineConfig) -> bool:
 def _selection(cfg: PipelineConfig) -> dict[str, float | str | None]:
     """Recorded for the resume check only: which clips are kept, and how they are resampled."""
     f = cfg.features
-    return {"min_duration_s": f.min_duration_s, "max_duration_s": f.max_duration_s,
-            "resampler": RESAMPLER_VERSION}
+    return {"min_duration_s": f.min_duration_s, "max_duration_s": f.max_duration_s, "resampler": RESAMPLER_VERSION}
 
 
 def _done_frames(cache: Path, uid: str, tokens: np.ndarray, n_mels: int) -> int:
@@ -175,8 +187,14 @@ def _done_frames(cache: Path, uid: str, tokens: np.ndarray, n_mels: int) -> int:
         same = np.array_equal(np.load(cache / "tokens" / f"{uid}.npy"), tokens)
     except (CacheError, OSError, ValueError):
         return 0
-    ok = (same and mel.dtype == MEL_DTYPES["float32"] and len(mel.shape) == 2 and mel.shape[1] == n_mels
-          and mel.shape[0] > 0 and tok.dtype == TOKEN_DTYPE)
+    ok = (
+        same
+        and mel.dtype == MEL_DTYPES["float32"]
+        and len(mel.shape) == 2
+        and mel.shape[1] == n_mels
+        and mel.shape[0] > 0
+        and tok.dtype == TOKEN_DTYPE
+    )
     return mel.shape[0] if ok else 0
 
 
@@ -187,8 +205,9 @@ def _remove_temp_files(cache: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def _plan(rows: list[MetadataRow], corpus: Path, cache: Path, cfg: PipelineConfig,
-          summary: PrepareSummary, report: TextIO) -> list[WorkItem]:
+def _plan(
+    rows: list[MetadataRow], corpus: Path, cache: Path, cfg: PipelineConfig, summary: PrepareSummary, report: TextIO
+) -> list[WorkItem]:
     """Work items for the rows not done yet; done rows and empty transcripts are counted here."""
     items = []
     for row in rows:
@@ -209,15 +228,29 @@ def _plan(rows: list[MetadataRow], corpus: Path, cache: Path, cfg: PipelineConfi
 
 def _check_config(cfg: PipelineConfig) -> None:
     if cfg.model.vocab_size < VOCAB_SIZE:
-        raise ConfigError(f"must be >= {VOCAB_SIZE}, the size of the prepare vocabulary",
-                          path=("model", "vocab_size"), got=cfg.model.vocab_size)
+        raise ConfigError(
+            f"must be >= {VOCAB_SIZE}, the size of the prepare vocabulary",
+            path=("model", "vocab_size"),
+            got=cfg.model.vocab_size,
+        )
     if cfg.n_mels > cfg.features.n_fft // 2:
-        raise ConfigError(f"must be <= features.n_fft / 2 ({cfg.features.n_fft // 2}) or bands are empty",
-                          path=("n_mels",), got=cfg.n_mels)
+        raise ConfigError(
+            f"must be <= features.n_fft / 2 ({cfg.features.n_fft // 2}) or bands are empty",
+            path=("n_mels",),
+            got=cfg.n_mels,
+        )
 
 
-def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, stop: threading.Event,
-                report: TextIO, debug_delay_s: float = 0.0, progress_s: float = _PROGRESS_EVERY_S) -> PrepareSummary:
+def run_prepare(
+    corpus: Path,
+    cache: Path,
+    cfg: PipelineConfig,
+    workers: int,
+    stop: threading.Event,
+    report: TextIO,
+    debug_delay_s: float = 0.0,
+    progress_s: float = _PROGRESS_EVERY_S,
+) -> PrepareSummary:
     """Prepare every utterance of ``corpus`` into ``cache`` that is not there yet.
 
     Args:
@@ -236,33 +269,59 @@ def run_prepare(corpus: Path, cache: Path, cfg: PipelineConfig, workers: int, st
     _check_config(cfg)
     if cache.exists() and not cache.is_dir():
         raise CacheError(cache, "not a directory")
-    check_cache_dir(cache)    # before reading its record (it may be another user's) or making anything there
+    check_cache_dir(cache)  # before reading its record (it may be another user's) or making anything there
     has_record = _check_record(cache, cfg)  # before any output: a mismatch is the only message
     rows, bad_lines = read_metadata(corpus, report)
     summary = PrepareSummary()
     summary.skipped["metadata"] += bad_lines
-    make_dirs(cache)          # a read-only parent or /proc: one line naming the directory
+    make_dirs(cache)  # a read-only parent or /proc: one line naming the directory
     check_cache_dir(cache)
     if not has_record:
-        write_feature_record(cache, feature_params(cfg.features, cfg.n_mels), VOCABULARY,
-                             {"selection": _selection(cfg)})
+        write_feature_record(
+            cache, feature_params(cfg.features, cfg.n_mels), VOCABULARY, {"selection": _selection(cfg)}
+        )
     _remove_temp_files(cache)
     items = _plan(rows, corpus, cache, cfg, summary, report)
-    log.info("prepare corpus=%s cache=%s utterances=%d done_before=%d to_do=%d workers=%d",
-             corpus, cache, len(rows), summary.done, len(items), workers)
-    spec = WorkerSpec(str(cache), cfg.features, cfg.n_mels, cfg.producer.data_gpu,
-                      cfg.producer.gpu_memory_limit_mb, debug_delay_s, nice=cfg.producer.nice)
-    work_started_s = _run_items(items, spec, workers, stop, summary,
-                                Progress(len(items), report, progress_s, label="prepare", unit="utterances",
-                                         count_skipped=True))
+    log.info(
+        "prepare corpus=%s cache=%s utterances=%d done_before=%d to_do=%d workers=%d",
+        corpus,
+        cache,
+        len(rows),
+        summary.done,
+        len(items),
+        workers,
+    )
+    spec = WorkerSpec(
+        str(cache),
+        cfg.features,
+        cfg.n_mels,
+        cfg.producer.data_gpu,
+        cfg.producer.gpu_memory_limit_mb,
+        debug_delay_s,
+        nice=cfg.producer.nice,
+    )
+    work_started_s = _run_items(
+        items,
+        spec,
+        workers,
+        stop,
+        summary,
+        Progress(len(items), report, progress_s, label="prepare", unit="utterances", count_skipped=True),
+    )
     summary.interrupted = stop.is_set()
     summary.elapsed_s = time.monotonic() - started
     summary.work_s = time.monotonic() - work_started_s
     return summary
 
 
-def _run_items(items: list[WorkItem], spec: WorkerSpec, workers: int, stop: threading.Event,
-               summary: PrepareSummary, progress: Progress) -> float:
+def _run_items(
+    items: list[WorkItem],
+    spec: WorkerSpec,
+    workers: int,
+    stop: threading.Event,
+    summary: PrepareSummary,
+    progress: Progress,
+) -> float:
     """Run ``items`` on the pool, counting into ``summary``; returns when work began (monotonic s)."""
     skipped_before = sum(summary.skipped.values())
     work_started = [time.monotonic()]
@@ -293,11 +352,15 @@ def _count(result: WorkResult, summary: PrepareSummary, progress: Progress) -> N
 
 def _print_summary(s: PrepareSummary, cache: Path, cfg: PipelineConfig) -> None:
     work_s = max(s.work_s, 1e-9)
-    print(f"{'interrupted' if s.interrupted else 'prepared'} {cache}: {s.done} utterances done "
-          f"({s.new} new, {s.done - s.new} from earlier runs), {s.audio_h(cfg):.3f} h of audio, "
-          f"{s.frames} frames")
-    print(f"took {s.elapsed_s:.1f} s, {s.elapsed_s - s.work_s:.1f} s of it starting workers; "
-          f"{s.new / work_s:.1f} utterances/s, {s.audio_h(cfg, s.new_frames) * 3600 / work_s:.0f} s of audio/s")
+    print(
+        f"{'interrupted' if s.interrupted else 'prepared'} {cache}: {s.done} utterances done "
+        f"({s.new} new, {s.done - s.new} from earlier runs), {s.audio_h(cfg):.3f} h of audio, "
+        f"{s.frames} frames"
+    )
+    print(
+        f"took {s.elapsed_s:.1f} s, {s.elapsed_s - s.work_s:.1f} s of it starting workers; "
+        f"{s.new / work_s:.1f} utterances/s, {s.audio_h(cfg, s.new_frames) * 3600 / work_s:.0f} s of audio/s"
+    )
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()) if v)
     print(f"skipped {sum(s.skipped.values())}" + (f": {reasons}" if reasons else ""))
 
@@ -310,6 +373,7 @@ def _stop_on_signals() -> Iterator[tuple[threading.Event, list[int]]]:
     def _on_signal(signum: int, frame: object) -> None:
         signums.append(signum)
         stop.set()
+
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop, signums
@@ -330,8 +394,9 @@ def worker_count(requested: int | None) -> int:
     if requested is None:
         return cpus
     if requested < 1:
-        raise ConfigError(f"must be >= 1 (leave it out for one per available CPU: {cpus})",
-                          path=("--workers",), got=requested)
+        raise ConfigError(
+            f"must be >= 1 (leave it out for one per available CPU: {cpus})", path=("--workers",), got=requested
+        )
     if requested > cpus:
         log.info("--workers %d is above the %d available CPUs: using %d", requested, cpus, cpus)
     return min(requested, cpus)
@@ -339,7 +404,7 @@ def worker_count(requested: int | None) -> int:
 
 def debug_delay_s(delay_ms: float) -> float:
     """``--debug-delay-ms`` in seconds; negative, NaN or above ``_DEBUG_DELAY_MAX_MS`` is refused (ConfigError)."""
-    if not 0.0 <= delay_ms <= _DEBUG_DELAY_MAX_MS:      # NaN fails every comparison
+    if not 0.0 <= delay_ms <= _DEBUG_DELAY_MAX_MS:  # NaN fails every comparison
         raise ConfigError(f"must be in 0..{_DEBUG_DELAY_MAX_MS:.0f}", path=("--debug-delay-ms",), got=delay_ms)
     return delay_ms / 1000.0
 
@@ -352,8 +417,9 @@ def main_prepare(args: argparse.Namespace) -> int:
     cfg = loaded_config(args)
     cache = Path(args.cache_dir)
     with _stop_on_signals() as (stop, signums):
-        summary = run_prepare(Path(args.ljspeech), cache, cfg, workers, stop, sys.stderr,
-                              delay_s, progress_interval_s(_PROGRESS_EVERY_S))
+        summary = run_prepare(
+            Path(args.ljspeech), cache, cfg, workers, stop, sys.stderr, delay_s, progress_interval_s(_PROGRESS_EVERY_S)
+        )
     _print_summary(summary, cache, cfg)
     if summary.interrupted:
         print("interrupted: run the same command again to resume", file=sys.stderr)
@@ -371,6 +437,8 @@ def main_prepare(args: argparse.Namespace) -> int:
         print(f"{len(problems)} bad files in {cache}; manifest not written", file=sys.stderr)
         return 1
     path = write_manifest(manifest)
-    print(f"manifest: {len(manifest)} utterances, vocabulary {len(manifest.vocabulary or ())} symbols, "
-          f"fingerprint {manifest.fingerprint} -> {path}")
+    print(
+        f"manifest: {len(manifest)} utterances, vocabulary {len(manifest.vocabulary or ())} symbols, "
+        f"fingerprint {manifest.fingerprint} -> {path}"
+    )
     return 0

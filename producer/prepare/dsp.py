@@ -108,7 +108,7 @@ def resample(x: npt.NDArray[np.float64], from_hz: int, to_hz: int) -> npt.NDArra
         pos = np.arange(start, min(start + _BLOCK_OUTPUTS, n_out), dtype=np.int64) * down
         base, phase = pos // up, pos % up
         window = padded[(base + first_tap + margin)[:, None] + offsets[None, :]]
-        out[start:start + pos.shape[0]] = np.einsum("nk,nk->n", window, table[phase])
+        out[start : start + pos.shape[0]] = np.einsum("nk,nk->n", window, table[phase])
     return out
 
 
@@ -123,16 +123,28 @@ class LogMel:
         self._tf = tf
         with tf.device(device):
             self._weights = tf.signal.linear_to_mel_weight_matrix(
-                n_mels, features.n_fft // 2 + 1, features.sample_rate_hz,
-                features.fmin_hz, features.top_hz, dtype=tf.float32)
+                n_mels,
+                features.n_fft // 2 + 1,
+                features.sample_rate_hz,
+                features.fmin_hz,
+                features.top_hz,
+                dtype=tf.float32,
+            )
         self._compiled = tf.function(self._logmel, input_signature=[tf.TensorSpec([None], tf.float32)])
 
     def _logmel(self, audio: Any) -> Any:
         tf, f = self._tf, self._features
         pad = f.win_samples // 2
         padded = tf.pad(audio, [[pad, pad]], mode="REFLECT")
-        spectrum = tf.abs(tf.signal.stft(padded, frame_length=f.win_samples, frame_step=f.hop_samples,
-                                         fft_length=f.n_fft, window_fn=tf.signal.hann_window))
+        spectrum = tf.abs(
+            tf.signal.stft(
+                padded,
+                frame_length=f.win_samples,
+                frame_step=f.hop_samples,
+                fft_length=f.n_fft,
+                window_fn=tf.signal.hann_window,
+            )
+        )
         if f.power == 2.0:
             spectrum = tf.square(spectrum)
         return tf.math.log(tf.maximum(tf.matmul(spectrum, self._weights), f.log_floor))

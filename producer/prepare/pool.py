@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from melfeed.shared.errors import CacheError
 from melfeed.producer.prepare.worker import WorkerEvent, WorkerSpec, WorkItem, WorkResult, worker_main
+from melfeed.shared.errors import CacheError
 
 __all__ = ["WorkerPool"]
 
@@ -46,21 +46,29 @@ class WorkerPool:
         self._tasks = ctx.Queue()
         self._results = ctx.Queue()
         self._stop = ctx.Event()
-        self._procs = [ctx.Process(target=worker_main, name=f"prepare-{i + 1}", daemon=True,
-                                   args=(spec, i + 1, self._tasks, self._results, self._stop, os.getpid()))
-                       for i in range(count)]
+        self._procs = [
+            ctx.Process(
+                target=worker_main,
+                name=f"prepare-{i + 1}",
+                daemon=True,
+                args=(spec, i + 1, self._tasks, self._results, self._stop, os.getpid()),
+            )
+            for i in range(count)
+        ]
         self._ready: set[str] = set()  # names of workers that reported ready (may hold an item)
         self._closed = False
 
     def __enter__(self) -> WorkerPool:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
-    def run(self, items: list[WorkItem], stop: threading.Event,
-            on_ready: Callable[[], None] | None = None) -> Iterator[WorkResult]:
+    def run(
+        self, items: list[WorkItem], stop: threading.Event, on_ready: Callable[[], None] | None = None
+    ) -> Iterator[WorkResult]:
         """Start the workers on ``items`` and yield one result per item, until done or ``stop``.
 
         ``on_ready`` is called once, when the first worker is ready (TensorFlow imported):
@@ -96,8 +104,9 @@ class WorkerPool:
     def _check_alive(self) -> None:
         for proc in self._procs:
             if proc.exitcode is not None and proc.exitcode != 0:
-                raise CacheError(self._cache, f"worker {proc.name} died with exit code {proc.exitcode}; "
-                                              "run again to resume")
+                raise CacheError(
+                    self._cache, f"worker {proc.name} died with exit code {proc.exitcode}; run again to resume"
+                )
         if all(proc.exitcode == 0 for proc in self._procs):
             raise CacheError(self._cache, "every worker exited with work left; run again to resume")
 

@@ -51,9 +51,9 @@ class WavInfo:
 
     sample_rate_hz: int
     channels: int
-    bits: int          # container bits per sample: 8, 16, 24, 32 or 64
-    is_float: bool     # IEEE float (True) or integer PCM (False)
-    frames: int        # samples per channel
+    bits: int  # container bits per sample: 8, 16, 24, 32 or 64
+    is_float: bool  # IEEE float (True) or integer PCM (False)
+    frames: int  # samples per channel
 
     @property
     def duration_s(self) -> float:
@@ -72,11 +72,12 @@ def _chunks(data: bytes, path: str | os.PathLike[str]) -> dict[bytes, tuple[int,
     chunks: dict[bytes, tuple[int, int]] = {}
     pos = 12
     while pos + 8 <= len(data):
-        cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        cid, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
         start = pos + 8
         if start + size > len(data):
-            raise CacheError(path, f"truncated {cid.decode('latin1')!r} chunk: declares {size} "
-                                   f"bytes, file has {len(data) - start}")
+            raise CacheError(
+                path, f"truncated {cid.decode('latin1')!r} chunk: declares {size} bytes, file has {len(data) - start}"
+            )
         chunks.setdefault(cid, (start, size))
         pos = start + size + (size & 1)  # chunks are padded to an even size
     return chunks
@@ -108,8 +109,7 @@ def _check_format(fmt: tuple[int, int, int, int, int], path: str | os.PathLike[s
     if channels < 1 or rate < 1:
         raise CacheError(path, f"bad fmt chunk: channels={channels} sample rate={rate}")
     if block_align != channels * bits // 8:
-        raise CacheError(path, f"bad fmt chunk: block align {block_align} != "
-                               f"{channels} channels x {bits // 8} bytes")
+        raise CacheError(path, f"bad fmt chunk: block align {block_align} != {channels} channels x {bits // 8} bytes")
 
 
 def _decode(raw: bytes, is_float: bool, bits: int) -> npt.NDArray[np.float64]:
@@ -147,16 +147,15 @@ def parse_wav(data: bytes, path: str | os.PathLike[str]) -> tuple[npt.NDArray[np
     if b"data" not in chunks:
         raise CacheError(path, "no data chunk")
     start, size = chunks[b"fmt "]
-    fmt = _parse_fmt(data[start:start + size], path)
+    fmt = _parse_fmt(data[start : start + size], path)
     _check_format(fmt, path)
     tag, channels, rate, block_align, bits = fmt
     start, size = chunks[b"data"]
     if size % block_align:
-        raise CacheError(path, f"data chunk of {size} bytes is not a whole number of "
-                               f"{block_align}-byte frames")
+        raise CacheError(path, f"data chunk of {size} bytes is not a whole number of {block_align}-byte frames")
     if size == 0:
         raise CacheError(path, "no audio samples")
-    samples = _decode(data[start:start + size], tag == _FLOAT, bits).reshape(-1, channels)
+    samples = _decode(data[start : start + size], tag == _FLOAT, bits).reshape(-1, channels)
     mono = samples[:, 0] if channels == 1 else samples.mean(axis=1)
     if tag == _FLOAT and not np.isfinite(mono).all():
         raise CacheError(path, "non-finite float samples (NaN or inf)")
@@ -170,7 +169,7 @@ def read_wav(path: str | os.PathLike[str]) -> tuple[npt.NDArray[np.float64], Wav
         CacheError: The file is missing, not a regular file, unreadable or malformed (one line naming it).
     """
     try:
-        fd, _ = open_regular(path)      # a FIFO or device among the wavs is reported, never blocked on
+        fd, _ = open_regular(path)  # a FIFO or device among the wavs is reported, never blocked on
         with os.fdopen(fd, "rb") as f:
             data = f.read()
     except OSError as err:

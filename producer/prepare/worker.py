@@ -34,15 +34,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.config import FeatureConfig
+from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
+from melfeed.producer.prepare.wav import read_wav
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE
+from melfeed.shared.config import FeatureConfig
 from melfeed.shared.errors import CacheError
 from melfeed.shared.gpu_select import gpu_env
-from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
 from melfeed.shared.service.lean_tensorflow import quiet_tensorflow_import, skip_optional_imports_of_tensorflow
 from melfeed.shared.service.lifecycle import die_with_parent
 from melfeed.shared.service.priority import lower_cpu_priority
-from melfeed.producer.prepare.wav import read_wav
 
 __all__ = ["WorkItem", "WorkResult", "WorkerEvent", "WorkerSpec", "worker_main", "prepare_one", "write_npy_atomic"]
 
@@ -58,10 +58,10 @@ class WorkerSpec:
     cache_dir: str
     features: FeatureConfig
     n_mels: int
-    data_gpu: str                    # CUDA_VISIBLE_DEVICES for the worker; "" = CPU only
+    data_gpu: str  # CUDA_VISIBLE_DEVICES for the worker; "" = CPU only
     gpu_memory_limit_mb: int | None  # per worker; None = grow on demand
-    debug_delay_s: float = 0.0       # sleep per item (tests that interrupt a run)
-    nice: int = 0                    # producer.nice: CPU niceness, set before TensorFlow starts its threads
+    debug_delay_s: float = 0.0  # sleep per item (tests that interrupt a run)
+    nice: int = 0  # producer.nice: CPU niceness, set before TensorFlow starts its threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +80,8 @@ class WorkResult:
     uid: str
     wav_path: str
     reason: str | None  # None, "missing_wav", "bad_wav", "duration" or "error"
-    detail: str         # one line, empty when written
-    frames: int         # mel frames written (0 when skipped)
+    detail: str  # one line, empty when written
+    frames: int  # mel frames written (0 when skipped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +138,9 @@ def prepare_one(item: WorkItem, spec: WorkerSpec, logmel: LogMel) -> WorkResult:
 
 def _open_device(spec: WorkerSpec) -> str:
     """Import TensorFlow on the data GPU if one is configured and visible, else one CPU thread."""
-    os.environ.update(gpu_env(spec.data_gpu))           # before the import; "" hides every GPU
-    skip_optional_imports_of_tensorflow()               # a spawned worker: its own import, without JAX/matplotlib
-    quiet_tensorflow_import()                           # and without C++ lines below TF_CPP_MIN_LOG_LEVEL
+    os.environ.update(gpu_env(spec.data_gpu))  # before the import; "" hides every GPU
+    skip_optional_imports_of_tensorflow()  # a spawned worker: its own import, without JAX/matplotlib
+    quiet_tensorflow_import()  # and without C++ lines below TF_CPP_MIN_LOG_LEVEL
     import tensorflow as tf
 
     tf.config.experimental.enable_op_determinism()
@@ -148,7 +148,8 @@ def _open_device(spec: WorkerSpec) -> str:
     if gpus:
         if spec.gpu_memory_limit_mb is not None:
             tf.config.set_logical_device_configuration(
-                gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=spec.gpu_memory_limit_mb)])
+                gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=spec.gpu_memory_limit_mb)]
+            )
         else:
             tf.config.experimental.set_memory_growth(gpus[0], True)
         return "/GPU:0"
@@ -163,7 +164,7 @@ def worker_main(spec: WorkerSpec, index: int, tasks: Any, results: Any, stop: An
     # Outputs are atomic, so an abrupt end loses nothing. parent_pid: a prepare killed before this line (while
     # this interpreter started) sends no signal; the worker then ends here instead of serving the whole queue.
     die_with_parent(signal.SIGKILL, parent_pid=parent_pid)
-    nice = lower_cpu_priority(spec.nice)   # before TensorFlow starts its threads: they inherit it
+    nice = lower_cpu_priority(spec.nice)  # before TensorFlow starts its threads: they inherit it
     try:
         device = _open_device(spec)
         logmel = LogMel(spec.features, spec.n_mels, device)
@@ -179,8 +180,7 @@ def worker_main(spec: WorkerSpec, index: int, tasks: Any, results: Any, stop: An
     os._exit(0)  # skip interpreter teardown: TensorFlow's takes seconds and holds nothing we need
 
 
-def _serve(spec: WorkerSpec, index: int, logmel: LogMel, tasks: Any, results: Any, stop: Any,
-           parent_pid: int) -> bool:
+def _serve(spec: WorkerSpec, index: int, logmel: LogMel, tasks: Any, results: Any, stop: Any, parent_pid: int) -> bool:
     """The item loop; False when the parent is gone (nobody reads ``results`` any more)."""
     while not stop.is_set():
         try:

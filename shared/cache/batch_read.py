@@ -47,7 +47,7 @@ def read_batch(manifest: Manifest, sample_ids: Sequence[int], arrays: Mapping[st
     for row, sid in enumerate(sample_ids):
         try:
             _read_row(manifest, sid, arrays, row)
-        except (OSError, ValueError) as err:   # missing, truncated or not the declared array: as quarantine
+        except (OSError, ValueError) as err:  # missing, truncated or not the declared array: as quarantine
             for array in arrays.values():
                 array[row] = 0
             problems.append(f"sample {sid}: {err}")
@@ -62,7 +62,7 @@ def _read_row(manifest: Manifest, sid: int, arrays: Mapping[str, npt.NDArray[Any
     arrays["tok_len"][row] = pad_row(ExtraSpec("tokens", "token", str(tokens.dtype)), tokens, arrays["tokens"][row])
     for spec in manifest.schema.extras:
         batch = arrays[spec.name]
-        dst = batch[row:row + 1].reshape(batch.shape[1:])   # a view, also of an utterance scalar's row
+        dst = batch[row : row + 1].reshape(batch.shape[1:])  # a view, also of an utterance scalar's row
         kept = pad_row(spec, _load(manifest.extra_path(spec.name, sid)), dst)
         if spec.length_key is not None:
             arrays[spec.length_key][row] = kept
@@ -73,7 +73,7 @@ def _load(path: Path) -> npt.NDArray[Any]:
     try:
         fd, _ = open_regular(path)
         with os.fdopen(fd, "rb") as file:
-            return np.load(file, allow_pickle=False)   # type: ignore[no-any-return]
+            return np.load(file, allow_pickle=False)  # type: ignore[no-any-return]
     except CacheError as err:
         raise ValueError(str(err)) from err
     except (OSError, ValueError) as err:

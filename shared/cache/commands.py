@@ -16,13 +16,13 @@ from melfeed.shared.cache.demo_data import write_demo_cache
 from melfeed.shared.cache.extras import EXTRAS_DIR
 from melfeed.shared.cache.features import check_n_mels_flag
 from melfeed.shared.cache.filekind import make_dirs
-from melfeed.shared.errors import CacheError, ConfigError
-from melfeed.shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration, parse_kind
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import write_manifest
-from melfeed.shared.service.progress import Progress, progress_interval_s
 from melfeed.shared.cache.verify import verify_cache
+from melfeed.shared.errors import CacheError, ConfigError
 from melfeed.shared.flag_checks import resolve_path
+from melfeed.shared.service.progress import Progress, progress_interval_s
+from melfeed.shared.wire.schema import EXTRA_DTYPES, KINDS, check_declaration, parse_kind
 
 __all__ = ["main_index", "main_verify_cache", "main_demo", "parse_extra_arg"]
 
@@ -52,14 +52,13 @@ def _link_folder(root: Path, name: str, target: str | None) -> None:
     inside = src.is_relative_to(root)
     try:
         link.symlink_to(os.path.relpath(src, root) if inside else src, target_is_directory=True)
-    except OSError as err:   # a read-only cache directory
+    except OSError as err:  # a read-only cache directory
         raise CacheError(link, f"cannot link it to {src} ({err.strerror})") from err
 
 
 def _progress(label: str) -> Progress:
     """Progress over utterances on stderr; the total is learnt from the first callback."""
-    return Progress(0, sys.stderr, label=label, unit="utterances",
-                    interval_s=progress_interval_s(_PROGRESS_EVERY_S))
+    return Progress(0, sys.stderr, label=label, unit="utterances", interval_s=progress_interval_s(_PROGRESS_EVERY_S))
 
 
 def parse_extra_arg(value: str) -> tuple[str, str | None, str]:
@@ -75,8 +74,11 @@ def parse_extra_arg(value: str) -> tuple[str, str | None, str]:
         raise ConfigError("must look like NAME=DIR or NAME:KIND=DIR", path=("--extra",), got=value)
     parsed = parse_kind(kind) if kind else (KINDS[0], 1)
     if parsed is None:
-        raise ConfigError(f"kind must be one of {list(KINDS)} (a matrix may say matrix/R, R frames per column), "
-                          f"got {kind!r}", path=("--extra",), got=value)
+        raise ConfigError(
+            f"kind must be one of {list(KINDS)} (a matrix may say matrix/R, R frames per column), got {kind!r}",
+            path=("--extra",),
+            got=value,
+        )
     bad = check_declaration(name, parsed[0], EXTRA_DTYPES[0], [], parsed[1])
     if bad is not None:
         raise ConfigError(f"{bad[0]} {bad[1]}", path=("--extra",), got=value)
@@ -99,8 +101,9 @@ def main_index(args: argparse.Namespace) -> int:
     kinds = {name: kind for name, kind, _ in extras if kind is not None}
     progress = _progress("index")
     try:
-        manifest, problems = build_manifest(args.cache_dir, n_mels=args.n_mels, progress=progress.callback(),
-                                            kinds=kinds)
+        manifest, problems = build_manifest(
+            args.cache_dir, n_mels=args.n_mels, progress=progress.callback(), kinds=kinds
+        )
     finally:
         progress.finish()  # ends the bar's line before any message
     for problem in problems:
@@ -113,8 +116,10 @@ def main_index(args: argparse.Namespace) -> int:
         return 1
     path = write_manifest(manifest)
     frames = int(manifest.frames.sum())
-    print(f"indexed {len(manifest.utterances)} utterances ({frames} frames, fingerprint {manifest.fingerprint})"
-          f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else ""))
+    print(
+        f"indexed {len(manifest.utterances)} utterances ({frames} frames, fingerprint {manifest.fingerprint})"
+        f" -> {path}" + (f"; skipped {len(problems)} bad files" if problems else "")
+    )
     for column in manifest.extras:
         spec = column.spec
         print(f"extra {spec.name}: kind {spec.kind_text}, dtype {spec.dtype}, shape {list(spec.shape)}")
@@ -130,8 +135,11 @@ def main_verify_cache(args: argparse.Namespace) -> int:
     check_n_mels_flag(args.n_mels)
     vocab_size = getattr(args, "vocab_size", None)
     if vocab_size is not None and not 2 <= vocab_size <= _INT32_MAX:
-        raise ConfigError(f"must be in 2..{_INT32_MAX} (token ids below it, as the config's model.vocab_size)",
-                          path=("--vocab-size",), got=vocab_size)
+        raise ConfigError(
+            f"must be in 2..{_INT32_MAX} (token ids below it, as the config's model.vocab_size)",
+            path=("--vocab-size",),
+            got=vocab_size,
+        )
     progress = _progress("verify-cache")
     try:
         report = verify_cache(args.cache_dir, n_mels=args.n_mels, progress=progress.callback(), vocab_size=vocab_size)
@@ -140,15 +148,20 @@ def main_verify_cache(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"{'bad' if problem.fatal else 'warning'}: {problem}")
     n_warn = len(report.warnings)
-    print(f"verified {report.utterances} utterances ({report.files} files): {len(report.bad)} bad"
-          + (f", {n_warn} not in the manifest" if n_warn else "")
-          + ("" if report.has_manifest else " (no usable manifest: checked by header)"))
+    print(
+        f"verified {report.utterances} utterances ({report.files} files): {len(report.bad)} bad"
+        + (f", {n_warn} not in the manifest" if n_warn else "")
+        + ("" if report.has_manifest else " (no usable manifest: checked by header)")
+    )
     return 1 if report.bad else 0
 
 
 def main_demo(args: argparse.Namespace) -> int:
-    manifest = write_demo_cache(args.cache_dir, n_utterances=args.utterances, seed=args.seed, extras=True,
-                                utterances_flag="--utterances")
-    print(f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
-          f"(fingerprint {manifest.fingerprint})")
+    manifest = write_demo_cache(
+        args.cache_dir, n_utterances=args.utterances, seed=args.seed, extras=True, utterances_flag="--utterances"
+    )
+    print(
+        f"demo cache: {len(manifest.utterances)} utterances in {manifest.cache_dir} "
+        f"(fingerprint {manifest.fingerprint})"
+    )
     return 0

@@ -37,13 +37,21 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.errors import CacheError, ConfigError
 from melfeed.shared.cache.filekind import check_cache_dir, make_dirs
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, load_manifest, write_manifest
+from melfeed.shared.errors import CacheError, ConfigError
 
-__all__ = ["DEMO_VOCAB_SIZE", "DEMO_MARKER", "DEMO_EXTRAS", "DEMO_UTTERANCES_MAX", "DEMO_SEED_MAX", "write_demo_cache",
-           "demo_utterance_id", "default_demo_dir"]
+__all__ = [
+    "DEMO_VOCAB_SIZE",
+    "DEMO_MARKER",
+    "DEMO_EXTRAS",
+    "DEMO_UTTERANCES_MAX",
+    "DEMO_SEED_MAX",
+    "write_demo_cache",
+    "demo_utterance_id",
+    "default_demo_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +70,8 @@ _UTTERANCES_PER_CHAPTER = 300
 _SPEAKERS = 8
 _UTTERANCES_PER_SPEAKER = 25
 DEMO_EXTRAS = {"speaker": "utterance", "energy": "frame"}  # name -> kind, declared at index time
-DEMO_UTTERANCES_MAX = 1_000_000   # ~75 times LJSpeech, ~180 GB of float32 mels: more is a typo, not a demo
-DEMO_SEED_MAX = 2**63 - 1         # seeds are 0..2^63-1 (numpy refuses negative ones)
+DEMO_UTTERANCES_MAX = 1_000_000  # ~75 times LJSpeech, ~180 GB of float32 mels: more is a typo, not a demo
+DEMO_SEED_MAX = 2**63 - 1  # seeds are 0..2^63-1 (numpy refuses negative ones)
 
 
 def default_demo_dir(n_utterances: int) -> Path:
@@ -92,9 +100,7 @@ def _templates(n_mels: int) -> npt.NDArray[np.float32]:
     return np.clip(spectra, _LOG_MEL_MIN + 1.0, _LOG_MEL_MAX - 0.5).astype(np.float32)
 
 
-def _lengths(
-    n: int, rng: np.random.Generator
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _lengths(n: int, rng: np.random.Generator) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Frames and tokens per utterance, int64 [n] each."""
     frames = np.clip(np.rint(rng.normal(_FRAMES_MEAN, _FRAMES_STD, n)), _FRAMES_MIN, _FRAMES_MAX)
     rate = _FRAMES_PER_TOKEN * np.exp(rng.normal(0.0, 0.08, n))  # speaking-rate jitter
@@ -126,7 +132,7 @@ def _utterance(
 
 def _params(n_utterances: int, seed: int, n_mels: int, extras: bool) -> dict[str, int]:
     params = {"format": _DEMO_FORMAT, "n_utterances": n_utterances, "seed": seed, "n_mels": n_mels}
-    if extras:   # only when set: a demo cache without extras keeps the marker it always had
+    if extras:  # only when set: a demo cache without extras keeps the marker it always had
         params["extras"] = 1
     return params
 
@@ -144,7 +150,7 @@ def _reuse(root: Path, params: dict[str, int]) -> Manifest | None:
         if json.loads((root / DEMO_MARKER).read_text()) != params:
             return None
         manifest = load_manifest(root, params["n_mels"])
-    except (OSError, ValueError, RecursionError, CacheError):   # a demo.json nested too deeply: regenerate
+    except (OSError, ValueError, RecursionError, CacheError):  # a demo.json nested too deeply: regenerate
         return None
     # A demo cache indexed before manifests recorded token_range is rebuilt: its runs would warn that ids are unchecked.
     return manifest if len(manifest) == params["n_utterances"] and manifest.token_range is not None else None
@@ -161,20 +167,23 @@ def _prepare(root: Path, keep: set[str], extras: bool) -> None:
         d.mkdir(parents=True, exist_ok=True)
         stale = [p for p in d.glob("*.npy") if p.stem not in keep]
         if stale and not is_demo:
-            raise CacheError(
-                d, f"not a demo cache ({len(stale)} other .npy files); refusing to write")
+            raise CacheError(d, f"not a demo cache ({len(stale)} other .npy files); refusing to write")
         for p in stale:
             p.unlink()
     (root / DEMO_MARKER).unlink(missing_ok=True)
 
 
-_LOCK_WAIT_S = 600.0     # the longest another writer may hold the demo cache (2000 utterances: seconds)
+_LOCK_WAIT_S = 600.0  # the longest another writer may hold the demo cache (2000 utterances: seconds)
 _LOCK_POLL_S = 0.1
 
 
 def write_demo_cache(
-    out_dir: str | os.PathLike[str], n_utterances: int = 2000, seed: int = 1234, n_mels: int = 80,
-    extras: bool = False, utterances_flag: str = "--demo-utterances",
+    out_dir: str | os.PathLike[str],
+    n_utterances: int = 2000,
+    seed: int = 1234,
+    n_mels: int = 80,
+    extras: bool = False,
+    utterances_flag: str = "--demo-utterances",
 ) -> Manifest:
     """Write (or reuse) a deterministic demo cache and its manifest.
 
@@ -206,8 +215,8 @@ def write_demo_cache(
     if n_mels < 1:
         raise ValueError(f"n_mels must be >= 1, got {n_mels}")
     root = Path(out_dir)
-    check_cache_dir(root, "demo cache")   # before the lock file or any directory is made
-    make_dirs(root.parent)     # the lock sits beside the cache: a file or /proc path is refused, never locked
+    check_cache_dir(root, "demo cache")  # before the lock file or any directory is made
+    make_dirs(root.parent)  # the lock sits beside the cache: a file or /proc path is refused, never locked
     if root.exists() and not root.is_dir():
         raise CacheError(root, "not a directory")
     with _writer_lock(root):
@@ -216,8 +225,9 @@ def write_demo_cache(
         try:
             manifest = _write_or_reuse(root, n_utterances, seed, n_mels, extras)
             from melfeed.shared.cache.pack_write import ensure_pack
-            ensure_pack(manifest, "float32")     # packed, as melfeed pack would
-        except OSError as err:    # a read-only demo cache, disk full: one line, not a traceback
+
+            ensure_pack(manifest, "float32")  # packed, as melfeed pack would
+        except OSError as err:  # a read-only demo cache, disk full: one line, not a traceback
             raise CacheError(err.filename or root, f"cannot write the demo cache ({err.strerror})") from err
         return manifest
 
@@ -230,8 +240,7 @@ def _writer_lock(root: Path) -> Iterator[None]:
     Waits at most ``_LOCK_WAIT_S`` for the other writer; a parent that refuses the lock file means no lock."""
     wait_s = _LOCK_WAIT_S
     try:
-        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as err:
         log.warning("demo cache %s: no writer lock (%s); do not start two --demo runs at once", root, err)
         yield
@@ -244,12 +253,15 @@ def _writer_lock(root: Path) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise CacheError(root, f"another process has been writing this demo cache for over {wait_s:.0f} s; "
-                                     "let it finish, or remove the directory and retry") from None
+                    raise CacheError(
+                        root,
+                        f"another process has been writing this demo cache for over {wait_s:.0f} s; "
+                        "let it finish, or remove the directory and retry",
+                    ) from None
                 time.sleep(_LOCK_POLL_S)
         yield
     finally:
-        os.close(fd)          # releases the lock
+        os.close(fd)  # releases the lock
 
 
 def _write_or_reuse(root: Path, n_utterances: int, seed: int, n_mels: int, extras: bool) -> Manifest:

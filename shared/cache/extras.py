@@ -32,17 +32,28 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.schema import ExtraSpec, check_declaration, check_schema, parse_kind
 
-__all__ = ["EXTRAS_DIR", "ExtraColumn", "parse_extras", "extras_json", "extras_digest", "check_extra_sizes",
-           "check_extra_header", "infer_kind", "fits_no_kind", "index_extra", "extra_dirs"]
+__all__ = [
+    "EXTRAS_DIR",
+    "ExtraColumn",
+    "parse_extras",
+    "extras_json",
+    "extras_digest",
+    "check_extra_sizes",
+    "check_extra_header",
+    "infer_kind",
+    "fits_no_kind",
+    "index_extra",
+    "extra_dirs",
+]
 
 EXTRAS_DIR = "extras"
-_ROW_WIDTH = 3   # length, data offset, file bytes
+_ROW_WIDTH = 3  # length, data offset, file bytes
 _KEYS = {"name", "kind", "dtype", "shape", "rows"}
-_MAX_GUESSED_DIVISOR = 16   # divisors tried when suggesting a matrix declaration (reduction factors are small)
+_MAX_GUESSED_DIVISOR = 16  # divisors tried when suggesting a matrix declaration (reduction factors are small)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,8 +96,11 @@ def parse_extras(value: Any, n_utterances: int, path: Path) -> tuple[ExtraColumn
     for i, item in enumerate(value):
         is_matrix = isinstance(item, dict) and item.get("kind") == "matrix"
         if not isinstance(item, dict) or set(item) != (_KEYS | {"divisor"} if is_matrix else _KEYS):
-            raise CacheError(path, f"malformed manifest: extras[{i}]: must be a map of exactly "
-                                   "name, kind, dtype, shape, rows (and divisor for a matrix)")
+            raise CacheError(
+                path,
+                f"malformed manifest: extras[{i}]: must be a map of exactly "
+                "name, kind, dtype, shape, rows (and divisor for a matrix)",
+            )
         bad = check_declaration(item["name"], item["kind"], item["dtype"], item["shape"], item.get("divisor", 1))
         if bad is not None:
             raise _fail(path, i, *bad)
@@ -120,8 +134,9 @@ def extras_digest(columns: Sequence[ExtraColumn]) -> bytes | None:
     return head + b"".join(c.rows.astype("<i8").tobytes() for c in columns)
 
 
-def check_extra_sizes(columns: Sequence[ExtraColumn], frames: npt.NDArray[np.int64],
-                      tokens: npt.NDArray[np.int64], path: Path) -> None:
+def check_extra_sizes(
+    columns: Sequence[ExtraColumn], frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], path: Path
+) -> None:
     """Every row consistent with its kind and the utterance's lengths, and its file big enough."""
     for i, c in enumerate(columns):
         length, offset, nbytes = c.rows.T
@@ -134,8 +149,13 @@ def check_extra_sizes(columns: Sequence[ExtraColumn], frames: npt.NDArray[np.int
         ok &= (length >= 1) if want is None else (length == want)
         if not ok.all():
             row = int(np.argmin(ok))
-            raise _fail(path, i, "rows", f"row {row} {c.rows[row].tolist()} does not fit a {spec.kind} extra "
-                                         f"(utterance frames {int(frames[row])}, tokens {int(tokens[row])})")
+            raise _fail(
+                path,
+                i,
+                "rows",
+                f"row {row} {c.rows[row].tolist()} does not fit a {spec.kind} extra "
+                f"(utterance frames {int(frames[row])}, tokens {int(tokens[row])})",
+            )
 
 
 def check_extra_header(spec: ExtraSpec, header: NpyHeader, frames: int, tokens: int) -> str | None:
@@ -146,8 +166,10 @@ def check_extra_header(spec: ExtraSpec, header: NpyHeader, frames: int, tokens: 
     if spec.kind == "matrix":
         want_shape = spec.file_shape(tokens, frames)
         if shape != want_shape:
-            return (f"shape {shape}, a matrix of this utterance is {want_shape} ({tokens} tokens, "
-                    f"ceil({frames} frames / {spec.divisor}) columns)")
+            return (
+                f"shape {shape}, a matrix of this utterance is {want_shape} ({tokens} tokens, "
+                f"ceil({frames} frames / {spec.divisor}) columns)"
+            )
         return None
     if spec.has_length and (len(shape) != 1 + len(spec.shape) or shape[1:] != spec.shape):
         return f"shape {shape}, declared [n, {', '.join(map(str, spec.shape))}]".replace(", ]", "]")
@@ -187,19 +209,23 @@ def fits_no_kind(name: str, headers: Sequence[NpyHeader], frames: Sequence[int],
     if not all(len(s) >= 2 and s[0] == t for s, t in zip(shapes, tokens)) or len({s[2:] for s in shapes}) != 1:
         return None
     if len({s[1] for s in shapes}) == 1:
-        return None                       # one trailing shape: a token extra
-    fit = next((r for r in range(1, _MAX_GUESSED_DIVISOR + 1)
-                if all(s[1] == -(-f // r) for s, f in zip(shapes, frames))), None)
+        return None  # one trailing shape: a token extra
+    fit = next(
+        (r for r in range(1, _MAX_GUESSED_DIVISOR + 1) if all(s[1] == -(-f // r) for s, f in zip(shapes, frames))), None
+    )
     if fit is None and len({s[1] for s in shapes}) <= len(shapes) // 2:
         return None
     kind = "matrix" if fit == 1 else f"matrix/{fit}" if fit else "matrix/R"
-    return (f"extra {name!r}: {shapes[0]} has two ragged axes (rows = the utterance's tokens, columns vary with its "
-            f"frames), which no 1-axis kind holds: declare it --extra {name}:{kind}=DIR"
-            + ("" if fit else " (R = frames per column: ceil(frames / R) columns)"))
+    return (
+        f"extra {name!r}: {shapes[0]} has two ragged axes (rows = the utterance's tokens, columns vary with its "
+        f"frames), which no 1-axis kind holds: declare it --extra {name}:{kind}=DIR"
+        + ("" if fit else " (R = frames per column: ceil(frames / R) columns)")
+    )
 
 
-def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[int], tokens: Sequence[int],
-                kind: str | None) -> tuple[ExtraColumn | None, dict[str, tuple[str, str]]]:
+def index_extra(
+    name: str, folder: Path, ids: Sequence[str], frames: Sequence[int], tokens: Sequence[int], kind: str | None
+) -> tuple[ExtraColumn | None, dict[str, tuple[str, str]]]:
     """Index one extras folder for the utterances ``ids``.
 
     Args:
@@ -236,7 +262,7 @@ def index_extra(name: str, folder: Path, ids: Sequence[str], frames: Sequence[in
             raise CacheError(folder, no_kind)
         kind = infer_kind(heads, f_present, t_present)
     else:
-        kind, divisor = parse_kind(kind) or (kind, 1)   # a bad kind is named by check_declaration below
+        kind, divisor = parse_kind(kind) or (kind, 1)  # a bad kind is named by check_declaration below
     lead = {"utterance": 0, "matrix": 2}.get(kind, 1)
     trailing = first.shape[lead:]
     dtype = np.dtype(first.dtype).name if first.dtype.byteorder in "<|=" else first.dtype.str

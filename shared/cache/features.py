@@ -21,20 +21,31 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from melfeed.shared.config import FeatureConfig, PipelineConfig
-from melfeed.shared.errors import CacheError, ConfigError
 from melfeed.shared.cache.filekind import read_json, write_atomic
 from melfeed.shared.cache.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_features, parse_vocabulary
 from melfeed.shared.cache.text import TEXT_VERSION
+from melfeed.shared.config import FeatureConfig, PipelineConfig
+from melfeed.shared.errors import CacheError, ConfigError
 
-__all__ = ["FEATURE_VERSION", "RESAMPLER_VERSION", "N_MELS_MAX", "FEATURES_NAME", "feature_params", "check_features",
-           "check_token_ids", "check_n_mels_flag", "load_manifest_for", "read_feature_record", "write_feature_record"]
+__all__ = [
+    "FEATURE_VERSION",
+    "RESAMPLER_VERSION",
+    "N_MELS_MAX",
+    "FEATURES_NAME",
+    "feature_params",
+    "check_features",
+    "check_token_ids",
+    "check_n_mels_flag",
+    "load_manifest_for",
+    "read_feature_record",
+    "write_feature_record",
+]
 
 log = logging.getLogger(__name__)
 
 FEATURE_VERSION = "melfeed-logmel/1"  # bump when the definition in producer/prepare/dsp.py changes
 RESAMPLER_VERSION = "kaiser-sinc/32/9.0/0.95"
-N_MELS_MAX = 1024   # the range the config allows for n_mels (shared/config/__init__.py); tests hold the two equal
+N_MELS_MAX = 1024  # the range the config allows for n_mels (shared/config/__init__.py); tests hold the two equal
 FEATURES_NAME = "features.json"
 _FEATURES_FORMAT = 1
 
@@ -46,8 +57,9 @@ def check_n_mels_flag(n_mels: int, flag: str = "--n-mels") -> int:
         ConfigError: out of range: no cache can hold it, so every file would be reported bad instead.
     """
     if not 1 <= n_mels <= N_MELS_MAX:
-        raise ConfigError(f"must be in 1..{N_MELS_MAX} (mel bins per frame, as the config's n_mels)",
-                          path=(flag,), got=n_mels)
+        raise ConfigError(
+            f"must be in 1..{N_MELS_MAX} (mel bins per frame, as the config's n_mels)", path=(flag,), got=n_mels
+        )
     return n_mels
 
 
@@ -57,11 +69,17 @@ def feature_params(features: FeatureConfig, n_mels: int) -> dict[str, Any]:
     The duration limits are left out: they choose clips, they do not change any clip's values.
     """
     return {
-        "definition": FEATURE_VERSION, "sample_rate_hz": features.sample_rate_hz,
-        "n_fft": features.n_fft, "hop_samples": features.hop_samples,
-        "win_samples": features.win_samples, "n_mels": n_mels, "fmin_hz": float(features.fmin_hz),
-        "fmax_hz": float(features.top_hz), "power": float(features.power),
-        "log_floor": float(features.log_floor), "text": TEXT_VERSION,
+        "definition": FEATURE_VERSION,
+        "sample_rate_hz": features.sample_rate_hz,
+        "n_fft": features.n_fft,
+        "hop_samples": features.hop_samples,
+        "win_samples": features.win_samples,
+        "n_mels": n_mels,
+        "fmin_hz": float(features.fmin_hz),
+        "fmax_hz": float(features.top_hz),
+        "power": float(features.power),
+        "log_floor": float(features.log_floor),
+        "text": TEXT_VERSION,
     }
 
 
@@ -81,11 +99,16 @@ def check_features(manifest: Manifest, cfg: PipelineConfig) -> None:
         for key in [*wanted, *sorted(recorded.keys() - wanted.keys())]:
             if recorded.get(key) != wanted.get(key):
                 path = ("n_mels",) if key == "n_mels" else ("features", key)
-                raise ConfigError(f"cache {where} was prepared with {recorded.get(key)!r}, "
-                                  f"this config has {wanted.get(key)!r}", path=path)
+                raise ConfigError(
+                    f"cache {where} was prepared with {recorded.get(key)!r}, this config has {wanted.get(key)!r}",
+                    path=path,
+                )
     if manifest.vocabulary is not None and cfg.model.vocab_size < len(manifest.vocabulary):
-        raise ConfigError(f"must be >= {len(manifest.vocabulary)}, the size of the vocabulary of {where}",
-                          path=("model", "vocab_size"), got=cfg.model.vocab_size)
+        raise ConfigError(
+            f"must be >= {len(manifest.vocabulary)}, the size of the vocabulary of {where}",
+            path=("model", "vocab_size"),
+            got=cfg.model.vocab_size,
+        )
 
 
 def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
@@ -106,20 +129,28 @@ def check_token_ids(manifest: Manifest, vocab_size: int) -> None:
         key = (str(manifest.cache_dir.resolve()), manifest.fingerprint)
         if len(manifest) and key not in _WARNED_UNCHECKED:
             _WARNED_UNCHECKED.add(key)
-            log.warning("token ids of cache %s not checked against model.vocab_size: its manifest was written "
-                        "before index recorded them; re-run `melfeed index --cache-dir %s` to check them (this changes "
-                        "the fingerprint: re-run pack too, and an interrupted run cannot resume across it)",
-                        manifest.cache_dir, manifest.cache_dir)
+            log.warning(
+                "token ids of cache %s not checked against model.vocab_size: its manifest was written "
+                "before index recorded them; re-run `melfeed index --cache-dir %s` to check them (this changes "
+                "the fingerprint: re-run pack too, and an interrupted run cannot resume across it)",
+                manifest.cache_dir,
+                manifest.cache_dir,
+            )
         return
     smallest, largest = manifest.token_range
     if smallest < 0:
-        raise CacheError(manifest.cache_dir / MANIFEST_NAME, f"token id {smallest} is negative; re-run index, which "
-                         "names the files that hold one")
+        raise CacheError(
+            manifest.cache_dir / MANIFEST_NAME,
+            f"token id {smallest} is negative; re-run index, which names the files that hold one",
+        )
     if largest >= vocab_size:
         cache = manifest.cache_dir
-        raise ConfigError(f"must be > {largest}, the largest token id in {cache} (melfeed verify-cache --cache-dir {cache} "
-                          f"--vocab-size {vocab_size} names the files with ids >= {vocab_size})",
-                          path=("model", "vocab_size"), got=vocab_size)
+        raise ConfigError(
+            f"must be > {largest}, the largest token id in {cache} (melfeed verify-cache --cache-dir {cache} "
+            f"--vocab-size {vocab_size} names the files with ids >= {vocab_size})",
+            path=("model", "vocab_size"),
+            got=vocab_size,
+        )
 
 
 # (cache dir, fingerprint) of the unchecked caches already warned about: one WARNING per cache and process, however
@@ -144,9 +175,12 @@ def load_manifest_for(cfg: PipelineConfig, *, feeds_model: bool = True) -> Manif
     if cfg.cache_dir is None:
         raise ConfigError("must be set (a directory with mels/, tokens/ and manifest.json)", path=("cache_dir",))
     manifest = load_manifest(cfg.cache_dir, cfg.n_mels)
-    if not len(manifest):   # `index --skip-bad` with every file bad writes one; buckets and plans need a row
-        raise CacheError(manifest.cache_dir / MANIFEST_NAME, "lists no utterances: index skipped every file as bad "
-                         f"(melfeed index --cache-dir {manifest.cache_dir} names each one); nothing to train on")
+    if not len(manifest):  # `index --skip-bad` with every file bad writes one; buckets and plans need a row
+        raise CacheError(
+            manifest.cache_dir / MANIFEST_NAME,
+            "lists no utterances: index skipped every file as bad "
+            f"(melfeed index --cache-dir {manifest.cache_dir} names each one); nothing to train on",
+        )
     check_features(manifest, cfg)
     if feeds_model:
         check_token_ids(manifest, cfg.model.vocab_size)
@@ -166,7 +200,7 @@ def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | N
         if err.reason == "missing":
             return None
         raise
-    except OSError as err:   # EACCES, ENOTDIR (a file where the cache directory should be), EIO
+    except OSError as err:  # EACCES, ENOTDIR (a file where the cache directory should be), EIO
         raise CacheError(path, f"cannot read ({err.strerror})") from err
     except ValueError as err:
         raise CacheError(path, f"malformed feature record: {err}".replace("\n", " ")) from err
@@ -178,8 +212,12 @@ def read_feature_record(cache_dir: str | os.PathLike[str]) -> dict[str, Any] | N
     return doc
 
 
-def write_feature_record(cache_dir: str | os.PathLike[str], features: Mapping[str, Any],
-                         vocabulary: tuple[str, ...], extra: Mapping[str, Any]) -> Path:
+def write_feature_record(
+    cache_dir: str | os.PathLike[str],
+    features: Mapping[str, Any],
+    vocabulary: tuple[str, ...],
+    extra: Mapping[str, Any],
+) -> Path:
     """Write ``CACHE/features.json`` atomically: what every file of the cache was computed with.
 
     Args:

@@ -32,8 +32,18 @@ from typing import Any
 
 from melfeed.shared.errors import CacheError
 
-__all__ = ["CACHE_FILE_MODE", "OPEN_FLAGS", "open_regular", "read_regular", "read_json", "write_atomic", "make_dirs", "entry_kind",
-           "mode_kind", "not_regular_reason"]
+__all__ = [
+    "CACHE_FILE_MODE",
+    "OPEN_FLAGS",
+    "open_regular",
+    "read_regular",
+    "read_json",
+    "write_atomic",
+    "make_dirs",
+    "entry_kind",
+    "mode_kind",
+    "not_regular_reason",
+]
 
 OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
@@ -138,8 +148,8 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise ValueError("nested too deeply") from None
 
 
-CACHE_FILE_MODE = 0o644   # manifest.json, features.json: read by producers and consumers that may run as another
-                          # user (deploy's melfeed) than the one who indexed; mkstemp alone gives 0600
+CACHE_FILE_MODE = 0o644  # manifest.json, features.json: read by producers and consumers that may run as another
+# user (deploy's melfeed) than the one who indexed; mkstemp alone gives 0600
 
 
 def write_atomic(directory: Path, name: str, data: bytes) -> Path:
@@ -202,13 +212,14 @@ def check_cache_dir(root: Path, what: str = "cache") -> None:
     """
     from melfeed.shared.filetrust import creation_reason
     from melfeed.shared.output_files import output_dir_reason
+
     exists = os.path.lexists(root)
     if exists and not os.path.isdir(root):
         raise CacheError(root, "not a directory")
     try:
         reason = output_dir_reason(root) if exists else creation_reason(root)
     except OSError as err:
-        if not exists:     # a file in the way, a parent we cannot search: making it names the OS reason
+        if not exists:  # a file in the way, a parent we cannot search: making it names the OS reason
             return
         raise CacheError(root, f"cannot examine the {what} directory ({err.strerror})") from err
     if reason is not None:

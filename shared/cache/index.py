@@ -21,13 +21,22 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.errors import CacheError
-from melfeed.shared.cache.features import FEATURES_NAME, read_feature_record
-from melfeed.shared.cache.manifest import (MANIFEST_NAME, MEL_DTYPES, TOKEN_DTYPE, CacheProblem,
-                                   FeatureItems, Manifest, Utterance, parse_features, parse_vocabulary)
 from melfeed.shared.cache.extras import ExtraColumn, extra_dirs, index_extra
+from melfeed.shared.cache.features import FEATURES_NAME, read_feature_record
 from melfeed.shared.cache.filekind import open_regular, read_json
+from melfeed.shared.cache.manifest import (
+    MANIFEST_NAME,
+    MEL_DTYPES,
+    TOKEN_DTYPE,
+    CacheProblem,
+    FeatureItems,
+    Manifest,
+    Utterance,
+    parse_features,
+    parse_vocabulary,
+)
 from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.schema import KINDS
 
 __all__ = ["build_manifest", "check_mel_header", "check_token_header", "ids_outside", "list_npy", "token_range"]
@@ -35,7 +44,7 @@ __all__ = ["build_manifest", "check_mel_header", "check_token_header", "ids_outs
 log = logging.getLogger(__name__)
 
 _MEL_DTYPE_NAMES = {dtype: name for name, dtype in MEL_DTYPES.items()}  # .npy dtype -> manifest mel_dtype
-_TOKEN_CHUNK_ITEMS = 1 << 18   # ids per read (1 MiB): one read for any real token file, bounded memory for any file
+_TOKEN_CHUNK_ITEMS = 1 << 18  # ids per read (1 MiB): one read for any real token file, bounded memory for any file
 
 
 def _list_npy(directory: Path) -> dict[str, Path]:
@@ -89,12 +98,14 @@ def ids_outside(ids: npt.NDArray[np.int32], recorded: tuple[int, int] | None) ->
     ``None``. ``pack`` and producers ask it: the consumer's start checked ``model.vocab_size`` against that
     range, so an id beyond it (a token file rewritten since) would reach the model unchecked."""
     if recorded is None or ids.size == 0:
-        return None                     # an older manifest records no range (its start warned)
+        return None  # an older manifest records no range (its start warned)
     low, high = int(ids.min()), int(ids.max())
     if recorded[0] <= low and high <= recorded[1]:
         return None
-    return (f"file changed since index: token ids {low}..{high}, outside the {recorded[0]}..{recorded[1]} the "
-            "manifest records; re-run index")
+    return (
+        f"file changed since index: token ids {low}..{high}, outside the {recorded[0]}..{recorded[1]} the "
+        "manifest records; re-run index"
+    )
 
 
 def token_range(path: Path, header: NpyHeader) -> tuple[int, int]:
@@ -140,8 +151,9 @@ def _inspect(path: Path, problems: list[CacheProblem]) -> tuple[NpyHeader, int] 
         return None
 
 
-def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
-               problems: list[CacheProblem]) -> tuple[Utterance, tuple[int, int]] | None:
+def _index_one(
+    uid: str, mel: Path, tok: Path, n_mels: int, problems: list[CacheProblem]
+) -> tuple[Utterance, tuple[int, int]] | None:
     """The utterance's row and its token ids' (smallest, largest), or ``None`` with its problems appended."""
     mel_info, tok_info = _inspect(mel, problems), _inspect(tok, problems)
     mel_bad = check_mel_header(mel_info[0], n_mels) if mel_info else None
@@ -158,8 +170,9 @@ def _index_one(uid: str, mel: Path, tok: Path, n_mels: int,
     except CacheError as err:
         problems.append(CacheProblem(err.path, err.reason))
         return None
-    return Utterance(uid, mh.shape[0], th.shape[0], _MEL_DTYPE_NAMES[mh.dtype],
-                     mh.data_offset, mel_bytes, th.data_offset, tok_bytes), ids
+    return Utterance(
+        uid, mh.shape[0], th.shape[0], _MEL_DTYPE_NAMES[mh.dtype], mh.data_offset, mel_bytes, th.data_offset, tok_bytes
+    ), ids
 
 
 def recorded_features(root: Path, n_mels: int) -> tuple[FeatureItems | None, tuple[str, ...] | None]:
@@ -210,7 +223,7 @@ def build_manifest(
     problems: list[CacheProblem] = []
     utterances: list[Utterance] = []
     lows: list[int] = []
-    highs: list[int] = []    # each utterance's smallest and largest token id, in utterance order
+    highs: list[int] = []  # each utterance's smallest and largest token id, in utterance order
     for done, uid in enumerate(ids, 1):
         mel, tok = mels.get(uid), toks.get(uid)
         if tok is None and mel is not None:
@@ -228,25 +241,35 @@ def build_manifest(
     keep, extras = _index_extras(root, utterances, kinds or {}, problems)
     ranges = [(lows[i], highs[i]) for i in keep]
     span = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
-    manifest = Manifest(root, n_mels, tuple(utterances[i] for i in keep), features, vocabulary, extras,
-                        token_range=span)
-    log.info("indexed cache=%s utterances=%d problems=%d fingerprint=%s",
-             root, len(manifest), len(problems), manifest.fingerprint)
+    manifest = Manifest(
+        root, n_mels, tuple(utterances[i] for i in keep), features, vocabulary, extras, token_range=span
+    )
+    log.info(
+        "indexed cache=%s utterances=%d problems=%d fingerprint=%s",
+        root,
+        len(manifest),
+        len(problems),
+        manifest.fingerprint,
+    )
     return manifest, problems
 
 
 def _declared_kinds(root: Path) -> dict[str, str]:
     """The kinds the current manifest declares (best effort): a re-index keeps them without ``--extra``."""
     try:
-        doc = read_json(root / MANIFEST_NAME)   # too deep is a ValueError here, not a RecursionError
-        return {e["name"]: e["kind"] + (f"/{e.get('divisor', 1)}" if e["kind"] == "matrix" else "")
-                for e in doc.get("extras") or [] if isinstance(e.get("name"), str) and e.get("kind") in KINDS}
+        doc = read_json(root / MANIFEST_NAME)  # too deep is a ValueError here, not a RecursionError
+        return {
+            e["name"]: e["kind"] + (f"/{e.get('divisor', 1)}" if e["kind"] == "matrix" else "")
+            for e in doc.get("extras") or []
+            if isinstance(e.get("name"), str) and e.get("kind") in KINDS
+        }
     except (CacheError, OSError, ValueError, AttributeError, TypeError):
         return {}
 
 
-def _index_extras(root: Path, utterances: list[Utterance], kinds: Mapping[str, str],
-                  problems: list[CacheProblem]) -> tuple[list[int], tuple[ExtraColumn, ...]]:
+def _index_extras(
+    root: Path, utterances: list[Utterance], kinds: Mapping[str, str], problems: list[CacheProblem]
+) -> tuple[list[int], tuple[ExtraColumn, ...]]:
     """Index ``extras/*``: the indices of the utterances kept (one whose file of any extra is bad or missing
     is left out) and the columns, with a row per kept utterance."""
     folders = extra_dirs(root)

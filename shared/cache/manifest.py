@@ -46,9 +46,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.errors import CacheError
-from melfeed.shared.cache.extras import EXTRAS_DIR, ExtraColumn, check_extra_sizes, extras_digest, extras_json, parse_extras
+from melfeed.shared.cache.extras import (
+    EXTRAS_DIR,
+    ExtraColumn,
+    check_extra_sizes,
+    extras_digest,
+    extras_json,
+    parse_extras,
+)
 from melfeed.shared.cache.filekind import read_json, write_atomic
+from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.schema import ExtraSchema
 
 __all__ = [
@@ -61,21 +68,21 @@ __all__ = [
     "Manifest",
     "write_manifest",
     "load_manifest",
-    "parse_features", "parse_vocabulary",
+    "parse_features",
+    "parse_vocabulary",
 ]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1  # bump when the columns or their meaning change
-_COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes",
-            "tok_offset", "tok_file_bytes")
+_COLUMNS = ("id", "frames", "tokens", "mel_dtype", "mel_offset", "mel_file_bytes", "tok_offset", "tok_file_bytes")
 _ROW_TYPES = (str, int, int, str, int, int, int, int)  # exact types, so JSON true/1.0 are rejected
 _BAD_ID = re.compile(r"\A(?:\.|\Z)|[/\\\x00]")  # empty, hidden/"..", or a path separator or NUL
 # The cache's .npy dtypes: a mel file is one of these (by the manifest's mel_dtype), a token file int32.
 MEL_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 TOKEN_DTYPE: np.dtype = np.dtype("<i4")
-_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1   # what a TOKEN_DTYPE id can hold
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1  # what a TOKEN_DTYPE id can hold
 
 
 class Utterance(NamedTuple):
@@ -106,8 +113,15 @@ class CacheProblem:
         return f"{self.path}: {self.reason}"
 
 
-def _fingerprint(n_mels: int, ids: tuple[str, ...], mel_dtypes: tuple[str, ...], ints: npt.NDArray[np.int64],
-                 described: bytes | None, extras: bytes | None, token_range: tuple[int, int] | None) -> str:
+def _fingerprint(
+    n_mels: int,
+    ids: tuple[str, ...],
+    mel_dtypes: tuple[str, ...],
+    ints: npt.NDArray[np.int64],
+    described: bytes | None,
+    extras: bytes | None,
+    token_range: tuple[int, int] | None,
+) -> str:
     """16 hex chars of sha256 over everything but ``cache_dir``.
 
     Hashes raw columns (ids and dtypes NUL-joined, NUL being the one character no file name
@@ -135,8 +149,10 @@ FeatureItems = tuple[tuple[str, "int | float | str"], ...]
 def _describe(features: FeatureItems | None, vocabulary: tuple[str, ...] | None) -> bytes | None:
     if features is None and vocabulary is None:
         return None
-    doc = {"features": dict(features) if features is not None else None,
-           "vocabulary": list(vocabulary) if vocabulary is not None else None}
+    doc = {
+        "features": dict(features) if features is not None else None,
+        "vocabulary": list(vocabulary) if vocabulary is not None else None,
+    }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -181,9 +197,19 @@ class Manifest:
             object.__setattr__(self, "token_range", tuple(self.token_range))
         if any(len(c.rows) != n for c in self.extras):
             raise ValueError("every extra needs one row per utterance")
-        object.__setattr__(self, "fingerprint", _fingerprint(
-            self.n_mels, ids, mel_dtypes, ints, _describe(self.features, self.vocabulary), extras_digest(self.extras),
-            self.token_range))
+        object.__setattr__(
+            self,
+            "fingerprint",
+            _fingerprint(
+                self.n_mels,
+                ids,
+                mel_dtypes,
+                ints,
+                _describe(self.features, self.vocabulary),
+                extras_digest(self.extras),
+                self.token_range,
+            ),
+        )
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -220,8 +246,7 @@ class Manifest:
 def parse_features(value: Any, path: Path) -> FeatureItems | None:
     if value is None:
         return None
-    if (not isinstance(value, dict) or not value
-            or set(map(type, value.values())) - {int, float, str}):
+    if not isinstance(value, dict) or not value or set(map(type, value.values())) - {int, float, str}:
         raise CacheError(path, "malformed features: must map names to numbers or strings")
     return tuple(sorted(value.items()))
 
@@ -229,8 +254,13 @@ def parse_features(value: Any, path: Path) -> FeatureItems | None:
 def parse_vocabulary(value: Any, path: Path) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if (not isinstance(value, list) or len(value) < 2 or set(map(type, value)) - {str}
-            or not all(value) or len(set(value)) != len(value)):
+    if (
+        not isinstance(value, list)
+        or len(value) < 2
+        or set(map(type, value)) - {str}
+        or not all(value)
+        or len(set(value)) != len(value)
+    ):
         raise CacheError(path, "malformed vocabulary: must be a list of >= 2 distinct non-empty strings")
     return tuple(value)
 
@@ -259,8 +289,7 @@ def write_manifest(manifest: Manifest) -> Path:
         doc["extras"] = extras_json(manifest.extras)
     if manifest.token_range is not None:
         doc["token_range"] = list(manifest.token_range)
-    return write_atomic(manifest.cache_dir, MANIFEST_NAME,
-                         json.dumps(doc, separators=(",", ":")).encode())
+    return write_atomic(manifest.cache_dir, MANIFEST_NAME, json.dumps(doc, separators=(",", ":")).encode())
 
 
 def _check_column_types(rows: list[Any], path: Path) -> list[tuple[Any, ...]]:
@@ -271,8 +300,7 @@ def _check_column_types(rows: list[Any], path: Path) -> list[tuple[Any, ...]]:
     columns = list(zip(*rows)) if rows else [()] * len(_COLUMNS)
     for name, column, want in zip(_COLUMNS, columns, _ROW_TYPES):
         if set(map(type, column)) - {want}:
-            raise CacheError(
-                path, f"malformed manifest: column {name} must hold only {want.__name__}")
+            raise CacheError(path, f"malformed manifest: column {name} must hold only {want.__name__}")
     return columns
 
 
@@ -288,9 +316,14 @@ def _check_sizes(manifest: Manifest, rows: list[Any], path: Path) -> None:
     """Lengths >= 1, offsets >= 0, each file big enough for its data; vectorised over all rows."""
     frames, tokens, mel_off, mel_bytes, tok_off, tok_bytes = manifest._ints
     itemsize = np.array([MEL_DTYPES[u.mel_dtype].itemsize for u in manifest.utterances], dtype=np.int64)
-    ok = ((frames >= 1) & (tokens >= 1) & (mel_off >= 0) & (tok_off >= 0)
-          & (mel_bytes >= mel_off + frames * manifest.n_mels * itemsize)
-          & (tok_bytes >= tok_off + tokens * TOKEN_DTYPE.itemsize))
+    ok = (
+        (frames >= 1)
+        & (tokens >= 1)
+        & (mel_off >= 0)
+        & (tok_off >= 0)
+        & (mel_bytes >= mel_off + frames * manifest.n_mels * itemsize)
+        & (tok_bytes >= tok_off + tokens * TOKEN_DTYPE.itemsize)
+    )
     if not ok.all():
         raise CacheError(path, f"malformed manifest row {str(rows[int(np.argmin(ok))])[:80]}")
 
@@ -299,8 +332,12 @@ def _parse_token_range(value: Any, path: Path) -> tuple[int, int] | None:
     """``token_range`` as ``(smallest, largest)``: absent (an older manifest) is None; else two int32s, in order."""
     if value is None:
         return None
-    if (not isinstance(value, list) or len(value) != 2 or set(map(type, value)) - {int}
-            or not _INT32_MIN <= value[0] <= value[1] <= _INT32_MAX):
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or set(map(type, value)) - {int}
+        or not _INT32_MIN <= value[0] <= value[1] <= _INT32_MAX
+    ):
         raise CacheError(path, "malformed manifest: token_range must be [smallest, largest], two int32 token ids")
     return value[0], value[1]
 
@@ -339,8 +376,9 @@ def load_manifest(cache_dir: str | os.PathLike[str], n_mels: int | None = None) 
     try:
         doc = read_json(path)  # a FIFO or device named manifest.json is refused, never read
     except CacheError as err:
-        raise CacheError(path, "no manifest; run `melfeed index --cache-dir DIR` first"
-                         if err.reason == "missing" else err.reason) from err
+        raise CacheError(
+            path, "no manifest; run `melfeed index --cache-dir DIR` first" if err.reason == "missing" else err.reason
+        ) from err
     except OSError as err:
         raise CacheError(path, f"cannot read ({err.strerror})") from err
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, "nested too deeply"

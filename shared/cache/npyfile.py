@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.errors import CacheError
 
 __all__ = ["NPY_MAGIC", "NpyHeader", "parse_npy_header", "inspect_npy"]
 
@@ -109,8 +109,7 @@ def _literal_dict(text: str, path: str | os.PathLike[str]) -> dict[str, object]:
         raise CacheError(path, f"malformed header (a {type(value).__name__}, not a dict)")
     if set(value) != _HEADER_KEYS:
         keys = sorted(map(str, value))
-        raise CacheError(
-            path, f"malformed header (keys {keys}, expected descr/fortran_order/shape)")
+        raise CacheError(path, f"malformed header (keys {keys}, expected descr/fortran_order/shape)")
     return value
 
 
@@ -190,7 +189,7 @@ def inspect_npy(path: str | os.PathLike[str]) -> tuple[NpyHeader, int]:
             that is not a regular file (``not a regular file (fifo)``; see ``melfeed.shared.cache.filekind``).
     """
     try:
-        fd, st = open_regular(path)   # never blocks on a FIFO; refuses devices and directories
+        fd, st = open_regular(path)  # never blocks on a FIFO; refuses devices and directories
     except OSError as err:
         raise CacheError(path, f"cannot open ({err.strerror})") from err
     try:

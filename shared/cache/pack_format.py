@@ -42,14 +42,26 @@ import numpy.typing as npt
 from melfeed.shared.cache.filekind import open_regular
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest
 
-__all__ = ["MAGIC", "DATA_OFFSET", "FORMAT_VERSION", "PackLayout", "PackHeader", "PackFile", "PackUnusable",
-           "pack_path", "source_paths", "stat_source", "sources_digest", "open_pack"]
+__all__ = [
+    "MAGIC",
+    "DATA_OFFSET",
+    "FORMAT_VERSION",
+    "PackLayout",
+    "PackHeader",
+    "PackFile",
+    "PackUnusable",
+    "pack_path",
+    "source_paths",
+    "stat_source",
+    "sources_digest",
+    "open_pack",
+]
 
 MAGIC = b"MELPACK\x01"
 FORMAT_VERSION = 1
-DATA_OFFSET = 4096                  # records start page-aligned
+DATA_OFFSET = 4096  # records start page-aligned
 _PREAMBLE = struct.Struct("<8sQQ")  # magic, header offset, header length
-_MAX_HEADER_BYTES = 64 << 20        # a header beyond this is not ours (bad rows of a huge cache fit)
+_MAX_HEADER_BYTES = 64 << 20  # a header beyond this is not ours (bad rows of a huge cache fit)
 
 
 class PackUnusable(Exception):
@@ -66,16 +78,18 @@ class PackLayout:
     """Byte sizes of every record's parts, from the manifest: ``parts[i]`` = (mel, tokens, *extras)."""
 
     mel_dtype: str
-    parts: npt.NDArray[np.int64]      # [N, 2 + extras]
-    offsets: npt.NDArray[np.int64]    # [N] absolute file offset of each record
+    parts: npt.NDArray[np.int64]  # [N, 2 + extras]
+    offsets: npt.NDArray[np.int64]  # [N] absolute file offset of each record
     data_bytes: int
 
     @staticmethod
     def of(manifest: Manifest, mel_dtype: str) -> PackLayout:
         n = len(manifest)
-        columns = [manifest.frames * (manifest.n_mels * MEL_DTYPES[mel_dtype].itemsize),
-                   manifest.token_counts * TOKEN_DTYPE.itemsize]
-        columns += [c.rows[:, 2] - c.rows[:, 1] for c in manifest.extras]   # file bytes - data offset
+        columns = [
+            manifest.frames * (manifest.n_mels * MEL_DTYPES[mel_dtype].itemsize),
+            manifest.token_counts * TOKEN_DTYPE.itemsize,
+        ]
+        columns += [c.rows[:, 2] - c.rows[:, 1] for c in manifest.extras]  # file bytes - data offset
         parts = np.stack(columns, axis=1).astype(np.int64) if n else np.zeros((0, len(columns)), np.int64)
         sizes = parts.sum(axis=1)
         offsets = DATA_OFFSET + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if n else sizes
@@ -101,7 +115,7 @@ def stat_source(path: str) -> tuple[int, int]:
     try:
         st = os.stat(path)
     except OSError:
-        return (-1, -1)     # a bad row's missing file: its appearing later changes the digest
+        return (-1, -1)  # a bad row's missing file: its appearing later changes the digest
     return st.st_size, st.st_mtime_ns
 
 
@@ -117,12 +131,19 @@ class PackHeader:
     mel_dtype: str
     data_bytes: int
     sources: str
-    bad: dict[int, tuple[str, str]] = field(default_factory=dict)   # index -> (source path, reason)
+    bad: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (source path, reason)
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": FORMAT_VERSION, "fingerprint": self.fingerprint, "mel_dtype": self.mel_dtype,
-                           "data_bytes": self.data_bytes, "sources": self.sources,
-                           "bad": {str(i): list(v) for i, v in sorted(self.bad.items())}}).encode()
+        return json.dumps(
+            {
+                "version": FORMAT_VERSION,
+                "fingerprint": self.fingerprint,
+                "mel_dtype": self.mel_dtype,
+                "data_bytes": self.data_bytes,
+                "sources": self.sources,
+                "bad": {str(i): list(v) for i, v in sorted(self.bad.items())},
+            }
+        ).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> PackHeader:
@@ -131,8 +152,9 @@ class PackHeader:
             if doc["version"] != FORMAT_VERSION:
                 raise PackUnusable(f"format version {doc['version']}, this melfeed reads {FORMAT_VERSION}")
             bad = {int(i): (str(v[0]), str(v[1])) for i, v in doc["bad"].items()}
-            return PackHeader(str(doc["fingerprint"]), str(doc["mel_dtype"]), int(doc["data_bytes"]),
-                              str(doc["sources"]), bad)
+            return PackHeader(
+                str(doc["fingerprint"]), str(doc["mel_dtype"]), int(doc["data_bytes"]), str(doc["sources"]), bad
+            )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as err:
             raise PackUnusable(f"malformed header ({type(err).__name__})") from err
 
@@ -165,6 +187,7 @@ def open_pack(manifest: Manifest, mel_dtype: str, path: Path | None = None) -> P
             dtype, or a source file changed since it was written (the reason says which).
     """
     from melfeed.shared.errors import CacheError
+
     path = path if path is not None else pack_path(manifest.cache_dir, mel_dtype)
     try:
         fd, st = open_regular(path)
@@ -174,8 +197,10 @@ def open_pack(manifest: Manifest, mel_dtype: str, path: Path | None = None) -> P
         header = _read_header(fd, st.st_size)
         layout = PackLayout.of(manifest, mel_dtype)
         if header.fingerprint != manifest.fingerprint:
-            raise PackUnusable(f"written for another manifest (fingerprint {header.fingerprint}, the cache's is "
-                               f"{manifest.fingerprint}): re-run pack")
+            raise PackUnusable(
+                f"written for another manifest (fingerprint {header.fingerprint}, the cache's is "
+                f"{manifest.fingerprint}): re-run pack"
+            )
         if header.mel_dtype != mel_dtype:
             raise PackUnusable(f"holds {header.mel_dtype} mels, transport.mel_dtype is {mel_dtype}")
         if header.data_bytes != layout.data_bytes:

@@ -36,15 +36,23 @@ from melfeed.shared.cache.filekind import open_regular
 from melfeed.shared.cache.index import ids_outside
 from melfeed.shared.cache.manifest import MEL_DTYPES, TOKEN_DTYPE, Manifest, load_manifest
 from melfeed.shared.cache.npyfile import parse_npy_header
-from melfeed.shared.cache.pack_format import (DATA_OFFSET, PackHeader, PackLayout, pack_path, preamble, source_paths,
-                                      sources_digest, stat_source)
+from melfeed.shared.cache.pack_format import (
+    DATA_OFFSET,
+    PackHeader,
+    PackLayout,
+    pack_path,
+    preamble,
+    source_paths,
+    sources_digest,
+    stat_source,
+)
 from melfeed.shared.errors import CacheError
 
 __all__ = ["PackSummary", "write_pack", "ensure_pack", "main_pack"]
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int, int], None]     # (utterances done, total)
+Progress = Callable[[int, int], None]  # (utterances done, total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +60,8 @@ class PackSummary:
     path: Path
     utterances: int
     data_bytes: int
-    bad: dict[int, tuple[str, str]]      # row -> (file, reason) of every row stored as zeros and listed bad
-    written: bool = True                 # False: rows were bad without keep_bad, and nothing was published
+    bad: dict[int, tuple[str, str]]  # row -> (file, reason) of every row stored as zeros and listed bad
+    written: bool = True  # False: rows were bad without keep_bad, and nothing was published
 
 
 def _read_whole(path: str, file_bytes: int) -> tuple[bytes, tuple[int, int]]:
@@ -64,8 +72,9 @@ def _read_whole(path: str, file_bytes: int) -> tuple[bytes, tuple[int, int]]:
         raise CacheError(path, f"cannot open ({err.strerror})") from err
     try:
         if st.st_size != file_bytes:
-            raise CacheError(path, f"file changed since index (size {st.st_size}, manifest says {file_bytes}); "
-                                   "re-run index")
+            raise CacheError(
+                path, f"file changed since index (size {st.st_size}, manifest says {file_bytes}); re-run index"
+            )
         data = os.pread(fd, file_bytes, 0)
         if len(data) != file_bytes:
             raise CacheError(path, f"short read: {len(data)} of {file_bytes} bytes")
@@ -81,8 +90,11 @@ def _payload(path: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype, of
     except CacheError as err:
         raise CacheError(path, f"file changed since index ({err.reason}); re-run index") from err
     if (header.shape, header.dtype, header.data_offset) != (shape, dtype, offset):
-        raise CacheError(path, f"file changed since index (header says shape {header.shape} dtype "
-                               f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index")
+        raise CacheError(
+            path,
+            f"file changed since index (header says shape {header.shape} dtype "
+            f"{header.dtype.str}, manifest says {shape} {dtype.str}); re-run index",
+        )
     return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape)
 
 
@@ -102,13 +114,13 @@ def _record(manifest: Manifest, i: int, mel_dtype: str, stats: list[tuple[int, i
     _finite(paths[0], mel, "the mel")
     if utt.mel_dtype != mel_dtype:
         with np.errstate(over="ignore"):
-            mel = mel.astype(MEL_DTYPES[mel_dtype])     # numpy's rounding: what the file reader's cast gives
+            mel = mel.astype(MEL_DTYPES[mel_dtype])  # numpy's rounding: what the file reader's cast gives
         _finite(paths[0], mel, f"the mel cast to {mel_dtype} (values beyond float16's range, largest 65504)")
     parts = [mel.tobytes()]
     data, stat = _read_whole(paths[1], utt.tok_file_bytes)
     stats.append(stat)
     tokens = _payload(paths[1], data, (utt.tokens,), TOKEN_DTYPE, utt.tok_offset)
-    changed = ids_outside(tokens, manifest.token_range)   # the range the consumer's start checked
+    changed = ids_outside(tokens, manifest.token_range)  # the range the consumer's start checked
     if changed is not None:
         raise CacheError(paths[1], changed)
     parts.append(tokens.tobytes())
@@ -127,19 +139,20 @@ def _remove_dead_temps(final: Path) -> None:
     """Temp files a killed ``pack`` of this name left (``.NAME-<pid>-*.tmp`` of a pid no longer alive)."""
     for tmp in final.parent.glob(f".{final.name}-*-*.tmp"):
         try:
-            pid = int(tmp.name[len(final.name) + 2:].split("-", 1)[0])
+            pid = int(tmp.name[len(final.name) + 2 :].split("-", 1)[0])
             os.kill(pid, 0)
         except ValueError:
-            continue                    # not ours
+            continue  # not ours
         except ProcessLookupError:
             tmp.unlink(missing_ok=True)
             log.info("removed %s, left by an interrupted pack", tmp)
         except PermissionError:
-            continue                    # alive, another user's
+            continue  # alive, another user's
 
 
-def _write_records(f: BinaryIO, manifest: Manifest, mel_dtype: str, layout: PackLayout, progress: Progress | None,
-                   keep_bad: bool) -> tuple[dict[int, tuple[str, str]], list[tuple[int, int]]]:
+def _write_records(
+    f: BinaryIO, manifest: Manifest, mel_dtype: str, layout: PackLayout, progress: Progress | None, keep_bad: bool
+) -> tuple[dict[int, tuple[str, str]], list[tuple[int, int]]]:
     """Every utterance's record, in manifest order: the bad rows and each source file's (size, mtime_ns).
 
     Without ``keep_bad`` the records after the first bad row are checked but not written: the pack will not
@@ -164,8 +177,9 @@ def _write_records(f: BinaryIO, manifest: Manifest, mel_dtype: str, layout: Pack
     return bad, stats
 
 
-def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = None, *,
-               keep_bad: bool = True) -> PackSummary:
+def write_pack(
+    manifest: Manifest, mel_dtype: str, progress: Progress | None = None, *, keep_bad: bool = True
+) -> PackSummary:
     """Write ``pack_path(manifest.cache_dir, mel_dtype)`` from the manifest's files.
 
     Args:
@@ -180,9 +194,11 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
     if mel_dtype not in MEL_DTYPES:
         raise ValueError(f"mel_dtype must be one of {sorted(MEL_DTYPES)}, got {mel_dtype!r}")
     matrix = next((c.spec.name for c in manifest.extras if c.spec.kind == "matrix"), None)
-    if matrix is not None:   # its rows are narrower than the batch's: the pack's one-copy row read cannot place them
-        raise CacheError(manifest.cache_dir, f"extra {matrix!r} is a matrix, which a pack does not hold; "
-                                             "producers read its .npy files")
+    if matrix is not None:  # its rows are narrower than the batch's: the pack's one-copy row read cannot place them
+        raise CacheError(
+            manifest.cache_dir,
+            f"extra {matrix!r} is a matrix, which a pack does not hold; producers read its .npy files",
+        )
     layout = PackLayout.of(manifest, mel_dtype)
     final = pack_path(manifest.cache_dir, mel_dtype)
     _remove_dead_temps(final)
@@ -193,8 +209,9 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
             bad, stats = _write_records(f, manifest, mel_dtype, layout, progress, keep_bad)
             publish = keep_bad or not bad
             if publish:
-                raw = PackHeader(manifest.fingerprint, mel_dtype, layout.data_bytes, sources_digest(stats),
-                                 bad).to_json()
+                raw = PackHeader(
+                    manifest.fingerprint, mel_dtype, layout.data_bytes, sources_digest(stats), bad
+                ).to_json()
                 f.write(raw)
                 f.seek(0)
                 f.write(preamble(len(raw), layout.data_bytes))
@@ -219,6 +236,7 @@ def write_pack(manifest: Manifest, mel_dtype: str, progress: Progress | None = N
 def ensure_pack(manifest: Manifest, mel_dtype: str) -> None:
     """Write the cache's ``mel_dtype`` pack unless one that serves this manifest is there already."""
     from melfeed.shared.cache.pack_format import PackUnusable, open_pack
+
     try:
         open_pack(manifest, mel_dtype).close()
         return
@@ -233,13 +251,15 @@ def main_pack(args: argparse.Namespace) -> int:
 
     Every bad file is one ``bad: PATH: REASON`` line on stderr, as ``index`` prints them.
     """
-    from melfeed.shared.service.progress import Progress as Bar, progress_interval_s
     from melfeed.shared.cache.features import check_n_mels_flag
+    from melfeed.shared.service.progress import Progress as Bar
+    from melfeed.shared.service.progress import progress_interval_s
+
     manifest = load_manifest(args.cache_dir, check_n_mels_flag(args.n_mels))
     bar = Bar(0, sys.stderr, label="pack", unit="utterances", interval_s=progress_interval_s(5.0))
     try:
         summary = write_pack(manifest, args.mel_dtype, bar.callback(), keep_bad=getattr(args, "skip_bad", False))
-    except OSError as err:   # reading a source (EIO) or writing the pack (ENOSPC, EACCES): nothing left behind
+    except OSError as err:  # reading a source (EIO) or writing the pack (ENOSPC, EACCES): nothing left behind
         where = f"{err.filename}: " if err.filename else ""
         raise CacheError(args.cache_dir, f"pack not written ({where}{err.strerror})") from err
     finally:
@@ -247,9 +267,14 @@ def main_pack(args: argparse.Namespace) -> int:
     for path, reason in summary.bad.values():
         print(f"bad: {path}: {reason}", file=sys.stderr)
     if not summary.written:
-        print(f"{len(summary.bad)} bad files; pack not written (fix them, or pass --skip-bad to write it with "
-              "their rows quarantined)", file=sys.stderr)
+        print(
+            f"{len(summary.bad)} bad files; pack not written (fix them, or pass --skip-bad to write it with "
+            "their rows quarantined)",
+            file=sys.stderr,
+        )
         return 1
-    print(f"packed {summary.utterances} utterances ({summary.data_bytes / 1e6:.1f} MB, {args.mel_dtype} mels)"
-          f" -> {summary.path}" + (f"; {len(summary.bad)} bad rows will be quarantined" if summary.bad else ""))
+    print(
+        f"packed {summary.utterances} utterances ({summary.data_bytes / 1e6:.1f} MB, {args.mel_dtype} mels)"
+        f" -> {summary.path}" + (f"; {len(summary.bad)} bad rows will be quarantined" if summary.bad else "")
+    )
     return 0

@@ -36,8 +36,16 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["TEXT_VERSION", "PAD_SYMBOL", "VOCABULARY", "VOCAB_SIZE", "EncodedText",
-           "normalize_text", "encode_text", "decode_tokens"]
+__all__ = [
+    "TEXT_VERSION",
+    "PAD_SYMBOL",
+    "VOCABULARY",
+    "VOCAB_SIZE",
+    "EncodedText",
+    "normalize_text",
+    "encode_text",
+    "decode_tokens",
+]
 
 TEXT_VERSION = "melfeed-chars/1"
 PAD_SYMBOL = "<pad>"
@@ -45,11 +53,23 @@ _SYMBOLS = " !\"'(),-.:;?" + "abcdefghijklmnopqrstuvwxyz" + "0123456789"
 VOCABULARY: tuple[str, ...] = (PAD_SYMBOL, *_SYMBOLS)
 VOCAB_SIZE = len(VOCABULARY)  # 49; token ids are 1..VOCAB_SIZE-1
 _IDS = {ch: i for i, ch in enumerate(VOCABULARY) if i > 0}
-_ASCII_MAP = str.maketrans({
-    "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u00ab": '"', "\u00bb": '"',
-    "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u2032": "'",
-    "\u2013": "-", "\u2014": "-", "\u2212": "-", "\u2026": "...",
-})
+_ASCII_MAP = str.maketrans(
+    {
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u201e": '"',
+        "\u00ab": '"',
+        "\u00bb": '"',
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201a": "'",
+        "\u2032": "'",
+        "\u2013": "-",
+        "\u2014": "-",
+        "\u2212": "-",
+        "\u2026": "...",
+    }
+)
 _SPACES = re.compile(r"\s+")
 
 
@@ -57,7 +77,7 @@ class EncodedText(NamedTuple):
     """Token ids of one transcript and how many characters had no id."""
 
     ids: npt.NDArray[np.int32]  # [tokens], every id in 1..VOCAB_SIZE-1; may be empty
-    dropped: int                # characters outside the vocabulary after normalisation
+    dropped: int  # characters outside the vocabulary after normalisation
 
 
 def normalize_text(text: str) -> str:

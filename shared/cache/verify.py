@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from melfeed.shared.errors import CacheError
-from melfeed.shared.cache.filekind import open_regular
 from melfeed.shared.cache.extras import ExtraColumn, check_extra_header
-from melfeed.shared.cache.index import check_mel_header, check_token_header, list_npy, token_range   # index's rules
+from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.cache.index import check_mel_header, check_token_header, list_npy, token_range  # index's rules
 from melfeed.shared.cache.manifest import MANIFEST_NAME, TOKEN_DTYPE, Manifest, Utterance, load_manifest
 from melfeed.shared.cache.npyfile import NpyHeader, inspect_npy
+from melfeed.shared.errors import CacheError
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_cache"]
 
@@ -63,9 +63,9 @@ class VerifyReport:
     """What ``verify_cache`` checked and found."""
 
     cache_dir: Path
-    has_manifest: bool      # True: utterances were checked against a loadable manifest.json
-    utterances: int         # utterance ids checked (listed ones with a manifest, all ids without)
-    files: int              # .npy paths checked, missing ones included
+    has_manifest: bool  # True: utterances were checked against a loadable manifest.json
+    utterances: int  # utterance ids checked (listed ones with a manifest, all ids without)
+    files: int  # .npy paths checked, missing ones included
     problems: tuple[VerifyProblem, ...]  # sorted by path, at most one per path
 
     @property
@@ -80,7 +80,7 @@ class VerifyReport:
 
 def _list_npy(directory: Path) -> dict[str, Path]:
     """``{stem: path}`` of the ``.npy`` files in ``directory``; empty when it does not exist."""
-    return list_npy(directory) if directory.is_dir() else {}   # unreadable: CacheError (exit 78)
+    return list_npy(directory) if directory.is_dir() else {}  # unreadable: CacheError (exit 78)
 
 
 class _Scanner:
@@ -89,7 +89,7 @@ class _Scanner:
     def __init__(self, recorded: tuple[int, int] | None = None, vocab_size: int | None = None) -> None:
         self._buf = bytearray(_CHUNK_BYTES)
         self._finite = np.empty(_CHUNK_BYTES // 2, dtype=bool)  # one flag per float16, the smallest item
-        self._recorded, self._vocab_size = recorded, vocab_size   # the manifest's token_range; --vocab-size
+        self._recorded, self._vocab_size = recorded, vocab_size  # the manifest's token_range; --vocab-size
 
     def tokens(self, path: Path, header: NpyHeader, listed: bool) -> str | None:
         """Why a token file's ids are wrong (negative, beyond the manifest's range if ``listed``, or
@@ -100,8 +100,10 @@ class _Scanner:
             return err.reason
         lo, hi = self._recorded or (smallest, largest)
         if listed and not lo <= smallest <= largest <= hi:
-            return (f"changed since index: token ids {smallest}..{largest}, outside the {lo}..{hi} the manifest "
-                    "records; re-run index")
+            return (
+                f"changed since index: token ids {smallest}..{largest}, outside the {lo}..{hi} the manifest "
+                "records; re-run index"
+            )
         if self._vocab_size is not None and largest >= self._vocab_size:
             return f"token id {largest} >= --vocab-size {self._vocab_size}"
         return None
@@ -113,13 +115,13 @@ class _Scanner:
         n_nan = n_inf = 0
         first_frame = -1
         try:
-            fd, _ = open_regular(path)          # inspect_npy checked it; this guards against a swap since
+            fd, _ = open_regular(path)  # inspect_npy checked it; this guards against a swap since
             with os.fdopen(fd, "rb", buffering=0) as f:
                 f.seek(header.data_offset)
                 done, total = 0, header.nbytes // dtype.itemsize
                 while done < total:
                     k = min(chunk_items, total - done)
-                    view = memoryview(self._buf)[:k * dtype.itemsize]
+                    view = memoryview(self._buf)[: k * dtype.itemsize]
                     if f.readinto(view) != len(view):  # raw file: short only at EOF
                         return f"short read at item {done} of {total}"
                     values = np.frombuffer(view, dtype=dtype)
@@ -137,12 +139,10 @@ class _Scanner:
             return f"read failed ({err.strerror})"
         if first_frame < 0:
             return None
-        return (f"{n_nan + n_inf} non-finite values (NaN/Inf): {n_nan} NaN, {n_inf} Inf; "
-                f"first at frame {first_frame}")
+        return f"{n_nan + n_inf} non-finite values (NaN/Inf): {n_nan} NaN, {n_inf} Inf; first at frame {first_frame}"
 
 
-def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
-                scanner: _Scanner) -> str | None:
+def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None, scanner: _Scanner) -> str | None:
     """The first thing wrong with one file (header, size vs ``row``, values), or ``None``."""
     try:
         header, size = inspect_npy(path)
@@ -155,8 +155,11 @@ def _check_file(path: Path, is_mel: bool, n_mels: int, row: Utterance | None,
         want_bytes = row.mel_file_bytes if is_mel else row.tok_file_bytes
         if size != want_bytes:
             return f"changed since index: {size} bytes, manifest says {want_bytes}; re-run index"
-        want = ((row.frames, n_mels), row.mel_dtype, row.mel_offset) if is_mel else \
-            ((row.tokens,), TOKEN_DTYPE.name, row.tok_offset)
+        want = (
+            ((row.frames, n_mels), row.mel_dtype, row.mel_offset)
+            if is_mel
+            else ((row.tokens,), TOKEN_DTYPE.name, row.tok_offset)
+        )
         got = (header.shape, header.dtype.name, header.data_offset)
         if got != want:
             return f"changed since index: header says shape/dtype/offset {got}, manifest {want}; re-run index"
@@ -172,8 +175,9 @@ def _paired(uid: str, mel: Path | None, tok: Path | None) -> VerifyProblem | Non
     return None
 
 
-def _check_utterance(uid: str, mel: Path | None, tok: Path | None, row: Utterance | None, n_mels: int,
-                     scanner: _Scanner) -> list[VerifyProblem]:
+def _check_utterance(
+    uid: str, mel: Path | None, tok: Path | None, row: Utterance | None, n_mels: int, scanner: _Scanner
+) -> list[VerifyProblem]:
     """The problems of one utterance's two files (``row``: its manifest row, if listed)."""
     unpaired = _paired(uid, mel, tok)
     if unpaired is not None or mel is None or tok is None:
@@ -210,8 +214,10 @@ def _check_extra_file(manifest: Manifest, column: ExtraColumn, i: int, scanner: 
     if bad is None and size != file_bytes:
         bad = f"changed since index: {size} bytes, manifest says {file_bytes}; re-run index"
     elif bad is None and (header.shape != spec.file_shape(length, utt.frames) or header.data_offset != offset):
-        bad = (f"changed since index: header says shape {header.shape} offset {header.data_offset}, manifest "
-               f"{spec.file_shape(length, utt.frames)} {offset}; re-run index")
+        bad = (
+            f"changed since index: header says shape {header.shape} offset {header.data_offset}, manifest "
+            f"{spec.file_shape(length, utt.frames)} {offset}; re-run index"
+        )
     elif bad is None and header.dtype.kind == "f":
         bad = scanner.scan(path, header)
     return VerifyProblem(str(path), f"extra {spec.name!r}: {bad}") if bad else None
@@ -223,8 +229,9 @@ def _check_extras(manifest: Manifest, scanner: _Scanner) -> tuple[int, list[Veri
     return len(out), [p for p in out if p is not None]
 
 
-def _check_unlisted(mels: dict[str, Path], toks: dict[str, Path], rows: dict[str, Utterance], n_mels: int,
-                    scanner: _Scanner) -> list[VerifyProblem]:
+def _check_unlisted(
+    mels: dict[str, Path], toks: dict[str, Path], rows: dict[str, Utterance], n_mels: int, scanner: _Scanner
+) -> list[VerifyProblem]:
     """Warnings for files the manifest does not list, saying whether ``index`` could use them."""
     out = []
     for stems, other, is_mel in ((mels, toks, True), (toks, mels, False)):
@@ -237,8 +244,12 @@ def _check_unlisted(mels: dict[str, Path], toks: dict[str, Path], rows: dict[str
     return out
 
 
-def verify_cache(cache_dir: str | os.PathLike[str], n_mels: int = 80,
-                 progress: Callable[[int, int], None] | None = None, vocab_size: int | None = None) -> VerifyReport:
+def verify_cache(
+    cache_dir: str | os.PathLike[str],
+    n_mels: int = 80,
+    progress: Callable[[int, int], None] | None = None,
+    vocab_size: int | None = None,
+) -> VerifyReport:
     """Check every file of a cache; see the module docstring for what is checked.
 
     Args:

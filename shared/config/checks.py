@@ -30,13 +30,32 @@ from typing import Any
 
 from melfeed.shared.errors import ConfigError
 
-__all__ = ["require", "resolve_checksum", "check_transport_mode", "check_planner_settings", "check_boundaries", "INT64_MAX", "INT32_MAX", "MAX_IPC_PATH_BYTES", "check_number", "check_int32", "check_seed", "check_not_abstract",
-           "check_text", "check_endpoint", "check_distinct_binds", "check_output_paths", "check_ring_bytes",
-           "endpoints_collide", "physical_memory_bytes", "plain_params"]
+__all__ = [
+    "require",
+    "resolve_checksum",
+    "check_transport_mode",
+    "check_planner_settings",
+    "check_boundaries",
+    "INT64_MAX",
+    "INT32_MAX",
+    "MAX_IPC_PATH_BYTES",
+    "check_number",
+    "check_int32",
+    "check_seed",
+    "check_not_abstract",
+    "check_text",
+    "check_endpoint",
+    "check_distinct_binds",
+    "check_output_paths",
+    "check_ring_bytes",
+    "endpoints_collide",
+    "physical_memory_bytes",
+    "plain_params",
+]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
-MAX_IPC_PATH_BYTES = 107   # sizeof(sockaddr_un.sun_path) - 1 on Linux: longer paths cannot be bound
+MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux: longer paths cannot be bound
 
 
 def require(cond: bool, message: str, path: tuple[str, ...], got: Any) -> None:
@@ -50,8 +69,7 @@ def check_number(value: Any, path: tuple[str, ...]) -> None:
     if isinstance(value, bool):
         return
     if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
-        raise ConfigError(f"must fit in a signed 64-bit integer (|value| < 2**63), got {_short_int(value)}",
-                          path=path)
+        raise ConfigError(f"must fit in a signed 64-bit integer (|value| < 2**63), got {_short_int(value)}", path=path)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError("must be a finite number", path=path, got=value)
 
@@ -69,8 +87,12 @@ def plain_params(value: Any, path: tuple[str, ...]) -> Any:
         return out
     if isinstance(value, (list, tuple)):
         return [plain_params(item, path) for item in value]
-    require(isinstance(value, _PARAM_SCALARS), "must be made of strings, numbers, booleans, null, lists and "
-            "mappings", path, type(value).__name__)
+    require(
+        isinstance(value, _PARAM_SCALARS),
+        "must be made of strings, numbers, booleans, null, lists and mappings",
+        path,
+        type(value).__name__,
+    )
     check_number(value, path)
     return value
 
@@ -85,20 +107,35 @@ def check_rows_settings(batch_size: object, rows: tuple[int, ...] | None, max_ba
     """``buckets.batch_size`` (rows >= 1, or "auto"), ``buckets.rows`` (one count >= 1 per bucket) and
     ``buckets.max_batch_size`` (>= 1); all travel as int32."""
     p = ("buckets",)
-    require(batch_size is None or batch_size == "auto" or type(batch_size) is int, "must be an integer or auto",
-            p + ("batch_size",), batch_size)
+    require(
+        batch_size is None or batch_size == "auto" or type(batch_size) is int,
+        "must be an integer or auto",
+        p + ("batch_size",),
+        batch_size,
+    )
     require(type(batch_size) is not int or batch_size >= 1, "must be >= 1", p + ("batch_size",), batch_size)
-    require(type(max_batch_size) is int and max_batch_size >= 1, "must be >= 1", p + ("max_batch_size",), max_batch_size)
-    require(rows is None or (len(rows) >= 1 and all(type(r) is int and r >= 1 for r in rows)),
-            "must be a list of row counts >= 1, one per bucket, or null", p + ("rows",), rows)
+    require(
+        type(max_batch_size) is int and max_batch_size >= 1, "must be >= 1", p + ("max_batch_size",), max_batch_size
+    )
+    require(
+        rows is None or (len(rows) >= 1 and all(type(r) is int and r >= 1 for r in rows)),
+        "must be a list of row counts >= 1, one per bucket, or null",
+        p + ("rows",),
+        rows,
+    )
     check_int32(batch_size if type(batch_size) is int else None, p + ("batch_size",))
     check_int32(max_batch_size, p + ("max_batch_size",))
     for r in rows or ():
         check_int32(r, p + ("rows",))
 
 
-def check_planner_settings(token_cost: float, attention_cost: float, min_frames_per_token: float | None,
-                           max_frames_per_token: float | None, cost_tolerance: float) -> None:
+def check_planner_settings(
+    token_cost: float,
+    attention_cost: float,
+    min_frames_per_token: float | None,
+    max_frames_per_token: float | None,
+    cost_tolerance: float,
+) -> None:
     """The 2-D planner's cost weights and tolerance, and the frames-per-token outlier limits (``buckets.*``)."""
     p = ("buckets",)
     require(0 <= cost_tolerance <= 1, "must be in 0..1", p + ("cost_tolerance",), cost_tolerance)
@@ -115,8 +152,12 @@ def check_boundaries(boundaries: tuple[int, ...] | None) -> None:
     if boundaries is None:
         return
     b = tuple(boundaries)
-    require(len(b) >= 1 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
-            "must be a strictly increasing list of positive frame counts", ("buckets", "boundaries"), boundaries)
+    require(
+        len(b) >= 1 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
+        "must be a strictly increasing list of positive frame counts",
+        ("buckets", "boundaries"),
+        boundaries,
+    )
     check_int32(b[-1], ("buckets", "boundaries"))
 
 
@@ -140,13 +181,21 @@ def check_endpoint(endpoint: str, path: tuple[str, ...]) -> None:
         address = endpoint.removeprefix("ipc://")
         if not address:
             raise ConfigError("ipc:// needs a socket path", path=path, got=endpoint)
-        if not address.startswith(("/", "@")):     # relative to each process's own working directory
-            raise ConfigError("needs an absolute socket path (ipc:///DIR/NAME.sock): a relative one names a "
-                              "different file in each process's working directory", path=path, got=endpoint)
+        if not address.startswith(("/", "@")):  # relative to each process's own working directory
+            raise ConfigError(
+                "needs an absolute socket path (ipc:///DIR/NAME.sock): a relative one names a "
+                "different file in each process's working directory",
+                path=path,
+                got=endpoint,
+            )
         size = len(address.encode("utf-8"))
         if size > MAX_IPC_PATH_BYTES:
-            raise ConfigError(f"socket path is {size} bytes, longer than the {MAX_IPC_PATH_BYTES} a unix socket "
-                              "allows; use a shorter directory", path=path, got=endpoint)
+            raise ConfigError(
+                f"socket path is {size} bytes, longer than the {MAX_IPC_PATH_BYTES} a unix socket "
+                "allows; use a shorter directory",
+                path=path,
+                got=endpoint,
+            )
     elif endpoint.startswith("tcp://"):
         host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
         if not sep or not host:
@@ -159,11 +208,15 @@ def check_not_abstract(endpoint: str | None, insecure: bool, path: tuple[str, ..
     """An abstract unix socket (``ipc://@NAME``) has no file, so no directory mode guards it: any local
     user can connect to it, or bind the name first and pose as the consumer. Only with ``transport.insecure``."""
     if endpoint is not None and endpoint.startswith("ipc://@") and not insecure:
-        raise ConfigError("is an abstract unix socket, which every local user can connect to or bind first; use a "
-                          "path (ipc:///DIR/NAME.sock) or set transport.insecure: true", path=path, got=endpoint)
+        raise ConfigError(
+            "is an abstract unix socket, which every local user can connect to or bind first; use a "
+            "path (ipc:///DIR/NAME.sock) or set transport.insecure: true",
+            path=path,
+            got=endpoint,
+        )
 
 
-_ANY_HOST = frozenset({"*", "0.0.0.0", "[::]", "::", ""})     # every interface: overlaps every address
+_ANY_HOST = frozenset({"*", "0.0.0.0", "[::]", "::", ""})  # every interface: overlaps every address
 _SAME_HOST = {"localhost": "127.0.0.1", "::ffff:127.0.0.1": "127.0.0.1"}
 
 
@@ -198,8 +251,9 @@ def endpoints_collide(a: str, b: str) -> bool:
     return ta is not None and tb is not None and _tcp_overlap(ta, tb)
 
 
-def check_distinct_binds(endpoints: Mapping[tuple[str, ...], str | None],
-                         http: tuple[tuple[str, ...], str, int | None] | None = None) -> None:
+def check_distinct_binds(
+    endpoints: Mapping[tuple[str, ...], str | None], http: tuple[tuple[str, ...], str, int | None] | None = None
+) -> None:
     """Refuse two of the addresses one consumer binds that are the same address.
 
     Args:
@@ -215,20 +269,22 @@ def check_distinct_binds(endpoints: Mapping[tuple[str, ...], str | None],
     for i, (key, value) in enumerate(named):
         for other_key, other in named[:i]:
             if endpoints_collide(other, value):
-                raise ConfigError(f"must differ from {'.'.join(other_key)} ({other}): the consumer binds both",
-                                  path=key, got=value)
+                raise ConfigError(
+                    f"must differ from {'.'.join(other_key)} ({other}): the consumer binds both", path=key, got=value
+                )
     key, host, port = http if http is not None else ((), "", None)
     if port is not None:
         here = (_host(host), port)
         for other_key, other in named:
             there = _tcp_address(other)
             if there is not None and _tcp_overlap(here, there):
-                raise ConfigError(f"{host}:{port} is also where {'.'.join(other_key)} ({other}) listens; "
-                                  "choose another port", path=key)
+                raise ConfigError(
+                    f"{host}:{port} is also where {'.'.join(other_key)} ({other}) listens; choose another port",
+                    path=key,
+                )
 
 
-def check_output_paths(outputs: Mapping[tuple[str, ...], str | None],
-                       endpoints: Mapping[tuple[str, ...], str]) -> None:
+def check_output_paths(outputs: Mapping[tuple[str, ...], str | None], endpoints: Mapping[tuple[str, ...], str]) -> None:
     """Before training: each output file's directory and each ipc socket's directory exists and is writable.
 
     Args:
@@ -266,9 +322,12 @@ def check_ring_bytes(ring_slots: int, max_batch_nbytes: int, memory_bytes: int |
     """
     need = ring_slots * max_batch_nbytes
     if memory_bytes is not None and need > memory_bytes:
-        raise ConfigError(f"a ring of {ring_slots} slots x the largest batch ({max_batch_nbytes} bytes) needs {need} "
-                          f"bytes, more than this machine's {memory_bytes}; lower buckets.batch_size (or "
-                          "frame_budget, max_frames) or consumer.ring_slots", path=("buckets",))
+        raise ConfigError(
+            f"a ring of {ring_slots} slots x the largest batch ({max_batch_nbytes} bytes) needs {need} "
+            f"bytes, more than this machine's {memory_bytes}; lower buckets.batch_size (or "
+            "frame_budget, max_frames) or consumer.ring_slots",
+            path=("buckets",),
+        )
 
 
 def _short_int(value: int) -> str:
@@ -298,5 +357,9 @@ def check_transport_mode(mode: str, endpoint: str | None) -> None:
 
     Also called once the endpoint is resolved (``--endpoint`` may override the file).
     """
-    require(not (mode == "shm" and endpoint is not None and endpoint.startswith("tcp://")),
-           f"'shm' needs an ipc:// endpoint, the endpoint is {endpoint}", ("transport", "mode"), mode)
+    require(
+        not (mode == "shm" and endpoint is not None and endpoint.startswith("tcp://")),
+        f"'shm' needs an ipc:// endpoint, the endpoint is {endpoint}",
+        ("transport", "mode"),
+        mode,
+    )

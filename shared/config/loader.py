@@ -17,9 +17,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-
-from melfeed.shared.config import (BucketConfig, ConsumerConfig, FeatureConfig, ModelConfig, PipelineConfig,
-                           ProducerConfig, TransportConfig)
+from melfeed.shared.config import (
+    BucketConfig,
+    ConsumerConfig,
+    FeatureConfig,
+    ModelConfig,
+    PipelineConfig,
+    ProducerConfig,
+    TransportConfig,
+)
 from melfeed.shared.config.checks import check_number, check_text
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.yaml_safe import read_config_file
@@ -36,8 +42,8 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-MAX_DURATION_S = 7 * 24 * 3600   # every *_s key: beyond a week is a typo, and 1e16 s overflows a poll timeout
-_PATH_KEYS = ("_dir", "_file", "_key", "endpoint")   # optional paths and endpoints: null means the default
+MAX_DURATION_S = 7 * 24 * 3600  # every *_s key: beyond a week is a typo, and 1e16 s overflows a poll timeout
+_PATH_KEYS = ("_dir", "_file", "_key", "endpoint")  # optional paths and endpoints: null means the default
 
 
 def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
@@ -66,27 +72,35 @@ def _coerce(value: Any, annotation: str, path: tuple[str, ...]) -> Any:
     elif base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = ""
-            if isinstance(value, str) and _looks_numeric(value):   # YAML 1.1 reads 1e-2 as a string
+            if isinstance(value, str) and _looks_numeric(value):  # YAML 1.1 reads 1e-2 as a string
                 hint = " (YAML 1.1 reads it as a string: write it with a dot and a signed exponent, 1.0e-2, or plainly)"
             raise ConfigError("must be a number" + hint, path=path, got=value)
         try:
             value = float(value)
-        except OverflowError:   # an integer past 1.8e308
+        except OverflowError:  # an integer past 1.8e308
             raise ConfigError("must be a finite number", path=path, got=value) from None
     elif base == "str":
-        if isinstance(value, bool):     # YAML 1.1 reads a bare off/on/yes/no as a boolean
-            raise ConfigError("must be a string (YAML read a bare off/on/yes/no as a boolean: quote it, "
-                              "e.g. \"off\")", path=path, got=value)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on/yes/no as a boolean
+            raise ConfigError(
+                'must be a string (YAML read a bare off/on/yes/no as a boolean: quote it, e.g. "off")',
+                path=path,
+                got=value,
+            )
         if not isinstance(value, str):
             raise ConfigError("must be a string", path=path, got=value)
         check_text(value, path)
         if "None" in annotation and path[-1].endswith(_PATH_KEYS) and not value.strip():
-            raise ConfigError("must be a path or null (an empty one would mean the current directory)", path=path,
-                              got=value)
-    check_number(value, path)   # also where the annotation is not a plain type (e.g. model.jit_compile)
+            raise ConfigError(
+                "must be a path or null (an empty one would mean the current directory)", path=path, got=value
+            )
+    check_number(value, path)  # also where the annotation is not a plain type (e.g. model.jit_compile)
     if path[-1].endswith("_s") and isinstance(value, (int, float)) and value > MAX_DURATION_S:
-        raise ConfigError(f"must be at most {MAX_DURATION_S} s (a week): a timer this long never fires, and "
-                          "some overflow the C types they reach", path=path, got=value)
+        raise ConfigError(
+            f"must be at most {MAX_DURATION_S} s (a week): a timer this long never fires, and "
+            "some overflow the C types they reach",
+            path=path,
+            got=value,
+        )
     return value
 
 
@@ -110,7 +124,7 @@ def config_from_mapping(data: Mapping[str, Any] | None) -> PipelineConfig:
     try:
         config: PipelineConfig = _build(PipelineConfig, data or {}, ())
         return config
-    except RecursionError:   # model.params nested past the interpreter's limit (a mapping built in code)
+    except RecursionError:  # model.params nested past the interpreter's limit (a mapping built in code)
         raise ConfigError("nested too deeply", path=("model", "params")) from None
 
 
@@ -129,12 +143,14 @@ def load_config(path: str | os.PathLike[str] | None) -> PipelineConfig:
 
 def config_to_mapping(cfg: PipelineConfig) -> dict[str, Any]:
     """Plain dict (lists, not tuples) that ``config_from_mapping`` turns back into ``cfg``."""
+
     def plain(v: Any) -> Any:
         if dataclasses.is_dataclass(v):
             return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         return v
+
     return plain(cfg)  # type: ignore[no-any-return]
 
 

@@ -52,16 +52,33 @@ import yaml
 from melfeed.shared.config import resolve_runtime_dir
 from melfeed.shared.service.leftovers import remove_dead_configs
 from melfeed.shared.service.lifecycle import PARENT_PID_ENV, prepare_runtime_dir
-from melfeed.shared.service.stop_ladder import (GROUP_LADDER, Ladder, Rung, is_group_alive, signal_child, stop_all,
-                                        stop_process)
+from melfeed.shared.service.stop_ladder import (
+    GROUP_LADDER,
+    Ladder,
+    Rung,
+    is_group_alive,
+    signal_child,
+    stop_all,
+    stop_process,
+)
 
-__all__ = ["child_env", "module_argv", "entry_argv", "python_argv", "spawn",
-           "write_private_config", "handed_over_config", "Child", "CommandChildren", "Interrupted"]
+__all__ = [
+    "child_env",
+    "module_argv",
+    "entry_argv",
+    "python_argv",
+    "spawn",
+    "write_private_config",
+    "handed_over_config",
+    "Child",
+    "CommandChildren",
+    "Interrupted",
+]
 
 log = logging.getLogger(__name__)
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)   # what stops a command's children (CommandChildren)
-_CONFIG_MODE = 0o600    # the config may name key files and paths: the owner's eyes only
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what stops a command's children (CommandChildren)
+_CONFIG_MODE = 0o600  # the config may name key files and paths: the owner's eyes only
 
 
 class _PlainDumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML is untyped
@@ -81,7 +98,7 @@ def child_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) 
     A child imports ``melfeed`` from where its parent did: the same interpreter, site-packages and
     ``PYTHONPATH``; it starts in its parent's working directory (a step factory's module resolves alike).
     """
-    inherited = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}   # names *our* parent, not the child's
+    inherited = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}  # names *our* parent, not the child's
     return {k: v for k, v in {**inherited, **(extra or {})}.items() if k not in drop}
 
 
@@ -100,16 +117,18 @@ def entry_argv(command: str, *args: str) -> list[str]:
     return module_argv("melfeed", command, *args)
 
 
-def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, new_group: bool = False,
-          **popen_kwargs: Any) -> subprocess.Popen[Any]:
+def spawn(
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, new_group: bool = False, **popen_kwargs: Any
+) -> subprocess.Popen[Any]:
     """Start ``argv`` with stdin closed and ``env`` (default ``child_env()``).
 
     ``new_group``: the child leads its own process group (and session), so a timeout can kill it
     together with its helpers and a terminal's Ctrl-C reaches only the parent.
     """
     popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
-    return subprocess.Popen(list(argv), env=dict(env) if env is not None else child_env(),
-                            start_new_session=new_group, **popen_kwargs)
+    return subprocess.Popen(
+        list(argv), env=dict(env) if env is not None else child_env(), start_new_session=new_group, **popen_kwargs
+    )
 
 
 def write_private_config(mapping: Mapping[str, Any], name: str, directory: Path | None = None) -> Path:
@@ -119,12 +138,12 @@ def write_private_config(mapping: Mapping[str, Any], name: str, directory: Path 
     whose writer is dead are removed first.
     """
     folder = directory if directory is not None else prepare_runtime_dir(resolve_runtime_dir(os.environ))
-    remove_dead_configs(folder)          # left by a writer that was killed (shared/service/leftovers.py)
+    remove_dead_configs(folder)  # left by a writer that was killed (shared/service/leftovers.py)
     path = folder / name
     tmp = folder / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, _CONFIG_MODE)
     try:
-        os.fchmod(fd, _CONFIG_MODE)          # a leftover temporary file keeps its old mode otherwise
+        os.fchmod(fd, _CONFIG_MODE)  # a leftover temporary file keeps its old mode otherwise
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             yaml.dump(dict(mapping), out, Dumper=_PlainDumper, sort_keys=False)
         os.replace(tmp, path)
@@ -151,8 +170,15 @@ class Child:
     it asked for from a crash.
     """
 
-    def __init__(self, proc: subprocess.Popen[Any], what: str, ladder: Ladder, *, group: bool = False,
-                 config_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[Any],
+        what: str,
+        ladder: Ladder,
+        *,
+        group: bool = False,
+        config_path: Path | None = None,
+    ) -> None:
         self.proc = proc
         self.what = what
         self.ladder = ladder
@@ -174,8 +200,9 @@ class Child:
     def __enter__(self) -> Child:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -196,17 +223,18 @@ class CommandChildren:
     def __init__(self, what: str) -> None:
         self.what = what
         self.signum: int | None = None
-        self._live: list[subprocess.Popen[Any]] = []     # groups that may still have a running member
-        self._cleanups: dict[int, Callable[[int], None]] = {}   # by pid, until run
+        self._live: list[subprocess.Popen[Any]] = []  # groups that may still have a running member
+        self._cleanups: dict[int, Callable[[int], None]] = {}  # by pid, until run
         self._old: dict[int, Any] = {}
-        self._kill_timer: threading.Timer | None = None   # after a signal: SIGKILL what ignored the SIGTERM
+        self._kill_timer: threading.Timer | None = None  # after a signal: SIGKILL what ignored the SIGTERM
 
     def __enter__(self) -> CommandChildren:
         self._old = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             stop_all(self._live, self.what, GROUP_LADDER, group=True)
             for pid in list(self._cleanups):
@@ -225,14 +253,18 @@ class CommandChildren:
             self._kill_timer = threading.Timer(GROUP_LADDER.term_wait_s, self._kill_live)
             self._kill_timer.daemon = True
             self._kill_timer.start()
-        for proc in self._live:             # lead reaped or not: its group may still run
+        for proc in self._live:  # lead reaped or not: its group may still run
             signal_child(proc, Rung.TERM, group=True)
 
     def _kill_live(self) -> None:
         for proc in list(self._live):
             if is_group_alive(proc.pid):
-                log.warning("%s: pid %d's group still runs %.0f s after SIGTERM; killing it", self.what, proc.pid,
-                            GROUP_LADDER.term_wait_s)
+                log.warning(
+                    "%s: pid %d's group still runs %.0f s after SIGTERM; killing it",
+                    self.what,
+                    proc.pid,
+                    GROUP_LADDER.term_wait_s,
+                )
                 signal_child(proc, Rung.KILL, group=True)
 
     def check(self) -> None:
@@ -240,19 +272,29 @@ class CommandChildren:
         if self.signum is not None:
             raise Interrupted(self.signum)
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
-              cleanup: Callable[[int], None] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        cleanup: Callable[[int], None] | None = None,
+        **popen: Any,
+    ) -> subprocess.Popen[Any]:
         """``spawn`` in a new process group, naming this process as its parent, registered; none after a signal.
 
         ``cleanup(pid)`` runs once the child's whole group is gone (``finish``, else on leaving the block).
         """
         self.check()
-        proc = spawn(argv, env={**(env if env is not None else child_env()), PARENT_PID_ENV: str(os.getpid())},
-                     new_group=True, **popen)
+        proc = spawn(
+            argv,
+            env={**(env if env is not None else child_env()), PARENT_PID_ENV: str(os.getpid())},
+            new_group=True,
+            **popen,
+        )
         self._live = [p for p in self._live if p.poll() is None or is_group_alive(p.pid)] + [proc]
         if cleanup is not None:
             self._cleanups[proc.pid] = cleanup
-        if self.signum is not None:         # the signal came between the check and the start
+        if self.signum is not None:  # the signal came between the check and the start
             signal_child(proc, Rung.TERM, group=True)
         return proc
 
@@ -268,5 +310,5 @@ class CommandChildren:
             return
         try:
             cleanup(pid)
-        except OSError as err:              # a leftover is worth a line, never the command's result
+        except OSError as err:  # a leftover is worth a line, never the command's result
             log.warning("%s: cannot clean up after pid %d: %s", self.what, pid, err)

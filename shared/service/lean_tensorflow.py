@@ -42,25 +42,37 @@ from contextlib import contextmanager
 from types import FrameType, ModuleType
 from typing import Any
 
-__all__ = ["SKIPPED_PACKAGES", "TF_LOG_LEVEL_ENV", "is_hidden_line", "quiet_tensorflow_import",
-           "quiet_tensorflow_logs", "skip_optional_imports_of_tensorflow"]
+__all__ = [
+    "SKIPPED_PACKAGES",
+    "TF_LOG_LEVEL_ENV",
+    "is_hidden_line",
+    "quiet_tensorflow_import",
+    "quiet_tensorflow_logs",
+    "skip_optional_imports_of_tensorflow",
+]
 
 SKIPPED_PACKAGES = ("jax", "matplotlib")
-_IMPORTERS = ("tensorflow", "keras")          # the packages whose imports of them are refused
-_FROZEN_MACHINERY = "<frozen importlib"     # frames between the importing code and the finder
-_IMPORT_MODULE = "importlib/__init__.py"      # importlib.import_module, as Keras's lazy modules call it
+_IMPORTERS = ("tensorflow", "keras")  # the packages whose imports of them are refused
+_FROZEN_MACHINERY = "<frozen importlib"  # frames between the importing code and the finder
+_IMPORT_MODULE = "importlib/__init__.py"  # importlib.import_module, as Keras's lazy modules call it
 
 
 class _RefuseToTensorFlow(importlib.abc.MetaPathFinder):
     """Raises ModuleNotFoundError for a skipped package when the importing code is TensorFlow's or Keras's."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if (fullname.partition(".")[0] not in SKIPPED_PACKAGES or not _tensorflow_importing()
-                or not _imported_from_tensorflow(sys._getframe(1))):
-            return None                           # the usual finders decide
-        raise ModuleNotFoundError(f"{fullname} is not imported by TensorFlow in a melfeed process "
-                                  "(shared/service/lean_tensorflow.py)", name=fullname)
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if (
+            fullname.partition(".")[0] not in SKIPPED_PACKAGES
+            or not _tensorflow_importing()
+            or not _imported_from_tensorflow(sys._getframe(1))
+        ):
+            return None  # the usual finders decide
+        raise ModuleNotFoundError(
+            f"{fullname} is not imported by TensorFlow in a melfeed process (shared/service/lean_tensorflow.py)",
+            name=fullname,
+        )
 
 
 def _tensorflow_importing() -> bool:
@@ -72,8 +84,9 @@ def _tensorflow_importing() -> bool:
 
 def _imported_from_tensorflow(frame: FrameType | None) -> bool:
     """The first frame outside the import machinery runs code of a ``tensorflow`` or ``keras`` module."""
-    while frame is not None and (frame.f_code.co_filename.startswith(_FROZEN_MACHINERY)
-                                 or frame.f_code.co_filename.endswith(_IMPORT_MODULE)):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_FROZEN_MACHINERY) or frame.f_code.co_filename.endswith(_IMPORT_MODULE)
+    ):
         frame = frame.f_back
     if frame is None:
         return False
@@ -88,12 +101,12 @@ def skip_optional_imports_of_tensorflow() -> None:
 
 
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
-_QUIET_LEVEL = "3"     # only FATAL: "2" still shows cuInit's ERROR line on a host without a GPU driver
-_NATIVE_LINE = re.compile(rb"^([IWEF])\d{4} ")   # absl's prefix: severity letter, MMDD, then the time
-_SEVERITIES = b"IWEF"   # index = the TF_CPP_MIN_LOG_LEVEL that hides lines of lower severity
+_QUIET_LEVEL = "3"  # only FATAL: "2" still shows cuInit's ERROR line on a host without a GPU driver
+_NATIVE_LINE = re.compile(rb"^([IWEF])\d{4} ")  # absl's prefix: severity letter, MMDD, then the time
+_SEVERITIES = b"IWEF"  # index = the TF_CPP_MIN_LOG_LEVEL that hides lines of lower severity
 _ABSL_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
-_PYTHON_LEVELS = (logging.NOTSET, logging.WARNING, logging.ERROR, logging.ERROR)   # by TF_CPP_MIN_LOG_LEVEL
-_DRAIN_S = 2.0         # the forwarder's last bytes after the import: a pipe read, nothing slow
+_PYTHON_LEVELS = (logging.NOTSET, logging.WARNING, logging.ERROR, logging.ERROR)  # by TF_CPP_MIN_LOG_LEVEL
+_DRAIN_S = 2.0  # the forwarder's last bytes after the import: a pipe read, nothing slow
 
 
 def quiet_tensorflow_logs(log_level: str, environ: MutableMapping[str, str] = os.environ) -> None:
@@ -126,7 +139,7 @@ class _QuietLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)   # type: ignore[no-any-return]
+        return self._loader.create_module(spec)  # type: ignore[no-any-return]
 
     def exec_module(self, module: ModuleType) -> None:
         for name in ("tensorflow", "absl"):
@@ -135,7 +148,7 @@ class _QuietLoader(importlib.abc.Loader):
             with _filtered_stderr(self._min_level):
                 self._loader.exec_module(module)
         finally:
-            module.__loader__ = self._loader          # TensorFlow's own loader from here on
+            module.__loader__ = self._loader  # TensorFlow's own loader from here on
             if module.__spec__ is not None:
                 module.__spec__.loader = self._loader
 
@@ -143,8 +156,9 @@ class _QuietLoader(importlib.abc.Loader):
 class _QuietTensorFlow(importlib.abc.MetaPathFinder):
     """Wraps the loader of ``tensorflow`` itself (not its submodules) when ``TF_CPP_MIN_LOG_LEVEL`` is >= 1."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         level = _min_level(os.environ)
         if fullname != "tensorflow" or level == 0:
             return None
@@ -166,8 +180,7 @@ def _filtered_stderr(min_level: int) -> Iterator[None]:
     sys.stderr.flush()
     target = os.dup(2)
     read_end, write_end = os.pipe()
-    forwarder = threading.Thread(target=_forward, args=(read_end, target, min_level), name="tf-log-filter",
-                                 daemon=True)
+    forwarder = threading.Thread(target=_forward, args=(read_end, target, min_level), name="tf-log-filter", daemon=True)
     forwarder.start()
     os.dup2(write_end, 2)
     os.close(write_end)
@@ -175,7 +188,7 @@ def _filtered_stderr(min_level: int) -> Iterator[None]:
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(target, 2)       # the pipe's last writer here: the forwarder reads its end of file
+        os.dup2(target, 2)  # the pipe's last writer here: the forwarder reads its end of file
         forwarder.join(_DRAIN_S)
 
 
@@ -196,4 +209,4 @@ def _forward(read_end: int, target: int, min_level: int) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

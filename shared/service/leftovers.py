@@ -41,7 +41,7 @@ def is_pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True                          # someone else's process: alive
+        return True  # someone else's process: alive
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -81,7 +81,7 @@ def temp_dir_prefix(command: str) -> str:
 def remove_dead_temp_dirs(command: str, directory: Path | None = None) -> list[Path]:
     """Remove our ``melfeed-COMMAND-<pid>-XXXXXXXX`` directories (in the temp dir) whose pid is dead; returns them."""
     folder = Path(directory if directory is not None else tempfile.gettempdir())
-    pattern = re.compile(rf"^melfeed-{re.escape(command)}-(\d{{1,10}})-[a-z0-9_]{{8}}$")   # tempfile's 8 characters
+    pattern = re.compile(rf"^melfeed-{re.escape(command)}-(\d{{1,10}})-[a-z0-9_]{{8}}$")  # tempfile's 8 characters
     removed: list[Path] = []
     try:
         names = sorted(os.listdir(folder))

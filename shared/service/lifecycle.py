@@ -21,15 +21,29 @@ from melfeed.shared.config import PipelineConfig, resolve_runtime_dir
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.filetrust import make_dirs
 
-__all__ = ["stop_on_signals", "exit_on_sigterm", "Terminated", "raise_fd_limit", "prepare_runtime_dir", "check_runtime_dir", "resolve_endpoint",
-           "resolve_control_endpoint", "die_with_parent", "die_with_named_parent", "PARENT_PID_ENV", "setup_logging", "log_level", "LOG_LEVELS",
-           "LOG_LEVEL_ENV"]
+__all__ = [
+    "stop_on_signals",
+    "exit_on_sigterm",
+    "Terminated",
+    "raise_fd_limit",
+    "prepare_runtime_dir",
+    "check_runtime_dir",
+    "resolve_endpoint",
+    "resolve_control_endpoint",
+    "die_with_parent",
+    "die_with_named_parent",
+    "PARENT_PID_ENV",
+    "setup_logging",
+    "log_level",
+    "LOG_LEVELS",
+    "LOG_LEVEL_ENV",
+]
 
 _PR_SET_PDEATHSIG = 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_LEVEL_ENV = "MELFEED_LOG_LEVEL"    # the default of --log-level; children are started with it
-PARENT_PID_ENV = "MELFEED_PARENT_PID"   # a supervisor's pid, for its children's ``die_with_parent``
-_FD_RESERVE = 256   # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
+LOG_LEVEL_ENV = "MELFEED_LOG_LEVEL"  # the default of --log-level; children are started with it
+PARENT_PID_ENV = "MELFEED_PARENT_PID"  # a supervisor's pid, for its children's ``die_with_parent``
+_FD_RESERVE = 256  # descriptors beyond the connection bound: TensorFlow, slot files, checkpoint writes
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +101,11 @@ def prepare_runtime_dir(path: Path) -> Path:
             who can write there can replace the socket or the lock file (docs/security.md "Who can connect").
     """
     try:
-        make_dirs(path, 0o700)          # missing parents too: mkdir(parents=True) left them to the umask
+        make_dirs(path, 0o700)  # missing parents too: mkdir(parents=True) left them to the umask
     except OSError as err:
-        raise ConfigError(f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",),
-                          got=str(path)) from err
+        raise ConfigError(
+            f"cannot create runtime directory: {err.strerror}", path=("runtime_dir",), got=str(path)
+        ) from err
     return check_runtime_dir(path)
 
 
@@ -104,8 +119,11 @@ def check_runtime_dir(path: Path) -> Path:
     link = os.lstat(path)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.getuid(), 0):
         # Its owner could point it elsewhere at any time (a symlink in sticky /tmp is still the owner's).
-        raise ConfigError(f"runtime directory is a symbolic link owned by uid {link.st_uid}, not by this user",
-                          path=("runtime_dir",), got=str(path))
+        raise ConfigError(
+            f"runtime directory is a symbolic link owned by uid {link.st_uid}, not by this user",
+            path=("runtime_dir",),
+            got=str(path),
+        )
     st = path.stat()
     if st.st_uid != os.getuid():
         raise ConfigError("runtime directory belongs to another user", path=("runtime_dir",), got=str(path))
@@ -113,8 +131,11 @@ def check_runtime_dir(path: Path) -> Path:
     foreign_group = st.st_gid != os.getgid() and st.st_gid not in os.getgroups()
     if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and foreign_group):
         who = "every user" if mode & stat.S_IWOTH else f"group {st.st_gid}, which is not ours,"
-        raise ConfigError(f"runtime directory {path} is mode {mode:04o}: {who} can write to it (and replace its "
-                          "socket); make it 0700 or 0770 for the service group", path=("runtime_dir",))
+        raise ConfigError(
+            f"runtime directory {path} is mode {mode:04o}: {who} can write to it (and replace its "
+            "socket); make it 0700 or 0770 for the service group",
+            path=("runtime_dir",),
+        )
     return path
 
 
@@ -133,9 +154,13 @@ def raise_fd_limit(max_connections: int) -> int:
         except (OSError, ValueError) as err:
             log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, err)
     if soft != resource.RLIM_INFINITY and soft < max_connections + _FD_RESERVE:
-        log.warning("descriptor limit %d leaves little room beyond transport.max_connections=%d (wanted >= %d: "
-                    "raise LimitNOFILE= or ulimit -Hn, or lower transport.max_connections)", soft, max_connections,
-                    max_connections + _FD_RESERVE)
+        log.warning(
+            "descriptor limit %d leaves little room beyond transport.max_connections=%d (wanted >= %d: "
+            "raise LimitNOFILE= or ulimit -Hn, or lower transport.max_connections)",
+            soft,
+            max_connections,
+            max_connections + _FD_RESERVE,
+        )
     return soft
 
 
@@ -176,8 +201,9 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
         return
     with contextlib.suppress(OSError, AttributeError):
         if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            log.warning("cannot ask for %s when the parent dies: %s", signal.Signals(sig).name,
-                        os.strerror(ctypes.get_errno()))
+            log.warning(
+                "cannot ask for %s when the parent dies: %s", signal.Signals(sig).name, os.strerror(ctypes.get_errno())
+            )
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
 
@@ -215,7 +241,10 @@ def setup_logging(level: str = "INFO", source: str = "--log-level") -> None:
     Raises:
         ConfigError: ``level`` is not a level name (``log_level``); nothing is configured then.
     """
-    logging.basicConfig(level=log_level(level, source), stream=sys.stderr,
-                        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
-    logging.getLogger("absl").setLevel(logging.WARNING)   # TensorFlow's checkpoint writer chatters at INFO
+    logging.basicConfig(
+        level=log_level(level, source),
+        stream=sys.stderr,
+        format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)  # TensorFlow's checkpoint writer chatters at INFO

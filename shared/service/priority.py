@@ -39,12 +39,16 @@ def lower_cpu_priority(nice: int) -> int:
         try:
             current = os.getpriority(os.PRIO_PROCESS, tid)
             if nice > current:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)   # Linux: a thread id names that thread alone
+                os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: a thread id names that thread alone
         except ProcessLookupError:
-            continue                                          # the thread ended meanwhile
+            continue  # the thread ended meanwhile
         except OSError as err:
-            log.warning("cannot lower the CPU priority to nice %d (producer.nice): %s; running at nice %d",
-                        nice, err.strerror or err, before)
+            log.warning(
+                "cannot lower the CPU priority to nice %d (producer.nice): %s; running at nice %d",
+                nice,
+                err.strerror or err,
+                before,
+            )
             return before
     after = current_nice()
     if after != before:

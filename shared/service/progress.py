@@ -59,9 +59,17 @@ class Progress:
     always shows the skip count (``prepare``); otherwise it appears only once something is skipped.
     """
 
-    def __init__(self, total: int, stream: TextIO, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, *, label: str = "progress",
-                 unit: str = "items", count_skipped: bool = False) -> None:
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        label: str = "progress",
+        unit: str = "items",
+        count_skipped: bool = False,
+    ) -> None:
         self._total, self._stream, self._interval_s, self._clock = total, stream, interval_s, clock
         self._label, self._unit, self._count_skipped = label, unit, count_skipped
         self._is_tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -97,9 +105,11 @@ class Progress:
 
     def callback(self) -> Callable[[int, int], None]:
         """A ``progress(done, total)`` callback for ``build_manifest``/``verify_cache``."""
+
         def progress(done: int, total: int) -> None:
             self._total = total
             self.update(done)
+
         return progress
 
     def note(self, text: str) -> None:

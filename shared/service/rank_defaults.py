@@ -49,18 +49,27 @@ def check_expected_rank(place: WorkerPlace, expected: int | None, flag: str = "-
     if expected is None:
         return
     if not 0 <= expected < place.world:
-        where = (f"the cluster in {place.source}" if place.is_multi_worker
-                 else "a world of 1 (the TF_CONFIG names no cluster, or there is none)")
-        raise ConfigError(f"{expected} is not a rank of {where}: ranks are 0..{place.world - 1} (chief first, "
-                          "then the workers by index)", path=(flag,))
+        where = (
+            f"the cluster in {place.source}"
+            if place.is_multi_worker
+            else "a world of 1 (the TF_CONFIG names no cluster, or there is none)"
+        )
+        raise ConfigError(
+            f"{expected} is not a rank of {where}: ranks are 0..{place.world - 1} (chief first, "
+            "then the workers by index)",
+            path=(flag,),
+        )
     if expected != place.rank:
-        raise ConfigError(f"{expected}, but {place.source} names task {place.task_type}:{place.task_index}, which "
-                          f"is rank {place.rank} of {place.world} (is this the TF_CONFIG of another host?)",
-                          path=(flag,))
+        raise ConfigError(
+            f"{expected}, but {place.source} names task {place.task_type}:{place.task_index}, which "
+            f"is rank {place.rank} of {place.world} (is this the TF_CONFIG of another host?)",
+            path=(flag,),
+        )
 
 
-def with_rank_defaults(cfg: PipelineConfig, place: WorkerPlace, environ: Mapping[str, str], *,
-                       create_dir: bool = True) -> PipelineConfig:
+def with_rank_defaults(
+    cfg: PipelineConfig, place: WorkerPlace, environ: Mapping[str, str], *, create_dir: bool = True
+) -> PipelineConfig:
     """``cfg`` with rank ``place.rank``'s default endpoint (and status socket) filled in where unset.
 
     Args:

@@ -35,7 +35,7 @@ __all__ = ["Notifier"]
 log = logging.getLogger(__name__)
 
 _STATUS_MAX = 200
-_STATE_KEYS = frozenset({"READY", "STOPPING", "RELOADING", "ERRNO"})   # sent once; systemd acts on them
+_STATE_KEYS = frozenset({"READY", "STOPPING", "RELOADING", "ERRNO"})  # sent once; systemd acts on them
 _STATE_SEND_WAIT_S = 1.0  # > a reader busy for a moment on a loaded machine; far below any start/stop timeout
 
 

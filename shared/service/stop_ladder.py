@@ -28,16 +28,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["Rung", "Ladder", "PRODUCER_LADDER", "GROUP_LADDER", "SERVER_LADDER", "KILL_WAIT_S", "next_rung",
-           "escalate", "signal_child", "is_group_alive", "stop_all", "stop_process", "communicate_or_kill"]
+__all__ = [
+    "Rung",
+    "Ladder",
+    "PRODUCER_LADDER",
+    "GROUP_LADDER",
+    "SERVER_LADDER",
+    "KILL_WAIT_S",
+    "next_rung",
+    "escalate",
+    "signal_child",
+    "is_group_alive",
+    "stop_all",
+    "stop_process",
+    "communicate_or_kill",
+]
 
 log = logging.getLogger(__name__)
 
-_PRODUCER_TERM_S = 10.0   # > one batch build + BYE; below systemd's TimeoutStopSec
-_GROUP_TERM_S = 20.0      # > a producer group's own ladder (_PRODUCER_TERM_S) + BYE
-_SERVER_TERM_S = 10.0     # > a tf.data service server's shutdown (it keeps no state worth saving)
-KILL_WAIT_S = 10.0        # > the kernel reaping a SIGKILLed process, even on a loaded 2-core machine
-_GROUP_POLL_S = 0.02      # a group whose lead is reaped has nothing to wait on: looked at again this often
+_PRODUCER_TERM_S = 10.0  # > one batch build + BYE; below systemd's TimeoutStopSec
+_GROUP_TERM_S = 20.0  # > a producer group's own ladder (_PRODUCER_TERM_S) + BYE
+_SERVER_TERM_S = 10.0  # > a tf.data service server's shutdown (it keeps no state worth saving)
+KILL_WAIT_S = 10.0  # > the kernel reaping a SIGKILLed process, even on a loaded 2-core machine
+_GROUP_POLL_S = 0.02  # a group whose lead is reaped has nothing to wait on: looked at again this often
 
 
 class Rung(enum.Enum):
@@ -58,9 +71,9 @@ class Ladder:
         return self.term_wait_s if rung is Rung.TERM else self.kill_wait_s
 
 
-PRODUCER_LADDER = Ladder(_PRODUCER_TERM_S, _PRODUCER_TERM_S)   # the uvloop supervisor's children
-GROUP_LADDER = Ladder(_GROUP_TERM_S, _GROUP_TERM_S)            # ``melfeed producer`` as one child
-SERVER_LADDER = Ladder(_SERVER_TERM_S, _SERVER_TERM_S)         # bench's tf.data service servers
+PRODUCER_LADDER = Ladder(_PRODUCER_TERM_S, _PRODUCER_TERM_S)  # the uvloop supervisor's children
+GROUP_LADDER = Ladder(_GROUP_TERM_S, _GROUP_TERM_S)  # ``melfeed producer`` as one child
+SERVER_LADDER = Ladder(_SERVER_TERM_S, _SERVER_TERM_S)  # bench's tf.data service servers
 
 
 def next_rung(rung: Rung | None, alive: bool) -> Rung | None:
@@ -76,11 +89,16 @@ def escalate(what: str, rung: Rung, ladder: Ladder, alive: int) -> Rung | None:
     """``next_rung`` after ``rung`` waited its time with ``alive`` children still running, logged."""
     following = next_rung(rung, alive > 0)
     if following is not None:
-        log.warning("%s: %d still running %.0f s after %s; sending %s", what, alive, ladder.wait_s(rung),
-                    rung.name, following.name)
+        log.warning(
+            "%s: %d still running %.0f s after %s; sending %s",
+            what,
+            alive,
+            ladder.wait_s(rung),
+            rung.name,
+            following.name,
+        )
     elif alive:
-        log.error("%s: %d still running %.0f s after SIGKILL; giving up on them", what, alive,
-                  ladder.wait_s(rung))
+        log.error("%s: %d still running %.0f s after SIGKILL; giving up on them", what, alive, ladder.wait_s(rung))
     return following
 
 
@@ -106,13 +124,13 @@ def is_group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
-        return False                        # the cheap answer, and the usual one
+        return False  # the cheap answer, and the usual one
     except PermissionError:
         return True
     try:
         pids = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
-        return True                         # no /proc: killpg found a member
+        return True  # no /proc: killpg found a member
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -127,8 +145,9 @@ def _is_running(proc: subprocess.Popen[Any], group: bool) -> bool:
     return proc.poll() is None or (group and is_group_alive(proc.pid))
 
 
-def stop_all(procs: Sequence[subprocess.Popen[Any]], what: str, ladder: Ladder, *, group: bool = False,
-             first: Rung = Rung.TERM) -> list[int | None]:
+def stop_all(
+    procs: Sequence[subprocess.Popen[Any]], what: str, ladder: Ladder, *, group: bool = False, first: Rung = Rung.TERM
+) -> list[int | None]:
     """Run the ladder from ``first`` on every live child at once; returns their exit codes (None: gave up).
 
     ``group``: each child leads its own process group (pgid = its pid); a child counts as live while any
@@ -144,14 +163,15 @@ def stop_all(procs: Sequence[subprocess.Popen[Any]], what: str, ladder: Ladder, 
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline_s - time.monotonic()))
         while group and time.monotonic() < deadline_s and any(is_group_alive(p.pid) for p in live):
-            time.sleep(_GROUP_POLL_S)       # members that are not our children: nothing to wait() on
+            time.sleep(_GROUP_POLL_S)  # members that are not our children: nothing to wait() on
         live = [p for p in live if _is_running(p, group)]
         rung = escalate(what, rung, ladder, len(live))
     return [p.returncode for p in procs]
 
 
-def stop_process(proc: subprocess.Popen[Any], what: str, ladder: Ladder, *, group: bool = False,
-                 first: Rung = Rung.TERM) -> int | None:
+def stop_process(
+    proc: subprocess.Popen[Any], what: str, ladder: Ladder, *, group: bool = False, first: Rung = Rung.TERM
+) -> int | None:
     """``stop_all`` for one child. Idempotent: a reaped child is left alone and its exit code returned."""
     return stop_all([proc], what, ladder, group=group, first=first)[0]
 
@@ -169,7 +189,7 @@ def communicate_or_kill(proc: subprocess.Popen[str], what: str, timeout_s: float
     signal_child(proc, Rung.KILL, group=True)
     try:
         out, err = proc.communicate(timeout=KILL_WAIT_S)
-    except subprocess.TimeoutExpired:   # a helper left the group and holds the pipes open
+    except subprocess.TimeoutExpired:  # a helper left the group and holds the pipes open
         log.error("%s: output still open %.0f s after SIGKILL; giving up on it", what, KILL_WAIT_S)
         out, err = "", ""
     return out, err, True

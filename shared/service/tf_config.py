@@ -35,7 +35,7 @@ from melfeed.shared.yaml_safe import read_text_file
 __all__ = ["ENV_NAME", "SINGLE_WORKER", "WorkerPlace", "parse_tf_config", "resolve_worker_place"]
 
 ENV_NAME = "TF_CONFIG"
-_TRAINING_TYPES = ("chief", "worker")      # in rank order: MultiWorkerMirroredStrategy's id_in_cluster
+_TRAINING_TYPES = ("chief", "worker")  # in rank order: MultiWorkerMirroredStrategy's id_in_cluster
 _KNOWN_TYPES = (*_TRAINING_TYPES, "evaluator", "ps")
 _MAX_PORT = 65535
 _Fail = Callable[..., ConfigError]
@@ -45,12 +45,12 @@ _Fail = Callable[..., ConfigError]
 class WorkerPlace:
     """This process's place in the job: rank ``rank`` of ``world`` training tasks."""
 
-    rank: int = 0                       # 0 .. world-1: chief first (if any), then workers by index
-    world: int = 1                      # training tasks in the cluster (chief + workers)
-    task_type: str = "worker"           # as TF_CONFIG names it: "chief" or "worker"
-    task_index: int = 0                 # as TF_CONFIG gives it
-    cluster: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # task type -> host:port list
-    source: str = "no TF_CONFIG"        # where it was read: "TF_CONFIG", "--tf-config FILE"
+    rank: int = 0  # 0 .. world-1: chief first (if any), then workers by index
+    world: int = 1  # training tasks in the cluster (chief + workers)
+    task_type: str = "worker"  # as TF_CONFIG names it: "chief" or "worker"
+    task_index: int = 0  # as TF_CONFIG gives it
+    cluster: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # task type -> host:port list
+    source: str = "no TF_CONFIG"  # where it was read: "TF_CONFIG", "--tf-config FILE"
 
     @property
     def is_multi_worker(self) -> bool:
@@ -60,8 +60,7 @@ class WorkerPlace:
 SINGLE_WORKER = WorkerPlace()
 
 
-def resolve_worker_place(tf_config_file: str | os.PathLike[str] | None,
-                         environ: Mapping[str, str]) -> WorkerPlace:
+def resolve_worker_place(tf_config_file: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> WorkerPlace:
     """The place given by ``--tf-config FILE`` if set, else by ``environ["TF_CONFIG"]``, else rank 0 of 1.
 
     Raises:
@@ -85,6 +84,7 @@ def parse_tf_config(text: str, source: str) -> WorkerPlace:
         ConfigError: invalid JSON, a missing or malformed ``cluster`` or ``task``, an index out of
             range, a task type that trains nothing here, a cluster with parameter servers.
     """
+
     def fail(message: str, got: Any = None) -> ConfigError:
         return ConfigError(message, path=(source,), got=got)
 
@@ -97,7 +97,7 @@ def parse_tf_config(text: str, source: str) -> WorkerPlace:
     if not isinstance(doc, dict):
         raise fail(f"must be a JSON object with 'cluster' and 'task', got a value of type {type(doc).__name__}")
     if not doc.get("cluster") and "task" not in doc:
-        return SINGLE_WORKER             # TensorFlow's own reading of "{}": no cluster, one worker
+        return SINGLE_WORKER  # TensorFlow's own reading of "{}": no cluster, one worker
     cluster = _read_cluster(doc.get("cluster"), fail)
     task_type, task_index = _read_task(doc.get("task"), cluster, fail)
     chiefs = len(cluster.get("chief", ()))
@@ -115,8 +115,10 @@ def _read_cluster(raw: object, fail: _Fail) -> dict[str, tuple[str, ...]]:
         if kind not in _KNOWN_TYPES:
             raise fail(f"cluster.{kind}: unknown task type (known: {', '.join(_KNOWN_TYPES)})")
         if kind == "ps":
-            raise fail("cluster.ps: parameter servers belong to ParameterServerStrategy; melfeed feeds "
-                       "MultiWorkerMirroredStrategy workers (chief and worker only)")
+            raise fail(
+                "cluster.ps: parameter servers belong to ParameterServerStrategy; melfeed feeds "
+                "MultiWorkerMirroredStrategy workers (chief and worker only)"
+            )
         if not isinstance(addresses, list) or not addresses:
             raise fail(f"cluster.{kind} must be a non-empty list of host:port", got=addresses)
         for address in addresses:
@@ -136,7 +138,7 @@ def _check_address(address: object, kind: str, fail: _Fail) -> None:
     if not isinstance(address, str):
         raise fail(f"cluster.{kind}: every address must be a host:port string", got=address)
     host, _, port = address.rpartition(":")
-    if address != "".join(address.split()):     # " host:2222": TensorFlow would dial a host that is no host
+    if address != "".join(address.split()):  # " host:2222": TensorFlow would dial a host that is no host
         raise fail(f"cluster.{kind}: an address must not hold spaces", got=address)
     if not host or not port.isdigit() or not 1 <= int(port) <= _MAX_PORT:
         raise fail(f"cluster.{kind}: address must be host:port with a port 1..{_MAX_PORT}", got=address)
@@ -144,7 +146,7 @@ def _check_address(address: object, kind: str, fail: _Fail) -> None:
 
 def _read_task(raw: object, cluster: dict[str, tuple[str, ...]], fail: _Fail) -> tuple[str, int]:
     if not isinstance(raw, dict):
-        raise fail("'task' must be an object {\"type\": \"worker\", \"index\": N}", got=raw)
+        raise fail('\'task\' must be an object {"type": "worker", "index": N}', got=raw)
     task_type, index = raw.get("type"), raw.get("index", 0)
     if task_type == "evaluator":
         raise fail("task.type evaluator trains nothing: run no melfeed consumer there")
@@ -155,6 +157,8 @@ def _read_task(raw: object, cluster: dict[str, tuple[str, ...]], fail: _Fail) ->
     if isinstance(index, bool) or not isinstance(index, int):
         raise fail("task.index must be an integer", got=index)
     if not 0 <= index < len(cluster[task_type]):
-        raise fail(f"task.index {index} is out of range: cluster.{task_type} has {len(cluster[task_type])} "
-                   f"task(s), indices 0..{len(cluster[task_type]) - 1}")
+        raise fail(
+            f"task.index {index} is out of range: cluster.{task_type} has {len(cluster[task_type])} "
+            f"task(s), indices 0..{len(cluster[task_type]) - 1}"
+        )
     return task_type, index

@@ -45,7 +45,7 @@ class SplitTable:
     """
 
     costs: tuple[int, ...]
-    choices: tuple[npt.NDArray[np.int64], ...]   # per layer: best predecessor of each position
+    choices: tuple[npt.NDArray[np.int64], ...]  # per layer: best predecessor of each position
 
     def positions(self, k: int) -> tuple[int, ...]:
         """Candidate positions (1-based, increasing) of the optimal split into ``k`` bounds."""
@@ -86,8 +86,9 @@ def split_table(bounds: npt.NDArray[np.int64], counts: npt.NDArray[np.int64], ma
     return SplitTable(tuple(costs), tuple(choices))
 
 
-def _dp_layer(prev: npt.NDArray[np.int64], bound: npt.NDArray[np.int64], cum: npt.NDArray[np.int64]
-              ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _dp_layer(
+    prev: npt.NDArray[np.int64], bound: npt.NDArray[np.int64], cum: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """One more bucket: new[j] = min over i < j of prev[i] + bound[j] * (cum[j] - cum[i])."""
     size = prev.size
     new = np.full(size, INF_COST, dtype=np.int64)
@@ -103,8 +104,9 @@ def _dp_layer(prev: npt.NDArray[np.int64], bound: npt.NDArray[np.int64], cum: np
     return new, arg
 
 
-def frame_histogram(lengths: npt.NDArray[np.int64], frame_multiple: int, max_frames: int
-                    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def frame_histogram(
+    lengths: npt.NDArray[np.int64], frame_multiple: int, max_frames: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Candidate frame bounds (occupied multiples of ``frame_multiple`` plus the forced last one),
     the count at each, and each utterance's candidate position (1-based; overlong ones: the last)."""
     top = -(-max_frames // frame_multiple)  # candidate k means bound k * frame_multiple
@@ -117,8 +119,9 @@ def frame_histogram(lengths: npt.NDArray[np.int64], frame_multiple: int, max_fra
     return (cand * frame_multiple).astype(np.int64), counts[cand].astype(np.int64), position.astype(np.int64)
 
 
-def derive_boundaries(frames: npt.NDArray[np.integer], num_buckets: int, frame_multiple: int,
-                      max_frames: int) -> tuple[int, ...]:
+def derive_boundaries(
+    frames: npt.NDArray[np.integer], num_buckets: int, frame_multiple: int, max_frames: int
+) -> tuple[int, ...]:
     """Choose bucket upper bounds that minimise the total padded frames of one epoch.
 
     Cost = sum over utterances of the bound of the bucket they land in (batch padding rows are

@@ -22,8 +22,7 @@ import numpy.typing as npt
 
 from melfeed.shared.wire.buckets import BucketSet
 
-__all__ = ["batches_per_bucket", "batch_mix", "bucket_padding", "bucket_grid", "format_grid",
-           "representative_batches"]
+__all__ = ["batches_per_bucket", "batch_mix", "bucket_padding", "bucket_grid", "format_grid", "representative_batches"]
 
 
 def batches_per_bucket(bucket_set: BucketSet) -> list[int]:
@@ -64,13 +63,22 @@ def bucket_grid(bucket_set: BucketSet, frames: npt.NDArray[np.integer]) -> list[
     lengths = np.asarray(frames, dtype=np.int64)
     total = max(1, bucket_set.real_frames)
     rows = []
-    for b, n_batches, padding in zip(bucket_set.buckets, batches_per_bucket(bucket_set),
-                                     bucket_padding(bucket_set, lengths)):
+    for b, n_batches, padding in zip(
+        bucket_set.buckets, batches_per_bucket(bucket_set), bucket_padding(bucket_set, lengths)
+    ):
         members = lengths[bucket_set.assignment == b.index]
-        rows.append({"bucket": b.index, "frames": b.max_frames, "tokens": b.max_tokens, "rows": b.batch_size,
-                     "batches": n_batches, "utterances": int(members.size),
-                     "frames_share": round(float(np.minimum(members, b.max_frames).sum()) / total, 4),
-                     "padding_efficiency": round(padding, 4)})
+        rows.append(
+            {
+                "bucket": b.index,
+                "frames": b.max_frames,
+                "tokens": b.max_tokens,
+                "rows": b.batch_size,
+                "batches": n_batches,
+                "utterances": int(members.size),
+                "frames_share": round(float(np.minimum(members, b.max_frames).sum()) / total, 4),
+                "padding_efficiency": round(padding, 4),
+            }
+        )
     return rows
 
 
@@ -78,8 +86,10 @@ def format_grid(grid: list[dict[str, Any]]) -> list[str]:
     """The grid as aligned text lines (a header, then one line per shape)."""
     out = ["bucket  T frames  L tokens  rows  batches  frames share  padding"]
     for r in grid:
-        out.append(f"{r['bucket']:>6}  {r['frames']:>8}  {r['tokens']:>8}  {r['rows']:>4}  {r['batches']:>7}  "
-                   f"{100 * r['frames_share']:>11.1f} %  {r['padding_efficiency']:>7.3f}")
+        out.append(
+            f"{r['bucket']:>6}  {r['frames']:>8}  {r['tokens']:>8}  {r['rows']:>4}  {r['batches']:>7}  "
+            f"{100 * r['frames_share']:>11.1f} %  {r['padding_efficiency']:>7.3f}"
+        )
     return out
 
 
@@ -95,7 +105,7 @@ def representative_batches(bucket_set: BucketSet, count: int, seed: int = 0) -> 
     mix = batch_mix(bucket_set)
     shares = [count * w for w in mix]
     per = [int(s) for s in shares]
-    for k in sorted(range(len(mix)), key=lambda i: (per[i] - shares[i], i))[:count - sum(per)]:
+    for k in sorted(range(len(mix)), key=lambda i: (per[i] - shares[i], i))[: count - sum(per)]:
         per[k] += 1
     rng = np.random.default_rng(seed)
     out: list[tuple[int, list[int]]] = []

@@ -45,7 +45,6 @@ from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row
 __all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
 
 
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -60,14 +59,14 @@ class Bucket:
     layout, size and check that follows ``dtypes()`` follows it (float16: half the mel bytes).
     """
 
-    index: int        # position in BucketSet.buckets
-    batch_size: int   # rows B per batch
-    max_frames: int   # T, a multiple of frame_multiple
-    max_tokens: int   # L
-    n_mels: int       # mel channels per frame
+    index: int  # position in BucketSet.buckets
+    batch_size: int  # rows B per batch
+    max_frames: int  # T, a multiple of frame_multiple
+    max_tokens: int  # L
+    n_mels: int  # mel channels per frame
     extras: tuple[ExtraSpec, ...] = ()
-    seq_lengths: tuple[int, ...] = ()   # S of each sequence extra (declaration order), >= 1
-    mel_dtype: str = ARRAY_DTYPES["mel"]   # one of MEL_WIRE_DTYPES
+    seq_lengths: tuple[int, ...] = ()  # S of each sequence extra (declaration order), >= 1
+    mel_dtype: str = ARRAY_DTYPES["mel"]  # one of MEL_WIRE_DTYPES
 
     def __post_init__(self) -> None:
         if self.mel_dtype not in MEL_WIRE_DTYPES:
@@ -85,12 +84,18 @@ class Bucket:
         """Array shapes of one batch, in wire order: mel [B, T, n_mels], mel_len [B], tokens [B, L],
         tok_len [B], then each extra ``[B, *row_shape]`` (a sequence followed by ``<name>_len`` [B])."""
         b = self.batch_size
-        out = {"mel": (b, self.max_frames, self.n_mels), "mel_len": (b,),
-               "tokens": (b, self.max_tokens), "tok_len": (b,)}
+        out = {
+            "mel": (b, self.max_frames, self.n_mels),
+            "mel_len": (b,),
+            "tokens": (b, self.max_tokens),
+            "tok_len": (b,),
+        }
         seq = iter(self.seq_lengths)
         for spec in self.extras:
-            out[spec.name] = (b, *row_shape(spec, self.max_frames, self.max_tokens,
-                                            next(seq) if spec.length_key else 0))
+            out[spec.name] = (
+                b,
+                *row_shape(spec, self.max_frames, self.max_tokens, next(seq) if spec.length_key else 0),
+            )
             if spec.length_key:
                 out[spec.length_key] = (b,)
         return out
@@ -125,18 +130,19 @@ class BucketSet:
 
     buckets: tuple[Bucket, ...]
     assignment: npt.NDArray[np.int16]  # [num_utterances] bucket index; -1 = dropped
-    truncated: int                     # overlong utterances cut to fit their bucket
-    dropped: int                       # overlong utterances left out (overlong == "drop")
-    real_frames: int                   # frames of kept utterances after truncation (for efficiency)
-    outliers: int = 0                  # left out by the frames-per-token limits (shared/wire/outliers.py)
-    real_tokens: int = 0               # tokens of kept utterances after truncation (for efficiency)
+    truncated: int  # overlong utterances cut to fit their bucket
+    dropped: int  # overlong utterances left out (overlong == "drop")
+    real_frames: int  # frames of kept utterances after truncation (for efficiency)
+    outliers: int = 0  # left out by the frames-per-token limits (shared/wire/outliers.py)
+    real_tokens: int = 0  # tokens of kept utterances after truncation (for efficiency)
 
     def __post_init__(self) -> None:
         if [b.index for b in self.buckets] != list(range(len(self.buckets))):
             raise ValueError("bucket indices must be 0..n-1 in order")
         assignment = np.array(self.assignment, dtype=np.int16)  # copy: the caller keeps theirs
-        if assignment.ndim != 1 or (assignment.size and (
-                assignment.min() < -1 or assignment.max() >= len(self.buckets))):
+        if assignment.ndim != 1 or (
+            assignment.size and (assignment.min() < -1 or assignment.max() >= len(self.buckets))
+        ):
             raise ValueError("assignment must be 1-D with values in -1..len(buckets)-1")
         assignment.setflags(write=False)
         object.__setattr__(self, "assignment", assignment)
@@ -154,14 +160,16 @@ class BucketSet:
 
         Each bucket's final partial batch counts as full B rows, because it is sent padded.
         """
-        padded = sum(math.ceil(int(n) / b.batch_size) * b.batch_size * b.max_frames
-                     for b, n in zip(self.buckets, self._sizes()))
+        padded = sum(
+            math.ceil(int(n) / b.batch_size) * b.batch_size * b.max_frames for b, n in zip(self.buckets, self._sizes())
+        )
         return self.real_frames / padded if padded else 0.0
 
     def token_padding_efficiency(self) -> float:
         """Real tokens / padded token positions over one epoch, counted like ``padding_efficiency``."""
-        padded = sum(math.ceil(int(n) / b.batch_size) * b.batch_size * b.max_tokens
-                     for b, n in zip(self.buckets, self._sizes()))
+        padded = sum(
+            math.ceil(int(n) / b.batch_size) * b.batch_size * b.max_tokens for b, n in zip(self.buckets, self._sizes())
+        )
         return self.real_tokens / padded if padded else 0.0
 
     def as_wire(self) -> list[list[int]]:
@@ -169,8 +177,9 @@ class BucketSet:
         return [b.as_wire() for b in self.buckets]
 
 
-def _boundaries(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], considered: npt.NDArray[np.bool_],
-                cfg: BucketConfig) -> npt.NDArray[np.int64]:
+def _boundaries(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], considered: npt.NDArray[np.bool_], cfg: BucketConfig
+) -> npt.NDArray[np.int64]:
     """1-D bucket frame sizes: the configured ones (capped at max_frames) or the DP's choice."""
     m = cfg.frame_multiple
     if cfg.boundaries is not None:
@@ -183,16 +192,22 @@ def _boundaries(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], co
     return np.array(derive_boundaries(frames[considered], bucket_count(cfg), m, top), dtype=np.int64)
 
 
-def _fits_limits(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], top: int,
-                 cfg: BucketConfig) -> npt.NDArray[np.bool_]:
+def _fits_limits(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], top: int, cfg: BucketConfig
+) -> npt.NDArray[np.bool_]:
     keep = frames <= _round_up(top, cfg.frame_multiple)
     if cfg.max_tokens is not None:
         keep &= tokens <= cfg.max_tokens
     return keep
 
 
-def _assign(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64],
-            considered: npt.NDArray[np.bool_], cfg: BucketConfig) -> tuple[npt.NDArray[np.int64], int]:
+def _assign(
+    frames: npt.NDArray[np.int64],
+    tokens: npt.NDArray[np.int64],
+    bounds: npt.NDArray[np.int64],
+    considered: npt.NDArray[np.bool_],
+    cfg: BucketConfig,
+) -> tuple[npt.NDArray[np.int64], int]:
     """1-D bucket slot per utterance before empty buckets are removed (-1 = left out), and overlong count."""
     slot = np.searchsorted(bounds, frames, side="left")  # first bound >= frames
     frames_over = (slot == bounds.size) & considered
@@ -204,8 +219,9 @@ def _assign(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], bounds
     if n_over == int(considered.sum()):
         by_frames = bool(frames_over[considered].all()) or not tokens_over[considered].all()
         key = "max_frames" if by_frames else "max_tokens"
-        raise ConfigError("drops every utterance", path=("buckets", key),
-                          got=int(bounds[-1]) if by_frames else cfg.max_tokens)
+        raise ConfigError(
+            "drops every utterance", path=("buckets", key), got=int(bounds[-1]) if by_frames else cfg.max_tokens
+        )
     return np.where(over | ~considered, -1, slot), n_over
 
 
@@ -215,9 +231,15 @@ def _check_outliers(ratio: npt.NDArray[np.int8], cfg: BucketConfig) -> None:
         raise ConfigError("leaves every utterance out", path=("buckets", key), got=getattr(cfg, key))
 
 
-def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.integer],
-                  n_mels: int, cfg: BucketConfig, schema: ExtraSchema | None = None, *,
-                  mel_dtype: str = ARRAY_DTYPES["mel"]) -> BucketSet:
+def build_buckets(
+    frames: npt.NDArray[np.integer],
+    token_counts: npt.NDArray[np.integer],
+    n_mels: int,
+    cfg: BucketConfig,
+    schema: ExtraSchema | None = None,
+    *,
+    mel_dtype: str = ARRAY_DTYPES["mel"],
+) -> BucketSet:
     """Group utterances into a few fixed shapes and assign every utterance to one.
 
     Args:
@@ -264,22 +286,38 @@ def build_buckets(frames: npt.NDArray[np.integer], token_counts: npt.NDArray[np.
     extras = schema.extras if schema is not None else ()
     seq = _sequence_lengths(schema, assignment, kept, occupied.size)
     if cfg.rows is not None and len(cfg.rows) != occupied.size:
-        raise ConfigError(f"must list one row count per bucket ({occupied.size})", path=("buckets", "rows"),
-                          got=list(cfg.rows))
+        raise ConfigError(
+            f"must list one row count per bucket ({occupied.size})", path=("buckets", "rows"), got=list(cfg.rows)
+        )
     buckets = tuple(
-        Bucket(index=k, batch_size=_batch_size(cfg, int(t), k), max_frames=int(t), max_tokens=int(widths[k]),
-               n_mels=n_mels, extras=extras, seq_lengths=tuple(int(s[k]) for s in seq), mel_dtype=mel_dtype)
-        for k, t in enumerate(sizes_t))
+        Bucket(
+            index=k,
+            batch_size=_batch_size(cfg, int(t), k),
+            max_frames=int(t),
+            max_tokens=int(widths[k]),
+            n_mels=n_mels,
+            extras=extras,
+            seq_lengths=tuple(int(s[k]) for s in seq),
+            mel_dtype=mel_dtype,
+        )
+        for k, t in enumerate(sizes_t)
+    )
     real = int(np.minimum(lengths[kept], sizes_t[assignment[kept]]).sum())
     real_tokens = int(np.minimum(tokens[kept], widths[assignment[kept]]).sum())
-    return BucketSet(buckets=buckets, assignment=assignment.astype(np.int16),
-                     truncated=0 if cfg.overlong == "drop" else n_over,
-                     dropped=n_over if cfg.overlong == "drop" else 0, real_frames=real,
-                     outliers=int((~considered).sum()), real_tokens=real_tokens)
+    return BucketSet(
+        buckets=buckets,
+        assignment=assignment.astype(np.int16),
+        truncated=0 if cfg.overlong == "drop" else n_over,
+        dropped=n_over if cfg.overlong == "drop" else 0,
+        real_frames=real,
+        outliers=int((~considered).sum()),
+        real_tokens=real_tokens,
+    )
 
 
-def _sequence_lengths(schema: ExtraSchema | None, assignment: npt.NDArray[np.int64], kept: npt.NDArray[np.bool_],
-                      n_buckets: int) -> list[npt.NDArray[np.int64]]:
+def _sequence_lengths(
+    schema: ExtraSchema | None, assignment: npt.NDArray[np.int64], kept: npt.NDArray[np.bool_], n_buckets: int
+) -> list[npt.NDArray[np.int64]]:
     """Per sequence extra (declaration order): its longest length in each bucket, at least 1."""
     out = []
     for spec in schema.extras if schema is not None else ():
@@ -298,9 +336,13 @@ def _batch_size(cfg: BucketConfig, max_frames: int, index: int) -> int:
     """The bucket's rows from ``rows``, fixed rows, or as many rows as fit the frame budget (never fewer than one)."""
     if cfg.rows is not None:
         return cfg.rows[index]
-    if cfg.batch_size == "auto":   # only the consumer measures them (consumer/train/auto_rows.py)
-        raise ConfigError("auto: the consumer picks each bucket's rows at start; give this process the rows it "
-                          "chose as buckets.rows (the consumer logs them)", path=("buckets", "batch_size"), got="auto")
+    if cfg.batch_size == "auto":  # only the consumer measures them (consumer/train/auto_rows.py)
+        raise ConfigError(
+            "auto: the consumer picks each bucket's rows at start; give this process the rows it "
+            "chose as buckets.rows (the consumer logs them)",
+            path=("buckets", "batch_size"),
+            got="auto",
+        )
     if cfg.batch_size is not None:
         return cfg.batch_size
     budget = cfg.frame_budget or 0  # BucketConfig guarantees it is set when batch_size is not

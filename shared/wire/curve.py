@@ -43,12 +43,28 @@ import zmq.auth
 import zmq.utils.z85
 
 from melfeed.shared.errors import ConfigError
-from melfeed.shared.filetrust import (check_private_dir, creation_reason, make_dirs, place_reason, private_file_reason,
-                              untrusted_reason)
+from melfeed.shared.filetrust import (
+    check_private_dir,
+    creation_reason,
+    make_dirs,
+    place_reason,
+    private_file_reason,
+    untrusted_reason,
+)
 from melfeed.shared.output_files import create_new, replace_output
 
-__all__ = ["AllowList", "ServerKeys", "ClientKeys", "ZAP_ENDPOINT", "client_keys_for", "generate_keys",
-           "main_keys", "producer_id_matches", "server_keys_for", "zap_reply"]
+__all__ = [
+    "AllowList",
+    "ServerKeys",
+    "ClientKeys",
+    "ZAP_ENDPOINT",
+    "client_keys_for",
+    "generate_keys",
+    "main_keys",
+    "producer_id_matches",
+    "server_keys_for",
+    "zap_reply",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +80,7 @@ def _load(path: Path, what: tuple[str, ...], secret: bool) -> tuple[bytes, bytes
     if secret and not secret_key:
         raise ConfigError(f"{path} holds no secret key (pass the .key_secret file)", path=what)
     if secret:
-        _private(path, what)        # after reading: a public key passed by mistake is named as such
+        _private(path, what)  # after reading: a public key passed by mistake is named as such
     return public, secret_key
 
 
@@ -90,8 +106,7 @@ def _trusted(path: Path, *, directory: bool, what: tuple[str, ...] = ("transport
         raise ConfigError(f"cannot examine {path}: {err.strerror}", path=what) from err
     if reason is not None:
         whose = "the allow-list" if what[-1] == "curve_allowed_dir" else "a key this side trusts"
-        raise ConfigError(f"{path} {reason}; only this user or root may change {whose} (chmod go-w, chown)",
-                          path=what)
+        raise ConfigError(f"{path} {reason}; only this user or root may change {whose} (chmod go-w, chown)", path=what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +153,7 @@ class ServerKeys:
 
 @dataclass(frozen=True, slots=True)
 class ClientKeys:
-    name: str                  # the producer name its key was issued for
+    name: str  # the producer name its key was issued for
     public: bytes
     secret: bytes
     server_public: bytes
@@ -178,6 +193,7 @@ def zap_reply(request: Sequence[bytes], allowed: AllowList) -> list[bytes]:
 
     def deny(reason: bytes) -> list[bytes]:
         return [_ZAP_VERSION, request_id, b"400", reason, b"", b""]
+
     if version != _ZAP_VERSION:
         return deny(b"unsupported ZAP version")
     if mechanism != b"CURVE" or len(credentials) != 1:
@@ -196,7 +212,7 @@ def producer_id_matches(producer_id: str, user_id: str) -> bool:
     return head == user_id and tail.isdigit()
 
 
-_KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")   # a producer name becomes file names and a User-Id
+_KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")  # a producer name becomes file names and a User-Id
 
 
 def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -> list[Path]:
@@ -209,26 +225,29 @@ def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -
     """
     for name in producers:
         if not _KEY_NAME.fullmatch(name):
-            raise ConfigError("must be 1..64 letters, digits, '.', '_' or '-', not starting with '.' or '-'",
-                              path=("--producer",), got=name)
+            raise ConfigError(
+                "must be 1..64 letters, digits, '.', '_' or '-', not starting with '.' or '-'",
+                path=("--producer",),
+                got=name,
+            )
     root = Path(directory)
     written: list[Path] = []
     try:
-        reason = creation_reason(root)           # before anything is made: not even an empty directory
+        reason = creation_reason(root)  # before anything is made: not even an empty directory
         if reason is not None:
             raise ConfigError(f"{root}: refusing to write the keys: {reason}")
-        make_dirs(root, 0o700)                   # parents too: not the umask's default (0777 under umask 000)
-        _own_directory(root)                     # before anything is changed or written in it
+        make_dirs(root, 0o700)  # parents too: not the umask's default (0777 under umask 000)
+        _own_directory(root)  # before anything is changed or written in it
         os.chmod(root, 0o700)
         allowed = root / "producers"
         make_dirs(allowed, 0o700)
         if _is_own_directory(allowed):
-            os.chmod(allowed, 0o700)             # the consumer refuses an allow-list others can write to
+            os.chmod(allowed, 0o700)  # the consumer refuses an allow-list others can write to
         _own_directory(allowed)
         for where, name in [(root, "consumer")] + [(allowed, n) for n in producers]:
             secret, public = where / f"{name}.key_secret", where / f"{name}.key"
             if os.path.lexists(secret):
-                continue                                   # never overwrite a key in use
+                continue  # never overwrite a key in use
             public_z85, secret_z85 = zmq.curve_keypair()
             # 0600 from its creation on: never readable by others, whatever the umask (pyzmq's
             # create_certificates leaves the mode to the umask until a chmod afterwards)
@@ -236,7 +255,7 @@ def generate_keys(directory: str | os.PathLike[str], producers: Sequence[str]) -
             replace_output(public, _certificate(public_z85, None), 0o644)
             written += [public, secret]
     except OSError as err:
-        if isinstance(err, PermissionError) and err.filename is None:   # check_private_dir: another user's
+        if isinstance(err, PermissionError) and err.filename is None:  # check_private_dir: another user's
             raise ConfigError(f"{root}: refusing to write the keys: {err.strerror}") from err
         at = f" at {err.filename}" if err.filename and os.fspath(err.filename) != os.fspath(root) else ""
         raise ConfigError(f"{root}: cannot write the keys{at} ({err.strerror})") from err
@@ -258,11 +277,17 @@ def _own_directory(path: Path) -> None:
 def _certificate(public: bytes, secret: bytes | None) -> bytes:
     """pyzmq's (czmq's ZPL) certificate text, which ``zmq.auth.load_certificate`` reads."""
     kind = "Secret" if secret else "Public"
-    lines = [f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by melfeed keys  ****",
-             f"#   ZeroMQ CURVE **{kind}** Certificate",
-             "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions." if secret else
-             "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
-             "", "metadata", "curve", f'    public-key = "{public.decode("ascii")}"']
+    lines = [
+        f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by melfeed keys  ****",
+        f"#   ZeroMQ CURVE **{kind}** Certificate",
+        "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions."
+        if secret
+        else "#   Exchange securely, or use a secure mechanism to verify the contents of this file after exchange.",
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode("ascii")}"',
+    ]
     if secret:
         lines.append(f'    secret-key = "{secret.decode("ascii")}"')
     return ("\n".join(lines) + "\n").encode("ascii")
@@ -281,8 +306,11 @@ def _own_secret(transport: object, endpoint: str) -> str | None:
     """
     secret = getattr(transport, "curve_secret_key", None)
     if not secret and endpoint.startswith("tcp://") and not getattr(transport, "insecure", False):
-        _need(None, "curve_secret_key", f"for {endpoint}: tcp needs CURVE, loopback included (melfeed "
-                                        "keys), or transport.insecure: true")
+        _need(
+            None,
+            "curve_secret_key",
+            f"for {endpoint}: tcp needs CURVE, loopback included (melfeed keys), or transport.insecure: true",
+        )
     return secret or None
 
 
@@ -294,12 +322,16 @@ def server_keys_for(transport: object, endpoint: str) -> ServerKeys | None:
     """
     secret = _own_secret(transport, endpoint)
     if secret is None:
-        if endpoint.startswith(("tcp://", "ipc://@")):   # an abstract socket: every local user reaches it
-            log.warning("transport.insecure: true: %s takes unauthenticated peers; any user who can reach it "
-                        "may join as a producer", endpoint)
+        if endpoint.startswith(("tcp://", "ipc://@")):  # an abstract socket: every local user reaches it
+            log.warning(
+                "transport.insecure: true: %s takes unauthenticated peers; any user who can reach it "
+                "may join as a producer",
+                endpoint,
+            )
         return None
-    return load_server_keys(secret, _need(getattr(transport, "curve_allowed_dir", None), "curve_allowed_dir",
-                                          "with curve_secret_key"))
+    return load_server_keys(
+        secret, _need(getattr(transport, "curve_allowed_dir", None), "curve_allowed_dir", "with curve_secret_key")
+    )
 
 
 def client_keys_for(transport: object, endpoint: str) -> ClientKeys | None:
@@ -307,8 +339,9 @@ def client_keys_for(transport: object, endpoint: str) -> ClientKeys | None:
     secret = _own_secret(transport, endpoint)
     if secret is None:
         return None
-    return ClientKeys.load(secret, _need(getattr(transport, "curve_server_key", None), "curve_server_key",
-                                         "with curve_secret_key"))
+    return ClientKeys.load(
+        secret, _need(getattr(transport, "curve_server_key", None), "curve_server_key", "with curve_secret_key")
+    )
 
 
 def main_keys(args: argparse.Namespace) -> int:
@@ -318,9 +351,13 @@ def main_keys(args: argparse.Namespace) -> int:
     written = generate_keys(root, names)
     for path in written:
         print(f"wrote {path}")
-    print(f"consumer: transport.curve_secret_key={root / 'consumer.key_secret'} "
-          f"transport.curve_allowed_dir={root / 'producers'}")
+    print(
+        f"consumer: transport.curve_secret_key={root / 'consumer.key_secret'} "
+        f"transport.curve_allowed_dir={root / 'producers'}"
+    )
     for name in names:
-        print(f"producer {name}: copy {root / 'consumer.key'} and {root / 'producers' / (name + '.key_secret')}; "
-              f"transport.curve_server_key=consumer.key transport.curve_secret_key={name}.key_secret")
+        print(
+            f"producer {name}: copy {root / 'consumer.key'} and {root / 'producers' / (name + '.key_secret')}; "
+            f"transport.curve_server_key=consumer.key transport.curve_secret_key={name}.key_secret"
+        )
     return 0

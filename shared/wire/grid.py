@@ -32,33 +32,51 @@ from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.bucket_dp import INF_COST, derive_boundaries, frame_histogram, split_table
 
-__all__ = ["ShapeCost", "plan_grid", "assign_cheapest", "finalise_shapes", "plan_cost", "is_grid", "bucket_count",
-           "top_frames", "grid_slots", "epoch_cost", "batch_rows"]
+__all__ = [
+    "ShapeCost",
+    "plan_grid",
+    "assign_cheapest",
+    "finalise_shapes",
+    "plan_cost",
+    "is_grid",
+    "bucket_count",
+    "top_frames",
+    "grid_slots",
+    "epoch_cost",
+    "batch_rows",
+]
 
-Shape = tuple[int, int]   # (T frames, L tokens)
-_MILLI = 1000             # cost unit: 1/1000 frame (weights resolve to 0.001)
-_MAX_SETTLE_ROUNDS = 32   # assign/shrink rounds; each one strictly lowers the cost, so a few suffice
+Shape = tuple[int, int]  # (T frames, L tokens)
+_MILLI = 1000  # cost unit: 1/1000 frame (weights resolve to 0.001)
+_MAX_SETTLE_ROUNDS = 32  # assign/shrink rounds; each one strictly lowers the cost, so a few suffice
 
 
 @dataclass(frozen=True, slots=True)
 class ShapeCost:
     """Integer cost of one padded row of shape (T, L), in milli-frames."""
 
-    token_milli: int = _MILLI     # buckets.token_cost x 1000: one token position, in milli-frames
-    attention_milli: int = 0      # buckets.attention_cost x 1000: one T x L cell, in milli-frames
+    token_milli: int = _MILLI  # buckets.token_cost x 1000: one token position, in milli-frames
+    attention_milli: int = 0  # buckets.attention_cost x 1000: one T x L cell, in milli-frames
 
     @classmethod
     def of(cls, token_cost: float, attention_cost: float) -> ShapeCost:
         return cls(int(round(token_cost * _MILLI)), int(round(attention_cost * _MILLI)))
 
-    def row(self, frames: npt.NDArray[np.int64] | np.int64, tokens: npt.NDArray[np.int64] | np.int64
-            ) -> npt.NDArray[np.int64]:
+    def row(
+        self, frames: npt.NDArray[np.int64] | np.int64, tokens: npt.NDArray[np.int64] | np.int64
+    ) -> npt.NDArray[np.int64]:
         """Cost of rows of T = ``frames`` and L = ``tokens`` (broadcast), int64 milli-frames."""
         return _MILLI * frames + self.token_milli * tokens + self.attention_milli * frames * tokens
 
 
-def plan_grid(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], max_shapes: int,
-              frame_multiple: int, top_frames: int, cost: ShapeCost) -> tuple[Shape, ...]:
+def plan_grid(
+    frames: npt.NDArray[np.int64],
+    tokens: npt.NDArray[np.int64],
+    max_shapes: int,
+    frame_multiple: int,
+    top_frames: int,
+    cost: ShapeCost,
+) -> tuple[Shape, ...]:
     """The planner's shapes (steps 1-3 of the module docstring) before ``finalise_shapes``.
 
     Args:
@@ -70,12 +88,17 @@ def plan_grid(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], max_
     """
     bounds, counts, position = frame_histogram(frames, frame_multiple, top_frames)
     table = split_table(bounds, counts, max_shapes)
-    bands = sorted({pair for k in range(1, len(table.costs) + 1)
-                    for pair in zip((0, *table.positions(k)), table.positions(k))})
-    splits = {band: _token_splits(tokens[(position > band[0]) & (position <= band[1])], max_shapes)
-              for band in bands}
-    band_cost = {band: [_band_cost(int(bounds[band[1] - 1]), n, token_sum, cost)
-                        for n, token_sum in zip(splits[band][0], splits[band][1])] for band in bands}
+    bands = sorted(
+        {pair for k in range(1, len(table.costs) + 1) for pair in zip((0, *table.positions(k)), table.positions(k))}
+    )
+    splits = {band: _token_splits(tokens[(position > band[0]) & (position <= band[1])], max_shapes) for band in bands}
+    band_cost = {
+        band: [
+            _band_cost(int(bounds[band[1] - 1]), n, token_sum, cost)
+            for n, token_sum in zip(splits[band][0], splits[band][1])
+        ]
+        for band in bands
+    }
     tiling = _best_tiling(bands, band_cost, int(bounds.size), max_shapes)
     return tuple(sorted((int(bounds[b - 1]), width) for (a, b), k in tiling for width in splits[(a, b)][2][k - 1]))
 
@@ -85,8 +108,7 @@ def _band_cost(t_frames: int, count: int, token_sum: int, cost: ShapeCost) -> in
     return _MILLI * t_frames * count + (cost.token_milli + cost.attention_milli * t_frames) * token_sum
 
 
-def _token_splits(tokens: npt.NDArray[np.int64], max_k: int
-                  ) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+def _token_splits(tokens: npt.NDArray[np.int64], max_k: int) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
     """Per k = 1 ..: member count, least sum of token widths, and the widths (L values) themselves."""
     if tokens.size == 0:  # the forced top band may be empty: one placeholder shape, removed later
         return [0], [0], [(1,)]
@@ -96,8 +118,9 @@ def _token_splits(tokens: npt.NDArray[np.int64], max_k: int
     return [int(tokens.size)] * len(widths), list(table.costs), widths
 
 
-def _best_tiling(bands: list[tuple[int, int]], band_cost: dict[tuple[int, int], list[int]], last: int,
-                 budget: int) -> list[tuple[tuple[int, int], int]]:
+def _best_tiling(
+    bands: list[tuple[int, int]], band_cost: dict[tuple[int, int], list[int]], last: int, budget: int
+) -> list[tuple[tuple[int, int], int]]:
     """Bands covering positions 1..last and the sub-buckets of each, least total cost within ``budget``.
 
     best[(p, s)] = least cost covering positions <= p with s shapes; ties keep the first found.
@@ -125,8 +148,9 @@ def _best_tiling(bands: list[tuple[int, int]], band_cost: dict[tuple[int, int], 
     return out
 
 
-def assign_cheapest(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], shapes: tuple[Shape, ...],
-                    cost: ShapeCost) -> npt.NDArray[np.int64]:
+def assign_cheapest(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], shapes: tuple[Shape, ...], cost: ShapeCost
+) -> npt.NDArray[np.int64]:
     """Index of each utterance's cheapest fitting shape (ties: the lowest index), -1 where none fits.
 
     ``frames`` should already be clipped to the top T where overlong utterances are truncated.
@@ -139,8 +163,9 @@ def assign_cheapest(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64]
     return np.where(fits.any(axis=1), out, -1)
 
 
-def finalise_shapes(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], shapes: tuple[Shape, ...],
-                    cost: ShapeCost) -> tuple[tuple[Shape, ...], npt.NDArray[np.int64]]:
+def finalise_shapes(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], shapes: tuple[Shape, ...], cost: ShapeCost
+) -> tuple[tuple[Shape, ...], npt.NDArray[np.int64]]:
     """Settle a plan (step 4): cheapest fitting shape per utterance, no empty shape, each L its longest member.
 
     Args:
@@ -187,8 +212,9 @@ def top_frames(frames: npt.NDArray[np.int64], cfg: BucketConfig) -> int:
     return max(1, min(longest, cfg.max_frames) if cfg.max_frames is not None else longest)
 
 
-def grid_slots(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], considered: npt.NDArray[np.bool_],
-               cfg: BucketConfig) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+def grid_slots(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], considered: npt.NDArray[np.bool_], cfg: BucketConfig
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
     """The 2-D plan: each shape's T, each utterance's shape (-1 = left out) and the overlong count.
 
     Only ``considered`` utterances are planned; overlong ones (frames above the top T) are truncated
@@ -222,8 +248,9 @@ def grid_slots(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], con
     return np.array([s[0] for s in shapes], dtype=np.int64), slot, int(over.sum())
 
 
-def _fewest_shapes(plans: list[tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]], tolerance: float
-                   ) -> tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]:
+def _fewest_shapes(
+    plans: list[tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]], tolerance: float
+) -> tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]:
     """Of ``plans`` (one per budget 1 .. max_shapes), the one with the fewest shapes whose epoch cost is within
     ``tolerance`` of the least: a shape is one compiled program, so one that saves less padding is not worth it
     (``tolerance`` 0: the least cost, fewest shapes on a tie). Integer arithmetic: every host agrees."""
@@ -232,14 +259,21 @@ def _fewest_shapes(plans: list[tuple[int, tuple[Shape, ...], npt.NDArray[np.int6
     return min((p for p in plans if p[0] <= limit), key=lambda p: (len(p[1]), p[0]))
 
 
-def epoch_cost(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64],
-               plan: tuple[tuple[Shape, ...], npt.NDArray[np.int64]], cost: ShapeCost, cfg: BucketConfig) -> int:
+def epoch_cost(
+    frames: npt.NDArray[np.int64],
+    tokens: npt.NDArray[np.int64],
+    plan: tuple[tuple[Shape, ...], npt.NDArray[np.int64]],
+    cost: ShapeCost,
+    cfg: BucketConfig,
+) -> int:
     """A plan's cost over one epoch: every utterance's row, plus the padding rows of each shape's last batch
     (``batch_rows``; a small cache's many shapes mostly buy partial batches)."""
     shapes, assigned = plan
     counts = np.bincount(assigned, minlength=len(shapes))
-    pad = sum((-int(n) % batch_rows(cfg, shape[0])) * int(cost.row(np.int64(shape[0]), np.int64(shape[1])))
-              for n, shape in zip(counts, shapes))
+    pad = sum(
+        (-int(n) % batch_rows(cfg, shape[0])) * int(cost.row(np.int64(shape[0]), np.int64(shape[1])))
+        for n, shape in zip(counts, shapes)
+    )
     return _total(frames, tokens, plan, cost) + pad
 
 
@@ -253,8 +287,9 @@ def batch_rows(cfg: BucketConfig, frames: int) -> int:
     return 1
 
 
-def _one_d_shapes(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], count: int, multiple: int,
-                  top: int) -> tuple[Shape, ...]:
+def _one_d_shapes(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], count: int, multiple: int, top: int
+) -> tuple[Shape, ...]:
     bounds = np.array(derive_boundaries(frames, count, multiple, top), dtype=np.int64)
     slot = np.searchsorted(bounds, frames, side="left")
     widths = np.zeros(bounds.size, dtype=np.int64)
@@ -262,16 +297,19 @@ def _one_d_shapes(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], 
     return tuple((int(b), int(w)) for b, w in zip(bounds, widths) if w > 0)
 
 
-def _total(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64],
-           plan: tuple[tuple[Shape, ...], npt.NDArray[np.int64]], cost: ShapeCost) -> int:
+def _total(
+    frames: npt.NDArray[np.int64],
+    tokens: npt.NDArray[np.int64],
+    plan: tuple[tuple[Shape, ...], npt.NDArray[np.int64]],
+    cost: ShapeCost,
+) -> int:
     shapes, assigned = plan
     t = np.array([s[0] for s in shapes], dtype=np.int64)
     w = np.array([s[1] for s in shapes], dtype=np.int64)
     return plan_cost(t[assigned], w[assigned], cost)
 
 
-def _is_within_int64(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], top_t: int,
-                     cost: ShapeCost) -> bool:
+def _is_within_int64(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], top_t: int, cost: ShapeCost) -> bool:
     """Whether a whole plan's cost fits int64 with room (absurd lengths: only the 1-D plan is kept)."""
     widest = max(1, int(tokens.max(initial=1)))
     return int(cost.row(np.int64(top_t), np.int64(widest))) * max(1, frames.size) < int(INF_COST) // 4

@@ -20,11 +20,11 @@ import numpy.typing as npt
 __all__ = ["HalfCaster"]
 
 _ABS = np.uint32(0x7FFF_FFFF)
-_REBIAS_AND_ROUND = np.uint32(0xC800_0FFF)   # (15 - 127) << 23, wrapped, plus 0xFFF: ties go to the parity bit
-_MANTISSA_SHIFT = np.uint32(13)               # 23 - 10 mantissa bits
+_REBIAS_AND_ROUND = np.uint32(0xC800_0FFF)  # (15 - 127) << 23, wrapped, plus 0xFFF: ties go to the parity bit
+_MANTISSA_SHIFT = np.uint32(13)  # 23 - 10 mantissa bits
 _ONE = np.uint32(1)
-_MIN_NORMAL = np.uint32(0x3880_0000)          # 2**-14 as float32 bits: below it the result is subnormal or 0
-_NORMAL_SPAN = np.uint32(0x4780_0000 - 0x3880_0000)   # up to 65536: at or above it, inf or NaN
+_MIN_NORMAL = np.uint32(0x3880_0000)  # 2**-14 as float32 bits: below it the result is subnormal or 0
+_NORMAL_SPAN = np.uint32(0x4780_0000 - 0x3880_0000)  # up to 65536: at or above it, inf or NaN
 _SIGN_SHIFT = np.uint32(16)
 _SIGN16 = np.uint32(0x8000)
 
@@ -45,18 +45,18 @@ class HalfCaster:
             self._a, self._b, self._outside = np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, bool)
         mag = np.bitwise_and(bits, _ABS, out=self._a[:n])
         out = np.right_shift(mag, _MANTISSA_SHIFT, out=self._b[:n])
-        np.bitwise_and(out, _ONE, out=out)                   # the result's mantissa parity
+        np.bitwise_and(out, _ONE, out=out)  # the result's mantissa parity
         np.add(out, mag, out=out)
-        np.add(out, _REBIAS_AND_ROUND, out=out)             # wraps modulo 2**32 like the C original
+        np.add(out, _REBIAS_AND_ROUND, out=out)  # wraps modulo 2**32 like the C original
         np.right_shift(out, _MANTISSA_SHIFT, out=out)
-        np.subtract(mag, _MIN_NORMAL, out=mag)               # wraps: below 2**-14 becomes huge
+        np.subtract(mag, _MIN_NORMAL, out=mag)  # wraps: below 2**-14 becomes huge
         outside = np.greater_equal(mag, _NORMAL_SPAN, out=self._outside[:n])
         sign = np.right_shift(bits, _SIGN_SHIFT, out=mag)
         np.bitwise_and(sign, _SIGN16, out=sign)
         np.bitwise_or(out, sign, out=out)
         flat = dst.reshape(-1).view(np.uint16)
-        np.copyto(flat, out, casting="unsafe")                # the low 16 bits: the float16's
+        np.copyto(flat, out, casting="unsafe")  # the low 16 bits: the float16's
         if outside.any():
             where = np.flatnonzero(outside)
-            with np.errstate(over="ignore"):                  # beyond range -> inf: the reader refuses it
+            with np.errstate(over="ignore"):  # beyond range -> inf: the reader refuses it
                 flat[where] = src.reshape(-1)[where].astype(np.float16).view(np.uint16)

@@ -19,8 +19,19 @@ import numpy.typing as npt
 if TYPE_CHECKING:  # buckets.py imports the dtypes below; a runtime import back would be a cycle
     from melfeed.shared.wire.buckets import Bucket
 
-__all__ = ["ALIGN_BYTES", "ARRAY_KEYS", "ARRAY_DTYPES", "MEL_WIRE_DTYPES", "PAYLOAD_COPIES", "batch_layout", "layout_nbytes",
-           "aligned_buffer", "layout_views", "round_up", "slot_nbytes_for"]
+__all__ = [
+    "ALIGN_BYTES",
+    "ARRAY_KEYS",
+    "ARRAY_DTYPES",
+    "MEL_WIRE_DTYPES",
+    "PAYLOAD_COPIES",
+    "batch_layout",
+    "layout_nbytes",
+    "aligned_buffer",
+    "layout_views",
+    "round_up",
+    "slot_nbytes_for",
+]
 
 ALIGN_BYTES = 64  # DLPack into TensorFlow aborts on anything less (docs/design.md)
 ARRAY_KEYS = ("mel", "mel_len", "tokens", "tok_len")  # every batch's first arrays, in wire (payload frame) order
@@ -42,7 +53,7 @@ def batch_layout(bucket: Bucket) -> list[tuple[str, int, tuple[int, ...], np.dty
     out = []
     offset = 0
     dtypes = bucket.dtypes()
-    for key, shape in bucket.shapes().items():   # ARRAY_KEYS first, then the extras
+    for key, shape in bucket.shapes().items():  # ARRAY_KEYS first, then the extras
         dtype = np.dtype(dtypes[key])
         out.append((key, offset, shape, dtype))
         offset = round_up(offset + int(np.prod(shape)) * dtype.itemsize, ALIGN_BYTES)
@@ -64,14 +75,15 @@ def aligned_buffer(nbytes: int) -> npt.NDArray[np.uint8]:
     """A uint8 buffer of ``nbytes`` whose first byte is 64-byte aligned."""
     raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN_BYTES
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
-def layout_views(memory: npt.NDArray[np.uint8], base: int,
-                 layout: list[tuple[str, int, tuple[int, ...], np.dtype]]) -> dict[str, npt.NDArray[np.generic]]:
+def layout_views(
+    memory: npt.NDArray[np.uint8], base: int, layout: list[tuple[str, int, tuple[int, ...], np.dtype]]
+) -> dict[str, npt.NDArray[np.generic]]:
     """Typed views of one batch laid out at byte ``base`` of ``memory``."""
     out = {}
     for key, offset, shape, dtype in layout:
         n = int(np.prod(shape)) * dtype.itemsize
-        out[key] = memory[base + offset:base + offset + n].view(dtype).reshape(shape)
+        out[key] = memory[base + offset : base + offset + n].view(dtype).reshape(shape)
     return out

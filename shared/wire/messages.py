@@ -12,14 +12,28 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
-    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "CAP_SHM",
+    "ShmSlot",
+    "MsgKind",
+    "RejectCode",
+    "FATAL_REJECTS",
+    "Hello",
+    "Welcome",
+    "LeaseGrant",
+    "Lease",
+    "BatchHeader",
+    "Heartbeat",
+    "StageCounters",
+    "Err",
+    "Bye",
+    "Message",
 ]
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-CAP_SHM = "shm"          # HELLO capability: this producer can build into the consumer's slot files
-
+CAP_SHM = "shm"  # HELLO capability: this producer can build into the consumer's slot files
 
 
 class MsgKind(IntEnum):
@@ -32,24 +46,24 @@ class MsgKind(IntEnum):
     BYE = 7
 
 
-class RejectCode(str, Enum):   # enum.StrEnum needs Python 3.11; __str__ below does what it adds
+class RejectCode(str, Enum):  # enum.StrEnum needs Python 3.11; __str__ below does what it adds
     """Why the consumer rejected a message: the ``code`` of an ERR, on the wire as the member's string.
 
     docs/design.md "Wire protocol" (invariant 7) says what each one answers.
     """
 
-    DECODE = "DECODE"              # not msgpack, truncated, trailing bytes, or over a size limit
-    FRAMES = "FRAMES"              # frames missing, extra, or not the lease's kind (payload or shared memory)
-    SCHEMA = "SCHEMA"              # a key missing or of the wrong type
-    TYPE = "TYPE"                  # an unknown message kind, or one the consumer is never sent
-    PROTO = "PROTO"                # a protocol version this consumer does not speak
-    CONTRACT = "CONTRACT"          # another dataset, n_mels, seed, buckets or mel dtype; an id its key does not own
+    DECODE = "DECODE"  # not msgpack, truncated, trailing bytes, or over a size limit
+    FRAMES = "FRAMES"  # frames missing, extra, or not the lease's kind (payload or shared memory)
+    SCHEMA = "SCHEMA"  # a key missing or of the wrong type
+    TYPE = "TYPE"  # an unknown message kind, or one the consumer is never sent
+    PROTO = "PROTO"  # a protocol version this consumer does not speak
+    CONTRACT = "CONTRACT"  # another dataset, n_mels, seed, buckets or mel dtype; an id its key does not own
     UNKNOWN_PEER = "UNKNOWN_PEER"  # no HELLO from this peer in this consumer epoch: send HELLO
-    LEASE = "LEASE"                # a batch not leased to this peer
-    SHAPE = "SHAPE"                # an array's shape, size or lengths do not fit the leased bucket
-    DTYPE = "DTYPE"                # an array's dtype is not one the wire allows
-    CRC = "CRC"                    # the payload's checksum does not match
-    FLOOD = "FLOOD"                # too many rejects from one peer: it is ignored for a while
+    LEASE = "LEASE"  # a batch not leased to this peer
+    SHAPE = "SHAPE"  # an array's shape, size or lengths do not fit the leased bucket
+    DTYPE = "DTYPE"  # an array's dtype is not one the wire allows
+    CRC = "CRC"  # the payload's checksum does not match
+    FLOOD = "FLOOD"  # too many rejects from one peer: it is ignored for a while
 
     def __str__(self) -> str:
         return self.value
@@ -72,8 +86,8 @@ class Hello:
     # drops its leases. A repeat from the same peer is answered again and keeps its leases
     # (docs/design.md "Wire protocol").
     nonce: int
-    caps: list[str] = field(default_factory=list)   # CAP_SHM when the producer may use slot files
-    mel_dtype: str = "float32"   # transport.mel_dtype; wire key ``mel``
+    caps: list[str] = field(default_factory=list)  # CAP_SHM when the producer may use slot files
+    mel_dtype: str = "float32"  # transport.mel_dtype; wire key ``mel``
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +98,8 @@ class Welcome:
     window: int
     heartbeat_interval_s: float
     checksum: bool
-    nonce: int                    # the answered HELLO's nonce
-    shm_dir: str | None = None    # set: this producer's leases name slot files in this directory
+    nonce: int  # the answered HELLO's nonce
+    shm_dir: str | None = None  # set: this producer's leases name slot files in this directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +119,7 @@ class Lease:
     bucket: int
     sample_ids: list[int]
     deadline_s: float
-    shm: ShmSlot | None = None    # None = payload lease (build into your own buffer, send frames)
+    shm: ShmSlot | None = None  # None = payload lease (build into your own buffer, send frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +142,7 @@ class BatchHeader:
     dtypes: list[str]
     crc32: int | None
     quarantined: list[int]
-    shm: tuple[int, int] | None = None   # (slot, generation) on the shm path: header only, no frames
+    shm: tuple[int, int] | None = None  # (slot, generation) on the shm path: header only, no frames
     # The first quarantined row's file and reason (``PATH: REASON``, <= MAX_REASON_CHARS; "" = none):
     # the consumer names it when quarantined rows stop a run.
     quarantine_note: str = ""
@@ -141,10 +155,10 @@ class StageCounters:
     Wire form: ``[batches, read_s, assemble_s, send_s]``; times are seconds, all >= 0.
     """
 
-    batches: int            # batches built and handed to ZeroMQ
-    read_s: float           # preadv of the cache files into the batch rows
-    assemble_s: float       # the rest of building a batch: padding, checks, buffer reuse
-    send_s: float           # header encoding and send_multipart
+    batches: int  # batches built and handed to ZeroMQ
+    read_s: float  # preadv of the cache files into the batch rows
+    assemble_s: float  # the rest of building a batch: padding, checks, buffer reuse
+    send_s: float  # header encoding and send_multipart
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,21 +24,23 @@ OUTLIERS_NAME = "outliers.tsv"  # in consumer.state_dir: id, frames, tokens, rea
 REASONS = ("max_frames_per_token", "min_frames_per_token", "max_frames", "max_tokens")
 
 
-def frames_per_token_outliers(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64],
-                              cfg: BucketConfig) -> npt.NDArray[np.int8]:
+def frames_per_token_outliers(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], cfg: BucketConfig
+) -> npt.NDArray[np.int8]:
     """Per utterance: 0 = inside the frames-per-token limits, 1 = above the maximum, 2 = below the minimum."""
     out = np.zeros(frames.shape, dtype=np.int8)
     f = frames.astype(np.float64)
     t = tokens.astype(np.float64)
     if cfg.max_frames_per_token is not None:
-        out[f > cfg.max_frames_per_token * t] = 1   # 0 tokens: any frames > 0 is above
+        out[f > cfg.max_frames_per_token * t] = 1  # 0 tokens: any frames > 0 is above
     if cfg.min_frames_per_token is not None:
         out[(out == 0) & (f < cfg.min_frames_per_token * t)] = 2
     return out
 
 
-def excluded(frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], assignment: npt.NDArray[np.integer],
-             cfg: BucketConfig) -> list[tuple[int, str]]:
+def excluded(
+    frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], assignment: npt.NDArray[np.integer], cfg: BucketConfig
+) -> list[tuple[int, str]]:
     """(manifest index, reason) of every utterance the plan leaves out, in manifest order.
 
     Args:

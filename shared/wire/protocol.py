@@ -22,43 +22,102 @@ import msgpack
 
 from melfeed.shared.errors import MAX_REASON_CHARS, ProtocolError
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.messages import (CAP_SHM, FATAL_REJECTS, PROTOCOL_VERSION, SUPPORTED_VERSIONS, BatchHeader,
-                                          Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, Message, MsgKind, RejectCode,
-                                          ShmSlot, StageCounters, Welcome)
+from melfeed.shared.wire.messages import (
+    CAP_SHM,
+    FATAL_REJECTS,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    BatchHeader,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    Message,
+    MsgKind,
+    RejectCode,
+    ShmSlot,
+    StageCounters,
+    Welcome,
+)
 
 __all__ = [
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CAP_SHM", "ShmSlot", "MsgKind", "RejectCode", "FATAL_REJECTS", "Hello",
-    "Welcome", "LeaseGrant", "Lease", "BatchHeader", "Heartbeat", "StageCounters", "Err", "Bye", "Message", "encode",
-    "decode_header", "max_producer_header_bytes",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "CAP_SHM",
+    "ShmSlot",
+    "MsgKind",
+    "RejectCode",
+    "FATAL_REJECTS",
+    "Hello",
+    "Welcome",
+    "LeaseGrant",
+    "Lease",
+    "BatchHeader",
+    "Heartbeat",
+    "StageCounters",
+    "Err",
+    "Bye",
+    "Message",
+    "encode",
+    "decode_header",
+    "max_producer_header_bytes",
 ]
 
-_MAX_HEADER_BYTES = 1 << 20      # a LEASE for a window of 64 batches of 512 ids is ~300 kB
+_MAX_HEADER_BYTES = 1 << 20  # a LEASE for a window of 64 batches of 512 ids is ~300 kB
 _MAX_STR = 4096
 _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
-_MAX_BATCH_ARRAYS = 64            # base arrays + extras (+ their lengths) of one batch
-_MAX_SHOWN_CODE_CHARS = 40        # of an unknown reject code in the error: longer than any known one
+_MAX_BATCH_ARRAYS = 64  # base arrays + extras (+ their lengths) of one batch
+_MAX_SHOWN_CODE_CHARS = 40  # of an unknown reject code in the error: longer than any known one
 
 
 def encode(msg: Message) -> bytes:
     """Pack one header frame."""
     if isinstance(msg, Hello):
-        d: dict[str, Any] = {"t": MsgKind.HELLO, "proto": msg.proto, "pid": msg.producer_id,
-                             "fp": msg.fingerprint, "buckets": msg.buckets, "n_mels": msg.n_mels,
-                             "seed": msg.seed, "nonce": msg.nonce, "mel": msg.mel_dtype}
+        d: dict[str, Any] = {
+            "t": MsgKind.HELLO,
+            "proto": msg.proto,
+            "pid": msg.producer_id,
+            "fp": msg.fingerprint,
+            "buckets": msg.buckets,
+            "n_mels": msg.n_mels,
+            "seed": msg.seed,
+            "nonce": msg.nonce,
+            "mel": msg.mel_dtype,
+        }
         if msg.caps:
             d["caps"] = msg.caps
     elif isinstance(msg, Welcome):
-        d = {"t": MsgKind.WELCOME, "epoch": msg.epoch, "window": msg.window,
-             "hb": msg.heartbeat_interval_s, "crc": msg.checksum, "nonce": msg.nonce}
+        d = {
+            "t": MsgKind.WELCOME,
+            "epoch": msg.epoch,
+            "window": msg.window,
+            "hb": msg.heartbeat_interval_s,
+            "crc": msg.checksum,
+            "nonce": msg.nonce,
+        }
         if msg.shm_dir is not None:
             d["shm"] = msg.shm_dir
     elif isinstance(msg, LeaseGrant):
-        d = {"t": MsgKind.LEASE, "epoch": msg.epoch, "depth": msg.queue_depth,
-             "leases": [_encode_lease(x) for x in msg.leases]}
+        d = {
+            "t": MsgKind.LEASE,
+            "epoch": msg.epoch,
+            "depth": msg.queue_depth,
+            "leases": [_encode_lease(x) for x in msg.leases],
+        }
     elif isinstance(msg, BatchHeader):
-        d = {"t": MsgKind.BATCH, "epoch": msg.epoch, "id": msg.batch_id, "bucket": msg.bucket,
-             "shapes": msg.shapes, "dtypes": msg.dtypes, "crc": msg.crc32, "q": msg.quarantined}
+        d = {
+            "t": MsgKind.BATCH,
+            "epoch": msg.epoch,
+            "id": msg.batch_id,
+            "bucket": msg.bucket,
+            "shapes": msg.shapes,
+            "dtypes": msg.dtypes,
+            "crc": msg.crc32,
+            "q": msg.quarantined,
+        }
         if msg.shm is not None:
             d["slot"], d["gen"] = msg.shm
         if msg.quarantine_note:
@@ -104,9 +163,17 @@ def _unpack(raw: bytes, max_bytes: int) -> dict[str, Any]:
     if len(raw) > max_bytes:
         raise ProtocolError(RejectCode.DECODE, f"header of {len(raw)} bytes exceeds {max_bytes}")
     try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
-                              max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_array_len=_MAX_ARRAY,
-                              max_map_len=_MAX_MAP, max_ext_len=0)
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=_MAX_STR,
+            max_bin_len=_MAX_STR,
+            max_array_len=_MAX_ARRAY,
+            max_map_len=_MAX_MAP,
+            max_ext_len=0,
+        )
     except msgpack.ExtraData as err:
         raise ProtocolError(RejectCode.DECODE, "trailing bytes after the header") from err
     except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as err:
@@ -148,16 +215,25 @@ def _opt_int(d: dict[str, Any], key: str) -> int:
 
 def _decode_lease(item: Any) -> Lease:
     if not isinstance(item, list) or len(item) not in (4, 7):
-        raise ProtocolError(RejectCode.SCHEMA, "lease must be [batch_id, bucket, sample_ids, deadline_s]"
-                                               " (+ [shm file, slot, generation])")
+        raise ProtocolError(
+            RejectCode.SCHEMA,
+            "lease must be [batch_id, bucket, sample_ids, deadline_s] (+ [shm file, slot, generation])",
+        )
     bid, bucket, ids, deadline = item[:4]
     if not isinstance(bid, int) or not isinstance(bucket, int) or not isinstance(deadline, (int, float)):
         raise ProtocolError(RejectCode.SCHEMA, "lease fields have wrong types")
     shm = None
     if len(item) == 7:
         name, slot, gen = item[4:]
-        if (not isinstance(name, str) or "/" in name or name in ("", ".", "..")
-                or not isinstance(slot, int) or not isinstance(gen, int) or slot < 0 or gen < 0):
+        if (
+            not isinstance(name, str)
+            or "/" in name
+            or name in ("", ".", "..")
+            or not isinstance(slot, int)
+            or not isinstance(gen, int)
+            or slot < 0
+            or gen < 0
+        ):
             raise ProtocolError(RejectCode.SCHEMA, "lease shm fields must be [bare file name, slot, generation]")
         shm = ShmSlot(name, slot, gen)
     return Lease(bid, bucket, _int_list(ids, "sample_ids"), float(deadline), shm)
@@ -172,7 +248,7 @@ def _decode_stats(item: Any) -> StageCounters | None:
     n, *times = item
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ProtocolError(RejectCode.SCHEMA, "st batches must be a non-negative integer")
-    for v in times:   # inf and nan fail the range test too
+    for v in times:  # inf and nan fail the range test too
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1e12:
             raise ProtocolError(RejectCode.SCHEMA, "st times must be finite non-negative numbers")
     return StageCounters(n, float(times[0]), float(times[1]), float(times[2]))
@@ -210,12 +286,26 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         caps = _get(d, "caps", list) if "caps" in d else []
         if not all(isinstance(c, str) for c in caps):
             raise ProtocolError(RejectCode.SCHEMA, "caps must be a list of strings")
-        return Hello(_get(d, "proto", int), _get(d, "pid", str), _get(d, "fp", str),
-                     [_int_list(b, "buckets") for b in buckets], _get(d, "n_mels", int), _get(d, "seed", int),
-                     _count(d, "nonce"), caps, _get(d, "mel", str))
+        return Hello(
+            _get(d, "proto", int),
+            _get(d, "pid", str),
+            _get(d, "fp", str),
+            [_int_list(b, "buckets") for b in buckets],
+            _get(d, "n_mels", int),
+            _get(d, "seed", int),
+            _count(d, "nonce"),
+            caps,
+            _get(d, "mel", str),
+        )
     if kind is MsgKind.WELCOME:
-        return Welcome(_get(d, "epoch", int), _get(d, "window", int), float(_get(d, "hb", (int, float))),
-                       bool(_get(d, "crc", bool)), _count(d, "nonce"), _get(d, "shm", str) if "shm" in d else None)
+        return Welcome(
+            _get(d, "epoch", int),
+            _get(d, "window", int),
+            float(_get(d, "hb", (int, float))),
+            bool(_get(d, "crc", bool)),
+            _count(d, "nonce"),
+            _get(d, "shm", str) if "shm" in d else None,
+        )
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]
         return LeaseGrant(_get(d, "epoch", int), leases, _get(d, "depth", int))
@@ -223,21 +313,34 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
         shapes = _get(d, "shapes", list)
         dtypes = _get(d, "dtypes", list)
         if len(shapes) != len(dtypes) or not len(ARRAY_KEYS) <= len(shapes) <= _MAX_BATCH_ARRAYS:
-            raise ProtocolError(RejectCode.SCHEMA, f"shapes and dtypes must list the same {len(ARRAY_KEYS)}.."
-                                                   f"{_MAX_BATCH_ARRAYS} arrays")
+            raise ProtocolError(
+                RejectCode.SCHEMA, f"shapes and dtypes must list the same {len(ARRAY_KEYS)}..{_MAX_BATCH_ARRAYS} arrays"
+            )
         if not all(isinstance(x, str) for x in dtypes):
             raise ProtocolError(RejectCode.SCHEMA, "dtypes must be strings")
         crc = d.get("crc")
         if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
             raise ProtocolError(RejectCode.SCHEMA, "crc must be an integer or null")
         shm = (_count(d, "slot"), _count(d, "gen")) if "slot" in d or "gen" in d else None
-        return BatchHeader(_count(d, "epoch"), _count(d, "id"), _count(d, "bucket"),
-                           [_int_list(s, "shapes") for s in shapes], dtypes, crc,
-                           _int_list(d.get("q", []), "q"), shm,
-                           _get(d, "qr", str)[:MAX_REASON_CHARS] if "qr" in d else "")
+        return BatchHeader(
+            _count(d, "epoch"),
+            _count(d, "id"),
+            _count(d, "bucket"),
+            [_int_list(s, "shapes") for s in shapes],
+            dtypes,
+            crc,
+            _int_list(d.get("q", []), "q"),
+            shm,
+            _get(d, "qr", str)[:MAX_REASON_CHARS] if "qr" in d else "",
+        )
     if kind is MsgKind.HB:
-        return Heartbeat(_count(d, "epoch"), _opt_int(d, "depth"), _opt_int(d, "applied"),
-                         _decode_stats(d.get("st")), _get(d, "done", bool) if "done" in d else False)
+        return Heartbeat(
+            _count(d, "epoch"),
+            _opt_int(d, "depth"),
+            _opt_int(d, "applied"),
+            _decode_stats(d.get("st")),
+            _get(d, "done", bool) if "done" in d else False,
+        )
     if kind is MsgKind.ERR:
         return Err(_reject_code(_get(d, "code", str)), _get(d, "why", str))
     return Bye(_count(d, "epoch"), _opt_int(d, "code"), _get(d, "why", str) if "why" in d else "")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = ["SLOT_NAME_RE", "is_tmpfs", "resolve_shm_dir", "ipc_socket_path", "socket_file_problem", "user_name"]
 
-SLOT_NAME_RE = re.compile(r"melfeed-([0-9]+)-([0-9]+)-s([0-9]+)-g([0-9]+)")   # groups: pid, epoch, slot, generation
+SLOT_NAME_RE = re.compile(r"melfeed-([0-9]+)-([0-9]+)-s([0-9]+)-g([0-9]+)")  # groups: pid, epoch, slot, generation
 _TMPFS_MAGIC = 0x01021994
 _DEFAULT_SHM_DIR = Path("/dev/shm")
 _IPC = "ipc://"
@@ -31,7 +31,7 @@ _IPC = "ipc://"
 
 def is_tmpfs(path: Path) -> bool:
     """True when ``path`` lives on tmpfs (statfs ``f_type``; Python's os has no statfs)."""
-    buf = ctypes.create_string_buffer(256)       # struct statfs is 120 bytes on 64-bit Linux
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.statfs(os.fsencode(str(path)), buf) != 0:
         return False
@@ -43,7 +43,7 @@ def resolve_shm_dir(shm_dir: str | None, endpoint: str) -> Path:
     if shm_dir is not None:
         return Path(shm_dir)
     if endpoint.startswith(_IPC):
-        socket_dir = Path(endpoint[len(_IPC):]).parent
+        socket_dir = Path(endpoint[len(_IPC) :]).parent
         if is_tmpfs(socket_dir):
             return socket_dir
     return _DEFAULT_SHM_DIR
@@ -53,7 +53,7 @@ def ipc_socket_path(endpoint: str) -> Path | None:
     """The socket file of an ``ipc://PATH`` endpoint; ``None`` for tcp and abstract (``ipc://@name``) ones."""
     if not endpoint.startswith(_IPC) or endpoint.startswith(_IPC + "@"):
         return None
-    return Path(endpoint[len(_IPC):])
+    return Path(endpoint[len(_IPC) :])
 
 
 def user_name(uid: int) -> str:
@@ -79,6 +79,8 @@ def socket_file_problem(path: Path) -> str | None:
         return "not a socket"
     euid = os.geteuid()
     if st.st_uid not in (euid, 0):
-        return (f"socket owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by this process's uid "
-                f"{euid} ({user_name(euid)}) or root")
+        return (
+            f"socket owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by this process's uid "
+            f"{euid} ({user_name(euid)}) or root"
+        )
     return None

@@ -40,8 +40,19 @@ import numpy.typing as npt
 
 from melfeed.shared.wire.layout import ARRAY_KEYS
 
-__all__ = ["KINDS", "EXTRA_DTYPES", "RESERVED_NAMES", "LENGTH_DTYPE", "ExtraSpec", "ExtraSchema",
-           "check_declaration", "check_schema", "parse_kind", "row_shape", "pad_row"]
+__all__ = [
+    "KINDS",
+    "EXTRA_DTYPES",
+    "RESERVED_NAMES",
+    "LENGTH_DTYPE",
+    "ExtraSpec",
+    "ExtraSchema",
+    "check_declaration",
+    "check_schema",
+    "parse_kind",
+    "row_shape",
+    "pad_row",
+]
 
 KINDS = ("frame", "token", "utterance", "sequence", "matrix")
 EXTRA_DTYPES = ("float32", "float16", "int64", "int32", "int16", "int8", "uint8")  # little-endian in files
@@ -57,10 +68,10 @@ class ExtraSpec:
     """One declared extra array (see the module table for what each kind means)."""
 
     name: str
-    kind: str                      # one of KINDS
-    dtype: str                     # one of EXTRA_DTYPES; the file's dtype and the batch's
-    shape: tuple[int, ...] = ()    # trailing dims of one element (a frame, token, step; or the whole value)
-    divisor: int = 1               # matrix only: frames per column r (a reduction factor), columns ceil(frames/r)
+    kind: str  # one of KINDS
+    dtype: str  # one of EXTRA_DTYPES; the file's dtype and the batch's
+    shape: tuple[int, ...] = ()  # trailing dims of one element (a frame, token, step; or the whole value)
+    divisor: int = 1  # matrix only: frames per column r (a reduction factor), columns ceil(frames/r)
 
     @property
     def length_key(self) -> str | None:
@@ -95,7 +106,7 @@ class ExtraSpec:
 
     def as_json(self) -> dict[str, Any]:
         out = {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
-        return {**out, "divisor": self.divisor} if self.kind == "matrix" else out   # other kinds have no divisor
+        return {**out, "divisor": self.divisor} if self.kind == "matrix" else out  # other kinds have no divisor
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,8 +143,11 @@ def check_declaration(name: Any, kind: Any, dtype: Any, shape: Any, divisor: Any
         return "kind", f"must be one of {list(KINDS)}, got {kind!r}"
     if dtype not in EXTRA_DTYPES:
         return "dtype", f"must be one of {list(EXTRA_DTYPES)}, got {dtype!r}"
-    if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_TRAILING_DIMS
-            or not all(type(d) is int and 1 <= d <= _MAX_DIM for d in shape)):
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > _MAX_TRAILING_DIMS
+        or not all(type(d) is int and 1 <= d <= _MAX_DIM for d in shape)
+    ):
         return "shape", f"must be a list of at most {_MAX_TRAILING_DIMS} dims in 1..{_MAX_DIM}, got {shape!r}"
     if type(divisor) is not int or not 1 <= divisor <= _MAX_DIM or (kind != "matrix" and divisor != 1):
         return "divisor", f"must be an integer in 1..{_MAX_DIM} (a matrix's frames per column), got {divisor!r}"
@@ -155,8 +169,13 @@ def check_schema(extras: Sequence[ExtraSpec]) -> tuple[int, str, str] | None:
 
 def row_shape(spec: ExtraSpec, max_frames: int, max_tokens: int, seq_len: int) -> tuple[int, ...]:
     """Shape of one row of ``spec`` in a bucket of ``max_frames`` x ``max_tokens`` (``seq_len``: its S)."""
-    lead = {"frame": (max_frames,), "token": (max_tokens,), "utterance": (), "sequence": (seq_len,),
-            "matrix": (max_tokens, spec.columns(max_frames))}[spec.kind]
+    lead = {
+        "frame": (max_frames,),
+        "token": (max_tokens,),
+        "utterance": (),
+        "sequence": (seq_len,),
+        "matrix": (max_tokens, spec.columns(max_frames)),
+    }[spec.kind]
     return (*lead, *spec.shape)
 
 
@@ -177,10 +196,15 @@ def pad_row(spec: ExtraSpec, values: npt.NDArray[Any], dst: npt.NDArray[Any]) ->
     Raises:
         ValueError: ``values`` does not have the declared trailing shape or dtype.
     """
-    if (values.ndim < spec.lead_dims or values.shape[spec.lead_dims:] != spec.shape
-            or values.dtype != np.dtype(spec.dtype)):
-        raise ValueError(f"extra {spec.name!r}: got {values.dtype} {values.shape}, declared {spec.dtype} "
-                         f"{spec.kind_text} [{', '.join(['n'] * spec.lead_dims + [str(d) for d in spec.shape])}]")
+    if (
+        values.ndim < spec.lead_dims
+        or values.shape[spec.lead_dims :] != spec.shape
+        or values.dtype != np.dtype(spec.dtype)
+    ):
+        raise ValueError(
+            f"extra {spec.name!r}: got {values.dtype} {values.shape}, declared {spec.dtype} "
+            f"{spec.kind_text} [{', '.join(['n'] * spec.lead_dims + [str(d) for d in spec.shape])}]"
+        )
     if not spec.has_length:
         dst[...] = values
         return 1

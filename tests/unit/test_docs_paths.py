@@ -20,20 +20,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_NOT_DOCS = ("tests", "build", ".git")   # test data and build output are no documentation
+_NOT_DOCS = ("tests", "build", ".git")  # test data and build output are no documentation
 
 
 def _doc_pages() -> tuple[str, ...]:
     """Every Markdown page of the repository outside tests/ and build/, as repository-relative paths."""
     pages = (p.relative_to(REPO) for p in REPO.rglob("*.md"))
-    return tuple(sorted(p.as_posix() for p in pages
-                        if p.parts[0] not in _NOT_DOCS and not any(part.startswith(".") for part in p.parts)))
+    return tuple(
+        sorted(
+            p.as_posix()
+            for p in pages
+            if p.parts[0] not in _NOT_DOCS and not any(part.startswith(".") for part in p.parts)
+        )
+    )
 
 
 DOCS = _doc_pages()
 _TOP = ("consumer", "producer", "shared", "tests", "deploy", "docs")
-_PATH = re.compile(r"^[A-Za-z0-9_.@-]+(?:/[A-Za-z0-9_.@-]+)*(?:\.(?:py|md|yaml|json|toml|png|service|target|env)|/)"
-                   r"(?:::[A-Za-z_][A-Za-z0-9_]*)?$")
+_PATH = re.compile(
+    r"^[A-Za-z0-9_.@-]+(?:/[A-Za-z0-9_.@-]+)*(?:\.(?:py|md|yaml|json|toml|png|service|target|env)|/)"
+    r"(?:::[A-Za-z_][A-Za-z0-9_]*)?$"
+)
 _TICKED = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
@@ -49,12 +56,12 @@ def _resolve(token: str, doc: Path) -> Path | None:
     if "/" in path and first in _TOP:
         return REPO / path
     if "/" in path and (doc.parent / first).is_dir() and doc.parent != REPO:
-        return doc.parent / path               # a package README naming its own sub-folder: flow/plan.py
+        return doc.parent / path  # a package README naming its own sub-folder: flow/plan.py
     if path in ("run_pipeline.py", "pyproject.toml"):
         return REPO / path
     if "::" in token and path.startswith("test_") and path.endswith(".py"):
         hits = sorted(REPO.glob(f"tests/**/{path}"))
-        return hits[0] if len(hits) == 1 else REPO / "tests" / path   # ambiguous or missing: reported
+        return hits[0] if len(hits) == 1 else REPO / "tests" / path  # ambiguous or missing: reported
     return None
 
 
@@ -72,8 +79,9 @@ def _problems(doc_name: str, text: str | None = None) -> list[str]:
             out.append(f"{doc_name}: `{token}`: no such file")
             continue
         _, _, test = token.partition("::")
-        if test and not re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(test)}\b",
-                                  target.read_text(encoding="utf-8"), re.MULTILINE):
+        if test and not re.search(
+            rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(test)}\b", target.read_text(encoding="utf-8"), re.MULTILINE
+        ):
             out.append(f"{doc_name}: `{token}`: {target.name} defines no {test}")
     return out
 
@@ -91,7 +99,9 @@ def test_the_checker_reports_a_stale_path_and_a_missing_test() -> None:
     found = _problems("docs/design.md", stale)
     assert [p.split(": ", 1)[1] for p in found] == [
         "`tests/unit/test_layout.py::test_no_such_test`: test_layout.py defines no test_no_such_test",
-        "`shared/gone.py`: no such file", "`docs/GONE.md`: no such file"]
+        "`shared/gone.py`: no such file",
+        "`docs/GONE.md`: no such file",
+    ]
 
 
 def test_every_markdown_page_of_the_repository_is_checked() -> None:
@@ -105,9 +115,10 @@ _HEADING = re.compile(r"^#{2,4} (.+?)\s*$", re.MULTILINE)
 
 def _tracked_text_files() -> list[Path]:
     names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    this = Path(__file__).resolve().relative_to(REPO).as_posix()   # its own examples are planted stale
-    return [REPO / n for n in names if n.endswith((".py", ".md", ".toml", ".yaml", ".service", ".target"))
-            and n != this]
+    this = Path(__file__).resolve().relative_to(REPO).as_posix()  # its own examples are planted stale
+    return [
+        REPO / n for n in names if n.endswith((".py", ".md", ".toml", ".yaml", ".service", ".target")) and n != this
+    ]
 
 
 def _stale_sections(text: str, where: str) -> list[str]:
@@ -122,15 +133,21 @@ def _stale_sections(text: str, where: str) -> list[str]:
 
 
 def test_every_cited_section_of_a_docs_page_is_a_heading_of_it() -> None:
-    found = [p for f in _tracked_text_files() if f.exists()
-             for p in _stale_sections(f.read_text(encoding="utf-8"), f.relative_to(REPO).as_posix())]
+    found = [
+        p
+        for f in _tracked_text_files()
+        if f.exists()
+        for p in _stale_sections(f.read_text(encoding="utf-8"), f.relative_to(REPO).as_posix())
+    ]
     assert found == []
 
 
 def test_the_section_checker_reports_a_missing_section_and_page() -> None:
     text = 'see docs/design.md "Map" and docs/design.md,\n"No such section", and docs/gone.md "Map"'
     assert _stale_sections(text, "x.py") == [
-        'x.py: docs/design.md "No such section": no such section', 'x.py: docs/gone.md "Map": no such section']
+        'x.py: docs/design.md "No such section": no such section',
+        'x.py: docs/gone.md "Map": no such section',
+    ]
 
 
 _MAP_LINE = re.compile(r"^(\S+)\s{2,}\S", re.MULTILINE)
@@ -146,11 +163,18 @@ def _map_entries() -> list[str]:
 
 def test_the_design_map_lists_every_module_once_and_nothing_that_is_gone() -> None:
     listed = _map_entries()
-    modules = {p.relative_to(REPO).as_posix() for top in ("consumer", "producer", "shared", "docs")
-               for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts}
+    modules = {
+        p.relative_to(REPO).as_posix()
+        for top in ("consumer", "producer", "shared", "docs")
+        for p in (REPO / top).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     # A subpackage's __init__.py is listed as its folder.
-    unlisted = sorted(m for m in modules if m not in listed
-                      and not (m.endswith("/__init__.py") and m[: -len("__init__.py")] in listed))
+    unlisted = sorted(
+        m
+        for m in modules
+        if m not in listed and not (m.endswith("/__init__.py") and m[: -len("__init__.py")] in listed)
+    )
     assert unlisted == []
     assert sorted(e for e in listed if not (REPO / e).exists()) == []
     assert len(listed) == len(set(listed))

@@ -8,15 +8,18 @@ and shared imports neither. Every import counts, also one inside a function, exc
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = ("producer", "consumer", "shared")
-_FORBIDDEN = {"producer": {"melfeed.consumer", "melfeed"}, "consumer": {"melfeed.producer", "melfeed"},
-              "shared": {"melfeed.producer", "melfeed.consumer", "melfeed"}}   # "melfeed": the front, which imports all
+_FORBIDDEN = {
+    "producer": {"melfeed.consumer", "melfeed"},
+    "consumer": {"melfeed.producer", "melfeed"},
+    "shared": {"melfeed.producer", "melfeed.consumer", "melfeed"},
+}  # "melfeed": the front, which imports all
 
 
 def _top(module: str) -> str:
@@ -41,14 +44,14 @@ def _imported_packages(tree: ast.AST) -> set[str]:
             found.add(_top(node.module))
         for child in ast.iter_child_nodes(node):
             visit(child)
+
     visit(tree)
     return found
 
 
 def _modules(package: str) -> list[Path]:
-    front = _ROOT / "consumer" / "melfeed"   # the package melfeed itself, not part of melfeed.consumer
-    return sorted(p for p in (_ROOT / package).rglob("*.py")
-                  if "__pycache__" not in p.parts and front not in p.parents)
+    front = _ROOT / "consumer" / "melfeed"  # the package melfeed itself, not part of melfeed.consumer
+    return sorted(p for p in (_ROOT / package).rglob("*.py") if "__pycache__" not in p.parts and front not in p.parents)
 
 
 @pytest.mark.parametrize("package", _PACKAGES)
@@ -62,8 +65,10 @@ def test_imports_flow_producer_to_shared_from_consumer(package: str) -> None:
 
 
 def test_the_import_check_sees_imports_inside_functions_but_not_type_checking_blocks() -> None:
-    code = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import melfeed.consumer.feed\n"
-            "def f():\n    from melfeed.producer.batcher import BatchAssembler\n    import melfeed.cli\n")
+    code = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import melfeed.consumer.feed\n"
+        "def f():\n    from melfeed.producer.batcher import BatchAssembler\n    import melfeed.cli\n"
+    )
     assert _imported_packages(ast.parse(code)) == {"typing", "melfeed.producer", "melfeed"}
 
 

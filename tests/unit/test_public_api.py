@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import melfeed
 from melfeed.consumer.feed import Batch, Consumer
@@ -26,11 +26,30 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_all_names_the_public_api_and_each_name_is_the_object_itself() -> None:
-    assert melfeed.__all__ == ["Consumer", "Batch", "Stager", "FitResume", "FeedBoard", "load_config",
-                               "config_from_mapping", "demo_cache", "PipelineError", "ConfigError", "CacheError",
-                               "ClosedError", "DataError", "StepError", "__version__"]
+    assert melfeed.__all__ == [
+        "Consumer",
+        "Batch",
+        "Stager",
+        "FitResume",
+        "FeedBoard",
+        "load_config",
+        "config_from_mapping",
+        "demo_cache",
+        "PipelineError",
+        "ConfigError",
+        "CacheError",
+        "ClosedError",
+        "DataError",
+        "StepError",
+        "__version__",
+    ]
     assert (melfeed.Consumer, melfeed.Batch, melfeed.Stager, melfeed.FitResume, melfeed.FeedBoard) == (
-        Consumer, Batch, Stager, FitResume, FeedBoard)
+        Consumer,
+        Batch,
+        Stager,
+        FitResume,
+        FeedBoard,
+    )
     assert (melfeed.load_config, melfeed.config_from_mapping) == (load_config, config_from_mapping)
     for name in ("PipelineError", "ConfigError", "CacheError", "ClosedError", "DataError", "StepError"):
         assert getattr(melfeed, name) is getattr(errors, name)
@@ -48,9 +67,11 @@ def test_the_version_is_written_once_and_pyproject_reads_it_from_melfeed() -> No
 
 
 def test_import_melfeed_and_its_public_names_load_no_tensorflow() -> None:
-    code = ("import sys, melfeed\n"
-            "for name in melfeed.__all__: getattr(melfeed, name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))")
+    code = (
+        "import sys, melfeed\n"
+        "for name in melfeed.__all__: getattr(melfeed, name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -61,8 +82,8 @@ def test_demo_cache_writes_the_demo_cache_once_and_returns_its_directory(tmp_pat
     assert path == tmp_path / "demo" and (path / "demo.json").is_file()
     cfg = melfeed.config_from_mapping({"cache_dir": str(path)})
     feed = melfeed.Consumer(cfg)
-    feed.close()                                  # never started: nothing bound; its slot files removed
-    assert sorted(e.name for e in feed.extras) == ["energy", "speaker"]    # extras=True, as --demo
+    feed.close()  # never started: nothing bound; its slot files removed
+    assert sorted(e.name for e in feed.extras) == ["energy", "speaker"]  # extras=True, as --demo
     marker = (path / "demo.json").stat().st_mtime_ns
     assert melfeed.demo_cache(20, cache_dir=path) == path and (path / "demo.json").stat().st_mtime_ns == marker
 

@@ -7,16 +7,29 @@ import argparse
 import pytest
 
 from melfeed.producer.reader import TransientReadError
-from melfeed.shared.errors import (EXIT_CONFIG, EXIT_DATA, EXIT_JOB_LOST, CacheError, ClosedError, ConfigError,
-                                   DataError, JobLostError, PipelineError, ProtocolError, StateError, StepError)
+from melfeed.shared.errors import (
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_JOB_LOST,
+    CacheError,
+    ClosedError,
+    ConfigError,
+    DataError,
+    JobLostError,
+    PipelineError,
+    ProtocolError,
+    StateError,
+    StepError,
+)
 from melfeed.shared.wire.messages import RejectCode
 
 
-def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """e.g. doctor interrupted while it loads the manifest or writes its demo cache: no traceback."""
-    from melfeed import cli as run_pipeline
     import melfeed.shared.cache.commands as commands
+    from melfeed import cli as run_pipeline
 
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
@@ -24,7 +37,7 @@ def test_ctrl_c_before_a_commands_own_handler_is_one_line_and_exit_130(monkeypat
     monkeypatch.setattr(commands, "main_index", interrupted)
     try:
         code = run_pipeline.main(["index", "--cache-dir", "/nonexistent"])
-    except KeyboardInterrupt:        # escaping, it would end the whole pytest session
+    except KeyboardInterrupt:  # escaping, it would end the whole pytest session
         pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)")
     assert code == 130
     assert capsys.readouterr().err == "melfeed index: stopped by SIGINT\n"
@@ -46,13 +59,14 @@ _EXIT_CODES = [
 ]
 
 
-@pytest.mark.parametrize(("error", "code"), _EXIT_CODES, ids=lambda v: type(v).__name__ if isinstance(v, Exception)
-                         else str(v))
-def test_each_error_a_command_ends_on_is_one_line_and_its_exit_code(error: PipelineError, code: int,
-                                                                     monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from melfeed import cli as run_pipeline
+@pytest.mark.parametrize(
+    ("error", "code"), _EXIT_CODES, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v)
+)
+def test_each_error_a_command_ends_on_is_one_line_and_its_exit_code(
+    error: PipelineError, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import melfeed.shared.cache.commands as commands
+    from melfeed import cli as run_pipeline
 
     def failing(args: argparse.Namespace) -> int:
         raise error
@@ -74,18 +88,30 @@ def test_every_error_class_says_what_it_means_and_carries_a_documented_exit_code
         assert cls.exit_code in codes, cls
 
 
-@pytest.mark.parametrize("argv", [
-    ["deploy", "--producers", "1", "--user", "root", "--prefix", "{loop}"],
-    ["deploy", "--producers", "1", "--user", "root", "--config", "{loop}"],
-    ["deploy", "--producers", "1", "--user", "root", "--tf-config", "{loop}", "--rank", "0"],
-    ["index", "--cache-dir", "{tmp}/new", "--mels", "{loop}"],
-    ["index", "--cache-dir", "{loop}", "--tokens", "{tmp}"],
-    ["producer", "--cache-dir", "{loop}"],
-    ["doctor", "--cache-dir", "{loop}"],
-], ids=["deploy-prefix", "deploy-config", "deploy-tf-config", "index-mels", "index-cache-dir", "producer-cache-dir",
-        "doctor-cache-dir"])
-def test_a_symlink_loop_in_a_path_flag_is_one_line_and_exit_78(argv: list[str], tmp_path: object,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["deploy", "--producers", "1", "--user", "root", "--prefix", "{loop}"],
+        ["deploy", "--producers", "1", "--user", "root", "--config", "{loop}"],
+        ["deploy", "--producers", "1", "--user", "root", "--tf-config", "{loop}", "--rank", "0"],
+        ["index", "--cache-dir", "{tmp}/new", "--mels", "{loop}"],
+        ["index", "--cache-dir", "{loop}", "--tokens", "{tmp}"],
+        ["producer", "--cache-dir", "{loop}"],
+        ["doctor", "--cache-dir", "{loop}"],
+    ],
+    ids=[
+        "deploy-prefix",
+        "deploy-config",
+        "deploy-tf-config",
+        "index-mels",
+        "index-cache-dir",
+        "producer-cache-dir",
+        "doctor-cache-dir",
+    ],
+)
+def test_a_symlink_loop_in_a_path_flag_is_one_line_and_exit_78(
+    argv: list[str], tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Path.resolve() raises RuntimeError on a loop (Python < 3.13): it must be named, not a traceback."""
     import os
 
@@ -115,8 +141,9 @@ def test_a_state_dir_in_a_symlink_loop_names_the_key(tmp_path: object) -> None:
         xla_cache_dir(config_from_mapping({"consumer": {"state_dir": loop}}))
 
 
-def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tmp_path: object,
-                                                                              capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(
+    tmp_path: object, capfd: pytest.CaptureFixture[str]
+) -> None:
     """``producer --producers 3`` on a cache whose manifest is not JSON: the parent refuses it before any child
     starts (otherwise each child prints the same line, then the supervisor a fourth)."""
     import os
@@ -130,5 +157,7 @@ def test_a_bad_manifest_is_one_line_from_the_producer_group_not_one_per_child(tm
     code = run_pipeline.main(["producer", "--cache-dir", cache, "--producers", "3", "--log-level", "ERROR"])
     err = capfd.readouterr().err
     assert code == 78
-    assert err == f"melfeed producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 " \
-                  "column 1 (char 0)\n"
+    assert (
+        err == f"melfeed producer: {cache}/manifest.json: malformed manifest: Expecting value: line 1 "
+        "column 1 (char 0)\n"
+    )

@@ -22,20 +22,20 @@ import tensorflow as tf
 
 __all__ = ["Accumulators", "IntervalRead"]
 
-_HEAD = 4   # steps, non-finite steps, turns, global step of the first turn (-1: none)
+_HEAD = 4  # steps, non-finite steps, turns, global step of the first turn (-1: none)
 
 
 @dataclass(frozen=True, slots=True)
 class IntervalRead:
     """One host read: what the steps dispatched since the previous read added up to."""
 
-    steps: int                      # steps in the interval
-    sums: dict[str, float]          # per name, float64 sum of the float32 values
-    last: dict[str, float]          # per name, the newest step's value (carried over empty intervals)
-    first: dict[str, float]         # per name, the interval's first step's value (last's when steps == 0)
-    nonfinite_steps: int            # steps whose loss was NaN/inf
-    turns: int                      # times the loss turned non-finite after a finite step (or at step 1)
-    first_turn_step: int | None     # global step number (1-based) of the first such turn
+    steps: int  # steps in the interval
+    sums: dict[str, float]  # per name, float64 sum of the float32 values
+    last: dict[str, float]  # per name, the newest step's value (carried over empty intervals)
+    first: dict[str, float]  # per name, the interval's first step's value (last's when steps == 0)
+    nonfinite_steps: int  # steps whose loss was NaN/inf
+    turns: int  # times the loss turned non-finite after a finite step (or at step 1)
+    first_turn_step: int | None  # global step number (1-based) of the first such turn
 
     def means(self) -> dict[str, float]:
         """Per-name means over the interval ({} for an empty one)."""
@@ -49,7 +49,7 @@ class Accumulators:
         if not names or names[0] != "loss":
             raise ValueError(f"the outputs must start with 'loss', got {list(names)}")
         self.names = tuple(names)
-        self.reads = 0                                  # host reads so far (one device drain each)
+        self.reads = 0  # host reads so far (one device drain each)
         with tf.device(device) if device else nullcontext():
             n = len(self.names)
             self._sums = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="out_sums")
@@ -76,13 +76,28 @@ class Accumulators:
         finite = tf.math.is_finite(values[0])
         turned = tf.logical_and(self._was_finite, tf.logical_not(finite))
         first_turn = tf.where(tf.logical_and(turned, self._head[3] < 0), step, self._head[3])
-        self._head.assign(tf.stack([self._head[0] + 1, self._head[1] + tf.cast(tf.logical_not(finite), tf.int64),
-                                    self._head[2] + tf.cast(turned, tf.int64), first_turn]))
+        self._head.assign(
+            tf.stack(
+                [
+                    self._head[0] + 1,
+                    self._head[1] + tf.cast(tf.logical_not(finite), tf.int64),
+                    self._head[2] + tf.cast(turned, tf.int64),
+                    first_turn,
+                ]
+            )
+        )
         self._was_finite.assign(finite)
 
     def _read_and_reset(self) -> tf.Tensor:
-        packed = tf.concat([tf.cast(self._head, tf.float64), self._sums.read_value(),
-                            tf.cast(self._last, tf.float64), tf.cast(self._first, tf.float64)], axis=0)
+        packed = tf.concat(
+            [
+                tf.cast(self._head, tf.float64),
+                self._sums.read_value(),
+                tf.cast(self._last, tf.float64),
+                tf.cast(self._first, tf.float64),
+            ],
+            axis=0,
+        )
         with tf.control_dependencies([packed]):
             self._sums.assign(tf.zeros_like(self._sums))
             self._first.assign(tf.fill(tf.shape(self._first), math.nan))
@@ -92,20 +107,26 @@ class Accumulators:
     def read(self) -> IntervalRead:
         """The interval since the previous read, and start the next one (waits for every step dispatched)."""
         self.reads += 1
-        values = self._read().numpy().tolist()        # the one device -> host transfer of the interval
+        values = self._read().numpy().tolist()  # the one device -> host transfer of the interval
         n = len(self.names)
         steps, nonfinite, turns, first_turn = (int(v) for v in values[:_HEAD])
-        sums = dict(zip(self.names, values[_HEAD:_HEAD + n]))
-        last = dict(zip(self.names, values[_HEAD + n:_HEAD + 2 * n]))
-        first = dict(zip(self.names, values[_HEAD + 2 * n:])) if steps else dict(last)
+        sums = dict(zip(self.names, values[_HEAD : _HEAD + n]))
+        last = dict(zip(self.names, values[_HEAD + n : _HEAD + 2 * n]))
+        first = dict(zip(self.names, values[_HEAD + 2 * n :])) if steps else dict(last)
         return IntervalRead(steps, sums, last, first, nonfinite, turns, first_turn if first_turn >= 0 else None)
 
     def reset(self) -> None:
         """Forget everything (after warm-up or a measurement ran the programs on synthetic batches)."""
-        for var, value in zip(self.variables, (tf.zeros([len(self.names)], tf.float64),
-                                               tf.fill([len(self.names)], math.nan), tf.fill([len(self.names)], math.nan),
-                                               tf.constant([0, 0, 0, -1], tf.int64), tf.constant(0, tf.int64),
-                                               tf.constant(True))):
+        for var, value in zip(
+            self.variables,
+            (
+                tf.zeros([len(self.names)], tf.float64),
+                tf.fill([len(self.names)], math.nan),
+                tf.fill([len(self.names)], math.nan),
+                tf.constant([0, 0, 0, -1], tf.int64),
+                tf.constant(0, tf.int64),
+                tf.constant(True),
+            ),
+        ):
             var.assign(value)
         self.reads = 0
-

@@ -43,7 +43,7 @@ __all__ = ["PackedSteps", "RegionLayout", "host_tensor"]
 
 log = logging.getLogger(__name__)
 
-_Layout = Sequence[tuple[str, int, tuple[int, ...], np.dtype]]   # shared.wire.layout.batch_layout's rows
+_Layout = Sequence[tuple[str, int, tuple[int, ...], np.dtype]]  # shared.wire.layout.batch_layout's rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class RegionLayout:
 
     nbytes: int
     arrays: dict[str, tuple[int, tuple[int, ...], np.dtype]]
-    rows_offset: int | None = None   # where the int32 ``rows`` lies (a step with row inputs), else None
+    rows_offset: int | None = None  # where the int32 ``rows`` lies (a step with row inputs), else None
 
     @classmethod
     def of(cls, layout: _Layout) -> RegionLayout:
@@ -72,14 +72,14 @@ class RegionLayout:
         """Write ``arrays`` (name -> numpy array) and ``rows`` (None = every row) into ``region`` (uint8)."""
         for name, (offset, _shape, dtype) in self.arrays.items():
             raw = np.ascontiguousarray(arrays[name], dtype).reshape(-1).view(np.uint8)
-            region[offset:offset + raw.size] = raw
+            region[offset : offset + raw.size] = raw
         self.put_rows(region, rows)
 
     def put_rows(self, region: np.ndarray, rows: int | None) -> None:
         """Write the batch's real rows (None = every row) where the program reads them; no-op without them."""
         if self.rows_offset is not None:
             count = self.arrays["mel"][1][0] if rows is None else rows
-            region[self.rows_offset:self.rows_offset + 4] = np.array([count], np.int32).view(np.uint8)
+            region[self.rows_offset : self.rows_offset + 4] = np.array([count], np.int32).view(np.uint8)
 
     def pieces(self, names: Sequence[str], replicas: int) -> list[list[tuple[int, int]]]:
         """Per replica, per array of ``names``: (byte offset, bytes) of that replica's rows of the array."""
@@ -136,13 +136,13 @@ class PackedSteps:
     def __init__(self, compiled: Any, layouts: Sequence[RegionLayout], device: str | None = None) -> None:
         self._compiled = compiled
         self.layouts = [layout.with_rows() if compiled.takes_rows else layout for layout in layouts]
-        self.replicas = compiled.replicas   # consumer/train/replicas.py; None = one device
+        self.replicas = compiled.replicas  # consumer/train/replicas.py; None = one device
         on_gpu = device is not None and tf.DeviceSpec.from_string(device).device_type == "GPU"
         self._copy_to = device if on_gpu else None
         self._device = device
-        self._accumulators: Accumulators | None = None   # built with the first program (its output names)
-        self._programs: dict[tuple[str, int], Any] = {}   # (mode, bucket) -> concrete function
-        self._warm_regions: dict[int, Any] = {}           # during warm_up: bucket -> its staged warm-up batch
+        self._accumulators: Accumulators | None = None  # built with the first program (its output names)
+        self._programs: dict[tuple[str, int], Any] = {}  # (mode, bucket) -> concrete function
+        self._warm_regions: dict[int, Any] = {}  # during warm_up: bucket -> its staged warm-up batch
         self.dispatched = 0
 
     @classmethod
@@ -150,6 +150,7 @@ class PackedSteps:
         """Over the ring's slot layout of ``buckets`` (``Bucket``s); outputs accumulate on ``device``, or on the
         first replica's device with replicas."""
         from melfeed.shared.wire.layout import batch_layout
+
         layouts = [RegionLayout.of(batch_layout(b)) for b in buckets]
         return cls(compiled, layouts, compiled.devices[0] if compiled.devices else device)
 
@@ -173,7 +174,7 @@ class PackedSteps:
         if found is not None:
             return found
         inner, names, takes_rows = self._compiled.program_for(bucket)
-        accumulators = self.accumulators   # built before the trace below: it creates variables
+        accumulators = self.accumulators  # built before the trace below: it creates variables
         layout, replicas = self.layouts[bucket], self.replicas
         xla = mode == "xla"
 
@@ -181,24 +182,33 @@ class PackedSteps:
             if replicas is None:
                 rows = (layout.cut_rows(regions[0]),) if takes_rows else ()
                 outputs = inner(*(layout.cut(regions[0], name) for name in names), *rows)
-            else:                                  # one piece per array per replica, replica-major
+            else:  # one piece per array per replica, replica-major
                 k, n = len(names), replicas.count
                 key = tuple(layout.arrays[name][1] for name in names)
+
                 def cut(p: Sequence[tf.Tensor]) -> list[tf.Tensor]:
                     return [layout.cut_piece(p[j], names[j], n) for j in range(k)]
-                outputs = replicas.run_parts(key, xla, cut, [tuple(regions[i * k:(i + 1) * k]) for i in range(n)])
+
+                outputs = replicas.run_parts(key, xla, cut, [tuple(regions[i * k : (i + 1) * k]) for i in range(n)])
             accumulators.update(outputs)
-            return tf.constant(0, tf.int32)        # nothing to read: a tensor so the call has an output
+            return tf.constant(0, tf.int32)  # nothing to read: a tensor so the call has an output
 
         if replicas is None:
             signature = [tf.TensorSpec([layout.nbytes], tf.uint8, name="region")]
         else:
-            signature = [tf.TensorSpec([nbytes], tf.uint8, name=f"replica{i}_{names[j]}")
-                         for i, part in enumerate(layout.pieces(names, replicas.count))
-                         for j, (_, nbytes) in enumerate(part)]
-        program = stably_named(tf.function(packed, jit_compile=xla and replicas is None,   # replicas: XLA inside
-                                           input_signature=signature).get_concrete_function(),
-                               f"packed_{mode}_{layout.nbytes}")
+            signature = [
+                tf.TensorSpec([nbytes], tf.uint8, name=f"replica{i}_{names[j]}")
+                for i, part in enumerate(layout.pieces(names, replicas.count))
+                for j, (_, nbytes) in enumerate(part)
+            ]
+        program = stably_named(
+            tf.function(
+                packed,
+                jit_compile=xla and replicas is None,  # replicas: XLA inside
+                input_signature=signature,
+            ).get_concrete_function(),
+            f"packed_{mode}_{layout.nbytes}",
+        )
         self._programs[(mode, bucket)] = program
         return program
 
@@ -214,14 +224,14 @@ class PackedSteps:
             tensor, copies = host_tensor(region)
             if self._copy_to is not None:
                 with tf.device(self._copy_to):
-                    tensor = tf.identity(tensor)   # returns once the copy completed (synchronous eager)
+                    tensor = tf.identity(tensor)  # returns once the copy completed (synchronous eager)
             return tensor, copies
         names = self._compiled.input_names
         parts, copies = [], 0
         for device, pieces in zip(self.replicas.devices, self.layouts[bucket].pieces(names, self.replicas.count)):
             placed = []
             for offset, nbytes in pieces:
-                tensor, copied = host_tensor(region[offset:offset + nbytes])
+                tensor, copied = host_tensor(region[offset : offset + nbytes])
                 copies += copied
                 with tf.device(device):
                     placed.append(tf.identity(tensor))
@@ -234,8 +244,13 @@ class PackedSteps:
         if self.replicas is None:
             program(value)
         else:
-            program(*(t for part in zip(*(self.replicas.strategy.experimental_local_results(v) for v in value))
-                      for t in part))
+            program(
+                *(
+                    t
+                    for part in zip(*(self.replicas.strategy.experimental_local_results(v) for v in value))
+                    for t in part
+                )
+            )
         self.dispatched += 1
 
     def warm_up(self, variables: Sequence[Any], batches: Sequence[Any] | None = None) -> float:
@@ -257,7 +272,7 @@ class PackedSteps:
         finally:
             self._warm_regions = {}
             self._programs = {k: v for k, v in self._programs.items() if k[0] == self._compiled.mode}
-            if self._accumulators is not None:   # None: no program was built (it failed first)
+            if self._accumulators is not None:  # None: no program was built (it failed first)
                 self._accumulators.reset()
             self.dispatched = 0
         seconds = time.perf_counter() - started
@@ -265,7 +280,7 @@ class PackedSteps:
         return seconds
 
     def _warm_own(self, variables: Sequence[Any]) -> None:
-        saved = [v.numpy() for v in variables]       # host copies, as CompiledStep.warm_up
+        saved = [v.numpy() for v in variables]  # host copies, as CompiledStep.warm_up
         try:
             for bucket in range(len(self.layouts)):
                 self._run_warm(bucket)
@@ -279,7 +294,7 @@ class PackedSteps:
         try:
             self.run(bucket, self._warm_regions[bucket])
             self.accumulators.read()
-        except tf.errors.ResourceExhaustedError as err:   # consumer/train/preflight.py: one line
+        except tf.errors.ResourceExhaustedError as err:  # consumer/train/preflight.py: one line
             raise BucketOutOfMemory(bucket) from err
 
     def _warm_region(self, bucket: int, batches: Sequence[Any] | None) -> Any:

@@ -16,11 +16,10 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.flag_checks import check_number
 from melfeed.shared.yaml_safe import read_value
 
-__all__ = ["GROUPS", "HelpFormatter", "config_help", "delay_ms", "groups", "path", "schema_default", "setting",
-           "shown"]
+__all__ = ["GROUPS", "HelpFormatter", "config_help", "delay_ms", "groups", "path", "schema_default", "setting", "shown"]
 
 GROUPS = ("common", "data", "transport", "training", "observability", "advanced")
-_MAX_DEBUG_DELAY_MS = 3_600_000.0   # an hour per batch: far past any test; a larger sleep can overflow
+_MAX_DEBUG_DELAY_MS = 3_600_000.0  # an hour per batch: far past any test; a larger sleep can overflow
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -81,8 +80,9 @@ def path(text: str) -> str:
     """A file or directory argument: "" (or only blanks) would quietly mean the current directory (``keys ""``
     wrote the keys there, ``demo-data --cache-dir ""`` a whole cache), so it is refused by name."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("must be a path (an empty one would mean the current directory), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a path (an empty one would mean the current directory), got {text!r}"
+        )
     return text
 
 

@@ -13,19 +13,30 @@ import difflib
 from importlib.metadata import version
 from typing import Any, NoReturn
 
-from melfeed.shared.service.cli.options import (HelpFormatter, config_help, delay_ms, groups, path, schema_default,
-                                                setting)
+from melfeed.shared.service.cli.options import (
+    HelpFormatter,
+    config_help,
+    delay_ms,
+    groups,
+    path,
+    schema_default,
+    setting,
+)
 
 __all__ = ["OneLineParser", "build_parser", "add_config_options", "add_log_level"]
 
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $MELFEED_LOG_LEVEL, else INFO)"
-_USAGE = "%(prog)s [options]"   # the options are listed by group below; a flat usage line of them is unreadable
-_TRAIN_EXITS = ("exit 0 plan finished or stopped (SIGTERM/SIGINT: checkpoint first), 1 failure, 65 too many "
-                "quarantined rows trained (producer.max_quarantined_fraction), 75 a rank lost contact with its job, "
-                "78 configuration error")
-_PRODUCER_EXITS = ("exit 0 stopped (SIGTERM/SIGINT) or, under run, the plan finished; 1 failure (--instance: "
-                   "systemd restarts it); 78 configuration error (a bad flag, key or cache, or the consumer refused "
-                   "its contract: one producer's 78 stops the group)")
+_USAGE = "%(prog)s [options]"  # the options are listed by group below; a flat usage line of them is unreadable
+_TRAIN_EXITS = (
+    "exit 0 plan finished or stopped (SIGTERM/SIGINT: checkpoint first), 1 failure, 65 too many "
+    "quarantined rows trained (producer.max_quarantined_fraction), 75 a rank lost contact with its job, "
+    "78 configuration error"
+)
+_PRODUCER_EXITS = (
+    "exit 0 stopped (SIGTERM/SIGINT) or, under run, the plan finished; 1 failure (--instance: "
+    "systemd restarts it); 78 configuration error (a bad flag, key or cache, or the consumer refused "
+    "its contract: one producer's 78 stops the group)"
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -62,9 +73,14 @@ class OneLineParser(argparse.ArgumentParser):
 def add_config_options(group: Any, about: str = "YAML config file (see deploy/example.yaml)") -> None:
     """``--config FILE`` and the repeatable ``--set KEY=VALUE`` applied after it, before the dedicated flags."""
     group.add_argument("--config", type=path, metavar="FILE", help=about)
-    group.add_argument("--set", type=setting, action="append", metavar="KEY=VALUE",
-                       help="set one config key after --config, before the flags below (repeatable; the value is "
-                            "YAML: consumer.steps=null, buckets.batch_size=16, consumer.model_gpu='\"0\"')")
+    group.add_argument(
+        "--set",
+        type=setting,
+        action="append",
+        metavar="KEY=VALUE",
+        help="set one config key after --config, before the flags below (repeatable; the value is "
+        "YAML: consumer.steps=null, buckets.batch_size=16, consumer.model_gpu='\"0\"')",
+    )
 
 
 def add_log_level(group: Any) -> None:
@@ -73,15 +89,21 @@ def add_log_level(group: Any) -> None:
 
 def add_demo(group: Any, about: str) -> None:
     group.add_argument("--demo", action="store_true", help=about)
-    group.add_argument("--demo-utterances", type=int, default=2000, action=_DemoCount,
-                       help="demo utterances, 1..1000000")
+    group.add_argument(
+        "--demo-utterances", type=int, default=2000, action=_DemoCount, help="demo utterances, 1..1000000"
+    )
 
 
 class _DemoCount(argparse.Action):
     """``--demo-utterances``, remembered as given: without ``--demo`` it would be ignored without a word."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, values)
         namespace.demo_utterances_given = True
 
@@ -97,15 +119,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="melfeed", description="melfeed: keep the training GPU busy")
     ap.add_argument("--version", action="version", version=f"melfeed {version('melfeed')}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    _rank_command(sub.add_parser("run", help="consumer and N producers on this host", usage=_USAGE,
-                                 description="consumer and N producers on this host; " + _TRAIN_EXITS),
-                  producers=True, consumer=True)
-    _rank_command(sub.add_parser("consumer", help="the training side alone (systemd: consumer.service)", usage=_USAGE,
-                                 description="the training side alone (systemd: consumer.service); " + _TRAIN_EXITS),
-                  consumer=True)
-    _rank_command(sub.add_parser("producer", help="N producer processes under one parent", usage=_USAGE,
-                                 description="N producer processes under one parent (a failed one is restarted), or "
-                                             "one with --instance; " + _PRODUCER_EXITS), producers=True)
+    _rank_command(
+        sub.add_parser(
+            "run",
+            help="consumer and N producers on this host",
+            usage=_USAGE,
+            description="consumer and N producers on this host; " + _TRAIN_EXITS,
+        ),
+        producers=True,
+        consumer=True,
+    )
+    _rank_command(
+        sub.add_parser(
+            "consumer",
+            help="the training side alone (systemd: consumer.service)",
+            usage=_USAGE,
+            description="the training side alone (systemd: consumer.service); " + _TRAIN_EXITS,
+        ),
+        consumer=True,
+    )
+    _rank_command(
+        sub.add_parser(
+            "producer",
+            help="N producer processes under one parent",
+            usage=_USAGE,
+            description="N producer processes under one parent (a failed one is restarted), or "
+            "one with --instance; " + _PRODUCER_EXITS,
+        ),
+        producers=True,
+    )
     add_tool_commands(sub)
     return ap
 
@@ -115,16 +157,27 @@ def _rank_command(p: argparse.ArgumentParser, *, producers: bool = False, consum
     g = groups(p)
     add_config_options(g["common"])
     add_log_level(g["common"])
-    g["data"].add_argument("--cache-dir", type=path, help=config_help("cache with mels/, tokens/ and manifest.json",
-                                                                     "cache_dir"))
+    g["data"].add_argument(
+        "--cache-dir", type=path, help=config_help("cache with mels/, tokens/ and manifest.json", "cache_dir")
+    )
     g["data"].add_argument("--seed", type=int, help=config_help("data order seed", "seed"))
-    g["transport"].add_argument("--endpoint", help=config_help("ipc://PATH or tcp://HOST:PORT", "transport.endpoint",
-                                                               " = ipc in a private runtime dir"))
-    g["training"].add_argument("--tf-config", type=path, metavar="FILE",
-                               help="TF_CONFIG as a JSON file: this rank and the world size of a multi-worker job "
-                                    "(a rank's default endpoint ends -rankR; default: the TF_CONFIG variable)")
-    g["training"].add_argument("--rank", type=int, help="refuse to start unless TF_CONFIG makes this process rank "
-                                                        "R (deploy writes it into a rank's units; default: any)")
+    g["transport"].add_argument(
+        "--endpoint",
+        help=config_help("ipc://PATH or tcp://HOST:PORT", "transport.endpoint", " = ipc in a private runtime dir"),
+    )
+    g["training"].add_argument(
+        "--tf-config",
+        type=path,
+        metavar="FILE",
+        help="TF_CONFIG as a JSON file: this rank and the world size of a multi-worker job "
+        "(a rank's default endpoint ends -rankR; default: the TF_CONFIG variable)",
+    )
+    g["training"].add_argument(
+        "--rank",
+        type=int,
+        help="refuse to start unless TF_CONFIG makes this process rank "
+        "R (deploy writes it into a rank's units; default: any)",
+    )
     if producers:
         _producer_options(g, standalone=not consumer)
     if consumer:
@@ -132,39 +185,86 @@ def _rank_command(p: argparse.ArgumentParser, *, producers: bool = False, consum
 
 
 def _producer_options(g: dict[str, Any], *, standalone: bool) -> None:
-    g["transport"].add_argument("--producers", type=int, help=config_help("number of producer processes",
-                                                                          "producer.count"))
+    g["transport"].add_argument(
+        "--producers", type=int, help=config_help("number of producer processes", "producer.count")
+    )
     if standalone:
-        g["transport"].add_argument("--instance", type=int, help="run only producer N in this process (systemd "
-                                                                 "producer@N; default: all of --producers)")
+        g["transport"].add_argument(
+            "--instance",
+            type=int,
+            help="run only producer N in this process (systemd producer@N; default: all of --producers)",
+        )
     add_demo(g["data"], "generate (once) and use the built-in demo data")
     add_debug_delay(g["advanced"])
 
 
 def _consumer_options(g: dict[str, Any]) -> None:
     g["data"].add_argument("--batch-size", type=int, help=config_help("rows per batch", "buckets.batch_size"))
-    g["transport"].add_argument("--ring-slots", type=int, help=config_help("preallocated batch slots, 3..256",
-                                                                           "consumer.ring_slots"))
+    g["transport"].add_argument(
+        "--ring-slots", type=int, help=config_help("preallocated batch slots, 3..256", "consumer.ring_slots")
+    )
     t = g["training"]
-    t.add_argument("--steps", type=int, help=config_help("stop once this many batches were applied in total: a "
-                                                         "resumed run keeps its end", "consumer.steps"))
-    t.add_argument("--state-dir", type=path, help=config_help("directory for checkpoints and the audit log (resume "
-                                                              "from it)", "consumer.state_dir", " = no state"))
-    t.add_argument("--checkpoint-every-steps", type=int, help=config_help("checkpoint period (also on stop and at "
-                                                                          "the end)", "consumer.checkpoint_every_steps"))
+    t.add_argument(
+        "--steps",
+        type=int,
+        help=config_help(
+            "stop once this many batches were applied in total: a resumed run keeps its end", "consumer.steps"
+        ),
+    )
+    t.add_argument(
+        "--state-dir",
+        type=path,
+        help=config_help(
+            "directory for checkpoints and the audit log (resume from it)", "consumer.state_dir", " = no state"
+        ),
+    )
+    t.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        help=config_help("checkpoint period (also on stop and at the end)", "consumer.checkpoint_every_steps"),
+    )
     t.add_argument("--model-step", help=config_help("training step factory, module:function", "model.step"))
-    t.add_argument("--replicas", type=int, help=config_help("model replicas (MirroredStrategy): N GPUs, or N logical "
-                                                            "CPUs", "consumer.replicas",
-                                                            " = one per GPU in consumer.model_gpu, else 1"))
+    t.add_argument(
+        "--replicas",
+        type=int,
+        help=config_help(
+            "model replicas (MirroredStrategy): N GPUs, or N logical CPUs",
+            "consumer.replicas",
+            " = one per GPU in consumer.model_gpu, else 1",
+        ),
+    )
     o = g["observability"]
-    o.add_argument("--status-interval-s", type=float, help=config_help("seconds between status lines",
-                                                                       "consumer.status_interval_s"))
-    o.add_argument("--summary-json", type=path, metavar="FILE", help="write the final summary as JSON to this file "
-                                                                     "(default: none)")
-    o.add_argument("--metrics-file", type=path, help=config_help("append one JSON snapshot per status interval (and "
-                                                                 "a final one) here", "consumer.metrics_file", " = off"))
-    o.add_argument("--metrics-port", type=int, help=config_help("serve Prometheus metrics on this port (on "
-                                                                f"{schema_default('consumer.metrics_host')})",
-                                                                "consumer.metrics_port", " = off"))
-    o.add_argument("--tensorboard", type=path, metavar="DIR", help=config_help(
-        "write TensorBoard scalars (losses, feed figures, GPUs, producers) here", "consumer.tensorboard_dir", " = off"))
+    o.add_argument(
+        "--status-interval-s",
+        type=float,
+        help=config_help("seconds between status lines", "consumer.status_interval_s"),
+    )
+    o.add_argument(
+        "--summary-json", type=path, metavar="FILE", help="write the final summary as JSON to this file (default: none)"
+    )
+    o.add_argument(
+        "--metrics-file",
+        type=path,
+        help=config_help(
+            "append one JSON snapshot per status interval (and a final one) here", "consumer.metrics_file", " = off"
+        ),
+    )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        help=config_help(
+            f"serve Prometheus metrics on this port (on {schema_default('consumer.metrics_host')})",
+            "consumer.metrics_port",
+            " = off",
+        ),
+    )
+    o.add_argument(
+        "--tensorboard",
+        type=path,
+        metavar="DIR",
+        help=config_help(
+            "write TensorBoard scalars (losses, feed figures, GPUs, producers) here",
+            "consumer.tensorboard_dir",
+            " = off",
+        ),
+    )

@@ -24,13 +24,21 @@ __all__ = ["OVERRIDES", "config_from_args", "loaded_config", "main_config", "wit
 log = logging.getLogger(__name__)
 
 OVERRIDES = {  # flag dest -> config key
-    "cache_dir": "cache_dir", "endpoint": "transport.endpoint", "steps": "consumer.steps",
-    "producers": "producer.count", "seed": "seed", "ring_slots": "consumer.ring_slots",
-    "batch_size": "buckets.batch_size", "status_interval_s": "consumer.status_interval_s",
-    "state_dir": "consumer.state_dir", "model_step": "model.step",
+    "cache_dir": "cache_dir",
+    "endpoint": "transport.endpoint",
+    "steps": "consumer.steps",
+    "producers": "producer.count",
+    "seed": "seed",
+    "ring_slots": "consumer.ring_slots",
+    "batch_size": "buckets.batch_size",
+    "status_interval_s": "consumer.status_interval_s",
+    "state_dir": "consumer.state_dir",
+    "model_step": "model.step",
     "checkpoint_every_steps": "consumer.checkpoint_every_steps",
-    "metrics_file": "consumer.metrics_file", "metrics_port": "consumer.metrics_port",
-    "replicas": "consumer.replicas", "tensorboard": "consumer.tensorboard_dir",
+    "metrics_file": "consumer.metrics_file",
+    "metrics_port": "consumer.metrics_port",
+    "replicas": "consumer.replicas",
+    "tensorboard": "consumer.tensorboard_dir",
 }
 
 
@@ -46,7 +54,7 @@ def with_settings(cfg: PipelineConfig, settings: Iterable[tuple[str, Any]]) -> P
         *parents, leaf = key.split(".")
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
-                raise ConfigError("unknown key (no such section)", path=tuple(parents[:depth + 1]))
+                raise ConfigError("unknown key (no such section)", path=tuple(parents[: depth + 1]))
             node = node[part]
         node[leaf] = value
     return config_from_mapping(data)
@@ -82,6 +90,7 @@ def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineCo
     if not getattr(args, "demo", False):
         return cfg
     from melfeed.shared.cache.demo_data import default_demo_dir, write_demo_cache
+
     cache = Path(args.cache_dir) if args.cache_dir else default_demo_dir(args.demo_utterances)
     log.info("demo data in %s", cache)
     write_demo_cache(cache, n_utterances=args.demo_utterances, extras=True)
@@ -91,5 +100,6 @@ def with_demo_cache(args: argparse.Namespace, cfg: PipelineConfig) -> PipelineCo
 def main_config(args: argparse.Namespace) -> int:
     """``melfeed config show``: the effective configuration as YAML, every key (defaults included)."""
     import yaml
+
     print(yaml.safe_dump(config_to_mapping(loaded_config(args)), sort_keys=False), end="")
     return 0

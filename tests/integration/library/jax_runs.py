@@ -25,7 +25,6 @@ from melfeed.consumer.staging import Staged, Stager
 from melfeed.shared.config.loader import load_config
 from tests.slot_poison import scribble_on_release
 
-
 # One jitted step for the three runs: a pure function of (params, arrays), compiled once per bucket shape
 # instead of once per run; each run starts from its own fresh parameters.
 _STEP = mlp_step(layers=1, learning_rate=0.05)
@@ -53,18 +52,31 @@ def main(argv: list[str]) -> int:
     def copied_at_once(self: JaxStageAdapter, batch: Batch) -> Staged[Any]:
         return Staged(put(self, batch).value, copied=lambda: True)
 
-    JaxStageAdapter.put = copied_at_once                          # type: ignore[method-assign]
+    JaxStageAdapter.put = copied_at_once  # type: ignore[method-assign]
     early, _, _ = _train(early_cfg, steps, poison=True)
-    host = {"mel": np.zeros((2, 3, 4), np.float32), "mel_len": np.ones(2, np.int32), "tokens": np.ones((2, 5), np.int32)}
+    host = {
+        "mel": np.zeros((2, 3, 4), np.float32),
+        "mel_len": np.ones(2, np.int32),
+        "tokens": np.ones((2, 5), np.int32),
+    }
     named = sorted(device_batch(host, jax.devices()[0], ("mel", "mel_len", "tokens")))
     try:
         device_batch(host, jax.devices()[0], ("mel", "pitch"))
         missing = ""
     except KeyError as err:
         missing = str(err)
-    print(json.dumps({"held": held, "overwritten": overwritten, "named": named, "missing": missing,
-                      "poisoned_equal": all(np.array_equal(clean[k], poisoned[k]) for k in clean),
-                      "early_equal": all(np.array_equal(clean[k], early[k]) for k in clean)}))
+    print(
+        json.dumps(
+            {
+                "held": held,
+                "overwritten": overwritten,
+                "named": named,
+                "missing": missing,
+                "poisoned_equal": all(np.array_equal(clean[k], poisoned[k]) for k in clean),
+                "early_equal": all(np.array_equal(clean[k], early[k]) for k in clean),
+            }
+        )
+    )
     return 0
 
 

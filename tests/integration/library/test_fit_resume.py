@@ -18,14 +18,31 @@ from tests.board_events import read_scalars
 from tests.cli_run import REPO
 
 _EXAMPLE = REPO / "docs" / "examples" / "keras_fit.py"
-_STEPS = 60          # a checkpoint every 5: the kill lands well inside the run (about 0.1 s a step)
-_TIMEOUT_S = 240.0   # a Keras start and 60 tiny steps take ~20 s; only a hang gets near it
+_STEPS = 60  # a checkpoint every 5: the kill lands well inside the run (about 0.1 s a step)
+_TIMEOUT_S = 240.0  # a Keras start and 60 tiny steps take ~20 s; only a hang gets near it
 
 
 def _fit(demo_cache: Path, state: Path, weights: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(_EXAMPLE), "--cache-dir", str(demo_cache), "--state-dir", str(state),
-                             "--steps", str(_STEPS), "--save-weights", str(weights), *extra], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(_EXAMPLE),
+            "--cache-dir",
+            str(demo_cache),
+            "--state-dir",
+            str(state),
+            "--steps",
+            str(_STEPS),
+            "--save-weights",
+            str(weights),
+            *extra,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -44,22 +61,27 @@ def _first_checkpoint(state: Path, proc: subprocess.Popen[str]) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_fit_killed_mid_run_and_started_again_ends_with_the_uninterrupted_weights_and_an_exact_audit(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     _finish(_fit(demo_cache, tmp_path / "straight", tmp_path / "straight.npz", "--tensorboard", str(tmp_path / "tb")))
     scalars = read_scalars(tmp_path / "tb" / "feed")
     assert scalars["feed/batches_per_s"] and all(v > 0 for _, v in scalars["feed/batches_per_s"]), scalars
     assert max(step for step, _ in scalars["feed/batches_per_s"]) <= _STEPS
     killed = _fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz")
     _first_checkpoint(tmp_path / "state", killed)
-    os.killpg(killed.pid, signal.SIGKILL)          # the fit and its producers: no handler runs
+    os.killpg(killed.pid, signal.SIGKILL)  # the fit and its producers: no handler runs
     killed.communicate(timeout=_TIMEOUT_S)
     out = _finish(_fit(demo_cache, tmp_path / "state", tmp_path / "resumed.npz"))
     start = int(out.split("starts at batch ")[1].split()[0])
-    assert 0 < start < _STEPS, out[-2000:]                                  # it resumed mid-run, not from 0
+    assert 0 < start < _STEPS, out[-2000:]  # it resumed mid-run, not from 0
     straight, resumed = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     assert straight.files == resumed.files
     assert all(np.array_equal(straight[k], resumed[k]) for k in straight.files)
-    audit = subprocess.run([sys.executable, "-m", "melfeed", "audit", str(tmp_path / "state")], capture_output=True,
-                           text=True, timeout=_TIMEOUT_S)
+    audit = subprocess.run(
+        [sys.executable, "-m", "melfeed", "audit", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert f"{_STEPS} batches applied by 2 consumer start(s); plan 0..{_STEPS - 1}" in audit.stdout

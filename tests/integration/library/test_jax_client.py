@@ -27,40 +27,75 @@ _REPO = Path(__file__).resolve().parents[3]
 
 
 def test_no_jax_step_reads_a_released_slot_and_the_guard_bites_when_a_copy_is_claimed_early(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     endpoint = f"ipc://{tmp_path}/j.sock"
-    configs = [procs.write_config(tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS,
-                                  producer={"count": 2})
-               for name in ("clean", "poisoned", "released_early")]
+    configs = [
+        procs.write_config(
+            tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS, producer={"count": 2}
+        )
+        for name in ("clean", "poisoned", "released_early")
+    ]
     producers = procs.start("producer", configs[0], tmp_path / "producers.log")
     try:
-        child = subprocess.run([sys.executable, "-m", "tests.integration.library.jax_runs", str(_STEPS),
-                                *map(str, configs)], cwd=_REPO, env=procs.env(tmp_path), capture_output=True,
-                               text=True, timeout=240)
+        child = subprocess.run(
+            [sys.executable, "-m", "tests.integration.library.jax_runs", str(_STEPS), *map(str, configs)],
+            cwd=_REPO,
+            env=procs.env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         procs.stop(producers)
     assert child.returncode == 0, child.stderr[-3000:]
     doc = json.loads(child.stdout.strip().splitlines()[-1])
-    assert doc["held"] == _STEPS                                # JAX on the CPU aliased every slot
+    assert doc["held"] == _STEPS  # JAX on the CPU aliased every slot
     assert doc["overwritten"] >= _STEPS
     assert doc["poisoned_equal"] is True
-    assert doc["early_equal"] is False                          # the guard bites when the order is wrong
-    assert doc["named"] == ["mel", "mel_len", "tokens"]         # JaxStageAdapter(array_names=...): a step's own arrays
+    assert doc["early_equal"] is False  # the guard bites when the order is wrong
+    assert doc["named"] == ["mel", "mel_len", "tokens"]  # JaxStageAdapter(array_names=...): a step's own arrays
     assert "no ['pitch']" in doc["missing"] and "'tokens'" in doc["missing"]
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed.consumer.clients.jax_bench", *flags], cwd=_REPO,
-                          env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed.consumer.clients.jax_bench", *flags],
+        cwd=_REPO,
+        env=procs.env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(tmp_path: Path) -> None:
     out = tmp_path / "jax.json"
     # its own demo cache: --demo writes the extras into the cache it is given (the shared demo_cache has none)
-    proc = _bench(tmp_path, "--demo", "--cache-dir", str(tmp_path / "demo"), "--demo-utterances", "200",
-                  "--steps", "24", "--warmup", "2",
-                  "--depths", "1,2", "--hidden", "32", "--layers", "1", "--producers", "1", "--resident-steps", "3",
-                  "--json", str(out))
+    proc = _bench(
+        tmp_path,
+        "--demo",
+        "--cache-dir",
+        str(tmp_path / "demo"),
+        "--demo-utterances",
+        "200",
+        "--steps",
+        "24",
+        "--warmup",
+        "2",
+        "--depths",
+        "1,2",
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--producers",
+        "1",
+        "--resident-steps",
+        "3",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["platform"] == "cpu" and doc["transport"] == "shm" and doc["producers"] == 1
@@ -69,19 +104,22 @@ def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(tmp_p
     assert [r["depth"] for r in doc["runs"]] == [1, 2]
     for run in doc["runs"]:
         assert 0 < run["feed_efficiency"] < 3 and run["fed_steps_per_s"] > 0
-        assert 0 <= run["copy_overlap"] <= 1 and run["gpu_util_pct"] is None       # no NVML on a CPU
+        assert 0 <= run["copy_overlap"] <= 1 and run["gpu_util_pct"] is None  # no NVML on a CPU
         assert 1 <= run["max_in_flight"] <= run["depth"]
-        assert run["slots_held_to_step_end"] == 26                                # aliased on the CPU
+        assert run["slots_held_to_step_end"] == 26  # aliased on the CPU
         assert np.isfinite(run["last_loss"])
-    assert doc["runs"][0]["first_loss"] > doc["runs"][-1]["last_loss"]            # it trains
+    assert doc["runs"][0]["first_loss"] > doc["runs"][-1]["last_loss"]  # it trains
     assert "depth 2: feed efficiency" in proc.stdout and "copy overlap" in proc.stdout
 
 
-@pytest.mark.parametrize(("flags", "needle"), [
-    (("--depths", "0"), "--depths: must be comma-separated stage depths >= 1"),
-    (("--depths", "two"), "--depths: must be comma-separated stage depths >= 1"),
-    (("--steps", "0"), "--steps: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--depths", "0"), "--depths: must be comma-separated stage depths >= 1"),
+        (("--depths", "two"), "--depths: must be comma-separated stage depths >= 1"),
+        (("--steps", "0"), "--steps: must be >= 1"),
+    ],
+)
 def test_jax_bench_refuses_bad_flags_with_one_line_and_78(tmp_path: Path, flags: tuple[str, ...], needle: str) -> None:
     proc = _bench(tmp_path, *flags)
     assert proc.returncode == 78, proc.stderr[-2000:]

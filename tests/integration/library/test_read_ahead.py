@@ -26,14 +26,15 @@ def _wait_read_ahead(feed: Consumer, taken: int) -> None:
 
 
 def test_batches_read_ahead_but_not_taken_are_not_applied_and_come_back_first(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    demo_cache: Path, endpoint: str, producers: ProducerGroup
+) -> None:
     steps = 14
     with Consumer(_cfg(demo_cache, endpoint, steps)) as feed:
         producers.start(demo_cache, endpoint, 1)
         ds = feed.as_dataset(features=_ALL_FEATURES, prefetch_device="/CPU:0")
         model = _tiny_model()
         model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0, shuffle=False)
-        _wait_read_ahead(feed, 5)                    # batch 4 sits in the stage, not taken by Keras
+        _wait_read_ahead(feed, 5)  # batch 4 sits in the stage, not taken by Keras
         assert feed.applied_ids == model.seen == [0, 1, 2, 3]
         model.fit(ds, steps_per_epoch=3, epochs=1, verbose=0, shuffle=False)
         assert feed.applied_ids == model.seen == [0, 1, 2, 3, 4, 5, 6]
@@ -42,7 +43,7 @@ def test_batches_read_ahead_but_not_taken_are_not_applied_and_come_back_first(
         assert int(feats["batch_id"][0]) == 7
         _wait_read_ahead(feed, 9)
         assert feed.applied_ids[-1] == 7
-        del it                                       # dropped with batch 8 read ahead: it comes back first
+        del it  # dropped with batch 8 read ahead: it comes back first
         rest = [batch.batch_id for batch in feed.batches()]
     assert rest == list(range(8, steps))
     assert feed.applied_ids == list(range(steps))

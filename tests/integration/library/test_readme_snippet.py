@@ -39,21 +39,27 @@ def test_the_readme_library_snippet_uses_melfeed_alone() -> None:
     assert "feed.as_dataset(" in snippet and "feed.batches()" in snippet
     assert readme.count(snippet) == 1
     imported = re.findall(r"^(?:import|from) ([\w.]+)", snippet, flags=re.M)
-    assert imported == ["keras", "melfeed"]          # the library's public API only (Keras is the user's model)
-    assert "producers=" in snippet and "bash" not in blocks     # no second shell
+    assert imported == ["keras", "melfeed"]  # the library's public API only (Keras is the user's model)
+    assert "producers=" in snippet and "bash" not in blocks  # no second shell
 
 
-@pytest.mark.timeout(600)   # demo cache generation + a Keras import on a shared 2-core box
+@pytest.mark.timeout(600)  # demo cache generation + a Keras import on a shared 2-core box
 def test_the_readme_library_snippet_runs_as_written_on_the_demo_cache(tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(_blocks((REPO / "README.md").read_text(encoding="utf-8"), _SECTION)["python"], encoding="utf-8")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_RUNTIME_DIR": str(tmp_path),
-           "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_RUNTIME_DIR": str(tmp_path),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     family: list[procs.Tracked] = []
     try:
-        while proc.poll() is None and len(family) < 3:   # its producer group: the supervisor and 2 workers
+        while proc.poll() is None and len(family) < 3:  # its producer group: the supervisor and 2 workers
             family = procs.descendants(proc.pid)
             time.sleep(0.05)
         out, err = proc.communicate(timeout=540)

@@ -64,8 +64,9 @@ def _freeze_a_producer(rng: random.Random, launcher: int, chaos: _Chaos, livenes
 def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     rng = random.Random(chaos.seed)
     state = tmp_path / "state"
-    config = procs.write_config(tmp_path / "chaos.yaml", cache, f"ipc://{tmp_path}/c.sock", state, chaos.steps,
-                                transport={"mode": chaos.mode})
+    config = procs.write_config(
+        tmp_path / "chaos.yaml", cache, f"ipc://{tmp_path}/c.sock", state, chaos.steps, transport={"mode": chaos.mode}
+    )
     liveness_s = 0.2 * 5
     log = tmp_path / "chaos.log"
     # Kill points in the applied sequence, spread over the run; one freeze in between.
@@ -79,10 +80,11 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     next_producer_kill = time.monotonic() + rng.uniform(0.5, 1.5)
     try:
         while consumer.poll() is None or kill_at:
-            assert time.monotonic() < deadline, f"no progress: seed {chaos.seed} events {chaos.events}\n" \
-                                                f"{procs.tail(log)}"
+            assert time.monotonic() < deadline, (
+                f"no progress: seed {chaos.seed} events {chaos.events}\n{procs.tail(log)}"
+            )
             done = procs.audit_records(state)
-            if consumer.poll() is not None:          # exited early: only a bug gets here
+            if consumer.poll() is not None:  # exited early: only a bug gets here
                 break
             if kill_at and done >= kill_at[0]:
                 kill_at.pop(0)
@@ -109,18 +111,20 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     assert doc["content_checked"] and doc["applied"] == chaos.steps == doc["expected"], context
     assert doc["checkpoint_next_batch"] == chaos.steps and doc["after_checkpoint"] == 0, context
     assert doc["consumer_epochs"] == chaos.consumer_kills + 1, context
-    assert chaos.producer_kills >= 3 and chaos.frozen == 1, context   # the chaos really happened
+    assert chaos.producer_kills >= 3 and chaos.frozen == 1, context  # the chaos really happened
 
 
-@pytest.mark.timeout(420)   # > the run's own progress deadline (240 + 90 s per consumer kill)
-@pytest.mark.parametrize(("seed", "mode"), [(int(s), m) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s
-                                             for m in ("shm", "zmq")] or _FAST_CASES)
+@pytest.mark.timeout(420)  # > the run's own progress deadline (240 + 90 s per consumer kill)
+@pytest.mark.parametrize(
+    ("seed", "mode"),
+    [(int(s), m) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s for m in ("shm", "zmq")] or _FAST_CASES,
+)
 def test_chaos_applied_sequence_equals_the_plan(seed: int, mode: str, demo_cache: Path, tmp_path: Path) -> None:
     _run(tmp_path, demo_cache, _Chaos(seed, steps=240, consumer_kills=1, mode=mode))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(720)   # > 240 + 3 x 90 s of progress deadline
+@pytest.mark.timeout(720)  # > 240 + 3 x 90 s of progress deadline
 @pytest.mark.parametrize("seed", range(100, 106))
 def test_chaos_long_run_with_repeated_consumer_kills(seed: int, demo_cache: Path, tmp_path: Path) -> None:
     _run(tmp_path, demo_cache, _Chaos(seed, steps=900, consumer_kills=3))

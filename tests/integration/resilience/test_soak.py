@@ -25,18 +25,18 @@ from tests.conftest import ProducerGroup
 
 _BATCH_SIZE = 4
 _PRODUCERS = 2
-_CI_BATCHES = 3000            # ~5 s on 2 cores
-_WARMUP_BATCHES = 500         # ~10 epochs of the demo cache: every bucket's buffers exist by then
+_CI_BATCHES = 3000  # ~5 s on 2 cores
+_WARMUP_BATCHES = 500  # ~10 epochs of the demo cache: every bucket's buffers exist by then
 # Slack on top of 10 %: pymalloc grows in 1 MiB arenas and glibc malloc keeps freed blocks in its
 # arenas instead of returning them, so a process that leaks nothing still moves by a few MiB.
 _RSS_SLACK_KB = 8 * 1024
-_FD_SLACK = 2                 # a ZeroMQ reconnect or a log rotation may hold one more for a moment
+_FD_SLACK = 2  # a ZeroMQ reconnect or a log rotation may hold one more for a moment
 
 
 @dataclass(frozen=True)
 class _Sample:
-    rss_kb: dict[str, int]     # process -> VmRSS
-    fds: dict[str, int]        # process -> open file descriptors
+    rss_kb: dict[str, int]  # process -> VmRSS
+    fds: dict[str, int]  # process -> open file descriptors
 
 
 def _rss_kb(pid: int | str) -> int:
@@ -57,9 +57,14 @@ def _sample(producer_pids: list[int]) -> _Sample:
 
 def _soak(cache: Path, endpoint: str, group: ProducerGroup, n_batches: int) -> None:
     assert n_batches > 2 * _WARMUP_BATCHES
-    cfg = config_from_mapping({"cache_dir": str(cache), "buckets": {"batch_size": _BATCH_SIZE},
-                               "consumer": {"steps": n_batches, "wait_timeout_s": 0.5},
-                               "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2}})
+    cfg = config_from_mapping(
+        {
+            "cache_dir": str(cache),
+            "buckets": {"batch_size": _BATCH_SIZE},
+            "consumer": {"steps": n_batches, "wait_timeout_s": 0.5},
+            "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2},
+        }
+    )
     first: _Sample | None = None
     last: _Sample | None = None
     expected = 0
@@ -68,15 +73,15 @@ def _soak(cache: Path, endpoint: str, group: ProducerGroup, n_batches: int) -> N
         launcher = group.start(cache, endpoint, _PRODUCERS, buckets={"batch_size": _BATCH_SIZE})
         workers: list[int] = []
         for batch in consumer.batches():
-            assert batch.batch_id == expected                # once, in plan order
+            assert batch.batch_id == expected  # once, in plan order
             expected += 1
             if expected == _WARMUP_BATCHES:
                 workers = procs.child_pids(launcher.pid)
                 assert len(workers) == _PRODUCERS
                 first = _sample(workers)
-            elif expected == n_batches - 1:                 # before shutdown frees anything
+            elif expected == n_batches - 1:  # before shutdown frees anything
                 last = _sample(workers)
-                assert procs.child_pids(launcher.pid) == workers    # no producer was restarted
+                assert procs.child_pids(launcher.pid) == workers  # no producer was restarted
         stats = consumer._receiver.stats()
     elapsed_s = time.monotonic() - t0
     assert group.stop_all() == [0]
@@ -95,6 +100,5 @@ def test_soak_bounded_keeps_rss_and_fds_flat(demo_cache: Path, endpoint: str, pr
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_soak_20000_batches_keeps_rss_and_fds_flat(demo_cache: Path, endpoint: str,
-                                                   producers: ProducerGroup) -> None:
+def test_soak_20000_batches_keeps_rss_and_fds_flat(demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
     _soak(demo_cache, endpoint, producers, int(os.environ.get("MELFEED_SOAK_BATCHES", "20000")))

@@ -17,7 +17,7 @@ from types import TracebackType
 
 from tests import procs
 
-_WAIT_S = 60.0        # start-up, a join, a stop: seconds on a loaded 2-core machine, never a minute
+_WAIT_S = 60.0  # start-up, a join, a stop: seconds on a loaded 2-core machine, never a minute
 _Message = dict[str, str]
 
 
@@ -31,7 +31,7 @@ class _Listener:
         self._closing = threading.Event()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(str(path))
-        self._sock.settimeout(0.2)       # how often the thread re-checks ``_closing``
+        self._sock.settimeout(0.2)  # how often the thread re-checks ``_closing``
         self._thread = threading.Thread(target=self._read, name=f"notify-{path.name}", daemon=True)
         self._thread.start()
 
@@ -39,7 +39,7 @@ class _Listener:
         while not self._closing.is_set():
             try:
                 data = self._sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             with self._changed:
                 self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
@@ -62,24 +62,40 @@ class _Listener:
     def __enter__(self) -> _Listener:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
 def test_consumer_and_producer_instance_notify_readiness_status_watchdog_and_stop(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     log = tmp_path / "notify.log"
-    config = procs.write_config(tmp_path / "n.yaml", demo_cache, f"ipc://{tmp_path}/n.sock", tmp_path / "state",
-                                100_000, consumer={"status_interval_s": 0.5})
+    config = procs.write_config(
+        tmp_path / "n.yaml",
+        demo_cache,
+        f"ipc://{tmp_path}/n.sock",
+        tmp_path / "state",
+        100_000,
+        consumer={"status_interval_s": 0.5},
+    )
     watchdog = {"WATCHDOG_USEC": "1000000"}
     with _Listener(tmp_path / "c.notify") as c, _Listener(tmp_path / "p.notify") as p:
-        producer = procs.start("producer", config, log, "--instance", "4", "--debug-delay-ms", "5",
-                               extra_env={"NOTIFY_SOCKET": str(p.path)} | watchdog)
+        producer = procs.start(
+            "producer",
+            config,
+            log,
+            "--instance",
+            "4",
+            "--debug-delay-ms",
+            "5",
+            extra_env={"NOTIFY_SOCKET": str(p.path)} | watchdog,
+        )
         consumer = procs.start("consumer", config, log, extra_env={"NOTIFY_SOCKET": str(c.path)} | watchdog)
         try:
             assert c.has("READY"), procs.tail(log)
-            assert "EXTEND_TIMEOUT_USEC" in c.messages[0]              # sent before READY, while compiling
+            assert "EXTEND_TIMEOUT_USEC" in c.messages[0]  # sent before READY, while compiling
             assert c.has("STATUS", "loss"), procs.tail(log)
             assert p.has("READY"), procs.tail(log)
             assert p.has("STATUS", "joined consumer epoch"), procs.tail(log)

@@ -23,23 +23,51 @@ from tests.conftest import REPO
 
 def _run(args: list[str], tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, "-m", "melfeed", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
-@pytest.mark.timeout(600)   # the run may take its 400 s on a loaded 2-core machine, then TensorFlow reads its events
+@pytest.mark.timeout(600)  # the run may take its 400 s on a loaded 2-core machine, then TensorFlow reads its events
 def test_run_trains_on_demo_data_writes_a_consistent_summary_and_its_producers_exit_0_at_the_plan_end(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     cfg = tmp_path / "run.yaml"
     # Two buckets keep the XLA compile short on a 2-core CI machine; the loop is the same. TensorBoard every 149
     # steps: the end's write then holds step 150 alone, whose loss is the summary's final_loss.
-    cfg.write_text(yaml.safe_dump({"buckets": {"num_buckets": 2, "batch_size": 16},
-                                   "consumer": {"warmup_steps": 3, "status_interval_s": 0.3,
-                                                "feed_efficiency_steps": 6, "tensorboard_every_steps": 149}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "buckets": {"num_buckets": 2, "batch_size": 16},
+                "consumer": {
+                    "warmup_steps": 3,
+                    "status_interval_s": 0.3,
+                    "feed_efficiency_steps": 6,
+                    "tensorboard_every_steps": 149,
+                },
+            }
+        )
+    )
     summary = tmp_path / "summary.json"
-    proc = _run(["run", "--config", str(cfg), "--cache-dir", str(demo_cache), "--producers", "2",
-                 "--steps", "150", "--summary-json", str(summary), "--tensorboard", str(tmp_path / "tb")], tmp_path,
-                timeout_s=400)
+    proc = _run(
+        [
+            "run",
+            "--config",
+            str(cfg),
+            "--cache-dir",
+            str(demo_cache),
+            "--producers",
+            "2",
+            "--steps",
+            "150",
+            "--summary-json",
+            str(summary),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+        ],
+        tmp_path,
+        timeout_s=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["steps"] == s["batches_applied"] == 150
@@ -58,34 +86,42 @@ def test_run_trains_on_demo_data_writes_a_consistent_summary_and_its_producers_e
     # error such as a unit slip (a limit in ms read as s would give ~1000).
     assert 0 < s["feed_efficiency"] <= 2.0 and s["feed_efficiency_goal"] == 0.95
     assert len(s["resident_step_ms"]) == 2 and all(ms > 0 for ms in s["resident_step_ms"])
-    ms = s["resident_step_ms"]                                           # a mix of the buckets' limits
+    ms = s["resident_step_ms"]  # a mix of the buckets' limits
     assert 1000 / max(ms) * 0.999 <= s["resident_steps_per_s"] <= 1000 / min(ms) * 1.001
-    assert "feed efficiency" in proc.stderr                              # the status line shows it
-    assert (f"summary: steps 150, batches_applied 150, loss {s['first_loss']:.2f} -> {s['final_loss']:.2f}, "
-            f"{s['batches_per_s']:.1f} batches/s") in proc.stderr          # the headline line after the JSON
-    assert "stall" in proc.stderr and "producers 2" in proc.stderr      # the periodic status line
-    assert not list(tmp_path.glob("melfeed/*.yaml"))                    # effective config cleaned up
+    assert "feed efficiency" in proc.stderr  # the status line shows it
+    assert (
+        f"summary: steps 150, batches_applied 150, loss {s['first_loss']:.2f} -> {s['final_loss']:.2f}, "
+        f"{s['batches_per_s']:.1f} batches/s"
+    ) in proc.stderr  # the headline line after the JSON
+    assert "stall" in proc.stderr and "producers 2" in proc.stderr  # the periodic status line
+    assert not list(tmp_path.glob("melfeed/*.yaml"))  # effective config cleaned up
     # The end of the plan: the producers under `run` exit 0 on their own.
     err = proc.stderr
     assert err.count("finished its plan; exiting (producer.exit_at_plan_end)") == 2, err[-3000:]
     assert "producer-1 finished: the consumer's plan ended" in err and "producer-2 finished" in err
     assert "all 2 producers finished (the consumer's plan ended); exiting 0" in err
     assert "producer group exited 0 on its own after the plan ended" in err
-    assert "still running" not in err and "restarting" not in err         # no ladder, no restart
+    assert "still running" not in err and "restarting" not in err  # no ladder, no restart
     _check_tensorboard(tmp_path / "tb", s)
 
 
 def _check_tensorboard(logdir: Path, s: dict[str, Any]) -> None:
     """The run's event files, read back as TensorBoard's scalar plugin reads them, against its summary."""
     from tests.board_events import read_scalars
-    scalars = read_scalars(logdir)                                     # one process: the directory itself
+
+    scalars = read_scalars(logdir)  # one process: the directory itself
     last_step, last_loss = scalars["train/loss"][-1]
     assert scalars["train/loss"][0][0] == 149 and last_step == 150
     assert last_loss == pytest.approx(s["final_loss"])
-    assert [step for step, _ in scalars["train/loss"]] == [149, 150]    # every 149 steps and the end, once each
+    assert [step for step, _ in scalars["train/loss"]] == [149, 150]  # every 149 steps and the end, once each
     assert scalars["feed/batches_per_s"][-1][1] > 0 and 0 < scalars["feed/padding_efficiency"][-1][1] <= 1
-    assert {"feed/stall_pct", "feed/samples_per_s", "feed/queue_depth", "feed/feed_efficiency",
-            "feed/useful_work"} <= set(scalars)
+    assert {
+        "feed/stall_pct",
+        "feed/samples_per_s",
+        "feed/queue_depth",
+        "feed/feed_efficiency",
+        "feed/useful_work",
+    } <= set(scalars)
     assert {"producer/producer-1/batches_per_s", "producer/producer-2/batches_per_s"} <= set(scalars)
 
 
@@ -115,11 +151,13 @@ with Consumer(cfg) as feed:
 """
 
 
-def test_producers_started_by_hand_wait_for_the_next_consumer_after_the_plan_ends(demo_cache: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_producers_started_by_hand_wait_for_the_next_consumer_after_the_plan_ends(
+    demo_cache: Path, tmp_path: Path
+) -> None:
     consumer_log, producer_log = tmp_path / "consumer.log", tmp_path / "producers.log"
-    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/m.sock", tmp_path / "state", 20,
-                                producer={"count": 2})
+    config = procs.write_config(
+        tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/m.sock", tmp_path / "state", 20, producer={"count": 2}
+    )
     producers = procs.start("producer", config, producer_log)
     try:
         consumer = procs.start_python(_PLAN_PEER, config, consumer_log)
@@ -150,27 +188,36 @@ def test_bad_config_value_is_one_line_naming_the_key_and_exits_78(demo_cache: Pa
     cfg.write_text("consumer:\n  ring_slots: 1\n")
     proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 78
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "melfeed consumer: consumer.ring_slots: must be in 3..256, got 1")
+    assert proc.stderr.strip().splitlines()[-1] == ("melfeed consumer: consumer.ring_slots: must be in 3..256, got 1")
 
 
-@pytest.mark.parametrize("doc, expected", [
-    ("model:\n  learning_rate: .nan\n", "model.learning_rate: must be a finite number, got nan"),
-    ("consumer:\n  steps: 99999999999999999999\n", "consumer.steps: must fit in a signed 64-bit integer"),
-    ("seed: -3\n", "seed: must be an integer in 0..2**63-1, got -3"),
-    ("transport:\n  endpoint: ipc:///tmp/" + "s" * 110 + ".sock\n", "transport.endpoint: socket path is"),
-    ("consumer:\n  metrics_file: {tmp}/no/such/dir/m.jsonl\n", "consumer.metrics_file: directory {tmp}/no/such/dir "
-     "does not exist"),
-    ("transport:\n  endpoint: ipc://{tmp}/gone/melfeed.sock\n", "transport.endpoint: directory {tmp}/gone does not "
-     "exist"),
-    ("buckets:\n  batch_size: 2147483647\n", "buckets: a ring of 3 slots x the largest batch ("),
-    ("transport:\n  endpoint: ipc://{long}\n",     # fits in 107 bytes; {long}.control.sock does not
-     "consumer.control_endpoint: the status socket derived from transport.endpoint, ipc://{tmp}/"),
-])
-def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_path: Path, doc: str,
-                                                          expected: str) -> None:
+@pytest.mark.parametrize(
+    "doc, expected",
+    [
+        ("model:\n  learning_rate: .nan\n", "model.learning_rate: must be a finite number, got nan"),
+        ("consumer:\n  steps: 99999999999999999999\n", "consumer.steps: must fit in a signed 64-bit integer"),
+        ("seed: -3\n", "seed: must be an integer in 0..2**63-1, got -3"),
+        ("transport:\n  endpoint: ipc:///tmp/" + "s" * 110 + ".sock\n", "transport.endpoint: socket path is"),
+        (
+            "consumer:\n  metrics_file: {tmp}/no/such/dir/m.jsonl\n",
+            "consumer.metrics_file: directory {tmp}/no/such/dir does not exist",
+        ),
+        (
+            "transport:\n  endpoint: ipc://{tmp}/gone/melfeed.sock\n",
+            "transport.endpoint: directory {tmp}/gone does not exist",
+        ),
+        ("buckets:\n  batch_size: 2147483647\n", "buckets: a ring of 3 slots x the largest batch ("),
+        (
+            "transport:\n  endpoint: ipc://{long}\n",  # fits in 107 bytes; {long}.control.sock does not
+            "consumer.control_endpoint: the status socket derived from transport.endpoint, ipc://{tmp}/",
+        ),
+    ],
+)
+def test_values_that_cannot_work_are_one_line_and_exit_78(
+    demo_cache: Path, tmp_path: Path, doc: str, expected: str
+) -> None:
     cfg = tmp_path / "bad.yaml"
-    long_sock = f"{tmp_path}/{'s' * (104 - len(str(tmp_path)) - len('/.sock'))}.sock"     # 104 bytes
+    long_sock = f"{tmp_path}/{'s' * (104 - len(str(tmp_path)) - len('/.sock'))}.sock"  # 104 bytes
     cfg.write_text(doc.replace("{tmp}", str(tmp_path)).replace("{long}", long_sock))
     proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
@@ -179,21 +226,37 @@ def test_values_that_cannot_work_are_one_line_and_exit_78(demo_cache: Path, tmp_
     assert last.startswith("melfeed consumer: " + expected.replace("{tmp}", str(tmp_path))), last
 
 
-@pytest.mark.parametrize(("command", "flag", "path", "reason"), [
-    ("run", "--summary-json", "{tmp}/missing/summary.json", "--summary-json: directory {tmp}/missing does not exist"),
-    ("run", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
-    ("consumer", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
-    ("run", "--metrics-file", "{tmp}", "consumer.metrics_file: is a directory; name a file to write, got '{tmp}'"),
-    ("run", "--tensorboard", "/dev/null/tb", "consumer.tensorboard_dir: cannot create /dev/null/tb: Not a directory"),
-])
-def test_an_output_file_that_cannot_be_written_is_refused_before_training(demo_cache: Path, tmp_path: Path,
-                                                                          command: str, flag: str, path: str,
-                                                                          reason: str) -> None:
-    proc = _run([command, "--cache-dir", str(demo_cache), "--steps", "5", flag, path.format(tmp=tmp_path)], tmp_path,
-                timeout_s=120)
+@pytest.mark.parametrize(
+    ("command", "flag", "path", "reason"),
+    [
+        (
+            "run",
+            "--summary-json",
+            "{tmp}/missing/summary.json",
+            "--summary-json: directory {tmp}/missing does not exist",
+        ),
+        ("run", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
+        ("consumer", "--summary-json", "{tmp}", "--summary-json: is a directory; name a file to write, got '{tmp}'"),
+        ("run", "--metrics-file", "{tmp}", "consumer.metrics_file: is a directory; name a file to write, got '{tmp}'"),
+        (
+            "run",
+            "--tensorboard",
+            "/dev/null/tb",
+            "consumer.tensorboard_dir: cannot create /dev/null/tb: Not a directory",
+        ),
+    ],
+)
+def test_an_output_file_that_cannot_be_written_is_refused_before_training(
+    demo_cache: Path, tmp_path: Path, command: str, flag: str, path: str, reason: str
+) -> None:
+    proc = _run(
+        [command, "--cache-dir", str(demo_cache), "--steps", "5", flag, path.format(tmp=tmp_path)],
+        tmp_path,
+        timeout_s=120,
+    )
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == f"melfeed {command}: {reason.format(tmp=tmp_path)}"
-    assert "Traceback" not in proc.stderr and "started" not in proc.stderr     # no producers were started
+    assert "Traceback" not in proc.stderr and "started" not in proc.stderr  # no producers were started
 
 
 def test_a_port_in_use_is_one_line_naming_the_endpoint_and_exits_78(demo_cache: Path, tmp_path: Path) -> None:
@@ -206,8 +269,11 @@ def test_a_port_in_use_is_one_line_naming_the_endpoint_and_exits_78(demo_cache: 
         proc = _run(["consumer", "--config", str(cfg), "--cache-dir", str(demo_cache)], tmp_path, timeout_s=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"melfeed consumer: transport.endpoint: cannot bind {endpoint}: Address already in use")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"melfeed consumer: transport.endpoint: cannot bind {endpoint}: Address already in use")
+    )
 
 
 def test_missing_manifest_names_the_path_and_exits_78(tmp_path: Path) -> None:
@@ -218,6 +284,7 @@ def test_missing_manifest_names_the_path_and_exits_78(tmp_path: Path) -> None:
 
 def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path: Path) -> None:
     import shutil
+
     cache = tmp_path / "c"
     shutil.copytree(demo_cache, cache)
     (cache / "manifest.json").unlink()
@@ -232,39 +299,51 @@ def test_index_reports_bad_files_and_refuses_to_write(demo_cache: Path, tmp_path
 
 
 def test_pack_with_a_bad_file_exits_1_unless_skip_bad_writes_it_listed_and_a_missing_cache_is_one_line_78(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     import numpy as np
+
     from melfeed.shared.cache.demo_data import write_demo_cache
     from melfeed.shared.cache.pack_format import PackLayout, open_pack, pack_path
+
     cache = tmp_path / "c"
     manifest = write_demo_cache(cache, n_utterances=12)
-    pack_path(cache, "float32").unlink()                              # the demo comes packed: start without
+    pack_path(cache, "float32").unlink()  # the demo comes packed: start without
     bad = manifest.mel_path(4)
     mel = np.load(bad)
     mel[0, 0] = np.inf
     np.save(bad, mel)
     before = sorted(os.listdir(cache))
-    refused = _run(["pack", "--cache-dir", str(cache)], tmp_path, timeout_s=120)   # as index: bad files are an error by default
+    refused = _run(
+        ["pack", "--cache-dir", str(cache)], tmp_path, timeout_s=120
+    )  # as index: bad files are an error by default
     assert refused.returncode == 1 and refused.stdout == "", refused.stderr[-2000:]
     assert [line for line in refused.stderr.splitlines() if not line.startswith("pack: ")] == [
         f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache",
-        "1 bad files; pack not written (fix them, or pass --skip-bad to write it with their rows quarantined)"]
-    assert sorted(os.listdir(cache)) == before                        # no pack, no temp file
+        "1 bad files; pack not written (fix them, or pass --skip-bad to write it with their rows quarantined)",
+    ]
+    assert sorted(os.listdir(cache)) == before  # no pack, no temp file
     for mel_dtype in ("float32", "float16"):
-        proc = _run(["pack", "--cache-dir", str(cache), "--mel-dtype", mel_dtype, "--skip-bad"], tmp_path, timeout_s=120)
+        proc = _run(
+            ["pack", "--cache-dir", str(cache), "--mel-dtype", mel_dtype, "--skip-bad"], tmp_path, timeout_s=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         mb = PackLayout.of(manifest, mel_dtype).data_bytes / 1e6
-        assert proc.stdout.splitlines() == [f"packed 12 utterances ({mb:.1f} MB, {mel_dtype} mels) -> "
-                                            f"{pack_path(cache, mel_dtype)}; 1 bad rows will be quarantined"]
+        assert proc.stdout.splitlines() == [
+            f"packed 12 utterances ({mb:.1f} MB, {mel_dtype} mels) -> "
+            f"{pack_path(cache, mel_dtype)}; 1 bad rows will be quarantined"
+        ]
         assert [line for line in proc.stderr.splitlines() if line.startswith("bad: ")] == [
-            f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache"]
-        packed = open_pack(manifest, mel_dtype)                       # serves this cache, row 4 listed bad
+            f"bad: {bad}: 1 non-finite values (NaN/Inf) in the mel; run verify-cache"
+        ]
+        packed = open_pack(manifest, mel_dtype)  # serves this cache, row 4 listed bad
         assert packed.header.mel_dtype == mel_dtype and list(packed.header.bad) == [4]
         packed.close()
     gone = _run(["pack", "--cache-dir", str(tmp_path / "nocache")], tmp_path, timeout_s=120)
     assert gone.returncode == 78 and "Traceback" not in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1 and gone.stderr.startswith(
-        f"melfeed pack: {tmp_path / 'nocache'}"), gone.stderr
+        f"melfeed pack: {tmp_path / 'nocache'}"
+    ), gone.stderr
 
 
 def _alive(pid: int) -> bool:
@@ -277,20 +356,36 @@ def _alive(pid: int) -> bool:
 
 def test_a_killed_run_takes_its_producer_group_with_it(demo_cache: Path, tmp_path: Path) -> None:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.Popen([sys.executable, "-m", "melfeed", "run", "--cache-dir", str(demo_cache),
-                            "--producers", "2", "--steps", "100000"], cwd=REPO, env=env,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--cache-dir",
+            str(demo_cache),
+            "--producers",
+            "2",
+            "--steps",
+            "100000",
+        ],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     family: list[int] = []
     try:
         deadline = time.monotonic() + procs.WAIT_S
         while time.monotonic() < deadline and run.poll() is None:
             groups = procs.child_pids(run.pid)
             family = groups + [w for g in groups for w in procs.child_pids(g)]
-            if len(family) >= 3:             # the supervisor and its two producers
+            if len(family) >= 3:  # the supervisor and its two producers
                 break
             time.sleep(0.05)
         assert len(family) >= 3, f"producer group not seen: {family}, run exit {run.poll()}"
-        run.kill()                           # no clean stop: the group must notice on its own
+        run.kill()  # no clean stop: the group must notice on its own
         run.wait(procs.WAIT_S)
         deadline = time.monotonic() + procs.WAIT_S
         while time.monotonic() < deadline and any(_alive(pid) for pid in family):

@@ -27,9 +27,27 @@ pytestmark = pytest.mark.skipif(SystemdNS.unavailable() is not None, reason=str(
 
 
 def _deploy(units: Path, config: Path, producers: int) -> None:
-    run = subprocess.run([sys.executable, "-m", "melfeed", "deploy", "--producers",
-                          str(producers), "--user", "root", "--config", str(config), "--target-dir", str(units),
-                          "--state-dir", str(INSIDE / "state")], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "deploy",
+            "--producers",
+            str(producers),
+            "--user",
+            "root",
+            "--config",
+            str(config),
+            "--target-dir",
+            str(units),
+            "--state-dir",
+            str(INSIDE / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     # The units read the config at its inside path: point them there.
     for name in ("consumer.service", "producer@.service"):
@@ -44,16 +62,19 @@ def _test_dropins(units: Path) -> None:
     only then the test turns PrivateTmp off; production units keep it.
     """
     under_tmp = any(str(p).startswith("/tmp/") for p in (procs.REPO, Path(sys.prefix)))
-    private_tmp = "PrivateTmp=no\nReadWritePaths=/tmp\n" if under_tmp else ""   # TF wants a writable tempdir
+    private_tmp = "PrivateTmp=no\nReadWritePaths=/tmp\n" if under_tmp else ""  # TF wants a writable tempdir
     # WatchdogSec: armed once start-up completed (READY), so it bounds only the running loop, which pings every half
     # period as long as a step or a consumer.wait_timeout_s (0.5 s here) passes. TimeoutAbortSec: the watchdog's
     # SIGABRT cannot end a SIGSTOPped process; SIGKILL follows it.
-    for unit, log, extra in (("consumer.service", "consumer.log", "WatchdogSec=5\nTimeoutAbortSec=1\n" + private_tmp),
-                             ("producer@.service", "producers.log", private_tmp)):
+    for unit, log, extra in (
+        ("consumer.service", "consumer.log", "WatchdogSec=5\nTimeoutAbortSec=1\n" + private_tmp),
+        ("producer@.service", "producers.log", private_tmp),
+    ):
         d = units / f"{unit}.d"
         d.mkdir(exist_ok=True)
-        (d / "test.conf").write_text(f"[Service]\nStandardOutput=append:{INSIDE / log}\n"
-                                     f"StandardError=append:{INSIDE / log}\n{extra}")
+        (d / "test.conf").write_text(
+            f"[Service]\nStandardOutput=append:{INSIDE / log}\nStandardError=append:{INSIDE / log}\n{extra}"
+        )
 
 
 @pytest.mark.timeout(300)
@@ -63,13 +84,23 @@ def test_pipeline_target_lifecycle_under_real_systemd(demo_cache: Path, tmp_path
     work.mkdir()
     units.mkdir()
     shutil.copytree(demo_cache, work / "cache")
-    (work / "state").mkdir()                      # ReadWritePaths= needs it to exist (deploy says so)
+    (work / "state").mkdir()  # ReadWritePaths= needs it to exist (deploy says so)
     config = work / "melfeed.yaml"
-    config.write_text(yaml.safe_dump({
-        "cache_dir": str(INSIDE / "cache"),
-        "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
-        "consumer": {"steps": None, "checkpoint_every_steps": 10, "wait_timeout_s": 0.5, "status_interval_s": 1.0},
-        "model": {"step": procs.TINY_STEP}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(INSIDE / "cache"),
+                "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
+                "consumer": {
+                    "steps": None,
+                    "checkpoint_every_steps": 10,
+                    "wait_timeout_s": 0.5,
+                    "status_interval_s": 1.0,
+                },
+                "model": {"step": procs.TINY_STEP},
+            }
+        )
+    )
     _deploy(units, config, 2)
     _test_dropins(units)
     ns = SystemdNS(work, units)
@@ -107,24 +138,35 @@ def test_pipeline_target_lifecycle_under_real_systemd(demo_cache: Path, tmp_path
 
         # F6: a wedged consumer (SIGSTOP) starves the watchdog: killed and restarted.
         ns.systemctl("kill", "-s", "SIGSTOP", "consumer.service")
-        ns.wait_for("consumer.service", "Result", lambda v: v == "watchdog", 40)   # during RestartSec
+        ns.wait_for("consumer.service", "Result", lambda v: v == "watchdog", 40)  # during RestartSec
         ns.wait_for("consumer.service", "NRestarts", lambda v: v == "2", 20)
         ns.wait_for("consumer.service", "ActiveState", lambda v: v == "active", 90)
         _wait_records(state, procs.audit_records(state) + 20, ns)
 
         # F8/F9: stop the target: producers first, all exit 0 within TimeoutStopSec.
-        ns.systemctl("stop", "pipeline.target", timeout_s=120)   # returns when the target's own job is done
+        ns.systemctl("stop", "pipeline.target", timeout_s=120)  # returns when the target's own job is done
         names = ["consumer.service"] + [f"producer@{i}.service" for i in range(1, 5)]
         for unit in names:
             ns.wait_for(unit, "ActiveState", lambda v: v in ("inactive", "failed"), 100)
-        stopped = {u: ns.show(u, "ActiveState", "Result", "ExecMainStatus", "InactiveEnterTimestampMonotonic",
-                              "ActiveExitTimestampMonotonic") for u in names}
+        stopped = {
+            u: ns.show(
+                u,
+                "ActiveState",
+                "Result",
+                "ExecMainStatus",
+                "InactiveEnterTimestampMonotonic",
+                "ActiveExitTimestampMonotonic",
+            )
+            for u in names
+        }
     finally:
         ns.close()
-    assert ns.exit_refused is None, ns.exit_refused          # an orderly exit, not the 30 s wait and a kill
+    assert ns.exit_refused is None, ns.exit_refused  # an orderly exit, not the 30 s wait and a kill
     for unit, props in stopped.items():
-        assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == ("inactive", "success", "0"), \
-            (unit, props)
+        assert (props["ActiveState"], props["Result"], props["ExecMainStatus"]) == ("inactive", "success", "0"), (
+            unit,
+            props,
+        )
     consumer_stop = int(stopped["consumer.service"]["ActiveExitTimestampMonotonic"])
     for i in range(1, 5):
         assert int(stopped[f"producer@{i}.service"]["InactiveEnterTimestampMonotonic"]) <= consumer_stop

@@ -23,14 +23,35 @@ import yaml
 
 from tests.conftest import REPO
 
-_WORDS = ("the", "printing", "press", "of", "gutenberg", "changed", "how", "books", "were", "made",
-          "and", "read", "across", "europe", "in", "fifteenth", "century")
+_WORDS = (
+    "the",
+    "printing",
+    "press",
+    "of",
+    "gutenberg",
+    "changed",
+    "how",
+    "books",
+    "were",
+    "made",
+    "and",
+    "read",
+    "across",
+    "europe",
+    "in",
+    "fifteenth",
+    "century",
+)
 # (sample rate, bytes per sample, channels): PCM 8/16/24/32-bit, mono and stereo, five rates.
 _FORMATS = ((22050, 2, 1), (16000, 2, 1), (44100, 3, 2), (24000, 4, 1), (8000, 1, 1), (48000, 2, 2))
 N_GOOD = 24  # written and expected in the cache
 SKIPS = {"bad_wav": 1, "missing_wav": 1, "empty_text": 1, "duration": 1, "metadata": 1}
-CONFIG: dict[str, Any] = {"features": {"min_duration_s": 0.3, "max_duration_s": 2.0},
-          "model": {"vocab_size": 49}, "buckets": {"num_buckets": 1, "batch_size": 4}, "producer": {"nice": 3}}
+CONFIG: dict[str, Any] = {
+    "features": {"min_duration_s": 0.3, "max_duration_s": 2.0},
+    "model": {"vocab_size": 49},
+    "buckets": {"num_buckets": 1, "batch_size": 4},
+    "producer": {"nice": 3},
+}
 
 
 def _signal(kind: int, n: int, rate: int, rng: random.Random) -> np.ndarray:
@@ -98,22 +119,41 @@ def write_corpus(root: Path, n_good: int = N_GOOD, seed: int = 7) -> Path:
 
 
 def _argv(corpus: Path, cache: Path, cfg: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "melfeed", "prepare", "--ljspeech", str(corpus),
-            "--cache-dir", str(cache), "--config", str(cfg), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "melfeed",
+        "prepare",
+        "--ljspeech",
+        str(corpus),
+        "--cache-dir",
+        str(cache),
+        "--config",
+        str(cfg),
+        *extra,
+    ]
 
 
 _ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def _prepare(corpus: Path, cache: Path, cfg: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_argv(corpus, cache, cfg, *extra), cwd=REPO, env=_ENV, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        _argv(corpus, cache, cfg, *extra), cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=120
+    )
 
 
 def _start_prepare(corpus: Path, cache: Path, cfg: Path, *extra: str) -> subprocess.Popen[str]:
     """In its own process group, so the test can SIGKILL it with all its workers."""
-    return subprocess.Popen(_argv(corpus, cache, cfg, *extra), cwd=REPO, env=_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        _argv(corpus, cache, cfg, *extra),
+        cwd=REPO,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -133,8 +173,9 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prepared(corpus: Path, config_file: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def prepared(
+    corpus: Path, config_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     cache = tmp_path_factory.mktemp("ref") / "cache"
     proc = _prepare(corpus, cache, config_file, "--workers", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,12 +183,13 @@ def prepared(corpus: Path, config_file: Path, tmp_path_factory: pytest.TempPathF
 
 
 def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
-        corpus: Path, prepared: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    corpus: Path, prepared: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
     cache, proc = prepared
     assert len(list((cache / "mels").glob("*.npy"))) == N_GOOD
     doc = json.loads((cache / "manifest.json").read_text())
     assert len(doc["utterances"]) == N_GOOD and len(doc["vocabulary"]) == 49
-    assert 1 <= doc["token_range"][0] <= doc["token_range"][1] < 49      # ids of the vocabulary; 0 is padding
+    assert 1 <= doc["token_range"][0] <= doc["token_range"][1] < 49  # ids of the vocabulary; 0 is padding
     assert doc["features"]["hop_samples"] == 256 and doc["features"]["definition"] == "melfeed-logmel/1"
     err = proc.stderr
     assert f"skipped LJ001-{N_GOOD + 1:04d}: {corpus / 'wavs' / f'LJ001-{N_GOOD + 1:04d}.wav'}: truncated" in err
@@ -156,7 +198,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
     assert f"skipped LJ002-0001: {corpus / 'metadata.csv'}:{N_GOOD + 4}: empty transcript" in err
     assert f"skipped {corpus / 'metadata.csv'}:{N_GOOD + 5}: expected id|text|normalized_text" in err
     assert "Traceback" not in err
-    assert "worker prepare-1 ready device=/CPU:0 nice=3" in err          # producer.nice, set before TensorFlow
+    assert "worker prepare-1 ready device=/CPU:0 nice=3" in err  # producer.nice, set before TensorFlow
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(SKIPS.items()))
     assert f"skipped {sum(SKIPS.values())}: {reasons}" in proc.stdout
     assert f"{N_GOOD} utterances done ({N_GOOD} new, 0 from earlier runs)" in proc.stdout
@@ -165,6 +207,7 @@ def test_prepare_writes_the_cache_and_reports_each_skip_with_its_file(
 def test_mel_frames_follow_the_audio_length(corpus: Path, prepared: tuple[Path, object]) -> None:
     cache = prepared[0]
     from melfeed.producer.prepare.wav import read_wav
+
     for mel_path in sorted((cache / "mels").glob("*.npy")):
         _, info = read_wav(corpus / "wavs" / f"{mel_path.stem}.wav")
         n = math.ceil(info.frames * 22050 / info.sample_rate_hz)  # samples after resampling
@@ -175,8 +218,9 @@ def test_mel_frames_follow_the_audio_length(corpus: Path, prepared: tuple[Path, 
         assert tokens.dtype == np.int32 and 1 <= tokens.min() and tokens.max() < 49
 
 
-def test_interrupted_runs_resume_to_the_same_bytes(corpus: Path, config_file: Path, tmp_path: Path,
-                                                   prepared: tuple[Path, object]) -> None:
+def test_interrupted_runs_resume_to_the_same_bytes(
+    corpus: Path, config_file: Path, tmp_path: Path, prepared: tuple[Path, object]
+) -> None:
     cache = tmp_path / "cache"
 
     def run_until(n_files: int, sig: int) -> int:
@@ -205,33 +249,63 @@ def test_interrupted_runs_resume_to_the_same_bytes(corpus: Path, config_file: Pa
     assert _tree(cache) == _tree(prepared[0])  # every mel, token file, features.json, manifest.json
 
 
-def test_prepare_refuses_to_mix_features_into_a_cache(corpus: Path, prepared: tuple[Path, object],
-                                                      tmp_path: Path) -> None:
+def test_prepare_refuses_to_mix_features_into_a_cache(
+    corpus: Path, prepared: tuple[Path, object], tmp_path: Path
+) -> None:
     other = tmp_path / "other.yaml"
-    other.write_text(yaml.safe_dump({**CONFIG, "features": {"min_duration_s": 0.3, "max_duration_s": 2.0,
-                                                             "hop_samples": 275}}))
+    other.write_text(
+        yaml.safe_dump({**CONFIG, "features": {"min_duration_s": 0.3, "max_duration_s": 2.0, "hop_samples": 275}})
+    )
     proc = _prepare(corpus, prepared[0], other)
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines()[-1] == (
         f"melfeed prepare: features.hop_samples: cache {prepared[0]} was prepared with 256, "
-        "this config has 275; use another --cache-dir or the same settings")
+        "this config has 275; use another --cache-dir or the same settings"
+    )
 
 
 def test_prepare_index_run_end_to_end(prepared: tuple[Path, object], tmp_path: Path) -> None:
     cache = prepared[0]
     before = (cache / "manifest.json").read_bytes()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    index = subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
+    index = subprocess.run(
+        [sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert index.returncode == 0 and f"indexed {N_GOOD} utterances" in index.stdout, index.stderr
     assert (cache / "manifest.json").read_bytes() == before  # index keeps features and vocabulary
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({**CONFIG, "consumer": {"warmup_steps": 1, "status_interval_s": 1.0}}))
     summary = tmp_path / "summary.json"
-    run = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
-                          "--cache-dir", str(cache), "--steps", "3", "--producers", "1",
-                          "--model-step", "tests.steps:tiny_step", "--summary-json", str(summary)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--cache-dir",
+            str(cache),
+            "--steps",
+            "3",
+            "--producers",
+            "1",
+            "--model-step",
+            "tests.steps:tiny_step",
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["steps"] == s["batches_applied"] == 3 and s["rejects"] == {}
@@ -248,8 +322,18 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     np.save(user / "text_ids" / "utt2.npy", np.arange(1, 6, dtype=np.int64))  # int64 ids
     np.save(user / "mel_spec" / "lonely.npy", np.zeros((9, 80), np.float32))  # no tokens
     cache = tmp_path / "cache"
-    argv = [sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache),
-            "--mels", str(user / "mel_spec"), "--tokens", str(user / "text_ids")]
+    argv = [
+        sys.executable,
+        "-m",
+        "melfeed",
+        "index",
+        "--cache-dir",
+        str(cache),
+        "--mels",
+        str(user / "mel_spec"),
+        "--tokens",
+        str(user / "text_ids"),
+    ]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     refused = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1
@@ -262,18 +346,29 @@ def test_index_adopts_two_existing_folders_and_reports_unmatched_and_invalid(tmp
     assert adopted.returncode == 0 and "indexed 2 utterances" in adopted.stdout, adopted.stderr
     assert (cache / "mels").resolve() == user / "mel_spec"
     from melfeed.shared.cache.manifest import load_manifest
+
     manifest = load_manifest(cache, 80)
     assert [u.id for u in manifest.utterances] == ["utt0", "utt3"] and manifest.features is None
 
 
 @pytest.mark.parametrize("command", ["consumer", "producer"])
 def test_a_side_configured_with_other_features_refuses_the_prepared_cache(
-        prepared: tuple[Path, object], tmp_path: Path, command: str) -> None:
+    prepared: tuple[Path, object], tmp_path: Path, command: str
+) -> None:
     cfg = tmp_path / "other.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, "cache_dir": str(prepared[0]),
-                                   "features": {**CONFIG.get("features", {}), "hop_samples": 275}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {**CONFIG, "cache_dir": str(prepared[0]), "features": {**CONFIG.get("features", {}), "hop_samples": 275}}
+        )
+    )
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.run([sys.executable, "-m", "melfeed", command, "--config", str(cfg)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "melfeed", command, "--config", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 78, run.stderr[-2000:]
     assert "features.hop_samples" in run.stderr and "prepared with 256, this config has 275" in run.stderr

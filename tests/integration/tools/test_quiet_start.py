@@ -22,18 +22,35 @@ _TF_NATIVE = re.compile(r"^[IWEF]\d{4} |cuda|cuInit|absl::InitializeLog")
 _MELFEED_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 
 
-@pytest.mark.timeout(600)   # demo cache + TensorFlow import + compile on a shared 2-core box
+@pytest.mark.timeout(600)  # demo cache + TensorFlow import + compile on a shared 2-core box
 def test_run_prints_no_tensorflow_log_line_and_names_the_step_devices(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_RUNTIME_DIR=str(tmp_path))
     # The default compile mode (auto: XLA tried, timed against graph mode) on one shape: every kind of TensorFlow
     # start-up and compile line can appear, at one compile's cost.
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--demo", "--demo-utterances", "300",
-                           "--steps", "50", "--set", "buckets.max_shapes=1"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=570)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--demo",
+            "--demo-utterances",
+            "300",
+            "--steps",
+            "50",
+            "--set",
+            "buckets.max_shapes=1",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line for line in lines if _TF_NATIVE.search(line)] == []
-    assert [line for line in lines if not _MELFEED_LINE.match(line)] == []      # nothing but melfeed's log lines
+    assert [line for line in lines if not _MELFEED_LINE.match(line)] == []  # nothing but melfeed's log lines
     devices = [line for line in lines if "melfeed.consumer.train.loop: step devices: " in line]
     assert len(devices) == 1 and re.search(r"step devices: /device:(CPU|GPU):0", devices[0]), devices

@@ -17,6 +17,7 @@ import time
 def main(config: str, mode: str) -> int:
     from melfeed.consumer.placement import configure_memory
     from melfeed.shared.config.loader import load_config
+
     cfg = load_config(config)
     configure_memory(cfg)
     from melfeed.consumer.feed import Consumer

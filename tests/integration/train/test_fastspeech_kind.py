@@ -21,7 +21,7 @@ from tests import procs
 from tests.conftest import REPO, token_durations
 
 _STEPS = 30
-_TIMEOUT_S = 400.0     # a TensorFlow start, a graph-mode compile and 30 small steps: ~1 min on the 2-core box
+_TIMEOUT_S = 400.0  # a TensorFlow start, a graph-mode compile and 30 small steps: ~1 min on the 2-core box
 _KERAS = {"keras3": ("keras", {}), "tf_keras": ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"})}
 
 
@@ -32,27 +32,58 @@ def _env(tmp: Path, flavour: str) -> dict[str, str]:
 
 def test_token_durations_sum_to_the_frames_and_the_regulator_expands_by_them() -> None:
     import tensorflow as tf
+
     from tests.fastspeech_kind import regulate
+
     assert token_durations(10, 3).tolist() == [4, 3, 3] and token_durations(871, 190).sum() == 871
     h = tf.constant([[[1.0], [2.0], [3.0]]])
     out = regulate(h, tf.constant([[2, 0, 1]]), tf.constant(5))
-    assert out[0, :, 0].numpy().tolist() == [1.0, 1.0, 3.0, 0.0, 0.0]     # a 0-duration token is skipped
+    assert out[0, :, 0].numpy().tolist() == [1.0, 1.0, 3.0, 0.0, 0.0]  # a 0-duration token is skipped
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flavour", sorted(_KERAS))
 def test_builtin_loop_trains_it_with_named_losses_and_an_exact_audit(
-        durations_cache: Path, tmp_path: Path, flavour: str) -> None:
+    durations_cache: Path, tmp_path: Path, flavour: str
+) -> None:
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "cache_dir": str(durations_cache), "buckets": {"num_buckets": 1, "batch_size": 16},
-        "consumer": {"status_interval_s": 1.0, "state_dir": str(tmp_path / "state")},
-        "model": {"step": "tests.fastspeech_kind:make_step", "jit_compile": False, "learning_rate": 0.01,
-                  "params": {"keras": _KERAS[flavour][0]}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(durations_cache),
+                "buckets": {"num_buckets": 1, "batch_size": 16},
+                "consumer": {"status_interval_s": 1.0, "state_dir": str(tmp_path / "state")},
+                "model": {
+                    "step": "tests.fastspeech_kind:make_step",
+                    "jit_compile": False,
+                    "learning_rate": 0.01,
+                    "params": {"keras": _KERAS[flavour][0]},
+                },
+            }
+        )
+    )
     summary = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(config), "--producers", "1",
-                           "--steps", str(_STEPS), "--summary-json", str(summary)],
-                          cwd=REPO, env=_env(tmp_path, flavour), capture_output=True, text=True, timeout=_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(config),
+            "--producers",
+            "1",
+            "--steps",
+            str(_STEPS),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=_env(tmp_path, flavour),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # no warning from the step's side, in particular not "warm-up changed variables it could not put back" (tf_keras's
     # schedule variable current_learning_rate, outside optimizer.variables(), is in the step's variables())
@@ -68,10 +99,26 @@ def test_builtin_loop_trains_it_with_named_losses_and_an_exact_audit(
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flavour", sorted(_KERAS))
 def test_keras_fit_trains_it_with_fit_resume_and_an_exact_audit(
-        durations_cache: Path, tmp_path: Path, flavour: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tests.fastspeech_kind", "--cache-dir", str(durations_cache),
-                           "--state-dir", str(tmp_path / "state"), "--steps", str(_STEPS)],
-                          cwd=REPO, env=_env(tmp_path, flavour), capture_output=True, text=True, timeout=_TIMEOUT_S)
+    durations_cache: Path, tmp_path: Path, flavour: str
+) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.fastspeech_kind",
+            "--cache-dir",
+            str(durations_cache),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--steps",
+            str(_STEPS),
+        ],
+        cwd=REPO,
+        env=_env(tmp_path, flavour),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["keras"].startswith(_KERAS[flavour][0]), doc["keras"]

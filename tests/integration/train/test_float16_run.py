@@ -24,17 +24,45 @@ _STEPS = 40
 
 def test_the_reference_model_trains_on_a_float16_wire_with_an_exact_audit(demo_cache: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "cache_dir": str(demo_cache), "buckets": {"num_buckets": 2, "batch_size": 8},
-        "transport": {"mel_dtype": "float16"},
-        "consumer": {"warmup_steps": 1, "status_interval_s": 0.5, "state_dir": str(tmp_path / "state"),
-                     "feed_efficiency_steps": 0},
-        "model": {"jit_compile": False}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(demo_cache),
+                "buckets": {"num_buckets": 2, "batch_size": 8},
+                "transport": {"mel_dtype": "float16"},
+                "consumer": {
+                    "warmup_steps": 1,
+                    "status_interval_s": 0.5,
+                    "state_dir": str(tmp_path / "state"),
+                    "feed_efficiency_steps": 0,
+                },
+                "model": {"jit_compile": False},
+            }
+        )
+    )
     summary = tmp_path / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
-                           "--producers", "1", "--steps", str(_STEPS), "--summary-json", str(summary)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--producers",
+            "1",
+            "--steps",
+            str(_STEPS),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["steps"] == s["batches_applied"] == _STEPS

@@ -24,17 +24,46 @@ FACTORY = "tests.foreign_model:build_foreign_step"
 
 def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subprocess.CompletedProcess[str], Path]:
     cfg = tmp / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 16},
-        "consumer": {"warmup_steps": 2, "status_interval_s": 0.3, "state_dir": str(tmp / "state")},
-        "model": {"step": FACTORY, "jit_compile": jit_compile, "learning_rate": 0.02,
-                  "params": {"hidden": 16, "stop_weight": 0.5}}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(cache),
+                "buckets": {"num_buckets": 2, "batch_size": 16},
+                "consumer": {"warmup_steps": 2, "status_interval_s": 0.3, "state_dir": str(tmp / "state")},
+                "model": {
+                    "step": FACTORY,
+                    "jit_compile": jit_compile,
+                    "learning_rate": 0.02,
+                    "params": {"hidden": 16, "stop_weight": 0.5},
+                },
+            }
+        )
+    )
     summary = tmp / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg),
-                           "--producers", "2", "--steps", str(steps), "--summary-json", str(summary),
-                           "--metrics-file", str(tmp / "metrics.jsonl")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--producers",
+            "2",
+            "--steps",
+            str(steps),
+            "--summary-json",
+            str(summary),
+            "--metrics-file",
+            str(tmp / "metrics.jsonl"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     return proc, summary
 
 
@@ -43,7 +72,7 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr.splitlines()
     warnings = [line for line in err if " WARNING melfeed.consumer.train" in line]
-    assert len(warnings) == 1, warnings         # the fallback is one line, not a traceback
+    assert len(warnings) == 1, warnings  # the fallback is one line, not a traceback
     assert f"XLA cannot compile the step of {FACTORY}, using graph mode: op " in warnings[0]
     assert "StridedSliceGrad" in warnings[0] and "Traceback" not in proc.stderr
     assert any("READY:" in line and "jit_compile=graph" in line for line in err)
@@ -53,11 +82,11 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     assert list(s["final_outputs"]) == ["loss", "mel_l1", "stop_bce"]
     assert s["final_outputs"]["loss"] == s["final_loss"]
     assert s["final_loss"] < 0.7 * s["first_loss"], (s["first_loss"], s["final_loss"])
-    assert any("mel_l1" in line and "stop_bce" in line and "batches/s" in line for line in err)   # status line
+    assert any("mel_l1" in line and "stop_bce" in line and "batches/s" in line for line in err)  # status line
     snaps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert snaps[-1]["phase"] == "done" and snaps[-1]["jit_compile"] == "graph"
     assert list(snaps[-1]["outputs"]) == ["loss", "mel_l1", "stop_bce"]
-    memo = json.loads((tmp_path / "state" / "jit_compile.json").read_text())   # a restart keeps graph mode
+    memo = json.loads((tmp_path / "state" / "jit_compile.json").read_text())  # a restart keeps graph mode
     assert memo["mode"] == "graph" and "StridedSliceGrad" in memo["reason"]
 
 
@@ -65,8 +94,9 @@ def test_true_exits_1_with_one_line_and_writes_the_summary(demo_cache: Path, tmp
     proc, summary = _run(tmp_path, demo_cache, True, steps=20)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"melfeed run: model.step {FACTORY}: XLA cannot compile the step "
-                           "(jit_compile: true): op "), last
+    assert last.startswith(
+        f"melfeed run: model.step {FACTORY}: XLA cannot compile the step (jit_compile: true): op "
+    ), last
     assert "StridedSliceGrad" in last and "Traceback" not in proc.stderr
     s = json.loads(summary.read_text())
     assert s["error"] == last.removeprefix("melfeed run: ")

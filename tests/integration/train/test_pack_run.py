@@ -28,6 +28,7 @@ def _final_variables(state: Path) -> dict[str, np.ndarray]:
     import tensorflow as tf
 
     from melfeed.consumer.resume.checkpoint import latest_checkpoint
+
     found = latest_checkpoint(state)
     assert found is not None, state
     reader = tf.train.load_checkpoint(str(found[0] / "vars"))
@@ -37,16 +38,45 @@ def _final_variables(state: Path) -> dict[str, np.ndarray]:
 def _train(demo_cache: Path, tmp_path: Path, name: str, pack: str) -> tuple[dict[str, Any], str]:
     """One ``run`` of ``_STEPS`` steps with ``producer.pack: pack``; its summary and stderr."""
     cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "cache_dir": str(demo_cache), "buckets": {"num_buckets": 2, "batch_size": 8},
-        "producer": {"pack": pack},
-        "consumer": {"warmup_steps": 1, "status_interval_s": 0.5, "state_dir": str(tmp_path / name),
-                     "feed_efficiency_steps": 0, "checkpoint_every_steps": _STEPS},
-        "model": {"step": procs.TINY_STEP, "jit_compile": False}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(demo_cache),
+                "buckets": {"num_buckets": 2, "batch_size": 8},
+                "producer": {"pack": pack},
+                "consumer": {
+                    "warmup_steps": 1,
+                    "status_interval_s": 0.5,
+                    "state_dir": str(tmp_path / name),
+                    "feed_efficiency_steps": 0,
+                    "checkpoint_every_steps": _STEPS,
+                },
+                "model": {"step": procs.TINY_STEP, "jit_compile": False},
+            }
+        )
+    )
     summary = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg), "--producers",
-                           "1", "--steps", str(_STEPS), "--summary-json", str(summary)],
-                          cwd=REPO, env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--producers",
+            "1",
+            "--steps",
+            str(_STEPS),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=procs.env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["steps"] == s["batches_applied"] == _STEPS and s["rejects"] == {}, s
@@ -55,10 +85,13 @@ def _train(demo_cache: Path, tmp_path: Path, name: str, pack: str) -> tuple[dict
     return s, proc.stderr
 
 
-def test_a_run_reads_the_pack_and_ends_bit_identical_to_a_run_reading_the_files(demo_cache: Path,
-                                                                               tmp_path: Path) -> None:
+def test_a_run_reads_the_pack_and_ends_bit_identical_to_a_run_reading_the_files(
+    demo_cache: Path, tmp_path: Path
+) -> None:
     packed, err = _train(demo_cache, tmp_path, "packed", "auto")
-    assert f"reading the packed cache {demo_cache / 'melfeed-float32.pack'} (mapped; 0 rows listed bad)" in err, err[-3000:]
+    assert f"reading the packed cache {demo_cache / 'melfeed-float32.pack'} (mapped; 0 rows listed bad)" in err, err[
+        -3000:
+    ]
     files, err = _train(demo_cache, tmp_path, "files", "off")
     assert "packed cache" not in err, err[-3000:]
     a, b = _final_variables(tmp_path / "packed"), _final_variables(tmp_path / "files")

@@ -11,17 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests import job_procs
 from tests.conftest import REPO
 
-_STEPS = 50          # the loss of the last 10 is ~0.43 of the first 10's (a fixed plan): far below the 0.8 bound
-_TIMEOUT_S = 300.0   # two TensorFlow processes on a loaded 2-core machine; a real hang only
+_STEPS = 50  # the loss of the last 10 is ~0.43 of the first 10's (a fixed plan): far below the 0.8 bound
+_TIMEOUT_S = 300.0  # two TensorFlow processes on a loaded 2-core machine; a real hang only
 
 
 def _tf_config(index: int) -> str:
-    return json.dumps({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
-                       "task": {"type": "worker", "index": index}})
+    return json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}, "task": {"type": "worker", "index": index}}
+    )
 
 
 def _cli(*args: str, tmp_path: Path, tf_config: str | None = None) -> list[str]:
@@ -45,32 +45,47 @@ def test_two_ranks_train_one_model_in_step_and_the_audit_of_both_is_exact(demo_c
     assert [job.applied(rank) for rank in (0, 1)] == [list(range(_STEPS))] * 2, job.tails()
     summaries = [json.loads(job.summary(rank).read_text()) for rank in (0, 1)]
     # one job loss on both ranks, bit for bit (the loss is read from the device once per interval, not per step)
-    assert [(s["first_loss"], s["final_loss"]) for s in summaries] == [(summaries[0]["first_loss"],
-                                                                       summaries[0]["final_loss"])] * 2
+    assert [(s["first_loss"], s["final_loss"]) for s in summaries] == [
+        (summaries[0]["first_loss"], summaries[0]["final_loss"])
+    ] * 2
     assert summaries[0]["final_loss"] < 0.8 * summaries[0]["first_loss"], summaries[0]
-    assert job.variables_bytes(0) == job.variables_bytes(1)      # model + optimizer identical on both ranks
+    assert job.variables_bytes(0) == job.variables_bytes(1)  # model + optimizer identical on both ranks
     for rank, summary in enumerate(summaries):
         assert (summary["rank"], summary["world"], summary["batches_applied"]) == (rank, 2, _STEPS)
         assert summary["jit_compile"] == "graph" and summary["devices"] == [
-            f"/job:worker/replica:0/task:{rank}/device:CPU:0"]
+            f"/job:worker/replica:0/task:{rank}/device:CPU:0"
+        ]
     assert "variables are not kept in step" not in job.log(0).read_text()
     code, doc, text = job.audit()
     assert code == 0, text
     assert doc["total"]["expected"] == doc["total"]["applied"] == 2 * _STEPS
     assert all(r["content_checked"] and r["applied"] == _STEPS for r in doc["ranks"])
-    alone = subprocess.run(_cli("audit", str(job.state(0)), str(job.state(0)), tmp_path=tmp_path),
-                           cwd=REPO, env=_env(tmp_path, None), capture_output=True, text=True, timeout=_TIMEOUT_S)
-    assert alone.returncode == 1 and f"duplicated {_STEPS}" in alone.stdout   # rank 0 twice, rank 1 missing
+    alone = subprocess.run(
+        _cli("audit", str(job.state(0)), str(job.state(0)), tmp_path=tmp_path),
+        cwd=REPO,
+        env=_env(tmp_path, None),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+    )
+    assert alone.returncode == 1 and f"duplicated {_STEPS}" in alone.stdout  # rank 0 twice, rank 1 missing
 
 
 def test_a_tf_config_that_is_no_usable_cluster_is_one_line_and_exit_78(demo_cache: Path, tmp_path: Path) -> None:
     bad = tmp_path / "tf_config.json"
     bad.write_text(_tf_config(2), encoding="utf-8")
     for args, tf_config, says in (
-            (("consumer", "--tf-config", str(bad)), None, f"--tf-config {bad}: task.index 2 is out of range"),
-            (("run", "--demo"), '{"cluster": ', "TF_CONFIG: invalid JSON")):
-        proc = subprocess.run(_cli(*args, "--cache-dir", str(demo_cache), tmp_path=tmp_path), cwd=REPO,
-                              env=_env(tmp_path, tf_config), capture_output=True, text=True, timeout=_TIMEOUT_S)
+        (("consumer", "--tf-config", str(bad)), None, f"--tf-config {bad}: task.index 2 is out of range"),
+        (("run", "--demo"), '{"cluster": ', "TF_CONFIG: invalid JSON"),
+    ):
+        proc = subprocess.run(
+            _cli(*args, "--cache-dir", str(demo_cache), tmp_path=tmp_path),
+            cwd=REPO,
+            env=_env(tmp_path, tf_config),
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
         assert proc.returncode == 78, proc.stderr[-2000:]
         assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
 
@@ -78,22 +93,25 @@ def test_a_tf_config_that_is_no_usable_cluster_is_one_line_and_exit_78(demo_cach
 def test_a_rank_whose_peers_never_join_ends_after_the_bound(demo_cache: Path, tmp_path: Path) -> None:
     """TensorFlow's own join timeout leaves the constructor blocked; the process must still end by itself."""
     import yaml
+
     job = job_procs.Job(tmp_path, demo_cache, _STEPS)
     cfg = yaml.safe_load(job.config(0).read_text())
-    cfg["consumer"].update(peer_timeout_s=1.0, collective_timeout_s=1.0)     # the least; then a 10 s grace
+    cfg["consumer"].update(peer_timeout_s=1.0, collective_timeout_s=1.0)  # the least; then a 10 s grace
     job.config(0).write_text(yaml.safe_dump(cfg))
-    alone = job.start(0)                                    # rank 1 never starts
+    alone = job.start(0)  # rank 1 never starts
     assert alone.wait(_TIMEOUT_S) == 1, job.tails()
     text = job.log(0).read_text(errors="replace")
     assert "waiting at most 11 s for every rank (consumer.collective_timeout_s), then this process ends" in text
-    assert not (job.state(0) / "run.json").exists()        # it ended before opening the state directory
+    assert not (job.state(0) / "run.json").exists()  # it ended before opening the state directory
 
 
 def test_ranks_whose_plans_differ_all_stop_before_touching_their_state_naming_the_key(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     """Ranks with different seeds would apply overlapping shares of different plans (samples lost and repeated,
     every rank exiting 0): the ranks compare their settings in one collective and all stop with the same verdict."""
     import yaml
+
     job = job_procs.Job(tmp_path, demo_cache, _STEPS)
     cfg = yaml.safe_load(job.config(1).read_text())
     cfg["seed"] = 7
@@ -103,8 +121,9 @@ def test_ranks_whose_plans_differ_all_stop_before_touching_their_state_naming_th
         assert proc.wait(_TIMEOUT_S) == 78, job.tails()
         line = [x for x in job.log(rank).read_text(errors="replace").splitlines() if "differ in" in x]
         here = 7 if rank else 0
-        assert line == [f"melfeed run: the ranks of this job differ in seed (rank 1 differs from rank 0; "
-                        f"here: {here}): every rank must train the same plan and model with the same cache, seed, "
-                        "n_mels, buckets, model, consumer.steps, checkpoint_every_steps and feed_efficiency_steps"], \
-            job.tails()
-        assert not (job.state(rank) / "run.json").exists()      # stopped before opening its state directory
+        assert line == [
+            f"melfeed run: the ranks of this job differ in seed (rank 1 differs from rank 0; "
+            f"here: {here}): every rank must train the same plan and model with the same cache, seed, "
+            "n_mels, buckets, model, consumer.steps, checkpoint_every_steps and feed_efficiency_steps"
+        ], job.tails()
+        assert not (job.state(rank) / "run.json").exists()  # stopped before opening its state directory

@@ -61,13 +61,17 @@ def _train(config: Path, *, poison: bool) -> int:
 
 
 def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_step(
-        demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    demo_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / "staging.log"
     endpoint = f"ipc://{tmp_path}/s.sock"
-    configs = {name: procs.write_config(tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS,
-                                        producer={"count": 2})
-               for name in ("clean", "poisoned", "released_early")}
-    producers = procs.start("producer", configs["clean"], log)     # one group serves the three consumers
+    configs = {
+        name: procs.write_config(
+            tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS, producer={"count": 2}
+        )
+        for name in ("clean", "poisoned", "released_early")
+    }
+    producers = procs.start("producer", configs["clean"], log)  # one group serves the three consumers
     try:
         _train(configs["clean"], poison=False)
         assert _train(configs["poisoned"], poison=True) >= _STEPS
@@ -85,26 +89,42 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     assert int(clean["iterations"]) == _STEPS
     for name in clean:
         assert np.array_equal(clean[name], poisoned[name]), name
-    assert not np.array_equal(clean["w"], early["w"])          # the hook bites when the order is wrong
+    assert not np.array_equal(clean["w"], early["w"])  # the hook bites when the order is wrong
     for name in ("clean", "poisoned"):
         rc, doc, text = procs.run_audit(tmp_path / name, tmp_path)
         assert rc == 0 and doc["applied"] == _STEPS, text
 
 
 def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_before_the_step(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     endpoint = f"ipc://{tmp_path}/r.sock"
-    configs = {name: procs.write_config(tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS,
-                                        producer={"count": 2}, consumer={"replicas": 2},
-                                        buckets={"num_buckets": 1, "batch_size": 16},
-                                        model={"step": "tests.steps:replica_tiny_step"})
-               for name in ("clean", "poisoned", "early")}
+    configs = {
+        name: procs.write_config(
+            tmp_path / f"{name}.yaml",
+            demo_cache,
+            endpoint,
+            tmp_path / name,
+            _STEPS,
+            producer={"count": 2},
+            consumer={"replicas": 2},
+            buckets={"num_buckets": 1, "batch_size": 16},
+            model={"step": "tests.steps:replica_tiny_step"},
+        )
+        for name in ("clean", "poisoned", "early")
+    }
     producers = procs.start("producer", configs["clean"], tmp_path / "producers.log")
     runs = {}
     try:
         for name, config in configs.items():
-            proc = subprocess.run([sys.executable, "-m", "tests.integration.train.poison_replicas", str(config), name],
-                                  cwd=REPO, env=procs.env(tmp_path), capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.integration.train.poison_replicas", str(config), name],
+                cwd=REPO,
+                env=procs.env(tmp_path),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     finally:
@@ -115,4 +135,4 @@ def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_befo
     assert int(clean["iterations"]) == _STEPS
     for name in clean:
         assert np.array_equal(clean[name], poisoned[name]), name
-    assert not np.array_equal(clean["w"], early["w"])          # the hook bites on replicas too
+    assert not np.array_equal(clean["w"], early["w"])  # the hook bites on replicas too

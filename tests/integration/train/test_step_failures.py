@@ -25,7 +25,7 @@ from melfeed.shared.config.loader import config_from_mapping, load_config
 from melfeed.shared.errors import ConfigError, StepError
 from tests import procs
 
-_FAIL_AT = 5   # the step fails on its 6th batch: 5 applied before it
+_FAIL_AT = 5  # the step fails on its 6th batch: 5 applied before it
 
 
 def broken_factory(spec: Any) -> Any:
@@ -33,14 +33,19 @@ def broken_factory(spec: Any) -> Any:
 
 
 def _config(cache: Path, tmp: Path, step: str) -> Any:
-    return config_from_mapping({"cache_dir": str(cache), "transport": {"endpoint": f"ipc://{tmp}/f.sock"},
-                                "consumer": {"steps": 4, "feed_efficiency_steps": 0},
-                                "model": {"step": step, "jit_compile": False}})
+    return config_from_mapping(
+        {
+            "cache_dir": str(cache),
+            "transport": {"endpoint": f"ipc://{tmp}/f.sock"},
+            "consumer": {"steps": 4, "feed_efficiency_steps": 0},
+            "model": {"step": step, "jit_compile": False},
+        }
+    )
 
 
 def test_a_factory_that_raises_leaves_its_summary_with_the_one_line_error(demo_cache: Path, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
-    summary.write_text('{"steps": 300, "error": null}')          # an earlier run's
+    summary.write_text('{"steps": 300, "error": null}')  # an earlier run's
     cfg = _config(demo_cache, tmp_path, "tests.integration.train.test_step_failures:broken_factory")
     with pytest.raises(ConfigError) as info:
         train(cfg, Consumer(cfg), threading.Event(), process_start_s=time.time(), summary_path=str(summary))
@@ -50,12 +55,20 @@ def test_a_factory_that_raises_leaves_its_summary_with_the_one_line_error(demo_c
 
 
 def test_a_step_that_fails_while_training_leaves_its_summary_with_the_audits_counts(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     summary = tmp_path / "summary.json"
-    config = procs.write_config(tmp_path / "run.yaml", demo_cache, f"ipc://{tmp_path}/s.sock", tmp_path / "state",
-                                40, producer={"count": 2}, consumer={"feed_efficiency_steps": 0},
-                                buckets={"num_buckets": 2},   # warm-up moves `iterations` once per bucket: < fail_at
-                                model={"step": "tests.steps:fail_at_step", "params": {"fail_at": _FAIL_AT}})
+    config = procs.write_config(
+        tmp_path / "run.yaml",
+        demo_cache,
+        f"ipc://{tmp_path}/s.sock",
+        tmp_path / "state",
+        40,
+        producer={"count": 2},
+        consumer={"feed_efficiency_steps": 0},
+        buckets={"num_buckets": 2},  # warm-up moves `iterations` once per bucket: < fail_at
+        model={"step": "tests.steps:fail_at_step", "params": {"fail_at": _FAIL_AT}},
+    )
     cfg = load_config(config)
     producers = procs.start("producer", config, tmp_path / "p.log")
     state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
@@ -69,8 +82,10 @@ def test_a_step_that_fails_while_training_leaves_its_summary_with_the_audits_cou
     written = json.loads(summary.read_text())
     assert written["error"] == str(info.value)
     assert str(info.value).startswith(f"model.step tests.steps:fail_at_step: the step failed on batch {_FAIL_AT}: op ")
-    assert "the fail_at check failed" in written["error"] and f"{procs.REPO / 'tests' / 'steps.py'}:" in written["error"]
-    assert written["jit_compile"] == "graph"                     # the warm-up's figures are kept
+    assert (
+        "the fail_at check failed" in written["error"] and f"{procs.REPO / 'tests' / 'steps.py'}:" in written["error"]
+    )
+    assert written["jit_compile"] == "graph"  # the warm-up's figures are kept
     audit = audit_state_dir(tmp_path / "state")
     assert written["steps"] == written["batches_applied"] == audit.applied == _FAIL_AT
-    assert written["producers_seen"] == 2                        # both joined (the receiver's count, as at the end)
+    assert written["producers_seen"] == 2  # both joined (the receiver's count, as at the end)

@@ -21,24 +21,54 @@ _STEPS = 16
 
 
 def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extra_and_audits_exact(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     cache = attention_cache(demo_cache, tmp_path)
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "cache_dir": str(cache),
-        "buckets": {"num_buckets": 2, "batch_size": 8, "frame_multiple": 3, "max_frames": 300, "partial": "drop"},
-        "consumer": {"warmup_steps": 1, "status_interval_s": 0.5, "state_dir": str(tmp_path / "state")},
-        "model": {"step": "tests.tts_models:tacotron_step", "jit_compile": False, "learning_rate": 0.01}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(cache),
+                "buckets": {
+                    "num_buckets": 2,
+                    "batch_size": 8,
+                    "frame_multiple": 3,
+                    "max_frames": 300,
+                    "partial": "drop",
+                },
+                "consumer": {"warmup_steps": 1, "status_interval_s": 0.5, "state_dir": str(tmp_path / "state")},
+                "model": {"step": "tests.tts_models:tacotron_step", "jit_compile": False, "learning_rate": 0.01},
+            }
+        )
+    )
     summary = tmp_path / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg), "--producers", "2",
-                           "--steps", str(_STEPS), "--summary-json", str(summary)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--producers",
+            "2",
+            "--steps",
+            str(_STEPS),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "takes extras ['attn']" in proc.stderr
     s = json.loads(summary.read_text())
     assert s["steps"] == _STEPS and s["error"] is None and s["jit_compile"] == "graph"
-    assert s["compiles_after_ready"] == 0                     # the cut width varies per batch: no retrace
+    assert s["compiles_after_ready"] == 0  # the cut width varies per batch: no retrace
     assert list(s["final_outputs"]) == ["loss", "guided_attn", "mel_l1"] and s["final_outputs"]["guided_attn"] > 0
     rc, doc, text = procs.run_audit(tmp_path / "state", tmp_path)
     assert rc == 0 and doc["applied"] == _STEPS and doc["content_checked"], text

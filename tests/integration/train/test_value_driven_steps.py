@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import yaml
 
+from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS
 from tests import procs
 from tests.conftest import REPO
-from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS
 from tests.value_steps import write_duration_cache
 
 _N = 64
 _BUCKETS = {"num_buckets": 2, "batch_size": 8, "partial": "drop"}
-_RUN_TIMEOUT_S = 300.0   # a run takes about 30 s on 2 cores; only a hang gets near it
+_RUN_TIMEOUT_S = 300.0  # a run takes about 30 s on 2 cores; only a hang gets near it
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +36,56 @@ def duration_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _run(cache: Path, tmp_path: Path, step: str, steps: int, **consumer: Any) -> tuple[subprocess.CompletedProcess[str],
-                                                                                       dict[str, Any]]:
+def _run(
+    cache: Path, tmp_path: Path, step: str, steps: int, **consumer: Any
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "cache_dir": str(cache), "n_mels": 16, "buckets": _BUCKETS,
-        "consumer": {"warmup_steps": 2, "status_interval_s": 0.5, "state_dir": str(tmp_path / "state"), **consumer},
-        "model": {"step": step, "jit_compile": False}}))   # graph mode runs tf.debugging assertions (XLA drops them)
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "cache_dir": str(cache),
+                "n_mels": 16,
+                "buckets": _BUCKETS,
+                "consumer": {
+                    "warmup_steps": 2,
+                    "status_interval_s": 0.5,
+                    "state_dir": str(tmp_path / "state"),
+                    **consumer,
+                },
+                "model": {"step": step, "jit_compile": False},
+            }
+        )
+    )  # graph mode runs tf.debugging assertions (XLA drops them)
     summary = tmp_path / "summary.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--config", str(cfg), "--producers", "2",
-                           "--steps", str(steps), "--summary-json", str(summary)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "melfeed",
+            "run",
+            "--config",
+            str(cfg),
+            "--producers",
+            "2",
+            "--steps",
+            str(steps),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_RUN_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(summary.read_text())
 
 
 def test_step_asserting_positive_lengths_and_durations_trains_with_partial_drop(
-        duration_cache: Path, tmp_path: Path) -> None:
+    duration_cache: Path, tmp_path: Path
+) -> None:
     steps = 10
     proc, s = _run(duration_cache, tmp_path, "tests.value_steps:positive_step", steps)
     assert s["steps"] == steps and s["error"] is None and s["compiles_after_ready"] == 0
@@ -63,10 +95,16 @@ def test_step_asserting_positive_lengths_and_durations_trains_with_partial_drop(
 
 
 def test_step_whose_cost_follows_the_durations_gets_a_feed_efficiency_near_one(
-        duration_cache: Path, tmp_path: Path) -> None:
+    duration_cache: Path, tmp_path: Path
+) -> None:
     # the figure is reported from FEED_EFFICIENCY_MIN_STEPS fed steps on (after warmup_steps 2)
-    _, s = _run(duration_cache, tmp_path, "tests.value_steps:duration_cost_step", FEED_EFFICIENCY_MIN_STEPS + 10,
-                feed_efficiency_steps=20)
+    _, s = _run(
+        duration_cache,
+        tmp_path,
+        "tests.value_steps:duration_cost_step",
+        FEED_EFFICIENCY_MIN_STEPS + 10,
+        feed_efficiency_steps=20,
+    )
     # Timed on zero durations the limit is the step without its decoder: about 0.06. Two timings on a machine
     # shared with other work (0.63 and 1.14 measured on the 2-core CI machine) keep the band wide.
     assert s["feed_efficiency"] is not None and 0.4 <= s["feed_efficiency"] <= 1.6, s

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO
 
-_PROCESS_TIMEOUT_S = 240   # one TensorFlow import and one or two XLA compiles on a loaded 2-core machine
+_PROCESS_TIMEOUT_S = 240  # one TensorFlow import and one or two XLA compiles on a loaded 2-core machine
 
 _SCRIPT = """
 import json, sys, time
@@ -67,10 +67,15 @@ print(json.dumps({"before": before, "after": files(), "compiles_after_ready": co
 
 
 def _compile(cache: Path, mode: str) -> dict[str, Any]:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, mode], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=_PROCESS_TIMEOUT_S)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, mode],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_PROCESS_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -78,9 +83,9 @@ def _compile(cache: Path, mode: str) -> dict[str, Any]:
 @pytest.mark.parametrize("step", ["tiny", pytest.param("reference", marks=pytest.mark.slow)])  # reference: ~80 s
 def test_a_second_process_loads_every_program_from_the_cache_and_compiles_none(tmp_path: Path, step: str) -> None:
     cold = _compile(tmp_path, f"cold-{step}")
-    assert cold["before"] == [] and len(cold["after"]) == 2          # one program per bucket, both compiled
+    assert cold["before"] == [] and len(cold["after"]) == 2  # one program per bucket, both compiled
     warm = _compile(tmp_path, f"shifted-{step}")
-    assert warm["before"] == cold["after"] and warm["after"] == cold["after"]   # loaded, none compiled
+    assert warm["before"] == cold["after"] and warm["after"] == cold["after"]  # loaded, none compiled
     assert warm["compiles_after_ready"] == 0
 
 

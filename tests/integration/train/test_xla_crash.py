@@ -20,20 +20,34 @@ from tests import procs
 
 _STEP = "tests.steps:xla_abort_step"
 _STEPS = 20
-_RUN_TIMEOUT_S = 300   # a TensorFlow start and a graph-mode compile of the tiny step on a loaded 2-core machine
+_RUN_TIMEOUT_S = 300  # a TensorFlow start and a graph-mode compile of the tiny step on a loaded 2-core machine
 
 
 def _run(config: Path, summary: Path) -> subprocess.CompletedProcess[str]:
     command = procs.command("run", config, "--producers", "2", "--steps", str(_STEPS), "--summary-json", str(summary))
-    return subprocess.run(["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *command], cwd=procs.REPO, text=True,
-                          env=procs.env(config.parent), capture_output=True, timeout=_RUN_TIMEOUT_S)
+    return subprocess.run(
+        ["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *command],
+        cwd=procs.REPO,
+        text=True,
+        env=procs.env(config.parent),
+        capture_output=True,
+        timeout=_RUN_TIMEOUT_S,
+    )
 
 
 def test_a_crashing_xla_compile_costs_one_start_then_the_run_trains_in_graph_mode(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     state = tmp_path / "state"
-    config = procs.write_config(tmp_path / "run.yaml", demo_cache, f"ipc://{tmp_path}/s.sock", state, _STEPS,
-                                consumer={"feed_efficiency_steps": 0}, model={"step": _STEP, "jit_compile": "auto"})
+    config = procs.write_config(
+        tmp_path / "run.yaml",
+        demo_cache,
+        f"ipc://{tmp_path}/s.sock",
+        state,
+        _STEPS,
+        consumer={"feed_efficiency_steps": 0},
+        model={"step": _STEP, "jit_compile": "auto"},
+    )
     summary = tmp_path / "summary.json"
     crashed = _run(config, summary)
     assert crashed.returncode == -signal.SIGABRT, crashed.stderr[-3000:]
@@ -44,8 +58,12 @@ def test_a_crashing_xla_compile_costs_one_start_then_the_run_trains_in_graph_mod
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if " WARNING melfeed.consumer.train" in line]
     assert len(warnings) == 1, warnings
-    assert f"XLA is not tried for the step of {_STEP}, using graph mode: an earlier start died compiling it " \
-           f"with XLA (bucket {{'mel': (" in warnings[0] and f"{state / ATTEMPTS_NAME}: delete it" in warnings[0]
+    assert (
+        f"XLA is not tried for the step of {_STEP}, using graph mode: an earlier start died compiling it "
+        f"with XLA (bucket {{'mel': ("
+        in warnings[0]
+        and f"{state / ATTEMPTS_NAME}: delete it" in warnings[0]
+    )
     s = json.loads(summary.read_text())
     assert s["jit_compile"] == "graph" and s["error"] is None
     assert s["jit_reason"].startswith("XLA not tried: an earlier start died compiling it with XLA (bucket ")

@@ -15,9 +15,9 @@ import itertools
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,30 +31,51 @@ from melfeed.producer.reader import CacheReader
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ClosedError
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Bye, Err, Heartbeat, Hello, Lease,
-                             LeaseGrant, RejectCode, Welcome, decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    PROTOCOL_VERSION,
+    BatchHeader,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    RejectCode,
+    Welcome,
+    decode_header,
+    encode,
+)
 from tests.conftest import ProducerGroup
 
-
-BATCH_SIZE = 4            # tiny batches: a test moves dozens in well under a second
+BATCH_SIZE = 4  # tiny batches: a test moves dozens in well under a second
 HB_S = 0.2
-WAIT_S = 20.0            # bound of every wait below; only a hang gets near it
+WAIT_S = 20.0  # bound of every wait below; only a hang gets near it
 _names = itertools.count()
-_NONCES = itertools.count(1)   # a new join nonce for every HELLO not given one
+_NONCES = itertools.count(1)  # a new join nonce for every HELLO not given one
 
 
 def wire_config(cache: Path, endpoint: str, lease_timeout_s: float = 5.0) -> Any:
     """Endless consumer, checksums on (B10), short liveness and lease deadlines; loopback tcp without CURVE."""
-    return config_from_mapping({
-        "cache_dir": str(cache), "buckets": {"batch_size": BATCH_SIZE},
-        "consumer": {"steps": None, "wait_timeout_s": 0.2},
-        "transport": {"endpoint": endpoint, "heartbeat_interval_s": HB_S, "checksum": True,
-                      "lease_timeout_s": lease_timeout_s, "insecure": endpoint.startswith("tcp://")}})
+    return config_from_mapping(
+        {
+            "cache_dir": str(cache),
+            "buckets": {"batch_size": BATCH_SIZE},
+            "consumer": {"steps": None, "wait_timeout_s": 0.2},
+            "transport": {
+                "endpoint": endpoint,
+                "heartbeat_interval_s": HB_S,
+                "checksum": True,
+                "lease_timeout_s": lease_timeout_s,
+                "insecure": endpoint.startswith("tcp://"),
+            },
+        }
+    )
 
 
 def start_producer(group: ProducerGroup, cache: Path, endpoint: str) -> None:
-    group.start(cache, endpoint, 1, buckets={"batch_size": BATCH_SIZE},
-                transport={"insecure": endpoint.startswith("tcp://")})
+    group.start(
+        cache, endpoint, 1, buckets={"batch_size": BATCH_SIZE}, transport={"insecure": endpoint.startswith("tcp://")}
+    )
 
 
 def digest(arrays: dict[str, np.ndarray]) -> int:
@@ -133,8 +154,9 @@ class Reference:
     """Builds any planned batch exactly as a producer does (own plan: the consumer's is not shared)."""
 
     def __init__(self, consumer: Consumer) -> None:
-        self._plan = EpochPlan(consumer._bucket_set, consumer.manifest.fingerprint, consumer._cfg.seed,
-                               consumer._cfg.buckets.partial)
+        self._plan = EpochPlan(
+            consumer._bucket_set, consumer.manifest.fingerprint, consumer._cfg.seed, consumer._cfg.buckets.partial
+        )
         self._assembler = BatchAssembler(CacheReader(consumer.manifest), consumer._bucket_set, max_buffers=1)
 
     def arrays(self, batch_id: int) -> dict[str, np.ndarray]:
@@ -162,8 +184,15 @@ class Wire:
 
     def hello(self, **change: Any) -> Hello:
         c = self.consumer
-        good = Hello(PROTOCOL_VERSION, "bad", c.manifest.fingerprint, c._bucket_set.as_wire(), c._cfg.n_mels,
-                     c._cfg.seed, next(_NONCES))
+        good = Hello(
+            PROTOCOL_VERSION,
+            "bad",
+            c.manifest.fingerprint,
+            c._bucket_set.as_wire(),
+            c._cfg.n_mels,
+            c._cfg.seed,
+            next(_NONCES),
+        )
         return dataclasses.replace(good, **change)
 
     def peer(self, tag: str, monitor_events: int = 0) -> BadPeer:
@@ -188,7 +217,7 @@ class BadPeer:
         self.label = label
         self.sock = wire.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, label.encode())   # fixed, so its counters have a known label
+        self.sock.setsockopt(zmq.ROUTING_ID, label.encode())  # fixed, so its counters have a known label
         self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
         self.sock.connect(wire.endpoint)
         self.errs: list[Err] = []
@@ -207,7 +236,7 @@ class BadPeer:
 
     def pump(self, timeout_ms: int, heartbeat: bool = True) -> None:
         if heartbeat and self.epoch is not None and time.monotonic() >= self._next_hb_s:
-            self.send(encode(Heartbeat(self.epoch)))        # valid: keeps our leases; never counted
+            self.send(encode(Heartbeat(self.epoch)))  # valid: keeps our leases; never counted
             self._next_hb_s = time.monotonic() + HB_S
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
@@ -220,8 +249,7 @@ class BadPeer:
             elif isinstance(msg, LeaseGrant):
                 self.leases.extend(msg.leases)
 
-    def until(self, done: Callable[[], bool], what: str, timeout_s: float = WAIT_S,
-              heartbeat: bool = True) -> None:
+    def until(self, done: Callable[[], bool], what: str, timeout_s: float = WAIT_S, heartbeat: bool = True) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
             assert time.monotonic() < deadline, f"{self.label}: no {what} within {timeout_s} s; errs {self.codes}"
@@ -254,8 +282,15 @@ class BadPeer:
         assert self.epoch is not None
         if arrays is None:
             arrays = self.wire.reference.arrays(lease.batch_id)
-        header = BatchHeader(self.epoch, lease.batch_id, lease.bucket, [list(arrays[k].shape) for k in ARRAY_KEYS],
-                             [arrays[k].dtype.name for k in ARRAY_KEYS], digest(arrays), [])
+        header = BatchHeader(
+            self.epoch,
+            lease.batch_id,
+            lease.bucket,
+            [list(arrays[k].shape) for k in ARRAY_KEYS],
+            [arrays[k].dtype.name for k in ARRAY_KEYS],
+            digest(arrays),
+            [],
+        )
         return header, [arrays[k].tobytes() for k in ARRAY_KEYS]
 
     def poisoned(self, lease: Lease) -> tuple[BatchHeader, list[bytes]]:
@@ -266,7 +301,7 @@ class BadPeer:
 
     def close(self) -> None:
         if self.monitor is not None:
-            self.sock.disable_monitor()                 # before close (zmq-systemd E6)
+            self.sock.disable_monitor()  # before close (zmq-systemd E6)
             self.monitor.close(0)
         self.sock.close(0)
 
@@ -275,13 +310,11 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
 
 
-
-
 def expect_rejected(wire: Wire, frames_list: list[list[bytes]], peer: BadPeer, codes: Sequence[str]) -> None:
     """Send each message, expect these ERR codes in order, counted per code and for this peer only."""
     before = wire.stats()
     start = len(wire.stream.applied)
-    wire.stream.take(10)                                # the good producer streams meanwhile
+    wire.stream.take(10)  # the good producer streams meanwhile
     for frames in frames_list:
         peer.send(*frames)
     assert peer.errors(len(codes)) == codes
@@ -291,10 +324,9 @@ def expect_rejected(wire: Wire, frames_list: list[list[bytes]], peer: BadPeer, c
         expected[c] = expected.get(c, 0) + 1
     assert delta(before.rejects, after.rejects) == expected
     assert delta(before.rejects_by_peer, after.rejects_by_peer) == {peer.label: len(codes)}
-    peer.bye()                                          # a joined peer returns its leases
+    peer.bye()  # a joined peer returns its leases
     assert wire.stream.wait()
     wire.check_stream(start)
-
 
 
 # --- B5/B9/B10: a leased BATCH that is broken --------------------------------------------------------
@@ -304,7 +336,7 @@ Mutation = Callable[[BatchHeader, list[bytes]], tuple[BatchHeader, list[bytes]]]
 
 def _relength(h: BatchHeader, p: list[bytes]) -> tuple[BatchHeader, list[bytes]]:
     mel_len = np.frombuffer(p[1], dtype=np.int32).copy()
-    mel_len[0] = h.shapes[0][1] + 1                           # longer than the bucket's frames
+    mel_len[0] = h.shapes[0][1] + 1  # longer than the bucket's frames
     p = [p[0], mel_len.tobytes(), *p[2:]]
     crc = 0
     for frame in p:
@@ -320,19 +352,17 @@ BATCH_CASES: dict[str, tuple[Mutation, str]] = {
     "B5-missing-frame": (lambda h, p: (h, p[:-1]), RejectCode.FRAMES),
     "B5-header-only": (lambda h, p: (h, []), RejectCode.FRAMES),
     "B5-extra-frame": (lambda h, p: (h, [*p, b"x"]), RejectCode.FRAMES),
-    "B9-header-shape": (lambda h, p: (dataclasses.replace(h, shapes=[grow_frames(h.shapes[0]), *h.shapes[1:]]), p),
-                        RejectCode.SHAPE),
+    "B9-header-shape": (
+        lambda h, p: (dataclasses.replace(h, shapes=[grow_frames(h.shapes[0]), *h.shapes[1:]]), p),
+        RejectCode.SHAPE,
+    ),
     "B9-wrong-bucket": (lambda h, p: (dataclasses.replace(h, bucket=h.bucket + 1), p), RejectCode.SHAPE),
     "B9-short-payload": (lambda h, p: (h, [p[0][:-4], *p[1:]]), RejectCode.SHAPE),
     "B9-long-payload": (lambda h, p: (h, [*p[:3], p[3] + b"\0\0\0\0"]), RejectCode.SHAPE),
     "B9-length-beyond-bucket": (_relength, RejectCode.SHAPE),
-    "B9-dtype-float64": (lambda h, p: (dataclasses.replace(h, dtypes=["float64", *h.dtypes[1:]]), p),
-                         RejectCode.DTYPE),
-    "B9-dtype-unknown": (lambda h, p: (dataclasses.replace(h, dtypes=[*h.dtypes[:3], "object"]), p),
-                         RejectCode.DTYPE),
+    "B9-dtype-float64": (lambda h, p: (dataclasses.replace(h, dtypes=["float64", *h.dtypes[1:]]), p), RejectCode.DTYPE),
+    "B9-dtype-unknown": (lambda h, p: (dataclasses.replace(h, dtypes=[*h.dtypes[:3], "object"]), p), RejectCode.DTYPE),
     "B10-crc-mismatch": (lambda h, p: (dataclasses.replace(h, crc32=(h.crc32 or 0) ^ 1), p), RejectCode.CRC),
     "B10-crc-missing": (lambda h, p: (dataclasses.replace(h, crc32=None), p), RejectCode.CRC),
     "B10-payload-corrupted": (lambda h, p: (h, [p[0][:-1] + bytes([p[0][-1] ^ 0xFF]), *p[1:]]), RejectCode.CRC),
 }
-
-

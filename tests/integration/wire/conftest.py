@@ -25,7 +25,7 @@ def wire(demo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         start_producer(group, demo_cache, endpoint)
         w = Wire(consumer, stream, Reference(consumer), endpoint, ctx)
-        stream.take_and_wait(5)                        # the good producer is streaming
+        stream.take_and_wait(5)  # the good producer is streaming
         yield w
         w.check_stream(0)
         assert w.stats().producers_alive == 1
@@ -44,8 +44,8 @@ def attack(wire: Wire) -> Iterator[Callable[..., BadPeer]]:
     def make(tag: str, monitor_events: int = 0) -> BadPeer:
         made.append(wire.peer(tag, monitor_events))
         return made[-1]
+
     yield make
     for p in made:
         p.close()
     assert all(name.startswith("bad-") for name in wire.stats().rejects_by_peer)
-

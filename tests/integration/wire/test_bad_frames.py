@@ -23,12 +23,18 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.wire.protocol import (Bye, Err, Heartbeat, LeaseGrant, MsgKind, RejectCode, Welcome,
-                             encode)
+from melfeed.shared.wire.protocol import Bye, Err, Heartbeat, LeaseGrant, MsgKind, RejectCode, Welcome, encode
 from tests.conftest import ProducerGroup
-from tests.integration.wire.bad_peer import (WAIT_S, BadPeer, Stream, Wire, delta, expect_rejected, start_producer,
-                                            wire_config)
-
+from tests.integration.wire.bad_peer import (
+    WAIT_S,
+    BadPeer,
+    Stream,
+    Wire,
+    delta,
+    expect_rejected,
+    start_producer,
+    wire_config,
+)
 
 # --- B1-B4: undecodable headers ---------------------------------------------------------------------
 
@@ -49,14 +55,16 @@ _DECODE_CASES = {
     "B4-header-over-1MiB": [b"\xc5" + b"\x00" * (1 << 20) + b"\x00"],
     "B4-int-map-keys": [msgpack.packb({1: 2, "t": 5})],
     # Fits the general 1 MiB limit but not a producer header's: refused before it costs decoding.
-    "B4-header-beyond-a-producer-header": [msgpack.packb({"t": int(MsgKind.HELLO),
-                                                          "buckets": [[1, 2, 3, 4, 5]] * 5000})],
+    "B4-header-beyond-a-producer-header": [
+        msgpack.packb({"t": int(MsgKind.HELLO), "buckets": [[1, 2, 3, 4, 5]] * 5000})
+    ],
 }
 
 
 @pytest.mark.parametrize("frames", list(_DECODE_CASES.values()), ids=list(_DECODE_CASES))
-def test_b1_b4_undecodable_header_gets_err_decode(wire: Wire, attack: Callable[..., BadPeer],
-                                                  frames: list[bytes]) -> None:
+def test_b1_b4_undecodable_header_gets_err_decode(
+    wire: Wire, attack: Callable[..., BadPeer], frames: list[bytes]
+) -> None:
     expect_rejected(wire, [frames], attack("decode"), [RejectCode.DECODE])
 
 
@@ -78,39 +86,61 @@ def test_b4_declared_giant_containers_allocate_nothing_large(wire: Wire, attack:
     assert set(codes) == {RejectCode.DECODE}
     # The frames themselves are <= 400 kB; a declared 4 GB container would show up as GBs.
     assert peak - base < 16 << 20, f"peak Python allocation {peak - base} bytes"
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 2 << 20   # KiB: < 2 GiB ever
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 2 << 20  # KiB: < 2 GiB ever
 
 
 # --- B5: wrong frame count --------------------------------------------------------------------------
 
+
 def test_b5_wrong_frame_count_of_single_frame_messages_gets_err_frames(
-        wire: Wire, attack: Callable[..., BadPeer]) -> None:
+    wire: Wire, attack: Callable[..., BadPeer]
+) -> None:
     peer = attack("frames")
-    msgs = [[encode(Heartbeat(wire.consumer._run_id)), b"extra"],
-            [encode(wire.hello()), b"a", b"b"],
-            [encode(Bye(wire.consumer._run_id)), b""]]
+    msgs = [
+        [encode(Heartbeat(wire.consumer._run_id)), b"extra"],
+        [encode(wire.hello()), b"a", b"b"],
+        [encode(Bye(wire.consumer._run_id)), b""],
+    ]
     expect_rejected(wire, msgs, peer, [RejectCode.FRAMES] * 3)
-    assert wire.stats().producers_alive == 1             # the 3-frame HELLO did not join
+    assert wire.stats().producers_alive == 1  # the 3-frame HELLO did not join
 
 
 # --- B13: kinds -------------------------------------------------------------------------------------
 
+
 def test_b13_unknown_kinds_and_maps_without_kind_get_err_type_or_schema(
-        wire: Wire, attack: Callable[..., BadPeer]) -> None:
+    wire: Wire, attack: Callable[..., BadPeer]
+) -> None:
     epoch = wire.consumer._run_id
-    msgs = [[msgpack.packb({"epoch": epoch})], [msgpack.packb({"t": 99})], [msgpack.packb({"t": "HB"})],
-            [msgpack.packb({"t": True})], [msgpack.packb([int(MsgKind.HB), epoch])],
-            [encode(Welcome(epoch, 2, 0.2, True, 1))], [encode(LeaseGrant(epoch, [], 0))],
-            [encode(Err(RejectCode.LEASE, "y"))]]
-    codes = [RejectCode.SCHEMA, RejectCode.TYPE, RejectCode.TYPE, RejectCode.TYPE, RejectCode.SCHEMA,
-             RejectCode.TYPE, RejectCode.TYPE, RejectCode.TYPE]
+    msgs = [
+        [msgpack.packb({"epoch": epoch})],
+        [msgpack.packb({"t": 99})],
+        [msgpack.packb({"t": "HB"})],
+        [msgpack.packb({"t": True})],
+        [msgpack.packb([int(MsgKind.HB), epoch])],
+        [encode(Welcome(epoch, 2, 0.2, True, 1))],
+        [encode(LeaseGrant(epoch, [], 0))],
+        [encode(Err(RejectCode.LEASE, "y"))],
+    ]
+    codes = [
+        RejectCode.SCHEMA,
+        RejectCode.TYPE,
+        RejectCode.TYPE,
+        RejectCode.TYPE,
+        RejectCode.SCHEMA,
+        RejectCode.TYPE,
+        RejectCode.TYPE,
+        RejectCode.TYPE,
+    ]
     expect_rejected(wire, msgs, attack("kind"), codes)
 
 
 # --- B14: larger than ZMQ_MAXMSGSIZE -----------------------------------------------------------------------
 
+
 def test_b14_message_over_maxmsgsize_disconnects_only_the_sender_which_can_reconnect(
-        wire: Wire, attack: Callable[..., BadPeer]) -> None:
+    wire: Wire, attack: Callable[..., BadPeer]
+) -> None:
     peer = attack("huge", zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     assert peer.monitor is not None
 
@@ -122,15 +152,15 @@ def test_b14_message_over_maxmsgsize_disconnects_only_the_sender_which_can_recon
     before = wire.stats()
     start = len(wire.stream.applied)
     wire.stream.take(20)
-    limit = wire.consumer._bucket_set.max_batch_nbytes() + (1 << 20)     # the receiver's MAXMSGSIZE
+    limit = wire.consumer._bucket_set.max_batch_nbytes() + (1 << 20)  # the receiver's MAXMSGSIZE
     peer.send(b"\0" * (limit + 1))
-    assert next_event() == zmq.EVENT_DISCONNECTED                    # libzmq dropped the connection
-    assert next_event() == zmq.EVENT_HANDSHAKE_SUCCEEDED             # the DEALER reconnected ...
+    assert next_event() == zmq.EVENT_DISCONNECTED  # libzmq dropped the connection
+    assert next_event() == zmq.EVENT_HANDSHAKE_SUCCEEDED  # the DEALER reconnected ...
     peer.send(b"\xc1")
-    assert peer.errors(1) == [RejectCode.DECODE]                     # ... and is heard, same routing id
+    assert peer.errors(1) == [RejectCode.DECODE]  # ... and is heard, same routing id
     assert wire.stream.wait()
     after = wire.stats()
-    assert delta(before.rejects, after.rejects) == {RejectCode.DECODE: 1}   # the huge one never surfaced
+    assert delta(before.rejects, after.rejects) == {RejectCode.DECODE: 1}  # the huge one never surfaced
     assert delta(before.rejects_by_peer, after.rejects_by_peer) == {peer.label: 1}
     wire.check_stream(start)
 
@@ -168,7 +198,7 @@ class _Relay:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
         except OSError:
-            pass          # never close the other side here: a cut leaves the consumer's side open
+            pass  # never close the other side here: a cut leaves the consumer's side open
 
     def cut(self) -> None:
         for client, _ in self._pairs:
@@ -176,7 +206,7 @@ class _Relay:
 
     def close(self) -> None:
         self._stop.set()
-        self._threads[0].join(5.0)                     # the accept loop, before its socket closes
+        self._threads[0].join(5.0)  # the accept loop, before its socket closes
         for client, upstream in self._pairs:
             client.close()
             upstream.close()
@@ -186,7 +216,8 @@ class _Relay:
 
 
 def test_b14_producer_reconnecting_after_a_cut_is_heard_as_a_new_peer_while_its_old_connection_lingers(
-        demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
+    demo_cache: Path, tmp_path: Path, producers: ProducerGroup
+) -> None:
     """After a network cut a producer's DEALER reconnects; the ROUTER gives the new connection a new
     routing id (no handover: a claimed id never displaces a live one), the consumer answers its first
     message UNKNOWN_PEER and it joins again, while the old connection still lingers."""
@@ -200,7 +231,7 @@ def test_b14_producer_reconnecting_after_a_cut_is_heard_as_a_new_peer_while_its_
             start_producer(producers, demo_cache, f"tcp://127.0.0.1:{relay.port}")
             stream.take_and_wait(20)
             relay.cut()
-            stream.take_and_wait(20)                     # leases lost in the cut expire and come back
+            stream.take_and_wait(20)  # leases lost in the cut expire and come back
             stats = consumer._receiver.stats()
         finally:
             stream.close()
@@ -212,14 +243,16 @@ def test_b14_producer_reconnecting_after_a_cut_is_heard_as_a_new_peer_while_its_
 
 # --- B15: flood ------------------------------------------------------------------------------------------------
 
+
 def test_b15_flooding_peer_is_dropped_and_ignored_with_rate_limited_logs(
-        wire: Wire, attack: Callable[..., BadPeer], caplog: pytest.LogCaptureFixture) -> None:
-    flood_limit = 200                                     # RejectLog's production default
+    wire: Wire, attack: Callable[..., BadPeer], caplog: pytest.LogCaptureFixture
+) -> None:
+    flood_limit = 200  # RejectLog's production default
     flooder = attack("flood")
     flooder.join()
     start = len(wire.stream.applied)
     wire.stream.take(40)
-    flooder.lease()                                       # it holds leases the good stream needs
+    flooder.lease()  # it holds leases the good stream needs
     before = wire.stats()
     n = 300
     with caplog.at_level(logging.WARNING):
@@ -230,23 +263,23 @@ def test_b15_flooding_peer_is_dropped_and_ignored_with_rate_limited_logs(
         while sum(delta(before.rejects, wire.stats().rejects).values()) < n:
             assert time.monotonic() < deadline, delta(before.rejects, wire.stats().rejects)
             time.sleep(0.01)
-        flooder.send(encode(wire.hello(producer_id=flooder.label)))    # a blocked peer cannot re-join
+        flooder.send(encode(wire.hello(producer_id=flooder.label)))  # a blocked peer cannot re-join
         while wire.stats().rejects_by_peer.get(flooder.label, 0) < n + 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert wire.stream.wait()                          # its leases were revoked and rebuilt by the good one
+        assert wire.stream.wait()  # its leases were revoked and rebuilt by the good one
     after = wire.stats()
     # 200 answered; the 201st trips the limit and is answered FLOOD; the rest (and the HELLO) are ignored.
     assert flooder.codes == [RejectCode.DECODE] * flood_limit + [RejectCode.FLOOD]
-    assert delta(before.rejects, after.rejects) == {RejectCode.DECODE: flood_limit + 1,
-                                                     RejectCode.FLOOD: n - flood_limit}
+    assert delta(before.rejects, after.rejects) == {
+        RejectCode.DECODE: flood_limit + 1,
+        RejectCode.FLOOD: n - flood_limit,
+    }
     assert after.rejects_by_peer[flooder.label] == n + 1
     assert after.producers_alive == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("floods invalid messages" in w for w in warnings), warnings
-    assert len(warnings) <= 4, warnings                   # not one line per reject
+    assert len(warnings) <= 4, warnings  # not one line per reject
     flooder.pump(200, heartbeat=False)
-    assert len(flooder.errs) == flood_limit + 1          # nothing answered after the block
+    assert len(flooder.errs) == flood_limit + 1  # nothing answered after the block
     wire.check_stream(start)
-
-

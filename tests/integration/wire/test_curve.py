@@ -24,8 +24,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | None,
-            server_key: Path | None) -> zmq.Socket[bytes]:
+def _dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | None, server_key: Path | None
+) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None and server_key is not None:
@@ -37,19 +38,26 @@ def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | Non
 
 
 def test_only_allow_listed_keys_speaking_for_their_own_name_get_through(
-        demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
+    demo_cache: Path, tmp_path: Path, producers: ProducerGroup
+) -> None:
     keys = tmp_path / "keys"
     generate_keys(keys, ["hostA", "hostB"])
-    (keys / "producers" / "hostB.key").unlink()                     # hostB is not allowed any more
+    (keys / "producers" / "hostB.key").unlink()  # hostB is not allowed any more
     stranger = tmp_path / "stranger"
     generate_keys(stranger, [])
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    cfg = config_from_mapping({
-        "cache_dir": str(demo_cache),
-        "consumer": {"steps": 12, "wait_timeout_s": 0.5},
-        "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2,
-                      "curve_secret_key": str(keys / "consumer.key_secret"),
-                      "curve_allowed_dir": str(keys / "producers")}})
+    cfg = config_from_mapping(
+        {
+            "cache_dir": str(demo_cache),
+            "consumer": {"steps": 12, "wait_timeout_s": 0.5},
+            "transport": {
+                "endpoint": endpoint,
+                "heartbeat_interval_s": 0.2,
+                "curve_secret_key": str(keys / "consumer.key_secret"),
+                "curve_allowed_dir": str(keys / "producers"),
+            },
+        }
+    )
     ctx = zmq.Context()
     bad = {
         "plaintext": _dealer(ctx, endpoint, None, None),
@@ -59,14 +67,28 @@ def test_only_allow_listed_keys_speaking_for_their_own_name_get_through(
     impostor = _dealer(ctx, endpoint, keys / "producers" / "hostA.key_secret", keys / "consumer.key")
     try:
         with Consumer(cfg) as consumer:
-            good = producers.start(demo_cache, endpoint, 1, transport={
-                "endpoint": endpoint, "heartbeat_interval_s": 0.2,
-                "curve_secret_key": str(keys / "producers" / "hostA.key_secret"),
-                "curve_server_key": str(keys / "consumer.key")})
+            good = producers.start(
+                demo_cache,
+                endpoint,
+                1,
+                transport={
+                    "endpoint": endpoint,
+                    "heartbeat_interval_s": 0.2,
+                    "curve_secret_key": str(keys / "producers" / "hostA.key_secret"),
+                    "curve_server_key": str(keys / "consumer.key"),
+                },
+            )
             for sock in bad.values():
-                sock.send(msgpack.packb({"t": 1, "bogus": True}))       # any frame at all
-            hello = Hello(PROTOCOL_VERSION, "hostB-1", consumer.manifest.fingerprint,   # valid, but not hostA's
-                          consumer._bucket_set.as_wire(), cfg.n_mels, cfg.seed, 1)
+                sock.send(msgpack.packb({"t": 1, "bogus": True}))  # any frame at all
+            hello = Hello(
+                PROTOCOL_VERSION,
+                "hostB-1",
+                consumer.manifest.fingerprint,  # valid, but not hostA's
+                consumer._bucket_set.as_wire(),
+                cfg.n_mels,
+                cfg.seed,
+                1,
+            )
             impostor.send(encode(hello))
             assert impostor.poll(5000), "the impostor got no answer"
             reply = msgpack.unpackb(impostor.recv())
@@ -82,5 +104,5 @@ def test_only_allow_listed_keys_speaking_for_their_own_name_get_through(
         ctx.term()
     assert ids == list(range(12)) and stats.producers_seen == 1
     assert reply["code"] == RejectCode.CONTRACT and "hostA" in reply["why"]
-    assert stats.rejects == {RejectCode.CONTRACT: 1}            # nothing from the three others reached the app
+    assert stats.rejects == {RejectCode.CONTRACT: 1}  # nothing from the three others reached the app
     assert leaked == {"plaintext": False, "unknown key": False, "removed key": False}

@@ -29,7 +29,7 @@ from melfeed.shared.config.loader import config_from_mapping
 from tests import procs
 
 _N = 48
-_STEPS = 14        # > one epoch of 48 utterances in batches of 4 (12 batches)
+_STEPS = 14  # > one epoch of 48 utterances in batches of 4 (12 batches)
 _KINDS = {**DEMO_EXTRAS, "duration": "token", "spk_emb": "utterance", "ref": "sequence"}
 
 
@@ -43,11 +43,18 @@ def extras_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for u in manifest.utterances:
         np.save(root / "extras" / "duration" / f"{u.id}.npy", rng.integers(1, 9, u.tokens, dtype=np.int32))
         np.save(root / "extras" / "spk_emb" / f"{u.id}.npy", rng.standard_normal(3).astype(np.float32))
-        np.save(root / "extras" / "ref" / f"{u.id}.npy",
-                rng.standard_normal((int(rng.integers(1, 30)), 2)).astype(np.float16))
+        np.save(
+            root / "extras" / "ref" / f"{u.id}.npy",
+            rng.standard_normal((int(rng.integers(1, 30)), 2)).astype(np.float16),
+        )
     full, problems = build_manifest(root, 16, kinds=_KINDS)
-    assert problems == [] and [c.spec.kind for c in full.extras] == ["token", "frame", "sequence", "utterance",
-                                                                      "utterance"]
+    assert problems == [] and [c.spec.kind for c in full.extras] == [
+        "token",
+        "frame",
+        "sequence",
+        "utterance",
+        "utterance",
+    ]
     write_manifest(full)
     return root
 
@@ -56,7 +63,7 @@ def _expected(manifest: Manifest, bucket: Any, sample_ids: tuple[int, ...]) -> d
     """The batch as the schema says it must arrive: each file padded by its kind, padding rows zero."""
     shapes, dtypes = bucket.shapes(), bucket.dtypes()
     out = {k: np.zeros(shapes[k], dtypes[k]) for k in shapes}
-    assert read_batch(manifest, sample_ids, out) == []      # the reference assembly (shared/cache/batch_read.py)
+    assert read_batch(manifest, sample_ids, out) == []  # the reference assembly (shared/cache/batch_read.py)
     return out
 
 
@@ -68,12 +75,22 @@ def _kill_one_worker(launcher: int) -> bool:
 
 
 def test_extras_of_every_kind_arrive_bit_exact_in_plan_order_through_a_producer_kill(
-        extras_cache: Path, tmp_path: Path, transport_mode: str) -> None:
+    extras_cache: Path, tmp_path: Path, transport_mode: str
+) -> None:
     endpoint = f"ipc://{tmp_path}/x.sock"
-    mapping = {"cache_dir": str(extras_cache), "n_mels": 16, "buckets": {"num_buckets": 2, "batch_size": 4},
-               "consumer": {"steps": _STEPS, "wait_timeout_s": 0.5}, "producer": {"restart_backoff_s": 0.2},
-               "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "liveness_intervals": 5,
-                             "mode": transport_mode}}
+    mapping = {
+        "cache_dir": str(extras_cache),
+        "n_mels": 16,
+        "buckets": {"num_buckets": 2, "batch_size": 4},
+        "consumer": {"steps": _STEPS, "wait_timeout_s": 0.5},
+        "producer": {"restart_backoff_s": 0.2},
+        "transport": {
+            "endpoint": endpoint,
+            "heartbeat_interval_s": 0.2,
+            "liveness_intervals": 5,
+            "mode": transport_mode,
+        },
+    }
     config = tmp_path / "p.yaml"
     config.write_text(yaml.safe_dump(mapping))
     cfg = config_from_mapping(mapping)
@@ -106,13 +123,18 @@ def test_extras_of_every_kind_arrive_bit_exact_in_plan_order_through_a_producer_
 
 
 @pytest.mark.parametrize("token_axis", ["bucket", "longest"])
-def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cache: Path, tmp_path: Path,
-                                                                      token_axis: str) -> None:
+def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(
+    extras_cache: Path, tmp_path: Path, token_axis: str
+) -> None:
     endpoint = f"ipc://{tmp_path}/d.sock"
     steps = 6
-    mapping = {"cache_dir": str(extras_cache), "n_mels": 16, "buckets": {"num_buckets": 2, "batch_size": 4},
-               "consumer": {"steps": steps, "wait_timeout_s": 0.5},
-               "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": "shm"}}
+    mapping = {
+        "cache_dir": str(extras_cache),
+        "n_mels": 16,
+        "buckets": {"num_buckets": 2, "batch_size": 4},
+        "consumer": {"steps": steps, "wait_timeout_s": 0.5},
+        "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": "shm"},
+    }
     config = tmp_path / "d.yaml"
     config.write_text(yaml.safe_dump(mapping))
     cfg = config_from_mapping(mapping)
@@ -120,7 +142,7 @@ def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cac
     with Consumer(cfg) as feed:
         keys = feature_keys(feed)
         assert {"duration", "energy", "ref", "ref_len", "speaker", "spk_emb", "rows", "row_mask"} <= set(keys)
-        if token_axis == "longest":     # the cut reads the lengths it needs even when features leaves them out
+        if token_axis == "longest":  # the cut reads the lengths it needs even when features leaves them out
             keys = tuple(k for k in keys if k not in ("tok_len", "ref_len"))
         group = procs.start("producer", config, tmp_path / "p.log", "--producers", "1")
         try:
@@ -135,10 +157,14 @@ def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cac
         assert list(features) == list(keys)
         planned = plan.batch(int(features["batch_id"][0]))
         want = _expected(manifest, buckets[planned.bucket], planned.sample_ids)
-        if token_axis == "longest":     # tokens and the token extra to max(tok_len), the sequence to max(ref_len)
+        if token_axis == "longest":  # tokens and the token extra to max(tok_len), the sequence to max(ref_len)
             longest, ref_longest = int(want["tok_len"].max()), int(want["ref_len"].max())
-            want = {**want, "tokens": want["tokens"][:, :longest], "duration": want["duration"][:, :longest],
-                    "ref": want["ref"][:, :ref_longest]}
+            want = {
+                **want,
+                "tokens": want["tokens"][:, :longest],
+                "duration": want["duration"][:, :longest],
+                "ref": want["ref"][:, :ref_longest],
+            }
             narrowed += longest < buckets[planned.bucket].shapes()["tokens"][1]
         assert mel.tobytes() == want["mel"].tobytes()
         for key in want:
@@ -147,4 +173,4 @@ def test_the_keras_dataset_cuts_every_extra_out_of_the_slot_bit_exact(extras_cac
                 assert features[key].tobytes() == want[key].tobytes(), key
         assert int(features["rows"]) == len(planned.sample_ids)
         assert features["row_mask"].tolist() == [r < len(planned.sample_ids) for r in range(len(mel))]
-    assert token_axis == "bucket" or narrowed > 0       # some batch's longest row is narrower than its bucket
+    assert token_axis == "bucket" or narrowed > 0  # some batch's longest row is narrower than its bucket

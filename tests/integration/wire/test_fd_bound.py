@@ -24,10 +24,10 @@ from melfeed.consumer.resume.checkpoint import latest_checkpoint
 from melfeed.shared.config.loader import config_from_mapping
 from tests import procs
 
-_FD_LIMIT = 320          # the consumer's soft and hard limit: ~100 used by TensorFlow, libzmq and the state
-_IDLE = 400              # connections held open: more than the limit allows
+_FD_LIMIT = 320  # the consumer's soft and hard limit: ~100 used by TensorFlow, libzmq and the state
+_IDLE = 400  # connections held open: more than the limit allows
 _STEPS = 40
-_WAIT_S = 120.0          # the whole run on a loaded machine; only a hang gets near it
+_WAIT_S = 120.0  # the whole run on a loaded machine; only a hang gets near it
 
 
 def _free_port() -> int:
@@ -43,7 +43,7 @@ def _open_fds(pid: int) -> int:
         return 0
 
 
-def _lower_fd_limit() -> None:       # runs in the child before exec
+def _lower_fd_limit() -> None:  # runs in the child before exec
     resource.setrlimit(resource.RLIMIT_NOFILE, (_FD_LIMIT, _FD_LIMIT))
 
 
@@ -71,20 +71,33 @@ def idle() -> Iterator[list[socket.socket]]:
 
 
 def test_hundreds_of_idle_tcp_connections_leave_the_run_and_its_checkpoints_intact(
-        demo_cache: Path, tmp_path: Path, idle: list[socket.socket]) -> None:
+    demo_cache: Path, tmp_path: Path, idle: list[socket.socket]
+) -> None:
     port = _free_port()
     log = tmp_path / "fd.log"
     state = tmp_path / "state"
     # handshake_timeout_s is long here so that the connection bound alone has to hold the line.
-    config = procs.write_config(tmp_path / "fd.yaml", demo_cache, f"tcp://127.0.0.1:{port}", state, _STEPS,
-                                transport={"insecure": True, "mode": "zmq", "max_connections": 16,
-                                           "handshake_timeout_s": 60.0},
-                                consumer={"checkpoint_every_steps": 5}, producer={"count": 1})
+    config = procs.write_config(
+        tmp_path / "fd.yaml",
+        demo_cache,
+        f"tcp://127.0.0.1:{port}",
+        state,
+        _STEPS,
+        transport={"insecure": True, "mode": "zmq", "max_connections": 16, "handshake_timeout_s": 60.0},
+        consumer={"checkpoint_every_steps": 5},
+        producer={"count": 1},
+    )
     state.mkdir(mode=0o750)
     with open(log, "ab") as out:
-        consumer = subprocess.Popen(procs.command("consumer", config), cwd=procs.REPO, env=procs.env(tmp_path),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=_lower_fd_limit)
+        consumer = subprocess.Popen(
+            procs.command("consumer", config),
+            cwd=procs.REPO,
+            env=procs.env(tmp_path),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_lower_fd_limit,
+        )
     # A periodic checkpoint that cannot be written (a file where its temporary directory goes) is
     # retried an interval later while training goes on (consumer/resume/state.py).
     (state / f"ckpt-{10:012d}.tmp-{consumer.pid}").write_text("in the way\n")
@@ -104,8 +117,8 @@ def test_hundreds_of_idle_tcp_connections_leave_the_run_and_its_checkpoints_inta
             procs.stop(producers)
     text = log.read_text(errors="replace")
     assert "Too many open files" not in text
-    assert "transport.max_connections" in text            # the bound was reached and said so
-    assert peak_fds < _FD_LIMIT - 64, peak_fds              # the bound leaves room for checkpoint writes
+    assert "transport.max_connections" in text  # the bound was reached and said so
+    assert peak_fds < _FD_LIMIT - 64, peak_fds  # the bound leaves room for checkpoint writes
     assert f"periodic checkpoint failed: {state}/ckpt-{10:012d}.tmp-{consumer.pid} (errno EEXIST)" in text
     found = latest_checkpoint(state)
     assert found is not None and found[1].next_batch == _STEPS
@@ -114,18 +127,28 @@ def test_hundreds_of_idle_tcp_connections_leave_the_run_and_its_checkpoints_inta
 
 
 def test_a_connection_that_never_handshakes_is_dropped_after_handshake_timeout_s(
-        demo_cache: Path, tmp_path: Path) -> None:
+    demo_cache: Path, tmp_path: Path
+) -> None:
     port = _free_port()
-    cfg = config_from_mapping({"cache_dir": str(demo_cache), "buckets": {"batch_size": 4},
-                               "transport": {"endpoint": f"tcp://127.0.0.1:{port}", "insecure": True,
-                                             "mode": "zmq", "handshake_timeout_s": 0.5}})
+    cfg = config_from_mapping(
+        {
+            "cache_dir": str(demo_cache),
+            "buckets": {"batch_size": 4},
+            "transport": {
+                "endpoint": f"tcp://127.0.0.1:{port}",
+                "insecure": True,
+                "mode": "zmq",
+                "handshake_timeout_s": 0.5,
+            },
+        }
+    )
     with Consumer(cfg) as consumer:
         consumer.start()
         conns = [socket.create_connection(("127.0.0.1", port), timeout=_WAIT_S) for _ in range(5)]
         try:
             t0 = time.monotonic()
             for c in conns:
-                _read_until_closed(c)             # the greeting, then the consumer hangs up
+                _read_until_closed(c)  # the greeting, then the consumer hangs up
             assert time.monotonic() - t0 < _WAIT_S / 4
         finally:
             for c in conns:

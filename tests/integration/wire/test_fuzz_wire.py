@@ -27,24 +27,64 @@ import zmq
 
 from melfeed.consumer.feed import Consumer
 from melfeed.shared.errors import ProtocolError
-from melfeed.shared.wire.protocol import (BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, RejectCode, Welcome,
-                             decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    BatchHeader,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    RejectCode,
+    Welcome,
+    decode_header,
+    encode,
+)
 from tests.conftest import ProducerGroup
-from tests.integration.wire.bad_peer import (BATCH_CASES, BadPeer, Reference, Stream, Wire, delta, start_producer,
-                                            wire_config)
+from tests.integration.wire.bad_peer import (
+    BATCH_CASES,
+    BadPeer,
+    Reference,
+    Stream,
+    Wire,
+    delta,
+    start_producer,
+    wire_config,
+)
 
 SEED = int(os.environ.get("MELFEED_FUZZ_SEED", "1357"))
-N_STRANGER = int(os.environ.get("MELFEED_FUZZ_MESSAGES", "1200"))   # from the rotating strangers
-PER_STRANGER = 150            # below the flood limit (200 per 10 s), so every one of them is answered
-N_FLOOD = 260                 # from the flooder: 200 answered, the 201st answered FLOOD, the rest ignored
-INSIDER_BUDGET = 80           # broken batches the insider sends before it says BYE
-FLOOD_LIMIT = 200             # RejectLog's production default
-WINDOW_S = 2.0                # the fuzz is spread over this long
+N_STRANGER = int(os.environ.get("MELFEED_FUZZ_MESSAGES", "1200"))  # from the rotating strangers
+PER_STRANGER = 150  # below the flood limit (200 per 10 s), so every one of them is answered
+N_FLOOD = 260  # from the flooder: 200 answered, the 201st answered FLOOD, the rest ignored
+INSIDER_BUDGET = 80  # broken batches the insider sends before it says BYE
+FLOOD_LIMIT = 200  # RejectLog's production default
+WINDOW_S = 2.0  # the fuzz is spread over this long
 _WAIT_S = 30.0
 
 Frames = list[bytes]
-_KEYS = ["t", "epoch", "id", "bucket", "shapes", "dtypes", "crc", "q", "proto", "pid", "fp", "buckets", "n_mels",
-         "seed", "depth", "applied", "code", "why", "leases", "window", "hb"]
+_KEYS = [
+    "t",
+    "epoch",
+    "id",
+    "bucket",
+    "shapes",
+    "dtypes",
+    "crc",
+    "q",
+    "proto",
+    "pid",
+    "fp",
+    "buckets",
+    "n_mels",
+    "seed",
+    "depth",
+    "applied",
+    "code",
+    "why",
+    "leases",
+    "window",
+    "hb",
+]
 
 
 class Fuzzer:
@@ -57,18 +97,36 @@ class Fuzzer:
         shapes = [list(s) for s in c._bucket_set.buckets[0].shapes().values()]
         batch = BatchHeader(epoch, 3, 0, shapes, ["float32", "int32", "int32", "int32"], 12345, [])
         # The fingerprint has the real one's length, never its value: no mutation can make a valid HELLO.
-        hello = Hello(1, "fuzz", "f" * len(c.manifest.fingerprint), c._bucket_set.as_wire(), c._cfg.n_mels, c._cfg.seed, 1)
-        self.templates = [hello, batch, Heartbeat(epoch, 1, 2), Bye(epoch), Welcome(epoch, 2, 0.2, True, 1),
-                          LeaseGrant(epoch, [Lease(1, 0, [1, 2], 3.0)], 1), Err(RejectCode.LEASE, "why")]
+        hello = Hello(
+            1, "fuzz", "f" * len(c.manifest.fingerprint), c._bucket_set.as_wire(), c._cfg.n_mels, c._cfg.seed, 1
+        )
+        self.templates = [
+            hello,
+            batch,
+            Heartbeat(epoch, 1, 2),
+            Bye(epoch),
+            Welcome(epoch, 2, 0.2, True, 1),
+            LeaseGrant(epoch, [Lease(1, 0, [1, 2], 3.0)], 1),
+            Err(RejectCode.LEASE, "why"),
+        ]
         self.batch = batch
         self.payload_bytes = [4, 16, 1024, 65536]
 
     def message(self) -> Frames:
         r = self.rng
         make: Callable[[], Frames] = r.choices(
-            [self._random_bytes, self._truncated, self._flipped, self._random_map, self._wrong_field,
-             self._extra_frames, self._batch_mutant, self._giant],
-            weights=[15, 10, 15, 15, 20, 10, 12, 3])[0]
+            [
+                self._random_bytes,
+                self._truncated,
+                self._flipped,
+                self._random_map,
+                self._wrong_field,
+                self._extra_frames,
+                self._batch_mutant,
+                self._giant,
+            ],
+            weights=[15, 10, 15, 15, 20, 10, 12, 3],
+        )[0]
         return make()
 
     # --- categories ---------------------------------------------------------------------------------
@@ -80,7 +138,7 @@ class Fuzzer:
 
     def _truncated(self) -> Frames:
         raw = self._template_bytes()
-        return [raw[:self.rng.randrange(len(raw))]]
+        return [raw[: self.rng.randrange(len(raw))]]
 
     def _flipped(self) -> Frames:
         raw = bytearray(self._template_bytes())
@@ -131,8 +189,7 @@ class Fuzzer:
 
     def _extra_frames(self) -> Frames:
         head = self.rng.choice([self._template_bytes(), *self._random_bytes()])
-        return [head] + [self.rng.randbytes(self.rng.choice(self.payload_bytes))
-                         for _ in range(self.rng.randint(1, 5))]
+        return [head] + [self.rng.randbytes(self.rng.choice(self.payload_bytes)) for _ in range(self.rng.randint(1, 5))]
 
     def _batch_mutant(self) -> Frames:
         d = msgpack.unpackb(encode(self.batch))
@@ -143,9 +200,18 @@ class Fuzzer:
 
     def _giant(self) -> Frames:
         r = self.rng
-        return [r.choice([b"\xdb\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\x91" * r.randint(100, 200_000) + b"\xc0",
-                          msgpack.packb({"t": 1, "buckets": [[1, 2, 3, 4, 5]] * r.randint(1, 60_000)}),
-                          msgpack.packb([None] * 65_537), b"\x80" * 3])]
+        return [
+            r.choice(
+                [
+                    b"\xdb\xff\xff\xff\xff",
+                    b"\xdd\xff\xff\xff\xff",
+                    b"\x91" * r.randint(100, 200_000) + b"\xc0",
+                    msgpack.packb({"t": 1, "buckets": [[1, 2, 3, 4, 5]] * r.randint(1, 60_000)}),
+                    msgpack.packb([None] * 65_537),
+                    b"\x80" * 3,
+                ]
+            )
+        ]
 
 
 class Insider:
@@ -165,17 +231,17 @@ class Insider:
             lease = p.leases.pop(0)
             header, payload = p.batch(lease)
             choice = self.rng.randrange(len(BATCH_CASES) + 3)
-            if choice < len(BATCH_CASES):                    # answers the lease: it is requeued
+            if choice < len(BATCH_CASES):  # answers the lease: it is requeued
                 mutate, _ = list(BATCH_CASES.values())[choice]
                 header, payload = mutate(header, payload)
-            else:                                             # leaves the lease open: answer it later
+            else:  # leaves the lease open: answer it later
                 p.leases.insert(0, lease)
                 if choice == len(BATCH_CASES):
-                    header = dataclasses.replace(header, batch_id=10**9 + self.sent)      # LEASE
+                    header = dataclasses.replace(header, batch_id=10**9 + self.sent)  # LEASE
                 elif choice == len(BATCH_CASES) + 1 and applied:
-                    header = dataclasses.replace(header, batch_id=applied[-1][0])       # dup
+                    header = dataclasses.replace(header, batch_id=applied[-1][0])  # dup
                 else:
-                    header = dataclasses.replace(header, epoch=header.epoch + 2)         # stale: UNKNOWN_PEER
+                    header = dataclasses.replace(header, epoch=header.epoch + 2)  # stale: UNKNOWN_PEER
             p.send(encode(header), *payload)
             self.sent += 1
             if self.sent >= INSIDER_BUDGET:
@@ -207,8 +273,8 @@ class Attack:
 
     def __init__(self, rng: random.Random, wire: Wire) -> None:
         fuzz = Fuzzer(rng, wire)
-        self.plan: list[tuple[bytes, Frames]] = []          # (routing id, frames), in sending order
-        for rnd in range(-(-N_STRANGER // (3 * PER_STRANGER))):       # rounds of 3 fresh strangers
+        self.plan: list[tuple[bytes, Frames]] = []  # (routing id, frames), in sending order
+        for rnd in range(-(-N_STRANGER // (3 * PER_STRANGER))):  # rounds of 3 fresh strangers
             names = [f"fuzz-{SEED}-r{rnd}-{i}".encode() for i in range(3)]
             n = min(3 * PER_STRANGER, N_STRANGER - len(self.plan))
             self.plan.extend((rng.choice(names), fuzz.message()) for _ in range(n))
@@ -255,25 +321,26 @@ def _insider_finishes(insider: Insider, stream: Stream) -> bool:
 
 
 def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_producer_streams(
-        demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
+    demo_cache: Path, tmp_path: Path, producers: ProducerGroup
+) -> None:
     rng = random.Random(SEED)
     endpoint = f"ipc://{tmp_path}/fuzz.sock"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     with Consumer(wire_config(demo_cache, endpoint)) as consumer:
         stream = Stream(consumer)
         wire = Wire(consumer, stream, Reference(consumer), endpoint, ctx)
-        attack = Attack(rng, wire)                          # planned before anything is measured
+        attack = Attack(rng, wire)  # planned before anything is measured
         insider = Insider(wire, rng)
         try:
             start_producer(producers, demo_cache, endpoint)
-            stream.take(10**9)                              # free-running step loop
-            assert _wait(lambda: len(stream.applied) >= 50), stream.error      # warm
+            stream.take(10**9)  # free-running step loop
+            assert _wait(lambda: len(stream.applied) >= 50), stream.error  # warm
             before = consumer._receiver.stats()
             n0 = len(stream.applied)
             insider.peer.join()
             attack.run(insider, stream)
             applied_during_fuzz = len(stream.applied) - n0
-            assert _wait(lambda: _insider_finishes(insider, stream)), insider.sent   # spends its budget, BYE
+            assert _wait(lambda: _insider_finishes(insider, stream)), insider.sent  # spends its budget, BYE
             total_sent = len(attack.plan) + insider.sent
 
             def settled() -> bool:
@@ -282,8 +349,9 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
                 now = consumer._receiver.stats()
                 counted = sum(delta(before.rejects, now.rejects).values())
                 return counted + now.duplicates_dropped - before.duplicates_dropped >= total_sent
+
             assert _wait(settled), delta(before.rejects, consumer._receiver.stats().rejects)
-            time.sleep(0.2)                                 # a surplus count or reply would show by now
+            time.sleep(0.2)  # a surplus count or reply would show by now
             settled()
             after = consumer._receiver.stats()
             n_after = len(stream.applied)
@@ -298,7 +366,7 @@ def test_fuzzed_malformed_messages_are_all_counted_and_answered_while_a_good_pro
     assert stream.error is None, context
     rejects = delta(before.rejects, after.rejects)
     by_peer = delta(before.rejects_by_peer, after.rejects_by_peer)
-    dups = after.duplicates_dropped - before.duplicates_dropped      # only the insider sends copies
+    dups = after.duplicates_dropped - before.duplicates_dropped  # only the insider sends copies
     # Every message counted once: a reject, an ignored one (FLOOD) or a duplicate.
     assert sum(rejects.values()) + dups == total_sent, (context, rejects, dups, total_sent)
     assert rejects.get(RejectCode.FLOOD, 0) == N_FLOOD - FLOOD_LIMIT - 1, (context, rejects)

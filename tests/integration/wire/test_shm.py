@@ -26,8 +26,18 @@ from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.layout import ARRAY_KEYS
-from melfeed.shared.wire.protocol import (CAP_SHM, PROTOCOL_VERSION, BatchHeader, Err, Hello, LeaseGrant, RejectCode, Welcome,
-                             decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    CAP_SHM,
+    PROTOCOL_VERSION,
+    BatchHeader,
+    Err,
+    Hello,
+    LeaseGrant,
+    RejectCode,
+    Welcome,
+    decode_header,
+    encode,
+)
 from tests import procs
 from tests.conftest import ProducerGroup
 
@@ -35,9 +45,19 @@ HB_S = 0.2
 
 
 def _cfg(cache: Path, endpoint: str, shm_dir: Path, steps: int, mode: str = "shm") -> object:
-    return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5},
-                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": HB_S,
-                                              "liveness_intervals": 5, "mode": mode, "shm_dir": str(shm_dir)}})
+    return config_from_mapping(
+        {
+            "cache_dir": str(cache),
+            "consumer": {"steps": steps, "wait_timeout_s": 0.5},
+            "transport": {
+                "endpoint": endpoint,
+                "heartbeat_interval_s": HB_S,
+                "liveness_intervals": 5,
+                "mode": mode,
+                "shm_dir": str(shm_dir),
+            },
+        }
+    )
 
 
 def _recv(sock: zmq.Socket[bytes], kind: type, timeout_s: float = procs.WAIT_S) -> object:
@@ -61,6 +81,7 @@ def _scribbling(views: list[dict[str, np.ndarray]]) -> Iterator[threading.Event]
                 for arr in v.values():
                     arr.view(np.uint8)[...] = 0xFF
             time.sleep(0.001)
+
     thread = threading.Thread(target=run, name="zombie", daemon=True)
     thread.start()
     try:
@@ -71,7 +92,8 @@ def _scribbling(views: list[dict[str, np.ndarray]]) -> Iterator[threading.Event]
 
 
 def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_batch_is_fenced(
-        demo_cache: Path, tmp_path: Path, producers: ProducerGroup) -> None:
+    demo_cache: Path, tmp_path: Path, producers: ProducerGroup
+) -> None:
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     endpoint = f"ipc://{tmp_path}/m.sock"
@@ -79,11 +101,22 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
     zombie = ctx.socket(zmq.DEALER)
     zombie.setsockopt(zmq.LINGER, 0)
     try:
-        with Consumer(_cfg(demo_cache, endpoint, shm_dir, 30)) as consumer:     # type: ignore[arg-type]
+        with Consumer(_cfg(demo_cache, endpoint, shm_dir, 30)) as consumer:  # type: ignore[arg-type]
             zombie.connect(endpoint)
-            zombie.send(encode(Hello(PROTOCOL_VERSION, "zombie-1", consumer.manifest.fingerprint,
-                                     consumer._bucket_set.as_wire(), consumer._cfg.n_mels, consumer._cfg.seed, 1,
-                                     [CAP_SHM])))
+            zombie.send(
+                encode(
+                    Hello(
+                        PROTOCOL_VERSION,
+                        "zombie-1",
+                        consumer.manifest.fingerprint,
+                        consumer._bucket_set.as_wire(),
+                        consumer._cfg.n_mels,
+                        consumer._cfg.seed,
+                        1,
+                        [CAP_SHM],
+                    )
+                )
+            )
             welcome = _recv(zombie, Welcome)
             grant = _recv(zombie, LeaseGrant)
             assert isinstance(welcome, Welcome) and isinstance(grant, LeaseGrant) and welcome.shm_dir == str(shm_dir)
@@ -96,19 +129,31 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
             while consumer._receiver.stats().leases_reissued < len(views):
                 assert time.monotonic() < deadline, "the zombie's leases were never reissued"
                 time.sleep(0.05)
-            with _scribbling(views):                     # it wakes up and writes ...
+            with _scribbling(views):  # it wakes up and writes ...
                 got = []
                 for batch in consumer.batches():
                     a = batch.arrays
-                    assert np.isfinite(a["mel"]).all() and a["mel_len"].min() >= 0 and a["tok_len"].min() >= 0, \
+                    assert np.isfinite(a["mel"]).all() and a["mel_len"].min() >= 0 and a["tok_len"].min() >= 0, (
                         f"batch {batch.batch_id} was scribbled on"
+                    )
                     got.append(batch.batch_id)
-                lease = grant.leases[0]                  # ... and delivers its batch late
+                lease = grant.leases[0]  # ... and delivers its batch late
                 arrays = [views[0][k] for k in ARRAY_KEYS]
                 assert lease.shm is not None
-                zombie.send(encode(BatchHeader(grant.epoch, lease.batch_id, lease.bucket, [list(x.shape) for x in arrays],
-                                               [x.dtype.name for x in arrays], None, [],
-                                               (lease.shm.slot, lease.shm.generation))))
+                zombie.send(
+                    encode(
+                        BatchHeader(
+                            grant.epoch,
+                            lease.batch_id,
+                            lease.bucket,
+                            [list(x.shape) for x in arrays],
+                            [x.dtype.name for x in arrays],
+                            None,
+                            [],
+                            (lease.shm.slot, lease.shm.generation),
+                        )
+                    )
+                )
                 err = _recv(zombie, Err)
             stats = consumer._receiver.stats()
     finally:
@@ -117,7 +162,7 @@ def test_a_zombie_writing_into_its_old_slot_never_changes_a_batch_and_its_late_b
     assert got == list(range(30))
     assert isinstance(err, Err) and err.code == RejectCode.UNKNOWN_PEER
     assert stats.rejects == {RejectCode.UNKNOWN_PEER: 1} and stats.shm_retired >= len(views)
-    assert list(shm_dir.iterdir()) == []                 # close() unlinked every slot file
+    assert list(shm_dir.iterdir()) == []  # close() unlinked every slot file
 
 
 def _stopped_in_sleep(pid: int) -> bool:
@@ -127,7 +172,7 @@ def _stopped_in_sleep(pid: int) -> bool:
         number = Path(f"/proc/{pid}/syscall").read_text().split()[0]
     except OSError:
         number = ""
-    if number in ("35", "230"):                         # nanosleep, clock_nanosleep (x86-64)
+    if number in ("35", "230"):  # nanosleep, clock_nanosleep (x86-64)
         return True
     os.kill(pid, signal.SIGCONT)
     return False
@@ -142,8 +187,15 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
     state = tmp_path / "state"
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/c.sock", state, _FENCED_STEPS,
-                                transport={"mode": "shm", "shm_dir": str(shm_dir)}, producer={"count": 2})
+    config = procs.write_config(
+        tmp_path / "c.yaml",
+        demo_cache,
+        f"ipc://{tmp_path}/c.sock",
+        state,
+        _FENCED_STEPS,
+        transport={"mode": "shm", "shm_dir": str(shm_dir)},
+        producer={"count": 2},
+    )
     log = tmp_path / "run.log"
     summary = tmp_path / "summary.json"
     producers = procs.start("producer", config, log, "--debug-delay-ms", "300")
@@ -160,8 +212,8 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
                     break
             time.sleep(0.02)
         before = procs.audit_records(state)
-        time.sleep(1.0 * 2)                              # past liveness (5 x 0.2 s): its leases are reissued
-        assert procs.wait_for_records(state, before + 3, consumer, 30), procs.tail(log)   # ... and applied
+        time.sleep(1.0 * 2)  # past liveness (5 x 0.2 s): its leases are reissued
+        assert procs.wait_for_records(state, before + 3, consumer, 30), procs.tail(log)  # ... and applied
         os.kill(victim, signal.SIGCONT)
         assert consumer.wait(60) == 0, procs.tail(log)
     finally:
@@ -171,7 +223,7 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
     assert rc == 0 and (doc["lost"], doc["duplicated"], doc["out_of_order"], doc["wrong_content"]) == (0, 0, 0, 0), text
     assert doc["content_checked"] and doc["applied"] == _FENCED_STEPS == doc["expected"], text
     out = json.loads(summary.read_text())
-    assert out["rejects"].get(RejectCode.UNKNOWN_PEER, 0) >= 1, out["rejects"]   # the late BATCH, fenced
+    assert out["rejects"].get(RejectCode.UNKNOWN_PEER, 0) >= 1, out["rejects"]  # the late BATCH, fenced
     assert out["payload_copies_per_batch"] == 1.0
     assert list(shm_dir.iterdir()) == []
 
@@ -194,13 +246,19 @@ with Consumer(load_config(sys.argv[1])) as feed:
 """
 
 
-def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(demo_cache: Path,
-                                                                               tmp_path: Path) -> None:
+def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(demo_cache: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    config = procs.write_config(tmp_path / "c.yaml", demo_cache, f"ipc://{tmp_path}/c.sock", state, 40,
-                                transport={"mode": "shm", "shm_dir": str(shm_dir)}, producer={"count": 1})
+    config = procs.write_config(
+        tmp_path / "c.yaml",
+        demo_cache,
+        f"ipc://{tmp_path}/c.sock",
+        state,
+        40,
+        transport={"mode": "shm", "shm_dir": str(shm_dir)},
+        producer={"count": 1},
+    )
     log = tmp_path / "run.log"
     producers = procs.start("producer", config, log)
     holding = tmp_path / "holding"
@@ -218,13 +276,14 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
         for proc in (victim, consumer, producers):
             if proc is not None:
                 procs.stop(proc)
-    assert list(shm_dir.iterdir()) == []                 # the stale files went at start, the new ones at exit
+    assert list(shm_dir.iterdir()) == []  # the stale files went at start, the new ones at exit
     assert f"removed {len(stale)} stale shared-memory slot files" in log.read_text()
     assert procs.audit_records(state) == 40
 
 
 def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_delivers(
-        demo_cache: Path, tmp_path: Path, producers: ProducerGroup, caplog: pytest.LogCaptureFixture) -> None:
+    demo_cache: Path, tmp_path: Path, producers: ProducerGroup, caplog: pytest.LogCaptureFixture
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a 1 MiB tmpfs needs root")
     small = tmp_path / "small"
@@ -234,10 +293,10 @@ def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_
         pytest.skip(f"cannot mount tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
     endpoint = f"ipc://{tmp_path}/m.sock"
     try:
-        with pytest.raises(ConfigError, match="too small.*transport.mode is shm"):   # asked for: never replaced
-            Consumer(_cfg(demo_cache, endpoint, small, 12)).start()   # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="too small.*transport.mode is shm"):  # asked for: never replaced
+            Consumer(_cfg(demo_cache, endpoint, small, 12)).start()  # type: ignore[arg-type]
         with caplog.at_level(logging.WARNING, logger="melfeed.consumer.transport.shm_slots"):
-            with Consumer(_cfg(demo_cache, endpoint, small, 12, "auto")) as consumer:   # type: ignore[arg-type]
+            with Consumer(_cfg(demo_cache, endpoint, small, 12, "auto")) as consumer:  # type: ignore[arg-type]
                 assert consumer._shm is None
                 producers.start(demo_cache, endpoint, 1, transport={"mode": "shm"})
                 copies = {b.copies for b in consumer.batches()}

@@ -15,17 +15,21 @@ import numpy as np
 import zmq
 
 from melfeed.consumer.feed import Consumer
-from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.cache.demo_data import write_demo_cache
-from melfeed.shared.wire.protocol import MsgKind, RejectCode, encode, Hello
+from melfeed.shared.config.loader import config_from_mapping
+from melfeed.shared.wire.protocol import Hello, MsgKind, RejectCode, encode
 from tests import procs
 from tests.conftest import ProducerGroup
 
 
 def _cfg(cache: Path, endpoint: str, steps: int, mode: str = "auto", **consumer: object):  # type: ignore[no-untyped-def]
-    return config_from_mapping({"cache_dir": str(cache), "consumer": {"steps": steps, "wait_timeout_s": 0.5,
-                                                                      **consumer},
-                                "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": mode}})
+    return config_from_mapping(
+        {
+            "cache_dir": str(cache),
+            "consumer": {"steps": steps, "wait_timeout_s": 0.5, **consumer},
+            "transport": {"endpoint": endpoint, "heartbeat_interval_s": 0.2, "mode": mode},
+        }
+    )
 
 
 def _collect(consumer: Consumer, copies: set[int] | None = None) -> list[tuple[int, str]]:
@@ -39,8 +43,9 @@ def _collect(consumer: Consumer, copies: set[int] | None = None) -> list[tuple[i
 
 
 def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_producers(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
-    steps = 40                                      # > one epoch of the 200-utterance cache (7 batches)
+    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
+) -> None:
+    steps = 40  # > one epoch of the 200-utterance cache (7 batches)
     runs = []
     for count in (1, 3):
         copies: set[int] = set()
@@ -58,7 +63,7 @@ def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_pr
         # bytes received = the batch bytes delivered into the ring, on either path
         assert stats.bytes_received == sum(_batch_nbytes(consumer, bid) for bid in range(stats.batches_received))
         runs.append(got)
-    assert runs[0] == runs[1]                       # invariant 1: the plan does not depend on producer count
+    assert runs[0] == runs[1]  # invariant 1: the plan does not depend on producer count
 
 
 def _batch_nbytes(consumer: Consumer, batch_id: int) -> int:
@@ -68,23 +73,26 @@ def _batch_nbytes(consumer: Consumer, batch_id: int) -> int:
     return sum(int(np.prod(shape)) * np.dtype(dtypes[k]).itemsize for k, shape in bucket.shapes().items())
 
 
-def test_padding_rows_and_lengths_match_the_manifest(demo_cache: Path, endpoint: str, producers: ProducerGroup,
-                                                     transport_mode: str) -> None:
+def test_padding_rows_and_lengths_match_the_manifest(
+    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
+) -> None:
     # 14 batches on 3 slots: on the shm path slot files are reused, so stale rows would show
     with Consumer(_cfg(demo_cache, endpoint, 14, transport_mode)) as consumer:
         producers.start(demo_cache, endpoint, 1, transport={"mode": transport_mode})
         frames = consumer.manifest.frames
         for batch in consumer.batches():
             planned = consumer.plan.batch(batch.batch_id)
-            assert batch.planned == planned                 # the identity the lease carried is the plan's
+            assert batch.planned == planned  # the identity the lease carried is the plan's
             n = len(planned.sample_ids)
-            assert list(batch.arrays["mel_len"][:n]) == [min(frames[i], batch.arrays["mel"].shape[1])
-                                                         for i in planned.sample_ids]
+            assert list(batch.arrays["mel_len"][:n]) == [
+                min(frames[i], batch.arrays["mel"].shape[1]) for i in planned.sample_ids
+            ]
             assert not batch.arrays["mel_len"][n:].any() and not batch.arrays["mel"][n:].any()
 
 
 def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_streams(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup) -> None:
+    demo_cache: Path, endpoint: str, producers: ProducerGroup
+) -> None:
     ctx = zmq.Context()
     bad = ctx.socket(zmq.DEALER)
     bad.setsockopt(zmq.LINGER, 0)
@@ -92,11 +100,16 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
         with Consumer(_cfg(demo_cache, endpoint, 30)) as consumer:
             bad.connect(endpoint)
             producers.start(demo_cache, endpoint, 1)
-            sent = [[b"\xc1\x00"], [b"\x85"], [msgpack.packb({"x": 1})], [msgpack.packb({"t": 42})],
-                    [msgpack.packb({"t": int(MsgKind.HB), "epoch": 1})],             # unknown peer
-                    [encode(Hello(1, "evil", "0" * 16, [[0, 1, 2, 3, 80]], 80, 0, 1))],  # contract
-                    [encode(Hello(9, "future", "x", [], 80, 0, 1))],                    # protocol version
-                    [msgpack.packb({"t": int(MsgKind.BYE), "epoch": 1}), b"extra"]]   # frames
+            sent = [
+                [b"\xc1\x00"],
+                [b"\x85"],
+                [msgpack.packb({"x": 1})],
+                [msgpack.packb({"t": 42})],
+                [msgpack.packb({"t": int(MsgKind.HB), "epoch": 1})],  # unknown peer
+                [encode(Hello(1, "evil", "0" * 16, [[0, 1, 2, 3, 80]], 80, 0, 1))],  # contract
+                [encode(Hello(9, "future", "x", [], 80, 0, 1))],  # protocol version
+                [msgpack.packb({"t": int(MsgKind.BYE), "epoch": 1}), b"extra"],
+            ]  # frames
             for frames in sent:
                 bad.send_multipart(frames)
             replies = []
@@ -111,15 +124,23 @@ def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_strea
         bad.close()
         ctx.term()
     assert ids == list(range(30))
-    assert [r["code"] for r in replies] == [RejectCode.DECODE, RejectCode.DECODE, RejectCode.SCHEMA,
-                                             RejectCode.TYPE, RejectCode.UNKNOWN_PEER, RejectCode.CONTRACT,
-                                             RejectCode.PROTO, RejectCode.FRAMES]
+    assert [r["code"] for r in replies] == [
+        RejectCode.DECODE,
+        RejectCode.DECODE,
+        RejectCode.SCHEMA,
+        RejectCode.TYPE,
+        RejectCode.UNKNOWN_PEER,
+        RejectCode.CONTRACT,
+        RejectCode.PROTO,
+        RejectCode.FRAMES,
+    ]
     assert sum(rejects.values()) == len(sent)
-    assert stale == 1   # the HB from an old epoch; the 2-frame BYE is refused (FRAMES) before its epoch is read
+    assert stale == 1  # the HB from an old epoch; the 2-frame BYE is refused (FRAMES) before its epoch is read
 
 
-def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: str, tmp_path: Path,
-                                                    producers: ProducerGroup) -> None:
+def test_producer_with_a_different_dataset_exits_78(
+    demo_cache: Path, endpoint: str, tmp_path: Path, producers: ProducerGroup
+) -> None:
     other = tmp_path / "other"
     write_demo_cache(other, n_utterances=50, seed=99)
     with Consumer(_cfg(demo_cache, endpoint, 5)) as consumer:
@@ -129,13 +150,14 @@ def test_producer_with_a_different_dataset_exits_78(demo_cache: Path, endpoint: 
 
 
 def test_producers_started_first_wait_and_join_when_the_consumer_appears(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
+    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
+) -> None:
     # back-off ceiling 0.5 s: both must join before 20 batches are done (shm delivers them fast)
     group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode, "connect_backoff_max_s": 0.5})
-    time.sleep(2.0)                                # producers up, consumer absent
+    time.sleep(2.0)  # producers up, consumer absent
     assert group.poll() is None
     with Consumer(_cfg(demo_cache, endpoint, 20, transport_mode)) as consumer:
-        deadline = time.monotonic() + 30              # both join (a loaded machine may start one late) ...
+        deadline = time.monotonic() + 30  # both join (a loaded machine may start one late) ...
         while consumer._receiver.stats().producers_seen < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert consumer._receiver.stats().producers_seen == 2
@@ -144,13 +166,15 @@ def test_producers_started_first_wait_and_join_when_the_consumer_appears(
 
 
 def test_producers_told_to_exit_at_the_plan_end_leave_with_bye_and_exit_0_while_the_consumer_is_open(
-        demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str) -> None:
+    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
+) -> None:
     with Consumer(_cfg(demo_cache, endpoint, 12, transport_mode)) as consumer:
-        group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode},
-                                producer={"exit_at_plan_end": True})
+        group = producers.start(
+            demo_cache, endpoint, 2, transport={"mode": transport_mode}, producer={"exit_at_plan_end": True}
+        )
         ids = [b.batch_id for b in consumer.batches()]
-        assert group.wait(procs.WAIT_S) == 0          # no signal: the supervisor ended once both children had
-        deadline = time.monotonic() + procs.WAIT_S    # their BYEs are in (the consumer drops them at once)
+        assert group.wait(procs.WAIT_S) == 0  # no signal: the supervisor ended once both children had
+        deadline = time.monotonic() + procs.WAIT_S  # their BYEs are in (the consumer drops them at once)
         while consumer._receiver.stats().producers_alive and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = consumer._receiver.stats()
@@ -158,8 +182,9 @@ def test_producers_told_to_exit_at_the_plan_end_leave_with_bye_and_exit_0_while_
     assert stats.producers_seen == 2 and stats.producers_alive == 0 and stats.producer_failures == 0
 
 
-def test_as_dataset_yields_fixed_shape_elements_for_keras(demo_cache: Path, endpoint: str,
-                                                        producers: ProducerGroup) -> None:
+def test_as_dataset_yields_fixed_shape_elements_for_keras(
+    demo_cache: Path, endpoint: str, producers: ProducerGroup
+) -> None:
     with Consumer(_cfg(demo_cache, endpoint, 6)) as consumer:
         producers.start(demo_cache, endpoint, 1)
         ds = consumer.as_dataset(single_shape=True)

@@ -13,12 +13,15 @@ from melfeed.consumer.app import worker_place
 from melfeed.shared.errors import ConfigError
 
 
-def test_a_tf_config_file_gives_the_rank_and_is_exported_for_tensorflow(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tf_config_file_gives_the_rank_and_is_exported_for_tensorflow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}')
     path = tmp_path / "tf.json"
-    path.write_text(json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1"]},
-                                "task": {"type": "worker", "index": 0}}), encoding="utf-8")
+    path.write_text(
+        json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1"]}, "task": {"type": "worker", "index": 0}}),
+        encoding="utf-8",
+    )
     place = worker_place(argparse.Namespace(tf_config=str(path)))
     assert (place.rank, place.world) == (1, 2)
     exported = json.loads(os.environ["TF_CONFIG"])

@@ -12,9 +12,23 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.handout import HandoutDesk
 from melfeed.shared.config.loader import config_from_mapping
 
-PUBLIC_NAMES = ["applied", "applied_ids", "array_schema", "as_dataset", "batches", "batches_per_epoch",
-                "bucket_shapes", "close", "extras", "manifest", "next_batch", "plan", "release", "slot_buffers",
-                "start"]
+PUBLIC_NAMES = [
+    "applied",
+    "applied_ids",
+    "array_schema",
+    "as_dataset",
+    "batches",
+    "batches_per_epoch",
+    "bucket_shapes",
+    "close",
+    "extras",
+    "manifest",
+    "next_batch",
+    "plan",
+    "release",
+    "slot_buffers",
+    "start",
+]
 
 
 def _public(names: list[str]) -> list[str]:

@@ -21,8 +21,10 @@ def test_the_facade_exports_the_library_classes_themselves() -> None:
 
 def test_import_consumer_loads_no_tensorflow() -> None:
     # A fresh interpreter: this test session may have imported TensorFlow already.
-    code = ("import sys; from melfeed.consumer import Batch, Consumer; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))")
+    code = (
+        "import sys; from melfeed.consumer import Batch, Consumer; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -12,10 +12,10 @@ import pytest
 from melfeed.consumer.observe.telemetry import open_metrics_file
 from melfeed.consumer.placement import apply_placement
 from melfeed.consumer.train.jit import MEMO_NAME, choose_mode, remember_mode
-from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts
 from melfeed.consumer.train.loop import TrainSummary
-from melfeed.shared.config.loader import config_from_mapping
+from melfeed.consumer.train.xla_attempts import ATTEMPTS_NAME, XlaAttempts
 from melfeed.shared.config import PipelineConfig
+from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError
 
 
@@ -27,16 +27,22 @@ def _cfg(**consumer: Any) -> PipelineConfig:
     return config_from_mapping({"consumer": consumer})
 
 
-def test_metrics_file_summary_jit_memo_and_xla_attempts_are_0640_under_umask_000(tmp_path: Path, umask_000: None) -> None:
+def test_metrics_file_summary_jit_memo_and_xla_attempts_are_0640_under_umask_000(
+    tmp_path: Path, umask_000: None
+) -> None:
     with open_metrics_file(str(tmp_path / "m.jsonl")) as out:
         out.write("{}\n")
     TrainSummary(steps=3).write(tmp_path / "summary.json")
-    TrainSummary(steps=4).write(tmp_path / "summary.json")          # written again at the end: replaced
+    TrainSummary(steps=4).write(tmp_path / "summary.json")  # written again at the end: replaced
     remember_mode(tmp_path, choose_mode("auto", xla_times_s=[0.03], graph_times_s=[0.02]))
     with XlaAttempts(tmp_path, "m:f").compiling("bucket A"):
         pass
-    assert {p: _mode(tmp_path / p) for p in ("m.jsonl", "summary.json", MEMO_NAME, ATTEMPTS_NAME)} == \
-        {"m.jsonl": 0o640, "summary.json": 0o640, MEMO_NAME: 0o640, ATTEMPTS_NAME: 0o640}
+    assert {p: _mode(tmp_path / p) for p in ("m.jsonl", "summary.json", MEMO_NAME, ATTEMPTS_NAME)} == {
+        "m.jsonl": 0o640,
+        "summary.json": 0o640,
+        MEMO_NAME: 0o640,
+        ATTEMPTS_NAME: 0o640,
+    }
     assert '"steps": 4' in (tmp_path / "summary.json").read_text()
 
 
@@ -60,7 +66,7 @@ def _refusal(cfg: PipelineConfig) -> str:
     env: dict[str, str] = {}
     with pytest.raises(ConfigError) as info:
         apply_placement(cfg, env, modules={})
-    assert env == {} and "\n" not in str(info.value)          # nothing set: TensorFlow never sees the cache
+    assert env == {} and "\n" not in str(info.value)  # nothing set: TensorFlow never sees the cache
     return str(info.value)
 
 
@@ -69,24 +75,27 @@ def test_a_cache_others_can_write_to_is_refused_naming_the_key(tmp_path: Path) -
     shared.mkdir()
     os.chmod(shared, 0o775)
     text = _refusal(_cfg(xla_cache_dir=str(shared)))
-    assert text.startswith(f"consumer.xla_cache_dir: XLA compilation cache {shared.resolve()} is mode 0775: "
-                           "its group can write to it")
+    assert text.startswith(
+        f"consumer.xla_cache_dir: XLA compilation cache {shared.resolve()} is mode 0775: its group can write to it"
+    )
     os.chmod(shared, 0o750)
-    assert apply_placement(_cfg(xla_cache_dir=str(shared)), {}, modules={})     # the operator's fix is enough
+    assert apply_placement(_cfg(xla_cache_dir=str(shared)), {}, modules={})  # the operator's fix is enough
 
 
-def test_a_cache_planted_in_the_state_dir_is_refused_naming_the_state_dir(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_planted_in_the_state_dir_is_refused_naming_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = tmp_path / "state"
     state.mkdir()
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o755)
-    (state / "xla-cache").symlink_to(theirs)                       # followed by resolve(): their directory
+    (state / "xla-cache").symlink_to(theirs)  # followed by resolve(): their directory
     if os.geteuid() == 0:
         os.chown(theirs, 4242, -1)
     else:
         me = os.geteuid() + 1
         monkeypatch.setattr(os, "geteuid", lambda: me)
     text = _refusal(_cfg(state_dir=str(state)))
-    assert text.startswith(f"consumer.state_dir: cannot use {theirs} as the XLA compilation cache: {theirs} "
-                           "belongs to uid ")
+    assert text.startswith(
+        f"consumer.state_dir: cannot use {theirs} as the XLA compilation cache: {theirs} belongs to uid "
+    )

@@ -13,8 +13,12 @@ from melfeed.consumer.handout import Batch, Handout, HandoutDesk, HandoutPorts
 
 
 def _batch(batch_id: int) -> Batch:
-    arrays = {"mel": np.zeros((2, 4, 3), np.float32), "mel_len": np.array([4, 0], np.int32),
-              "tokens": np.zeros((2, 5), np.int32), "tok_len": np.array([5, 0], np.int32)}
+    arrays = {
+        "mel": np.zeros((2, 4, 3), np.float32),
+        "mel_len": np.array([4, 0], np.int32),
+        "tokens": np.zeros((2, 5), np.int32),
+        "tok_len": np.array([5, 0], np.int32),
+    }
     return Batch(PlannedBatch(batch_id, 0, 0, (batch_id,)), arrays, slot=batch_id % 3)
 
 
@@ -47,7 +51,7 @@ def test_a_new_iterator_takes_the_held_batch_over_and_the_old_one_cannot_give_it
     h.hold(old, b0)
     new = h.begin()
     assert not h.is_current(old) and h.is_current(new)
-    h.give_back(old, b0)                           # the superseded iterator is closed later: no-op
+    h.give_back(old, b0)  # the superseded iterator is closed later: no-op
     assert h.pop_returned() is b0 and h.pop_returned() is None
 
 
@@ -95,16 +99,16 @@ def test_an_iterator_may_hold_several_read_ahead_batches_and_a_new_one_gets_them
     token = h.begin()
     b0, b1, b2 = _batch(0), _batch(1), _batch(2)
     for b in (b0, b1, b2):
-        h.hold(token, b)                           # a read-ahead stage took three
+        h.hold(token, b)  # a read-ahead stage took three
     assert h.first_held(token) is b0
-    h.record_applied(b0)                           # the caller took the first
+    h.record_applied(b0)  # the caller took the first
     assert h.first_held(token) is b1
-    h.give_back(token, b2)                         # by identity, never by comparing arrays
+    h.give_back(token, b2)  # by identity, never by comparing arrays
     new = h.begin()
     assert h.first_held(token) is None and h.first_held(new) is None
     assert [h.pop_returned() for _ in range(2)] == [b1, b2] and not h.has_returned
     late = _batch(3)
-    h.hold(token, late)                            # handed to a superseded iterator: returned, not lost
+    h.hold(token, late)  # handed to a superseded iterator: returned, not lost
     assert h.pop_returned() is late
 
 
@@ -116,9 +120,14 @@ class _Ports:
         self.freed: list[int] = []
 
     def desk(self, end_batch: int | None) -> HandoutDesk:
-        ports = HandoutPorts(check_usable=lambda: None, take=lambda batch_id, timeout_s: _batch(batch_id),
-                             free_slot=self.freed.append, applied=lambda i, wake: self.heard.append((i, wake)),
-                             producers_alive=lambda: 1, wait_timeout_s=0.01)
+        ports = HandoutPorts(
+            check_usable=lambda: None,
+            take=lambda batch_id, timeout_s: _batch(batch_id),
+            free_slot=self.freed.append,
+            applied=lambda i, wake: self.heard.append((i, wake)),
+            producers_alive=lambda: 1,
+            wait_timeout_s=0.01,
+        )
         return HandoutDesk(0, end_batch, 0, ports)
 
 
@@ -138,9 +147,9 @@ def test_a_dataset_element_stays_applied_with_its_slot_held_until_a_new_iterator
     assert batch is not None
     desk.apply_and_hold(batch)
     assert desk.applied_ids == [0] and ports.freed == []
-    desk.begin()                                   # a late-collected Keras iterator keeps no slot
+    desk.begin()  # a late-collected Keras iterator keeps no slot
     assert ports.freed == [batch.slot]
-    desk.free_held_slot(batch)                     # its finalizer runs later: nothing is freed twice
+    desk.free_held_slot(batch)  # its finalizer runs later: nothing is freed twice
     assert ports.freed == [batch.slot]
 
 
@@ -152,9 +161,9 @@ def test_read_ahead_is_applied_only_when_taken_and_only_for_the_current_iterator
     assert b0 is not None and b1 is not None
     desk.hold(old, b0)
     desk.hold(old, b1)
-    desk.consume_read_ahead(old, 1, keep_slot=False)    # not the oldest held: ignored
-    desk.consume_read_ahead(old, 0, keep_slot=False)    # copied to a device: applied, slot freed now
+    desk.consume_read_ahead(old, 1, keep_slot=False)  # not the oldest held: ignored
+    desk.consume_read_ahead(old, 0, keep_slot=False)  # copied to a device: applied, slot freed now
     assert desk.applied_ids == [0] and ports.freed == [b0.slot]
     new = desk.begin()
-    desk.consume_read_ahead(old, 1, keep_slot=False)    # superseded: handed out again instead
+    desk.consume_read_ahead(old, 1, keep_slot=False)  # superseded: handed out again instead
     assert desk.applied_ids == [0] and desk.wait_next(new) is b1

@@ -14,7 +14,7 @@ from melfeed.consumer.feed import Consumer
 from melfeed.consumer.flow.credit import Arrival, LeaseBook
 from melfeed.shared.config.loader import config_from_mapping, load_config
 
-_OLD_DEFAULT_STEPS = 300       # consumer.steps' default: a service must go past it
+_OLD_DEFAULT_STEPS = 300  # consumer.steps' default: a service must go past it
 
 
 def _apply(book: LeaseBook, n: int) -> int:
@@ -29,16 +29,19 @@ def _apply(book: LeaseBook, n: int) -> int:
     return n
 
 
-@pytest.mark.parametrize(("steps", "applied", "finished"), [(None, _OLD_DEFAULT_STEPS + 50, False),
-                                                            (_OLD_DEFAULT_STEPS, _OLD_DEFAULT_STEPS, True)])
+@pytest.mark.parametrize(
+    ("steps", "applied", "finished"),
+    [(None, _OLD_DEFAULT_STEPS + 50, False), (_OLD_DEFAULT_STEPS, _OLD_DEFAULT_STEPS, True)],
+)
 def test_steps_null_leases_and_trains_past_the_old_default_and_a_number_ends_there(
-        demo_cache: Path, steps: int | None, applied: int, finished: bool) -> None:
+    demo_cache: Path, steps: int | None, applied: int, finished: bool
+) -> None:
     feed = Consumer(config_from_mapping({"cache_dir": str(demo_cache), "consumer": {"steps": steps}}))
-    feed.close()                       # never started: only its plan and its stopping rule are used
+    feed.close()  # never started: only its plan and its stopping rule are used
     book = LeaseBook(feed.plan, 0, feed._desk.end_batch, window=2, lease_timeout_s=10.0)
     assert _apply(book, _OLD_DEFAULT_STEPS + 50) == applied
     assert (book.is_finished, book.has_work()) == (finished, not finished)
-    feed._desk.next_id = applied          # the loop took every batch it was leased
+    feed._desk.next_id = applied  # the loop took every batch it was leased
     assert feed._desk.finished is finished
 
 

@@ -21,9 +21,13 @@ Event = tuple[str, int]
 
 
 def _batch(batch_id: int) -> Batch:
-    arrays = {"mel": np.zeros((2, 4, 3), np.float32), "mel_len": np.array([4, batch_id % 4], np.int32),
-              "tokens": np.zeros((2, 5), np.int32), "tok_len": np.array([5, 1], np.int32)}
-    samples = (batch_id,) if batch_id % 4 == 0 else (batch_id, 100 + batch_id)   # the rows mel_len says are real
+    arrays = {
+        "mel": np.zeros((2, 4, 3), np.float32),
+        "mel_len": np.array([4, batch_id % 4], np.int32),
+        "tokens": np.zeros((2, 5), np.int32),
+        "tok_len": np.array([5, 1], np.int32),
+    }
+    samples = (batch_id,) if batch_id % 4 == 0 else (batch_id, 100 + batch_id)  # the rows mel_len says are real
     return Batch(PlannedBatch(batch_id, 0, 0, samples), arrays, slot=batch_id % 4)
 
 
@@ -32,12 +36,18 @@ class _Feed:
 
     def __init__(self, n_batches: int, events: list[Event], slots: int = 4) -> None:
         self._ring = SimpleNamespace(n_slots=slots)
-        ports = HandoutPorts(check_usable=lambda: None, take=self._take, free_slot=self._free,
-                             applied=self._applied, producers_alive=lambda: 1, wait_timeout_s=0.01)
+        ports = HandoutPorts(
+            check_usable=lambda: None,
+            take=self._take,
+            free_slot=self._free,
+            applied=self._applied,
+            producers_alive=lambda: 1,
+            wait_timeout_s=0.01,
+        )
         self._desk = HandoutDesk(0, n_batches, 0, ports)
         self.events = events
         self.closed = False
-        self._in_slot: dict[int, int] = {}    # slot -> the batch id in it
+        self._in_slot: dict[int, int] = {}  # slot -> the batch id in it
 
     def _take(self, batch_id: int, timeout_s: float) -> Batch | None:
         self.events.append(("take", batch_id))
@@ -59,8 +69,9 @@ class _Feed:
 class _Device:
     """A fake device: asynchronous (a step completes only when waited for) or synchronous."""
 
-    def __init__(self, events: list[Event], *, synchronous: bool = False, copies: bool = False,
-                 fail_step: int | None = None) -> None:
+    def __init__(
+        self, events: list[Event], *, synchronous: bool = False, copies: bool = False, fail_step: int | None = None
+    ) -> None:
         self.events, self.synchronous, self.copies, self.fail_step = events, synchronous, copies, fail_step
 
     def put(self, batch: Batch) -> Staged[int]:
@@ -94,11 +105,23 @@ def test_on_an_asynchronous_device_batch_n_plus_1_is_staged_and_dispatched_befor
     events, feed, device = _rig(5)
     stager = Stager(feed, device, depth=2)  # type: ignore[arg-type]
     done = list(stager.run())
-    assert [d.batch.batch_id for d in done] == [0, 1, 2, 3, 4] and [d.result for d in done] == [0, .1, .2, .3, .4]
-    assert events[:12] == [("take", 0), ("put", 0), ("step", 0), ("take", 1), ("put", 1), ("step", 1),
-                           ("wait", 0), ("applied", 0), ("free", 0), ("take", 2), ("put", 2), ("step", 2)]
+    assert [d.batch.batch_id for d in done] == [0, 1, 2, 3, 4] and [d.result for d in done] == [0, 0.1, 0.2, 0.3, 0.4]
+    assert events[:12] == [
+        ("take", 0),
+        ("put", 0),
+        ("step", 0),
+        ("take", 1),
+        ("put", 1),
+        ("step", 1),
+        ("wait", 0),
+        ("applied", 0),
+        ("free", 0),
+        ("take", 2),
+        ("put", 2),
+        ("step", 2),
+    ]
     for k in range(4):
-        assert _at(events, ("put", k + 1)) < _at(events, ("wait", k))       # the copy overlaps step k
+        assert _at(events, ("put", k + 1)) < _at(events, ("wait", k))  # the copy overlaps step k
         assert _at(events, ("wait", k)) < _at(events, ("applied", k)) < _at(events, ("free", k))
     assert stager.max_in_flight == 2 and feed._desk.applied_ids == [0, 1, 2, 3, 4]
     assert [d.rows for d in done] == [1, 2, 2, 2, 1] and done[1].real_frames == 5 and done[0].padded_frames == 8
@@ -117,8 +140,7 @@ def test_on_a_synchronous_device_each_step_is_applied_and_its_slot_freed_before_
     events, feed, device = _rig(3, synchronous=True)
     stager = Stager(feed, device, depth=2)  # type: ignore[arg-type]
     list(stager.run())
-    assert events[:7] == [("take", 0), ("put", 0), ("step", 0), ("wait", 0), ("applied", 0), ("free", 0),
-                          ("take", 1)]
+    assert events[:7] == [("take", 0), ("put", 0), ("step", 0), ("wait", 0), ("applied", 0), ("free", 0), ("take", 1)]
     assert stager.max_in_flight == 1
 
 
@@ -126,7 +148,9 @@ def test_a_copied_batch_frees_its_slot_before_its_step_completes_but_is_applied_
     events, feed, device = _rig(3, copies=True)
     list(Stager(feed, device, depth=2).run())  # type: ignore[arg-type]
     for k in range(3):
-        assert _at(events, ("free", k)) < _at(events, ("step", k)) < _at(events, ("wait", k)) < _at(events, ("applied", k))
+        assert (
+            _at(events, ("free", k)) < _at(events, ("step", k)) < _at(events, ("wait", k)) < _at(events, ("applied", k))
+        )
 
 
 def test_drain_before_lets_the_steps_in_flight_complete_before_the_next_dispatch() -> None:
@@ -148,7 +172,7 @@ def test_a_failing_step_gives_every_unapplied_batch_back_lowest_id_first() -> No
     with pytest.raises(RuntimeError, match="step failed"):
         list(Stager(feed, device, depth=2).run())  # type: ignore[arg-type]
     assert feed._desk.applied_ids == [0]
-    assert ("free", 1) not in events and ("free", 2) not in events           # their slots are still held
+    assert ("free", 1) not in events and ("free", 2) not in events  # their slots are still held
     again = [feed._desk.next_batch(0.0), feed._desk.next_batch(0.0)]
     assert [b.batch_id for b in again if b is not None] == [1, 2] and not feed.closed
 
@@ -165,7 +189,7 @@ def test_a_loop_that_breaks_out_gets_its_dispatched_steps_applied_and_the_rest_g
     stager = Stager(feed, device, depth=2)  # type: ignore[arg-type]
     for done in stager.run():
         if done.batch.batch_id == 0:
-            break                                   # batch 1 was dispatched: the model has seen it
+            break  # batch 1 was dispatched: the model has seen it
     assert feed._desk.applied_ids == [0, 1] and ("free", 1) in events and not feed._desk.has_returned
     assert [d.batch.batch_id for d in stager.run()] == [2, 3, 4, 5]
 

@@ -15,8 +15,8 @@ def test_head_is_the_rows_first_elements_and_zero_tail_clears_only_the_rest_of_t
     rows.head(1, 2)[:] = np.arange(4, dtype=np.int16).tobytes()
     rows.zero_tail(1, 2)
     assert arr[1].tolist() == [[0, 1], [2, 3], [0, 0], [0, 0], [0, 0]]
-    assert (arr[[0, 2]] == 7).all()                  # neighbours untouched
-    rows.zero_tail(2, 5)                             # a full row has no tail
+    assert (arr[[0, 2]] == 7).all()  # neighbours untouched
+    rows.zero_tail(2, 5)  # a full row has no tail
     assert (arr[2] == 7).all()
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from melfeed.producer.batcher import BatchAssembler
 from melfeed.producer.reader import CacheReader, TransientReadError
-from melfeed.shared.wire.buckets import BucketSet, build_buckets
-from melfeed.shared.config import BucketConfig
 from melfeed.shared.cache.demo_data import write_demo_cache
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.errors import CacheError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
 
 
 @pytest.fixture
@@ -34,7 +34,8 @@ def _break(manifest: Manifest, i: int) -> Path:
 
 
 def test_quarantine_leaves_the_bad_row_empty_and_names_the_file_once(
-        cache: tuple[Manifest, BucketSet], caplog: pytest.LogCaptureFixture) -> None:
+    cache: tuple[Manifest, BucketSet], caplog: pytest.LogCaptureFixture
+) -> None:
     manifest, buckets = cache
     path = _break(manifest, 2)
     assembler = BatchAssembler(CacheReader(manifest), buckets)
@@ -45,14 +46,14 @@ def test_quarantine_leaves_the_bad_row_empty_and_names_the_file_once(
         assert assembler.build(1, 0, [2]).quarantined == [2]
     assert list(mel_len) == [manifest.frames[1], 0, manifest.frames[3], 0]
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and str(path) in warnings[0]          # rate-limited: once per sample
+    assert len(warnings) == 1 and str(path) in warnings[0]  # rate-limited: once per sample
 
 
 def test_quarantined_row_is_all_zeros_even_in_a_reused_buffer(cache: tuple[Manifest, BucketSet]) -> None:
     manifest, buckets = cache
     _break(manifest, 2)
     assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
-    assembler.build(0, 0, [0, 1, 3, 4])                              # fills the only buffer
+    assembler.build(0, 0, [0, 1, 3, 4])  # fills the only buffer
     batch = assembler.build(1, 0, [2, 1])
     for key in ("mel", "tokens", "mel_len", "tok_len"):
         assert not batch.arrays[key][0].any() and not batch.arrays[key][2:].any()
@@ -67,8 +68,9 @@ def test_fail_policy_raises_naming_the_file(cache: tuple[Manifest, BucketSet]) -
     assert info.value.path == str(path) and "non-finite" in info.value.reason
 
 
-def test_transient_errors_are_never_quarantined(cache: tuple[Manifest, BucketSet],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_transient_errors_are_never_quarantined(
+    cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch
+) -> None:
     manifest, buckets = cache
     reader = CacheReader(manifest)
 
@@ -95,7 +97,7 @@ def test_close_gives_back_the_kept_cache_files(cache: tuple[Manifest, BucketSet]
     reader = CacheReader(manifest)
     assembler = BatchAssembler(reader, buckets)
     assembler.build(0, 0, [0, 1, 2, 3])
-    assert len(reader._files) == 8                      # mel + tokens of 4 rows, kept open between batches
+    assert len(reader._files) == 8  # mel + tokens of 4 rows, kept open between batches
     assembler.close()
-    assembler.close()                                   # idempotent
+    assembler.close()  # idempotent
     assert len(reader._files) == 0

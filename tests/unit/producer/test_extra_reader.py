@@ -29,13 +29,14 @@ def cache(tmp_path: Path) -> tuple[Manifest, BucketSet]:
         np.save(root / "extras" / "ref" / f"{u.id}.npy", np.arange(2 * (i + 1), dtype=np.float16).reshape(-1, 2) + 1)
     manifest, problems = build_manifest(root, 8, kinds={"ref": "sequence"})
     assert problems == []
-    return manifest, build_buckets(manifest.frames, manifest.token_counts, 8,
-                                   BucketConfig(num_buckets=1, batch_size=4), manifest.schema)
+    return manifest, build_buckets(
+        manifest.frames, manifest.token_counts, 8, BucketConfig(num_buckets=1, batch_size=4), manifest.schema
+    )
 
 
 def _want(manifest: Manifest, buckets: BucketSet, sid: int) -> dict[str, np.ndarray]:
     shapes, dtypes = buckets.buckets[0].shapes(), buckets.buckets[0].dtypes()
-    out: dict[str, Any] = {}   # arrays, and the lengths as numpy scalars
+    out: dict[str, Any] = {}  # arrays, and the lengths as numpy scalars
     for spec in manifest.schema.extras:
         row = np.zeros(shapes[spec.name][1:], dtypes[spec.name])
         n = pad_row(spec, np.load(manifest.extra_path(spec.name, sid)), row)
@@ -46,16 +47,17 @@ def _want(manifest: Manifest, buckets: BucketSet, sid: int) -> dict[str, np.ndar
 
 
 def test_extras_are_padded_by_kind_in_every_row_and_a_reused_buffer_keeps_no_stale_bytes(
-        cache: tuple[Manifest, BucketSet]) -> None:
+    cache: tuple[Manifest, BucketSet],
+) -> None:
     manifest, buckets = cache
     assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
-    assembler.build(0, 0, [5, 4, 3, 2]).attach(None)      # long sequences first, then the same buffer again
+    assembler.build(0, 0, [5, 4, 3, 2]).attach(None)  # long sequences first, then the same buffer again
     batch = assembler.build(1, 0, [0, 1])
     for row, sid in enumerate([0, 1]):
         for key, value in _want(manifest, buckets, sid).items():
             assert batch.arrays[key][row].tobytes() == np.asarray(value).tobytes(), (sid, key)
     for key in ("energy", "speaker", "ref", "ref_len"):
-        assert not batch.arrays[key][2:].any(), key        # padding rows are zeros
+        assert not batch.arrays[key][2:].any(), key  # padding rows are zeros
 
 
 def test_a_bad_extra_file_quarantines_its_row_and_zeroes_every_extra(cache: tuple[Manifest, BucketSet]) -> None:
@@ -63,7 +65,7 @@ def test_a_bad_extra_file_quarantines_its_row_and_zeroes_every_extra(cache: tupl
     path = manifest.extra_path("energy", 2)
     energy = np.load(path)
     energy[0] = np.inf
-    np.save(path, energy)                                   # same size: only the value check finds it
+    np.save(path, energy)  # same size: only the value check finds it
     batch = BatchAssembler(CacheReader(manifest), buckets).build(0, 0, [1, 2, 3])
     assert batch.quarantined == [2]
     assert batch.arrays["mel_len"][1] == 0 and batch.arrays["ref_len"][1] == 0
@@ -75,14 +77,15 @@ def test_a_bad_extra_file_quarantines_its_row_and_zeroes_every_extra(cache: tupl
 
 
 def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_nothing(
-        cache: tuple[Manifest, BucketSet]) -> None:
+    cache: tuple[Manifest, BucketSet],
+) -> None:
     manifest, buckets = cache
     reader = CacheReader(manifest, open_files=64)
     assembler = BatchAssembler(reader, buckets, max_buffers=2)
     assembler.build(0, 0, [0, 1, 2, 3]).attach(None)
     opens = reader.open_files.opens
-    assert opens == 4 * (2 + len(manifest.schema.extras))     # mel, tokens and every extra of 4 rows
-    batch = assembler.build(1, 0, [0, 1, 2, 3])                # the same files again: all kept open
+    assert opens == 4 * (2 + len(manifest.schema.extras))  # mel, tokens and every extra of 4 rows
+    batch = assembler.build(1, 0, [0, 1, 2, 3])  # the same files again: all kept open
     assert reader.open_files.opens == opens
     for row, sid in enumerate([0, 1, 2, 3]):
         for key, value in _want(manifest, buckets, sid).items():
@@ -92,27 +95,28 @@ def test_extras_share_the_producers_open_file_cache_and_a_second_epoch_opens_not
 
 
 def test_a_float_extra_is_checked_once_per_file_and_again_once_replaced(
-        cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch) -> None:
+    cache: tuple[Manifest, BucketSet], monkeypatch: pytest.MonkeyPatch
+) -> None:
     manifest, buckets = cache
     checks: list[int] = []
     real_isfinite = np.isfinite
 
     def counted(values: np.ndarray, **kw: object) -> np.ndarray:
-        if "out" not in kw:                                # the mel reader's check passes out=; the extras' does not
+        if "out" not in kw:  # the mel reader's check passes out=; the extras' does not
             checks.append(values.size)
-        return real_isfinite(values, **kw)                 # type: ignore[no-any-return, call-overload]
+        return real_isfinite(values, **kw)  # type: ignore[no-any-return, call-overload]
 
     monkeypatch.setattr(np, "isfinite", counted)
     assembler = BatchAssembler(CacheReader(manifest, revalidate_s=0.0), buckets, max_buffers=1)
     assembler.build(0, 0, [2]).attach(None)
     first = len(checks)
-    assert first == 2                                      # energy and ref (float); speaker is an integer
+    assert first == 2  # energy and ref (float); speaker is an integer
     assembler.build(1, 0, [2]).attach(None)
-    assert len(checks) == first                            # same files, same identities: not checked again
+    assert len(checks) == first  # same files, same identities: not checked again
     path = manifest.extra_path("energy", 2)
     energy = np.load(path)
     energy[0] = np.nan
     np.save(str(path) + ".new.npy", energy)
-    os.replace(str(path) + ".new.npy", path)               # replaced by a rename: another inode
+    os.replace(str(path) + ".new.npy", path)  # replaced by a rename: another inode
     batch = assembler.build(2, 0, [2])
     assert batch.quarantined == [2] and len(checks) == first + 1

@@ -18,7 +18,8 @@ from melfeed.shared.cache.pack_write import write_pack
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.buckets import build_buckets
-from tests.attention_data import R as _R, write_attention
+from tests.attention_data import R as _R
+from tests.attention_data import write_attention
 
 
 @pytest.fixture
@@ -34,11 +35,12 @@ def _manifest(root: Path) -> Manifest:
     manifest, problems = build_manifest(root, 8, kinds={"attn": f"matrix/{_R}"})
     assert problems == []
     write_manifest(manifest)
-    return load_manifest(root, 8)          # the declaration as the manifest holds it
+    return load_manifest(root, 8)  # the declaration as the manifest holds it
 
 
 def test_index_says_in_one_line_that_the_files_fit_no_kind_and_which_declaration_fits(
-        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(CacheError) as err:
         build_manifest(root, 8)
     text = str(err.value)
@@ -51,9 +53,14 @@ def test_index_says_in_one_line_that_the_files_fit_no_kind_and_which_declaration
 def test_index_declares_a_matrix_with_its_divisor_and_a_reindex_keeps_it(root: Path) -> None:
     manifest = _manifest(root)
     (column,) = manifest.extras
-    assert (column.spec.kind, column.spec.divisor, column.spec.dtype, column.spec.shape) == ("matrix", _R, "float16", ())
-    assert column.rows[:, 0].tolist() == manifest.token_counts.tolist()       # length = the tokens
-    again, problems = build_manifest(root, 8)                                  # no --extra: the manifest's kind
+    assert (column.spec.kind, column.spec.divisor, column.spec.dtype, column.spec.shape) == (
+        "matrix",
+        _R,
+        "float16",
+        (),
+    )
+    assert column.rows[:, 0].tolist() == manifest.token_counts.tolist()  # length = the tokens
+    again, problems = build_manifest(root, 8)  # no --extra: the manifest's kind
     assert problems == [] and again.extras[0].spec == column.spec and again.fingerprint == manifest.fingerprint
     assert run_pipeline.main(["verify-cache", "--cache-dir", str(root), "--n-mels", "8"]) == 0
     with pytest.raises(CacheError, match="extra 'attn' is a matrix, which a pack does not hold"):
@@ -63,10 +70,14 @@ def test_index_declares_a_matrix_with_its_divisor_and_a_reindex_keeps_it(root: P
 def test_producers_pad_a_matrix_into_tokens_by_ceil_frames_over_r_with_zeros_and_cut_both_axes(root: Path) -> None:
     manifest = _manifest(root)
     longest = int(manifest.frames.max())
-    cut_frames = int(np.sort(manifest.frames)[-2]) // _R * _R              # the longest utterance is cut
-    buckets = build_buckets(manifest.frames, manifest.token_counts, 8,
-                            BucketConfig(num_buckets=1, batch_size=8, max_frames=cut_frames, frame_multiple=_R),
-                            manifest.schema)
+    cut_frames = int(np.sort(manifest.frames)[-2]) // _R * _R  # the longest utterance is cut
+    buckets = build_buckets(
+        manifest.frames,
+        manifest.token_counts,
+        8,
+        BucketConfig(num_buckets=1, batch_size=8, max_frames=cut_frames, frame_multiple=_R),
+        manifest.schema,
+    )
     bucket = buckets.buckets[0]
     assert cut_frames < longest and bucket.max_frames == cut_frames
     assert bucket.shapes()["attn"] == (8, bucket.max_tokens, -(-cut_frames // _R))
@@ -79,5 +90,5 @@ def test_producers_pad_a_matrix_into_tokens_by_ceil_frames_over_r_with_zeros_and
         values = np.load(manifest.extra_path("attn", sid))
         tokens, cols = values.shape[0], min(values.shape[1], built.shape[2])
         assert np.array_equal(built[row, :tokens, :cols], values[:, :cols]), sid
-        assert not built[row, tokens:].any() and not built[row, :, cols:].any(), sid     # zeros after both axes
-    assert not built[len(ids):].any()                                                    # padding rows
+        assert not built[row, tokens:].any() and not built[row, :, cols:].any(), sid  # zeros after both axes
+    assert not built[len(ids) :].any()  # padding rows

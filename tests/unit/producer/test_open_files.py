@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 import resource
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,8 +14,8 @@ import pytest
 import melfeed.producer.open_files as open_files_mod
 from melfeed.producer.open_files import OpenFiles, descriptor_budget
 from melfeed.producer.reader import CacheReader
-from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.filekind import open_regular
+from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.errors import CacheError
 
@@ -52,14 +52,14 @@ def test_at_most_capacity_descriptors_stay_open_least_recently_used_closes_first
     cache = OpenFiles(2)
     a = cache.acquire("a", files[0])
     b = cache.acquire("b", files[1])
-    assert cache.acquire("a", files[0]) is a                # a hit: no second open, a is now the newest
+    assert cache.acquire("a", files[0]) is a  # a hit: no second open, a is now the newest
     c = cache.acquire("c", files[2])
     assert len(cache) == 2 and cache.opens == 3
-    assert not _is_open(b.fd) and _is_open(a.fd) and _is_open(c.fd)   # b was the least recently used
+    assert not _is_open(b.fd) and _is_open(a.fd) and _is_open(c.fd)  # b was the least recently used
     cache.acquire("b", files[1])
     assert cache.opens == 4
     cache.close()
-    cache.close()                                           # idempotent
+    cache.close()  # idempotent
     assert len(cache) == 0 and not _is_open(a.fd)
 
 
@@ -86,15 +86,15 @@ def test_a_file_replaced_on_disk_is_reopened_once_revalidate_s_passed(files: lis
     old = cache.acquire("a", files[0])
     tmp = files[0] + ".new"
     Path(tmp).write_bytes(b"\xff" * 16)
-    os.replace(tmp, files[0])                               # a new inode under the same name
+    os.replace(tmp, files[0])  # a new inode under the same name
     clock.now += 4.9
-    assert cache.acquire("a", files[0]) is old              # within the window: the checked old inode
+    assert cache.acquire("a", files[0]) is old  # within the window: the checked old inode
     assert os.pread(old.fd, 1, 0) == b"\x00"
     clock.now += 0.2
     new = cache.acquire("a", files[0])
     assert new is not old and os.pread(new.fd, 1, 0) == b"\xff" and cache.opens == 2
     clock.now += 10.0
-    assert cache.acquire("a", files[0]) is new              # unchanged: confirmed by stat, kept
+    assert cache.acquire("a", files[0]) is new  # unchanged: confirmed by stat, kept
     assert cache.opens == 2
 
 
@@ -109,8 +109,9 @@ def test_a_file_removed_is_reopened_and_reported_missing(files: list[str]) -> No
     assert len(cache) == 0
 
 
-def test_out_of_descriptors_gives_half_the_cache_back_and_tries_once_more(files: list[str],
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_of_descriptors_gives_half_the_cache_back_and_tries_once_more(
+    files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = OpenFiles(8)
     kept = [cache.acquire(k, p) for k, p in zip("abc", files)]
     real = open_regular
@@ -125,7 +126,7 @@ def test_out_of_descriptors_gives_half_the_cache_back_and_tries_once_more(files:
     monkeypatch.setattr(open_files_mod, "open_regular", emfile_once)
     d = cache.acquire("d", files[3])
     assert len(calls) == 2 and _is_open(d.fd)
-    assert [_is_open(f.fd) for f in kept] == [False, False, True]   # the two oldest went
+    assert [_is_open(f.fd) for f in kept] == [False, False, True]  # the two oldest went
     cache.close()
 
 
@@ -149,8 +150,9 @@ def manifest(tmp_path: Path) -> Manifest:
     return built
 
 
-def test_the_reader_keeps_files_open_and_checks_values_once_per_file(manifest: Manifest,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reader_keeps_files_open_and_checks_values_once_per_file(
+    manifest: Manifest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reader = CacheReader(manifest)
     checks: list[str] = []
     real = reader._check_finite
@@ -166,11 +168,11 @@ def test_the_reader_keeps_files_open_and_checks_values_once_per_file(manifest: M
             reader.read_tokens_into(i, np.empty(4, np.int32))
     assert reader._files.opens == 4 and len(reader._files) == 4
     assert checks == [str(manifest.mel_path(0)), str(manifest.mel_path(1))]
-    reader.read_mel_into(1, np.empty((4, N_MELS), np.float32))        # fewer frames: already checked
+    reader.read_mel_into(1, np.empty((4, N_MELS), np.float32))  # fewer frames: already checked
     assert len(checks) == 2
     reader.close()
     assert len(reader._files) == 0
-    assert reader.read_mel_into(0, np.empty((12, N_MELS), np.float32)) == 6   # usable after close
+    assert reader.read_mel_into(0, np.empty((12, N_MELS), np.float32)) == 6  # usable after close
 
 
 def test_a_mel_replaced_with_nan_is_refused_once_its_identity_is_checked_again(manifest: Manifest) -> None:
@@ -179,11 +181,11 @@ def test_a_mel_replaced_with_nan_is_refused_once_its_identity_is_checked_again(m
     path = manifest.mel_path(0)
     bad = np.load(path)
     bad[2, 1] = np.nan
-    np.save(path.with_name("new.npy"), bad)                   # same size and header, a new inode
+    np.save(path.with_name("new.npy"), bad)  # same size and header, a new inode
     os.replace(path.with_name("new.npy"), path)
     with pytest.raises(CacheError, match="non-finite values .* first at frame 2;"):
         reader.read_mel_into(0, np.empty((12, N_MELS), np.float32))
-    with pytest.raises(CacheError, match="non-finite"):       # and on every read after: deterministic
+    with pytest.raises(CacheError, match="non-finite"):  # and on every read after: deterministic
         reader.read_mel_into(0, np.empty((12, N_MELS), np.float32))
 
 
@@ -196,15 +198,14 @@ def test_open_files_zero_reads_the_same_rows_and_keeps_nothing_open(manifest: Ma
     assert len(fresh._files) == 0 and fresh._files.opens == 2
 
 
-def test_a_read_that_fails_drops_its_descriptor_so_the_next_read_opens_and_checks_again(
-        manifest: Manifest) -> None:
+def test_a_read_that_fails_drops_its_descriptor_so_the_next_read_opens_and_checks_again(manifest: Manifest) -> None:
     reader = CacheReader(manifest)
     reader.read_tokens_into(0, np.empty(4, np.int32))
     assert len(reader._files) == 1
     path = manifest.tokens_path(0)
-    np.save(path, np.load(path).view("<f4"))                  # rewritten in place: same size, other dtype
+    np.save(path, np.load(path).view("<f4"))  # rewritten in place: same size, other dtype
     for _ in range(2):
         with pytest.raises(CacheError, match="re-run index"):
             reader.read_tokens_into(0, np.empty(4, np.int32))
         assert len(reader._files) == 0
-    assert reader._files.opens == 2                          # the failed kept one, then a fresh open
+    assert reader._files.opens == 2  # the failed kept one, then a fresh open

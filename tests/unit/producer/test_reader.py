@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from melfeed.producer.reader import CacheReader
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest
+from melfeed.shared.errors import CacheError
 
 N_MELS = 6
 
@@ -97,7 +97,8 @@ def test_file_changed_since_index_is_refused(manifest: Manifest) -> None:
     with pytest.raises(CacheError) as info:
         CacheReader(manifest).read_mel_into(2, np.empty((16, N_MELS), np.float32))
     assert str(info.value) == (
-        f"{path}: file changed since index (size {size + 4}, manifest says {size}); re-run index")
+        f"{path}: file changed since index (size {size + 4}, manifest says {size}); re-run index"
+    )
 
 
 def test_missing_file(manifest: Manifest) -> None:
@@ -115,7 +116,7 @@ def _not_a_file(path: Path, kind: str) -> None:
         path.symlink_to("/dev/zero")
     elif kind == "directory":
         path.mkdir()
-    elif kind == "symlink loop":                      # a -> b -> a
+    elif kind == "symlink loop":  # a -> b -> a
         path.with_name("b").symlink_to(path.name)
         path.symlink_to("b")
     else:
@@ -124,18 +125,17 @@ def _not_a_file(path: Path, kind: str) -> None:
 
 @pytest.mark.timeout(20)  # a blocking open of the FIFO (or reading /dev/zero) fails here instead of hanging
 @pytest.mark.parametrize("kind", ["fifo", "character device", "directory", "symlink loop", "dangling symlink"])
-def test_an_entry_that_is_not_a_regular_file_is_a_bad_file_never_a_blocked_read(manifest: Manifest,
-                                                                                   kind: str) -> None:
+def test_an_entry_that_is_not_a_regular_file_is_a_bad_file_never_a_blocked_read(manifest: Manifest, kind: str) -> None:
     reader = CacheReader(manifest)
     _not_a_file(manifest.mel_path(2), kind)
     _not_a_file(manifest.tokens_path(1), kind)
     with pytest.raises(CacheError) as info:
         reader.read_mel_into(2, np.empty((16, N_MELS), np.float32))
-    assert type(info.value) is CacheError             # a bad file (quarantined), never TransientReadError
+    assert type(info.value) is CacheError  # a bad file (quarantined), never TransientReadError
     assert str(info.value).startswith(f"{manifest.mel_path(2)}: not a regular file ({kind}")
     with pytest.raises(CacheError, match=re.escape(f": not a regular file ({kind}")):
         reader.read_tokens_into(1, np.empty(8, np.int32))
-    assert reader.read_mel_into(0, np.empty((16, N_MELS), np.float32)) == 9   # the others still read
+    assert reader.read_mel_into(0, np.empty((16, N_MELS), np.float32)) == 9  # the others still read
 
 
 def test_short_read(manifest: Manifest) -> None:
@@ -147,12 +147,15 @@ def test_short_read(manifest: Manifest) -> None:
     assert info.value.path == str(manifest.mel_path(0))
 
 
-@pytest.mark.parametrize("dst", [
-    np.empty((16, N_MELS), np.float64),
-    np.empty((16, N_MELS + 1), np.float32),
-    np.empty((N_MELS, 16), np.float32).T,
-    np.empty(16, np.float32),
-])
+@pytest.mark.parametrize(
+    "dst",
+    [
+        np.empty((16, N_MELS), np.float64),
+        np.empty((16, N_MELS + 1), np.float32),
+        np.empty((N_MELS, 16), np.float32).T,
+        np.empty(16, np.float32),
+    ],
+)
 def test_rejects_wrong_destination(manifest: Manifest, dst: np.ndarray) -> None:
     with pytest.raises(ValueError):
         CacheReader(manifest).read_mel_into(0, dst)
@@ -181,7 +184,8 @@ def _poke(path: Path, frame: int, col: int, value: float) -> None:
 @pytest.mark.parametrize("index", [0, 1])  # float32 read in place, float16 widened from scratch
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_non_finite_values_are_refused_naming_the_file_and_first_frame(
-        manifest: Manifest, index: int, value: float) -> None:
+    manifest: Manifest, index: int, value: float
+) -> None:
     path = manifest.mel_path(index)
     _poke(path, 3, 2, value)
     _poke(path, 4, 0, value)
@@ -194,7 +198,7 @@ def test_non_finite_values_are_refused_naming_the_file_and_first_frame(
 
 def test_non_finite_values_past_the_row_length_are_never_read(manifest: Manifest) -> None:
     """The decision depends only on the bytes a row takes: the same for every producer."""
-    _poke(manifest.mel_path(0), 8, 1, np.nan)           # utterance 0 has 9 frames
+    _poke(manifest.mel_path(0), 8, 1, np.nan)  # utterance 0 has 9 frames
     reader = CacheReader(manifest)
     row = np.empty((8, N_MELS), np.float32)
     assert reader.read_mel_into(0, row) == 8
@@ -203,8 +207,7 @@ def test_non_finite_values_past_the_row_length_are_never_read(manifest: Manifest
         reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))
 
 
-def test_running_out_of_fds_is_transient_not_a_bad_file(manifest: Manifest,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_running_out_of_fds_is_transient_not_a_bad_file(manifest: Manifest, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
     import os
 
@@ -218,19 +221,23 @@ def test_running_out_of_fds_is_transient_not_a_bad_file(manifest: Manifest,
         CacheReader(manifest).read_tokens_into(0, np.empty(8, np.int32))
 
 
-@pytest.mark.parametrize("rewrite, says", [
-    (np.asfortranarray, "Fortran order not supported"),
-    (lambda m: m[:, :, None], f"header says shape (9, {N_MELS}, 1) dtype <f4, manifest says (9, {N_MELS}) <f4"),
-    (lambda m: m.view("<i4"), "dtype <i4, manifest says"),
-    (lambda m: m.astype(">f4"), "dtype >f4, manifest says"),
-])
-def test_same_size_rewrites_are_caught_by_the_header(manifest: Manifest,
-                                                     rewrite: Callable[[np.ndarray], np.ndarray], says: str) -> None:
+@pytest.mark.parametrize(
+    "rewrite, says",
+    [
+        (np.asfortranarray, "Fortran order not supported"),
+        (lambda m: m[:, :, None], f"header says shape (9, {N_MELS}, 1) dtype <f4, manifest says (9, {N_MELS}) <f4"),
+        (lambda m: m.view("<i4"), "dtype <i4, manifest says"),
+        (lambda m: m.astype(">f4"), "dtype >f4, manifest says"),
+    ],
+)
+def test_same_size_rewrites_are_caught_by_the_header(
+    manifest: Manifest, rewrite: Callable[[np.ndarray], np.ndarray], says: str
+) -> None:
     """Size unchanged, so only the header shows the data cannot be read as indexed."""
     path = manifest.mel_path(0)
     size = path.stat().st_size
     reader = CacheReader(manifest)
-    reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))     # the checked header is remembered
+    reader.read_mel_into(0, np.empty((16, N_MELS), np.float32))  # the checked header is remembered
     np.save(path, rewrite(np.load(path)))
     assert path.stat().st_size == size
     with pytest.raises(CacheError, match="re-run index") as info:
@@ -239,24 +246,26 @@ def test_same_size_rewrites_are_caught_by_the_header(manifest: Manifest,
     assert info.value.reason.startswith("file changed since index (")
 
 
-@pytest.mark.parametrize("capacity", [16, 4])        # every file fits / long files cut
+@pytest.mark.parametrize("capacity", [16, 4])  # every file fits / long files cut
 def test_the_row_fast_path_writes_what_read_into_writes(manifest: Manifest, capacity: int) -> None:
     from melfeed.producer.batch_rows import zero_bytes
+
     reader = CacheReader(manifest)
     zeros = zero_bytes(capacity * N_MELS * 4)
-    fast_mel = np.full((6, capacity, N_MELS), np.nan, dtype=np.float32)   # stale bytes everywhere
+    fast_mel = np.full((6, capacity, N_MELS), np.nan, dtype=np.float32)  # stale bytes everywhere
     fast_tok = np.full((6, capacity), -1, dtype=np.int32)
     mel_rows, tok_rows = reader.mel_rows(fast_mel, zeros), reader.token_rows(fast_tok, zeros)
-    for row, index in enumerate([0, 1, 2, 3]):                           # float16 "b" goes through the cast
+    for row, index in enumerate([0, 1, 2, 3]):  # float16 "b" goes through the cast
         want_mel, want_tok = np.zeros((capacity, N_MELS), np.float32), np.zeros(capacity, np.int32)
         assert reader.read_mel_row(index, mel_rows, row + 1) == reader.read_mel_into(index, want_mel)
         assert reader.read_tokens_row(index, tok_rows, row + 1) == reader.read_tokens_into(index, want_tok)
         assert fast_mel[row + 1].tobytes() == want_mel.tobytes() and fast_tok[row + 1].tobytes() == want_tok.tobytes()
-    assert np.isnan(fast_mel[[0, 5]]).all() and (fast_tok[[0, 5]] == -1).all()   # other rows untouched
+    assert np.isnan(fast_mel[[0, 5]]).all() and (fast_tok[[0, 5]] == -1).all()  # other rows untouched
 
 
 def test_row_views_refuse_arrays_the_reader_cannot_fill(manifest: Manifest) -> None:
     from melfeed.producer.batch_rows import zero_bytes
+
     reader, zeros = CacheReader(manifest), zero_bytes(1024)
     with pytest.raises(ValueError, match="mel must be"):
         reader.mel_rows(np.zeros((2, 4, N_MELS + 1), np.float32), zeros)
@@ -276,4 +285,4 @@ def test_token_ids_rewritten_beyond_the_recorded_range_are_refused_naming_the_fi
     with pytest.raises(CacheError, match="outside the .* the manifest records") as info:
         CacheReader(manifest).read_tokens_into(0, np.empty(16, np.int32))
     assert info.value.path == str(path)
-    assert CacheReader(manifest).read_tokens_into(2, np.empty(16, np.int32)) == 3   # an unchanged file reads
+    assert CacheReader(manifest).read_tokens_into(2, np.empty(16, np.int32)) == 3  # an unchanged file reads

@@ -14,8 +14,17 @@ from tests.fakes import FakeClock
 from tests.unit.producer.test_session import _welcome
 
 HB_S = 0.2
-WAIT_CFG = ProducerSessionConfig("producer-1", "ipc:///run/melfeed/sock", "fp", [[8, 100, 30]], 80, 7,
-                         heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
+WAIT_CFG = ProducerSessionConfig(
+    "producer-1",
+    "ipc:///run/melfeed/sock",
+    "fp",
+    [[8, 100, 30]],
+    80,
+    7,
+    heartbeat_interval_s=HB_S,
+    liveness_s=1.0,
+    backoff_max_s=1.0,
+)
 EXIT_CFG = dataclasses.replace(WAIT_CFG, exit_at_plan_end=True)
 DONE = Heartbeat(7, 0, 12, done=True)
 
@@ -45,8 +54,8 @@ def test_with_exit_at_plan_end_the_session_stops_building_and_leaves_with_a_plan
     s.on_message(DONE, clock())
     assert s.finished and s.exit_code == 0
     assert s.pending_leases == 0 and s.next_build(clock()) is None
-    assert s.heartbeat(clock.advance(1.0), StageCounters(0, 0.0, 0.0, 0.0)) is None   # nothing more to say
-    assert s.farewell() == Bye(7)                                # exit code 0: a planned leave
+    assert s.heartbeat(clock.advance(1.0), StageCounters(0, 0.0, 0.0, 0.0)) is None  # nothing more to say
+    assert s.farewell() == Bye(7)  # exit code 0: a planned leave
 
 
 def test_without_it_the_session_says_bye_and_waits_for_the_next_consumer() -> None:
@@ -54,9 +63,9 @@ def test_without_it_the_session_says_bye_and_waits_for_the_next_consumer() -> No
     s = _joined_with_leases(WAIT_CFG, clock)
     s.on_message(DONE, clock())
     assert not s.finished and s.joined_epoch is None and s.pending_leases == 0
-    assert s.on_turn(clock()) == [Bye(7)]                       # the consumer returns nothing: none held
-    assert s.farewell() is None                                  # no consumer knows us any more
-    _next_hello(s, clock, within_s=0.2)                          # and looks for the next consumer
+    assert s.on_turn(clock()) == [Bye(7)]  # the consumer returns nothing: none held
+    assert s.farewell() is None  # no consumer knows us any more
+    _next_hello(s, clock, within_s=0.2)  # and looks for the next consumer
     s.on_message(_welcome(s, 8, checksum=True), clock())
     assert s.joined_epoch == 8
     s.on_message(LeaseGrant(8, [Lease(0, 0, [5], 5.0)], 1), clock())
@@ -71,16 +80,17 @@ def test_waiting_for_the_next_consumer_warns_once_after_ten_silent_seconds(caplo
     s = _joined_with_leases(WAIT_CFG, clock)
     s.on_message(DONE, clock())
     _next_hello(s, clock)
-    s.on_message(_welcome(s, 7), clock())          # still up (checkpointing): its last answer
+    s.on_message(_welcome(s, 7), clock())  # still up (checkpointing): its last answer
     answered_s = clock()
     with caplog.at_level(logging.WARNING, logger="melfeed.producer.session"):
-        while clock() < answered_s + 9.9:                         # then nobody answers
+        while clock() < answered_s + 9.9:  # then nobody answers
             s.on_turn(clock.advance(0.1))
         assert caplog.records == []
         for _ in range(300):
             s.on_turn(clock.advance(0.1))
     assert [r.getMessage() for r in caplog.records] == [
-        "no consumer answered at ipc:///run/melfeed/sock for 10 s; still waiting"]
+        "no consumer answered at ipc:///run/melfeed/sock for 10 s; still waiting"
+    ]
 
 
 def test_the_finished_consumer_is_never_joined_again_and_the_back_off_goes_on() -> None:
@@ -89,21 +99,21 @@ def test_the_finished_consumer_is_never_joined_again_and_the_back_off_goes_on() 
     s.on_message(DONE, clock())
     s.on_turn(clock())
     hellos = []
-    for _ in range(4):                 # it is still up (checkpointing): it answers each HELLO with WELCOME
+    for _ in range(4):  # it is still up (checkpointing): it answers each HELLO with WELCOME
         hellos.append(_next_hello(s, clock))
         s.on_message(_welcome(s, 7), clock())
         assert s.joined_epoch is None and s.on_turn(clock()) == [Bye(7)]
-        s.on_message(DONE, clock())                             # a heartbeat sent before our BYE arrived
+        s.on_message(DONE, clock())  # a heartbeat sent before our BYE arrived
         assert s.joined_epoch is None and s.on_turn(clock()) == []
     gaps = [b - a for a, b in zip(hellos, hellos[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] > 0.3              # doubling, not a HELLO/WELCOME/BYE storm
+    assert gaps == sorted(gaps) and gaps[-1] > 0.3  # doubling, not a HELLO/WELCOME/BYE storm
 
 
 def test_done_from_another_epoch_is_an_epoch_change_not_the_end_of_our_plan() -> None:
     clock = FakeClock(100.0)
     s = _joined_with_leases(EXIT_CFG, clock)
     s.on_message(Heartbeat(99, done=True), clock())
-    assert not s.finished and s.joined_epoch is None           # re-join as on any other epoch change
+    assert not s.finished and s.joined_epoch is None  # re-join as on any other epoch change
     s.on_message(Heartbeat(7, 0, 3), clock())
     assert not s.finished
 

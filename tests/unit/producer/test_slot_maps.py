@@ -14,29 +14,28 @@ import pytest
 from melfeed.consumer.flow.ring import BatchRing, slot_nbytes_for
 from melfeed.consumer.transport.shm_slots import ShmSlots
 from melfeed.producer.batcher import BatchAssembler
-from melfeed.producer.slot_maps import SlotMappings
 from melfeed.producer.reader import CacheReader
-from melfeed.shared.wire.buckets import BucketSet, build_buckets
-from melfeed.shared.config import BucketConfig
+from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.cache.demo_data import write_demo_cache
+from melfeed.shared.config import BucketConfig
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from melfeed.shared.wire.layout import slot_nbytes_for as slot_file_nbytes
 from melfeed.shared.wire.protocol import ShmSlot
 
 
-def test_a_batch_built_into_a_mapped_slot_is_what_the_consumer_sees_and_equals_a_payload_build(
-        tmp_path: Path) -> None:
+def test_a_batch_built_into_a_mapped_slot_is_what_the_consumer_sees_and_equals_a_payload_build(tmp_path: Path) -> None:
     manifest = write_demo_cache(tmp_path / "cache", n_utterances=6)
     buckets = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(num_buckets=1, batch_size=4))
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     slots = ShmSlots(shm_dir, 3, slot_nbytes_for(buckets.buckets), 5)
     ring = BatchRing(3, buckets.buckets, memory=slots)
-    ring.views(1, 0)["mel"][:] = 9.0                     # a previous batch's bytes in the reused slot
+    ring.views(1, 0)["mel"][:] = 9.0  # a previous batch's bytes in the reused slot
     assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
     maps = SlotMappings(buckets, 4, shm_dir=str(shm_dir), endpoint="ipc:///run/melfeed/melfeed.sock")
     target = maps.views(str(shm_dir), ShmSlot(slots.name(1), 1, 0), 0)
-    built = assembler.build(3, 0, [0, 1, 2], target)     # one row short: a padding row
-    assert built.buffer is None                          # no send buffer on this path
+    built = assembler.build(3, 0, [0, 1, 2], target)  # one row short: a padding row
+    assert built.buffer is None  # no send buffer on this path
     payload = assembler.build(3, 0, [0, 1, 2])
     for key, arr in ring.views(1, 0).items():
         assert np.array_equal(arr, payload.arrays[key]), key
@@ -105,12 +104,19 @@ def _wrong_size(shm: Path, victim: Path) -> Path:
     return victim.rename(shm / NAME)
 
 
-@pytest.mark.parametrize("plant, reason", [
-    (_hard_link, "has 2 hard links"), (_symlink, "is a symbolic link"), (_other_owner, "owned by uid 65534"),
-    (_group_readable, "has mode 0640"), (_wrong_size, "bytes, a slot file of these buckets"),
-])
+@pytest.mark.parametrize(
+    "plant, reason",
+    [
+        (_hard_link, "has 2 hard links"),
+        (_symlink, "is a symbolic link"),
+        (_other_owner, "owned by uid 65534"),
+        (_group_readable, "has mode 0640"),
+        (_wrong_size, "bytes, a slot file of these buckets"),
+    ],
+)
 def test_a_slot_name_that_is_not_our_consumers_slot_file_is_refused_and_the_file_keeps_its_bytes(
-        tmp_path: Path, plant: Callable[[Path, Path], Path], reason: str) -> None:
+    tmp_path: Path, plant: Callable[[Path, Path], Path], reason: str
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("giving a file to uid 65534 needs root")
     buckets = _buckets(tmp_path)
@@ -118,7 +124,7 @@ def test_a_slot_name_that_is_not_our_consumers_slot_file_is_refused_and_the_file
     shm.mkdir()
     _precious(tmp_path / "precious.bin", slot_file_nbytes(buckets.buckets))
     target = plant(shm, tmp_path / "precious.bin")
-    before = target.read_bytes()                            # as planted (_wrong_size grew it)
+    before = target.read_bytes()  # as planted (_wrong_size grew it)
     maps = SlotMappings(buckets, 4, shm_dir=str(shm), endpoint="ipc:///run/melfeed/melfeed.sock")
     with pytest.raises(OSError) as info:
         maps.views(str(shm), ShmSlot(NAME, 0, 0), 0)
@@ -126,12 +132,20 @@ def test_a_slot_name_that_is_not_our_consumers_slot_file_is_refused_and_the_file
     assert target.read_bytes() == before and len(maps) == 0
 
 
-@pytest.mark.parametrize("name, slot_gen", [
-    ("precious.bin", (0, 0)), ("../precious.bin", (0, 0)), (f"{NAME}\n", (0, 0)), (f"{NAME}.bak", (0, 0)),
-    (NAME, (1, 0)), (NAME, (0, 3)),                          # the lease says another slot or generation
-])
+@pytest.mark.parametrize(
+    "name, slot_gen",
+    [
+        ("precious.bin", (0, 0)),
+        ("../precious.bin", (0, 0)),
+        (f"{NAME}\n", (0, 0)),
+        (f"{NAME}.bak", (0, 0)),
+        (NAME, (1, 0)),
+        (NAME, (0, 3)),  # the lease says another slot or generation
+    ],
+)
 def test_a_name_that_is_not_the_leases_slot_file_name_is_refused_before_anything_is_opened(
-        tmp_path: Path, name: str, slot_gen: tuple[int, int]) -> None:
+    tmp_path: Path, name: str, slot_gen: tuple[int, int]
+) -> None:
     buckets = _buckets(tmp_path)
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -143,8 +157,7 @@ def test_a_name_that_is_not_the_leases_slot_file_name_is_refused_before_anything
     assert (shm / "precious.bin").read_bytes() == before
 
 
-def test_a_directory_other_than_the_one_we_derive_is_refused_even_holding_a_perfect_slot_file(
-        tmp_path: Path) -> None:
+def test_a_directory_other_than_the_one_we_derive_is_refused_even_holding_a_perfect_slot_file(tmp_path: Path) -> None:
     buckets = _buckets(tmp_path)
     ours, theirs = tmp_path / "shm", tmp_path / "elsewhere"
     ours.mkdir()
@@ -162,9 +175,9 @@ def test_the_same_directory_by_another_path_is_accepted_and_the_slot_file_is_map
     buckets = _buckets(tmp_path)
     ours = tmp_path / "shm"
     ours.mkdir()
-    (tmp_path / "link").symlink_to(ours)                    # resolved paths are compared, not strings
+    (tmp_path / "link").symlink_to(ours)  # resolved paths are compared, not strings
     before = _precious(ours / NAME, slot_file_nbytes(buckets.buckets))
     maps = SlotMappings(buckets, 4, shm_dir=str(tmp_path / "link"), endpoint="ipc:///run/melfeed/melfeed.sock")
     views = maps.views(f"{ours}/", ShmSlot(NAME, 0, 0), 0)
-    views["mel_len"][...] = 7                               # the mapping is the file (MAP_SHARED)
+    views["mel_len"][...] = 7  # the mapping is the file (MAP_SHARED)
     assert len(maps) == 1 and (ours / NAME).read_bytes() != before

@@ -20,15 +20,21 @@ import pytest
 import uvloop
 
 from melfeed.producer.supervisor import _Group, _main
-from melfeed.shared.service.stop_ladder import PRODUCER_LADDER
 from melfeed.shared.service.sdnotify import Notifier
+from melfeed.shared.service.stop_ladder import PRODUCER_LADDER
 
 
 class _ScriptedGroup(_Group):
     """Child ``index`` exits with the next code of ``codes[index]``; the last code repeats."""
 
-    def __init__(self, codes: dict[int, list[int]], stop: threading.Event, *, exit_at_plan_end: bool,
-                 stop_after_spawns: int = 1000) -> None:
+    def __init__(
+        self,
+        codes: dict[int, list[int]],
+        stop: threading.Event,
+        *,
+        exit_at_plan_end: bool,
+        stop_after_spawns: int = 1000,
+    ) -> None:
         super().__init__(Path("unused.yaml"), len(codes), 0.0, 0.0, exit_at_plan_end, stop)
         self.codes = codes
         self.spawned: list[int] = []
@@ -52,7 +58,7 @@ def test_with_exit_at_plan_end_children_exiting_0_are_not_restarted_and_the_grou
     stop = threading.Event()
     group = _ScriptedGroup({1: [0], 2: [0]}, stop, exit_at_plan_end=True)
     assert _supervise(group, stop) == 0
-    assert not stop.is_set()                                 # nobody stopped it: it ended on its own
+    assert not stop.is_set()  # nobody stopped it: it ended on its own
     assert sorted(group.spawned) == [1, 2] and group.restarts == 0 and group.finished == 2
 
 
@@ -92,8 +98,8 @@ class _StopWhileStartingGroup(_Group):
     async def spawn(self, index: int) -> asyncio.subprocess.Process:
         self.ladder_ran = asyncio.Event()
         self.child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(300)")
-        self._stop.set()                       # SIGTERM to the supervisor, as its parent's death sends it
-        await self.ladder_ran.wait()           # the ladder ran over the children it knew: not this one
+        self._stop.set()  # SIGTERM to the supervisor, as its parent's death sends it
+        await self.ladder_ran.wait()  # the ladder ran over the children it knew: not this one
         self.procs[index] = self.child
         return self.child
 
@@ -109,8 +115,8 @@ def test_a_child_still_starting_when_the_stop_comes_gets_the_ladder_too() -> Non
     started = time.monotonic()
     try:
         assert _supervise(group, stop) == 0
-        assert group.child is not None and group.child.returncode == -signal.SIGTERM   # stopped, not left running
-        assert time.monotonic() - started < PRODUCER_LADDER.term_wait_s   # by SIGTERM, not after the tasks' wait
+        assert group.child is not None and group.child.returncode == -signal.SIGTERM  # stopped, not left running
+        assert time.monotonic() - started < PRODUCER_LADDER.term_wait_s  # by SIGTERM, not after the tasks' wait
     finally:
         if group.child is not None and group.child.returncode is None:
             os.kill(group.child.pid, signal.SIGKILL)
@@ -129,7 +135,9 @@ def test_a_producer_child_ignores_sigint_from_its_first_line(monkeypatch: pytest
         raise ConfigError("stop here", path=("cache_dir",))
 
     monkeypatch.setattr("melfeed.shared.config.loader.load_config", load_config)
-    monkeypatch.setattr("melfeed.shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None)   # not pytest's
+    monkeypatch.setattr(
+        "melfeed.shared.service.lifecycle.die_with_parent", lambda parent_pid=None: None
+    )  # not pytest's
     monkeypatch.setattr("melfeed.shared.service.lifecycle.setup_logging", lambda level: None)
     previous = signal.getsignal(signal.SIGINT)
     try:

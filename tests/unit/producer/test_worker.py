@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from melfeed.producer.batcher import BuiltBatch
-
 from melfeed.producer.reader import TransientReadError
 from melfeed.producer.session import ProducerSessionConfig
 from melfeed.producer.slot_maps import SlotMappings
@@ -31,13 +30,34 @@ from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import CacheError
 from melfeed.shared.wire.buckets import build_buckets
 from melfeed.shared.wire.layout import slot_nbytes_for
-from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Heartbeat, Hello, Lease, LeaseGrant, Message,
-                                  ShmSlot, Welcome, decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    CAP_SHM,
+    BatchHeader,
+    Bye,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    Message,
+    ShmSlot,
+    Welcome,
+    decode_header,
+    encode,
+)
 from tests.fakes import FakeAssembler, FakeClock, FakeDealer
 
 HB_S = 0.2
-SESSION = ProducerSessionConfig("producer-1", "tcp://127.0.0.1:5555", "fp", [[2, 4, 4]], 3, 7,
-                        heartbeat_interval_s=HB_S, liveness_s=1.0, backoff_max_s=1.0)
+SESSION = ProducerSessionConfig(
+    "producer-1",
+    "tcp://127.0.0.1:5555",
+    "fp",
+    [[2, 4, 4]],
+    3,
+    7,
+    heartbeat_interval_s=HB_S,
+    liveness_s=1.0,
+    backoff_max_s=1.0,
+)
 BAD_FILE = "/cache/mels/LJ001-0003.npy"
 
 
@@ -50,8 +70,13 @@ def _welcome(worker: ProducerWorker, shm_dir: str | None = None) -> Welcome:
     return Welcome(7, 2, HB_S, False, worker.session.hello().nonce, shm_dir)
 
 
-def _consumer(worker: ProducerWorker, *msgs: Message, clock: FakeClock, stop: threading.Event | None = None,
-              refuse_sends: bool = False) -> FakeDealer:
+def _consumer(
+    worker: ProducerWorker,
+    *msgs: Message,
+    clock: FakeClock,
+    stop: threading.Event | None = None,
+    refuse_sends: bool = False,
+) -> FakeDealer:
     """A consumer that has WELCOMEd ``worker`` and leased ``msgs``; with ``stop``, the loop stops once idle."""
     dealer = FakeDealer(clock, on_idle=None if stop is None else lambda _: stop.set(), refuse_sends=refuse_sends)
     dealer.push(_welcome(worker), *msgs)
@@ -71,7 +96,7 @@ def test_a_leased_batch_is_sent_as_header_and_four_frames_then_heartbeat_then_by
     # The idle poll that stopped the loop waited one interval: a second heartbeat was due before the BYE.
     assert _kinds(dealer) == ["Hello", "BatchHeader", "Heartbeat", "Heartbeat", "Bye"]
     hello, header, hb, _, bye = dealer.messages()
-    assert isinstance(hello, Hello) and hello.caps == []         # no slot maps: payload frames only
+    assert isinstance(hello, Hello) and hello.caps == []  # no slot maps: payload frames only
     assert isinstance(header, BatchHeader) and (header.epoch, header.batch_id, header.shm) == (7, 5, None)
     assert [len(f) for f in dealer.sent[1][1:]] == [2 * 4 * 3 * 4, 2 * 4, 2 * 4 * 4, 2 * 4]
     assert isinstance(hb, Heartbeat) and hb.stats is not None and hb.stats.batches == 1
@@ -80,11 +105,12 @@ def test_a_leased_batch_is_sent_as_header_and_four_frames_then_heartbeat_then_by
 
 
 def test_a_bad_cache_file_under_fail_sends_bye_with_78_and_the_file_then_exits_78(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = FakeClock()
     worker = _worker(clock, FakeAssembler(error=CacheError(BAD_FILE, "missing")))
     dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
-    worker.serve(dealer, threading.Event())                      # returns by itself: the failure ends the loop
+    worker.serve(dealer, threading.Event())  # returns by itself: the failure ends the loop
     assert worker.exit_code == 78
     assert _kinds(dealer) == ["Hello", "Bye"]
     assert dealer.messages()[-1] == Bye(7, 78, f"CacheError: {BAD_FILE}: missing")
@@ -122,11 +148,11 @@ def test_an_idle_joined_worker_waits_until_its_next_heartbeat_instead_of_spinnin
     clock, stop = FakeClock(), threading.Event()
     worker = _worker(clock, FakeAssembler())
     dealer = _consumer(worker, clock=clock)
-    dealer.on_idle = lambda d: stop.set() if clock() > 0.9 else None     # within liveness: no re-join
+    dealer.on_idle = lambda d: stop.set() if clock() > 0.9 else None  # within liveness: no re-join
     worker.serve(dealer, stop)
     hbs = [m for m in dealer.messages() if isinstance(m, Heartbeat)]
-    assert len(hbs) == 6                                         # t = 0, 0.2, ... 1.0: one per interval
-    assert dealer.poll_timeouts_ms[1:] == [200] * 5              # the first poll found the WELCOME waiting
+    assert len(hbs) == 6  # t = 0, 0.2, ... 1.0: one per interval
+    assert dealer.poll_timeouts_ms[1:] == [200] * 5  # the first poll found the WELCOME waiting
 
 
 @pytest.mark.parametrize("exit_at_plan_end", [True, False])
@@ -135,18 +161,19 @@ def test_the_plan_end_ends_the_loop_with_a_planned_bye_only_when_told_to_exit(ex
     cfg = dataclasses.replace(SESSION, exit_at_plan_end=exit_at_plan_end)
     worker = ProducerWorker(WorkerConfig(cfg.endpoint, cfg), FakeAssembler(), clock=clock)
     dealer = _consumer(worker, Heartbeat(7, 0, 30, done=True), clock=clock)
-    dealer.on_idle = lambda d: stop.set() if clock() > 3.0 else None    # a waiting producer runs on until stopped
+    dealer.on_idle = lambda d: stop.set() if clock() > 3.0 else None  # a waiting producer runs on until stopped
     worker.serve(dealer, stop)
     assert worker.exit_code == 0 and dealer.messages()[1] == Bye(7)
-    assert stop.is_set() is not exit_at_plan_end                  # the exiting one returned by itself
+    assert stop.is_set() is not exit_at_plan_end  # the exiting one returned by itself
     later = _kinds(dealer)[2:]
     if exit_at_plan_end:
         assert later == []
-    else:                                                         # HELLOs for the next consumer, nothing else
+    else:  # HELLOs for the next consumer, nothing else
         assert later and set(later) == {"Hello"}
 
 
 # --- trust: which consumer the worker connects to, takes a WELCOME from, and writes slot files for ------------
+
 
 @pytest.fixture()
 def unix_socket(tmp_path: Path) -> Iterator[Path]:
@@ -160,8 +187,13 @@ def unix_socket(tmp_path: Path) -> Iterator[Path]:
         sock.close()
 
 
-def _ipc_worker(clock: Callable[[], float], path: Path, assembler: FakeAssembler,
-                slot_maps: SlotMappings | None = None, backoff_max_s: float = 1.0) -> ProducerWorker:
+def _ipc_worker(
+    clock: Callable[[], float],
+    path: Path,
+    assembler: FakeAssembler,
+    slot_maps: SlotMappings | None = None,
+    backoff_max_s: float = 1.0,
+) -> ProducerWorker:
     cfg = dataclasses.replace(SESSION, endpoint=f"ipc://{path}", backoff_max_s=backoff_max_s)
     return ProducerWorker(WorkerConfig(cfg.endpoint, cfg), assembler, slot_maps, clock=clock)
 
@@ -177,7 +209,7 @@ def _plant(kind: str, path: Path) -> str:
         return f"socket owned by uid 65534 ({pwd.getpwuid(65534).pw_name}), not by this process's uid"
     if kind == "symlink":
         path.rename(path.with_name("real.sock"))
-        path.symlink_to(path.with_name("real.sock"))         # a socket of ours, behind a link
+        path.symlink_to(path.with_name("real.sock"))  # a socket of ours, behind a link
         return "a symbolic link, not a socket"
     if kind == "regular file":
         path.unlink()
@@ -188,7 +220,8 @@ def _plant(kind: str, path: Path) -> str:
 
 @pytest.mark.parametrize("kind", ["other owner", "symlink", "regular file", "ours"])
 def test_a_welcome_is_taken_only_while_the_socket_file_is_a_socket_of_ours_or_roots(
-        unix_socket: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    unix_socket: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     if kind == "other owner" and os.geteuid() != 0:
         pytest.skip("giving a socket file to uid 65534 needs root")
     reason = _plant(kind, unix_socket)
@@ -197,19 +230,20 @@ def test_a_welcome_is_taken_only_while_the_socket_file_is_a_socket_of_ours_or_ro
     worker = _ipc_worker(clock, unix_socket, assembler)
     dealer = _consumer(worker, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1), clock=clock)
 
-    def answer_again(d: FakeDealer) -> None:                    # the same consumer answers every HELLO
+    def answer_again(d: FakeDealer) -> None:  # the same consumer answers every HELLO
         d.push(_welcome(worker))
         if clock() > 3.0:
             stop.set()
+
     dealer.on_idle = answer_again
-    worker.serve(dealer, stop)                                  # no hang, no crash
+    worker.serve(dealer, stop)  # no hang, no crash
     if kind == "ours":
         assert worker.joined_epoch == 7 and assembler.built == [5] and _warnings(caplog) == []
         return
     assert worker.joined_epoch is None and assembler.built == []
-    assert set(_kinds(dealer)) == {"Hello"} and len(_kinds(dealer)) >= 3   # HELLO goes on with its back-off
+    assert set(_kinds(dealer)) == {"Hello"} and len(_kinds(dealer)) >= 3  # HELLO goes on with its back-off
     refusals = _warnings(caplog)
-    assert len(refusals) == 1, refusals                         # once, however often it answers
+    assert len(refusals) == 1, refusals  # once, however often it answers
     assert refusals[0].startswith(f"refusing the consumer at {unix_socket}: {reason}"), refusals
 
 
@@ -221,8 +255,8 @@ def test_run_connects_only_once_the_socket_file_is_trusted(tmp_path: Path, caplo
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(f"ipc://{path}")
-    os.chown(path, 65534, 65534)                                # a squatter's consumer at our endpoint
-    worker = _ipc_worker(time.monotonic, path, FakeAssembler(), backoff_max_s=0.2)   # real time: a real socket
+    os.chown(path, 65534, 65534)  # a squatter's consumer at our endpoint
+    worker = _ipc_worker(time.monotonic, path, FakeAssembler(), backoff_max_s=0.2)  # real time: a real socket
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), name="producer", daemon=True)
     thread.start()
@@ -232,7 +266,7 @@ def test_run_connects_only_once_the_socket_file_is_trusted(tmp_path: Path, caplo
             assert time.monotonic() < deadline, "the worker never refused the squatted socket"
             assert router.poll(50) == 0, "the worker connected to a socket file of uid 65534"
         assert "socket owned by uid 65534" in _warnings(caplog)[0]
-        os.chown(path, 0, 0)                                    # now root's: trusted
+        os.chown(path, 0, 0)  # now root's: trusted
         assert router.poll(10_000), "no HELLO once the socket file was trusted"
         _, frame = router.recv_multipart()
         assert isinstance(decode_header(frame), Hello)
@@ -247,15 +281,21 @@ def test_run_connects_only_once_the_socket_file_is_trusted(tmp_path: Path, caplo
 class _Scribbler(FakeAssembler):
     """Writes 0xFF over every byte of the slot it is given, as a real build overwrites it."""
 
-    def build(self, batch_id: int, bucket: int, sample_ids: list[int],
-              target: dict[str, npt.NDArray[np.generic]] | None = None) -> BuiltBatch:
+    def build(
+        self,
+        batch_id: int,
+        bucket: int,
+        sample_ids: list[int],
+        target: dict[str, npt.NDArray[np.generic]] | None = None,
+    ) -> BuiltBatch:
         for arr in (target or {}).values():
             arr.view(np.uint8)[...] = 0xFF
         return super().build(batch_id, bucket, sample_ids, target)
 
 
 def test_a_lease_naming_a_hard_link_to_a_victims_file_is_refused_unwritten_and_payload_frames_follow(
-        unix_socket: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    unix_socket: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     buckets = build_buckets(np.array([4, 4]), np.array([4, 4]), 3, BucketConfig(num_buckets=1, batch_size=2))
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -274,9 +314,11 @@ def test_a_lease_naming_a_hard_link_to_a_victims_file_is_refused_unwritten_and_p
     worker.serve(dealer, stop)
     assert victim.read_bytes() == before and assembler.built == []
     hellos = [m for m in dealer.messages() if isinstance(m, Hello)]
-    assert hellos[0].caps == [CAP_SHM] and hellos[-1].caps == []          # payload frames from now on
-    assert _warnings(caplog) == [f"cannot map slot file {shm}/{name} (errno 1: refused: has 2 hard links, a slot "
-                                 "file has 1); using ZeroMQ payload frames from now on"]
+    assert hellos[0].caps == [CAP_SHM] and hellos[-1].caps == []  # payload frames from now on
+    assert _warnings(caplog) == [
+        f"cannot map slot file {shm}/{name} (errno 1: refused: has 2 hard links, a slot "
+        "file has 1); using ZeroMQ payload frames from now on"
+    ]
 
 
 def test_while_no_socket_file_exists_the_worker_looks_again_within_the_first_back_off(tmp_path: Path) -> None:
@@ -286,7 +328,7 @@ def test_while_no_socket_file_exists_the_worker_looks_again_within_the_first_bac
     seen: dict[str, Any] = {}
 
     def on_idle(dealer: FakeDealer) -> None:
-        if clock() >= 104.0 and "bound_s" not in seen:          # the consumer binds 4 s after the producer began
+        if clock() >= 104.0 and "bound_s" not in seen:  # the consumer binds 4 s after the producer began
             seen["sock"] = socket.socket(socket.AF_UNIX)
             seen["sock"].bind(str(path))
             seen["bound_s"] = clock()
@@ -294,6 +336,7 @@ def test_while_no_socket_file_exists_the_worker_looks_again_within_the_first_bac
             seen["connected_s"] = clock()
         if "connected_s" in seen or clock() > 130.0:
             stop.set()
+
     dealer = FakeDealer(clock, on_idle=on_idle)
     worker = _ipc_worker(clock, path, FakeAssembler(), backoff_max_s=5.0)
     try:
@@ -302,5 +345,5 @@ def test_while_no_socket_file_exists_the_worker_looks_again_within_the_first_bac
         if "sock" in seen:
             seen["sock"].close()
     assert dealer.connected_to == [f"ipc://{path}"]
-    assert seen["connected_s"] - seen["bound_s"] <= 0.25, seen          # within about one first back-off
-    assert max(dealer.poll_timeouts_ms) <= 101                          # never a grown back-off while waiting
+    assert seen["connected_s"] - seen["bound_s"] <= 0.25, seen  # within about one first back-off
+    assert max(dealer.poll_timeouts_ms) <= 101  # never a grown back-off while waiting

@@ -22,15 +22,33 @@ _ALL_KEYS = sorted({*_ROOT_KEYS, *(k for keys in _SECTION_KEYS.values() for k in
 
 # Real key names most of the time, junk (control characters included) otherwise.
 _keys = st.sampled_from(_ALL_KEYS) | st.text(st.characters(codec="utf-8"), max_size=12)
-_ints = st.integers() | st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, -2**63 - 1, 10**400, -1, 0])
+_ints = st.integers() | st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, -(2**63) - 1, 10**400, -1, 0])
 _floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([1e308, -0.0, 5e-324])
-_texts = (st.text(st.characters(codec="utf-8"), max_size=20)
-          | st.sampled_from(["ipc://", "ipc:///" + "x" * 120, "tcp://127.0.0.1", "tcp://h:0", "tcp://h:99999",
-                             "tcp://127.0.0.1:5555", "ipc:///tmp/a.sock", "ipc://@x", "auto", "shm", "zmq",
-                             "truncate", "drop", "a:b", "0,1", "a\x00b", "line\nbreak"]))
+_texts = st.text(st.characters(codec="utf-8"), max_size=20) | st.sampled_from(
+    [
+        "ipc://",
+        "ipc:///" + "x" * 120,
+        "tcp://127.0.0.1",
+        "tcp://h:0",
+        "tcp://h:99999",
+        "tcp://127.0.0.1:5555",
+        "ipc:///tmp/a.sock",
+        "ipc://@x",
+        "auto",
+        "shm",
+        "zmq",
+        "truncate",
+        "drop",
+        "a:b",
+        "0,1",
+        "a\x00b",
+        "line\nbreak",
+    ]
+)
 _scalars = st.none() | st.booleans() | _ints | _floats | _texts
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
-                       | st.dictionaries(_keys, inner, max_size=4), max_leaves=12)
+_values = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_keys, inner, max_size=4), max_leaves=12
+)
 
 
 def _section(name: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -39,9 +57,13 @@ def _section(name: str) -> st.SearchStrategy[dict[str, Any]]:
 
 
 # Shaped like a config (sections of real keys) so the checks behind the type checks are reached too.
-_documents = (st.fixed_dictionaries({}, optional={**{name: _section(name) | _values for name in _SECTIONS},
-                                                   **{k: _scalars for k in _ROOT_KEYS if k not in _SECTIONS}})
-              | st.dictionaries(_keys, _values, max_size=6))
+_documents = st.fixed_dictionaries(
+    {},
+    optional={
+        **{name: _section(name) | _values for name in _SECTIONS},
+        **{k: _scalars for k in _ROOT_KEYS if k not in _SECTIONS},
+    },
+) | st.dictionaries(_keys, _values, max_size=6)
 
 
 def _assert_valid_or_one_line(call: Any, arg: Any) -> None:
@@ -56,7 +78,7 @@ def _assert_valid_or_one_line(call: Any, arg: Any) -> None:
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             assert not isinstance(value, float) or math.isfinite(value), (f.name, value)
-            assert not isinstance(value, int) or -2**63 <= value < 2**63, (f.name, value)
+            assert not isinstance(value, int) or -(2**63) <= value < 2**63, (f.name, value)
 
 
 @settings(max_examples=300, deadline=2000)

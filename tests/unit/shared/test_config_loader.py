@@ -57,8 +57,9 @@ def test_the_deploy_example_holds_every_key_with_its_default_and_trains_until_st
     assert (cfg.cache_dir, cfg.consumer.steps) == ("/var/lib/melfeed/cache", None)
 
 
-@pytest.mark.parametrize(("text", "hinted"), [("1e-2", True), ("1.0e2", True), ("5E3", True), ("nan", False),
-                                              ("fast", False)])
+@pytest.mark.parametrize(
+    ("text", "hinted"), [("1e-2", True), ("1.0e2", True), ("5E3", True), ("nan", False), ("fast", False)]
+)
 def test_a_number_yaml_reads_as_a_string_gets_a_hint(tmp_path: Path, text: str, hinted: bool) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(f"producer:\n  max_quarantined_fraction: {text}\n")

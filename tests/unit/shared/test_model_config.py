@@ -28,17 +28,23 @@ def test_defaults_are_auto_and_no_params() -> None:
     assert config_from_mapping({"model": {"params": None}}).model.params == {}
 
 
-@pytest.mark.parametrize(("model", "message"), [
-    ({"jit_compile": "xla"}, "model.jit_compile: must be auto, true or false, got 'xla'"),
-    ({"jit_compile": 1}, "model.jit_compile: must be auto, true or false, got 1"),
-    ({"jit_compile": "True"}, "model.jit_compile: must be auto, true or false, got 'True'"),
-    ({"jit_compile": None}, "model.jit_compile: must not be null"),
-    ({"params": [1, 2]}, "model.params: must be a mapping (name: value), got [1, 2]"),
-    ({"params": "hidden=3"}, "model.params: must be a mapping (name: value), got 'hidden=3'"),
-    ({"params": {"layers": {1: "a"}}}, "model.params.layers: keys must be non-empty strings, got 1"),
-    ({"params": {"fn": print}}, "model.params.fn: must be made of strings, numbers, booleans, null, lists and "
-                                "mappings, got 'builtin_function_or_method'"),
-])
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"jit_compile": "xla"}, "model.jit_compile: must be auto, true or false, got 'xla'"),
+        ({"jit_compile": 1}, "model.jit_compile: must be auto, true or false, got 1"),
+        ({"jit_compile": "True"}, "model.jit_compile: must be auto, true or false, got 'True'"),
+        ({"jit_compile": None}, "model.jit_compile: must not be null"),
+        ({"params": [1, 2]}, "model.params: must be a mapping (name: value), got [1, 2]"),
+        ({"params": "hidden=3"}, "model.params: must be a mapping (name: value), got 'hidden=3'"),
+        ({"params": {"layers": {1: "a"}}}, "model.params.layers: keys must be non-empty strings, got 1"),
+        (
+            {"params": {"fn": print}},
+            "model.params.fn: must be made of strings, numbers, booleans, null, lists and "
+            "mappings, got 'builtin_function_or_method'",
+        ),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_key(model: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_mapping({"model": model})
@@ -48,13 +54,17 @@ def test_bad_values_are_one_line_naming_the_key(model: dict[str, Any], message: 
 def test_params_are_copied_plain_and_round_trip_through_yaml() -> None:
     given = {"hidden": 32, "dropout": 0.1, "heads": (4, 4), "decoder": {"prenet": [256, 128], "zoneout": None}}
     cfg = config_from_mapping({"model": {"params": given, "jit_compile": False}})
-    given["hidden"] = 64                                   # the config keeps its own copy
-    assert cfg.model.params == {"hidden": 32, "dropout": 0.1, "heads": [4, 4],
-                                "decoder": {"prenet": [256, 128], "zoneout": None}}
-    text = yaml.safe_dump(config_to_mapping(cfg))         # what the producers' config file holds
+    given["hidden"] = 64  # the config keeps its own copy
+    assert cfg.model.params == {
+        "hidden": 32,
+        "dropout": 0.1,
+        "heads": [4, 4],
+        "decoder": {"prenet": [256, 128], "zoneout": None},
+    }
+    text = yaml.safe_dump(config_to_mapping(cfg))  # what the producers' config file holds
     assert config_from_mapping(yaml.safe_load(text)) == cfg
     assert with_overrides(cfg, {"model.jit_compile": True}).model.params == cfg.model.params
-    hash(cfg.model)                                        # frozen configs stay hashable
+    hash(cfg.model)  # frozen configs stay hashable
 
 
 def test_bad_jit_compile_in_a_file_exits_78_with_one_line(tmp_path: Path) -> None:
@@ -62,8 +72,14 @@ def test_bad_jit_compile_in_a_file_exits_78_with_one_line(tmp_path: Path) -> Non
     path.write_text("model:\n  jit_compile: sometimes\n")
     with pytest.raises(ConfigError):
         load_config(path)
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "status", "--config", str(path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "melfeed", "status", "--config", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 78
     assert proc.stderr.strip().splitlines() == [
-        "melfeed status: model.jit_compile: must be auto, true or false, got 'sometimes'"]
+        "melfeed status: model.jit_compile: must be auto, true or false, got 'sometimes'"
+    ]

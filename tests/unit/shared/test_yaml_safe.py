@@ -23,7 +23,8 @@ _BOUND_S = 20
 BILLION_LAUGHS = "\n".join(
     ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     + [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
-    + ["seed: *i", ""])
+    + ["seed: *i", ""]
+)
 
 
 def _refused(path: Path) -> str:
@@ -31,7 +32,7 @@ def _refused(path: Path) -> str:
         load_config(path)
     text = str(info.value)
     assert text.startswith(f"{path}: ") and "\n" not in text
-    return text[len(f"{path}: "):]
+    return text[len(f"{path}: ") :]
 
 
 def _write(tmp_path: Path, data: bytes) -> Path:
@@ -40,13 +41,17 @@ def _write(tmp_path: Path, data: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("data", "offset", "byte"), [
-    ("seed: 3\ncache_dir: /data/caf\xe9\n".encode("latin-1"), 28, 0xe9),   # Latin-1 e-acute
-    ("seed: 3\n".encode("utf-16"), 0, 0xff),                                # UTF-16 with its BOM
-    (b"seed: 3\n\x00\x9c\x12\xffjunk", 9, 0x9c),                           # binary junk
-])
+@pytest.mark.parametrize(
+    ("data", "offset", "byte"),
+    [
+        ("seed: 3\ncache_dir: /data/caf\xe9\n".encode("latin-1"), 28, 0xE9),  # Latin-1 e-acute
+        ("seed: 3\n".encode("utf-16"), 0, 0xFF),  # UTF-16 with its BOM
+        (b"seed: 3\n\x00\x9c\x12\xffjunk", 9, 0x9C),  # binary junk
+    ],
+)
 def test_a_file_that_is_not_utf8_names_the_offset_of_the_first_bad_byte(
-        tmp_path: Path, data: bytes, offset: int, byte: int) -> None:
+    tmp_path: Path, data: bytes, offset: int, byte: int
+) -> None:
     why = _refused(_write(tmp_path, data))
     assert why.startswith(f"not UTF-8: byte 0x{byte:02x} at byte offset {offset}"), why
 
@@ -73,19 +78,29 @@ def test_a_merge_key_alias_is_refused_too(tmp_path: Path) -> None:
     assert _refused(_write(tmp_path, text.encode())).startswith("YAML alias *b at line 5:")
 
 
-@pytest.mark.parametrize(("text", "where"), [
-    ("buckets: {batch_size: -1, bogus: 1}\nbuckets: {num_buckets: 2}\n", "key 'buckets' at line 2 repeats the one at line 1"),
-    ("consumer:\n  steps: 3\n  ring_slots: 4\n  steps: 4\n", "key 'steps' at line 4 repeats the one at line 2"),
-    ("consumer: {steps: 3, steps: 4}\n", "key 'steps' at line 1 repeats the one at line 1"),
-    ("seed: 5\nseed: 7\n", "key 'seed' at line 2 repeats the one at line 1"),
-])
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "buckets: {batch_size: -1, bogus: 1}\nbuckets: {num_buckets: 2}\n",
+            "key 'buckets' at line 2 repeats the one at line 1",
+        ),
+        ("consumer:\n  steps: 3\n  ring_slots: 4\n  steps: 4\n", "key 'steps' at line 4 repeats the one at line 2"),
+        ("consumer: {steps: 3, steps: 4}\n", "key 'steps' at line 1 repeats the one at line 1"),
+        ("seed: 5\nseed: 7\n", "key 'seed' at line 2 repeats the one at line 1"),
+    ],
+)
 def test_a_key_written_twice_in_one_mapping_is_refused_with_both_lines(tmp_path: Path, text: str, where: str) -> None:
     assert _refused(_write(tmp_path, text.encode())) == f"{where} of the same mapping: write each key once"
 
 
 def test_the_same_key_in_two_mappings_is_fine(tmp_path: Path) -> None:
     path = _write(tmp_path, b"consumer: {steps: 3}\nproducer: {count: 2}\nmodel: {params: {steps: 1}}\n")
-    assert read_config_file(path) == {"consumer": {"steps": 3}, "producer": {"count": 2}, "model": {"params": {"steps": 1}}}
+    assert read_config_file(path) == {
+        "consumer": {"steps": 3},
+        "producer": {"count": 2},
+        "model": {"params": {"steps": 1}},
+    }
 
 
 @pytest.mark.parametrize(("text", "kind"), [("- seed\n- 3\n", "list"), ("just a string\n", "str"), ("42\n", "int")])
@@ -104,8 +119,10 @@ def test_a_file_larger_than_the_bound_is_refused_unread(tmp_path: Path) -> None:
 
 
 def test_deep_nesting_is_one_line_not_a_recursion_traceback(tmp_path: Path) -> None:
-    assert _refused(_write(tmp_path, b"seed: " + b"[" * 50_000 + b"]" * 50_000 + b"\n")) == \
-        "invalid YAML: nested too deeply"
+    assert (
+        _refused(_write(tmp_path, b"seed: " + b"[" * 50_000 + b"]" * 50_000 + b"\n"))
+        == "invalid YAML: nested too deeply"
+    )
 
 
 @pytest.mark.timeout(_BOUND_S)
@@ -125,12 +142,20 @@ def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_pat
 @pytest.mark.timeout(3 * _BOUND_S)
 @pytest.mark.parametrize("case", ["latin1", "alias_bomb", "list"])
 def test_cli_exits_78_with_one_line_naming_the_file(tmp_path: Path, case: str) -> None:
-    data = {"latin1": "cache_dir: /caf\xe9\n".encode("latin-1"), "alias_bomb": BILLION_LAUGHS.encode(),
-            "list": b"- 1\n"}[case]
+    data = {
+        "latin1": "cache_dir: /caf\xe9\n".encode("latin-1"),
+        "alias_bomb": BILLION_LAUGHS.encode(),
+        "list": b"- 1\n",
+    }[case]
     path = _write(tmp_path, data)
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "consumer", "--config", str(path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=2 * _BOUND_S,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "melfeed", "consumer", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=2 * _BOUND_S,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert proc.returncode == 78, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"melfeed consumer: {path}: "), proc.stderr
@@ -142,7 +167,9 @@ def test_the_configs_melfeed_writes_for_its_children_load_back(tmp_path: Path) -
     import yaml
 
     from melfeed.shared.config.loader import config_from_mapping, config_to_mapping
-    cfg = config_from_mapping({"cache_dir": "/data/caché", "buckets": {"boundaries": [400, 800]},
-                               "producer": {"count": 2}})
+
+    cfg = config_from_mapping(
+        {"cache_dir": "/data/caché", "buckets": {"boundaries": [400, 800]}, "producer": {"count": 2}}
+    )
     path = _write(tmp_path, yaml.safe_dump(config_to_mapping(cfg), sort_keys=False).encode())
     assert load_config(path) == cfg

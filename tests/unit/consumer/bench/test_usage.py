@@ -28,15 +28,14 @@ def _spin(proc: subprocess.Popen[str], cpu_s: float) -> None:
 
 
 def test_helper_cpu_before_open_and_after_close_is_not_counted() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         window = UsageWindow()
-        _spin(proc, 0.3)                 # start-up work: before the window
+        _spin(proc, 0.3)  # start-up work: before the window
         window.open()
-        _spin(proc, 0.4)                 # the measured work
+        _spin(proc, 0.4)  # the measured work
         window.close()
-        _spin(proc, 0.6)                 # shutdown work after the window, before the helper is reaped
+        _spin(proc, 0.6)  # shutdown work after the window, before the helper is reaped
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -63,11 +62,15 @@ sys.stdin.read()
 def test_a_helpers_peak_memory_leaves_out_the_pages_of_a_mapped_pack_but_not_its_own(tmp_path: Path) -> None:
     mapped_mb, own_mb = 64, 48
     results = {}
-    for name in ("cache.pack", "cache.npy"):            # the same file mapped: left out only as a pack
+    for name in ("cache.pack", "cache.npy"):  # the same file mapped: left out only as a pack
         path = tmp_path / name
         path.write_bytes(b"\1" * (mapped_mb << 20))
-        proc = subprocess.Popen([sys.executable, "-c", _MAPPER, str(path), str(own_mb)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MAPPER, str(path), str(own_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
             window = UsageWindow()
@@ -79,4 +82,4 @@ def test_a_helpers_peak_memory_leaves_out_the_pages_of_a_mapped_pack_but_not_its
             proc.stdin.close()
             proc.wait(timeout=60)
     assert results["cache.npy"] - results["cache.pack"] >= 0.9 * mapped_mb, results
-    assert results["cache.pack"] >= own_mb, results      # the helper's own memory still counts
+    assert results["cache.pack"] >= own_mb, results  # the helper's own memory still counts

@@ -8,8 +8,10 @@ from melfeed.consumer.doctor.verdict import BOUND_PRODUCERS, BOUND_STEP
 
 def test_an_idle_data_gpu_becomes_a_replica_when_supply_covers_twice_the_demand_with_headroom() -> None:
     a = advise_data_gpu("0", "1", ["0"], ["1"], supply_per_s=250.0, demand_per_s=100.0, bound=BOUND_STEP)
-    assert [(c.key, c.old, c.new) for c in a.changes] == [("consumer.model_gpu", "0", "0,1"),
-                                                         ("producer.data_gpu", "1", '""')]
+    assert [(c.key, c.old, c.new) for c in a.changes] == [
+        ("consumer.model_gpu", "0", "0,1"),
+        ("producer.data_gpu", "1", '""'),
+    ]
     assert "2.50 x the step's demand 100.0" in a.changes[0].reason and "do no GPU work" in a.changes[0].reason
     assert a.notes == []
 

@@ -19,7 +19,7 @@ def test_the_build_probe_counts_the_rows_it_quarantined(tmp_path: Path) -> None:
     write_demo_cache(cache, n_utterances=40)
     for pack in cache.glob("melfeed-*.pack"):
         pack.unlink()
-    for mel in (cache / "mels").glob("*.npy"):    # mels/ emptied after indexing: every row is a bad file
+    for mel in (cache / "mels").glob("*.npy"):  # mels/ emptied after indexing: every row is a bad file
         mel.unlink()
     config = tmp_path / "doctor.yaml"
     config.write_text(f"cache_dir: {cache}\nbuckets:\n  batch_size: 8\n", encoding="utf-8")
@@ -29,7 +29,7 @@ def test_the_build_probe_counts_the_rows_it_quarantined(tmp_path: Path) -> None:
 
 
 def test_bad_rows_past_the_runs_ceiling_stop_doctor_with_one_line_naming_the_cache() -> None:
-    cfg = config_from_mapping({"cache_dir": "/data/cache"})      # max_quarantined_fraction 0.01
+    cfg = config_from_mapping({"cache_dir": "/data/cache"})  # max_quarantined_fraction 0.01
     with pytest.raises(CacheError) as err:
         _bad_rows(cfg, {"rows_read": 40, "rows_quarantined": 40, "quarantine_note": "/data/cache/mels/a.npy: missing"})
     text = str(err.value)

@@ -7,10 +7,20 @@ from pathlib import Path
 
 from melfeed.consumer.doctor.env import EnvFacts, check_environment, gather_facts, mem_available_bytes
 
-GOOD = EnvFacts(consumer_gpus=["0"], producer_gpus=["1"], model_gpu="0", data_gpu="1",
-                mem_available_bytes=16_000_000_000, shm_free_bytes=8_000_000_000, ring_bytes=27_000_000,
-                in_flight_bytes=63_000_000, runtime_dir="/run/melfeed", runtime_exists=True, runtime_mode=0o700,
-                runtime_writable=True)
+GOOD = EnvFacts(
+    consumer_gpus=["0"],
+    producer_gpus=["1"],
+    model_gpu="0",
+    data_gpu="1",
+    mem_available_bytes=16_000_000_000,
+    shm_free_bytes=8_000_000_000,
+    ring_bytes=27_000_000,
+    in_flight_bytes=63_000_000,
+    runtime_dir="/run/melfeed",
+    runtime_exists=True,
+    runtime_mode=0o700,
+    runtime_writable=True,
+)
 
 
 def _by_name(facts: EnvFacts) -> dict[str, tuple[str, str]]:

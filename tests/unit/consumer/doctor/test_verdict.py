@@ -7,15 +7,41 @@ import math
 
 import pytest
 
-from melfeed.consumer.doctor.verdict import (BOUND_H2D, BOUND_PRODUCERS, BOUND_STEP, BOUND_TRANSPORT, ConfigFacts,
-                                   Measurements, decide, memory_bound_bytes, weighted_ms)
+from melfeed.consumer.doctor.verdict import (
+    BOUND_H2D,
+    BOUND_PRODUCERS,
+    BOUND_STEP,
+    BOUND_TRANSPORT,
+    ConfigFacts,
+    Measurements,
+    decide,
+    memory_bound_bytes,
+    weighted_ms,
+)
 
 # Two buckets, 3/4 of the batches in bucket 0: step 8 ms and 16 ms -> 10 ms weighted -> demand 100/s.
-STEP_BOUND = Measurements(producers=2, build_ms_p50=10.0, read_ms_p50=6.0, build_rate_1=100.0, build_rate_n=190.0,
-                          delivered_1=80.0, delivered_n=150.0, h2d_ms=(0.5, 1.0), step_ms=(8.0, 16.0),
-                          mix=(0.75, 0.25))
-FACTS = ConfigFacts(cores=8, producer_count=2, ring_slots=3, lease_window=2, largest_batch_bytes=9_000_000,
-                    padding=0.86, num_buckets=4, padding_alternatives=((5, 0.875), (6, 0.91), (8, 0.93)))
+STEP_BOUND = Measurements(
+    producers=2,
+    build_ms_p50=10.0,
+    read_ms_p50=6.0,
+    build_rate_1=100.0,
+    build_rate_n=190.0,
+    delivered_1=80.0,
+    delivered_n=150.0,
+    h2d_ms=(0.5, 1.0),
+    step_ms=(8.0, 16.0),
+    mix=(0.75, 0.25),
+)
+FACTS = ConfigFacts(
+    cores=8,
+    producer_count=2,
+    ring_slots=3,
+    lease_window=2,
+    largest_batch_bytes=9_000_000,
+    padding=0.86,
+    num_buckets=4,
+    padding_alternatives=((5, 0.875), (6, 0.91), (8, 0.93)),
+)
 
 
 def test_weighted_ms_is_the_mix_weighted_mean() -> None:
@@ -45,12 +71,13 @@ def test_supply_just_below_headroom_is_a_data_bound_exit_3() -> None:
 
 
 def test_slow_producers_name_the_producers_and_recommend_more_and_ring_slots() -> None:
-    m = dataclasses.replace(STEP_BOUND, build_ms_p50=100.0, build_rate_1=10.0, build_rate_n=19.0,
-                            delivered_1=9.5, delivered_n=18.0)
+    m = dataclasses.replace(
+        STEP_BOUND, build_ms_p50=100.0, build_rate_1=10.0, build_rate_n=19.0, delivered_1=9.5, delivered_n=18.0
+    )
     v = decide(m, FACTS)
     assert (v.bound, v.exit_code) == (BOUND_PRODUCERS, 3)
     assert v.producers_needed == math.ceil(1.2 * 100.0 / 9.5) == 13
-    assert v.producers_recommended == 8                       # capped by the cores
+    assert v.producers_recommended == 8  # capped by the cores
     assert any("8 cores" in n and "13 producers" in n for n in v.notes)
     changes = {c.key: c for c in v.changes}
     assert (changes["producer.count"].old, changes["producer.count"].new) == ("2", "8")
@@ -70,18 +97,18 @@ def test_producers_that_build_fast_but_deliver_slowly_blame_transport() -> None:
 
 
 def test_slow_hand_off_with_enough_supply_names_host_to_device() -> None:
-    m = dataclasses.replace(STEP_BOUND, h2d_ms=(12.0, 12.0))       # 83/s < 1.2 x 100
+    m = dataclasses.replace(STEP_BOUND, h2d_ms=(12.0, 12.0))  # 83/s < 1.2 x 100
     v = decide(m, FACTS)
     assert (v.bound, v.exit_code) == (BOUND_H2D, 3)
 
 
 def test_too_many_producers_for_a_slow_step_recommends_fewer() -> None:
-    m = dataclasses.replace(STEP_BOUND, step_ms=(100.0, 100.0))    # demand 10/s: 1 producer suffices
+    m = dataclasses.replace(STEP_BOUND, step_ms=(100.0, 100.0))  # demand 10/s: 1 producer suffices
     v = decide(m, dataclasses.replace(FACTS, producer_count=4))
     assert v.bound == BOUND_STEP and v.producers_needed == 1
     change = next(c for c in v.changes if c.key == "producer.count")
     assert (change.old, change.new) == ("4", "1")
-    assert v.memory_bound_bytes == (3 + 1 * 2) * 9_000_000   # ring unchanged, 1 producer x window 2
+    assert v.memory_bound_bytes == (3 + 1 * 2) * 9_000_000  # ring unchanged, 1 producer x window 2
 
 
 def test_more_buckets_recommended_only_for_a_real_padding_gain_and_derived_boundaries() -> None:

@@ -38,7 +38,7 @@ class Sim:
         lease = held[pick % len(held)]
         arrival, got = self.book.accept(peer, lease.batch_id)
         assert arrival == Arrival.ACCEPT and got is not None
-        assert got.planned == PLAN.batch(lease.batch_id)       # the lease carries its planned batch
+        assert got.planned == PLAN.batch(lease.batch_id)  # the lease carries its planned batch
         self.ring.mark_ready(got.slot, got.planned)
         # a second copy of the same batch is a duplicate, never applied twice
         assert self.book.accept(peer, lease.batch_id)[0] == Arrival.DUP
@@ -65,20 +65,27 @@ class Sim:
     def check(self, n_slots: int, window: int) -> None:
         counts = self.ring.counts()
         assert sum(counts.values()) == n_slots
-        assert counts[SlotState.LEASED] == self.book.outstanding      # every lease owns exactly one slot
+        assert counts[SlotState.LEASED] == self.book.outstanding  # every lease owns exactly one slot
         for peer in PEERS:
             assert self.book.held_by(peer) <= window
-        assert self.applied == list(range(len(self.applied)))       # in order, no gaps, no repeats
+        assert self.applied == list(range(len(self.applied)))  # in order, no gaps, no repeats
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["grant", "deliver", "step", "kill", "expire", "revive"]),
-                             st.sampled_from(PEERS), st.integers(0, 7)), max_size=120)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["grant", "deliver", "step", "kill", "expire", "revive"]),
+        st.sampled_from(PEERS),
+        st.integers(0, 7),
+    ),
+    max_size=120,
+)
 
 
 @settings(max_examples=200, deadline=None)
 @given(n_slots=st.integers(3, 6), window=st.integers(1, 3), end=st.integers(1, 30), actions=ACTIONS)
 def test_any_interleaving_keeps_bounds_and_applies_each_batch_once_in_order(
-        n_slots: int, window: int, end: int, actions: list[tuple[str, bytes, int]]) -> None:
+    n_slots: int, window: int, end: int, actions: list[tuple[str, bytes, int]]
+) -> None:
     sim = Sim(n_slots, window, end)
     for action, peer, pick in actions:
         if action == "grant":
@@ -109,7 +116,7 @@ def test_any_interleaving_keeps_bounds_and_applies_each_batch_once_in_order(
 
 def test_slow_consumer_stops_leasing_when_slots_are_full() -> None:
     sim = Sim(n_slots=3, window=8, end=1000)
-    for _ in range(50):           # producers deliver everything they get, the step never runs
+    for _ in range(50):  # producers deliver everything they get, the step never runs
         sim.grant()
         for peer in PEERS:
             sim.deliver(peer, 0)
@@ -126,10 +133,10 @@ def test_reissued_ids_come_back_first_and_late_copy_wins() -> None:
     expired = book.expire(now_s=6.0)
     assert [x.batch_id for x in expired] == [0, 1]
     again = book.next_batch()
-    assert again == a                              # lowest reissued id first, the same planned batch
+    assert again == a  # lowest reissued id first, the same planned batch
     assert again is not None
     book.grant(b"p2", again, slot=2, now_s=6.0)
-    arrival, lease = book.accept(b"p1", 0)         # p1's late copy arrives first: it wins
+    arrival, lease = book.accept(b"p1", 0)  # p1's late copy arrives first: it wins
     assert arrival == Arrival.ACCEPT and lease is not None and lease.slot == 2
     assert book.accept(b"p2", 0)[0] == Arrival.DUP
     assert book.accept(b"p3", 5)[0] == Arrival.NOT_LEASED
@@ -158,7 +165,7 @@ def test_the_plan_is_asked_once_per_batch_id_and_the_lease_carries_the_answer() 
     first = book.next_batch()
     assert first is not None
     book.grant(b"p1", first, slot=0, now_s=0.0)
-    book.revoke_peer(b"p1")                        # the id goes back to the queue with its plan entry
+    book.revoke_peer(b"p1")  # the id goes back to the queue with its plan entry
     assert book.next_batch() == first == PLAN.batch(5)
     assert asked == [5]
 
@@ -171,11 +178,11 @@ def test_the_book_is_finished_once_every_id_below_its_end_was_applied_and_never_
         assert planned is not None and planned.batch_id == batch_id
         book.grant(b"p1", planned, slot=batch_id - 5, now_s=0.0)
         assert book.accept(b"p1", batch_id)[0] == Arrival.ACCEPT
-    assert not book.is_finished and not book.has_work()      # received is not applied
+    assert not book.is_finished and not book.has_work()  # received is not applied
     for batch_id in (5, 6, 7):
         book.mark_applied(batch_id)
     assert book.is_finished
-    assert LeaseBook(PLAN, 8, 8, 3, 10.0).is_finished            # resumed at its end
+    assert LeaseBook(PLAN, 8, 8, 3, 10.0).is_finished  # resumed at its end
     endless = LeaseBook(PLAN, 0, None, 3, 10.0)
     endless.mark_applied(1000)
     assert not endless.is_finished

@@ -19,12 +19,12 @@ def test_equally_loaded_producers_take_turns() -> None:
     table.add(b"b", "producer-2", now_s=1.0, nonce=2)
     book = _Held({})
     order = []
-    for t in range(4):                      # the receiver grants to the first peer, then stamps it
+    for t in range(4):  # the receiver grants to the first peer, then stamps it
         first = table.by_fewest_leases(book)[0]
         table.get(first).last_grant_s = 10.0 + t  # type: ignore[union-attr]
         order.append(first)
     assert order == [b"a", b"b", b"a", b"b"]
-    assert table.by_fewest_leases(_Held({b"a": 0, b"b": 2}))[0] == b"a"   # load first, then turn
+    assert table.by_fewest_leases(_Held({b"a": 0, b"b": 2}))[0] == b"a"  # load first, then turn
 
 
 def test_silence_and_blocking_are_time_bounded() -> None:

@@ -10,9 +10,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from melfeed.consumer.flow.plan import EpochPlan, PlannedBatch
-from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import BucketSet, build_buckets
 from tests.fakes import ljspeech_like
 
 _FINGERPRINT = "3f9a0c47d12e88b5" + "0" * 48  # sha256-sized hex, as the manifest writes it
@@ -53,7 +53,8 @@ def test_plan_differs_by_seed_epoch_and_fingerprint() -> None:
     base = EpochPlan(bs, _FINGERPRINT, 7).epoch(0)
     assert EpochPlan(bs, _FINGERPRINT, 8).epoch(0) != base
     assert EpochPlan(bs, _FINGERPRINT, 7).epoch(1) != tuple(
-        PlannedBatch(b.batch_id + len(base), 1, b.bucket, b.sample_ids) for b in base)
+        PlannedBatch(b.batch_id + len(base), 1, b.bucket, b.sample_ids) for b in base
+    )
     assert EpochPlan(bs, "4" + _FINGERPRINT[1:], 7).epoch(0) != base
 
 
@@ -63,21 +64,30 @@ _GOLDEN_EPOCH_1 = [(4, 1, (5, 4)), (5, 0, (0, 1)), (6, 0, (2,)), (7, 1, (6, 3))]
 
 def test_plan_matches_golden_order() -> None:
     # Pins the RNG recipe and NumPy's PCG64 streams: a change here reorders every resumed run.
-    bs = build_buckets(np.array([10, 20, 30, 40, 50, 60, 70]), np.array([1] * 7), 4,
-                       BucketConfig(boundaries=(32, 72), frame_multiple=8, batch_size=2))
+    bs = build_buckets(
+        np.array([10, 20, 30, 40, 50, 60, 70]),
+        np.array([1] * 7),
+        4,
+        BucketConfig(boundaries=(32, 72), frame_multiple=8, batch_size=2),
+    )
     got = [(b.batch_id, b.bucket, b.sample_ids) for b in EpochPlan(bs, "abcdef0123456789", 1).epoch(1)]
     assert got == _GOLDEN_EPOCH_1
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 400), batch_size=st.integers(1, 40), num_buckets=st.integers(1, 6),
-       seed=st.integers(0, 2**32), data_epoch=st.integers(0, 1000),
-       overlong=st.sampled_from(["truncate", "drop"]))
-def test_every_kept_sample_exactly_once_per_epoch(n: int, batch_size: int, num_buckets: int, seed: int,
-                                                  data_epoch: int, overlong: str) -> None:
+@given(
+    n=st.integers(1, 400),
+    batch_size=st.integers(1, 40),
+    num_buckets=st.integers(1, 6),
+    seed=st.integers(0, 2**32),
+    data_epoch=st.integers(0, 1000),
+    overlong=st.sampled_from(["truncate", "drop"]),
+)
+def test_every_kept_sample_exactly_once_per_epoch(
+    n: int, batch_size: int, num_buckets: int, seed: int, data_epoch: int, overlong: str
+) -> None:
     try:
-        bs = _bucket_set(n, batch_size, seed=seed % 97, num_buckets=num_buckets, overlong=overlong,
-                         max_frames=800)
+        bs = _bucket_set(n, batch_size, seed=seed % 97, num_buckets=num_buckets, overlong=overlong, max_frames=800)
     except ConfigError:  # a tiny draw whose utterances are all over 800 frames: nothing to plan
         assume(False)
     plan = EpochPlan(bs, _FINGERPRINT, seed)
@@ -127,5 +137,3 @@ def test_plan_rejects_bad_arguments() -> None:
         plan.epoch(-1)
     with pytest.raises(ValueError):
         plan.batch(-1)
-
-

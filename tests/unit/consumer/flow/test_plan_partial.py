@@ -36,14 +36,14 @@ def test_drop_removes_exactly_the_partial_batches_and_counts_their_samples(data_
     drop_plan = EpochPlan(bs, _FINGERPRINT, 5, "drop")
     drop = drop_plan.epoch(data_epoch)
     full = Counter(frozenset(b.sample_ids) for b in pad if b.rows == 16)
-    assert Counter(frozenset(b.sample_ids) for b in drop) == full       # the same full batches, nothing else
+    assert Counter(frozenset(b.sample_ids) for b in drop) == full  # the same full batches, nothing else
     assert all(b.rows == 16 for b in drop)
     assert drop_plan.batches_per_epoch == len(drop) == sum(n // 16 for n in members)
     assert [b.batch_id for b in drop] == list(range(data_epoch * len(drop), (data_epoch + 1) * len(drop)))
     dropped = sum(b.rows for b in pad if b.rows < 16)
     assert drop_plan.samples_dropped_per_epoch == dropped == sum(n % 16 for n in members)
     kept = {s for b in drop for s in b.sample_ids}
-    assert len(kept) == int((bs.assignment >= 0).sum()) - dropped      # every other sample exactly once
+    assert len(kept) == int((bs.assignment >= 0).sum()) - dropped  # every other sample exactly once
 
 
 def test_pad_keeps_the_partial_batches_and_marks_their_real_rows() -> None:

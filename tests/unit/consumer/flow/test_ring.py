@@ -8,8 +8,8 @@ import pytest
 
 from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.flow.ring import BatchRing, SlotState
-from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.errors import ClosedError
+from melfeed.shared.wire.buckets import Bucket
 
 BUCKETS = (Bucket(0, 4, 16, 5, 80), Bucket(1, 2, 40, 9, 80))
 
@@ -49,7 +49,7 @@ def test_batches_are_taken_in_id_order_whatever_the_arrival_order() -> None:
     assert released == [1]
     assert ring.reserve() == slots[1]
     with pytest.raises(ValueError):
-        ring.release(slots[0])          # READY, not IN_STEP
+        ring.release(slots[0])  # READY, not IN_STEP
 
 
 def test_close_wakes_a_waiting_taker() -> None:
@@ -73,10 +73,10 @@ def test_views_are_built_once_per_slot_and_bucket_and_each_caller_gets_its_own_d
     ring = BatchRing(2, BUCKETS)
     first, again = ring.views(1, 1), ring.views(1, 1)
     assert first is not again and first.keys() == again.keys()
-    assert all(first[k] is again[k] for k in first)                 # the same cached arrays
+    assert all(first[k] is again[k] for k in first)  # the same cached arrays
     for _ in range(2):
         ring.views(1, 1).pop("mel")
-    assert "mel" in ring.views(1, 1)                                 # a caller's dict changes no other
+    assert "mel" in ring.views(1, 1)  # a caller's dict changes no other
     assert ring.views(0, 1)["mel"].ctypes.data != again["mel"].ctypes.data
 
 
@@ -104,7 +104,7 @@ def test_views_follow_a_slot_whose_memory_was_replaced_and_drop_the_old_ones() -
     memory = Swappable(2, probe.slot_nbytes)
     ring = BatchRing(2, BUCKETS, memory=memory)
     old0, old1 = ring.views(0, 0)["mel"], ring.views(0, 1)["mel"]
-    memory.bufs[0] = aligned_buffer(probe.slot_nbytes)               # what ShmSlots.retire does
+    memory.bufs[0] = aligned_buffer(probe.slot_nbytes)  # what ShmSlots.retire does
     new = ring.views(0, 0)["mel"]
     assert new.ctypes.data == memory.bufs[0].ctypes.data != old0.ctypes.data
     assert all(buf is memory.bufs[0] for (slot, _), (buf, _) in ring._views.items() if slot == 0)

@@ -24,8 +24,11 @@ def _strategy() -> SimpleNamespace:
 def test_a_cpu_worker_is_one_replica_and_more_is_refused_naming_the_key() -> None:
     replicas = Replicas.for_job(_strategy(), config_from_mapping({}))
     assert replicas.multi_worker and replicas.count == 1 and replicas.devices == [_CPU]
-    with pytest.raises(ConfigError, match=r"consumer\.replicas: 2 replicas per worker, but MultiWorkerMirroredStrategy "
-                                          r"runs on 1 local device\(s\) here"):
+    with pytest.raises(
+        ConfigError,
+        match=r"consumer\.replicas: 2 replicas per worker, but MultiWorkerMirroredStrategy "
+        r"runs on 1 local device\(s\) here",
+    ):
         Replicas.for_job(_strategy(), config_from_mapping({"consumer": {"replicas": 2}}))
 
 
@@ -33,5 +36,11 @@ def test_xla_is_refused_before_any_compile_on_cpu_workers() -> None:
     replicas = Replicas.for_job(_strategy(), config_from_mapping({}))
     key = ((8, 4, 2), (8,), (8, 3), (8,))
     with pytest.raises(XlaUnavailable, match="XLA cannot compile MultiWorkerMirroredStrategy's collectives on CPU"):
-        replicas.program(lambda *a: {}, key, [tf.float32, tf.int32, tf.int32, tf.int32],
-                         ("mel", "mel_len", "tokens", "tok_len"), jit_compile=True, on_trace=lambda: None)
+        replicas.program(
+            lambda *a: {},
+            key,
+            [tf.float32, tf.int32, tf.int32, tf.int32],
+            ("mel", "mel_len", "tokens", "tok_len"),
+            jit_compile=True,
+            on_trace=lambda: None,
+        )

@@ -30,7 +30,7 @@ def test_sigint_ends_a_wait_that_holds_the_gil_at_once() -> None:
     finally:
         proc.kill()
         proc.wait()
-    assert code == -signal.SIGINT          # a shell shows 130
+    assert code == -signal.SIGINT  # a shell shows 130
     assert time.monotonic() - started_s < 10
 
 

@@ -4,11 +4,12 @@ does with MIG selectors and a GPU NVML cannot open."""
 from __future__ import annotations
 
 import logging
+
 import pytest
 
 from melfeed.consumer.observe.gpu import GpuSampler, format_gpus, resolve_gpus
-from tests.fakes import FakeNvml, NvmlError as _NvmlError
-
+from tests.fakes import FakeNvml
+from tests.fakes import NvmlError as _NvmlError
 
 _UUIDS = ["GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222"]
 
@@ -26,6 +27,7 @@ def test_absent_nvml_gives_empty_snapshot_and_no_crash() -> None:
     class NoDriver(FakeNvml):
         def nvmlInit(self) -> None:
             raise _NvmlError("Driver Not Loaded")
+
     s = GpuSampler(interval_s=0.01, use_env=False, nvml=NoDriver([]))
     s.start()
     s.start()
@@ -35,8 +37,16 @@ def test_absent_nvml_gives_empty_snapshot_and_no_crash() -> None:
 
 
 def test_an_index_selects_that_nvml_gpu_and_the_sample_carries_its_uuid() -> None:
-    assert _sampled(FakeNvml(_UUIDS), "1") == [{"index": 1, "uuid": "GPU-bbbb-1111", "util_pct": 41.0,
-                                                "mem_used_mib": 1024.0, "mem_total_mib": 4096.0, "power_w": 150.0}]
+    assert _sampled(FakeNvml(_UUIDS), "1") == [
+        {
+            "index": 1,
+            "uuid": "GPU-bbbb-1111",
+            "util_pct": 41.0,
+            "mem_used_mib": 1024.0,
+            "mem_total_mib": 4096.0,
+            "power_w": 150.0,
+        }
+    ]
 
 
 def test_every_gpu_when_unset_and_none_when_empty() -> None:
@@ -88,6 +98,7 @@ def test_status_text_without_gpus_says_n_a_and_is_empty_when_off() -> None:
 
 
 def test_status_text_from_sampled_gpus() -> None:
-    samples = ([{"role": "model", **g} for g in _sampled(FakeNvml(_UUIDS), "0")]
-               + [{"role": "data", **g} for g in _sampled(FakeNvml(_UUIDS), "1")])
+    samples = [{"role": "model", **g} for g in _sampled(FakeNvml(_UUIDS), "0")] + [
+        {"role": "data", **g} for g in _sampled(FakeNvml(_UUIDS), "1")
+    ]
     assert format_gpus(samples) == "gpu model:0 40% 1.0/4.0 GiB 150 W data:1 41%"

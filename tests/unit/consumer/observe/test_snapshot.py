@@ -13,7 +13,15 @@ import pytest
 from melfeed.consumer.observe.board import board_scalars
 from melfeed.consumer.observe.prom import SnapshotCollector, snapshot_families
 from melfeed.consumer.observe.snapshot import (
-    ProducerRow, Prom, Snapshot, field_names, metric_rows, schema_fields, snapshot_problem, spec)
+    ProducerRow,
+    Prom,
+    Snapshot,
+    field_names,
+    metric_rows,
+    schema_fields,
+    snapshot_problem,
+    spec,
+)
 from melfeed.consumer.observe.status import format_status
 from melfeed.consumer.observe.telemetry import Telemetry
 from melfeed.shared.metrics import StepRecord
@@ -21,27 +29,36 @@ from tests.fakes import gpu_row, metrics_snapshot, producer_row
 from tests.unit.consumer.observe.test_telemetry import _cfg, _FakeConsumer
 
 _REPO = Path(__file__).resolve().parents[4]
-_LISTING_MIN_KEYS = 6     # a literal naming this many snapshot keys spells the schema out again (bench records share 5)
+_LISTING_MIN_KEYS = 6  # a literal naming this many snapshot keys spells the schema out again (bench records share 5)
 
 
 def _scrape(snap: dict[str, Any], schema: type = Snapshot) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snap, schema))
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in fam.samples
+    }
 
 
 def _full_snapshot() -> dict[str, Any]:
     """Every figure known, every list and object with entries: each exported field has samples."""
-    return metrics_snapshot(1.0, rejects={"SHAPE": 2}, outputs={"loss": 0.5, "mel_l1": 0.25},
-                            producers=[producer_row("producer-1"), producer_row("producer-2", batches_per_s=2.0)],
-                            gpus=[gpu_row("model", 0), gpu_row("data", 1, power_w=None)])
+    return metrics_snapshot(
+        1.0,
+        rejects={"SHAPE": 2},
+        outputs={"loss": 0.5, "mel_l1": 0.25},
+        producers=[producer_row("producer-1"), producer_row("producer-2", batches_per_s=2.0)],
+        gpus=[gpu_row("model", 0), gpu_row("data", 1, power_w=None)],
+    )
 
 
 def test_a_snapshot_built_by_telemetry_is_valid_in_wire_order_and_its_json_is_the_published_bytes(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     clock = iter(float(t) for t in range(100))
     with Telemetry(_cfg(tmp_path), _FakeConsumer(), 0.0, control_endpoint=None, clock=lambda: next(clock)) as tel:
         tel.add(StepRecord(1.0, 0.25, 0.75, 4, 30, 40, 2))
@@ -50,7 +67,7 @@ def test_a_snapshot_built_by_telemetry_is_valid_in_wire_order_and_its_json_is_th
     assert tuple(snap) == field_names() and snapshot_problem(snap) is None
     assert published == json.dumps(snap, allow_nan=False).encode()
     assert tuple(snap["producers"][0]) == field_names(ProducerRow)
-    fake = metrics_snapshot(1.0)                     # the tests' fake is built through the same schema
+    fake = metrics_snapshot(1.0)  # the tests' fake is built through the same schema
     assert tuple(fake) == field_names() and snapshot_problem(fake) is None
 
 
@@ -93,11 +110,11 @@ def test_every_field_is_exported_to_prometheus_as_its_schema_says() -> None:
     scraped = _scrape(snap)
     expected = _expected_samples(snap)
     assert scraped == pytest.approx(expected)
-    assert ("melfeed_stall_ratio", ()) in scraped                       # spot checks of the schema's word
+    assert ("melfeed_stall_ratio", ()) in scraped  # spot checks of the schema's word
     assert ("melfeed_producer_stage_seconds", (("producer", "producer-2"), ("stage", "send"))) in scraped
     exported = {f.spec.prom.name for f in schema_fields() if f.spec.prom is not None}
     exported |= {r.spec.prom.name for f in schema_fields() if f.row for r in schema_fields(f.row) if r.spec.prom}
-    assert {family.name for family in snapshot_families(snap)} == exported      # and nothing else
+    assert {family.name for family in snapshot_families(snap)} == exported  # and nothing else
 
 
 def test_an_unknown_figure_is_left_out_of_the_scrape_and_of_tensorboard() -> None:
@@ -112,8 +129,11 @@ def test_every_field_with_a_tensorboard_tag_is_written_under_it() -> None:
     expected = {f.spec.board: float(snap[f.name]) for f in schema_fields() if f.spec.board}
     for f in schema_fields():
         for row in snap[f.name] if f.row else ():
-            expected |= {r.spec.board.format(**row): float(row[r.name])
-                         for r in schema_fields(f.row) if r.spec.board and row[r.name] is not None}
+            expected |= {
+                r.spec.board.format(**row): float(row[r.name])
+                for r in schema_fields(f.row)
+                if r.spec.board and row[r.name] is not None
+            }
     assert board_scalars(snap, {"loss": 0.5}) == {"train/loss": 0.5, **expected}
     assert {"feed/stall_pct", "gpu/data-1/util_pct", "producer/producer-2/batches_per_s"} <= set(expected)
 
@@ -121,21 +141,24 @@ def test_every_field_with_a_tensorboard_tag_is_written_under_it() -> None:
 @dataclass(frozen=True, slots=True)
 class _Wider(Snapshot):
     """The schema with one field more: the one edit adding a figure takes."""
-    gpu_temp_c: float | None = spec("C", "hottest GPU's temperature", prom=Prom("melfeed_gpu_temperature_celsius"),
-                                    board="gpu/temp_c")
+
+    gpu_temp_c: float | None = spec(
+        "C", "hottest GPU's temperature", prom=Prom("melfeed_gpu_temperature_celsius"), board="gpu/temp_c"
+    )
 
 
 def test_a_field_added_to_the_schema_is_validated_exported_and_listed_with_no_other_edit() -> None:
     snap = metrics_snapshot(1.0)
     assert snapshot_problem(snap, _Wider) == "gpu_temp_c: missing"
-    assert snapshot_problem(snap | {"gpu_temp_c": "hot"}, _Wider) == \
-        "gpu_temp_c: must be a number or null, got a string"
+    assert (
+        snapshot_problem(snap | {"gpu_temp_c": "hot"}, _Wider) == "gpu_temp_c: must be a number or null, got a string"
+    )
     wide = snap | {"gpu_temp_c": 61.0}
     assert snapshot_problem(wide, _Wider) is None
     assert _scrape(wide, _Wider)[("melfeed_gpu_temperature_celsius", ())] == 61.0
     assert board_scalars(wide, {}, _Wider)["gpu/temp_c"] == 61.0
     assert metric_rows(_Wider)[-1] == ("gpu_temp_c", "number or null", "C", "hottest GPU's temperature")
-    assert "melfeed_gpu_temperature_celsius" not in {name for name, _ in _scrape(wide)}   # the schema decides
+    assert "melfeed_gpu_temperature_celsius" not in {name for name, _ in _scrape(wide)}  # the schema decides
     assert format_status(wide, "ipc:///x").startswith("consumer ipc:///x: training")
 
 
@@ -169,9 +192,14 @@ def _listings(path: Path, keys: set[str]) -> list[str]:
 def test_no_module_but_the_schema_spells_out_the_snapshots_keys(tmp_path: Path) -> None:
     keys = set(field_names())
     schema = _REPO / "consumer" / "observe" / "snapshot.py"
-    found = [hit for folder in ("consumer", "tests") for path in sorted((_REPO / folder).rglob("*.py"))
-             if path != schema for hit in _listings(path, keys)]
+    found = [
+        hit
+        for folder in ("consumer", "tests")
+        for path in sorted((_REPO / folder).rglob("*.py"))
+        if path != schema
+        for hit in _listings(path, keys)
+    ]
     assert found == []
-    spelled = tmp_path / "spelled.py"         # the check finds a listing where there is one
+    spelled = tmp_path / "spelled.py"  # the check finds a listing where there is one
     spelled.write_text(f"KEYS = {field_names()[:_LISTING_MIN_KEYS]!r}\n")
     assert _listings(spelled, keys) == [f"{spelled}:1"]

@@ -41,8 +41,12 @@ def _no_access_for_others(path: Path, most: int) -> None:
 
 
 def test_a_new_state_directory_and_its_missing_parents_are_0750(tmp_path: Path) -> None:
-    cfg = config_from_mapping({"cache_dir": str(tmp_path), "consumer": {"state_dir": str(tmp_path / "a" / "b" / "s"),
-                                                                       "checkpoint_every_steps": 1}})
+    cfg = config_from_mapping(
+        {
+            "cache_dir": str(tmp_path),
+            "consumer": {"state_dir": str(tmp_path / "a" / "b" / "s"), "checkpoint_every_steps": 1},
+        }
+    )
     state = RunState.open(cfg, "f" * 16)
     assert state is not None
     v = tf.Variable([1.0, 2.0])
@@ -92,7 +96,7 @@ def test_shm_slot_files_are_owner_only(tmp_path: Path) -> None:
     """Guard: producers run as the consumer's user (deploy/units), so slot files need no group access."""
     slots = ShmSlots(tmp_path, 3, 8192, 1)
     try:
-        slots.retire(1)                                   # a new generation is created the same way
+        slots.retire(1)  # a new generation is created the same way
         for path in tmp_path.iterdir():
             _no_access_for_others(path, 0o600)
     finally:

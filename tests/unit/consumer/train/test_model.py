@@ -29,8 +29,9 @@ def demo_templates(rng: np.random.Generator) -> npt.NDArray[np.float32]:
     return templates
 
 
-def demo_batch(rng: np.random.Generator, templates: npt.NDArray[np.float32], rows: int,
-               frames: int, tokens: int) -> dict[str, np.ndarray]:
+def demo_batch(
+    rng: np.random.Generator, templates: npt.NDArray[np.float32], rows: int, frames: int, tokens: int
+) -> dict[str, np.ndarray]:
     """Demo-like batch: ~4.5 frames per token, frame t shows token floor(t * L / T) + noise."""
     mel = np.zeros((rows, frames, N_MELS), np.float32)
     tok = np.zeros((rows, tokens), np.int32)
@@ -46,8 +47,7 @@ def demo_batch(rng: np.random.Generator, templates: npt.NDArray[np.float32], row
 
 
 def _spec(seed: int = 0, mixed: bool = False) -> StepSpec:
-    return StepSpec(n_mels=N_MELS, vocab_size=VOCAB, learning_rate=1e-3, mixed_precision=mixed,
-                    seed=seed)
+    return StepSpec(n_mels=N_MELS, vocab_size=VOCAB, learning_rate=1e-3, mixed_precision=mixed, seed=seed)
 
 
 def _call(step: object, batch: dict[str, np.ndarray]) -> float:
@@ -90,8 +90,12 @@ def test_padding_rows_and_frames_change_neither_loss_nor_update() -> None:
 
 def test_all_padding_batch_gives_zero_loss_and_finite_state() -> None:
     step = build_reference_step(_spec())
-    zeros = {"mel": np.zeros((2, 8, N_MELS), np.float32), "mel_len": np.zeros(2, np.int32),
-             "tokens": np.zeros((2, 4), np.int32), "tok_len": np.zeros(2, np.int32)}
+    zeros = {
+        "mel": np.zeros((2, 8, N_MELS), np.float32),
+        "mel_len": np.zeros(2, np.int32),
+        "tokens": np.zeros((2, 4), np.int32),
+        "tok_len": np.zeros(2, np.int32),
+    }
     assert _call(step, zeros) == 0.0
     assert all(np.all(np.isfinite(v)) for v in _values(step))
 
@@ -132,7 +136,8 @@ def test_mixed_precision_builds_and_runs_a_compiled_step() -> None:
     assert model.embed.compute_dtype in ("float16", "bfloat16")  # type: ignore[attr-defined]
     before = _values(step)
     loss = tf.function(step.__call__, jit_compile=True)(
-        *[tf.constant(v) for v in demo_batch(rng, demo_templates(rng), 4, 48, 10).values()])
+        *[tf.constant(v) for v in demo_batch(rng, demo_templates(rng), 4, 48, 10).values()]
+    )
     assert loss.dtype == tf.float32 and np.isfinite(float(loss)) and float(loss) > 0
     assert any(not np.array_equal(x, y) for x, y in zip(before, _values(step)))
 
@@ -144,7 +149,8 @@ def test_step_spec_rejects_impossible_sizes() -> None:
 
 def test_optimizer_variables_cover_keras3_and_tf_keras_with_a_schedule() -> None:
     from melfeed.consumer.train.model import optimizer_variables
-    tf_keras = pytest.importorskip("tf_keras")   # the test extra installs it; importing it leaves tf.keras alone
+
+    tf_keras = pytest.importorskip("tf_keras")  # the test extra installs it; importing it leaves tf.keras alone
     for ks in (keras, tf_keras):
         layer = ks.layers.Dense(2)
         layer.build((None, 3))
@@ -154,6 +160,6 @@ def test_optimizer_variables_cover_keras3_and_tf_keras_with_a_schedule() -> None
         assert all(isinstance(v, tf.Variable) for v in found) and len({id(v) for v in found}) == len(found)
         names = [v.name.split(":")[0].rsplit("/", 1)[-1] for v in found]
         assert names.count("iteration") + names.count("iterations") == 1, names
-        assert len(found) >= 5, names                         # iterations + m and v of the kernel and the bias
-        if ks is tf_keras:                                    # assigned on every step, outside optimizer.variables()
+        assert len(found) >= 5, names  # iterations + m and v of the kernel and the bias
+        if ks is tf_keras:  # assigned on every step, outside optimizer.variables()
             assert "current_learning_rate" in names and len(opt.variables()) == len(found) - 1, names

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from melfeed.consumer.train.handoff import aligned_empty, to_tensors
 from melfeed.consumer.train.model import StepSpec, TrainStep, build_reference_step
 from melfeed.consumer.train.step import CompiledStep, build_step, load_step_factory
-from melfeed.consumer.train.handoff import aligned_empty, to_tensors
 from melfeed.shared.errors import ConfigError, StepError
 from tests.steps import _TinyStep, tiny_step
 
@@ -22,36 +22,42 @@ N_MELS = 16  # small: these tests check compilation and bookkeeping, not learnin
 
 
 def _step(seed: int = 0) -> TrainStep:
-    return build_reference_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3,
-                                         mixed_precision=False, seed=seed))
+    return build_reference_step(
+        StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=seed)
+    )
 
 
 def _shapes(rows: int, frames: int, tokens: int) -> dict[str, tuple[int, ...]]:
-    return {"mel": (rows, frames, N_MELS), "mel_len": (rows,), "tokens": (rows, tokens),
-            "tok_len": (rows,)}
+    return {"mel": (rows, frames, N_MELS), "mel_len": (rows,), "tokens": (rows, tokens), "tok_len": (rows,)}
 
 
 def _batch(rows: int, frames: int, tokens: int, seed: int = 0) -> dict[str, tf.Tensor]:
     rng = np.random.default_rng(seed)
     tok_len = rng.integers(1, tokens + 1, rows).astype(np.int32)
-    return {"mel": tf.constant(rng.normal(size=(rows, frames, N_MELS)).astype(np.float32)),
-            "mel_len": tf.constant(rng.integers(1, frames + 1, rows).astype(np.int32)),
-            "tokens": tf.constant(rng.integers(1, 32, (rows, tokens)).astype(np.int32)),
-            "tok_len": tf.constant(tok_len)}
+    return {
+        "mel": tf.constant(rng.normal(size=(rows, frames, N_MELS)).astype(np.float32)),
+        "mel_len": tf.constant(rng.integers(1, frames + 1, rows).astype(np.int32)),
+        "tokens": tf.constant(rng.integers(1, 32, (rows, tokens)).astype(np.int32)),
+        "tok_len": tf.constant(tok_len),
+    }
 
 
 # --- load_step_factory ------------------------------------------------------------------------
+
 
 def test_load_step_factory_returns_the_named_function() -> None:
     assert load_step_factory("melfeed.consumer.train.model:build_reference_step") is build_reference_step
 
 
-@pytest.mark.parametrize(("dotted", "reason"), [
-    ("melfeed_no_such_module:build", "cannot import module 'melfeed_no_such_module'"),
-    ("melfeed.consumer.train.model:no_such_factory", "has no attribute 'no_such_factory'"),
-    ("melfeed.consumer.train.model:__all__", "is a list, not callable"),
-    ("melfeed.consumer.train.model", "must look like 'module:function'"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "reason"),
+    [
+        ("melfeed_no_such_module:build", "cannot import module 'melfeed_no_such_module'"),
+        ("melfeed.consumer.train.model:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("melfeed.consumer.train.model:__all__", "is a list, not callable"),
+        ("melfeed.consumer.train.model", "must look like 'module:function'"),
+    ],
+)
 def test_load_step_factory_reports_bad_names_as_config_errors(dotted: str, reason: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_step_factory(dotted)
@@ -60,7 +66,8 @@ def test_load_step_factory_reports_bad_names_as_config_errors(dotted: str, reaso
 
 
 def test_load_step_factory_reports_a_module_that_fails_on_import(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "melfeed_broken_step.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "melfeed_broken_step", raising=False)
@@ -68,12 +75,11 @@ def test_load_step_factory_reports_a_module_that_fails_on_import(
         load_step_factory("melfeed_broken_step:build")
 
 
-
 _HERE = "tests.unit.consumer.train.test_step"
 
 
 def raising_factory(spec: StepSpec) -> TrainStep:
-    raise KeyError("hidden")    # a user's bug: the line build_step names
+    raise KeyError("hidden")  # a user's bug: the line build_step names
 
 
 class _NoVariables:
@@ -90,15 +96,22 @@ class _ListsNumbers(_TinyStep):
         return [1.0]
 
 
-@pytest.mark.parametrize(("factory", "says"), [
-    (f"{_HERE}:raising_factory", f"the factory raised KeyError: 'hidden' ({__file__}:"
-                                 f"{raising_factory.__code__.co_firstlineno + 1})"),
-    ("builtins:print", "the factory returned None, not a step: it needs __call__(mel, mel_len, tokens, tok_len) "
-                       "and variables()"),
-    (f"{_HERE}:no_variables", "the factory returned a _NoVariables, not a step"),
-    (f"{_HERE}:_NoVariables", "the factory raised TypeError: _NoVariables() takes no arguments, got"),   # no line
-    (f"{_HERE}:_ListsNumbers", "_ListsNumbers.variables() holds float, not a variable"),
-])
+@pytest.mark.parametrize(
+    ("factory", "says"),
+    [
+        (
+            f"{_HERE}:raising_factory",
+            f"the factory raised KeyError: 'hidden' ({__file__}:{raising_factory.__code__.co_firstlineno + 1})",
+        ),
+        (
+            "builtins:print",
+            "the factory returned None, not a step: it needs __call__(mel, mel_len, tokens, tok_len) and variables()",
+        ),
+        (f"{_HERE}:no_variables", "the factory returned a _NoVariables, not a step"),
+        (f"{_HERE}:_NoVariables", "the factory raised TypeError: _NoVariables() takes no arguments, got"),  # no line
+        (f"{_HERE}:_ListsNumbers", "_ListsNumbers.variables() holds float, not a variable"),
+    ],
+)
 def test_build_step_refuses_a_factory_that_raises_or_returns_no_step_in_one_line(factory: str, says: str) -> None:
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     with pytest.raises(ConfigError) as info:
@@ -108,7 +121,7 @@ def test_build_step_refuses_a_factory_that_raises_or_returns_no_step_in_one_line
 
 
 class _TwoArrays(_TinyStep):
-    def __call__(self, mel: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:   # type: ignore[override]
+    def __call__(self, mel: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:  # type: ignore[override]
         return tf.reduce_mean(mel)
 
 
@@ -116,9 +129,10 @@ def test_a_call_that_cannot_take_the_batch_is_refused_before_any_compile() -> No
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     with pytest.raises(ConfigError) as info:
         CompiledStep(_TwoArrays(spec), [_shapes(2, 16, 4)], factory="m:f")  # type: ignore[arg-type]  # the misfit is tested
-    assert str(info.value).startswith("model.step: _TwoArrays.__call__(mel, tokens) cannot take the batch: too many "
-                                      "positional arguments; it is called as step(mel, mel_len, tokens, tok_len)")
-
+    assert str(info.value).startswith(
+        "model.step: _TwoArrays.__call__(mel, tokens) cannot take the batch: too many "
+        "positional arguments; it is called as step(mel, mel_len, tokens, tok_len)"
+    )
 
 
 class _ChecksLengths(_TinyStep):
@@ -131,20 +145,24 @@ def test_a_step_that_fails_on_the_all_padding_warm_up_batch_is_told_so() -> None
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     with pytest.raises(StepError) as info:
         CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
-    assert str(info.value).startswith("model.step m:f: the step fails in graph mode on the warm-up batch (all "
-                                      "padding: every length 0, as in a padded partial batch): op assert_positive/")
+    assert str(info.value).startswith(
+        "model.step m:f: the step fails in graph mode on the warm-up batch (all "
+        "padding: every length 0, as in a padded partial batch): op assert_positive/"
+    )
 
 
 def test_under_auto_a_step_whose_check_fails_only_in_graph_mode_trains_with_xla_and_one_warning(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     compiled = CompiledStep(_ChecksLengths(spec), [_shapes(2, 16, 4)], jit_compile="auto", factory="m:f")
     with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
-        compiled.warm_up()                           # XLA compiled it (and drops the assertion), graph mode failed
+        compiled.warm_up()  # XLA compiled it (and drops the assertion), graph mode failed
     assert compiled.mode == "xla" and compiled.choice is not None and compiled.choice.mode == "xla"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("jit_compile auto: the step fails in graph mode on the "
-                                                         "warm-up batch"), warnings
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "jit_compile auto: the step fails in graph mode on the warm-up batch"
+    ), warnings
     assert "using XLA, which compiled and ran it" in warnings[0]
 
 
@@ -170,21 +188,30 @@ class _LazyMomentum(_TinyStep):
         return [*super().variables(), *self.lazy]
 
 
-@pytest.mark.parametrize(("step", "says"), [
-    (tiny_step, None),
-    (_ForgetsMomentum, "variables() leaves out 1 variable(s) (momentum:0) its step uses"),
-    (_LazyMomentum, "1 variable(s) (lazy_momentum:0) were created while the step was traced, after the factory "
-                    "returned (build them in the factory"),
-])
+@pytest.mark.parametrize(
+    ("step", "says"),
+    [
+        (tiny_step, None),
+        (_ForgetsMomentum, "variables() leaves out 1 variable(s) (momentum:0) its step uses"),
+        (
+            _LazyMomentum,
+            "1 variable(s) (lazy_momentum:0) were created while the step was traced, after the factory "
+            "returned (build them in the factory",
+        ),
+    ],
+)
 def test_variables_warm_up_cannot_put_back_get_one_warning_naming_them(
-        step: type, says: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    step: type, says: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
     with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         CompiledStep(step(spec), [_shapes(2, 16, 4)], jit_compile=False, factory="m:f").warm_up()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == (0 if says is None else 1) and all(str(says) in line for line in lines)
 
+
 # --- CompiledStep -----------------------------------------------------------------------------
+
 
 def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly() -> None:
     step = _step()
@@ -198,14 +225,13 @@ def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly()
     for bucket, (rows, frames, tokens) in enumerate([(4, 24, 6), (2, 40, 10), (4, 24, 6)]):
         outputs = compiled.run(bucket, _batch(rows, frames, tokens, seed=bucket))
         loss = outputs["loss"]
-        assert list(outputs) == ["loss"]   # a bare scalar loss means {"loss": loss}
+        assert list(outputs) == ["loss"]  # a bare scalar loss means {"loss": loss}
         assert loss.shape == () and loss.dtype == tf.float32 and float(loss) > 0
     assert compiled.traces == 2 and compiled.compiles_after_ready == 0
 
 
-def test_new_shape_after_warm_up_is_compiled_counted_and_logged(
-        caplog: pytest.LogCaptureFixture) -> None:
-    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)], jit_compile=False)   # counting is the same under XLA
+def test_new_shape_after_warm_up_is_compiled_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)], jit_compile=False)  # counting is the same under XLA
     compiled.warm_up()
     with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         compiled.run(0, _batch(2, 16, 4))
@@ -228,6 +254,7 @@ def test_compiled_step_rejects_bad_bucket_shapes_and_dtypes() -> None:
 
 
 # --- to_tensors / aligned_empty ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint8, np.float64])
 @pytest.mark.parametrize("shape", [(1,), (3, 5), (4, 33, 7)])
@@ -271,14 +298,16 @@ def test_to_tensors_copies_misaligned_strided_and_readonly_arrays() -> None:
 
 def test_compiled_step_runs_on_dlpack_tensors() -> None:
     rows, frames, tokens = 2, 16, 4
-    slot = {"mel": aligned_empty((rows, frames, N_MELS), np.float32),
-            "mel_len": aligned_empty((rows,), np.int32),
-            "tokens": aligned_empty((rows, tokens), np.int32),
-            "tok_len": aligned_empty((rows,), np.int32)}
+    slot = {
+        "mel": aligned_empty((rows, frames, N_MELS), np.float32),
+        "mel_len": aligned_empty((rows,), np.int32),
+        "tokens": aligned_empty((rows, tokens), np.int32),
+        "tok_len": aligned_empty((rows,), np.int32),
+    }
     for name, value in _batch(rows, frames, tokens).items():
         slot[name][...] = value.numpy()
     reference = float(_step()(*[tf.constant(slot[k]) for k in slot]))  # type: ignore[arg-type]  # a bare loss
-    compiled = CompiledStep(_step(), [_shapes(rows, frames, tokens)], jit_compile=False)   # the hand-off is the subject
+    compiled = CompiledStep(_step(), [_shapes(rows, frames, tokens)], jit_compile=False)  # the hand-off is the subject
     compiled.warm_up()
     tensors, copies = to_tensors(slot)
     assert copies == 0

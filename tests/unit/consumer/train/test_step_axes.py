@@ -14,7 +14,7 @@ from melfeed.consumer.train.model import StepSpec
 from melfeed.consumer.train.step import CompiledStep
 from melfeed.consumer.train.warm_batches import WarmBatch
 from melfeed.shared.config import BucketConfig
-from melfeed.shared.errors import ConfigError, StepError   # ConfigError: exit 78 (melfeed/cli.py)
+from melfeed.shared.errors import ConfigError, StepError  # ConfigError: exit 78 (melfeed/cli.py)
 from melfeed.shared.wire.buckets import Bucket, build_buckets
 from melfeed.shared.wire.schema import ExtraSpec
 from tests.attention_data import R
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.tf
 DUR = ExtraSpec("dur", "token", "int32")
 REF = ExtraSpec("ref", "sequence", "float16", (2,))
 ATTN = ExtraSpec("attn", "matrix", "float16", (), R)
-BUCKET = Bucket(0, 4, 30, 10, 8, extras=(DUR, REF, ATTN), seq_lengths=(6,))   # attn [4, 10, 10]
+BUCKET = Bucket(0, 4, 30, 10, 8, extras=(DUR, REF, ATTN), seq_lengths=(6,))  # attn [4, 10, 10]
 
 
 class _Widths:
@@ -36,11 +36,22 @@ class _Widths:
     def __init__(self) -> None:
         self.traced: list[tuple[Any, ...]] = []
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
-                 dur: tf.Tensor, ref: tf.Tensor, attn: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        *,
+        dur: tf.Tensor,
+        ref: tf.Tensor,
+        attn: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
         self.traced.append((tokens.shape[1], dur.shape[1], ref.shape[1], attn.shape[1], attn.shape[2]))
-        width = {k: tf.cast(tf.shape(v)[1], tf.float32) for k, v in
-                 {"tokens": tokens, "dur": dur, "ref": ref, "attn": attn}.items()}
+        width = {
+            k: tf.cast(tf.shape(v)[1], tf.float32)
+            for k, v in {"tokens": tokens, "dur": dur, "ref": ref, "attn": attn}.items()
+        }
         return {"loss": tf.reduce_sum(mel), **width, "attn_cols": tf.cast(tf.shape(attn)[2], tf.float32)}
 
     def variables(self) -> list[Any]:
@@ -56,7 +67,7 @@ def _batch(tok_len: list[int], ref_len: list[int], seed: int = 0) -> dict[str, n
     out["tok_len"][...], out["ref_len"][...] = tok_len, ref_len
     for row, n in enumerate(tok_len):
         out["tokens"][row, :n] = rng.integers(1, 20, n)
-        out["attn"][row, :n, :-(-int(out["mel_len"][row]) // R)] = rng.random((n, -(-int(out["mel_len"][row]) // R)))
+        out["attn"][row, :n, : -(-int(out["mel_len"][row]) // R)] = rng.random((n, -(-int(out["mel_len"][row]) // R)))
     return out
 
 
@@ -73,7 +84,7 @@ def test_longest_cuts_tokens_token_matrix_and_sequence_extras_in_graph_mode_trac
     step = _Widths()
     compiled = CompiledStep(step, [BUCKET.shapes()], jit_compile=False, extras=BUCKET.extras)
     compiled.warm_up(_warm(_batch([6, 4, 3, 5], [2, 5, 1, 1])))
-    assert step.traced == [(None, None, None, None, 10)]        # one trace, the token axes unknown
+    assert step.traced == [(None, None, None, None, 10)]  # one trace, the token axes unknown
     first = _run(compiled, _batch([6, 4, 3, 5], [2, 5, 1, 1]))
     second = _run(compiled, _batch([2, 9, 1, 1], [6, 1, 1, 3], seed=1))
     assert (first["tokens"], first["dur"], first["attn"], first["ref"], first["attn_cols"]) == (6, 6, 6, 5, 10)
@@ -107,11 +118,12 @@ def test_keras_fit_of_the_same_model_fails_in_graph_mode_on_the_buckets_token_wi
     """The bucket's width is what ``as_dataset(token_axis="bucket")`` gives it; on the cut it trains
     (tests/integration/library/test_fit_token_cut.py)."""
     import keras
+
     batch = _batch([6, 4, 3, 5], [1, 1, 1, 1])
     bucket = tf.data.Dataset.from_tensors(({k: tf.constant(batch[k]) for k in FIT_FEATURES}, tf.constant(batch["mel"])))
     model = TacotronFit(StepSpec(8, 20, 0.01, False, 1))
-    model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=False)       # graph mode, as on the CPU
-    with pytest.raises(tf.errors.InvalidArgumentError, match="lstm"):             # the encoder's narrower mask
+    model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=False)  # graph mode, as on the CPU
+    with pytest.raises(tf.errors.InvalidArgumentError, match="lstm"):  # the encoder's narrower mask
         model.fit(bucket, verbose=0, shuffle=False)
 
 
@@ -126,8 +138,7 @@ def test_a_bad_token_axis_or_frame_multiple_is_one_line_naming_model_step() -> N
         assert str(err.value).startswith("model.step: Step.") and "\n" not in str(err.value)
 
 
-def test_buckets_that_are_not_multiples_of_the_steps_frame_multiple_are_refused_naming_buckets_frame_multiple(
-) -> None:
+def test_buckets_that_are_not_multiples_of_the_steps_frame_multiple_are_refused_naming_buckets_frame_multiple() -> None:
     step = type("Step", (), {"frame_multiple": R})()
     frames = np.array([100, 205, 340, 521, 870])
     tokens = frames // 5
@@ -135,10 +146,13 @@ def test_buckets_that_are_not_multiples_of_the_steps_frame_multiple_are_refused_
     def sizes(multiple: int) -> list[int]:
         cfg = BucketConfig(num_buckets=3, batch_size=4, frame_multiple=multiple)
         return [b.max_frames for b in build_buckets(frames, tokens, 8, cfg).buckets]
+
     with pytest.raises(ConfigError) as err:
-        check_frame_multiple(step, "m:f", sizes(8), 8)     # the default buckets.frame_multiple
+        check_frame_multiple(step, "m:f", sizes(8), 8)  # the default buckets.frame_multiple
     text = str(err.value)
-    assert text.startswith("buckets.frame_multiple: the step (m:f) needs bucket frame sizes that are multiples "
-                           "of 3") and "set buckets.frame_multiple: 3 (or a multiple of it, e.g. 24)" in text, text
+    assert (
+        text.startswith("buckets.frame_multiple: the step (m:f) needs bucket frame sizes that are multiples of 3")
+        and "set buckets.frame_multiple: 3 (or a multiple of it, e.g. 24)" in text
+    ), text
     assert all(t % R == 0 for t in sizes(R))
-    check_frame_multiple(step, "m:f", sizes(R), R)         # the derived buckets then fit
+    check_frame_multiple(step, "m:f", sizes(R), R)  # the derived buckets then fit

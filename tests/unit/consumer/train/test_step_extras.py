@@ -29,10 +29,23 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[set[str]] = []
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
-                  speaker: tf.Tensor, energy: tf.Tensor, ref_len: tf.Tensor) -> dict[str, tf.Tensor]:
-        return {"loss": tf.reduce_sum(mel), "speaker": tf.cast(tf.reduce_sum(speaker), tf.float32),
-                "energy": tf.reduce_sum(energy), "ref_len": tf.cast(tf.reduce_sum(ref_len), tf.float32)}
+    def __call__(
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        *,
+        speaker: tf.Tensor,
+        energy: tf.Tensor,
+        ref_len: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
+        return {
+            "loss": tf.reduce_sum(mel),
+            "speaker": tf.cast(tf.reduce_sum(speaker), tf.float32),
+            "energy": tf.reduce_sum(energy),
+            "ref_len": tf.cast(tf.reduce_sum(ref_len), tf.float32),
+        }
 
     def variables(self) -> list[Any]:
         return []
@@ -42,15 +55,17 @@ class _Recorder:
 
 
 class _Everything(_Recorder):
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-                 **extras: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, **extras: tf.Tensor
+    ) -> dict[str, tf.Tensor]:
         self.calls.append(set(extras))
         return {"loss": tf.reduce_sum(mel) + tf.reduce_sum(tf.cast(extras["ref"], tf.float32))}
 
 
 class _BaseOnly(_Recorder):
     def __call__(  # type: ignore[override]  # takes no extras: the subject
-            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor
+    ) -> tf.Tensor:
         return tf.reduce_sum(mel)
 
 
@@ -75,7 +90,7 @@ def test_a_step_with_var_keywords_gets_every_extra_and_a_base_only_step_gets_non
     compiled = CompiledStep(everything, [BUCKET.shapes()], jit_compile=False, extras=EXTRAS)
     compiled.warm_up()
     assert float(compiled.run(0, _batch())["loss"]) == 2 * 8 * 4 + 2 * 5 * 2
-    assert everything.calls[-1] == {"speaker", "energy", "ref", "ref_len", "rows", "row_mask"}   # row inputs too
+    assert everything.calls[-1] == {"speaker", "energy", "ref", "ref_len", "rows", "row_mask"}  # row inputs too
     base = CompiledStep(_BaseOnly(), [BUCKET.shapes()], jit_compile=False, extras=EXTRAS)
     base.warm_up()
     assert float(base.run(0, _batch())["loss"]) == 2 * 8 * 4
@@ -87,11 +102,17 @@ def test_an_extra_of_the_wrong_dtype_is_refused_by_name() -> None:
         compiled.run(0, {**_batch(), "speaker": tf.zeros((2,), tf.int64)})
 
 
-
 class _WantsPitch(_Recorder):
     def __call__(  # type: ignore[override]  # wants an extra the batch lacks: the subject
-            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *,
-            speaker: tf.Tensor, pitch: tf.Tensor) -> tf.Tensor:
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        *,
+        speaker: tf.Tensor,
+        pitch: tf.Tensor,
+    ) -> tf.Tensor:
         return tf.reduce_sum(mel)
 
 
@@ -99,15 +120,20 @@ def test_a_step_that_needs_an_array_the_cache_lacks_is_refused_by_name_before_co
     with pytest.raises(ConfigError) as info:
         CompiledStep(_WantsPitch(), [BUCKET.shapes()], extras=EXTRAS, factory="tts:make")
     assert info.value.path == ("model", "step") and info.value.got == "tts:make"
-    assert "cannot take the batch: needs 'pitch', which the batch does not hold (it holds mel, mel_len, tokens, " \
-           "tok_len, speaker, energy, ref, ref_len, rows, row_mask)" in str(info.value)
+    assert (
+        "cannot take the batch: needs 'pitch', which the batch does not hold (it holds mel, mel_len, tokens, "
+        "tok_len, speaker, energy, ref, ref_len, rows, row_mask)" in str(info.value)
+    )
 
 
 def test_extras_on_several_replicas_are_refused_naming_them() -> None:
-    with pytest.raises(ConfigError) as info:   # any replicas object: the refusal comes before it is used
+    with pytest.raises(ConfigError) as info:  # any replicas object: the refusal comes before it is used
         CompiledStep(_Recorder(), [BUCKET.shapes()], extras=EXTRAS, replicas=object())  # type: ignore[arg-type]
-    assert str(info.value) == ("consumer.replicas: a step that takes extra arrays (speaker, energy, ref_len) cannot "
-                               "run on several replicas yet (leave them out of __call__), or set consumer.replicas: 1")
+    assert str(info.value) == (
+        "consumer.replicas: a step that takes extra arrays (speaker, energy, ref_len) cannot "
+        "run on several replicas yet (leave them out of __call__), or set consumer.replicas: 1"
+    )
+
 
 def test_the_step_spec_describes_the_schema() -> None:
     spec = StepSpec(4, 16, 0.01, False, 0, bucket_shapes=(BUCKET.shapes(),), extras=EXTRAS)

@@ -45,7 +45,7 @@ def _train(mel_dtype: str, jit_compile: bool, step: object) -> tuple[list[float]
     losses = []
     for seed in range(3):
         tensors, copies = to_tensors(_slots(mel_dtype, seed))
-        assert copies == 0 and tensors["mel"].dtype == tf.as_dtype(mel_dtype)   # float16 through DLPack too
+        assert copies == 0 and tensors["mel"].dtype == tf.as_dtype(mel_dtype)  # float16 through DLPack too
         losses.append(float(compiled.run(0, tensors)["loss"]))
     return losses, [v.numpy() for v in step.variables()]  # type: ignore[attr-defined]
 
@@ -74,14 +74,17 @@ def test_under_xla_the_cast_runs_inside_the_program_and_a_float32_batch_is_refus
 
 
 def test_a_step_that_does_not_cast_is_told_to_in_one_line() -> None:
-    compiled = CompiledStep(tiny_step(_spec("float16")), [SHAPES], jit_compile=False, factory="tests.steps:tiny_step",
-                            mel_dtype="float16")
+    compiled = CompiledStep(
+        tiny_step(_spec("float16")), [SHAPES], jit_compile=False, factory="tests.steps:tiny_step", mel_dtype="float16"
+    )
     with pytest.raises(StepError) as info:
         compiled.warm_up()
     message = str(info.value)
     assert message.startswith("model.step tests.steps:tiny_step: the step fails in graph mode: ")
-    assert message.endswith("(mel is float16 here, transport.mel_dtype: float16: cast it in the step, "
-                            "tf.cast(mel, tf.float32); docs/guide/your-model.md)")
+    assert message.endswith(
+        "(mel is float16 here, transport.mel_dtype: float16: cast it in the step, "
+        "tf.cast(mel, tf.float32); docs/guide/your-model.md)"
+    )
     assert "\n" not in message
 
 
@@ -104,7 +107,7 @@ def test_the_resident_limit_uses_the_wire_dtype() -> None:
     step = _CastingTiny(_spec("float16"))
     compiled = CompiledStep(step, [SHAPES], jit_compile=False, mel_dtype="float16")
     compiled.warm_up()
-    rows, offset = [], 0                    # the slot layout of the bucket: float16 mel, then the int32 arrays
+    rows, offset = [], 0  # the slot layout of the bucket: float16 mel, then the int32 arrays
     for name, shape in SHAPES.items():
         dtype = np.dtype(dtypes[name])
         rows.append((name, offset, shape, dtype))

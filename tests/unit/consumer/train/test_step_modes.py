@@ -20,8 +20,10 @@ pytestmark = pytest.mark.tf
 
 N_MELS = 8
 FACTORY = "tests.foreign_model:build_foreign_step"
-SHAPES = [{"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 6), "tok_len": (4,)},
-          {"mel": (4, 32, N_MELS), "mel_len": (4,), "tokens": (4, 10), "tok_len": (4,)}]
+SHAPES = [
+    {"mel": (4, 16, N_MELS), "mel_len": (4,), "tokens": (4, 6), "tok_len": (4,)},
+    {"mel": (4, 32, N_MELS), "mel_len": (4,), "tokens": (4, 10), "tok_len": (4,)},
+]
 
 
 def _spec() -> StepSpec:
@@ -31,13 +33,18 @@ def _spec() -> StepSpec:
 def _batch(bucket: int) -> dict[str, tf.Tensor]:
     rows, frames, _ = SHAPES[bucket]["mel"]
     rng = np.random.default_rng(bucket)
-    return {"mel": tf.constant((rng.normal(size=(rows, frames, N_MELS)) - 3).astype(np.float32)),
-            "mel_len": tf.fill([rows], frames - 2), "tokens": tf.ones(SHAPES[bucket]["tokens"], tf.int32),
-            "tok_len": tf.fill([rows], 3)}
+    return {
+        "mel": tf.constant((rng.normal(size=(rows, frames, N_MELS)) - 3).astype(np.float32)),
+        "mel_len": tf.fill([rows], frames - 2),
+        "tokens": tf.ones(SHAPES[bucket]["tokens"], tf.int32),
+        "tok_len": tf.fill([rows], 3),
+    }
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("melfeed.consumer")]
+    return [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("melfeed.consumer")
+    ]
 
 
 def test_auto_falls_back_to_graph_with_one_warning_naming_the_op(caplog: pytest.LogCaptureFixture) -> None:
@@ -103,29 +110,32 @@ def test_a_step_without_loss_is_a_one_line_config_error() -> None:
 
 def test_spec_carries_buckets_steps_epoch_and_params_read_only() -> None:
     from melfeed.shared.config.loader import config_from_mapping
-    cfg = config_from_mapping({"n_mels": N_MELS, "consumer": {"steps": 120},
-                               "model": {"params": {"hidden": 8, "heads": [1, 2]}}})
+
+    cfg = config_from_mapping(
+        {"n_mels": N_MELS, "consumer": {"steps": 120}, "model": {"params": {"hidden": 8, "heads": [1, 2]}}}
+    )
     spec = StepSpec.from_config(cfg, SHAPES, batches_per_epoch=37)
     assert (spec.n_mels, spec.total_steps, spec.batches_per_epoch) == (N_MELS, 120, 37)
     assert [dict(b) for b in spec.bucket_shapes] == SHAPES
     assert dict(spec.params) == {"hidden": 8, "heads": [1, 2]}
     with pytest.raises(TypeError):
         spec.params["hidden"] = 9  # type: ignore[index]
-    spec.params["heads"].append(3)          # a nested value is the spec's own copy: the config keeps its own
+    spec.params["heads"].append(3)  # a nested value is the spec's own copy: the config keeps its own
     assert cfg.model.params == {"hidden": 8, "heads": [1, 2]}
     assert build_foreign_step(spec).hidden == 8
 
 
 def test_auto_with_a_remembered_mode_compiles_only_that_mode(caplog: pytest.LogCaptureFixture) -> None:
-    compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step",
-                            remembered="graph")
+    compiled = CompiledStep(
+        tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step", remembered="graph"
+    )
     with caplog.at_level(logging.INFO, logger="melfeed.consumer.train.step"):
         compiled.warm_up()
-    assert compiled.mode == "graph" and compiled.traces == 2          # no XLA compile, no timing
+    assert compiled.mode == "graph" and compiled.traces == 2  # no XLA compile, no timing
     assert not any(r.getMessage().startswith("jit_compile auto:") for r in caplog.records)
     ignored = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile=True, remembered="graph")
     ignored.warm_up()
-    assert ignored.mode == "xla"                                      # only "auto" remembers
+    assert ignored.mode == "xla"  # only "auto" remembers
 
 
 class _TraceFailingStep:
@@ -151,23 +161,33 @@ def test_auto_keeps_xlas_failure_as_the_reason_when_graph_mode_fails_too(caplog:
     compiled = CompiledStep(_TraceFailingStep(_spec()), SHAPES, jit_compile="auto", factory="m:f")
     with caplog.at_level(logging.WARNING), pytest.raises(StepError) as info:
         compiled.warm_up()
-    line = _TraceFailingStep.__init__.__code__.co_firstlineno + 5     # the layer's raise
-    assert str(info.value) == f"model.step m:f: the step fails in graph mode: ValueError: the decoder needs 80 " \
-                              f"channels got 8 ({__file__}:{line})"
+    line = _TraceFailingStep.__init__.__code__.co_firstlineno + 5  # the layer's raise
+    assert (
+        str(info.value) == f"model.step m:f: the step fails in graph mode: ValueError: the decoder needs 80 "
+        f"channels got 8 ({__file__}:{line})"
+    )
     warnings = _warnings(caplog)
-    assert len(warnings) == 1 and warnings[0].startswith("XLA cannot compile the step of m:f, using graph mode: "
-                                                         "ValueError: the decoder needs 80 channels got 8")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "XLA cannot compile the step of m:f, using graph mode: ValueError: the decoder needs 80 channels got 8"
+    )
     assert compiled.choice is not None and compiled.choice.reason.startswith("XLA cannot compile the step: ValueError")
 
 
 def test_a_step_whose_xla_compile_killed_a_start_trains_in_graph_mode_or_stops_under_true(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / ATTEMPTS_NAME).write_text('{"open": {"step": "s", "program": "bucket A"}, "crashed": []}')
-    compiled = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile="auto", factory="tests.steps:tiny_step",
-                            remembered="xla", attempts=XlaAttempts(tmp_path, "s"))
+    compiled = CompiledStep(
+        tiny_step(_spec()),
+        SHAPES,
+        jit_compile="auto",
+        factory="tests.steps:tiny_step",
+        remembered="xla",
+        attempts=XlaAttempts(tmp_path, "s"),
+    )
     with caplog.at_level(logging.WARNING):
         compiled.warm_up()
-    assert compiled.mode == "graph" and compiled.traces == 2          # XLA not even traced
+    assert compiled.mode == "graph" and compiled.traces == 2  # XLA not even traced
     assert compiled.choice is not None and compiled.choice.reason.startswith("XLA not tried: an earlier start died")
     assert len(_warnings(caplog)) == 1 and str(tmp_path / ATTEMPTS_NAME) in _warnings(caplog)[0]
     strict = CompiledStep(tiny_step(_spec()), SHAPES, jit_compile=True, attempts=XlaAttempts(tmp_path, "s"))

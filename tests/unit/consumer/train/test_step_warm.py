@@ -33,17 +33,30 @@ N_MELS = 16
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BucketSet, list[WarmBatch], StepSpec]:
     manifest = write_duration_cache(tmp_path_factory.mktemp("step_warm") / "cache", 24, N_MELS)
-    buckets = build_buckets(manifest.frames, manifest.token_counts, N_MELS,
-                            BucketConfig(num_buckets=2, batch_size=4, partial="drop"), manifest.schema)
+    buckets = build_buckets(
+        manifest.frames,
+        manifest.token_counts,
+        N_MELS,
+        BucketConfig(num_buckets=2, batch_size=4, partial="drop"),
+        manifest.schema,
+    )
     plan = EpochPlan(buckets, manifest.fingerprint, 0, "drop")
-    spec = StepSpec(n_mels=N_MELS, vocab_size=256, learning_rate=0.1, mixed_precision=False, seed=0,
-                    bucket_shapes=tuple(b.shapes() for b in buckets.buckets), extras=manifest.schema.extras)
+    spec = StepSpec(
+        n_mels=N_MELS,
+        vocab_size=256,
+        learning_rate=0.1,
+        mixed_precision=False,
+        seed=0,
+        bucket_shapes=tuple(b.shapes() for b in buckets.buckets),
+        extras=manifest.schema.extras,
+    )
     return buckets, warm_batches(plan, buckets, manifest, 0), spec
 
 
 def _compiled(step: Any, buckets: BucketSet, spec: StepSpec, jit_compile: str | bool) -> CompiledStep:
-    return CompiledStep(step, [b.shapes() for b in buckets.buckets], jit_compile=jit_compile, factory="t:step",
-                        extras=spec.extras)
+    return CompiledStep(
+        step, [b.shapes() for b in buckets.buckets], jit_compile=jit_compile, factory="t:step", extras=spec.extras
+    )
 
 
 def _moved(step: Any) -> list[np.ndarray]:
@@ -59,18 +72,20 @@ def _unchanged(step: Any, before: list[np.ndarray]) -> bool:
 
 
 def test_warm_up_on_real_batches_runs_a_step_asserting_positive_lengths_and_leaves_variables_bit_identical(
-        run: tuple[BucketSet, list[WarmBatch], StepSpec]) -> None:
+    run: tuple[BucketSet, list[WarmBatch], StepSpec],
+) -> None:
     buckets, warm, spec = run
     step = positive_step(spec)
     before = _moved(step)
-    compiled = _compiled(step, buckets, spec, False)          # graph mode runs the assertions (XLA drops them)
+    compiled = _compiled(step, buckets, spec, False)  # graph mode runs the assertions (XLA drops them)
     compiled.warm_up(warm)
     assert compiled.is_ready and _unchanged(step, before)
     packed = PackedSteps.for_buckets(compiled, buckets.buckets, None)
     packed.warm_up(step.variables(), warm)
     assert _unchanged(step, before) and packed.dispatched == 0
-    limit = measure_resident_limit(packed, step.variables(), [b.shapes() for b in buckets.buckets], 2, 256,
-                                   batches=warm)
+    limit = measure_resident_limit(
+        packed, step.variables(), [b.shapes() for b in buckets.buckets], 2, 256, batches=warm
+    )
     assert len(limit.step_s) == len(buckets.buckets) and _unchanged(step, before)
     assert compiled.compiles_after_ready == 0
 
@@ -82,13 +97,16 @@ def test_the_same_step_fails_warm_up_on_an_all_padding_batch(run: tuple[BucketSe
 
 
 def test_auto_timing_and_the_resident_limit_see_the_cost_the_durations_drive(
-        run: tuple[BucketSet, list[WarmBatch], StepSpec]) -> None:
+    run: tuple[BucketSet, list[WarmBatch], StepSpec],
+) -> None:
     buckets, warm, spec = run
     # Four times the default decoder work: the real batches' steps then cost far more than any scheduling delay of
     # a loaded machine, which the ratios below must not depend on.
     spec = dataclasses.replace(spec, params={"frames_per_matmul": 8})
-    real, zeros = _compiled(duration_cost_step(spec), buckets, spec, "auto"), _compiled(
-        duration_cost_step(spec), buckets, spec, "auto")
+    real, zeros = (
+        _compiled(duration_cost_step(spec), buckets, spec, "auto"),
+        _compiled(duration_cost_step(spec), buckets, spec, "auto"),
+    )
     real.warm_up(warm)
     zeros.warm_up()
     assert real.choice is not None and zeros.choice is not None and real.choice.graph_step_ms is not None
@@ -97,5 +115,5 @@ def test_auto_timing_and_the_resident_limit_see_the_cost_the_durations_drive(
     packed = PackedSteps.for_buckets(real, buckets.buckets, None)
     packed.warm_up([], warm)
     on_real = measure_resident_limit(packed, [], shapes, 3, 256, batches=warm).step_s
-    on_synthetic = measure_resident_limit(packed, [], shapes, 3, 256).step_s   # full rows, zero durations
+    on_synthetic = measure_resident_limit(packed, [], shapes, 3, 256).step_s  # full rows, zero durations
     assert all(r > 2 * s for r, s in zip(on_real, on_synthetic)), (on_real, on_synthetic)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -17,27 +17,34 @@ def test_an_attempt_is_on_disk_while_it_runs_and_cleared_when_it_returns_or_rais
     attempts = XlaAttempts(tmp_path, "m:f params 1 xla ns")
     with attempts.compiling("bucket A"):
         assert json.loads((tmp_path / ATTEMPTS_NAME).read_text())["open"] == {
-            "step": "m:f params 1 xla ns", "program": "bucket A", "pid": os.getpid()}
+            "step": "m:f params 1 xla ns",
+            "program": "bucket A",
+            "pid": os.getpid(),
+        }
     assert json.loads((tmp_path / ATTEMPTS_NAME).read_text())["open"] is None
     with pytest.raises(ValueError), attempts.compiling("bucket B"):
-        raise ValueError("XLA cannot compile it")          # a Python-level failure: not a crash
+        raise ValueError("XLA cannot compile it")  # a Python-level failure: not a crash
     assert XlaAttempts(tmp_path, "m:f params 1 xla ns").crash_reason() is None
 
 
 def test_an_attempt_left_open_is_a_crash_of_that_step_only_until_the_file_is_deleted(tmp_path: Path) -> None:
-    (tmp_path / ATTEMPTS_NAME).write_text(json.dumps({"open": {"step": "m:f params 1 xla ns", "program": "bucket A"},
-                                                      "crashed": []}))
+    (tmp_path / ATTEMPTS_NAME).write_text(
+        json.dumps({"open": {"step": "m:f params 1 xla ns", "program": "bucket A"}, "crashed": []})
+    )
     reason = XlaAttempts(tmp_path, "m:f params 1 xla ns").crash_reason()
-    assert reason == (f"an earlier start died compiling it with XLA (bucket A; {tmp_path / ATTEMPTS_NAME}: delete it "
-                      "to try XLA again)")
-    assert XlaAttempts(tmp_path, "m:f params 1 xla ns").crash_reason() == reason       # kept for later starts
-    assert XlaAttempts(tmp_path, "m:f params 2 xla ns").crash_reason() is None         # another step tries XLA
+    assert reason == (
+        f"an earlier start died compiling it with XLA (bucket A; {tmp_path / ATTEMPTS_NAME}: delete it "
+        "to try XLA again)"
+    )
+    assert XlaAttempts(tmp_path, "m:f params 1 xla ns").crash_reason() == reason  # kept for later starts
+    assert XlaAttempts(tmp_path, "m:f params 2 xla ns").crash_reason() is None  # another step tries XLA
     (tmp_path / ATTEMPTS_NAME).unlink()
     assert XlaAttempts(tmp_path, "m:f params 1 xla ns").crash_reason() is None
 
 
 def test_a_damaged_file_is_ignored_with_a_warning_and_no_state_dir_records_nothing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / ATTEMPTS_NAME).write_text("{not json")
     with caplog.at_level(logging.WARNING):
         assert XlaAttempts(tmp_path, "s").crash_reason() is None

@@ -14,11 +14,11 @@ def test_connections_past_the_bound_are_cut_and_a_closed_one_frees_its_place() -
     count = ConnectionCount(2)
     assert [count.accepted(fd) for fd in (10, 11, 12)] == [False, False, True]
     assert (count.open, count.refused) == (2, 1)
-    count.closed(12)                       # the cut one goes: nothing changes
+    count.closed(12)  # the cut one goes: nothing changes
     assert count.open == 2
     count.closed(10)
     assert count.accepted(13) is False and count.open == 2
-    assert count.accepted(11) is False and count.open == 2   # a repeated report is not a second connection
+    assert count.accepted(11) is False and count.open == 2  # a repeated report is not a second connection
 
 
 def test_the_guard_keeps_a_real_router_at_its_bound_and_cuts_only_its_own_connections() -> None:
@@ -36,17 +36,17 @@ def test_the_guard_keeps_a_real_router_at_its_bound_and_cuts_only_its_own_connec
             guard.drain()
         assert (guard.count.open, guard.count.refused) == (3, 5)
         at_eof: set[int] = set()
-        while len(at_eof) < 5 and time.monotonic() < deadline:   # the cut ones see the hang-up
+        while len(at_eof) < 5 and time.monotonic() < deadline:  # the cut ones see the hang-up
             for i, c in enumerate(conns):
                 if i not in at_eof and _at_eof(c):
                     at_eof.add(i)
         assert len(at_eof) == 5
-        assert not any(_at_eof(c) for i, c in enumerate(conns) if i not in at_eof)   # the others stay
+        assert not any(_at_eof(c) for i, c in enumerate(conns) if i not in at_eof)  # the others stay
     finally:
         for c in conns:
             c.close()
         guard.close()
-        guard.close()                      # idempotent
+        guard.close()  # idempotent
         router.close(0)
         ctx.term()
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,14 +19,15 @@ def test_a_second_lock_on_the_same_socket_is_refused_naming_the_holder_until_it_
     assert first.path.read_text() == f"{os.getpid()}\n"
     with pytest.raises(ConfigError) as info:
         lock_endpoint(endpoint)
-    assert str(info.value).startswith(f"transport.endpoint: another consumer (pid {os.getpid()}) is running on "
-                                      f"{endpoint} (lock {first.path})")
+    assert str(info.value).startswith(
+        f"transport.endpoint: another consumer (pid {os.getpid()}) is running on {endpoint} (lock {first.path})"
+    )
     first.release()
-    first.release()                                             # idempotent
+    first.release()  # idempotent
     again = lock_endpoint(endpoint)
     assert again is not None
     again.release()
-    assert first.path.exists()                                  # never unlinked: the next holder locks the same inode
+    assert first.path.exists()  # never unlinked: the next holder locks the same inode
 
 
 def test_tcp_and_abstract_sockets_need_no_lock_file(tmp_path: Path) -> None:
@@ -43,8 +44,9 @@ def test_a_link_planted_at_the_lock_path_is_refused_naming_the_file(tmp_path: Pa
 
 def _socket_file(path: Path) -> None:
     import socket
+
     s = socket.socket(socket.AF_UNIX)
-    s.bind(str(path))                 # leaves the file behind when closed, as libzmq does
+    s.bind(str(path))  # leaves the file behind when closed, as libzmq does
     s.close()
 
 
@@ -58,25 +60,38 @@ def test_release_with_remove_files_unlinks_the_socket_and_its_lock(tmp_path: Pat
 
 def test_stale_sockets_of_dead_consumers_are_removed_and_a_live_ones_never(tmp_path: Path) -> None:
     from melfeed.consumer.transport.endpoint_lock import remove_stale_endpoints
+
     live = lock_endpoint(f"ipc://{tmp_path}/live.sock")
     assert live is not None
     _socket_file(tmp_path / "live.sock")
     for name in ("dead.sock", "dead.control.sock"):
         _socket_file(tmp_path / name)
-        (tmp_path / f"{name}.lock").write_text("12345\n")       # nobody holds it: its consumer died
+        (tmp_path / f"{name}.lock").write_text("12345\n")  # nobody holds it: its consumer died
     (tmp_path / "data.sock").write_text("data\n")
-    (tmp_path / "data.sock.lock").write_text("1\n")            # a regular file is never unlinked as a socket
+    (tmp_path / "data.sock.lock").write_text("1\n")  # a regular file is never unlinked as a socket
     _socket_file(tmp_path / "app")
-    (tmp_path / "app.lock").write_text("1\n")                  # another program's lock: not a *.sock endpoint
+    (tmp_path / "app.lock").write_text("1\n")  # another program's lock: not a *.sock endpoint
     _socket_file(tmp_path / "other.sock")
-    (tmp_path / "other.sock.lock").write_text("not a pid\n")   # not what lock_endpoint writes
+    (tmp_path / "other.sock.lock").write_text("not a pid\n")  # not what lock_endpoint writes
     removed = remove_stale_endpoints(tmp_path)
-    assert sorted(p.name for p in removed) == ["data.sock.lock", "dead.control.sock", "dead.control.sock.lock",
-                                              "dead.sock", "dead.sock.lock"]
-    assert sorted(os.listdir(tmp_path)) == ["app", "app.lock", "data.sock", "live.sock", "live.sock.lock",
-                                            "other.sock", "other.sock.lock"]
+    assert sorted(p.name for p in removed) == [
+        "data.sock.lock",
+        "dead.control.sock",
+        "dead.control.sock.lock",
+        "dead.sock",
+        "dead.sock.lock",
+    ]
+    assert sorted(os.listdir(tmp_path)) == [
+        "app",
+        "app.lock",
+        "data.sock",
+        "live.sock",
+        "live.sock.lock",
+        "other.sock",
+        "other.sock.lock",
+    ]
     live.release()
-    again = lock_endpoint(f"ipc://{tmp_path}/live.sock")        # a lock removed under a taker: it locks anew
+    again = lock_endpoint(f"ipc://{tmp_path}/live.sock")  # a lock removed under a taker: it locks anew
     assert again is not None
     again.release(remove_files=True)
 
@@ -87,11 +102,11 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
 
     endpoint = f"ipc://{tmp_path}/rank0.control.sock"
     lock_path = tmp_path / "rank0.control.sock.lock"
-    sweeper = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)       # empty: no pid line yet
+    sweeper = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)  # empty: no pid line yet
     fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)
     polls = []
 
-    def sweep_done(seconds: float) -> None:                          # the sweeper finishes during our first wait
+    def sweep_done(seconds: float) -> None:  # the sweeper finishes during our first wait
         polls.append(seconds)
         if len(polls) == 1:
             lock_path.unlink()
@@ -105,6 +120,7 @@ def test_a_lock_held_without_a_pid_is_waited_for_then_taken(tmp_path: Path, monk
 
 def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fcntl
+
     import melfeed.consumer.transport.endpoint_lock as endpoint_lock
 
     endpoint = f"ipc://{tmp_path}/melfeed.sock"
@@ -116,14 +132,13 @@ def test_a_lock_held_without_a_pid_for_too_long_is_refused(tmp_path: Path, monke
     try:
         with pytest.raises(ConfigError, match=r"another consumer \(pid \?\) is running"):
             lock_endpoint(endpoint)
-        assert clock[0] >= endpoint_lock._NO_PID_WAIT_S                 # it waited the bound, then gave up
+        assert clock[0] >= endpoint_lock._NO_PID_WAIT_S  # it waited the bound, then gave up
     finally:
         os.close(holder)
 
 
 @pytest.mark.parametrize("kind", ["file", "directory", "link"])
-def test_an_endpoint_naming_something_that_is_not_a_socket_is_refused_and_left_alone(tmp_path: Path,
-                                                                                      kind: str) -> None:
+def test_an_endpoint_naming_something_that_is_not_a_socket_is_refused_and_left_alone(tmp_path: Path, kind: str) -> None:
     victim = tmp_path / "notes.txt"
     victim.write_text("keep me")
     target = {"file": victim, "directory": tmp_path / "d", "link": tmp_path / "l"}[kind]
@@ -134,4 +149,4 @@ def test_an_endpoint_naming_something_that_is_not_a_socket_is_refused_and_left_a
     with pytest.raises(ConfigError, match=f"consumer.control_endpoint: {target} is a"):
         lock_endpoint(f"ipc://{target}", ("consumer", "control_endpoint"))
     assert victim.read_text() == "keep me" and os.path.lexists(target)
-    assert not (tmp_path / f"{target.name}.lock").exists()            # refused before any lock file is made
+    assert not (tmp_path / f"{target.name}.lock").exists()  # refused before any lock file is made

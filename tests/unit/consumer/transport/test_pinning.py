@@ -25,7 +25,7 @@ def test_without_a_runtime_or_a_device_nothing_is_pinned_and_it_says_why() -> No
     missing = HostPinner(library="/nonexistent/libcudart.so.12")
     assert missing.status == "not pinned: no CUDA runtime (libcudart) found" and not missing.is_active
     assert not missing.pin(np.zeros(4096, np.uint8)) and missing.pinned == 0
-    here = HostPinner()                     # this machine has no GPU: a runtime, if any, sees no device
+    here = HostPinner()  # this machine has no GPU: a runtime, if any, sees no device
     assert here.status.startswith("not pinned: ") and not here.is_active
 
 

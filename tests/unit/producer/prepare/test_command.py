@@ -27,14 +27,15 @@ def test_no_workers_flag_means_one_per_available_cpu() -> None:
 @pytest.mark.parametrize("workers", [0, -1, -100000])
 def test_a_worker_count_below_one_is_refused_naming_the_flag(workers: int) -> None:
     with pytest.raises(ConfigError, match=f"^--workers: must be >= 1 .*, got {workers}$"):
-        worker_count(workers)       # 0 silently meant one per CPU, -1 silently one worker
+        worker_count(workers)  # 0 silently meant one per CPU, -1 silently one worker
 
 
 @pytest.mark.parametrize("workers", [CPUS + 1, 100_000])
 def test_more_workers_than_cpus_are_lowered_to_the_cpus_with_one_info_line(
-        workers: int, caplog: pytest.LogCaptureFixture) -> None:
+    workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="melfeed.producer.prepare.command"):
-        assert worker_count(workers) == CPUS        # 100000 would have started 100000 processes
+        assert worker_count(workers) == CPUS  # 100000 would have started 100000 processes
     [line] = [r.getMessage() for r in caplog.records]
     assert line == f"--workers {workers} is above the {CPUS} available CPUs: using {CPUS}"
 
@@ -42,7 +43,7 @@ def test_more_workers_than_cpus_are_lowered_to_the_cpus_with_one_info_line(
 @pytest.mark.parametrize("delay_ms", [-5.0, -0.001, math.nan, math.inf, 60_001.0])
 def test_a_debug_delay_that_is_negative_nan_or_past_a_minute_is_refused(delay_ms: float) -> None:
     with pytest.raises(ConfigError, match="^--debug-delay-ms: must be in 0..60000, got "):
-        debug_delay_s(delay_ms)      # -5 was a traceback in every worker
+        debug_delay_s(delay_ms)  # -5 was a traceback in every worker
 
 
 def test_a_debug_delay_in_range_is_seconds() -> None:
@@ -59,8 +60,10 @@ def corpus(tmp_path: Path) -> Path:
 
 def test_a_cache_directory_that_cannot_be_made_is_one_cache_error(corpus: Path, tmp_path: Path) -> None:
     cfg = config_from_mapping({})
-    for cache, reason in ((Path("/proc/melfeed-c"), "cannot create the directory (No such file or directory)"),
-                          (tmp_path / "corpus" / "metadata.csv", "not a directory")):
+    for cache, reason in (
+        (Path("/proc/melfeed-c"), "cannot create the directory (No such file or directory)"),
+        (tmp_path / "corpus" / "metadata.csv", "not a directory"),
+    ):
         with pytest.raises(CacheError) as info:
             run_prepare(corpus, cache, cfg, 1, threading.Event(), StringIO())
         assert str(info.value) == f"{cache}: {reason}"
@@ -68,13 +71,21 @@ def test_a_cache_directory_that_cannot_be_made_is_one_cache_error(corpus: Path, 
 
 def test_the_cli_refuses_bad_flags_and_a_read_only_parent_in_one_line(corpus: Path, tmp_path: Path) -> None:
     base = ("prepare", "--ljspeech", str(corpus), "--cache-dir")
-    assert refusal(run_cli(*base, str(tmp_path / "c"), "--workers", "0"), "prepare").startswith("--workers: must be >= 1")
-    assert refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "-5"), "prepare") == \
-        "argument --debug-delay-ms: must be a finite number >= 0, got '-5' (see --help)"      # the parser's check
-    assert refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "70000"), "prepare") == \
-        "--debug-delay-ms: must be in 0..60000, got 70000.0"                                 # prepare's own bound
+    assert refusal(run_cli(*base, str(tmp_path / "c"), "--workers", "0"), "prepare").startswith(
+        "--workers: must be >= 1"
+    )
+    assert (
+        refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "-5"), "prepare")
+        == "argument --debug-delay-ms: must be a finite number >= 0, got '-5' (see --help)"
+    )  # the parser's check
+    assert (
+        refusal(run_cli(*base, str(tmp_path / "c"), "--debug-delay-ms", "70000"), "prepare")
+        == "--debug-delay-ms: must be in 0..60000, got 70000.0"
+    )  # prepare's own bound
     parent = tmp_path / "ro"
     parent.mkdir(mode=0o555)
-    assert refusal(run_cli(*base, str(parent / "c"), unprivileged=True), "prepare") == \
-        f"{parent / 'c'}: cannot create the directory (Permission denied)"
+    assert (
+        refusal(run_cli(*base, str(parent / "c"), unprivileged=True), "prepare")
+        == f"{parent / 'c'}: cannot create the directory (Permission denied)"
+    )
     assert not (tmp_path / "c").exists()

@@ -23,14 +23,14 @@ from melfeed.shared.config import BucketConfig
 from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets
 
 N_MELS = 8
-_SAMPLES = ([0, 1, 2, 3], [4, 5], [5, 0, 3, 1])   # full, partial (padding rows), another order
+_SAMPLES = ([0, 1, 2, 3], [4, 5], [5, 0, 3, 1])  # full, partial (padding rows), another order
 
 
 @pytest.fixture
 def manifest(tmp_path: Path) -> Manifest:
     """6 utterances with one extra of each kind (frame, utterance, sequence, token)."""
     root = tmp_path / "cache"
-    demo = write_demo_cache(root, n_utterances=6, n_mels=N_MELS, extras=True)   # energy: frame, speaker: utterance
+    demo = write_demo_cache(root, n_utterances=6, n_mels=N_MELS, extras=True)  # energy: frame, speaker: utterance
     for name in ("ref", "phon"):
         (root / "extras" / name).mkdir()
     for i, u in enumerate(demo.utterances):
@@ -43,11 +43,25 @@ def manifest(tmp_path: Path) -> Manifest:
 
 def _buckets(manifest: Manifest, mel_dtype: str) -> BucketSet:
     """Bucket 0 holds every row whole; bucket 1 (T=400, L=100, S=3) cuts mels, token rows and refs."""
-    full = build_buckets(manifest.frames, manifest.token_counts, N_MELS, BucketConfig(num_buckets=1, batch_size=4),
-                         manifest.schema, mel_dtype=mel_dtype)
+    full = build_buckets(
+        manifest.frames,
+        manifest.token_counts,
+        N_MELS,
+        BucketConfig(num_buckets=1, batch_size=4),
+        manifest.schema,
+        mel_dtype=mel_dtype,
+    )
     whole = full.buckets[0]
-    short = Bucket(index=1, batch_size=4, max_frames=400, max_tokens=100, n_mels=N_MELS, extras=whole.extras,
-                   seq_lengths=(3,), mel_dtype=mel_dtype)
+    short = Bucket(
+        index=1,
+        batch_size=4,
+        max_frames=400,
+        max_tokens=100,
+        n_mels=N_MELS,
+        extras=whole.extras,
+        seq_lengths=(3,),
+        mel_dtype=mel_dtype,
+    )
     return BucketSet((whole, short), full.assignment, 0, 0, full.real_frames)
 
 
@@ -78,8 +92,12 @@ def test_read_batch_leaves_a_row_it_cannot_read_empty_and_names_the_file(manifes
     manifest.extra_path("phon", 1).unlink()
     got, whole = _zeros(bucket), _zeros(bucket)
     problems = read_batch(manifest, [0, 1, 2], got)
-    assert len(problems) == 1 and problems[0].startswith("sample 1: ") and str(manifest.extra_path("phon", 1)) in problems[0]
-    assert all(not got[key][1].any() for key in got)                       # every array of row 1: zeros
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("sample 1: ")
+        and str(manifest.extra_path("phon", 1)) in problems[0]
+    )
+    assert all(not got[key][1].any() for key in got)  # every array of row 1: zeros
     read_batch(manifest, [0, 3, 2], whole)
-    assert all(np.array_equal(got[key][[0, 2]], whole[key][[0, 2]]) for key in got)   # the other rows as read
+    assert all(np.array_equal(got[key][[0, 2]], whole[key][[0, 2]]) for key in got)  # the other rows as read
     assert got["mel_len"][0] > 0 and got["mel_len"][2] > 0

@@ -30,9 +30,14 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _index(cache: Path, progress_s: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)],
-                          capture_output=True, text=True, cwd=REPO, timeout=60,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed", "index", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s},
+    )
 
 
 def _progress_lines(stderr: str) -> list[str]:
@@ -61,7 +66,8 @@ def test_a_bad_progress_interval_is_one_line_naming_the_variable(cache: Path) ->
     proc = _index(cache, "soon")
     assert proc.returncode == 78
     assert proc.stderr.splitlines() == [
-        "melfeed index: MELFEED_PROGRESS_S: must be a number of seconds >= 0, got 'soon'"]
+        "melfeed index: MELFEED_PROGRESS_S: must be a number of seconds >= 0, got 'soon'"
+    ]
 
 
 def _copy(cache: Path, to: Path) -> Path:
@@ -71,8 +77,9 @@ def _copy(cache: Path, to: Path) -> Path:
 
 @pytest.mark.parametrize("command", ["index", "verify-cache", "pack"])
 @pytest.mark.parametrize("n_mels", ["0", "-5", "1025", "99999999999999999999"])
-def test_an_n_mels_no_cache_can_have_is_refused_as_the_flag_not_as_every_file(cache: Path, command: str,
-                                                                              n_mels: str) -> None:
+def test_an_n_mels_no_cache_can_have_is_refused_as_the_flag_not_as_every_file(
+    cache: Path, command: str, n_mels: str
+) -> None:
     line = refusal(run_cli(command, "--cache-dir", str(cache), "--n-mels", n_mels), command)
     assert line == f"--n-mels: must be in 1..1024 (mel bins per frame, as the config's n_mels), got {n_mels}"
 
@@ -85,26 +92,36 @@ def test_the_n_mels_bound_is_the_configs() -> None:
 
 
 def test_index_into_a_directory_it_cannot_create_or_write_is_one_line(cache: Path, tmp_path: Path) -> None:
-    line = refusal(run_cli("index", "--cache-dir", "/proc/melfeed-c", "--mels", str(cache / "mels"), "--tokens",
-                           str(cache / "tokens")), "index")
+    line = refusal(
+        run_cli(
+            "index", "--cache-dir", "/proc/melfeed-c", "--mels", str(cache / "mels"), "--tokens", str(cache / "tokens")
+        ),
+        "index",
+    )
     assert line == "/proc/melfeed-c: cannot create the directory (No such file or directory)"
     in_the_way = _copy(cache, tmp_path / "dir")
     (in_the_way / "manifest.json").unlink(missing_ok=True)
     (in_the_way / "manifest.json").mkdir()
-    assert refusal(run_cli("index", "--cache-dir", str(in_the_way)), "index") == \
-        f"{in_the_way}/manifest.json: cannot write (Is a directory)"
+    assert (
+        refusal(run_cli("index", "--cache-dir", str(in_the_way)), "index")
+        == f"{in_the_way}/manifest.json: cannot write (Is a directory)"
+    )
     read_only = _copy(cache, tmp_path / "ro")
     (read_only / "manifest.json").unlink(missing_ok=True)
     read_only.chmod(0o555)
-    assert refusal(run_cli("index", "--cache-dir", str(read_only), unprivileged=True), "index") == \
-        f"{read_only}/manifest.json: cannot write (Permission denied)"
-    assert sorted(p.name for p in read_only.iterdir()) == sorted(p.name for p in cache.iterdir()
-                                                                  if p.name != "manifest.json")
+    assert (
+        refusal(run_cli("index", "--cache-dir", str(read_only), unprivileged=True), "index")
+        == f"{read_only}/manifest.json: cannot write (Permission denied)"
+    )
+    assert sorted(p.name for p in read_only.iterdir()) == sorted(
+        p.name for p in cache.iterdir() if p.name != "manifest.json"
+    )
 
 
 @pytest.mark.parametrize("command", ["index", "verify-cache"])
-def test_a_mels_directory_that_cannot_be_read_is_one_line_and_exit_78(cache: Path, tmp_path: Path,
-                                                                      command: str) -> None:
+def test_a_mels_directory_that_cannot_be_read_is_one_line_and_exit_78(
+    cache: Path, tmp_path: Path, command: str
+) -> None:
     copy = _copy(cache, tmp_path / "c")
     (copy / "mels").chmod(0o000)
     try:
@@ -120,4 +137,7 @@ def test_a_manifest_nested_too_deeply_is_a_malformed_manifest(cache: Path, tmp_p
     verify = run_cli("verify-cache", "--cache-dir", str(copy))
     assert verify.returncode == 1 and "Traceback" not in verify.stderr, verify.stderr
     assert f"bad: {copy}/manifest.json: malformed manifest: nested too deeply" in verify.stdout.splitlines()
-    assert refusal(run_cli("pack", "--cache-dir", str(copy)), "pack") == f"{copy}/manifest.json: malformed manifest: nested too deeply"
+    assert (
+        refusal(run_cli("pack", "--cache-dir", str(copy)), "pack")
+        == f"{copy}/manifest.json: malformed manifest: nested too deeply"
+    )

@@ -10,9 +10,9 @@ import pytest
 
 from melfeed.shared.cache import demo_data
 from melfeed.shared.cache.demo_data import DEMO_MARKER, DEMO_VOCAB_SIZE, demo_utterance_id, write_demo_cache
+from melfeed.shared.cache.manifest import Manifest, load_manifest
 from melfeed.shared.errors import CacheError, ConfigError
 from tests.cli_run import refusal, run_cli
-from melfeed.shared.cache.manifest import Manifest, load_manifest
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,7 @@ def demo200(tmp_path_factory: pytest.TempPathFactory) -> Manifest:
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes()
-            for p in sorted(root.rglob("*.npy"))}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.npy"))}
 
 
 def test_same_params_give_byte_identical_files(tmp_path: Path) -> None:
@@ -97,8 +96,7 @@ def test_mels_are_predictable_from_tokens(demo200: Manifest) -> None:
     assert np.mean(errors) < 0.5 * np.mean(spreads)
 
 
-def test_second_call_reuses_cache_without_writing(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_call_reuses_cache_without_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = write_demo_cache(tmp_path, 10, n_mels=16)
 
     def _fail(*args: object) -> None:
@@ -126,9 +124,10 @@ def test_broken_manifest_triggers_rewrite(tmp_path: Path) -> None:
 
 def test_a_demo_cache_indexed_before_token_range_is_rewritten_so_its_runs_check_the_ids(tmp_path: Path) -> None:
     from melfeed.shared.cache.manifest import write_manifest
+
     first = write_demo_cache(tmp_path, 5, n_mels=16)
     assert first.token_range is not None and 1 <= first.token_range[0] <= first.token_range[1] < DEMO_VOCAB_SIZE
-    write_manifest(Manifest(tmp_path, 16, first.utterances))      # a manifest without token_range
+    write_manifest(Manifest(tmp_path, 16, first.utterances))  # a manifest without token_range
     assert write_demo_cache(tmp_path, 5, n_mels=16) == first
 
 
@@ -143,7 +142,7 @@ def test_refuses_to_write_over_a_real_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize("n", [0, -5, demo_data.DEMO_UTTERANCES_MAX + 1, 10**20])
 def test_a_count_out_of_range_is_refused_naming_the_flag_before_anything_is_written(tmp_path: Path, n: int) -> None:
     with pytest.raises(ConfigError, match=f"^--demo-utterances: must be in 1..1000000, got {n}$"):
-        write_demo_cache(tmp_path / "d", n)              # 10**20 would otherwise loop over 10**20 ids
+        write_demo_cache(tmp_path / "d", n)  # 10**20 would otherwise loop over 10**20 ids
     with pytest.raises(ConfigError, match="^--utterances: "):
         write_demo_cache(tmp_path / "d", n, utterances_flag="--utterances")
     assert list(tmp_path.iterdir()) == []
@@ -152,8 +151,8 @@ def test_a_count_out_of_range_is_refused_naming_the_flag_before_anything_is_writ
 @pytest.mark.parametrize("seed", [-1, 2**63])
 def test_a_seed_out_of_range_is_refused_naming_the_flag(tmp_path: Path, seed: int) -> None:
     with pytest.raises(ConfigError, match=f"^--seed: must be in 0..{2**63 - 1} "):
-        write_demo_cache(tmp_path / "d", 3, seed=seed)   # numpy's traceback for -1 before
-    assert write_demo_cache(tmp_path / "d", 3, seed=2**63 - 1, n_mels=8).n_mels == 8   # the bound itself is fine
+        write_demo_cache(tmp_path / "d", 3, seed=seed)  # numpy's traceback for -1 before
+    assert write_demo_cache(tmp_path / "d", 3, seed=2**63 - 1, n_mels=8).n_mels == 8  # the bound itself is fine
 
 
 def test_rejects_nonsense_mel_sizes(tmp_path: Path) -> None:
@@ -167,9 +166,9 @@ def test_a_file_or_an_impossible_directory_is_one_cache_error_and_no_lock_file_b
     with pytest.raises(CacheError, match=f"^{a_file}: not a directory$"):
         write_demo_cache(a_file, 3)
     with pytest.raises(CacheError, match=f"^{a_file}: not a directory$"):
-        write_demo_cache(a_file / "demo", 3)            # the file in the way is named
+        write_demo_cache(a_file / "demo", 3)  # the file in the way is named
     with pytest.raises(CacheError, match=f"^{a_file}/melfeed: cannot create the directory.*Not a directory"):
-        write_demo_cache(a_file / "melfeed" / "demo", 3)   # XDG_CACHE_HOME naming a file
+        write_demo_cache(a_file / "melfeed" / "demo", 3)  # XDG_CACHE_HOME naming a file
     with pytest.raises(CacheError, match="^/proc/melfeed-demo: cannot create the directory"):
         write_demo_cache("/proc/melfeed-demo", 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"] and a_file.read_text() == "root:x:0:0\n"
@@ -181,10 +180,15 @@ def test_a_demo_json_nested_too_deeply_is_rewritten(tmp_path: Path) -> None:
     assert write_demo_cache(tmp_path, 3, n_mels=8) == first
 
 
-@pytest.mark.parametrize("args, flag", [(["demo-data", "--cache-dir", "{d}", "--utterances", "0"], "--utterances"),
-                                        (["demo-data", "--cache-dir", "{d}", "--seed", "-1"], "--seed"),
-                                        (["run", "--demo", "--demo-utterances", "0"], "--demo-utterances"),
-                                        (["doctor", "--demo", "--demo-utterances", "-5"], "--demo-utterances")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["demo-data", "--cache-dir", "{d}", "--utterances", "0"], "--utterances"),
+        (["demo-data", "--cache-dir", "{d}", "--seed", "-1"], "--seed"),
+        (["run", "--demo", "--demo-utterances", "0"], "--demo-utterances"),
+        (["doctor", "--demo", "--demo-utterances", "-5"], "--demo-utterances"),
+    ],
+)
 def test_the_cli_refuses_a_bad_count_or_seed_with_one_line(tmp_path: Path, args: list[str], flag: str) -> None:
     proc = run_cli(*(a.format(d=tmp_path / "d") for a in args), env={"XDG_CACHE_HOME": str(tmp_path)})
     assert refusal(proc, args[0]).startswith(f"{flag}: must be in ")
@@ -194,30 +198,35 @@ def test_the_cli_refuses_a_bad_count_or_seed_with_one_line(tmp_path: Path, args:
 def test_the_cli_names_a_read_only_parent_with_the_os_reason(tmp_path: Path) -> None:
     parent = tmp_path / "ro"
     parent.mkdir(mode=0o555)
-    assert refusal(run_cli("demo-data", "--cache-dir", str(parent / "d"), "--utterances", "3", unprivileged=True),
-                   "demo-data") == f"{parent / 'd'}: cannot create the directory (Permission denied)"
+    assert (
+        refusal(
+            run_cli("demo-data", "--cache-dir", str(parent / "d"), "--utterances", "3", unprivileged=True), "demo-data"
+        )
+        == f"{parent / 'd'}: cannot create the directory (Permission denied)"
+    )
     home = tmp_path / "home-file"
     home.write_text("")
     line = refusal(run_cli("run", "--demo", "--demo-utterances", "3", env={"XDG_CACHE_HOME": str(home)}), "run")
     assert line == f"{home}/melfeed/demo: cannot create the directory (Not a directory)"
 
 
-def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_writer_waits_for_the_first_and_gives_up_after_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fcntl
     import os
+
     root = tmp_path / "demo"
     fd = os.open(tmp_path / ".demo.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)                    # another writer holds the cache
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another writer holds the cache
     monkeypatch.setattr(demo_data, "_LOCK_WAIT_S", 0.3)
     try:
         with pytest.raises(CacheError, match="another process has been writing this demo cache"):
             write_demo_cache(root, n_utterances=3)
-        assert not root.exists()                      # nothing written while the other writer held it
+        assert not root.exists()  # nothing written while the other writer held it
     finally:
         os.close(fd)
-    assert len(write_demo_cache(root, n_utterances=3).utterances) == 3    # the lock is free again
-
+    assert len(write_demo_cache(root, n_utterances=3).utterances) == 3  # the lock is free again
 
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

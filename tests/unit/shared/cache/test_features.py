@@ -18,17 +18,17 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from melfeed.shared.config import FeatureConfig, PipelineConfig
-from melfeed.shared.config.loader import config_from_mapping
-from melfeed.shared.errors import CacheError, ConfigError
 from melfeed.producer.prepare.dsp import LogMel, frame_count, resample
 from melfeed.shared.cache.features import feature_params, load_manifest_for, write_feature_record
 from melfeed.shared.cache.index import build_manifest
 from melfeed.shared.cache.manifest import Manifest, Utterance, load_manifest, write_manifest
 from melfeed.shared.cache.text import VOCABULARY
+from melfeed.shared.config import FeatureConfig, PipelineConfig
+from melfeed.shared.config.loader import config_from_mapping
+from melfeed.shared.errors import CacheError, ConfigError
 
-_LINEAR_TOL = 2e-5   # x the clip's largest mel value
-_LOG_TOL = 1e-3      # where the mel is within 30 dB of the largest
+_LINEAR_TOL = 2e-5  # x the clip's largest mel value
+_LOG_TOL = 1e-3  # where the mel is within 30 dB of the largest
 _RESAMPLE_TOL = 5e-5  # of full scale, sines up to 0.8 x the lower Nyquist, edges excluded
 
 
@@ -40,8 +40,10 @@ def _reference_logmel(x: np.ndarray, f: FeatureConfig, n_mels: int) -> np.ndarra
     index = np.arange(n_frames)[:, None] * f.hop_samples + np.arange(f.win_samples)[None, :]
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(f.win_samples) / f.win_samples)
     spectrum = np.abs(np.fft.rfft(padded[index] * window, n=f.n_fft)) ** f.power
+
     def mel(hz: np.ndarray | float) -> np.ndarray:
         return 1127.0 * np.log1p(np.asarray(hz) / 700.0)
+
     bins = mel(np.arange(f.n_fft // 2 + 1) * f.sample_rate_hz / f.n_fft)[:, None]
     edges = np.linspace(mel(f.fmin_hz), mel(f.top_hz), n_mels + 2)
     rising = (bins - edges[:-2]) / (edges[1:-1] - edges[:-2])
@@ -54,18 +56,35 @@ def _reference_logmel(x: np.ndarray, f: FeatureConfig, n_mels: int) -> np.ndarra
 
 def _signals(rate: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     t = np.arange(int(1.3 * rate)) / rate
-    return {"noise": np.asarray(rng.normal(0.0, 0.3, t.shape[0])),
-            "tone": np.asarray(0.5 * np.sin(2 * np.pi * 440 * t)),
-            "chirp": np.asarray(0.5 * np.sin(2 * np.pi * (100 * t + 2000 * t * t))),
-            "quiet noise": np.asarray(rng.normal(0.0, 1e-3, t.shape[0]))}
+    return {
+        "noise": np.asarray(rng.normal(0.0, 0.3, t.shape[0])),
+        "tone": np.asarray(0.5 * np.sin(2 * np.pi * 440 * t)),
+        "chirp": np.asarray(0.5 * np.sin(2 * np.pi * (100 * t + 2000 * t * t))),
+        "quiet noise": np.asarray(rng.normal(0.0, 1e-3, t.shape[0])),
+    }
 
 
-@pytest.mark.tf      # LogMel runs on TensorFlow
-@pytest.mark.parametrize(("features", "n_mels"), [
-    (FeatureConfig(), 80),
-    (FeatureConfig(sample_rate_hz=16000, n_fft=512, hop_samples=160, win_samples=400, fmin_hz=50.0,
-                   fmax_hz=None, power=2.0, log_floor=1e-6), 40),
-], ids=["default", "16k-short-window-power"])
+@pytest.mark.tf  # LogMel runs on TensorFlow
+@pytest.mark.parametrize(
+    ("features", "n_mels"),
+    [
+        (FeatureConfig(), 80),
+        (
+            FeatureConfig(
+                sample_rate_hz=16000,
+                n_fft=512,
+                hop_samples=160,
+                win_samples=400,
+                fmin_hz=50.0,
+                fmax_hz=None,
+                power=2.0,
+                log_floor=1e-6,
+            ),
+            40,
+        ),
+    ],
+    ids=["default", "16k-short-window-power"],
+)
 def test_logmel_matches_the_numpy_definition(features: FeatureConfig, n_mels: int) -> None:
     logmel = LogMel(features, n_mels)
     for name, x in _signals(features.sample_rate_hz, np.random.default_rng(0)).items():
@@ -131,6 +150,7 @@ def test_resample_lengths_and_identity() -> None:
 
 # ---- what a cache's recorded features impose on a config -------------------------------------
 
+
 def _prepared_cache(root: Path, features: dict[str, Any] | None = None) -> Path:
     (root / "mels").mkdir(parents=True)
     (root / "tokens").mkdir()
@@ -151,14 +171,27 @@ def test_prepared_cache_loads_for_the_same_config(tmp_path: Path) -> None:
     assert doc["features"] == feature_params(FeatureConfig(), 80) and doc["vocabulary"] == list(VOCABULARY)
 
 
-@pytest.mark.parametrize(("overrides", "line"), [
-    ({"features": {"hop_samples": 275}}, "features.hop_samples: cache {m} was prepared with 256, this config has 275"),
-    ({"features": {"fmax_hz": None}}, "features.fmax_hz: cache {m} was prepared with 8000.0, this config has 11025.0"),
-    ({"features": {"log_floor": 1e-4}}, "features.log_floor: cache {m} was prepared with 1e-05, this config has 0.0001"),
-    ({"model": {"vocab_size": 40}}, "model.vocab_size: must be >= 49, the size of the vocabulary of {m}, got 40"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            {"features": {"hop_samples": 275}},
+            "features.hop_samples: cache {m} was prepared with 256, this config has 275",
+        ),
+        (
+            {"features": {"fmax_hz": None}},
+            "features.fmax_hz: cache {m} was prepared with 8000.0, this config has 11025.0",
+        ),
+        (
+            {"features": {"log_floor": 1e-4}},
+            "features.log_floor: cache {m} was prepared with 1e-05, this config has 0.0001",
+        ),
+        ({"model": {"vocab_size": 40}}, "model.vocab_size: must be >= 49, the size of the vocabulary of {m}, got 40"),
+    ],
+)
 def test_a_config_that_differs_from_the_cache_is_refused_naming_the_key(
-        tmp_path: Path, overrides: dict[str, Any], line: str) -> None:
+    tmp_path: Path, overrides: dict[str, Any], line: str
+) -> None:
     cache = _prepared_cache(tmp_path / "c")
     with pytest.raises(ConfigError) as info:
         load_manifest_for(config_from_mapping({"cache_dir": str(cache), **overrides}))
@@ -172,13 +205,16 @@ def test_recorded_definition_from_another_version_is_refused(tmp_path: Path) -> 
 
 
 def test_cache_without_recorded_features_is_not_checked_and_keeps_its_fingerprint(tmp_path: Path) -> None:
-    rows = (Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
-            Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136))
-    assert Manifest(tmp_path, 80, rows).fingerprint == "7bfabcf7e5f8adf0"  # no features: the fingerprint of the rows alone
+    rows = (
+        Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
+        Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136),
+    )
+    assert (
+        Manifest(tmp_path, 80, rows).fingerprint == "7bfabcf7e5f8adf0"
+    )  # no features: the fingerprint of the rows alone
     described = Manifest(tmp_path, 80, rows, tuple(feature_params(FeatureConfig(), 80).items()), VOCABULARY)
     assert described.fingerprint != "7bfabcf7e5f8adf0"
-    other = Manifest(tmp_path, 80, rows, tuple(feature_params(FeatureConfig(hop_samples=200), 80).items()),
-                     VOCABULARY)
+    other = Manifest(tmp_path, 80, rows, tuple(feature_params(FeatureConfig(hop_samples=200), 80).items()), VOCABULARY)
     assert other.fingerprint != described.fingerprint
     (tmp_path / "mels").mkdir()
     (tmp_path / "tokens").mkdir()
@@ -211,6 +247,7 @@ def test_index_refuses_a_feature_record_with_other_n_mels(tmp_path: Path) -> Non
 
 # ---- token ids against the running model's vocabulary (index's token_range) ----------------------
 
+
 def _adopted_cache(root: Path, tokens: dict[str, list[int]]) -> Path:
     """A user's own cache, as ``index`` adopts it: no features.json, so no vocabulary either."""
     (root / "mels").mkdir(parents=True)
@@ -228,14 +265,17 @@ def test_a_token_id_beyond_model_vocab_size_is_refused_at_consumer_start_naming_
     from melfeed.consumer.app import _opened_state
     from melfeed.consumer.feed import Consumer
     from melfeed.shared.service.tf_config import SINGLE_WORKER
+
     cache = _adopted_cache(tmp_path / "c", {"a": [1, 2, 3], "b": [4, 312, 0]})
     cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
-    with pytest.raises(ConfigError) as info, _opened_state(cfg, SINGLE_WORKER):   # run/consumer: before the feed
+    with pytest.raises(ConfigError) as info, _opened_state(cfg, SINGLE_WORKER):  # run/consumer: before the feed
         pass
-    assert str(info.value) == (f"model.vocab_size: must be > 312, the largest token id in {cache} (melfeed "
-                               f"verify-cache --cache-dir {cache} --vocab-size 256 names the files with ids >= 256), got 256")
+    assert str(info.value) == (
+        f"model.vocab_size: must be > 312, the largest token id in {cache} (melfeed "
+        f"verify-cache --cache-dir {cache} --vocab-size 256 names the files with ids >= 256), got 256"
+    )
     assert load_manifest_for(cfg, feeds_model=False).token_range == (0, 312)  # a producer runs no model: not refused
-    feed = Consumer(cfg)                                    # nor the library: the model is the caller's own
+    feed = Consumer(cfg)  # nor the library: the model is the caller's own
     feed.close()
     assert feed.manifest.token_range == (0, 312)
     fits = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 313}})
@@ -248,26 +288,33 @@ def test_a_negative_token_id_in_a_manifest_is_refused_naming_it(tmp_path: Path) 
     write_manifest(Manifest(cache, 80, manifest.utterances, token_range=(-1, 2)))  # index never writes this
     with pytest.raises(CacheError) as info:
         load_manifest_for(config_from_mapping({"cache_dir": str(cache)}))
-    assert str(info.value) == f"{cache / 'manifest.json'}: token id -1 is negative; re-run index, which names the files" \
-                              " that hold one"
+    assert (
+        str(info.value) == f"{cache / 'manifest.json'}: token id -1 is negative; re-run index, which names the files"
+        " that hold one"
+    )
 
 
 def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = _adopted_cache(tmp_path / "c", {"a": [1, 300]})
     manifest = load_manifest(cache)
-    write_manifest(Manifest(cache, 80, manifest.utterances))    # as an older index wrote it: no token_range
+    write_manifest(Manifest(cache, 80, manifest.utterances))  # as an older index wrote it: no token_range
     cfg = config_from_mapping({"cache_dir": str(cache), "model": {"vocab_size": 256}})
     with caplog.at_level("WARNING", logger="melfeed.shared.cache.features"):
-        for _ in range(2):                                      # state directory, then the feed: one warning
+        for _ in range(2):  # state directory, then the feed: one warning
             assert load_manifest_for(cfg).token_range is None
     assert [r.getMessage() for r in caplog.records] == [
         f"token ids of cache {cache} not checked against model.vocab_size: its manifest was written before index "
         f"recorded them; re-run `melfeed index --cache-dir {cache}` to check them (this changes the fingerprint: re-run "
-        "pack too, and an interrupted run cannot resume across it)"]
+        "pack too, and an interrupted run cannot resume across it)"
+    ]
     caplog.clear()
-    write_manifest(build_manifest(cache, 80)[0])                # re-indexed: checked, and refused
-    with caplog.at_level("WARNING", logger="melfeed.shared.cache.features"), pytest.raises(ConfigError, match="must be > 300"):
+    write_manifest(build_manifest(cache, 80)[0])  # re-indexed: checked, and refused
+    with (
+        caplog.at_level("WARNING", logger="melfeed.shared.cache.features"),
+        pytest.raises(ConfigError, match="must be > 300"),
+    ):
         load_manifest_for(cfg)
     assert caplog.records == []
 
@@ -281,6 +328,7 @@ def test_a_manifest_that_lists_no_utterance_is_one_line_naming_it_not_a_tracebac
     manifest, problems = build_manifest(tmp_path, 80)
     assert len(manifest) == 0 and problems
     write_manifest(manifest)
-    with pytest.raises(CacheError, match=f"^{tmp_path}/manifest.json: lists no utterances: index skipped every file "
-                                         "as bad"):
+    with pytest.raises(
+        CacheError, match=f"^{tmp_path}/manifest.json: lists no utterances: index skipped every file as bad"
+    ):
         load_manifest_for(config_from_mapping({"cache_dir": str(tmp_path)}))

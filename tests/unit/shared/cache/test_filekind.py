@@ -102,7 +102,7 @@ def test_a_missing_file_is_still_missing(tmp_path: Path) -> None:
 def test_index_reports_the_entry_with_its_reason(cache: Path, kind: str) -> None:
     path = _replace(cache, "mels", 4, kind)
     manifest, problems = build_manifest(cache, 80)
-    assert [(p.path, p.reason[:len(KINDS[kind][1])]) for p in problems] == [(str(path), KINDS[kind][1])]
+    assert [(p.path, p.reason[: len(KINDS[kind][1])]) for p in problems] == [(str(path), KINDS[kind][1])]
     assert len(manifest.utterances) == N - 1
 
 
@@ -116,7 +116,7 @@ def test_verify_reports_every_kind_once_sorted_by_path(cache: Path, with_manifes
     assert report.has_manifest is with_manifest
     want = sorted((str(p), KINDS[k][1]) for k, p in paths.items())
     assert len(report.bad) == len(want)
-    assert [(p.path, p.reason[:len(r)]) for p, (_, r) in zip(report.bad, want)] == want
+    assert [(p.path, p.reason[: len(r)]) for p, (_, r) in zip(report.bad, want)] == want
     assert report.warnings == ()
 
 
@@ -131,9 +131,14 @@ def test_a_fifo_named_manifest_json_is_refused_not_read(cache: Path) -> None:
 
 
 def _cli(command: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", command, "--cache-dir", str(cache)],
-                          capture_output=True, text=True, cwd=REPO, timeout=_BOUND_S,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed", command, "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=_BOUND_S,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": ""},
+    )
 
 
 @pytest.mark.timeout(3 * _BOUND_S)
@@ -143,18 +148,18 @@ def test_cli_index_and_verify_print_one_line_per_entry_and_exit_1(cache: Path) -
     verify = _cli("verify-cache", cache)
     assert verify.returncode == 1, verify.stderr
     lines = verify.stdout.splitlines()
-    assert [line[:len(w)] for line, w in zip(lines, want)] == want and len(lines) == len(KINDS) + 1
+    assert [line[: len(w)] for line, w in zip(lines, want)] == want and len(lines) == len(KINDS) + 1
     assert lines[-1] == f"verified {N} utterances ({2 * N} files): {len(KINDS)} bad"
     (cache / MANIFEST_NAME).unlink()
     index = _cli("index", cache)
     assert index.returncode == 1 and "Traceback" not in index.stderr
     bad = [line for line in index.stderr.splitlines() if line.startswith("bad: ")]
-    assert [line[:len(w)] for line, w in zip(bad, want)] == want and len(bad) == len(KINDS)
+    assert [line[: len(w)] for line, w in zip(bad, want)] == want and len(bad) == len(KINDS)
     assert not (cache / MANIFEST_NAME).exists()
 
 
 def test_read_json_turns_nesting_past_the_recursion_limit_into_a_value_error(tmp_path: Path) -> None:
-    (tmp_path / "deep.json").write_text("{\"a\": " * 100_000 + "1" + "}" * 100_000)
+    (tmp_path / "deep.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
     with pytest.raises(ValueError, match="^nested too deeply$"):
         read_json(tmp_path / "deep.json")
     (tmp_path / "ok.json").write_text("[[[1]]]")
@@ -177,10 +182,12 @@ def test_make_dirs_refuses_a_file_in_the_way_and_an_impossible_path_with_one_lin
         make_dirs(tmp_path / "f")
     with pytest.raises(CacheError, match=f"^{tmp_path}/f/a/b: cannot create the directory .*Not a directory"):
         make_dirs(tmp_path / "f" / "a" / "b")
-    with pytest.raises(CacheError, match="^/proc/melfeed: cannot create the directory \\(No such file or directory\\)$"):
+    with pytest.raises(
+        CacheError, match="^/proc/melfeed: cannot create the directory \\(No such file or directory\\)$"
+    ):
         make_dirs(Path("/proc/melfeed"))
     make_dirs(tmp_path / "a" / "b")
-    make_dirs(tmp_path / "a" / "b")                    # exists: fine
+    make_dirs(tmp_path / "a" / "b")  # exists: fine
     assert (tmp_path / "a" / "b").is_dir()
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from melfeed.shared.cache.index import build_manifest
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.manifest import (
     MANIFEST_NAME,
     CacheProblem,
@@ -22,6 +21,7 @@ from melfeed.shared.cache.manifest import (
     load_manifest,
     write_manifest,
 )
+from melfeed.shared.errors import CacheError
 
 N_MELS = 8
 
@@ -80,20 +80,22 @@ _F4 = np.zeros((4, N_MELS), dtype="<f4")
 _I4 = np.arange(1, 4, dtype="<i4")
 
 
-@pytest.mark.parametrize(("mel", "tokens", "bad_file", "match"), [
-    (_F4, None, "mels/x.npy", r"no matching tokens/x\.npy"),
-    (None, _I4, "tokens/x.npy", r"no matching mels/x\.npy"),
-    (np.zeros(4, "<f4"), _I4, "mels/x.npy",
-     r"expected rank 2 \[frames, n_mels\], got shape \(4,\)"),
-    (np.zeros((4, 5), "<f4"), _I4, "mels/x.npy", r"expected n_mels=8 .* got shape \(4, 5\)"),
-    (_F4.astype("<f8"), _I4, "mels/x.npy", "mel dtype <f8 not allowed"),
-    (_F4.astype(">f4"), _I4, "mels/x.npy", "mel dtype >f4 not allowed"),
-    (np.zeros((0, N_MELS), "<f4"), _I4, "mels/x.npy", "zero frames"),
-    (_F4, _I4.reshape(1, 3), "tokens/x.npy", r"expected rank 1 \[tokens\], got shape \(1, 3\)"),
-    (_F4, _I4.astype("<i8"), "tokens/x.npy", "token dtype <i8 not allowed"),
-    (_F4, np.zeros(0, "<i4"), "tokens/x.npy", "zero tokens"),
-    (_F4, np.array([3, 0, -7, 5], "<i4"), "tokens/x.npy", r"^token id -7 at position 2: ids must be >= 0$"),
-])
+@pytest.mark.parametrize(
+    ("mel", "tokens", "bad_file", "match"),
+    [
+        (_F4, None, "mels/x.npy", r"no matching tokens/x\.npy"),
+        (None, _I4, "tokens/x.npy", r"no matching mels/x\.npy"),
+        (np.zeros(4, "<f4"), _I4, "mels/x.npy", r"expected rank 2 \[frames, n_mels\], got shape \(4,\)"),
+        (np.zeros((4, 5), "<f4"), _I4, "mels/x.npy", r"expected n_mels=8 .* got shape \(4, 5\)"),
+        (_F4.astype("<f8"), _I4, "mels/x.npy", "mel dtype <f8 not allowed"),
+        (_F4.astype(">f4"), _I4, "mels/x.npy", "mel dtype >f4 not allowed"),
+        (np.zeros((0, N_MELS), "<f4"), _I4, "mels/x.npy", "zero frames"),
+        (_F4, _I4.reshape(1, 3), "tokens/x.npy", r"expected rank 1 \[tokens\], got shape \(1, 3\)"),
+        (_F4, _I4.astype("<i8"), "tokens/x.npy", "token dtype <i8 not allowed"),
+        (_F4, np.zeros(0, "<i4"), "tokens/x.npy", "zero tokens"),
+        (_F4, np.array([3, 0, -7, 5], "<i4"), "tokens/x.npy", r"^token id -7 at position 2: ids must be >= 0$"),
+    ],
+)
 def test_bad_files_become_problems_and_are_left_out(
     cache: Path, mel: np.ndarray | None, tokens: np.ndarray | None, bad_file: str, match: str
 ) -> None:
@@ -173,9 +175,9 @@ def test_write_then_load_round_trips(cache: Path) -> None:
 
 def test_index_records_the_smallest_and_largest_token_id_of_the_kept_utterances(cache: Path) -> None:
     manifest, _ = build_manifest(cache, N_MELS)
-    assert manifest.token_range == (1, 4)            # a: 1..2, b: 1..3, c: 1..4
+    assert manifest.token_range == (1, 4)  # a: 1..2, b: 1..3, c: 1..4
     _put(cache, "d", _F4, np.array([0, 700, 2], "<i4"))
-    _put(cache, "e", np.zeros(3, "<f4"), np.array([9000], "<i4"))   # a bad mel: its ids are left out too
+    _put(cache, "e", np.zeros(3, "<f4"), np.array([9000], "<i4"))  # a bad mel: its ids are left out too
     manifest, problems = build_manifest(cache, N_MELS)
     assert manifest.token_range == (0, 700) and [p.path for p in problems] == [str(cache / "mels" / "e.npy")]
     write_manifest(manifest)
@@ -184,13 +186,15 @@ def test_index_records_the_smallest_and_largest_token_id_of_the_kept_utterances(
 
 
 def test_a_manifest_without_token_range_keeps_the_fingerprint_it_had_and_loads_unchecked(cache: Path) -> None:
-    rows = (Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
-            Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136))
-    assert Manifest(cache, 80, rows).fingerprint == "7bfabcf7e5f8adf0"   # the rows alone, no token_range
+    rows = (
+        Utterance("LJ001-0001", 120, 30, "float32", 128, 128 + 120 * 80 * 4, 128, 128 + 120),
+        Utterance("LJ001-0002", 7, 2, "float16", 128, 128 + 7 * 80 * 2, 128, 136),
+    )
+    assert Manifest(cache, 80, rows).fingerprint == "7bfabcf7e5f8adf0"  # the rows alone, no token_range
     ranged = {Manifest(cache, 80, rows, token_range=r).fingerprint for r in ((1, 40), (0, 40), (1, 41))}
     assert len(ranged) == 3 and "7bfabcf7e5f8adf0" not in ranged
     old = build_manifest(cache, N_MELS)[0]
-    old = Manifest(old.cache_dir, old.n_mels, old.utterances)    # a manifest without token_range
+    old = Manifest(old.cache_dir, old.n_mels, old.utterances)  # a manifest without token_range
     write_manifest(old)
     assert "token_range" not in json.loads((cache / MANIFEST_NAME).read_text())
     loaded = load_manifest(cache, N_MELS)
@@ -215,32 +219,35 @@ def _set_row(doc: dict[str, Any], col: int, value: object) -> None:
     doc["utterances"][0][col] = value
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    (lambda d: _set_row(d, 1, 6), r"fingerprint mismatch \(manifest edited\?\)"),
-    (lambda d: _set_row(d, 1, True), "column frames must hold only int"),
-    (lambda d: _set_row(d, 4, 128.0), "column mel_offset must hold only int"),
-    (lambda d: _set_row(d, 6, 2**70), "integer out of range"),
-    (lambda d: d["utterances"][1].pop(), "each utterance must be a list of 8"),
-    (lambda d: d["utterances"].append({"id": "z"}), "each utterance must be a list of 8"),
-    (lambda d: _set_row(d, 1, 0), "malformed manifest row"),
-    (lambda d: _set_row(d, 3, "float64"), "mel_dtype must be float32 or float16"),
-    (lambda d: _set_row(d, 2, -1), "malformed manifest row"),
-    (lambda d: _set_row(d, 5, 10), r"malformed manifest row \['a', 7"),
-    (lambda d: _set_row(d, 0, ""), "bad utterance id ''"),
-    (lambda d: _set_row(d, 0, "../../etc/x"), "bad utterance id"),
-    (lambda d: d["utterances"].reverse(), "malformed manifest: utterances must be sorted"),
-    (lambda d: d.pop("fingerprint"), "missing utterances or fingerprint"),
-    (lambda d: d.__setitem__("columns", ["id"]), "unexpected columns"),
-    (lambda d: d.__setitem__("format", 99), "unsupported manifest format 99"),
-    (lambda d: d.__setitem__("n_mels", "8"), "malformed manifest: n_mels='8'"),
-    (lambda d: d.__setitem__("token_range", [1, 9]), r"fingerprint mismatch \(manifest edited\?\)"),
-    (lambda d: d.pop("token_range"), r"fingerprint mismatch \(manifest edited\?\)"),
-    *((lambda d, v=v: d.__setitem__("token_range", v), r"token_range must be \[smallest, largest\], two int32")
-      for v in ([1, True], [1.0, 4], [4, 1], [0, 2**31], [-2**31 - 1, 4], [1], [1, 2, 3], "1,4", {"min": 1})),
-])
-def test_load_rejects_edited_manifest(
-    cache: Path, change: Callable[[dict[str, Any]], object], match: str
-) -> None:
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: _set_row(d, 1, 6), r"fingerprint mismatch \(manifest edited\?\)"),
+        (lambda d: _set_row(d, 1, True), "column frames must hold only int"),
+        (lambda d: _set_row(d, 4, 128.0), "column mel_offset must hold only int"),
+        (lambda d: _set_row(d, 6, 2**70), "integer out of range"),
+        (lambda d: d["utterances"][1].pop(), "each utterance must be a list of 8"),
+        (lambda d: d["utterances"].append({"id": "z"}), "each utterance must be a list of 8"),
+        (lambda d: _set_row(d, 1, 0), "malformed manifest row"),
+        (lambda d: _set_row(d, 3, "float64"), "mel_dtype must be float32 or float16"),
+        (lambda d: _set_row(d, 2, -1), "malformed manifest row"),
+        (lambda d: _set_row(d, 5, 10), r"malformed manifest row \['a', 7"),
+        (lambda d: _set_row(d, 0, ""), "bad utterance id ''"),
+        (lambda d: _set_row(d, 0, "../../etc/x"), "bad utterance id"),
+        (lambda d: d["utterances"].reverse(), "malformed manifest: utterances must be sorted"),
+        (lambda d: d.pop("fingerprint"), "missing utterances or fingerprint"),
+        (lambda d: d.__setitem__("columns", ["id"]), "unexpected columns"),
+        (lambda d: d.__setitem__("format", 99), "unsupported manifest format 99"),
+        (lambda d: d.__setitem__("n_mels", "8"), "malformed manifest: n_mels='8'"),
+        (lambda d: d.__setitem__("token_range", [1, 9]), r"fingerprint mismatch \(manifest edited\?\)"),
+        (lambda d: d.pop("token_range"), r"fingerprint mismatch \(manifest edited\?\)"),
+        *(
+            (lambda d, v=v: d.__setitem__("token_range", v), r"token_range must be \[smallest, largest\], two int32")
+            for v in ([1, True], [1.0, 4], [4, 1], [0, 2**31], [-(2**31) - 1, 4], [1], [1, 2, 3], "1,4", {"min": 1})
+        ),
+    ],
+)
+def test_load_rejects_edited_manifest(cache: Path, change: Callable[[dict[str, Any]], object], match: str) -> None:
     write_manifest(build_manifest(cache, N_MELS)[0])
     _edit(cache, change)
     with pytest.raises(CacheError, match=match) as info:
@@ -251,8 +258,7 @@ def test_load_rejects_edited_manifest(
 def test_load_missing_manifest_says_how_to_fix(cache: Path) -> None:
     with pytest.raises(CacheError) as info:
         load_manifest(cache)
-    assert str(info.value) == (
-        f"{cache / MANIFEST_NAME}: no manifest; run `melfeed index --cache-dir DIR` first")
+    assert str(info.value) == (f"{cache / MANIFEST_NAME}: no manifest; run `melfeed index --cache-dir DIR` first")
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
@@ -263,7 +269,7 @@ def test_load_malformed_json(cache: Path, content: bytes) -> None:
     assert "\n" not in str(info.value)
 
 
-_DEEP = "[" * 100_000 + "]" * 100_000    # past the parser's recursion limit: a RecursionError traceback before
+_DEEP = "[" * 100_000 + "]" * 100_000  # past the parser's recursion limit: a RecursionError traceback before
 
 
 def test_a_manifest_or_feature_record_nested_too_deeply_is_malformed_not_a_recursion_error(cache: Path) -> None:
@@ -271,7 +277,7 @@ def test_a_manifest_or_feature_record_nested_too_deeply_is_malformed_not_a_recur
     with pytest.raises(CacheError, match=r"manifest\.json: malformed manifest: nested too deeply$"):
         load_manifest(cache)
     (cache / MANIFEST_NAME).write_text('{"format": 1, "extras": ' + _DEEP + "}")
-    manifest, _ = build_manifest(cache, N_MELS)   # index only peeks at the old manifest: it is rewritten
+    manifest, _ = build_manifest(cache, N_MELS)  # index only peeks at the old manifest: it is rewritten
     assert load_manifest(write_manifest(manifest).parent) == manifest
     (cache / "features.json").write_text(_DEEP)
     with pytest.raises(CacheError, match=r"features\.json: malformed feature record: nested too deeply$"):

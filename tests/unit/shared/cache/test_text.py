@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from melfeed.shared.config import ModelConfig
 from melfeed.shared.cache.text import PAD_SYMBOL, VOCAB_SIZE, VOCABULARY, decode_tokens, encode_text, normalize_text
+from melfeed.shared.config import ModelConfig
 
 
 def test_vocabulary_is_the_documented_table() -> None:
@@ -19,14 +19,17 @@ def test_vocabulary_is_the_documented_table() -> None:
     assert VOCAB_SIZE <= ModelConfig().vocab_size  # the default model fits
 
 
-@pytest.mark.parametrize(("text", "normal"), [
-    ("Hello,   World!", "hello, world!"),
-    ("  Café déjà vu\t\n", "cafe deja vu"),
-    ("\u201cQuoted\u201d \u2018single\u2019 it\u2019s", "\"quoted\" 'single' it's"),
-    ("dash \u2013 and \u2014 minus \u2212", "dash - and - minus -"),
-    ("wait\u2026", "wait..."),
-    ("ﬁne", "fine"),  # NFKD splits the ligature
-])
+@pytest.mark.parametrize(
+    ("text", "normal"),
+    [
+        ("Hello,   World!", "hello, world!"),
+        ("  Café déjà vu\t\n", "cafe deja vu"),
+        ("\u201cQuoted\u201d \u2018single\u2019 it\u2019s", "\"quoted\" 'single' it's"),
+        ("dash \u2013 and \u2014 minus \u2212", "dash - and - minus -"),
+        ("wait\u2026", "wait..."),
+        ("ﬁne", "fine"),  # NFKD splits the ligature
+    ],
+)
 def test_normalize_text(text: str, normal: str) -> None:
     assert normalize_text(text) == normal
 

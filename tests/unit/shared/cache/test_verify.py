@@ -15,9 +15,9 @@ import pytest
 
 import melfeed.shared.cache.verify
 from melfeed.shared.cache.demo_data import demo_utterance_id, write_demo_cache
-from melfeed.shared.errors import CacheError
 from melfeed.shared.cache.manifest import MANIFEST_NAME
 from melfeed.shared.cache.verify import VerifyProblem, verify_cache
+from melfeed.shared.errors import CacheError
 
 REPO = Path(__file__).resolve().parents[4]
 N = 20
@@ -54,6 +54,7 @@ def _with_values(frame_values: dict[tuple[int, int], float]) -> Callable[[np.nda
         for (frame, col), value in frame_values.items():
             mel[frame, col] = value
         return mel
+
     return change
 
 
@@ -69,12 +70,12 @@ def _corrupt(root: Path) -> dict[str, tuple[str, str]]:
     _edit(_mel(root, 5), np.asfortranarray)
     _edit(_mel(root, 6), _with_values({(7, 0): np.nan, (9, 79): np.nan}))
     _edit(_mel(root, 7), _with_values({(11, 3): np.inf, (12, 3): -np.inf, (300, 0): np.nan}))
-    with open(_mel(root, 8), "ab") as f:      # a valid header, but not the file that was indexed
+    with open(_mel(root, 8), "ab") as f:  # a valid header, but not the file that was indexed
         f.write(b"\0" * 320)
     grown = _mel(root, 8).stat().st_size
     np.save(root / "mels" / "extra.npy", np.zeros((3, 80), np.float32))
     np.save(root / "tokens" / "odd.npy", np.zeros(3, np.float32))
-    have = len(tok_bytes) - 8 - 128           # demo files have numpy's usual 128-byte header
+    have = len(tok_bytes) - 8 - 128  # demo files have numpy's usual 128-byte header
     return {
         str(_mel(root, 0)): ("missing (listed in the manifest)", ""),
         str(_tok(root, 0)): ("", f"no matching mels/{demo_utterance_id(0)}.npy"),
@@ -85,14 +86,15 @@ def _corrupt(root: Path) -> dict[str, tuple[str, str]]:
         str(_mel(root, 5)): ("Fortran order not supported",) * 2,
         str(_mel(root, 6)): ("2 non-finite values (NaN/Inf): 2 NaN, 0 Inf; first at frame 7",) * 2,
         str(_mel(root, 7)): ("3 non-finite values (NaN/Inf): 1 NaN, 2 Inf; first at frame 11",) * 2,
-        str(_mel(root, 8)): (f"changed since index: {grown} bytes, manifest says {grown - 320}; re-run index",
-                             ""),
+        str(_mel(root, 8)): (f"changed since index: {grown} bytes, manifest says {grown - 320}; re-run index", ""),
         str(root / "mels" / "extra.npy"): (
             "not in the manifest (training ignores it); also bad: no matching tokens/extra.npy",
-            "no matching tokens/extra.npy"),
+            "no matching tokens/extra.npy",
+        ),
         str(root / "tokens" / "odd.npy"): (
             "not in the manifest (training ignores it); also bad: no matching mels/odd.npy",
-            "no matching mels/odd.npy"),
+            "no matching mels/odd.npy",
+        ),
     }
 
 
@@ -120,26 +122,30 @@ def test_every_bad_file_is_reported_once_with_its_reason_sorted_by_path(cache: P
     report = verify_cache(cache, 80)
     assert list(report.problems) == _expected(table, with_manifest)
     assert report.has_manifest is with_manifest
-    if with_manifest:                         # 20 listed utterances x 2 files, plus the 2 unlisted
+    if with_manifest:  # 20 listed utterances x 2 files, plus the 2 unlisted
         assert (report.utterances, report.files, len(report.bad), len(report.warnings)) == (N, 2 * N + 2, 9, 2)
-    else:                                     # ids: 20 + extra + odd; files on disk: 40 - 1 + 2
+    else:  # ids: 20 + extra + odd; files on disk: 40 - 1 + 2
         assert (report.utterances, report.files, len(report.bad)) == (N + 2, 2 * N + 1, 10)
 
 
 def test_non_finite_values_are_found_across_chunk_boundaries(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(melfeed.shared.cache.verify, "_CHUNK_BYTES", 4000)   # 12.5 frames a chunk: the value is in chunk 8
+    monkeypatch.setattr(
+        melfeed.shared.cache.verify, "_CHUNK_BYTES", 4000
+    )  # 12.5 frames a chunk: the value is in chunk 8
     frames = np.load(_mel(cache, 6)).shape[0]
     _edit(_mel(cache, 6), _with_values({(99, 5): np.inf, (frames - 1, 79): np.nan}))
     [problem] = verify_cache(cache, 80).problems
-    assert problem == VerifyProblem(str(_mel(cache, 6)),
-                                    "2 non-finite values (NaN/Inf): 1 NaN, 1 Inf; first at frame 99")
+    assert problem == VerifyProblem(
+        str(_mel(cache, 6)), "2 non-finite values (NaN/Inf): 1 NaN, 1 Inf; first at frame 99"
+    )
 
 
 def test_float16_mels_are_scanned_too(cache: Path) -> None:
     (cache / MANIFEST_NAME).unlink()
     _edit(_mel(cache, 4), lambda m: _with_values({(2, 2): np.inf})(m.astype(np.float16)))
     assert [p.reason for p in verify_cache(cache, 80).problems] == [
-        "1 non-finite values (NaN/Inf): 0 NaN, 1 Inf; first at frame 2"]
+        "1 non-finite values (NaN/Inf): 0 NaN, 1 Inf; first at frame 2"
+    ]
 
 
 def test_a_manifest_that_does_not_load_is_bad_and_files_are_checked_by_header(cache: Path) -> None:
@@ -151,7 +157,8 @@ def test_a_manifest_that_does_not_load_is_bad_and_files_are_checked_by_header(ca
     assert not report.has_manifest
     assert [(p.path, p.reason) for p in report.problems] == [
         (str(cache / MANIFEST_NAME), "fingerprint mismatch (manifest edited?)"),
-        (str(_mel(cache, 3)), "Fortran order not supported")]
+        (str(_mel(cache, 3)), "Fortran order not supported"),
+    ]
 
 
 def test_missing_or_empty_cache_dir_is_a_cache_error(tmp_path: Path) -> None:
@@ -162,9 +169,14 @@ def test_missing_or_empty_cache_dir_is_a_cache_error(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, progress_s: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", "verify-cache", "--cache-dir", *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=60,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s})
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed", "verify-cache", "--cache-dir", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MELFEED_PROGRESS_S": progress_s},
+    )
 
 
 def test_cli_progress_lines_go_to_stderr_at_the_interval(cache: Path) -> None:
@@ -191,8 +203,9 @@ def test_cli_exit_codes_and_output(cache: Path, tmp_path: Path) -> None:
     assert bad.stdout.splitlines() == lines + [summary]
     missing = _cli(str(tmp_path / "nope"))
     assert missing.returncode == 78
-    assert missing.stderr.strip().splitlines() == [f"melfeed verify-cache: {tmp_path / 'nope'}: "
-                                                   "no such cache directory"]
+    assert missing.stderr.strip().splitlines() == [
+        f"melfeed verify-cache: {tmp_path / 'nope'}: no such cache directory"
+    ]
 
 
 def test_unlisted_pairs_are_warnings_saying_whether_index_could_use_them(cache: Path) -> None:
@@ -203,10 +216,14 @@ def test_unlisted_pairs_are_warnings_saying_whether_index_could_use_them(cache: 
     assert report.bad == () and (report.utterances, report.files) == (N, 2 * N + 4)
     fine = "not in the manifest (training ignores it); re-run index to use it"
     assert [(p.path, p.reason) for p in report.warnings] == [
-        (str(cache / "mels" / "new.npy"), fine), (str(cache / "mels" / "wrong.npy"), fine),
+        (str(cache / "mels" / "new.npy"), fine),
+        (str(cache / "mels" / "wrong.npy"), fine),
         (str(cache / "tokens" / "new.npy"), fine),
-        (str(cache / "tokens" / "wrong.npy"), "not in the manifest (training ignores it); also bad: "
-                                              "token dtype <f4 not allowed (little-endian int32)")]
+        (
+            str(cache / "tokens" / "wrong.npy"),
+            "not in the manifest (training ignores it); also bad: token dtype <f4 not allowed (little-endian int32)",
+        ),
+    ]
 
 
 def test_a_same_size_rewrite_that_index_would_accept_is_still_a_changed_file(cache: Path) -> None:
@@ -215,26 +232,35 @@ def test_a_same_size_rewrite_that_index_would_accept_is_still_a_changed_file(cac
     np.save(_mel(cache, 5), np.concatenate([mel, mel]).astype(np.float16))
     [problem] = verify_cache(cache, 80).problems
     frames = mel.shape[0]
-    assert problem == VerifyProblem(str(_mel(cache, 5)), (
-        f"changed since index: header says shape/dtype/offset (({2 * frames}, 80), 'float16', 128), "
-        f"manifest (({frames}, 80), 'float32', 128); re-run index"))
+    assert problem == VerifyProblem(
+        str(_mel(cache, 5)),
+        (
+            f"changed since index: header says shape/dtype/offset (({2 * frames}, 80), 'float16', 128), "
+            f"manifest (({frames}, 80), 'float32', 128); re-run index"
+        ),
+    )
 
 
 def test_token_ids_negative_outside_the_indexed_range_or_beyond_vocab_size_are_bad(cache: Path) -> None:
     from melfeed.shared.cache.manifest import load_manifest
+
     lo, hi = load_manifest(cache).token_range or (0, 0)
     _edit(_tok(cache, 3), lambda t: np.where(np.arange(t.size) == 2, -5, t).astype(np.int32))
     _edit(_tok(cache, 4), lambda t: np.where(np.arange(t.size) == 0, hi + 1, t).astype(np.int32))  # same size
     assert [(p.path, p.reason) for p in verify_cache(cache, 80).problems] == [
         (str(_tok(cache, 3)), "token id -5 at position 2: ids must be >= 0"),
-        (str(_tok(cache, 4)), f"changed since index: token ids {lo}..{hi + 1}, outside the {lo}..{hi} the manifest "
-                              "records; re-run index")]
-    (cache / MANIFEST_NAME).unlink()                  # by header: a negative id is still bad, the range unknown
+        (
+            str(_tok(cache, 4)),
+            f"changed since index: token ids {lo}..{hi + 1}, outside the {lo}..{hi} the manifest records; re-run index",
+        ),
+    ]
+    (cache / MANIFEST_NAME).unlink()  # by header: a negative id is still bad, the range unknown
     assert [p.path for p in verify_cache(cache, 80).problems] == [str(_tok(cache, 3))]
     holding = sorted(str(_tok(cache, i)) for i in range(N) if i != 3 and np.load(_tok(cache, i)).max() >= hi)
     flagged = [(p.path, p.reason) for p in verify_cache(cache, 80, vocab_size=hi).problems]
     assert holding and [f for f in flagged if f[0] != str(_tok(cache, 3))] == [
-        (path, f"token id {int(np.load(path).max())} >= --vocab-size {hi}") for path in holding]
+        (path, f"token id {int(np.load(path).max())} >= --vocab-size {hi}") for path in holding
+    ]
 
 
 def test_the_vocab_size_flag_is_parsed_and_bounded_as_the_configs() -> None:
@@ -243,8 +269,10 @@ def test_the_vocab_size_flag_is_parsed_and_bounded_as_the_configs() -> None:
     from melfeed.shared.cache.commands import main_verify_cache
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.service.cli import build_parser
+
     assert build_parser().parse_args(["verify-cache", "--cache-dir", "c", "--vocab-size", "64"]).vocab_size == 64
     with pytest.raises(ConfigError) as info:
         main_verify_cache(argparse.Namespace(cache_dir="c", n_mels=80, vocab_size=1))
-    assert str(info.value) == ("--vocab-size: must be in 2..2147483647 (token ids below it, as the config's "
-                               "model.vocab_size), got 1")
+    assert str(info.value) == (
+        "--vocab-size: must be in 2..2147483647 (token ids below it, as the config's model.vocab_size), got 1"
+    )

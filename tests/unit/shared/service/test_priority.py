@@ -16,15 +16,23 @@ REPO = Path(__file__).resolve().parents[4]
 
 
 def _in_child(code: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
 def test_lowering_sets_the_value_once_and_never_raises_the_priority_back() -> None:
-    code = ("from melfeed.shared.service.priority import lower_cpu_priority as f, current_nice as c;"
-            "print(c(), f(5), f(5), f(3), c())")
+    code = (
+        "from melfeed.shared.service.priority import lower_cpu_priority as f, current_nice as c;"
+        "print(c(), f(5), f(5), f(3), c())"
+    )
     assert _in_child(code) == ["0", "5", "5", "5", "5"]
 
 
@@ -40,8 +48,10 @@ def test_the_default_is_a_no_op() -> None:
 
 def test_threads_that_already_run_are_lowered_too() -> None:
     # a thread started before the call (as numpy's BLAS pool is, at import) must not keep nice 0
-    code = ("import os, threading; ready = threading.Event(); done = threading.Event();"
-            "t = threading.Thread(target=lambda: (ready.set(), done.wait(30))); t.start(); ready.wait(30);"
-            "from melfeed.shared.service.priority import lower_cpu_priority as f; f(7);"
-            "print(os.getpriority(os.PRIO_PROCESS, t.native_id)); done.set(); t.join()")
+    code = (
+        "import os, threading; ready = threading.Event(); done = threading.Event();"
+        "t = threading.Thread(target=lambda: (ready.set(), done.wait(30))); t.start(); ready.wait(30);"
+        "from melfeed.shared.service.priority import lower_cpu_priority as f; f(7);"
+        "print(os.getpriority(os.PRIO_PROCESS, t.native_id)); done.set(); t.join()"
+    )
     assert _in_child(code) == ["7"]

@@ -29,8 +29,9 @@ class _Clock:
 
 def test_plain_lines_every_interval_when_not_a_terminal() -> None:
     stream, clock = _Stream(tty=False), _Clock()
-    progress = Progress(100, stream, interval_s=10.0, clock=clock, label="prepare", unit="utterances",
-                        count_skipped=True)
+    progress = Progress(
+        100, stream, interval_s=10.0, clock=clock, label="prepare", unit="utterances", count_skipped=True
+    )
     clock.now_s += 5
     progress.update(10, 0)
     assert stream.getvalue() == ""  # not due yet
@@ -88,8 +89,10 @@ def test_the_skip_count_appears_once_something_is_skipped() -> None:
     progress.update(1)
     clock.now_s += 1
     progress.update(2, 1)
-    assert stream.getvalue().splitlines() == ["doctor: 1/10 (10%) 1.0 stages/s, eta 0m09s",
-                                              "doctor: 3/10 (30%) 1.0 stages/s, eta 0m04s, skipped 1"]
+    assert stream.getvalue().splitlines() == [
+        "doctor: 1/10 (10%) 1.0 stages/s, eta 0m09s",
+        "doctor: 3/10 (30%) 1.0 stages/s, eta 0m04s, skipped 1",
+    ]
 
 
 def test_callback_learns_the_total_and_long_etas_show_hours() -> None:

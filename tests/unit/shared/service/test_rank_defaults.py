@@ -26,8 +26,12 @@ def _place(task_type: str, index: int) -> WorkerPlace:
 
 def _write_tf_config(tmp_path: Path, index: int) -> Path:
     path = tmp_path / f"tf{index}.json"
-    path.write_text(json.dumps({"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
-                                "task": {"type": "worker", "index": index}}), encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, "task": {"type": "worker", "index": index}}
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -84,7 +88,8 @@ def test_the_expected_rank_is_checked_against_the_tf_config() -> None:
 
 
 def test_consumer_producer_and_status_of_one_rank_agree_and_differ_from_the_other_rank(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
     parser = build_parser()
@@ -100,7 +105,7 @@ def test_consumer_producer_and_status_of_one_rank_agree_and_differ_from_the_othe
     assert not set(seen[0]) & set(seen[1])
     explicit = config_from_args(parser.parse_args(["run", "--tf-config", tf, "--endpoint", "ipc:///x/y.sock"]))
     assert explicit.transport.endpoint == "ipc:///x/y.sock"
-    monkeypatch.setenv("TF_CONFIG", _write_tf_config(tmp_path, 1).read_text())   # the variable works the same
+    monkeypatch.setenv("TF_CONFIG", _write_tf_config(tmp_path, 1).read_text())  # the variable works the same
     assert config_from_args(parser.parse_args(["producer"])).transport.endpoint == seen[1][0]
 
 

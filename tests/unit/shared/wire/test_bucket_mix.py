@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from melfeed.shared.config import BucketConfig
 from melfeed.shared.wire.bucket_mix import batch_mix, batches_per_bucket, bucket_padding, representative_batches
 from melfeed.shared.wire.buckets import BucketSet, build_buckets
-from melfeed.shared.config import BucketConfig
 
 # Bucket 0 (<= 8 frames): 5 utterances -> 3 batches of 2; bucket 1 (<= 16 frames): 2 -> 1 batch.
 FRAMES = np.array([4, 8, 8, 6, 2, 16, 12])

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import ConfigError
+from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
 from melfeed.shared.wire.layout import ALIGN_BYTES, batch_layout, layout_nbytes
 
 
@@ -32,18 +32,22 @@ def _brute_force_cost(frames: list[int], num_buckets: int, multiple: int, max_fr
             break
         combos = np.array(chosen_lists, dtype=np.int64).reshape(len(chosen_lists), k)
         bounds = np.concatenate([combos, np.full((combos.shape[0], 1), top)], axis=1)
-        fits = bounds[:, :, None] >= f[None, None, :]             # [combo, bucket, utterance]
+        fits = bounds[:, :, None] >= f[None, None, :]  # [combo, bucket, utterance]
         chosen = np.take_along_axis(bounds, fits.argmax(axis=1), axis=1)  # first bound that fits
         best = min(best, int(chosen.sum(axis=1).min()))
     return best
 
 
 @settings(max_examples=120, deadline=None)
-@given(frames=st.lists(st.integers(0, 40), min_size=1, max_size=25),
-       num_buckets=st.integers(1, 4), multiple=st.sampled_from([1, 3, 8]),
-       extra=st.integers(-10, 10))
-def test_derive_boundaries_matches_brute_force_optimum(frames: list[int], num_buckets: int,
-                                                       multiple: int, extra: int) -> None:
+@given(
+    frames=st.lists(st.integers(0, 40), min_size=1, max_size=25),
+    num_buckets=st.integers(1, 4),
+    multiple=st.sampled_from([1, 3, 8]),
+    extra=st.integers(-10, 10),
+)
+def test_derive_boundaries_matches_brute_force_optimum(
+    frames: list[int], num_buckets: int, multiple: int, extra: int
+) -> None:
     max_frames = max(1, max(frames) + extra)  # sometimes below the longest: overlong utterances
     bounds = derive_boundaries(np.array(frames), num_buckets, multiple, max_frames)
     assert 1 <= len(bounds) <= num_buckets
@@ -108,12 +112,10 @@ def test_max_frames_caps_derived_bucket_and_drops_longer() -> None:
 
 def test_dropping_everything_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as info:
-        build_buckets(np.array([100, 200]), np.array([1, 1]), 80,
-                      BucketConfig(max_frames=5, overlong="drop"))
+        build_buckets(np.array([100, 200]), np.array([1, 1]), 80, BucketConfig(max_frames=5, overlong="drop"))
     assert info.value.path == ("buckets", "max_frames") and "drops every utterance" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        build_buckets(np.array([10, 20]), np.array([9, 9]), 80,
-                      BucketConfig(max_tokens=5, overlong="drop"))
+        build_buckets(np.array([10, 20]), np.array([9, 9]), 80, BucketConfig(max_tokens=5, overlong="drop"))
     assert info.value.path == ("buckets", "max_tokens")
 
 
@@ -141,8 +143,7 @@ def test_bucket_shapes_dtypes_bytes_and_wire() -> None:
     assert b.nbytes() == 4 * (4 * 16 * 80 + 4 + 4 * 7 + 4)
     assert b.as_wire() == [1, 4, 16, 7, 80]
     small = Bucket(index=0, batch_size=4, max_frames=8, max_tokens=7, n_mels=80)
-    bs = BucketSet(buckets=(small, b), assignment=np.array([0, 1, -1]), truncated=0, dropped=1,
-                   real_frames=20)
+    bs = BucketSet(buckets=(small, b), assignment=np.array([0, 1, -1]), truncated=0, dropped=1, real_frames=20)
     assert bs.max_batch_nbytes() == b.nbytes() and bs.as_wire() == [small.as_wire(), b.as_wire()]
     with pytest.raises(ValueError):
         bs.assignment[0] = 1  # read-only: a BucketSet never changes after it is built
@@ -151,14 +152,25 @@ def test_bucket_shapes_dtypes_bytes_and_wire() -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(frames=st.lists(st.integers(0, 300), min_size=1, max_size=60), data=st.data(),
-       num_buckets=st.integers(1, 6), multiple=st.sampled_from([1, 8, 16]),
-       overlong=st.sampled_from(["truncate", "drop"]), max_frames=st.none() | st.integers(50, 300))
-def test_build_buckets_invariants(frames: list[int], data: st.DataObject, num_buckets: int,
-                                  multiple: int, overlong: str, max_frames: int | None) -> None:
+@given(
+    frames=st.lists(st.integers(0, 300), min_size=1, max_size=60),
+    data=st.data(),
+    num_buckets=st.integers(1, 6),
+    multiple=st.sampled_from([1, 8, 16]),
+    overlong=st.sampled_from(["truncate", "drop"]),
+    max_frames=st.none() | st.integers(50, 300),
+)
+def test_build_buckets_invariants(
+    frames: list[int], data: st.DataObject, num_buckets: int, multiple: int, overlong: str, max_frames: int | None
+) -> None:
     tokens = data.draw(st.lists(st.integers(0, 50), min_size=len(frames), max_size=len(frames)))
-    cfg = BucketConfig(num_buckets=num_buckets, frame_multiple=multiple, overlong=overlong,
-                       max_frames=max_frames, max_tokens=data.draw(st.none() | st.integers(20, 50)))
+    cfg = BucketConfig(
+        num_buckets=num_buckets,
+        frame_multiple=multiple,
+        overlong=overlong,
+        max_frames=max_frames,
+        max_tokens=data.draw(st.none() | st.integers(20, 50)),
+    )
     try:
         bs = build_buckets(np.array(frames), np.array(tokens), 80, cfg)
     except ConfigError:
@@ -180,17 +192,15 @@ def test_build_buckets_invariants(frames: list[int], data: st.DataObject, num_bu
     assert (bs.padding_efficiency() > 0) == (bs.real_frames > 0)
 
 
-
-
 def test_a_float16_mel_halves_the_mel_bytes_and_keeps_every_array_64_byte_aligned() -> None:
     wide = Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3)
     half = Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3, mel_dtype="float16")
     assert half.dtypes() == {**wide.dtypes(), "mel": "float16"} and half.shapes() == wide.shapes()
-    assert wide.nbytes() - half.nbytes() == 3 * 7 * 3 * 2          # half the mel's bytes, nothing else
-    layout = batch_layout(half)                                     # 126 mel bytes: the next array is padded
+    assert wide.nbytes() - half.nbytes() == 3 * 7 * 3 * 2  # half the mel's bytes, nothing else
+    layout = batch_layout(half)  # 126 mel bytes: the next array is padded
     assert [(k, str(d)) for k, _, _, d in layout][0] == ("mel", "float16")
     assert all(offset % ALIGN_BYTES == 0 for _, offset, _, _ in layout)
-    assert layout_nbytes(half) < layout_nbytes(wide) and half.as_wire() == wide.as_wire()   # HELLO says the dtype
+    assert layout_nbytes(half) < layout_nbytes(wide) and half.as_wire() == wide.as_wire()  # HELLO says the dtype
     with pytest.raises(ValueError, match="mel_dtype"):
         Bucket(index=0, batch_size=3, max_frames=7, max_tokens=5, n_mels=3, mel_dtype="float64")
     cfg = BucketConfig(boundaries=(16, 32), batch_size=2)

@@ -23,7 +23,9 @@ def _cost(bs: BucketSet, cfg: BucketConfig) -> int:
     t = np.array([b.max_frames for b in bs.buckets], dtype=np.int64)
     w = np.array([b.max_tokens for b in bs.buckets], dtype=np.int64)
     counts = np.bincount(kept, minlength=len(bs.buckets))
-    pad = sum((-int(n) % b.batch_size) * int(shape_cost.row(t[k], w[k])) for k, (n, b) in enumerate(zip(counts, bs.buckets)))
+    pad = sum(
+        (-int(n) % b.batch_size) * int(shape_cost.row(t[k], w[k])) for k, (n, b) in enumerate(zip(counts, bs.buckets))
+    )
     return int(shape_cost.row(t[kept], w[kept]).sum()) + pad
 
 
@@ -36,17 +38,39 @@ def _lj_like(n: int = 13_100, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(pairs=_LENGTHS, shapes=st.integers(1, 6), token_cost=st.sampled_from([0.0, 1.0, 7.5]),
-       attention_cost=st.sampled_from([0.0, 0.01]), multiple=st.sampled_from([1, 8]),
-       overlong=st.sampled_from(["truncate", "drop"]), max_frames=st.one_of(st.none(), st.integers(50, 300)),
-       max_fpt=st.one_of(st.none(), st.floats(2.0, 40.0)), tolerance=st.sampled_from([0.0, 0.05]))
+@given(
+    pairs=_LENGTHS,
+    shapes=st.integers(1, 6),
+    token_cost=st.sampled_from([0.0, 1.0, 7.5]),
+    attention_cost=st.sampled_from([0.0, 0.01]),
+    multiple=st.sampled_from([1, 8]),
+    overlong=st.sampled_from(["truncate", "drop"]),
+    max_frames=st.one_of(st.none(), st.integers(50, 300)),
+    max_fpt=st.one_of(st.none(), st.floats(2.0, 40.0)),
+    tolerance=st.sampled_from([0.0, 0.05]),
+)
 def test_grid_plan_fits_every_utterance_within_budget_and_beats_1d(
-        pairs: list[tuple[int, int]], shapes: int, token_cost: float, attention_cost: float, multiple: int,
-        overlong: str, max_frames: int | None, max_fpt: float | None, tolerance: float) -> None:
+    pairs: list[tuple[int, int]],
+    shapes: int,
+    token_cost: float,
+    attention_cost: float,
+    multiple: int,
+    overlong: str,
+    max_frames: int | None,
+    max_fpt: float | None,
+    tolerance: float,
+) -> None:
     frames = np.array([p[0] for p in pairs])
     tokens = np.array([p[1] for p in pairs])
-    common = dict(token_cost=token_cost, attention_cost=attention_cost, frame_multiple=multiple,
-                  overlong=overlong, max_frames=max_frames, max_frames_per_token=max_fpt, batch_size=4)
+    common = dict(
+        token_cost=token_cost,
+        attention_cost=attention_cost,
+        frame_multiple=multiple,
+        overlong=overlong,
+        max_frames=max_frames,
+        max_frames_per_token=max_fpt,
+        batch_size=4,
+    )
     cfg = BucketConfig(max_shapes=shapes, cost_tolerance=tolerance, **common)  # type: ignore[arg-type]
     try:
         grid = build_buckets(frames, tokens, 80, cfg)
@@ -67,10 +91,9 @@ def test_grid_plan_fits_every_utterance_within_budget_and_beats_1d(
         fitting = [k for k, (tf, lt) in enumerate(keys) if f <= tf and t <= lt]
         costs = [int(cost.row(np.int64(keys[k][0]), np.int64(keys[k][1]))) for k in fitting]
         assert a[i] == fitting[int(np.argmin(costs))]  # the cheapest fitting shape, lowest index on ties
-    least = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=shapes, cost_tolerance=0.0,
-                                                            **common))  # type: ignore[arg-type]
-    assert _cost(least, cfg) <= _cost(one_d, cfg)                       # never costlier than the 1-D plan
-    assert _cost(grid, cfg) <= _cost(least, cfg) * (1 + tolerance) + 1e-6   # fewer shapes: within the tolerance
+    least = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=shapes, cost_tolerance=0.0, **common))  # type: ignore[arg-type]
+    assert _cost(least, cfg) <= _cost(one_d, cfg)  # never costlier than the 1-D plan
+    assert _cost(grid, cfg) <= _cost(least, cfg) * (1 + tolerance) + 1e-6  # fewer shapes: within the tolerance
     again = build_buckets(frames, tokens, 80, cfg)
     assert again.as_wire() == grid.as_wire() and np.array_equal(again.assignment, grid.assignment)
 
@@ -82,13 +105,13 @@ def test_num_buckets_keeps_the_1d_plan_and_max_shapes_gives_the_grid() -> None:
     assert t == sorted(set(t)) and len(t) == 4
     cfg = BucketConfig(max_shapes=4, token_cost=20.0, cost_tolerance=0.0)
     grid = build_buckets(frames, tokens, 80, cfg)
-    assert len({b.max_frames for b in grid.buckets}) < len(grid.buckets) <= 4   # tokens split a frame band
+    assert len({b.max_frames for b in grid.buckets}) < len(grid.buckets) <= 4  # tokens split a frame band
     assert _cost(grid, cfg) < _cost(one_d, cfg)
 
 
 def test_frames_per_token_outliers_leave_the_plan() -> None:
     frames = np.array([100, 100, 100, 400, 100])
-    tokens = np.array([20, 2, 90, 80, 0])   # 5, 50, 1.1, 5, inf frames per token
+    tokens = np.array([20, 2, 90, 80, 0])  # 5, 50, 1.1, 5, inf frames per token
     bs = build_buckets(frames, tokens, 80, BucketConfig(max_frames_per_token=10.0, min_frames_per_token=2.0))
     assert bs.assignment.tolist()[1:3] == [-1, -1] and bs.assignment[4] == -1 and bs.outliers == 3
     assert max(b.max_tokens for b in bs.buckets) == 80 and (bs.truncated, bs.dropped) == (0, 0)
@@ -101,21 +124,30 @@ def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
     grid = build_buckets(frames, tokens, 80, cfg)
     elapsed_s = time.perf_counter() - start
     one_d = build_buckets(frames, tokens, 80, BucketConfig(num_buckets=8))
-    print(f"lj-like 13k: {elapsed_s * 1e3:.0f} ms, {len(grid.buckets)} shapes, frames "
-          f"{grid.padding_efficiency():.3f}, tokens {grid.token_padding_efficiency():.3f}")
+    print(
+        f"lj-like 13k: {elapsed_s * 1e3:.0f} ms, {len(grid.buckets)} shapes, frames "
+        f"{grid.padding_efficiency():.3f}, tokens {grid.token_padding_efficiency():.3f}"
+    )
     assert elapsed_s < 1.0
     assert len(grid.buckets) <= 8 and _cost(grid, cfg) <= _cost(one_d, cfg)
-    assert grid.padding_efficiency() >= 0.92   # 8 frame bands bound it: docs/performance.md, "Bucket padding"
-    trimmed = build_buckets(frames, tokens, 80, BucketConfig(max_shapes=8, max_frames_per_token=6.5,
-                                                             min_frames_per_token=4.5, cost_tolerance=0.0))
-    print(f"  with 4.5..6.5 frames per token: {trimmed.outliers} outliers, frames "
-          f"{trimmed.padding_efficiency():.3f}, tokens {trimmed.token_padding_efficiency():.3f}")
+    assert grid.padding_efficiency() >= 0.92  # 8 frame bands bound it: docs/performance.md, "Bucket padding"
+    trimmed = build_buckets(
+        frames,
+        tokens,
+        80,
+        BucketConfig(max_shapes=8, max_frames_per_token=6.5, min_frames_per_token=4.5, cost_tolerance=0.0),
+    )
+    print(
+        f"  with 4.5..6.5 frames per token: {trimmed.outliers} outliers, frames "
+        f"{trimmed.padding_efficiency():.3f}, tokens {trimmed.token_padding_efficiency():.3f}"
+    )
     assert trimmed.token_padding_efficiency() > grid.token_padding_efficiency() + 0.05
 
 
 def test_the_default_tolerance_spends_a_shape_only_where_it_saves_padding() -> None:
     """Each shape is one compiled program: the default plan is the fewest shapes within 1 % of the least cost."""
-    from melfeed.shared.cache.demo_data import _lengths as demo_lengths   # the demo cache's length model
+    from melfeed.shared.cache.demo_data import _lengths as demo_lengths  # the demo cache's length model
+
     demo = demo_lengths(2000, np.random.default_rng(0))
     for frames, tokens in (demo, _lj_like(4000)):
         least = build_buckets(frames, tokens, 80, BucketConfig(cost_tolerance=0.0))

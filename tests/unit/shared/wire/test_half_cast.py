@@ -19,7 +19,7 @@ def _numpy(src: np.ndarray) -> np.ndarray:
 
 def _check(bits: np.ndarray) -> None:
     src = bits.astype(np.uint32).view(np.float32)
-    src = src[~np.isnan(src)]            # NaN payloads: refused as non-finite either way
+    src = src[~np.isnan(src)]  # NaN payloads: refused as non-finite either way
     dst = np.empty(src.shape, np.float16)
     HalfCaster().cast(src, dst)
     want = _numpy(src)

@@ -6,8 +6,23 @@ import msgpack
 import pytest
 
 from melfeed.shared.errors import ProtocolError
-from melfeed.shared.wire.protocol import (CAP_SHM, BatchHeader, Bye, Err, Heartbeat, Hello, Lease, LeaseGrant, MsgKind,
-                             RejectCode, ShmSlot, StageCounters, Welcome, decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    CAP_SHM,
+    BatchHeader,
+    Bye,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    MsgKind,
+    RejectCode,
+    ShmSlot,
+    StageCounters,
+    Welcome,
+    decode_header,
+    encode,
+)
 
 MESSAGES = [
     Hello(1, "producer-1", "abcd", [[0, 32, 440, 106, 80]], 80, 7, 41),
@@ -20,8 +35,17 @@ MESSAGES = [
     Welcome(123, 2, 0.5, False, 0, "/run/melfeed"),
     LeaseGrant(123, [Lease(5, 1, [3, 9], 30.0, ShmSlot("melfeed-9-123-s2-g4", 2, 4)), Lease(6, 0, [1], 30.0)], 4),
     BatchHeader(123, 5, 1, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], 5, [], (2, 4)),
-    BatchHeader(123, 7, 0, [[1, 2, 3], [1], [1, 2], [1]], ["float32", "int32", "int32", "int32"], None, [4, 9], None,
-                "/cache/mels/LJ001-0004.npy: missing"),
+    BatchHeader(
+        123,
+        7,
+        0,
+        [[1, 2, 3], [1], [1, 2], [1]],
+        ["float32", "int32", "int32", "int32"],
+        None,
+        [4, 9],
+        None,
+        "/cache/mels/LJ001-0004.npy: missing",
+    ),
     Heartbeat(123, 4, 99),
     Heartbeat(123, 0, 0, StageCounters(60, 0.072, 0.018, 0.024)),
     Heartbeat(123, 0, 150, done=True),
@@ -37,34 +61,84 @@ def test_every_message_round_trips(msg: object) -> None:
     assert decode_header(encode(msg)) == msg  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("raw", "code"), [
-    (b"\xc1garbage", RejectCode.DECODE),                           # B1 reserved byte
-    (encode(Bye(1))[:-1], RejectCode.DECODE),                      # B2 truncated
-    (encode(Bye(1)) + encode(Bye(1)), RejectCode.DECODE),          # B3 two objects
-    (b"\xdb\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB str32 declared
-    (b"\xc6\xff\xff\xff\xff", RejectCode.DECODE),                  # B4 4 GB bin32 declared
-    (b"\x91" * 5000 + b"\xc0", RejectCode.DECODE),                 # B4 deep nesting
-    (msgpack.packb([1, 2, 3]), RejectCode.SCHEMA),                 # not a map
-    (msgpack.packb({"epoch": 1}), RejectCode.SCHEMA),              # B13 map without t
-    (msgpack.packb({"t": 99}), RejectCode.TYPE),                   # B13 unknown kind
-    (msgpack.packb({"t": "x"}), RejectCode.TYPE),
-    (msgpack.packb({"t": int(MsgKind.HB), "epoch": "one"}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.HB), "epoch": 1, "depth": "x"}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]],
-                    "dtypes": ["float32"]}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [[1, "x"]],
-                    "n_mels": 80, "seed": 0}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 2]]}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
-                    "leases": [[1, 0, [1], 1.0, "../etc/passwd", 0, 0]]}), RejectCode.SCHEMA),   # not a bare name
-    (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0,
-                    "leases": [[1, 0, [1], 1.0, "f", -1, 0]]}), RejectCode.SCHEMA),
-    (msgpack.packb({"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]] * 4,
-                    "dtypes": ["float32"] * 4, "slot": 1}), RejectCode.SCHEMA),                   # slot without gen
-    (msgpack.packb({"t": int(MsgKind.HELLO), "proto": 1, "pid": "p", "fp": "f", "buckets": [],
-                    "n_mels": 80, "seed": 0, "caps": [1]}), RejectCode.SCHEMA),
-    (b"", RejectCode.DECODE),
-])
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"\xc1garbage", RejectCode.DECODE),  # B1 reserved byte
+        (encode(Bye(1))[:-1], RejectCode.DECODE),  # B2 truncated
+        (encode(Bye(1)) + encode(Bye(1)), RejectCode.DECODE),  # B3 two objects
+        (b"\xdb\xff\xff\xff\xff", RejectCode.DECODE),  # B4 4 GB str32 declared
+        (b"\xc6\xff\xff\xff\xff", RejectCode.DECODE),  # B4 4 GB bin32 declared
+        (b"\x91" * 5000 + b"\xc0", RejectCode.DECODE),  # B4 deep nesting
+        (msgpack.packb([1, 2, 3]), RejectCode.SCHEMA),  # not a map
+        (msgpack.packb({"epoch": 1}), RejectCode.SCHEMA),  # B13 map without t
+        (msgpack.packb({"t": 99}), RejectCode.TYPE),  # B13 unknown kind
+        (msgpack.packb({"t": "x"}), RejectCode.TYPE),
+        (msgpack.packb({"t": int(MsgKind.HB), "epoch": "one"}), RejectCode.SCHEMA),
+        (msgpack.packb({"t": int(MsgKind.HB), "epoch": 1, "depth": "x"}), RejectCode.SCHEMA),
+        (
+            msgpack.packb(
+                {"t": int(MsgKind.BATCH), "epoch": 1, "id": 1, "bucket": 0, "shapes": [[1]], "dtypes": ["float32"]}
+            ),
+            RejectCode.SCHEMA,
+        ),
+        (
+            msgpack.packb(
+                {
+                    "t": int(MsgKind.HELLO),
+                    "proto": 1,
+                    "pid": "p",
+                    "fp": "f",
+                    "buckets": [[1, "x"]],
+                    "n_mels": 80,
+                    "seed": 0,
+                }
+            ),
+            RejectCode.SCHEMA,
+        ),
+        (msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 2]]}), RejectCode.SCHEMA),
+        (
+            msgpack.packb(
+                {"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 0, [1], 1.0, "../etc/passwd", 0, 0]]}
+            ),
+            RejectCode.SCHEMA,
+        ),  # not a bare name
+        (
+            msgpack.packb({"t": int(MsgKind.LEASE), "epoch": 1, "depth": 0, "leases": [[1, 0, [1], 1.0, "f", -1, 0]]}),
+            RejectCode.SCHEMA,
+        ),
+        (
+            msgpack.packb(
+                {
+                    "t": int(MsgKind.BATCH),
+                    "epoch": 1,
+                    "id": 1,
+                    "bucket": 0,
+                    "shapes": [[1]] * 4,
+                    "dtypes": ["float32"] * 4,
+                    "slot": 1,
+                }
+            ),
+            RejectCode.SCHEMA,
+        ),  # slot without gen
+        (
+            msgpack.packb(
+                {
+                    "t": int(MsgKind.HELLO),
+                    "proto": 1,
+                    "pid": "p",
+                    "fp": "f",
+                    "buckets": [],
+                    "n_mels": 80,
+                    "seed": 0,
+                    "caps": [1],
+                }
+            ),
+            RejectCode.SCHEMA,
+        ),
+        (b"", RejectCode.DECODE),
+    ],
+)
 def test_malformed_headers_are_rejected_with_a_code(raw: bytes, code: str) -> None:
     with pytest.raises(ProtocolError) as info:
         decode_header(raw)
@@ -94,11 +168,23 @@ def test_heartbeat_stats_travel_as_four_numbers() -> None:
     assert decode_header(raw).stats == StageCounters(3, 1.0, 0.5, 0.25)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("stats", [
-    "fast", [1, 0.1, 0.1], [1, 0.1, 0.1, 0.1, 0.1], [-1, 0.0, 0.0, 0.0], [True, 0.0, 0.0, 0.0],
-    [1.5, 0.0, 0.0, 0.0], [1, -0.1, 0.0, 0.0], [1, 0.0, float("nan"), 0.0], [1, 0.0, 0.0, float("inf")],
-    [1, "0", 0.0, 0.0], [1, 0.0, False, 0.0], {"batches": 1},
-])
+@pytest.mark.parametrize(
+    "stats",
+    [
+        "fast",
+        [1, 0.1, 0.1],
+        [1, 0.1, 0.1, 0.1, 0.1],
+        [-1, 0.0, 0.0, 0.0],
+        [True, 0.0, 0.0, 0.0],
+        [1.5, 0.0, 0.0, 0.0],
+        [1, -0.1, 0.0, 0.0],
+        [1, 0.0, float("nan"), 0.0],
+        [1, 0.0, 0.0, float("inf")],
+        [1, "0", 0.0, 0.0],
+        [1, 0.0, False, 0.0],
+        {"batches": 1},
+    ],
+)
 def test_malformed_heartbeat_stats_are_rejected(stats: object) -> None:
     raw = msgpack.packb({"t": int(MsgKind.HB), "epoch": 7, "st": stats})
     with pytest.raises(ProtocolError) as info:
@@ -136,13 +222,18 @@ def test_plan_end_flag_must_be_a_boolean(done: object) -> None:
     assert info.value.code == RejectCode.SCHEMA
 
 
-@pytest.mark.parametrize(("msg", "key", "value"), [
-    (Hello(1, "p", "f", [], 80, 0, 5), "nonce", 5),
-    (Hello(1, "p", "f", [], 80, 0, 5), "mel", "float32"),
-    (Welcome(7, 2, 0.5, False, 5), "nonce", 5),
-], ids=["HELLO-nonce", "HELLO-mel", "WELCOME-nonce"])
+@pytest.mark.parametrize(
+    ("msg", "key", "value"),
+    [
+        (Hello(1, "p", "f", [], 80, 0, 5), "nonce", 5),
+        (Hello(1, "p", "f", [], 80, 0, 5), "mel", "float32"),
+        (Welcome(7, 2, 0.5, False, 5), "nonce", 5),
+    ],
+    ids=["HELLO-nonce", "HELLO-mel", "WELCOME-nonce"],
+)
 def test_a_hello_or_welcome_always_carries_its_join_nonce_and_mel_dtype_and_is_malformed_without(
-        msg: Hello | Welcome, key: str, value: object) -> None:
+    msg: Hello | Welcome, key: str, value: object
+) -> None:
     raw = msgpack.unpackb(encode(msg))
     assert raw[key] == value
     with pytest.raises(ProtocolError) as info:
@@ -153,8 +244,11 @@ def test_a_hello_or_welcome_always_carries_its_join_nonce_and_mel_dtype_and_is_m
 @pytest.mark.parametrize("nonce", [-1, "n", 1.5, True, None, [1]])
 @pytest.mark.parametrize("kind", [MsgKind.HELLO, MsgKind.WELCOME])
 def test_a_nonce_must_be_a_non_negative_integer(kind: MsgKind, nonce: object) -> None:
-    base = (msgpack.unpackb(encode(Hello(1, "p", "f", [], 80, 0, 1))) if kind is MsgKind.HELLO
-            else msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 1))))
+    base = (
+        msgpack.unpackb(encode(Hello(1, "p", "f", [], 80, 0, 1)))
+        if kind is MsgKind.HELLO
+        else msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 1)))
+    )
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**base, "nonce": nonce}))
     assert info.value.code == RejectCode.SCHEMA

@@ -18,18 +18,22 @@ EMBEDDING = ExtraSpec("spk_emb", "utterance", "float32", (3,))
 REF = ExtraSpec("ref", "sequence", "float32", (4,))
 
 
-@pytest.mark.parametrize(("spec", "values", "dst_shape", "kept", "want"), [
-    (ENERGY, np.arange(1, 4, dtype=np.float32), (5,), 3, [1, 2, 3, 0, 0]),
-    (ENERGY, np.arange(1, 8, dtype=np.float32), (5,), 5, [1, 2, 3, 4, 5]),               # cut to T with the mel
-    (PITCH2, np.ones((2, 2), np.float16), (3, 2), 2, [[1, 1], [1, 1], [0, 0]]),
-    (DURATION, np.array([4, 2], np.int32), (4,), 2, [4, 2, 0, 0]),
-    (SPEAKER, np.array(7, np.int32), (), 1, 7),
-    (EMBEDDING, np.array([0.5, -1, 2], np.float32), (3,), 1, [0.5, -1, 2]),
-    (REF, np.full((2, 4), 3, np.float32), (3, 4), 2, [[3] * 4, [3] * 4, [0] * 4]),
-])
-def test_pad_row_cuts_and_zero_pads_each_kind(spec: ExtraSpec, values: np.ndarray, dst_shape: tuple[int, ...],
-                                              kept: int, want: object) -> None:
-    dst = np.full(dst_shape, 9, dtype=spec.dtype)           # stale bytes from an earlier batch
+@pytest.mark.parametrize(
+    ("spec", "values", "dst_shape", "kept", "want"),
+    [
+        (ENERGY, np.arange(1, 4, dtype=np.float32), (5,), 3, [1, 2, 3, 0, 0]),
+        (ENERGY, np.arange(1, 8, dtype=np.float32), (5,), 5, [1, 2, 3, 4, 5]),  # cut to T with the mel
+        (PITCH2, np.ones((2, 2), np.float16), (3, 2), 2, [[1, 1], [1, 1], [0, 0]]),
+        (DURATION, np.array([4, 2], np.int32), (4,), 2, [4, 2, 0, 0]),
+        (SPEAKER, np.array(7, np.int32), (), 1, 7),
+        (EMBEDDING, np.array([0.5, -1, 2], np.float32), (3,), 1, [0.5, -1, 2]),
+        (REF, np.full((2, 4), 3, np.float32), (3, 4), 2, [[3] * 4, [3] * 4, [0] * 4]),
+    ],
+)
+def test_pad_row_cuts_and_zero_pads_each_kind(
+    spec: ExtraSpec, values: np.ndarray, dst_shape: tuple[int, ...], kept: int, want: object
+) -> None:
+    dst = np.full(dst_shape, 9, dtype=spec.dtype)  # stale bytes from an earlier batch
     assert pad_row(spec, values, dst) == kept
     assert dst.tolist() == want
 
@@ -42,20 +46,28 @@ def test_pad_row_refuses_values_that_break_the_declaration() -> None:
 
 
 def test_row_shape_by_kind() -> None:
-    assert [row_shape(s, 10, 4, 6) for s in (PITCH2, DURATION, SPEAKER, EMBEDDING, REF)] == \
-        [(10, 2), (4,), (), (3,), (6, 4)]
+    assert [row_shape(s, 10, 4, 6) for s in (PITCH2, DURATION, SPEAKER, EMBEDDING, REF)] == [
+        (10, 2),
+        (4,),
+        (),
+        (3,),
+        (6, 4),
+    ]
 
 
-@pytest.mark.parametrize(("args", "key"), [
-    (("Energy", "frame", "float32", []), "name"),
-    (("mel_len", "frame", "float32", []), "name"),
-    (("row_mask", "frame", "float32", []), "name"),
-    (("energy", "per_frame", "float32", []), "kind"),
-    (("energy", "frame", "float64", []), "dtype"),
-    (("energy", "frame", "float32", [0]), "shape"),
-    (("energy", "frame", "float32", "2"), "shape"),
-    (("energy", "frame", "float32", [True]), "shape"),
-])
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (("Energy", "frame", "float32", []), "name"),
+        (("mel_len", "frame", "float32", []), "name"),
+        (("row_mask", "frame", "float32", []), "name"),
+        (("energy", "per_frame", "float32", []), "kind"),
+        (("energy", "frame", "float64", []), "dtype"),
+        (("energy", "frame", "float32", [0]), "shape"),
+        (("energy", "frame", "float32", "2"), "shape"),
+        (("energy", "frame", "float32", [True]), "shape"),
+    ],
+)
 def test_bad_declarations_name_their_key(args: tuple[object, ...], key: str) -> None:
     bad = check_declaration(*args)
     assert bad is not None and bad[0] == key
@@ -70,8 +82,16 @@ def test_a_sequence_owns_its_length_key() -> None:
 
 def test_bucket_shapes_dtypes_and_layout_follow_the_schema_in_declaration_order() -> None:
     b = Bucket(0, 2, 8, 5, 3, extras=(REF, ENERGY, SPEAKER), seq_lengths=(6,))
-    assert b.shapes() == {"mel": (2, 8, 3), "mel_len": (2,), "tokens": (2, 5), "tok_len": (2,),
-                          "ref": (2, 6, 4), "ref_len": (2,), "energy": (2, 8), "speaker": (2,)}
+    assert b.shapes() == {
+        "mel": (2, 8, 3),
+        "mel_len": (2,),
+        "tokens": (2, 5),
+        "tok_len": (2,),
+        "ref": (2, 6, 4),
+        "ref_len": (2,),
+        "energy": (2, 8),
+        "speaker": (2,),
+    }
     assert b.dtypes()["ref"] == "float32" and b.dtypes()["ref_len"] == "int32"
     assert b.as_wire() == [0, 2, 8, 5, 3, 6]
     layout = batch_layout(b)

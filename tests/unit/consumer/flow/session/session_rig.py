@@ -16,8 +16,20 @@ from melfeed.consumer.flow.ring import BatchRing
 from melfeed.consumer.flow.session import ReceiverSession
 from melfeed.consumer.flow.shm_leases import SlotFiles
 from melfeed.shared.wire.buckets import Bucket
-from melfeed.shared.wire.protocol import (PROTOCOL_VERSION, BatchHeader, Err, Heartbeat, Hello, Lease, LeaseGrant,
-                                  Message, RejectCode, Welcome, decode_header, encode)
+from melfeed.shared.wire.protocol import (
+    PROTOCOL_VERSION,
+    BatchHeader,
+    Err,
+    Heartbeat,
+    Hello,
+    Lease,
+    LeaseGrant,
+    Message,
+    RejectCode,
+    Welcome,
+    decode_header,
+    encode,
+)
 from tests.fakes import FakeClock, FakePlan
 
 BUCKET = Bucket(index=0, batch_size=2, max_frames=8, max_tokens=4, n_mels=3)
@@ -29,17 +41,34 @@ A, B = b"producer-a", b"producer-b"
 class Rig:
     """One session and everything it decides with; ``clock`` is the only time there is."""
 
-    def __init__(self, *, n_slots: int = 3, window: int = 2, lease_timeout_s: float = 10.0,
-                 liveness_s: float = 30.0, heartbeat_interval_s: float = 1.0, end_id: int | None = None,
-                 shm: SlotFiles | None = None, flood_limit: int = 200, start_s: float = 100.0,
-                 lease_expiry_limit: int = 3, lease_backoff_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        n_slots: int = 3,
+        window: int = 2,
+        lease_timeout_s: float = 10.0,
+        liveness_s: float = 30.0,
+        heartbeat_interval_s: float = 1.0,
+        end_id: int | None = None,
+        shm: SlotFiles | None = None,
+        flood_limit: int = 200,
+        start_s: float = 100.0,
+        lease_expiry_limit: int = 3,
+        lease_backoff_s: float = 60.0,
+    ) -> None:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
         self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
-        cfg = ReceiverSessionConfig(CONTRACT, EPOCH, heartbeat_interval_s, liveness_s, checksum=False,
-                            lease_expiry_limit=lease_expiry_limit, lease_backoff_s=lease_backoff_s)
-        self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm,
-                                       rejects=RejectLog(flood_limit=flood_limit))
+        cfg = ReceiverSessionConfig(
+            CONTRACT,
+            EPOCH,
+            heartbeat_interval_s,
+            liveness_s,
+            checksum=False,
+            lease_expiry_limit=lease_expiry_limit,
+            lease_backoff_s=lease_backoff_s,
+        )
+        self.session = ReceiverSession(cfg, self.ring, self.book, shm=shm, rejects=RejectLog(flood_limit=flood_limit))
         self._nonces = itertools.count(1000)
 
     # --- inbound --------------------------------------------------------------------------------
@@ -52,13 +81,20 @@ class Rig:
         _check_encodable(decision.sends)
         return decision
 
-    def hello(self, ident: bytes, *, caps: tuple[str, ...] = (), user_id: str | None = None,
-              **overrides: Any) -> Decision:
+    def hello(
+        self, ident: bytes, *, caps: tuple[str, ...] = (), user_id: str | None = None, **overrides: Any
+    ) -> Decision:
         """A HELLO; each carries a new join nonce (a new join) unless ``nonce=`` is given."""
-        fields: dict[str, Any] = {"proto": PROTOCOL_VERSION, "producer_id": ident.decode(),
-                                  "fingerprint": CONTRACT.fingerprint, "buckets": CONTRACT.buckets,
-                                  "n_mels": CONTRACT.n_mels, "seed": CONTRACT.seed, "caps": list(caps),
-                                  "nonce": next(self._nonces)}
+        fields: dict[str, Any] = {
+            "proto": PROTOCOL_VERSION,
+            "producer_id": ident.decode(),
+            "fingerprint": CONTRACT.fingerprint,
+            "buckets": CONTRACT.buckets,
+            "n_mels": CONTRACT.n_mels,
+            "seed": CONTRACT.seed,
+            "caps": list(caps),
+            "nonce": next(self._nonces),
+        }
         fields.update(overrides)
         return self.send(ident, Hello(**fields), user_id=user_id)
 
@@ -71,8 +107,9 @@ class Rig:
     def heartbeat(self, ident: bytes, epoch: int = EPOCH) -> Decision:
         return self.send(ident, Heartbeat(epoch))
 
-    def deliver(self, ident: bytes, batch_id: int, *, epoch: int = EPOCH,
-                shm: tuple[int, int] | None = None) -> Decision:
+    def deliver(
+        self, ident: bytes, batch_id: int, *, epoch: int = EPOCH, shm: tuple[int, int] | None = None
+    ) -> Decision:
         """A BATCH header; when the session asks for the payload, the slot is taken as filled."""
         decision = self.send(ident, header(batch_id, epoch=epoch, shm=shm), more=shm is None)
         if decision.intake is not None:
@@ -123,7 +160,7 @@ def ids(leases: list[Lease]) -> list[int]:
 def _check_encodable(sends: list[Outgoing]) -> None:
     for out in sends:
         back = decode_header(encode(out.msg))
-        if isinstance(out.msg, Err):      # the reason is cut to one log line on the wire
+        if isinstance(out.msg, Err):  # the reason is cut to one log line on the wire
             assert isinstance(back, Err) and back.code == out.msg.code and out.msg.why.startswith(back.why)
         else:
             assert back == out.msg

@@ -41,22 +41,21 @@ def _rounds(rig: Rig, n: int, next_id: int, granted: dict[bytes, list[int]], *, 
 
 
 def test_a_peer_that_heartbeats_but_never_delivers_gets_no_leases_for_the_backoff(
-        caplog: pytest.LogCaptureFixture) -> None:
-    rig = Rig(n_slots=4, window=1, lease_timeout_s=1.0, liveness_s=100.0, lease_expiry_limit=3,
-              lease_backoff_s=30.0)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(n_slots=4, window=1, lease_timeout_s=1.0, liveness_s=100.0, lease_expiry_limit=3, lease_backoff_s=30.0)
     rig.join(A)
     rig.join(B)
     granted: dict[bytes, list[int]] = {A: [], B: []}
     with caplog.at_level(logging.WARNING, logger="melfeed.consumer.flow.session"):
         next_id = _rounds(rig, 20, 0, granted)
-    assert len(granted[A]) == 3                       # three leases expired in a row, then none
-    assert next_id >= 15 and len(granted[B]) >= 15    # the good peer got all the rest, the stream moved on
+    assert len(granted[A]) == 3  # three leases expired in a row, then none
+    assert next_id >= 15 and len(granted[B]) >= 15  # the good peer got all the rest, the stream moved on
     stats = rig.session.stats()
     assert stats.producers_benched == ("producer-a",) and stats.producers_alive == 2
     benched = [r.getMessage() for r in caplog.records if "in a row expire" in r.getMessage()]
-    assert benched == ["producer producer-a (peer=producer-a) let 3 leases in a row expire; no leases for it "
-                       "for 30 s"]
-    rig.clock.advance(30.0)                           # the back-off is over: it is offered work again
+    assert benched == ["producer producer-a (peer=producer-a) let 3 leases in a row expire; no leases for it for 30 s"]
+    rig.clock.advance(30.0)  # the back-off is over: it is offered work again
     _rounds(rig, 1, next_id, granted)
     assert len(granted[A]) == 4 and rig.session.stats().producers_benched == ()
 
@@ -66,11 +65,11 @@ def test_a_delivered_batch_resets_the_count_and_a_new_hello_does_not() -> None:
     rig.join(A)
     rig.join(B)
     granted: dict[bytes, list[int]] = {A: [], B: []}
-    next_id = _rounds(rig, 4, 0, granted)             # A lets two leases expire ...
+    next_id = _rounds(rig, 4, 0, granted)  # A lets two leases expire ...
     assert len(granted[A]) == 2
-    next_id = _rounds(rig, 1, next_id, granted, a_delivers=True)   # ... delivers one ...
-    next_id = _rounds(rig, 5, next_id, granted)       # ... and lets two more expire: not three in a row
+    next_id = _rounds(rig, 1, next_id, granted, a_delivers=True)  # ... delivers one ...
+    next_id = _rounds(rig, 5, next_id, granted)  # ... and lets two more expire: not three in a row
     assert rig.session.stats().producers_benched == ()
-    rig.join(A)                                       # a re-HELLO under the same routing id keeps the count
+    rig.join(A)  # a re-HELLO under the same routing id keeps the count
     _rounds(rig, 3, next_id, granted)
     assert rig.session.stats().producers_benched == ("producer-a",)

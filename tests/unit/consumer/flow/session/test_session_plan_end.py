@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from melfeed.consumer.flow.decisions import Outgoing
 from melfeed.shared.wire.protocol import Heartbeat
-from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, ids
+from tests.unit.consumer.flow.session.session_rig import EPOCH, A, B, Rig, ids
 
 
 def _heartbeats(sends: list[Outgoing]) -> dict[bytes, Heartbeat]:
@@ -36,15 +36,15 @@ def test_the_tick_that_sees_the_last_batch_applied_says_done_at_once_and_every_h
     rig.join(B)
     assert ids(rig.loop()[A]) == [0, 1, 2]
     _applied_through(rig, 2)
-    first = _heartbeats(rig.tick(1))             # due now: the interval's first heartbeat
+    first = _heartbeats(rig.tick(1))  # due now: the interval's first heartbeat
     assert not any(hb.done for hb in first.values())
     rig.clock.advance(0.1)
-    assert rig.tick(1) == []                     # not due yet, and the plan is not finished
-    end = rig.tick(2)                            # the last batch applied: not waiting for the interval
+    assert rig.tick(1) == []  # not due yet, and the plan is not finished
+    end = rig.tick(2)  # the last batch applied: not waiting for the interval
     assert _said(end) == {A: (3, True), B: (3, True)}
     assert rig.session.plan_ended and rig.grant() == {}
     rig.clock.advance(0.5)
-    assert rig.tick(2) == []                     # announced once per interval, not on every tick
+    assert rig.tick(2) == []  # announced once per interval, not on every tick
     rig.clock.advance(0.5)
     assert all(hb.done for hb in _heartbeats(rig.tick(2)).values())
 
@@ -64,7 +64,7 @@ def test_closing_after_the_last_step_sends_a_last_done_heartbeat_even_before_the
     rig.join(B)
     rig.loop()
     _applied_through(rig, 1)
-    rig.tick(0)                                  # the shell stopped before a tick saw batch 1 applied
+    rig.tick(0)  # the shell stopped before a tick saw batch 1 applied
     sends = rig.session.closing(rig.clock(), 1)
     assert _said(sends) == {A: (2, True), B: (2, True)}
 
@@ -78,7 +78,7 @@ def test_closing_an_unfinished_plan_says_nothing() -> None:
 
 
 def test_a_producer_joining_after_the_end_hears_done_within_one_interval() -> None:
-    rig = Rig(end_id=0, heartbeat_interval_s=1.0)   # resumed at its end: nothing was ever to be leased
+    rig = Rig(end_id=0, heartbeat_interval_s=1.0)  # resumed at its end: nothing was ever to be leased
     rig.tick()
     assert rig.session.plan_ended
     rig.join(A)

@@ -14,7 +14,7 @@ from melfeed.consumer.flow.shm_leases import ShmLeases
 from melfeed.shared.errors import ProtocolError
 from melfeed.shared.wire.protocol import CAP_SHM, Bye, RejectCode, ShmSlot
 from tests.fakes import FakeSlotFiles
-from tests.unit.consumer.flow.session.session_rig import A, B, EPOCH, Rig, err_codes, header, ids
+from tests.unit.consumer.flow.session.session_rig import EPOCH, A, B, Rig, err_codes, header, ids
 
 SHM = (CAP_SHM,)
 
@@ -23,10 +23,10 @@ def test_an_shm_producer_is_told_the_directory_and_leased_named_slot_files() -> 
     files = FakeSlotFiles(3, directory="/run/melfeed")
     rig = Rig(n_slots=3, window=2, shm=files)
     assert rig.join(A, caps=SHM).shm_dir == "/run/melfeed"
-    assert rig.join(B).shm_dir is None                                     # did not offer CAP_SHM
+    assert rig.join(B).shm_dir is None  # did not offer CAP_SHM
     grants = rig.grant()
     assert [x.shm for x in grants[A]] == [ShmSlot(files.name(0), 0, 0), ShmSlot(files.name(1), 1, 0)]
-    assert [x.shm for x in grants[B]] == [None]                            # a payload lease
+    assert [x.shm for x in grants[B]] == [None]  # a payload lease
 
 
 def test_a_header_only_batch_naming_its_slot_and_generation_is_taken_in_place() -> None:
@@ -37,7 +37,7 @@ def test_a_header_only_batch_naming_its_slot_and_generation_is_taken_in_place() 
     decision = rig.deliver(A, 0, shm=(lease.shm.slot, lease.shm.generation))
     assert decision.intake is not None and decision.intake.in_place
     ready = rig.ring.take(0, 0.0)
-    assert ready is not None and ready.slot == lease.shm.slot and ready.copies == 1   # one copy: built in the slot
+    assert ready is not None and ready.slot == lease.shm.slot and ready.copies == 1  # one copy: built in the slot
     assert rig.session.stats().shm_retired == 0
 
 
@@ -49,7 +49,7 @@ def test_an_expired_shm_lease_retires_its_slot_and_the_zombies_late_batch_is_ref
     assert old.shm == ShmSlot(files.name(0), 0, 0)
     rig.clock.advance(5.0)
     rig.join(B, caps=SHM)
-    rig.clock.advance(5.1)                                                 # A's deadline passes; A is alive
+    rig.clock.advance(5.1)  # A's deadline passes; A is alive
     rig.heartbeat(A)
     grants = rig.loop()
     assert files.retired_slots == [0] and rig.session.stats().shm_retired == 1
@@ -59,7 +59,7 @@ def test_an_expired_shm_lease_retires_its_slot_and_the_zombies_late_batch_is_ref
     assert err_codes(rig.deliver(A, 0, shm=(0, 0))) == [RejectCode.LEASE]
     assert err_codes(rig.deliver(B, 0, shm=(0, 0))) == [RejectCode.LEASE]  # the holder, wrong generation
     assert err_codes(rig.deliver(A, 0, shm=(0, 1))) == [RejectCode.LEASE]  # not the holder, though it names it
-    assert err_codes(rig.deliver(A, 0)) == [RejectCode.LEASE]              # nor its payload copy
+    assert err_codes(rig.deliver(A, 0)) == [RejectCode.LEASE]  # nor its payload copy
     assert rig.session.stats().batches_received == 0 and [x.batch_id for x in rig.book.leases_of(B)] == [0]
     assert rig.deliver(B, 0, shm=(0, 1)).intake is not None
 
@@ -73,10 +73,10 @@ def test_a_slot_delivered_in_place_is_a_payload_slot_for_its_next_payload_lease(
     assert ready is not None and ready.slot == 0
     rig.ring.release(ready.slot)
     rig.send(A, Bye(EPOCH))
-    rig.join(B)                                                            # payload producer
+    rig.join(B)  # payload producer
     assert ids(rig.grant()[B]) == [1]
     decision = rig.deliver(B, 1)
-    assert decision.intake is not None and not decision.intake.in_place   # its frames go into the slot
+    assert decision.intake is not None and not decision.intake.in_place  # its frames go into the slot
 
 
 def test_a_payload_batch_for_an_shm_lease_of_another_producer_is_refused() -> None:
@@ -91,7 +91,7 @@ def test_a_payload_batch_for_an_shm_lease_of_another_producer_is_refused() -> No
 
 def test_a_header_naming_a_slot_on_a_payload_lease_is_refused() -> None:
     rig = Rig(window=1, shm=FakeSlotFiles(3))
-    rig.join(A)                                                            # payload producer
+    rig.join(A)  # payload producer
     [lease] = rig.grant()[A]
     assert lease.shm is None
     assert err_codes(rig.deliver(A, 0, shm=(0, 0))) == [RejectCode.LEASE]
@@ -127,7 +127,7 @@ def test_a_producer_leaving_retires_every_slot_it_held_but_not_delivered_ones() 
     rig.deliver(A, 0, shm=(first.slot, first.generation))
     rig.send(A, Bye(EPOCH, exit_code=1, reason="crash"))
     assert sorted(files.retired_slots) == sorted(x.shm.slot for x in leases[1:] if x.shm is not None)
-    assert first.slot not in files.retired_slots                          # READY: nobody may write it
+    assert first.slot not in files.retired_slots  # READY: nobody may write it
 
 
 def test_without_slot_files_every_lease_is_a_payload_lease() -> None:

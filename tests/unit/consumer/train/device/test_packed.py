@@ -25,8 +25,16 @@ _STEPS = 4
 
 
 def _bucket(mel_dtype: str = "float32", extras: tuple[ExtraSpec, ...] = ()) -> Bucket:
-    return Bucket(0, 4, 24, 8, N_MELS, extras=extras, seq_lengths=(3,) * sum(e.kind == "sequence" for e in extras),
-                  mel_dtype=mel_dtype)
+    return Bucket(
+        0,
+        4,
+        24,
+        8,
+        N_MELS,
+        extras=extras,
+        seq_lengths=(3,) * sum(e.kind == "sequence" for e in extras),
+        mel_dtype=mel_dtype,
+    )
 
 
 def _fill(views: dict[str, np.ndarray], rng: np.random.Generator) -> None:
@@ -57,8 +65,9 @@ class _Slots:
 
 
 def _step() -> Any:
-    return build_reference_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False,
-                                         seed=0))
+    return build_reference_step(
+        StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    )
 
 
 def _per_array_run(bucket: Bucket, jit: bool, extras: tuple[ExtraSpec, ...] = ()) -> tuple[list[bytes], list[float]]:
@@ -83,7 +92,7 @@ def _packed_run(bucket: Bucket, jit: bool, extras: tuple[ExtraSpec, ...] = ()) -
     for i in range(_STEPS):
         batch = slots.batch(i, rng)
         staged = handoff.put(batch)
-        assert staged.host_copies == 0 and staged.copied is None     # the slot itself, held to the step's end
+        assert staged.host_copies == 0 and staged.copied is None  # the slot itself, held to the step's end
         handoff.wait(handoff.step(batch, staged.value))
     return [v.numpy().tobytes() for v in step.variables()], handoff, packed
 
@@ -93,10 +102,10 @@ def test_the_program_takes_one_uint8_region_and_trains_bit_identically_to_the_pe
     bucket = _bucket()
     want, losses = _per_array_run(bucket, jit)
     got, handoff, packed = _packed_run(bucket, jit)
-    assert got == want                                              # every variable, bit for bit
+    assert got == want  # every variable, bit for bit
     args, kwargs = packed.program(0).structured_input_signature
     assert kwargs == {} and [(a.dtype, tuple(a.shape)) for a in args] == [(tf.uint8, (layout_nbytes(bucket),))]
-    assert handoff.transfers == _STEPS and handoff.dispatched == _STEPS   # one tensor to the device per batch
+    assert handoff.transfers == _STEPS and handoff.dispatched == _STEPS  # one tensor to the device per batch
     read = packed.accumulators.read()
     assert read.steps == _STEPS and read.sums["loss"] == sum(losses)  # float64 sums of the same float32 values
     assert read.first["loss"] == losses[0] and read.last["loss"] == losses[-1]
@@ -109,14 +118,17 @@ def test_float16_mels_and_extras_are_cut_from_the_region_where_the_layout_put_th
     packed_names: list[str] = []
 
     class _Sees:
-        def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor,
-                     **extras: tf.Tensor) -> dict[str, tf.Tensor]:
+        def __call__(
+            self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, **extras: tf.Tensor
+        ) -> dict[str, tf.Tensor]:
             packed_names.extend(extras)
-            return {"loss": tf.reduce_sum(tf.cast(mel, tf.float32)),
-                    "speaker": tf.cast(tf.reduce_sum(extras["speaker"]), tf.float32),
-                    "ref": tf.reduce_sum(tf.cast(extras["ref"], tf.float32)),
-                    "ref_len": tf.cast(tf.reduce_sum(extras["ref_len"]), tf.float32),
-                    "tokens": tf.cast(tf.reduce_sum(tokens), tf.float32)}
+            return {
+                "loss": tf.reduce_sum(tf.cast(mel, tf.float32)),
+                "speaker": tf.cast(tf.reduce_sum(extras["speaker"]), tf.float32),
+                "ref": tf.reduce_sum(tf.cast(extras["ref"], tf.float32)),
+                "ref_len": tf.cast(tf.reduce_sum(extras["ref_len"]), tf.float32),
+                "tokens": tf.cast(tf.reduce_sum(tokens), tf.float32),
+            }
 
         def variables(self) -> list[Any]:
             return []
@@ -131,21 +143,39 @@ def test_float16_mels_and_extras_are_cut_from_the_region_where_the_layout_put_th
     handoff.step(batch, handoff.put(batch).value)
     read = packed.accumulators.read()
     a = batch.arrays
-    assert {"speaker", "ref", "ref_len"} <= set(packed_names)       # (**extras also takes the row inputs)
+    assert {"speaker", "ref", "ref_len"} <= set(packed_names)  # (**extras also takes the row inputs)
     args, _ = packed.program(0).structured_input_signature
-    assert [a.dtype for a in args] == [tf.uint8]                    # rows too come from the region
-    assert read.last == pytest.approx({"loss": float(a["mel"].astype(np.float32).sum()),
-                                       "speaker": float(a["speaker"].sum()), "ref": float(a["ref"].astype(np.float32).sum()),
-                                       "ref_len": float(a["ref_len"].sum()), "tokens": float(a["tokens"].sum())}, rel=1e-3)
+    assert [a.dtype for a in args] == [tf.uint8]  # rows too come from the region
+    assert read.last == pytest.approx(
+        {
+            "loss": float(a["mel"].astype(np.float32).sum()),
+            "speaker": float(a["speaker"].sum()),
+            "ref": float(a["ref"].astype(np.float32).sum()),
+            "ref_len": float(a["ref_len"].sum()),
+            "tokens": float(a["tokens"].sum()),
+        },
+        rel=1e-3,
+    )
 
 
 class _CountsRows:
     """A step that takes ``rows`` and ``row_mask`` and returns what it was given."""
 
-    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, *, rows: tf.Tensor,
-                 row_mask: tf.Tensor) -> dict[str, tf.Tensor]:
-        return {"loss": tf.cast(rows, tf.float32), "mask": tf.reduce_sum(tf.cast(row_mask, tf.float32)),
-                "mel_len": tf.cast(tf.reduce_sum(mel_len), tf.float32)}
+    def __call__(
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        *,
+        rows: tf.Tensor,
+        row_mask: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
+        return {
+            "loss": tf.cast(rows, tf.float32),
+            "mask": tf.reduce_sum(tf.cast(row_mask, tf.float32)),
+            "mel_len": tf.cast(tf.reduce_sum(mel_len), tf.float32),
+        }
 
     def variables(self) -> list[Any]:
         return []
@@ -159,21 +189,24 @@ def test_a_row_input_step_reads_rows_from_the_one_region_it_is_given(in_slot: bo
     packed = PackedSteps.for_buckets(compiled, [bucket], None)
     packed.warm_up([])
     layout = packed.layouts[0]
-    assert layout.rows_offset is not None and layout.rows_offset >= layout_nbytes(bucket)   # after every array
+    assert layout.rows_offset is not None and layout.rows_offset >= layout_nbytes(bucket)  # after every array
     args, kwargs = packed.program(0).structured_input_signature
     assert kwargs == {} and [(a.dtype, tuple(a.shape)) for a in args] == [(tf.uint8, (layout.nbytes,))]
     slots = _Slots(bucket)
     handoff = TfStageAdapter(packed, None, slot_buffer=slots.buffer)
-    for batch_id, rows in enumerate((3, 1)):       # partial batches: fewer real rows than B = 4
+    for batch_id, rows in enumerate((3, 1)):  # partial batches: fewer real rows than B = 4
         full = slots.batch(batch_id, np.random.default_rng(batch_id))
-        batch = Batch(PlannedBatch(batch_id, 0, 0, tuple(range(rows))),
-                      full.arrays if in_slot else {k: v.copy() for k, v in full.arrays.items()}, slot=full.slot)
+        batch = Batch(
+            PlannedBatch(batch_id, 0, 0, tuple(range(rows))),
+            full.arrays if in_slot else {k: v.copy() for k, v in full.arrays.items()},
+            slot=full.slot,
+        )
         staged = handoff.put(batch)
         assert staged.host_copies == (0 if in_slot else 1)
         handoff.step(batch, staged.value)
         read = packed.accumulators.read()
         assert read.last == {"loss": rows, "mask": rows, "mel_len": float(full.arrays["mel_len"].sum())}
-    assert handoff.transfers == 2                  # one tensor per batch, rows inside it
+    assert handoff.transfers == 2  # one tensor per batch, rows inside it
 
 
 def test_a_batch_whose_arrays_are_not_in_a_slot_is_packed_into_a_region_with_one_host_copy() -> None:
@@ -189,6 +222,6 @@ def test_a_batch_whose_arrays_are_not_in_a_slot_is_packed_into_a_region_with_one
     staged = TfStageAdapter(packed, None, slot_buffer=slots.buffer).put(loose)
     assert staged.host_copies == 1
     region, slot = staged.value.numpy(), slots.buffer(0)
-    for _, offset, shape, dtype in batch_layout(bucket):       # every array's bytes where the layout puts them
+    for _, offset, shape, dtype in batch_layout(bucket):  # every array's bytes where the layout puts them
         end = offset + int(np.prod(shape)) * dtype.itemsize
         assert region[offset:end].tobytes() == slot[offset:end].tobytes()

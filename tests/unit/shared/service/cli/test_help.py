@@ -18,11 +18,13 @@ from melfeed.shared.service.cli.options import GROUPS, HelpFormatter, schema_def
 from melfeed.shared.service.cli.settings import OVERRIDES
 
 REPO = Path(__file__).resolve().parents[5]
-_CONFIG_KEYS = {**OVERRIDES, "n_mels": "n_mels", "mel_dtype": "transport.mel_dtype"}   # flag dest -> key
-_APPLY_OVERRIDES = {"melfeed run", "melfeed consumer", "melfeed producer", "melfeed doctor"}   # config_from_args
+_CONFIG_KEYS = {**OVERRIDES, "n_mels": "n_mels", "mel_dtype": "transport.mel_dtype"}  # flag dest -> key
+_APPLY_OVERRIDES = {"melfeed run", "melfeed consumer", "melfeed producer", "melfeed doctor"}  # config_from_args
 
 
-def _commands(parser: argparse.ArgumentParser, prefix: str = "melfeed") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+def _commands(
+    parser: argparse.ArgumentParser, prefix: str = "melfeed"
+) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """Every (sub)command's parser, ``config show`` included."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -33,13 +35,14 @@ def _commands(parser: argparse.ArgumentParser, prefix: str = "melfeed") -> Itera
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """The help text argparse prints for ``action``, before wrapping (argparse has no public call for it)."""
-    return HelpFormatter(parser.prog)._expand_help(action)   # noqa: SLF001
+    return HelpFormatter(parser.prog)._expand_help(action)  # noqa: SLF001
 
 
 def _options(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
     for action in parser._actions:
-        if action.help != argparse.SUPPRESS and not isinstance(action, (argparse._HelpAction,
-                                                                        argparse._SubParsersAction)):
+        if action.help != argparse.SUPPRESS and not isinstance(
+            action, (argparse._HelpAction, argparse._SubParsersAction)
+        ):
             yield action
 
 
@@ -63,28 +66,36 @@ def test_every_option_with_a_default_or_a_config_key_shows_its_default_in_the_he
 
 
 def test_a_config_backed_default_is_read_from_the_schema_when_the_parser_is_built(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Not a number copied into the help: change the dataclass default and the help follows."""
     import dataclasses
 
     from melfeed.shared.config import ConsumerConfig
+
     field = next(f for f in dataclasses.fields(ConsumerConfig) if f.name == "ring_slots")
     monkeypatch.setattr(field, "default", 7)
     run = dict(_commands(build_parser()))["melfeed run"]
     slots = next(a for a in run._actions if a.dest == "ring_slots")
     assert "(consumer.ring_slots, default 7)" in _help(run, slots)
-    assert slots.default is None          # the flag only overrides what --config / --set gave when it is given
+    assert slots.default is None  # the flag only overrides what --config / --set gave when it is given
 
 
 def test_options_come_in_the_six_groups_and_run_help_is_grouped() -> None:
     for name, parser in _commands(build_parser()):
         titles = [g.title for g in parser._action_groups if g._group_actions]
         assert set(titles) <= {"positional arguments", "options", "actions", *GROUPS}, name
-        loose = [a.option_strings for g in parser._action_groups if g.title == "options"
-                 for a in g._group_actions if not isinstance(a, argparse._HelpAction)]
+        loose = [
+            a.option_strings
+            for g in parser._action_groups
+            if g.title == "options"
+            for a in g._group_actions
+            if not isinstance(a, argparse._HelpAction)
+        ]
         assert loose == [], name
-    proc = subprocess.run([sys.executable, "-m", "melfeed", "run", "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "melfeed", "run", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: melfeed run [options]\n")
     heads = [line[:-1] for line in proc.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
@@ -100,12 +111,14 @@ def test_the_test_only_delay_flag_is_hidden_from_help_but_accepted(command: str)
 
 
 def _main(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "melfeed", *argv], capture_output=True, text=True, timeout=60,
-                          cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "melfeed", *argv], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
 
 
 def test_version_prints_the_installed_version() -> None:
     from importlib.metadata import version
+
     proc = _main("--version")
     assert (proc.returncode, proc.stdout) == (0, f"melfeed {version('melfeed')}\n") and version("melfeed") == "0.1.0"
 
@@ -126,6 +139,7 @@ def test_a_mistyped_command_is_one_line_naming_the_nearest_and_exit_78() -> None
 def test_no_command_returns_2_and_prepare_exits_128_plus_its_signal() -> None:
     """Exit 2 is argparse's usage error, which is 78 here; nothing else may return 2."""
     import ast
+
     twos = []
     for package in ("consumer", "producer", "shared"):
         for path in (REPO / package).rglob("*.py"):
