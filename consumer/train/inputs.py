@@ -147,7 +147,7 @@ def check_call(
     raise ConfigError(
         f"{type(step).__name__}.__call__{bare} cannot take the batch: {why}; it is called "
         "as step(mel, mel_len, tokens, tok_len) plus, by keyword, the extras and row inputs it names "
-        '(docs/guide/your-model.md, "What the step receives")',
+        '(docs/guide/your-model.md, "A step in the built-in loop")',
         path=("model", "step"),
         got=factory,
     )

@@ -67,8 +67,9 @@ class BucketConfig:
     # 2-D row cost in frames: T + token_cost * L + attention_cost * T * L (shared/wire/grid.py, 0.001 steps)
     token_cost: float = 1.0  # 1.0 = a padded token costs a padded frame; 0 = frames alone
     attention_cost: float = 0.0  # > 0 favours shapes of small T x L (attention-heavy models)
-    cost_tolerance: float = 0.01  # 2-D: the fewest shapes within this share of the least padded cost
-    # (each shape is a compile); 0 = the least cost within max_shapes
+    # 2-D: the fewest shapes within this share of the least padded cost (each shape is a compile); 0 = the least cost
+    # within max_shapes
+    cost_tolerance: float = 0.01
     max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
     min_frames_per_token: float | None = None  # None = no limit
     # rows per batch in every bucket; None = use frame_budget; "auto" = the built-in consumer measures each
@@ -143,8 +144,8 @@ class TransportConfig:
     insecure: bool = False  # true = tcp:// (loopback too) without CURVE: any local user may connect
     # Same-host shared memory: producers write straight into the consumer's ring slots (1 copy).
     mode: str = "auto"  # "auto" = shm for ipc://, zmq for tcp://; "shm"; "zmq" = payload frames
-    shm_dir: str | None = None  # slot files' directory; None = the ipc socket's directory if it is
-    # on tmpfs, else /dev/shm
+    # slot files' directory; None = the ipc socket's directory if it is on tmpfs, else /dev/shm
+    shm_dir: str | None = None
     # The mel's dtype on the wire and in the slots: "float16" halves the bytes of every path (a float32
     # cache is cast by the producer; a value beyond float16's range is refused). Both sides must agree
     # (HELLO); the step gets mel in this dtype and casts (StepSpec.mel_dtype; consumer/README.md).
@@ -195,24 +196,27 @@ class ConsumerConfig:
     """The training side: ring, step loop, reporting."""
 
     ring_slots: int = 3  # preallocated batch slots; >= 3 (filling, ready, in step)
-    stage_depth: int = 2  # batches in flight between ring and step (staged or stepping):
-    # 2 = copy batch n+1 while step n runs; 1 = no overlap; < ring_slots
-    steps: int | None = 300  # stop once this many batches were applied in total (a resumed
-    # run continues to the same end); None = run until stopped
+    # batches in flight between ring and step (staged or stepping): 2 = copy batch n+1 while step n runs; 1 = no
+    # overlap; < ring_slots
+    stage_depth: int = 2
+    # stop once this many batches were applied in total (a resumed run continues to the same end); None = run until
+    # stopped
+    steps: int | None = 300
     status_interval_s: float = 5.0  # period of the status line
     warmup_steps: int = 5  # excluded from stall % and rates
-    feed_efficiency_steps: int = 10  # timed steps per bucket on a resident batch after warm-up (the limit
-    # of feed efficiency; costs ~(steps + 1) x buckets steps at start);
-    # 0 = off (no feed efficiency figure)
-    model_gpu: str | None = None  # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied
-    # before TensorFlow is imported); None = inherit
+    # timed steps per bucket on a resident batch after warm-up (the limit of feed efficiency; costs ~(steps + 1) x
+    # buckets steps at start); 0 = off (no feed efficiency figure)
+    feed_efficiency_steps: int = 10
+    # CUDA_VISIBLE_DEVICES for the consumer (indices or UUIDs, applied before TensorFlow is imported); None = inherit
+    model_gpu: str | None = None
     gpu_memory_limit_mb: int | None = None  # cap on each visible GPU; None = memory growth
     gpu_memory_fraction: float = 0.9  # buckets.batch_size auto on a GPU: the step's peak stays below this share
-    replicas: int | None = None  # model replicas (tf.distribute.MirroredStrategy): the first N visible
-    # GPUs, or N logical CPU devices without a GPU; None = one per GPU
-    # listed in model_gpu ("1,2": 2), else 1
-    xla_cache_dir: str | None = None  # persistent XLA compilation cache (shareable between state dirs);
-    # None = <state_dir>/xla-cache, no cache without a state_dir
+    # model replicas (tf.distribute.MirroredStrategy): the first N visible GPUs, or N logical CPU devices without a
+    # GPU; None = one per GPU listed in model_gpu ("1,2": 2), else 1
+    replicas: int | None = None
+    # persistent XLA compilation cache (shareable between state dirs); None = <state_dir>/xla-cache, no cache without
+    # a state_dir
+    xla_cache_dir: str | None = None
     state_dir: str | None = None  # checkpoints and logs; None = no persistent state
     wait_timeout_s: float = 2.0  # one bounded wait of the step loop for its next batch
     checkpoint_every_steps: int = 200  # with state_dir: checkpoint period (also on stop and at the end)
@@ -225,10 +229,11 @@ class ConsumerConfig:
     metrics_port: int | None = None  # Prometheus HTTP endpoint port; None = off (needs prometheus_client)
     metrics_host: str = "127.0.0.1"  # address the Prometheus endpoint listens on
     control_endpoint: str | None = None  # REP socket serving `status`; None = derived from transport.endpoint
-    tensorboard_dir: str | None = None  # TensorBoard scalars of the built-in loop (consumer/README.md
-    # "TensorBoard"): here, DIR/rank-K in a multi-worker job; None = off
-    tensorboard_every_steps: int | None = None  # None = at each status line; N = every N steps (one more device
-    # read of the accumulated outputs per N steps)
+    # TensorBoard scalars of the built-in loop (consumer/README.md "TensorBoard"): here, DIR/rank-K in a multi-worker
+    # job; None = off
+    tensorboard_dir: str | None = None
+    # None = at each status line; N = every N steps (one more device read of the accumulated outputs per N steps)
+    tensorboard_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         p = ("consumer",)
@@ -346,19 +351,20 @@ class ProducerConfig:
     gpu_memory_limit_mb: int | None = None  # cap when TensorFlow is imported on the data GPU
     restart_backoff_s: float = 1.0  # first delay before restarting a crashed producer
     bad_samples: str = "quarantine"  # bad cache file: "quarantine" (empty row, counted) or "fail"
-    max_quarantined_fraction: float = 0.01  # the consumer stops the run (exit 65) once more of the rows it trained
-    # were quarantined (consumer/train/quarantine.py); 1.0 = no ceiling
+    # the consumer stops the run (exit 65) once more of the rows it trained were quarantined
+    # (consumer/train/quarantine.py); 1.0 = no ceiling
+    max_quarantined_fraction: float = 0.01
     exit_at_plan_end: bool = False  # exit 0 once the consumer's plan ended (``run`` sets it); else wait on
-    open_files: int = 8192  # cache files each producer keeps open (LRU; held to half of
-    # RLIMIT_NOFILE); 0 = open and close every file on every read;
-    # 8192 = the 2,000-utterance demo cache with its 2 extras (4 per utterance)
-    pack: str = "auto"  # "auto": CACHE/melfeed-<mel_dtype>.pack (melfeed pack), mapped,
-    # when it serves this manifest, else the .npy files; "preadv": the
-    # pack read, not mapped; "off": the .npy files
-    nice: int = 0  # CPU niceness of producers and prepare workers (0..19), set
-    # at start (and Nice= in the unit): where they share cores with
-    # the step, a higher value lets the step win; the ring absorbs
-    # their delay. Never lowers a niceness set from outside.
+    # cache files each producer keeps open (LRU; held to half of RLIMIT_NOFILE); 0 = open and close every file on
+    # every read; 8192 = the 2,000-utterance demo cache with its 2 extras (4 per utterance)
+    open_files: int = 8192
+    # "auto": CACHE/melfeed-<mel_dtype>.pack (melfeed pack), mapped, when it serves this manifest, else the .npy
+    # files; "preadv": the pack read, not mapped; "off": the .npy files
+    pack: str = "auto"
+    # CPU niceness of producers and prepare workers (0..19), set at start (and Nice= in the unit): where they share
+    # cores with the step, a higher value lets the step win; the ring absorbs their delay. Never lowers a niceness set
+    # from outside.
+    nice: int = 0
 
     def __post_init__(self) -> None:
         p = ("producer",)
@@ -405,8 +411,9 @@ class ModelConfig:
     learning_rate: float = 1e-3  # the optimizer's step size (StepSpec.learning_rate; the reference: Adam)
     mixed_precision: bool = False  # float16 compute with loss scaling (bfloat16 on CPU)
     seed: int = 0  # weight initialisation
-    jit_compile: JitSetting = "auto"  # "auto": XLA where it compiles and is faster, else graph mode;
-    # true: XLA or fail (exit 1); false: graph-mode tf.function
+    # "auto": XLA where it compiles and is faster, else graph mode; true: XLA or fail (exit 1); false: graph-mode
+    # tf.function
+    jit_compile: JitSetting = "auto"
     # Free-form settings for the step factory (StepSpec.params); YAML values only; null = empty.
     # Always a plain dict after construction (a deep copy); left out of the hash (dicts have none).
     params: Mapping[str, Any] | None = field(default_factory=dict, hash=False)

@@ -79,15 +79,14 @@ class _Commented:
 
     # above, at the field's indent
     # and its second line
-    first: int = 1  # beside it
-    # continued below it
+    first: int = 1  # beside it, continued
     second: str = "x"
     third: float | None = None  # beside only
 
 
-def test_the_comment_reader_joins_the_lines_above_beside_and_below_a_field() -> None:
+def test_the_comment_reader_joins_the_lines_above_and_beside_a_field() -> None:
     assert reference._field_comments(_Commented) == {
-        "first": "above, at the field's indent and its second line. beside it continued below it",
+        "first": "above, at the field's indent and its second line. beside it, continued",
         "second": "",
         "third": "beside only",
     }
