@@ -1,7 +1,8 @@
 """``tf.data.Dataset`` view of a running ``Consumer`` for Keras ``fit`` and custom loops, without copies.
 
 Elements: ``(features, mel [B,T,M] float32)`` (float16 with ``transport.mel_dtype: float16``: the bytes
-of the slot, cast by the model -- Keras layers and losses cast their inputs); ``features`` is a dict of the keys asked for, from
+of the slot, cast by the model -- Keras layers and losses cast their inputs); ``features`` is a dict of the keys asked
+for, from
 ``tokens`` [B,L] int32, ``tok_len`` [B] int32, ``mel_len`` [B] int32, ``frames`` [B] int32 (every row
 holds the bucket's padded T, so a model predicting [B,T,M] needs no ``.map``), ``batch_id``
 [B] int64, and the row inputs of the step contract (consumer/train/rows.py): ``rows`` [] int32 (real

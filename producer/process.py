@@ -1,7 +1,8 @@
 """Entry point of one producer process (spawned by ``melfeed.producer.supervisor``).
 
 ``python -m melfeed.producer.process --config FILE --index N``: lowers its CPU priority to ``producer.nice``,
-sets ``CUDA_VISIBLE_DEVICES`` to the data GPU (in PCI bus order, ``shared/gpu_select.py``) before anything could import a
+sets ``CUDA_VISIBLE_DEVICES`` to the data GPU (in PCI bus order, ``shared/gpu_select.py``) before anything could
+import a
 framework, loads the manifest, derives the bucket shapes (the
 consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).

@@ -10,7 +10,8 @@ Errors cross the process boundary as data: before exiting non-zero the worker se
 ``Bye(epoch, exit_code, "<ExceptionType>: <message>")`` so the consumer logs why (best-effort: NOBLOCK,
 and the socket lingers at most ``_BYE_LINGER_MS`` for it; docs/design.md, invariant 6).
 Trust (docs/security.md "Which consumer a producer trusts"): for an ``ipc://PATH`` endpoint the DEALER
-connects only once the socket file is a socket owned by our effective uid or root, and a WELCOME (a new consumer epoch, or a
+connects only once the socket file is a socket owned by our effective uid or root, and a WELCOME (a new consumer
+epoch, or a
 repeat) is taken only if that still holds (the file may have been replaced since); otherwise that consumer is
 refused with one WARNING naming the path and the owner, and HELLO goes on with its back-off as if no
 consumer had answered. Slot files are checked in ``producer/slot_maps.py``.

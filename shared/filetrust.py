@@ -99,7 +99,8 @@ def place_reason(path: str | os.PathLike[str], *, follow: bool = True) -> str | 
 
 def creation_reason(path: str | os.PathLike[str]) -> str | None:
     """``place_reason`` for a directory about to be made with its missing parents (``keys DIR``, ``demo-data
-    --cache-dir DIR``, ``prepare --cache-dir``): judged at the first missing component, so that nothing is created (not even
+    --cache-dir DIR``, ``prepare --cache-dir``): judged at the first missing component, so that nothing is created
+    (not even
     an empty directory) in a place another user controls. An existing ``path`` is judged as it is.
 
     Raises:

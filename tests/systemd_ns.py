@@ -78,7 +78,9 @@ class SystemdNS:
         empty.mkdir(exist_ok=True)
         script = textwrap.dedent(f"""\
             set -e
-            for h in systemd unified; do mkdir -p /sys/fs/cgroup/$h/{self.name}; echo $$ > /sys/fs/cgroup/$h/{self.name}/cgroup.procs; done
+            for h in systemd unified; do
+              mkdir -p /sys/fs/cgroup/$h/{self.name}; echo $$ > /sys/fs/cgroup/$h/{self.name}/cgroup.procs
+            done
             exec unshare --pid --fork --mount --cgroup --uts --ipc --propagation private bash -c '
               set -e
               mount -t proc proc /proc

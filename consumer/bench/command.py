@@ -11,7 +11,8 @@ model by default) fed by melfeed and by tuned tf.data, each against its own resi
 (``consumer/bench/efficiency.py``); its trials share one persistent XLA cache so only the first compiles.
 The ``tcp`` system (in ``--transports`` by default) is the payload path a remote producer takes:
 loopback tcp under CURVE, one producer count, max rate only, so it adds one trial per round. Each round
-also runs doctor's stage 1 (``python -m melfeed.producer.probe --warm``) once: a long-running producer's CPU per batch built.
+also runs doctor's stage 1 (``python -m melfeed.producer.probe --warm``) once: a long-running producer's CPU per batch
+built.
 The transport section and the build probe also run with ``transport.mel_dtype: float16`` (``--mel-dtypes``):
 rows labelled ``-f16``, the cache's mels as they are (float16 files) or cast (float32 files), no goal.
 shm rows run only when this build's ``TransportConfig`` has ``mode``; otherwise they are reported

@@ -1,7 +1,8 @@
 """One ``bench`` trial in a fresh process: ``python -m melfeed.consumer.bench.trial SPEC_JSON`` prints one JSON line.
 
 Role: run one system (melfeed on ipc, shared memory or loopback tcp under CURVE with keys made for the
-trial, tuned tf.data, the naive loader, tf.data service, or the transport probe) for ``warmup`` + ``batches`` batches with one step cost and report its figures; a spec with
+trial, tuned tf.data, the naive loader, tf.data service, or the transport probe) for ``warmup`` + ``batches`` batches
+with one step cost and report its figures; a spec with
 ``"model": "reference"`` is a feed-efficiency trial instead (``consumer/bench/trial_reference.py``). Helpers
 (producer group, service servers) are children of this process and are reaped before the CPU of
 the children is read (``melfeed.consumer.bench.usage``).
@@ -12,7 +13,8 @@ this 2-core machine would steal the producers' core, which a sleep does not.
 Stall % = time waiting for the next batch / wall time of the measured batches.
 Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``melfeed.shared.service.stop_ladder``
 (producers: ``melfeed.consumer.producer_group.stop_producers``; service: ``ServiceProcesses.close``), on SIGTERM too
-(``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's). Started by bench
+(``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's).
+Started by bench
 (``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
 its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
 """

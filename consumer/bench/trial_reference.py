@@ -3,7 +3,8 @@
 Role: the runners that ``consumer/bench/trial.py`` calls for a spec with ``"model": "reference"``. Both
 build the configured step (``model.step``, the reference model by default), compile every bucket, measure
 the resident-batch limit with ``melfeed.consumer.train.efficiency`` (``consumer.feed_efficiency_steps`` per
-bucket, at least 30 in bench) and then train ``warmup`` + ``batches`` batches for real: no modelled device time, no sleep.
+bucket, at least 30 in bench) and then train ``warmup`` + ``batches`` batches for real: no modelled device time, no
+sleep.
     * melfeed: the built-in loop (``melfeed.consumer.train.loop.train``) with real producers; its summary
       carries the figure.
     * tuned tf.data: the same loop shape over ``baselines.tuned_dataset`` (take the next element, run

@@ -46,7 +46,8 @@ def _stage_lines(r: dict[str, Any], v: Verdict) -> list[str]:
         "stage 1  cache read + batch assembly (melfeed.producer.probe, real BatchAssembler; reads "
         f"{_reader_words(_probed(one, 'build_1', 'reader'), _probed(one, 'build_1', 'pack_read'))})",
         f"         1 process: {one['build_ms_p50']:.2f} ms/batch p50 (read {one['read_ms_p50']:.2f} ms, "
-        f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) = {one['batches_per_s']:.1f} batches/s",
+        f"p99 {one['build_ms_p99']:.2f} ms, CPU {one['cpu_ms_per_batch']:.2f} ms) "
+        f"= {one['batches_per_s']:.1f} batches/s",
         f"         {n} processes at once: {sum(p['batches_per_s'] for p in many):.1f} batches/s "
         f"({', '.join(format(p['batches_per_s'], '.1f') for p in many)})"
         if n > 1

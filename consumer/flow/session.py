@@ -5,7 +5,8 @@ message and hands it here with the time, and sends what comes back. Nothing here
 a thread or a clock (trio's and httpx's transport seam), so every rule is unit-tested with fake
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
 CURVE user-id binding) and WELCOME (a HELLO repeating a peer's join nonce is answered again and keeps
-its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants into free ring slots; liveness and lease deadlines
+its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants into free ring
+slots; liveness and lease deadlines
 (leases back to pending); the shared-memory fencing (``melfeed.consumer.flow.shm_leases``); duplicate and
 stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code); the end of
 a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a last one to send).

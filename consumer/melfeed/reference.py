@@ -335,7 +335,8 @@ def _handled_exits() -> dict[str, str]:
 
 def _exit_rows() -> list[tuple[str, str, str]]:
     """(error class, exit code, meaning) of ``PipelineError`` and every subclass in its module (the error tree a
-    command ends on; a module's private refinement, such as the producer's transient read error, is not), by name: the class's
+    command ends on; a module's private refinement, such as the producer's transient read error, is not), by name: the
+    class's
     ``exit_code`` where it declares one, else the code ``melfeed.cli.main`` maps it to; an error ``main`` does not
     map ends the process as any uncaught exception does (1)."""
     from melfeed.shared.errors import PipelineError

@@ -6,7 +6,8 @@ from ``transport.endpoint``, or the private runtime directory; ``melfeed.shared.
 Every try uses a fresh REQ socket (a REQ that timed out cannot be reused) with RCVTIMEO,
 SNDTIMEO and LINGER 0, so the command never outlives ``--timeout-s`` by more than a moment.
 Exit codes: 0 printed; 1 nobody answered or the answer was not a snapshot (one line on stderr);
-78 a bad ``--config``, ``--endpoint`` (also one libzmq cannot connect to) or ``--timeout-s``. Imports neither TensorFlow nor the consumer's data path.
+78 a bad ``--config``, ``--endpoint`` (also one libzmq cannot connect to) or ``--timeout-s``. Imports neither
+TensorFlow nor the consumer's data path.
 Trust: whoever answers at the endpoint chose the reply (a stale socket path may now belong to someone
 else). The table is printed only from a JSON object that has every field of the schema with its type
 (``observe/snapshot.py`` ``snapshot_problem``; else ``malformed snapshot: KEY: REASON`` and exit 1), and every

@@ -199,7 +199,8 @@ def build_snapshot(
             connections_cut=connections_cut,
             feed_efficiency=_num(fed),
             hello_repeats=rs.hello_repeats,
-            # useful work = feed efficiency x padding efficiency (docs/guide/watching.md, "The three figures that matter")
+            # useful work = feed efficiency x padding efficiency
+            # (docs/guide/watching.md, "The three figures that matter")
             useful_work=_num(fed * f.padding_efficiency) if f and fed is not None else None,
         )
     )

@@ -1,17 +1,20 @@
 """The resident-batch limit of the compiled step: the denominator of feed efficiency.
 
 Role: after warm-up, time the loop's own programs (``PackedSteps``, consumer/train/device/packed.py) on one
-batch region per bucket that is already resident on the step's device (no loader, no hand-off, no host wait between steps) and give the loop each bucket's
+batch region per bucket that is already resident on the step's device (no loader, no hand-off, no host wait between
+steps) and give the loop each bucket's
 seconds per step. The loop stamps every applied batch with its bucket's figure (``StepRecord.resident_s``)
 and ``melfeed.shared.metrics.StepWindow`` turns them into feed efficiency = sum(resident_s) / wall = fed steps/s
 divided by resident steps/s for the same bucket sequence (docs/design.md "Feed efficiency").
 Method: per bucket one untimed step, then per bucket ``steps_per_bucket`` steps in up to ``_BLOCKS`` blocks
 of consecutive steps, the buckets' blocks taken in turns (every bucket's first block, then every bucket's
 second, ...), so each bucket's blocks span the whole measurement and a change of load during it reaches
-every bucket alike, as it reaches the fed steps of every bucket. Each block is dispatched back to back with one host read of its last step's outputs
+every bucket alike, as it reaches the fed steps of every bucket. Each block is dispatched back to back with one host
+read of its last step's outputs
 (the steps chain through the variables, so that read waits for all of them): its seconds per step =
 elapsed / steps, the statistic of the fed figure (steps over wall time), so the ratio compares like
-with like on either device; the block's read is ``Accumulators.read``, the loop's own interval read. The figure is the median of the blocks' means: a burst of another process
+with like on either device; the block's read is ``Accumulators.read``, the loop's own interval read. The figure is the
+median of the blocks' means: a burst of another process
 that lands in one block is left out (one burst in a short measurement made the figure 1.3 on a loaded
 machine), while slow steps that recur in every block still count, as they do in the fed mean. (A median
 of steps timed alone would leave those out too, and feed efficiency would err low.) On a GPU a read per

@@ -1,4 +1,5 @@
-"""Several model devices: the compiled step under ``MirroredStrategy`` (one host) or a job's ``MultiWorkerMirroredStrategy``.
+"""Several model devices: the compiled step under ``MirroredStrategy`` (one host) or a job's
+``MultiWorkerMirroredStrategy``.
 
 Role: ``Replicas.from_config`` picks the devices (the first ``consumer.replicas`` visible GPUs, or as many
 logical CPU devices, which ``melfeed.consumer.placement.configure_memory`` creates before TensorFlow initialises

@@ -4,7 +4,8 @@ Role: ``StepTrials`` builds the step once from its factory (``model.step``; the 
 ``buckets.max_batch_size`` rows, the most any trial uses) and, for each trial, compiles a program of one bucket's
 shape at the trial's rows (``CompiledStep``; on a GPU XLA or graph mode as ``model.jit_compile``, "auto" trying XLA
 and keeping what compiled, untimed; on the CPU graph mode, whose compile costs seconds where XLA's costs up to a
-minute per trial, unless the step fails there), runs it on a batch of the bucket's own longest samples (``sample_batch``)
+minute per trial, unless the step fails there), runs it on a batch of the bucket's own longest samples
+(``sample_batch``)
 and times ``_TIMED_STEPS`` more steps (median; host read after each), or on a GPU reads the step's peak memory
 (``tf.config.experimental.get_memory_info``, reset before the trial). An out-of-memory error is a trial that does
 not fit. The search rules are in consumer/train/rows_search.py.

@@ -172,5 +172,6 @@ def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any]) -> Pipelin
 
 
 def _looks_numeric(text: str) -> bool:
-    """``1e-2``, ``5E3``, ``1.0e2``: a number YAML 1.1 reads as a string (its floats need a dot and a signed exponent)."""
+    """``1e-2``, ``5E3``, ``1.0e2``: a number YAML 1.1 reads as a string (its floats need a dot and a signed
+    exponent)."""
     return re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", text.strip()) is not None

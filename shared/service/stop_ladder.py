@@ -4,7 +4,8 @@ Role: the one definition of how a parent stops the interpreters it spawned. ``ne
 pure decision (what comes after a rung, given whether a child is still running); ``escalate``
 applies it and logs; ``stop_all`` / ``stop_process`` run the ladder for ``subprocess.Popen``
 children (with ``group``: on each child's whole process group, until no member of it runs, even once
-its lead has exited: a helper orphaned by a dead lead keeps the group, ``is_group_alive``); the asyncio supervisor (``producer/supervisor.py``) runs the same rungs with the same
+its lead has exited: a helper orphaned by a dead lead keeps the group, ``is_group_alive``); the asyncio supervisor
+(``producer/supervisor.py``) runs the same rungs with the same
 ``escalate`` on its own loop. ``communicate_or_kill`` bounds a child whose output is awaited (a
 probe, a bench trial): past its timeout the child's process group is killed.
 Invariants: nothing blocks forever (docs/design.md, invariant 6): every wait takes a named

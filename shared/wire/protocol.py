@@ -2,9 +2,11 @@
 
 Every message is a multipart ``[header]`` or ``[header, *payload]``: the header is one msgpack
 map tagged by ``t`` (a ``MsgKind``); only BATCH carries payload frames, one raw frame per array in
-``Bucket.shapes()`` order (``ARRAY_KEYS``, then the cache's extras: ``shared/wire/schema.py``) -- except on the same-host shared-memory path: a producer whose HELLO offers
+``Bucket.shapes()`` order (``ARRAY_KEYS``, then the cache's extras: ``shared/wire/schema.py``) -- except on the
+same-host shared-memory path: a producer whose HELLO offers
 ``CAP_SHM`` and whose WELCOME names an ``shm_dir`` gets leases naming a slot file, builds into it,
-and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (a ~100-byte header packs in
+and sends a header-only BATCH naming that slot and generation. The payload is never inside msgpack (a ~100-byte header
+packs in
 microseconds; an 8 MB bin would be copied in and out again: docs/design.md).
 
 Invariant: ``decode_header`` either returns a fully validated message dataclass or raises

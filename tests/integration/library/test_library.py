@@ -1,6 +1,7 @@
 """The consumer as a library with real producers: Keras ``fit`` on ``as_dataset()`` and a user's own loop.
 
-Exactly once on the library path (docs/guide/your-model.md, "A loop of your own"): every batch id of the plan is applied once,
+Exactly once on the library path (docs/guide/your-model.md, "A loop of your own"): every batch id of the plan is
+applied once,
 in order, across several ``fit`` calls on one dataset and across a loop that breaks out and resumes.
 """
 
@@ -32,7 +33,8 @@ def _cfg(cache: Path, endpoint: str, steps: int) -> Any:
 
 
 def _tiny_model() -> Any:
-    """Tokens -> one spectrum per utterance, repeated over the bucket's ``frames``; records the batch ids it trained on."""
+    """Tokens -> one spectrum per utterance, repeated over the bucket's ``frames``; records the batch ids it trained
+    on."""
     import keras
     import tensorflow as tf
 

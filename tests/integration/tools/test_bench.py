@@ -187,7 +187,8 @@ def test_bench_feed_efficiency_of_the_reference_model_for_melfeed_and_tuned_tf_d
     assert {t["system"] for t in section["trials"]} == {"melfeed-zmq-p1", "tfdata-npc8"}
     for system in ("melfeed-zmq-p1", "tfdata-npc8"):
         figs = section["medians"][system]["0"]
-        # Structure, not speed (as above): 100 batches (the fewest the figure is reported after) on a loaded machine can land above 1.
+        # Structure, not speed (as above): 100 batches (the fewest the figure is reported after) on a loaded machine
+        # can land above 1.
         assert _positive(figs["feed_efficiency"]) and _positive(figs["resident_steps_per_s"]), (system, figs)
         assert figs["fed_steps_per_s"] == pytest.approx(figs["feed_efficiency"] * figs["resident_steps_per_s"])
         assert 0 < figs["useful_work"] <= figs["feed_efficiency"], (system, figs)  # x padding efficiency (<= 1)

@@ -1,4 +1,5 @@
-"""consumer/app.py ``run_exit_code``: ``run`` exits with a code docs/reference/exit-codes.md lists, whatever ended its producer group."""
+"""consumer/app.py ``run_exit_code``: ``run`` exits with a code docs/reference/exit-codes.md lists, whatever ended its
+producer group."""
 
 from __future__ import annotations
 

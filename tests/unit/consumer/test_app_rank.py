@@ -1,4 +1,5 @@
-"""consumer/app.py ``worker_place``: the rank for ``run``/``consumer``, and ``--tf-config FILE`` exported as TF_CONFIG."""
+"""consumer/app.py ``worker_place``: the rank for ``run``/``consumer``, and ``--tf-config FILE`` exported as
+TF_CONFIG."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A matrix extra ([tokens, ceil(frames / r)] per utterance): index adopts it, producers pad it into [B, L, ceil(T / r)]."""
+"""A matrix extra ([tokens, ceil(frames / r)] per utterance): index adopts it, producers pad it into [B, L, ceil(T /
+r)]."""
 
 from __future__ import annotations
 

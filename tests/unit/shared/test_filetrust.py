@@ -1,4 +1,5 @@
-"""melfeed.shared.filetrust and melfeed.shared.output_files: modes that do not depend on the umask, who may change a file
+"""melfeed.shared.filetrust and melfeed.shared.output_files: modes that do not depend on the umask, who may change a
+file
 melfeed trusts, and writes another user cannot redirect."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """bench's plan of trials (pure parts of ``consumer/bench/command.py``): which systems run at which step costs;
-flags refused before any trial; SIGTERM stopping real child processes (``melfeed.shared.service.children.CommandChildren``, as bench uses it)."""
+flags refused before any trial; SIGTERM stopping real child processes
+(``melfeed.shared.service.children.CommandChildren``, as bench uses it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests for melfeed.consumer.observe.report_data: metrics JSONL -> columns, nulls as gaps, and one-line errors with FILE:LINE."""
+"""Tests for melfeed.consumer.observe.report_data: metrics JSONL -> columns, nulls as gaps, and one-line errors with
+FILE:LINE."""
 
 from __future__ import annotations
 

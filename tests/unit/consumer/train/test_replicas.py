@@ -35,7 +35,8 @@ def test_replica_count_is_the_setting_else_one_per_listed_model_gpu(consumer: di
     [
         (
             {"consumer": {"replicas": 3}},
-            "buckets.batch_size: must divide by the 3 model replicas (consumer.replicas, consumer.model_gpu): each replica "
+            "buckets.batch_size: must divide by the 3 model replicas (consumer.replicas, consumer.model_gpu): "
+            "each replica "
             "takes an equal share of every batch's rows, got 32",
         ),
         (

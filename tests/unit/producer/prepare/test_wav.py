@@ -1,4 +1,5 @@
-"""Tests for melfeed.producer.prepare.wav: every supported encoding decodes exactly, every malformed file is one line naming it."""
+"""Tests for melfeed.producer.prepare.wav: every supported encoding decodes exactly, every malformed file is one line
+naming it."""
 
 from __future__ import annotations
 

@@ -306,7 +306,8 @@ def test_a_manifest_from_before_token_range_gets_one_warning_and_loads(
             assert load_manifest_for(cfg).token_range is None
     assert [r.getMessage() for r in caplog.records] == [
         f"token ids of cache {cache} not checked against model.vocab_size: its manifest was written before index "
-        f"recorded them; re-run `melfeed index --cache-dir {cache}` to check them (this changes the fingerprint: re-run "
+        f"recorded them; re-run `melfeed index --cache-dir {cache}` to check them "
+        "(this changes the fingerprint: re-run "
         "pack too, and an interrupted run cannot resume across it)"
     ]
     caplog.clear()

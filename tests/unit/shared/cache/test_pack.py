@@ -2,7 +2,8 @@
 
 ``melfeed pack`` (``shared/cache/pack_write.py``) and the producer's ``PackReader`` (rows copied
 out of the mapped pack, or one ``preadv`` per row: ``producer/pack/reader.py``), each way against the
-per-file readers as the reference: every array of every batch equal (tails of garbage-filled targets zeroed), in a bucket that holds every row whole and in one
+per-file readers as the reference: every array of every batch equal (tails of garbage-filled targets zeroed), in a
+bucket that holds every row whole and in one
 shorter than most rows (the cut parts go to the reader's sink); float16 packs; rows bad at pack time
 quarantined (or failed) like the files' path does; and every pack ``open_pack`` must refuse.
 """

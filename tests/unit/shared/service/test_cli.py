@@ -226,7 +226,8 @@ def test_an_instance_above_the_configs_count_is_accepted_as_systemd_rescaling_ne
 
 
 def test_every_log_level_flag_defaults_as_its_help_says() -> None:
-    """``--log-level`` left out means ``$MELFEED_LOG_LEVEL``, else INFO (docs/reference/commands.md), for every command but
+    """``--log-level`` left out means ``$MELFEED_LOG_LEVEL``, else INFO (docs/reference/commands.md), for every
+    command but
     ``status``, whose help says it stays at WARNING; a default the help does not state would ignore the variable."""
     import argparse
 
@@ -258,7 +259,8 @@ def test_every_log_level_flag_defaults_as_its_help_says() -> None:
 
 
 def test_every_commands_help_states_its_exit_codes() -> None:
-    """docs/reference/exit-codes.md is per command too: each command's own --help opens with its codes (0 and 78 at least)."""
+    """docs/reference/exit-codes.md is per command too: each command's own --help opens with its codes (0 and 78 at
+    least)."""
     import argparse
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

@@ -99,7 +99,10 @@ def test_a_child_whose_parent_is_already_gone_stops_itself_at_once() -> None:
     )
     gone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert gone.returncode == -signal.SIGTERM and "still here" not in gone.stdout
-    code = "import os; from melfeed.shared.service.lifecycle import die_with_parent; die_with_parent(parent_pid=os.getppid())"
+    code = (
+        "import os; from melfeed.shared.service.lifecycle import die_with_parent; "
+        "die_with_parent(parent_pid=os.getppid())"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

@@ -1,4 +1,5 @@
-"""Tests for melfeed.shared.service.progress.Progress: a bar on a terminal, plain periodic lines otherwise (time injected)."""
+"""Tests for melfeed.shared.service.progress.Progress: a bar on a terminal, plain periodic lines otherwise (time
+injected)."""
 
 from __future__ import annotations
 
