@@ -14,8 +14,11 @@ in ``derive_boundaries``). The planner:
 4. assigns every utterance to its cheapest fitting shape (``assign_cheapest``; ties: lowest
    (T, L)), drops empty shapes and lowers each L to its longest member, until nothing changes.
 
-The frames-only 1-D plan with max_shapes buckets is one tiling (k = 1 everywhere), so the result is
-never costlier than it (``build_buckets`` also finalises that plan and keeps the cheaper of the two).
+``grid_slots`` scores that plan against the frames-only 1-D plan with the same budget, both as
+built (each utterance in its frame band) and settled by step 4, by ``epoch_cost`` (rows plus each
+shape's partial-batch padding), and keeps the cheapest. The 1-D plan as built is among them, so the
+result is never costlier than it over an epoch; settling alone can be (moving one row to a cheaper
+shape can leave two partial batches where there was one).
 
 Invariants: shapes come out sorted by (T, L) and unique; each kept utterance fits its shape
 (frames clipped to the top band, tokens <= L). Shutdown: nothing to release; pure functions.
@@ -218,9 +221,9 @@ def grid_slots(
     """The 2-D plan: each shape's T, each utterance's shape (-1 = left out) and the overlong count.
 
     Only ``considered`` utterances are planned; overlong ones (frames above the top T) are truncated
-    into the top band or dropped (``overlong``). For each budget 1 .. ``max_shapes`` the settled 1-D plan with
-    that many buckets is also costed and the cheaper plan wins (a tie keeps the 1-D plan, with fewer shapes),
-    by ``epoch_cost`` (rows plus each shape's partial-batch padding); of those, the plan with the fewest shapes
+    into the top band or dropped (``overlong``). For each budget 1 .. ``max_shapes`` the 1-D plan with that
+    many buckets, as built and settled, is also costed and the cheapest plan wins by ``epoch_cost`` (a tie
+    keeps the 1-D plan as built, then the one with fewer shapes); of those, the plan with the fewest shapes
     within ``cost_tolerance`` of the least (``_fewest_shapes``).
     """
     m = cfg.frame_multiple
@@ -235,7 +238,8 @@ def grid_slots(
     cost = ShapeCost.of(cfg.token_cost, cfg.attention_cost)
 
     def plan(budget: int) -> tuple[int, tuple[Shape, ...], npt.NDArray[np.int64]]:
-        plans = [finalise_shapes(f, t, _one_d_shapes(f, t, budget, m, top), cost)]
+        one_d = _one_d_plan(f, t, budget, m, top)
+        plans = [one_d, finalise_shapes(f, t, one_d[0], cost)]
         if _is_within_int64(f, t, top_t, cost):
             plans.append(finalise_shapes(f, t, plan_grid(f, t, budget, m, top, cost), cost))
         scored = [(epoch_cost(f, t, p, cost, cfg), len(p[0]), p) for p in plans]
@@ -287,14 +291,20 @@ def batch_rows(cfg: BucketConfig, frames: int) -> int:
     return 1
 
 
-def _one_d_shapes(
+def _one_d_plan(
     frames: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], count: int, multiple: int, top: int
-) -> tuple[Shape, ...]:
+) -> tuple[tuple[Shape, ...], npt.NDArray[np.int64]]:
+    """The frames-only 1-D plan with ``count`` buckets as ``build_buckets`` builds it: each utterance in the
+    first frame band that holds it, each L the band's longest member; empty bands left out."""
     bounds = np.array(derive_boundaries(frames, count, multiple, top), dtype=np.int64)
     slot = np.searchsorted(bounds, frames, side="left")
     widths = np.zeros(bounds.size, dtype=np.int64)
     np.maximum.at(widths, slot, np.maximum(tokens, 1))
-    return tuple((int(b), int(w)) for b, w in zip(bounds, widths) if w > 0)
+    occupied = np.flatnonzero(widths > 0)
+    renumber = np.full(bounds.size, -1, dtype=np.int64)
+    renumber[occupied] = np.arange(occupied.size)
+    shapes = tuple((int(bounds[k]), int(widths[k])) for k in occupied)
+    return shapes, renumber[slot]
 
 
 def _total(
