@@ -97,7 +97,10 @@ def test_pipeline_target_lifecycle_under_real_systemd(demo_cache: Path, tmp_path
                     "wait_timeout_s": 0.5,
                     "status_interval_s": 1.0,
                 },
-                "model": {"step": procs.TINY_STEP},
+                # Graph mode and two shapes: each of the three consumer starts compiles in a few CPU-seconds
+                # (what is tested is the units' lifecycle, not the compiler).
+                "model": {"step": procs.TINY_STEP, "jit_compile": False},
+                "buckets": {"max_shapes": 2},
             }
         )
     )
