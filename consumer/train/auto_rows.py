@@ -17,7 +17,6 @@ Invariants: the plan stays a pure function of manifest, config and these rows; a
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -33,7 +32,7 @@ from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError
-from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.wire.buckets import BucketSet, build_buckets, one_row_settings
 
 if TYPE_CHECKING:
     from melfeed.consumer.job.cluster import Job
@@ -197,7 +196,7 @@ def search_rows(
 
 def _shape_set(cfg: PipelineConfig, manifest: Manifest) -> BucketSet:
     """The bucket shapes (rows 1 each; the search sets them) of ``cfg``'s bucket settings."""
-    one_row = dataclasses.replace(cfg.buckets, batch_size=1, rows=None)
+    one_row = one_row_settings(cfg.buckets)
     return build_buckets(
         manifest.frames, manifest.token_counts, cfg.n_mels, one_row, manifest.schema, mel_dtype=cfg.transport.mel_dtype
     )
