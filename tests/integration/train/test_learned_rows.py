@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 from tests import procs
@@ -30,8 +31,11 @@ def test_a_producer_on_its_own_learns_the_auto_rows_in_the_handshake_and_the_run
     producer = procs.start("producer", config, log)  # the same config: auto, and no rows
     consumer = procs.start("consumer", config, log)
     try:
-        assert consumer.wait(240) == 0, procs.tail(log)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and consumer.poll() is None and producer.poll() is None:
+            time.sleep(0.05)
         assert producer.poll() is None, procs.tail(log)  # not exit 78: it joined, and waits for the next consumer
+        assert consumer.poll() == 0, procs.tail(log)
     finally:
         procs.stop(consumer)
         procs.stop(producer)
