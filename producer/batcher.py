@@ -32,7 +32,7 @@ from melfeed.producer.batch_rows import RowBytes, zero_bytes
 from melfeed.producer.extra_reader import ExtraReader
 from melfeed.producer.reader import CacheReader, TransientReadError
 from melfeed.shared.errors import CacheError
-from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.wire.buckets import BucketSet, apply_rows
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
 if TYPE_CHECKING:
@@ -97,6 +97,15 @@ class BatchAssembler:
         self._policy = bad_sample_policy
         self._quarantined_ids: set[int] = set()  # warned about once each; repeats log at DEBUG
         self.read_s_total = 0.0  # seconds in the cache reads (the producer's stage counters)
+
+    def use_rows(self, rows: list[int]) -> None:
+        """Build every bucket with ``rows`` rows from now on (learned in the handshake): the pools start empty.
+
+        A buffer ZeroMQ still sends stays alive with its frames; none is reused for the new shapes.
+        """
+        self._buckets = apply_rows(self._buckets, rows)
+        self._layouts = {b.index: batch_layout(b) for b in self._buckets}
+        self._pools = {b.index: [] for b in self._buckets}
 
     def build(
         self,

@@ -4,7 +4,8 @@
 sets ``CUDA_VISIBLE_DEVICES`` to the data GPU (in PCI bus order, ``shared/gpu_select.py``) before anything could
 import a
 framework, loads the manifest, derives the bucket shapes (the
-consumer checks them in HELLO) and runs ``ProducerWorker`` until SIGTERM (or, under
+consumer checks them in HELLO; under ``buckets.batch_size: auto`` without ``buckets.rows`` each bucket's rows come
+from the consumer's WELCOME) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).
 Exit codes: 0 clean stop or plan ended, 78 configuration/contract error (no restart), 1 unexpected error.
 """
@@ -144,17 +145,18 @@ def _build_worker(
     from melfeed.shared.config import check_transport_mode
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.service.lifecycle import resolve_endpoint
-    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.wire.buckets import build_buckets, learns_rows, one_row_settings
     from melfeed.shared.wire.curve import client_keys_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
     manifest = load_manifest_for(cfg, feeds_model=False)  # refuses a config whose features differ from the cache
+    learns = learns_rows(cfg.buckets)  # auto without rows: the shapes now, each bucket's rows from the WELCOME
     bucket_set = build_buckets(
         manifest.frames,
         manifest.token_counts,
         cfg.n_mels,
-        cfg.buckets,
+        one_row_settings(cfg.buckets) if learns else cfg.buckets,
         manifest.schema,
         mel_dtype=cfg.transport.mel_dtype,
     )
@@ -185,7 +187,7 @@ def _build_worker(
         f"{name}-{index}",
         endpoint,
         manifest.fingerprint,
-        bucket_set.as_wire(),
+        bucket_set.as_wire(learn_rows=learns),
         cfg.n_mels,
         cfg.seed,
         heartbeat_interval_s=t.heartbeat_interval_s,
@@ -193,6 +195,7 @@ def _build_worker(
         backoff_max_s=t.connect_backoff_max_s,
         exit_at_plan_end=cfg.producer.exit_at_plan_end,
         mel_dtype=t.mel_dtype,
+        max_rows=cfg.buckets.max_batch_size,
     )
     return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps, on_tick=on_tick)
 

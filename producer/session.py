@@ -9,6 +9,11 @@ reissues them): the consumer silent for ``liveness_s``, a WELCOME/LEASE/HB of an
 a consumer message that sends us back (``UNKNOWN_PEER``, a new epoch) makes the next HELLO go at once;
 any other reply keeps the back-off (no ERR ping-pong). ``ERR PROTO``/``ERR CONTRACT`` cannot be fixed by
 retrying: exit 78.
+Learned rows (``buckets.batch_size: auto`` without ``buckets.rows``): HELLO sends each bucket's row count as
+``LEARN_ROWS`` and the WELCOME of a new epoch must carry one row count per bucket, each at most ``max_rows``
+(``buckets.max_batch_size``); those are ``rows`` until we leave that epoch, and the next epoch's WELCOME sets them
+anew (a restarted consumer may have measured others). A WELCOME without them, or with rows of another length or
+above ``max_rows``, is a consumer this producer cannot build for: exit 78, nothing joined.
 Join nonce: every HELLO of one join carries the same random nonce, and leaving ACTIVE (dropping the
 leases) draws a new one. So a HELLO repeated before the consumer's WELCOME arrived (a loaded machine)
 is answered again with our leases kept, while a join after we dropped ours makes the consumer return
@@ -38,6 +43,7 @@ from melfeed.shared.printable import escape_line
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
     FATAL_REJECTS,
+    LEARN_ROWS,
     PROTOCOL_VERSION,
     Bye,
     Err,
@@ -76,6 +82,12 @@ class ProducerSessionConfig:
     backoff_max_s: float  # longest pause between two HELLOs
     exit_at_plan_end: bool = False  # the consumer's plan ended: exit 0 (``run``) instead of waiting for the next
     mel_dtype: str = "float32"  # ``transport.mel_dtype``, announced in HELLO (the consumer's must match)
+    max_rows: int = 256  # ``buckets.max_batch_size``: the most rows a learned bucket may have
+
+    @property
+    def learns_rows(self) -> bool:
+        """HELLO asks the consumer for its rows (a bucket's B is ``LEARN_ROWS``): they come with the WELCOME."""
+        return any(len(b) >= 2 and b[1] == LEARN_ROWS for b in self.buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +154,7 @@ class ProducerSession:
         self._epoch: int | None = None
         self._checksum = False
         self._shm_dir: str | None = None  # from WELCOME: shm leases name files here
+        self._rows: list[int] | None = None  # learned from the joined epoch's WELCOME (``learns_rows``)
         self._leases: deque[tuple[Lease, float]] = deque()  # (lease, expiry on our clock)
         self._last_heard_s = now_s
         self._next_hb_s = 0.0
@@ -156,6 +169,12 @@ class ProducerSession:
     def joined_epoch(self) -> int | None:
         """The consumer epoch we joined, or ``None`` while DISCONNECTED."""
         return self._epoch
+
+    @property
+    def rows(self) -> list[int] | None:
+        """Each bucket's rows as the joined consumer gave them (``learns_rows``); ``None`` otherwise, or while
+        DISCONNECTED. Every ``BuildOrder`` handed out is built with these."""
+        return self._rows if self._epoch is not None else None
 
     @property
     def offers_shm(self) -> bool:
@@ -261,6 +280,8 @@ class ProducerSession:
             self._outbox.append(Bye(msg.epoch))
             self._joining.since_s = now_s  # it answered: not a silent endpoint
             return
+        if self.cfg.learns_rows and not self._take_rows(msg):
+            return
         if self._epoch is not None:
             self.counts.rejoins += 1
         self._epoch, self._checksum = msg.epoch, msg.checksum
@@ -268,11 +289,32 @@ class ProducerSession:
         self._leases.clear()
         self._last_heard_s = now_s
         log.info(
-            "joined consumer epoch=%d window=%d transport=%s",
+            "joined consumer epoch=%d window=%d transport=%s%s",
             msg.epoch,
             msg.window,
             f"shm ({self._shm_dir})" if self._shm_dir else "zmq",
+            f" rows by bucket {self._rows} (the consumer's)" if self.cfg.learns_rows else "",
         )
+
+    def _take_rows(self, msg: Welcome) -> bool:
+        """Adopt a new epoch's rows (``learns_rows``); False after refusing a WELCOME whose rows we cannot build."""
+        n, cap = len(self.cfg.buckets), self.cfg.max_rows
+        if msg.rows is None:
+            problem = "carries no rows, and this producer learns them (buckets.batch_size: auto)"
+        elif len(msg.rows) != n:
+            problem = f"gives rows for {len(msg.rows)} buckets, this producer has {n}"
+        elif max(msg.rows) > cap:
+            problem = (
+                f"gives {max(msg.rows)} rows, above this producer's buckets.max_batch_size {cap} "
+                "(set it as the consumer's)"
+            )
+        else:
+            self._rows = list(msg.rows)
+            return True
+        log.error("refusing consumer epoch=%d: its WELCOME %s", msg.epoch, problem)
+        self.exit_code = EXIT_CONFIG
+        self.reason = f"the consumer's WELCOME {problem}"
+        return False
 
     def _on_err(self, msg: Err, now_s: float) -> None:
         self.counts.errors[msg.code] = self.counts.errors.get(msg.code, 0) + 1

@@ -28,7 +28,7 @@ from collections import OrderedDict
 import numpy as np
 import numpy.typing as npt
 
-from melfeed.shared.wire.buckets import BucketSet
+from melfeed.shared.wire.buckets import Bucket, BucketSet, apply_rows
 from melfeed.shared.wire.layout import batch_layout, layout_nbytes, layout_views, slot_nbytes_for
 from melfeed.shared.wire.protocol import ShmSlot
 from melfeed.shared.wire.same_host import SLOT_NAME_RE, resolve_shm_dir, user_name
@@ -47,9 +47,8 @@ class SlotMappings:
     """
 
     def __init__(self, bucket_set: BucketSet, max_mappings: int, *, shm_dir: str | None, endpoint: str) -> None:
-        self._layouts = {b.index: batch_layout(b) for b in bucket_set.buckets}
-        self._nbytes = {b.index: layout_nbytes(b) for b in bucket_set.buckets}
-        self._file_nbytes = slot_nbytes_for(bucket_set.buckets)
+        self._buckets = bucket_set.buckets
+        self._shape(self._buckets)
         self._max = max(1, max_mappings)
         self._shm_dir = shm_dir
         self._endpoint = endpoint
@@ -79,6 +78,17 @@ class SlotMappings:
 
     def clear(self) -> None:
         self._maps.clear()
+
+    def use_rows(self, rows: list[int]) -> None:
+        """Lay slots out for ``rows`` rows per bucket from now on (learned in the handshake; the consumer's slot files
+        are sized by its rows). Every mapping is dropped: the files of another row count are another size."""
+        self._shape(apply_rows(self._buckets, rows))
+        self.clear()
+
+    def _shape(self, buckets: tuple[Bucket, ...]) -> None:
+        self._layouts = {b.index: batch_layout(b) for b in buckets}
+        self._nbytes = {b.index: layout_nbytes(b) for b in buckets}
+        self._file_nbytes = slot_nbytes_for(buckets)
 
     def _checked_path(self, directory: str, slot: ShmSlot) -> str:
         """The slot file's path in our own shm directory, once the name and the WELCOME's directory pass."""

@@ -3,7 +3,8 @@
 The session (``producer/session.py``) decides everything about the protocol (HELLO and its back-off,
 epochs, liveness, leases, heartbeats, when to exit); this module owns the socket, the poll loop, building
 each leased batch through ``producer/batcher.py`` (into the consumer's mapped slot file on the shm
-path, else a send buffer) and sending it. ``ERR PROTO``/``ERR CONTRACT`` and a bad cache file under
+path, else a send buffer) and sending it; with rows learned in the handshake, the buffers and slot views take the
+joined consumer's rows before its first build. ``ERR PROTO``/``ERR CONTRACT`` and a bad cache file under
 ``producer.bad_samples: fail`` exit 78 so systemd does not restart the process in a loop; any other
 failure to build exits 1 (the supervisor restarts it).
 Errors cross the process boundary as data: before exiting non-zero the worker sends
@@ -65,6 +66,8 @@ class BatchBuilder(Protocol):
         sample_ids: list[int],
         target: dict[str, npt.NDArray[np.generic]] | None = None,
     ) -> BuiltBatch: ...
+
+    def use_rows(self, rows: list[int]) -> None: ...
 
 
 class Dealer(Protocol):
@@ -135,6 +138,7 @@ class ProducerWorker:
         self._socket_path = ipc_socket_path(cfg.endpoint)  # None: tcp (CURVE authenticates), nothing to check
         self._connected = True  # False: the loop connects before its first HELLO (``serve(connect=True)``)
         self._refusal_logged = ""  # the last refusal line logged at WARNING (repeats go to DEBUG)
+        self._rows: list[int] | None = None  # learned rows the assembler and slot maps are shaped for
 
     def close(self) -> None:
         """Release what the assembler keeps between batches (open cache files). Idempotent."""
@@ -264,8 +268,19 @@ class ProducerWorker:
             log.debug("%s", line)
         return False
 
+    def _use_learned_rows(self) -> None:
+        """Shape the send buffers and slot views for the joined consumer's rows when they are new to us."""
+        rows = self.session.rows
+        if rows is None or rows == self._rows:
+            return
+        self._assembler.use_rows(rows)
+        if self._slot_maps is not None:
+            self._slot_maps.use_rows(rows)
+        self._rows = rows
+
     def _build_and_send(self, sock: Dealer, order: BuildOrder) -> None:
         lease = order.lease
+        self._use_learned_rows()  # before the first build of an epoch whose WELCOME gave rows
         t0 = time.perf_counter()
         target = None
         if order.shm_dir is not None:

@@ -164,6 +164,12 @@ class FakeAssembler:
         self.error = error
         self.built: list[int] = []  # batch ids built
         self._shapes = {"mel": (rows, frames, n_mels), "mel_len": (rows,), "tokens": (rows, frames), "tok_len": (rows,)}
+        self.rows_used: list[list[int]] = []  # each ``use_rows`` call's rows
+
+    def use_rows(self, rows: list[int]) -> None:
+        self.rows_used.append(list(rows))
+        r, (_, frames, n_mels) = rows[0], self._shapes["mel"]
+        self._shapes = {"mel": (r, frames, n_mels), "mel_len": (r,), "tokens": (r, frames), "tok_len": (r,)}
 
     def build(
         self,

@@ -4,12 +4,13 @@ The receiver thread (``consumer/transport/receiver.py``) owns the ROUTER socket;
 message and hands it here with the time, and sends what comes back. Nothing here touches a socket,
 a thread or a clock (trio's and httpx's transport seam), so every rule is unit-tested with fake
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
-CURVE user-id binding) and WELCOME (a HELLO repeating a peer's join nonce is answered again and keeps
-its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants into free ring
-slots; liveness and lease deadlines
-(leases back to pending); the shared-memory fencing (``melfeed.consumer.flow.shm_leases``); duplicate and
-stale-epoch drops; reject counting and flood blocking; BYE (with a failed producer's exit code); the end of
-a finite plan (every heartbeat after it says ``done``, and ``closing`` gives a last one to send).
+CURVE user-id binding; a bucket row count of ``LEARN_ROWS`` is the one field not compared, and is answered
+with the consumer's rows in the WELCOME) and WELCOME (a HELLO repeating a peer's join nonce is answered again
+and keeps its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants
+into free ring slots; liveness and lease deadlines (leases back to pending); the shared-memory fencing
+(``melfeed.consumer.flow.shm_leases``); duplicate and stale-epoch drops; reject counting and flood blocking;
+BYE (with a failed producer's exit code); the end of a finite plan (every heartbeat after it says ``done``,
+and ``closing`` gives a last one to send).
 A BATCH is taken in two steps because its payload is received straight into a ring slot:
 ``on_message`` returns a ``BatchIntake`` (the lease and its slot), the shell fills or checks the slot,
 then calls ``on_batch_taken`` or ``on_batch_refused``.
@@ -44,6 +45,7 @@ from melfeed.shared.wire.curve import producer_id_matches
 from melfeed.shared.wire.layout import PAYLOAD_COPIES
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
+    LEARN_ROWS,
     SUPPORTED_VERSIONS,
     BatchHeader,
     Bye,
@@ -287,14 +289,16 @@ class ReceiverSession:
                 f"CURVE key {user_id!r} (ids must be {user_id}-<n>)",
             )
         c = self.cfg.contract
+        buckets, learns_rows = _fill_rows(msg.buckets, c.buckets)
         for name, theirs, ours in (
             ("manifest fingerprint", msg.fingerprint, c.fingerprint),
             ("n_mels", msg.n_mels, c.n_mels),
             ("seed", msg.seed, c.seed),
-            ("bucket shapes", msg.buckets, c.buckets),
+            ("bucket shapes", buckets, c.buckets),
             ("transport.mel_dtype", msg.mel_dtype, c.mel_dtype),
         ):
             if theirs != ours:  # reprlib: a peer's 1 MB list must not cost a full repr (why <= 200)
+                theirs = msg.buckets if theirs is buckets else theirs  # as it said them
                 # The peer is not authenticated yet: the reply names only its own value (the log has ours).
                 raise ProtocolError(
                     RejectCode.CONTRACT,
@@ -310,7 +314,7 @@ class ReceiverSession:
             old.last_seen_s = now_s
             self._counts["hello_repeats"] += 1
             log.debug("repeated HELLO id=%s peer=%s; answered again, leases kept", producer_id, peer_label(ident))
-            return [self._welcome(ident, old)]
+            return [self._welcome(ident, old, learns_rows)]
         if old is not None:
             self._drop_peer(ident, "re-handshake")
         info = self._peers.add(ident, producer_id, now_s, msg.nonce)
@@ -318,19 +322,23 @@ class ReceiverSession:
             info.expired_in_row, info.benched_until_s = old.expired_in_row, old.benched_until_s
         info.uses_shm = uses_shm
         log.info(
-            "producer joined id=%s peer=%s alive=%d transport=%s",
+            "producer joined id=%s peer=%s alive=%d transport=%s%s",
             info.producer_id,
             peer_label(ident),
             len(self._peers),
             "shm" if info.uses_shm else "zmq",
+            " rows=learned" if learns_rows else "",
         )
-        return [self._welcome(ident, info)]
+        return [self._welcome(ident, info, learns_rows)]
 
-    def _welcome(self, ident: bytes, info: PeerInfo) -> Outgoing:
+    def _welcome(self, ident: bytes, info: PeerInfo, learns_rows: bool) -> Outgoing:
+        """The WELCOME for a HELLO that passed; ``learns_rows``: it asked for rows, so it carries every bucket's."""
         cfg = self.cfg
         shm_dir = self._shm.directory if info.uses_shm else None
+        rows = [b[1] for b in cfg.contract.buckets] if learns_rows else None
         return Outgoing(
-            ident, Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum, info.nonce, shm_dir)
+            ident,
+            Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum, info.nonce, shm_dir, rows),
         )
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:
@@ -418,6 +426,20 @@ class ReceiverSession:
             reply = f"{code}: too many invalid messages; ignored for {BLOCK_S:.0f} s"
             code = RejectCode.FLOOD
         return [Outgoing(ident, Err(code, why if reply is None else reply))]
+
+
+def _fill_rows(theirs: list[list[int]], ours: list[list[int]]) -> tuple[list[list[int]], bool]:
+    """The HELLO's bucket shapes with each ``LEARN_ROWS`` row count replaced by ours, and whether there was one.
+
+    Only the row count is the consumer's to give: the bucket count and every other field (index, T, L, n_mels,
+    each S) are compared as sent. A list of another length is returned as it came, so it can never match.
+    """
+    if len(theirs) != len(ours):
+        return theirs, False
+    filled = [
+        [b[0], o[1], *b[2:]] if len(b) >= 2 and b[1] == LEARN_ROWS and len(o) >= 2 else b for b, o in zip(theirs, ours)
+    ]
+    return filled, filled != theirs
 
 
 _REPR = reprlib.Repr()

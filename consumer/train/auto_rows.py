@@ -7,9 +7,10 @@ fingerprint and the device kind; ``rows_identity``), else from a search (consume
 consumer/train/rows_probe.py): on a GPU the most rows whose peak memory stays under
 ``consumer.gpu_memory_fraction`` of the device, elsewhere the fewest rows that reach 95 % of the bucket's best
 throughput; then the entry is written. A resumed run (a checkpoint to resume from) keeps the rows its plan was
-built with (``plan_rows``), on any device. Without a state directory every start searches. The producers this
-consumer starts get the resolved config (``buckets.rows``), so their bucket set and the handshake's match; a
-producer started on its own needs ``buckets.rows`` in its config (docs/reference/config.md, ``buckets.batch_size``).
+built with (``plan_rows``), on any device. Without a state directory every start searches. The producers ``run``
+starts get the resolved config (``buckets.rows``); a producer started on its own whose config says ``auto`` without
+``rows`` learns each bucket's rows in the handshake: its HELLO asks with ``LEARN_ROWS``, the WELCOME gives these
+(docs/design.md "Wire protocol"), again on every consumer start.
 In a multi-worker job every rank resolves its rows, then the ranks take each bucket's smallest (``Job.agree_rows``).
 Invariants: the plan stays a pure function of manifest, config and these rows; a bucket that fits no row is one
 ``ConfigError`` line (exit 78). Shutdown: nothing to release.
@@ -17,7 +18,6 @@ Invariants: the plan stays a pure function of manifest, config and these rows; a
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -33,7 +33,7 @@ from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError
-from melfeed.shared.wire.buckets import BucketSet, build_buckets
+from melfeed.shared.wire.buckets import BucketSet, build_buckets, one_row_settings
 
 if TYPE_CHECKING:
     from melfeed.consumer.job.cluster import Job
@@ -197,7 +197,7 @@ def search_rows(
 
 def _shape_set(cfg: PipelineConfig, manifest: Manifest) -> BucketSet:
     """The bucket shapes (rows 1 each; the search sets them) of ``cfg``'s bucket settings."""
-    one_row = dataclasses.replace(cfg.buckets, batch_size=1, rows=None)
+    one_row = one_row_settings(cfg.buckets)
     return build_buckets(
         manifest.frames, manifest.token_counts, cfg.n_mels, one_row, manifest.schema, mel_dtype=cfg.transport.mel_dtype
     )

@@ -73,14 +73,15 @@ class BucketConfig:
     max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
     min_frames_per_token: float | None = None  # None = no limit
     # rows per batch in every bucket; None = use frame_budget; "auto" = the built-in consumer measures each
-    # bucket's rows on its compiled step at start (consumer/README.md "Rows per bucket: auto")
+    # bucket's rows on its compiled step at start (consumer/README.md "Rows per bucket: auto") and a producer
+    # without `rows` learns them from each consumer it joins
     batch_size: RowsSetting | None = 32
     frame_budget: int | None = None  # rows = frame_budget // bucket frames (constant tokens/step)
     max_frames: int | None = None  # longest frames kept; None = longest utterance (rounded up)
     max_tokens: int | None = None  # longest token sequence kept; None = longest in the bucket
     overlong: str = "truncate"  # "truncate" or "drop" utterances longer than max_frames
     frame_multiple: int = 8  # bucket frame sizes are multiples of this (XLA-friendly)
-    max_batch_size: int = 256  # "auto": most rows tried per bucket
+    max_batch_size: int = 256  # "auto": most rows tried per bucket, and most a producer accepts from a consumer
     rows: tuple[int, ...] | None = None  # rows of each bucket (index order), over batch_size; "auto" sets it
     # A bucket's last batch of an epoch: "pad" = run it with mel_len 0 padding rows (the step gets
     # rows / row_mask), "drop" = leave it out of the plan (its samples skip that epoch; counted).

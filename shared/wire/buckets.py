@@ -28,7 +28,9 @@ Shutdown: nothing to release; these are values and pure functions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +41,11 @@ from melfeed.shared.errors import ConfigError
 from melfeed.shared.wire.bucket_dp import as_lengths, derive_boundaries
 from melfeed.shared.wire.grid import bucket_count, grid_slots, is_grid, top_frames
 from melfeed.shared.wire.layout import ARRAY_DTYPES, MEL_WIRE_DTYPES
+from melfeed.shared.wire.messages import LEARN_ROWS
 from melfeed.shared.wire.outliers import frames_per_token_outliers
 from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
-__all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets"]
+__all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets", "apply_rows", "learns_rows", "one_row_settings"]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -172,9 +175,11 @@ class BucketSet:
         )
         return self.real_tokens / padded if padded else 0.0
 
-    def as_wire(self) -> list[list[int]]:
-        """Every bucket's ``as_wire()``, in index order."""
-        return [b.as_wire() for b in self.buckets]
+    def as_wire(self, *, learn_rows: bool = False) -> list[list[int]]:
+        """Every bucket's ``as_wire()``, in index order; ``learn_rows``: each B is ``LEARN_ROWS`` (the HELLO of a
+        producer that takes the consumer's rows from the WELCOME)."""
+        wire = [b.as_wire() for b in self.buckets]
+        return [[w[0], LEARN_ROWS, *w[2:]] for w in wire] if learn_rows else wire
 
 
 def _boundaries(
@@ -332,14 +337,37 @@ def _sequence_lengths(
     return out
 
 
+def apply_rows(buckets: Sequence[Bucket], rows: Sequence[int]) -> tuple[Bucket, ...]:
+    """The same shapes with each bucket's rows B from ``rows`` (index order): rows learned in the handshake.
+
+    Raises:
+        ValueError: not one row count >= 1 per bucket.
+    """
+    if len(rows) != len(buckets):
+        raise ValueError(f"need one row count per bucket ({len(buckets)}), got {len(rows)}")
+    return tuple(dataclasses.replace(b, batch_size=int(r)) for b, r in zip(buckets, rows))
+
+
+def learns_rows(cfg: BucketConfig) -> bool:
+    """``batch_size: auto`` without ``rows``: the rows are the consumer's to measure (consumer/train/auto_rows.py);
+    a producer learns them in its handshake (the WELCOME's ``rows``)."""
+    return cfg.batch_size == "auto" and cfg.rows is None
+
+
+def one_row_settings(cfg: BucketConfig) -> BucketConfig:
+    """``cfg`` with one row per bucket and no ``rows``: the same shapes and assignment (the planner's shapes do not
+    depend on rows under ``auto`` or ``rows``: ``grid.batch_rows``), for a process that sets the rows afterwards."""
+    return dataclasses.replace(cfg, batch_size=1, rows=None)
+
+
 def _batch_size(cfg: BucketConfig, max_frames: int, index: int) -> int:
     """The bucket's rows from ``rows``, fixed rows, or as many rows as fit the frame budget (never fewer than one)."""
     if cfg.rows is not None:
         return cfg.rows[index]
-    if cfg.batch_size == "auto":  # only the consumer measures them (consumer/train/auto_rows.py)
+    if cfg.batch_size == "auto":  # the consumer measures them; a producer learns them in its handshake
         raise ConfigError(
-            "auto: the consumer picks each bucket's rows at start; give this process the rows it "
-            "chose as buckets.rows (the consumer logs them)",
+            "auto: the consumer picks each bucket's rows at start and producers learn them when they join; "
+            "give this command the rows it chose as buckets.rows (the consumer logs them)",
             path=("buckets", "batch_size"),
             got="auto",
         )

@@ -15,6 +15,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "CAP_SHM",
+    "LEARN_ROWS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -34,6 +35,9 @@ __all__ = [
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 CAP_SHM = "shm"  # HELLO capability: this producer can build into the consumer's slot files
+# A HELLO bucket's row count B meaning "the consumer's rows": the producer learns them from the WELCOME
+# (``buckets.batch_size: auto`` without ``buckets.rows``); every other field of the bucket is still compared.
+LEARN_ROWS = 0
 
 
 class MsgKind(IntEnum):
@@ -79,7 +83,7 @@ class Hello:
     proto: int
     producer_id: str
     fingerprint: str
-    buckets: list[list[int]]
+    buckets: list[list[int]]  # ``BucketSet.as_wire()``: [index, B, T, L, n_mels, *S]; B may be LEARN_ROWS
     n_mels: int
     seed: int
     # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
@@ -100,6 +104,9 @@ class Welcome:
     checksum: bool
     nonce: int  # the answered HELLO's nonce
     shm_dir: str | None = None  # set: this producer's leases name slot files in this directory
+    # Every bucket's rows (index order), sent when the HELLO asked for any with LEARN_ROWS: the producer builds
+    # with them for this consumer epoch. None = not sent (the HELLO named every bucket's rows).
+    rows: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

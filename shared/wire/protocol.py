@@ -27,6 +27,7 @@ from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.messages import (
     CAP_SHM,
     FATAL_REJECTS,
+    LEARN_ROWS,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     BatchHeader,
@@ -48,6 +49,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "CAP_SHM",
+    "LEARN_ROWS",
     "ShmSlot",
     "MsgKind",
     "RejectCode",
@@ -73,6 +75,7 @@ _MAX_ARRAY = 1 << 16
 _MAX_MAP = 64
 _MAX_BATCH_ARRAYS = 64  # base arrays + extras (+ their lengths) of one batch
 _MAX_SHOWN_CODE_CHARS = 40  # of an unknown reject code in the error: longer than any known one
+_MAX_ROWS = 2**31 - 1  # a WELCOME's rows: int32 on the consumer's side too (buckets.rows); the producer caps lower
 
 
 def encode(msg: Message) -> bytes:
@@ -102,6 +105,8 @@ def encode(msg: Message) -> bytes:
         }
         if msg.shm_dir is not None:
             d["shm"] = msg.shm_dir
+        if msg.rows is not None:
+            d["rows"] = msg.rows
     elif isinstance(msg, LeaseGrant):
         d = {
             "t": MsgKind.LEASE,
@@ -211,6 +216,17 @@ def _int_list(v: Any, key: str) -> list[int]:
     return v
 
 
+def _rows(d: dict[str, Any]) -> list[int] | None:
+    """A WELCOME's optional ``rows``: a non-empty list of row counts, each 1..2**31-1 (the producer checks the
+    length and its own cap)."""
+    if "rows" not in d:
+        return None
+    rows = _int_list(d["rows"], "rows")
+    if not rows or not all(1 <= r <= _MAX_ROWS for r in rows):
+        raise ProtocolError(RejectCode.SCHEMA, f"key 'rows' must list row counts 1..{_MAX_ROWS}, one per bucket")
+    return rows
+
+
 def _opt_int(d: dict[str, Any], key: str) -> int:
     return _get(d, key, int) if key in d else 0
 
@@ -307,6 +323,7 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
             bool(_get(d, "crc", bool)),
             _count(d, "nonce"),
             _get(d, "shm", str) if "shm" in d else None,
+            _rows(d),
         )
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]

@@ -101,3 +101,15 @@ def test_close_gives_back_the_kept_cache_files(cache: tuple[Manifest, BucketSet]
     assembler.close()
     assembler.close()  # idempotent
     assert len(reader._files) == 0
+
+
+def test_rows_learned_in_the_handshake_shape_every_later_batch(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, buckets = cache  # built with 4 rows per bucket
+    assembler = BatchAssembler(CacheReader(manifest), buckets, max_buffers=1)
+    assert assembler.build(0, 0, [0, 1]).arrays["mel"].shape[0] == 4
+    assembler.use_rows([2])
+    batch = assembler.build(1, 0, [2, 3])
+    assert batch.arrays["mel"].shape[0] == batch.arrays["tokens"].shape[0] == batch.arrays["mel_len"].size == 2
+    assert list(batch.arrays["mel_len"]) == [manifest.frames[2], manifest.frames[3]]
+    with pytest.raises(ValueError, match="bucket holds 2"):
+        assembler.build(2, 0, [0, 1, 2])

@@ -60,6 +60,20 @@ def test_mappings_are_bounded_and_a_missing_file_raises_with_errno(tmp_path: Pat
     slots.close()
 
 
+def test_learned_rows_lay_the_slots_out_as_the_consumer_sized_them(tmp_path: Path) -> None:
+    manifest = write_demo_cache(tmp_path / "cache", n_utterances=6)
+    one_row = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(num_buckets=1, batch_size=1))
+    consumers = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(num_buckets=1, batch_size=3))
+    slots = ShmSlots(tmp_path, 2, slot_nbytes_for(consumers.buckets), 5)
+    maps = SlotMappings(one_row, 4, shm_dir=str(tmp_path), endpoint=f"ipc://{tmp_path}/m.sock")
+    with pytest.raises(OSError) as info:  # laid out for one row, the consumer's 3-row slot is another size
+        maps.views(str(tmp_path), ShmSlot(slots.name(0), 0, 0), 0)
+    assert info.value.errno == errno.EPERM
+    maps.use_rows([3])
+    assert maps.views(str(tmp_path), ShmSlot(slots.name(0), 0, 0), 0)["mel"].shape[0] == 3
+    slots.close()
+
+
 # --- trust: what a fake consumer could name instead of its own slot file --------------------------------------
 
 NAME = "melfeed-4242-7-s0-g0"

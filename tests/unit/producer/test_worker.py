@@ -32,6 +32,7 @@ from melfeed.shared.wire.buckets import build_buckets
 from melfeed.shared.wire.layout import slot_nbytes_for
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
+    LEARN_ROWS,
     BatchHeader,
     Bye,
     Heartbeat,
@@ -102,6 +103,20 @@ def test_a_leased_batch_is_sent_as_header_and_four_frames_then_heartbeat_then_by
     assert isinstance(hb, Heartbeat) and hb.stats is not None and hb.stats.batches == 1
     assert bye == Bye(7) and dealer.sent[-1] == [encode(Bye(7))]  # a planned leave: no code, no reason
     assert worker.exit_code == 0 and worker.stats().batches_sent == 1
+
+
+def test_rows_learned_in_the_welcome_shape_the_batches_before_the_first_build() -> None:
+    clock, stop = FakeClock(), threading.Event()
+    assembler = FakeAssembler(rows=1)  # the shape set a learning producer starts with
+    cfg = dataclasses.replace(SESSION, buckets=[[0, LEARN_ROWS, 4, 4, 3]])
+    worker = ProducerWorker(WorkerConfig(cfg.endpoint, cfg), assembler, clock=clock)
+    dealer = FakeDealer(clock, on_idle=lambda _: stop.set())
+    welcome = dataclasses.replace(_welcome(worker), rows=[3])
+    dealer.push(welcome, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0), Lease(6, 0, [12], 5.0)], 1))
+    worker.serve(dealer, stop)
+    assert assembler.rows_used == [[3]] and assembler.built == [5, 6]  # adopted once, before the first build
+    header = dealer.messages()[1]
+    assert isinstance(header, BatchHeader) and header.shapes[0] == [3, 4, 3]
 
 
 def test_a_bad_cache_file_under_fail_sends_bye_with_78_and_the_file_then_exits_78(

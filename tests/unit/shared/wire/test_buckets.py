@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -11,8 +12,17 @@ from hypothesis import strategies as st
 
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import ConfigError
-from melfeed.shared.wire.buckets import Bucket, BucketSet, build_buckets, derive_boundaries
+from melfeed.shared.wire.buckets import (
+    Bucket,
+    BucketSet,
+    apply_rows,
+    build_buckets,
+    derive_boundaries,
+    learns_rows,
+    one_row_settings,
+)
 from melfeed.shared.wire.layout import ALIGN_BYTES, batch_layout, layout_nbytes
+from melfeed.shared.wire.messages import LEARN_ROWS
 
 
 def _padded_cost(frames: list[int], bounds: tuple[int, ...]) -> int:
@@ -208,3 +218,27 @@ def test_a_float16_mel_halves_the_mel_bytes_and_keeps_every_array_64_byte_aligne
     halves = build_buckets(np.array([10, 30]), np.array([3, 4]), 80, cfg, mel_dtype="float16")
     assert [b.mel_dtype for b in halves.buckets] == ["float16"] * 2 and halves.as_wire() == plain.as_wire()
     assert halves.max_batch_nbytes() == plain.max_batch_nbytes() - 2 * 32 * 80 * 2
+
+
+@pytest.mark.parametrize(
+    "auto",
+    [BucketConfig(batch_size="auto", num_buckets=3), BucketConfig(batch_size="auto", max_shapes=3)],
+    ids=["1-D", "2-D"],
+)
+def test_a_producer_learning_its_rows_plans_the_consumers_shapes_and_takes_its_rows(auto: BucketConfig) -> None:
+    rng = np.random.default_rng(3)
+    frames = rng.integers(40, 900, 400)
+    tokens = np.maximum(1, frames // 8 + rng.integers(-5, 5, 400))
+    shapes = build_buckets(frames, tokens, 80, one_row_settings(auto))
+    rows = tuple(4 * (k + 1) for k in range(len(shapes.buckets)))
+    given_rows = dataclasses.replace(auto, rows=rows)  # what the consumer plans with once it measured them
+    assert learns_rows(auto) and not learns_rows(given_rows)
+    consumers = build_buckets(frames, tokens, 80, given_rows)
+    assert [[w[0], *w[2:]] for w in shapes.as_wire(learn_rows=True)] == [[w[0], *w[2:]] for w in consumers.as_wire()]
+    assert {w[1] for w in shapes.as_wire(learn_rows=True)} == {LEARN_ROWS}
+    assert np.array_equal(shapes.assignment, consumers.assignment)
+    assert [b.as_wire() for b in apply_rows(shapes.buckets, rows)] == consumers.as_wire()
+    with pytest.raises(ValueError, match="one row count per bucket"):
+        apply_rows(shapes.buckets, rows[:-1])
+    with pytest.raises(ConfigError, match="producers learn them when they join"):
+        build_buckets(frames, tokens, 80, auto)  # a command that neither measures nor joins needs the rows

@@ -8,6 +8,7 @@ import pytest
 from melfeed.shared.errors import ProtocolError
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
+    LEARN_ROWS,
     BatchHeader,
     Bye,
     Err,
@@ -266,3 +267,22 @@ def test_the_quarantine_note_is_on_the_wire_only_with_quarantined_rows_and_cut_t
         decode_header(msgpack.packb({**raw, "qr": 7}))
     assert info.value.code == RejectCode.SCHEMA
     assert decode_header(msgpack.packb({**raw, "qr": "y" * 300})).quarantine_note == "y" * 200  # type: ignore[union-attr]
+
+
+def test_learned_rows_travel_as_a_zero_row_count_in_hello_and_a_rows_list_in_welcome() -> None:
+    hello = Hello(1, "p", "f", [[0, LEARN_ROWS, 440, 106, 80], [1, LEARN_ROWS, 880, 200, 80]], 80, 7, 3)
+    assert decode_header(encode(hello)) == hello
+    welcome = Welcome(7, 2, 0.5, False, 3, None, [16, 8])
+    assert msgpack.unpackb(encode(welcome))["rows"] == [16, 8] and decode_header(encode(welcome)) == welcome
+    assert "rows" not in msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3)))  # not asked for: not sent
+    assert decode_header(encode(Welcome(7, 2, 0.5, False, 3))).rows is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "rows", [[], [0], [8, -1], [2**31], "8", 8, [8.0], [True], ["8"], None, [[8]], {"0": 8}], ids=repr
+)
+def test_a_welcome_with_rows_of_the_wrong_type_or_range_is_refused_as_malformed(rows: object) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3)))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "rows": rows}))
+    assert info.value.code == RejectCode.SCHEMA and "rows" in info.value.why
