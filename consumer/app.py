@@ -355,7 +355,7 @@ def _check_one_key_pair(cfg: PipelineConfig) -> None:
         raise ConfigError(
             "run starts its producers with this same config, so they would present the consumer's "
             "key and be refused; with CURVE, run `consumer` and `producer` with a config each (deploy/"
-            'README.md "Producers on other hosts"), or use run\'s default ipc endpoint on one host',
+            'README.md "Producers on other hosts (tcp + CURVE)"), or use run\'s default ipc endpoint on one host',
             path=("transport", "curve_secret_key"),
         )
 

@@ -1,12 +1,12 @@
 """The consumer as a library: fixed-shape numpy batches in plan order, or a ``tf.data.Dataset`` (usage:
-consumer/README.md, "Using your own training loop").
+docs/guide/your-model.md "A loop of your own").
 
 Owns the ring, the lease book, the receiver thread, the hand-out desk and, with ``producers=N``, the producer
 group (``consumer/producer_group.py``). Batches are handed out and applied strictly in plan order
 (docs/design.md, invariant 3): ``b`` is applied only after ``b - 1`` (a ``Stager`` or a dataset's
 read-ahead may hold a few handed out, not yet applied); one whose iterator was dropped before consuming it is
 handed out again, first. ``consumer/handout.py``'s ``HandoutDesk`` keeps that protocol (``Stager`` and
-``as_dataset()`` talk to it as ``Consumer._desk``), consumer/README.md ("Exactly once on the library path")
+``as_dataset()`` talk to it as ``Consumer._desk``), docs/guide/your-model.md ("A loop of your own")
 states the rules. Shapes, schema and epoch length are properties available before ``start()``; each ``Batch``
 carries the ``PlannedBatch`` its lease was issued for. Memory bound (invariant 4): ring slots * slot bytes
 here, plus Σ lease windows * largest batch in payload producers, logged by ``start()``.
@@ -308,7 +308,7 @@ class Consumer:
         Zero copy unless ``single_shape`` pads; a batch is applied when the caller takes it, its slot
         freed at the next element. ``features``: any of ``melfeed.consumer.dataset.feature_keys(self)``;
         ``prefetch_device``: "auto" = one batch read ahead onto the model GPU when TensorFlow sees one,
-        None = never, or a device name (consumer/README.md, "Exactly once on the library path");
+        None = never, or a device name (docs/guide/your-model.md "A loop of your own");
         ``token_axis``: "bucket" (the bucket's width) or "longest" (cut to the batch's longest row).
         """
         from melfeed.consumer.dataset import make_dataset  # TensorFlow is imported only when asked for
@@ -317,7 +317,7 @@ class Consumer:
 
     def slot_buffers(self) -> list[npt.NDArray[np.uint8]]:
         """Every ring slot's bytes by slot index (``Batch.slot``), 64-byte aligned uint8 arrays to pin or map once;
-        a retired shared-memory slot gets new memory (consumer/README.md, "What a loop of your own can use")."""
+        a retired shared-memory slot gets new memory (docs/guide/your-model.md "A loop of your own")."""
         return [self._ring.memory.buffer(slot) for slot in range(self._ring.n_slots)]
 
     # --- the desk's ports ---------------------------------------------------------------------

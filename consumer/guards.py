@@ -3,7 +3,7 @@
 Role: what ``Consumer`` (``consumer/feed.py``) refuses before it touches a socket, the ring or a lease:
 a config that is not a ``PipelineConfig``, a negative ``start_batch``, a wait without a bound; and what
 failed behind it (the receiver thread, an owned producer group) as one ``PipelineError``. The rules are listed
-in consumer/README.md ("Mistakes the library refuses"). Programmer errors raise built-ins (``TypeError``,
+in docs/guide/your-model.md ("When it goes wrong"). Programmer errors raise built-ins (``TypeError``,
 ``ValueError``, ``RuntimeError``); nothing here has state or threads.
 """
 

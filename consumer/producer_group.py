@@ -103,7 +103,7 @@ class OwnedProducers:
             raise ConfigError(
                 "Consumer(producers=N) starts its producers with this same config, so they would "
                 "present the consumer's key and be refused; start them yourself, each with its own "
-                'key pair (deploy/README.md "Producers on other hosts")',
+                'key pair (deploy/README.md "Producers on other hosts (tcp + CURVE)")',
                 path=("transport", "curve_secret_key"),
             )
         self.count = count

@@ -3,7 +3,7 @@
 Role: pure arithmetic over step records (no clock of its own, no I/O), so the same numbers feed the
 status line, the summary and tests with hand-computed values. One record per applied batch:
 ``StepRecord(end_s, wait_s, step_s, rows, real_frames, padded_frames, queue_depth)``.
-Definitions (docs/design.md; consumer/README.md "Metrics"), over the records whose ``end_s`` falls in the
+Definitions (docs/design.md "Feed efficiency"; docs/reference/metrics.md), over the records whose ``end_s`` falls in the
 window ``(now - window_s, now]``:
     * wall = now - (end_s of the oldest record - its wait_s - its step_s), the span they cover;
     * stall % = 100 * sum(wait_s) / wall;

@@ -1,4 +1,4 @@
-"""Live figures of a running consumer: the metrics snapshot (docs: consumer/README.md "Metrics").
+"""Live figures of a running consumer: the metrics snapshot (docs/reference/metrics.md).
 
 Role: turns the step loop's records, the receiver's counters, the producers' heartbeat stage
 counters and the GPU samples into one snapshot (``observe/snapshot.py``: the schema ``status``, ``report``,

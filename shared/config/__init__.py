@@ -73,7 +73,7 @@ class BucketConfig:
     max_frames_per_token: float | None = None  # outside these: left out, listed in STATE_DIR/outliers.tsv
     min_frames_per_token: float | None = None  # None = no limit
     # rows per batch in every bucket; None = use frame_budget; "auto" = the built-in consumer measures each
-    # bucket's rows on its compiled step at start (consumer/README.md "Rows per bucket: auto") and a producer
+    # bucket's rows on its compiled step at start (docs/guide/batches.md "Rows per bucket") and a producer
     # without `rows` learns them from each consumer it joins
     batch_size: RowsSetting | None = 32
     frame_budget: int | None = None  # rows = frame_budget // bucket frames (constant tokens/step)
@@ -230,7 +230,7 @@ class ConsumerConfig:
     metrics_port: int | None = None  # Prometheus HTTP endpoint port; None = off (needs prometheus_client)
     metrics_host: str = "127.0.0.1"  # address the Prometheus endpoint listens on
     control_endpoint: str | None = None  # REP socket serving `status`; None = derived from transport.endpoint
-    # TensorBoard scalars of the built-in loop (consumer/README.md "TensorBoard"): here, DIR/rank-K in a multi-worker
+    # TensorBoard scalars of the built-in loop (docs/guide/watching.md): here, DIR/rank-K in a multi-worker
     # job; None = off
     tensorboard_dir: str | None = None
     # None = at each status line; N = every N steps (one more device read of the accumulated outputs per N steps)

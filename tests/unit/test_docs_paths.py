@@ -7,7 +7,8 @@ rename or a removed test cannot leave a stale name behind. Only tokens that star
 in a package README, at one of that package's folders) and end in a file suffix or ``/`` are checked: runtime
 files (``run.json``, ``CACHE/mels``) and placeholders are not paths of this repository.
 
-Every section a tracked text file cites as ``docs/PAGE.md "Section"`` must be a heading of that page, and
+Every section a tracked text file cites as ``PAGE.md "Section"`` (``docs/design.md "Map"``, ``deploy/README.md "..."``)
+must be a heading of that page, and
 docs/design.md "Map" must list every module of the packages, one line each.
 """
 
@@ -109,7 +110,9 @@ def test_every_markdown_page_of_the_repository_is_checked() -> None:
     assert not [d for d in DOCS if d.startswith(("tests/", "build/"))]
 
 
-_CITED_SECTION = re.compile(r'docs/((?:[\w-]+/)*[\w-]+\.md),?\s*\(?"([^"\n]+)"')
+_CITED_SECTION = re.compile(
+    r'(?<![\w/.-])((?:(?:docs|consumer|producer|shared|deploy)/(?:[\w-]+/)*)?[\w-]+\.md),?\s*\(?"([^"\n]+)"'
+)
 _HEADING = re.compile(r"^#{2,4} (.+?)\s*$", re.MULTILINE)
 
 
@@ -122,13 +125,16 @@ def _tracked_text_files() -> list[Path]:
 
 
 def _stale_sections(text: str, where: str) -> list[str]:
-    """Each ``docs/PAGE.md "Section"`` in ``text`` whose page has no such heading."""
+    """Each ``PAGE.md "Section"`` in ``text`` whose page has no such heading (a page by its repository path, or a
+    bare name beside ``where``: README.md at the top, your-model.md in docs/guide/)."""
     out = []
     for page, section in _CITED_SECTION.findall(text):
-        target = REPO / "docs" / page
-        headings = set(_HEADING.findall(target.read_text(encoding="utf-8"))) if target.exists() else set()
+        if "/" not in page and not where.endswith(".md"):
+            continue  # a bare name in code is a file name at run time ("README.md", ...), not a citation
+        target = REPO / page if "/" in page else (REPO / where).parent / page
+        headings = set(_HEADING.findall(target.read_text(encoding="utf-8"))) if target.is_file() else set()
         if section not in headings:
-            out.append(f'{where}: docs/{page} "{section}": no such section')
+            out.append(f'{where}: {page} "{section}": no such section')
     return out
 
 
@@ -143,11 +149,17 @@ def test_every_cited_section_of_a_docs_page_is_a_heading_of_it() -> None:
 
 
 def test_the_section_checker_reports_a_missing_section_and_page() -> None:
-    text = 'see docs/design.md "Map" and docs/design.md,\n"No such section", and docs/gone.md "Map"'
-    assert _stale_sections(text, "x.py") == [
-        'x.py: docs/design.md "No such section": no such section',
-        'x.py: docs/gone.md "Map": no such section',
+    text = (
+        'see docs/design.md "Map" and docs/design.md,\n"No such section", and docs/gone.md "Map"; '
+        'consumer/README.md "Metrics", README.md "Quick start", README.md "Gone" and deploy/README.md, "Scale and restart"'
+    )
+    assert _stale_sections(text, "x.md") == [
+        'x.md: docs/design.md "No such section": no such section',
+        'x.md: docs/gone.md "Map": no such section',
+        'x.md: consumer/README.md "Metrics": no such section',
+        'x.md: README.md "Gone": no such section',
     ]
+    assert _stale_sections(text, "x.py")[-1] == 'x.py: consumer/README.md "Metrics": no such section' 
 
 
 _MAP_LINE = re.compile(r"^(\S+)\s{2,}\S", re.MULTILINE)

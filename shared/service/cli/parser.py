@@ -1,6 +1,6 @@
 """The ``melfeed`` parser: its conventions, and the options of the commands that run the pipeline.
 
-Conventions (README.md "Command line"): every ``--help`` shows every default (a config-backed flag names its
+Conventions (docs/reference/commands.md): every ``--help`` shows every default (a config-backed flag names its
 key and the schema's default); options come in the groups of ``options.GROUPS``; test-only flags are accepted
 but not listed; a bad flag, a mistyped command or a bad ``--set`` is one line and exit 78, never argparse's
 usage block and exit 2.
