@@ -159,7 +159,7 @@ def test_the_section_checker_reports_a_missing_section_and_page() -> None:
         'x.md: consumer/README.md "Metrics": no such section',
         'x.md: README.md "Gone": no such section',
     ]
-    assert _stale_sections(text, "x.py")[-1] == 'x.py: consumer/README.md "Metrics": no such section' 
+    assert _stale_sections(text, "x.py")[-1] == 'x.py: consumer/README.md "Metrics": no such section'
 
 
 _MAP_LINE = re.compile(r"^(\S+)\s{2,}\S", re.MULTILINE)
