@@ -1,8 +1,8 @@
 """The metrics snapshot's schema: every field once, with its type, unit, meaning and exports.
 
 Role: ``Snapshot`` (and its rows ``ProducerRow``, ``GpuRow``) is the record the consumer's Telemetry builds every
-status interval (docs/reference/metrics.md, generated from it). Each field's metadata (``FieldSpec``) says its unit, a one-line
-meaning, its Prometheus metric (``Prom``, or none) and its TensorBoard tag (or none); the readers derive what they
+status interval (docs/reference/metrics.md is generated from it). Each field's metadata (``FieldSpec``) says its
+unit, a one-line meaning, its Prometheus metric (``Prom``, or none) and its TensorBoard tag (or none); the readers derive what they
 need from it: ``melfeed status`` validates with ``snapshot_problem``, the Prometheus collector
 (observe/prom.py) and TensorBoard (observe/board.py) export what the specs name, ``melfeed report``
 (observe/report_data.py) reads the numeric fields, and ``metric_rows`` lists them for the reference docs.

@@ -151,7 +151,8 @@ def test_every_cited_section_of_a_docs_page_is_a_heading_of_it() -> None:
 def test_the_section_checker_reports_a_missing_section_and_page() -> None:
     text = (
         'see docs/design.md "Map" and docs/design.md,\n"No such section", and docs/gone.md "Map"; '
-        'consumer/README.md "Metrics", README.md "Quick start", README.md "Gone" and deploy/README.md, "Scale and restart"'
+        'consumer/README.md "Metrics", README.md "Quick start", README.md "Gone" and '
+        'deploy/README.md, "Scale and restart"'
     )
     assert _stale_sections(text, "x.md") == [
         'x.md: docs/design.md "No such section": no such section',
