@@ -2,8 +2,8 @@
 
 Role: ``Snapshot`` (and its rows ``ProducerRow``, ``GpuRow``) is the record the consumer's Telemetry builds every
 status interval (docs/reference/metrics.md is generated from it). Each field's metadata (``FieldSpec``) says its
-unit, a one-line meaning, its Prometheus metric (``Prom``, or none) and its TensorBoard tag (or none); the readers derive what they
-need from it: ``melfeed status`` validates with ``snapshot_problem``, the Prometheus collector
+unit, a one-line meaning, its Prometheus metric (``Prom``, or none) and its TensorBoard tag (or none); the readers
+derive what they need from it: ``melfeed status`` validates with ``snapshot_problem``, the Prometheus collector
 (observe/prom.py) and TensorBoard (observe/board.py) export what the specs name, ``melfeed report``
 (observe/report_data.py) reads the numeric fields, and ``metric_rows`` lists them for the reference docs.
 Adding a field is one edit here (plus where its value comes from, in ``build_snapshot``).
