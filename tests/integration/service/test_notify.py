@@ -78,7 +78,8 @@ def test_consumer_and_producer_instance_notify_readiness_status_watchdog_and_sto
         f"ipc://{tmp_path}/n.sock",
         tmp_path / "state",
         100_000,
-        consumer={"status_interval_s": 0.5},
+        consumer={"status_interval_s": 0.5, "feed_efficiency_steps": 0},  # feed efficiency is not checked
+        buckets={"max_shapes": 1},  # one compiled program: buckets are not the subject
     )
     watchdog = {"WATCHDOG_USEC": "1000000"}
     with _Listener(tmp_path / "c.notify") as c, _Listener(tmp_path / "p.notify") as p:

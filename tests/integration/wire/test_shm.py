@@ -195,6 +195,8 @@ def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Pa
         _FENCED_STEPS,
         transport={"mode": "shm", "shm_dir": str(shm_dir)},
         producer={"count": 2},
+        consumer={"feed_efficiency_steps": 0},  # feed efficiency is not checked
+        buckets={"max_shapes": 1},  # one compiled program: buckets are not the subject
     )
     log = tmp_path / "run.log"
     summary = tmp_path / "summary.json"
@@ -258,6 +260,8 @@ def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(de
         40,
         transport={"mode": "shm", "shm_dir": str(shm_dir)},
         producer={"count": 1},
+        consumer={"feed_efficiency_steps": 0},  # feed efficiency is not checked
+        buckets={"max_shapes": 1},  # one compiled program: buckets are not the subject
     )
     log = tmp_path / "run.log"
     producers = procs.start("producer", config, log)

@@ -32,20 +32,29 @@ def _cfg(cache: Path, endpoint: str, steps: int, mode: str = "auto", **consumer:
     )
 
 
-def _collect(consumer: Consumer, copies: set[int] | None = None) -> list[tuple[int, str]]:
+def _collect(consumer: Consumer, copies: set[int]) -> list[tuple[int, str]]:
+    """(batch id, content digest) of every batch; each one's real rows checked against the manifest and its
+    padding rows found all zero (slots are reused: stale rows would show)."""
     out = []
+    frames = consumer.manifest.frames
     for batch in consumer.batches():
+        planned = consumer.plan.batch(batch.batch_id)
+        assert batch.planned == planned  # the identity the lease carried is the plan's
+        n = len(planned.sample_ids)
+        assert list(batch.arrays["mel_len"][:n]) == [
+            min(frames[i], batch.arrays["mel"].shape[1]) for i in planned.sample_ids
+        ]
+        assert not batch.arrays["mel_len"][n:].any() and not batch.arrays["mel"][n:].any()
         digest = hashlib.sha256(b"".join(a.tobytes() for a in batch.arrays.values())).hexdigest()
         out.append((batch.batch_id, digest))
-        if copies is not None:
-            copies.add(batch.copies)
+        copies.add(batch.copies)
     return out
 
 
-def test_batches_arrive_once_in_plan_order_with_identical_content_for_1_and_3_producers(
+def test_batches_arrive_once_in_plan_order_with_identical_content_and_zero_padding_for_1_and_3_producers(
     demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
 ) -> None:
-    steps = 40  # > one epoch of the 200-utterance cache (7 batches)
+    steps = 40  # > one epoch of the 200-utterance cache (7 batches): every slot is reused
     runs = []
     for count in (1, 3):
         copies: set[int] = set()
@@ -71,23 +80,6 @@ def _batch_nbytes(consumer: Consumer, batch_id: int) -> int:
     bucket = consumer._bucket_set.buckets[consumer.plan.batch(batch_id).bucket]
     dtypes = bucket.dtypes()
     return sum(int(np.prod(shape)) * np.dtype(dtypes[k]).itemsize for k, shape in bucket.shapes().items())
-
-
-def test_padding_rows_and_lengths_match_the_manifest(
-    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
-) -> None:
-    # 14 batches on 3 slots: on the shm path slot files are reused, so stale rows would show
-    with Consumer(_cfg(demo_cache, endpoint, 14, transport_mode)) as consumer:
-        producers.start(demo_cache, endpoint, 1, transport={"mode": transport_mode})
-        frames = consumer.manifest.frames
-        for batch in consumer.batches():
-            planned = consumer.plan.batch(batch.batch_id)
-            assert batch.planned == planned  # the identity the lease carried is the plan's
-            n = len(planned.sample_ids)
-            assert list(batch.arrays["mel_len"][:n]) == [
-                min(frames[i], batch.arrays["mel"].shape[1]) for i in planned.sample_ids
-            ]
-            assert not batch.arrays["mel_len"][n:].any() and not batch.arrays["mel"][n:].any()
 
 
 def test_malformed_messages_are_rejected_and_counted_while_a_good_producer_streams(
@@ -149,11 +141,17 @@ def test_producer_with_a_different_dataset_exits_78(
         assert consumer._receiver.stats().rejects.get(RejectCode.CONTRACT, 0) >= 1
 
 
-def test_producers_started_first_wait_and_join_when_the_consumer_appears(
+def test_producers_started_first_join_when_the_consumer_appears_and_leave_with_bye_and_exit_0_at_the_plan_end(
     demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
 ) -> None:
     # back-off ceiling 0.5 s: both must join before 20 batches are done (shm delivers them fast)
-    group = producers.start(demo_cache, endpoint, 2, transport={"mode": transport_mode, "connect_backoff_max_s": 0.5})
+    group = producers.start(
+        demo_cache,
+        endpoint,
+        2,
+        transport={"mode": transport_mode, "connect_backoff_max_s": 0.5},
+        producer={"exit_at_plan_end": True},
+    )
     time.sleep(2.0)  # producers up, consumer absent
     assert group.poll() is None
     with Consumer(_cfg(demo_cache, endpoint, 20, transport_mode)) as consumer:
@@ -162,23 +160,13 @@ def test_producers_started_first_wait_and_join_when_the_consumer_appears(
             time.sleep(0.05)
         assert consumer._receiver.stats().producers_seen == 2
         ids = [b.batch_id for b in consumer.batches()]  # ... and the batches arrive
-    assert ids == list(range(20))
-
-
-def test_producers_told_to_exit_at_the_plan_end_leave_with_bye_and_exit_0_while_the_consumer_is_open(
-    demo_cache: Path, endpoint: str, producers: ProducerGroup, transport_mode: str
-) -> None:
-    with Consumer(_cfg(demo_cache, endpoint, 12, transport_mode)) as consumer:
-        group = producers.start(
-            demo_cache, endpoint, 2, transport={"mode": transport_mode}, producer={"exit_at_plan_end": True}
-        )
-        ids = [b.batch_id for b in consumer.batches()]
-        assert group.wait(procs.WAIT_S) == 0  # no signal: the supervisor ended once both children had
+        # The consumer stays open: no signal, the supervisor ends once both children had told it they were done.
+        assert group.wait(procs.WAIT_S) == 0
         deadline = time.monotonic() + procs.WAIT_S  # their BYEs are in (the consumer drops them at once)
         while consumer._receiver.stats().producers_alive and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = consumer._receiver.stats()
-    assert ids == list(range(12))
+    assert ids == list(range(20))
     assert stats.producers_seen == 2 and stats.producers_alive == 0 and stats.producer_failures == 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import struct
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from melfeed.consumer.observe.report_data import read_metrics
-from melfeed.consumer.observe.report_plot import PANELS, RenderedReport, render_report
+from melfeed.consumer.observe.report_plot import PANELS, RenderedReport, main_report, render_report
+from melfeed.shared.errors import ConfigError
 from tests.fakes import realistic_run
 
 REPO = Path(__file__).resolve().parents[4]
@@ -102,14 +104,22 @@ def test_without_gpus_the_gpu_panel_says_so_instead_of_an_empty_plot(tmp_path: P
         ("{}\n{}\n", "missing keys t_unix_s"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_78(tmp_path: Path, content: str | None, reason: str) -> None:
+def test_bad_input_is_one_config_error_line_naming_the_file(tmp_path: Path, content: str | None, reason: str) -> None:
     path = tmp_path / "m.jsonl"
     if content is not None:
         path.write_text(content)
-    proc = _cli(str(path), "-o", str(tmp_path / "r.png"))
     where = f"{path}:1" if content and content.startswith("{") else str(path)
+    with pytest.raises(ConfigError) as err:
+        read_metrics(path)
+    assert str(err.value).startswith(f"{where}: {reason}") and "\n" not in str(err.value)
+
+
+def test_bad_input_through_the_cli_is_that_one_line_and_exit_78_with_no_png(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text("{}\n{}\n")  # the error of any bad input reaches the user the same way
+    proc = _cli(str(path), "-o", str(tmp_path / "r.png"))
     assert proc.returncode == 78
-    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"melfeed report: {where}: {reason}")
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"melfeed report: {path}:1: missing keys")
     assert not (tmp_path / "r.png").exists()
 
 
@@ -120,10 +130,7 @@ def test_an_unwritable_output_is_one_line_naming_it(tmp_path: Path) -> None:
     assert proc.stderr.splitlines() == [f"melfeed report: {out}: cannot write the report: No such file or directory"]
 
 
-@pytest.mark.parametrize("alias", ["same", "relative", "symlink", "hardlink"])
-def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path: Path, alias: str) -> None:
-    metrics = _jsonl(tmp_path / "m.jsonl")
-    before = metrics.read_bytes()
+def _output_aliasing_an_input(tmp_path: Path, metrics: Path, alias: str) -> Path:
     out = {
         "same": metrics,
         "relative": tmp_path / "sub" / ".." / "m.jsonl",
@@ -135,6 +142,30 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path: Path
         out.symlink_to(metrics)
     elif alias == "hardlink":
         os.link(metrics, out)
+    return out
+
+
+@pytest.mark.parametrize("alias", ["same", "relative", "symlink", "hardlink"])
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(tmp_path: Path, alias: str) -> None:
+    metrics = _jsonl(tmp_path / "m.jsonl")
+    before = metrics.read_bytes()
+    out = _output_aliasing_an_input(tmp_path, metrics, alias)
+    args = argparse.Namespace(
+        metrics=[str(_jsonl(tmp_path / "other.jsonl")), str(metrics)], output=str(out), title=None
+    )
+    with pytest.raises(ConfigError) as err:
+        main_report(args)
+    assert str(err.value) == (
+        f"--output: is the input file {metrics}; writing it would destroy the input, got {str(out)!r}"
+    )
+    assert metrics.read_bytes() == before
+
+
+def test_the_cli_refuses_an_output_that_is_an_input_in_one_line_with_exit_78(tmp_path: Path) -> None:
+    """Through the command, the hard link (the same file under another name: only its inode tells)."""
+    metrics = _jsonl(tmp_path / "m.jsonl")
+    before = metrics.read_bytes()
+    out = _output_aliasing_an_input(tmp_path, metrics, "hardlink")
     proc = _cli(str(_jsonl(tmp_path / "other.jsonl")), str(metrics), "-o", str(out))
     assert proc.returncode == 78, proc.stderr
     assert proc.stderr.splitlines() == [

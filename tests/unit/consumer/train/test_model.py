@@ -63,7 +63,7 @@ def test_loss_falls_on_demo_like_data_within_150_steps() -> None:
     rng = np.random.default_rng(7)
     templates = demo_templates(rng)
     step = build_reference_step(_spec())
-    program = tf.function(step.__call__, jit_compile=True)
+    program = tf.function(step.__call__, jit_compile=False)  # graph mode: learning, not XLA, is the subject
     losses = [_call(program, demo_batch(rng, templates, 16, 128, 28)) for _ in range(150)]
     first, last = np.mean(losses[:10]), np.mean(losses[-10:])
     assert np.all(np.isfinite(losses))

@@ -214,10 +214,10 @@ def test_variables_warm_up_cannot_put_back_get_one_warning_naming_them(
 
 
 def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly() -> None:
-    step = _step()
-    step(*_batch(4, 24, 6).values())  # non-zero Adam moments and iteration, as after a restore
+    step = tiny_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0))
+    step(*_batch(4, 24, 6).values())  # non-zero weights, momentum and iteration count, as after a restore
     before = [v.numpy() for v in step.variables()]
-    compiled = CompiledStep(step, [_shapes(4, 24, 6), _shapes(2, 40, 10), _shapes(4, 24, 6)])
+    compiled = CompiledStep(step, [_shapes(4, 24, 6), _shapes(2, 40, 10), _shapes(4, 24, 6)])  # XLA, the default
     assert compiled.warm_up() > 0
     assert compiled.traces == 2 and compiled.compiles_after_ready == 0 and compiled.is_ready
     after = [v.numpy() for v in step.variables()]
@@ -231,7 +231,8 @@ def test_warm_up_compiles_every_bucket_and_restores_every_variable_bit_exactly()
 
 
 def test_new_shape_after_warm_up_is_compiled_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)], jit_compile=False)  # counting is the same under XLA
+    spec = StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0)
+    compiled = CompiledStep(tiny_step(spec), [_shapes(2, 16, 4)], jit_compile=False)  # counting is the same under XLA
     compiled.warm_up()
     with caplog.at_level(logging.WARNING, logger="melfeed.consumer.train.step"):
         compiled.run(0, _batch(2, 16, 4))
@@ -244,11 +245,12 @@ def test_new_shape_after_warm_up_is_compiled_counted_and_logged(caplog: pytest.L
 
 
 def test_compiled_step_rejects_bad_bucket_shapes_and_dtypes() -> None:
+    step = tiny_step(StepSpec(n_mels=N_MELS, vocab_size=32, learning_rate=1e-3, mixed_precision=False, seed=0))
     with pytest.raises(ValueError, match="inconsistent"):
-        CompiledStep(_step(), [{**_shapes(2, 16, 4), "tok_len": (3,)}])
+        CompiledStep(step, [{**_shapes(2, 16, 4), "tok_len": (3,)}])
     with pytest.raises(ValueError, match="keys"):
-        CompiledStep(_step(), [{"mel": (2, 16, N_MELS)}])
-    compiled = CompiledStep(_step(), [_shapes(2, 16, 4)])
+        CompiledStep(step, [{"mel": (2, 16, N_MELS)}])
+    compiled = CompiledStep(step, [_shapes(2, 16, 4)])
     with pytest.raises(TypeError, match="tokens"):
         compiled.run(0, {**_batch(2, 16, 4), "tokens": tf.zeros((2, 4), tf.int64)})
 

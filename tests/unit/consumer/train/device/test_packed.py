@@ -84,9 +84,8 @@ def _per_array_run(bucket: Bucket, jit: bool, extras: tuple[ExtraSpec, ...] = ()
 def _packed_run(bucket: Bucket, jit: bool, extras: tuple[ExtraSpec, ...] = ()) -> tuple[list[bytes], Any, Any]:
     step = _step()
     compiled = CompiledStep(step, [bucket.shapes()], jit_compile=jit, extras=extras, mel_dtype=bucket.mel_dtype)
-    compiled.warm_up()
     packed = PackedSteps.for_buckets(compiled, [bucket], None)
-    packed.warm_up(step.variables())
+    packed.warm_up(step.variables())  # as the training loop does: compiles only the packed program
     slots, rng = _Slots(bucket), np.random.default_rng(3)
     handoff = TfStageAdapter(packed, None, slot_buffer=slots.buffer)
     for i in range(_STEPS):
@@ -211,11 +210,8 @@ def test_a_row_input_step_reads_rows_from_the_one_region_it_is_given(in_slot: bo
 
 def test_a_batch_whose_arrays_are_not_in_a_slot_is_packed_into_a_region_with_one_host_copy() -> None:
     bucket = _bucket()
-    step = _step()
-    compiled = CompiledStep(step, [bucket.shapes()], jit_compile=False)
-    compiled.warm_up()
-    packed = PackedSteps.for_buckets(compiled, [bucket], None)
-    packed.warm_up(step.variables())
+    compiled = CompiledStep(_step(), [bucket.shapes()], jit_compile=False)
+    packed = PackedSteps.for_buckets(compiled, [bucket], None)  # staging needs the layout, no compiled program
     slots = _Slots(bucket)
     batch = slots.batch(0, np.random.default_rng(1))
     loose = Batch(batch.planned, {k: v.copy() for k, v in batch.arrays.items()}, slot=0)
