@@ -11,15 +11,19 @@ Invariant checked on every step: for every real row the expanded length (the sum
 
 Two ways to train it: ``make_step`` is the step factory of the built-in loop (``model.step:
 tests.fastspeech_kind:make_step``); ``python -m tests.fastspeech_kind --cache-dir C --state-dir S --steps N``
-trains it with Keras ``fit`` on ``Consumer.as_dataset`` with ``melfeed.FitResume`` and prints the last logs as
-JSON. The learning rate is a schedule, so under tf_keras the optimizer has a ``current_learning_rate`` variable
-that ``optimizer.variables()`` leaves out (``optimizer_variables`` adds it).
+trains it with Keras ``fit`` on ``Consumer.as_dataset`` with ``melfeed.FitResume`` and prints each batch's logs as
+JSON; with ``--run-config CFG --run-summary S`` it first runs ``melfeed run --config CFG --producers 1 --steps N
+--summary-json S`` (the built-in loop) in the same process, prints ``RUN_DONE`` on stderr after it and its exit code
+in the JSON (one TensorFlow start for both ways under one Keras). The learning rate is a schedule, so under tf_keras
+the optimizer has a ``current_learning_rate`` variable that ``optimizer.variables()`` leaves out
+(``optimizer_variables`` adds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import tensorflow as tf
@@ -29,6 +33,7 @@ from melfeed.consumer.train.model import StepSpec, optimizer_variables
 
 keras = tf.keras  # tf_keras under TF_USE_LEGACY_KERAS=1, else Keras 3
 FEATURES = ("tokens", "tok_len", "mel_len", "frames", "durations", "row_mask")
+RUN_DONE = "fastspeech_kind: the built-in run ended; Keras fit starts"  # on stderr: what comes before is the run's
 
 
 def regulate(h: tf.Tensor, durations: tf.Tensor, n_frames: tf.Tensor) -> tf.Tensor:
@@ -153,7 +158,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--run-config", help="first train with `melfeed run` on this config (model.step: make_step)")
+    ap.add_argument("--run-summary", help="the run's --summary-json")
     args = ap.parse_args()
+    run_exit = None if args.run_config is None else _run_builtin(args.run_config, args.run_summary, args.steps)
     cfg = melfeed.config_from_mapping(
         {
             "cache_dir": args.cache_dir,
@@ -172,7 +180,17 @@ def main() -> None:
         model.fit(
             dataset, epochs=1, verbose=0, shuffle=False, callbacks=[resume.callback(model, feed, dataset), record]
         )
-    print(json.dumps({"keras": keras.__name__, "batches": seen}))
+    print(json.dumps({"keras": keras.__name__, "batches": seen, "run_exit": run_exit}))
+
+
+def _run_builtin(config: str, summary: str | None, steps: int) -> int:
+    """``melfeed run`` (the built-in loop, real producer processes) in this process; its exit code."""
+    from melfeed.cli import main as melfeed_main
+
+    argv = ["run", "--config", config, "--producers", "1", "--steps", str(steps)]
+    code = melfeed_main([*argv, *(["--summary-json", summary] if summary else [])])
+    print(RUN_DONE, file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ and tokens, every real token a positive ``duration`` (an extra of kind ``token``
 fails. ``duration_cost_step`` does work in proportion to the batch's total duration (a decoder over the expanded
 frames: one matmul per ``_FRAMES_PER_MATMUL`` frames), so a batch of zero durations costs next to nothing. Both
 are ``tiny_step`` underneath: momentum and an iteration counter move every step (warm-up must put them back).
+``positive_duration_cost_step`` is both at once: one run checks the values and times the cost.
 ``write_duration_cache`` writes the demo cache plus that ``duration`` extra (1..8 frames per token).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -29,18 +31,22 @@ def _real_tokens(tok_len: tf.Tensor, tokens: tf.Tensor) -> tf.Tensor:
     return tf.sequence_mask(tok_len, tokens.shape[1])
 
 
+def _positive_checks(mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor) -> list[Any]:
+    """Assertions that every row has frames and tokens and every real token a positive duration."""
+    return [
+        tf.debugging.assert_positive(mel_len, message="mel_len"),
+        tf.debugging.assert_positive(tok_len, message="tok_len"),
+        tf.debugging.assert_positive(
+            tf.where(_real_tokens(tok_len, tokens), duration, 1), message="duration of a real token"
+        ),
+    ]
+
+
 class _PositiveStep(_TinyStep):
     def __call__(  # type: ignore[override]  # takes the durations too
         self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
     ) -> tf.Tensor:
-        checks = [
-            tf.debugging.assert_positive(mel_len, message="mel_len"),
-            tf.debugging.assert_positive(tok_len, message="tok_len"),
-            tf.debugging.assert_positive(
-                tf.where(_real_tokens(tok_len, tokens), duration, 1), message="duration of a real token"
-            ),
-        ]
-        with tf.control_dependencies(checks):
+        with tf.control_dependencies(_positive_checks(mel_len, tokens, tok_len, duration)):
             return super().__call__(mel, mel_len, tokens, tok_len)
 
 
@@ -63,12 +69,24 @@ class _DurationCostStep(_TinyStep):
         return loss + 0.0 * tf.reduce_mean(acc)  # depends on the decoder, so it must run
 
 
+class _PositiveDurationCostStep(_DurationCostStep):
+    def __call__(  # type: ignore[override]  # takes the durations too
+        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
+    ) -> tf.Tensor:
+        with tf.control_dependencies(_positive_checks(mel_len, tokens, tok_len, duration)):
+            return super().__call__(mel, mel_len, tokens, tok_len, duration)
+
+
 def positive_step(spec: StepSpec) -> _PositiveStep:
     return _PositiveStep(spec)
 
 
 def duration_cost_step(spec: StepSpec) -> _DurationCostStep:
     return _DurationCostStep(spec)
+
+
+def positive_duration_cost_step(spec: StepSpec) -> _PositiveDurationCostStep:
+    return _PositiveDurationCostStep(spec)
 
 
 def write_duration_cache(root: Path, n_utterances: int, n_mels: int) -> Manifest:

@@ -19,10 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from tests import procs
 
 _STEPS = 30
+# Two bucket shapes: slots of both sizes go round the ring, and JAX compiles two programs, not the default's eight.
+_BUCKETS = {"max_shapes": 2}
 _REPO = Path(__file__).resolve().parents[3]
 
 
@@ -32,7 +35,13 @@ def test_no_jax_step_reads_a_released_slot_and_the_guard_bites_when_a_copy_is_cl
     endpoint = f"ipc://{tmp_path}/j.sock"
     configs = [
         procs.write_config(
-            tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS, producer={"count": 2}
+            tmp_path / f"{name}.yaml",
+            demo_cache,
+            endpoint,
+            tmp_path / name,
+            _STEPS,
+            producer={"count": 2},
+            buckets=_BUCKETS,
         )
         for name in ("clean", "poisoned", "released_early")
     ]
@@ -71,9 +80,13 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_jax_bench_reports_feed_efficiency_copy_and_overlap_for_each_depth(tmp_path: Path) -> None:
     out = tmp_path / "jax.json"
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump({"buckets": _BUCKETS}))
     # its own demo cache: --demo writes the extras into the cache it is given (the shared demo_cache has none)
     proc = _bench(
         tmp_path,
+        "--config",
+        str(config),
         "--demo",
         "--cache-dir",
         str(tmp_path / "demo"),

@@ -29,8 +29,8 @@ def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extr
         yaml.safe_dump(
             {
                 "cache_dir": str(cache),
-                "buckets": {
-                    "num_buckets": 2,
+                "buckets": {  # one bucket: the cut's width still varies from batch to batch
+                    "num_buckets": 1,
                     "batch_size": 8,
                     "frame_multiple": 3,
                     "max_frames": 300,
@@ -52,7 +52,7 @@ def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extr
             "--config",
             str(cfg),
             "--producers",
-            "2",
+            "1",
             "--steps",
             str(_STEPS),
             "--summary-json",
