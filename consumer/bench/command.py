@@ -1,7 +1,8 @@
 """``melfeed bench``: melfeed against tuned tf.data, the naive loader and tf.data service.
 
 Role: run every system on the same cache, bucket shapes and compiled zero-cost step, each trial a
-fresh ``python -m melfeed.consumer.bench.trial`` process (helpers are its children), in ``--rounds``
+fresh ``python -m melfeed.consumer.bench.trial`` process (helpers are its children; ``--smoke``: each section's
+trials in turn in one, its timeout ``--trial-timeout-s`` times their number), in ``--rounds``
 rounds that alternate the systems (the order rotates every round, so drift hits all of them), then
 print medians, ratios against the best tuned tf.data and the goals as PASS/FAIL, and write every
 raw trial plus the medians with ``--json``. A transport section (or ``--transport-only``) measures
@@ -146,6 +147,7 @@ def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "mel_dtypes": mel_dtypes,
         "has_mode": "mode" in TransportConfig.__dataclass_fields__,
         "efficiency_batches": _efficiency_batches(args),
+        "one_trial_process": bool(args.smoke),  # a structural check: one TensorFlow start per section, not per trial
     }
 
 
@@ -296,38 +298,54 @@ def _trial_cleanup(runtime: Path, shm_dir: str | None) -> Callable[[int], None]:
 
 def _run_trial(spec: dict[str, Any], timeout_s: float, runtime: Path) -> dict[str, Any]:
     """One trial with ``runtime`` (bench's, made here, removed after it) as its runtime and work directory."""
+    return _run_trials([spec], timeout_s, runtime)[0]
+
+
+def _run_trials(specs: list[dict[str, Any]], timeout_s: float, runtime: Path) -> list[dict[str, Any]]:
+    """``specs`` in turn in one trial process with ``runtime`` (as ``_run_trial``); a result per spec, in order.
+
+    A spec the process did not report (it died, or ran past ``timeout_s``) is a failed trial with the reason;
+    so is the last one when the process failed after reporting every spec as done.
+    """
     extra = {"XDG_RUNTIME_DIR": str(runtime), "TF_CPP_MIN_LOG_LEVEL": "2"}
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if spec.get("model"):  # one compile of the model for all feed-efficiency trials (runtime: <tmp>/e/<n>)
-        cache = runtime.parent / "xla-cache"
+    if any(spec.get("model") for spec in specs):  # one compile of the model for all feed-efficiency trials
+        cache = runtime.parent / "xla-cache"  # (runtime: <tmp>/e/<n>)
         cache.mkdir(parents=True, exist_ok=True)
         extra["TF_XLA_FLAGS"] = f"{XLA_CACHE_FLAG}={cache}"
     env = child_env(extra, drop=("RUNTIME_DIRECTORY",))
     proc = _CHILDREN.spawn(
-        module_argv("melfeed.consumer.bench.trial", json.dumps(spec | {"work_dir": str(runtime)})),
+        module_argv("melfeed.consumer.bench.trial", json.dumps([spec | {"work_dir": str(runtime)} for spec in specs])),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cleanup=_trial_cleanup(runtime, spec["config"]["transport"].get("shm_dir")),
+        cleanup=_trial_cleanup(runtime, specs[0]["config"]["transport"].get("shm_dir")),
     )
+    what = f"bench trial {specs[0]['system']}" if len(specs) == 1 else f"bench trials ({len(specs)} in one process)"
     try:
-        out, err, timed_out = communicate_or_kill(proc, f"bench trial {spec['system']}", timeout_s)
+        out, err, timed_out = communicate_or_kill(proc, what, timeout_s)
     finally:
         _CHILDREN.finish(proc)
     _CHILDREN.check()  # SIGTERM/SIGINT stopped this trial: not a result
     if timed_out:
         err = f"killed after {timeout_s:.0f} s\n{err}"
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        result: dict[str, Any] = json.loads(lines[-1])
-        return result
+    results: list[dict[str, Any]] = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][: len(specs)]
+    if proc.returncode == 0 and len(results) == len(specs):
+        return results
+    told = {r.get("error") for r in results}  # the failures the process reported itself
     reason = (
-        [ln for ln in err.splitlines() if ln.startswith("bench trial")]
+        [ln for ln in err.splitlines() if ln.startswith("bench trial") and ln not in told]
         or err.strip().splitlines()
         or [f"exit {proc.returncode}"]
     )[-1]
-    return {k: spec[k] for k in ("system", "kind", "round", "step_ms")} | {"ok": False, "error": reason}
+    if len(results) == len(specs) and all(r["ok"] for r in results):
+        results.pop()  # the process failed after its last line
+
+    def failed(spec: dict[str, Any]) -> dict[str, Any]:
+        return {k: spec[k] for k in ("system", "kind", "round", "step_ms")} | {"ok": False, "error": reason}
+
+    return results + [failed(spec) for spec in specs[len(results) :]]
 
 
 def _spec(cfg: PipelineConfig, system: dict[str, Any], s: dict[str, Any], rnd: int, step_ms: int) -> dict[str, Any]:
@@ -354,18 +372,30 @@ def _rounds(
     timeout_s: float,
     workdir: Path,
 ) -> list[dict[str, Any]]:
+    """Every trial of ``systems`` at each of ``steps`` in each round, each in its own process; all of them in one
+    process with ``s["one_trial_process"]`` (``--smoke``: one TensorFlow start for the whole section)."""
     runnable = [x for x in systems if x["available"]]
-    trials: list[dict[str, Any]] = []
+    specs: list[dict[str, Any]] = []
     for rnd in range(s["rounds"]):
         for step_ms in steps:
             k = rnd % max(1, len(runnable))
             for system in runnable[k:] + runnable[:k]:  # rotate: no system is always first
-                if step_ms not in system.get("steps", steps):
-                    continue
-                result = _run_trial(_spec(cfg, system, s, rnd, step_ms), timeout_s, workdir / str(len(trials)))
-                trials.append(result)
-                log.info("trial %s round=%d step_ms=%d: %s", system["system"], rnd, step_ms, _trial_line(result))
+                if step_ms in system.get("steps", steps):
+                    specs.append(_spec(cfg, system, s, rnd, step_ms))
+    if s.get("one_trial_process") and specs:
+        trials = _run_trials(specs, timeout_s * len(specs), workdir / "0")
+        for spec, result in zip(specs, trials, strict=True):
+            _log_trial(spec, result)
+        return trials
+    trials = []
+    for spec in specs:
+        trials.append(_run_trial(spec, timeout_s, workdir / str(len(trials))))
+        _log_trial(spec, trials[-1])
     return trials
+
+
+def _log_trial(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    log.info("trial %s round=%d step_ms=%d: %s", spec["system"], spec["round"], spec["step_ms"], _trial_line(result))
 
 
 def _trial_line(result: dict[str, Any]) -> str:

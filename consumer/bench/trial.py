@@ -1,4 +1,7 @@
-"""One ``bench`` trial in a fresh process: ``python -m melfeed.consumer.bench.trial SPEC_JSON`` prints one JSON line.
+"""``bench`` trials in a fresh process: ``python -m melfeed.consumer.bench.trial SPEC_JSON`` prints their JSON lines.
+
+SPEC_JSON is one trial's spec, or a list of specs run in turn in this process (``bench --smoke``), one JSON
+line each.
 
 Role: run one system (melfeed on ipc, shared memory or loopback tcp under CURVE with keys made for the
 trial, tuned tf.data, the naive loader, tf.data service, or the transport probe) for ``warmup`` + ``batches`` batches
@@ -16,7 +19,8 @@ Shutdown: every helper is stopped in ``finally`` with the stop ladder of ``melfe
 (``exit_on_sigterm``: the exception unwinds them, exit 143); the tcp trial's keys go in ``work_dir`` (bench's).
 Started by bench
 (``MELFEED_PARENT_PID``), the trial gets SIGTERM when bench dies, even by SIGKILL (``die_with_named_parent``);
-its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr).
+its producers and servers do the same when it dies. Exit 0 after printing, 1 on any failure (one line on stderr;
+its JSON line has ``"ok": false`` and that line as ``error``).
 """
 
 from __future__ import annotations
@@ -310,24 +314,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("MELFEED_LOG_LEVEL", "WARNING"),
         format="%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s",
     )
-    spec = json.loads(args[0])
-    try:
-        with exit_on_sigterm():  # stopped by bench: stop the helpers, close the consumer, remove the keys first
-            die_with_named_parent(signal.SIGTERM)  # a bench killed even with SIGKILL takes this trial down
-            from melfeed.consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
+    loaded = json.loads(args[0])
+    specs: list[dict[str, Any]] = loaded if isinstance(loaded, list) else [loaded]
+    failed = False
+    with exit_on_sigterm():  # stopped by bench: stop the helpers, close the consumer, remove the keys first
+        die_with_named_parent(signal.SIGTERM)  # a bench killed even with SIGKILL takes this trial down
+        for spec in specs:  # in turn: one JSON line each (a failed one's line has its error)
+            try:
+                result = _run_spec(spec)
+            except Exception as err:  # top level of the trial: one line for the orchestrator, then the next spec
+                log.debug("trial failed", exc_info=True)
+                reason = f"bench trial {spec.get('system')}: {type(err).__name__}: {err}"
+                print(reason, file=sys.stderr, flush=True)
+                result = {k: spec.get(k) for k in ("system", "kind", "round", "step_ms")} | {
+                    "ok": False,
+                    "error": reason,
+                }
+                failed = True
+            print(json.dumps(result), flush=True)
+    return 1 if failed else 0
 
-            runners = (
-                {"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
-                if spec.get("model") == "reference"
-                else _RUNNERS
-            )
-            result = runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
-    except Exception as err:  # top level of the trial process: one line for the orchestrator
-        log.debug("trial failed", exc_info=True)
-        print(f"bench trial {spec.get('system')}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    print(json.dumps(result), flush=True)
-    return 0
+
+def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    from melfeed.consumer.bench.trial_reference import run_melfeed_reference, run_tfdata_reference
+
+    runners = (
+        {"melfeed": run_melfeed_reference, "tfdata": run_tfdata_reference}
+        if spec.get("model") == "reference"
+        else _RUNNERS
+    )
+    return runners[spec["kind"]](spec, config_from_mapping(spec["config"]))
 
 
 if __name__ == "__main__":

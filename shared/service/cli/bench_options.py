@@ -79,5 +79,6 @@ def _duration(r: Any) -> None:
         action="store_true",
         help="tiny structural run: 1 round, 5 ms step, 10 batches, 1 producer, tf.data at 8, float32 "
         "(replaces --rounds, --step-ms, --batches, --warmup, --producer-counts, --tfdata-parallel, "
-        "--mel-dtypes, --demo-utterances)",
+        "--mel-dtypes, --demo-utterances); each section's trials run in turn in one trial process, so its "
+        "figures are not comparable with a full run's",
     )

@@ -41,7 +41,7 @@ def test_step_factory_example_trains_in_the_built_in_loop_and_reports_its_named_
             "--set",
             "model.jit_compile=false",
             "--set",
-            "buckets.num_buckets=2",
+            "buckets.num_buckets=1",
             "--summary-json",
             str(summary),
         ],

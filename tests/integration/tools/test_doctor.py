@@ -28,7 +28,12 @@ def _doctor_argv(tmp_path: Path, cache: Path, step: str, *extra: str) -> list[st
     cfg = tmp_path / "doctor.yaml"
     cfg.write_text(
         yaml.safe_dump(
-            {"cache_dir": str(cache), "buckets": {"num_buckets": 2, "batch_size": 8}, "model": {"step": step}}
+            {
+                "cache_dir": str(cache),
+                "buckets": {"num_buckets": 2, "batch_size": 8},
+                # graph mode: the verdict, not the compile mode, is the subject (auto would also compile with XLA)
+                "model": {"step": step, "jit_compile": False},
+            }
         )
     )
     return [sys.executable, "-m", "melfeed", "doctor", "--config", str(cfg), "--seconds-per-stage", "1", *extra]

@@ -279,7 +279,8 @@ def test_prepare_index_run_end_to_end(prepared: tuple[Path, object], tmp_path: P
     assert index.returncode == 0 and f"indexed {N_GOOD} utterances" in index.stdout, index.stderr
     assert (cache / "manifest.json").read_bytes() == before  # index keeps features and vocabulary
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, "consumer": {"warmup_steps": 1, "status_interval_s": 1.0}}))
+    run_config = {**CONFIG, "model": {**CONFIG["model"], "jit_compile": False}}  # graph mode: the data is the subject
+    cfg.write_text(yaml.safe_dump({**run_config, "consumer": {"warmup_steps": 1, "status_interval_s": 1.0}}))
     summary = tmp_path / "summary.json"
     run = subprocess.run(
         [

@@ -190,3 +190,22 @@ def test_a_server_started_by_a_trial_dies_with_it_even_after_sigkill(tmp_path: P
             proc.kill()
         if server_pid and _alive(server_pid):
             os.kill(server_pid, signal.SIGKILL)
+
+
+def test_smoke_runs_every_trial_of_a_section_in_one_process_in_the_usual_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    s = _settings(rounds=1, step_ms=[5], producers=[1], one_trial_process=True)
+    systems = command._systems(s)
+    calls: list[tuple[list[tuple[str, int]], float]] = []
+
+    def fake_trials(specs: list[dict[str, Any]], timeout_s: float, runtime: Path) -> list[dict[str, Any]]:
+        calls.append(([(spec["system"], spec["step_ms"]) for spec in specs], timeout_s))
+        return [{"system": spec["system"], "ok": True, "batches_per_s": 1.0, "stall_pct": 0.0} for spec in specs]
+
+    monkeypatch.setattr(command, "_run_trials", fake_trials)
+    trials = command._rounds(PipelineConfig(), systems, s, [0, 5], 10.0, tmp_path)
+    ipc = ["melfeed-zmq-p1", "tfdata-npc8", "naive"]
+    expected = [(x, 0) for x in ["melfeed-zmq-p1", "melfeed-tcp-p1", "tfdata-npc8", "naive"]] + [(x, 5) for x in ipc]
+    assert calls == [(expected, 10.0 * len(expected))]  # one process; its timeout: one trial's per trial
+    assert [t["system"] for t in trials] == [system for system, _ in expected]
