@@ -28,8 +28,13 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
         yaml.safe_dump(
             {
                 "cache_dir": str(cache),
-                "buckets": {"num_buckets": 2, "batch_size": 16},
-                "consumer": {"warmup_steps": 2, "status_interval_s": 0.3, "state_dir": str(tmp / "state")},
+                "buckets": {"num_buckets": 1, "batch_size": 16},
+                "consumer": {
+                    "warmup_steps": 2,
+                    "status_interval_s": 0.3,
+                    "state_dir": str(tmp / "state"),
+                    "feed_efficiency_steps": 0,
+                },
                 "model": {
                     "step": FACTORY,
                     "jit_compile": jit_compile,
@@ -50,7 +55,7 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
             "--config",
             str(cfg),
             "--producers",
-            "2",
+            "1",
             "--steps",
             str(steps),
             "--summary-json",
