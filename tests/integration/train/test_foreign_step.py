@@ -28,7 +28,8 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
         yaml.safe_dump(
             {
                 "cache_dir": str(cache),
-                "buckets": {"num_buckets": 1, "batch_size": 16},
+                # two shapes: with one bucket of the demo cache XLA does compile this step, and nothing falls back
+                "buckets": {"num_buckets": 2, "batch_size": 16},
                 "consumer": {
                     "warmup_steps": 2,
                     "status_interval_s": 0.3,
