@@ -32,9 +32,14 @@ def test_two_ranks_on_one_host_meet_their_own_producers_on_per_rank_default_sock
         yaml.safe_dump(
             {
                 "cache_dir": str(demo_cache),
-                "buckets": {"num_buckets": 2, "batch_size": 16},
+                "buckets": {"num_buckets": 1, "batch_size": 16},
                 "transport": {"heartbeat_interval_s": 0.2, "liveness_intervals": 5},
-                "consumer": {"steps": _STEPS, "wait_timeout_s": 0.5, "status_interval_s": 1.0},
+                "consumer": {
+                    "steps": _STEPS,
+                    "wait_timeout_s": 0.5,
+                    "status_interval_s": 1.0,
+                    "feed_efficiency_steps": 0,
+                },
                 "model": {"step": procs.TINY_STEP, "jit_compile": False},
             }
         ),

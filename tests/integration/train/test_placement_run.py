@@ -60,7 +60,7 @@ def test_the_summary_names_the_device_and_a_restart_finds_the_xla_cache_warm(dem
     cfg = {
         "buckets": {"num_buckets": 1, "batch_size": 16},
         "model": {"step": procs.TINY_STEP, "jit_compile": True},
-        "consumer": {"model_gpu": "", "xla_cache_dir": str(cache), "warmup_steps": 1},
+        "consumer": {"model_gpu": "", "xla_cache_dir": str(cache), "warmup_steps": 1, "feed_efficiency_steps": 0},
     }
     cold = _run(cfg, tmp_path, "cold", demo_cache)
     assert cold["jit_compile"] == "xla"

@@ -57,7 +57,7 @@ def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo
             {
                 "buckets": {"num_buckets": 1, "batch_size": 16},
                 "model": {"step": "tests.steps:replica_tiny_step", "jit_compile": "auto", "learning_rate": 0.05},
-                "consumer": {"warmup_steps": 2},
+                "consumer": {"warmup_steps": 2, "feed_efficiency_steps": 0},
                 "transport": {"heartbeat_interval_s": 0.2},
             }
         )

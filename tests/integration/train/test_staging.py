@@ -114,21 +114,25 @@ def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_befo
         for name in ("clean", "poisoned", "early")
     }
     producers = procs.start("producer", configs["clean"], tmp_path / "producers.log")
-    runs = {}
-    try:
-        for name, config in configs.items():
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.integration.train.poison_replicas", str(config), name],
-                cwd=REPO,
-                env=procs.env(tmp_path),
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:  # the three runs in turn in one interpreter split into 2 logical devices
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.train.poison_replicas",
+                *(arg for name, config in configs.items() for arg in (name, str(config))),
+            ],
+            cwd=REPO,
+            env=procs.env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         procs.stop(producers)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(runs) == list(configs), runs
     assert runs["clean"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     assert runs["poisoned"]["steps"] == _STEPS and runs["poisoned"]["overwritten"] >= _STEPS
     clean, poisoned, early = (_final_variables(tmp_path / name) for name in ("clean", "poisoned", "early"))

@@ -24,7 +24,7 @@ _RUN_TIMEOUT_S = 300  # a TensorFlow start and a graph-mode compile of the tiny 
 
 
 def _run(config: Path, summary: Path) -> subprocess.CompletedProcess[str]:
-    command = procs.command("run", config, "--producers", "2", "--steps", str(_STEPS), "--summary-json", str(summary))
+    command = procs.command("run", config, "--producers", "1", "--steps", str(_STEPS), "--summary-json", str(summary))
     return subprocess.run(
         ["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *command],
         cwd=procs.REPO,
