@@ -65,6 +65,19 @@ def command(name: str, config: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "melfeed", name, "--config", str(config), *extra]
 
 
+def run(name: str, config: Path, *extra: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``melfeed NAME --config CONFIG EXTRA...`` to its end, stdout and stderr captured as text (the runtime
+    directory beside the config, as ``env``)."""
+    return subprocess.run(
+        command(name, config, *extra),
+        cwd=REPO,
+        env=env(config.parent),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 _started: list[subprocess.Popen[bytes]] = []  # every process start() made in this test, reaped after it
 
 

@@ -5,14 +5,11 @@ exit 78), and the batches trained have the measured rows."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO
+from tests import procs
 
 
 def test_a_run_trains_on_the_rows_it_measured_and_keeps_them(demo_cache: Path, tmp_path: Path) -> None:
@@ -28,28 +25,7 @@ def test_a_run_trains_on_the_rows_it_measured_and_keeps_them(demo_cache: Path, t
         )
     )
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "melfeed",
-            "run",
-            "--config",
-            str(cfg),
-            "--producers",
-            "1",
-            "--steps",
-            "6",
-            "--summary-json",
-            str(summary),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = procs.run("run", cfg, "--producers", "1", "--steps", "6", "--summary-json", str(summary), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (entry,) = json.loads((tmp_path / "state" / "batch_sizes.json").read_text())["entries"].values()
     rows = entry["rows"]

@@ -9,15 +9,11 @@ or recompiled, and the audit of the state directory is exact.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
 from tests import procs
-from tests.conftest import REPO
 
 _STEPS = 40
 
@@ -41,27 +37,8 @@ def test_the_reference_model_trains_on_a_float16_wire_with_an_exact_audit(demo_c
         )
     )
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "melfeed",
-            "run",
-            "--config",
-            str(cfg),
-            "--producers",
-            "1",
-            "--steps",
-            str(_STEPS),
-            "--summary-json",
-            str(summary),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = procs.run(
+        "run", cfg, "--producers", "1", "--steps", str(_STEPS), "--summary-json", str(summary), timeout_s=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())

@@ -9,15 +9,13 @@ the summary is still written with the failure.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.conftest import REPO
+from tests import procs
 
 FACTORY = "tests.foreign_model:build_foreign_step"
 
@@ -46,29 +44,18 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
         )
     )
     summary = tmp / "summary.json"
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "melfeed",
-            "run",
-            "--config",
-            str(cfg),
-            "--producers",
-            "1",
-            "--steps",
-            str(steps),
-            "--summary-json",
-            str(summary),
-            "--metrics-file",
-            str(tmp / "metrics.jsonl"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    proc = procs.run(
+        "run",
+        cfg,
+        "--producers",
+        "1",
+        "--steps",
+        str(steps),
+        "--summary-json",
+        str(summary),
+        "--metrics-file",
+        str(tmp / "metrics.jsonl"),
+        timeout_s=400,
     )
     return proc, summary
 

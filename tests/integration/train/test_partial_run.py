@@ -5,9 +5,6 @@ applied batches is exact against the drop plan across an epoch boundary."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -17,7 +14,6 @@ from melfeed.shared.cache.manifest import load_manifest
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.wire.buckets import build_buckets
 from tests import procs
-from tests.conftest import REPO
 
 _BUCKETS = {"num_buckets": 2, "batch_size": 16, "partial": "drop"}
 
@@ -49,29 +45,18 @@ def test_drop_run_applies_only_full_batches_counts_the_dropped_samples_and_audit
         )
     )
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "melfeed",
-            "run",
-            "--config",
-            str(cfg),
-            "--producers",
-            "2",
-            "--steps",
-            str(steps),
-            "--summary-json",
-            str(summary),
-            "--metrics-file",
-            str(tmp_path / "metrics.jsonl"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = procs.run(
+        "run",
+        cfg,
+        "--producers",
+        "2",
+        "--steps",
+        str(steps),
+        "--summary-json",
+        str(summary),
+        "--metrics-file",
+        str(tmp_path / "metrics.jsonl"),
+        timeout_s=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())

@@ -6,16 +6,12 @@ graph mode with no compile after READY, and the audit of the applied batches is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
 from tests import procs
 from tests.attention_data import attention_cache
-from tests.conftest import REPO
 
 _STEPS = 16
 
@@ -42,27 +38,8 @@ def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extr
         )
     )
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "melfeed",
-            "run",
-            "--config",
-            str(cfg),
-            "--producers",
-            "1",
-            "--steps",
-            str(_STEPS),
-            "--summary-json",
-            str(summary),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    proc = procs.run(
+        "run", cfg, "--producers", "1", "--steps", str(_STEPS), "--summary-json", str(summary), timeout_s=400
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "takes extras ['attn']" in proc.stderr
