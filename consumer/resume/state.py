@@ -78,6 +78,7 @@ _BUCKET_KEYS_ADDED = {
     "max_batch_size": 256,
     "rows": None,
     "cost_tolerance": 0.0,
+    "cost": "formula",
 }
 
 

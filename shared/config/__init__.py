@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from melfeed.shared.config.checks import (
     check_boundaries,
+    check_cost_setting,
     check_distinct_binds,
     check_endpoint,
     check_int32,
@@ -67,6 +68,10 @@ class BucketConfig:
     # 2-D row cost in frames: T + token_cost * L + attention_cost * T * L (shared/wire/grid.py, 0.001 steps)
     token_cost: float = 1.0  # 1.0 = a padded token costs a padded frame; 0 = frames alone
     attention_cost: float = 0.0  # > 0 favours shapes of small T x L (attention-heavy models)
+    # "formula" = token_cost and attention_cost as set; "measured" = the built-in consumer fits both to its
+    # compiled step's time at start (docs/guide/batches.md "Measured costs"; 2-D plans only) and a producer
+    # learns them from each consumer it joins
+    cost: str = "formula"
     # 2-D: the fewest shapes within this share of the least padded cost (each shape is a compile); 0 = the least cost
     # within max_shapes
     cost_tolerance: float = 0.01
@@ -106,6 +111,7 @@ class BucketConfig:
             self.batch_size,
         )
         check_rows_settings(self.batch_size, self.rows, self.max_batch_size)
+        check_cost_setting(self.cost, self.num_buckets, self.boundaries)
         if self.frame_budget is not None:
             _check(self.frame_budget >= 1, "must be >= 1", p + ("frame_budget",), self.frame_budget)
         check_boundaries(self.boundaries)

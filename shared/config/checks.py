@@ -34,6 +34,7 @@ __all__ = [
     "require",
     "resolve_checksum",
     "check_transport_mode",
+    "check_cost_setting",
     "check_planner_settings",
     "check_boundaries",
     "INT64_MAX",
@@ -145,6 +146,18 @@ def check_planner_settings(
     for name, v in (("max_frames_per_token", hi), ("min_frames_per_token", lo)):
         require(v is None or 0 < v <= 1e6, "must be in (0, 1e6]", p + (name,), v)
     require(lo is None or hi is None or lo <= hi, "must be <= max_frames_per_token", p + ("min_frames_per_token",), lo)
+
+
+def check_cost_setting(cost: str, num_buckets: int | None, boundaries: tuple[int, ...] | None) -> None:
+    """``buckets.cost``: "formula" or "measured"; measured weights shape a 2-D plan only (a 1-D plan costs frames)."""
+    p = ("buckets", "cost")
+    require(cost in ("formula", "measured"), "must be 'formula' or 'measured'", p, cost)
+    require(
+        cost == "formula" or (num_buckets is None and boundaries is None),
+        "'measured' needs a 2-D plan: leave num_buckets and boundaries unset",
+        p,
+        cost,
+    )
 
 
 def check_boundaries(boundaries: tuple[int, ...] | None) -> None:

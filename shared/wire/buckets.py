@@ -45,7 +45,17 @@ from melfeed.shared.wire.messages import LEARN_ROWS
 from melfeed.shared.wire.outliers import frames_per_token_outliers
 from melfeed.shared.wire.schema import LENGTH_DTYPE, ExtraSchema, ExtraSpec, row_shape
 
-__all__ = ["Bucket", "BucketSet", "derive_boundaries", "build_buckets", "apply_rows", "learns_rows", "one_row_settings"]
+__all__ = [
+    "Bucket",
+    "BucketSet",
+    "derive_boundaries",
+    "build_buckets",
+    "apply_rows",
+    "learns_costs",
+    "learns_rows",
+    "one_row_settings",
+    "with_costs",
+]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -274,6 +284,14 @@ def build_buckets(
     ratio = frames_per_token_outliers(lengths, tokens, cfg)
     _check_outliers(ratio, cfg)
     considered = ratio == 0
+    if cfg.cost == "measured":  # the consumer fits the weights; a producer learns them in its handshake
+        raise ConfigError(
+            "measured: the consumer fits token_cost and attention_cost to its step at start and producers learn "
+            "them when they join; give this command the weights it chose (the consumer logs them) with "
+            "buckets.cost: formula",
+            path=("buckets", "cost"),
+            got="measured",
+        )
     if is_grid(cfg):
         bounds, slot, n_over = grid_slots(lengths, tokens, considered, cfg)
     else:
@@ -352,6 +370,17 @@ def learns_rows(cfg: BucketConfig) -> bool:
     """``batch_size: auto`` without ``rows``: the rows are the consumer's to measure (consumer/train/auto_rows.py);
     a producer learns them in its handshake (the WELCOME's ``rows``)."""
     return cfg.batch_size == "auto" and cfg.rows is None
+
+
+def learns_costs(cfg: BucketConfig) -> bool:
+    """``cost: measured``: the 2-D planner's weights are the consumer's to fit (consumer/train/measured_costs.py);
+    a producer learns them in its handshake (the WELCOME's ``costs``), then plans as with ``cost: formula``."""
+    return cfg.cost == "measured"
+
+
+def with_costs(cfg: BucketConfig, token_cost: float, attention_cost: float) -> BucketConfig:
+    """``cfg`` planned with these weights (``cost: formula``): what a measured or learned fit turns into."""
+    return dataclasses.replace(cfg, cost="formula", token_cost=token_cost, attention_cost=attention_cost)
 
 
 def one_row_settings(cfg: BucketConfig) -> BucketConfig:
