@@ -50,6 +50,7 @@ from melfeed.shared.service.lifecycle import raise_fd_limit, resolve_control_end
 from melfeed.shared.service.sdnotify import Notifier
 from melfeed.shared.service.tf_config import ENV_NAME as TF_CONFIG_ENV
 from melfeed.shared.service.tf_config import WorkerPlace, resolve_worker_place
+from melfeed.shared.wire.buckets import learns_costs
 from melfeed.shared.wire.outliers import excluded
 
 __all__ = ["main_consumer", "main_run", "run_exit_code", "worker_place"]
@@ -68,7 +69,7 @@ def main_consumer(args: argparse.Namespace, started_s: float) -> int:
         job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
         with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
             with notifier.extending_start_timeout():  # a search of the rows can outlast TimeoutStartSec
-                cfg, configured = _with_rows(cfg, state, job)
+                cfg, configured = _with_measured(cfg, state, job)
             with (
                 Consumer(
                     cfg, start_batch=state.next_batch if state else 0, rank=place.rank, world=place.world
@@ -289,7 +290,7 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     apply_placement(cfg)  # the producers keep producer.data_gpu (their own processes)
     job = start_job(cfg, place)  # world > 1: imports TensorFlow, waits for every rank (bounded)
     with stop_on_signals() as stop, _opened_state(cfg, place, job) as state:
-        cfg, configured = _with_rows(cfg, state, job)  # auto: the producers below get the rows (buckets.rows)
+        cfg, configured = _with_measured(cfg, state, job)  # auto rows, measured costs: the producers below get them
         with (
             Consumer(cfg, start_batch=state.next_batch if state else 0, rank=place.rank, world=place.world) as consumer,
             _telemetry(cfg, consumer, started_s, state) as telemetry,
@@ -326,17 +327,23 @@ def main_run(args: argparse.Namespace, started_s: float) -> int:
     return run_exit_code(group.proc.returncode)
 
 
-def _with_rows(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> tuple[PipelineConfig, bool]:
-    """``cfg`` with each bucket's rows when ``buckets.batch_size`` is auto (consumer/train/auto_rows.py), and whether
-    device memory was configured for it (the search runs the step: after ``configure_memory``, before the consumer)."""
-    if cfg.buckets.batch_size != "auto" or cfg.buckets.rows is not None:
+def _with_measured(cfg: PipelineConfig, state: RunState | None, job: Job | None) -> tuple[PipelineConfig, bool]:
+    """``cfg`` with what the consumer measures on its step before planning: the planner's weights under
+    ``buckets.cost: measured`` (consumer/train/measured_costs.py), then each bucket's rows under ``batch_size: auto``
+    (consumer/train/auto_rows.py); and whether device memory was configured for them (the measurements run the
+    step: after ``configure_memory``, before the consumer)."""
+    b = cfg.buckets
+    if not learns_costs(b) and (b.batch_size != "auto" or b.rows is not None):
         return cfg, False
     from melfeed.consumer.train.auto_rows import resolve_rows
+    from melfeed.consumer.train.measured_costs import resolve_costs
     from melfeed.shared.cache.features import load_manifest_for
 
     if job is None:
         configure_memory(cfg)
-    return resolve_rows(cfg, load_manifest_for(cfg, feeds_model=False), state, job), job is None
+    manifest = load_manifest_for(cfg, feeds_model=False)
+    cfg = resolve_costs(cfg, manifest, state, job)
+    return resolve_rows(cfg, manifest, state, job), job is None
 
 
 def run_exit_code(group_code: int | None) -> int:

@@ -220,12 +220,14 @@ def _bucket_shapes(cfg: PipelineConfig) -> list[Any]:
     if cfg.cache_dir is None:
         return []
     from melfeed.shared.cache.features import load_manifest_for
-    from melfeed.shared.wire.buckets import build_buckets
+    from melfeed.shared.wire.buckets import build_buckets, learns_costs, with_costs
 
     manifest = load_manifest_for(cfg, feeds_model=False)
     settings = cfg.buckets
     if settings.batch_size == "auto" and settings.rows is None:  # measured after TensorFlow starts: keyed by 1 row
         settings = dataclasses.replace(settings, batch_size=1)
+    if learns_costs(settings):  # the weights too: keyed by the plan of the weights as set
+        settings = with_costs(settings, settings.token_cost, settings.attention_cost)
     buckets = build_buckets(
         manifest.frames, manifest.token_counts, cfg.n_mels, settings, manifest.schema, mel_dtype=cfg.transport.mel_dtype
     )

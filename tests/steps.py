@@ -175,3 +175,26 @@ class _MemoryBoundStep(_TinyStep):
 
 def memory_bound_step(spec: StepSpec) -> _MemoryBoundStep:
     return _MemoryBoundStep(spec)
+
+
+_TOKEN_WIDTH = 256  # features per token position of token_heavy_step
+_TOKEN_LAYERS = 8  # [B, L, 256] x [256, 256] matmuls per step: the step's time grows with B x L
+
+
+class _TokenHeavyStep(_TinyStep):
+    """``tiny_step`` plus real compute over the token axis only: its time grows with the rows and tokens, not
+    the frames (a text encoder far costlier than the mel side), so ``buckets.cost: measured`` must find tokens
+    dearer than frames."""
+
+    def __call__(self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor) -> tf.Tensor:
+        loss = super().__call__(mel, mel_len, tokens, tok_len)
+        side = _TOKEN_WIDTH
+        weight = tf.reshape(tf.tile(self.w, [side * side // self.w.shape[0] + 1])[: side * side], [side, side])
+        x = tf.cast(tokens, tf.float32)[..., None] * tf.ones([side]) * 1e-3
+        for _ in range(_TOKEN_LAYERS):
+            x = tf.tanh(tf.matmul(x, weight) + 1e-3)
+        return loss + 1e-9 * tf.reduce_mean(x)
+
+
+def token_heavy_step(spec: StepSpec) -> _TokenHeavyStep:
+    return _TokenHeavyStep(spec)

@@ -64,6 +64,7 @@ _MAX_WHY_CHARS = 300
 _JOIN_GRACE_S = 10.0  # past consumer.collective_timeout_s: TensorFlow's own join timeout goes first
 _NO_SERVER = "Could not start gRPC server"  # TensorFlow's UnknownError when its port cannot be bound
 _FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")  # an eager op's name before its reason
+_MILLI = 1000  # the planner's weights travel as integer thousandths (shared/wire/grid.py ShapeCost)
 
 
 class Job:
@@ -137,6 +138,27 @@ class Job:
         agreed = common_rows(gathered, n_buckets)
         log.info("rank %d of %d: rows by bucket %s for the job (offers: %s)", self.rank, self.world, agreed, gathered)
         return agreed
+
+    def agree_costs(self, costs: tuple[float, float] | None) -> tuple[float, float]:
+        """The planner's weights for the whole job (``buckets.cost: measured``): rank 0's, so every rank builds
+        the same plan. A collective; ``None``: this rank cannot start (it raises its own error after).
+
+        Raises:
+            ConfigError: some rank cannot start (the same line on every rank). JobLostError: a peer is gone.
+        """
+        offer = [round(c * _MILLI) for c in costs] if costs is not None else [REFUSED, REFUSED]
+        gathered = self._gather_rows(offer, "agreeing on the planner's measured weights")
+        self._refuse_with(refused_ranks(gathered), "its measured weights")
+        token, attention = (v / _MILLI for v in gathered[0])
+        log.info(
+            "rank %d of %d: token_cost %g attention_cost %g for the job (rank 0's; offers in thousandths: %s)",
+            self.rank,
+            self.world,
+            token,
+            attention,
+            gathered,
+        )
+        return token, attention
 
     def _refuse_with(self, refused: list[int], what: str) -> None:
         others = [rank for rank in refused if rank != self.rank]

@@ -250,6 +250,7 @@ def read_run_identity(root: Path) -> dict[str, Any]:
 
 def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[int, int] | None, str]:
     from melfeed.consumer.flow.shards import plan_for_rank
+    from melfeed.consumer.train.measure_cache import planned_settings
     from melfeed.shared.cache.manifest import load_manifest
     from melfeed.shared.config.loader import config_from_mapping
     from melfeed.shared.errors import PipelineError
@@ -266,7 +267,9 @@ def _planned_digests(root: Path, run: dict[str, Any], end: int) -> tuple[dict[in
         return None, f"plan content not checked: cache {run['cache_dir']} changed since the run (fingerprint)"
     try:
         plan = plan_for_rank(
-            build_buckets(manifest.frames, manifest.token_counts, cfg.n_mels, cfg.buckets, manifest.schema),
+            build_buckets(
+                manifest.frames, manifest.token_counts, cfg.n_mels, planned_settings(root, cfg.buckets), manifest.schema
+            ),
             manifest.fingerprint,
             cfg.seed,
             run["rank"],

@@ -18,8 +18,6 @@ Invariants: the plan stays a pure function of manifest, config and these rows; a
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -28,10 +26,17 @@ from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from melfeed.consumer.train.measure_cache import (
+    ROWS_FILE,
+    cached_entry,
+    measure_identity,
+    read_measures,
+    store_measures,
+)
 from melfeed.consumer.train.rows_search import RowsChoice, Trial, fastest_rows, largest_fitting_rows
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
-from melfeed.shared.config.loader import config_to_mapping, with_overrides
+from melfeed.shared.config.loader import with_overrides
 from melfeed.shared.errors import ConfigError, PipelineError
 from melfeed.shared.wire.buckets import BucketSet, build_buckets, one_row_settings
 
@@ -43,26 +48,13 @@ __all__ = ["CACHE_NAME", "resolve_rows", "rows_identity", "search_rows"]
 
 log = logging.getLogger(__name__)
 
-CACHE_NAME = "batch_sizes.json"  # in the state directory: {"plan_rows": [...], "entries": {identity: {"rows": ...}}}
+_WHAT = "rows"  # what the cache file's warnings say is measured again
+CACHE_NAME = ROWS_FILE  # in the state directory
 
 
 def rows_identity(cfg: PipelineConfig, fingerprint: str, device_kind: str) -> str:
-    """A digest of everything the rows depend on: the step (``model``), the bucket settings but ``rows``, the mel's
-    channels and dtype, the replicas, the memory share, the cache's fingerprint and the device kind."""
-    buckets = {k: v for k, v in config_to_mapping(cfg)["buckets"].items() if k != "rows"}
-    c = cfg.consumer
-    key = {
-        "model": config_to_mapping(cfg)["model"],
-        "buckets": buckets,
-        "n_mels": cfg.n_mels,
-        "mel_dtype": cfg.transport.mel_dtype,
-        "replicas": c.replica_count,
-        "gpu_memory_fraction": c.gpu_memory_fraction,
-        "gpu_memory_limit_mb": c.gpu_memory_limit_mb,
-        "fingerprint": fingerprint,
-        "device": device_kind,
-    }
-    return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
+    """A digest of everything the rows depend on (``measure_identity``: every bucket setting but ``rows``)."""
+    return measure_identity(cfg, fingerprint, device_kind, ("rows",))
 
 
 def device_kind() -> tuple[str, bool]:
@@ -91,7 +83,11 @@ def resolve_rows(
     n = len(shapes.buckets)
     path = state.root / CACHE_NAME if state is not None else None
     entry: tuple[str, dict[str, Any]] | None = None
-    rows = _valid_rows(_read(path).get("plan_rows"), n) if path is not None and state and state.next_batch else None
+    rows = (
+        _valid_rows(read_measures(path, _WHAT).get("plan_rows"), n)
+        if path is not None and state and state.next_batch
+        else None
+    )
     if rows is not None:  # a resumed plan keeps its rows, whatever device it resumes on
         log.info(
             "buckets.batch_size auto: rows by bucket %s from %s (the plan's, resuming at batch %d; no search)",
@@ -222,18 +218,6 @@ def _memory_limit_bytes(cfg: PipelineConfig) -> int | None:
     return int(c.gpu_memory_fraction * total)
 
 
-def _read(path: Path) -> dict[str, Any]:
-    """The cache file's content ({} when absent or damaged: the rows are searched again)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as err:
-        log.warning("ignoring %s (%s): the rows are searched again", path, err)
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _valid_rows(value: object, n_buckets: int) -> list[int] | None:
     if isinstance(value, list) and len(value) == n_buckets and all(type(r) is int and r >= 1 for r in value):
         return list(value)
@@ -241,25 +225,10 @@ def _valid_rows(value: object, n_buckets: int) -> list[int] | None:
 
 
 def _cached(path: Path | None, identity: str, n_buckets: int) -> list[int] | None:
-    entries = _read(path).get("entries") if path is not None else None
-    entry = entries.get(identity) if isinstance(entries, dict) else None
-    return _valid_rows(entry.get("rows"), n_buckets) if isinstance(entry, dict) else None
+    entry = cached_entry(path, identity, _WHAT)
+    return _valid_rows(entry.get("rows"), n_buckets) if entry is not None else None
 
 
 def _store(path: Path, *, plan_rows: list[int], entry: tuple[str, dict[str, Any]] | None = None) -> None:
-    """Record the rows the plan is built with (and a measured ``entry``: identity, content), atomically: temp file,
-    rename; 0640 like the state directory's other files."""
-    from melfeed.consumer.resume.filemode import write_private
-
-    data = _read(path)
-    found = data.get("entries")
-    entries: dict[str, Any] = found if isinstance(found, dict) else {}
-    if entry is not None:
-        entries[entry[0]] = entry[1]
-    tmp = path.with_suffix(".tmp")
-    try:
-        text = json.dumps({"plan_rows": plan_rows, "entries": entries}, indent=1, sort_keys=True) + "\n"
-        write_private(tmp, text.encode())
-        os.replace(tmp, path)
-    except OSError as err:  # not fatal: the next start searches again
-        log.warning("cannot write %s: %s; a restart searches the rows again", path, err.strerror)
+    """Record the rows the plan is built with (and a measured ``entry``: identity, content)."""
+    store_measures(path, _WHAT, "plan_rows", plan_rows, entry)

@@ -20,13 +20,13 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from melfeed.consumer.train.preflight import is_out_of_memory
 from melfeed.consumer.train.rows_search import Trial
-from melfeed.consumer.train.warm_batches import sample_batch
+from melfeed.consumer.train.warm_batches import read_sample_batch, sample_batch
 from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.config import PipelineConfig
 from melfeed.shared.wire.buckets import Bucket, BucketSet
@@ -35,6 +35,7 @@ __all__ = ["StepTrials"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _TIMED_STEPS = 3  # per trial after the compiling one; the median ignores one outlier (a GC pause)
 
 
@@ -86,22 +87,25 @@ class StepTrials:
 
     def __call__(self, bucket: Bucket, rows: int) -> Trial:
         """One trial: ``bucket``'s shape at ``rows`` rows (on the CPU in graph mode, or as configured if that fails)."""
+        return self._graph_or_configured(lambda: self._trial(bucket, rows))
+
+    def _graph_or_configured(self, trial: Callable[[], _T]) -> _T:
+        """``trial()`` in the trials' mode; a step that fails in graph mode on the CPU is tried again (and every
+        later trial compiled) as ``model.jit_compile`` says."""
         from melfeed.shared.errors import StepError
 
         with _quiet_compiles():
             try:
-                return self._trial(bucket, rows)
+                return trial()
             except StepError:
                 if self._jit is not False or self.on_gpu or self._configured is False:
                     raise
-                log.info("auto rows: the step fails in graph mode; trials compile as model.jit_compile says")
+                log.info("step trials: the step fails in graph mode; trials compile as model.jit_compile says")
                 self._jit = self._configured
-                return self._trial(bucket, rows)
+                return trial()
 
     def _trial(self, bucket: Bucket, rows: int) -> Trial:
         import tensorflow as tf
-
-        from melfeed.consumer.train.step import CompiledStep
 
         shaped = dataclasses.replace(bucket, batch_size=rows)
         batch = sample_batch(self._set, self._manifest, shaped)
@@ -109,16 +113,7 @@ class StepTrials:
         if self.on_gpu:
             tf.config.experimental.reset_memory_stats("GPU:0")
         try:
-            compiled = CompiledStep(
-                self._step,
-                [shaped.shapes()],
-                jit_compile=self._jit,
-                factory=self._cfg.model.step,
-                remembered="xla" if self._jit == "auto" else None,
-                replicas=self._replicas,
-                extras=self._manifest.schema.extras,
-                mel_dtype=self._cfg.transport.mel_dtype,
-            )
+            compiled = self._compiled(shaped)
             compiled.warm_up([batch])
             self._jit = compiled.mode == "xla"  # the next trials compile in the mode this one settled
             if self.on_gpu:
@@ -133,6 +128,58 @@ class StepTrials:
             raise
         log.debug("auto rows: bucket %d rows=%d step_ms=%.1f", bucket.index, rows, 1000 * step_s)
         return Trial(rows, True, step_s=step_s)
+
+    def time_shapes(self, shapes: Sequence[tuple[Bucket, Sequence[int]]], rounds: int) -> list[float]:
+        """Median seconds per step at each ``(bucket, samples)`` shape (its rows; the samples repeated to fill them),
+        on any device (``buckets.cost: measured``'s probes): every program compiled and warmed first, then
+        ``rounds`` rounds of one step of each in turn, so a change of load on the machine touches every shape
+        alike. The variables are restored. Errors propagate."""
+        import tensorflow as tf
+
+        from melfeed.consumer.train.outputs import read_outputs
+
+        batches = [read_sample_batch(self._manifest, bucket, samples) for bucket, samples in shapes]
+        self.trials_run += len(shapes)
+
+        def warmed() -> list[Any]:
+            programs = []
+            for (bucket, _), batch in zip(shapes, batches):
+                compiled = self._compiled(bucket)
+                compiled.warm_up([batch])
+                self._jit = compiled.mode == "xla"
+                programs.append(compiled)
+            return programs
+
+        programs = self._graph_or_configured(warmed)
+        tensors = [{k: tf.constant(v) for k, v in batch.arrays.items()} for batch in batches]
+        variables = self._step.variables()
+        saved = [v.numpy() for v in variables]
+        times: list[list[float]] = [[] for _ in shapes]
+        try:
+            for _ in range(rounds):
+                for k, (compiled, arrays) in enumerate(zip(programs, tensors)):
+                    t0 = time.perf_counter()
+                    read_outputs(compiled.run(0, arrays))
+                    times[k].append(time.perf_counter() - t0)
+        finally:
+            for var, value in zip(variables, saved):
+                var.assign(value)
+        return [float(statistics.median(t)) for t in times]
+
+    def _compiled(self, shaped: Bucket) -> Any:
+        """A program of ``shaped``'s shape and rows in the trials' mode (not compiled until its first step)."""
+        from melfeed.consumer.train.step import CompiledStep
+
+        return CompiledStep(
+            self._step,
+            [shaped.shapes()],
+            jit_compile=self._jit,
+            factory=self._cfg.model.step,
+            remembered="xla" if self._jit == "auto" else None,
+            replicas=self._replicas,
+            extras=self._manifest.schema.extras,
+            mel_dtype=self._cfg.transport.mel_dtype,
+        )
 
     def _time(self, compiled: Any, arrays: dict[str, Any]) -> float:
         """Median seconds of ``_TIMED_STEPS`` steps, each ending in a host read; the variables are restored."""

@@ -34,7 +34,7 @@ from melfeed.shared.cache.manifest import Manifest
 from melfeed.shared.wire.buckets import Bucket, BucketSet
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
-__all__ = ["WarmBatch", "sample_batch", "warm_batches"]
+__all__ = ["WarmBatch", "read_sample_batch", "sample_batch", "warm_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ def sample_batch(bucket_set: BucketSet, manifest: Manifest, bucket: Bucket) -> W
     longest_first = members[np.argsort(-np.asarray(manifest.frames)[members], kind="stable")]
     samples = tuple(int(m) for m in np.resize(longest_first, bucket.batch_size)) if members.size else ()
     return _read(manifest, bucket, None, samples)
+
+
+def read_sample_batch(manifest: Manifest, bucket: Bucket, samples: Sequence[int]) -> WarmBatch:
+    """A batch of ``bucket``'s shape from ``samples`` (each fits it), repeated to fill its rows."""
+    return _read(manifest, bucket, None, tuple(int(m) for m in np.resize(np.asarray(samples), bucket.batch_size)))
 
 
 def _first_full_of_each_bucket(plan: EpochPlan, start_batch: int, batch_rows: Sequence[int]) -> dict[int, PlannedBatch]:
