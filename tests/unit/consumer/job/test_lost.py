@@ -8,7 +8,7 @@ import socket
 import pytest
 import tensorflow as tf
 
-from melfeed.consumer.job.agree import job_settings, offer_row, settings_row
+from melfeed.consumer.job.agree import REFUSED, job_settings, offer_row, settings_row
 from melfeed.consumer.job.cluster import Job, lost_contact_error, server_error
 from melfeed.shared.config.loader import config_from_mapping
 from melfeed.shared.errors import ConfigError, JobLostError, StepError
@@ -160,3 +160,24 @@ def test_the_job_bounds_are_checked_when_the_config_loads(key: str, value: objec
         config_from_mapping({"consumer": {key: value}})
     c = config_from_mapping({"consumer": {"peer_timeout_s": 5, "collective_timeout_s": 60}}).consumer
     assert (c.peer_timeout_s, c.collective_timeout_s) == (5.0, 60.0)
+
+
+def test_every_rank_plans_with_rank_0s_measured_weights_and_stops_with_one_that_refuses() -> None:
+    """``buckets.cost: measured``: the weights travel as thousandths (faked gather: rank 0's row, then ours)."""
+    job = Job(WorkerPlace(rank=1, world=2), None, config_from_mapping({}))
+    rank0 = [250, 4]
+    offered: list[list[int]] = []
+
+    def gather(row: list[int], doing: str) -> list[list[int]]:
+        offered.append(row)
+        return [rank0, row]
+
+    job._gather_rows = gather  # type: ignore[method-assign]
+    assert job.agree_costs((0.3, 0.005)) == (0.25, 0.004)
+    assert offered[-1] == [300, 5]
+    rank0 = [REFUSED, REFUSED]  # rank 0 could not measure
+    with pytest.raises(ConfigError, match=r"^rank 0 of the job refused to start \(its measured weights;"):
+        job.agree_costs((0.3, 0.005))
+    with pytest.raises(ConfigError):
+        job.agree_costs(None)
+    assert offered[-1] == [REFUSED, REFUSED]
