@@ -174,7 +174,19 @@ def _resolve(args: argparse.Namespace) -> PipelineConfig:
         cfg = with_overrides(cfg, {"cache_dir": str(cache)})
     if cfg.cache_dir is None:
         raise ConfigError("is required (--cache-dir, --demo, or cache_dir in the config)", path=("cache_dir",))
-    return with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
+    cfg = with_overrides(cfg, {"cache_dir": str(resolve_path(cfg.cache_dir, ("cache_dir",)))})
+    return _as_planned(cfg)
+
+
+def _as_planned(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` with the weights and rows the consumer measured (``cost: measured``, ``batch_size: auto``) from its
+    state directory, where it has them: doctor then checks the plan that consumer trains on."""
+    from melfeed.consumer.train.measure_cache import planned_settings
+
+    state_dir = cfg.consumer.state_dir
+    if state_dir is None or not Path(state_dir).is_dir():
+        return cfg
+    return dataclasses.replace(cfg, buckets=planned_settings(Path(state_dir), cfg.buckets))
 
 
 def _padding_alternatives(cfg: PipelineConfig, frames: Any, tokens: Any) -> tuple[tuple[int, float], ...]:

@@ -288,7 +288,7 @@ def build_buckets(
         raise ConfigError(
             "measured: the consumer fits token_cost and attention_cost to its step at start and producers learn "
             "them when they join; give this command the weights it chose (the consumer logs them) with "
-            "buckets.cost: formula",
+            "buckets.cost: formula, or (doctor) the consumer's consumer.state_dir",
             path=("buckets", "cost"),
             got="measured",
         )
