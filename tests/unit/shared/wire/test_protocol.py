@@ -286,3 +286,76 @@ def test_a_welcome_with_rows_of_the_wrong_type_or_range_is_refused_as_malformed(
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**raw, "rows": rows}))
     assert info.value.code == RejectCode.SCHEMA and "rows" in info.value.why
+
+
+PLAN = [[0, 16, 440, 106, 80], [1, 8, 880, 200, 80, 12]]  # [index, B, T, L, n_mels, *S]
+
+
+def test_a_learned_plan_travels_as_a_hello_without_buckets_and_a_welcome_with_costs_and_buckets() -> None:
+    hello = Hello(1, "p", "f", [], 80, 7, 3)
+    assert hello.learns_plan and not MESSAGES[0].learns_plan  # type: ignore[union-attr]
+    assert msgpack.unpackb(encode(hello))["buckets"] == [] and decode_header(encode(hello)) == hello
+    welcome = Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)
+    raw = msgpack.unpackb(encode(welcome))
+    assert (raw["costs"], raw["buckets"]) == ([0.5, 0.002], PLAN) and decode_header(encode(welcome)) == welcome
+    assert decode_header(msgpack.packb({**raw, "costs": [1, 0]})).costs == [1.0, 0.0]  # type: ignore[union-attr]
+    assert not {"costs", "buckets"} & set(msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3))))  # not asked for
+    plain = decode_header(encode(Welcome(7, 2, 0.5, False, 3)))
+    assert isinstance(plain, Welcome) and plain.costs is None and plain.buckets is None
+
+
+@pytest.mark.parametrize(
+    "costs",
+    [
+        [0.5],
+        [0.5, 0.002, 1.0],
+        [],
+        "0.5",
+        0.5,
+        None,
+        [-0.1, 0.0],
+        [1000.5, 0.0],
+        [0.5, 1.5],
+        [0.5, -1e-9],
+        [float("nan"), 0.0],
+        [float("inf"), 0.0],
+        [0.5, float("nan")],
+        [True, 0.0],
+        ["0.5", 0.0],
+        [[0.5], 0.0],
+    ],
+    ids=repr,
+)
+def test_a_welcome_with_costs_of_the_wrong_type_length_or_range_is_refused_as_malformed(costs: object) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "costs": costs}))
+    assert info.value.code == RejectCode.SCHEMA and "costs" in info.value.why
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        [],
+        "x",
+        None,
+        [[0, 16, 440, 106]],  # no n_mels
+        [[1, 16, 440, 106, 80]],  # index not its position
+        [[0, 16, 440, 106, 80], [0, 8, 880, 200, 80]],
+        [[0, 0, 440, 106, 80]],  # no rows
+        [[0, 16, -440, 106, 80]],
+        [[0, 16, 440, 2**31, 80]],
+        [[0, 16, 440, 106, 80, 0]],  # a sequence length of 0
+        [[0, 16, 440, 106, 80, *[1] * 65]],  # more sequence lengths than a batch has arrays
+        [[0, 16.0, 440, 106, 80]],
+        [[0, True, 440, 106, 80]],
+        [[0, "16", 440, 106, 80]],
+        [16, 440],
+    ],
+    ids=repr,
+)
+def test_a_welcome_with_buckets_of_the_wrong_type_length_or_range_is_refused_as_malformed(buckets: object) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "buckets": buckets}))
+    assert info.value.code == RejectCode.SCHEMA and "buckets" in info.value.why
