@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from melfeed.shared.errors import ProtocolError
 from melfeed.shared.wire.protocol import (
@@ -359,3 +361,30 @@ def test_a_welcome_with_buckets_of_the_wrong_type_length_or_range_is_refused_as_
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**raw, "buckets": buckets}))
     assert info.value.code == RejectCode.SCHEMA and "buckets" in info.value.why
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=6),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    costs=_VALUES | st.lists(st.floats(-1.0, 1001.0) | st.integers(-1, 1001), min_size=2, max_size=2),
+    buckets=_VALUES | st.lists(st.lists(st.integers(-1, 2), min_size=5, max_size=6), min_size=1, max_size=2),
+)
+def test_any_costs_and_buckets_in_a_welcome_decode_to_a_valid_plan_or_a_schema_refusal(
+    costs: object, buckets: object
+) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3)))
+    try:
+        msg = decode_header(msgpack.packb({**raw, "costs": costs, "buckets": buckets}))
+    except ProtocolError as err:
+        assert err.code == RejectCode.SCHEMA
+        return
+    assert isinstance(msg, Welcome) and msg.costs is not None and msg.buckets is not None
+    token_cost, attention_cost = msg.costs
+    assert 0.0 <= token_cost <= 1000.0 and 0.0 <= attention_cost <= 1.0
+    assert msg.buckets and all(b[0] == k and len(b) >= 5 and min(b[1:]) >= 1 for k, b in enumerate(msg.buckets))
