@@ -44,10 +44,8 @@ def _wire(costs: tuple[float, float], rows: list[int]) -> list[list[int]]:
     return [[b.index, r, *b.as_wire()[2:]] for b, r in zip(PLANS[costs], rows)]
 
 
-def _welcome(
-    s: ProducerSession, epoch: int, costs: list[float] | None, buckets: list[list[int]] | None, **fields: object
-) -> Welcome:
-    return dataclasses.replace(Welcome(epoch, 2, HB_S, False, s.hello().nonce, None, None, costs, buckets), **fields)
+def _welcome(s: ProducerSession, epoch: int, costs: list[float] | None, buckets: list[list[int]] | None) -> Welcome:
+    return Welcome(epoch, 2, HB_S, False, s.hello().nonce, None, None, costs, buckets)
 
 
 def _started(clock: FakeClock, planner: FakePlanner) -> ProducerSession:

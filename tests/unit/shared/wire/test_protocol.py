@@ -295,7 +295,7 @@ PLAN = [[0, 16, 440, 106, 80], [1, 8, 880, 200, 80, 12]]  # [index, B, T, L, n_m
 
 def test_a_learned_plan_travels_as_a_hello_without_buckets_and_a_welcome_with_costs_and_buckets() -> None:
     hello = Hello(1, "p", "f", [], 80, 7, 3)
-    assert hello.learns_plan and not MESSAGES[0].learns_plan  # type: ignore[union-attr]
+    assert hello.learns_plan and not Hello(1, "p", "f", [[0, 32, 440, 106, 80]], 80, 7, 3).learns_plan
     assert msgpack.unpackb(encode(hello))["buckets"] == [] and decode_header(encode(hello)) == hello
     welcome = Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)
     raw = msgpack.unpackb(encode(welcome))

@@ -5,6 +5,7 @@ included) and the cost weights that planned them."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_the_plan_goes_to_the_producer_that_asked_and_the_default_weights_are_se
     [("fingerprint", "cd" * 32), ("n_mels", BUCKET.n_mels + 1), ("seed", 43), ("mel_dtype", "float16")],
 )
 def test_a_producer_learning_the_plan_is_still_refused_for_any_other_contract_difference(
-    field: str, value: object
+    field: str, value: Any
 ) -> None:
     rig = Rig(contract=MEASURED)
     decision = rig.hello(A, buckets=[], **{field: value})
