@@ -149,7 +149,8 @@ def test_a_restarted_consumer_with_other_weights_reshapes_the_batches_of_its_epo
         welcome = Welcome(9, 2, HB_S, False, worker.session.hello().nonce, None, None, [1.0, 0.0], [plan[0].as_wire()])
         dealer.push(welcome, LeaseGrant(9, [Lease(6, 0, [12, 13], 5.0)], 1))
 
-    script = [lambda d: d.push(Heartbeat(9)), restarted, lambda _: stop.set()]  # one step per idle poll
+    # One step per idle poll: the consumer restarts (a heartbeat of a new epoch), answers the new HELLO, then stop.
+    script: list[Callable[[FakeDealer], None]] = [lambda d: d.push(Heartbeat(9)), restarted, lambda _: stop.set()]
     dealer = FakeDealer(clock, on_idle=lambda d: script.pop(0)(d))
     first = plans[(0.5, 0.002)]
     welcome = dataclasses.replace(_welcome(worker), costs=[0.5, 0.002], buckets=[first[0].as_wire()])
