@@ -123,7 +123,12 @@ class Consumer:
             memory=self._shm,
         )
         contract = HandshakeContract(
-            self._manifest.fingerprint, self._bucket_set.as_wire(), cfg.n_mels, cfg.seed, t.mel_dtype
+            self._manifest.fingerprint,
+            self._bucket_set.as_wire(),
+            cfg.n_mels,
+            cfg.seed,
+            t.mel_dtype,
+            (cfg.buckets.token_cost, cfg.buckets.attention_cost),
         )
         session = ReceiverSessionConfig.from_transport(t, contract, self._run_id, checksum)
         receiving = ReceiverConfig(

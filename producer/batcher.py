@@ -8,6 +8,7 @@ and the batch is built there instead: no send buffer at all. The cache's extra a
 schema, ``shared/wire/schema.py``) are read the same way, row by row into their place
 (``producer/extra_reader.py``), a sequence extra's length into ``<name>_len``. Given a packed cache
 (``pack``, ``producer/pack/reader.py``), a row's arrays come from it instead (copied out of its mapping), same bytes.
+No ``bucket_set`` (a producer that learns its plan in the handshake): no shapes until ``use_buckets``.
 Invariant: at most ``max_buffers`` buffers per bucket exist; a build never blocks longer than
 ``reuse_timeout_s`` waiting for one.
 Quarantine (``bad_sample_policy="quarantine"``): a row whose file is bad is left empty (length 0)
@@ -32,7 +33,7 @@ from melfeed.producer.batch_rows import RowBytes, zero_bytes
 from melfeed.producer.extra_reader import ExtraReader
 from melfeed.producer.reader import CacheReader, TransientReadError
 from melfeed.shared.errors import CacheError
-from melfeed.shared.wire.buckets import BucketSet, apply_rows
+from melfeed.shared.wire.buckets import Bucket, BucketSet, apply_rows
 from melfeed.shared.wire.layout import aligned_buffer, batch_layout, layout_nbytes, layout_views
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class BatchAssembler:
     def __init__(
         self,
         reader: CacheReader,
-        bucket_set: BucketSet,
+        bucket_set: BucketSet | None,
         *,
         max_buffers: int = 4,
         reuse_timeout_s: float = 1.0,
@@ -80,32 +81,38 @@ class BatchAssembler:
         self._extras = (
             ExtraReader(reader.manifest, getattr(reader, "open_files", None)) if reader.manifest.extras else None
         )
-        self._buckets = bucket_set.buckets
-        self._layouts = {b.index: batch_layout(b) for b in self._buckets}
-        # One zero buffer as long as the longest row of any array: padding tails are copied from it.
-        self._zeros = zero_bytes(
-            max(
-                int(np.prod(shape[1:])) * dtype.itemsize
-                for layout in self._layouts.values()
-                for _, _, shape, dtype in layout
-            )
-        )
         self._length_keys = tuple(s.length_key for s in self._extras.specs) if self._extras is not None else ()
-        self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in self._buckets}
+        self.use_buckets(bucket_set.buckets if bucket_set is not None else ())
         self._max_buffers = max_buffers
         self._reuse_timeout_s = reuse_timeout_s
         self._policy = bad_sample_policy
         self._quarantined_ids: set[int] = set()  # warned about once each; repeats log at DEBUG
         self.read_s_total = 0.0  # seconds in the cache reads (the producer's stage counters)
 
-    def use_rows(self, rows: list[int]) -> None:
-        """Build every bucket with ``rows`` rows from now on (learned in the handshake): the pools start empty.
+    def use_buckets(self, buckets: tuple[Bucket, ...]) -> None:
+        """Build these shapes from now on (a plan learned in the handshake): the pools start empty.
 
         A buffer ZeroMQ still sends stays alive with its frames; none is reused for the new shapes.
         """
-        self._buckets = apply_rows(self._buckets, rows)
-        self._layouts = {b.index: batch_layout(b) for b in self._buckets}
-        self._pools = {b.index: [] for b in self._buckets}
+        self._buckets = buckets
+        self._layouts = {b.index: batch_layout(b) for b in buckets}
+        # One zero buffer as long as the longest row of any array: padding tails are copied from it.
+        self._zeros = zero_bytes(
+            max(
+                (
+                    int(np.prod(shape[1:])) * dtype.itemsize
+                    for layout in self._layouts.values()
+                    for _, _, shape, dtype in layout
+                ),
+                default=0,
+            )
+        )
+        self._pools: dict[int, list[_Buffer]] = {b.index: [] for b in buckets}
+
+    def use_rows(self, rows: list[int]) -> None:
+        """Build every bucket with ``rows`` rows from now on (learned in the handshake): ``use_buckets`` of the same
+        shapes with those rows."""
+        self.use_buckets(apply_rows(self._buckets, rows))
 
     def build(
         self,

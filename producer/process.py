@@ -5,7 +5,8 @@ sets ``CUDA_VISIBLE_DEVICES`` to the data GPU (in PCI bus order, ``shared/gpu_se
 import a
 framework, loads the manifest, derives the bucket shapes (the
 consumer checks them in HELLO; under ``buckets.batch_size: auto`` without ``buckets.rows`` each bucket's rows come
-from the consumer's WELCOME) and runs ``ProducerWorker`` until SIGTERM (or, under
+from the consumer's WELCOME; under ``buckets.cost: measured`` there are none until a WELCOME gives the weights, and
+``producer/learned_plan.py`` plans them then) and runs ``ProducerWorker`` until SIGTERM (or, under
 ``producer.exit_at_plan_end``, until the consumer's plan ended).
 Exit codes: 0 clean stop or plan ended, 78 configuration/contract error (no restart), 1 unexpected error.
 """
@@ -136,6 +137,7 @@ def _build_worker(
     cfg: PipelineConfig, index: int, debug_delay_s: float, on_tick: Callable[[ProducerWorker], None] | None = None
 ) -> ProducerWorker:
     from melfeed.producer.batcher import BatchAssembler
+    from melfeed.producer.learned_plan import CostPlanner
     from melfeed.producer.pack.reader import open_pack_reader
     from melfeed.producer.reader import CacheReader
     from melfeed.producer.session import ProducerSessionConfig
@@ -145,20 +147,37 @@ def _build_worker(
     from melfeed.shared.config import check_transport_mode
     from melfeed.shared.errors import ConfigError
     from melfeed.shared.service.lifecycle import resolve_endpoint
-    from melfeed.shared.wire.buckets import build_buckets, learns_rows, one_row_settings
+    from melfeed.shared.wire.buckets import build_buckets, learns_costs, learns_rows, one_row_settings
     from melfeed.shared.wire.curve import client_keys_for
 
     if cfg.cache_dir is None:
         raise ConfigError("is required for producers", path=("cache_dir",))
     manifest = load_manifest_for(cfg, feeds_model=False)  # refuses a config whose features differ from the cache
     learns = learns_rows(cfg.buckets)  # auto without rows: the shapes now, each bucket's rows from the WELCOME
-    bucket_set = build_buckets(
-        manifest.frames,
-        manifest.token_counts,
-        cfg.n_mels,
-        one_row_settings(cfg.buckets) if learns else cfg.buckets,
-        manifest.schema,
-        mel_dtype=cfg.transport.mel_dtype,
+    # measured costs: no shapes until a WELCOME gives the weights (the session plans them with ``planner`` then)
+    planner = (
+        CostPlanner(
+            manifest.frames,
+            manifest.token_counts,
+            cfg.n_mels,
+            cfg.buckets,
+            manifest.schema,
+            mel_dtype=cfg.transport.mel_dtype,
+        )
+        if learns_costs(cfg.buckets)
+        else None
+    )
+    bucket_set = (
+        build_buckets(
+            manifest.frames,
+            manifest.token_counts,
+            cfg.n_mels,
+            one_row_settings(cfg.buckets) if learns else cfg.buckets,
+            manifest.schema,
+            mel_dtype=cfg.transport.mel_dtype,
+        )
+        if planner is None
+        else None
     )
     reader = CacheReader(manifest, open_files=cfg.producer.open_files, mel_dtype=cfg.transport.mel_dtype)
     fault_dir = _fault_dir()
@@ -187,7 +206,7 @@ def _build_worker(
         f"{name}-{index}",
         endpoint,
         manifest.fingerprint,
-        bucket_set.as_wire(learn_rows=learns),
+        bucket_set.as_wire(learn_rows=learns) if bucket_set is not None else [],
         cfg.n_mels,
         cfg.seed,
         heartbeat_interval_s=t.heartbeat_interval_s,
@@ -197,7 +216,9 @@ def _build_worker(
         mel_dtype=t.mel_dtype,
         max_rows=cfg.buckets.max_batch_size,
     )
-    return ProducerWorker(WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps, on_tick=on_tick)
+    return ProducerWorker(
+        WorkerConfig(endpoint, session, debug_delay_s, curve), assembler, slot_maps, on_tick=on_tick, planner=planner
+    )
 
 
 def _fault_dir() -> Path | None:

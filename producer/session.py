@@ -14,6 +14,12 @@ Learned rows (``buckets.batch_size: auto`` without ``buckets.rows``): HELLO send
 (``buckets.max_batch_size``); those are ``rows`` until we leave that epoch, and the next epoch's WELCOME sets them
 anew (a restarted consumer may have measured others). A WELCOME without them, or with rows of another length or
 above ``max_rows``, is a consumer this producer cannot build for: exit 78, nothing joined.
+Learned plan (``buckets.cost: measured``): HELLO has no buckets, and the WELCOME of a new epoch must carry the weights
+(``costs``) and the consumer's shapes (``buckets``, rows included); the injected planner
+(``producer/learned_plan.py``) plans ours with those weights, and only shapes equal to the consumer's are adopted
+(``buckets``) until we leave that epoch; the next epoch's WELCOME plans anew (a restarted consumer may have measured
+other weights). A WELCOME without them, or whose shapes are not the ones we plan with its weights, is refused: exit 78
+with one line naming both, nothing joined.
 Join nonce: every HELLO of one join carries the same random nonce, and leaving ACTIVE (dropping the
 leases) draws a new one. So a HELLO repeated before the consumer's WELCOME arrived (a loaded machine)
 is answered again with our leases kept, while a join after we dropped ours makes the consumer return
@@ -33,13 +39,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import reprlib
 import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from melfeed.shared.errors import EXIT_CONFIG
+from melfeed.shared.errors import EXIT_CONFIG, ConfigError
 from melfeed.shared.printable import escape_line
+from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
     FATAL_REJECTS,
@@ -57,7 +65,7 @@ from melfeed.shared.wire.protocol import (
     Welcome,
 )
 
-__all__ = ["ProducerSessionConfig", "BuildOrder", "ProducerSession", "failure_reason", "random_nonce"]
+__all__ = ["ProducerSessionConfig", "BuildOrder", "Planner", "ProducerSession", "failure_reason", "random_nonce"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +73,11 @@ _WAITING_WARN_S = 10.0  # warn when no consumer answered for this long (silent c
 _FIRST_BACKOFF_S = 0.1
 _MIN_POLL_S = 0.001  # the worker's poll granularity (ZeroMQ polls in whole milliseconds)
 _MAX_MISSING_FILES = 3  # more consecutive missing slot files: shm_dir is not visible here, use payload frames
+_SHAPES = reprlib.Repr()  # a refused plan's shapes on one bounded line (a WELCOME may list many)
+_SHAPES.maxlist, _SHAPES.maxlevel = 16, 3
+
+# Our shapes planned with a WELCOME's (token_cost, attention_cost) and its row counts (``CostPlanner``).
+Planner = Callable[[tuple[float, float], list[int]], tuple[Bucket, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +87,7 @@ class ProducerSessionConfig:
     producer_id: str  # stable name (``producer-3``)
     endpoint: str  # the consumer's, for log lines only: the session never connects
     fingerprint: str  # the manifest's
-    buckets: list[list[int]]  # ``BucketSet.as_wire()``
+    buckets: list[list[int]]  # ``BucketSet.as_wire()``; [] = learn the consumer's plan (``learns_plan``)
     n_mels: int
     seed: int
     heartbeat_interval_s: float  # our HB period while ACTIVE
@@ -88,6 +101,11 @@ class ProducerSessionConfig:
     def learns_rows(self) -> bool:
         """HELLO asks the consumer for its rows (a bucket's B is ``LEARN_ROWS``): they come with the WELCOME."""
         return any(len(b) >= 2 and b[1] == LEARN_ROWS for b in self.buckets)
+
+    @property
+    def learns_plan(self) -> bool:
+        """No shapes (``buckets.cost: measured``): HELLO asks for the consumer's plan; it comes with the WELCOME."""
+        return not self.buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +153,10 @@ class ProducerSession:
         now_s: the time the session starts (the first HELLO is due at once).
         offers_shm: HELLO offers ``CAP_SHM`` (the worker can map the consumer's slot files).
         new_nonce: draws a join nonce (tests inject a counter).
+        planner: plans our shapes with a WELCOME's weights; required when ``cfg.learns_plan``.
+
+    Raises:
+        ValueError: ``cfg.learns_plan`` without a planner.
     """
 
     def __init__(
@@ -144,8 +166,13 @@ class ProducerSession:
         *,
         offers_shm: bool = False,
         new_nonce: Callable[[], int] = random_nonce,
+        planner: Planner | None = None,
     ) -> None:
+        if cfg.learns_plan and planner is None:
+            raise ValueError("a session that learns its plan needs a planner")
         self.cfg = cfg
+        self._planner = planner
+        self._plan: tuple[Bucket, ...] | None = None  # adopted from the joined epoch's WELCOME (``learns_plan``)
         self.exit_code = 0  # non-zero: leave the loop and exit with it
         self.reason = ""  # one line, why ``exit_code`` is not 0 (for the BYE)
         self.finished = False  # the plan ended under ``exit_at_plan_end``: leave the loop, exit 0
@@ -175,6 +202,12 @@ class ProducerSession:
         """Each bucket's rows as the joined consumer gave them (``learns_rows``); ``None`` otherwise, or while
         DISCONNECTED. Every ``BuildOrder`` handed out is built with these."""
         return self._rows if self._epoch is not None else None
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...] | None:
+        """The shapes (rows included) learned from the joined consumer (``learns_plan``); ``None`` otherwise, or while
+        DISCONNECTED. Every ``BuildOrder`` handed out is built with these."""
+        return self._plan if self._epoch is not None else None
 
     @property
     def offers_shm(self) -> bool:
@@ -280,6 +313,8 @@ class ProducerSession:
             self._outbox.append(Bye(msg.epoch))
             self._joining.since_s = now_s  # it answered: not a silent endpoint
             return
+        if self.cfg.learns_plan and not self._take_plan(msg):
+            return
         if self.cfg.learns_rows and not self._take_rows(msg):
             return
         if self._epoch is not None:
@@ -311,7 +346,43 @@ class ProducerSession:
         else:
             self._rows = list(msg.rows)
             return True
-        log.error("refusing consumer epoch=%d: its WELCOME %s", msg.epoch, problem)
+        return self._refuse(msg.epoch, problem)
+
+    def _take_plan(self, msg: Welcome) -> bool:
+        """Adopt a new epoch's plan (``learns_plan``) when ours with its weights is its shapes; False after refusing."""
+        if msg.costs is None or msg.buckets is None:
+            return self._refuse(
+                msg.epoch, "carries no plan (costs and buckets), and this producer learns it (buckets.cost: measured)"
+            )
+        costs = (msg.costs[0], msg.costs[1])
+        assert self._planner is not None  # __init__ requires one with learns_plan
+        try:
+            planned = self._planner(costs, [b[1] for b in msg.buckets])
+        except ConfigError as err:
+            return self._refuse(
+                msg.epoch,
+                f"plans with token_cost {costs[0]:g} attention_cost {costs[1]:g}, and this producer cannot: {err}",
+            )
+        ours = [b.as_wire() for b in planned]
+        if ours != msg.buckets:
+            return self._refuse(
+                msg.epoch,
+                f"plans shapes {_SHAPES.repr(msg.buckets)} with token_cost {costs[0]:g} attention_cost {costs[1]:g}; "
+                f"this producer plans {_SHAPES.repr(ours)} with them (another cache, version or bucket setting)",
+            )
+        self._plan = planned
+        log.info(
+            "plan learned from consumer %d: token_cost %g attention_cost %g, %d shapes",
+            msg.epoch,
+            costs[0],
+            costs[1],
+            len(ours),
+        )
+        return True
+
+    def _refuse(self, epoch: int, problem: str) -> bool:
+        """A consumer this producer cannot build for: exit 78, nothing joined. Returns False."""
+        log.error("refusing consumer epoch=%d: its WELCOME %s", epoch, problem)
         self.exit_code = EXIT_CONFIG
         self.reason = f"the consumer's WELCOME {problem}"
         return False

@@ -40,15 +40,15 @@ class SlotMappings:
     """Bounded cache of mapped slot files, keyed by file name.
 
     Args:
-        bucket_set: the shapes a slot is laid out for (a slot file holds ``slot_nbytes_for`` them).
+        bucket_set: the shapes a slot is laid out for (a slot file holds ``slot_nbytes_for`` them); ``None``: none
+            until ``use_buckets`` (a producer that learns its plan in the handshake).
         max_mappings: most files kept mapped (about twice the consumer's ring slots).
         shm_dir: ``transport.shm_dir`` of this producer's config (``None``: derived from ``endpoint``).
         endpoint: the consumer's endpoint as this producer resolved it.
     """
 
-    def __init__(self, bucket_set: BucketSet, max_mappings: int, *, shm_dir: str | None, endpoint: str) -> None:
-        self._buckets = bucket_set.buckets
-        self._shape(self._buckets)
+    def __init__(self, bucket_set: BucketSet | None, max_mappings: int, *, shm_dir: str | None, endpoint: str) -> None:
+        self._shape(bucket_set.buckets if bucket_set is not None else ())
         self._max = max(1, max_mappings)
         self._shm_dir = shm_dir
         self._endpoint = endpoint
@@ -79,16 +79,22 @@ class SlotMappings:
     def clear(self) -> None:
         self._maps.clear()
 
-    def use_rows(self, rows: list[int]) -> None:
-        """Lay slots out for ``rows`` rows per bucket from now on (learned in the handshake; the consumer's slot files
-        are sized by its rows). Every mapping is dropped: the files of another row count are another size."""
-        self._shape(apply_rows(self._buckets, rows))
+    def use_buckets(self, buckets: tuple[Bucket, ...]) -> None:
+        """Lay slots out for these shapes from now on (a plan learned in the handshake: the consumer's slot files are
+        sized by its shapes). Every mapping is dropped: the files of another plan are another size."""
+        self._shape(buckets)
         self.clear()
 
+    def use_rows(self, rows: list[int]) -> None:
+        """Lay slots out for ``rows`` rows per bucket from now on (learned in the handshake): ``use_buckets`` of the
+        same shapes with those rows."""
+        self.use_buckets(apply_rows(self._buckets, rows))
+
     def _shape(self, buckets: tuple[Bucket, ...]) -> None:
+        self._buckets = buckets
         self._layouts = {b.index: batch_layout(b) for b in buckets}
         self._nbytes = {b.index: layout_nbytes(b) for b in buckets}
-        self._file_nbytes = slot_nbytes_for(buckets)
+        self._file_nbytes = slot_nbytes_for(buckets) if buckets else 0  # no plan yet: every file is refused
 
     def _checked_path(self, directory: str, slot: ShmSlot) -> str:
         """The slot file's path in our own shm directory, once the name and the WELCOME's directory pass."""

@@ -3,9 +3,9 @@
 The session (``producer/session.py``) decides everything about the protocol (HELLO and its back-off,
 epochs, liveness, leases, heartbeats, when to exit); this module owns the socket, the poll loop, building
 each leased batch through ``producer/batcher.py`` (into the consumer's mapped slot file on the shm
-path, else a send buffer) and sending it; with rows learned in the handshake, the buffers and slot views take the
-joined consumer's rows before its first build. ``ERR PROTO``/``ERR CONTRACT`` and a bad cache file under
-``producer.bad_samples: fail`` exit 78 so systemd does not restart the process in a loop; any other
+path, else a send buffer) and sending it; with rows or a whole plan learned in the handshake, the buffers and slot
+views take the joined consumer's rows or shapes before its first build. ``ERR PROTO``/``ERR CONTRACT`` and a bad
+cache file under ``producer.bad_samples: fail`` exit 78 so systemd does not restart the process in a loop; any other
 failure to build exits 1 (the supervisor restarts it).
 Errors cross the process boundary as data: before exiting non-zero the worker sends
 ``Bye(epoch, exit_code, "<ExceptionType>: <message>")`` so the consumer logs why (best-effort: NOBLOCK,
@@ -40,9 +40,10 @@ import zmq
 
 from melfeed.producer.batcher import BuiltBatch
 from melfeed.producer.reader import TransientReadError
-from melfeed.producer.session import BuildOrder, ProducerSession, ProducerSessionConfig
+from melfeed.producer.session import BuildOrder, Planner, ProducerSession, ProducerSessionConfig
 from melfeed.producer.slot_maps import SlotMappings
 from melfeed.shared.errors import EXIT_CONFIG, CacheError, ProtocolError
+from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.curve import ClientKeys
 from melfeed.shared.wire.protocol import BatchHeader, Message, StageCounters, Welcome, decode_header, encode
 from melfeed.shared.wire.same_host import ipc_socket_path, socket_file_problem
@@ -68,6 +69,8 @@ class BatchBuilder(Protocol):
     ) -> BuiltBatch: ...
 
     def use_rows(self, rows: list[int]) -> None: ...
+
+    def use_buckets(self, buckets: tuple[Bucket, ...]) -> None: ...
 
 
 class Dealer(Protocol):
@@ -112,6 +115,7 @@ class ProducerWorker:
             ``None`` = payload frames only. Its presence makes HELLO offer ``CAP_SHM``.
         clock: monotonic seconds (tests inject a fake).
         on_tick: called once per loop turn (bounded by the heartbeat period): sd_notify.
+        planner: plans the shapes with a WELCOME's weights (``cfg.session.learns_plan``: ``buckets.cost: measured``).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class ProducerWorker:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_tick: Callable[[ProducerWorker], None] | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.cfg = cfg
         self.endpoint = cfg.endpoint
@@ -130,7 +135,7 @@ class ProducerWorker:
         self._slot_maps = slot_maps
         self._clock = clock
         self._on_tick = on_tick
-        self.session = ProducerSession(cfg.session, clock(), offers_shm=slot_maps is not None)
+        self.session = ProducerSession(cfg.session, clock(), offers_shm=slot_maps is not None, planner=planner)
         self._sent = 0
         self._shm_sent = 0
         self._build_s = 0.0
@@ -139,6 +144,7 @@ class ProducerWorker:
         self._connected = True  # False: the loop connects before its first HELLO (``serve(connect=True)``)
         self._refusal_logged = ""  # the last refusal line logged at WARNING (repeats go to DEBUG)
         self._rows: list[int] | None = None  # learned rows the assembler and slot maps are shaped for
+        self._plan: tuple[Bucket, ...] | None = None  # the learned plan they are shaped for
 
     def close(self) -> None:
         """Release what the assembler keeps between batches (open cache files). Idempotent."""
@@ -268,8 +274,16 @@ class ProducerWorker:
             log.debug("%s", line)
         return False
 
-    def _use_learned_rows(self) -> None:
-        """Shape the send buffers and slot views for the joined consumer's rows when they are new to us."""
+    def _use_learned_shapes(self) -> None:
+        """Shape the send buffers and slot views for the joined consumer's plan or rows when they are new to us."""
+        plan = self.session.buckets
+        if plan is not None:
+            if plan != self._plan:
+                self._assembler.use_buckets(plan)
+                if self._slot_maps is not None:
+                    self._slot_maps.use_buckets(plan)
+                self._plan = plan
+            return
         rows = self.session.rows
         if rows is None or rows == self._rows:
             return
@@ -280,7 +294,7 @@ class ProducerWorker:
 
     def _build_and_send(self, sock: Dealer, order: BuildOrder) -> None:
         lease = order.lease
-        self._use_learned_rows()  # before the first build of an epoch whose WELCOME gave rows
+        self._use_learned_shapes()  # before the first build of an epoch whose WELCOME gave rows or a plan
         t0 = time.perf_counter()
         target = None
         if order.shm_dir is not None:

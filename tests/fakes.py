@@ -15,6 +15,7 @@ import zmq
 from melfeed.consumer.flow.plan import PlannedBatch
 from melfeed.consumer.observe.snapshot import GpuRow, ProducerRow, Snapshot, field_names, snapshot_dict
 from melfeed.producer.batcher import BuiltBatch
+from melfeed.shared.wire.buckets import Bucket
 from melfeed.shared.wire.layout import ARRAY_KEYS
 from melfeed.shared.wire.protocol import Message, decode_header, encode
 
@@ -165,11 +166,19 @@ class FakeAssembler:
         self.built: list[int] = []  # batch ids built
         self._shapes = {"mel": (rows, frames, n_mels), "mel_len": (rows,), "tokens": (rows, frames), "tok_len": (rows,)}
         self.rows_used: list[list[int]] = []  # each ``use_rows`` call's rows
+        self.buckets_used: list[tuple[Bucket, ...]] = []  # each ``use_buckets`` call's shapes
 
     def use_rows(self, rows: list[int]) -> None:
         self.rows_used.append(list(rows))
         r, (_, frames, n_mels) = rows[0], self._shapes["mel"]
         self._shapes = {"mel": (r, frames, n_mels), "mel_len": (r,), "tokens": (r, frames), "tok_len": (r,)}
+
+    def use_buckets(self, buckets: tuple[Bucket, ...]) -> None:
+        """Each bucket's shapes from now on (a learned plan); the fake builds every bucket as bucket 0."""
+        self.buckets_used.append(buckets)
+        b = buckets[0]
+        r, t, lt, n = b.batch_size, b.max_frames, b.max_tokens, b.n_mels
+        self._shapes = {"mel": (r, t, n), "mel_len": (r,), "tokens": (r, lt), "tok_len": (r,)}
 
     def build(
         self,

@@ -28,6 +28,9 @@ class HandshakeContract:
     n_mels: int
     seed: int
     mel_dtype: str = "float32"  # transport.mel_dtype: a producer writing the other dtype is refused
+    # [buckets.token_cost, buckets.attention_cost] the shapes were planned with (resolved: never "measured"):
+    # sent with ``buckets`` to a producer whose HELLO has none, so it plans the same shapes
+    costs: tuple[float, float] = (1.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,11 @@ message and hands it here with the time, and sends what comes back. Nothing here
 a thread or a clock (trio's and httpx's transport seam), so every rule is unit-tested with fake
 messages and a fake clock. The session owns: the handshake (HELLO: protocol version, contract, the
 CURVE user-id binding; a bucket row count of ``LEARN_ROWS`` is the one field not compared, and is answered
-with the consumer's rows in the WELCOME) and WELCOME (a HELLO repeating a peer's join nonce is answered again
-and keeps its leases; any other HELLO from a joined peer is a re-handshake that returns them); lease grants
-into free ring slots; liveness and lease deadlines (leases back to pending); the shared-memory fencing
-(``melfeed.consumer.flow.shm_leases``); duplicate and stale-epoch drops; reject counting and flood blocking;
+with the consumer's rows in the WELCOME; a HELLO with no buckets at all is answered with the consumer's shapes and
+the cost weights that planned them, every other field compared as ever) and WELCOME (a HELLO repeating a peer's
+join nonce is answered again and keeps its leases; any other HELLO from a joined peer is a re-handshake that returns
+them); lease grants into free ring slots; liveness and lease deadlines (leases back to pending); the shared-memory
+fencing (``melfeed.consumer.flow.shm_leases``); duplicate and stale-epoch drops; reject counting and flood blocking;
 BYE (with a failed producer's exit code); the end of a finite plan (every heartbeat after it says ``done``,
 and ``closing`` gives a last one to send).
 A BATCH is taken in two steps because its payload is received straight into a ring slot:
@@ -289,7 +290,8 @@ class ReceiverSession:
                 f"CURVE key {user_id!r} (ids must be {user_id}-<n>)",
             )
         c = self.cfg.contract
-        buckets, learns_rows = _fill_rows(msg.buckets, c.buckets)
+        learns_plan = msg.learns_plan  # no shapes: the WELCOME gives ours and the weights they were planned with
+        buckets, learns_rows = (c.buckets, False) if learns_plan else _fill_rows(msg.buckets, c.buckets)
         for name, theirs, ours in (
             ("manifest fingerprint", msg.fingerprint, c.fingerprint),
             ("n_mels", msg.n_mels, c.n_mels),
@@ -314,7 +316,7 @@ class ReceiverSession:
             old.last_seen_s = now_s
             self._counts["hello_repeats"] += 1
             log.debug("repeated HELLO id=%s peer=%s; answered again, leases kept", producer_id, peer_label(ident))
-            return [self._welcome(ident, old, learns_rows)]
+            return [self._welcome(ident, old, learns_rows, learns_plan)]
         if old is not None:
             self._drop_peer(ident, "re-handshake")
         info = self._peers.add(ident, producer_id, now_s, msg.nonce)
@@ -327,18 +329,31 @@ class ReceiverSession:
             peer_label(ident),
             len(self._peers),
             "shm" if info.uses_shm else "zmq",
-            " rows=learned" if learns_rows else "",
+            " rows=learned" if learns_rows else " plan=learned" if learns_plan else "",
         )
-        return [self._welcome(ident, info, learns_rows)]
+        return [self._welcome(ident, info, learns_rows, learns_plan)]
 
-    def _welcome(self, ident: bytes, info: PeerInfo, learns_rows: bool) -> Outgoing:
-        """The WELCOME for a HELLO that passed; ``learns_rows``: it asked for rows, so it carries every bucket's."""
-        cfg = self.cfg
+    def _welcome(self, ident: bytes, info: PeerInfo, learns_rows: bool, learns_plan: bool) -> Outgoing:
+        """The WELCOME for a HELLO that passed; ``learns_rows``: it asked for rows, so it carries every bucket's;
+        ``learns_plan``: it had no shapes, so it carries ours (rows included) and the weights that planned them."""
+        cfg, c = self.cfg, self.cfg.contract
         shm_dir = self._shm.directory if info.uses_shm else None
-        rows = [b[1] for b in cfg.contract.buckets] if learns_rows else None
+        rows = [b[1] for b in c.buckets] if learns_rows else None
+        costs = [*c.costs] if learns_plan else None
+        buckets = [list(b) for b in c.buckets] if learns_plan else None
         return Outgoing(
             ident,
-            Welcome(self.run_id, self._book.window, cfg.heartbeat_interval_s, cfg.checksum, info.nonce, shm_dir, rows),
+            Welcome(
+                self.run_id,
+                self._book.window,
+                cfg.heartbeat_interval_s,
+                cfg.checksum,
+                info.nonce,
+                shm_dir,
+                rows,
+                costs,
+                buckets,
+            ),
         )
 
     def _on_bye(self, ident: bytes, peer: PeerInfo, msg: Bye) -> None:

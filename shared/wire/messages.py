@@ -78,12 +78,16 @@ FATAL_REJECTS = frozenset({RejectCode.PROTO, RejectCode.CONTRACT})  # retrying c
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """P->C: who I am and what data contract I was configured with."""
+    """P->C: who I am and what data contract I was configured with.
+
+    No ``buckets`` (an empty list) asks for the consumer's whole plan: a producer under ``buckets.cost: measured``
+    has no shapes until the WELCOME gives the weights (``costs``) and the shapes they make (``buckets``).
+    """
 
     proto: int
     producer_id: str
     fingerprint: str
-    buckets: list[list[int]]  # ``BucketSet.as_wire()``: [index, B, T, L, n_mels, *S]; B may be LEARN_ROWS
+    buckets: list[list[int]]  # ``BucketSet.as_wire()``: [index, B, T, L, n_mels, *S]; B may be LEARN_ROWS; [] = learn
     n_mels: int
     seed: int
     # Names one join of this producer: the same in every HELLO it repeats until answered, new once it
@@ -92,6 +96,11 @@ class Hello:
     nonce: int
     caps: list[str] = field(default_factory=list)  # CAP_SHM when the producer may use slot files
     mel_dtype: str = "float32"  # transport.mel_dtype; wire key ``mel``
+
+    @property
+    def learns_plan(self) -> bool:
+        """No shapes: the producer learns the consumer's plan (weights and shapes) from the WELCOME."""
+        return not self.buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,11 @@ class Welcome:
     # Every bucket's rows (index order), sent when the HELLO asked for any with LEARN_ROWS: the producer builds
     # with them for this consumer epoch. None = not sent (the HELLO named every bucket's rows).
     rows: list[int] | None = None
+    # Sent when the HELLO had no buckets (``Hello.learns_plan``), else None: the 2-D planner's weights
+    # [token_cost, attention_cost] the consumer planned with, and its shapes with their rows (``BucketSet.as_wire()``).
+    # The producer plans with those weights and joins only if its shapes are these.
+    costs: list[float] | None = None
+    buckets: list[list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

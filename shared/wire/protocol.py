@@ -76,6 +76,8 @@ _MAX_MAP = 64
 _MAX_BATCH_ARRAYS = 64  # base arrays + extras (+ their lengths) of one batch
 _MAX_SHOWN_CODE_CHARS = 40  # of an unknown reject code in the error: longer than any known one
 _MAX_ROWS = 2**31 - 1  # a WELCOME's rows: int32 on the consumer's side too (buckets.rows); the producer caps lower
+_COST_RANGES = (("token_cost", 1000.0), ("attention_cost", 1.0))  # a WELCOME's costs: buckets.* bounds, from 0
+_BUCKET_FIELDS = 5  # [index, B, T, L, n_mels] before the sequence extras' S
 
 
 def encode(msg: Message) -> bytes:
@@ -107,6 +109,10 @@ def encode(msg: Message) -> bytes:
             d["shm"] = msg.shm_dir
         if msg.rows is not None:
             d["rows"] = msg.rows
+        if msg.costs is not None:
+            d["costs"] = msg.costs
+        if msg.buckets is not None:
+            d["buckets"] = msg.buckets
     elif isinstance(msg, LeaseGrant):
         d = {
             "t": MsgKind.LEASE,
@@ -227,6 +233,39 @@ def _rows(d: dict[str, Any]) -> list[int] | None:
     return rows
 
 
+def _costs(d: dict[str, Any]) -> list[float] | None:
+    """A WELCOME's optional ``costs``: [token_cost, attention_cost], finite, in the ranges ``buckets.*`` allows."""
+    if "costs" not in d:
+        return None
+    costs = d["costs"]
+    if not isinstance(costs, list) or len(costs) != len(_COST_RANGES):
+        raise ProtocolError(RejectCode.SCHEMA, "key 'costs' must be [token_cost, attention_cost]")
+    for v, (name, top) in zip(costs, _COST_RANGES):  # inf and nan fail the range test too
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= top:
+            raise ProtocolError(RejectCode.SCHEMA, f"key 'costs': {name} must be a number in 0..{top:g}")
+    return [float(v) for v in costs]
+
+
+def _plan_buckets(d: dict[str, Any]) -> list[list[int]] | None:
+    """A WELCOME's optional ``buckets``: a non-empty list of ``[index, B, T, L, n_mels, *S]`` in index order, every
+    field but the index 1..2**31-1 (the producer compares them with its own plan)."""
+    if "buckets" not in d:
+        return None
+    buckets = d["buckets"]
+    shape = f"key 'buckets' must list [index, B, T, L, n_mels, *S] in index order, each size 1..{_MAX_ROWS}"
+    if not isinstance(buckets, list) or not buckets:
+        raise ProtocolError(RejectCode.SCHEMA, shape)
+    for k, b in enumerate(buckets):
+        b = _int_list(b, "buckets")
+        if (
+            not _BUCKET_FIELDS <= len(b) <= _BUCKET_FIELDS + _MAX_BATCH_ARRAYS
+            or b[0] != k
+            or not all(1 <= v <= _MAX_ROWS for v in b[1:])
+        ):
+            raise ProtocolError(RejectCode.SCHEMA, shape)
+    return buckets
+
+
 def _opt_int(d: dict[str, Any], key: str) -> int:
     return _get(d, key, int) if key in d else 0
 
@@ -324,6 +363,8 @@ def decode_header(raw: bytes, max_bytes: int = _MAX_HEADER_BYTES) -> Message:
             _count(d, "nonce"),
             _get(d, "shm", str) if "shm" in d else None,
             _rows(d),
+            _costs(d),
+            _plan_buckets(d),
         )
     if kind is MsgKind.LEASE:
         leases = [_decode_lease(x) for x in _get(d, "leases", list)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -101,6 +102,28 @@ def test_close_gives_back_the_kept_cache_files(cache: tuple[Manifest, BucketSet]
     assembler.close()
     assembler.close()  # idempotent
     assert len(reader._files) == 0
+
+
+def test_a_plan_learned_in_the_handshake_shapes_every_later_batch(cache: tuple[Manifest, BucketSet]) -> None:
+    manifest, _ = cache
+    assembler = BatchAssembler(CacheReader(manifest), None, max_buffers=1)  # no plan until the WELCOME
+    with pytest.raises(ValueError, match="have 0"):
+        assembler.build(0, 0, [0])
+    cfg = BucketConfig(max_shapes=2, batch_size=2)  # a 2-D plan: each shape its own T and L
+    short = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(num_buckets=1, batch_size=2))
+    longest = int(np.argmax(manifest.frames))
+    narrow = tuple(dataclasses.replace(b, max_frames=8, max_tokens=2) for b in short.buckets)  # every row cut
+    assembler.use_buckets(narrow)
+    batch = assembler.build(1, 0, [longest])
+    assert batch.arrays["mel"].shape == (2, 8, 80) and batch.arrays["tokens"].shape == (2, 2)
+    planned = build_buckets(manifest.frames, manifest.token_counts, 80, cfg).buckets
+    assembler.use_buckets(planned)  # another epoch's plan: longer rows than the last (the padding source grows)
+    k = next(b.index for b in planned if b.max_frames >= manifest.frames[longest])
+    batch = assembler.build(2, k, [longest])
+    mel = batch.arrays["mel"]
+    assert mel.shape == (2, planned[k].max_frames, 80) and batch.arrays["mel_len"][0] == manifest.frames[longest]
+    assert np.array_equal(mel[0, : manifest.frames[longest]], np.load(manifest.mel_path(longest)))
+    assert not mel[0, manifest.frames[longest] :].any() and not mel[1].any()
 
 
 def test_rows_learned_in_the_handshake_shape_every_later_batch(cache: tuple[Manifest, BucketSet]) -> None:

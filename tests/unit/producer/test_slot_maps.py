@@ -74,6 +74,21 @@ def test_learned_rows_lay_the_slots_out_as_the_consumer_sized_them(tmp_path: Pat
     slots.close()
 
 
+def test_a_learned_plan_lays_the_slots_out_as_the_consumer_sized_them(tmp_path: Path) -> None:
+    manifest = write_demo_cache(tmp_path / "cache", n_utterances=6)
+    consumers = build_buckets(manifest.frames, manifest.token_counts, 80, BucketConfig(max_shapes=2, batch_size=3))
+    slots = ShmSlots(tmp_path, 2, slot_nbytes_for(consumers.buckets), 5)
+    maps = SlotMappings(None, 4, shm_dir=str(tmp_path), endpoint=f"ipc://{tmp_path}/m.sock")  # no plan yet
+    with pytest.raises(OSError) as info:  # no plan: no slot file is the right size
+        maps.views(str(tmp_path), ShmSlot(slots.name(0), 0, 0), 0)
+    assert info.value.errno == errno.EPERM
+    maps.use_buckets(consumers.buckets)
+    last = consumers.buckets[-1]
+    views = maps.views(str(tmp_path), ShmSlot(slots.name(0), 0, 0), last.index)
+    assert views["mel"].shape == (3, last.max_frames, 80) and views["tokens"].shape == (3, last.max_tokens)
+    slots.close()
+
+
 # --- trust: what a fake consumer could name instead of its own slot file --------------------------------------
 
 NAME = "melfeed-4242-7-s0-g0"

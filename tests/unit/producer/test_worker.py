@@ -28,7 +28,7 @@ from melfeed.producer.slot_maps import SlotMappings
 from melfeed.producer.worker import ProducerWorker, WorkerConfig
 from melfeed.shared.config import BucketConfig
 from melfeed.shared.errors import CacheError
-from melfeed.shared.wire.buckets import build_buckets
+from melfeed.shared.wire.buckets import Bucket, build_buckets
 from melfeed.shared.wire.layout import slot_nbytes_for
 from melfeed.shared.wire.protocol import (
     CAP_SHM,
@@ -117,6 +117,48 @@ def test_rows_learned_in_the_welcome_shape_the_batches_before_the_first_build() 
     assert assembler.rows_used == [[3]] and assembler.built == [5, 6]  # adopted once, before the first build
     header = dealer.messages()[1]
     assert isinstance(header, BatchHeader) and header.shapes[0] == [3, 4, 3]
+
+
+def test_a_plan_learned_in_the_welcome_shapes_the_batches_before_the_first_build() -> None:
+    clock, stop = FakeClock(), threading.Event()
+    assembler = FakeAssembler()  # two rows of 4 frames: not the consumer's plan
+    planned = (Bucket(0, 3, 8, 5, 3),)
+    cfg = dataclasses.replace(SESSION, buckets=[])  # buckets.cost: measured: no shapes until the WELCOME
+    worker = ProducerWorker(WorkerConfig(cfg.endpoint, cfg), assembler, clock=clock, planner=lambda c, r: planned)
+    dealer = FakeDealer(clock, on_idle=lambda _: stop.set())
+    welcome = dataclasses.replace(_welcome(worker), costs=[0.5, 0.002], buckets=[planned[0].as_wire()])
+    dealer.push(welcome, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0), Lease(6, 0, [12], 5.0)], 1))
+    worker.serve(dealer, stop)
+    hello, header = dealer.messages()[:2]
+    assert isinstance(hello, Hello) and hello.buckets == []
+    assert assembler.buckets_used == [planned] and assembler.built == [5, 6]  # adopted once, before the first build
+    assert isinstance(header, BatchHeader) and header.shapes[0] == [3, 8, 3] and header.shapes[2] == [3, 5]
+
+
+def test_a_restarted_consumer_with_other_weights_reshapes_the_batches_of_its_epoch() -> None:
+    clock, stop = FakeClock(), threading.Event()
+    assembler = FakeAssembler()
+    plans = {(0.5, 0.002): (Bucket(0, 3, 8, 5, 3),), (1.0, 0.0): (Bucket(0, 2, 16, 6, 3),)}
+    cfg = dataclasses.replace(SESSION, buckets=[])
+    worker = ProducerWorker(
+        WorkerConfig(cfg.endpoint, cfg), assembler, clock=clock, planner=lambda costs, rows: plans[costs]
+    )
+
+    def restarted(dealer: FakeDealer) -> None:  # the next consumer answers the HELLO the worker sends now
+        plan = plans[(1.0, 0.0)]
+        welcome = Welcome(9, 2, HB_S, False, worker.session.hello().nonce, None, None, [1.0, 0.0], [plan[0].as_wire()])
+        dealer.push(welcome, LeaseGrant(9, [Lease(6, 0, [12, 13], 5.0)], 1))
+
+    # One step per idle poll: the consumer restarts (a heartbeat of a new epoch), answers the new HELLO, then stop.
+    script: list[Callable[[FakeDealer], None]] = [lambda d: d.push(Heartbeat(9)), restarted, lambda _: stop.set()]
+    dealer = FakeDealer(clock, on_idle=lambda d: script.pop(0)(d))
+    first = plans[(0.5, 0.002)]
+    welcome = dataclasses.replace(_welcome(worker), costs=[0.5, 0.002], buckets=[first[0].as_wire()])
+    dealer.push(welcome, LeaseGrant(7, [Lease(5, 0, [10, 11], 5.0)], 1))
+    worker.serve(dealer, stop)
+    headers = [m for m in dealer.messages() if isinstance(m, BatchHeader)]
+    assert [(h.epoch, h.batch_id, h.shapes[0]) for h in headers] == [(7, 5, [3, 8, 3]), (9, 6, [2, 16, 3])]
+    assert assembler.buckets_used == [first, plans[(1.0, 0.0)]] and worker.exit_code == 0
 
 
 def test_a_bad_cache_file_under_fail_sends_bye_with_78_and_the_file_then_exits_78(

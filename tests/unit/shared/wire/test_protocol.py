@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from melfeed.shared.errors import ProtocolError
 from melfeed.shared.wire.protocol import (
@@ -286,3 +288,103 @@ def test_a_welcome_with_rows_of_the_wrong_type_or_range_is_refused_as_malformed(
     with pytest.raises(ProtocolError) as info:
         decode_header(msgpack.packb({**raw, "rows": rows}))
     assert info.value.code == RejectCode.SCHEMA and "rows" in info.value.why
+
+
+PLAN = [[0, 16, 440, 106, 80], [1, 8, 880, 200, 80, 12]]  # [index, B, T, L, n_mels, *S]
+
+
+def test_a_learned_plan_travels_as_a_hello_without_buckets_and_a_welcome_with_costs_and_buckets() -> None:
+    hello = Hello(1, "p", "f", [], 80, 7, 3)
+    assert hello.learns_plan and not Hello(1, "p", "f", [[0, 32, 440, 106, 80]], 80, 7, 3).learns_plan
+    assert msgpack.unpackb(encode(hello))["buckets"] == [] and decode_header(encode(hello)) == hello
+    welcome = Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)
+    raw = msgpack.unpackb(encode(welcome))
+    assert (raw["costs"], raw["buckets"]) == ([0.5, 0.002], PLAN) and decode_header(encode(welcome)) == welcome
+    assert decode_header(msgpack.packb({**raw, "costs": [1, 0]})).costs == [1.0, 0.0]  # type: ignore[union-attr]
+    assert not {"costs", "buckets"} & set(msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3))))  # not asked for
+    plain = decode_header(encode(Welcome(7, 2, 0.5, False, 3)))
+    assert isinstance(plain, Welcome) and plain.costs is None and plain.buckets is None
+
+
+@pytest.mark.parametrize(
+    "costs",
+    [
+        [0.5],
+        [0.5, 0.002, 1.0],
+        [],
+        "0.5",
+        0.5,
+        None,
+        [-0.1, 0.0],
+        [1000.5, 0.0],
+        [0.5, 1.5],
+        [0.5, -1e-9],
+        [float("nan"), 0.0],
+        [float("inf"), 0.0],
+        [0.5, float("nan")],
+        [True, 0.0],
+        ["0.5", 0.0],
+        [[0.5], 0.0],
+    ],
+    ids=repr,
+)
+def test_a_welcome_with_costs_of_the_wrong_type_length_or_range_is_refused_as_malformed(costs: object) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "costs": costs}))
+    assert info.value.code == RejectCode.SCHEMA and "costs" in info.value.why
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        [],
+        "x",
+        None,
+        [[0, 16, 440, 106]],  # no n_mels
+        [[1, 16, 440, 106, 80]],  # index not its position
+        [[0, 16, 440, 106, 80], [0, 8, 880, 200, 80]],
+        [[0, 0, 440, 106, 80]],  # no rows
+        [[0, 16, -440, 106, 80]],
+        [[0, 16, 440, 2**31, 80]],
+        [[0, 16, 440, 106, 80, 0]],  # a sequence length of 0
+        [[0, 16, 440, 106, 80, *[1] * 65]],  # more sequence lengths than a batch has arrays
+        [[0, 16.0, 440, 106, 80]],
+        [[0, True, 440, 106, 80]],
+        [[0, "16", 440, 106, 80]],
+        [16, 440],
+    ],
+    ids=repr,
+)
+def test_a_welcome_with_buckets_of_the_wrong_type_length_or_range_is_refused_as_malformed(buckets: object) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3, None, None, [0.5, 0.002], PLAN)))
+    with pytest.raises(ProtocolError) as info:
+        decode_header(msgpack.packb({**raw, "buckets": buckets}))
+    assert info.value.code == RejectCode.SCHEMA and "buckets" in info.value.why
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=6),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    costs=_VALUES | st.lists(st.floats(-1.0, 1001.0) | st.integers(-1, 1001), min_size=2, max_size=2),
+    buckets=_VALUES | st.lists(st.lists(st.integers(-1, 2), min_size=5, max_size=6), min_size=1, max_size=2),
+)
+def test_any_costs_and_buckets_in_a_welcome_decode_to_a_valid_plan_or_a_schema_refusal(
+    costs: object, buckets: object
+) -> None:
+    raw = msgpack.unpackb(encode(Welcome(7, 2, 0.5, False, 3)))
+    try:
+        msg = decode_header(msgpack.packb({**raw, "costs": costs, "buckets": buckets}))
+    except ProtocolError as err:
+        assert err.code == RejectCode.SCHEMA
+        return
+    assert isinstance(msg, Welcome) and msg.costs is not None and msg.buckets is not None
+    token_cost, attention_cost = msg.costs
+    assert 0.0 <= token_cost <= 1000.0 and 0.0 <= attention_cost <= 1.0
+    assert msg.buckets and all(b[0] == k and len(b) >= 5 and min(b[1:]) >= 1 for k, b in enumerate(msg.buckets))

@@ -55,12 +55,13 @@ class Rig:
         start_s: float = 100.0,
         lease_expiry_limit: int = 3,
         lease_backoff_s: float = 60.0,
+        contract: HandshakeContract = CONTRACT,
     ) -> None:
         self.clock = FakeClock(start_s)
         self.ring = BatchRing(n_slots, (BUCKET,))
         self.book = LeaseBook(FakePlan(BUCKET.batch_size), 0, end_id, window, lease_timeout_s)  # type: ignore[arg-type]
         cfg = ReceiverSessionConfig(
-            CONTRACT,
+            contract,
             EPOCH,
             heartbeat_interval_s,
             liveness_s,

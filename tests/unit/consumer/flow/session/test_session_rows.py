@@ -34,11 +34,10 @@ def test_a_hello_naming_its_rows_gets_no_rows_back() -> None:
         [[0, LEARN_ROWS, *BUCKET.as_wire()[2:], 7]],  # a sequence length the consumer has not
         [[1, LEARN_ROWS, *BUCKET.as_wire()[2:]]],  # another index
         LEARNING + [[1, LEARN_ROWS, *BUCKET.as_wire()[2:]]],  # another bucket count
-        [],
         [[0, LEARN_ROWS]],
         [[0]],
     ],
-    ids=["rows", "T", "L", "n_mels", "S", "index", "count", "none", "short", "shorter"],
+    ids=["rows", "T", "L", "n_mels", "S", "index", "count", "short", "shorter"],
 )
 def test_asking_for_rows_never_skips_the_rest_of_the_shape_contract(buckets: list[list[int]]) -> None:
     rig = Rig()
