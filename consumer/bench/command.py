@@ -51,6 +51,7 @@ from melfeed.shared.config import PipelineConfig, TransportConfig, resolve_runti
 from melfeed.shared.config.loader import config_to_mapping, with_overrides
 from melfeed.shared.errors import ConfigError
 from melfeed.shared.flag_checks import check_number, check_output_file, resolve_path
+from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS
 from melfeed.shared.output_files import write_output
 from melfeed.shared.service.children import CommandChildren, Interrupted, child_env, handed_over_config, module_argv
 from melfeed.shared.service.cli import loaded_config
@@ -153,9 +154,11 @@ def _checked(pick: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def _efficiency_batches(args: argparse.Namespace) -> int:
     n = args.efficiency_batches if args.efficiency_batches is not None else _EFFICIENCY_BATCHES[bool(args.smoke)]
-    if n < 0 or (args.efficiency_only and n < 1):
+    least = FEED_EFFICIENCY_MIN_STEPS  # fewer fed steps never give a figure (docs/design.md "Feed efficiency")
+    if n < 0 or (args.efficiency_only and n < 1) or 0 < n < least:
         raise ConfigError(
-            "must be >= 1 with --efficiency-only, else >= 0 (0 = skip the section)",
+            f"must be >= {least} (feed efficiency is reported after {least} fed steps), or 0 to skip the "
+            "section (not with --efficiency-only)",
             path=("--efficiency-batches",),
             got=n,
         )

@@ -17,6 +17,7 @@ in ``finally`` (``melfeed.consumer.producer_group.stop_producers``); the tf.data
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -126,7 +127,8 @@ def run_tfdata_reference(spec: dict[str, Any], cfg: PipelineConfig) -> dict[str,
     step = build_step(cfg.model.step, StepSpec.from_config(cfg, shapes, plan.batches_per_epoch))
     compiled = CompiledStep(step, shapes, jit_compile=cfg.model.jit_compile, factory=cfg.model.step)
     packed = PackedSteps.for_buckets(compiled, bucket_set.buckets, model_device())  # the programs the loop runs
-    warm = warm_batches(plan, bucket_set, manifest, 0)  # real batches, as `run` compiles and times on
+    # real batches, as `run` compiles and times on; of the base arrays only, as the tf.data pipeline yields them
+    warm = warm_batches(plan, bucket_set, dataclasses.replace(manifest, extras=()), 0)
     packed.warm_up(step.variables(), warm)
     limit = measure_resident_limit(
         packed,

@@ -109,6 +109,11 @@ def _flags(**over: Any) -> argparse.Namespace:
             {"transport_only": True, "efficiency_only": True, "efficiency_batches": 5},
             "--transport-only: contradicts --efficiency-only: pick one",
         ),
+        (
+            {"efficiency_batches": 60},
+            "--efficiency-batches: must be >= 100 (feed efficiency is reported after 100 fed steps), or 0",
+        ),
+        ({"efficiency_only": True, "efficiency_batches": 0}, "--efficiency-batches: must be >= 100"),
         ({"output": "{tmp}"}, "--output: is a directory; name a file to write, got '{tmp}'"),
         ({"output": "{tmp}/missing/b.json"}, "--output: directory {tmp}/missing does not exist"),
     ],
