@@ -21,7 +21,7 @@ import pytest
 
 from tests import procs
 
-_MIXED_SEED = 11
+_SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "").split(",") if s]  # a failure's seed, to replay it
 # (transport.mode, producers) of each producer group of a run: one launcher each. Two of each: a producer is
 # killed only while all are up, so each data path keeps one producer feeding through kills and the freeze.
 _MIXED = (("shm", 2), ("zmq", 2))
@@ -155,20 +155,21 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
 
 
 @pytest.mark.timeout(420)  # > the run's own progress deadline (240 + 90 s per consumer kill)
+@pytest.mark.parametrize("seed", _SEEDS or [11])
 def test_chaos_with_shm_and_zmq_producers_feeding_one_consumer_applies_the_plan(
-    demo_cache: Path, tmp_path: Path
+    seed: int, demo_cache: Path, tmp_path: Path
 ) -> None:
     """Two shared-memory producers and two payload-frame producers (two launchers) feed one consumer: producers
     of each kind SIGKILLed in turn, one of each frozen past liveness and thawed, the consumer SIGKILLed and
     restarted; the audit is exact."""
-    _run(tmp_path, demo_cache, _Chaos(_MIXED_SEED, steps=240, consumer_kills=1, groups=_MIXED))
+    _run(tmp_path, demo_cache, _Chaos(seed, steps=240, consumer_kills=1, groups=_MIXED))
 
 
 @pytest.mark.slow  # one data path per run: the default lane runs both in one (the test above)
 @pytest.mark.timeout(420)  # > the run's own progress deadline (240 + 90 s per consumer kill)
 @pytest.mark.parametrize(
     ("seed", "mode"),
-    [(int(s), m) for s in os.environ.get("CHAOS_SEEDS", "11,23").split(",") if s for m in ("shm", "zmq")],
+    [(seed, mode) for seed in _SEEDS for mode in ("shm", "zmq")] or [(11, "shm"), (23, "zmq")],
 )
 def test_chaos_applied_sequence_equals_the_plan(seed: int, mode: str, demo_cache: Path, tmp_path: Path) -> None:
     """The consumer in one ``transport.mode`` (zmq: no slot files at all), all three producers in it. The default
