@@ -20,6 +20,7 @@ from tests.conftest import REPO
 
 _STEPS = 50  # the loss of the last 10 is ~0.43 of the first 10's (a fixed plan): far below the 0.8 bound
 _TIMEOUT_S = 300.0  # two TensorFlow processes on a loaded 2-core machine; a real hang only
+_DELAY_MS = "100"  # per batch: a rank trains >= 5 s, long enough to ask both ranks' `status` (~0.5 s) meanwhile
 
 
 def _tf_config(index: int) -> str:
@@ -40,9 +41,6 @@ def _env(tmp_path: Path, tf_config: str | None) -> dict[str, str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
     return env | ({"TF_CONFIG": tf_config} if tf_config is not None else {})
-
-
-_DELAY_MS = "100"  # per batch: a rank trains >= 5 s, long enough to ask both ranks' `status` (~0.5 s) meanwhile
 
 
 def _job_config(job: job_procs.Job) -> Path:
