@@ -38,6 +38,8 @@ def _fit(demo_cache: Path, state: Path, weights: Path, *extra: str) -> subproces
             *extra,
         ],
         cwd=REPO,
+        # its own runtime directory: the example's default endpoint, not another run's beside it
+        env={**os.environ, "XDG_RUNTIME_DIR": str(state.parent)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

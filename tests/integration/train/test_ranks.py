@@ -1,7 +1,9 @@
 """Two consumers as the ranks of one MultiWorkerMirroredStrategy job on this machine (loopback, CPU): each
-`melfeed run` with its own TF_CONFIG task index, state dir and producers applies its share of the
-plan to one model kept in step by the strategy, and `audit A B` is exact; a TF_CONFIG that is not a usable
-cluster is one line and exit 78. A rank killed mid-run: tests/integration/train/test_ranks_restart.py."""
+rank's `melfeed consumer` and `melfeed producer` (as its units run them, on the rank's default socket) with its
+own TF_CONFIG task index and state dir applies its share of the plan to one model kept in step by the strategy,
+and `audit A B` is exact. `melfeed run` ranks: a TF_CONFIG that is not a usable cluster is one line and exit
+78, a rank whose peers never join ends by itself, ranks whose plans differ all stop before touching their state.
+A rank killed mid-run: tests/integration/train/test_ranks_restart.py."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests import job_procs
+import yaml
+
+from tests import job_procs, procs
 from tests.conftest import REPO
 
 _STEPS = 50  # the loss of the last 10 is ~0.43 of the first 10's (a fixed plan): far below the 0.8 bound
 _TIMEOUT_S = 300.0  # two TensorFlow processes on a loaded 2-core machine; a real hang only
+_DELAY_MS = "100"  # per batch: a rank trains >= 5 s, long enough to ask both ranks' `status` (~0.5 s) meanwhile
 
 
 def _tf_config(index: int) -> str:
@@ -28,20 +33,98 @@ def _cli(*args: str, tmp_path: Path, tf_config: str | None = None) -> list[str]:
     return [sys.executable, "-m", "melfeed", *args]
 
 
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(f"{p.name}:\n{procs.tail(p)}" for p in sorted(tmp_path.glob("*.log")))
+
+
 def _env(tmp_path: Path, tf_config: str | None) -> dict[str, str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
     return env | ({"TF_CONFIG": tf_config} if tf_config is not None else {})
 
 
-def test_two_ranks_train_one_model_in_step_and_the_audit_of_both_is_exact(demo_cache: Path, tmp_path: Path) -> None:
-    """Two `run` processes as the two workers of one MultiWorkerMirroredStrategy job, each feeding its own
-    share: both ranks apply every step and report the same job loss, it falls, the final variables are the same bytes
-    on both ranks, and the union of the two audit logs is the whole plan exactly once."""
+def _job_config(job: job_procs.Job) -> Path:
+    """One config for both ranks, as a host's units share it: no endpoint and no state dir (the flags give them)."""
+    cfg = yaml.safe_load(job.config(0).read_text())
+    del cfg["transport"]["endpoint"], cfg["consumer"]["state_dir"]
+    cfg["transport"]["liveness_intervals"] = 5
+    cfg["consumer"].update(wait_timeout_s=0.5, status_interval_s=1.0)
+    path = job.tmp / "melfeed.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def test_two_ranks_on_per_rank_default_sockets_train_one_model_in_step_and_the_audit_of_both_is_exact(
+    demo_cache: Path, tmp_path: Path
+) -> None:
+    """Two ranks of one MultiWorkerMirroredStrategy job on one host, each run as its units run it (``consumer``
+    and ``producer`` processes with ``--tf-config FILE --rank R``) with no endpoint configured, in one runtime
+    directory: each rank's consumer and producer meet on the rank's default socket (``melfeed-rankR.sock``;
+    without the per-rank names the second consumer would find the first one's taken, shared/service/rank_defaults.py)
+    and ``status --tf-config`` finds each rank while it trains. Both ranks apply every step and report the same
+    job loss, it falls, the final variables are the same bytes on both ranks, and the union of the two audit logs
+    is the whole plan exactly once."""
     job = job_procs.Job(tmp_path, demo_cache, _STEPS)
-    runs = job.start_all()
-    codes = [p.wait(_TIMEOUT_S) for p in runs]
-    assert codes == [0, 0], job.tails()
+    config = _job_config(job)
+    consumers, producers = [], []
+    for rank in (0, 1):
+        flags = ("--tf-config", str(job.tf_config(rank)), "--rank", str(rank))
+        consumers.append(
+            procs.start(
+                "consumer",
+                config,
+                job.log(rank),
+                *flags,
+                "--state-dir",
+                str(job.state(rank)),
+                "--summary-json",
+                str(job.summary(rank)),
+                "--log-level",
+                "DEBUG",
+            )
+        )
+        producers.append(
+            procs.start(
+                "producer",
+                config,
+                tmp_path / f"producer{rank}.log",
+                *flags,
+                "--producers",
+                "1",
+                "--debug-delay-ms",
+                _DELAY_MS,
+            )
+        )
+    for rank in (0, 1):
+        assert procs.wait_for_records(job.state(rank), 1, consumers[rank], _TIMEOUT_S), _logs(tmp_path)
+        assert (tmp_path / "melfeed" / f"melfeed-rank{rank}.sock").exists()
+    asks = [
+        subprocess.Popen(
+            _cli(
+                "status",
+                "--config",
+                str(config),
+                "--tf-config",
+                str(job.tf_config(rank)),
+                "--timeout-s",
+                "20",
+                tmp_path=tmp_path,
+            ),
+            cwd=REPO,
+            env=procs.env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]  # both at once: each rank is asked while it trains
+    for rank, ask in enumerate(asks):
+        out, err = ask.communicate(timeout=procs.WAIT_S)
+        assert ask.returncode == 0, err
+        assert f"melfeed-rank{rank}.control.sock, rank {rank} of 2:" in out, out
+    codes = [p.wait(_TIMEOUT_S) for p in consumers]
+    assert codes == [0, 0], _logs(tmp_path)
+    assert [procs.stop(proc) for proc in producers] == [0, 0], _logs(tmp_path)
     assert [job.applied(rank) for rank in (0, 1)] == [list(range(_STEPS))] * 2, job.tails()
     summaries = [json.loads(job.summary(rank).read_text()) for rank in (0, 1)]
     # one job loss on both ranks, bit for bit (the loss is read from the device once per interval, not per step)

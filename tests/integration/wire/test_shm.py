@@ -178,62 +178,10 @@ def _stopped_in_sleep(pid: int) -> bool:
     return False
 
 
-# Steps: about 10 are applied by the SIGCONT (5, then 2 s with one producer); the rest (>= 20 x 150 ms) is the
-# time the thawed producer has to deliver its late BATCH (sent as its delay ends, <= 300 ms) to a running consumer.
-_FENCED_STEPS = 40
-
-
-def test_sigstopped_shm_producer_is_fenced_and_the_audit_is_exact(demo_cache: Path, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    config = procs.write_config(
-        tmp_path / "c.yaml",
-        demo_cache,
-        f"ipc://{tmp_path}/c.sock",
-        state,
-        _FENCED_STEPS,
-        transport={"mode": "shm", "shm_dir": str(shm_dir)},
-        producer={"count": 2},
-        consumer={"feed_efficiency_steps": 0},  # feed efficiency is not checked
-        buckets={"max_shapes": 1},  # one compiled program: buckets are not the subject
-    )
-    log = tmp_path / "run.log"
-    summary = tmp_path / "summary.json"
-    producers = procs.start("producer", config, log, "--debug-delay-ms", "300")
-    consumer = procs.start("consumer", config, log, "--summary-json", str(summary))
-    try:
-        assert procs.wait_for_records(state, 5, consumer, 60), procs.tail(log)
-        deadline = time.monotonic() + procs.WAIT_S
-        victim = None
-        while victim is None:
-            assert time.monotonic() < deadline, "never caught a producer in its debug delay"
-            for pid in procs.child_pids(producers.pid):
-                if _stopped_in_sleep(pid):
-                    victim = pid
-                    break
-            time.sleep(0.02)
-        before = procs.audit_records(state)
-        time.sleep(1.0 * 2)  # past liveness (5 x 0.2 s): its leases are reissued
-        assert procs.wait_for_records(state, before + 3, consumer, 30), procs.tail(log)  # ... and applied
-        os.kill(victim, signal.SIGCONT)
-        assert consumer.wait(60) == 0, procs.tail(log)
-    finally:
-        procs.stop(consumer)
-        procs.stop(producers)
-    rc, doc, text = procs.run_audit(state, tmp_path)
-    assert rc == 0 and (doc["lost"], doc["duplicated"], doc["out_of_order"], doc["wrong_content"]) == (0, 0, 0, 0), text
-    assert doc["content_checked"] and doc["applied"] == _FENCED_STEPS == doc["expected"], text
-    out = json.loads(summary.read_text())
-    assert out["rejects"].get(RejectCode.UNKNOWN_PEER, 0) >= 1, out["rejects"]  # the late BATCH, fenced
-    assert out["payload_copies_per_batch"] == 1.0
-    assert list(shm_dir.iterdir()) == []
-
-
 # The killed consumer: the library (``Consumer``, whose transport makes the slot files) taking BATCHES batches,
 # then holding them until SIGKILLed; it imports no TensorFlow. The consumer CLI killed mid-run and resuming from
-# its checkpoint in shm mode: tests/integration/resilience/test_chaos.py ([11-shm]); its own sockets left behind:
-# tests/integration/service/test_leftovers.py.
+# its checkpoint in shm mode: tests/integration/resilience/test_chaos.py (the shared-memory and payload-frame
+# producers' run); its own sockets left behind: tests/integration/service/test_leftovers.py.
 _VICTIM = """\
 import sys, threading
 from pathlib import Path
@@ -247,42 +195,78 @@ with Consumer(load_config(sys.argv[1])) as feed:
             sys.exit(1)
 """
 
+# Steps: about 10 are applied by the SIGCONT (5, then 2 s with one producer); the rest (>= 20 x 150 ms) is the
+# time the thawed producer has to deliver its late BATCH (sent as its delay ends, <= 300 ms) to a running consumer.
+_FENCED_STEPS = 40
 
-def test_consumer_killed_in_shm_mode_leaves_files_that_the_next_start_removes(demo_cache: Path, tmp_path: Path) -> None:
+
+def test_the_shm_consumer_removes_a_killed_ones_files_and_fences_a_sigstopped_producer_with_an_exact_audit(
+    demo_cache: Path, tmp_path: Path
+) -> None:
+    """A consumer SIGKILLed in shm mode leaves its slot files; the consumer CLI started next removes them at
+    start. In its run one of two producers is SIGSTOPped holding a built lease, declared dead (its leases
+    reissued and applied) and thawed: its late BATCH is refused (UNKNOWN_PEER), the audit is exact, every
+    batch took one copy, and the slot files go at exit."""
     state = tmp_path / "state"
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
+    sections = {
+        "transport": {"mode": "shm", "shm_dir": str(shm_dir)},
+        "consumer": {"feed_efficiency_steps": 0},  # feed efficiency is not checked
+        "buckets": {"max_shapes": 1},  # one compiled program: buckets are not the subject
+    }
+    endpoint = f"ipc://{tmp_path}/c.sock"
     config = procs.write_config(
-        tmp_path / "c.yaml",
-        demo_cache,
-        f"ipc://{tmp_path}/c.sock",
-        state,
-        40,
-        transport={"mode": "shm", "shm_dir": str(shm_dir)},
-        producer={"count": 1},
-        consumer={"feed_efficiency_steps": 0},  # feed efficiency is not checked
-        buckets={"max_shapes": 1},  # one compiled program: buckets are not the subject
+        tmp_path / "c.yaml", demo_cache, endpoint, state, _FENCED_STEPS, producer={"count": 2}, **sections
+    )
+    # The killed consumer's own producer, stopped before the CLI starts: no batch leased in the killed
+    # consumer's epoch reaches the CLI, so its one UNKNOWN_PEER reject is the thawed producer's.
+    first = procs.write_config(
+        tmp_path / "first.yaml", demo_cache, endpoint, state, _FENCED_STEPS, producer={"count": 1}, **sections
     )
     log = tmp_path / "run.log"
-    producers = procs.start("producer", config, log)
+    summary = tmp_path / "summary.json"
     holding = tmp_path / "holding"
-    victim = procs.start_python(_VICTIM, config, log, "10", str(holding))
-    consumer = None
+    feeding = procs.start("producer", first, log)
+    victim = procs.start_python(_VICTIM, first, log, "10", str(holding))
     try:
         assert procs.wait_for_file(holding, victim, 60), procs.tail(log)
         victim.kill()
         victim.wait(procs.WAIT_S)
         stale = sorted(p.name for p in shm_dir.iterdir())
         assert stale and all(n.startswith(f"melfeed-{victim.pid}-") for n in stale)
-        consumer = procs.start("consumer", config, log)
-        assert consumer.wait(90) == 0, procs.tail(log)
     finally:
-        for proc in (victim, consumer, producers):
-            if proc is not None:
-                procs.stop(proc)
-    assert list(shm_dir.iterdir()) == []  # the stale files went at start, the new ones at exit
+        procs.stop(victim)
+        procs.stop(feeding)
+    producers = procs.start("producer", config, log, "--debug-delay-ms", "300")
+    consumer = procs.start("consumer", config, log, "--summary-json", str(summary))
+    try:
+        assert procs.wait_for_records(state, 5, consumer, 60), procs.tail(log)
+        deadline = time.monotonic() + procs.WAIT_S
+        victim_pid = None
+        while victim_pid is None:
+            assert time.monotonic() < deadline, "never caught a producer in its debug delay"
+            for pid in procs.child_pids(producers.pid):
+                if _stopped_in_sleep(pid):
+                    victim_pid = pid
+                    break
+            time.sleep(0.02)
+        before = procs.audit_records(state)
+        time.sleep(1.0 * 2)  # past liveness (5 x 0.2 s): its leases are reissued
+        assert procs.wait_for_records(state, before + 3, consumer, 30), procs.tail(log)  # ... and applied
+        os.kill(victim_pid, signal.SIGCONT)
+        assert consumer.wait(60) == 0, procs.tail(log)
+    finally:
+        procs.stop(consumer)
+        procs.stop(producers)
+    rc, doc, text = procs.run_audit(state, tmp_path)
+    assert rc == 0 and (doc["lost"], doc["duplicated"], doc["out_of_order"], doc["wrong_content"]) == (0, 0, 0, 0), text
+    assert doc["content_checked"] and doc["applied"] == _FENCED_STEPS == doc["expected"], text
+    out = json.loads(summary.read_text())
+    assert out["rejects"].get(RejectCode.UNKNOWN_PEER, 0) >= 1, out["rejects"]  # the late BATCH, fenced
+    assert out["payload_copies_per_batch"] == 1.0
     assert f"removed {len(stale)} stale shared-memory slot files" in log.read_text()
-    assert procs.audit_records(state) == 40
+    assert list(shm_dir.iterdir()) == []  # the stale files went at start, the new ones at exit
 
 
 def test_a_tiny_shm_dir_falls_back_to_payload_frames_with_one_warning_and_still_delivers(
