@@ -81,7 +81,10 @@ def _run(tmp_path: Path, cache: Path, chaos: _Chaos) -> None:
     consumer_mode = chaos.groups[0][0] if len(chaos.groups) == 1 else "auto"
     lean: dict[str, dict[str, object]] = {
         "consumer": {"feed_efficiency_steps": 0},  # feed efficiency is not checked
-        "buckets": {"max_shapes": 1},  # one compiled program per consumer start: buckets are not the subject
+        # Two 2-D shapes whose weights and rows the consumer measures (kept in its state directory for its
+        # restarts) and the producers, started on their own, learn in every handshake: exactly-once over a plan
+        # of measured settings. Two compiled programs per consumer start.
+        "buckets": {"max_shapes": 2, "cost": "measured", "batch_size": "auto", "max_batch_size": 8},
     }
     config = procs.write_config(
         tmp_path / "chaos.yaml", cache, endpoint, state, chaos.steps, transport={"mode": consumer_mode}, **lean
