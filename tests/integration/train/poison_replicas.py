@@ -1,24 +1,25 @@
-"""``python -m tests.integration.train.poison_replicas MODE CONFIG [MODE CONFIG ...]``: the built-in loop on 2
-logical CPU replicas, once per MODE in turn, each run on its own CONFIG (state directory).
+"""The built-in loop on 2 logical CPU replicas in one MODE (``train_in_mode``, run by tests/replica_check.py).
 
 MODE ``clean``, ``poisoned`` (every released slot overwritten at once, tests/slot_poison.py) or ``early`` (the
-hand-off claims its copy done at once, so slots go back before their steps: the hook must bite). A fresh
-interpreter, because the CPU is split into 2 logical devices before TensorFlow initialises
-(``configure_memory``); the runs share it (one TensorFlow start), each with its own consumer, state and step.
-Prints one JSON line, per MODE: steps, overwritten releases and devices; variables go to each checkpoint.
+hand-off claims its copy done at once, so slots go back before their steps: the hook must bite). The runs share
+the interpreter tests/replica_check.py split into logical devices (one TensorFlow start), each with its own
+consumer, state and step. Each returns its steps, overwritten releases, devices and the final variables of its
+checkpoint (bytes as hex, so equal means bit-identical).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
-def _train(config: str, mode: str) -> dict[str, Any]:
+def train_in_mode(config: str, mode: str) -> dict[str, Any]:
+    import tensorflow as tf
+
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.resume.checkpoint import latest_checkpoint
     from melfeed.consumer.resume.state import RunState
     from melfeed.consumer.staging import Staged
     from melfeed.consumer.train.handoff import TfStageAdapter
@@ -39,18 +40,12 @@ def _train(config: str, mode: str) -> dict[str, Any]:
     finally:
         state.close()
         TfStageAdapter.put = put  # type: ignore[method-assign]
-    return {"steps": summary.steps, "overwritten": poisoned(), "devices": summary.devices}
-
-
-def main(args: list[str]) -> int:
-    from melfeed.consumer.placement import configure_memory
-    from melfeed.shared.config.loader import load_config
-
-    runs = list(zip(args[::2], args[1::2], strict=True))
-    configure_memory(load_config(runs[0][1]))  # before any TensorFlow op: every run's config asks for 2 replicas
-    print(json.dumps({mode: _train(config, mode) for mode, config in runs}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    assert cfg.consumer.state_dir is not None
+    found = latest_checkpoint(Path(cfg.consumer.state_dir))
+    assert found is not None
+    reader = tf.train.load_checkpoint(str(found[0] / "vars"))
+    variables = {
+        name: reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE").tobytes().hex()
+        for name in ("w", "momentum", "iterations")
+    }
+    return {"steps": summary.steps, "overwritten": poisoned(), "devices": summary.devices, "variables": variables}

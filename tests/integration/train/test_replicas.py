@@ -1,36 +1,97 @@
 """Several model replicas (tf.distribute.MirroredStrategy) on logical CPU devices: the same arithmetic as
-one replica on the whole batch, exact checkpoints, and `run --replicas 2` end to end with an exact audit."""
+one replica on the whole batch, exact checkpoints, the loop's hand-off feeding each replica its rows on its own
+device, no step reading a reused slot, and `run --replicas 2` end to end with an exact audit.
+
+Every check that needs a CPU split into logical devices runs in one interpreter (tests/replica_check.py: one
+TensorFlow start), fed by one producer group; each test asserts on its share of the figures.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import pytest
 import yaml
 
 from tests import procs
 from tests.conftest import REPO
+
+_POISON_STEPS = 40
+_ONE, _TWO = "/job:localhost/replica:0/task:0/device:CPU:1", "/job:localhost/replica:0/task:0/device:CPU:2"
+# The interpreter builds the reference step 6 times and trains 3 runs: its own bound, and the first test to ask
+# for its figures waits for it (a loaded 2-core machine).
+_CHECK_TIMEOUT_S = 540
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def test_two_replicas_match_one_on_the_whole_batch_and_resume_bit_identically(tmp_path: Path) -> None:
-    out = tmp_path / "replicas.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.replica_check", str(out)],
-        cwd=REPO,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+class _Checks(NamedTuple):
+    proc: subprocess.CompletedProcess[str]
+    figures: dict[str, Any]
+
+    def of(self, part: str) -> Any:
+        assert self.proc.returncode == 0, self.proc.stderr[-3000:]
+        return self.figures[part]
+
+
+@pytest.fixture(scope="module")
+def replica_checks(demo_cache: Path) -> Iterator[_Checks]:
+    """tests/replica_check.py once: the arithmetic, the fed path, and the loop on 2 replicas clean, with every
+    released slot overwritten, and overwritten with slots released before their steps (MODEs ``clean``,
+    ``poisoned``, ``early``, each on its own state directory, one producer group serving the three)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))  # short: XDG_RUNTIME_DIR holds the run's sockets
+    try:
+        configs = {
+            name: procs.write_config(
+                tmp / f"{name}.yaml",
+                demo_cache,
+                f"ipc://{tmp}/r.sock",
+                tmp / name,
+                _POISON_STEPS,
+                producer={"count": 2},
+                consumer={"replicas": 2},
+                buckets={"num_buckets": 1, "batch_size": 16},
+                model={"step": "tests.steps:replica_tiny_step"},
+            )
+            for name in ("clean", "poisoned", "early")
+        }
+        out = tmp / "replicas.json"
+        producers = procs.start("producer", configs["clean"], tmp / "producers.log")
+        try:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.replica_check",
+                    str(out),
+                    *(arg for name, config in configs.items() for arg in (name, str(config))),
+                ],
+                cwd=REPO,
+                env=_env(tmp),
+                capture_output=True,
+                text=True,
+                timeout=_CHECK_TIMEOUT_S,
+            )
+        finally:
+            procs.stop(producers)
+        yield _Checks(proc, json.loads(out.read_text()) if proc.returncode == 0 else {})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)  # may start the interpreter of replica_checks
+def test_two_replicas_match_one_on_the_whole_batch_and_resume_bit_identically(replica_checks: _Checks) -> None:
+    r = replica_checks.of("arithmetic")
     assert r["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     assert r["mirrored"] == r["variables"] > 0  # every variable has a copy per replica
     assert r["traces_2"] == 1  # one program per bucket, not one per replica
@@ -48,6 +109,38 @@ def test_two_replicas_match_one_on_the_whole_batch_and_resume_bit_identically(tm
         "XLA cannot compile a mirrored step on logical CPU devices: TensorFlow's "
         "MirroredStrategy updates every replica's variables from one program there"
     )
+
+
+@pytest.mark.timeout(600)  # may start the interpreter of replica_checks
+def test_each_replica_gets_its_rows_on_its_device_and_the_outputs_are_summed_there(replica_checks: _Checks) -> None:
+    r = replica_checks.of("feed")
+    assert r["piece_devices"] == [[_ONE, _TWO]] * 4  # mel, mel_len, tokens, tok_len: own devices
+    # the mel and tokens pieces alias the slot; a replica's share of a length array that starts off a 64-byte
+    # boundary (4 rows of int32) is a small host copy: 2 per batch here
+    assert r["aliases_slot"] == [[True, True], [True, False], [True, True], [True, False]], r["aliases_slot"]
+    assert r["host_copies"] == 2 * 3 and r["transfers"] == 8 * 3
+    assert r["accumulator_device"] == _ONE
+    # nothing of the program is placed on the host's CPU:0: the sums go to the first replica's device
+    assert r["explicit_devices"] == [_ONE, _TWO] and _ONE in r["reduce_devices"], r
+    assert r["bit_identical"] and r["variables"] > 0  # the same training as the full-batch path
+    assert r["fed_losses_sum"] == r["ref_losses_sum"] > 0
+
+
+@pytest.mark.timeout(600)  # may start the interpreter of replica_checks
+def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_before_the_step(
+    replica_checks: _Checks,
+) -> None:
+    """The two-replica form of tests/integration/train/test_staging.py: every released slot is overwritten with
+    garbage at once and the run still ends bit-identical to a clean one; slots released before their steps do
+    change the variables (the hook bites on replicas too)."""
+    runs = replica_checks.of("runs")
+    assert list(runs) == ["clean", "poisoned", "early"], runs
+    assert runs["clean"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    assert runs["poisoned"]["steps"] == _POISON_STEPS and runs["poisoned"]["overwritten"] >= _POISON_STEPS
+    clean, poisoned, early = (runs[name]["variables"] for name in ("clean", "poisoned", "early"))
+    assert int.from_bytes(bytes.fromhex(clean["iterations"]), "little") == _POISON_STEPS
+    assert clean == poisoned
+    assert clean["w"] != early["w"]  # the hook bites on replicas too
 
 
 def test_run_with_two_replicas_trains_on_two_devices_and_the_audit_is_exact(demo_cache: Path, tmp_path: Path) -> None:

@@ -7,14 +7,12 @@ batch and on their order (momentum). The hook (``tests/slot_poison.py``) writes 
 ``BatchRing.release``, before the slot can be leased again, so a step that still read a released slot
 would train on huge values. The control run proves the hook bites: a hand-off that claims its copy
 is done at once (``Staged.copied``), so the stager frees the slot before the step that reads it (the
-ordering bug this guards against), ends with other variables.
+ordering bug this guards against), ends with other variables. The same on two replicas:
+tests/integration/train/test_replicas.py.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +30,6 @@ from melfeed.consumer.train.handoff import TfStageAdapter
 from melfeed.consumer.train.loop import train
 from melfeed.shared.config.loader import load_config
 from tests import procs
-from tests.conftest import REPO
 from tests.slot_poison import scribble_on_release
 
 _STEPS = 40
@@ -93,50 +90,3 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     for name in ("clean", "poisoned"):
         rc, doc, text = procs.run_audit(tmp_path / name, tmp_path)
         assert rc == 0 and doc["applied"] == _STEPS, text
-
-
-def test_with_two_replicas_overwritten_slots_change_nothing_unless_released_before_the_step(
-    demo_cache: Path, tmp_path: Path
-) -> None:
-    endpoint = f"ipc://{tmp_path}/r.sock"
-    configs = {
-        name: procs.write_config(
-            tmp_path / f"{name}.yaml",
-            demo_cache,
-            endpoint,
-            tmp_path / name,
-            _STEPS,
-            producer={"count": 2},
-            consumer={"replicas": 2},
-            buckets={"num_buckets": 1, "batch_size": 16},
-            model={"step": "tests.steps:replica_tiny_step"},
-        )
-        for name in ("clean", "poisoned", "early")
-    }
-    producers = procs.start("producer", configs["clean"], tmp_path / "producers.log")
-    try:  # the three runs in turn in one interpreter split into 2 logical devices
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.train.poison_replicas",
-                *(arg for name, config in configs.items() for arg in (name, str(config))),
-            ],
-            cwd=REPO,
-            env=procs.env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        procs.stop(producers)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert list(runs) == list(configs), runs
-    assert runs["clean"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
-    assert runs["poisoned"]["steps"] == _STEPS and runs["poisoned"]["overwritten"] >= _STEPS
-    clean, poisoned, early = (_final_variables(tmp_path / name) for name in ("clean", "poisoned", "early"))
-    assert int(clean["iterations"]) == _STEPS
-    for name in clean:
-        assert np.array_equal(clean[name], poisoned[name]), name
-    assert not np.array_equal(clean["w"], early["w"])  # the hook bites on replicas too
