@@ -5,7 +5,8 @@ and tokens, every real token a positive ``duration`` (an extra of kind ``token``
 fails. ``duration_cost_step`` does work in proportion to the batch's total duration (a decoder over the expanded
 frames: one matmul per ``_FRAMES_PER_MATMUL`` frames), so a batch of zero durations costs next to nothing. Both
 are ``tiny_step`` underneath: momentum and an iteration counter move every step (warm-up must put them back).
-``positive_duration_cost_step`` is both at once: one run checks the values and times the cost.
+``positive_duration_cost_step`` is both at once: one run checks the values and times the cost; it also takes the
+row inputs (consumer/train/rows.py) and reports them (``rows``, ``padding_rows``), as ``tests.steps:rows_step`` does.
 ``write_duration_cache`` writes the demo cache plus that ``duration`` extra (1..8 frames per token).
 """
 
@@ -70,11 +71,20 @@ class _DurationCostStep(_TinyStep):
 
 
 class _PositiveDurationCostStep(_DurationCostStep):
-    def __call__(  # type: ignore[override]  # takes the durations too
-        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
-    ) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # takes the durations and the row inputs too
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        duration: tf.Tensor,
+        rows: tf.Tensor,
+        row_mask: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
         with tf.control_dependencies(_positive_checks(mel_len, tokens, tok_len, duration)):
-            return super().__call__(mel, mel_len, tokens, tok_len, duration)
+            loss = super().__call__(mel, mel_len, tokens, tok_len, duration)
+        padding = tf.cast(tf.shape(mel)[0] - tf.reduce_sum(tf.cast(row_mask, tf.int32)), tf.float32)
+        return {"loss": loss, "rows": tf.cast(rows, tf.float32), "padding_rows": padding}
 
 
 def positive_step(spec: StepSpec) -> _PositiveStep:
