@@ -64,7 +64,13 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
     endpoint = f"ipc://{tmp_path}/s.sock"
     configs = {
         name: procs.write_config(
-            tmp_path / f"{name}.yaml", demo_cache, endpoint, tmp_path / name, _STEPS, producer={"count": 2}
+            tmp_path / f"{name}.yaml",
+            demo_cache,
+            endpoint,
+            tmp_path / name,
+            _STEPS,
+            producer={"count": 2},
+            buckets={"num_buckets": 1, "batch_size": 16},  # one program per run: the slots, not shapes, are the subject
         )
         for name in ("clean", "poisoned", "released_early")
     }
