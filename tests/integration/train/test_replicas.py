@@ -59,7 +59,7 @@ def replica_checks(demo_cache: Path) -> Iterator[_Checks]:
                 tmp / name,
                 _POISON_STEPS,
                 producer={"count": 2},
-                consumer={"replicas": 2},
+                consumer={"replicas": 2, "feed_efficiency_steps": 0},
                 buckets={"num_buckets": 1, "batch_size": 16},
                 model={"step": "tests.steps:replica_tiny_step"},
             )

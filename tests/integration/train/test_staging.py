@@ -70,6 +70,7 @@ def test_slots_overwritten_on_release_change_nothing_unless_released_before_the_
             tmp_path / name,
             _STEPS,
             producer={"count": 2},
+            consumer={"feed_efficiency_steps": 0},
             buckets={"num_buckets": 1, "batch_size": 16},  # one program per run: the slots, not shapes, are the subject
         )
         for name in ("clean", "poisoned", "released_early")
