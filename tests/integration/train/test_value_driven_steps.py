@@ -33,7 +33,7 @@ from melfeed.shared.metrics import FEED_EFFICIENCY_MIN_STEPS
 from melfeed.shared.wire.buckets import build_buckets
 from tests import procs
 from tests.conftest import REPO
-from tests.value_steps import write_duration_cache
+from tests.duration_data import write_duration_cache
 
 _N = 64
 _MELS = 16
