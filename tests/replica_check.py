@@ -17,8 +17,8 @@ step casts inside each replica's program, bit-identical to float32 slots holding
 
 The loop's runs (tests/integration/train/poison_replicas.py): the built-in loop on 2 replicas once per MODE in
 turn, each on its own CONFIG (state directory), fed by the producers the caller started.
-Writes the figures as JSON (``arithmetic``, ``feed``, ``runs``); tests/integration/train/test_replicas.py asserts
-on them.
+Writes the figures as JSON (``arithmetic``, ``feed``, ``runs``; each part as soon as it is done);
+tests/integration/train/test_replicas.py asserts on them.
 """
 
 from __future__ import annotations
@@ -72,12 +72,17 @@ def main(args: list[str]) -> int:
 
     cpu = tf.config.list_physical_devices("CPU")[0]  # before any TensorFlow op: CPU:0..2
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
-    result: dict[str, Any] = {"arithmetic": _arithmetic()}
+    result: dict[str, Any] = {}
+
+    def record(part: str, figures: Any) -> None:  # after each part: a later failure keeps the earlier figures
+        result[part] = figures
+        Path(out_path).write_text(json.dumps(result), encoding="utf-8")
+
+    record("arithmetic", _arithmetic())
     with _collective_keys_from(1000):
-        result["feed"] = fed_path()
+        record("feed", fed_path())
     with _collective_keys_from(2000):  # the runs' strategies build the same programs: they may share keys
-        result["runs"] = {mode: train_in_mode(config, mode) for mode, config in runs}
-    Path(out_path).write_text(json.dumps(result), encoding="utf-8")
+        record("runs", {mode: train_in_mode(config, mode) for mode, config in runs})
     return 0
 
 
