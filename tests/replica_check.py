@@ -1,4 +1,4 @@
-"""``python -m tests.replica_check OUT.json [MODE CONFIG ...]``: every two-replica check in one interpreter.
+"""``python -m tests.replica_check OUT.json [MODE CONFIG ...]``: the replica and slot-poison checks in one interpreter.
 
 Runs in a fresh interpreter because the CPU must be split into logical devices before TensorFlow
 initialises its devices (``melfeed.consumer.placement.configure_memory``), which a pytest process that already
@@ -15,8 +15,9 @@ wire (``transport.mel_dtype: float16``): the replicas split float16 slots (DLPac
 step casts inside each replica's program, bit-identical to float32 slots holding the same values. Last,
 ``jit_compile: true`` on these logical CPU replicas must fail with its one line.
 
-The loop's runs (tests/integration/train/poison_replicas.py): the built-in loop on 2 replicas once per MODE in
-turn, each on its own CONFIG (state directory), fed by the producers the caller started.
+The loop's runs (tests/integration/train/poison_runs.py): the built-in loop once per MODE CONFIG pair in turn,
+on one replica or two as the CONFIG asks, each on its own state directory, fed by the producers the caller
+started; its figures are named by the CONFIG's file name without ``.yaml``.
 Writes the figures as JSON (``arithmetic``, ``feed``, ``runs``; each part as soon as it is done);
 tests/integration/train/test_replicas.py asserts on them.
 """
@@ -64,7 +65,7 @@ def _batches() -> list[dict[str, np.ndarray]]:
 
 
 def main(args: list[str]) -> int:
-    from tests.integration.train.poison_replicas import train_in_mode
+    from tests.integration.train.poison_runs import train_in_mode
     from tests.replica_feed_check import fed_path
 
     out_path, runs = args[0], list(zip(args[1::2], args[2::2], strict=True))
@@ -82,7 +83,7 @@ def main(args: list[str]) -> int:
     with _collective_keys_from(1000):
         record("feed", fed_path())
     with _collective_keys_from(2000):  # the runs' strategies build the same programs: they may share keys
-        record("runs", {mode: train_in_mode(config, mode) for mode, config in runs})
+        record("runs", {Path(config).stem: train_in_mode(config, mode) for mode, config in runs})
     return 0
 
 

@@ -1,10 +1,10 @@
-"""The built-in loop on 2 logical CPU replicas in one MODE (``train_in_mode``, run by tests/replica_check.py).
+"""The built-in loop in one MODE on one CONFIG (``train_in_mode``, run by tests/replica_check.py).
 
 MODE ``clean``, ``poisoned`` (every released slot overwritten at once, tests/slot_poison.py) or ``early`` (the
-hand-off claims its copy done at once, so slots go back before their steps: the hook must bite). The runs share
-the interpreter tests/replica_check.py split into logical devices (one TensorFlow start), each with its own
-consumer, state and step. Each returns its steps, overwritten releases, devices and the final variables of its
-checkpoint (bytes as hex, so equal means bit-identical).
+hand-off claims its copy done at once, so slots go back before their steps: the hook must bite). The CONFIG asks for
+one replica or for two (the 2 logical CPU devices tests/replica_check.py split). The runs share that interpreter
+(one TensorFlow start), each with its own consumer, state and step. Each returns its steps, overwritten releases,
+devices and the final variables of its checkpoint (bytes as hex, so equal means bit-identical).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def train_in_mode(config: str, mode: str) -> dict[str, Any]:
     import tensorflow as tf
 
     from melfeed.consumer.feed import Consumer
+    from melfeed.consumer.handout import Batch
     from melfeed.consumer.resume.checkpoint import latest_checkpoint
     from melfeed.consumer.resume.state import RunState
     from melfeed.consumer.staging import Staged
@@ -29,8 +30,13 @@ def train_in_mode(config: str, mode: str) -> dict[str, Any]:
 
     cfg = load_config(config)
     put = TfStageAdapter.put
+
+    def copied_at_once(self: TfStageAdapter, batch: Batch) -> Staged[dict[str, tf.Tensor]]:
+        staged = put(self, batch)
+        return Staged(staged.value, copied=lambda: True, host_copies=staged.host_copies)
+
     if mode == "early":
-        TfStageAdapter.put = lambda self, batch: Staged(put(self, batch).value, copied=lambda: True)  # type: ignore[method-assign]
+        TfStageAdapter.put = copied_at_once  # type: ignore[method-assign]
     state = RunState.open(cfg, Consumer(cfg).manifest.fingerprint)
     assert state is not None
     try:
@@ -48,4 +54,10 @@ def train_in_mode(config: str, mode: str) -> dict[str, Any]:
         name: reader.get_tensor(f"{name}/.ATTRIBUTES/VARIABLE_VALUE").tobytes().hex()
         for name in ("w", "momentum", "iterations")
     }
-    return {"steps": summary.steps, "overwritten": poisoned(), "devices": summary.devices, "variables": variables}
+    return {
+        "steps": summary.steps,
+        "interrupted": summary.interrupted,
+        "overwritten": poisoned(),
+        "devices": summary.devices,
+        "variables": variables,
+    }
