@@ -13,7 +13,8 @@ runs it, but XLA must compile both branches and cannot build the slice's gradien
 ``model.jit_compile: auto`` falls back to graph mode and ``true`` fails.
 
 ``StepSpec.params`` (``model.params``): ``hidden`` (width, default 32), ``stop_weight`` (default
-0.5). ``StepSpec.bucket_shapes`` sizes the eager build (every variable exists before tracing).
+0.5). ``StepSpec.bucket_shapes`` sizes the eager build (every variable exists before tracing). It takes a float16
+wire (``transport.mel_dtype: float16``) as the model contract asks: the mel is cast inside the step.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class ForeignStep:
     def __call__(
         self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor
     ) -> dict[str, tf.Tensor]:
+        mel = tf.cast(mel, tf.float32)  # a float16 wire (StepSpec.mel_dtype): cast inside the program; else a no-op
         n_frames = mel.shape[1]
         frame_mask = tf.sequence_mask(mel_len, n_frames)  # [B, T]
         stop_target = tf.cast(tf.range(n_frames)[None, :] >= (mel_len - 1)[:, None], tf.float32)

@@ -1,8 +1,12 @@
-"""``python -m tests.replica_check OUT.json``: one replica against two on the same global batches.
+"""``python -m tests.replica_check OUT.json [MODE CONFIG ...]``: the replica and slot-poison checks in one interpreter.
 
-Runs in a fresh interpreter because the CPU must be split into 2 logical devices before TensorFlow
+Runs in a fresh interpreter because the CPU must be split into logical devices before TensorFlow
 initialises its devices (``melfeed.consumer.placement.configure_memory``), which a pytest process that already
-ran TensorFlow cannot do. Builds the reference step twice with the same seed: once on one device (no
+ran TensorFlow cannot do. It splits the CPU into 3: the replicas of the arithmetic and the loop's runs take the
+first two (/CPU:0 and /CPU:1, as ``Replicas.from_config`` picks them), the fed path (tests/replica_feed_check.py)
+the last two, so the host's /CPU:0 is neither of its replicas' devices. One TensorFlow start serves them all.
+
+The arithmetic: builds the reference step twice with the same seed: once on one device (no
 strategy) and once under ``melfeed.consumer.train.replicas.Replicas`` (MirroredStrategy over /CPU:0 and /CPU:1),
 both through ``CompiledStep`` in graph mode, and runs the same batches through both. Then a checkpoint
 of the replicated step (``CheckpointStore``) restored into it and the last batches run again must end
@@ -10,20 +14,26 @@ bit-identical to the uninterrupted run, with every replica's copy of every varia
 wire (``transport.mel_dtype: float16``): the replicas split float16 slots (DLPack, no copy) and the reference
 step casts inside each replica's program, bit-identical to float32 slots holding the same values. Last,
 ``jit_compile: true`` on these logical CPU replicas must fail with its one line.
-Writes the figures as JSON; the test (tests/integration/train/test_replicas.py) asserts on them.
+
+The loop's runs (tests/integration/train/poison_runs.py): the built-in loop once per MODE CONFIG pair in turn,
+on one replica or two as the CONFIG asks, each on its own state directory, fed by the producers the caller
+started; its figures are named by the CONFIG's file name without ``.yaml``.
+Writes the figures as JSON (``arithmetic``, ``feed``, ``runs``; each part as soon as it is done);
+tests/integration/train/test_replicas.py asserts on them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from melfeed.consumer.placement import configure_memory
 from melfeed.shared.config.loader import config_from_mapping
 
 _ROWS, _FRAMES, _TOKENS, _MELS = 8, 48, 16, 80
@@ -54,7 +64,45 @@ def _batches() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def main(out_path: str) -> int:
+def main(args: list[str]) -> int:
+    from tests.integration.train.poison_runs import train_in_mode
+    from tests.replica_feed_check import fed_path
+
+    out_path, runs = args[0], list(zip(args[1::2], args[2::2], strict=True))
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]  # before any TensorFlow op: CPU:0..2
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+    result: dict[str, Any] = {}
+
+    def record(part: str, figures: Any) -> None:  # after each part: a later failure keeps the earlier figures
+        result[part] = figures
+        Path(out_path).write_text(json.dumps(result), encoding="utf-8")
+
+    record("arithmetic", _arithmetic())
+    with _collective_keys_from(1000):
+        record("feed", fed_path())
+    with _collective_keys_from(2000):  # the runs' strategies build the same programs: they may share keys
+        record("runs", {Path(config).stem: train_in_mode(config, mode) for mode, config in runs})
+    return 0
+
+
+@contextlib.contextmanager
+def _collective_keys_from(base: int) -> Iterator[None]:
+    """Strategies made inside start their collective keys at ``base``: a process ties a group key to one set of
+    devices and an instance key to one shape, so the checks' strategies (other devices, other programs) must
+    not reuse each other's keys (``_collective_key_base``: the hook TensorFlow's own tests use for that)."""
+    import tensorflow as tf
+
+    tf.distribute.MirroredStrategy._collective_key_base = base  # read when a strategy is made
+    try:
+        yield
+    finally:
+        tf.distribute.MirroredStrategy._collective_key_base = 0
+
+
+def _arithmetic() -> dict[str, Any]:
+    """One replica against two on the same global batches, a resumed checkpoint, float16 slots, XLA refused."""
     cfg = config_from_mapping(
         {
             "consumer": {"replicas": 2},
@@ -62,7 +110,6 @@ def main(out_path: str) -> int:
             "model": {"learning_rate": 0.01, "jit_compile": False},
         }
     )
-    configure_memory(cfg)  # before any TensorFlow op: 2 logical CPU devices
     from melfeed.consumer.resume.checkpoint import CheckpointStore, Cursor
     from melfeed.consumer.train.handoff import to_tensors
     from melfeed.consumer.train.model import StepSpec, build_reference_step
@@ -112,8 +159,7 @@ def main(out_path: str) -> int:
     result["variables"] = len(vars_2)
     result["float16"] = _float16_replicas(shapes, replicas, batches[:2])
     result["jit_true_error"] = _xla_on_cpu_replicas(cfg, shapes, replicas)
-    Path(out_path).write_text(json.dumps(result), encoding="utf-8")
-    return 0
+    return result
 
 
 def _float16_replicas(
@@ -169,4 +215,4 @@ def _xla_on_cpu_replicas(cfg: Any, shapes: list[dict[str, tuple[int, ...]]], rep
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,20 +1,17 @@
-"""``python -m tests.replica_feed_check OUT.json``: the loop's fed path with two replicas, on their own devices.
+"""The loop's fed path with two replicas, on their own devices (``fed_path``, run by tests/replica_check.py).
 
-Runs in a fresh interpreter: the CPU is split into 3 logical devices before TensorFlow initialises its
-devices, and the replicas run on /CPU:1 and /CPU:2, so the host's /CPU:0 (where a reduce without a
+The CPU must be split into 3 logical devices before TensorFlow initialises its devices (tests/replica_check.py
+does it), and the replicas run on /CPU:1 and /CPU:2, so the host's /CPU:0 (where a reduce without a
 destination lands) is neither replica's device. Builds the reference step under ``Replicas`` twice with
 the same seed; one is fed through the hand-off (``TfStageAdapter.put`` -> ``PackedSteps.stage``: each replica's
 rows of each array from the slot, on its device), the other through ``CompiledStep.run`` on the full
 batch (split inside the program). Records where each staged piece lies, whether it aliases the slot,
 where the program sums the outputs, and the variables of both after the same batches.
-Writes the figures as JSON; tests/integration/train/test_replica_feed.py asserts on them.
+Returns the figures; tests/integration/train/test_replicas.py asserts on them.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,11 +29,9 @@ def _fill(views: dict[str, np.ndarray], rng: np.random.Generator) -> None:
     views["tok_len"][...] = rng.integers(2, _TOKENS, _ROWS)
 
 
-def main(out_path: str) -> int:
+def fed_path() -> dict[str, Any]:
+    """The figures of the fed path against the full-batch path (logical /CPU:1 and /CPU:2 must exist)."""
     import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
 
     from melfeed.consumer.flow.plan import PlannedBatch
     from melfeed.consumer.handout import Batch
@@ -108,8 +103,7 @@ def main(out_path: str) -> int:
     result["ref_losses_sum"] = sum(ref_losses)
     result["variables"] = len(ref_vars)
     result["bit_identical"] = all(np.array_equal(a, b) for a, b in zip(fed_vars, ref_vars, strict=True))
-    Path(out_path).write_text(json.dumps(result), encoding="utf-8")
-    return 0
+    return result
 
 
 def _aliases(value: Any, packed: Any, replicas: Any, slot: np.ndarray) -> list[list[bool]]:
@@ -127,7 +121,3 @@ def _aliases(value: Any, packed: Any, replicas: Any, slot: np.ndarray) -> list[l
             slot[offset] = before
         out.append(seen)
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))

@@ -5,22 +5,20 @@ and tokens, every real token a positive ``duration`` (an extra of kind ``token``
 fails. ``duration_cost_step`` does work in proportion to the batch's total duration (a decoder over the expanded
 frames: one matmul per ``_FRAMES_PER_MATMUL`` frames), so a batch of zero durations costs next to nothing. Both
 are ``tiny_step`` underneath: momentum and an iteration counter move every step (warm-up must put them back).
-``positive_duration_cost_step`` is both at once: one run checks the values and times the cost.
-``write_duration_cache`` writes the demo cache plus that ``duration`` extra (1..8 frames per token).
+``positive_duration_cost_step`` is both at once: one run checks the values and times the cost; it also takes the
+row inputs (consumer/train/rows.py) and reports them (``rows``, ``padding_rows``), as ``tests.steps:rows_step`` does.
+``write_duration_cache`` (tests/duration_data.py) writes the demo cache plus that ``duration`` extra (1..8 frames
+per token).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from melfeed.consumer.train.model import StepSpec
-from melfeed.shared.cache.demo_data import DEMO_EXTRAS, write_demo_cache
-from melfeed.shared.cache.index import build_manifest
-from melfeed.shared.cache.manifest import Manifest, write_manifest
+from tests.duration_data import write_duration_cache as write_duration_cache  # its home imports no TensorFlow
 from tests.steps import _TinyStep
 
 _COST_SIDE = 192  # [192, 192] matmuls: about 0.5 ms each on the 2-core CI machine
@@ -70,11 +68,20 @@ class _DurationCostStep(_TinyStep):
 
 
 class _PositiveDurationCostStep(_DurationCostStep):
-    def __call__(  # type: ignore[override]  # takes the durations too
-        self, mel: tf.Tensor, mel_len: tf.Tensor, tokens: tf.Tensor, tok_len: tf.Tensor, duration: tf.Tensor
-    ) -> tf.Tensor:
+    def __call__(  # type: ignore[override]  # takes the durations and the row inputs too
+        self,
+        mel: tf.Tensor,
+        mel_len: tf.Tensor,
+        tokens: tf.Tensor,
+        tok_len: tf.Tensor,
+        duration: tf.Tensor,
+        rows: tf.Tensor,
+        row_mask: tf.Tensor,
+    ) -> dict[str, tf.Tensor]:
         with tf.control_dependencies(_positive_checks(mel_len, tokens, tok_len, duration)):
-            return super().__call__(mel, mel_len, tokens, tok_len, duration)
+            loss = super().__call__(mel, mel_len, tokens, tok_len, duration)
+        padding = tf.cast(tf.shape(mel)[0] - tf.reduce_sum(tf.cast(row_mask, tf.int32)), tf.float32)
+        return {"loss": loss, "rows": tf.cast(rows, tf.float32), "padding_rows": padding}
 
 
 def positive_step(spec: StepSpec) -> _PositiveStep:
@@ -87,16 +94,3 @@ def duration_cost_step(spec: StepSpec) -> _DurationCostStep:
 
 def positive_duration_cost_step(spec: StepSpec) -> _PositiveDurationCostStep:
     return _PositiveDurationCostStep(spec)
-
-
-def write_duration_cache(root: Path, n_utterances: int, n_mels: int) -> Manifest:
-    """The demo cache (with its extras) plus ``extras/duration/<id>.npy``: int32 [tokens], each value 1..8."""
-    manifest = write_demo_cache(root, n_utterances, n_mels=n_mels, extras=True)
-    rng = np.random.default_rng(11)
-    (root / "extras" / "duration").mkdir(parents=True, exist_ok=True)
-    for u in manifest.utterances:
-        np.save(root / "extras" / "duration" / f"{u.id}.npy", rng.integers(1, 9, u.tokens, dtype=np.int32))
-    full, problems = build_manifest(root, n_mels, kinds={**DEMO_EXTRAS, "duration": "token"})
-    assert problems == [] and "duration" in [c.spec.name for c in full.extras]
-    write_manifest(full)
-    return full

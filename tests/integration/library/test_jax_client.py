@@ -3,7 +3,7 @@
 Real producer processes over shared-memory slots feed ``Stager`` with ``JaxStageAdapter`` (JAX on the CPU here;
 on a GPU machine the same code copies to the device), in a child process (``jax_runs.py``: JAX's threads
 stay out of the pytest worker, which forks later). The slot-reuse guard of
-``tests/integration/train/test_staging.py``, for JAX: every released slot is overwritten with garbage at
+``tests/integration/train/test_replicas.py``, for JAX: every released slot is overwritten with garbage at
 once and the final parameters are bit-identical to a clean run's, because JAX on the CPU aliases the
 slot's memory and the hand-off then holds the slot until the step completed; a hand-off that claims its
 copy is done at once ends with other parameters (the guard bites). ``jax_bench`` runs end to end as a

@@ -4,15 +4,25 @@ auto: XLA cannot build the gradient of its `tf.cond`, so the run falls back to g
 WARNING line, trains in the built-in loop and its loss falls; every named scalar reaches the status
 line, the metrics file and the summary. true: one line naming the factory and the op, exit 1, and
 the summary is still written with the failure.
+
+The auto run also trains on a float16 wire (``transport.mel_dtype: float16``): the producer casts the demo
+cache's float32 mels to float16 into the shared-memory slots and the step casts back inside its program; nothing
+is rejected or recompiled and the audit of the state directory is exact. (The reference step on float16 slots:
+tests/integration/train/test_replicas.py, bit-identical to float32 slots; with XLA:
+tests/unit/consumer/train/test_step_float16.py.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import pytest
 import yaml
 
 from tests import procs
@@ -20,12 +30,18 @@ from tests import procs
 FACTORY = "tests.foreign_model:build_foreign_step"
 
 
-def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subprocess.CompletedProcess[str], Path]:
+_AUTO_STEPS = 60
+
+
+def _run(
+    tmp: Path, cache: Path, jit_compile: object, steps: int, mel_dtype: str = "float32"
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     cfg = tmp / "run.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
                 "cache_dir": str(cache),
+                "transport": {"mel_dtype": mel_dtype},
                 # two shapes: with one bucket of the demo cache XLA does compile this step, and nothing falls back
                 "buckets": {"num_buckets": 2, "batch_size": 16},
                 "consumer": {
@@ -60,8 +76,26 @@ def _run(tmp: Path, cache: Path, jit_compile: object, steps: int) -> tuple[subpr
     return proc, summary
 
 
-def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Path) -> None:
-    proc, summary = _run(tmp_path, demo_cache, "auto", steps=60)
+class _Run(NamedTuple):
+    proc: subprocess.CompletedProcess[str]
+    summary: Path
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def auto_run(demo_cache: Path) -> Iterator[_Run]:
+    """``melfeed run`` of the foreign step under ``jit_compile: auto`` on a float16 wire (60 steps)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mf-", dir="/tmp"))  # short: XDG_RUNTIME_DIR holds the run's sockets
+    try:
+        proc, summary = _run(tmp, demo_cache, "auto", steps=_AUTO_STEPS, mel_dtype="float16")
+        yield _Run(proc, summary, tmp)
+    finally:
+        procs.reap_started()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_auto_falls_back_to_graph_mode_and_trains(auto_run: _Run) -> None:
+    proc, summary, tmp_path = auto_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr.splitlines()
     warnings = [line for line in err if " WARNING melfeed.consumer.train" in line]
@@ -70,7 +104,7 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     assert "StridedSliceGrad" in warnings[0] and "Traceback" not in proc.stderr
     assert any("READY:" in line and "jit_compile=graph" in line for line in err)
     s: dict[str, Any] = json.loads(summary.read_text())
-    assert s["steps"] == 60 and s["jit_compile"] == "graph" and s["error"] is None
+    assert s["steps"] == _AUTO_STEPS and s["jit_compile"] == "graph" and s["error"] is None
     assert "StridedSliceGrad" in s["jit_reason"] and s["compiles_after_ready"] == 0
     assert list(s["final_outputs"]) == ["loss", "mel_l1", "stop_bce"]
     assert s["final_outputs"]["loss"] == s["final_loss"]
@@ -81,6 +115,17 @@ def test_auto_falls_back_to_graph_mode_and_trains(demo_cache: Path, tmp_path: Pa
     assert list(snaps[-1]["outputs"]) == ["loss", "mel_l1", "stop_bce"]
     memo = json.loads((tmp_path / "state" / "jit_compile.json").read_text())  # a restart keeps graph mode
     assert memo["mode"] == "graph" and "StridedSliceGrad" in memo["reason"]
+
+
+def test_the_step_trains_on_a_float16_wire_with_an_exact_audit(auto_run: _Run) -> None:
+    proc, summary, tmp_path = auto_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["steps"] == s["batches_applied"] == _AUTO_STEPS
+    assert s["rejects"] == {} and s["duplicates_dropped"] == 0 and s["compiles_after_ready"] == 0
+    assert s["final_loss"] < 0.7 * s["first_loss"], (s["first_loss"], s["final_loss"])
+    rc, doc, text = procs.run_audit(tmp_path / "state", tmp_path)
+    assert rc == 0 and doc["applied"] == _AUTO_STEPS and doc["content_checked"], text
 
 
 def test_true_exits_1_with_one_line_and_writes_the_summary(demo_cache: Path, tmp_path: Path) -> None:

@@ -32,7 +32,12 @@ def test_a_tacotron_kind_step_trains_on_the_longest_token_cut_with_a_matrix_extr
                     "max_frames": 300,
                     "partial": "drop",
                 },
-                "consumer": {"warmup_steps": 1, "status_interval_s": 0.5, "state_dir": str(tmp_path / "state")},
+                "consumer": {
+                    "warmup_steps": 1,
+                    "status_interval_s": 0.5,
+                    "state_dir": str(tmp_path / "state"),
+                    "feed_efficiency_steps": 0,
+                },
                 "model": {"step": "tests.tts_models:tacotron_step", "jit_compile": False, "learning_rate": 0.01},
             }
         )

@@ -46,6 +46,7 @@ def test_a_crashing_xla_compile_costs_one_start_then_the_run_trains_in_graph_mod
         state,
         _STEPS,
         consumer={"feed_efficiency_steps": 0},
+        buckets={"num_buckets": 1, "batch_size": 16},  # one program: the crash comes at the first XLA trace
         model={"step": _STEP, "jit_compile": "auto"},
     )
     summary = tmp_path / "summary.json"
