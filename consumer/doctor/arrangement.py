@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from melfeed.consumer.doctor.verdict import BOUND_STEP, HEADROOM, Change
+from melfeed.consumer.doctor.verdict import HEADROOM, Bound, Change
 
 __all__ = ["Arrangement", "advise_data_gpu"]
 
@@ -39,7 +39,7 @@ def advise_data_gpu(
     producer_gpus: Sequence[str] | None,
     supply_per_s: float,
     demand_per_s: float,
-    bound: str,
+    bound: Bound,
 ) -> Arrangement:
     """The data GPU as a model replica, or why not, from the measured supply and demand.
 
@@ -60,7 +60,7 @@ def advise_data_gpu(
         f"supply {supply_per_s:.1f} batches/s is {ratio:.2f} x the step's demand {demand_per_s:.1f}"
     )
     need = _MAX_GAIN * HEADROOM
-    if bound == BOUND_STEP and ratio >= need:
+    if bound == Bound.STEP and ratio >= need:
         new = ",".join([*model, *data])
         why = (
             f"{idle}, at least {need:g} x: enough for a second replica, which can at most double the step "
@@ -74,7 +74,7 @@ def advise_data_gpu(
                 ),
             ]
         )
-    if bound == BOUND_STEP:
+    if bound == Bound.STEP:
         return Arrangement(
             notes=[
                 f"{idle}, below the {need:g} x a second model replica on it could use: keep "

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 __all__ = [
     "HEADROOM",
     "Measurements",
     "ConfigFacts",
     "Change",
+    "Bound",
     "Verdict",
     "weighted_ms",
     "decide",
@@ -38,10 +40,17 @@ EXIT_DATA_BOUND = 3  # a verdict, not a crash: the data side cannot keep the ste
 _PRODUCERS_NOT_TRANSPORT = 1.15  # build rate within 15 % of delivered: the producers are the limit
 _PADDING_GAIN = 0.02  # recommend more buckets only for at least 2 points of padding efficiency
 
-BOUND_PRODUCERS = "producers (cache read / assembly)"
-BOUND_TRANSPORT = "transport"
-BOUND_H2D = "host->device"
-BOUND_STEP = "the training step (the GPU is the bottleneck; data keeps up)"
+
+class Bound(str, Enum):  # enum.StrEnum needs Python 3.11; __str__ below does what it adds
+    """The stage that bounds throughput: ``Verdict.bound``, printed and written (``--json``) as the value."""
+
+    PRODUCERS = "producers (cache read / assembly)"  # building batches: more producers help (exit 3)
+    TRANSPORT = "transport"  # delivery, not building: the checksum, tcp or the wire (exit 3)
+    H2D = "host->device"  # the copy into the step's device (exit 3)
+    STEP = "the training step (the GPU is the bottleneck; data keeps up)"  # the goal (exit 0)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +100,7 @@ class Change:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    bound: str
+    bound: Bound
     exit_code: int
     supply_per_s: float
     demand_per_s: float
@@ -131,12 +140,12 @@ def decide(m: Measurements, c: ConfigFacts) -> Verdict:
     recommended = max(1, min(needed, c.cores))
     notes: list[str] = []
     if m.delivered_n >= HEADROOM * demand and h2d >= HEADROOM * demand:
-        bound, code = BOUND_STEP, EXIT_OK
+        bound, code = Bound.STEP, EXIT_OK
     elif m.delivered_n < HEADROOM * demand:
         code = EXIT_DATA_BOUND
-        bound = BOUND_PRODUCERS if m.build_rate_n <= _PRODUCERS_NOT_TRANSPORT * m.delivered_n else BOUND_TRANSPORT
+        bound = Bound.PRODUCERS if m.build_rate_n <= _PRODUCERS_NOT_TRANSPORT * m.delivered_n else Bound.TRANSPORT
     else:
-        bound, code = BOUND_H2D, EXIT_DATA_BOUND
+        bound, code = Bound.H2D, EXIT_DATA_BOUND
         notes.append(
             f"the hand-off to the device ({h2d:.1f} batches/s) is slower than the step needs "
             f"({HEADROOM:g} x {demand:.1f}); check that the host buffers are aligned (DLPack) "
@@ -148,7 +157,7 @@ def decide(m: Measurements, c: ConfigFacts) -> Verdict:
             f"has {c.cores} cores: recommending {recommended}; faster storage, fewer padded frames or "
             "producers on another host (tcp + CURVE) are the ways beyond that"
         )
-    if bound == BOUND_PRODUCERS and m.build_rate_n < 0.8 * m.producers * m.build_rate_1:
+    if bound == Bound.PRODUCERS and m.build_rate_n < 0.8 * m.producers * m.build_rate_1:
         notes.append(
             f"{m.producers} producer probes together built {m.build_rate_n:.1f} batches/s, "
             f"{m.producers} x one alone would be {m.producers * m.build_rate_1:.1f}: they compete for cores "
@@ -178,9 +187,9 @@ def _slots_for(producers: int, c: ConfigFacts) -> int:
     return producers * c.lease_window + 2
 
 
-def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> list[Change]:
+def _changes(m: Measurements, c: ConfigFacts, bound: Bound, producers: int) -> list[Change]:
     out: list[Change] = []
-    data_bound = bound in (BOUND_PRODUCERS, BOUND_TRANSPORT)
+    data_bound = bound in (Bound.PRODUCERS, Bound.TRANSPORT)
     if producers != c.producer_count and (data_bound or producers < c.producer_count):
         why = (
             "supply must reach 1.2 x the step's demand"
@@ -209,7 +218,7 @@ def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> lis
                 "+ 1 in the step, or producers wait for slots",
             )
         )
-    if bound == BOUND_TRANSPORT and c.checksum:
+    if bound == Bound.TRANSPORT and c.checksum:
         out.append(
             Change(
                 "transport.checksum",
@@ -219,7 +228,7 @@ def _changes(m: Measurements, c: ConfigFacts, bound: str, producers: int) -> lis
                 "CURVE (tcp without transport.insecure) already authenticates every message",
             )
         )
-    if bound == BOUND_TRANSPORT and c.is_tcp:
+    if bound == Bound.TRANSPORT and c.is_tcp:
         out.append(
             Change(
                 "transport.endpoint",
