@@ -301,6 +301,16 @@ class HandoutDesk:
                 waited_s = 0.0
         return None
 
+    def take_ready(self, token: int) -> Batch | None:
+        """The next batch for iterator ``token`` if the ring holds it now (never waits); ``None`` when it has not
+        arrived, at the plan's end or when the consumer was closed (``wait_next`` then says which)."""
+        if not self.is_current(token):
+            raise RuntimeError(_SUPERSEDED)
+        try:
+            return self.next_batch(0.0)
+        except ClosedError:
+            return None
+
     def iterate(self, stop: threading.Event | None, on_wait: Callable[[int], None] | None) -> Iterator[Batch]:
         """``Consumer.batches()``: a new iterator; each batch applied and freed when the next is asked for."""
         return self._iterate(self.begin(), stop, on_wait)

@@ -11,6 +11,14 @@ it, so the device does not idle), then take batch k+1 from the ring and stage it
 step k). On a synchronous device (TensorFlow on the CPU) a step has completed when its dispatch
 returns: it is reported, applied and its slot freed at once, so the loop holds one slot.
 
+An adapter whose copies are ordered after the steps already dispatched (``copies_ahead``: TensorFlow on a
+GPU, where the copy waits for the compute stream as it stood when the copy was issued) needs the copy of
+batch k+1 issued before step k is dispatched, or it starts only when step k has finished. Its ``put`` only
+starts the copy; the stager then takes batch k+1, when the ring already holds it, and puts it before it
+dispatches step k, completing the oldest dispatched step first when the window is full (a completion that
+does not wait on such a device). A batch the ring does not hold yet is not waited for: step k is dispatched,
+and that copy then follows it.
+
 Invariants:
     * At most ``depth`` batches are in flight: taken from the ring and not yet completed.
     * Steps are dispatched and completed in plan order; a batch is marked applied (on the consumer's
@@ -84,6 +92,11 @@ class StageAdapter(Protocol[V, Out, R_co]):
     def wait(self, outputs: Out) -> R_co:
         """Wait until that step completed and return its results on the host (losses, metrics)."""
 
+    # Optional: ``copies_ahead = True`` (read with getattr; default False) for an adapter whose copy is ordered
+    # after the steps already dispatched (TensorFlow's, consumer/train/handoff.py) and whose ``put`` only starts
+    # it. The stager then puts the next batch, when the ring already holds it, before it dispatches the step
+    # ahead of it, and completes the oldest dispatched step first when that makes room (module docstring).
+
 
 @dataclass(frozen=True, slots=True)
 class Completed(Generic[R]):
@@ -129,6 +142,7 @@ class Stager(Generic[V, Out, R]):
         self.handoff = handoff
         self.depth = depth
         self.max_in_flight = 0  # most batches ever in flight at once (<= depth)
+        self._ahead = bool(getattr(handoff, "copies_ahead", False))  # StageAdapter.copies_ahead
 
     def run(
         self,
@@ -179,23 +193,35 @@ class Stager(Generic[V, Out, R]):
             pending = next((f for f in window if not f.dispatched), None)
             if pending is not None:
                 running = sum(f.dispatched for f in window)
-                if running and drain_before is not None and drain_before(running):
+                full = self._ahead and len(window) >= self.depth  # room for the next copy first
+                if running and (full or (drain_before is not None and drain_before(running))):
                     yield self._complete(token, window.popleft())
                 else:
+                    if self._ahead and source_open and len(window) < self.depth and pending is window[-1]:
+                        self._stage_ready(token, window)
                     self._dispatch(pending)
             elif source_open and len(window) < self.depth:
                 batch = self._desk.wait_next(token, stop, on_wait)
                 if batch is None:
                     source_open = False
                     continue
-                self._desk.hold(token, batch)
-                figures = (batch.rows, batch.real_frames, batch.padded_frames)
-                window.append(_InFlight(batch, self.handoff.put(batch), figures))
-                self.max_in_flight = max(self.max_in_flight, len(window))
+                self._put(token, batch, window)
             elif window:
                 yield self._complete(token, window.popleft())
             else:
                 return
+
+    def _stage_ready(self, token: int, window: deque[_InFlight[V, Out]]) -> None:
+        """Put the next batch if the ring holds it now, so that its copy is issued before the step ahead of it."""
+        batch = self._desk.take_ready(token)
+        if batch is not None:
+            self._put(token, batch, window)
+
+    def _put(self, token: int, batch: Batch, window: deque[_InFlight[V, Out]]) -> None:
+        self._desk.hold(token, batch)
+        figures = (batch.rows, batch.real_frames, batch.padded_frames)
+        window.append(_InFlight(batch, self.handoff.put(batch), figures))
+        self.max_in_flight = max(self.max_in_flight, len(window))
 
     def _dispatch(self, f: _InFlight[V, Out]) -> None:
         t0 = f.dispatched_s = time.perf_counter()

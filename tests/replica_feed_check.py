@@ -5,8 +5,9 @@ does it), and the replicas run on /CPU:1 and /CPU:2, so the host's /CPU:0 (where
 destination lands) is neither replica's device. Builds the reference step under ``Replicas`` twice with
 the same seed; one is fed through the hand-off (``TfStageAdapter.put`` -> ``PackedSteps.stage``: each replica's
 rows of each array from the slot, on its device), the other through ``CompiledStep.run`` on the full
-batch (split inside the program). Records where each staged piece lies, whether it aliases the slot,
-where the program sums the outputs, and the variables of both after the same batches.
+batch (split inside the program); a third is fed through the hand-off copying ahead (its pieces placed on
+the copy thread, consumer/train/copy_thread.py). Records where each staged piece lies, whether it aliases the slot,
+where the program sums the outputs, and the variables of each after the same batches.
 Returns the figures; tests/integration/train/test_replicas.py asserts on them.
 """
 
@@ -97,12 +98,27 @@ def fed_path() -> dict[str, Any]:
     result["fed_losses_sum"] = read.sums["loss"]
     fed_vars = [v.numpy() for v in fed_step.variables()]
 
+    ahead_step, ahead = build()  # the copy thread places the pieces; the program and the arithmetic are the same
+    ahead_packed = PackedSteps.for_buckets(ahead, [bucket], None)
+    ahead_packed.warm_up(ahead_step.variables())
+    ahead_handoff = TfStageAdapter(ahead_packed, None, slot_buffer=lambda _: slot, copy_ahead=True)
+    try:
+        for batch_id, arrays in enumerate(batches):
+            for name, view in views.items():
+                view[...] = arrays[name]
+            batch = Batch(PlannedBatch(batch_id, 0, 0, tuple(range(_ROWS))), views, slot=0)
+            ahead_handoff.step(batch, ahead_handoff.put(batch).value)
+    finally:
+        ahead_handoff.close()
+    ahead_vars = [v.numpy() for v in ahead_step.variables()]
+
     ref_step, ref = build()
     ref_losses = [float(ref.run(0, to_tensors(a)[0])["loss"]) for a in batches]
     ref_vars = [v.numpy() for v in ref_step.variables()]
     result["ref_losses_sum"] = sum(ref_losses)
     result["variables"] = len(ref_vars)
     result["bit_identical"] = all(np.array_equal(a, b) for a, b in zip(fed_vars, ref_vars, strict=True))
+    result["copy_ahead_bit_identical"] = all(np.array_equal(a, b) for a, b in zip(ahead_vars, ref_vars, strict=True))
     return result
 
 

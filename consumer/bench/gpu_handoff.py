@@ -1,13 +1,16 @@
 """TensorFlow's GPU hand-off emulated in PyTorch, and the JAX step calibration, for ``gpu_probe``.
 
 Role: on a GPU machine without TensorFlow, put numbers on what TensorFlow's semantics do to a training loop
-(docs/design.md "The path of one batch"): the same synthetic step fed three ways from ring slots (``MAP_SHARED``
+(docs/design.md "The path of one batch"): the same synthetic step fed four ways from ring slots (``MAP_SHARED``
 mappings of /dev/shm files, as the consumer's ring is):
     * ``serial``: a blocking copy from the pageable slot on the step's stream (TensorFlow's eager copy is
       ordered after the queued compute and the host waits for it), then the previous step's loss read to the
       host, which drains the device (TensorFlow's ``BaseGPUDevice::Sync``);
     * ``interval``: the same copy, the loss read every ``read_every`` steps: what the copy alone costs;
-    * ``overlapped``: melfeed's hand-off: the slots pinned in place (``cudaHostRegister``), one asynchronous
+    * ``tf_ahead``: melfeed's TensorFlow hand-off as built: the slots pinned, one copy per batch issued on a
+      copy thread before the step ahead of it is dispatched, each copy ordered after the compute stream as it
+      stood when it was issued and waited for by that thread (TensorFlow's eager copy), losses summed on the device;
+    * ``overlapped``: the best a hand-off can do: the slots pinned in place (``cudaHostRegister``), one asynchronous
       copy per batch on a copy stream while the step before it runs, the step waiting on the copy's event
       only, losses summed on the device and read every ``read_every`` steps, and a slot counted free once its
       copy's event completed.
@@ -53,7 +56,7 @@ def shm_slot(nbytes: int) -> Iterator[mmap.mmap]:
 
 
 def emulate(target_ms: float, steps: int, read_every: int, n_slots: int) -> dict[str, Any]:
-    """The three patterns (module doc) with a step of about ``target_ms``; their periods and efficiencies."""
+    """The four patterns (module doc) with a step of about ``target_ms``; their periods and efficiencies."""
     import numpy as np
     import torch
 
@@ -82,7 +85,12 @@ def emulate(target_ms: float, steps: int, read_every: int, n_slots: int) -> dict
             "read_every": read_every,
             "slots": n_slots,
         }
-        for name, run in (("serial", _serial), ("interval", _interval), ("overlapped", _overlapped)):
+        for name, run in (
+            ("serial", _serial),
+            ("interval", _interval),
+            ("tf_ahead", _tf_ahead),
+            ("overlapped", _overlapped),
+        ):
             period_s, util, extra = _timed(functools.partial(run, step, slots, steps, read_every), steps)
             result[name] = {
                 "period_ms": 1000 * period_s,
@@ -188,6 +196,49 @@ def _overlapped(step: Callable[[Any], Any], slots: list[Any], steps: int, read_e
         total.item()
         torch.cuda.synchronize()
     return {"slots_freed_before_step_end": early}
+
+
+def _tf_ahead(step: Callable[[Any], Any], slots: list[Any], steps: int, read_every: int) -> dict[str, Any]:
+    """TensorFlow's hand-off copying ahead (consumer/train/handoff.py): pinned slots; each copy issued on a copy
+    thread, on a copy stream that first waits for the compute stream as it stood when the copy was issued (TensorFlow's
+    ``WaitFor``), the thread blocking until the copy is done (its eager copy); step k dispatched once its copy
+    is done and the copy of batch k+1 was issued."""
+    import torch
+
+    from melfeed.consumer.train.copy_thread import COPY_TIMEOUT_S, NEXT_COPY_START_S, CopyThread
+
+    compute, copy_stream = torch.cuda.current_stream(), torch.cuda.Stream()
+
+    def copy(host: Any) -> Any:
+        with torch.cuda.stream(copy_stream):
+            copy_stream.wait_stream(compute)  # ordered after the steps dispatched so far
+            on_device = host.to("cuda", non_blocking=True)
+        copy_stream.synchronize()  # the issuing thread waits for its copy
+        on_device.record_stream(compute)
+        return on_device
+
+    with ExitStack() as pins:
+        for slot in slots:
+            pins.enter_context(registered(torch, slot))
+        hosts = [torch.from_numpy(slot) for slot in slots]
+        copier = CopyThread()
+        total = torch.zeros((), device="cuda")
+        behind = 0
+        try:
+            issued = [copier.submit(functools.partial(copy, hosts[0]))]
+            for k in range(steps):
+                if k + 1 < steps:
+                    issued.append(copier.submit(functools.partial(copy, hosts[(k + 1) % len(hosts)])))
+                batch = issued[k].result(COPY_TIMEOUT_S)
+                behind += int(k + 1 < steps and issued[k + 1].wait_started(NEXT_COPY_START_S))
+                total += step(batch)
+                if (k + 1) % read_every == 0:
+                    total.item()
+            total.item()
+            torch.cuda.synchronize()
+        finally:
+            copier.close()
+    return {"dispatched_behind_copy": behind}
 
 
 @contextmanager

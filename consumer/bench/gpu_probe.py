@@ -12,14 +12,16 @@ written to its own JSON file in ``--out`` as soon as it ends, so a run cut short
     * ``emulation.json``: TensorFlow's hand-off emulated in PyTorch with a step of about 5 ms and 20 ms (a
       matmul loop that reads the batch): ``serial`` is the pattern the TensorFlow semantics force on a
       naive loop (a blocking pageable copy ordered after the queued step, then the previous step's loss
-      read with a full drain), ``interval`` the same with the loss read every ``_READ_EVERY`` steps, and
-      ``overlapped`` melfeed's hand-off (one copy per batch from a pinned slot on a copy stream, the step
-      waiting on the copy's event, losses summed on the device and read every ``_READ_EVERY`` steps, the
-      slot free once the copy's event completed); feed efficiency of each = resident step time / fed
-      period, with NVML utilisation sampled during it;
+      read with a full drain), ``interval`` the same with the loss read every ``_READ_EVERY`` steps,
+      ``tf_ahead`` melfeed's TensorFlow hand-off as built (pinned slots, each batch's copy issued on the copy
+      thread before the step ahead of it, ordered after the compute stream as it stood then), and
+      ``overlapped`` the best a hand-off can do (one copy per batch from a pinned slot on a copy stream, the
+      step waiting on the copy's event only, losses summed on the device and read every ``_READ_EVERY``
+      steps, the slot free once the copy's event completed); feed efficiency of each = resident step time /
+      fed period, with NVML utilisation sampled during it;
     * ``jax-5ms.json``, ``jax-20ms.json``: ``melfeed.consumer.clients.jax_bench`` (real producers, the
       shared-memory ring, the stager) with its MLP sized to a resident step of about 5 and 20 ms;
-    * ``summary.json``: the goals (JAX feed efficiency >= 0.98 at 5 ms, NVML >= 95 %, the overlapped
+    * ``summary.json``: the goals (JAX feed efficiency >= 0.98 at 5 ms, NVML >= 95 %, the ``tf_ahead``
       emulation within 2 % of the JAX client) judged from what was measured.
 Exit 0 when every stage ran, 1 when one failed (its error is in its file and in ``summary.json``), 69 when no
 CUDA GPU is visible to torch (one line; ``env.json`` still says what was found).
@@ -90,8 +92,8 @@ def judge(jax_runs: dict[str, Any], emulation: dict[str, Any]) -> dict[str, Any]
 
     eff_5 = best(jax_runs.get("5ms"), "feed_efficiency")
     util_5 = best(jax_runs.get("5ms"), "gpu_util_pct")
-    overlapped = (emulation.get("5ms") or {}).get("overlapped", {}).get("feed_efficiency")
-    gap = None if eff_5 is None or overlapped is None else eff_5 - overlapped
+    tf_ahead = (emulation.get("5ms") or {}).get("tf_ahead", {}).get("feed_efficiency")  # the TensorFlow pattern
+    gap = None if eff_5 is None or tf_ahead is None else eff_5 - tf_ahead
     verdict = {"jax_feed_efficiency_5ms": eff_5, "jax_gpu_util_pct_5ms": util_5, "emulation_vs_jax": gap}
     passed = {
         "jax_feed_efficiency_5ms": eff_5 is not None and eff_5 >= _GOALS["jax_feed_efficiency_5ms"],

@@ -13,9 +13,14 @@ what waits for what).
 Invariants:
     * On the CPU the region tensor aliases the slot: ``Staged.copied`` is None, the slot is freed when
       the step completed, which is when its dispatch returned (eager execution on the CPU is synchronous).
-    * On a GPU the eager copy has completed when ``put`` returns (``TensorHandle::CopyToDevice`` waits for
-      it in synchronous eager mode, which ``TfStageAdapter`` asserts): ``Staged.copied`` is True at once and
-      the stager frees the slot before the step runs; nothing reads the slot after ``put``.
+    * On a GPU the hand-off copies ahead (``copies_ahead``): ``put`` hands the copy to the copy thread
+      (consumer/train/copy_thread.py) and returns; the stager puts batch k+1 before it dispatches step k, and
+      ``step`` waits for its batch's copy and for the next batch's copy to have been issued, so that copy is
+      ordered after the steps before this one only (TensorFlow orders a copy after the compute stream as it
+      stood when the copy was issued). The eager copy has completed when the copy thread's call returned
+      (``TensorHandle::CopyToDevice`` waits for it in synchronous eager mode, which ``TfStageAdapter``
+      asserts): ``Staged.copied`` turns True then and the stager frees the slot before the step runs.
+      ``dispatched_behind_copy`` counts the dispatches made after the next batch's copy was issued.
     * ``transfers`` counts the tensors handed to the devices: one per batch on one device, one per array per
       replica with replicas.
     * A step that fails while training (a TensorFlow op error) raises ``StepError``, one line naming
@@ -24,14 +29,17 @@ Invariants:
       models device time there).
 ``to_tensors`` (DLPack where safe, a copy otherwise) and ``aligned_empty`` (aligned arrays for tests and
 probes) live here too: they are the slot -> tensor half of the hand-off.
-Shutdown: nothing to release.
+Shutdown: ``close`` stops the copy thread (idempotent); the loop closes the adapter when it ends.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +47,7 @@ import tensorflow as tf
 
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged
+from melfeed.consumer.train.copy_thread import COPY_TIMEOUT_S, NEXT_COPY_START_S, Copy, CopyThread
 from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.device.accumulators import IntervalRead
 from melfeed.consumer.train.device.packed import PackedSteps
@@ -88,6 +97,7 @@ class TfStageAdapter:
         device: str | None,
         on_step: Callable[[int], None] | None = None,
         slot_buffer: SlotBuffer | None = None,
+        copy_ahead: bool | None = None,
     ) -> None:
         self._packed = packed
         self._device = device if _is_gpu(device) else None
@@ -98,19 +108,30 @@ class TfStageAdapter:
             )
         self._on_step = on_step
         self._slot_buffer = slot_buffer
+        self.copies_ahead = self._device is not None if copy_ahead is None else copy_ahead  # StageAdapter's
+        self._copier = CopyThread() if self.copies_ahead else None
+        self._issued: deque[Copy[list[tf.Tensor]]] = deque()  # put, not yet dispatched, in put order
         self.dispatched = 0
+        self.dispatched_behind_copy = 0  # dispatches issued after the next batch's copy (module docstring)
         self.transfers = 0  # tensors handed to the devices (module docstring)
 
-    def put(self, batch: Batch) -> Staged[tf.Tensor]:
+    def put(self, batch: Batch) -> Staged[Any]:  # the program's input, or the Copy that makes it (copies_ahead)
         region, copies = self._region(batch)
-        value, piece_copies = self._packed.stage(batch.bucket, region)
-        replicas = self._packed.replicas
-        self.transfers += 1 if replicas is None else replicas.count * len(value)
+        parts, piece_copies = self._packed.host_parts(batch.bucket, region)
+        self.transfers += len(parts)
+        host_copies = copies + piece_copies
+        if self._copier is not None:  # the copy runs on the copy thread; ``step`` takes its result
+            copy = self._copier.submit(functools.partial(self._packed.place, parts))
+            self._issued.append(copy)
+            return Staged(copy, copied=copy.done if self._device is not None else None, host_copies=host_copies)
+        value = self._packed.as_input(self._packed.place(parts))
         if self._device is None:
-            return Staged(value, copied=None, host_copies=copies + piece_copies)
-        return Staged(value, copied=_already_copied, host_copies=copies + piece_copies)  # copies done in stage
+            return Staged(value, copied=None, host_copies=host_copies)
+        return Staged(value, copied=_already_copied, host_copies=host_copies)  # the copies completed in place
 
-    def step(self, batch: Batch, value: tf.Tensor) -> StepResult:
+    def step(self, batch: Batch, value: Any) -> StepResult:
+        if isinstance(value, Copy):
+            value = self._packed.as_input(self._placed(batch, value))
         try:
             self._packed.run(batch.bucket, value)
         except tf.errors.OpError as err:  # on the CPU the step runs here: its failure, in one line
@@ -125,6 +146,25 @@ class TfStageAdapter:
 
     def wait(self, outputs: StepResult) -> StepResult:
         return outputs  # no host read per step: Accumulators.read, once per interval
+
+    def close(self) -> None:
+        """Stop the copy thread (idempotent; a copy it runs finishes on its own, nothing waits for it)."""
+        if self._copier is not None:
+            self._copier.close()
+
+    def _placed(self, batch: Batch, copy: Copy[list[tf.Tensor]]) -> list[tf.Tensor]:
+        """The batch's device tensors once its copy completed; before the step is dispatched, the next batch's
+        copy (already put) is let start, so that it is ordered after the steps before this one only."""
+        if not self._issued or self._issued[0] is not copy:
+            raise RuntimeError(f"batch {batch.batch_id} is dispatched out of put order")
+        self._issued.popleft()
+        try:
+            placed = copy.result(COPY_TIMEOUT_S)
+        except tf.errors.OpError as err:
+            raise self._failed(err, f" copying batch {batch.batch_id} to the device") from err
+        if self._issued and self._issued[0].wait_started(NEXT_COPY_START_S):
+            self.dispatched_behind_copy += 1
+        return placed
 
     def read(self) -> IntervalRead:
         """The interval's accumulated outputs (``Accumulators.read``: the one host read; a step's failure

@@ -197,7 +197,11 @@ def _train(
     stager = Stager(consumer, handoff, cfg.consumer.stage_depth)
     drain = state.due if state is not None else None  # a checkpoint sees exactly the applied batches
     ceiling = ceiling_for(cfg.producer.max_quarantined_fraction, consumer.plan)  # consumer/train/quarantine.py
-    with summary_on_failure(out, summary_path, consumer), closing(stager.run(stop, on_wait, drain)) as completed:
+    with (
+        summary_on_failure(out, summary_path, consumer),
+        closing(handoff),
+        closing(stager.run(stop, on_wait, drain)) as completed,
+    ):
         for done in completed:  # a failing body: in-flight steps settle in closing()
             step_t1 = time.perf_counter()
             batch = done.batch

@@ -219,24 +219,49 @@ class PackedSteps:
         Replicas: for each replica, its row range of each array as a uint8 tensor (DLPack where 64-byte aligned,
         else a host copy of that piece) on the replica's device (``tf.identity`` under ``tf.device``: a
         host->device copy on a GPU, the same buffer on a CPU device), as the strategy's per-replica values.
+        The three parts (``host_parts``, ``place``, ``as_input``) may run apart: the hand-off places on its copy
+        thread (consumer/train/handoff.py).
         """
+        parts, copies = self.host_parts(bucket, region)
+        return self.as_input(self.place(parts)), copies
+
+    def host_parts(self, bucket: int, region: np.ndarray) -> tuple[list[tuple[str | None, tf.Tensor]], int]:
+        """The host tensors over ``region`` (DLPack, no copy where aligned), each with the device it goes to
+        (None: it stays where it is), and the host copies made."""
         if self.replicas is None:
             tensor, copies = host_tensor(region)
-            if self._copy_to is not None:
-                with tf.device(self._copy_to):
-                    tensor = tf.identity(tensor)  # returns once the copy completed (synchronous eager)
-            return tensor, copies
+            return [(self._copy_to, tensor)], copies
         names = self._compiled.input_names
-        parts, copies = [], 0
+        parts: list[tuple[str | None, tf.Tensor]] = []
+        copies = 0
         for device, pieces in zip(self.replicas.devices, self.layouts[bucket].pieces(names, self.replicas.count)):
-            placed = []
             for offset, nbytes in pieces:
                 tensor, copied = host_tensor(region[offset : offset + nbytes])
                 copies += copied
-                with tf.device(device):
-                    placed.append(tf.identity(tensor))
-            parts.append(tuple(placed))
-        return self.replicas.distribute(parts), copies
+                parts.append((device, tensor))
+        return parts, copies
+
+    @staticmethod
+    def place(parts: Sequence[tuple[str | None, tf.Tensor]]) -> list[tf.Tensor]:
+        """Each host tensor on its device (``tf.identity`` under ``tf.device``; returns once every copy completed,
+        in synchronous eager mode), in order."""
+        placed = []
+        for device, tensor in parts:
+            if device is None:
+                placed.append(tensor)
+                continue
+            with tf.device(device):
+                placed.append(tf.identity(tensor))
+        return placed
+
+    def as_input(self, placed: Sequence[tf.Tensor]) -> Any:
+        """``place``'s tensors as the program's input: the one region, or the strategy's per-replica values."""
+        if self.replicas is None:
+            return placed[0]
+        per_replica = len(placed) // self.replicas.count
+        return self.replicas.distribute(
+            [tuple(placed[i * per_replica : (i + 1) * per_replica]) for i in range(self.replicas.count)]
+        )
 
     def run(self, bucket: int, value: Any) -> None:
         """Dispatch one step on ``value`` (``stage``'s; returns when the step is enqueued; on the CPU, when it ran)."""

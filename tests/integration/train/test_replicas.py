@@ -137,6 +137,7 @@ def test_each_replica_gets_its_rows_on_its_device_and_the_outputs_are_summed_the
     # nothing of the program is placed on the host's CPU:0: the sums go to the first replica's device
     assert r["explicit_devices"] == [_ONE, _TWO] and _ONE in r["reduce_devices"], r
     assert r["bit_identical"] and r["variables"] > 0  # the same training as the full-batch path
+    assert r["copy_ahead_bit_identical"]  # and with the pieces placed on the hand-off's copy thread
     assert r["fed_losses_sum"] == r["ref_losses_sum"] > 0
 
 

@@ -34,8 +34,9 @@ def _batch(batch_id: int) -> Batch:
 class _Feed:
     """The part of ``Consumer`` the stager uses: a real ``HandoutDesk`` over a fake ring; logs take / applied / free."""
 
-    def __init__(self, n_batches: int, events: list[Event], slots: int = 4) -> None:
+    def __init__(self, n_batches: int, events: list[Event], slots: int = 4, late: frozenset[int] = frozenset()) -> None:
         self._ring = SimpleNamespace(n_slots=slots)
+        self._late = set(late)  # batch ids not in the ring at the first look that does not wait
         ports = HandoutPorts(
             check_usable=lambda: None,
             take=self._take,
@@ -50,6 +51,10 @@ class _Feed:
         self._in_slot: dict[int, int] = {}  # slot -> the batch id in it
 
     def _take(self, batch_id: int, timeout_s: float) -> Batch | None:
+        if timeout_s == 0.0 and batch_id in self._late:
+            self._late.discard(batch_id)
+            self.events.append(("late", batch_id))
+            return None
         self.events.append(("take", batch_id))
         batch = _batch(batch_id)
         assert batch.slot not in self._in_slot, "a slot taken while another batch is in it"
@@ -70,9 +75,16 @@ class _Device:
     """A fake device: asynchronous (a step completes only when waited for) or synchronous."""
 
     def __init__(
-        self, events: list[Event], *, synchronous: bool = False, copies: bool = False, fail_step: int | None = None
+        self,
+        events: list[Event],
+        *,
+        synchronous: bool = False,
+        copies: bool = False,
+        fail_step: int | None = None,
+        ahead: bool = False,
     ) -> None:
         self.events, self.synchronous, self.copies, self.fail_step = events, synchronous, copies, fail_step
+        self.copies_ahead = ahead  # the copy is ordered after the steps dispatched before it (TensorFlow's)
 
     def put(self, batch: Batch) -> Staged[int]:
         self.events.append(("put", batch.batch_id))
@@ -209,3 +221,41 @@ def test_a_depth_that_leaves_producers_no_slot_is_refused(depth: int) -> None:
     _, feed, device = _rig(1)
     with pytest.raises(ValueError, match="stage depth must be in 1..3"):
         Stager(feed, device, depth=depth)  # type: ignore[arg-type]
+
+
+def _ahead_rig(n: int, late: frozenset[int] = frozenset()) -> tuple[list[Event], _Feed, _Device]:
+    events: list[Event] = []
+    return events, _Feed(n, events, late=late), _Device(events, copies=True, ahead=True)
+
+
+def test_copies_ahead_puts_batch_k_plus_1_before_step_k_is_dispatched_within_the_depth() -> None:
+    events, feed, device = _ahead_rig(6)
+    stager = Stager(feed, device, depth=2)  # type: ignore[arg-type]
+    done = [d.batch.batch_id for d in stager.run()]
+    assert done == [0, 1, 2, 3, 4, 5] and feed._desk.applied_ids == done
+    for k in range(5):
+        assert _at(events, ("put", k + 1)) < _at(events, ("step", k))  # its copy is issued before step k
+        assert _at(events, ("wait", k)) < _at(events, ("step", k + 1))  # the window made room first
+    assert stager.max_in_flight == 2
+
+
+def test_copies_ahead_does_not_wait_for_a_batch_the_ring_does_not_hold_yet() -> None:
+    events, feed, device = _ahead_rig(4, late=frozenset({2}))
+    done = [d.batch.batch_id for d in Stager(feed, device, depth=2).run()]  # type: ignore[arg-type]
+    assert done == [0, 1, 2, 3]
+    assert _at(events, ("late", 2)) < _at(events, ("step", 1)) < _at(events, ("put", 2))  # step 1 went first
+    assert _at(events, ("put", 3)) < _at(events, ("step", 2))  # and the next one is ahead again
+
+
+def test_copies_ahead_still_drains_before_a_checkpoint() -> None:
+    events, feed, device = _ahead_rig(4)
+    asked: list[int] = []
+
+    def drain(running: int) -> bool:
+        asked.append(running)
+        return True
+
+    list(Stager(feed, device, depth=3).run(drain_before=drain))  # type: ignore[arg-type]
+    for k in range(3):
+        assert _at(events, ("wait", k)) < _at(events, ("step", k + 1))
+    assert asked and set(asked) == {1}

@@ -34,12 +34,12 @@ def test_the_goals_pass_fail_or_stay_unmeasured_from_the_runs() -> None:
             "runs": [{"feed_efficiency": 0.95, "gpu_util_pct": 97.0}, {"feed_efficiency": 0.985, "gpu_util_pct": None}]
         }
     }
-    emulation = {"5ms": {"overlapped": {"feed_efficiency": 0.97}}}
+    emulation = {"5ms": {"tf_ahead": {"feed_efficiency": 0.97}, "overlapped": {"feed_efficiency": 0.5}}}
     goals = judge(jax, emulation)
     assert goals["jax_feed_efficiency_5ms"] == {"value": 0.985, "goal": 0.98, "verdict": "PASS"}
     assert goals["jax_gpu_util_pct_5ms"]["verdict"] == "PASS"
     assert goals["emulation_vs_jax"]["verdict"] == "PASS" and abs(goals["emulation_vs_jax"]["value"] - 0.015) < 1e-12
-    slow = judge(jax, {"5ms": {"overlapped": {"feed_efficiency": 0.90}}})
+    slow = judge(jax, {"5ms": {"tf_ahead": {"feed_efficiency": 0.90}, "overlapped": {"feed_efficiency": 0.99}}})
     assert slow["emulation_vs_jax"]["verdict"] == "FAIL"
     unmeasured = judge({"5ms": {"error": "jax_bench exited 1"}}, {})
     assert {g["verdict"] for g in unmeasured.values()} == {None}
