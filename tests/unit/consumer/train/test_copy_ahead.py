@@ -1,7 +1,7 @@
 """The TensorFlow hand-off copying ahead, on the CPU: the copy of batch k+1 is issued on the copy thread
 before step k is dispatched, the slot is held to its step's end (the CPU region aliases it), and training is
 bit-identical to the hand-off without the copy thread. What the CPU cannot show (the copy overlapping the
-step on a GPU) is in docs/design.md "The TensorFlow hand-off"."""
+step on a GPU) is in docs/design.md "The path of one batch"."""
 
 from __future__ import annotations
 
