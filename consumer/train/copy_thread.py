@@ -1,11 +1,11 @@
 """The TensorFlow hand-off's copy thread: each batch's device copy issued ahead of the step before it.
 
 Role: on a GPU, TensorFlow orders an eager host->device copy after everything already queued on the compute
-stream when the copy is issued, and the issuing thread blocks until the copy is done (docs/design.md "The
-path of one batch", its TensorFlow hand-off). Issued from the loop's thread right after step k, the copy of batch k+1 starts only
-when step k has finished, and the device idles for the copy and the next dispatch. ``CopyThread`` runs the
-copies on a thread of their own, in submission order, so that the loop can issue the copy of batch k+1 before
-it dispatches step k and dispatch step k while that copy waits for step k-1 and then runs beside step k.
+stream when the copy is issued, and the issuing thread blocks until the copy is done (docs/design.md "The path
+of one batch", its TensorFlow hand-off). Issued from the loop's thread right after step k, the copy of batch k+1
+starts only when step k has finished, and the device idles for the copy and the next dispatch. ``CopyThread``
+runs the copies on a thread of their own, in submission order, so that the loop can issue the copy of batch k+1
+before it dispatches step k and dispatch step k while that copy waits for step k-1 and then runs beside step k.
 ``Copy`` is one submitted copy: whether it started and completed, and its result.
 Invariants:
     * Copies run one at a time, in submission order: a copy starts when the one before it completed.
