@@ -155,9 +155,10 @@ class TfStageAdapter:
     def _placed(self, batch: Batch, copy: Copy[list[tf.Tensor]]) -> list[tf.Tensor]:
         """The batch's device tensors once its copy completed; before the step is dispatched, the next batch's
         copy (already put) is let start, so that it is ordered after the steps before this one only."""
-        if not self._issued or self._issued[0] is not copy:
-            raise RuntimeError(f"batch {batch.batch_id} is dispatched out of put order")
-        self._issued.popleft()
+        if copy not in self._issued:
+            raise RuntimeError(f"batch {batch.batch_id} was dispatched twice, or never put")
+        while self._issued.popleft() is not copy:  # put before it and given back undispatched: never stepped
+            pass
         try:
             placed = copy.result(COPY_TIMEOUT_S)
         except tf.errors.OpError as err:

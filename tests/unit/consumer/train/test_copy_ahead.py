@@ -95,3 +95,22 @@ def test_the_copy_of_batch_k_plus_1_is_issued_on_the_copy_thread_before_step_k_a
         assert at[("step", k)] < at[("free", k)]  # the CPU region aliases the slot: held to its step's end
     assert {name for what, _, name in events if what == "copy"} == {"melfeed-copy"}
     assert handoff.dispatched_behind_copy == _BATCHES - 1 and handoff.transfers == _BATCHES
+
+
+def test_a_batch_put_and_given_back_undispatched_does_not_hold_up_the_next_and_none_steps_twice() -> None:
+    step = build_reference_step(StepSpec(N_MELS, 32, 1e-3, False, 0))
+    packed = PackedSteps.for_buckets(CompiledStep(step, [BUCKET.shapes()], jit_compile=False), [BUCKET], None)
+    packed.warm_up(step.variables())
+    feed = _Feed([])
+    handoff = TfStageAdapter(packed, None, slot_buffer=feed.buffers.__getitem__, copy_ahead=True)
+    try:
+        batch = feed._take(0, 0.0)
+        assert batch is not None
+        given_back = handoff.put(batch)  # a stopped iterator gives it back before its step
+        again = handoff.put(batch)  # the next iterator hands it out again
+        handoff.step(batch, again.value)
+        with pytest.raises(RuntimeError, match="dispatched twice, or never put"):
+            handoff.step(batch, given_back.value)
+        assert handoff.dispatched == 1
+    finally:
+        handoff.close()
