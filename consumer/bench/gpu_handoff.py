@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -225,12 +226,12 @@ def _tf_ahead(step: Callable[[Any], Any], slots: list[Any], steps: int, read_eve
         total = torch.zeros((), device="cuda")
         behind = 0
         try:
-            issued = [copier.submit(functools.partial(copy, hosts[0]))]
+            issued = deque([copier.submit(functools.partial(copy, hosts[0]))])
             for k in range(steps):
                 if k + 1 < steps:
                     issued.append(copier.submit(functools.partial(copy, hosts[(k + 1) % len(hosts)])))
-                batch = issued[k].result(COPY_TIMEOUT_S)
-                behind += int(k + 1 < steps and issued[k + 1].wait_started(NEXT_COPY_START_S))
+                batch = issued.popleft().result(COPY_TIMEOUT_S)  # dropped after its step: one buffer per batch ahead
+                behind += int(bool(issued) and issued[0].wait_started(NEXT_COPY_START_S))
                 total += step(batch)
                 if (k + 1) % read_every == 0:
                     total.item()
