@@ -28,6 +28,7 @@ N_MELS = 16
 BUCKET = Bucket(0, 4, 24, 8, N_MELS)
 _BATCHES = 6
 _SLOTS = 3
+_BOUND_S = 60.0  # a copy held for a dispatch that never comes fails the test instead of hanging it
 
 
 class _Feed:
@@ -114,3 +115,38 @@ def test_a_batch_put_and_given_back_undispatched_does_not_hold_up_the_next_and_n
         assert handoff.dispatched == 1
     finally:
         handoff.close()
+
+
+def test_step_k_is_dispatched_while_the_copy_of_batch_k_plus_1_is_still_running() -> None:
+    """Each copy after the first is held until the step ahead of it was dispatched: with the copy issued ahead
+    the run goes on (the dispatch did not wait for that copy to end); issued after its step, it would find
+    that step already dispatched, which the test records."""
+    step = build_reference_step(StepSpec(N_MELS, 32, 1e-3, False, 0))
+    packed = PackedSteps.for_buckets(CompiledStep(step, [BUCKET.shapes()], jit_compile=False), [BUCKET], None)
+    packed.warm_up(step.variables())
+    dispatched = [threading.Event() for _ in range(_BATCHES)]
+    late: list[int] = []  # copies that began after the step ahead of them was dispatched
+    placing, copies = packed.place, iter(range(_BATCHES))
+
+    def held_place(parts: Any) -> Any:
+        k = next(copies)
+        if k > 0:
+            if dispatched[k - 1].is_set():
+                late.append(k)
+            assert dispatched[k - 1].wait(_BOUND_S), f"step {k - 1} was never dispatched while copy {k} ran"
+        return placing(parts)
+
+    packed.place = held_place  # type: ignore[method-assign]
+    feed = _Feed([])
+    handoff = TfStageAdapter(
+        packed,
+        None,
+        on_step=lambda n: dispatched[n - 1].set(),
+        slot_buffer=feed.buffers.__getitem__,
+        copy_ahead=True,
+    )
+    try:
+        done = [d.batch.batch_id for d in Stager(feed, handoff, depth=2).run()]  # type: ignore[arg-type]
+    finally:
+        handoff.close()
+    assert done == list(range(_BATCHES)) and late == []
