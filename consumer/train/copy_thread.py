@@ -12,9 +12,10 @@ Invariants:
     * ``Copy.started`` is set just before the copy is called, ``done()`` after it returned or raised.
     * Every wait is bounded: ``result`` raises ``PipelineError`` after ``COPY_TIMEOUT_S``.
 Errors: a copy's exception is raised by its ``result``; the thread goes on with the next.
-Shutdown: ``close`` (idempotent) stops the thread after the copy it runs; the copies not yet started are
-cancelled (their ``result`` raises ``PipelineError``). The thread is a daemon: a copy stuck in the driver does
-not hold the process at exit.
+Shutdown: ``close`` (idempotent) cancels the copies not yet started (their ``result`` raises
+``PipelineError``) and waits, bounded by ``CLOSE_WAIT_S``, for the one running to end: a copy reads a ring
+slot, which must not be unmapped under it. The thread is a daemon: a copy stuck in the driver past that bound
+does not hold the process at exit.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from typing import Generic, TypeVar
 
 from melfeed.shared.errors import PipelineError
 
-__all__ = ["COPY_TIMEOUT_S", "NEXT_COPY_START_S", "Copy", "CopyThread"]
+__all__ = ["CLOSE_WAIT_S", "COPY_TIMEOUT_S", "NEXT_COPY_START_S", "Copy", "CopyThread"]
 
 T = TypeVar("T")
 
 COPY_TIMEOUT_S = 600.0  # a copy waits for the steps queued before it: generous, for long steps on a shared GPU
 NEXT_COPY_START_S = 1.0  # how long a dispatch waits for the next copy to be issued (overlap only, not safety)
+CLOSE_WAIT_S = 60.0  # how long close waits for the copy running: one step queued before it, then the copy
 
 
 class Copy(Generic[T]):
@@ -91,12 +93,18 @@ class CopyThread:
             self._jobs.put(copy)  # type: ignore[arg-type]  # Copy is invariant in T; the thread ignores T
         return copy
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Cancel the copies not started and wait up to ``timeout_s`` for the one running (it may read a ring
+        slot the caller is about to unmap); True when the thread has ended. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._jobs.put(None)
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     def _serve(self) -> None:
         while True:

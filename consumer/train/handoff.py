@@ -29,7 +29,8 @@ Invariants:
       models device time there).
 ``to_tensors`` (DLPack where safe, a copy otherwise) and ``aligned_empty`` (aligned arrays for tests and
 probes) live here too: they are the slot -> tensor half of the hand-off.
-Shutdown: ``close`` stops the copy thread (idempotent); the loop closes the adapter when it ends.
+Shutdown: ``close`` stops the copy thread, waiting (bounded) for the copy it runs (idempotent); the loop closes
+the adapter when it ends, before the consumer unmaps the ring.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import tensorflow as tf
 
 from melfeed.consumer.handout import Batch
 from melfeed.consumer.staging import Staged
-from melfeed.consumer.train.copy_thread import COPY_TIMEOUT_S, NEXT_COPY_START_S, Copy, CopyThread
+from melfeed.consumer.train.copy_thread import CLOSE_WAIT_S, COPY_TIMEOUT_S, NEXT_COPY_START_S, Copy, CopyThread
 from melfeed.consumer.train.describe import describe_tf_error
 from melfeed.consumer.train.device.accumulators import IntervalRead
 from melfeed.consumer.train.device.packed import PackedSteps
@@ -148,9 +149,13 @@ class TfStageAdapter:
         return outputs  # no host read per step: Accumulators.read, once per interval
 
     def close(self) -> None:
-        """Stop the copy thread (idempotent; a copy it runs finishes on its own, nothing waits for it)."""
-        if self._copier is not None:
-            self._copier.close()
+        """Stop the copy thread (idempotent): the copies not started are cancelled, the one running is waited for
+        (bounded), so that no copy still reads a slot when the consumer unmaps the ring."""
+        if self._copier is not None and not self._copier.close():
+            log.warning(
+                "a device copy was still running %.0f s after the loop ended; the ring may be closed under it",
+                CLOSE_WAIT_S,
+            )
 
     def _placed(self, batch: Batch, copy: Copy[list[tf.Tensor]]) -> list[tf.Tensor]:
         """The batch's device tensors once its copy completed; before the step is dispatched, the next batch's

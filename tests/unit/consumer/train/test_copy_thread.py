@@ -48,15 +48,17 @@ def test_a_copys_error_is_raised_by_its_result_and_the_thread_goes_on() -> None:
     copier.close()
 
 
-def test_close_cancels_the_copies_not_started_and_refuses_new_ones() -> None:
+def test_close_cancels_the_copies_not_started_waits_for_the_running_one_and_refuses_new_ones() -> None:
     copier = CopyThread()
     gate = threading.Event()
     running = copier.submit(lambda: gate.wait(_BOUND_S))
     assert running.wait_started(_BOUND_S)
     queued = copier.submit(lambda: 1)
-    copier.close()
+    assert not copier.close(timeout_s=0.05)  # the copy it runs still reads its slot: not ended yet
+    assert not running.done()
     gate.set()
-    assert running.result(_BOUND_S) is True  # the one it ran finishes
+    assert copier.close(_BOUND_S)  # waits for the running copy to end
+    assert running.done() and running.result(_BOUND_S) is True
     with pytest.raises(PipelineError, match="closed before this copy started"):
         queued.result(_BOUND_S)
     assert not queued.started.is_set()
