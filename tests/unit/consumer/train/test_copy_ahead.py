@@ -57,10 +57,26 @@ class _Feed:
         self.events.append(("free", self._in_slot.pop(slot), threading.current_thread().name))
 
 
-def _train(copy_ahead: bool) -> tuple[list[bytes], list[tuple[str, int, str]], TfStageAdapter]:
+def _packed() -> tuple[Any, PackedSteps]:
     step = build_reference_step(StepSpec(N_MELS, 32, 1e-3, False, 0))
     packed = PackedSteps.for_buckets(CompiledStep(step, [BUCKET.shapes()], jit_compile=False), [BUCKET], None)
     packed.warm_up(step.variables())
+    return step, packed
+
+
+def _stage_all(packed: PackedSteps, feed: _Feed, on_step: Any, copy_ahead: bool) -> TfStageAdapter:
+    """Every batch of the plan through a ``Stager`` over ``feed`` and the hand-off; the hand-off, closed."""
+    handoff = TfStageAdapter(packed, None, on_step=on_step, slot_buffer=feed.buffers.__getitem__, copy_ahead=copy_ahead)
+    try:
+        done = [d.batch.batch_id for d in Stager(feed, handoff, depth=2).run()]  # type: ignore[arg-type]
+    finally:
+        handoff.close()
+    assert done == list(range(_BATCHES))
+    return handoff
+
+
+def _train(copy_ahead: bool) -> tuple[list[bytes], list[tuple[str, int, str]], TfStageAdapter]:
+    step, packed = _packed()
     events: list[tuple[str, int, str]] = []
     feed = _Feed(events)
     placing = packed.place
@@ -70,18 +86,9 @@ def _train(copy_ahead: bool) -> tuple[list[bytes], list[tuple[str, int, str]], T
         return placing(parts)
 
     packed.place = place  # type: ignore[method-assign]  # observed, not replaced
-    handoff = TfStageAdapter(
-        packed,
-        None,
-        on_step=lambda n: events.append(("step", n - 1, threading.current_thread().name)),
-        slot_buffer=feed.buffers.__getitem__,
-        copy_ahead=copy_ahead,
+    handoff = _stage_all(
+        packed, feed, lambda n: events.append(("step", n - 1, threading.current_thread().name)), copy_ahead
     )
-    try:
-        done = [d.batch.batch_id for d in Stager(feed, handoff, depth=2).run()]  # type: ignore[arg-type]
-    finally:
-        handoff.close()
-    assert done == list(range(_BATCHES))
     return [v.numpy().tobytes() for v in step.variables()], events, handoff
 
 
@@ -99,9 +106,7 @@ def test_the_copy_of_batch_k_plus_1_is_issued_on_the_copy_thread_before_step_k_a
 
 
 def test_a_batch_put_and_given_back_undispatched_does_not_hold_up_the_next_and_none_steps_twice() -> None:
-    step = build_reference_step(StepSpec(N_MELS, 32, 1e-3, False, 0))
-    packed = PackedSteps.for_buckets(CompiledStep(step, [BUCKET.shapes()], jit_compile=False), [BUCKET], None)
-    packed.warm_up(step.variables())
+    _, packed = _packed()
     feed = _Feed([])
     handoff = TfStageAdapter(packed, None, slot_buffer=feed.buffers.__getitem__, copy_ahead=True)
     try:
@@ -121,9 +126,7 @@ def test_step_k_is_dispatched_while_the_copy_of_batch_k_plus_1_is_still_running(
     """Each copy after the first is held until the step ahead of it was dispatched: with the copy issued ahead
     the run goes on (the dispatch did not wait for that copy to end); issued after its step, it would find
     that step already dispatched, which the test records."""
-    step = build_reference_step(StepSpec(N_MELS, 32, 1e-3, False, 0))
-    packed = PackedSteps.for_buckets(CompiledStep(step, [BUCKET.shapes()], jit_compile=False), [BUCKET], None)
-    packed.warm_up(step.variables())
+    _, packed = _packed()
     dispatched = [threading.Event() for _ in range(_BATCHES)]
     late: list[int] = []  # copies that began after the step ahead of them was dispatched
     placing, copies = packed.place, iter(range(_BATCHES))
@@ -137,16 +140,5 @@ def test_step_k_is_dispatched_while_the_copy_of_batch_k_plus_1_is_still_running(
         return placing(parts)
 
     packed.place = held_place  # type: ignore[method-assign]
-    feed = _Feed([])
-    handoff = TfStageAdapter(
-        packed,
-        None,
-        on_step=lambda n: dispatched[n - 1].set(),
-        slot_buffer=feed.buffers.__getitem__,
-        copy_ahead=True,
-    )
-    try:
-        done = [d.batch.batch_id for d in Stager(feed, handoff, depth=2).run()]  # type: ignore[arg-type]
-    finally:
-        handoff.close()
-    assert done == list(range(_BATCHES)) and late == []
+    _stage_all(packed, _Feed([]), lambda n: dispatched[n - 1].set(), copy_ahead=True)
+    assert late == []
