@@ -90,6 +90,8 @@ class TfStageAdapter:
         on_step: called with the number of steps dispatched so far, right after each dispatch.
         slot_buffer: a slot's whole buffer (``consumer._ring.memory.buffer``); a batch whose arrays do not lie
             in it (or without one) is packed into a fresh region, one host copy.
+        copy_ahead: copy on the copy thread, ahead of the step before (module docstring); None = on a GPU only.
+        next_copy_start_s: how long a dispatch waits for the next batch's copy to be issued (overlap, not safety).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class TfStageAdapter:
         on_step: Callable[[int], None] | None = None,
         slot_buffer: SlotBuffer | None = None,
         copy_ahead: bool | None = None,
+        next_copy_start_s: float = NEXT_COPY_START_S,
     ) -> None:
         self._packed = packed
         self._device = device if _is_gpu(device) else None
@@ -112,6 +115,7 @@ class TfStageAdapter:
         self.copies_ahead = self._device is not None if copy_ahead is None else copy_ahead  # StageAdapter's
         self._copier = CopyThread() if self.copies_ahead else None
         self._issued: deque[Copy[list[tf.Tensor]]] = deque()  # put, not yet dispatched, in put order
+        self._next_copy_start_s = next_copy_start_s  # a dispatch's wait for the next copy to be issued
         self.dispatched = 0
         self.dispatched_behind_copy = 0  # dispatches issued after the next batch's copy (module docstring)
         self.transfers = 0  # tensors handed to the devices (module docstring)
@@ -168,7 +172,7 @@ class TfStageAdapter:
             placed = copy.result(COPY_TIMEOUT_S)
         except tf.errors.OpError as err:
             raise self._failed(err, f" copying batch {batch.batch_id} to the device") from err
-        if self._issued and self._issued[0].wait_started(NEXT_COPY_START_S):
+        if self._issued and self._issued[0].wait_started(self._next_copy_start_s):
             self.dispatched_behind_copy += 1
         return placed
 

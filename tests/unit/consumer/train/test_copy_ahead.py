@@ -66,7 +66,14 @@ def _packed() -> tuple[Any, PackedSteps]:
 
 def _stage_all(packed: PackedSteps, feed: _Feed, on_step: Any, copy_ahead: bool) -> TfStageAdapter:
     """Every batch of the plan through a ``Stager`` over ``feed`` and the hand-off; the hand-off, closed."""
-    handoff = TfStageAdapter(packed, None, on_step=on_step, slot_buffer=feed.buffers.__getitem__, copy_ahead=copy_ahead)
+    handoff = TfStageAdapter(
+        packed,
+        None,
+        on_step=on_step,
+        slot_buffer=feed.buffers.__getitem__,
+        copy_ahead=copy_ahead,
+        next_copy_start_s=_BOUND_S,  # the order under test must not depend on how busy the machine is
+    )
     try:
         done = [d.batch.batch_id for d in Stager(feed, handoff, depth=2).run()]  # type: ignore[arg-type]
     finally:
